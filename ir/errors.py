@@ -1,0 +1,80 @@
+"""Error types of batchc.
+
+Every error a user can trigger derives from ``BatchcError`` and names the bad value. The families:
+
+- ``IRValidationError``: a node field is malformed (raised while constructing the node; nothing is
+  built). Also a ``ValueError``, so generic input handling catches it.
+- ``IRVerificationError``: a whole-node invariant does not hold (``ir.verify``); carries the path
+  of the offending element.
+- ``ResourceError`` and its subclasses: a one-shot init ticket was used wrongly (replayed, sent to
+  the wrong pool, never registered, or never consumed). Raised by ``backend.ledger.Ledger``.
+- ``SlotError``: slot allocator misuse (double free, use after free, exhaustion).
+- ``PlanExecutionError``: a plan does not fit the backend it was handed to; raised before any
+  tensor is touched.
+"""
+
+from __future__ import annotations
+
+
+class BatchcError(Exception):
+    """Base of every error batchc raises on purpose."""
+
+
+class IRValidationError(BatchcError, ValueError):
+    """A node field failed its local check; ``field`` and ``value`` name it."""
+
+    def __init__(self, node: str, field: str, value: object, message: str) -> None:
+        self.node = node
+        self.field = field
+        self.value = value
+        super().__init__(f"{node}.{field}: {message} (got {_short(value)})")
+
+
+class IRVerificationError(BatchcError):
+    """A whole-node invariant does not hold; ``path`` locates it (``ExtendBatch.requests[1].slot``)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}")
+
+
+class ResourceError(BatchcError):
+    """Misuse of a one-shot init ticket."""
+
+
+class ResourceReplayError(ResourceError):
+    """A ticket serial was consumed a second time on the same pool (a replayed init op)."""
+
+
+class ResourceLeakError(ResourceError):
+    """Minted tickets were never consumed (a dropped init op)."""
+
+
+class WrongPoolError(ResourceError):
+    """A ticket was handed to a pool it was not addressed to."""
+
+
+class UnknownTicketError(ResourceError):
+    """A ticket was consumed by a ledger that never registered it."""
+
+
+class SlotError(BatchcError, ValueError):
+    """Slot allocator misuse: double free, use after free, exhaustion, out of range."""
+
+
+class PlanExecutionError(BatchcError, ValueError):
+    """A plan cannot run on this backend (wrong pool, slot out of range, malformed staging)."""
+
+
+def _short(value: object, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class PreconditionError(BatchcError, ValueError):
+    """A pass was called on input outside its precondition (named in the pass's docstring)."""
+
+    def __init__(self, pass_name: str, message: str) -> None:
+        self.pass_name = pass_name
+        super().__init__(f"{pass_name}: {message}")

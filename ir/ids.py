@@ -1,0 +1,36 @@
+"""Typed ids of the IR.
+
+Every id is a ``NewType`` over ``int`` (or ``str`` for pools), so mypy refuses a ``MambaSlot`` where a
+token count or a ``KVLoc`` is expected. Ids carry no behaviour; ranges are checked by the node
+validators and by the backend, which knows capacities.
+
+Conventions kept here and everywhere else:
+
+- ``MambaSlot(0)`` is the reserved padding slot of every state pool: never allocated to a request,
+  never the target of an init op.
+- ``-1`` is the kernel-side "skip this row" index. It never appears in IR nodes; the backend
+  produces it when it pads a staged index tensor.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+RequestId = NewType("RequestId", int)
+"""Engine-assigned id of a request; unique among live requests."""
+
+MambaSlot = NewType("MambaSlot", int)
+"""Row of a Mamba state pool. The same slot id addresses the target pool and every draft pool."""
+
+KVLoc = NewType("KVLoc", int)
+"""Token-granular location in an attention KV pool."""
+
+PoolId = NewType("PoolId", str)
+"""Name of a registered Mamba state pool (``"target"``, ``"draft"``, ...)."""
+
+TicketSerial = NewType("TicketSerial", int)
+"""Process-unique, monotonically increasing identity of an ``InitTicket``."""
+
+PADDING_SLOT = MambaSlot(0)
+TARGET_POOL = PoolId("target")
+DRAFT_POOL = PoolId("draft")

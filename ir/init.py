@@ -1,0 +1,141 @@
+"""One-shot Mamba state-init ops as linear resources.
+
+- ``InitIntent`` is what one request of a prefill needs before its first Mamba layer runs: a fresh
+  slot is cleared, a cached prefix state is copied (copy-on-write) from a checkpoint slot, a chunked
+  continuation keeps the state it has.
+- ``MambaInit`` is the set of ops of one prefill forward. It has a ``serial``, minted once when the
+  prefill batch is built: the serial is the identity of "the init ops of this forward", so lowering
+  the same batch twice, or executing a deep copy or a pickled clone of its plan, yields the same
+  serial and the ledger refuses the second consumption.
+- ``InitTicket`` is a ``MambaInit`` addressed to one state pool. Lowering mints one per registered
+  pool (target and each draft pool); the backend's ledger consumes each exactly once.
+
+Invariants checked on construction (``IRValidationError``): slots are >= 1 (0 is the padding slot),
+``len(cow_src) == len(cow_dst)``, no slot is cleared twice, no dst is written twice, a copy never
+copies a slot onto itself, never reads a slot cleared in the same forward (clears run first, so the
+copy would read zeros) or written by another copy of it (copies run concurrently), and clear and
+copy targets are disjoint.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from typing import final
+
+import attrs
+
+from ir._fields import ints
+from ir.errors import IRValidationError
+from ir.ids import MambaSlot, PoolId, TicketSerial
+
+_serials = itertools.count(1)
+_serial_lock = threading.Lock()
+
+
+def mint_serial() -> TicketSerial:
+    """Next process-unique serial (monotonic; never reused, never derived from ``id()``)."""
+    with _serial_lock:
+        return TicketSerial(next(_serials))
+
+
+@final
+class InitIntent(enum.Enum):
+    """What a request's slot needs before the forward that starts (or continues) its prefill."""
+
+    CLEAR = "clear"
+    """Fresh slot: its state must start at zero."""
+    COW = "cow"
+    """Cached prefix: the slot starts as a copy of the checkpoint slot holding the prefix state."""
+    CONTINUE = "continue"
+    """Chunked-prefill continuation: the slot already holds this request's state."""
+
+
+def _slots(values: object) -> tuple[MambaSlot, ...]:
+    if not isinstance(values, (tuple, list, range)):
+        raise IRValidationError("MambaInit", "slots", values, "must be a tuple or list of ints")
+    return tuple(MambaSlot(v) for v in ints(values))
+
+
+@final
+@attrs.frozen(kw_only=True)
+class MambaInit:
+    """The clear and copy-on-write ops of one prefill forward. Clears run first, then copies."""
+
+    serial: TicketSerial
+    clear_slots: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_slots)
+    cow_src: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_slots)
+    cow_dst: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_slots)
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """The local invariants (run on construction, and again by ``ir.verify`` at level 2)."""
+        name = "MambaInit"
+        if self.serial <= 0:
+            raise IRValidationError(name, "serial", self.serial, "must be positive (use ir.init.mint_serial())")
+        if len(self.cow_src) != len(self.cow_dst):
+            raise IRValidationError(
+                name, "cow_dst", self.cow_dst, f"length must equal len(cow_src) ({len(self.cow_src)})"
+            )
+        for field, slots in (("clear_slots", self.clear_slots), ("cow_src", self.cow_src), ("cow_dst", self.cow_dst)):
+            for s in slots:
+                if s < 1:
+                    raise IRValidationError(name, field, s, "slot must be >= 1 (slot 0 is the padding slot)")
+        _no_repeat(name, "clear_slots", self.clear_slots)
+        _no_repeat(name, "cow_dst", self.cow_dst)
+        cleared = frozenset(self.clear_slots)
+        for src, dst in zip(self.cow_src, self.cow_dst, strict=True):
+            if src == dst:
+                raise IRValidationError(name, "cow_src", src, f"COW copies slot {src} onto itself")
+            if src in cleared:
+                raise IRValidationError(
+                    name, "cow_src", src, f"COW src slot {src} is cleared in the same forward (clears run first)"
+                )
+            if dst in cleared:
+                raise IRValidationError(name, "cow_dst", dst, f"slot {dst} is both cleared and a COW dst")
+        chained = frozenset(self.cow_src) & frozenset(self.cow_dst)
+        if chained:
+            s = min(chained)
+            raise IRValidationError(name, "cow_src", s, f"slot {s} is both a COW src and a COW dst (copies run concurrently)")
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.clear_slots and not self.cow_dst
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.clear_slots) + len(self.cow_dst)
+
+    def targets(self) -> frozenset[MambaSlot]:
+        """Every slot this init writes."""
+        return frozenset(self.clear_slots) | frozenset(self.cow_dst)
+
+
+def _no_repeat(node: str, field: str, slots: tuple[MambaSlot, ...]) -> None:
+    seen: set[int] = set()
+    for s in slots:
+        if s in seen:
+            raise IRValidationError(node, field, s, f"slot {s} appears twice")
+        seen.add(s)
+
+
+@final
+@attrs.frozen(kw_only=True)
+class InitTicket:
+    """A ``MambaInit`` addressed to one state pool: a linear resource, consumed exactly once there.
+
+    The identity of a ticket is ``(serial, pool)``; copies of a ticket are the same ticket.
+    """
+
+    pool: PoolId
+    init: MambaInit
+
+    @property
+    def serial(self) -> TicketSerial:
+        return self.init.serial
+
+    def __str__(self) -> str:
+        return f"ticket #{self.serial} for pool {self.pool!r}"

@@ -1,0 +1,141 @@
+"""Whole-node verifiers. Each raises ``IRVerificationError(path, message)`` on the first violation.
+
+Checked here (local field checks live in the node validators):
+
+- rids, slots and KV locations are unique within a batch or plan, across the parts of a mixed one;
+- an ``ExtendBatch``'s ``MambaInit`` is exactly what its per-request intents ask for: the clear
+  slots are the slots of the ``CLEAR`` requests, the COW dsts those of the ``COW`` requests, in
+  request order, and ``init`` is ``None`` when no request needs an op;
+- a COW src is never the live slot of a request in the same forward (it is a checkpoint);
+- a plan's tickets write only slots of its own requests.
+
+``verify(node)`` dispatches over every batch and plan type.
+"""
+
+from __future__ import annotations
+
+from typing import assert_never
+
+import numpy as np
+
+from ir._fields import I64
+from ir.batch import Batch, DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.errors import IRVerificationError
+from ir.init import InitIntent, InitTicket
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan, Plan
+
+
+def _unique(path: str, arr: I64, what: str) -> None:
+    if arr.size < 2:
+        return
+    order = np.argsort(arr, kind="stable")
+    sorted_ = arr[order]
+    dup = np.flatnonzero(sorted_[1:] == sorted_[:-1])
+    if dup.size:
+        value = int(sorted_[dup[0]])
+        first, second = sorted(int(i) for i in order[dup[0] : dup[0] + 2])
+        raise IRVerificationError(f"{path}[{second}]", f"{what} {value} already used at index {first}")
+
+
+def verify_extend_batch(batch: ExtendBatch, path: str = "ExtendBatch") -> None:
+    _unique(f"{path}.rids", batch.rids, "request id")
+    _unique(f"{path}.slots", batch.slots, "slot")
+    _unique(f"{path}.kv_locs", batch.kv_locs, "KV location")
+    clears = tuple(int(s) for s, i in zip(batch.slots, batch.intents, strict=True) if i is InitIntent.CLEAR)
+    dsts = tuple(int(s) for s, i in zip(batch.slots, batch.intents, strict=True) if i is InitIntent.COW)
+    init = batch.init
+    if init is None:
+        if clears or dsts:
+            raise IRVerificationError(f"{path}.init", f"requests need init ops (clear {clears}, COW into {dsts}) but init is None")
+        return
+    if tuple(init.clear_slots) != clears:
+        raise IRVerificationError(
+            f"{path}.init.clear_slots", f"{tuple(init.clear_slots)} differ from the CLEAR requests' slots {clears}"
+        )
+    if tuple(init.cow_dst) != dsts:
+        raise IRVerificationError(f"{path}.init.cow_dst", f"{tuple(init.cow_dst)} differ from the COW requests' slots {dsts}")
+    live = frozenset(int(s) for s in batch.slots)
+    for j, src in enumerate(init.cow_src):
+        if src in live:
+            raise IRVerificationError(f"{path}.init.cow_src[{j}]", f"COW src {src} is the live slot of a request in this batch")
+
+
+def verify_decode_batch(batch: DecodeBatch, path: str = "DecodeBatch") -> None:
+    _unique(f"{path}.rids", batch.rids, "request id")
+    _unique(f"{path}.slots", batch.slots, "slot")
+    _unique(f"{path}.kv_locs", batch.kv_locs, "KV location")
+
+
+def _disjoint(path: str, a: I64, b: I64, what: str) -> None:
+    both = np.intersect1d(a, b)
+    if both.size:
+        raise IRVerificationError(path, f"{what} {int(both[0])} is in both the extend and the decode part")
+
+
+def verify_mixed_batch(batch: MixedBatch, path: str = "MixedBatch") -> None:
+    verify_extend_batch(batch.extend, f"{path}.extend")
+    verify_decode_batch(batch.decode, f"{path}.decode")
+    _disjoint(f"{path}.rids", batch.extend.rids, batch.decode.rids, "request id")
+    _disjoint(f"{path}.slots", batch.extend.slots, batch.decode.slots, "slot")
+    _disjoint(f"{path}.kv_locs", batch.extend.kv_locs, batch.decode.kv_locs, "KV location")
+
+
+def _verify_tickets(path: str, tickets: tuple[InitTicket, ...], slots: I64) -> None:
+    live = frozenset(int(s) for s in slots)
+    for k, t in enumerate(tickets):
+        for s in sorted(t.init.targets()):
+            if s not in live:
+                raise IRVerificationError(f"{path}.tickets[{k}]", f"{t} writes slot {s}, which no request of the plan owns")
+
+
+def verify_extend_plan(plan: ExtendPlan, path: str = "ExtendPlan") -> None:
+    _unique(f"{path}.rids", plan.rids, "request id")
+    _unique(f"{path}.slots", plan.slots, "slot")
+    _unique(f"{path}.kv_locs", plan.kv_locs, "KV location")
+    _verify_tickets(path, plan.tickets, plan.slots)
+
+
+def verify_decode_plan(plan: DecodePlan, path: str = "DecodePlan") -> None:
+    _unique(f"{path}.rids", plan.rids, "request id")
+    _unique(f"{path}.slots", plan.slots, "slot")
+    _unique(f"{path}.kv_locs", plan.kv_locs, "KV location")
+
+
+def check_fields(node: Batch | Plan) -> None:
+    """Re-run the local field checks of ``node`` and its parts (``IRValidationError``)."""
+    match node:
+        case ExtendBatch() | DecodeBatch() | ExtendPlan() | DecodePlan():
+            node.check_fields()
+        case MixedBatch() | MixedPlan():
+            node.extend.check_fields()
+            node.decode.check_fields()
+        case IdleBatch() | IdlePlan():
+            pass
+        case _:
+            assert_never(node)
+
+
+def verify(node: Batch | Plan) -> None:
+    """Verify any batch or plan: its local field checks again, then the whole-node invariants.
+    Raises ``IRValidationError`` or ``IRVerificationError`` on the first violation."""
+    check_fields(node)
+    match node:
+        case ExtendBatch():
+            verify_extend_batch(node)
+        case DecodeBatch():
+            verify_decode_batch(node)
+        case MixedBatch():
+            verify_mixed_batch(node)
+        case ExtendPlan():
+            verify_extend_plan(node)
+        case DecodePlan():
+            verify_decode_plan(node)
+        case MixedPlan():
+            verify_extend_plan(node.extend, "MixedPlan.extend")
+            verify_decode_plan(node.decode, "MixedPlan.decode")
+            _disjoint("MixedPlan.slots", node.extend.slots, node.decode.slots, "slot")
+            _disjoint("MixedPlan.kv_locs", node.extend.kv_locs, node.decode.kv_locs, "KV location")
+        case IdleBatch() | IdlePlan():
+            pass
+        case _:
+            assert_never(node)

@@ -1,0 +1,23 @@
+"""Pure, typed passes between IR node types, one module per pass.
+
+A pass never mutates its input, never calls the backend, and returns its input object when it
+changes nothing. Configuration comes in a frozen context argument.
+"""
+
+from passes.filter_batch import filter_batch
+from passes.lower import LowerContext, lower
+from passes.merge_batch import merge_batch
+from passes.mix_with_running import mix_with_running
+from passes.prepare_for_decode import DecodeContext, prepare_for_decode
+from passes.prepare_for_extend import prepare_for_extend
+
+__all__ = [
+    "DecodeContext",
+    "LowerContext",
+    "filter_batch",
+    "lower",
+    "merge_batch",
+    "mix_with_running",
+    "prepare_for_decode",
+    "prepare_for_extend",
+]

@@ -1,0 +1,25 @@
+"""Shared column arithmetic of the passes (no IR construction policy here)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ir._fields import I64, frozen_i64
+from ir.batch import ExtendBatch
+
+
+def finished_prefill_rows(batch: ExtendBatch) -> tuple[I64, I64, I64, I64, I64]:
+    """Decode-form columns of the requests whose prompt is complete after ``batch``.
+
+    Returns ``(rids, slots, seq_lens, last_input_ids, last_kv_locs)``: each request's context holds
+    ``prefix_len + extend_len`` tokens, the last of them at the end of its packed token span.
+    """
+    final = ~batch.more_chunks
+    last = np.cumsum(batch.extend_lens) - 1
+    return (
+        frozen_i64(batch.rids[final]),
+        frozen_i64(batch.slots[final]),
+        frozen_i64((batch.prefix_lens + batch.extend_lens)[final]),
+        frozen_i64(batch.input_ids[last[final]]),
+        frozen_i64(batch.kv_locs[last[final]]),
+    )

@@ -1,0 +1,73 @@
+"""``filter_batch``: drop finished or aborted requests from a batch.
+
+Pre: none; ids in ``drop`` that are not in the batch are ignored (the scheduler may pass its whole
+finished set).
+Post: the output has the same type and keeps the order of the remaining requests; when nothing is
+dropped the input object itself is returned. For an ``ExtendBatch`` the dropped requests' init ops
+go with them, and the ``MambaInit`` keeps its serial (it is still "the init of this forward": if
+the unfiltered batch already ran, the filtered one's ops count as a replay), or becomes ``None``
+when no op is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TypeVar, assert_never
+
+import numpy as np
+
+from ir._fields import BoolArray, I64, frozen_i64
+from ir.batch import DecodeBatch, ExtendBatch
+from ir.ids import RequestId
+from ir.init import MambaInit
+
+B = TypeVar("B", ExtendBatch, DecodeBatch)
+
+
+def _keep_mask(rids: I64, drop: Iterable[RequestId]) -> BoolArray:
+    return ~np.isin(rids, np.fromiter(drop, dtype=np.int64))
+
+
+def filter_batch(batch: B, drop: Iterable[RequestId]) -> B:
+    keep = _keep_mask(batch.rids, drop)
+    if keep.all():
+        return batch
+    match batch:
+        case DecodeBatch():
+            return DecodeBatch(
+                rids=frozen_i64(batch.rids[keep]),
+                slots=frozen_i64(batch.slots[keep]),
+                seq_lens=frozen_i64(batch.seq_lens[keep]),
+                input_ids=frozen_i64(batch.input_ids[keep]),
+                kv_locs=frozen_i64(batch.kv_locs[keep]),
+            )
+        case ExtendBatch():
+            return _filter_extend(batch, keep)
+        case _:
+            assert_never(batch)
+
+
+def _filter_extend(batch: ExtendBatch, keep: BoolArray) -> ExtendBatch:
+    token_keep = np.repeat(keep, batch.extend_lens)
+    intents = tuple(i for i, k in zip(batch.intents, keep, strict=True) if k)
+    init = batch.init
+    if init is not None:
+        kept_slots = frozenset(int(s) for s in batch.slots[keep])
+        pairs = [(s, d) for s, d in zip(init.cow_src, init.cow_dst, strict=True) if d in kept_slots]
+        clears = [s for s in init.clear_slots if s in kept_slots]
+        init = (
+            MambaInit(serial=init.serial, clear_slots=clears, cow_src=[p[0] for p in pairs], cow_dst=[p[1] for p in pairs])
+            if clears or pairs
+            else None
+        )
+    return ExtendBatch(
+        rids=frozen_i64(batch.rids[keep]),
+        slots=frozen_i64(batch.slots[keep]),
+        prefix_lens=frozen_i64(batch.prefix_lens[keep]),
+        extend_lens=frozen_i64(batch.extend_lens[keep]),
+        more_chunks=batch.more_chunks[keep],
+        intents=intents,
+        input_ids=frozen_i64(batch.input_ids[token_keep]),
+        kv_locs=frozen_i64(batch.kv_locs[token_keep]),
+        init=init,
+    )

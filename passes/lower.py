@@ -1,0 +1,90 @@
+"""``lower``: each batch type -> its plan type.
+
+Pre: ``ctx.pools`` names every state pool that must see this model's init ops: the target pool,
+and each draft pool in speculative mode; distinct names, at least one.
+Post: ``ExtendBatch -> ExtendPlan``, ``MixedBatch -> MixedPlan``, ``DecodeBatch -> DecodePlan``,
+``IdleBatch -> IdlePlan``. A batch with a ``MambaInit`` yields one ``InitTicket`` per pool, all with
+the init's serial (lowering the same batch twice yields the same tickets, which the ledger then
+refuses to consume twice). Plans share the batch's immutable columns; nothing is copied.
+"""
+
+from __future__ import annotations
+
+from typing import assert_never, final, overload
+
+import attrs
+
+from ir._fields import build_unchecked
+from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.errors import IRValidationError
+from ir.ids import TARGET_POOL, PoolId
+from ir.init import InitTicket
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+
+
+def _pools(values: object) -> tuple[PoolId, ...]:
+    if isinstance(values, str) or not isinstance(values, (tuple, list, frozenset, set)):
+        raise IRValidationError("LowerContext", "pools", values, "must be a tuple of pool names")
+    out = tuple(PoolId(str(v)) for v in values)
+    if not out:
+        raise IRValidationError("LowerContext", "pools", values, "at least one pool must be registered")
+    if len(set(out)) != len(out):
+        raise IRValidationError("LowerContext", "pools", values, "pool names must be distinct")
+    return out
+
+
+@final
+@attrs.frozen(kw_only=True)
+class LowerContext:
+    pools: tuple[PoolId, ...] = attrs.field(default=(TARGET_POOL,), converter=_pools)
+
+
+def _extend_plan(batch: ExtendBatch, ctx: LowerContext) -> ExtendPlan:
+    init = batch.init
+    # The columns are the checked batch's own read-only arrays: no copy, no re-check.
+    return build_unchecked(
+        ExtendPlan,
+        rids=batch.rids,
+        slots=batch.slots,
+        prefix_lens=batch.prefix_lens,
+        extend_lens=batch.extend_lens,
+        more_chunks=batch.more_chunks,
+        input_ids=batch.input_ids,
+        kv_locs=batch.kv_locs,
+        tickets=tuple(InitTicket(pool=p, init=init) for p in ctx.pools) if init is not None else (),
+    )
+
+
+def _decode_plan(batch: DecodeBatch) -> DecodePlan:
+    return build_unchecked(
+        DecodePlan,
+        rids=batch.rids,
+        slots=batch.slots,
+        seq_lens=batch.seq_lens,
+        input_ids=batch.input_ids,
+        kv_locs=batch.kv_locs,
+    )
+
+
+@overload
+def lower(batch: ExtendBatch, ctx: LowerContext) -> ExtendPlan: ...
+@overload
+def lower(batch: DecodeBatch, ctx: LowerContext) -> DecodePlan: ...
+@overload
+def lower(batch: MixedBatch, ctx: LowerContext) -> MixedPlan: ...
+@overload
+def lower(batch: IdleBatch, ctx: LowerContext) -> IdlePlan: ...
+def lower(
+    batch: ExtendBatch | DecodeBatch | MixedBatch | IdleBatch, ctx: LowerContext
+) -> ExtendPlan | DecodePlan | MixedPlan | IdlePlan:
+    match batch:
+        case ExtendBatch():
+            return _extend_plan(batch, ctx)
+        case DecodeBatch():
+            return _decode_plan(batch)
+        case MixedBatch():
+            return MixedPlan(extend=_extend_plan(batch.extend, ctx), decode=_decode_plan(batch.decode))
+        case IdleBatch():
+            return IdlePlan()
+        case _:
+            assert_never(batch)

@@ -1,0 +1,41 @@
+"""``merge_batch``: running decode batch + newly prefilled requests -> ``DecodeBatch``.
+
+Pre: ``prefilled`` has run its forward; no request id or slot is in both inputs.
+Post: the running requests, then the prefilled requests whose prompt is complete, in order. Each
+prefilled request enters in the state "its last forward has run": ``seq_len`` is the tokens now in
+its context and ``input_ids``/``kv_locs`` are those of its last prompt token; ``prepare_for_decode``
+then advances every row the same way. Chunked requests (``more_chunks``) are not merged. An empty
+``prefilled`` contribution returns ``running`` itself.
+
+The output is a ``DecodeBatch``: a prefill's ``MambaInit`` has nowhere to go (in the engine this pass
+models, ``merge_batch`` carried the stale init indices into the running batch).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ir.batch import DecodeBatch, ExtendBatch
+from ir.errors import PreconditionError
+from passes._rows import finished_prefill_rows
+
+
+def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DecodeBatch) -> DecodeBatch:
+    if isinstance(prefilled, ExtendBatch):
+        rids, slots, seq_lens, input_ids, kv_locs = finished_prefill_rows(prefilled)
+    else:
+        rids, slots, seq_lens = prefilled.rids, prefilled.slots, prefilled.seq_lens
+        input_ids, kv_locs = prefilled.input_ids, prefilled.kv_locs
+    if rids.shape[0] == 0:
+        return running
+    for name, a, b in (("request id", running.rids, rids), ("slot", running.slots, slots)):
+        both = np.intersect1d(a, b)
+        if both.size:
+            raise PreconditionError("merge_batch", f"{name} {int(both[0])} is in both the running and the prefilled batch")
+    return DecodeBatch(
+        rids=np.concatenate((running.rids, rids)),
+        slots=np.concatenate((running.slots, slots)),
+        seq_lens=np.concatenate((running.seq_lens, seq_lens)),
+        input_ids=np.concatenate((running.input_ids, input_ids)),
+        kv_locs=np.concatenate((running.kv_locs, kv_locs)),
+    )

@@ -1,0 +1,26 @@
+"""``mix_with_running``: an extend batch and the running decodes -> one ``MixedBatch`` forward.
+
+Pre: ``running`` is already prepared for its next step (``prepare_for_decode`` ran on it); the two
+parts share no request id, slot or KV location.
+Post: a ``MixedBatch`` whose extend part keeps its ``MambaInit`` (the new requests still need their
+init ops in this forward) and whose decode part has none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.errors import PreconditionError
+
+
+def mix_with_running(extend: ExtendBatch, running: DecodeBatch) -> MixedBatch:
+    for name, a, b in (
+        ("request id", extend.rids, running.rids),
+        ("slot", extend.slots, running.slots),
+        ("KV location", extend.kv_locs, running.kv_locs),
+    ):
+        both = np.intersect1d(a, b)
+        if both.size:
+            raise PreconditionError("mix_with_running", f"{name} {int(both[0])} is in both the extend and the running part")
+    return MixedBatch(extend=extend, decode=running)

@@ -1,0 +1,72 @@
+"""``prepare_for_decode``: ``ExtendBatch | MixedBatch | DecodeBatch -> DecodeBatch``.
+
+Pre: ``ctx`` has one next token and one fresh KV location per output request (the order below);
+``DecodeContext`` checks that its columns have equal lengths and no negative entries.
+Post: the output holds, in order, the requests of the extend part whose prompt is complete
+(chunked requests stay with the scheduler for their next chunk), then the running decodes. Each
+request's sequence length advances by one and it feeds ``ctx.next_tokens[i]`` with its KV at
+``ctx.kv_locs[i]``.
+
+The output type has no init field, so a prefill's one-shot init ops cannot follow the request into
+decode: this is the type-level half of the fix for the stale-replay bug (DOMAIN.md section 4).
+"""
+
+from __future__ import annotations
+
+from typing import assert_never, final
+
+import attrs
+import numpy as np
+
+from ir._fields import I64, as_i64, build_unchecked, check_column, check_min, column_key, freeze
+from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.errors import PreconditionError
+from passes._rows import finished_prefill_rows
+
+
+@final
+@attrs.frozen(kw_only=True)
+class DecodeContext:
+    """What the forward that just ran produced: the sampled tokens and the KV locations allocated
+    for them, one per request of the resulting decode batch."""
+
+    next_tokens: I64 = attrs.field(converter=as_i64, eq=column_key)
+    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+
+    def __attrs_post_init__(self) -> None:
+        check_column(self, "next_tokens", self.next_tokens, None)
+        check_column(self, "kv_locs", self.kv_locs, self.next_tokens.shape[0], "len(next_tokens)")
+        check_min(self, "next_tokens", self.next_tokens, 0)
+        check_min(self, "kv_locs", self.kv_locs, 0)
+
+
+def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext) -> DecodeBatch:
+    match batch:
+        case DecodeBatch():
+            rids, slots, seq_lens = batch.rids, batch.slots, batch.seq_lens
+        case ExtendBatch():
+            rids, slots, seq_lens, _, _ = finished_prefill_rows(batch)
+        case MixedBatch():
+            e_rids, e_slots, e_lens, _, _ = finished_prefill_rows(batch.extend)
+            d = batch.decode
+            rids = freeze(np.concatenate((e_rids, d.rids)))
+            slots = freeze(np.concatenate((e_slots, d.slots)))
+            seq_lens = np.concatenate((e_lens, d.seq_lens))
+        case _:
+            assert_never(batch)
+    n = rids.shape[0]
+    for name, col in (("next_tokens", ctx.next_tokens), ("kv_locs", ctx.kv_locs)):
+        if col.shape[0] != n:
+            raise PreconditionError(
+                "prepare_for_decode", f"ctx.{name} has {col.shape[0]} entries for {n} decoding requests"
+            )
+    # Every column comes from a checked node or context and ``seq_lens + 1`` stays >= 1, so the
+    # local checks hold by construction (re-run by ``ir.verify``).
+    return build_unchecked(
+        DecodeBatch,
+        rids=rids,
+        slots=slots,
+        seq_lens=freeze(seq_lens + 1),
+        input_ids=ctx.next_tokens,
+        kv_locs=ctx.kv_locs,
+    )

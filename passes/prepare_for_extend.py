@@ -1,0 +1,50 @@
+"""``prepare_for_extend``: admitted requests -> ``ExtendBatch`` with its ``MambaInit``.
+
+Pre: at least one request; rids, slots and KV locations distinct (checked by the verifier).
+Post: the batch's columns follow the request order; ``init`` holds one clear per ``CLEAR``
+request and one COW ``checkpoint -> slot`` per ``COW`` request, in request order, under a freshly
+minted serial, or is ``None`` when every request is a chunked continuation.
+
+Minting the serial is the pass's one impurity: it is what makes the init ops of this forward a
+linear resource with an identity that survives copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ir._fields import frozen_i64
+from ir.batch import ExtendBatch
+from ir.errors import PreconditionError
+from ir.ids import MambaSlot
+from ir.init import InitIntent, MambaInit, mint_serial
+from ir.request import AdmittedRequest
+
+
+def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
+    if not requests:
+        raise PreconditionError("prepare_for_extend", "no admitted requests (schedule an IdleBatch instead)")
+    clears: list[MambaSlot] = []
+    src: list[MambaSlot] = []
+    dst: list[MambaSlot] = []
+    for r in requests:
+        if r.intent is InitIntent.CLEAR:
+            clears.append(r.slot)
+        elif r.intent is InitIntent.COW:
+            assert r.checkpoint is not None  # AdmittedRequest's validator guarantees it
+            src.append(r.checkpoint)
+            dst.append(r.slot)
+    init = MambaInit(serial=mint_serial(), clear_slots=clears, cow_src=src, cow_dst=dst) if clears or dst else None
+    return ExtendBatch(
+        rids=frozen_i64([r.rid for r in requests]),
+        slots=frozen_i64([r.slot for r in requests]),
+        prefix_lens=frozen_i64([r.prefix_len for r in requests]),
+        extend_lens=frozen_i64([r.input_ids.shape[0] for r in requests]),
+        more_chunks=np.array([r.more_chunks for r in requests], dtype=np.bool_),
+        intents=tuple(r.intent for r in requests),
+        input_ids=np.concatenate([r.input_ids for r in requests]),
+        kv_locs=np.concatenate([r.kv_locs for r in requests]),
+        init=init,
+    )

@@ -1,0 +1,125 @@
+"""Index allocators: Mamba state slots and attention KV locations.
+
+``SlotAllocator`` hands out ``MambaSlot``s ``1..capacity`` (slot 0 is the reserved padding slot);
+``KVAllocator`` hands out token-granular ``KVLoc``s ``1..capacity`` (location 0 is padding too).
+
+Invariants: a live index is never handed out again; ``free`` of an index that is not live raises
+``SlotError`` (double free, or never allocated) and changes nothing; ``check_live`` raises on use
+after free; ``num_live + num_free == capacity`` at all times; a bulk allocation is all or nothing.
+Allocation order is deterministic (lowest free index first after a reset; freed indices are reused
+last-freed-first), so dumps of a scripted run are reproducible.
+
+Locking: every public method holds the allocator's lock, so a scheduler thread and a forward thread
+may share one allocator.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from ir._fields import I64
+from ir.errors import SlotError
+from ir.ids import KVLoc, MambaSlot
+
+T = TypeVar("T", MambaSlot, KVLoc)
+
+
+class _IndexAllocator(Generic[T]):
+    _what = "index"
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise SlotError(f"{type(self).__name__}: capacity must be positive, got {capacity!r}")
+        self.capacity = capacity
+        self._free: list[int] = list(range(capacity, 0, -1))  # pop() yields 1, 2, 3, ...
+        self._live = bytearray(capacity + 1)
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_live(self) -> int:
+        return self.capacity - len(self._free)
+
+    def _check_range(self, i: int) -> None:
+        if not 1 <= i <= self.capacity:
+            raise SlotError(f"{self._what} {i} out of range [1, {self.capacity}]")
+
+    def alloc(self) -> T:
+        with self._lock:
+            if not self._free:
+                raise SlotError(f"out of {self._what}s: all {self.capacity} are live")
+            i = self._free.pop()
+            self._live[i] = 1
+            return self._make(i)
+
+    def alloc_many(self, n: int) -> I64:
+        """``n`` indices as a read-only int64 array; all or nothing."""
+        with self._lock:
+            if n < 0:
+                raise SlotError(f"cannot allocate {n} {self._what}s")
+            if n > len(self._free):
+                raise SlotError(f"out of {self._what}s: {n} requested, {len(self._free)} free of {self.capacity}")
+            taken = self._free[len(self._free) - n :][::-1]
+            del self._free[len(self._free) - n :]
+            for i in taken:
+                self._live[i] = 1
+        arr = np.array(taken, dtype=np.int64)
+        arr.flags.writeable = False
+        return arr
+
+    def free(self, index: int) -> None:
+        self.free_many((index,))
+
+    def free_many(self, indices: Iterable[int]) -> None:
+        """Free every index, or none if any is not live (or repeated)."""
+        items = [int(i) for i in indices]
+        with self._lock:
+            seen: set[int] = set()
+            for i in items:
+                self._check_range(i)
+                if not self._live[i] or i in seen:
+                    raise SlotError(f"double free of {self._what} {i}: it is not live")
+                seen.add(i)
+            for i in items:
+                self._live[i] = 0
+                self._free.append(i)
+
+    def is_live(self, index: int) -> bool:
+        return 1 <= index <= self.capacity and bool(self._live[index])
+
+    def check_live(self, indices: Iterable[int], use: str) -> None:
+        """Raise ``SlotError`` naming the first index that is not live (use after free)."""
+        with self._lock:
+            for i in indices:
+                i = int(i)
+                self._check_range(i)
+                if not self._live[i]:
+                    raise SlotError(f"use after free: {use} uses {self._what} {i}, which is not live")
+
+    def live(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(i for i in range(1, self.capacity + 1) if self._live[i])
+
+    def _make(self, i: int) -> T:
+        raise NotImplementedError
+
+
+class SlotAllocator(_IndexAllocator[MambaSlot]):
+    _what = "slot"
+
+    def _make(self, i: int) -> MambaSlot:
+        return MambaSlot(i)
+
+
+class KVAllocator(_IndexAllocator[KVLoc]):
+    _what = "KV location"
+
+    def _make(self, i: int) -> KVLoc:
+        return KVLoc(i)

@@ -1,0 +1,98 @@
+"""The executor: consumes plans on the one state pool it owns.
+
+Per plan, in this order: (1) check that the plan fits this backend (its tickets name this pool,
+every slot is in range and, with an allocator attached, live), raising ``PlanExecutionError`` or
+``SlotError`` before anything is touched; (2) stage the plan's columns into tensors; (3) for a
+prefill plan with init ops, consume this pool's ticket through the ledger while applying its
+clears, then its copies; (4) call the model hook.
+
+A prefill plan whose tickets do not include this executor's pool is refused: it was lowered for
+other pools, and running it here would skip this pool's init ops. A ticket whose ops fail midway
+is returned to the ledger as outstanding. There is no path that applies an init op without
+consuming its ticket.
+"""
+
+from __future__ import annotations
+
+from typing import assert_never
+
+import numpy as np
+import torch
+
+from backend.allocator import SlotAllocator
+from backend.ledger import Ledger
+from backend.model import ModelHook, NoOpModel
+from backend.pool import MambaStatePool
+from backend.staging import StagedDecode, StagedExtend, stage_decode, stage_extend
+from backend.state_init import apply_init, check_init_fits
+from ir._fields import I64
+from ir.errors import PlanExecutionError
+from ir.init import InitTicket
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan, Plan
+
+
+class Executor:
+    def __init__(
+        self,
+        pool: MambaStatePool,
+        ledger: Ledger,
+        model: ModelHook | None = None,
+        *,
+        slots: SlotAllocator | None = None,
+    ) -> None:
+        self.pool = pool
+        self.ledger = ledger
+        self.model: ModelHook = model if model is not None else NoOpModel()
+        self.slots = slots
+
+    def execute(self, plan: Plan) -> torch.Tensor | None:
+        match plan:
+            case ExtendPlan() | MixedPlan():
+                return self.run_prefill(plan)
+            case DecodePlan():
+                return self.run_decode(plan)
+            case IdlePlan():
+                return None
+            case _:
+                assert_never(plan)
+
+    def run_prefill(self, plan: ExtendPlan | MixedPlan) -> torch.Tensor | None:
+        ext = plan if isinstance(plan, ExtendPlan) else plan.extend
+        ticket = self._ticket(ext)
+        self._check_slots(ext.slots, type(plan).__name__)
+        decode: StagedDecode | None = None
+        if isinstance(plan, MixedPlan):
+            self._check_slots(plan.decode.slots, "MixedPlan.decode")
+            decode = stage_decode(plan.decode, self.pool.device)
+        extend: StagedExtend = stage_extend(ext, self.pool.device)
+        if ticket is not None:
+            with self.ledger.consuming(ticket, self.pool.pool_id):
+                apply_init(self.pool, ticket.init)
+        return self.model.forward(plan, extend, decode, self.pool)
+
+    def run_decode(self, plan: DecodePlan) -> torch.Tensor | None:
+        self._check_slots(plan.slots, "DecodePlan")
+        staged = stage_decode(plan, self.pool.device)
+        return self.model.forward(plan, None, staged, self.pool)
+
+    def _ticket(self, plan: ExtendPlan) -> InitTicket | None:
+        if not plan.tickets:
+            return None
+        ticket = plan.ticket_for(self.pool.pool_id)
+        if ticket is None:
+            pools = ", ".join(repr(t.pool) for t in plan.tickets)
+            raise PlanExecutionError(
+                f"plan with init #{plan.tickets[0].serial} was lowered for pool(s) {pools}, "
+                f"not for this executor's pool {self.pool.pool_id!r}"
+            )
+        check_init_fits(self.pool, ticket.init)
+        return ticket
+
+    def _check_slots(self, slots: I64, what: str) -> None:
+        if slots.size:
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 1 or hi > self.pool.capacity:
+                bad = lo if lo < 1 else hi
+                raise PlanExecutionError(f"{what}: slot {bad} out of range [1, {self.pool.capacity}] of pool {self.pool.pool_id!r}")
+            if self.slots is not None:
+                self.slots.check_live(np.asarray(slots).tolist(), what)

@@ -1,0 +1,130 @@
+"""The ledger: the runtime half of the exactly-once guarantee for init tickets.
+
+Every ticket is identified by ``(serial, pool)``. Its life: ``register`` (when its plan is lowered)
+-> ``consuming`` (while the backend applies its ops) -> consumed. Rules:
+
+- consuming a ticket already consumed, or being consumed on another thread, raises
+  ``ResourceReplayError`` naming the serial and the pool; a ``copy.deepcopy`` or pickled clone is the
+  same ticket, so it is refused too;
+- consuming on a pool the ticket is not addressed to raises ``WrongPoolError``;
+- consuming a ticket this ledger never registered raises ``UnknownTicketError``: every op goes
+  through lowering, so a plan built by hand cannot slip an op past the ledger;
+- registering a ticket that was already consumed raises ``ResourceReplayError`` (re-lowering a batch
+  that already ran); registering one that is outstanding is a no-op (same ticket);
+- if the ops fail while being applied, the ticket returns to outstanding (never half consumed);
+- ``outstanding()`` lists the registered tickets not yet consumed; ``assert_drained()`` raises
+  ``ResourceLeakError`` listing them (a dropped op).
+
+Locking: one ``threading.Lock`` guards the three state maps; ``consuming`` holds it only to move a
+ticket between states, not while the ops run, so the forward thread never blocks the scheduler
+thread for the length of a kernel.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import attrs
+
+from ir.errors import ResourceLeakError, ResourceReplayError, UnknownTicketError, WrongPoolError
+from ir.ids import PoolId, TicketSerial
+from ir.init import InitTicket
+
+_Key = tuple[TicketSerial, PoolId]
+
+
+@attrs.frozen(kw_only=True)
+class PoolCounts:
+    """Init ops consumed on one pool."""
+
+    tickets: int = 0
+    clears: int = 0
+    cows: int = 0
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outstanding: dict[_Key, InitTicket] = {}
+        self._in_flight: dict[_Key, InitTicket] = {}
+        self._consumed: set[_Key] = set()
+        self._counts: Counter[tuple[PoolId, str]] = Counter()
+        self.replays_blocked = 0
+
+    def register(self, tickets: Iterable[InitTicket]) -> None:
+        """Expect each ticket to be consumed exactly once; all or nothing."""
+        items = list(tickets)
+        with self._lock:
+            for t in items:
+                if (t.serial, t.pool) in self._consumed:
+                    self.replays_blocked += 1
+                    raise ResourceReplayError(f"{t} was already consumed; the batch it came from already ran")
+            for t in items:
+                self._outstanding.setdefault((t.serial, t.pool), t)
+
+    @contextmanager
+    def consuming(self, ticket: InitTicket, pool: PoolId) -> Iterator[InitTicket]:
+        """Hold ``ticket`` while its ops are applied to ``pool``; consumed only if the block succeeds."""
+        key = (ticket.serial, ticket.pool)
+        with self._lock:
+            if ticket.pool != pool:
+                raise WrongPoolError(f"{ticket} handed to pool {pool!r}")
+            if key in self._consumed or key in self._in_flight:
+                self.replays_blocked += 1
+                state = "already consumed" if key in self._consumed else "being consumed on another thread"
+                raise ResourceReplayError(f"replay of {ticket}: {state} (ops {_ops(ticket)})")
+            registered = self._outstanding.pop(key, None)
+            if registered is None:
+                raise UnknownTicketError(f"{ticket} was never registered with this ledger (lower plans through the compiler)")
+            self._in_flight[key] = registered
+        try:
+            yield registered
+        except BaseException:
+            with self._lock:
+                del self._in_flight[key]
+                self._outstanding[key] = registered
+            raise
+        with self._lock:
+            del self._in_flight[key]
+            self._consumed.add(key)
+            self._counts[(pool, "tickets")] += 1
+            self._counts[(pool, "clears")] += len(ticket.init.clear_slots)
+            self._counts[(pool, "cows")] += len(ticket.init.cow_dst)
+
+    def is_consumed(self, ticket: InitTicket) -> bool:
+        with self._lock:
+            return (ticket.serial, ticket.pool) in self._consumed
+
+    def outstanding(self) -> tuple[InitTicket, ...]:
+        """Registered tickets not yet consumed, oldest serial first."""
+        with self._lock:
+            return tuple(sorted(self._outstanding.values(), key=lambda t: (t.serial, t.pool)))
+
+    def assert_drained(self) -> None:
+        left = self.outstanding()
+        if left:
+            listed = ", ".join(f"{t} (ops {_ops(t)})" for t in left[:10])
+            more = f" and {len(left) - 10} more" if len(left) > 10 else ""
+            raise ResourceLeakError(f"{len(left)} init ticket(s) never consumed: {listed}{more}")
+
+    def counts(self, pool: PoolId) -> PoolCounts:
+        with self._lock:
+            return PoolCounts(
+                tickets=self._counts[(pool, "tickets")],
+                clears=self._counts[(pool, "clears")],
+                cows=self._counts[(pool, "cows")],
+            )
+
+    @property
+    def num_consumed(self) -> int:
+        with self._lock:
+            return len(self._consumed)
+
+
+def _ops(ticket: InitTicket) -> str:
+    init = ticket.init
+    cows = ", ".join(f"{s}->{d}" for s, d in zip(init.cow_src, init.cow_dst, strict=True))
+    return f"clear {list(init.clear_slots)}, cow [{cows}]"

@@ -1,0 +1,179 @@
+"""Slot-major Mamba state pool.
+
+One pool is one ``uint8`` buffer of shape ``[num_slots, row_bytes]``. Row ``s`` holds the whole
+recurrent state of slot ``s``: for every Mamba layer its conv state ``[conv_dim, kernel_width - 1]``
+and its SSM state ``[nheads, head_dim, d_state]``, each sub-state starting at a multiple of
+``PoolLayout.align`` bytes. Per-layer tensors are strided views into the buffer
+(``conv_state(layer)`` is ``[num_slots, conv_dim, kernel_width - 1]`` with a slot stride of
+``row_bytes / itemsize`` elements), so kernels index them by slot like a layer-major pool, while a
+clear is one row fill and a copy-on-write is one row copy.
+
+Invariants:
+
+- Row 0 is the reserved padding slot (``ir.ids.PADDING_SLOT``); kernels may read it for padded
+  rows, nothing allocates it.
+- ``row_bytes`` and every sub-state offset are multiples of ``align`` (256 by default, at least 16),
+  so every view has an aligned base for any dtype and the init-op kernel can move 16-byte words.
+- The buffer is allocated once; views never reallocate, so a view taken before an op sees the op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+
+import attrs
+import torch
+
+from ir.ids import PoolId
+
+_DTYPES: Final = {torch.float32, torch.float16, torch.bfloat16}
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class MambaLayerSpec:
+    """Shapes and dtypes of one Mamba2 layer's recurrent state."""
+
+    conv_dim: int
+    kernel_width: int
+    nheads: int
+    head_dim: int
+    d_state: int
+    conv_dtype: torch.dtype = torch.float32
+    ssm_dtype: torch.dtype = torch.float32
+
+    def __attrs_post_init__(self) -> None:
+        for name, value in (
+            ("conv_dim", self.conv_dim),
+            ("nheads", self.nheads),
+            ("head_dim", self.head_dim),
+            ("d_state", self.d_state),
+        ):
+            _positive(name, value)
+        if not 2 <= self.kernel_width <= 4:
+            raise ValueError(f"kernel_width must be in [2, 4], got {self.kernel_width!r}")
+        for name, dtype in (("conv_dtype", self.conv_dtype), ("ssm_dtype", self.ssm_dtype)):
+            if dtype not in _DTYPES:
+                raise ValueError(f"{name} must be one of float32/float16/bfloat16, got {dtype!r}")
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.kernel_width - 1)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.nheads, self.head_dim, self.d_state)
+
+    @property
+    def conv_bytes(self) -> int:
+        return self.conv_dim * (self.kernel_width - 1) * self.conv_dtype.itemsize
+
+    @property
+    def ssm_bytes(self) -> int:
+        return self.nheads * self.head_dim * self.d_state * self.ssm_dtype.itemsize
+
+
+def _layer_tuple(layers: Iterable[MambaLayerSpec]) -> tuple[MambaLayerSpec, ...]:
+    return tuple(layers)
+
+
+def _round_up(x: int, to: int) -> int:
+    return (x + to - 1) // to * to
+
+
+@attrs.frozen(kw_only=True)
+class PoolLayout:
+    """Byte layout of one slot-major row: per layer, conv state then SSM state, each aligned."""
+
+    layers: tuple[MambaLayerSpec, ...] = attrs.field(converter=_layer_tuple)
+    align: int = 256
+    conv_offsets: tuple[int, ...] = attrs.field(init=False)
+    ssm_offsets: tuple[int, ...] = attrs.field(init=False)
+    row_bytes: int = attrs.field(init=False)
+
+    @conv_offsets.default
+    def _conv_offsets(self) -> tuple[int, ...]:
+        return self._offsets()[0]
+
+    @ssm_offsets.default
+    def _ssm_offsets(self) -> tuple[int, ...]:
+        return self._offsets()[1]
+
+    @row_bytes.default
+    def _row_bytes(self) -> int:
+        return self._offsets()[2]
+
+    def _offsets(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        if not self.layers:
+            raise ValueError("a pool layout needs at least one Mamba layer")
+        if self.align < 16 or self.align & (self.align - 1):
+            raise ValueError(f"align must be a power of two >= 16, got {self.align!r}")
+        conv: list[int] = []
+        ssm: list[int] = []
+        off = 0
+        for spec in self.layers:
+            conv.append(off)
+            off = _round_up(off + spec.conv_bytes, self.align)
+            ssm.append(off)
+            off = _round_up(off + spec.ssm_bytes, self.align)
+        return tuple(conv), tuple(ssm), off
+
+
+class MambaStatePool:
+    """The recurrent state of every slot of one model (target or a draft), slot-major.
+
+    ``capacity`` usable slots are ``1..capacity``; row 0 is padding, so the buffer has
+    ``capacity + 1`` rows.
+    """
+
+    def __init__(
+        self,
+        pool_id: PoolId,
+        layout: PoolLayout,
+        capacity: int,
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        _positive("capacity", capacity)
+        self.pool_id: Final = pool_id
+        self.layout: Final = layout
+        self.capacity: Final = capacity
+        self.buffer: Final = torch.zeros((capacity + 1, layout.row_bytes), dtype=torch.uint8, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        """Rows in the buffer, padding row included."""
+        return self.capacity + 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def _view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        flat = self.buffer[:, offset : offset + nbytes].view(dtype)
+        return flat.view((self.num_slots, *shape))
+
+    def conv_state(self, layer: int) -> torch.Tensor:
+        """``[num_slots, conv_dim, kernel_width - 1]`` strided view of layer ``layer``'s conv state."""
+        spec = self.layout.layers[layer]
+        return self._view(self.layout.conv_offsets[layer], spec.conv_bytes, spec.conv_dtype, spec.conv_shape)
+
+    def ssm_state(self, layer: int) -> torch.Tensor:
+        """``[num_slots, nheads, head_dim, d_state]`` strided view of layer ``layer``'s SSM state."""
+        spec = self.layout.layers[layer]
+        return self._view(self.layout.ssm_offsets[layer], spec.ssm_bytes, spec.ssm_dtype, spec.ssm_shape)
+
+    def snapshot(self) -> torch.Tensor:
+        """A copy of the whole buffer, for tests and fault checks."""
+        return self.buffer.clone()
+
+    def __repr__(self) -> str:
+        return (
+            f"MambaStatePool({self.pool_id!r}, layers={len(self.layout.layers)}, capacity={self.capacity}, "
+            f"row_bytes={self.layout.row_bytes}, device={self.device})"
+        )

@@ -1,0 +1,82 @@
+"""Staging plans into tensors: the hand-off from host IR columns to device memory.
+
+Each plan's columns are packed into one host int64 array and moved in one copy (one H2D transfer
+on a GPU). A staged decode keeps that one ``[5, n]`` tensor and hands out per-field rows as views
+on access (making five tensor views up front costs more than the rest of the decode step's host
+work). On the CPU the staged tensors alias a fresh array, so a staged plan stays valid after the
+next one is staged.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ir.plan import DecodePlan, ExtendPlan
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StagedExtend:
+    slots: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    kv_locs: torch.Tensor
+    cu_seqlens: torch.Tensor
+    prefix_lens: torch.Tensor
+
+
+@attrs.frozen(eq=False)
+class StagedDecode:
+    packed: torch.Tensor
+    """``[5, n]``: slots, input ids, positions (``seq_lens - 1``), KV locations, sequence lengths."""
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.packed[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.packed[1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.packed[2]
+
+    @property
+    def kv_locs(self) -> torch.Tensor:
+        return self.packed[3]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.packed[4]
+
+
+def _to_device(packed: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(packed)
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+def stage_decode(plan: DecodePlan, device: torch.device) -> StagedDecode:
+    packed = np.stack((plan.slots, plan.input_ids, plan.seq_lens - 1, plan.kv_locs, plan.seq_lens))
+    return StagedDecode(_to_device(packed, device))
+
+
+def stage_extend(plan: ExtendPlan, device: torch.device) -> StagedExtend:
+    n, tokens = plan.num_requests, plan.input_ids.shape[0]
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(plan.extend_lens, out=cu[1:])
+    # position of token j of request i is prefix_lens[i] + j
+    positions = np.arange(tokens, dtype=np.int64) - np.repeat(cu[:-1] - plan.prefix_lens, plan.extend_lens)
+    packed = np.concatenate((plan.slots, plan.prefix_lens, cu, plan.input_ids, positions, plan.kv_locs))
+    t = _to_device(packed, device)
+    o = 2 * n + n + 1
+    return StagedExtend(
+        slots=t[0:n],
+        prefix_lens=t[n : 2 * n],
+        cu_seqlens=t[2 * n : o],
+        input_ids=t[o : o + tokens],
+        positions=t[o + tokens : o + 2 * tokens],
+        kv_locs=t[o + 2 * tokens :],
+    )

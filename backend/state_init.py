@@ -1,0 +1,37 @@
+"""Applying one ``MambaInit`` to one slot-major pool: clears, then copy-on-writes.
+
+``apply_init`` is the only function that writes init ops into a pool, and the executor calls it
+only inside ``Ledger.consuming``. It validates every slot against the pool before touching a byte
+(``PlanExecutionError``), then runs one fused launch through ``backend.kernels.init_rows``: the
+Triton kernel when the pool is on a GPU (or under ``TRITON_INTERPRET=1``), the torch reference
+(one indexed fill and one indexed copy over whole rows) otherwise.
+Copies read their sources as they were before the launch; the IR guarantees a source is never
+cleared or written in the same forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.kernels.init_rows import init_rows
+from backend.pool import MambaStatePool
+from ir.errors import PlanExecutionError
+from ir.init import MambaInit
+
+
+def check_init_fits(pool: MambaStatePool, init: MambaInit) -> None:
+    for name, slots in (("clear", init.clear_slots), ("cow src", init.cow_src), ("cow dst", init.cow_dst)):
+        for s in slots:
+            if not 1 <= s <= pool.capacity:
+                raise PlanExecutionError(
+                    f"init #{init.serial}: {name} slot {s} out of range [1, {pool.capacity}] of pool {pool.pool_id!r}"
+                )
+
+
+def apply_init(pool: MambaStatePool, init: MambaInit) -> None:
+    check_init_fits(pool, init)
+    dev = pool.device
+    clear = torch.tensor(init.clear_slots, dtype=torch.int64, device=dev)
+    src = torch.tensor(init.cow_src, dtype=torch.int64, device=dev)
+    dst = torch.tensor(init.cow_dst, dtype=torch.int64, device=dev)
+    init_rows(pool.buffer, clear, src, dst)

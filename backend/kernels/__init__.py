@@ -1,0 +1,1 @@
+"""Triton kernels and their launch wrappers. ``@triton.jit`` bodies live in ``backend.kernels.jit``."""

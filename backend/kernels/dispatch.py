@@ -1,0 +1,63 @@
+"""Where a kernel call runs: the Triton kernel or the torch reference.
+
+Rule (one place, every wrapper asks it): the Triton path is taken when the tensor is on CUDA, or
+when ``TRITON_INTERPRET=1`` is set (Triton's interpreter then runs the kernel on the CPU; that is
+how the kernels are tested without a GPU); otherwise the torch reference in ``backend.reference``
+runs.
+
+Triton decides interpreter-or-compiler when ``@triton.jit`` runs, i.e. when a ``backend.kernels.jit``
+module is imported, not at launch. ``jit_module`` therefore re-imports a jit module whose
+decoration mode no longer matches the current setting, so flipping ``TRITON_INTERPRET`` after
+import (as the tests do) cannot leave a compiled-mode kernel being launched on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+import torch
+
+_JIT_PACKAGE = "backend.kernels.jit"
+
+# The mode each jit module was decorated in, keyed by module name.
+_decorated_in: dict[str, bool] = {}
+
+
+def triton_available() -> bool:
+    """True when Triton imports (it is a Linux-only dependency)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpret_enabled() -> bool:
+    """Triton's own reading of ``TRITON_INTERPRET`` (so "1", "true", ... agree with Triton)."""
+    if not triton_available():
+        return False
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """The dispatch rule: Triton on CUDA tensors or under the interpreter, else the torch reference."""
+    if not triton_available():
+        return False
+    return t.is_cuda or interpret_enabled()
+
+
+def jit_module(name: str) -> ModuleType:
+    """``backend.kernels.jit.<name>``, decorated for the current interpreter setting."""
+    full = f"{_JIT_PACKAGE}.{name}"
+    mode = interpret_enabled()
+    module = sys.modules.get(full)
+    if module is None:
+        module = importlib.import_module(full)
+    elif _decorated_in.get(full) != mode:
+        module = importlib.reload(module)
+    _decorated_in[full] = mode
+    return module

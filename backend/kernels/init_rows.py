@@ -1,0 +1,112 @@
+"""Launch wrapper of the fused init-rows kernel: every clear and copy-on-write of one forward.
+
+Semantics (``backend.reference.init_rows_reference`` is the executable statement): clears first,
+then copies, and every copy reads its source as it was before the launch. The IR guarantees the
+sets that make that order-free (no src cleared, no src that is also a dst, no dst cleared or
+repeated); this wrapper re-checks them, because the fused kernel runs all ops concurrently and
+would silently race otherwise.
+
+Invariants checked before any launch (``ValueError``):
+
+- ``buffer`` is a 2-D ``uint8`` tensor with unit column stride (a strided row view is fine);
+- index tensors are 1-D ``int64`` on the buffer's device;
+- every target slot is in ``[1, num_slots - 1]``: row 0 is the padding slot, never a target;
+- clears unique; copy dsts unique; no dst cleared; no src cleared; no src == dst; no src also a dst;
+- ``cow_src`` and ``cow_dst`` have equal length.
+
+Bandwidth: bytes move as the widest word (8/4/2/1 bytes) that divides the row length, the row
+stride and the base address; with the pool's 256-byte alignment that is always int64, and Triton
+then sees 16-byte-divisible strides and emits 128-bit accesses. Each program moves
+``BLOCK * BLOCKS_PER_PROGRAM`` words (64 KiB) of one row.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from backend import reference
+from backend.kernels.checks import require
+from backend.kernels.dispatch import jit_module, use_triton
+
+BLOCK = 1024
+BLOCKS_PER_PROGRAM = 8
+
+
+def _word_view(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` reinterpreted as the widest words that keep rows addressable."""
+    row_bytes = buffer.shape[1]
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if row_bytes % size == 0 and buffer.stride(0) % size == 0 and buffer.data_ptr() % size == 0:
+            return buffer.view(dtype)
+    return buffer
+
+
+def _duplicates(values: list[int]) -> list[int]:
+    return sorted(v for v, n in Counter(values).items() if n > 1)
+
+
+def validate_init_rows(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch.Tensor, cow_dst: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the launch is well-formed and its ops are order-independent."""
+    require(buffer.dtype == torch.uint8, f"pool buffer must be uint8, got {buffer.dtype}")
+    require(buffer.dim() == 2, f"pool buffer must be 2-D [num_slots, row_bytes], got shape {tuple(buffer.shape)}")
+    require(buffer.stride(1) == 1, f"pool buffer rows must be contiguous, got strides {buffer.stride()}")
+    for name, t in (("clear", clear), ("cow_src", cow_src), ("cow_dst", cow_dst)):
+        require(t.dtype == torch.int64, f"{name} must be int64, got {t.dtype}")
+        require(t.dim() == 1, f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        require(t.device == buffer.device, f"{name} is on {t.device}, the pool on {buffer.device}")
+    require(
+        cow_src.shape == cow_dst.shape,
+        f"cow_src and cow_dst differ in length: {cow_src.shape[0]} vs {cow_dst.shape[0]}",
+    )
+    num_slots = buffer.shape[0]
+    clears = [int(v) for v in clear.tolist()]
+    srcs = [int(v) for v in cow_src.tolist()]
+    dsts = [int(v) for v in cow_dst.tolist()]
+    for name, values in (("clear", clears), ("cow_src", srcs), ("cow_dst", dsts)):
+        bad = [v for v in values if not 1 <= v < num_slots]
+        require(not bad, f"{name} slots out of range [1, {num_slots - 1}]: {bad[:8]}")
+    require(not _duplicates(clears), f"clear repeats slots {_duplicates(clears)[:8]}")
+    require(not _duplicates(dsts), f"cow_dst repeats slots {_duplicates(dsts)[:8]}")
+    cleared = set(clears)
+    both = sorted(cleared & set(dsts))
+    require(not both, f"slots {both[:8]} are both cleared and a copy destination")
+    both = sorted(cleared & set(srcs))
+    require(not both, f"copy sources {both[:8]} are cleared in the same launch")
+    same = sorted(s for s, d in zip(srcs, dsts, strict=True) if s == d)
+    require(not same, f"copies with src == dst: {same[:8]}")
+    chained = sorted(set(srcs) & set(dsts))
+    require(not chained, f"copy sources {chained[:8]} are also copy destinations in the same launch")
+
+
+def init_rows(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch.Tensor, cow_dst: torch.Tensor) -> None:
+    """Zero the ``clear`` rows and copy rows ``cow_src[i]`` -> ``cow_dst[i]`` of a pool buffer, in one launch."""
+    validate_init_rows(buffer, clear, cow_src, cow_dst)
+    n_ops = clear.shape[0] + cow_dst.shape[0]
+    if n_ops == 0 or buffer.shape[1] == 0:
+        return
+    if not use_triton(buffer):
+        reference.init_rows_reference(buffer, clear, cow_src, cow_dst)
+        return
+    words = _word_view(buffer)
+    row_words = words.shape[1]
+    per_program = BLOCK * BLOCKS_PER_PROGRAM
+    grid = ((row_words + per_program - 1) // per_program, n_ops)
+    # An empty index tensor may have a null data pointer; hand the kernel a live one instead. It is
+    # never read: the op ranges that would read it are empty.
+    clear_arg = clear if clear.numel() else cow_dst
+    src_arg = cow_src if cow_src.numel() else clear
+    dst_arg = cow_dst if cow_dst.numel() else clear
+    jit_module("init_rows").init_rows_kernel[grid](
+        words,
+        clear_arg,
+        src_arg,
+        dst_arg,
+        clear.shape[0],
+        row_words,
+        words.stride(0),
+        BLOCK=BLOCK,
+        BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
+    )

@@ -1,0 +1,1 @@
+"""Kernel tests (a package so test modules import their helpers relatively)."""

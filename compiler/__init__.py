@@ -1,0 +1,1 @@
+"""Composition: typed step functions over the passes, the pass manager, the mutable baseline, the CLI."""

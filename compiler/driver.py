@@ -1,0 +1,243 @@
+"""A small serving driver for the non-speculative path: admission, chunked prefill, mixed and decode
+steps, finish and abort, over the typed pipeline and one executor.
+
+Per ``step()`` it builds exactly one forward:
+
+- requests waiting for (more of) their prefill get their next chunk (at most ``chunk_size`` tokens):
+  a first chunk starts with a clear (fresh) or a COW (cached prefix, ``checkpoint`` given at
+  admission), later chunks continue; with running decodes as well, the step is a MIXED forward;
+- otherwise the running requests decode one token; with nothing to do the step is IDLE.
+
+After the forward the sampler gives one token per request that completed its prompt or decoded;
+requests that reach ``max_new_tokens`` finish, and their slot and KV locations are freed.
+
+Invariants kept (checked by the tests): every ticket the pipeline registers is consumed by the
+executor in the same step; a slot or KV location is owned by at most one live request; slots and
+KV of finished and aborted requests return to their allocators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+from backend.allocator import KVAllocator, SlotAllocator
+from backend.executor import Executor
+from backend.ledger import Ledger
+from backend.model import ModelHook
+from backend.pool import MambaStatePool, PoolLayout
+from compiler.manager import PassManager
+from compiler.steps import Pipeline
+from ir._fields import I64, frozen_i64
+from ir.batch import DecodeBatch, ExtendBatch, IdleBatch
+from ir.errors import PreconditionError
+from ir.ids import TARGET_POOL, MambaSlot, RequestId
+from ir.init import InitIntent
+from ir.plan import Plan
+from ir.request import AdmittedRequest
+from passes.lower import lower
+from passes.prepare_for_decode import DecodeContext
+
+Sampler = Callable[[Plan, "torch.Tensor | None", Sequence[tuple[RequestId, int]]], Sequence[int]]
+"""``(plan, model_output, [(rid, position)]) -> one token per listed request``."""
+
+
+def hash_sampler(plan: Plan, output: torch.Tensor | None, rows: Sequence[tuple[RequestId, int]]) -> list[int]:
+    """A deterministic stand-in for sampling when the model hook produces no logits."""
+    return [(int(rid) * 1_000_003 + pos * 7919) % 251 + 1 for rid, pos in rows]
+
+
+@attrs.define(kw_only=True)
+class _Request:
+    rid: RequestId
+    prompt: I64
+    max_new_tokens: int
+    checkpoint: MambaSlot | None
+    prefix_len: int
+    slot: MambaSlot | None = None
+    done: int = 0  # prompt tokens already in the state
+    kv: list[int] = attrs.Factory(list)
+    output: list[int] = attrs.Factory(list)
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    kind: str
+    plan: Plan
+    finished: tuple[RequestId, ...]
+
+
+class Driver:
+    def __init__(
+        self,
+        *,
+        layout: PoolLayout,
+        capacity: int,
+        kv_capacity: int,
+        model: ModelHook | None = None,
+        sampler: Sampler = hash_sampler,
+        chunk_size: int = 64,
+        pm: PassManager | None = None,
+        device: str = "cpu",
+    ) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
+        self.ledger = Ledger()
+        self.pool = MambaStatePool(TARGET_POOL, layout, capacity, device=device)
+        self.slots = SlotAllocator(capacity)
+        self.kv = KVAllocator(kv_capacity)
+        self.pipeline = Pipeline(self.ledger, pm=pm)
+        self.executor = Executor(self.pool, self.ledger, model, slots=self.slots)
+        self.sampler = sampler
+        self.chunk_size = chunk_size
+        self.running = DecodeBatch.empty()
+        self._reqs: dict[RequestId, _Request] = {}
+        self._prefilling: list[RequestId] = []
+        self._next: dict[RequestId, int] = {}
+        self.outputs: dict[RequestId, list[int]] = {}
+
+    # -- admission and release ------------------------------------------------------------------
+
+    def admit(
+        self,
+        rid: RequestId,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        checkpoint: MambaSlot | None = None,
+        prefix_len: int = 0,
+    ) -> None:
+        """Queue a request. With ``checkpoint``, the state after ``prefix_len`` prompt tokens is
+        copied from that slot (whose owner must keep it alive until the request's first forward)."""
+        if rid in self._reqs or rid in self.outputs:
+            raise PreconditionError("admit", f"request id {rid} is already in use")
+        if max_new_tokens < 1:
+            raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        arr = frozen_i64(prompt)
+        if not 0 <= prefix_len < arr.shape[0]:
+            raise PreconditionError("admit", f"request {rid}: prefix_len {prefix_len} outside [0, {arr.shape[0]})")
+        if (checkpoint is None) != (prefix_len == 0):
+            raise PreconditionError("admit", f"request {rid}: a checkpoint goes with a prefix_len > 0 and only then")
+        self._reqs[rid] = _Request(rid=rid, prompt=arr, max_new_tokens=max_new_tokens, checkpoint=checkpoint, prefix_len=prefix_len)
+        self._prefilling.append(rid)
+
+    def abort(self, rid: RequestId) -> None:
+        if rid not in self._reqs:
+            raise PreconditionError("abort", f"request {rid} is not live")
+        self._release((rid,))
+        self.outputs.setdefault(rid, [])
+
+    def _release(self, rids: Sequence[RequestId]) -> None:
+        self.running = self.pipeline.filter_decode(self.running, rids)
+        for rid in rids:
+            r = self._reqs.pop(rid)
+            if r.slot is not None:
+                self.slots.free(r.slot)
+            self.kv.free_many(r.kv)
+            self._next.pop(rid, None)
+            if rid in self._prefilling:
+                self._prefilling.remove(rid)
+            self.outputs[rid] = r.output
+
+    @property
+    def live(self) -> int:
+        return len(self._reqs)
+
+    # -- one forward ----------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        if self._prefilling:
+            admitted = [self._next_chunk(self._reqs[rid]) for rid in self._prefilling]
+            if self.running.num_requests:
+                mixed, plan_m = self.pipeline.mixed(admitted, self.running, self._decode_ctx())
+                out = self.executor.execute(plan_m)
+                return self._after_prefill(mixed.extend, mixed.decode, plan_m, out, "mixed")
+            extend, plan_e = self.pipeline.prefill(admitted)
+            out = self.executor.execute(plan_e)
+            return self._after_prefill(extend, self.running, plan_e, out, "extend")
+        if self.running.num_requests:
+            decode, plan_d = self.pipeline.decode(self.running, self._decode_ctx())
+            out = self.executor.execute(plan_d)
+            self.running = decode
+            rows = [(RequestId(int(r)), int(n)) for r, n in zip(decode.rids, decode.seq_lens, strict=True)]
+            return self._after_sampling(plan_d, out, rows, "decode")
+        plan_i = lower(IdleBatch(), self.pipeline.lower_ctx)
+        return StepResult(kind="idle", plan=plan_i, finished=())
+
+    def _next_chunk(self, r: _Request) -> AdmittedRequest:
+        start = r.prefix_len + r.done
+        n = min(self.chunk_size, r.prompt.shape[0] - start)
+        first = r.slot is None
+        if first:
+            r.slot = self.slots.alloc()
+        kv = self.kv.alloc_many(n)
+        r.kv.extend(int(k) for k in kv)
+        if first:
+            intent = InitIntent.COW if r.checkpoint is not None else InitIntent.CLEAR
+        else:
+            intent = InitIntent.CONTINUE
+        assert r.slot is not None
+        return AdmittedRequest(
+            rid=r.rid,
+            slot=r.slot,
+            input_ids=r.prompt[start : start + n],
+            kv_locs=kv,
+            prefix_len=start,
+            intent=intent,
+            checkpoint=r.checkpoint if first else None,
+            more_chunks=start + n < r.prompt.shape[0],
+        )
+
+    def _decode_ctx(self) -> DecodeContext:
+        toks = [self._next[RequestId(int(r))] for r in self.running.rids]
+        kv = self.kv.alloc_many(len(toks))
+        for rid, k in zip(self.running.rids, kv, strict=True):
+            self._reqs[RequestId(int(rid))].kv.append(int(k))
+        return DecodeContext(next_tokens=frozen_i64(toks), kv_locs=kv)
+
+    def _after_prefill(
+        self, extend: ExtendBatch, decode: DecodeBatch, plan: Plan, out: torch.Tensor | None, kind: str
+    ) -> StepResult:
+        rows: list[tuple[RequestId, int]] = []
+        for rid_, more, pre, ext in zip(extend.rids, extend.more_chunks, extend.prefix_lens, extend.extend_lens, strict=True):
+            rid = RequestId(int(rid_))
+            self._reqs[rid].done += int(ext)
+            if not more:
+                self._prefilling.remove(rid)
+                rows.append((rid, int(pre + ext)))
+        rows += [(RequestId(int(r)), int(n)) for r, n in zip(decode.rids, decode.seq_lens, strict=True)]
+        self.running = self.pipeline.merge(decode, extend)
+        return self._after_sampling(plan, out, rows, kind)
+
+    def _after_sampling(
+        self, plan: Plan, out: torch.Tensor | None, rows: list[tuple[RequestId, int]], kind: str
+    ) -> StepResult:
+        tokens = self.sampler(plan, out, rows)
+        finished: list[RequestId] = []
+        for (rid, _), tok in zip(rows, tokens, strict=True):
+            r = self._reqs[rid]
+            r.output.append(int(tok))
+            self._next[rid] = int(tok)
+            if len(r.output) >= r.max_new_tokens:
+                finished.append(rid)
+        if finished:
+            self._release(finished)
+        return StepResult(kind=kind, plan=plan, finished=tuple(finished))
+
+    def run_until_done(self, max_steps: int = 100_000) -> int:
+        steps = 0
+        while self._reqs:
+            if steps >= max_steps:
+                raise RuntimeError(f"{self.live} requests still live after {max_steps} steps")
+            self.step()
+            steps += 1
+        return steps
+
+    def live_slots(self) -> dict[RequestId, MambaSlot]:
+        return {rid: r.slot for rid, r in self._reqs.items() if r.slot is not None}
+
+    def kv_of(self, rid: RequestId) -> I64:
+        return frozen_i64(self._reqs[rid].kv)
+

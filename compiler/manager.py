@@ -1,0 +1,143 @@
+"""The pass manager: runs passes with verification, dumps and timing.
+
+``PassManager.run(name, pass_fn, *args)`` calls the pass with its own arguments (typed through a
+``ParamSpec``, so mypy checks every call edge as if the pass were called directly) and then:
+
+- verifies the output (``BATCHC_VERIFY``: 0 = off, 1 = outputs of passes that end a step, 2 = every
+  pass output; tests run with 2, the default is 1);
+- writes ``dump(output)`` to ``BATCHC_DUMP_DIR/<seq>-<name>.txt`` when a dump folder is set, and
+  keeps it in ``trace`` when constructed with ``record=True``;
+- adds the pass's wall time to ``timings()``.
+
+Any exception raised by the pass or its verification is re-raised as ``PassError`` naming the
+failing pass, the passes that ran before it in this manager (the last 8), and a bounded excerpt of
+the dump of the pass's first IR argument. The original exception is chained as ``__cause__`` and
+kept as ``.error``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+import attrs
+
+from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.errors import BatchcError
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.printer import dump
+from ir.verify import verify
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_IR_TYPES = (ExtendBatch, DecodeBatch, MixedBatch, IdleBatch, ExtendPlan, DecodePlan, MixedPlan, IdlePlan)
+_EXCERPT_LINES = 12
+_EXCERPT_CHARS = 1500
+_HISTORY = 8
+
+
+class PassError(BatchcError):
+    def __init__(self, pass_name: str, before: tuple[str, ...], excerpt: str, error: BaseException) -> None:
+        self.pass_name = pass_name
+        self.before = before
+        self.excerpt = excerpt
+        self.error = error
+        chain = " -> ".join(before) if before else "(none)"
+        body = "\n".join("    " + line for line in excerpt.splitlines())
+        super().__init__(
+            f"pass {pass_name!r} failed: {type(error).__name__}: {error}\n"
+            f"  passes before it: {chain}\n"
+            f"  input IR (excerpt):\n{body}"
+        )
+
+
+def _excerpt(node: object) -> str:
+    if not isinstance(node, _IR_TYPES):
+        return f"<{type(node).__name__}>"
+    text = dump(node)
+    lines = text.splitlines()
+    out = "\n".join(lines[:_EXCERPT_LINES])
+    if len(lines) > _EXCERPT_LINES:
+        out += f"\n... ({len(lines) - _EXCERPT_LINES} more lines)"
+    return out if len(out) <= _EXCERPT_CHARS else out[: _EXCERPT_CHARS - 3] + "..."
+
+
+@attrs.frozen
+class PassTiming:
+    calls: int
+    seconds: float
+
+
+def _verify_level(value: str | None) -> int:
+    if value is None or value == "":
+        return 1
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"BATCHC_VERIFY must be 0, 1 or 2, got {value!r}")
+    return int(value)
+
+
+class PassManager:
+    def __init__(self, *, verify_level: int = 1, dump_dir: Path | str | None = None, record: bool = False) -> None:
+        if verify_level not in (0, 1, 2):
+            raise ValueError(f"verify_level must be 0, 1 or 2, got {verify_level!r}")
+        self.verify_level = verify_level
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+        self._history: deque[str] = deque(maxlen=_HISTORY)
+        self._seq = 0
+        self._calls: dict[str, int] = {}
+        self._ns: dict[str, int] = {}
+        self.trace: list[tuple[str, str]] | None = [] if record else None
+        """With ``record=True``: ``(pass name, dump of its output)`` for every IR-producing pass run."""
+
+    @classmethod
+    def from_env(cls) -> PassManager:
+        """Settings from ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR``."""
+        return cls(
+            verify_level=_verify_level(os.environ.get("BATCHC_VERIFY")),
+            dump_dir=os.environ.get("BATCHC_DUMP_DIR") or None,
+        )
+
+    def run(self, name: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._run(name, False, fn, *args, **kwargs)
+
+    def run_last(self, name: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run the pass that ends a step: its output is verified at level 1 too."""
+        return self._run(name, True, fn, *args, **kwargs)
+
+    def _run(self, name: str, last: bool, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        t0 = time.perf_counter_ns()
+        try:
+            out = fn(*args, **kwargs)
+            if self.verify_level == 2 or (last and self.verify_level == 1):
+                if isinstance(out, _IR_TYPES):
+                    verify(out)
+        except PassError:
+            raise
+        except Exception as exc:
+            raise PassError(name, tuple(self._history), _excerpt(args[0] if args else None), exc) from exc
+        finally:
+            self._ns[name] = self._ns.get(name, 0) + time.perf_counter_ns() - t0
+            self._calls[name] = self._calls.get(name, 0) + 1
+        self._history.append(name)
+        if (self.dump_dir is not None or self.trace is not None) and isinstance(out, _IR_TYPES):
+            self._seq += 1
+            text = dump(out)
+            if self.dump_dir is not None:
+                (self.dump_dir / f"{self._seq:05d}-{name}.txt").write_text(text)
+            if self.trace is not None:
+                self.trace.append((name, text))
+        return out
+
+    def timings(self) -> dict[str, PassTiming]:
+        return {k: PassTiming(self._calls[k], self._ns[k] / 1e9) for k in self._calls}
+
+    def reset_timings(self) -> None:
+        self._calls.clear()
+        self._ns.clear()

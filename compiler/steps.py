@@ -1,0 +1,62 @@
+"""Typed step functions: one scheduler step = a fixed sequence of passes, then registration.
+
+``Pipeline`` binds a pass manager, the lowering context (which pools see init ops) and the ledger.
+Each method calls the passes through the manager with their own types, so mypy checks every edge of
+the lifecycle, and registers the tickets of each lowered prefill plan with the ledger: a ticket the
+backend never consumes is then reported by ``Ledger.assert_drained``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from backend.ledger import Ledger
+from compiler.manager import PassManager
+from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.ids import RequestId
+from ir.plan import DecodePlan, ExtendPlan, MixedPlan
+from ir.request import AdmittedRequest
+from passes.filter_batch import filter_batch
+from passes.lower import LowerContext, lower
+from passes.merge_batch import merge_batch
+from passes.mix_with_running import mix_with_running
+from passes.prepare_for_decode import DecodeContext, prepare_for_decode
+from passes.prepare_for_extend import prepare_for_extend
+
+
+class Pipeline:
+    def __init__(self, ledger: Ledger, lower_ctx: LowerContext | None = None, pm: PassManager | None = None) -> None:
+        self.ledger = ledger
+        self.lower_ctx = lower_ctx if lower_ctx is not None else LowerContext()
+        self.pm = pm if pm is not None else PassManager.from_env()
+
+    def prefill(self, requests: Sequence[AdmittedRequest]) -> tuple[ExtendBatch, ExtendPlan]:
+        batch = self.pm.run("prepare_for_extend", prepare_for_extend, requests)
+        plan: ExtendPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        self.ledger.register(plan.tickets)
+        return batch, plan
+
+    def mixed(
+        self, requests: Sequence[AdmittedRequest], running: DecodeBatch, ctx: DecodeContext
+    ) -> tuple[MixedBatch, MixedPlan]:
+        """New prefills and the running decodes (advanced by ``ctx``) in one forward."""
+        extend = self.pm.run("prepare_for_extend", prepare_for_extend, requests)
+        decode = self.pm.run("prepare_for_decode", prepare_for_decode, running, ctx)
+        batch = self.pm.run("mix_with_running", mix_with_running, extend, decode)
+        plan: MixedPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        self.ledger.register(plan.tickets)
+        return batch, plan
+
+    def decode(self, batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext) -> tuple[DecodeBatch, DecodePlan]:
+        out = self.pm.run("prepare_for_decode", prepare_for_decode, batch, ctx)
+        plan: DecodePlan = self.pm.run_last("lower", lower, out, self.lower_ctx)
+        return out, plan
+
+    def filter_decode(self, batch: DecodeBatch, drop: Iterable[RequestId]) -> DecodeBatch:
+        return self.pm.run("filter_batch", filter_batch, batch, drop)
+
+    def filter_extend(self, batch: ExtendBatch, drop: Iterable[RequestId]) -> ExtendBatch:
+        return self.pm.run("filter_batch", filter_batch, batch, drop)
+
+    def merge(self, running: DecodeBatch, prefilled: ExtendBatch | DecodeBatch) -> DecodeBatch:
+        return self.pm.run("merge_batch", merge_batch, running, prefilled)

@@ -1,0 +1,65 @@
+"""End-to-end runs of the ``batchc`` command line (small sizes)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compiler.cli import main
+
+
+def test_console_script_help() -> None:
+    exe = shutil.which("batchc")
+    cmd = [exe, "--help"] if exe else [sys.executable, "-m", "compiler.cli", "--help"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    for command in ("run", "dump", "bench"):
+        assert command in result.stdout
+
+
+def test_dump_prints_every_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dump"]) == 0
+    out = capsys.readouterr().out
+    for name in ("prepare_for_extend", "prepare_for_decode", "filter_batch", "merge_batch", "mix_with_running", "lower"):
+        assert f" {name} ==" in out
+    assert "MixedPlan requests=" in out and "IdlePlan requests=0" not in out
+
+
+def test_run_json_summary_invariants(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "summary.json"
+    assert main(["run", "--requests", "12", "--max-new-tokens", "4", "--chunk-size", "8", "--json", str(path)]) == 0
+    summary = json.loads(path.read_text())
+    assert summary["requests"] == 12
+    assert summary["outstanding_tickets"] == 0
+    assert summary["replays_blocked"] == 0
+    assert summary["slots_live_after"] == 0 and summary["kv_live_after"] == 0
+    assert summary["clears_consumed"] + summary["cows_consumed"] == summary["fresh_requests"] + summary["prefix_requests"]
+    assert summary["cows_consumed"] == summary["prefix_requests"]
+    assert 12 <= summary["generated_tokens"] <= 48
+    assert "mixed" in summary["steps_by_kind"]
+    assert "outstanding_tickets" in capsys.readouterr().out
+
+
+def test_bench_pipeline_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "pipeline", "--sizes", "1", "8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mutable baseline" in out and "ratio" in out
+
+
+def test_bench_kernels_on_cpu_says_gpu_figures_need_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "kernels", "--device", "cpu"]) == 0
+    assert "need a GPU" in capsys.readouterr().out
+
+
+def test_bad_option_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--requests", "-3"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected a positive integer, got -3" in err
+    assert "Traceback" not in err

@@ -1,0 +1,76 @@
+"""mypy is part of the suite.
+
+- The four packages are clean under the strict configuration in pyproject.toml.
+- Every case under ``tests/typecheck/`` is still rejected, with the expected error code on the
+  expected line: the cases are checked twice, once as written (``warn_unused_ignores`` is on under
+  strict, so an ignore that stops being needed fails), and once with the ignores stripped, where
+  mypy's ``(line, code)`` pairs must equal the ones the ignores declare.
+- No ``hasattr``/``getattr``/``setattr`` back doors around the node types in the library.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = sorted((ROOT / "tests" / "typecheck").glob("*.py"))
+_IGNORE = re.compile(r"#\s*type:\s*ignore\[([a-z-]+)\]")
+_ERROR = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")
+
+
+def _mypy(*paths: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--no-error-summary", *map(str, paths)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_packages_and_cases_type_check_as_written() -> None:
+    result = _mypy("ir", "passes", "compiler", "backend", *CASES)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _declared(path: Path) -> set[tuple[int, str]]:
+    return {
+        (n, m.group(1)) for n, line in enumerate(path.read_text().splitlines(), 1) for m in [_IGNORE.search(line)] if m
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.stem for c in CASES])
+def test_case_is_rejected_with_declared_codes(case: Path, tmp_path: Path) -> None:
+    expected = _declared(case)
+    assert expected, f"{case.name} declares no rejected line"
+    stripped = tmp_path / case.name
+    stripped.write_text(_IGNORE.sub("", case.read_text()).replace("# type: ignore", ""))
+    result = _mypy(stripped)
+    found = {
+        (int(m["line"]), m["code"])
+        for line in result.stdout.splitlines()
+        for m in [_ERROR.match(line)]
+        if m and Path(m["file"]).name == case.name
+    }
+    assert found == expected, f"mypy output:\n{result.stdout}"
+
+
+def test_no_attribute_back_doors_in_the_library() -> None:
+    """IR nodes are read through their declared fields only; reflection would bypass mypy."""
+    pattern = re.compile(r"\b(hasattr|getattr|setattr|delattr)\s*\(|__dict__")
+    offenders = []
+    for pkg in ("ir", "passes", "compiler", "backend"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    # the one sanctioned write: ir._fields.build_unchecked, the passes' trusted node builder
+    allowed = {"ir/_fields.py"}
+    offenders = [o for o in offenders if o.split(":")[0] not in allowed]
+    assert not offenders, "\n".join(offenders)
+

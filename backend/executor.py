@@ -1,5 +1,9 @@
 """The executor: consumes plans on the one state pool it owns.
 
+Speculative plans: a ``VerifyPlan`` leaves its intermediate states with the executor under the
+verify's id, and exactly one ``CommitPlan`` naming that id consumes them (a second commit, or a
+commit of a verify that never ran on this pool, is refused before touching the pool).
+
 Per plan, in this order: (1) check that the plan fits this backend (its tickets name this pool,
 every slot is in range and, with an allocator attached, live), raising ``PlanExecutionError`` or
 ``SlotError`` before anything is touched; (2) stage the plan's columns into tensors; (3) for a
@@ -21,14 +25,17 @@ import torch
 
 from backend.allocator import SlotAllocator
 from backend.ledger import Ledger
-from backend.model import ModelHook, NoOpModel
+from backend.model import ModelHook, NoOpModel, SpecModelHook
 from backend.pool import MambaStatePool
-from backend.staging import StagedDecode, StagedExtend, stage_decode, stage_extend
+from backend.staging import StagedDecode, StagedExtend, stage_decode, stage_extend, stage_window
 from backend.state_init import apply_init, check_init_fits
 from ir._fields import I64
 from ir.errors import PlanExecutionError
 from ir.init import InitTicket
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan, Plan
+from ir.nodes import Plan
+from ir.ids import TicketSerial
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 
 class Executor:
@@ -44,6 +51,7 @@ class Executor:
         self.ledger = ledger
         self.model: ModelHook = model if model is not None else NoOpModel()
         self.slots = slots
+        self._intermediates: dict[TicketSerial, object] = {}
 
     def execute(self, plan: Plan) -> torch.Tensor | None:
         match plan:
@@ -51,6 +59,15 @@ class Executor:
                 return self.run_prefill(plan)
             case DecodePlan():
                 return self.run_decode(plan)
+            case DraftPlan():
+                return self.run_draft(plan)
+            case VerifyPlan():
+                return self.run_verify(plan)
+            case CommitPlan():
+                self.run_commit(plan)
+                return None
+            case DraftExtendPlan():
+                return self.run_draft_extend(plan)
             case IdlePlan():
                 return None
             case _:
@@ -74,6 +91,39 @@ class Executor:
         self._check_slots(plan.slots, "DecodePlan")
         staged = stage_decode(plan, self.pool.device)
         return self.model.forward(plan, None, staged, self.pool)
+
+    def run_draft(self, plan: DraftPlan) -> torch.Tensor:
+        self._check_slots(plan.batch.slots, "DraftPlan")
+        return self._spec_model(plan).propose(plan, stage_window(plan.batch, self.pool.device), self.pool)
+
+    def run_verify(self, plan: VerifyPlan) -> torch.Tensor:
+        vid = plan.batch.verify_id
+        if vid in self._intermediates:
+            raise PlanExecutionError(f"verify #{vid} already ran on pool {self.pool.pool_id!r}")
+        self._check_slots(plan.batch.slots, "VerifyPlan")
+        out, states = self._spec_model(plan).verify(plan, stage_window(plan.batch, self.pool.device), self.pool)
+        self._intermediates[vid] = states
+        return out
+
+    def run_commit(self, plan: CommitPlan) -> None:
+        """Commit the intermediate states of the verify the plan names; each verify commits once."""
+        vid = plan.batch.verify_id
+        self._check_slots(plan.batch.slots, "CommitPlan")
+        if vid not in self._intermediates:
+            raise PlanExecutionError(
+                f"no intermediate states of verify #{vid} on pool {self.pool.pool_id!r}: never verified here, or already committed"
+            )
+        self._spec_model(plan).commit(plan, self._intermediates[vid], self.pool)
+        del self._intermediates[vid]
+
+    def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor | None:
+        self._check_slots(plan.batch.slots, "DraftExtendPlan")
+        return self.model.forward(plan, stage_extend(plan.batch, self.pool.device), None, self.pool)
+
+    def _spec_model(self, plan: DraftPlan | VerifyPlan | CommitPlan) -> SpecModelHook:
+        if not isinstance(self.model, SpecModelHook):
+            raise PlanExecutionError(f"{type(plan).__name__} needs a SpecModelHook; {type(self.model).__name__} has no speculative phases")
+        return self.model
 
     def _ticket(self, plan: ExtendPlan) -> InitTicket | None:
         if not plan.tickets:

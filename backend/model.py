@@ -1,25 +1,31 @@
 """The model hook: the engine's forward, called by the executor after the init ops of a forward.
 
-An engine implements ``ModelHook``; batchc calls ``forward`` once per plan with the staged inputs
-and the state pool the executor owns. ``NoOpModel`` does nothing and is what the foundation's
+An engine implements ``ModelHook`` (and ``SpecModelHook`` for speculative decoding); batchc calls
+it once per plan with the staged inputs and the state pool the executor owns. ``NoOpModel`` does nothing and is what the foundation's
 tests and the pipeline benchmark use.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import torch
 
 from backend.pool import MambaStatePool
-from backend.staging import StagedDecode, StagedExtend
-from ir.plan import Plan
+from backend.staging import StagedDecode, StagedExtend, StagedWindow
+from ir.plan import DecodePlan, ExtendPlan, MixedPlan
+from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 
+ForwardPlan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | DraftExtendPlan
+"""Plans whose forward updates the committed state in place (a draft extend is extend-shaped)."""
+
+
+@runtime_checkable
 class ModelHook(Protocol):
     def forward(
         self,
-        plan: Plan,
+        plan: ForwardPlan,
         extend: StagedExtend | None,
         decode: StagedDecode | None,
         pool: MambaStatePool,
@@ -28,10 +34,30 @@ class ModelHook(Protocol):
         ...
 
 
+@runtime_checkable
+class SpecModelHook(ModelHook, Protocol):
+    """A model hook that also runs the speculative phases (draft proposal, verify, commit)."""
+
+    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> torch.Tensor:
+        """Draft proposal: ``[n, k]`` tokens, greedily from the committed state, which stays as it was."""
+        ...
+
+    def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
+        """Verify over ``k + 1`` positions: ``([n, k + 1]`` target tokens or logits, intermediate states).
+        The committed state stays as it was; the executor keeps the states for the commit."""
+        ...
+
+    def commit(self, plan: CommitPlan, states: object, pool: MambaStatePool) -> None:
+        """Scatter each row's intermediate state at ``accept_pos`` into its slot."""
+        ...
+
+
 class NoOpModel:
+    """Runs no model: every forward returns nothing. It has no speculative phases."""
+
     def forward(
         self,
-        plan: Plan,
+        plan: ForwardPlan,
         extend: StagedExtend | None,
         decode: StagedDecode | None,
         pool: MambaStatePool,

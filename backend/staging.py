@@ -15,6 +15,7 @@ import numpy.typing as npt
 import torch
 
 from ir.plan import DecodePlan, ExtendPlan
+from ir.spec import DraftBatch, DraftExtendBatch, VerifyBatch
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -63,7 +64,7 @@ def stage_decode(plan: DecodePlan, device: torch.device) -> StagedDecode:
     return StagedDecode(_to_device(packed, device))
 
 
-def stage_extend(plan: ExtendPlan, device: torch.device) -> StagedExtend:
+def stage_extend(plan: ExtendPlan | DraftExtendBatch, device: torch.device) -> StagedExtend:
     n, tokens = plan.num_requests, plan.input_ids.shape[0]
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(plan.extend_lens, out=cu[1:])
@@ -79,4 +80,33 @@ def stage_extend(plan: ExtendPlan, device: torch.device) -> StagedExtend:
         input_ids=t[o : o + tokens],
         positions=t[o + tokens : o + 2 * tokens],
         kv_locs=t[o + 2 * tokens :],
+    )
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StagedWindow:
+    """A speculative phase's rows: ``T`` positions per row (``T = 1`` fed token for a draft
+    proposal, ``k + 1`` for a verify), starting at position ``seq_lens - 1``."""
+
+    slots: torch.Tensor
+    input_ids: torch.Tensor
+    """``[n]`` for a draft proposal (the pending token), ``[n, k + 1]`` for a verify."""
+    positions: torch.Tensor
+    """``[n, k + 1]``: the window's positions."""
+    kv_locs: torch.Tensor
+    """``[n, k + 1]``: the window's KV locations."""
+
+
+def stage_window(batch: DraftBatch | VerifyBatch, device: torch.device) -> StagedWindow:
+    n, w = batch.num_requests, batch.k + 1
+    positions = (batch.seq_lens - 1)[:, None] + np.arange(w, dtype=np.int64)[None, :]
+    ids = batch.input_ids if isinstance(batch, DraftBatch) else batch.input_ids.reshape(n, w)
+    packed = np.concatenate((batch.slots, ids.reshape(-1), positions.reshape(-1), batch.kv_locs))
+    t = _to_device(packed, device)
+    m = ids.size
+    return StagedWindow(
+        slots=t[:n],
+        input_ids=t[n : n + m].view(ids.shape),
+        positions=t[n + m : n + m + n * w].view(n, w),
+        kv_locs=t[n + m + n * w :].view(n, w),
     )

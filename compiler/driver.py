@@ -35,7 +35,7 @@ from ir.batch import DecodeBatch, ExtendBatch, IdleBatch
 from ir.errors import PreconditionError
 from ir.ids import TARGET_POOL, MambaSlot, RequestId
 from ir.init import InitIntent
-from ir.plan import Plan
+from ir.nodes import Plan
 from ir.request import AdmittedRequest
 from passes.lower import lower
 from passes.prepare_for_decode import DecodeContext

@@ -16,12 +16,29 @@ from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.ids import RequestId
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
+from ir._fields import I64
+from ir.spec import (
+    AcceptResult,
+    CommitBatch,
+    CommitPlan,
+    DraftBatch,
+    DraftExtendBatch,
+    DraftExtendPlan,
+    DraftPlan,
+    VerifyBatch,
+    VerifyPlan,
+)
+from passes.accept import accept
+from passes.commit import commit
 from passes.filter_batch import filter_batch
 from passes.lower import LowerContext, lower
 from passes.merge_batch import merge_batch
 from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
+from passes.prepare_for_draft import SpecContext, prepare_for_draft
+from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
+from passes.prepare_for_verify import prepare_for_verify
 
 
 class Pipeline:
@@ -58,5 +75,28 @@ class Pipeline:
     def filter_extend(self, batch: ExtendBatch, drop: Iterable[RequestId]) -> ExtendBatch:
         return self.pm.run("filter_batch", filter_batch, batch, drop)
 
-    def merge(self, running: DecodeBatch, prefilled: ExtendBatch | DecodeBatch) -> DecodeBatch:
+    def merge(self, running: DecodeBatch, prefilled: ExtendBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
         return self.pm.run("merge_batch", merge_batch, running, prefilled)
+
+    # -- speculative decoding: one iteration = draft, verify, accept + commit, draft extend --------
+
+    def draft(self, running: DecodeBatch, ctx: SpecContext) -> tuple[DraftBatch, DraftPlan]:
+        batch = self.pm.run("prepare_for_draft", prepare_for_draft, running, ctx)
+        plan: DraftPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        return batch, plan
+
+    def verify(self, draft: DraftBatch, draft_tokens: I64) -> tuple[VerifyBatch, VerifyPlan]:
+        batch = self.pm.run("prepare_for_verify", prepare_for_verify, draft, draft_tokens)
+        plan: VerifyPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        return batch, plan
+
+    def commit(self, verify: VerifyBatch, target_tokens: I64) -> tuple[AcceptResult, CommitBatch, CommitPlan]:
+        result = self.pm.run("accept", accept, verify, target_tokens)
+        batch = self.pm.run("commit", commit, verify, result)
+        plan: CommitPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        return result, batch, plan
+
+    def draft_extend(self, committed: CommitBatch) -> tuple[DraftExtendBatch, DraftExtendPlan]:
+        batch = self.pm.run("prepare_for_draft_extend", prepare_for_draft_extend, committed)
+        plan: DraftExtendPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        return batch, plan

@@ -50,8 +50,6 @@ class _ExtendColumns(Protocol):
     @property
     def extend_lens(self) -> I64: ...
     @property
-    def more_chunks(self) -> BoolArray: ...
-    @property
     def input_ids(self) -> I64: ...
     @property
     def kv_locs(self) -> I64: ...
@@ -71,12 +69,12 @@ class _DecodeColumns(Protocol):
 
 
 def check_extend_columns(node: _ExtendColumns) -> None:
-    """Local checks shared by ``ExtendBatch`` and ``ExtendPlan``."""
+    """Local checks shared by the extend-shaped nodes (``ExtendBatch``, ``ExtendPlan``,
+    ``DraftExtendBatch``)."""
     check_column(node, "rids", node.rids, None)
     n = node.rids.shape[0]
     for name, col in (("slots", node.slots), ("prefix_lens", node.prefix_lens), ("extend_lens", node.extend_lens)):
         check_column(node, name, col, n)
-    check_column(node, "more_chunks", node.more_chunks, n, bools=True)
     check_min(node, "slots", node.slots, 1)
     check_min(node, "prefix_lens", node.prefix_lens, 0)
     check_min(node, "extend_lens", node.extend_lens, 1)
@@ -130,6 +128,7 @@ class ExtendBatch:
     def check_fields(self) -> None:
         """The local invariants (run on construction, and again by ``ir.verify`` at level 2)."""
         check_extend_columns(self)
+        check_column(self, "more_chunks", self.more_chunks, self.rids.shape[0], bools=True)
         if len(self.intents) != self.rids.shape[0]:
             raise IRValidationError(
                 "ExtendBatch", "intents", len(self.intents), f"length must equal len(rids) ({self.rids.shape[0]})"
@@ -212,5 +211,5 @@ class IdleBatch:
         return 0
 
 
-Batch: TypeAlias = ExtendBatch | DecodeBatch | MixedBatch | IdleBatch
+PrefillOrDecodeBatch: TypeAlias = ExtendBatch | DecodeBatch | MixedBatch | IdleBatch
 """Every scheduler batch of the non-speculative path; dispatch with ``match`` + ``assert_never``."""

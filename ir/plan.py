@@ -13,7 +13,7 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import BoolArray, I64, as_bool, as_i64, column_key
+from ir._fields import BoolArray, I64, as_bool, as_i64, check_column, column_key
 from ir.batch import check_decode_columns, check_extend_columns
 from ir.errors import IRValidationError
 from ir.ids import PoolId
@@ -53,6 +53,7 @@ class ExtendPlan:
 
     def check_fields(self) -> None:
         check_extend_columns(self)
+        check_column(self, "more_chunks", self.more_chunks, self.rids.shape[0], bools=True)
 
     @property
     def num_requests(self) -> int:
@@ -108,6 +109,5 @@ class IdlePlan:
         return 0
 
 
-Plan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | IdlePlan
 PrefillPlan: TypeAlias = ExtendPlan | MixedPlan
 """Plans that may carry init tickets."""

@@ -14,9 +14,20 @@ from typing import Any, assert_never
 import numpy as np
 
 from ir._fields import I64
-from ir.batch import Batch, DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.init import InitIntent, InitTicket, MambaInit
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan, Plan
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.nodes import Batch, Plan
+from ir.spec import (
+    CommitBatch,
+    CommitPlan,
+    DraftBatch,
+    DraftExtendBatch,
+    DraftExtendPlan,
+    DraftPlan,
+    VerifyBatch,
+    VerifyPlan,
+)
 
 _MAX_TOKENS = 8
 
@@ -92,6 +103,22 @@ def _decode_rows(names: _Names, rids: I64, slots: I64, seq_lens: I64, input_ids:
     ]
 
 
+def _window_rows(
+    names: _Names, rids: I64, slots: I64, seq_lens: I64, ids: I64, accept: I64 | None, kv: I64, k: int, indent: str
+) -> list[str]:
+    lines = []
+    w = k + 1
+    single = ids.shape[0] == rids.shape[0]  # a draft batch feeds one pending token per row
+    for i in range(rids.shape[0]):
+        toks = f"token={int(ids[i])}" if single else f"tokens={_tokens(ids[i * w : (i + 1) * w])}"
+        acc = f" accept={int(accept[i])}" if accept is not None else ""
+        lines.append(
+            f"{indent}{names('r', rids[i])} {names('s', slots[i])} seq={int(seq_lens[i])}{acc} {toks} "
+            f"kv={names.kv(kv[i * w : (i + 1) * w])}"
+        )
+    return lines
+
+
 def _dump(node: Batch | Plan, names: _Names, indent: str) -> list[str]:
     head = f"{indent}{type(node).__name__} requests={node.num_requests}"
     inner = indent + "  "
@@ -116,6 +143,24 @@ def _dump(node: Batch | Plan, names: _Names, indent: str) -> list[str]:
             return [head] + _dump(node.extend, names, inner) + _dump(node.decode, names, inner)
         case IdleBatch() | IdlePlan():
             return [head]
+        case DraftBatch():
+            return [f"{head} k={node.k}"] + _window_rows(names, node.rids, node.slots, node.seq_lens, node.input_ids, None, node.kv_locs, node.k, inner)
+        case VerifyBatch():
+            return [f"{head} k={node.k} verify={names('#', node.verify_id)}"] + _window_rows(
+                names, node.rids, node.slots, node.seq_lens, node.input_ids, None, node.kv_locs, node.k, inner
+            )
+        case CommitBatch():
+            lines = [f"{head} k={node.k} verify={names('#', node.verify_id)}"]
+            lines += _window_rows(names, node.rids, node.slots, node.seq_lens, node.input_ids, node.accept_pos, node.kv_locs, node.k, inner)
+            return lines + [f"{inner}released kv={names.kv(node.released_kv)}"]
+        case DraftExtendBatch():
+            n = node.num_requests
+            return [f"{head} tokens={node.input_ids.shape[0]}"] + _extend_rows(
+                names, node.rids, node.slots, node.prefix_lens, node.extend_lens, [False] * n,
+                node.input_ids, node.kv_locs, None, inner,
+            )
+        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftExtendPlan():
+            return [head] + _dump(node.batch, names, inner)
         case _:
             assert_never(node)
 

@@ -19,10 +19,22 @@ from typing import assert_never
 import numpy as np
 
 from ir._fields import I64
-from ir.batch import Batch, DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.errors import IRVerificationError
 from ir.init import InitIntent, InitTicket
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan, Plan
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.nodes import Batch, Plan
+from ir.spec import (
+    CommitBatch,
+    CommitPlan,
+    DraftBatch,
+    DraftExtendBatch,
+    DraftExtendPlan,
+    DraftPlan,
+    SpecBatch,
+    VerifyBatch,
+    VerifyPlan,
+)
 
 
 def _unique(path: str, arr: I64, what: str) -> None:
@@ -109,10 +121,24 @@ def check_fields(node: Batch | Plan) -> None:
         case MixedBatch() | MixedPlan():
             node.extend.check_fields()
             node.decode.check_fields()
+        case DraftBatch() | VerifyBatch() | CommitBatch() | DraftExtendBatch():
+            node.check_fields()
+        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftExtendPlan():
+            node.batch.check_fields()
         case IdleBatch() | IdlePlan():
             pass
         case _:
             assert_never(node)
+
+
+def _verify_spec(node: SpecBatch, path: str) -> None:
+    _unique(f"{path}.rids", node.rids, "request id")
+    _unique(f"{path}.slots", node.slots, "slot")
+    _unique(f"{path}.kv_locs", node.kv_locs, "KV location")
+    if isinstance(node, CommitBatch):
+        stray = np.setdiff1d(node.released_kv, node.kv_locs)
+        if stray.size:
+            raise IRVerificationError(f"{path}.released_kv", f"KV location {int(stray[0])} is not in any row's window")
 
 
 def verify(node: Batch | Plan) -> None:
@@ -135,6 +161,10 @@ def verify(node: Batch | Plan) -> None:
             verify_decode_plan(node.decode, "MixedPlan.decode")
             _disjoint("MixedPlan.slots", node.extend.slots, node.decode.slots, "slot")
             _disjoint("MixedPlan.kv_locs", node.extend.kv_locs, node.decode.kv_locs, "KV location")
+        case DraftBatch() | VerifyBatch() | CommitBatch() | DraftExtendBatch():
+            _verify_spec(node, type(node).__name__)
+        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftExtendPlan():
+            _verify_spec(node.batch, f"{type(node).__name__}.batch")
         case IdleBatch() | IdlePlan():
             pass
         case _:

@@ -4,16 +4,27 @@ A pass never mutates its input, never calls the backend, and returns its input o
 changes nothing. Configuration comes in a frozen context argument.
 """
 
+from passes.accept import accept
+from passes.commit import commit
 from passes.filter_batch import filter_batch
 from passes.lower import LowerContext, lower
 from passes.merge_batch import merge_batch
 from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
+from passes.prepare_for_draft import SpecContext, prepare_for_draft
+from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
+from passes.prepare_for_verify import prepare_for_verify
 
 __all__ = [
     "DecodeContext",
     "LowerContext",
+    "SpecContext",
+    "accept",
+    "commit",
+    "prepare_for_draft",
+    "prepare_for_draft_extend",
+    "prepare_for_verify",
     "filter_batch",
     "lower",
     "merge_batch",

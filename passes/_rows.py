@@ -6,15 +6,17 @@ import numpy as np
 
 from ir._fields import I64, frozen_i64
 from ir.batch import ExtendBatch
+from ir.spec import DraftExtendBatch
 
 
-def finished_prefill_rows(batch: ExtendBatch) -> tuple[I64, I64, I64, I64, I64]:
+def finished_prefill_rows(batch: ExtendBatch | DraftExtendBatch) -> tuple[I64, I64, I64, I64, I64]:
     """Decode-form columns of the requests whose prompt is complete after ``batch``.
 
     Returns ``(rids, slots, seq_lens, last_input_ids, last_kv_locs)``: each request's context holds
-    ``prefix_len + extend_len`` tokens, the last of them at the end of its packed token span.
+    ``prefix_len + extend_len`` tokens, the last of them at the end of its packed token span. A draft
+    extend always completes its rows.
     """
-    final = ~batch.more_chunks
+    final = ~batch.more_chunks if isinstance(batch, ExtendBatch) else np.ones(batch.num_requests, dtype=np.bool_)
     last = np.cumsum(batch.extend_lens) - 1
     return (
         frozen_i64(batch.rids[final]),

@@ -3,7 +3,8 @@
 Pre: ``ctx.pools`` names every state pool that must see this model's init ops: the target pool,
 and each draft pool in speculative mode; distinct names, at least one.
 Post: ``ExtendBatch -> ExtendPlan``, ``MixedBatch -> MixedPlan``, ``DecodeBatch -> DecodePlan``,
-``IdleBatch -> IdlePlan``. A batch with a ``MambaInit`` yields one ``InitTicket`` per pool, all with
+``IdleBatch -> IdlePlan``, and each speculative phase to its plan (``DraftPlan``, ``VerifyPlan``,
+``CommitPlan``, ``DraftExtendPlan``: none has a ticket field). A batch with a ``MambaInit`` yields one ``InitTicket`` per pool, all with
 the init's serial (lowering the same batch twice yields the same tickets, which the ledger then
 refuses to consume twice). Plans share the batch's immutable columns; nothing is copied.
 """
@@ -20,6 +21,17 @@ from ir.errors import IRValidationError
 from ir.ids import TARGET_POOL, PoolId
 from ir.init import InitTicket
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.nodes import Batch, Plan
+from ir.spec import (
+    CommitBatch,
+    CommitPlan,
+    DraftBatch,
+    DraftExtendBatch,
+    DraftExtendPlan,
+    DraftPlan,
+    VerifyBatch,
+    VerifyPlan,
+)
 
 
 def _pools(values: object) -> tuple[PoolId, ...]:
@@ -74,9 +86,15 @@ def lower(batch: DecodeBatch, ctx: LowerContext) -> DecodePlan: ...
 def lower(batch: MixedBatch, ctx: LowerContext) -> MixedPlan: ...
 @overload
 def lower(batch: IdleBatch, ctx: LowerContext) -> IdlePlan: ...
-def lower(
-    batch: ExtendBatch | DecodeBatch | MixedBatch | IdleBatch, ctx: LowerContext
-) -> ExtendPlan | DecodePlan | MixedPlan | IdlePlan:
+@overload
+def lower(batch: DraftBatch, ctx: LowerContext) -> DraftPlan: ...
+@overload
+def lower(batch: VerifyBatch, ctx: LowerContext) -> VerifyPlan: ...
+@overload
+def lower(batch: CommitBatch, ctx: LowerContext) -> CommitPlan: ...
+@overload
+def lower(batch: DraftExtendBatch, ctx: LowerContext) -> DraftExtendPlan: ...
+def lower(batch: Batch, ctx: LowerContext) -> Plan:
     match batch:
         case ExtendBatch():
             return _extend_plan(batch, ctx)
@@ -86,5 +104,13 @@ def lower(
             return MixedPlan(extend=_extend_plan(batch.extend, ctx), decode=_decode_plan(batch.decode))
         case IdleBatch():
             return IdlePlan()
+        case DraftBatch():
+            return DraftPlan(batch=batch)
+        case VerifyBatch():
+            return VerifyPlan(batch=batch)
+        case CommitBatch():
+            return CommitPlan(batch=batch)
+        case DraftExtendBatch():
+            return DraftExtendPlan(batch=batch)
         case _:
             assert_never(batch)

@@ -4,7 +4,8 @@ Pre: ``prefilled`` has run its forward; no request id or slot is in both inputs.
 Post: the running requests, then the prefilled requests whose prompt is complete, in order. Each
 prefilled request enters in the state "its last forward has run": ``seq_len`` is the tokens now in
 its context and ``input_ids``/``kv_locs`` are those of its last prompt token; ``prepare_for_decode``
-then advances every row the same way. Chunked requests (``more_chunks``) are not merged. An empty
+then advances every row the same way. Chunked requests (``more_chunks``) are not merged. A
+``DraftExtendBatch`` (the end of a speculative iteration) enters the same way. An empty
 ``prefilled`` contribution returns ``running`` itself.
 
 The output is a ``DecodeBatch``: a prefill's ``MambaInit`` has nowhere to go (in the engine this pass
@@ -17,11 +18,12 @@ import numpy as np
 
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.errors import PreconditionError
+from ir.spec import DraftExtendBatch
 from passes._rows import finished_prefill_rows
 
 
-def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DecodeBatch) -> DecodeBatch:
-    if isinstance(prefilled, ExtendBatch):
+def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
+    if isinstance(prefilled, (ExtendBatch, DraftExtendBatch)):
         rids, slots, seq_lens, input_ids, kv_locs = finished_prefill_rows(prefilled)
     else:
         rids, slots, seq_lens = prefilled.rids, prefilled.slots, prefilled.seq_lens

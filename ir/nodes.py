@@ -1,0 +1,27 @@
+"""The closed unions of every batch and plan type, for dispatch with ``match`` + ``assert_never``.
+
+Adding a phase means adding it here; every ``match`` over these unions then fails mypy's
+exhaustiveness check until it handles the new phase.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.spec import (
+    CommitBatch,
+    CommitPlan,
+    DraftBatch,
+    DraftExtendBatch,
+    DraftExtendPlan,
+    DraftPlan,
+    VerifyBatch,
+    VerifyPlan,
+)
+
+Batch: TypeAlias = (
+    ExtendBatch | DecodeBatch | MixedBatch | IdleBatch | DraftBatch | VerifyBatch | CommitBatch | DraftExtendBatch
+)
+Plan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | IdlePlan | DraftPlan | VerifyPlan | CommitPlan | DraftExtendPlan

@@ -1,0 +1,231 @@
+"""Speculative-decoding phases as frozen IR nodes (DOMAIN.md section 5).
+
+One iteration over the running requests, each with ``c`` committed tokens and one pending token
+``p`` (sampled, not yet fed), with ``k`` draft tokens:
+
+1. ``DraftBatch``: the draft model proposes ``d1..dk`` greedily from its committed state, feeding
+   ``p`` first; its committed state is not modified. Each row owns ``k + 1`` KV locations, for the
+   positions ``c .. c + k`` (used by the draft proposal, the verify, and the draft extend).
+2. ``VerifyBatch``: the target model scores ``[p, d1..dk]`` at positions ``c .. c + k`` in one
+   forward; its recurrent layers write every position's state to intermediate buffers, identified
+   by the batch's ``verify_id``, and leave the committed state alone.
+3. ``AcceptResult`` (from ``passes.accept``): per row, the number ``m`` of accepted draft tokens
+   (longest prefix equal to the target's argmax) and the bonus token (the target's argmax after
+   them).
+4. ``CommitBatch``: per row, commit the target state at intermediate position ``m`` (after
+   consuming ``p, d1..dm``); the KV locations of positions past ``c + m`` are released.
+5. ``DraftExtendBatch``: the draft model catches up over ``p, d1..dm`` from its committed state, so
+   both models have committed ``c + m + 1`` tokens and the bonus token is pending.
+
+None of these nodes has an init field, and none of their plans has a ticket field: a prefill's init
+ops reach the draft pool through the draft executor running the prefill's own ``ExtendPlan``, and
+only there. Windowed columns (``input_ids``/``kv_locs`` of draft and verify) are flattened
+row-major with ``k + 1`` entries per row.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias, final
+
+import attrs
+
+from ir._fields import I64, as_i64, check_column, check_min, column_key
+from ir.batch import check_extend_columns
+from ir.errors import IRValidationError
+from ir.ids import TicketSerial
+
+
+def _check_window(node: object, k: int, rids: I64, slots: I64, seq_lens: I64, windows: tuple[tuple[str, I64], ...]) -> None:
+    name = type(node).__name__
+    if k < 1:
+        raise IRValidationError(name, "k", k, "speculative steps must be >= 1")
+    check_column(node, "rids", rids, None)
+    n = rids.shape[0]
+    check_column(node, "slots", slots, n)
+    check_column(node, "seq_lens", seq_lens, n)
+    check_min(node, "slots", slots, 1)
+    check_min(node, "seq_lens", seq_lens, 1)
+    for field, col in windows:
+        check_column(node, field, col, n * (k + 1), "len(rids) * (k + 1)")
+        check_min(node, field, col, 0)
+
+
+@final
+@attrs.frozen(kw_only=True)
+class DraftBatch:
+    """Draft proposal: ``input_ids[i]`` is row ``i``'s pending token, at position ``seq_lens[i] - 1``."""
+
+    k: int
+    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
+    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
+    seq_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
+    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
+    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        _check_window(self, self.k, self.rids, self.slots, self.seq_lens, (("kv_locs", self.kv_locs),))
+        check_column(self, "input_ids", self.input_ids, self.rids.shape[0])
+        check_min(self, "input_ids", self.input_ids, 0)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.rids.shape[0])
+
+
+@final
+@attrs.frozen(kw_only=True)
+class VerifyBatch:
+    """Target verify over ``k + 1`` positions per row: ``[pending, d1..dk]`` from position
+    ``seq_lens[i] - 1``. ``verify_id`` names the intermediate states this forward produces."""
+
+    k: int
+    verify_id: TicketSerial
+    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
+    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
+    seq_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
+    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
+    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        _check_window(
+            self, self.k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
+        )
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.rids.shape[0])
+
+    def window(self, column: I64) -> I64:
+        """A windowed column as ``[n, k + 1]`` (a read-only view)."""
+        return column.reshape(self.num_requests, self.k + 1)
+
+
+@final
+@attrs.frozen(kw_only=True)
+class AcceptResult:
+    """Greedy verification outcome: ``accepted[i]`` draft tokens of row ``i`` were accepted
+    (``0..k``) and ``bonus[i]`` is the target's token after them."""
+
+    accepted: I64 = attrs.field(converter=as_i64, eq=column_key)
+    bonus: I64 = attrs.field(converter=as_i64, eq=column_key)
+
+    def __attrs_post_init__(self) -> None:
+        check_column(self, "accepted", self.accepted, None)
+        check_column(self, "bonus", self.bonus, self.accepted.shape[0], "len(accepted)")
+        check_min(self, "accepted", self.accepted, 0)
+        check_min(self, "bonus", self.bonus, 0)
+
+
+@final
+@attrs.frozen(kw_only=True)
+class CommitBatch:
+    """Per row, commit the target state at intermediate position ``accept_pos[i]`` of verify
+    ``verify_id``. ``released_kv`` are the KV locations of rejected positions, to be freed."""
+
+    k: int
+    verify_id: TicketSerial
+    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
+    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
+    seq_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
+    accept_pos: I64 = attrs.field(converter=as_i64, eq=column_key)
+    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
+    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+    released_kv: I64 = attrs.field(converter=as_i64, eq=column_key)
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        _check_window(
+            self, self.k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
+        )
+        check_column(self, "accept_pos", self.accept_pos, self.rids.shape[0])
+        check_column(self, "released_kv", self.released_kv, None)
+        check_min(self, "accept_pos", self.accept_pos, 0)
+        if self.accept_pos.size and int(self.accept_pos.max()) > self.k:
+            raise IRValidationError("CommitBatch", "accept_pos", int(self.accept_pos.max()), f"must be <= k ({self.k})")
+        expected = int(self.rids.shape[0] * self.k - self.accept_pos.sum())
+        check_column(self, "released_kv", self.released_kv, expected, "the rejected positions")
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.rids.shape[0])
+
+
+@final
+@attrs.frozen(kw_only=True)
+class DraftExtendBatch:
+    """The draft model's catch-up forward over the accepted tokens ``p, d1..dm`` of each row, from
+    its committed state after ``prefix_lens[i]`` tokens. Extend-shaped, without an init field."""
+
+    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
+    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
+    prefix_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
+    extend_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
+    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
+    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        check_extend_columns(self)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.rids.shape[0])
+
+
+
+# Spec plans wrap their batch: each of these batches already holds exactly what its forward needs
+# and nothing the backend must not act on (no init ops), so lowering adds only the phase's name.
+
+
+@final
+@attrs.frozen(kw_only=True)
+class DraftPlan:
+    batch: DraftBatch
+
+    @property
+    def num_requests(self) -> int:
+        return self.batch.num_requests
+
+
+@final
+@attrs.frozen(kw_only=True)
+class VerifyPlan:
+    batch: VerifyBatch
+
+    @property
+    def num_requests(self) -> int:
+        return self.batch.num_requests
+
+
+@final
+@attrs.frozen(kw_only=True)
+class CommitPlan:
+    batch: CommitBatch
+
+    @property
+    def num_requests(self) -> int:
+        return self.batch.num_requests
+
+
+@final
+@attrs.frozen(kw_only=True)
+class DraftExtendPlan:
+    batch: DraftExtendBatch
+
+    @property
+    def num_requests(self) -> int:
+        return self.batch.num_requests
+
+
+SpecBatch: TypeAlias = DraftBatch | VerifyBatch | CommitBatch | DraftExtendBatch
+SpecPlan: TypeAlias = DraftPlan | VerifyPlan | CommitPlan | DraftExtendPlan

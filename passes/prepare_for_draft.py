@@ -1,0 +1,51 @@
+"""``prepare_for_draft``: running requests -> ``DraftBatch`` (speculative iteration, step 1).
+
+Pre: ``batch`` is the running batch in its "last forward has run" state (``merge_batch`` output:
+``seq_lens[i]`` tokens committed); ``ctx`` has, per row, the pending token (sampled after that
+forward) and ``k + 1`` fresh KV locations for positions ``seq_lens[i] .. seq_lens[i] + k``.
+Post: a ``DraftBatch`` feeding each pending token at position ``seq_lens[i]`` (so its ``seq_lens``
+are one larger), with the KV window flattened row-major.
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+import attrs
+
+from ir._fields import I64, as_i64, build_unchecked, check_column, check_min, column_key, freeze
+from ir.batch import DecodeBatch
+from ir.errors import IRValidationError, PreconditionError
+from ir.spec import DraftBatch
+
+
+@final
+@attrs.frozen(kw_only=True)
+class SpecContext:
+    k: int
+    next_tokens: I64 = attrs.field(converter=as_i64, eq=column_key)
+    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+
+    def __attrs_post_init__(self) -> None:
+        if self.k < 1:
+            raise IRValidationError("SpecContext", "k", self.k, "speculative steps must be >= 1")
+        check_column(self, "next_tokens", self.next_tokens, None)
+        n = self.next_tokens.shape[0]
+        check_column(self, "kv_locs", self.kv_locs, n * (self.k + 1), "len(next_tokens) * (k + 1)")
+        check_min(self, "next_tokens", self.next_tokens, 0)
+        check_min(self, "kv_locs", self.kv_locs, 0)
+
+
+def prepare_for_draft(batch: DecodeBatch, ctx: SpecContext) -> DraftBatch:
+    n = batch.num_requests
+    if ctx.next_tokens.shape[0] != n:
+        raise PreconditionError("prepare_for_draft", f"ctx has {ctx.next_tokens.shape[0]} pending tokens for {n} rows")
+    return build_unchecked(
+        DraftBatch,
+        k=ctx.k,
+        rids=batch.rids,
+        slots=batch.slots,
+        seq_lens=freeze(batch.seq_lens + 1),
+        input_ids=ctx.next_tokens,
+        kv_locs=ctx.kv_locs,
+    )

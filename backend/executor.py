@@ -5,7 +5,7 @@ verify's id, and exactly one ``CommitPlan`` naming that id consumes them (a seco
 commit of a verify that never ran on this pool, is refused before touching the pool).
 
 Per plan, in this order: (1) check that the plan fits this backend (its tickets name this pool,
-every slot is in range and, with an allocator attached, live), raising ``PlanExecutionError`` or
+every slot, the init ops' COW sources included, is in range and, with an allocator attached, live), raising ``PlanExecutionError`` or
 ``SlotError`` before anything is touched; (2) stage the plan's columns into tensors; (3) for a
 prefill plan with init ops, consume this pool's ticket through the ledger while applying its
 clears, then its copies; (4) call the model hook.
@@ -75,8 +75,8 @@ class Executor:
 
     def run_prefill(self, plan: ExtendPlan | MixedPlan) -> torch.Tensor | None:
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
-        ticket = self._ticket(ext)
         self._check_slots(ext.slots, type(plan).__name__)
+        ticket = self._ticket(ext)
         decode: StagedDecode | None = None
         if isinstance(plan, MixedPlan):
             self._check_slots(plan.decode.slots, "MixedPlan.decode")
@@ -136,6 +136,10 @@ class Executor:
                 f"not for this executor's pool {self.pool.pool_id!r}"
             )
         check_init_fits(self.pool, ticket.init)
+        if self.slots is not None:
+            # a COW source is a checkpoint slot: reading a freed one would copy stale bytes
+            init = ticket.init
+            self.slots.check_live((*init.clear_slots, *init.cow_dst, *init.cow_src), f"init #{init.serial}")
         return ticket
 
     def _check_slots(self, slots: I64, what: str) -> None:

@@ -9,8 +9,9 @@ Every ticket is identified by ``(serial, pool)``. Its life: ``register`` (when i
 - consuming on a pool the ticket is not addressed to raises ``WrongPoolError``;
 - consuming a ticket this ledger never registered raises ``UnknownTicketError``: every op goes
   through lowering, so a plan built by hand cannot slip an op past the ledger;
-- registering a ticket that was already consumed raises ``ResourceReplayError`` (re-lowering a batch
-  that already ran); registering one that is outstanding is a no-op (same ticket);
+- registering a ticket that was already consumed, or is being consumed, raises
+  ``ResourceReplayError`` (re-lowering a batch that already ran); registering one that is
+  outstanding is a no-op (same ticket);
 - if the ops fail while being applied, the ticket returns to outstanding (never half consumed);
 - ``outstanding()`` lists the registered tickets not yet consumed; ``assert_drained()`` raises
   ``ResourceLeakError`` listing them (a dropped op).
@@ -59,9 +60,11 @@ class Ledger:
         items = list(tickets)
         with self._lock:
             for t in items:
-                if (t.serial, t.pool) in self._consumed:
+                key = (t.serial, t.pool)
+                if key in self._consumed or key in self._in_flight:
                     self.replays_blocked += 1
-                    raise ResourceReplayError(f"{t} was already consumed; the batch it came from already ran")
+                    state = "was already consumed" if key in self._consumed else "is being consumed right now"
+                    raise ResourceReplayError(f"{t} {state}; the batch it came from already ran")
             for t in items:
                 self._outstanding.setdefault((t.serial, t.pool), t)
 

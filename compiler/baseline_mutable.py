@@ -11,7 +11,9 @@ deliberately reproduces the engine's behaviour (DOMAIN.md section 4), bugs inclu
   ``ModelRunner.forward`` executes them before the model when the forward mode runs the Mamba
   prefill path (EXTEND, MIXED, DRAFT_EXTEND; the DECODE path does not read them) and then nulls
   them on the ``ForwardBatch`` only, never on the ``ScheduleBatch``;
-- ``filter_batch`` resets them only when it removes a request; ``merge_batch`` never does;
+- ``filter_batch`` resets them only when it removes a request; ``merge_batch`` never does (the
+  running batch keeps its own fields; when nothing is running, the prefill batch itself becomes the
+  running batch, fields included);
 - ``prepare_for_decode`` does not reset them, and in speculative mode takes an early return into the
   spec path before touching anything else.
 
@@ -182,11 +184,6 @@ class ScheduleBatch:
         self.seq_lens_sum += other.seq_lens_sum
         if self.output_ids is not None and other.output_ids is not None:
             self.output_ids = torch.cat((self.output_ids, other.output_ids))
-        if self.mamba_clear_indices is None and self.mamba_cow_dst_indices is None:
-            self.mamba_cow_src_indices = other.mamba_cow_src_indices
-            self.mamba_cow_dst_indices = other.mamba_cow_dst_indices
-            self.mamba_clear_indices = other.mamba_clear_indices
-            self.init_origin = other.init_origin
 
     def get_model_worker_batch(self, mode: ForwardMode | None = None) -> ForwardBatch:
         mode = mode if mode is not None else self.forward_mode
@@ -224,6 +221,8 @@ class ModelRunner:
         self.ledger = ledger
         self.executed = 0
         self.replays = 0
+        self.clears_executed = 0
+        self.cows_executed = 0
         self._seen: set[int] = set()
         self._serials: dict[int, TicketSerial] = {}
 
@@ -253,6 +252,8 @@ class ModelRunner:
             init_rows_reference(self.pool.buffer, clear.to(self.pool.device), src.to(self.pool.device), dst.to(self.pool.device))
         self.executed += 1
         self.replays += int(is_replay)
+        self.clears_executed += int(clear.numel())
+        self.cows_executed += int(dst.numel())
         self._seen.add(origin)
 
     def _ticket(self, origin: int, clear: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> InitTicket:

@@ -4,6 +4,8 @@
   a generated batch of byte prompts with shared prefixes, fresh slots and chunked prompts) through
   the typed pipeline and the ledger-enforced executor, with a progress bar and a summary table.
   The trained model, prefix cache and speculative decoding arrive with later releases.
+- ``batchc ab``: the stale-init bug side by side: speculative decoding through the compiled
+  pipeline and through the mutable baseline (pre-fix, fixed, and with a ledger) on the same models.
 - ``batchc dump``: the IR after every pass of the built-in scenario.
 - ``batchc bench pipeline``: decode-step host cost against the mutable baseline.
 - ``batchc bench kernels``: the state-pool kernels (Triton on a GPU, torch references on a CPU).
@@ -52,6 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-running", type=_positive, default=16, help="requests admitted at once (default 16)")
     run.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     run.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH ('-' for stdout)")
+
+    ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")
+    ab.add_argument("--k", type=_positive, default=2, help="draft tokens per iteration (default 2)")
+    ab.add_argument("--requests", type=_positive, default=12, help="requests (default 12)")
+    ab.add_argument("--max-new-tokens", type=_positive, default=24, help="tokens per request (default 24)")
+    ab.add_argument("--max-running", type=_positive, default=4, help="requests live at once (default 4)")
+    ab.add_argument("--draft-noise", type=float, default=None, help="relative weight noise of the draft (default 0.05)")
+    ab.add_argument("--seed", type=int, default=0, help="weights and workload seed (default 0)")
+    ab.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH ('-' for stdout)")
 
     dump = sub.add_parser("dump", help="print the IR after every pass of the built-in scenario")
     dump.add_argument("--verify", type=int, choices=(0, 1, 2), default=2, help="verify level while dumping (default 2)")
@@ -129,6 +140,41 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0 if summary["outstanding_tickets"] == 0 else 1
 
 
+def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
+    from compiler.ab import DRAFT_NOISE, run_ab
+
+    noise = DRAFT_NOISE if args.draft_noise is None else args.draft_noise
+    if not 0.0 <= noise < 10.0:
+        raise BatchcError(f"--draft-noise must be in [0, 10), got {noise}")
+    with console.status("running plain greedy, compiled, mutable baseline (pre-fix and fixed), and the guarded baseline"):
+        result = run_ab(
+            k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens, max_running=args.max_running,
+            draft_noise=noise, seed=args.seed,
+        )
+    runs = result["runs"]
+    assert isinstance(runs, dict)
+    table = Table(title=f"speculative decoding, k={args.k}, {args.requests} requests (fresh + cached-prefix COW), draft noise {noise}")
+    table.add_column("run")
+    for h in ("acceptance", "mean accepted len", "init ops target", "init ops draft", "replays", "output == greedy", "wall s"):
+        table.add_column(h, justify="right")
+    for name, r in runs.items():
+        table.add_row(
+            name, f"{r['acceptance_rate']:.3f}", f"{r['mean_accepted_length']:.2f}", str(r["init_ops_target"]),
+            str(r["init_ops_draft"]), str(r["replays"]), str(r["equals_greedy"]), f"{r['wall_s']:.2f}",
+        )
+    console.print(table)
+    console.print(f"mutable baseline (pre-fix) with a ledger on its runners: {result['ledger_on_baseline']}", highlight=False)
+    if args.json:
+        text = json.dumps(result, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    compiled = runs["compiled"]
+    return 0 if compiled["equals_greedy"] and compiled["replays"] == 0 and compiled["outstanding_tickets"] == 0 else 1
+
+
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if args.group == "pipeline":
         from compiler.bench import PIPELINE_HEADERS, format_pipeline, run_pipeline_bench
@@ -154,6 +200,8 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
+    if not console.is_terminal:  # pipes and CI logs: wide enough that the tables do not wrap
+        console = Console(width=140)
     args = _parser().parse_args(argv)
     try:
         match args.command:
@@ -161,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _cmd_run(args, console)
             case "dump":
                 return _cmd_dump(args, console)
+            case "ab":
+                return _cmd_ab(args, console)
             case "bench":
                 return _cmd_bench(args, console)
     except BatchcError as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from backend.allocator import KVAllocator, SlotAllocator
@@ -30,9 +31,9 @@ from backend.model import ModelHook
 from backend.pool import MambaStatePool, PoolLayout
 from compiler.manager import PassManager
 from compiler.steps import Pipeline
-from ir._fields import I64, frozen_i64
+from ir._fields import I64, as_i64, frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch
-from ir.errors import PreconditionError
+from ir.errors import IRValidationError, PreconditionError, SlotError
 from ir.ids import TARGET_POOL, MambaSlot, RequestId
 from ir.init import InitIntent
 from ir.nodes import Plan
@@ -42,6 +43,20 @@ from passes.prepare_for_decode import DecodeContext
 
 Sampler = Callable[[Plan, "torch.Tensor | None", Sequence[tuple[RequestId, int]]], Sequence[int]]
 """``(plan, model_output, [(rid, position)]) -> one token per listed request``."""
+
+
+def checked_prompt(rid: RequestId, prompt: Sequence[int]) -> I64:
+    """The prompt as a read-only int64 column, or ``IRValidationError`` naming the bad token."""
+    arr = as_i64(prompt)
+    where = f"request {rid}"
+    if arr.dtype != np.int64 or arr.ndim != 1:
+        shown: object = arr[0] if arr.dtype == object and arr.shape == (1,) else prompt
+        raise IRValidationError(where, "prompt", shown, "must be a 1-D sequence of int token ids")
+    if arr.shape[0] == 0:
+        raise IRValidationError(where, "prompt", [], "must hold at least one token")
+    if int(arr.min()) < 0:
+        raise IRValidationError(where, "prompt", int(arr.min()), "token ids must be >= 0")
+    return arr
 
 
 def hash_sampler(plan: Plan, output: torch.Tensor | None, rows: Sequence[tuple[RequestId, int]]) -> list[int]:
@@ -115,11 +130,13 @@ class Driver:
             raise PreconditionError("admit", f"request id {rid} is already in use")
         if max_new_tokens < 1:
             raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        arr = frozen_i64(prompt)
+        arr = checked_prompt(rid, prompt)
         if not 0 <= prefix_len < arr.shape[0]:
             raise PreconditionError("admit", f"request {rid}: prefix_len {prefix_len} outside [0, {arr.shape[0]})")
         if (checkpoint is None) != (prefix_len == 0):
             raise PreconditionError("admit", f"request {rid}: a checkpoint goes with a prefix_len > 0 and only then")
+        if checkpoint is not None and not self.slots.is_live(checkpoint):
+            raise PreconditionError("admit", f"request {rid}: checkpoint slot {checkpoint} is not a live slot")
         self._reqs[rid] = _Request(rid=rid, prompt=arr, max_new_tokens=max_new_tokens, checkpoint=checkpoint, prefix_len=prefix_len)
         self._prefilling.append(rid)
 
@@ -149,6 +166,7 @@ class Driver:
 
     def step(self) -> StepResult:
         if self._prefilling:
+            self._reserve()
             admitted = [self._next_chunk(self._reqs[rid]) for rid in self._prefilling]
             if self.running.num_requests:
                 mixed, plan_m = self.pipeline.mixed(admitted, self.running, self._decode_ctx())
@@ -166,9 +184,21 @@ class Driver:
         plan_i = lower(IdleBatch(), self.pipeline.lower_ctx)
         return StepResult(kind="idle", plan=plan_i, finished=())
 
+    def _reserve(self) -> None:
+        """Refuse the step up front (nothing allocated) when its slots or KV locations do not fit."""
+        slots = sum(1 for rid in self._prefilling if self._reqs[rid].slot is None)
+        kv = sum(self._chunk_len(self._reqs[rid]) for rid in self._prefilling) + self.running.num_requests
+        if slots > self.slots.num_free:
+            raise SlotError(f"out of slots: this step needs {slots}, {self.slots.num_free} free of {self.slots.capacity}")
+        if kv > self.kv.num_free:
+            raise SlotError(f"out of KV locations: this step needs {kv}, {self.kv.num_free} free of {self.kv.capacity}")
+
+    def _chunk_len(self, r: _Request) -> int:
+        return min(self.chunk_size, int(r.prompt.shape[0]) - r.prefix_len - r.done)
+
     def _next_chunk(self, r: _Request) -> AdmittedRequest:
         start = r.prefix_len + r.done
-        n = min(self.chunk_size, r.prompt.shape[0] - start)
+        n = self._chunk_len(r)
         first = r.slot is None
         if first:
             r.slot = self.slots.alloc()

@@ -122,9 +122,8 @@ def _baseline(spec: bool, fixed: bool = False, ledger: Ledger | None = None) -> 
 
 
 def _iterate(batch: ScheduleBatch, target: ModelRunner, draft: ModelRunner, steps: int) -> None:
-    running = ScheduleBatch(spec_enabled=batch.spec_enabled, fixed=batch.fixed)
     batch.filter_batch(keep=[0, 1])  # nothing finished: fields survive
-    running.merge_batch(batch)  # merge never resets them
+    running = batch  # nothing was running: the prefill batch becomes the running batch
     for step in range(steps):
         running.output_ids = torch.tensor([20 + step, 30 + step])
         running.prepare_for_decode(torch.tensor([100 + step, 200 + step]))
@@ -143,6 +142,14 @@ def test_baseline_replays_stale_init_every_draft_extend() -> None:
     assert draft.replays == 5 and draft.executed == 6
     assert target.replays == 0
     assert torch.all(draft.pool.buffer[1] == 0)  # the live state was re-zeroed
+
+
+def test_baseline_merge_keeps_the_running_batch_fields() -> None:
+    batch, _, _ = _baseline(spec=True)
+    other, _, _ = _baseline(spec=True)
+    stale = batch.mamba_clear_indices
+    batch.merge_batch(other)
+    assert batch.mamba_clear_indices is stale and batch.init_origin != other.init_origin
 
 
 def test_baseline_without_spec_does_not_replay() -> None:

@@ -1,9 +1,9 @@
 """Where a kernel call runs: the Triton kernel or the torch reference.
 
 Rule (one place, every wrapper asks it): the Triton path is taken when the tensor is on CUDA, or
-when ``TRITON_INTERPRET=1`` is set (Triton's interpreter then runs the kernel on the CPU; that is
-how the kernels are tested without a GPU); otherwise the torch reference in ``backend.reference``
-runs.
+when ``TRITON_INTERPRET=1`` and ``BATCHC_TRITON_ON_CPU=1`` are both set (Triton's interpreter then
+runs the kernel on the CPU; that is how the kernels are tested without a GPU); otherwise the torch
+reference in ``backend.reference`` runs.
 
 Triton decides interpreter-or-compiler when ``@triton.jit`` runs, i.e. when a ``backend.kernels.jit``
 module is imported, not at launch. ``jit_module`` therefore re-imports a jit module whose
@@ -14,6 +14,7 @@ import (as the tests do) cannot leave a compiled-mode kernel being launched on C
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from types import ModuleType
 
@@ -43,11 +44,19 @@ def interpret_enabled() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+CPU_KERNELS_ENV = "BATCHC_TRITON_ON_CPU"
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """The dispatch rule: Triton on CUDA tensors or under the interpreter, else the torch reference."""
+    """The dispatch rule: Triton on CUDA tensors; on CPU tensors only when Triton's interpreter is on
+    *and* ``BATCHC_TRITON_ON_CPU=1`` asks for it (the kernel tests); else the torch reference.
+
+    The second switch exists because ``TRITON_INTERPRET`` must be set before Triton is first
+    imported to take effect everywhere (Triton's own ``@jit`` library functions are decorated at
+    import), while the rest of a CPU process should keep the fast torch references."""
     if not triton_available():
         return False
-    return t.is_cuda or interpret_enabled()
+    return t.is_cuda or (interpret_enabled() and os.environ.get(CPU_KERNELS_ENV) == "1")
 
 
 def jit_module(name: str) -> ModuleType:

@@ -14,7 +14,10 @@ from .helpers import HAS_CUDA
 def test_rule_follows_device_and_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.empty(1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert dispatch.use_triton(cpu)
+    assert dispatch.use_triton(cpu)  # the module fixture asks for Triton on the CPU
+    monkeypatch.delenv(dispatch.CPU_KERNELS_ENV)
+    assert not dispatch.use_triton(cpu)
+    monkeypatch.setenv(dispatch.CPU_KERNELS_ENV, "1")
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not dispatch.use_triton(cpu)
     if HAS_CUDA:

@@ -1,0 +1,29 @@
+"""The reference hybrid Mamba2/attention byte model (issue 4, backend side).
+
+``config`` (shapes, presets), ``weights`` (named tensors, seeded init, draft perturbation), ``kv``
+(token-granular KV cache and the slot/position table), ``model`` (the forward entry points over
+the slot-major pool), ``reference`` (a cache-free full-sequence oracle for tests).
+"""
+
+from backend.hybrid.config import HybridConfig, LayerKind, small, tiny
+from backend.hybrid.kv import KVCache, TokenTable
+from backend.hybrid.model import ForwardOut, HybridModel, VerifyOut, VerifyStates, greedy
+from backend.hybrid.weights import Weights, init_weights, perturb, weight_shapes
+
+__all__ = [
+    "ForwardOut",
+    "HybridConfig",
+    "HybridModel",
+    "KVCache",
+    "LayerKind",
+    "TokenTable",
+    "VerifyOut",
+    "VerifyStates",
+    "Weights",
+    "greedy",
+    "init_weights",
+    "perturb",
+    "small",
+    "tiny",
+    "weight_shapes",
+]

@@ -1,0 +1,514 @@
+"""The reference hybrid Mamba2/attention model over batchc's slot-major pool, KV cache and table.
+
+Architecture (per layer, pre-norm residual): ``h += mixer(rmsnorm(h))`` then
+``h += mlp(rmsnorm(h))``; then a final RMSNorm and an untied ``lm_head``. Byte vocabulary (256).
+
+- Mamba2 mixer: ``in_proj`` -> ``(z, xBC, dt)``; causal depthwise conv1d (width 4, SiLU) over xBC
+  whose last inputs live in the pool's conv state; split ``x, B, C``; selective scan with
+  ``A = -exp(A_log)`` per head, ``dt = softplus(dt + dt_bias)``, ``D`` skip; the scan kernels apply
+  the ``z`` gate, ``y *= silu(z)``, and then the gated RMSNorm normalises per group of
+  ``d_inner / ngroups`` channels (Mamba2's ``RMSNormGated``, norm after gate); ``out_proj``.
+- Attention: q/k/v projections, rotary position embedding (rotate-half form, ``rope_theta``,
+  applied at the absolute position) on q and k, causal softmax attention over the request's whole
+  context read through ``TokenTable`` from ``KVCache`` (keys stored after rotation), ``o_proj``.
+  One KV head per query head (no GQA).
+- MLP: SwiGLU, ``down(silu(gate(x)) * up(x))``.
+
+State the entry points read and write (all on the pool's device; index tensors int64):
+
+- the Mamba pool, row = slot (``config.pool_layout``): ``extend`` and ``decode`` update the slots of
+  their rows in place; ``verify`` only reads them and returns per-position states that ``commit``
+  scatters; ``propose`` works on a gathered scratch copy and leaves the pool untouched;
+- the KV cache at the given locations and the token table at ``(slot, position)`` for every token
+  processed (``propose`` included: it writes its draft tokens' entries).
+
+Rows with slot ``-1`` are padding: the Mamba kernels skip them, their KV and table writes are
+redirected to the padding location 0 / the padding row 0, their outputs are garbage. Slot ``0`` may
+appear once per call like any other slot (it is the pool's padding row).
+
+Compute runs in the weights' dtype (norms, attention and the scan in float32 inside); logits are
+returned in float32. ``hidden`` outputs are the residual stream after the last layer, before the
+final norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from backend.hybrid.config import HybridConfig
+from backend.hybrid.kv import KVCache, TokenTable
+from backend.hybrid.weights import Weights, check_weights, init_weights
+from backend.kernels import checks
+from backend.kernels.checks import require
+from backend.kernels.chunked import causal_conv1d_prefill, ssd_prefill
+from backend.kernels.commit import commit_accepted
+from backend.kernels.conv import causal_conv1d_update, causal_conv1d_verify
+from backend.kernels.ssm import selective_state_update, selective_state_verify
+from backend.pool import MambaStatePool
+from ir.ids import TARGET_POOL, PoolId
+
+# (layer index, normed input) -> mixer output, for one token layout (packed, per-row, [n, T]).
+_Mixer = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@attrs.frozen
+class ForwardOut:
+    """``logits [n, vocab]`` (float32) and ``hidden [n, d_model]`` at each row's last token."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+@attrs.frozen
+class VerifyStates:
+    """Per Mamba layer (pool layer order), every verify position's state:
+    ``conv[m] [n, T, conv_dim, width - 1]``, ``ssm[m] [n, T, nheads, head_dim, d_state]``;
+    position ``t`` holds the state after the row's token ``t``."""
+
+    conv: tuple[torch.Tensor, ...]
+    ssm: tuple[torch.Tensor, ...]
+
+
+@attrs.frozen
+class VerifyOut:
+    """``logits [n, T, vocab]`` (float32), ``hidden [n, T, d_model]``, and the states to commit from."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    states: VerifyStates
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the vocabulary (last) axis; ties go to the lowest token id."""
+    return logits.argmax(dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [..., heads, head_dim]`` at ``positions [...]``."""
+    half = x.shape[-1] // 2
+    inv_freq = (theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)).float()
+    angles = positions.float()[..., None] * inv_freq  # [..., half]
+    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    require(t.dtype == torch.int64, f"{name} must be int64, got {t.dtype}")
+    checks.check_tensor(name, t, shape=shape, device=device)
+
+
+class HybridModel:
+    """Config + weights, and the forward entry points over the backend state (see module doc)."""
+
+    def __init__(self, config: HybridConfig, weights: Weights) -> None:
+        check_weights(config, weights)
+        self.config = config
+        self.weights = weights
+
+    @classmethod
+    def from_seed(
+        cls,
+        config: HybridConfig,
+        seed: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> HybridModel:
+        return cls(config, init_weights(config, seed, dtype=dtype, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights["embed"].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights["embed"].dtype
+
+    # ---- backend state of the right shapes --------------------------------------------------
+
+    def new_pool(
+        self,
+        capacity: int,
+        *,
+        pool_id: PoolId = TARGET_POOL,
+        conv_dtype: torch.dtype = torch.float32,
+        ssm_dtype: torch.dtype = torch.float32,
+    ) -> MambaStatePool:
+        return MambaStatePool(pool_id, self.config.pool_layout(conv_dtype, ssm_dtype), capacity, device=self.device)
+
+    def new_kv_cache(self, capacity: int) -> KVCache:
+        return KVCache.for_config(self.config, capacity, dtype=self.dtype, device=self.device)
+
+    def new_token_table(self, max_slots: int, max_len: int) -> TokenTable:
+        return TokenTable(max_slots, max_len, device=self.device)
+
+    # ---- building blocks ----------------------------------------------------------------------
+
+    def _w(self, name: str) -> torch.Tensor:
+        return self.weights[name]
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ self.weights[name].T
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        p = f"layers.{i}.mlp"
+        x = rms_norm(h, self._w(f"layers.{i}.mlp_norm"), self.config.rms_eps)
+        return self._linear(F.silu(self._linear(x, f"{p}.gate_proj")) * self._linear(x, f"{p}.up_proj"), f"{p}.down_proj")
+
+    def _mamba_in(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [..., d_model]`` -> ``z [..., d_inner]``, ``xBC [..., conv_dim]``, ``dt [..., nheads]``."""
+        c = self.config
+        proj = self._linear(x, f"layers.{i}.mixer.in_proj")
+        z = proj[..., : c.d_inner]
+        xbc = proj[..., c.d_inner : c.d_inner + c.conv_dim]
+        dt = proj[..., c.d_inner + c.conv_dim :]
+        return z, xbc.contiguous(), dt
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``xBC [..., conv_dim]`` -> ``x [..., H, P]``, ``B, C [..., G, N]``."""
+        c = self.config
+        lead = xbc.shape[:-1]
+        gn = c.ngroups * c.d_state
+        x, B, C = xbc[..., : c.d_inner], xbc[..., c.d_inner : c.d_inner + gn], xbc[..., c.d_inner + gn :]
+        return (
+            x.reshape(*lead, c.nheads, c.head_dim),
+            B.reshape(*lead, c.ngroups, c.d_state),
+            C.reshape(*lead, c.ngroups, c.d_state),
+        )
+
+    def _ssm_params(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``A = -exp(A_log)`` (float32), ``D``, ``dt_bias``."""
+        p = f"layers.{i}.mixer"
+        return -torch.exp(self._w(f"{p}.A_log").float()), self._w(f"{p}.D"), self._w(f"{p}.dt_bias")
+
+    def _mamba_out(self, i: int, y: torch.Tensor) -> torch.Tensor:
+        """``y [..., H, P]`` (already gated by ``silu(z)``) -> group RMSNorm -> ``out_proj``."""
+        c = self.config
+        lead = y.shape[:-2]
+        grouped = y.reshape(*lead, c.ngroups, c.d_inner // c.ngroups)
+        ones = torch.ones(grouped.shape[-1], dtype=torch.float32, device=y.device)
+        normed = rms_norm(grouped, ones, c.rms_eps).reshape(*lead, c.d_inner) * self._w(f"layers.{i}.mixer.norm")
+        return self._linear(normed, f"layers.{i}.mixer.out_proj")
+
+    def _qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [..., d_model]`` at ``positions [...]`` -> rotated q, k and v, each ``[..., heads, head_dim]``."""
+        c = self.config
+        p = f"layers.{i}.mixer"
+        shape = (*x.shape[:-1], c.attn_heads, c.attn_head_dim)
+        q = self._linear(x, f"{p}.q_proj").reshape(shape)
+        k = self._linear(x, f"{p}.k_proj").reshape(shape)
+        v = self._linear(x, f"{p}.v_proj").reshape(shape)
+        return rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta), v
+
+    def _attend(
+        self, i: int, q: torch.Tensor, qpos: torch.Tensor, kv: KVCache, table: TokenTable, table_rows: torch.Tensor, ctx: int
+    ) -> torch.Tensor:
+        """``q [n, Tq, H, hd]`` at positions ``qpos [n, Tq]`` over ``table[rows, :ctx]`` -> ``o_proj`` output."""
+        locs = table.rows(table_rows, ctx)  # [n, ctx]
+        k, v = kv.gather(self.config.attn_index(i), locs)  # [n, ctx, H, hd]
+        scores = torch.einsum("nthd,nlhd->nhtl", q.float(), k.float()) / math.sqrt(q.shape[-1])
+        visible = torch.arange(ctx, device=q.device)[None, None, :] <= qpos[:, :, None]  # [n, Tq, ctx]
+        probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
+        out = torch.einsum("nhtl,nlhd->nthd", probs, v.float()).to(q.dtype)
+        return self._linear(out.reshape(*out.shape[:2], -1), f"layers.{i}.mixer.o_proj")
+
+    def _layers(self, h: torch.Tensor, mamba: _Mixer, attn: _Mixer) -> torch.Tensor:
+        for i, kind in enumerate(self.config.layers):
+            x = rms_norm(h, self._w(f"layers.{i}.norm"), self.config.rms_eps)
+            h = h + (mamba(i, x) if kind == "mamba" else attn(i, x))
+            h = h + self._mlp(i, h)
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self._linear(rms_norm(h, self._w("final_norm"), self.config.rms_eps), "lm_head").float()
+
+    def _check_rows(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, slots: torch.Tensor) -> None:
+        device = pool.device
+        specs = pool.layout.layers
+        require(
+            len(specs) == self.config.n_mamba
+            and all(s == self.config.mamba_spec(s.conv_dtype, s.ssm_dtype) for s in specs),
+            "the pool's layout does not match the model config",
+        )
+        require(kv.device == device and table.device == device, "pool, KV cache and table must share one device")
+        require(self.device == device, f"the model is on {self.device}, the pool on {device}")
+        checks.check_index("slots", slots, length=None, device=device)
+        checks.check_slot_rows("slots", slots, pool.num_slots)
+        if slots.numel():
+            require(int(slots.max()) <= table.max_slots, f"slots exceed the token table's rows (max {table.max_slots})")
+
+    # ---- entry points -------------------------------------------------------------------------
+
+    def extend(
+        self,
+        pool: MambaStatePool,
+        kv: KVCache,
+        table: TokenTable,
+        *,
+        slots: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+    ) -> ForwardOut:
+        """Prefill / chunked continuation of ``n`` packed sequences (each at least one token).
+
+        Sequence ``i`` is ``input_ids[cu_seqlens[i]:cu_seqlens[i+1]]`` at positions
+        ``prefix_lens[i] + 0, 1, ...``; it starts from the Mamba state in ``slots[i]`` and leaves
+        its final state there; attention sees positions ``< prefix_lens[i]`` through the table.
+        """
+        device = pool.device
+        self._check_rows(pool, kv, table, slots)
+        n = slots.shape[0]
+        total = input_ids.shape[0] if input_ids.dim() == 1 else -1
+        _check_index("cu_seqlens", cu_seqlens, (n + 1,), device)
+        _check_index("prefix_lens", prefix_lens, (n,), device)
+        _check_index("input_ids", input_ids, (total,), device)
+        _check_index("positions", positions, (total,), device)
+        _check_index("kv_locs", kv_locs, (total,), device)
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        require(bounds[0] == 0 and bounds[-1] == total, f"cu_seqlens must run from 0 to {total}")
+        require(all(length >= 1 for length in lens), f"every sequence needs at least one token, got lengths {lens[:8]}")
+        c = self.config
+        if n == 0:
+            return ForwardOut(torch.zeros((0, c.vocab), device=device), torch.zeros((0, c.d_model), dtype=self.dtype, device=device))
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+        seq_of = torch.repeat_interleave(torch.arange(n, device=device), lens_t)  # [total]
+        offset = torch.arange(total, device=device) - cu_seqlens[seq_of]  # token index within its sequence
+        require(torch.equal(positions, prefix_lens[seq_of] + offset), "positions must be prefix_lens[i] + 0, 1, ... per sequence")
+        ctx = int((prefix_lens + lens_t).max())
+        require(ctx <= table.max_len, f"context {ctx} exceeds the token table's max_len {table.max_len}")
+
+        live = slots[seq_of] >= 0
+        locs = torch.where(live, kv_locs, 0)
+        table.write(slots[seq_of], positions, locs)
+        t_max = max(lens)
+        qpos = torch.zeros((n, t_max), dtype=torch.int64, device=device)
+        qpos[seq_of, offset] = positions
+
+        def mamba(i: int, x: torch.Tensor) -> torch.Tensor:
+            m = c.mamba_index(i)
+            p = f"layers.{i}.mixer"
+            z, xbc, dt = self._mamba_in(i, x)
+            xbc = causal_conv1d_prefill(
+                xbc, pool.conv_state(m), self._w(f"{p}.conv_weight"), self._w(f"{p}.conv_bias"),
+                silu=True, cu_seqlens=cu_seqlens, slot_idx=slots, check_slots=False,
+            )
+            xs, B, C = self._split_xbc(xbc)
+            A, D, dt_bias = self._ssm_params(i)
+            y = ssd_prefill(
+                pool.ssm_state(m), xs, dt.contiguous(), A, B, C, D,
+                z=z.reshape(total, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=True,
+                cu_seqlens=cu_seqlens, slot_idx=slots, chunk_size=c.chunk_size, check_slots=False,
+            )
+            return self._mamba_out(i, y)
+
+        def attn(i: int, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self._qkv(i, x, positions)
+            kv.write(c.attn_index(i), locs, k, v)
+            q_pad = torch.zeros((n, t_max, *q.shape[1:]), dtype=q.dtype, device=device)
+            q_pad[seq_of, offset] = q
+            out = self._attend(i, q_pad, qpos, kv, table, slots, ctx)
+            return out[seq_of, offset]
+
+        h = self._layers(self._w("embed")[input_ids], mamba, attn)
+        last = h[cu_seqlens[1:] - 1]
+        return ForwardOut(self._logits(last), last)
+
+    def decode(
+        self,
+        pool: MambaStatePool,
+        kv: KVCache,
+        table: TokenTable,
+        *,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+    ) -> ForwardOut:
+        """One token per row at ``positions``; each slot's Mamba state advances in place."""
+        self._check_rows(pool, kv, table, slots)
+        n = slots.shape[0]
+        for name, t in (("input_ids", input_ids), ("positions", positions), ("kv_locs", kv_locs)):
+            _check_index(name, t, (n,), pool.device)
+        return self._decode(pool, slots, kv, table, slots, input_ids, positions, kv_locs)
+
+    def _decode(
+        self,
+        pool: MambaStatePool,
+        pool_rows: torch.Tensor,
+        kv: KVCache,
+        table: TokenTable,
+        table_rows: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+    ) -> ForwardOut:
+        """Decode with the Mamba state in ``pool[pool_rows]`` and the context in ``table[table_rows]``
+        (different for ``propose``, which runs on a scratch pool). Inputs validated by the caller."""
+        c = self.config
+        device = pool.device
+        n = input_ids.shape[0]
+        if n == 0:
+            return ForwardOut(torch.zeros((0, c.vocab), device=device), torch.zeros((0, c.d_model), dtype=self.dtype, device=device))
+        ctx = int(positions.max()) + 1
+        require(int(positions.min()) >= 0 and ctx <= table.max_len, f"positions must lie in [0, {table.max_len})")
+        locs = torch.where(table_rows >= 0, kv_locs, 0)
+        table.write(table_rows, positions, locs)
+
+        def mamba(i: int, x: torch.Tensor) -> torch.Tensor:
+            m = c.mamba_index(i)
+            p = f"layers.{i}.mixer"
+            z, xbc, dt = self._mamba_in(i, x)
+            xbc = causal_conv1d_update(
+                xbc, pool.conv_state(m), self._w(f"{p}.conv_weight"), self._w(f"{p}.conv_bias"),
+                silu=True, slot_idx=pool_rows, check_slots=False,
+            )
+            xs, B, C = self._split_xbc(xbc)
+            A, D, dt_bias = self._ssm_params(i)
+            y = selective_state_update(
+                pool.ssm_state(m), xs, dt.contiguous(), A, B, C, D,
+                z=z.reshape(n, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=True,
+                slot_idx=pool_rows, check_slots=False,
+            )
+            return self._mamba_out(i, y)
+
+        def attn(i: int, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self._qkv(i, x, positions)
+            kv.write(c.attn_index(i), locs, k, v)
+            return self._attend(i, q[:, None], positions[:, None], kv, table, table_rows, ctx)[:, 0]
+
+        h = self._layers(self._w("embed")[input_ids], mamba, attn)
+        return ForwardOut(self._logits(h), h)
+
+    def verify(
+        self,
+        pool: MambaStatePool,
+        kv: KVCache,
+        table: TokenTable,
+        *,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+    ) -> VerifyOut:
+        """``T`` consecutive positions per row from the committed state; the pool is only read.
+
+        KV and table entries are written for all ``T`` positions (rejected ones are overwritten
+        when those positions are processed again). ``commit`` then makes a position's state the
+        committed one.
+        """
+        c = self.config
+        device = pool.device
+        self._check_rows(pool, kv, table, slots)
+        n = slots.shape[0]
+        T = input_ids.shape[1] if input_ids.dim() == 2 else -1
+        for name, t in (("input_ids", input_ids), ("positions", positions), ("kv_locs", kv_locs)):
+            _check_index(name, t, (n, T), device)
+        require(T >= 1, "verify needs at least one position per row")
+        if n == 0:
+            conv = tuple(torch.zeros((0, T, *pool.conv_state(m).shape[1:]), dtype=pool.conv_state(m).dtype, device=device)
+                         for m in range(c.n_mamba))
+            ssm = tuple(torch.zeros((0, T, *pool.ssm_state(m).shape[1:]), dtype=pool.ssm_state(m).dtype, device=device)
+                        for m in range(c.n_mamba))
+            return VerifyOut(
+                torch.zeros((0, T, c.vocab), device=device),
+                torch.zeros((0, T, c.d_model), dtype=self.dtype, device=device),
+                VerifyStates(conv, ssm),
+            )
+        steps = torch.arange(T, device=device)
+        require(torch.equal(positions, positions[:, :1] + steps), "verify positions must be consecutive per row")
+        ctx = int(positions.max()) + 1
+        require(int(positions.min()) >= 0 and ctx <= table.max_len, f"positions must lie in [0, {table.max_len})")
+        live = (slots >= 0)[:, None].expand(n, T)
+        locs = torch.where(live, kv_locs, 0)
+        table.write(slots[:, None].expand(n, T), positions, locs)
+        conv_states: list[torch.Tensor] = []
+        ssm_states: list[torch.Tensor] = []
+
+        def mamba(i: int, x: torch.Tensor) -> torch.Tensor:
+            m = c.mamba_index(i)
+            p = f"layers.{i}.mixer"
+            z, xbc, dt = self._mamba_in(i, x)
+            xbc, conv_st = causal_conv1d_verify(
+                xbc, pool.conv_state(m), self._w(f"{p}.conv_weight"), self._w(f"{p}.conv_bias"),
+                silu=True, slot_idx=slots, check_slots=False,
+            )
+            xs, B, C = self._split_xbc(xbc)
+            A, D, dt_bias = self._ssm_params(i)
+            y, ssm_st = selective_state_verify(
+                pool.ssm_state(m), xs, dt.contiguous(), A, B, C, D,
+                z=z.reshape(n, T, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=True,
+                slot_idx=slots, check_slots=False,
+            )
+            conv_states.append(conv_st)
+            ssm_states.append(ssm_st)
+            return self._mamba_out(i, y)
+
+        def attn(i: int, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self._qkv(i, x, positions)
+            kv.write(c.attn_index(i), locs.reshape(-1), k.reshape(n * T, *k.shape[2:]), v.reshape(n * T, *v.shape[2:]))
+            return self._attend(i, q, positions, kv, table, slots, ctx)
+
+        h = self._layers(self._w("embed")[input_ids], mamba, attn)
+        return VerifyOut(self._logits(h), h, VerifyStates(tuple(conv_states), tuple(ssm_states)))
+
+    def commit(self, pool: MambaStatePool, states: VerifyStates, *, accept_pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """Per row, the state after verify position ``accept_pos[row]`` becomes ``slots[row]``'s
+        committed state in every Mamba layer; ``-1`` (or slot ``-1``) commits nothing."""
+        require(len(states.conv) == len(states.ssm) == self.config.n_mamba, "states do not match the model's Mamba layers")
+        for m in range(self.config.n_mamba):
+            commit_accepted(pool.conv_state(m), states.conv[m], accept_pos, slots)
+            commit_accepted(pool.ssm_state(m), states.ssm[m], accept_pos, slots)
+
+    def propose(
+        self,
+        pool: MambaStatePool,
+        kv: KVCache,
+        table: TokenTable,
+        *,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+        k: int,
+    ) -> torch.Tensor:
+        """Draft proposal: ``k`` greedy steps per row from the committed state, feeding
+        ``input_ids`` (at ``positions``) first and then each step's argmax; returns ``[n, k]``.
+
+        The pool is not written: the rows are gathered into a scratch pool first. Step ``j`` writes
+        the KV of the token it feeds at ``kv_locs[:, j]`` (table entry ``positions + j``).
+        """
+        device = pool.device
+        self._check_rows(pool, kv, table, slots)
+        n = slots.shape[0]
+        require(k >= 1, f"k must be positive, got {k}")
+        _check_index("input_ids", input_ids, (n,), device)
+        _check_index("positions", positions, (n,), device)
+        _check_index("kv_locs", kv_locs, (n, k), device)
+        tokens = torch.zeros((n, k), dtype=torch.int64, device=device)
+        if n == 0:
+            return tokens
+        scratch = MambaStatePool(pool.pool_id, pool.layout, n, device=device)
+        scratch.buffer[1:] = pool.buffer[slots.clamp(min=0)]
+        rows = torch.where(slots >= 0, torch.arange(1, n + 1, device=device), -1)
+        fed = input_ids
+        for j in range(k):
+            out = self._decode(scratch, rows, kv, table, slots, fed, positions + j, kv_locs[:, j].contiguous())
+            fed = greedy(out.logits)
+            tokens[:, j] = fed
+        return tokens

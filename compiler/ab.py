@@ -1,0 +1,126 @@
+"""``batchc ab``: the seed bug, side by side in one run.
+
+The same prompts (some sharing a cached prefix, so their slots start with a COW, the rest fresh
+with a clear), with continuous batching (at most ``max_running`` live, new requests join as others
+finish), go through:
+
+1. plain greedy decoding of the target (``SpecDriver`` with ``k = 0``): the reference output;
+2. the compiled pipeline with speculative decoding (``SpecDriver``);
+3. the mutable baseline (``MutableSpecEngine``), pre-fix;
+4. the mutable baseline with the upstream fix, for comparison;
+5. the pre-fix baseline once more with a ledger on its runners, which refuses the first replay.
+
+Reported per run: acceptance rate, init ops executed per pool, replays, and whether the output
+equals plain greedy. The draft model is the target plus Gaussian weight noise (``draft_noise``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Protocol
+
+import attrs
+
+from backend.hybrid.config import tiny
+from backend.hybrid.model import HybridModel
+from backend.hybrid.weights import perturb
+from backend.ledger import Ledger
+from compiler.baseline_spec import MutableSpecEngine
+from compiler.spec_driver import Checkpoint, SpecDriver, SpecStats
+from compiler.workload import SNIPPETS, SYSTEM_PREFIXES
+from ir.errors import ResourceReplayError
+from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
+
+DRAFT_NOISE = 0.05
+"""Relative weight noise of the default draft: speculative acceptance about 0.6-0.8 at k = 1..4."""
+
+
+class _Engine(Protocol):
+    stats: SpecStats
+
+    def make_checkpoint(self, tokens: list[int]) -> Checkpoint: ...
+    def admit(self, rid: RequestId, prompt: list[int], *, max_new_tokens: int, checkpoint: Checkpoint | None = None) -> None: ...
+    def step(self) -> str: ...
+    def release_checkpoint(self, cp: Checkpoint) -> None: ...
+    @property
+    def live(self) -> int: ...
+
+
+@attrs.frozen(kw_only=True)
+class Prompt:
+    rid: RequestId
+    tokens: tuple[int, ...]
+    prefix: int  # index into SYSTEM_PREFIXES (shared, cached), or -1
+
+
+def ab_prompts(n: int, seed: int) -> list[Prompt]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prefix = rng.choice((-1, 0, 1))
+        body = rng.choice(SNIPPETS)[: rng.randint(8, 24)]
+        text = (SYSTEM_PREFIXES[prefix] if prefix >= 0 else b"") + body
+        out.append(Prompt(rid=RequestId(i), tokens=tuple(text), prefix=prefix))
+    return out
+
+
+def serve(engine: _Engine, prompts: list[Prompt], *, max_new_tokens: int, max_running: int) -> float:
+    """Continuous batching: keep at most ``max_running`` requests live; returns wall seconds."""
+    t0 = time.perf_counter()
+    cps = [engine.make_checkpoint(list(p)) for p in SYSTEM_PREFIXES]
+    queue = list(prompts)
+    while queue or engine.live:
+        while queue and engine.live < max_running:
+            p = queue.pop(0)
+            engine.admit(p.rid, list(p.tokens), max_new_tokens=max_new_tokens, checkpoint=cps[p.prefix] if p.prefix >= 0 else None)
+        engine.step()
+    for cp in cps:
+        engine.release_checkpoint(cp)
+    return time.perf_counter() - t0
+
+
+def run_ab(*, k: int = 2, requests: int = 12, max_new_tokens: int = 24, max_running: int = 4, draft_noise: float = DRAFT_NOISE, seed: int = 0) -> dict[str, object]:
+    target = HybridModel.from_seed(tiny(), seed=seed)
+    draft = HybridModel(target.config, perturb(target.weights, draft_noise, seed=seed + 1))
+    prompts = ab_prompts(requests, seed)
+    kw = {"max_new_tokens": max_new_tokens, "max_running": max_running}
+
+    greedy = SpecDriver(target, None, k=0)
+    serve(greedy, prompts, **kw)
+    compiled = SpecDriver(target, draft, k=k)
+    t_c = serve(compiled, prompts, **kw)
+    compiled.ledger.assert_drained()
+    rows: dict[str, object] = {}
+    tc, dc = compiled.ledger.counts(TARGET_POOL), compiled.ledger.counts(DRAFT_POOL)
+    rows["compiled"] = {
+        "acceptance_rate": compiled.stats.acceptance_rate,
+        "mean_accepted_length": compiled.stats.mean_accepted_length,
+        "init_ops_target": tc.clears + tc.cows,
+        "init_ops_draft": dc.clears + dc.cows,
+        "replays": compiled.ledger.replays_blocked,
+        "outstanding_tickets": len(compiled.ledger.outstanding()),
+        "equals_greedy": compiled.outputs == greedy.outputs,
+        "wall_s": t_c,
+    }
+    for name, fixed in (("mutable_baseline", False), ("mutable_baseline_fixed", True)):
+        base = MutableSpecEngine(target, draft, k=k, fixed=fixed)
+        t_b = serve(base, prompts, **kw)
+        rows[name] = {
+            "acceptance_rate": base.stats.acceptance_rate,
+            "mean_accepted_length": base.stats.mean_accepted_length,
+            "init_ops_target": base.t.runner.clears_executed + base.t.runner.cows_executed,
+            "init_ops_draft": base.d.runner.clears_executed + base.d.runner.cows_executed,
+            "replays": base.replays,
+            "outstanding_tickets": None,
+            "equals_greedy": {RequestId(r): o for r, o in base.outputs.items()} == greedy.outputs,
+            "wall_s": t_b,
+        }
+    guarded = MutableSpecEngine(target, draft, k=k, ledger=Ledger())
+
+    try:
+        serve(guarded, prompts, **kw)
+        refusal = "no replay happened"
+    except ResourceReplayError as exc:
+        refusal = f"ResourceReplayError: {exc}"
+    return {"k": k, "requests": requests, "max_new_tokens": max_new_tokens, "draft_noise": draft_noise, "runs": rows, "ledger_on_baseline": refusal}

@@ -1,0 +1,227 @@
+"""The mutable baseline driven through the speculative flow, on the same models as ``SpecDriver``.
+
+One long-lived ``ScheduleBatch`` per the pre-fix engine (``compiler.baseline_mutable``): every
+forward object of an iteration (draft decode, target verify, draft extend) is built from it by
+``get_model_worker_batch``; ``prepare_for_decode`` takes the spec early return; the first prefill
+batch becomes the running batch, so its deferred init indices ride along until a request finishes.
+The target and draft ``ModelRunner``s execute whatever init indices reach a prefill-path forward
+(EXTEND, DRAFT_EXTEND) on their own pool before the model runs, so the draft side replays the stale
+clears and COWs on live state every iteration, for real, and only the speed suffers: verification
+keeps the output equal to greedy.
+
+With ``ledger=`` both runners consume the init ops through tickets and the first replay raises
+``ResourceReplayError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from backend.allocator import KVAllocator, SlotAllocator
+from backend.hybrid.kv import KVCache, TokenTable
+from backend.hybrid.model import HybridModel, greedy
+from backend.ledger import Ledger
+from backend.pool import MambaStatePool
+from compiler.baseline_mutable import ForwardMode, ModelRunner, Req, ScheduleBatch
+from compiler.spec_driver import Checkpoint, SpecStats
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId
+
+
+class _Side:
+    """One model with its pool, KV cache, token table and init-op runner."""
+
+    def __init__(self, model: HybridModel, pool_id: PoolId, capacity: int, kv_capacity: int, max_len: int, ledger: Ledger | None) -> None:
+        self.model = model
+        self.pool: MambaStatePool = model.new_pool(capacity, pool_id=pool_id)
+        self.kv: KVCache = model.new_kv_cache(kv_capacity)
+        self.table: TokenTable = model.new_token_table(capacity, max_len)
+        self.runner = ModelRunner(self.pool, ledger)
+
+
+def _i64(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+class MutableSpecEngine:
+    def __init__(
+        self,
+        target: HybridModel,
+        draft: HybridModel,
+        *,
+        k: int,
+        capacity: int = 16,
+        kv_capacity: int = 4096,
+        max_len: int = 512,
+        fixed: bool = False,
+        ledger: Ledger | None = None,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"the baseline's speculative path needs k >= 1, got {k}")
+        self.k = k
+        self.fixed = fixed
+        self.slots = SlotAllocator(capacity)
+        self.kvs = KVAllocator(kv_capacity)
+        self.t = _Side(target, TARGET_POOL, capacity, kv_capacity, max_len, ledger)
+        self.d = _Side(draft, DRAFT_POOL, capacity, kv_capacity, max_len, ledger)
+        self.running: ScheduleBatch | None = None
+        self.waiting: list[tuple[Req, int, Checkpoint | None]] = []
+        self.committed: dict[int, int] = {}  # rid -> committed tokens
+        self.kv_of: dict[int, list[int]] = {}
+        self.outputs: dict[int, list[int]] = {}
+        self.max_new: dict[int, int] = {}
+        self.stats = SpecStats()
+
+    def admit(self, rid: int, prompt: Sequence[int], *, max_new_tokens: int, checkpoint: Checkpoint | None = None) -> None:
+        req = Req(rid=rid, slot=0, prompt=list(prompt), prefix_len=len(checkpoint.tokens) if checkpoint else 0,
+                  checkpoint=int(checkpoint.slot) if checkpoint else None)
+        self.waiting.append((req, max_new_tokens, checkpoint))
+        self.max_new[rid] = max_new_tokens
+
+    def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
+        """The same prefix checkpoint as ``SpecDriver.make_checkpoint``, built with plain torch calls."""
+        slot = self.slots.alloc()
+        kv = self.kvs.alloc_many(len(tokens))
+        batch = ScheduleBatch(spec_enabled=True, fixed=self.fixed)
+        batch.prepare_for_extend([Req(rid=-1 - int(slot), slot=int(slot), prompt=list(tokens))], torch.from_numpy(kv.copy()))
+        for side in (self.t, self.d):
+            side.runner.forward(batch.get_model_worker_batch(ForwardMode.EXTEND))  # the clear of the fresh slot
+            self._extend(side, [int(slot)], [0], [list(tokens)], [kv.tolist()])
+        return Checkpoint(slot=MambaSlot(int(slot)), tokens=tuple(tokens), kv_locs=tuple(int(x) for x in kv))
+
+    # -- model calls --------------------------------------------------------------------------
+
+    @staticmethod
+    def _extend(side: _Side, slots: list[int], prefix: list[int], tokens: list[list[int]], kv: list[list[int]]) -> torch.Tensor:
+        lens = [len(t) for t in tokens]
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(_i64(lens), 0)
+        positions = _i64([p + j for p, n in zip(prefix, lens, strict=True) for j in range(n)])
+        return side.model.extend(
+            side.pool, side.kv, side.table, slots=_i64(slots), cu_seqlens=cu, prefix_lens=_i64(prefix),
+            input_ids=_i64([t for row in tokens for t in row]), positions=positions, kv_locs=_i64([x for row in kv for x in row]),
+        ).logits
+
+    # -- the engine loop ----------------------------------------------------------------------
+
+    def step(self) -> str:
+        if self.waiting:
+            self._prefill()
+            return "extend"
+        if self.running is None or not self.running.reqs:
+            return "idle"
+        self._speculate()
+        return "spec"
+
+    def _prefill(self) -> None:
+        reqs = []
+        for req, _, cp in self.waiting:
+            req.slot = int(self.slots.alloc())
+            kv = self.kvs.alloc_many(len(req.prompt) - req.prefix_len).tolist()
+            self.kv_of[req.rid] = kv
+            if cp is not None:
+                for side in (self.t, self.d):
+                    side.table.copy_prefix(int(cp.slot), req.slot, req.prefix_len)
+            reqs.append(req)
+        self.waiting.clear()
+        batch = ScheduleBatch(spec_enabled=True, fixed=self.fixed)
+        batch.prepare_for_extend(reqs, _i64([x for r in reqs for x in self.kv_of[r.rid]]))
+        logits = None
+        for side in (self.t, self.d):
+            fb = batch.get_model_worker_batch(ForwardMode.EXTEND)
+            side.runner.forward(fb)  # executes the deferred clears/COWs, then nulls fb's copies only
+            out = self._extend(
+                side, [r.slot for r in reqs], [r.prefix_len for r in reqs], [r.prompt[r.prefix_len :] for r in reqs],
+                [self.kv_of[r.rid] for r in reqs],
+            )
+            logits = out if side is self.t else logits
+        assert logits is not None
+        first = greedy(logits).tolist()
+        for r, tok in zip(reqs, first, strict=True):
+            self.outputs[r.rid] = [int(tok)]
+            self.committed[r.rid] = len(r.prompt)
+        batch.output_ids = _i64(first)
+        self.stats.prefills += 1
+        if self.running is None or not self.running.reqs:
+            self.running = batch  # the prefill batch becomes the running batch, fields and all
+        else:
+            self.running.merge_batch(batch)
+        self._finish()
+
+    def _speculate(self) -> None:
+        rb = self.running
+        assert rb is not None
+        k, reqs = self.k, list(rb.reqs)
+        rb.prepare_for_decode(_i64([]))  # spec mode: early return, the deferred init fields stay
+        pending = [self.outputs[r.rid][-1] for r in reqs]
+        slots = [r.slot for r in reqs]
+        c = [self.committed[r.rid] for r in reqs]
+        window = self.kvs.alloc_many(len(reqs) * (k + 1)).reshape(len(reqs), k + 1)
+        positions = _i64(c)[:, None] + torch.arange(k + 1)[None, :]
+        wt = torch.from_numpy(window.copy())
+        # draft decode (proposal): a DECODE-path forward of the draft runner
+        self.d.runner.forward(rb.get_model_worker_batch(ForwardMode.DECODE))
+        proposals = self.d.model.propose(
+            self.d.pool, self.d.kv, self.d.table, slots=_i64(slots), input_ids=_i64(pending),
+            positions=positions[:, 0].contiguous(), kv_locs=wt[:, :k].contiguous(), k=k,
+        )
+        # target verify (the upstream fix of the earlier variant keeps init ops out of it)
+        self.t.runner.forward(rb.get_model_worker_batch(ForwardMode.TARGET_VERIFY))
+        ids = torch.cat((_i64(pending)[:, None], proposals), dim=1)
+        out = self.t.model.verify(self.t.pool, self.t.kv, self.t.table, slots=_i64(slots), input_ids=ids, positions=positions, kv_locs=wt)
+        predicted = greedy(out.logits)
+        matches = (proposals == predicted[:, :k]).to(torch.int64)
+        accepted = matches.cumprod(dim=1).sum(dim=1)
+        bonus = predicted[torch.arange(len(reqs)), accepted]
+        self.t.model.commit(self.t.pool, out.states, accept_pos=accepted, slots=_i64(slots))
+        # draft extend over the accepted tokens: built from the same long-lived batch
+        self.d.runner.forward(rb.get_model_worker_batch(ForwardMode.DRAFT_EXTEND))
+        acc = accepted.tolist()
+        self._extend(
+            self.d, slots, c, [ids[i, : acc[i] + 1].tolist() for i in range(len(reqs))],
+            [window[i, : acc[i] + 1].tolist() for i in range(len(reqs))],
+        )
+        for i, r in enumerate(reqs):
+            m = acc[i]
+            self.kvs.free_many(window[i, m + 1 :].tolist())
+            self.kv_of[r.rid].extend(window[i, : m + 1].tolist())
+            self.committed[r.rid] += m + 1
+            self.outputs[r.rid].extend(proposals[i, :m].tolist() + [int(bonus[i])])
+        self.stats.iterations += 1
+        self.stats.row_iterations += len(reqs)
+        self.stats.proposed += k * len(reqs)
+        self.stats.accepted += int(accepted.sum())
+        rb.output_ids = bonus
+        self._finish()
+
+    def _finish(self) -> None:
+        rb = self.running
+        if rb is None:
+            return
+        keep = [i for i, r in enumerate(rb.reqs) if len(self.outputs[r.rid]) < self.max_new[r.rid]]
+        done = [r for i, r in enumerate(rb.reqs) if i not in keep]
+        for r in done:
+            self.slots.free(r.slot)
+            self.kvs.free_many(self.kv_of.pop(r.rid))
+            self.outputs[r.rid] = self.outputs[r.rid][: self.max_new[r.rid]]
+        rb.filter_batch(keep)
+
+    def run_until_done(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if not self.waiting and (self.running is None or not self.running.reqs):
+                return
+            self.step()
+        raise RuntimeError(f"baseline still running after {max_steps} steps")
+
+    @property
+    def live(self) -> int:
+        return len(self.waiting) + (len(self.running.reqs) if self.running is not None else 0)
+
+    @property
+    def replays(self) -> int:
+        return self.t.runner.replays + self.d.runner.replays
+
+    def release_checkpoint(self, cp: Checkpoint) -> None:
+        self.slots.free(cp.slot)
+        self.kvs.free_many(cp.kv_locs)

@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
     dump = sub.add_parser("dump", help="print the IR after every pass of the built-in scenario")
     dump.add_argument("--verify", type=int, choices=(0, 1, 2), default=2, help="verify level while dumping (default 2)")
+    dump.add_argument("--spec", action="store_true", help="the speculative-decoding scenario (tiny hybrid model, k=2)")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="group", required=True, metavar="GROUP")
@@ -78,16 +79,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_dump(args: argparse.Namespace, console: Console) -> int:
-    from compiler.scenario import build_driver, run_scenario
+    from compiler.scenario import build_driver, run_scenario, run_spec_scenario
 
     pm = PassManager(verify_level=args.verify, record=True)
-    driver, checkpoint = build_driver(pm)
-    run_scenario(driver, checkpoint)
+    if args.spec:
+        run_spec_scenario(pm)
+    else:
+        driver, checkpoint = build_driver(pm)
+        run_scenario(driver, checkpoint)
+        driver.ledger.assert_drained()
     assert pm.trace is not None
     for i, (name, text) in enumerate(pm.trace, 1):
         console.print(f"[bold]== {i:03d} {name} ==[/bold]", highlight=False)
         console.out(text.rstrip("\n"), highlight=False)
-    driver.ledger.assert_drained()
     return 0
 
 

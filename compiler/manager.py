@@ -26,16 +26,15 @@ from typing import ParamSpec, TypeVar
 
 import attrs
 
-from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.errors import BatchcError
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.nodes import NODE_TYPES
 from ir.printer import dump
 from ir.verify import verify
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_IR_TYPES = (ExtendBatch, DecodeBatch, MixedBatch, IdleBatch, ExtendPlan, DecodePlan, MixedPlan, IdlePlan)
+_IR_TYPES = NODE_TYPES
 _EXCERPT_LINES = 12
 _EXCERPT_CHARS = 1500
 _HISTORY = 8

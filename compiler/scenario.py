@@ -53,3 +53,28 @@ def run_scenario(driver: Driver, checkpoint: MambaSlot, max_new_tokens: int = 4)
     driver.run_until_done()
     driver.step()  # IDLE
     driver.slots.free(checkpoint)
+
+
+SPEC_PREFIX = b"import os\n"
+SPEC_PROMPTS = (b"def add(a, b):", b"import os\nprint(os.sep)")
+
+
+def run_spec_scenario(pm: PassManager, *, k: int = 2, max_new_tokens: int = 6) -> None:
+    """Speculative decoding on the seeded tiny hybrid model (draft = target + 5% weight noise): a
+    checkpoint prefill, then a fresh and a cached-prefix request through draft, verify, accept,
+    commit and draft extend until both finish."""
+    from backend.hybrid.config import tiny
+    from backend.hybrid.model import HybridModel
+    from backend.hybrid.weights import perturb
+    from compiler.ab import DRAFT_NOISE
+    from compiler.spec_driver import SpecDriver
+
+    target = HybridModel.from_seed(tiny(), seed=0)
+    draft = HybridModel(target.config, perturb(target.weights, DRAFT_NOISE, seed=1))
+    driver = SpecDriver(target, draft, k=k, capacity=4, kv_capacity=256, max_len=64, pm=pm)
+    cp = driver.make_checkpoint(list(SPEC_PREFIX))
+    for rid, prompt in enumerate(SPEC_PROMPTS):
+        driver.admit(RequestId(rid), list(prompt), max_new_tokens=max_new_tokens, checkpoint=cp if prompt.startswith(SPEC_PREFIX) else None)
+    driver.run_until_done()
+    driver.release_checkpoint(cp)
+    driver.ledger.assert_drained()

@@ -25,3 +25,9 @@ Batch: TypeAlias = (
     ExtendBatch | DecodeBatch | MixedBatch | IdleBatch | DraftBatch | VerifyBatch | CommitBatch | DraftExtendBatch
 )
 Plan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | IdlePlan | DraftPlan | VerifyPlan | CommitPlan | DraftExtendPlan
+
+NODE_TYPES: tuple[type[Batch | Plan], ...] = (
+    ExtendBatch, DecodeBatch, MixedBatch, IdleBatch, DraftBatch, VerifyBatch, CommitBatch, DraftExtendBatch,
+    ExtendPlan, DecodePlan, MixedPlan, IdlePlan, DraftPlan, VerifyPlan, CommitPlan, DraftExtendPlan,
+)
+"""Every node class, for ``isinstance`` checks on values of unknown type (dumps, error excerpts)."""

@@ -8,7 +8,9 @@ Per plan, in this order: (1) check that the plan fits this backend (its tickets 
 every slot, the init ops' COW sources included, is in range and, with an allocator attached, live), raising ``PlanExecutionError`` or
 ``SlotError`` before anything is touched; (2) stage the plan's columns into tensors; (3) for a
 prefill plan with init ops, consume this pool's ticket through the ledger while applying its
-clears, then its copies; (4) call the model hook.
+clears, then its copies; (4) call the model hook; (5) for a prefill plan with prefix-cache
+snapshots, consume this pool's snapshot ticket while copying the requests' new states into their
+cache slots.
 
 A prefill plan whose tickets do not include this executor's pool is refused: it was lowered for
 other pools, and running it here would skip this pool's init ops. A ticket whose ops fail midway
@@ -28,10 +30,10 @@ from backend.ledger import Ledger
 from backend.model import ModelHook, NoOpModel, SpecModelHook
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, stage_decode, stage_extend, stage_window
-from backend.state_init import apply_init, check_init_fits
+from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit
 from ir._fields import I64
 from ir.errors import PlanExecutionError
-from ir.init import InitTicket
+from ir.init import InitTicket, SnapshotTicket
 from ir.nodes import Plan
 from ir.ids import TicketSerial
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -82,10 +84,15 @@ class Executor:
             self._check_slots(plan.decode.slots, "MixedPlan.decode")
             decode = stage_decode(plan.decode, self.pool.device)
         extend: StagedExtend = stage_extend(ext, self.pool.device)
+        snapshot = self._snapshot_ticket(ext)
         if ticket is not None:
             with self.ledger.consuming(ticket, self.pool.pool_id):
                 apply_init(self.pool, ticket.init)
-        return self.model.forward(plan, extend, decode, self.pool)
+        out = self.model.forward(plan, extend, decode, self.pool)
+        if snapshot is not None:
+            with self.ledger.consuming(snapshot, self.pool.pool_id):
+                apply_snapshot(self.pool, snapshot.snapshot)
+        return out
 
     def run_decode(self, plan: DecodePlan) -> torch.Tensor | None:
         self._check_slots(plan.slots, "DecodePlan")
@@ -140,6 +147,22 @@ class Executor:
             # a COW source is a checkpoint slot: reading a freed one would copy stale bytes
             init = ticket.init
             self.slots.check_live((*init.clear_slots, *init.cow_dst, *init.cow_src), f"init #{init.serial}")
+        return ticket
+
+    def _snapshot_ticket(self, plan: ExtendPlan) -> SnapshotTicket | None:
+        if not plan.snapshots:
+            return None
+        ticket = plan.snapshot_for(self.pool.pool_id)
+        if ticket is None:
+            pools = ", ".join(repr(t.pool) for t in plan.snapshots)
+            raise PlanExecutionError(
+                f"plan with snapshot #{plan.snapshots[0].serial} was lowered for pool(s) {pools}, "
+                f"not for this executor's pool {self.pool.pool_id!r}"
+            )
+        snap = ticket.snapshot
+        check_slots_fit(self.pool, f"snapshot #{snap.serial}", (("src", snap.src), ("dst", snap.dst)))
+        if self.slots is not None:
+            self.slots.check_live((*snap.src, *snap.dst), f"snapshot #{snap.serial}")
         return ticket
 
     def _check_slots(self, slots: I64, what: str) -> None:

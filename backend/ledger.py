@@ -1,4 +1,5 @@
-"""The ledger: the runtime half of the exactly-once guarantee for init tickets.
+"""The ledger: the runtime half of the exactly-once guarantee for one-shot tickets (init ops before a
+forward, prefix-cache snapshots after it).
 
 Every ticket is identified by ``(serial, pool)``. Its life: ``register`` (when its plan is lowered)
 -> ``consuming`` (while the backend applies its ops) -> consumed. Rules:
@@ -32,30 +33,32 @@ import attrs
 
 from ir.errors import ResourceLeakError, ResourceReplayError, UnknownTicketError, WrongPoolError
 from ir.ids import PoolId, TicketSerial
-from ir.init import InitTicket
+from ir.init import InitTicket, SnapshotTicket, Ticket
 
 _Key = tuple[TicketSerial, PoolId]
 
 
 @attrs.frozen(kw_only=True)
 class PoolCounts:
-    """Init ops consumed on one pool."""
+    """One-shot ops consumed on one pool (``tickets`` counts init tickets; snapshots are counted
+    per copied slot)."""
 
     tickets: int = 0
     clears: int = 0
     cows: int = 0
+    snapshots: int = 0
 
 
 class Ledger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._outstanding: dict[_Key, InitTicket] = {}
-        self._in_flight: dict[_Key, InitTicket] = {}
+        self._outstanding: dict[_Key, Ticket] = {}
+        self._in_flight: dict[_Key, Ticket] = {}
         self._consumed: set[_Key] = set()
         self._counts: Counter[tuple[PoolId, str]] = Counter()
         self.replays_blocked = 0
 
-    def register(self, tickets: Iterable[InitTicket]) -> None:
+    def register(self, tickets: Iterable[Ticket]) -> None:
         """Expect each ticket to be consumed exactly once; all or nothing."""
         items = list(tickets)
         with self._lock:
@@ -69,7 +72,7 @@ class Ledger:
                 self._outstanding.setdefault((t.serial, t.pool), t)
 
     @contextmanager
-    def consuming(self, ticket: InitTicket, pool: PoolId) -> Iterator[InitTicket]:
+    def consuming(self, ticket: Ticket, pool: PoolId) -> Iterator[Ticket]:
         """Hold ``ticket`` while its ops are applied to ``pool``; consumed only if the block succeeds."""
         key = (ticket.serial, ticket.pool)
         with self._lock:
@@ -93,15 +96,19 @@ class Ledger:
         with self._lock:
             del self._in_flight[key]
             self._consumed.add(key)
-            self._counts[(pool, "tickets")] += 1
-            self._counts[(pool, "clears")] += len(ticket.init.clear_slots)
-            self._counts[(pool, "cows")] += len(ticket.init.cow_dst)
+            if isinstance(ticket, InitTicket):
+                self._counts[(pool, "tickets")] += 1
+                self._counts[(pool, "clears")] += len(ticket.init.clear_slots)
+                self._counts[(pool, "cows")] += len(ticket.init.cow_dst)
+            else:
+                self._counts[(pool, "snapshot_tickets")] += 1
+                self._counts[(pool, "snapshots")] += len(ticket.snapshot.dst)
 
-    def is_consumed(self, ticket: InitTicket) -> bool:
+    def is_consumed(self, ticket: Ticket) -> bool:
         with self._lock:
             return (ticket.serial, ticket.pool) in self._consumed
 
-    def outstanding(self) -> tuple[InitTicket, ...]:
+    def outstanding(self) -> tuple[Ticket, ...]:
         """Registered tickets not yet consumed, oldest serial first."""
         with self._lock:
             return tuple(sorted(self._outstanding.values(), key=lambda t: (t.serial, t.pool)))
@@ -119,6 +126,7 @@ class Ledger:
                 tickets=self._counts[(pool, "tickets")],
                 clears=self._counts[(pool, "clears")],
                 cows=self._counts[(pool, "cows")],
+                snapshots=self._counts[(pool, "snapshots")],
             )
 
     @property
@@ -127,7 +135,10 @@ class Ledger:
             return len(self._consumed)
 
 
-def _ops(ticket: InitTicket) -> str:
+def _ops(ticket: Ticket) -> str:
+    if isinstance(ticket, SnapshotTicket):
+        snap = ticket.snapshot
+        return "snapshot [" + ", ".join(f"{s}->{d}" for s, d in zip(snap.src, snap.dst, strict=True)) + "]"
     init = ticket.init
     cows = ", ".join(f"{s}->{d}" for s, d in zip(init.cow_src, init.cow_dst, strict=True))
     return f"clear {list(init.clear_slots)}, cow [{cows}]"

@@ -16,16 +16,21 @@ import torch
 from backend.kernels.init_rows import init_rows
 from backend.pool import MambaStatePool
 from ir.errors import PlanExecutionError
-from ir.init import MambaInit
+from ir.ids import MambaSlot
+from ir.init import MambaInit, MambaSnapshot
+
+
+def check_slots_fit(pool: MambaStatePool, what: str, groups: tuple[tuple[str, tuple[MambaSlot, ...]], ...]) -> None:
+    for name, slots in groups:
+        for s in slots:
+            if not 1 <= s <= pool.capacity:
+                raise PlanExecutionError(f"{what}: {name} slot {s} out of range [1, {pool.capacity}] of pool {pool.pool_id!r}")
 
 
 def check_init_fits(pool: MambaStatePool, init: MambaInit) -> None:
-    for name, slots in (("clear", init.clear_slots), ("cow src", init.cow_src), ("cow dst", init.cow_dst)):
-        for s in slots:
-            if not 1 <= s <= pool.capacity:
-                raise PlanExecutionError(
-                    f"init #{init.serial}: {name} slot {s} out of range [1, {pool.capacity}] of pool {pool.pool_id!r}"
-                )
+    check_slots_fit(
+        pool, f"init #{init.serial}", (("clear", init.clear_slots), ("cow src", init.cow_src), ("cow dst", init.cow_dst))
+    )
 
 
 def apply_init(pool: MambaStatePool, init: MambaInit) -> None:
@@ -35,3 +40,13 @@ def apply_init(pool: MambaStatePool, init: MambaInit) -> None:
     src = torch.tensor(init.cow_src, dtype=torch.int64, device=dev)
     dst = torch.tensor(init.cow_dst, dtype=torch.int64, device=dev)
     init_rows(pool.buffer, clear, src, dst)
+
+
+def apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot) -> None:
+    """Copy each source row into its cache row (one launch of the same fused kernel, copies only)."""
+    check_slots_fit(pool, f"snapshot #{snap.serial}", (("src", snap.src), ("dst", snap.dst)))
+    dev = pool.device
+    none = torch.empty(0, dtype=torch.int64, device=dev)
+    src = torch.tensor(snap.src, dtype=torch.int64, device=dev)
+    dst = torch.tensor(snap.dst, dtype=torch.int64, device=dev)
+    init_rows(pool.buffer, none, src, dst)

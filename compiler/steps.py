@@ -50,7 +50,7 @@ class Pipeline:
     def prefill(self, requests: Sequence[AdmittedRequest]) -> tuple[ExtendBatch, ExtendPlan]:
         batch = self.pm.run("prepare_for_extend", prepare_for_extend, requests)
         plan: ExtendPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
-        self.ledger.register(plan.tickets)
+        self.ledger.register((*plan.tickets, *plan.snapshots))
         return batch, plan
 
     def mixed(
@@ -61,7 +61,7 @@ class Pipeline:
         decode = self.pm.run("prepare_for_decode", prepare_for_decode, running, ctx)
         batch = self.pm.run("mix_with_running", mix_with_running, extend, decode)
         plan: MixedPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
-        self.ledger.register(plan.tickets)
+        self.ledger.register((*plan.extend.tickets, *plan.extend.snapshots))
         return batch, plan
 
     def decode(self, batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext) -> tuple[DecodeBatch, DecodePlan]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ir._fields import BoolArray, I64, as_bool, as_i64, check_column, check_min, column_key
 from ir.errors import IRValidationError
-from ir.init import InitIntent, MambaInit
+from ir.init import InitIntent, MambaInit, MambaSnapshot
 
 
 def _intents(values: object) -> tuple[InitIntent, ...]:
@@ -107,6 +107,8 @@ def check_decode_columns(node: _DecodeColumns) -> None:
 class ExtendBatch:
     """A prefill forward (EXTEND): each request processes ``extend_lens[i]`` prompt tokens.
 
+    ``snapshot`` (optional) copies some requests' states into prefix-cache slots after the forward.
+
     ``prefix_lens[i]`` tokens of request ``i`` are already in its state and KV cache (a cached
     prefix or earlier chunks). ``more_chunks[i]`` is true when the prompt continues after this
     chunk, so the request does not sample a token and does not join the decode batch.
@@ -121,6 +123,7 @@ class ExtendBatch:
     input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
     kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
     init: MambaInit | None
+    snapshot: MambaSnapshot | None = None
 
     def __attrs_post_init__(self) -> None:
         self.check_fields()

@@ -9,6 +9,8 @@
   serial and the ledger refuses the second consumption.
 - ``InitTicket`` is a ``MambaInit`` addressed to one state pool. Lowering mints one per registered
   pool (target and each draft pool); the backend's ledger consumes each exactly once.
+- ``MambaSnapshot`` / ``SnapshotTicket``: the prefix cache's snapshot of a request's state into a
+  cache slot after the forward that reaches the prefix end; the same linear-resource rules.
 
 Invariants checked on construction (``IRValidationError``): slots are >= 1 (0 is the padding slot),
 ``len(cow_src) == len(cow_dst)``, no slot is cleared twice, no dst is written twice, a copy never
@@ -22,7 +24,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-from typing import final
+from typing import TypeAlias, final
 
 import attrs
 
@@ -139,3 +141,56 @@ class InitTicket:
 
     def __str__(self) -> str:
         return f"ticket #{self.serial} for pool {self.pool!r}"
+
+
+@final
+@attrs.frozen(kw_only=True)
+class MambaSnapshot:
+    """Prefix-cache snapshots of one forward: after the model runs, copy slot ``src[i]`` (a request's
+    live state at the end of this forward's tokens) into cache slot ``dst[i]``. One-shot like a
+    ``MambaInit``: its serial is its identity."""
+
+    serial: TicketSerial
+    src: tuple[MambaSlot, ...] = attrs.field(converter=_slots)
+    dst: tuple[MambaSlot, ...] = attrs.field(converter=_slots)
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        name = "MambaSnapshot"
+        if self.serial <= 0:
+            raise IRValidationError(name, "serial", self.serial, "must be positive (use ir.init.mint_serial())")
+        if not self.dst:
+            raise IRValidationError(name, "dst", self.dst, "a snapshot copies at least one slot")
+        if len(self.src) != len(self.dst):
+            raise IRValidationError(name, "dst", self.dst, f"length must equal len(src) ({len(self.src)})")
+        for field, slots in (("src", self.src), ("dst", self.dst)):
+            for s in slots:
+                if s < 1:
+                    raise IRValidationError(name, field, s, "slot must be >= 1 (slot 0 is the padding slot)")
+        _no_repeat(name, "dst", self.dst)
+        both = frozenset(self.src) & frozenset(self.dst)
+        if both:
+            s = min(both)
+            raise IRValidationError(name, "dst", s, f"slot {s} is both a snapshot source and a snapshot target")
+
+
+@final
+@attrs.frozen(kw_only=True)
+class SnapshotTicket:
+    """A ``MambaSnapshot`` addressed to one state pool; consumed exactly once there, after the forward."""
+
+    pool: PoolId
+    snapshot: MambaSnapshot
+
+    @property
+    def serial(self) -> TicketSerial:
+        return self.snapshot.serial
+
+    def __str__(self) -> str:
+        return f"snapshot ticket #{self.serial} for pool {self.pool!r}"
+
+
+Ticket: TypeAlias = InitTicket | SnapshotTicket
+"""Every one-shot resource the ledger tracks."""

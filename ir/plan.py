@@ -17,7 +17,7 @@ from ir._fields import BoolArray, I64, as_bool, as_i64, check_column, column_key
 from ir.batch import check_decode_columns, check_extend_columns
 from ir.errors import IRValidationError
 from ir.ids import PoolId
-from ir.init import InitTicket
+from ir.init import InitTicket, SnapshotTicket
 
 
 def _tickets(values: object) -> tuple[InitTicket, ...]:
@@ -47,6 +47,7 @@ class ExtendPlan:
     input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
     kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
     tickets: tuple[InitTicket, ...] = attrs.field(converter=_tickets)
+    snapshots: tuple[SnapshotTicket, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         self.check_fields()
@@ -61,6 +62,12 @@ class ExtendPlan:
 
     def ticket_for(self, pool: PoolId) -> InitTicket | None:
         for t in self.tickets:
+            if t.pool == pool:
+                return t
+        return None
+
+    def snapshot_for(self, pool: PoolId) -> SnapshotTicket | None:
+        for t in self.snapshots:
             if t.pool == pool:
                 return t
         return None

@@ -15,7 +15,7 @@ import numpy as np
 
 from ir._fields import I64
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
-from ir.init import InitIntent, InitTicket, MambaInit
+from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.nodes import Batch, Plan
 from ir.spec import (
@@ -64,6 +64,11 @@ def _init(init: MambaInit, names: _Names) -> str:
     clears = " ".join(names("s", s) for s in init.clear_slots)
     cows = " ".join(f"{names('s', a)}->{names('s', b)}" for a, b in zip(init.cow_src, init.cow_dst, strict=True))
     return f"{names('#', init.serial)} clear[{clears}] cow[{cows}]"
+
+
+def _snapshot(snap: MambaSnapshot, names: _Names) -> str:
+    pairs = " ".join(f"{names('s', a)}->{names('s', b)}" for a, b in zip(snap.src, snap.dst, strict=True))
+    return f"{names('#', snap.serial)} [{pairs}]"
 
 
 def _ticket(t: InitTicket, names: _Names) -> str:
@@ -126,6 +131,8 @@ def _dump(node: Batch | Plan, names: _Names, indent: str) -> list[str]:
         case ExtendBatch():
             lines = [f"{head} tokens={node.num_tokens}"]
             lines.append(f"{inner}init {_init(node.init, names)}" if node.init is not None else f"{inner}init none")
+            if node.snapshot is not None:
+                lines.append(f"{inner}snapshot {_snapshot(node.snapshot, names)}")
             return lines + _extend_rows(
                 names, node.rids, node.slots, node.prefix_lens, node.extend_lens, node.more_chunks.tolist(),
                 node.input_ids, node.kv_locs, node.intents, inner,
@@ -133,6 +140,7 @@ def _dump(node: Batch | Plan, names: _Names, indent: str) -> list[str]:
         case ExtendPlan():
             lines = [f"{head} tokens={node.input_ids.shape[0]}"]
             lines += [f"{inner}{_ticket(t, names)}" for t in node.tickets] or [f"{inner}tickets none"]
+            lines += [f"{inner}snapshot ticket {_snapshot(t.snapshot, names)} pool={t.pool}" for t in node.snapshots]
             return lines + _extend_rows(
                 names, node.rids, node.slots, node.prefix_lens, node.extend_lens, node.more_chunks.tolist(),
                 node.input_ids, node.kv_locs, None, inner,

@@ -36,6 +36,8 @@ class AdmittedRequest:
     intent: InitIntent
     checkpoint: MambaSlot | None = None
     more_chunks: bool = False
+    snapshot_to: MambaSlot | None = None
+    """After this forward, copy the request's state into this prefix-cache slot."""
 
     def __attrs_post_init__(self) -> None:
         self.check_fields()
@@ -55,6 +57,8 @@ class AdmittedRequest:
             )
         if self.prefix_len < 0:
             raise IRValidationError(name, "prefix_len", self.prefix_len, "must be >= 0")
+        if self.snapshot_to is not None and (self.snapshot_to < 1 or self.snapshot_to == self.slot):
+            raise IRValidationError(name, "snapshot_to", self.snapshot_to, "must be a cache slot >= 1 other than the request's own")
         match self.intent:
             case InitIntent.CLEAR:
                 if self.prefix_len != 0:

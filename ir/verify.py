@@ -55,6 +55,14 @@ def verify_extend_batch(batch: ExtendBatch, path: str = "ExtendBatch") -> None:
     _unique(f"{path}.kv_locs", batch.kv_locs, "KV location")
     clears = tuple(int(s) for s, i in zip(batch.slots, batch.intents, strict=True) if i is InitIntent.CLEAR)
     dsts = tuple(int(s) for s, i in zip(batch.slots, batch.intents, strict=True) if i is InitIntent.COW)
+    snap = batch.snapshot
+    if snap is not None:
+        live = frozenset(int(s) for s in batch.slots)
+        for j, (src, dst) in enumerate(zip(snap.src, snap.dst, strict=True)):
+            if src not in live:
+                raise IRVerificationError(f"{path}.snapshot.src[{j}]", f"slot {src} is not a request of this batch")
+            if dst in live:
+                raise IRVerificationError(f"{path}.snapshot.dst[{j}]", f"cache slot {dst} is the live slot of a request")
     init = batch.init
     if init is None:
         if clears or dsts:

@@ -19,7 +19,7 @@ import numpy as np
 from ir._fields import BoolArray, I64, frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.ids import RequestId
-from ir.init import MambaInit
+from ir.init import MambaInit, MambaSnapshot
 
 B = TypeVar("B", ExtendBatch, DecodeBatch)
 
@@ -60,6 +60,11 @@ def _filter_extend(batch: ExtendBatch, keep: BoolArray) -> ExtendBatch:
             if clears or pairs
             else None
         )
+    snapshot = batch.snapshot
+    if snapshot is not None:
+        kept = frozenset(int(s) for s in batch.slots[keep])
+        pairs = [(a, b) for a, b in zip(snapshot.src, snapshot.dst, strict=True) if a in kept]
+        snapshot = MambaSnapshot(serial=snapshot.serial, src=[a for a, _ in pairs], dst=[b for _, b in pairs]) if pairs else None
     return ExtendBatch(
         rids=frozen_i64(batch.rids[keep]),
         slots=frozen_i64(batch.slots[keep]),
@@ -70,4 +75,5 @@ def _filter_extend(batch: ExtendBatch, keep: BoolArray) -> ExtendBatch:
         input_ids=frozen_i64(batch.input_ids[token_keep]),
         kv_locs=frozen_i64(batch.kv_locs[token_keep]),
         init=init,
+        snapshot=snapshot,
     )

@@ -19,7 +19,7 @@ from ir._fields import build_unchecked
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.errors import IRValidationError
 from ir.ids import TARGET_POOL, PoolId
-from ir.init import InitTicket
+from ir.init import InitTicket, SnapshotTicket
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.nodes import Batch, Plan
 from ir.spec import (
@@ -52,7 +52,7 @@ class LowerContext:
 
 
 def _extend_plan(batch: ExtendBatch, ctx: LowerContext) -> ExtendPlan:
-    init = batch.init
+    init, snap = batch.init, batch.snapshot
     # The columns are the checked batch's own read-only arrays: no copy, no re-check.
     return build_unchecked(
         ExtendPlan,
@@ -64,6 +64,7 @@ def _extend_plan(batch: ExtendBatch, ctx: LowerContext) -> ExtendPlan:
         input_ids=batch.input_ids,
         kv_locs=batch.kv_locs,
         tickets=tuple(InitTicket(pool=p, init=init) for p in ctx.pools) if init is not None else (),
+        snapshots=tuple(SnapshotTicket(pool=p, snapshot=snap) for p in ctx.pools) if snap is not None else (),
     )
 
 

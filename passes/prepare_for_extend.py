@@ -5,7 +5,10 @@ Post: the batch's columns follow the request order; ``init`` holds one clear per
 request and one COW ``checkpoint -> slot`` per ``COW`` request, in request order, under a freshly
 minted serial, or is ``None`` when every request is a chunked continuation.
 
-Minting the serial is the pass's one impurity: it is what makes the init ops of this forward a
+Requests with ``snapshot_to`` contribute a ``MambaSnapshot`` (their slot -> that cache slot, after
+the forward) under its own serial.
+
+Minting serials is the pass's one impurity: it is what makes the init ops of this forward a
 linear resource with an identity that survives copies.
 """
 
@@ -19,7 +22,7 @@ from ir._fields import frozen_i64
 from ir.batch import ExtendBatch
 from ir.errors import PreconditionError
 from ir.ids import MambaSlot
-from ir.init import InitIntent, MambaInit, mint_serial
+from ir.init import InitIntent, MambaInit, MambaSnapshot, mint_serial
 from ir.request import AdmittedRequest
 
 
@@ -37,6 +40,10 @@ def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
             src.append(r.checkpoint)
             dst.append(r.slot)
     init = MambaInit(serial=mint_serial(), clear_slots=clears, cow_src=src, cow_dst=dst) if clears or dst else None
+    snap = [(r.slot, r.snapshot_to) for r in requests if r.snapshot_to is not None]
+    snapshot = (
+        MambaSnapshot(serial=mint_serial(), src=[a for a, _ in snap], dst=[b for _, b in snap]) if snap else None
+    )
     return ExtendBatch(
         rids=frozen_i64([r.rid for r in requests]),
         slots=frozen_i64([r.slot for r in requests]),
@@ -47,4 +54,5 @@ def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
         input_ids=np.concatenate([r.input_ids for r in requests]),
         kv_locs=np.concatenate([r.kv_locs for r in requests]),
         init=init,
+        snapshot=snapshot,
     )

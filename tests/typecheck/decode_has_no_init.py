@@ -21,3 +21,8 @@ def carry_init_into_decode(extend: ExtendBatch, ctx: DecodeContext) -> None:
         init=extend.init,
     )
     decode.rids = extend.rids  # type: ignore[misc]  # assigning a frozen field
+
+
+def carry_snapshot_into_decode(extend: ExtendBatch, ctx: DecodeContext) -> None:
+    decode = prepare_for_decode(extend, ctx)
+    decode.snapshot  # type: ignore[attr-defined]  # nor a prefix-cache snapshot

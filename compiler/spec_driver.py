@@ -1,26 +1,35 @@
-"""The speculative-decoding driver: continuous batching over a target model and a draft model, each
-with its own Mamba pool, KV cache and token table, addressed by the same slot ids and KV locations.
+"""The serving driver: continuous batching over a target model and (for speculative decoding) a
+draft model, each with its own Mamba pool, KV cache and token table, addressed by the same slot ids
+and KV locations.
 
-Per ``step()`` (one scheduler iteration):
+Per ``step()`` (one scheduler iteration), one kind of forward:
 
-- if requests are waiting, one prefill forward for all of them: ``Pipeline.prefill`` lowers it with
-  one ticket per pool, and both executors run the same ``ExtendPlan`` (the draft pool's clears and
-  COWs happen here, and only here); the target's argmax at each prompt end is the first token;
-- otherwise, with ``k == 0``, one plain greedy decode of the target; with ``k > 0`` one speculative
-  iteration: draft proposal (draft executor), verify (target), accept + commit (target), draft
-  extend (draft). Rejected KV locations go back to the allocator right after the commit.
+- **extend** when requests wait for (more of) their prefill, alternating with the running batch
+  so neither starves: each gets its next chunk (at most ``chunk_size`` tokens, at most
+  ``token_budget`` in total). A first chunk starts with a clear (fresh slot) or a COW (a cached
+  prefix, from a manual ``Checkpoint`` or the ``PrefixCache``), later chunks continue. One
+  ``Pipeline.prefill`` lowers the forward with one ticket per pool and both executors run the same
+  ``ExtendPlan``: the draft pool's init ops run there, and only there. A chunk that ends at a prefix
+  worth caching carries a snapshot into a cache slot (a one-shot op after the forward, through the
+  same tickets and ledger). The target's argmax at a prompt's end is the request's first token.
+- otherwise **decode** (``k == 0``: plain greedy) or **spec** (``k > 0``): draft proposal (draft
+  executor), verify (target), accept + commit (target), draft extend (draft). Rejected KV
+  locations go back to the allocator right after the commit.
 
-A request emits tokens until ``max_new_tokens``; then its slot and KV locations are freed. A request
-may start from a ``Checkpoint`` (``make_checkpoint``): the prefix state is copied (COW) into its
-slot in both pools and the prefix's KV locations are shared through both token tables; the
-checkpoint must outlive the requests that use it.
+A request finishes at ``max_new_tokens`` or after emitting its ``stop`` token; ``abort`` ends it at
+any time. When the next decode or spec step cannot get its KV locations, the newest running
+requests are retracted: their slot and KV go back, and they re-prefill their prompt plus the
+tokens generated so far later (greedy, so their output continues unchanged).
 
+KV locations are reference-counted: a request holds one reference on every location of its
+context; a checkpoint holds one on its prefix's locations, which requests starting from it share.
 Greedy speculative decoding is lossless: the tokens emitted at any ``k`` equal those at ``k = 0``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -29,7 +38,9 @@ from backend.executor import Executor
 from backend.hybrid.hook import HybridHook
 from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger
+from compiler.driver import checked_prompt
 from compiler.manager import PassManager
+from compiler.prefix_cache import CacheEntry, PrefixCache
 from compiler.steps import Pipeline
 from ir._fields import I64, frozen_i64
 from ir.batch import DecodeBatch
@@ -54,12 +65,17 @@ class Checkpoint:
 @attrs.define(kw_only=True)
 class _Request:
     rid: RequestId
-    prompt: I64
+    prompt: I64  # the tokens to prefill: the prompt, plus the output so far after a retraction
     max_new_tokens: int
-    checkpoint: Checkpoint | None
+    stop: int | None
+    source: Checkpoint | CacheEntry | None = None  # where the slot's first state comes from
     slot: MambaSlot | None = None
-    kv: list[int] = attrs.Factory(list)  # locations this request owns (not a checkpoint's)
+    done: int = 0  # prompt tokens in the state
+    snapshot_at: int | None = None  # prefix boundary to snapshot into the cache
+    snapshot_slot: MambaSlot | None = None
+    context: list[int] = attrs.Factory(list)  # KV location of every context position (one ref each)
     output: list[int] = attrs.Factory(list)
+    retractions: int = 0
 
 
 @attrs.define
@@ -70,6 +86,8 @@ class SpecStats:
     accepted: int = 0
     prefills: int = 0
     decodes: int = 0
+    retractions: int = 0
+    aborts: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -91,14 +109,23 @@ class SpecDriver:
         capacity: int = 16,
         kv_capacity: int = 4096,
         max_len: int = 512,
+        chunk_size: int | None = None,
+        token_budget: int | None = None,
+        prefix_cache: PrefixCache | None = None,
         pm: PassManager | None = None,
     ) -> None:
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         if k > 0 and draft is None:
             raise ValueError("speculative decoding (k > 0) needs a draft model")
+        for name, value in (("chunk_size", chunk_size), ("token_budget", token_budget)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.k = k
         self.max_len = max_len
+        self.chunk_size = chunk_size if chunk_size is not None else max_len
+        self.token_budget = token_budget if token_budget is not None else max_len * capacity
+        self.cache = prefix_cache
         self.ledger = Ledger()
         self.slots = SlotAllocator(capacity)
         self.kv = KVAllocator(kv_capacity)
@@ -111,6 +138,8 @@ class SpecDriver:
         self._reqs: dict[RequestId, _Request] = {}
         self._waiting: list[RequestId] = []
         self._pending: dict[RequestId, int] = {}
+        self._refs: Counter[int] = Counter()
+        self._last_was_prefill = False
         self.outputs: dict[RequestId, list[int]] = {}
 
     def _executor(self, model: HybridModel, pool_id: PoolId, capacity: int, kv_capacity: int) -> Executor:
@@ -121,34 +150,68 @@ class SpecDriver:
     def _executors(self) -> list[Executor]:
         return [self.target] + ([self.draft] if self.draft is not None else [])
 
-    @staticmethod
-    def _hook(ex: Executor) -> HybridHook:
-        assert isinstance(ex.model, HybridHook)
-        return ex.model
+    def _copy_table_prefix(self, src: int, dst: int, length: int) -> None:
+        for ex in self._executors():
+            assert isinstance(ex.model, HybridHook)
+            ex.model.table.copy_prefix(src, dst, length)
+
+    # -- KV references ------------------------------------------------------------------------
+
+    def _ref(self, locs: Iterable[int]) -> None:
+        for loc in locs:
+            self._refs[loc] += 1
+
+    def _unref(self, locs: Iterable[int]) -> None:
+        freed = []
+        for loc in locs:
+            self._refs[loc] -= 1
+            if self._refs[loc] == 0:
+                del self._refs[loc]
+                freed.append(loc)
+        self.kv.free_many(freed)
+
+    def _alloc_kv(self, n: int) -> I64:
+        locs = self.kv.alloc_many(n)
+        self._ref(int(x) for x in locs)
+        return locs
 
     # -- requests -----------------------------------------------------------------------------
 
     def admit(
-        self, rid: RequestId, prompt: Sequence[int], *, max_new_tokens: int, checkpoint: Checkpoint | None = None
+        self,
+        rid: RequestId,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        checkpoint: Checkpoint | None = None,
+        stop: int | None = None,
     ) -> None:
-        arr = frozen_i64(prompt)
+        """Queue a request. With ``checkpoint`` its slot starts as a copy of that prefix state; else,
+        with a prefix cache, the longest cached prefix is used when the request is scheduled."""
         if rid in self._reqs or rid in self.outputs:
             raise PreconditionError("admit", f"request id {rid} is already in use")
+        arr = checked_prompt(rid, prompt)
         if max_new_tokens < 1:
             raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
         if arr.shape[0] + max_new_tokens + self.k + 1 > self.max_len:
-            raise PreconditionError("admit", f"request {rid}: prompt {arr.shape[0]} + {max_new_tokens} new tokens exceed max_len {self.max_len}")
+            raise PreconditionError(
+                "admit", f"request {rid}: prompt {arr.shape[0]} + {max_new_tokens} new tokens exceed max_len {self.max_len}"
+            )
         if checkpoint is not None:
             n = len(checkpoint.tokens)
             if not (n < arr.shape[0] and tuple(int(t) for t in arr[:n]) == checkpoint.tokens):
                 raise PreconditionError("admit", f"request {rid}: prompt does not extend the checkpoint's {n} tokens")
-        self._reqs[rid] = _Request(rid=rid, prompt=arr, max_new_tokens=max_new_tokens, checkpoint=checkpoint)
+            if not self.slots.is_live(checkpoint.slot):
+                raise PreconditionError("admit", f"request {rid}: checkpoint slot {checkpoint.slot} was released")
+        if self.cache is not None and checkpoint is None:
+            self.cache.observe(arr.tolist())
+        self._reqs[rid] = _Request(rid=rid, prompt=arr, max_new_tokens=max_new_tokens, stop=stop, source=checkpoint)
         self._waiting.append(rid)
 
     def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
         """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix checkpoint."""
         slot = self.slots.alloc()
-        kv = self.kv.alloc_many(len(tokens))
+        kv = self._alloc_kv(len(tokens))
         req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=list(tokens), kv_locs=kv, intent=InitIntent.CLEAR)
         _, plan = self.pipeline.prefill([req])
         for ex in self._executors():
@@ -157,54 +220,165 @@ class SpecDriver:
 
     def release_checkpoint(self, cp: Checkpoint) -> None:
         self.slots.free(cp.slot)
-        self.kv.free_many(cp.kv_locs)
+        self._unref(cp.kv_locs)
+
+    def abort(self, rid: RequestId) -> None:
+        if rid not in self._reqs:
+            raise PreconditionError("abort", f"request {rid} is not live")
+        self.stats.aborts += 1
+        self._release([rid])
 
     @property
     def live(self) -> int:
         return len(self._reqs)
 
+    def live_slots(self) -> dict[RequestId, MambaSlot]:
+        """The slot of every live request that has started its prefill."""
+        return {rid: r.slot for rid, r in self._reqs.items() if r.slot is not None}
+
     # -- one iteration --------------------------------------------------------------------------
 
     def step(self) -> str:
-        if self._waiting:
-            self._prefill()
+        prefill_ready = bool(self._waiting) and (not self.running.num_requests or not self._last_was_prefill)
+        if prefill_ready and self._prefill():
+            self._last_was_prefill = True
             return "extend"
+        self._last_was_prefill = False
         if not self.running.num_requests:
             return "idle"
+        if not self._reserve_kv(self.k + 1):
+            return "retract"
         if self.draft is None:
             self._decode()
             return "decode"
         self._speculate()
         return "spec"
 
-    def _prefill(self) -> None:
-        admitted = []
-        for rid in self._waiting:
+    def _start(self, r: _Request) -> bool:
+        """Give a request its slot and prefix source before its first chunk; False if none is free."""
+        if self.slots.num_free == 0 and not self._evict():
+            return False
+        r.slot = self.slots.alloc()
+        if r.source is None and self.cache is not None:
+            entry = self.cache.lookup(r.prompt.tolist())
+            if entry is not None:
+                self.cache.pin(entry)  # not evictable until the COW has run
+                r.source = entry
+        start = len(r.source.tokens) if r.source is not None else 0
+        if r.source is not None:
+            self._ref(r.source.kv_locs)
+            r.context.extend(r.source.kv_locs)
+            self._copy_table_prefix(int(r.source.slot), int(r.slot), start)
+        if self.cache is not None:
+            r.snapshot_at = self.cache.plan_snapshot(r.prompt.tolist(), start)
+        return True
+
+    def _evict(self) -> bool:
+        if self.cache is None:
+            return False
+        entry = self.cache.evict_lru()
+        if entry is None:
+            return False
+        self.slots.free(entry.slot)
+        self._unref(entry.kv_locs)
+        return True
+
+    def _prefill(self) -> bool:
+        admitted: list[AdmittedRequest] = []
+        budget = self.token_budget
+        for rid in list(self._waiting):
             r = self._reqs[rid]
-            r.slot = self.slots.alloc()
-            start = len(r.checkpoint.tokens) if r.checkpoint is not None else 0
-            kv = self.kv.alloc_many(r.prompt.shape[0] - start)
-            r.kv.extend(int(x) for x in kv)
-            if r.checkpoint is not None:
-                for ex in self._executors():
-                    self._hook(ex).table.copy_prefix(int(r.checkpoint.slot), int(r.slot), start)
+            if budget <= 0:
+                break
+            if r.slot is None and not self._start(r):
+                break
+            pos = r.done if r.done else (len(r.source.tokens) if r.source is not None else 0)
+            n = min(self.chunk_size, budget, int(r.prompt.shape[0]) - pos)
+            if r.snapshot_at is not None and pos < r.snapshot_at:
+                n = min(n, r.snapshot_at - pos)
+            if n > self.kv.num_free:
+                break
+            snap_to = None
+            if r.snapshot_at is not None and pos + n == r.snapshot_at and self.cache is not None:
+                room = self.cache.has_room() or self._evict()
+                if room and (self.slots.num_free or self._evict()):
+                    snap_to = r.snapshot_slot = self.slots.alloc()
+                else:
+                    self.cache.cancel_plan(r.prompt[: r.snapshot_at].tolist())
+                    r.snapshot_at = None  # no room: skip this snapshot
+            kv = self._alloc_kv(n)
+            r.context.extend(int(x) for x in kv)
+            first = r.done == 0
+            assert r.slot is not None
             admitted.append(
                 AdmittedRequest(
-                    rid=rid, slot=r.slot, input_ids=r.prompt[start:], kv_locs=kv, prefix_len=start,
-                    intent=InitIntent.COW if r.checkpoint is not None else InitIntent.CLEAR,
-                    checkpoint=r.checkpoint.slot if r.checkpoint is not None else None,
+                    rid=rid, slot=r.slot, input_ids=r.prompt[pos : pos + n], kv_locs=kv, prefix_len=pos,
+                    intent=(InitIntent.COW if r.source is not None else InitIntent.CLEAR) if first else InitIntent.CONTINUE,
+                    checkpoint=r.source.slot if first and r.source is not None else None,
+                    more_chunks=pos + n < r.prompt.shape[0], snapshot_to=snap_to,
                 )
             )
-        self._waiting.clear()
+            budget -= n
+        if not admitted:
+            return False
         extend, plan = self.pipeline.prefill(admitted)
         logits = self.target.execute(plan)
         if self.draft is not None:
-            self.draft.execute(plan)  # the draft pool's init ops: consumed here, once
+            self.draft.execute(plan)  # the draft pool's init ops (and snapshots): consumed here, once
         assert logits is not None
         self.stats.prefills += 1
-        self._emit(extend.rids, [[int(t)] for t in logits.argmax(dim=-1).tolist()])
+        finished: list[RequestId] = []
+        for a in admitted:
+            r = self._reqs[a.rid]
+            if r.done == 0 and isinstance(r.source, CacheEntry) and self.cache is not None:
+                self.cache.unpin(r.source)
+            pos = a.prefix_len + int(a.input_ids.shape[0])
+            r.done = pos
+            if a.snapshot_to is not None and self.cache is not None:
+                self._copy_table_prefix(int(r.slot or 0), int(a.snapshot_to), pos)
+                locs = tuple(r.context[:pos])
+                self._ref(locs)
+                self.cache.insert(CacheEntry(slot=a.snapshot_to, tokens=tuple(int(t) for t in r.prompt[:pos]), kv_locs=locs))
+                r.snapshot_at = r.snapshot_slot = None
+            if not a.more_chunks:
+                finished.append(a.rid)
+                self._waiting.remove(a.rid)
+        rows = {RequestId(int(rid)): i for i, rid in enumerate(extend.rids)}
+        tokens = logits.argmax(dim=-1).tolist()
+        self._emit(finished, [[int(tokens[rows[rid]])] for rid in finished])
         self.running = self.pipeline.merge(self.running, extend)
         self._finish()
+        return True
+
+    def _reserve_kv(self, per_row: int) -> bool:
+        """Retract the newest running requests until the next step's KV locations fit."""
+        retracted = False
+        while self.running.num_requests and self.kv.num_free < per_row * self.running.num_requests:
+            if self._evict():
+                continue
+            rid = RequestId(int(self.running.rids[-1]))
+            self._retract(rid)
+            retracted = True
+        return not retracted or bool(self.running.num_requests)
+
+    def _retract(self, rid: RequestId) -> None:
+        r = self._reqs[rid]
+        self.stats.retractions += 1
+        self.running = self.pipeline.filter_decode(self.running, [rid])
+        assert r.slot is not None
+        self.slots.free(r.slot)
+        self._unref(r.context)
+        self._pending.pop(rid, None)
+        if r.snapshot_at is not None and self.cache is not None:
+            self.cache.cancel_plan(r.prompt[: r.snapshot_at].tolist())
+        if r.snapshot_slot is not None:
+            self.slots.free(r.snapshot_slot)
+        prompt = frozen_i64([*r.prompt.tolist(), *r.output]) if r.output else r.prompt
+        self._reqs[rid] = _Request(
+            rid=rid, prompt=prompt, max_new_tokens=r.max_new_tokens, stop=r.stop, output=r.output,
+            retractions=r.retractions + 1,
+        )
+        self._waiting.insert(0, rid)
 
     def _decode(self) -> None:
         rids = self.running.rids
@@ -214,7 +388,7 @@ class SpecDriver:
         logits = self.target.execute(plan)
         assert logits is not None
         self.stats.decodes += 1
-        self._emit(rids, [[int(t)] for t in logits.argmax(dim=-1).tolist()])
+        self._emit([RequestId(int(r)) for r in rids], [[int(t)] for t in logits.argmax(dim=-1).tolist()])
         self._finish()
 
     def _speculate(self) -> None:
@@ -229,7 +403,11 @@ class SpecDriver:
         assert target_tokens is not None
         result, committed, cplan = self.pipeline.commit(verify_batch, frozen_i64(target_tokens.reshape(-1).cpu().numpy()))
         self.target.execute(cplan)
-        self._release_kv(rids, committed.released_kv)
+        released = set(int(x) for x in committed.released_kv)
+        for rid in rids:
+            r = self._reqs[RequestId(int(rid))]
+            r.context = [x for x in r.context if x not in released]
+        self._unref(released)
         extended, eplan = self.pipeline.draft_extend(committed)
         self.draft.execute(eplan)
         self.running = self.pipeline.merge(DecodeBatch.empty(), extended)
@@ -239,48 +417,59 @@ class SpecDriver:
         self.stats.row_iterations += len(rids)
         self.stats.proposed += k * len(rids)
         self.stats.accepted += int(result.accepted.sum())
-        self._emit(rids, emitted)
+        self._emit([RequestId(int(r)) for r in rids], emitted)
         self._finish()
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
     def _alloc_for(self, rids: I64, per_row: int) -> I64:
-        kv = self.kv.alloc_many(len(rids) * per_row)
+        kv = self._alloc_kv(len(rids) * per_row)
         for i, rid in enumerate(rids):
-            self._reqs[RequestId(int(rid))].kv.extend(int(x) for x in kv[i * per_row : (i + 1) * per_row])
+            self._reqs[RequestId(int(rid))].context.extend(int(x) for x in kv[i * per_row : (i + 1) * per_row])
         return kv
-
-    def _release_kv(self, rids: I64, released: I64) -> None:
-        gone = set(int(x) for x in released)
-        if not gone:
-            return
-        for rid in rids:
-            r = self._reqs[RequestId(int(rid))]
-            r.kv = [x for x in r.kv if x not in gone]
-        self.kv.free_many(released)
 
     def _pending_of(self, rids: I64) -> I64:
         return frozen_i64([self._pending[RequestId(int(r))] for r in rids])
 
-    def _emit(self, rids: I64 | Sequence[int], tokens: list[list[int]]) -> None:
-        for rid_, toks in zip(rids, tokens, strict=True):
-            rid = RequestId(int(rid_))
+    def _emit(self, rids: Sequence[RequestId], tokens: list[list[int]]) -> None:
+        for rid, toks in zip(rids, tokens, strict=True):
             r = self._reqs[rid]
             r.output.extend(toks)
             self._pending[rid] = toks[-1]
 
+    def _done(self, r: _Request) -> bool:
+        return len(r.output) >= r.max_new_tokens or (r.stop is not None and r.stop in r.output)
+
     def _finish(self) -> None:
-        done = [rid for rid, r in self._reqs.items() if len(r.output) >= r.max_new_tokens and rid not in self._waiting]
-        if not done:
-            return
-        self.running = self.pipeline.filter_decode(self.running, done)
-        for rid in done:
+        done = [rid for rid, r in self._reqs.items() if rid not in self._waiting and self._done(r)]
+        if done:
+            self._release(done)
+
+    def _release(self, rids: Sequence[RequestId]) -> None:
+        self.running = self.pipeline.filter_decode(self.running, rids)
+        for rid in rids:
             r = self._reqs.pop(rid)
-            assert r.slot is not None
-            self.slots.free(r.slot)
-            self.kv.free_many(r.kv)
+            if rid in self._waiting:
+                self._waiting.remove(rid)
+            if r.done == 0 and isinstance(r.source, CacheEntry) and r.slot is not None and self.cache is not None:
+                self.cache.unpin(r.source)  # its COW never ran
+            if r.slot is not None:
+                self.slots.free(r.slot)
+            if r.snapshot_slot is not None:
+                self.slots.free(r.snapshot_slot)
+            if r.snapshot_at is not None and self.cache is not None:
+                self.cache.cancel_plan(r.prompt[: r.snapshot_at].tolist())
+            self._unref(r.context)
             self._pending.pop(rid, None)
-            self.outputs[rid] = r.output[: r.max_new_tokens]
+            out = r.output[: r.max_new_tokens]
+            if r.stop is not None and r.stop in out:
+                out = out[: out.index(r.stop) + 1]
+            self.outputs[rid] = out
+
+    def drop_cache(self) -> None:
+        """Evict every prefix-cache entry (all must be unpinned), returning their slots and KV."""
+        while self._evict():
+            pass
 
     def run_until_done(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
@@ -288,4 +477,3 @@ class SpecDriver:
                 return
             self.step()
         raise RuntimeError(f"{self.live} requests still live after {max_steps} steps")
-

@@ -1,0 +1,132 @@
+"""The Mamba prefix cache: recurrent-state checkpoints of shared prompt prefixes.
+
+A checkpoint is a pool slot (the same slot id in the target and draft pools) holding the state
+after a prefix, plus the KV locations of that prefix (shared read-only through the token tables:
+attention pages of a cached prefix are reused, not recomputed). Prefixes are cut at multiples of
+``block`` tokens.
+
+Policy (decided by the scheduler through this object):
+
+- ``observe`` counts, for each block boundary of a prompt, how many prompts started with that
+  prefix; a prefix seen twice is worth caching;
+- ``lookup`` finds the longest cached prefix strictly shorter than a prompt (a hit: the request's
+  slot starts as a COW of the checkpoint); ``plan_snapshot`` picks where to take a new one: the
+  longest shared, uncached boundary past the hit;
+- a checkpoint is created by a snapshot op after the forward whose chunk ends exactly at that
+  boundary (the scheduler aligns the chunk), through the same tickets and ledger as init ops;
+- entries are evicted least recently used first; an entry pinned by a request whose COW has not
+  run yet is never evicted.
+
+The cache holds no tensors and allocates nothing: the scheduler owns slots and KV references.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+import attrs
+
+from ir.ids import MambaSlot
+
+
+@attrs.define(kw_only=True)
+class CacheEntry:
+    slot: MambaSlot
+    tokens: tuple[int, ...]
+    kv_locs: tuple[int, ...]
+    pins: int = 0
+
+
+@attrs.define
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    snapshots: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class PrefixCache:
+    def __init__(self, *, capacity: int, block: int = 16) -> None:
+        if capacity < 1 or block < 1:
+            raise ValueError(f"capacity and block must be >= 1, got {capacity}, {block}")
+        self.capacity = capacity
+        self.block = block
+        self._entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()  # LRU order: oldest first
+        self._seen: Counter[tuple[int, ...]] = Counter()
+        self._planned: set[tuple[int, ...]] = set()  # snapshots promised to a request, not yet taken
+        self.stats = CacheStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> tuple[CacheEntry, ...]:
+        return tuple(self._entries.values())
+
+    def _boundaries(self, n: int) -> range:
+        """Block boundaries strictly inside a prompt of ``n`` tokens, longest first."""
+        return range((n - 1) // self.block * self.block, 0, -self.block)
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        for m in self._boundaries(len(tokens)):
+            self._seen[tuple(tokens[:m])] += 1
+
+    def lookup(self, tokens: Sequence[int]) -> CacheEntry | None:
+        self.stats.lookups += 1
+        for m in self._boundaries(len(tokens)):
+            entry = self._entries.get(tuple(tokens[:m]))
+            if entry is not None:
+                self._entries.move_to_end(entry.tokens)
+                self.stats.hits += 1
+                self.stats.hit_tokens += m
+                return entry
+        return None
+
+    def plan_snapshot(self, tokens: Sequence[int], after: int) -> int | None:
+        """The boundary to snapshot at (> ``after``, shared by at least two prompts, neither cached
+        nor promised to another request); the caller then owes ``insert`` or ``cancel_plan``."""
+        for m in self._boundaries(len(tokens)):
+            if m <= after:
+                return None
+            key = tuple(tokens[:m])
+            if self._seen[key] >= 2 and key not in self._entries and key not in self._planned:
+                self._planned.add(key)
+                return m
+        return None
+
+    def cancel_plan(self, tokens: Sequence[int]) -> None:
+        self._planned.discard(tuple(tokens))
+
+    def has_room(self) -> bool:
+        return len(self._entries) < self.capacity
+
+    def insert(self, entry: CacheEntry) -> None:
+        if entry.tokens in self._entries:
+            raise ValueError(f"prefix of {len(entry.tokens)} tokens is already cached in slot {self._entries[entry.tokens].slot}")
+        if not self.has_room():
+            raise ValueError(f"prefix cache is full ({self.capacity} entries)")
+        self._entries[entry.tokens] = entry
+        self._planned.discard(entry.tokens)
+        self.stats.snapshots += 1
+
+    def evict_lru(self) -> CacheEntry | None:
+        """Remove and return the least recently used unpinned entry (``None`` if all are pinned)."""
+        for key, entry in self._entries.items():
+            if entry.pins == 0:
+                del self._entries[key]
+                self.stats.evictions += 1
+                return entry
+        return None
+
+    def pin(self, entry: CacheEntry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: CacheEntry) -> None:
+        if entry.pins <= 0:
+            raise ValueError(f"unpin of checkpoint slot {entry.slot}, which is not pinned")
+        entry.pins -= 1

@@ -1,0 +1,157 @@
+"""The serving driver's scheduler features on the seeded tiny hybrid model (float32, CPU): prefix
+cache (hit, miss, eviction under pressure, snapshot exactly once per pool, pinned entries kept),
+chunked prefill equivalence, retraction and abort, stop tokens. Every run's output is compared
+with plain greedy decoding of the same prompts, token for token."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from backend.hybrid.config import tiny
+from backend.hybrid.model import HybridModel
+from backend.hybrid.weights import perturb
+from compiler.ab import DRAFT_NOISE
+from compiler.prefix_cache import CacheEntry, PrefixCache
+from compiler.spec_driver import SpecDriver
+from ir.errors import PreconditionError
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
+
+SYSTEM = list(b"You are a careful reviewer of Python code.\n")  # 43 bytes: boundaries 16, 32 inside
+BODIES = [b"def f(x):", b"import re", b"x = [1, 2]", b"class K:", b"for a in b:"]
+PROMPTS = [SYSTEM + list(b) for b in BODIES] + [list(b"print('hello world')")]
+NEW = 8
+
+
+@cache
+def _models() -> tuple[HybridModel, HybridModel]:
+    target = HybridModel.from_seed(tiny(), seed=0)
+    return target, HybridModel(target.config, perturb(target.weights, DRAFT_NOISE, seed=1))
+
+
+def _driver(k: int, **kw: object) -> SpecDriver:
+    target, draft = _models()
+    return SpecDriver(target, draft if k else None, k=k, **kw)  # type: ignore[arg-type]  # test passes options through
+
+
+@cache
+def _greedy() -> dict[RequestId, list[int]]:
+    drv = _driver(0)
+    for i, p in enumerate(PROMPTS):
+        drv.admit(RequestId(i), p, max_new_tokens=NEW)
+    drv.run_until_done()
+    return drv.outputs
+
+
+def _serve(drv: SpecDriver, prompts: list[list[int]], *, wave: int = 2) -> None:
+    """Admit ``wave`` requests at a time; the next wave joins when the previous has finished."""
+    for start in range(0, len(prompts), wave):
+        for i in range(start, min(start + wave, len(prompts))):
+            drv.admit(RequestId(i), prompts[i], max_new_tokens=NEW)
+        drv.run_until_done()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prefix_cache_hits_and_snapshots_once_per_pool(k: int) -> None:
+    pc = PrefixCache(capacity=4, block=16)
+    drv = _driver(k, prefix_cache=pc, chunk_size=64)
+    _serve(drv, PROMPTS)
+    assert drv.outputs == _greedy()
+    # the first two share the system prompt: the second one snapshots at 32; later ones hit
+    assert pc.stats.snapshots >= 1 and pc.stats.hits >= 3
+    assert pc.stats.hit_tokens >= 3 * 32
+    assert drv.ledger.counts(TARGET_POOL).snapshots == pc.stats.snapshots
+    if k:
+        assert drv.ledger.counts(DRAFT_POOL).snapshots == pc.stats.snapshots
+    assert drv.ledger.counts(TARGET_POOL).cows == pc.stats.hits
+    drv.ledger.assert_drained()
+    drv.drop_cache()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+def test_prefix_cache_miss_on_unshared_prompts() -> None:
+    pc = PrefixCache(capacity=4, block=16)
+    drv = _driver(0, prefix_cache=pc)
+    _serve(drv, [PROMPTS[5]], wave=1)
+    assert pc.stats.hits == 0 and pc.stats.snapshots == 0 and pc.stats.lookups == 1
+
+
+OTHER = list(b"Translate this comment to plain English:\n")
+
+
+def test_prefix_cache_eviction_under_pressure_keeps_output() -> None:
+    # two prompt families, one cache entry, two slots: each family's snapshot evicts the other's
+    prompts = [SYSTEM + list(b"a = 1"), SYSTEM + list(b"b = 2"), OTHER + list(b"# x"), OTHER + list(b"# y"),
+               SYSTEM + list(b"c = 3"), SYSTEM + list(b"d = 4")]
+    expected = _driver(0)
+    _serve(expected, prompts, wave=1)
+    pc = PrefixCache(capacity=1, block=16)
+    drv = _driver(2, prefix_cache=pc, capacity=2)
+    _serve(drv, prompts, wave=1)
+    assert drv.outputs == expected.outputs
+    assert pc.stats.evictions >= 1 and pc.stats.hits >= 1
+    drv.ledger.assert_drained()
+    drv.drop_cache()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+def test_pinned_entry_is_never_evicted() -> None:
+    pc = PrefixCache(capacity=2, block=4)
+    a = CacheEntry(slot=MambaSlot(1), tokens=(1, 2, 3, 4), kv_locs=(1, 2, 3, 4))
+    b = CacheEntry(slot=MambaSlot(2), tokens=(5, 6, 7, 8), kv_locs=(5, 6, 7, 8))
+    pc.insert(a)
+    pc.insert(b)
+    pc.pin(a)
+    assert pc.evict_lru() is b
+    assert pc.evict_lru() is None  # a is pinned
+    pc.unpin(a)
+    assert pc.evict_lru() is a
+
+
+@pytest.mark.parametrize(("k", "chunk"), [(0, 5), (2, 7), (2, 16)])
+def test_chunked_prefill_equals_unchunked(k: int, chunk: int) -> None:
+    drv = _driver(k, chunk_size=chunk, token_budget=24)
+    _serve(drv, PROMPTS, wave=3)
+    assert drv.outputs == _greedy()
+    drv.ledger.assert_drained()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_retraction_frees_and_the_request_completes_after_re_prefill(k: int) -> None:
+    # all three prompts fit (157 locations), their growth does not: the newest is retracted
+    drv = _driver(k, kv_capacity=170)
+    for i in range(3):
+        drv.admit(RequestId(i), PROMPTS[i], max_new_tokens=NEW)
+    drv.run_until_done()
+    assert drv.stats.retractions >= 1
+    assert drv.outputs == {RequestId(i): _greedy()[RequestId(i)] for i in range(3)}
+    drv.ledger.assert_drained()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+def test_abort_frees_everything_and_others_complete() -> None:
+    drv = _driver(2)
+    for i in range(3):
+        drv.admit(RequestId(i), PROMPTS[i], max_new_tokens=NEW)
+    drv.step()  # prefill
+    drv.step()  # one speculative iteration
+    drv.abort(RequestId(1))
+    with pytest.raises(PreconditionError, match="request 1 is not live"):
+        drv.abort(RequestId(1))
+    drv.run_until_done()
+    for i in (0, 2):
+        assert drv.outputs[RequestId(i)] == _greedy()[RequestId(i)]
+    assert drv.outputs[RequestId(1)] == _greedy()[RequestId(1)][: len(drv.outputs[RequestId(1)])]
+    drv.ledger.assert_drained()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+def test_stop_token_ends_the_request_after_emitting_it() -> None:
+    full = _greedy()[RequestId(0)]
+    stop = full[3]
+    drv = _driver(2)
+    drv.admit(RequestId(0), PROMPTS[0], max_new_tokens=NEW, stop=stop)
+    drv.run_until_done()
+    assert drv.outputs[RequestId(0)] == full[: full.index(stop) + 1]

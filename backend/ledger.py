@@ -56,6 +56,7 @@ class Ledger:
         self._in_flight: dict[_Key, Ticket] = {}
         self._consumed: set[_Key] = set()
         self._counts: Counter[tuple[PoolId, str]] = Counter()
+        self._minted: dict[PoolId, PoolCounts] = {}
         self.replays_blocked = 0
 
     def register(self, tickets: Iterable[Ticket]) -> None:
@@ -69,7 +70,10 @@ class Ledger:
                     state = "was already consumed" if key in self._consumed else "is being consumed right now"
                     raise ResourceReplayError(f"{t} {state}; the batch it came from already ran")
             for t in items:
-                self._outstanding.setdefault((t.serial, t.pool), t)
+                key = (t.serial, t.pool)
+                if key not in self._outstanding:
+                    self._outstanding[key] = t
+                    self._minted[t.pool] = _add(self._minted.get(t.pool, PoolCounts()), t)
 
     @contextmanager
     def consuming(self, ticket: Ticket, pool: PoolId) -> Iterator[Ticket]:
@@ -129,10 +133,21 @@ class Ledger:
                 snapshots=self._counts[(pool, "snapshots")],
             )
 
+    def minted(self, pool: PoolId) -> PoolCounts:
+        """Ops registered for ``pool`` (consumed or not): compare with ``counts`` for exactly-once."""
+        with self._lock:
+            return self._minted.get(pool, PoolCounts())
+
     @property
     def num_consumed(self) -> int:
         with self._lock:
             return len(self._consumed)
+
+
+def _add(c: PoolCounts, t: Ticket) -> PoolCounts:
+    if isinstance(t, InitTicket):
+        return attrs.evolve(c, tickets=c.tickets + 1, clears=c.clears + len(t.init.clear_slots), cows=c.cows + len(t.init.cow_dst))
+    return attrs.evolve(c, snapshots=c.snapshots + len(t.snapshot.dst))
 
 
 def _ops(ticket: Ticket) -> str:

@@ -57,8 +57,8 @@ class MutableSpecEngine:
         fixed: bool = False,
         ledger: Ledger | None = None,
     ) -> None:
-        if k < 1:
-            raise ValueError(f"the baseline's speculative path needs k >= 1, got {k}")
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
         self.k = k
         self.fixed = fixed
         self.slots = SlotAllocator(capacity)
@@ -125,7 +125,7 @@ class MutableSpecEngine:
                     side.table.copy_prefix(int(cp.slot), req.slot, req.prefix_len)
             reqs.append(req)
         self.waiting.clear()
-        batch = ScheduleBatch(spec_enabled=True, fixed=self.fixed)
+        batch = ScheduleBatch(spec_enabled=self.k > 0, fixed=self.fixed)
         batch.prepare_for_extend(reqs, _i64([x for r in reqs for x in self.kv_of[r.rid]]))
         logits = None
         for side in (self.t, self.d):
@@ -149,7 +149,32 @@ class MutableSpecEngine:
             self.running.merge_batch(batch)
         self._finish()
 
+    def _decode(self) -> None:
+        """``k == 0``: the plain decode path of the same long-lived batch."""
+        rb = self.running
+        assert rb is not None
+        reqs = list(rb.reqs)
+        kv = self.kvs.alloc_many(len(reqs))
+        rb.prepare_for_decode(torch.from_numpy(kv.copy()))
+        fb = rb.get_model_worker_batch()
+        self.t.runner.forward(fb)
+        out = self.t.model.decode(
+            self.t.pool, self.t.kv, self.t.table, slots=fb.req_pool_indices, input_ids=fb.input_ids,
+            positions=fb.positions, kv_locs=fb.out_cache_loc,
+        )
+        tokens = greedy(out.logits)
+        for i, r in enumerate(reqs):
+            self.kv_of[r.rid].append(int(kv[i]))
+            self.committed[r.rid] += 1
+            self.outputs[r.rid].append(int(tokens[i]))
+        rb.output_ids = tokens
+        self.stats.decodes += 1
+        self._finish()
+
     def _speculate(self) -> None:
+        if self.k == 0:
+            self._decode()
+            return
         rb = self.running
         assert rb is not None
         k, reqs = self.k, list(rb.reqs)

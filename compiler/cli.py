@@ -1,9 +1,9 @@
 """The ``batchc`` command line.
 
-- ``batchc run``: the main job. Today: the built-in workload (the ``dump`` scenario's requests plus
-  a generated batch of byte prompts with shared prefixes, fresh slots and chunked prompts) through
-  the typed pipeline and the ledger-enforced executor, with a progress bar and a summary table.
-  The trained model, prefix cache and speculative decoding arrive with later releases.
+- ``batchc run``: the main job: a workload (built-in, or a JSONL file) served on the bundled trained
+  target and draft with the prefix cache, chunked prefill, continuous batching and speculative
+  decoding; a progress bar, a summary table (``--json`` too), sample completions and the lossless
+  check; ``--compare-mutable`` adds the pre-fix mutable baseline on the same workload.
 - ``batchc ab``: the stale-init bug side by side: speculative decoding through the compiled
   pipeline and through the mutable baseline (pre-fix, fixed, and with a ledger) on the same models.
 - ``batchc dump``: the IR after every pass of the built-in scenario.
@@ -47,12 +47,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run the built-in workload end to end and print a summary")
-    run.add_argument("--requests", type=_positive, default=64, help="generated requests (default 64)")
-    run.add_argument("--max-new-tokens", type=_positive, default=16, help="tokens to generate per request (default 16)")
-    run.add_argument("--chunk-size", type=_positive, default=32, help="prefill chunk size in tokens (default 32)")
-    run.add_argument("--max-running", type=_positive, default=16, help="requests admitted at once (default 16)")
-    run.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    run = sub.add_parser("run", help="serve a workload (default: the built-in one on the bundled trained models)")
+    run.add_argument("--model", metavar="PATH", help="target checkpoint (.safetensors; default: the bundled one)")
+    run.add_argument("--draft", metavar="PATH", help="draft checkpoint (default: the bundled one)")
+    run.add_argument("--workload", metavar="PATH", help="JSONL workload file (default: the built-in workload)")
+    run.add_argument("--requests", type=_positive, default=64, help="built-in workload size (default 64)")
+    run.add_argument("--max-new-tokens", type=_positive, default=32, help="built-in workload: max tokens per request (default 32)")
+    run.add_argument("--k", type=int, default=2, help="draft tokens per speculative iteration; 0 turns it off (default 2)")
+    run.add_argument("--max-running", type=_positive, default=8, help="requests live at once (default 8)")
+    run.add_argument("--chunk-size", type=_positive, default=64, help="prefill chunk size in tokens (default 64)")
+    run.add_argument("--token-budget", type=_positive, default=256, help="prefill tokens per step (default 256)")
+    run.add_argument("--cache-entries", type=_positive, default=8, help="prefix-cache checkpoints (default 8)")
+    run.add_argument("--seed", type=int, default=0, help="built-in workload seed (default 0)")
+    run.add_argument("--lossless-sample", type=int, default=4, help="requests re-run with plain greedy to check losslessness (default 4)")
+    run.add_argument("--compare-mutable", action="store_true", help="also run the workload through the pre-fix mutable baseline")
     run.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH ('-' for stdout)")
 
     ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")
@@ -73,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     bp = bsub.add_parser("pipeline", help="decode-step host cost: compiled pipeline vs. mutable baseline")
     bp.add_argument("--sizes", type=_positive, nargs="+", default=[1, 64, 256, 1024], help="batch sizes")
     bp.add_argument("--repeats", type=_positive, default=7, help="interleaved repeats per size (default 7)")
+    bs = bsub.add_parser("serve", help="serving workload at k=0 and k=2: compiled pipeline vs. mutable baseline")
+    bs.add_argument("--requests", type=_positive, default=24, help="built-in workload size (default 24)")
+    bs.add_argument("--max-new-tokens", type=_positive, default=24, help="max tokens per request (default 24)")
     bk = bsub.add_parser("kernels", help="state-pool kernels (init ops, selective_state_update)")
     bk.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     return p
@@ -96,32 +107,38 @@ def _cmd_dump(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from compiler.workload import builtin_workload, run_workload
+    from backend.hybrid.checkpoint import default_draft, default_target, load_checkpoint
+    from compiler.serve import ServeConfig, builtin_workload, load_workload, run
 
-    workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if args.k < 0:
+        raise BatchcError(f"--k must be >= 0, got {args.k}")
+    cfg = ServeConfig(
+        k=args.k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
+        cache_entries=args.cache_entries, lossless_sample=max(0, args.lossless_sample),
+    )
+    target = load_checkpoint(args.model) if args.model else default_target()
+    draft = None if args.k == 0 else (load_checkpoint(args.draft) if args.draft else default_draft())
+    if args.workload:
+        workload = load_workload(args.workload, max_len=cfg.max_len)
+    else:
+        workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed)
     with Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
+        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
     ) as progress:
         task = progress.add_task("serving", total=len(workload))
-        summary = run_workload(
-            workload,
-            chunk_size=args.chunk_size,
-            max_running=args.max_running,
-            on_finish=lambda n: progress.update(task, completed=n),
-        )
-    table = Table(title="batchc run: built-in workload (non-speculative path, no-op model)")
+        summary = run(workload, target, draft, cfg, on_finish=lambda n: progress.update(task, completed=n),
+                      compare_mutable=args.compare_mutable)
+    title = f"batchc run: {len(workload)} requests, k={args.k}, {'bundled' if not args.model else args.model} target"
+    table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.items():
-        if key not in ("samples", "pass_us_per_step"):
-            table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+        if key in ("samples", "pass_us_per_step", "mutable_baseline", "lossless_ok"):
+            continue
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
-    passes = Table(title="host time per pass (us per call)")
+    passes = Table(title="host time per pass")
     passes.add_column("pass")
     passes.add_column("calls", justify="right")
     passes.add_column("us/call", justify="right")
@@ -130,10 +147,20 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     for name, (calls, us) in pass_times.items():
         passes.add_row(name, str(calls), f"{us:.1f}")
     console.print(passes)
+    mutable = summary.get("mutable_baseline")
+    if isinstance(mutable, dict):
+        ab = Table(title="compiled pipeline vs. pre-fix mutable baseline, same workload and models")
+        for h in ("run", "acceptance", "mean accepted len", "replays", "tokens/s"):
+            ab.add_column(h, justify="right")
+        ab.add_row("compiled", f"{summary['acceptance_rate']:.3f}", f"{summary['mean_accepted_length']:.2f}",
+                   str(summary["replays_blocked"]), f"{summary['tokens_per_s']:.1f}")
+        ab.add_row("mutable baseline", f"{mutable['acceptance_rate']:.3f}", f"{mutable['mean_accepted_length']:.2f}",
+                   str(mutable["replays"]), f"{mutable['tokens_per_s']:.1f}")
+        console.print(ab)
     samples = summary["samples"]
     assert isinstance(samples, list)
-    for rid, prompt, out in samples:
-        console.print(f"r{rid}: prompt {prompt!r} -> tokens {out}", highlight=False)
+    for s in samples:
+        console.print(f"r{s['rid']}: ...{s['prompt']!r} -> {s['completion']!r}", highlight=False)
     if args.json:
         text = json.dumps(summary, indent=2)
         if args.json == "-":
@@ -141,7 +168,8 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
-    return 0 if summary["outstanding_tickets"] == 0 else 1
+    ok = summary["outstanding_tickets"] == 0 and summary.get("lossless_ok", True)
+    return 0 if ok else 1
 
 
 def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
@@ -195,6 +223,25 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
             f"ratio = compiled / mutable baseline (< 1 means the compiled pipeline is cheaper); "
             f"'compiled' runs with BATCHC_VERIFY=0, '+verify' with level 1. {time.perf_counter() - t0:.1f} s total."
         )
+        return 0
+    if args.group == "serve":
+        from backend.hybrid.checkpoint import default_draft, default_target
+        from compiler.bench_serve import run_serve_bench
+        from compiler.serve import builtin_workload
+
+        workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens)
+        with console.status("serving the workload four times (k=0 and k=2, compiled and mutable)"):
+            srows = run_serve_bench(default_target(), default_draft(), workload)
+        table = Table(title=f"bench serve: {len(workload)} requests, bundled target and draft, side by side in one run")
+        for h in ("k", "engine", "tokens", "tokens/s", "steps", "model s", "host ms/step"):
+            table.add_column(h, justify="right")
+        for sr in srows:
+            table.add_row(
+                str(sr.k), sr.engine, str(sr.tokens), f"{sr.tokens_per_s:.1f}", str(sr.steps), f"{sr.model_s:.2f}",
+                f"{sr.host_ms_per_step:.2f}",
+            )
+        console.print(table)
+        console.print("host ms/step = (wall - time inside model forwards) / steps. The baseline has no prefix cache.")
         return 0
     from backend.bench_kernels import run as run_kernel_bench
 

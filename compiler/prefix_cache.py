@@ -60,6 +60,7 @@ class PrefixCache:
         self._entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()  # LRU order: oldest first
         self._seen: Counter[tuple[int, ...]] = Counter()
         self._planned: set[tuple[int, ...]] = set()  # snapshots promised to a request, not yet taken
+        self._reserved = 0  # entries promised to snapshots in flight
         self.stats = CacheStats()
 
     def __len__(self) -> int:
@@ -102,14 +103,23 @@ class PrefixCache:
     def cancel_plan(self, tokens: Sequence[int]) -> None:
         self._planned.discard(tuple(tokens))
 
-    def has_room(self) -> bool:
-        return len(self._entries) < self.capacity
+    def reserve_room(self) -> bool:
+        """Promise one entry to a snapshot in flight; False when the cache is full."""
+        if len(self._entries) + self._reserved >= self.capacity:
+            return False
+        self._reserved += 1
+        return True
+
+    def release_room(self) -> None:
+        if self._reserved <= 0:
+            raise ValueError("release_room without a reservation")
+        self._reserved -= 1
 
     def insert(self, entry: CacheEntry) -> None:
+        """Add the entry a reservation was made for."""
         if entry.tokens in self._entries:
             raise ValueError(f"prefix of {len(entry.tokens)} tokens is already cached in slot {self._entries[entry.tokens].slot}")
-        if not self.has_room():
-            raise ValueError(f"prefix cache is full ({self.capacity} entries)")
+        self.release_room()
         self._entries[entry.tokens] = entry
         self._planned.discard(entry.tokens)
         self.stats.snapshots += 1

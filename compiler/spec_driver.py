@@ -300,10 +300,12 @@ class SpecDriver:
                 break
             snap_to = None
             if r.snapshot_at is not None and pos + n == r.snapshot_at and self.cache is not None:
-                room = self.cache.has_room() or self._evict()
+                room = self.cache.reserve_room() or (self._evict() and self.cache.reserve_room())
                 if room and (self.slots.num_free or self._evict()):
                     snap_to = r.snapshot_slot = self.slots.alloc()
                 else:
+                    if room:
+                        self.cache.release_room()
                     self.cache.cancel_plan(r.prompt[: r.snapshot_at].tolist())
                     r.snapshot_at = None  # no room: skip this snapshot
             kv = self._alloc_kv(n)
@@ -373,6 +375,8 @@ class SpecDriver:
             self.cache.cancel_plan(r.prompt[: r.snapshot_at].tolist())
         if r.snapshot_slot is not None:
             self.slots.free(r.snapshot_slot)
+            if self.cache is not None:
+                self.cache.release_room()
         prompt = frozen_i64([*r.prompt.tolist(), *r.output]) if r.output else r.prompt
         self._reqs[rid] = _Request(
             rid=rid, prompt=prompt, max_new_tokens=r.max_new_tokens, stop=r.stop, output=r.output,
@@ -457,6 +461,8 @@ class SpecDriver:
                 self.slots.free(r.slot)
             if r.snapshot_slot is not None:
                 self.slots.free(r.snapshot_slot)
+                if self.cache is not None:
+                    self.cache.release_room()
             if r.snapshot_at is not None and self.cache is not None:
                 self.cache.cancel_plan(r.prompt[: r.snapshot_at].tolist())
             self._unref(r.context)

@@ -100,6 +100,7 @@ def test_pinned_entry_is_never_evicted() -> None:
     pc = PrefixCache(capacity=2, block=4)
     a = CacheEntry(slot=MambaSlot(1), tokens=(1, 2, 3, 4), kv_locs=(1, 2, 3, 4))
     b = CacheEntry(slot=MambaSlot(2), tokens=(5, 6, 7, 8), kv_locs=(5, 6, 7, 8))
+    assert pc.reserve_room() and pc.reserve_room() and not pc.reserve_room()
     pc.insert(a)
     pc.insert(b)
     pc.pin(a)

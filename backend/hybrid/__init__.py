@@ -27,3 +27,23 @@ __all__ = [
     "tiny",
     "weight_shapes",
 ]
+
+# Trained models and checkpoint files (issue 5): presets, safetensors IO, the bundled weights.
+from backend.hybrid.checkpoint import (  # noqa: E402
+    CheckpointError,
+    default_draft,
+    default_target,
+    load_checkpoint,
+    save_checkpoint,
+)
+from backend.hybrid.presets import trained_draft, trained_target  # noqa: E402
+
+__all__ += [
+    "CheckpointError",
+    "default_draft",
+    "default_target",
+    "load_checkpoint",
+    "save_checkpoint",
+    "trained_draft",
+    "trained_target",
+]

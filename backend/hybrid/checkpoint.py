@@ -1,0 +1,213 @@
+"""Checkpoint files of the hybrid model: one safetensors file, the config as JSON metadata.
+
+Format: every weight of ``backend.hybrid.weights.weight_shapes(config)`` under its own name, in
+float32 (``load_checkpoint`` also accepts bfloat16 and float16 tensors and upcasts them), and the
+safetensors header metadata
+
+- ``format``: ``"batchc.hybrid/1"``;
+- ``config``: the ``HybridConfig`` fields as a JSON object (``layers`` a list of strings);
+- any extra string entries the writer passed (``train.py`` records its settings and losses).
+
+``load_checkpoint`` validates everything before building the model and raises ``CheckpointError``
+with a one-line message that starts with the file and names the bad tensor or config field. The
+trained models shipped with the package are ``default_target()`` and ``default_draft()``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+import safetensors.torch
+import torch
+
+from backend.hybrid.config import LAYER_KINDS, HybridConfig
+from backend.hybrid.model import HybridModel
+from backend.hybrid.weights import Weights, check_weights, weight_shapes
+from ir.errors import BatchcError
+
+FORMAT = "batchc.hybrid/1"
+_RESERVED = ("format", "config")
+_LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TARGET_FILE = "target.safetensors"
+DRAFT_FILE = "draft.safetensors"
+
+
+class CheckpointError(BatchcError, ValueError):
+    """A checkpoint file cannot be loaded; ``path`` is the file, the message says what is wrong."""
+
+    def __init__(self, path: str | Path, detail: str) -> None:
+        self.path = str(path)
+        self.detail = " ".join(detail.split())  # one line, whatever the cause said
+        super().__init__(f"{self.path}: {self.detail}")
+
+
+# ---- config <-> JSON ------------------------------------------------------------------------------
+
+
+def config_to_json(config: HybridConfig) -> str:
+    fields = attrs.asdict(config)
+    fields["layers"] = list(config.layers)
+    return json.dumps(fields, sort_keys=True)
+
+
+def _field_kind(field: Any) -> str:
+    """``"int"``, ``"float"`` or ``"layers"`` for a ``HybridConfig`` attribute."""
+    if field.name == "layers":
+        return "layers"
+    annotation = str(field.type)
+    if annotation not in ("int", "float"):  # pragma: no cover - a new field kind needs a rule here
+        raise TypeError(f"HybridConfig.{field.name}: no JSON rule for type {annotation!r}")
+    return annotation
+
+
+def config_from_json(path: str | Path, text: str) -> HybridConfig:
+    """Parse and validate the ``config`` metadata of ``path`` (``CheckpointError`` naming the field)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, f"bad config metadata: not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(path, f"bad config metadata: expected a JSON object, got {type(raw).__name__}")
+    fields = {f.name: f for f in attrs.fields(HybridConfig)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise CheckpointError(path, f"bad config: unknown field {unknown[0]!r}")
+    kwargs: dict[str, Any] = {}
+    for name, field in fields.items():
+        if name not in raw:
+            if field.default is attrs.NOTHING:
+                raise CheckpointError(path, f"bad config: missing field {name!r}")
+            continue
+        value = raw[name]
+        kind = _field_kind(field)
+        if kind == "layers":
+            if not isinstance(value, list) or not all(isinstance(k, str) and k in LAYER_KINDS for k in value):
+                raise CheckpointError(path, f"bad config: field 'layers' must be a list of {list(LAYER_KINDS)}, got {value!r}")
+            kwargs[name] = tuple(value)
+        elif kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise CheckpointError(path, f"bad config: field {name!r} must be an integer, got {value!r}")
+            kwargs[name] = value
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise CheckpointError(path, f"bad config: field {name!r} must be a finite number, got {value!r}")
+            kwargs[name] = float(value)
+    try:
+        return HybridConfig(**kwargs)
+    except ValueError as e:
+        raise CheckpointError(path, f"bad config: {e}") from None
+
+
+# ---- save / load ----------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str | Path, config: HybridConfig, weights: Weights, *, metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write ``weights`` (float32, on the CPU) and ``config`` to the safetensors file ``path``.
+
+    ``ValueError`` if the weights do not match the config or hold non-finite values, or if
+    ``metadata`` uses a reserved key (``format``, ``config``)."""
+    check_weights(config, weights)
+    for name in sorted(weights):
+        if not bool(torch.isfinite(weights[name]).all()):
+            raise ValueError(f"weight {name!r} has non-finite values")
+    extra = dict(metadata or {})
+    reserved = sorted(set(extra) & set(_RESERVED))
+    if reserved:
+        raise ValueError(f"metadata keys {reserved} are reserved")
+    tensors = {name: t.detach().to(device="cpu", dtype=torch.float32).contiguous() for name, t in weights.items()}
+    meta = {**extra, "format": FORMAT, "config": config_to_json(config)}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(path), metadata=meta)
+
+
+def _header_metadata(path: Path, data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors byte string that ``safetensors`` already accepted."""
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise CheckpointError(path, "missing config metadata (the safetensors header has no __metadata__)")
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def read_checkpoint(path: str | Path) -> tuple[HybridConfig, Weights, dict[str, str]]:
+    """The validated config, float32 CPU weights and all metadata of the checkpoint ``path``."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(p, "no such checkpoint file")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise CheckpointError(p, f"cannot read the file ({e.strerror})") from None
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as e:  # the Rust reader raises SafetensorError, odd bytes may raise others
+        raise CheckpointError(p, f"not a safetensors file or corrupt ({e})") from None
+    meta = _header_metadata(p, data)
+    if meta.get("format", FORMAT) != FORMAT:
+        raise CheckpointError(p, f"unsupported format {meta['format']!r}, expected {FORMAT!r}")
+    if "config" not in meta:
+        raise CheckpointError(p, "missing config metadata 'config'")
+    config = config_from_json(p, meta["config"])
+
+    shapes = weight_shapes(config)
+    missing = sorted(shapes.keys() - tensors.keys())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(p, f"missing tensor {missing[0]!r}{more}")
+    unexpected = sorted(tensors.keys() - shapes.keys())
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(p, f"unexpected tensor {unexpected[0]!r}{more}")
+    weights: Weights = {}
+    for name in sorted(shapes):
+        t = tensors[name]
+        if t.dtype not in _LOADABLE_DTYPES:
+            raise CheckpointError(p, f"tensor {name!r} has dtype {t.dtype}, expected torch.float32")
+        if tuple(t.shape) != shapes[name]:
+            raise CheckpointError(p, f"tensor {name!r} has shape {tuple(t.shape)}, expected {shapes[name]}")
+        t = t.float()
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise CheckpointError(p, f"tensor {name!r} has {bad} non-finite values (of {t.numel()})")
+        weights[name] = t
+    return config, weights, meta
+
+
+def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
+    """The model stored in ``path`` (validated; ``CheckpointError`` otherwise), on ``device`` in ``dtype``."""
+    config, weights, _ = read_checkpoint(path)
+    return HybridModel(config, {name: t.to(device=device, dtype=dtype) for name, t in weights.items()})
+
+
+# ---- the bundled models -------------------------------------------------------------------------------
+
+
+def _bundled(filename: str, device: torch.device | str, dtype: torch.dtype) -> HybridModel:
+    ref = resources.files("backend.hybrid").joinpath("weights", filename)
+    with resources.as_file(ref) as path:
+        return load_checkpoint(path, device=device, dtype=dtype)
+
+
+def bundled_path(filename: str) -> Path:
+    """Where the bundled checkpoint ``filename`` lives in the source tree / installed package."""
+    return Path(__file__).resolve().parent / "weights" / filename
+
+
+def default_target(*, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
+    """The trained target model shipped in ``backend/hybrid/weights/target.safetensors``."""
+    return _bundled(TARGET_FILE, device, dtype)
+
+
+def default_draft(*, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
+    """The trained draft model shipped in ``backend/hybrid/weights/draft.safetensors``."""
+    return _bundled(DRAFT_FILE, device, dtype)

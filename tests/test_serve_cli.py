@@ -1,0 +1,102 @@
+"""``batchc run`` end to end on a short workload, and its refusals of bad input: one line on stderr
+naming the file and line (or tensor), exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import safetensors.torch
+
+from backend.hybrid.checkpoint import FORMAT, bundled_path, config_to_json, save_checkpoint
+from backend.hybrid.config import tiny
+from backend.hybrid.weights import init_weights
+from compiler.cli import main
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["run", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_short_run_json_summary_invariants(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "summary.json"
+    code, out, _ = _run(["--requests", "6", "--max-new-tokens", "6", "--lossless-sample", "3", "--json", str(path)], capsys)
+    assert code == 0
+    s = json.loads(path.read_text())
+    assert s["requests"] == 6
+    assert s["outstanding_tickets"] == 0 and s["replays_blocked"] == 0
+    assert s["slots_live_after"] == 0 and s["kv_live_after"] == 0
+    for pool in ("target", "draft"):
+        for op in ("clears", "cows", "snapshots"):
+            minted, consumed = s[f"{pool}_{op}_minted_consumed"].split("/")
+            assert minted == consumed
+    assert s["target_clears_minted_consumed"] == s["draft_clears_minted_consumed"]
+    assert s["lossless_ok"] is True and s["lossless_check"].startswith("passed")
+    assert 0.0 <= s["acceptance_rate"] <= 1.0
+    assert 6 <= s["generated_tokens"] <= 36
+    assert "lossless_check" in out and "host time per pass" in out
+
+
+def test_loading_a_checkpoint_the_test_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tiny()
+    path = tmp_path / "tiny.safetensors"
+    save_checkpoint(path, cfg, init_weights(cfg, seed=3))
+    code, _, err = _run(["--model", str(path), "--k", "0", "--requests", "3", "--max-new-tokens", "4", "--lossless-sample", "0"], capsys)
+    assert code == 0, err
+
+
+BAD_WORKLOADS = [
+    ("bad-json", '{"prompt": "x", "max_new_tokens": 3}\n{"prompt": "y",\n', r"workload.jsonl:2: bad JSON"),
+    ("empty-prompt", '{"prompt": "", "max_new_tokens": 3}\n', r"workload.jsonl:1: 'prompt' must be a non-empty string"),
+    ("negative-max-tokens", '{"prompt": "x", "max_new_tokens": -1}\n', r"workload.jsonl:1: 'max_new_tokens' must be a positive integer, got -1"),
+    ("too-long", json.dumps({"prompt": "x" * 600, "max_new_tokens": 3}) + "\n", r"workload.jsonl:1: prompt of 600 bytes \+ 3 new tokens exceeds the context limit 512"),
+    ("not-an-object", "[1, 2]\n", r"workload.jsonl:1: expected a JSON object, got list"),
+    ("unknown-field", '{"prompt": "x", "temperature": 0.7}\n', r"workload.jsonl:1: unknown field\(s\) \['temperature'\]"),
+    ("long-stop", '{"prompt": "x", "stop": "ab"}\n', r"workload.jsonl:1: 'stop' must be a single one-byte character"),
+    ("empty-file", "\n\n", r"workload.jsonl: no requests"),
+]
+
+
+@pytest.mark.parametrize(("content", "message"), [(c, m) for _, c, m in BAD_WORKLOADS], ids=[i for i, _, _ in BAD_WORKLOADS])
+def test_malformed_workload_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str) -> None:
+    path = tmp_path / "workload.jsonl"
+    path.write_text(content)
+    code, _, err = _run(["--workload", str(path)], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    import re
+
+    assert re.search(message, err), err
+
+
+def test_missing_workload_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["--workload", str(tmp_path / "nope.jsonl")], capsys)
+    assert code == 2 and "nope.jsonl: cannot read workload file" in err and err.count("\n") == 1
+
+
+def test_corrupt_checkpoint_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(bundled_path("target.safetensors").read_bytes()[:1000])
+    code, _, err = _run(["--model", str(path)], capsys)
+    assert code == 2 and "bad.safetensors" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_mismatched_checkpoint_names_the_tensor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tiny()
+    weights = init_weights(cfg, seed=0)
+    weights["lm_head"] = weights["lm_head"][:-1].contiguous()
+    path = tmp_path / "mismatch.safetensors"
+    # written by hand: save_checkpoint itself refuses weights that do not match their config
+    safetensors.torch.save_file(weights, str(path), metadata={"format": FORMAT, "config": config_to_json(cfg)})
+    code, _, err = _run(["--model", str(path)], capsys)
+    assert code == 2 and "lm_head" in err and err.count("\n") == 1
+
+
+def test_bench_serve_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", "--requests", "3", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("compiled") >= 2 and out.count("mutable baseline") >= 2 and "host ms/step" in out

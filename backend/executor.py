@@ -1,5 +1,14 @@
 """The executor: consumes plans on the one state pool it owns.
 
+Failures (the fault points of ``backend.faults`` in tests): an init or snapshot launch that fails
+restores the rows it wrote and its ticket stays outstanding. A ``transactional`` executor treats
+each whole forward (init ops, model, snapshot; or a commit) as one unit: if anything in it fails,
+every row the forward could have written is restored and every ticket is outstanding again, so the
+same plan can be executed again and gives the output of a run without the fault; this costs one
+copy of the plan's rows per forward. A non-transactional executor consumes the init ticket as soon
+as its ops are applied; a failing forward then leaves its requests' state undefined and the driver
+must abort them.
+
 Speculative plans: a ``VerifyPlan`` leaves its intermediate states with the executor under the
 verify's id, and exactly one ``CommitPlan`` naming that id consumes them (a second commit, or a
 commit of a verify that never ran on this pool, is refused before touching the pool).
@@ -20,6 +29,7 @@ consuming its ticket.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import assert_never
 
 import numpy as np
@@ -30,7 +40,8 @@ from backend.ledger import Ledger
 from backend.model import ModelHook, NoOpModel, SpecModelHook
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, stage_decode, stage_extend, stage_window
-from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit
+from backend import faults
+from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
 from ir._fields import I64
 from ir.errors import PlanExecutionError
 from ir.init import InitTicket, SnapshotTicket
@@ -48,8 +59,10 @@ class Executor:
         model: ModelHook | None = None,
         *,
         slots: SlotAllocator | None = None,
+        transactional: bool = False,
     ) -> None:
         self.pool = pool
+        self.transactional = transactional
         self.ledger = ledger
         self.model: ModelHook = model if model is not None else NoOpModel()
         self.slots = slots
@@ -85,19 +98,39 @@ class Executor:
             decode = stage_decode(plan.decode, self.pool.device)
         extend: StagedExtend = stage_extend(ext, self.pool.device)
         snapshot = self._snapshot_ticket(ext)
-        if ticket is not None:
-            with self.ledger.consuming(ticket, self.pool.pool_id):
+        rows = [int(s) for s in ext.slots] + ([int(s) for s in plan.decode.slots] if isinstance(plan, MixedPlan) else [])
+        if not self.transactional:
+            # the init ticket is consumed once its ops are applied; a failing forward then leaves
+            # its requests' state undefined: the driver aborts them
+            if ticket is not None:
+                with self.ledger.consuming(ticket, self.pool.pool_id):
+                    apply_init(self.pool, ticket.init)
+            out = self.model.forward(plan, extend, decode, self.pool)
+            faults.check("model_forward")
+            if snapshot is not None:
+                with self.ledger.consuming(snapshot, self.pool.pool_id):
+                    apply_snapshot(self.pool, snapshot.snapshot)
+            return out
+        # transactional: the whole forward is one unit; on failure every row it wrote is restored
+        # and every ticket is outstanding again, so the same plan can simply be executed again
+        with restoring(self.pool, rows), ExitStack() as held:
+            if ticket is not None:
+                held.enter_context(self.ledger.consuming(ticket, self.pool.pool_id))
                 apply_init(self.pool, ticket.init)
-        out = self.model.forward(plan, extend, decode, self.pool)
-        if snapshot is not None:
-            with self.ledger.consuming(snapshot, self.pool.pool_id):
+            out = self.model.forward(plan, extend, decode, self.pool)
+            faults.check("model_forward")
+            if snapshot is not None:
+                held.enter_context(self.ledger.consuming(snapshot, self.pool.pool_id))
                 apply_snapshot(self.pool, snapshot.snapshot)
         return out
 
     def run_decode(self, plan: DecodePlan) -> torch.Tensor | None:
         self._check_slots(plan.slots, "DecodePlan")
         staged = stage_decode(plan, self.pool.device)
-        return self.model.forward(plan, None, staged, self.pool)
+        with self._unit(plan.slots):
+            out = self.model.forward(plan, None, staged, self.pool)
+            faults.check("model_forward")
+        return out
 
     def run_draft(self, plan: DraftPlan) -> torch.Tensor:
         self._check_slots(plan.batch.slots, "DraftPlan")
@@ -120,12 +153,26 @@ class Executor:
             raise PlanExecutionError(
                 f"no intermediate states of verify #{vid} on pool {self.pool.pool_id!r}: never verified here, or already committed"
             )
-        self._spec_model(plan).commit(plan, self._intermediates[vid], self.pool)
+        with self._unit(plan.batch.slots):
+            self._spec_model(plan).commit(plan, self._intermediates[vid], self.pool)
+            faults.check("commit")
         del self._intermediates[vid]
 
     def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor | None:
         self._check_slots(plan.batch.slots, "DraftExtendPlan")
-        return self.model.forward(plan, stage_extend(plan.batch, self.pool.device), None, self.pool)
+        staged = stage_extend(plan.batch, self.pool.device)
+        with self._unit(plan.batch.slots):
+            out = self.model.forward(plan, staged, None, self.pool)
+            faults.check("model_forward")
+        return out
+
+    def _unit(self, slots: I64) -> AbstractContextManager[None]:
+        """A transactional executor restores the rows a failing forward wrote."""
+        return restoring(self.pool, slots.tolist()) if self.transactional else nullcontext()
+
+    def forget_verifies(self) -> None:
+        """Drop every kept verify state (the driver aborted the requests they belonged to)."""
+        self._intermediates.clear()
 
     def _spec_model(self, plan: DraftPlan | VerifyPlan | CommitPlan) -> SpecModelHook:
         if not isinstance(self.model, SpecModelHook):

@@ -15,7 +15,9 @@ Every ticket is identified by ``(serial, pool)``. Its life: ``register`` (when i
   outstanding is a no-op (same ticket);
 - if the ops fail while being applied, the ticket returns to outstanding (never half consumed);
 - ``outstanding()`` lists the registered tickets not yet consumed; ``assert_drained()`` raises
-  ``ResourceLeakError`` listing them (a dropped op).
+  ``ResourceLeakError`` listing them (a dropped op);
+- ``cancel(ticket, reason)`` retires an outstanding ticket whose requests were aborted before it ran,
+  as a recorded event (``cancelled()``), never silently.
 
 Locking: one ``threading.Lock`` guards the three state maps; ``consuming`` holds it only to move a
 ticket between states, not while the ops run, so the forward thread never blocks the scheduler
@@ -55,6 +57,7 @@ class Ledger:
         self._outstanding: dict[_Key, Ticket] = {}
         self._in_flight: dict[_Key, Ticket] = {}
         self._consumed: set[_Key] = set()
+        self._cancelled: dict[_Key, str] = {}
         self._counts: Counter[tuple[PoolId, str]] = Counter()
         self._minted: dict[PoolId, PoolCounts] = {}
         self.replays_blocked = 0
@@ -65,9 +68,13 @@ class Ledger:
         with self._lock:
             for t in items:
                 key = (t.serial, t.pool)
-                if key in self._consumed or key in self._in_flight:
+                if key in self._consumed or key in self._in_flight or key in self._cancelled:
                     self.replays_blocked += 1
-                    state = "was already consumed" if key in self._consumed else "is being consumed right now"
+                    state = (
+                        "was already consumed" if key in self._consumed
+                        else "is being consumed right now" if key in self._in_flight
+                        else "was cancelled"
+                    )
                     raise ResourceReplayError(f"{t} {state}; the batch it came from already ran")
             for t in items:
                 key = (t.serial, t.pool)
@@ -82,6 +89,8 @@ class Ledger:
         with self._lock:
             if ticket.pool != pool:
                 raise WrongPoolError(f"{ticket} handed to pool {pool!r}")
+            if key in self._cancelled:
+                raise ResourceReplayError(f"{ticket} was cancelled ({self._cancelled[key]})")
             if key in self._consumed or key in self._in_flight:
                 self.replays_blocked += 1
                 state = "already consumed" if key in self._consumed else "being consumed on another thread"
@@ -107,6 +116,24 @@ class Ledger:
             else:
                 self._counts[(pool, "snapshot_tickets")] += 1
                 self._counts[(pool, "snapshots")] += len(ticket.snapshot.dst)
+
+    def cancel(self, ticket: Ticket, reason: str) -> None:
+        """Record that an outstanding ticket will never run (its requests were aborted before its
+        forward). A cancellation is an event with a reason, not a silent drop; it is refused for a
+        ticket that is consumed or being consumed."""
+        key = (ticket.serial, ticket.pool)
+        with self._lock:
+            if key in self._consumed or key in self._in_flight:
+                raise ResourceReplayError(f"cannot cancel {ticket}: it has run or is running")
+            if key not in self._outstanding:
+                raise UnknownTicketError(f"cannot cancel {ticket}: not outstanding in this ledger")
+            del self._outstanding[key]
+            self._cancelled[key] = reason
+
+    def cancelled(self) -> dict[tuple[TicketSerial, PoolId], str]:
+        """Cancelled tickets and why."""
+        with self._lock:
+            return dict(self._cancelled)
 
     def is_consumed(self, ticket: Ticket) -> bool:
         with self._lock:

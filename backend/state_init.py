@@ -7,12 +7,19 @@ Triton kernel when the pool is on a GPU (or under ``TRITON_INTERPRET=1``), the t
 (one indexed fill and one indexed copy over whole rows) otherwise.
 Copies read their sources as they were before the launch; the IR guarantees a source is never
 cleared or written in the same forward.
+
+Both ``apply_init`` and ``apply_snapshot`` restore the rows they write if they fail midway, so an
+op is applied whole or not at all; the executor returns the ticket to outstanding in that case.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
 import torch
 
+from backend import faults
 from backend.kernels.init_rows import init_rows
 from backend.pool import MambaStatePool
 from ir.errors import PlanExecutionError
@@ -33,13 +40,34 @@ def check_init_fits(pool: MambaStatePool, init: MambaInit) -> None:
     )
 
 
+@contextmanager
+def restoring(pool: MambaStatePool, slots: Iterable[int]) -> Iterator[None]:
+    """Run the block; if it raises, put the rows of ``slots`` back as they were (all or nothing)."""
+    idx = torch.tensor(sorted(set(int(s) for s in slots)), dtype=torch.int64, device=pool.device)
+    saved = pool.buffer.index_select(0, idx) if idx.numel() else None
+    try:
+        yield
+    except BaseException:
+        if saved is not None:
+            pool.buffer.index_copy_(0, idx, saved)
+        raise
+
+
 def apply_init(pool: MambaStatePool, init: MambaInit) -> None:
+    """All clears and copies of ``init`` in one launch; if anything fails, the target rows are
+    restored, so an init is either fully applied or not at all."""
     check_init_fits(pool, init)
     dev = pool.device
     clear = torch.tensor(init.clear_slots, dtype=torch.int64, device=dev)
     src = torch.tensor(init.cow_src, dtype=torch.int64, device=dev)
     dst = torch.tensor(init.cow_dst, dtype=torch.int64, device=dev)
-    init_rows(pool.buffer, clear, src, dst)
+    with restoring(pool, init.targets()):
+        if faults.armed_points():
+            init_rows(pool.buffer, clear, src[:0], dst[:0])  # the clears, then the fault point
+            faults.check("init_launch")
+            init_rows(pool.buffer, clear[:0], src, dst)
+        else:
+            init_rows(pool.buffer, clear, src, dst)
 
 
 def apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot) -> None:
@@ -49,4 +77,6 @@ def apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot) -> None:
     none = torch.empty(0, dtype=torch.int64, device=dev)
     src = torch.tensor(snap.src, dtype=torch.int64, device=dev)
     dst = torch.tensor(snap.dst, dtype=torch.int64, device=dev)
-    init_rows(pool.buffer, none, src, dst)
+    with restoring(pool, snap.dst):
+        init_rows(pool.buffer, none, src, dst)
+        faults.check("snapshot")

@@ -16,6 +16,11 @@ Per ``step()`` (one scheduler iteration), one kind of forward:
   executor), verify (target), accept + commit (target), draft extend (draft). Rejected KV
   locations go back to the allocator right after the commit.
 
+With ``retries > 0`` the executors are transactional and a forward that fails (a kernel or model
+error; ``backend.faults`` injects them in tests) is executed again, giving the output of a run
+without the fault; once retries are exhausted the forward's requests are aborted and its tickets
+that never ran are cancelled in the ledger.
+
 A request finishes at ``max_new_tokens`` or after emitting its ``stop`` token; ``abort`` ends it at
 any time. When the next decode or spec step cannot get its KV locations, the newest running
 requests are retracted: their slot and KV go back, and they re-prefill their prompt plus the
@@ -30,8 +35,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import assert_never
 
 import attrs
+import torch
 
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.executor import Executor
@@ -44,13 +51,39 @@ from compiler.prefix_cache import CacheEntry, PrefixCache
 from compiler.steps import Pipeline
 from ir._fields import I64, frozen_i64
 from ir.batch import DecodeBatch
-from ir.errors import PreconditionError
+from ir.errors import BatchcError, PreconditionError
+from ir.nodes import Plan
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.init import InitIntent
 from ir.request import AdmittedRequest
 from passes.lower import LowerContext
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext
+
+
+class StepFailed(Exception):
+    """A forward failed on every attempt; ``rids`` are the requests it carried."""
+
+    def __init__(self, rids: tuple[RequestId, ...], cause: Exception) -> None:
+        super().__init__(f"forward of requests {list(rids)} failed: {cause!r}")
+        self.rids = rids
+        self.cause = cause
+
+
+def _plan_rids(plan: Plan) -> list[int]:
+    match plan:
+        case ExtendPlan() | DecodePlan():
+            return [int(r) for r in plan.rids]
+        case MixedPlan():
+            return [int(r) for r in plan.extend.rids] + [int(r) for r in plan.decode.rids]
+        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftExtendPlan():
+            return [int(r) for r in plan.batch.rids]
+        case IdlePlan():
+            return []
+        case _:
+            assert_never(plan)
 
 
 @attrs.frozen(kw_only=True)
@@ -88,6 +121,8 @@ class SpecStats:
     decodes: int = 0
     retractions: int = 0
     aborts: int = 0
+    retries: int = 0
+    failed_steps: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -112,6 +147,7 @@ class SpecDriver:
         chunk_size: int | None = None,
         token_budget: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        retries: int = 0,
         pm: PassManager | None = None,
     ) -> None:
         if k < 0:
@@ -121,7 +157,10 @@ class SpecDriver:
         for name, value in (("chunk_size", chunk_size), ("token_budget", token_budget)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
         self.k = k
+        self.retries = retries
         self.max_len = max_len
         self.chunk_size = chunk_size if chunk_size is not None else max_len
         self.token_budget = token_budget if token_budget is not None else max_len * capacity
@@ -145,7 +184,8 @@ class SpecDriver:
     def _executor(self, model: HybridModel, pool_id: PoolId, capacity: int, kv_capacity: int) -> Executor:
         pool = model.new_pool(capacity, pool_id=pool_id)
         hook = HybridHook(model, model.new_kv_cache(kv_capacity), model.new_token_table(capacity, self.max_len))
-        return Executor(pool, self.ledger, hook, slots=self.slots)
+        # with retries, each forward is one transactional unit that can simply run again
+        return Executor(pool, self.ledger, hook, slots=self.slots, transactional=self.retries > 0)
 
     def _executors(self) -> list[Executor]:
         return [self.target] + ([self.draft] if self.draft is not None else [])
@@ -239,6 +279,16 @@ class SpecDriver:
     # -- one iteration --------------------------------------------------------------------------
 
     def step(self) -> str:
+        """One iteration. A forward that still fails after ``retries`` attempts aborts the requests of
+        that forward (their tickets that did not run are cancelled in the ledger, with the reason);
+        the step then returns ``"failed"`` and serving goes on."""
+        try:
+            return self._step()
+        except StepFailed as failure:
+            self._abort_failed(failure)
+            return "failed"
+
+    def _step(self) -> str:
         prefill_ready = bool(self._waiting) and (not self.running.num_requests or not self._last_was_prefill)
         if prefill_ready and self._prefill():
             self._last_was_prefill = True
@@ -324,9 +374,9 @@ class SpecDriver:
         if not admitted:
             return False
         extend, plan = self.pipeline.prefill(admitted)
-        logits = self.target.execute(plan)
+        logits = self._run(self.target, plan)
         if self.draft is not None:
-            self.draft.execute(plan)  # the draft pool's init ops (and snapshots): consumed here, once
+            self._run(self.draft, plan)  # the draft pool's init ops (and snapshots): consumed here, once
         assert logits is not None
         self.stats.prefills += 1
         finished: list[RequestId] = []
@@ -389,7 +439,7 @@ class SpecDriver:
         kv = self._alloc_for(rids, 1)
         ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=kv)
         self.running, plan = self.pipeline.decode(self.running, ctx)
-        logits = self.target.execute(plan)
+        logits = self._run(self.target, plan)
         assert logits is not None
         self.stats.decodes += 1
         self._emit([RequestId(int(r)) for r in rids], [[int(t)] for t in logits.argmax(dim=-1).tolist()])
@@ -400,20 +450,20 @@ class SpecDriver:
         k, rids = self.k, self.running.rids
         window = self._alloc_for(rids, k + 1)
         draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
-        proposals = self.draft.execute(dplan)
+        proposals = self._run(self.draft, dplan)
         assert proposals is not None
         verify_batch, vplan = self.pipeline.verify(draft_batch, frozen_i64(proposals.reshape(-1).cpu().numpy()))
-        target_tokens = self.target.execute(vplan)
+        target_tokens = self._run(self.target, vplan)
         assert target_tokens is not None
         result, committed, cplan = self.pipeline.commit(verify_batch, frozen_i64(target_tokens.reshape(-1).cpu().numpy()))
-        self.target.execute(cplan)
+        self._run(self.target, cplan)
         released = set(int(x) for x in committed.released_kv)
         for rid in rids:
             r = self._reqs[RequestId(int(rid))]
             r.context = [x for x in r.context if x not in released]
         self._unref(released)
         extended, eplan = self.pipeline.draft_extend(committed)
-        self.draft.execute(eplan)
+        self._run(self.draft, eplan)
         self.running = self.pipeline.merge(DecodeBatch.empty(), extended)
         drafts = proposals.reshape(len(rids), k).tolist()
         emitted = [drafts[i][: int(m)] + [int(b)] for i, (m, b) in enumerate(zip(result.accepted, result.bonus, strict=True))]
@@ -423,6 +473,34 @@ class SpecDriver:
         self.stats.accepted += int(result.accepted.sum())
         self._emit([RequestId(int(r)) for r in rids], emitted)
         self._finish()
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def _run(self, ex: Executor, plan: Plan) -> torch.Tensor | None:
+        for attempt in range(self.retries + 1):
+            try:
+                return ex.execute(plan)
+            except BatchcError:
+                raise  # a plan that does not fit is a bug, not a fault to retry
+            except Exception as exc:
+                if attempt < self.retries:
+                    self.stats.retries += 1
+                    continue
+                rids = tuple(RequestId(int(r)) for r in _plan_rids(plan))
+                raise StepFailed(rids, exc) from exc
+        raise AssertionError("unreachable")
+
+    def _abort_failed(self, failure: StepFailed) -> None:
+        # every ticket is consumed within the step that registers it, so what is outstanding now
+        # belongs to the failed forward
+        for t in self.ledger.outstanding():
+            self.ledger.cancel(t, f"aborted: its forward failed ({failure.cause!r})")
+        self.stats.failed_steps += 1
+        live = [rid for rid in failure.rids if rid in self._reqs]
+        self.stats.aborts += len(live)
+        for ex in self._executors():
+            ex.forget_verifies()
+        self._release(live)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 

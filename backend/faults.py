@@ -1,0 +1,60 @@
+"""Fault injection, for tests: named points in the backend raise ``InjectedFault`` when armed.
+
+Points: ``init_launch`` (inside the init-op launch, after the clears and before the copies: the
+worst moment), ``model_forward`` (after the model hook has run and written the pool), ``commit``
+(after the commit scatter) and ``snapshot`` (after the snapshot copy). Nothing is armed in
+production, where ``check`` is one dictionary test. Arming is process-wide and thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Final
+
+POINTS: Final = ("init_launch", "model_forward", "commit", "snapshot")
+
+_armed: dict[str, int] = {}  # point -> passes left before it fires
+_fired: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an armed fault point."""
+
+
+def armed_points() -> bool:
+    """True while any point is armed (the init launch then splits itself at its fault point)."""
+    return bool(_armed)
+
+
+def check(point: str) -> None:
+    if not _armed:
+        return
+    with _lock:
+        left = _armed.get(point)
+        if left is None:
+            return
+        if left > 0:
+            _armed[point] = left - 1
+            return
+        del _armed[point]
+        _fired[point] = _fired.get(point, 0) + 1
+    raise InjectedFault(f"injected fault at {point}")
+
+
+@contextmanager
+def armed(point: str, *, after: int = 0) -> Iterator[dict[str, int]]:
+    """Fire once at the ``after + 1``-th pass through ``point`` inside the block; yields the counts
+    of faults fired so far, by point."""
+    if point not in POINTS:
+        raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
+    with _lock:
+        _armed[point] = after
+        _fired.clear()
+    try:
+        yield _fired
+    finally:
+        with _lock:
+            _armed.pop(point, None)

@@ -1,0 +1,119 @@
+"""Fault injection at the four points of ``backend.faults``: an op is applied and consumed, or not
+applied and still outstanding, never half; a retried step gives the output of a run without the
+fault; with no retries left the affected requests are aborted, their tickets cancelled as recorded
+events, and everything else completes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import faults
+from backend.executor import Executor
+from backend.ledger import Ledger
+from backend.pool import MambaStatePool
+from backend.staging import StagedDecode, StagedExtend
+from compiler.manager import PassManager
+from compiler.prefix_cache import PrefixCache
+from compiler.steps import Pipeline
+from ir.ids import TARGET_POOL, RequestId
+from passes import LowerContext
+from tests.core import LAYOUT, cow, fresh
+from compiler.spec_driver import SpecDriver
+from tests.test_serving import PROMPTS, _driver, _greedy
+
+NEW = 8
+
+
+class _Writer:
+    """Writes each request's token sum into its SSM rows (a stand-in model)."""
+
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor | None:
+        assert extend is not None
+        for i, slot in enumerate(extend.slots.tolist()):
+            lo, hi = int(extend.cu_seqlens[i]), int(extend.cu_seqlens[i + 1])
+            pool.ssm_state(0)[slot].add_(float(extend.input_ids[lo:hi].sum()))
+        return None
+
+
+def _prefill_world(transactional: bool) -> tuple[Ledger, MambaStatePool, Executor, object]:
+    ledger = Ledger()
+    pool = MambaStatePool(TARGET_POOL, LAYOUT, 8)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, generator=torch.Generator().manual_seed(0), dtype=torch.uint8))
+    ex = Executor(pool, ledger, _Writer(), transactional=transactional)
+    _, plan = Pipeline(ledger, LowerContext(), PassManager(verify_level=2)).prefill(
+        [fresh(1, 1, [3, 4], 1), cow(2, 2, checkpoint=5, prefix=4, tokens=[5], kv_start=10)]
+    )
+    return ledger, pool, ex, plan
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_failed_init_launch_restores_rows_and_keeps_the_ticket(transactional: bool) -> None:
+    ledger, pool, ex, plan = _prefill_world(transactional)
+    before = pool.snapshot()
+    with faults.armed("init_launch") as fired, pytest.raises(faults.InjectedFault):
+        ex.execute(plan)  # type: ignore[arg-type]  # the world builder returns the plan untyped
+    assert fired == {"init_launch": 1}
+    assert torch.equal(pool.buffer, before)  # the clears that ran were undone: not half applied
+    assert len(ledger.outstanding()) == 1 and ledger.num_consumed == 0
+    ex.execute(plan)  # type: ignore[arg-type]  # the retry runs the whole op once
+    ledger.assert_drained()
+
+
+def test_failed_forward_in_a_transactional_executor_rolls_the_whole_forward_back() -> None:
+    ledger, pool, ex, plan = _prefill_world(True)
+    clean_ledger, clean_pool, clean_ex, clean_plan = _prefill_world(True)
+    clean_ex.execute(clean_plan)  # type: ignore[arg-type]  # same world, no fault
+    before = pool.snapshot()
+    with faults.armed("model_forward"), pytest.raises(faults.InjectedFault):
+        ex.execute(plan)  # type: ignore[arg-type]  # see above
+    assert torch.equal(pool.buffer, before) and len(ledger.outstanding()) == 1
+    ex.execute(plan)  # type: ignore[arg-type]  # see above
+    assert torch.equal(pool.buffer, clean_pool.buffer)
+    ledger.assert_drained()
+
+
+def test_failed_forward_in_a_plain_executor_leaves_the_init_applied_and_consumed() -> None:
+    ledger, pool, ex, plan = _prefill_world(False)
+    with faults.armed("model_forward"), pytest.raises(faults.InjectedFault):
+        ex.execute(plan)  # type: ignore[arg-type]  # see above
+    assert ledger.outstanding() == () and ledger.num_consumed == 1  # applied and consumed
+    assert torch.equal(pool.buffer[2], pool.buffer[5]) or float(pool.ssm_state(0)[2].flatten()[0]) != 0.0
+
+
+def _serve(drv: SpecDriver, ids: range = range(4)) -> None:
+    for i in ids:
+        drv.admit(RequestId(i), PROMPTS[i], max_new_tokens=NEW)
+    drv.run_until_done()
+
+
+@pytest.mark.parametrize(("point", "after"), [(p, 0) for p in faults.POINTS] + [("model_forward", 3), ("commit", 2)])
+def test_a_retried_step_gives_the_fault_free_output(point: str, after: int) -> None:
+    drv = _driver(2, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32, retries=1)
+    with faults.armed(point, after=after) as fired:
+        _serve(drv)
+    assert fired == {point: 1}
+    assert drv.stats.retries == 1 and drv.stats.failed_steps == 0
+    assert drv.outputs == {RequestId(i): _greedy()[RequestId(i)] for i in range(4)}
+    drv.ledger.assert_drained()
+    assert drv.ledger.cancelled() == {}
+    drv.drop_cache()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+@pytest.mark.parametrize("point", faults.POINTS)
+def test_without_retries_the_affected_requests_are_aborted_and_serving_goes_on(point: str) -> None:
+    drv = _driver(2, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32)
+    with faults.armed(point) as fired:
+        _serve(drv)
+    assert fired == {point: 1}
+    assert drv.stats.failed_steps == 1 and drv.stats.aborts >= 1
+    for rid, out in drv.outputs.items():
+        assert out == _greedy()[rid][: len(out)]  # aborted ones stop early, the rest are complete
+    drv.ledger.assert_drained()  # nothing outstanding: what never ran was cancelled, with a reason
+    assert all("its forward failed" in why for why in drv.ledger.cancelled().values())
+    _serve(drv, range(4, 6))  # the driver keeps serving after the failure
+    assert all(drv.outputs[RequestId(i)] == _greedy()[RequestId(i)] for i in (4, 5))
+    drv.ledger.assert_drained()
+    drv.drop_cache()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0

@@ -78,3 +78,7 @@ class PreconditionError(BatchcError, ValueError):
     def __init__(self, pass_name: str, message: str) -> None:
         self.pass_name = pass_name
         super().__init__(f"{pass_name}: {message}")
+
+
+class MutationError(BatchcError):
+    """A tensor the backend owns or staged was written in place by code that had no right to."""

@@ -92,6 +92,7 @@ def _executed_clear_plan(w: World) -> Ctx:
     w.executor.execute(ctx["plan"])
     assert torch.count_nonzero(w.pool.buffer[2]) == 0
     w.pool.buffer[2].fill_(0x5A)
+    w.executor.adopt_pool_contents()  # the stand-in model's write, declared to the mutation detector
     return ctx
 
 

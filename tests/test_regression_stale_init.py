@@ -70,6 +70,7 @@ def test_init_ops_cannot_follow_the_request_into_decode() -> None:
             pool.buffer[1].add_(1)
             pool.buffer[2].add_(1)
         for ex in (ex_t, ex_d):
+            ex.adopt_pool_contents()  # declared to the in-place mutation detector (BATCHC_VERIFY=2)
             ex.execute(dplan)
     assert all(type(p) is DecodePlan for p in plans)
     assert "tickets" not in {f.name for f in DecodePlan.__attrs_attrs__}

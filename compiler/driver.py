@@ -45,8 +45,9 @@ Sampler = Callable[[Plan, "torch.Tensor | None", Sequence[tuple[RequestId, int]]
 """``(plan, model_output, [(rid, position)]) -> one token per listed request``."""
 
 
-def checked_prompt(rid: RequestId, prompt: Sequence[int]) -> I64:
-    """The prompt as a read-only int64 column, or ``IRValidationError`` naming the bad token."""
+def checked_prompt(rid: RequestId, prompt: Sequence[int], vocab: int | None = None) -> I64:
+    """The prompt as a read-only int64 column, or ``IRValidationError`` naming the bad token
+    (negative, or ``>= vocab`` when the model's vocabulary size is given)."""
     arr = as_i64(prompt)
     where = f"request {rid}"
     if arr.dtype != np.int64 or arr.ndim != 1:
@@ -56,6 +57,8 @@ def checked_prompt(rid: RequestId, prompt: Sequence[int]) -> I64:
         raise IRValidationError(where, "prompt", [], "must hold at least one token")
     if int(arr.min()) < 0:
         raise IRValidationError(where, "prompt", int(arr.min()), "token ids must be >= 0")
+    if vocab is not None and int(arr.max()) >= vocab:
+        raise IRValidationError(where, "prompt", int(arr.max()), f"token ids must be < the vocabulary size {vocab}")
     return arr
 
 

@@ -97,7 +97,10 @@ def load_workload(path: str | Path, *, max_len: int, default_max_new_tokens: int
         prompt = obj.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise WorkloadError(f"{where}: 'prompt' must be a non-empty string")
-        data = prompt.encode("utf-8")
+        try:
+            data = prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise WorkloadError(f"{where}: 'prompt' is not valid Unicode ({exc.reason} at character {exc.start})") from None
         new = obj.get("max_new_tokens", default_max_new_tokens)
         if not isinstance(new, int) or isinstance(new, bool) or new < 1:
             raise WorkloadError(f"{where}: 'max_new_tokens' must be a positive integer, got {new!r}")

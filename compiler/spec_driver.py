@@ -99,6 +99,7 @@ class Checkpoint:
 class _Request:
     rid: RequestId
     prompt: I64  # the tokens to prefill: the prompt, plus the output so far after a retraction
+    original: I64  # the prompt as admitted
     max_new_tokens: int
     stop: int | None
     source: Checkpoint | CacheEntry | None = None  # where the slot's first state comes from
@@ -160,6 +161,7 @@ class SpecDriver:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.k = k
+        self.vocab = target.config.vocab
         self.retries = retries
         self.max_len = max_len
         self.chunk_size = chunk_size if chunk_size is not None else max_len
@@ -230,7 +232,7 @@ class SpecDriver:
         with a prefix cache, the longest cached prefix is used when the request is scheduled."""
         if rid in self._reqs or rid in self.outputs:
             raise PreconditionError("admit", f"request id {rid} is already in use")
-        arr = checked_prompt(rid, prompt)
+        arr = checked_prompt(rid, prompt, self.vocab)
         if max_new_tokens < 1:
             raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
         if arr.shape[0] + max_new_tokens + self.k + 1 > self.max_len:
@@ -245,14 +247,17 @@ class SpecDriver:
                 raise PreconditionError("admit", f"request {rid}: checkpoint slot {checkpoint.slot} was released")
         if self.cache is not None and checkpoint is None:
             self.cache.observe(arr.tolist())
-        self._reqs[rid] = _Request(rid=rid, prompt=arr, max_new_tokens=max_new_tokens, stop=stop, source=checkpoint)
+        self._reqs[rid] = _Request(rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stop, source=checkpoint)
         self._waiting.append(rid)
 
     def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
         """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix checkpoint."""
+        arr = checked_prompt(RequestId(-1), tokens, self.vocab)  # validated before anything is allocated
+        if arr.shape[0] > self.kv.num_free or self.slots.num_free == 0:
+            raise PreconditionError("make_checkpoint", f"no room for a {arr.shape[0]}-token checkpoint")
         slot = self.slots.alloc()
-        kv = self._alloc_kv(len(tokens))
-        req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=list(tokens), kv_locs=kv, intent=InitIntent.CLEAR)
+        kv = self._alloc_kv(arr.shape[0])
+        req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=arr, kv_locs=kv, intent=InitIntent.CLEAR)
         _, plan = self.pipeline.prefill([req])
         for ex in self._executors():
             ex.execute(plan)
@@ -304,8 +309,17 @@ class SpecDriver:
         self._speculate()
         return "spec"
 
+    def _kv_owed(self) -> int:
+        """KV locations that started, unfinished prefills still need for the rest of their prompts."""
+        return sum(int(r.prompt.shape[0]) - (r.done or 0) for r in self._reqs.values() if r.slot is not None and r.rid in self._waiting)
+
     def _start(self, r: _Request) -> bool:
-        """Give a request its slot and prefix source before its first chunk; False if none is free."""
+        """Give a request its slot and prefix source before its first chunk; False if none is free,
+        or if the KV for its whole prompt does not fit next to what started prefills still need
+        (a started prefill can then always finish: no deadlock of half-prefilled requests)."""
+        while self.kv.num_free < self._kv_owed() + int(r.prompt.shape[0]):
+            if not self._evict():
+                return False
         if self.slots.num_free == 0 and not self._evict():
             return False
         r.slot = self.slots.alloc()
@@ -427,9 +441,9 @@ class SpecDriver:
             self.slots.free(r.snapshot_slot)
             if self.cache is not None:
                 self.cache.release_room()
-        prompt = frozen_i64([*r.prompt.tolist(), *r.output]) if r.output else r.prompt
+        prompt = frozen_i64([*r.original.tolist(), *r.output]) if r.output else r.original
         self._reqs[rid] = _Request(
-            rid=rid, prompt=prompt, max_new_tokens=r.max_new_tokens, stop=r.stop, output=r.output,
+            rid=rid, prompt=prompt, original=r.original, max_new_tokens=r.max_new_tokens, stop=r.stop, output=r.output,
             retractions=r.retractions + 1,
         )
         self._waiting.insert(0, rid)

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from tests import hypothesis_profiles  # noqa: F401  # registers the fuzzer's profiles, so --hypothesis-profile=long works
+
 os.environ.setdefault("BATCHC_VERIFY", "2")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

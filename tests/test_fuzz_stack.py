@@ -33,11 +33,10 @@ After every rule (and inside the step rules, after every scheduler step):
 extend path over the whole context in one forward: it differs from the driver's run in chunking,
 COW sources, snapshots, verify/commit and retraction, which is what is under test.
 
-Two library bugs this fuzzer found are pinned by the strict xfail tests at the end of the module;
-the machine makes a counted allowance for each (``known ...`` in the printed figures) so it can keep
-exploring, unless ``BATCHC_FUZZ_STRICT=1``: a livelock of mid-prefill requests holding all KV (the
-machine aborts the stuck requests) and a request retracted twice (its output is not compared with
-greedy; its books and pool rows still are).
+Two library bugs this fuzzer found are fixed and pinned by the tests at the end of the module: a
+livelock of mid-prefill requests holding all KV, and a request retracted twice re-prefilling its
+output twice. The machine still has a counted allowance for each (``known ...`` in the printed
+figures), used only with ``BATCHC_FUZZ_STRICT=0``; by default any occurrence fails.
 
 The checks read the driver's private bookkeeping (``_reqs``, ``_refs``, ``_waiting``) and the
 executors' ``_intermediates``: there is no public view of per-request KV references, and a fuzzer

@@ -31,6 +31,10 @@ from ir.errors import BatchcError
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 
 
+MAX_ARRIVAL = 1_000_000
+"""Latest arrival step a workload may ask for (a larger one would idle the scheduler for ever)."""
+
+
 class WorkloadError(BatchcError, ValueError):
     """A workload file that cannot be served; the message names the file and line."""
 
@@ -107,8 +111,8 @@ def load_workload(path: str | Path, *, max_len: int, default_max_new_tokens: int
         if len(data) + new + 8 > max_len:
             raise WorkloadError(f"{where}: prompt of {len(data)} bytes + {new} new tokens exceeds the context limit {max_len}")
         arrival = obj.get("arrival", 0)
-        if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < 0:
-            raise WorkloadError(f"{where}: 'arrival' must be a non-negative integer step, got {arrival!r}")
+        if not isinstance(arrival, int) or isinstance(arrival, bool) or not 0 <= arrival <= MAX_ARRIVAL:
+            raise WorkloadError(f"{where}: 'arrival' must be an integer step in [0, {MAX_ARRIVAL}], got {arrival!r}")
         stop = obj.get("stop")
         if stop is not None and (not isinstance(stop, str) or len(stop.encode("utf-8")) != 1):
             raise WorkloadError(f"{where}: 'stop' must be a single one-byte character, got {stop!r}")

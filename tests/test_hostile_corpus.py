@@ -643,8 +643,9 @@ def _wl(id_: str, content: str | bytes, match: str, xfail: str | None = None) ->
 
 WORKLOAD_CASES = [
     _wl("workload-non-utf8", b'{"prompt": "caf\xe9", "max_new_tokens": 2}\n', r"<path>: cannot read workload file \('utf-8' codec can't decode"),
-    _wl("workload-arrival-negative", GOOD_LINE + '{"prompt": "x", "arrival": -1}\n', r"<path>:2: 'arrival' must be a non-negative integer step, got -1"),
-    _wl("workload-arrival-string", '{"prompt": "x", "arrival": "3"}\n', r"<path>:1: 'arrival' must be a non-negative integer step, got '3'"),
+    _wl("workload-arrival-negative", GOOD_LINE + '{"prompt": "x", "arrival": -1}\n', r"<path>:2: 'arrival' must be an integer step in \[0, 1000000\], got -1"),
+    _wl("workload-arrival-too-late", '{"prompt": "x", "arrival": 1000000000000000000000000000000}\n', r"<path>:1: 'arrival' must be an integer step in \[0, 1000000\], got 1000000000000000000000000000000"),
+    _wl("workload-arrival-string", '{"prompt": "x", "arrival": "3"}\n', r"<path>:1: 'arrival' must be an integer step in \[0, 1000000\], got '3'"),
     _wl("workload-arrival-bool", '{"prompt": "x", "arrival": false}\n', r"<path>:1: 'arrival' .* got False"),
     _wl("workload-bool-max-new-tokens", '{"prompt": "x", "max_new_tokens": true}\n', r"<path>:1: 'max_new_tokens' must be a positive integer, got True"),
     _wl("workload-float-max-new-tokens", '{"prompt": "x", "max_new_tokens": 3.0}\n', r"<path>:1: 'max_new_tokens' must be a positive integer, got 3\.0"),

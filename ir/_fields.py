@@ -147,13 +147,6 @@ def check_min(node: object, name: str, arr: I64, minimum: int) -> None:
         raise IRValidationError(_node_name(node), name, bad, f"every value must be >= {minimum}")
 
 
-def check_unique(node: object, name: str, arr: I64) -> None:
-    if arr.size > 1:
-        uniq, counts = np.unique(arr, return_counts=True)
-        if uniq.size != arr.size:
-            raise IRValidationError(_node_name(node), name, int(uniq[counts > 1][0]), "values must be unique")
-
-
 N = TypeVar("N")
 
 

@@ -20,10 +20,9 @@ carries a prefill's init ops into a decode batch does not type-check.
 
 from __future__ import annotations
 
-from typing import Protocol, TypeAlias, final
+from typing import Protocol, final
 
 import attrs
-import numpy as np
 
 from ir._fields import BoolArray, I64, as_bool, as_i64, check_column, check_min, column_key
 from ir.errors import IRValidationError
@@ -147,11 +146,6 @@ class ExtendBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def token_offsets(self) -> I64:
-        """``[n + 1]`` start offsets of each request's tokens in the packed columns."""
-        out = np.zeros(self.num_requests + 1, dtype=np.int64)
-        np.cumsum(self.extend_lens, out=out[1:])
-        return out
 
 
 @final
@@ -213,6 +207,3 @@ class IdleBatch:
     def num_requests(self) -> int:
         return 0
 
-
-PrefillOrDecodeBatch: TypeAlias = ExtendBatch | DecodeBatch | MixedBatch | IdleBatch
-"""Every scheduler batch of the non-speculative path; dispatch with ``match`` + ``assert_never``."""

@@ -9,7 +9,7 @@ Invariant: a plan's tickets all carry the same ``MambaInit`` (one serial) and di
 
 from __future__ import annotations
 
-from typing import TypeAlias, final
+from typing import final
 
 import attrs
 
@@ -116,5 +116,3 @@ class IdlePlan:
         return 0
 
 
-PrefillPlan: TypeAlias = ExtendPlan | MixedPlan
-"""Plans that may carry init tickets."""

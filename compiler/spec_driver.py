@@ -12,6 +12,11 @@ Per ``step()`` (one scheduler iteration), one kind of forward:
   ``ExtendPlan``: the draft pool's init ops run there, and only there. A chunk that ends at a prefix
   worth caching carries a snapshot into a cache slot (a one-shot op after the forward, through the
   same tickets and ledger). The target's argmax at a prompt's end is the request's first token.
+- **mixed** (``k == 0`` only, on by default, ``mixed=False`` turns it off): while requests both
+  run and wait, the running batch's decode and the next prefill chunks share one MIXED forward
+  (``Pipeline.mixed``), so prefills do not pause the decodes. With a draft the steps alternate
+  instead: a speculative iteration is four forwards over two models (the same choice as engines
+  that turn mixed chunked prefill off under speculative decoding).
 - otherwise **decode** (``k == 0``: plain greedy) or **spec** (``k > 0``): draft proposal (draft
   executor), verify (target), accept + commit (target), draft extend (draft). Rejected KV
   locations go back to the allocator right after the commit.
@@ -50,7 +55,7 @@ from compiler.manager import PassManager
 from compiler.prefix_cache import CacheEntry, PrefixCache
 from compiler.steps import Pipeline
 from ir._fields import I64, frozen_i64
-from ir.batch import DecodeBatch
+from ir.batch import DecodeBatch, ExtendBatch
 from ir.errors import BatchcError, PreconditionError
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -120,6 +125,7 @@ class SpecStats:
     accepted: int = 0
     prefills: int = 0
     decodes: int = 0
+    mixed: int = 0  # MIXED forwards (counted in prefills and decodes too)
     retractions: int = 0
     aborts: int = 0
     retries: int = 0
@@ -149,6 +155,7 @@ class SpecDriver:
         token_budget: int | None = None,
         prefix_cache: PrefixCache | None = None,
         retries: int = 0,
+        mixed: bool = True,
         pm: PassManager | None = None,
     ) -> None:
         if k < 0:
@@ -163,6 +170,7 @@ class SpecDriver:
         self.k = k
         self.vocab = target.config.vocab
         self.retries = retries
+        self.mixed = mixed
         self.max_len = max_len
         self.chunk_size = chunk_size if chunk_size is not None else max_len
         self.token_budget = token_budget if token_budget is not None else max_len * capacity
@@ -294,6 +302,10 @@ class SpecDriver:
             return "failed"
 
     def _step(self) -> str:
+        if self.mixed and self.draft is None and self._waiting and self.running.num_requests:
+            if self._reserve_kv(1) and self.running.num_requests:
+                self._last_was_prefill = False
+                return self._mixed()
         prefill_ready = bool(self._waiting) and (not self.running.num_requests or not self._last_was_prefill)
         if prefill_ready and self._prefill():
             self._last_was_prefill = True
@@ -347,7 +359,9 @@ class SpecDriver:
         self._unref(entry.kv_locs)
         return True
 
-    def _prefill(self) -> bool:
+    def _chunks(self) -> list[AdmittedRequest]:
+        """The next prefill chunk of each waiting request, in order, within the token budget, the
+        free slots and the free KV locations (allocated here)."""
         admitted: list[AdmittedRequest] = []
         budget = self.token_budget
         for rid in list(self._waiting):
@@ -385,6 +399,10 @@ class SpecDriver:
                 )
             )
             budget -= n
+        return admitted
+
+    def _prefill(self) -> bool:
+        admitted = self._chunks()
         if not admitted:
             return False
         extend, plan = self.pipeline.prefill(admitted)
@@ -393,6 +411,14 @@ class SpecDriver:
             self._run(self.draft, plan)  # the draft pool's init ops (and snapshots): consumed here, once
         assert logits is not None
         self.stats.prefills += 1
+        self._after_chunks(admitted, extend, logits)
+        self.running = self.pipeline.merge(self.running, extend)
+        self._finish()
+        return True
+
+    def _after_chunks(self, admitted: Sequence[AdmittedRequest], extend: ExtendBatch, logits: torch.Tensor) -> None:
+        """Advance the prefilled requests, cache their snapshots, and emit the first token of each
+        whose prompt is complete (``logits``: one row per extend row, in ``extend.rids`` order)."""
         finished: list[RequestId] = []
         for a in admitted:
             r = self._reqs[a.rid]
@@ -412,9 +438,28 @@ class SpecDriver:
         rows = {RequestId(int(rid)): i for i, rid in enumerate(extend.rids)}
         tokens = logits.argmax(dim=-1).tolist()
         self._emit(finished, [[int(tokens[rows[rid]])] for rid in finished])
-        self.running = self.pipeline.merge(self.running, extend)
+
+    def _mixed(self) -> str:
+        """``k == 0`` with requests both running and waiting: the running batch's decode and the
+        next prefill chunks in one MIXED forward (a plain decode if no chunk fits)."""
+        rids = self.running.rids
+        ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
+        admitted = self._chunks()
+        if not admitted:
+            self._decode(ctx)
+            return "decode"
+        mixed, plan = self.pipeline.mixed(admitted, self.running, ctx)
+        logits = self._run(self.target, plan)
+        assert logits is not None
+        self.stats.prefills += 1
+        self.stats.decodes += 1
+        self.stats.mixed += 1
+        n = mixed.extend.num_requests
+        self._after_chunks(admitted, mixed.extend, logits[:n])
+        self._emit([RequestId(int(r)) for r in rids], [[int(t)] for t in logits[n:].argmax(dim=-1).tolist()])
+        self.running = self.pipeline.merge(mixed.decode, mixed.extend)
         self._finish()
-        return True
+        return "mixed"
 
     def _reserve_kv(self, per_row: int) -> bool:
         """Retract the newest running requests until the next step's KV locations fit."""
@@ -448,10 +493,10 @@ class SpecDriver:
         )
         self._waiting.insert(0, rid)
 
-    def _decode(self) -> None:
+    def _decode(self, ctx: DecodeContext | None = None) -> None:
         rids = self.running.rids
-        kv = self._alloc_for(rids, 1)
-        ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=kv)
+        if ctx is None:
+            ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
         self.running, plan = self.pipeline.decode(self.running, ctx)
         logits = self._run(self.target, plan)
         assert logits is not None

@@ -119,6 +119,49 @@ def test_chunked_prefill_equals_unchunked(k: int, chunk: int) -> None:
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0
 
 
+def _staggered(drv: SpecDriver, prompts: list[list[int]]) -> list[str]:
+    """One new request per step while earlier ones run; returns the step kinds."""
+    kinds = []
+    for i, p in enumerate(prompts):
+        drv.admit(RequestId(i), p, max_new_tokens=NEW)
+        kinds.append(drv.step())
+    while drv.live:
+        kinds.append(drv.step())
+    return kinds
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_mixed_forwards_at_k0_equal_greedy_and_unmixed(cached: bool) -> None:
+    # a newcomer's chunks share the forward with the running decodes: clears, COWs from the cache
+    # and snapshots all run inside MIXED forwards, exactly once
+    def make(mixed: bool) -> SpecDriver:
+        pc = PrefixCache(capacity=4, block=16) if cached else None
+        return _driver(0, chunk_size=16, token_budget=24, prefix_cache=pc, mixed=mixed)
+
+    on, off = make(True), make(False)
+    kinds_on, kinds_off = _staggered(on, PROMPTS), _staggered(off, PROMPTS)
+    assert on.outputs == off.outputs == _greedy()
+    assert kinds_on.count("mixed") >= 3 and on.stats.mixed == kinds_on.count("mixed")
+    assert "mixed" not in kinds_off and off.stats.mixed == 0
+    assert len(kinds_on) < len(kinds_off)  # prefills no longer pause the decodes
+    assert on.ledger.counts(TARGET_POOL) == off.ledger.counts(TARGET_POOL)
+    if cached:
+        assert on.cache is not None and on.cache.stats.hits >= 1 and on.cache.stats.snapshots >= 1
+    for drv in (on, off):
+        drv.ledger.assert_drained()
+        drv.drop_cache()
+        assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+def test_mixed_forward_with_retraction_under_kv_pressure() -> None:
+    drv = _driver(0, kv_capacity=170, chunk_size=16)
+    kinds = _staggered(drv, PROMPTS[:3])
+    assert "mixed" in kinds and drv.stats.retractions >= 1
+    assert drv.outputs == {RequestId(i): _greedy()[RequestId(i)] for i in range(3)}
+    drv.ledger.assert_drained()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_retraction_frees_and_the_request_completes_after_re_prefill(k: int) -> None:
     # all three prompts fit (157 locations), their growth does not: the newest is retracted

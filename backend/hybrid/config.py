@@ -2,8 +2,9 @@
 
 Invariants (checked at construction, ``ValueError``):
 
-- the layer pattern has at least one ``"mamba"`` and at least one ``"attn"`` layer (a pool layout
-  needs a Mamba layer; the KV cache and token table need an attention layer);
+- the layer pattern has at least one ``"mamba"`` layer (a pool layout needs one); attention layers
+  are optional: an attention-free model (the bundled draft) has a KV cache with no layers and keeps
+  its whole context in its recurrent state;
 - ``nheads % ngroups == 0`` (Mamba2 groups share B and C), ``conv_width`` in ``[2, 4]``;
 - rotary head dims are even.
 
@@ -69,8 +70,8 @@ class HybridConfig:
         bad = [k for k in self.layers if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"layer kinds must be one of {LAYER_KINDS}, got {bad!r}")
-        if "mamba" not in self.layers or "attn" not in self.layers:
-            raise ValueError(f"the layer pattern needs at least one mamba and one attn layer, got {self.layers!r}")
+        if "mamba" not in self.layers:
+            raise ValueError(f"the layer pattern needs at least one mamba layer, got {self.layers!r}")
         if self.nheads % self.ngroups:
             raise ValueError(f"nheads {self.nheads} is not a multiple of ngroups {self.ngroups}")
         if not 2 <= self.conv_width <= 4:

@@ -35,8 +35,8 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if min(n_layers, capacity, n_heads, head_dim) <= 0:
-            raise ValueError(f"KV cache sizes must be positive: {(n_layers, capacity, n_heads, head_dim)}")
+        if n_layers < 0 or min(capacity, n_heads, head_dim) <= 0:
+            raise ValueError(f"KV cache sizes must be positive (layers may be 0): {(n_layers, capacity, n_heads, head_dim)}")
         shape = (n_layers, capacity + 1, n_heads, head_dim)
         self.capacity = capacity
         self.k = torch.zeros(shape, dtype=dtype, device=device)

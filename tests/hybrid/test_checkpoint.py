@@ -169,7 +169,7 @@ def test_wrong_format(tmp_path: Path) -> None:
         (_config_meta(nheads=True), ("field 'nheads'",)),
         (_config_meta(rms_eps="tiny"), ("field 'rms_eps' must be a finite number",)),
         (_config_meta(layers=["mamba", "mlp"]), ("field 'layers'",)),
-        (_config_meta(layers=["mamba", "mamba"]), ("bad config", "attn")),
+        (_config_meta(layers=["attn", "attn"]), ("bad config", "at least one mamba layer")),
         (_config_meta(ngroups=3), ("nheads 4 is not a multiple of ngroups 3",)),
         (_config_meta(colour="blue"), ("unknown field 'colour'",)),
     ],

@@ -29,8 +29,8 @@ def test_presets_and_pool_layout() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"layers": ("mamba", "mamba")}, "at least one mamba and one attn"),
-        ({"layers": ("attn",)}, "at least one mamba and one attn"),
+        ({"layers": ("attn",)}, "at least one mamba layer"),
+        ({"layers": ("attn", "attn")}, "at least one mamba layer"),
         ({"layers": ("mamba", "mlp")}, "layer kinds"),
         ({"ngroups": 3}, "not a multiple of ngroups"),
         ({"attn_head_dim": 15}, "even"),

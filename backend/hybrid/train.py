@@ -18,28 +18,30 @@ torch build, a run is reproducible step for step; ``--minutes`` is only a safety
 hits its share of it, its training stops early and a warning is logged).
 
 Presets: ``backend.hybrid.presets.trained_target()`` (4 layers, d_model 96, 572,310 parameters)
-and ``trained_draft()`` (2 layers, d_model 48, 87,196 parameters).
+and ``trained_draft()`` (2 Mamba layers and no attention, d_model 64, 154,584 parameters).
 
 The shipped run (``--seed 0``, the default steps, 2 CPU cores, Python 3.11.7, torch 2.13 CPU),
-in ``backend/hybrid/weights/`` (2.2 MB + 0.35 MB, float32)::
+in ``backend/hybrid/weights/`` (2.2 MB + 0.6 MB, float32)::
 
     model   steps  train time  train bits/byte  held-out bits/byte
-    target  1000   271 s       1.503            2.000
-    draft   1200    68 s       1.932            2.222
-    both models with their loss evaluations: 339 s; the whole script with the
-    agreement measurement and samples: 5 min 54 s
+    target  1000   297 s       1.503            2.000
+    draft   1500   175 s       1.739            2.074
+    both models with their loss evaluations: 473 s; the whole script with the
+    agreement measurement and samples: 8 min 10 s
 
     draft vs target greedy agreement (``reference_logits``, teacher-forced, 8 x 256 held-out bytes):
-    0.669, i.e. 2.66 tokens per target verify with 4 draft tokens (2.10 / 2.42 / 2.94 with 2 / 3 / 6);
-    on the target's own greedy continuations of held-out prefixes: 0.680, 2.73 tokens per verify.
+    0.708, i.e. 2.89 tokens per target verify with 4 draft tokens; on the target's own greedy
+    continuations of held-out prefixes: 0.711, 2.95 tokens per verify.
 
     greedy samples (target, then draft):
     'def __init__(self, other):\n            return self.__class__\n\n    def __init__(self,'
-    'def __str__(self, other):\n                                                          '
+    'def tests and the state the state the state the state the state the state the state '
     '    if self._set_text is not None:\n            return self._set_prefixlen(self._file, s'
-    '    if not None:\n                                                                      '
-    'import self._seconds\n\n    def __init__(self, other):\n        ' + 3 quotes + 'Return the server the s'
-    'import and the set the set the context the set the set the set the context of the set t'
+    '    if not self._signature_name = self._signature_names():\n            return self._sel'
+
+The target's weights are bit-identical to those of the previous shipped run (which trained the
+earlier attention draft; the target trains first and from its own seed); only the train time of a
+run varies with the machine's load.
 """
 
 from __future__ import annotations
@@ -291,7 +293,7 @@ def sample(model: HybridModel, prompt: str, n: int = 80) -> str:
 # ---- the script ---------------------------------------------------------------------------------------------
 
 TARGET_SETTINGS = TrainSettings(steps=1000, lr=3e-3)
-DRAFT_SETTINGS = TrainSettings(steps=1200, lr=4e-3)
+DRAFT_SETTINGS = TrainSettings(steps=1500, lr=4e-3)
 
 
 def _train_one(

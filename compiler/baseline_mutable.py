@@ -223,6 +223,7 @@ class ModelRunner:
         self.replays = 0
         self.clears_executed = 0
         self.cows_executed = 0
+        self.stale_ops = 0  # clears and COWs run again by replays, each on a live request's state
         self._seen: set[int] = set()
         self._serials: dict[int, TicketSerial] = {}
 
@@ -252,6 +253,7 @@ class ModelRunner:
             init_rows_reference(self.pool.buffer, clear.to(self.pool.device), src.to(self.pool.device), dst.to(self.pool.device))
         self.executed += 1
         self.replays += int(is_replay)
+        self.stale_ops += int(clear.numel() + dst.numel()) if is_replay else 0
         self.clears_executed += int(clear.numel())
         self.cows_executed += int(dst.numel())
         self._seen.add(origin)

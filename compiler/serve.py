@@ -3,7 +3,7 @@ draft model, with the prefix cache, chunked prefill, continuous batching and spe
 and a summary an engine author can judge the library by.
 
 Workloads: the built-in one (``builtin_workload``: requests built from a bundled prompt set, with
-shared system prefixes, arrival steps and mixed lengths) or a JSONL file (``load_workload``), one
+shared system prefixes, arrivals in bursts or a trickle, and mixed lengths) or a JSONL file (``load_workload``), one
 request per line: ``{"prompt": str, "max_new_tokens": int, "arrival": int (optional, scheduler step),
 "stop": str (optional, one character)}``. A malformed file raises ``WorkloadError`` naming the line.
 
@@ -26,7 +26,7 @@ from compiler.baseline_spec import MutableSpecEngine
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.spec_driver import SpecDriver
-from compiler.workload import SNIPPETS, SYSTEM_PREFIXES
+from compiler.workload import ARRIVALS, BURST_EVERY, BURST_SIZE, SNIPPETS, SYSTEM_PREFIXES
 from ir.errors import BatchcError
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 
@@ -60,10 +60,22 @@ class ServeConfig:
     lossless_sample: int = 4
 
 
-def builtin_workload(*, num_requests: int = 64, max_new_tokens: int = 32, seed: int = 0) -> list[Request]:
+def builtin_workload(
+    *, num_requests: int = 64, max_new_tokens: int = 32, seed: int = 0, arrivals: str = "bursts"
+) -> list[Request]:
     """Byte prompts from the bundled snippets: about two thirds start with one of the shared system
-    prefixes; bodies of 1 to 6 snippets (long ones are prefilled in chunks); arrivals spread over the
-    first steps; lengths of generation vary."""
+    prefixes; bodies of 1 to 6 snippets (long ones are prefilled in chunks); generation lengths vary
+    from a quarter of ``max_new_tokens`` to all of it.
+
+    ``arrivals``: ``"bursts"`` (default): ``BURST_SIZE`` requests arrive together every
+    ``BURST_EVERY`` scheduler steps, as when clients submit batches of prompts (evaluation
+    harnesses, agent fan-out, batch APIs). ``"trickle"``: one request at a time, 0 to 2 steps
+    apart. The pattern decides how far the pre-fix engine's stale-init bug reaches: its stale
+    indices ride on the running batch from the moment a prefill batch becomes the running batch
+    (nothing else was running) until that batch's first request finishes. Each burst opens that
+    window over all of its requests; a trickle opens it over one request at a time."""
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
     rng = random.Random(seed)
     out = []
     arrival = 0
@@ -71,7 +83,8 @@ def builtin_workload(*, num_requests: int = 64, max_new_tokens: int = 32, seed: 
         prefix = rng.choice((-1, 0, 1))
         body = b"".join(rng.choice(SNIPPETS) for _ in range(rng.randint(1, 6)))
         prompt = (SYSTEM_PREFIXES[prefix] if prefix >= 0 else b"") + body
-        arrival += rng.choice((0, 0, 1, 2))
+        step = rng.choice((0, 0, 1, 2))
+        arrival = (i // BURST_SIZE) * BURST_EVERY if arrivals == "bursts" else arrival + step
         out.append(
             Request(rid=RequestId(i), prompt=prompt, max_new_tokens=rng.randint(max(1, max_new_tokens // 4), max_new_tokens), arrival=arrival)
         )
@@ -211,7 +224,8 @@ def run(
         summary["lossless_check"] = f"{'passed' if same else 'FAILED'}: {len(sample)} requests equal plain greedy of the target"
         summary["lossless_ok"] = same
     if compare_mutable and draft is not None and cfg.k:
-        summary["mutable_baseline"] = _mutable(workload, target, draft, cfg)
+        summary["mutable_baseline"] = _mutable(workload, target, draft, cfg, fixed=False)
+        summary["mutable_baseline_fixed"] = _mutable(workload, target, draft, cfg, fixed=True)
     return summary
 
 
@@ -240,9 +254,10 @@ def serve_mutable(engine: MutableSpecEngine, workload: Sequence[Request], *, max
     return wall, steps
 
 
-def _mutable(workload: Sequence[Request], target: HybridModel, draft: HybridModel, cfg: ServeConfig) -> dict[str, object]:
-    """The same workload through the pre-fix mutable baseline."""
+def _mutable(workload: Sequence[Request], target: HybridModel, draft: HybridModel, cfg: ServeConfig, *, fixed: bool) -> dict[str, object]:
+    """The same workload through the mutable baseline, pre-fix or with the upstream fix."""
     engine = make_mutable(target, draft, cfg, k=cfg.k)
+    engine.fixed = fixed
     wall, _ = serve_mutable(engine, workload, max_running=cfg.max_running)
     generated = sum(len(v) for v in engine.outputs.values())
     return {
@@ -251,6 +266,7 @@ def _mutable(workload: Sequence[Request], target: HybridModel, draft: HybridMode
         "init_ops_target": engine.t.runner.clears_executed + engine.t.runner.cows_executed,
         "init_ops_draft": engine.d.runner.clears_executed + engine.d.runner.cows_executed,
         "replays": engine.replays,
+        "stale_ops_run": engine.t.runner.stale_ops + engine.d.runner.stale_ops,
         "wall_s": wall,
         "tokens_per_s": generated / wall if wall else 0.0,
     }

@@ -4,6 +4,12 @@ that make up the request bodies."""
 
 from __future__ import annotations
 
+ARRIVALS = ("bursts", "trickle")
+"""Arrival patterns of the built-in workload (``compiler.serve.builtin_workload``)."""
+
+BURST_SIZE = 8
+BURST_EVERY = 20
+
 
 SYSTEM_PREFIXES: tuple[bytes, ...] = (
     b"You are a careful Python reviewer. Answer briefly.\n",

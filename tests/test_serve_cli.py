@@ -41,6 +41,35 @@ def test_short_run_json_summary_invariants(tmp_path: Path, capsys: pytest.Captur
     assert "lossless_check" in out and "host time per pass" in out
 
 
+def test_compare_mutable_shows_the_replays_and_the_acceptance_they_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # two bursts of 8 on the bundled models: the pre-fix baseline replays the first prefill's clears
+    # and COWs on the live draft state; the fixed baseline and the compiled pipeline run none
+    path = tmp_path / "summary.json"
+    code, out, _ = _run(["--requests", "16", "--max-new-tokens", "16", "--lossless-sample", "0", "--compare-mutable",
+                         "--json", str(path)], capsys)
+    assert code == 0
+    s = json.loads(path.read_text())
+    pre, fixed = s["mutable_baseline"], s["mutable_baseline_fixed"]
+    assert pre["replays"] > 0 and pre["stale_ops_run"] > 0
+    assert fixed["replays"] == 0 and fixed["stale_ops_run"] == 0 and s["replays_blocked"] == 0
+    assert pre["init_ops_draft"] == fixed["init_ops_draft"] + pre["stale_ops_run"]
+    assert pre["acceptance_rate"] < fixed["acceptance_rate"]
+    assert "mutable, pre-fix" in out and "mutable + upstream fix" in out
+
+
+def test_builtin_workload_arrival_patterns() -> None:
+    from compiler.serve import builtin_workload
+    from compiler.workload import BURST_EVERY, BURST_SIZE
+
+    bursts, trickle = builtin_workload(num_requests=20), builtin_workload(num_requests=20, arrivals="trickle")
+    assert [r.arrival for r in bursts] == [(i // BURST_SIZE) * BURST_EVERY for i in range(20)]
+    steps = [b.arrival - a.arrival for a, b in zip(trickle, trickle[1:])]
+    assert set(steps) <= {0, 1, 2} and len(set(steps)) > 1
+    assert [(r.prompt, r.max_new_tokens) for r in bursts] == [(r.prompt, r.max_new_tokens) for r in trickle]
+    with pytest.raises(ValueError, match="arrivals must be one of"):
+        builtin_workload(arrivals="poisson")
+
+
 def test_loading_a_checkpoint_the_test_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tiny()
     path = tmp_path / "tiny.safetensors"

@@ -23,8 +23,8 @@ def test_readme_starts_with_the_two_commands_and_ci_runs_the_second() -> None:
     assert README.index("```bash") < README.index("\n## ")
     commands = [line for line in first.splitlines() if line.strip()]
     assert commands == [
-        "pip install torch==2.13.0 -e . && batchc run",
-        "pip install torch==2.13.0 -e '.[test]' && python -m pytest",
+        "pip install -e . && batchc run",
+        "pip install -e '.[test]' && python -m pytest",
     ]
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
 

@@ -83,7 +83,7 @@ def builtin_workload(
         prefix = rng.choice((-1, 0, 1))
         body = b"".join(rng.choice(SNIPPETS) for _ in range(rng.randint(1, 6)))
         prompt = (SYSTEM_PREFIXES[prefix] if prefix >= 0 else b"") + body
-        step = rng.choice((0, 0, 1, 2))
+        step = rng.choice((0, 0, 1, 2))  # drawn under both patterns: prompts and lengths stay the same
         arrival = (i // BURST_SIZE) * BURST_EVERY if arrivals == "bursts" else arrival + step
         out.append(
             Request(rid=RequestId(i), prompt=prompt, max_new_tokens=rng.randint(max(1, max_new_tokens // 4), max_new_tokens), arrival=arrival)

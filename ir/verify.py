@@ -18,7 +18,7 @@ from typing import assert_never
 
 import numpy as np
 
-from ir._fields import I64
+from ir._fields import I64, first_common, first_missing, has_duplicates
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.errors import IRVerificationError
 from ir.init import InitIntent, InitTicket
@@ -38,7 +38,7 @@ from ir.spec import (
 
 
 def _unique(path: str, arr: I64, what: str) -> None:
-    if arr.size < 2:
+    if not has_duplicates(arr):
         return
     order = np.argsort(arr, kind="stable")
     sorted_ = arr[order]
@@ -87,9 +87,9 @@ def verify_decode_batch(batch: DecodeBatch, path: str = "DecodeBatch") -> None:
 
 
 def _disjoint(path: str, a: I64, b: I64, what: str) -> None:
-    both = np.intersect1d(a, b)
-    if both.size:
-        raise IRVerificationError(path, f"{what} {int(both[0])} is in both the extend and the decode part")
+    both = first_common(a, b)
+    if both is not None:
+        raise IRVerificationError(path, f"{what} {both} is in both the extend and the decode part")
 
 
 def verify_mixed_batch(batch: MixedBatch, path: str = "MixedBatch") -> None:
@@ -144,9 +144,9 @@ def _verify_spec(node: SpecBatch, path: str) -> None:
     _unique(f"{path}.slots", node.slots, "slot")
     _unique(f"{path}.kv_locs", node.kv_locs, "KV location")
     if isinstance(node, CommitBatch):
-        stray = np.setdiff1d(node.released_kv, node.kv_locs)
-        if stray.size:
-            raise IRVerificationError(f"{path}.released_kv", f"KV location {int(stray[0])} is not in any row's window")
+        stray = first_missing(node.released_kv, node.kv_locs)
+        if stray is not None:
+            raise IRVerificationError(f"{path}.released_kv", f"KV location {stray} is not in any row's window")
 
 
 def verify(node: Batch | Plan) -> None:

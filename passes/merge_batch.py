@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ir._fields import first_common
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.errors import PreconditionError
 from ir.spec import DraftExtendBatch
@@ -31,9 +32,9 @@ def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftExtendBatch 
     if rids.shape[0] == 0:
         return running
     for name, a, b in (("request id", running.rids, rids), ("slot", running.slots, slots)):
-        both = np.intersect1d(a, b)
-        if both.size:
-            raise PreconditionError("merge_batch", f"{name} {int(both[0])} is in both the running and the prefilled batch")
+        both = first_common(a, b)
+        if both is not None:
+            raise PreconditionError("merge_batch", f"{name} {both} is in both the running and the prefilled batch")
     return DecodeBatch(
         rids=np.concatenate((running.rids, rids)),
         slots=np.concatenate((running.slots, slots)),

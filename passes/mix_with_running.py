@@ -8,8 +8,8 @@ init ops in this forward) and whose decode part has none.
 
 from __future__ import annotations
 
-import numpy as np
 
+from ir._fields import first_common
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError
 
@@ -20,7 +20,7 @@ def mix_with_running(extend: ExtendBatch, running: DecodeBatch) -> MixedBatch:
         ("slot", extend.slots, running.slots),
         ("KV location", extend.kv_locs, running.kv_locs),
     ):
-        both = np.intersect1d(a, b)
-        if both.size:
-            raise PreconditionError("mix_with_running", f"{name} {int(both[0])} is in both the extend and the running part")
+        both = first_common(a, b)
+        if both is not None:
+            raise PreconditionError("mix_with_running", f"{name} {both} is in both the extend and the running part")
     return MixedBatch(extend=extend, decode=running)

@@ -303,7 +303,7 @@ class SpecDriver:
 
     def _step(self) -> str:
         if self.mixed and self.draft is None and self._waiting and self.running.num_requests:
-            if self._reserve_kv(1) and self.running.num_requests:
+            if self._reserve_kv(1):  # False only when retraction emptied the running batch
                 self._last_was_prefill = False
                 return self._mixed()
         prefill_ready = bool(self._waiting) and (not self.running.num_requests or not self._last_was_prefill)

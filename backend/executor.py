@@ -10,42 +10,50 @@ as its ops are applied; a failing forward then leaves its requests' state undefi
 must abort them.
 
 In-place mutation detector (``watch``, on by default at ``BATCHC_VERIFY=2``): the executor stamps
-the pool (its version counter and a content fingerprint) after every plan and checks the stamp
-before the next, so a write to the pool by code other than the executor's ops and model hook is
-reported with the pool's name; and it records the version counter of every staged tensor around
-each model-hook call, so a hook that writes its inputs in place is reported with the tensor's name.
-Triton stores do not bump ``_version``: the fingerprint is what catches them on the pool.
+the pool (its version counter and a hash of its bytes in order, so a row swap or +d/-d in two rows
+shows) after every plan and checks the stamp before the next, so a write to the pool by code other
+than the executor's ops and model hook is reported with the pool's name; and around each model-hook
+call it compares every staged tensor and every plan column with a copy taken before (by content:
+Triton stores do not bump ``_version``), so a hook that writes its inputs is reported by name.
 
 Speculative plans: a ``VerifyPlan`` leaves its intermediate states with the executor under the
-verify's id, and exactly one ``CommitPlan`` naming that id consumes them (a second commit, or a
-commit of a verify that never ran on this pool, is refused before touching the pool).
+verify's id, bound to the rows and window it ran on, and exactly one ``CommitPlan`` naming that id
+and those same slots (in the same order) with the same ``k`` consumes them (a second commit, a commit
+of a verify that never ran on this pool, or one naming other slots, is refused before touching the
+pool).
 
 Per plan, in this order: (1) check that the plan fits this backend (its tickets name this pool,
-every slot, the init ops' COW sources included, is in range and, with an allocator attached, live), raising ``PlanExecutionError`` or
-``SlotError`` before anything is touched; (2) stage the plan's columns into tensors; (3) for a
-prefill plan with init ops, consume this pool's ticket through the ledger while applying its
-clears, then its copies; (4) call the model hook; (5) for a prefill plan with prefix-cache
-snapshots, consume this pool's snapshot ticket while copying the requests' new states into their
-cache slots.
+every slot, the init ops' COW sources included, is in range and, with an allocator attached, live;
+the init ops write only rows of the plan; snapshots read rows of the plan and write none of them),
+raising ``PlanExecutionError`` or ``SlotError`` before anything is touched; (2) stage the plan's
+columns into tensors; (3) claim every ticket of the plan (init and snapshot) through the ledger,
+which refuses a replayed, unknown or forged ticket (``ResourceReplayError``, ``UnknownTicketError``,
+``TicketMismatchError``) before the model runs; (4) apply the registered init ops: clears, then
+copies; (5) call the model hook; (6) apply the registered snapshots, copying the requests' new
+states into their cache slots.
 
 A prefill plan whose tickets do not include this executor's pool is refused: it was lowered for
 other pools, and running it here would skip this pool's init ops. A ticket whose ops fail midway
 is returned to the ledger as outstanding. There is no path that applies an init op without
-consuming its ticket.
+consuming its ticket, and what is applied is the registered ticket's ops.
+
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import TypeAlias, assert_never
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, TypeAlias, assert_never, cast
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from backend.allocator import SlotAllocator
-from backend.ledger import Ledger
+from backend.ledger import Claim, Ledger
 from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
@@ -53,7 +61,7 @@ from backend import faults
 from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
 from ir._fields import I64
 from ir.errors import MutationError, PlanExecutionError
-from ir.init import InitTicket, SnapshotTicket
+from ir.init import InitTicket, SnapshotTicket, Ticket
 from ir.nodes import Plan
 from ir.ids import TicketSerial
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -61,6 +69,16 @@ from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 
 Staged: TypeAlias = StagedExtend | StagedDecode | StagedWindow
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _Verified:
+    """What a verify left on this pool for its commit: the rows and window it ran on, and the
+    model's intermediate states."""
+
+    slots: bytes
+    k: int
+    states: object
 
 
 class Executor:
@@ -77,11 +95,11 @@ class Executor:
         self.pool = pool
         self.transactional = transactional
         self.watch = watch if watch is not None else os.environ.get("BATCHC_VERIFY") == "2"
-        self._seen: tuple[int, int] | None = None
+        self._seen: tuple[int, bytes] | None = None
         self.ledger = ledger
         self.model: ModelHook = model if model is not None else NoOpModel()
         self.slots = slots
-        self._intermediates: dict[TicketSerial, object] = {}
+        self._intermediates: dict[TicketSerial, _Verified] = {}
 
     def execute(self, plan: Plan) -> torch.Tensor | None:
         if not self.watch:
@@ -115,38 +133,50 @@ class Executor:
     def run_prefill(self, plan: ExtendPlan | MixedPlan) -> torch.Tensor | None:
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
         self._check_slots(ext.slots, type(plan).__name__)
-        ticket = self._ticket(ext)
+        rows = ext.slots.tolist()
         decode: StagedDecode | None = None
         if isinstance(plan, MixedPlan):
             self._check_slots(plan.decode.slots, "MixedPlan.decode")
+            rows += plan.decode.slots.tolist()
+        own = frozenset(rows)
+        tickets: list[Ticket] = []
+        if (ticket := self._ticket(ext, own)) is not None:
+            tickets.append(ticket)
+        if (snapshot := self._snapshot_ticket(ext, own)) is not None:
+            tickets.append(snapshot)
+        if isinstance(plan, MixedPlan):
             decode = stage_decode(plan.decode, self.pool.device)
         extend: StagedExtend = stage_extend(ext, self.pool.device)
-        snapshot = self._snapshot_ticket(ext)
-        rows = [int(s) for s in ext.slots] + ([int(s) for s in plan.decode.slots] if isinstance(plan, MixedPlan) else [])
+        # Every ticket of the plan is claimed before the model runs, so a replayed plan (whatever
+        # tickets it carries: init, snapshot or both) is refused with the pool untouched; what runs
+        # are the registered tickets' ops (the claim checked that the plan's copies equal them).
         if not self.transactional:
             # the init ticket is consumed once its ops are applied; a failing forward then leaves
-            # its requests' state undefined: the driver aborts them
-            if ticket is not None:
-                with self.ledger.consuming(ticket, self.pool.pool_id):
-                    apply_init(self.pool, ticket.init)
-            out = self._forward(plan, extend, decode)
-            faults.check("model_forward")
-            if snapshot is not None:
-                with self.ledger.consuming(snapshot, self.pool.pool_id):
-                    apply_snapshot(self.pool, snapshot.snapshot)
+            # its requests' state undefined (the driver aborts them) and its snapshot outstanding
+            with self.ledger.claiming(tickets, self.pool.pool_id) as claim:
+                for t in claim.tickets:
+                    if isinstance(t, InitTicket):
+                        apply_init(self.pool, t.init)
+                        claim.done(t)
+                out = self._forward(plan, extend, decode)
+                faults.check("model_forward")
+                self._snapshots(claim)
             return out
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
         # and every ticket is outstanding again, so the same plan can simply be executed again
-        with restoring(self.pool, rows), ExitStack() as held:
-            if ticket is not None:
-                held.enter_context(self.ledger.consuming(ticket, self.pool.pool_id))
-                apply_init(self.pool, ticket.init)
+        with restoring(self.pool, rows), self.ledger.claiming(tickets, self.pool.pool_id) as claim:
+            for t in claim.tickets:
+                if isinstance(t, InitTicket):
+                    apply_init(self.pool, t.init)
             out = self._forward(plan, extend, decode)
             faults.check("model_forward")
-            if snapshot is not None:
-                held.enter_context(self.ledger.consuming(snapshot, self.pool.pool_id))
-                apply_snapshot(self.pool, snapshot.snapshot)
+            self._snapshots(claim)
         return out
+
+    def _snapshots(self, claim: Claim) -> None:
+        for t in claim.tickets:
+            if isinstance(t, SnapshotTicket):
+                apply_snapshot(self.pool, t.snapshot)
 
     def run_decode(self, plan: DecodePlan) -> torch.Tensor | None:
         self._check_slots(plan.slots, "DecodePlan")
@@ -159,9 +189,8 @@ class Executor:
     def run_draft(self, plan: DraftPlan) -> torch.Tensor:
         self._check_slots(plan.batch.slots, "DraftPlan")
         staged = stage_window(plan.batch, self.pool.device)
-        before = self._staged_versions(staged)
-        out = self._spec_model(plan).propose(plan, staged, self.pool)
-        self._check_staged(staged, before, "the model hook's propose")
+        with self._watched("the model hook's propose", plan, staged):
+            out = self._spec_model(plan).propose(plan, staged, self.pool)
         return out
 
     def run_verify(self, plan: VerifyPlan) -> torch.Tensor:
@@ -170,22 +199,31 @@ class Executor:
             raise PlanExecutionError(f"verify #{vid} already ran on pool {self.pool.pool_id!r}")
         self._check_slots(plan.batch.slots, "VerifyPlan")
         staged = stage_window(plan.batch, self.pool.device)
-        before = self._staged_versions(staged)
-        out, states = self._spec_model(plan).verify(plan, staged, self.pool)
-        self._check_staged(staged, before, "the model hook's verify")
-        self._intermediates[vid] = states
+        with self._watched("the model hook's verify", plan, staged):
+            out, states = self._spec_model(plan).verify(plan, staged, self.pool)
+        self._intermediates[vid] = _Verified(slots=plan.batch.slots.tobytes(), k=plan.batch.k, states=states)
         return out
 
     def run_commit(self, plan: CommitPlan) -> None:
         """Commit the intermediate states of the verify the plan names; each verify commits once."""
         vid = plan.batch.verify_id
         self._check_slots(plan.batch.slots, "CommitPlan")
-        if vid not in self._intermediates:
+        verified = self._intermediates.get(vid)
+        if verified is None:
             raise PlanExecutionError(
                 f"no intermediate states of verify #{vid} on pool {self.pool.pool_id!r}: never verified here, or already committed"
             )
+        # the states are bound to the verify's rows: committing them into other slots (or another
+        # window) would write one request's state into another's row
+        if plan.batch.slots.tobytes() != verified.slots or plan.batch.k != verified.k:
+            ran = np.frombuffer(verified.slots, dtype=np.int64).tolist()
+            raise PlanExecutionError(
+                f"commit of verify #{vid} names slots {plan.batch.slots.tolist()} with k={plan.batch.k}; "
+                f"the verify ran on slots {ran} with k={verified.k} on pool {self.pool.pool_id!r}"
+            )
         with self._unit(plan.batch.slots):
-            self._spec_model(plan).commit(plan, self._intermediates[vid], self.pool)
+            with self._watched("the model hook's commit", plan):
+                self._spec_model(plan).commit(plan, verified.states, self.pool)
             faults.check("commit")
         del self._intermediates[vid]
 
@@ -198,10 +236,8 @@ class Executor:
         return out
 
     def _forward(self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor | None:
-        before_extend, before_decode = self._staged_versions(extend), self._staged_versions(decode)
-        out = self.model.forward(plan, extend, decode, self.pool)
-        self._check_staged(extend, before_extend, "the model hook")
-        self._check_staged(decode, before_decode, "the model hook")
+        with self._watched("the model hook", plan, extend, decode):
+            out = self.model.forward(plan, extend, decode, self.pool)
         return out
 
     def _unit(self, slots: I64) -> AbstractContextManager[None]:
@@ -210,13 +246,14 @@ class Executor:
 
     # -- the in-place mutation detector (``watch``: on at BATCHC_VERIFY=2) -------------------
 
-    def _pool_stamp(self) -> tuple[int, int]:
-        """The pool buffer's version counter and a content fingerprint. Torch in-place ops bump the
-        version; Triton stores (our GPU kernels, or anyone's) do not, so the fingerprint catches those."""
-        b = self.pool.buffer
-        words = b.view(torch.int32) if b.shape[1] % 4 == 0 else b.to(torch.int32)
-        weights = torch.arange(1, words.shape[1] + 1, device=b.device, dtype=torch.int64)
-        return b._version, int((words.to(torch.int64) * weights).sum())
+    def _pool_stamp(self) -> tuple[int, bytes]:
+        """The pool buffer's version counter and a hash of its bytes. Torch in-place ops bump the
+        version; Triton stores (our GPU kernels, or anyone's) do not, so the hash catches those. A
+        hash of the bytes in order (not a sum) sees a row swap or +d/-d in two rows; it copies the
+        pool to the host, which is the price of ``BATCHC_VERIFY=2``."""
+        b = self.pool.buffer.detach().contiguous()
+        digest = hashlib.blake2b(b.view(torch.uint8).cpu().numpy().data, digest_size=16).digest()
+        return b._version, digest
 
     def _check_pool_untouched(self) -> None:
         if self._seen is None:
@@ -226,30 +263,23 @@ class Executor:
             how = f"version {self._seen[0]} -> {version}" if version != self._seen[0] else "contents changed, version unchanged (a Triton store?)"
             raise MutationError(f"pool {self.pool.pool_id!r} was written outside the executor since its last plan ({how})")
 
-    def _staged_versions(self, staged: Staged | None) -> dict[str, tuple[int, torch.Tensor]]:
-        """Version and a copy of every staged tensor (the fields of one staging share one buffer,
-        so one field's write bumps every field's version; the copies tell which field changed)."""
-        if not self.watch or staged is None:
-            return {}
-        return {
-            k: (v._version, v.clone())
-            for k, v in attrs.asdict(staged, recurse=False).items()
-            if isinstance(v, torch.Tensor)
-        }
-
-    def _check_staged(self, staged: Staged | None, before: dict[str, tuple[int, torch.Tensor]], who: str) -> None:
-        if staged is None or not before:
+    @contextmanager
+    def _watched(self, who: str, plan: Plan, *staged: Staged | None) -> Iterator[None]:
+        """Run a model-hook call; when watching, check afterwards that it changed neither a staged
+        input (compared by content: a Triton store bumps no version) nor a column of the plan."""
+        if not self.watch:
+            yield
             return
-        now = {k: v for k, v in attrs.asdict(staged, recurse=False).items() if isinstance(v, torch.Tensor)}
-        bumped = [k for k, (version, _) in before.items() if now[k]._version != version]
-        if not bumped:
-            return
-        changed = [k for k in bumped if not torch.equal(now[k], before[k][1])] or bumped
-        name = changed[0]
-        raise MutationError(
-            f"{who} wrote the staged tensor {type(staged).__name__}.{name} in place "
-            f"(version {before[name][0]} -> {now[name]._version})"
-        )
+        inputs = [(s, {k: v.clone() for k, v in _tensors(s).items()}) for s in staged if s is not None]
+        columns = {name: col.tobytes() for name, col in _columns(plan, type(plan).__name__)}
+        yield
+        for s, before in inputs:
+            for k, now in _tensors(s).items():
+                if not torch.equal(now, before[k]):
+                    raise MutationError(f"{who} wrote the staged tensor {type(s).__name__}.{k} in place")
+        for name, col in _columns(plan, type(plan).__name__):
+            if col.tobytes() != columns[name]:
+                raise MutationError(f"{who} changed the plan column {name}")
 
     def adopt_pool_contents(self) -> None:
         """Declare the pool's current contents as known after an intentional write from outside the
@@ -266,7 +296,7 @@ class Executor:
             raise PlanExecutionError(f"{type(plan).__name__} needs a SpecModelHook; {type(self.model).__name__} has no speculative phases")
         return self.model
 
-    def _ticket(self, plan: ExtendPlan) -> InitTicket | None:
+    def _ticket(self, plan: ExtendPlan, own: frozenset[int]) -> InitTicket | None:
         if not plan.tickets:
             return None
         ticket = plan.ticket_for(self.pool.pool_id)
@@ -276,14 +306,19 @@ class Executor:
                 f"plan with init #{plan.tickets[0].serial} was lowered for pool(s) {pools}, "
                 f"not for this executor's pool {self.pool.pool_id!r}"
             )
-        check_init_fits(self.pool, ticket.init)
+        init = ticket.init
+        check_init_fits(self.pool, init)
+        stray = init.targets() - own
+        if stray:
+            raise PlanExecutionError(
+                f"init #{init.serial} writes slot {min(stray)}, which is not a row of this plan (rows {sorted(own)})"
+            )
         if self.slots is not None:
             # a COW source is a checkpoint slot: reading a freed one would copy stale bytes
-            init = ticket.init
             self.slots.check_live((*init.clear_slots, *init.cow_dst, *init.cow_src), f"init #{init.serial}")
         return ticket
 
-    def _snapshot_ticket(self, plan: ExtendPlan) -> SnapshotTicket | None:
+    def _snapshot_ticket(self, plan: ExtendPlan, own: frozenset[int]) -> SnapshotTicket | None:
         if not plan.snapshots:
             return None
         ticket = plan.snapshot_for(self.pool.pool_id)
@@ -295,6 +330,16 @@ class Executor:
             )
         snap = ticket.snapshot
         check_slots_fit(self.pool, f"snapshot #{snap.serial}", (("src", snap.src), ("dst", snap.dst)))
+        stray = frozenset(snap.src) - own
+        if stray:
+            raise PlanExecutionError(
+                f"snapshot #{snap.serial} reads slot {min(stray)}, which is not a row of this plan (rows {sorted(own)})"
+            )
+        overwritten = frozenset(snap.dst) & own
+        if overwritten:
+            raise PlanExecutionError(
+                f"snapshot #{snap.serial} writes slot {min(overwritten)}, a row of this plan (a cache slot is never a request's row)"
+            )
         if self.slots is not None:
             self.slots.check_live((*snap.src, *snap.dst), f"snapshot #{snap.serial}")
         return ticket
@@ -307,3 +352,16 @@ class Executor:
                 raise PlanExecutionError(f"{what}: slot {bad} out of range [1, {self.pool.capacity}] of pool {self.pool.pool_id!r}")
             if self.slots is not None:
                 self.slots.check_live(np.asarray(slots).tolist(), what)
+
+
+def _tensors(staged: Staged) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in attrs.asdict(staged, recurse=False).items() if isinstance(v, torch.Tensor)}
+
+
+def _columns(node: attrs.AttrsInstance, path: str) -> Iterator[tuple[str, npt.NDArray[Any]]]:
+    """Every numpy column of a plan, nested batches and parts included, with its path."""
+    for name, value in attrs.asdict(node, recurse=False).items():
+        if isinstance(value, np.ndarray):
+            yield f"{path}.{name}", value
+        elif attrs.has(type(value)):
+            yield from _columns(cast(attrs.AttrsInstance, value), f"{path}.{name}")

@@ -1,41 +1,48 @@
 """The ledger: the runtime half of the exactly-once guarantee for one-shot tickets (init ops before a
 forward, prefix-cache snapshots after it).
 
-Every ticket is identified by ``(serial, pool)``. Its life: ``register`` (when its plan is lowered)
--> ``consuming`` (while the backend applies its ops) -> consumed. Rules:
+Every ticket is identified by ``(serial, pool)``, and the ticket registered under that key is the
+truth: what the backend executes is the registered ticket's ops, never the ops of the copy a plan
+carries. A ticket's life: ``register`` (when its plan is lowered) -> in flight (claimed by an
+executor, all tickets of a plan at once, before the model runs) -> consumed. Rules:
 
-- consuming a ticket already consumed, or being consumed on another thread, raises
-  ``ResourceReplayError`` naming the serial and the pool; a ``copy.deepcopy`` or pickled clone is the
-  same ticket, so it is refused too;
-- consuming on a pool the ticket is not addressed to raises ``WrongPoolError``;
-- consuming a ticket this ledger never registered raises ``UnknownTicketError``: every op goes
-  through lowering, so a plan built by hand cannot slip an op past the ledger;
-- registering a ticket that was already consumed, or is being consumed, raises
-  ``ResourceReplayError`` (re-lowering a batch that already ran); registering one that is
-  outstanding is a no-op (same ticket);
-- if the ops fail while being applied, the ticket returns to outstanding (never half consumed);
+- registering a serial that this process never minted (``ir.init.minted_here``) and whose epoch is
+  not that of a trusted peer (``trust_peer``) raises ``UnknownTicketError``: serials cannot be
+  squatted; registering a ticket whose key is outstanding with other ops raises
+  ``TicketMismatchError``, with the same ops it is a no-op (the same ticket); registering one that
+  was consumed, is in flight or was cancelled raises ``ResourceReplayError`` (re-lowering a batch
+  that already ran);
+- claiming (``claiming``, or ``consuming`` for one ticket) checks every ticket of the plan before
+  any of them moves: one consumed or in flight raises ``ResourceReplayError`` naming the serial, the
+  pool and the ops (a ``copy.deepcopy`` or pickled clone is the same ticket, so it is refused too);
+  one addressed to another pool raises ``WrongPoolError``; one this ledger never registered raises
+  ``UnknownTicketError``; one whose ops differ from the registered ticket's raises
+  ``TicketMismatchError`` naming both op lists. So a plan built by hand cannot slip an op past the
+  ledger, and a replayed plan is refused before its forward runs, whatever tickets it carries;
+- a claim's tickets are consumed when the block succeeds, or one by one as soon as their ops are
+  applied (``Claim.done``); if the block fails, every ticket not yet done returns to outstanding
+  (never half consumed);
 - ``outstanding()`` lists the registered tickets not yet consumed; ``assert_drained()`` raises
-  ``ResourceLeakError`` listing them (a dropped op);
+  ``ResourceLeakError`` listing them and any ticket stuck in flight (a dropped op);
 - ``cancel(ticket, reason)`` retires an outstanding ticket whose requests were aborted before it ran,
   as a recorded event (``cancelled()``), never silently.
 
-Locking: one ``threading.Lock`` guards the three state maps; ``consuming`` holds it only to move a
-ticket between states, not while the ops run, so the forward thread never blocks the scheduler
-thread for the length of a kernel.
+Locking: one ``threading.Lock`` guards the state maps; a claim holds it only to move tickets between
+states, not while the ops run, so the forward thread never blocks the scheduler thread for the
+length of a kernel.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import attrs
 
-from ir.errors import ResourceLeakError, ResourceReplayError, UnknownTicketError, WrongPoolError
+from ir.errors import ResourceLeakError, ResourceReplayError, TicketMismatchError, UnknownTicketError, WrongPoolError
 from ir.ids import PoolId, TicketSerial
-from ir.init import InitTicket, SnapshotTicket, Ticket
+from ir.init import InitTicket, SnapshotTicket, Ticket, minted_here, serial_epoch
 
 _Key = tuple[TicketSerial, PoolId]
 
@@ -51,6 +58,32 @@ class PoolCounts:
     snapshots: int = 0
 
 
+class Claim:
+    """The tickets of one plan, held in flight by ``Ledger.claiming``. ``tickets`` are the registered
+    tickets (the ones to execute), in the order they were claimed."""
+
+    def __init__(self, ledger: Ledger, tickets: tuple[Ticket, ...]) -> None:
+        self._ledger = ledger
+        self.tickets = tickets
+        self._held = {_key(t) for t in tickets}
+
+    def done(self, ticket: Ticket) -> None:
+        """Consume ``ticket`` now (its ops are applied), whatever happens later in the block."""
+        key = _key(ticket)
+        if key not in self._held:
+            raise UnknownTicketError(f"{ticket} is not held by this claim")
+        self._held.discard(key)
+        self._ledger._finish((key,))
+
+    def _release(self) -> None:
+        self._ledger._unclaim(tuple(self._held))
+        self._held.clear()
+
+    def _consume_rest(self) -> None:
+        self._ledger._finish(tuple(self._held))
+        self._held.clear()
+
+
 class Ledger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -58,16 +91,31 @@ class Ledger:
         self._in_flight: dict[_Key, Ticket] = {}
         self._consumed: set[_Key] = set()
         self._cancelled: dict[_Key, str] = {}
-        self._counts: Counter[tuple[PoolId, str]] = Counter()
+        self._counts: dict[PoolId, PoolCounts] = {}
         self._minted: dict[PoolId, PoolCounts] = {}
+        self._peers: dict[int, str] = {}
         self.replays_blocked = 0
+
+    def trust_peer(self, epoch: int, peer: str) -> None:
+        """Accept tickets minted by the process whose serial epoch is ``epoch`` (``ir.init.this_epoch()``
+        there), e.g. the scheduling rank of a tensor-parallel group."""
+        if type(epoch) is not int or epoch <= 0:
+            raise ValueError(f"trust_peer: epoch must be a positive int, got {epoch!r}")
+        with self._lock:
+            self._peers[epoch] = peer
 
     def register(self, tickets: Iterable[Ticket]) -> None:
         """Expect each ticket to be consumed exactly once; all or nothing."""
         items = list(tickets)
         with self._lock:
+            seen: dict[_Key, Ticket] = {}
             for t in items:
-                key = (t.serial, t.pool)
+                key = _key(t)
+                if not minted_here(t.serial) and serial_epoch(t.serial) not in self._peers:
+                    raise UnknownTicketError(
+                        f"{t}: serial {t.serial} was not minted by this process and no trusted peer sent it "
+                        "(mint serials with ir.init.mint_serial)"
+                    )
                 if key in self._consumed or key in self._in_flight or key in self._cancelled:
                     self.replays_blocked += 1
                     state = (
@@ -76,52 +124,80 @@ class Ledger:
                         else "was cancelled"
                     )
                     raise ResourceReplayError(f"{t} {state}; the batch it came from already ran")
-            for t in items:
-                key = (t.serial, t.pool)
+                known = self._outstanding.get(key, seen.get(key))
+                if known is not None and known != t:
+                    raise _mismatch(known, t, "registered again with other ops")
+                seen[key] = t
+            for key, t in seen.items():
                 if key not in self._outstanding:
                     self._outstanding[key] = t
                     self._minted[t.pool] = _add(self._minted.get(t.pool, PoolCounts()), t)
 
     @contextmanager
-    def consuming(self, ticket: Ticket, pool: PoolId) -> Iterator[Ticket]:
-        """Hold ``ticket`` while its ops are applied to ``pool``; consumed only if the block succeeds."""
-        key = (ticket.serial, ticket.pool)
+    def claiming(self, tickets: Sequence[Ticket], pool: PoolId) -> Iterator[Claim]:
+        """Hold every ticket of one plan in flight on ``pool`` while the block runs (the init ops,
+        the model, the snapshots). All are checked before any moves; the registered tickets are
+        yielded; those not consumed early (``Claim.done``) are consumed if the block succeeds and
+        return to outstanding if it raises."""
         with self._lock:
-            if ticket.pool != pool:
-                raise WrongPoolError(f"{ticket} handed to pool {pool!r}")
-            if key in self._cancelled:
-                raise ResourceReplayError(f"{ticket} was cancelled ({self._cancelled[key]})")
-            if key in self._consumed or key in self._in_flight:
+            registered = tuple(self._check_claim(t, pool) for t in tickets)
+            keys = [_key(t) for t in registered]
+            if len(set(keys)) != len(keys):
+                dup = next(t for i, t in enumerate(registered) if keys.index(keys[i]) != i)
                 self.replays_blocked += 1
-                state = "already consumed" if key in self._consumed else "being consumed on another thread"
-                raise ResourceReplayError(f"replay of {ticket}: {state} (ops {_ops(ticket)})")
-            registered = self._outstanding.pop(key, None)
-            if registered is None:
-                raise UnknownTicketError(f"{ticket} was never registered with this ledger (lower plans through the compiler)")
-            self._in_flight[key] = registered
+                raise ResourceReplayError(f"replay of {dup}: claimed twice by one plan (ops {_ops(dup)})")
+            for key, t in zip(keys, registered, strict=True):
+                del self._outstanding[key]
+                self._in_flight[key] = t
+        claim = Claim(self, registered)
         try:
-            yield registered
+            yield claim
         except BaseException:
-            with self._lock:
-                del self._in_flight[key]
-                self._outstanding[key] = registered
+            claim._release()
             raise
+        claim._consume_rest()
+
+    @contextmanager
+    def consuming(self, ticket: Ticket, pool: PoolId) -> Iterator[Ticket]:
+        """Hold one ticket while its ops are applied to ``pool``; consumed only if the block succeeds.
+        Yields the registered ticket: apply its ops, not the ones of the copy passed in."""
+        with self.claiming((ticket,), pool) as claim:
+            yield claim.tickets[0]
+
+    def _check_claim(self, ticket: Ticket, pool: PoolId) -> Ticket:
+        key = _key(ticket)
+        if ticket.pool != pool:
+            raise WrongPoolError(f"{ticket} handed to pool {pool!r}")
+        if key in self._cancelled:
+            raise ResourceReplayError(f"{ticket} was cancelled ({self._cancelled[key]})")
+        if key in self._consumed or key in self._in_flight:
+            self.replays_blocked += 1
+            state = "already consumed" if key in self._consumed else "being consumed on another thread"
+            raise ResourceReplayError(f"replay of {ticket}: {state} (ops {_ops(ticket)})")
+        registered = self._outstanding.get(key)
+        if registered is None:
+            raise UnknownTicketError(f"{ticket} was never registered with this ledger (lower plans through the compiler)")
+        if registered != ticket:
+            raise _mismatch(registered, ticket, "handed to the executor with other ops")
+        return registered
+
+    def _finish(self, keys: tuple[_Key, ...]) -> None:
         with self._lock:
-            del self._in_flight[key]
-            self._consumed.add(key)
-            if isinstance(ticket, InitTicket):
-                self._counts[(pool, "tickets")] += 1
-                self._counts[(pool, "clears")] += len(ticket.init.clear_slots)
-                self._counts[(pool, "cows")] += len(ticket.init.cow_dst)
-            else:
-                self._counts[(pool, "snapshot_tickets")] += 1
-                self._counts[(pool, "snapshots")] += len(ticket.snapshot.dst)
+            for key in keys:
+                t = self._in_flight.pop(key)
+                self._consumed.add(key)
+                self._counts[t.pool] = _add(self._counts.get(t.pool, PoolCounts()), t)
+
+    def _unclaim(self, keys: tuple[_Key, ...]) -> None:
+        with self._lock:
+            for key in keys:
+                self._outstanding[key] = self._in_flight.pop(key)
 
     def cancel(self, ticket: Ticket, reason: str) -> None:
         """Record that an outstanding ticket will never run (its requests were aborted before its
         forward). A cancellation is an event with a reason, not a silent drop; it is refused for a
         ticket that is consumed or being consumed."""
-        key = (ticket.serial, ticket.pool)
+        key = _key(ticket)
         with self._lock:
             if key in self._consumed or key in self._in_flight:
                 raise ResourceReplayError(f"cannot cancel {ticket}: it has run or is running")
@@ -137,28 +213,33 @@ class Ledger:
 
     def is_consumed(self, ticket: Ticket) -> bool:
         with self._lock:
-            return (ticket.serial, ticket.pool) in self._consumed
+            return _key(ticket) in self._consumed
 
     def outstanding(self) -> tuple[Ticket, ...]:
-        """Registered tickets not yet consumed, oldest serial first."""
+        """Registered tickets not yet consumed nor in flight, oldest serial first."""
         with self._lock:
-            return tuple(sorted(self._outstanding.values(), key=lambda t: (t.serial, t.pool)))
+            return tuple(sorted(self._outstanding.values(), key=_key))
+
+    def in_flight(self) -> tuple[Ticket, ...]:
+        """Tickets claimed by an executor whose block has not finished, oldest serial first."""
+        with self._lock:
+            return tuple(sorted(self._in_flight.values(), key=_key))
 
     def assert_drained(self) -> None:
-        left = self.outstanding()
-        if left:
-            listed = ", ".join(f"{t} (ops {_ops(t)})" for t in left[:10])
-            more = f" and {len(left) - 10} more" if len(left) > 10 else ""
-            raise ResourceLeakError(f"{len(left)} init ticket(s) never consumed: {listed}{more}")
+        """Raise ``ResourceLeakError`` if any registered ticket is outstanding or stuck in flight."""
+        parts = []
+        for what, left in (("never consumed", self.outstanding()), ("stuck in flight", self.in_flight())):
+            if left:
+                listed = ", ".join(f"{t} (ops {_ops(t)})" for t in left[:10])
+                more = f" and {len(left) - 10} more" if len(left) > 10 else ""
+                parts.append(f"{len(left)} ticket(s) {what}: {listed}{more}")
+        if parts:
+            raise ResourceLeakError("; ".join(parts))
 
     def counts(self, pool: PoolId) -> PoolCounts:
+        """Ops consumed on ``pool``."""
         with self._lock:
-            return PoolCounts(
-                tickets=self._counts[(pool, "tickets")],
-                clears=self._counts[(pool, "clears")],
-                cows=self._counts[(pool, "cows")],
-                snapshots=self._counts[(pool, "snapshots")],
-            )
+            return self._counts.get(pool, PoolCounts())
 
     def minted(self, pool: PoolId) -> PoolCounts:
         """Ops registered for ``pool`` (consumed or not): compare with ``counts`` for exactly-once."""
@@ -171,10 +252,21 @@ class Ledger:
             return len(self._consumed)
 
 
+def _key(t: Ticket) -> _Key:
+    return (t.serial, t.pool)
+
+
 def _add(c: PoolCounts, t: Ticket) -> PoolCounts:
     if isinstance(t, InitTicket):
         return attrs.evolve(c, tickets=c.tickets + 1, clears=c.clears + len(t.init.clear_slots), cows=c.cows + len(t.init.cow_dst))
     return attrs.evolve(c, snapshots=c.snapshots + len(t.snapshot.dst))
+
+
+def _mismatch(registered: Ticket, other: Ticket, how: str) -> TicketMismatchError:
+    return TicketMismatchError(
+        f"{registered} {how}: serial {registered.serial}, pool {registered.pool!r}; "
+        f"registered ops {_ops(registered)}; these ops {_ops(other)}"
+    )
 
 
 def _ops(ticket: Ticket) -> str:

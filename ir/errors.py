@@ -7,7 +7,7 @@ Every error a user can trigger derives from ``BatchcError`` and names the bad va
 - ``IRVerificationError``: a whole-node invariant does not hold (``ir.verify``); carries the path
   of the offending element.
 - ``ResourceError`` and its subclasses: a one-shot init ticket was used wrongly (replayed, sent to
-  the wrong pool, never registered, or never consumed). Raised by ``backend.ledger.Ledger``.
+  the wrong pool, never registered, forged, or never consumed). Raised by ``backend.ledger.Ledger``.
 - ``SlotError``: slot allocator misuse (double free, use after free, exhaustion).
 - ``PlanExecutionError``: a plan does not fit the backend it was handed to; raised before any
   tensor is touched.
@@ -56,7 +56,13 @@ class WrongPoolError(ResourceError):
 
 
 class UnknownTicketError(ResourceError):
-    """A ticket was consumed by a ledger that never registered it."""
+    """A ticket was consumed by a ledger that never registered it, or registered with a serial that
+    neither this process minted nor a trusted peer sent."""
+
+
+class TicketMismatchError(ResourceError):
+    """A ticket carries other ops than the ticket registered under its ``(serial, pool)``: the
+    registered ticket is the truth, and the impostor is refused before any byte moves."""
 
 
 class SlotError(BatchcError, ValueError):

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
+import secrets
 import threading
 from typing import TypeAlias, final
 
@@ -32,14 +34,73 @@ from ir._fields import ints
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, PoolId, TicketSerial
 
-_serials = itertools.count(1)
-_serial_lock = threading.Lock()
+SERIAL_COUNTER_BITS = 32
+"""A serial is ``epoch << 32 | counter``: the high bits are this process's epoch, the low bits count."""
+_COUNTER_MASK = (1 << SERIAL_COUNTER_BITS) - 1
+_EPOCH_BITS = 30
+"""Epochs are drawn from ``[1, 2**30]``, so a serial stays below ``2**62`` (an int64 column can hold it)."""
+
+
+class _Minter:
+    """This process's serials. The epoch is random (``secrets``), drawn again in a forked child and
+    when the counter runs out, so serials minted by two processes never collide (1 in 2**30 per pair
+    of processes, where a counter alone would collide at once), and a serial can be traced to the
+    process that minted it: ``Ledger.register`` refuses one this process never minted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[int, int] = {}
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        epoch = secrets.randbits(_EPOCH_BITS) + 1
+        while epoch in self._last:
+            epoch = secrets.randbits(_EPOCH_BITS) + 1
+        self.epoch, self._count = epoch, itertools.count(1)
+        self._last[epoch] = 0
+
+    def mint(self) -> TicketSerial:
+        with self._lock:
+            n = next(self._count)
+            if n > _COUNTER_MASK:
+                self._new_epoch()
+                n = next(self._count)
+            self._last[self.epoch] = n
+            return TicketSerial(self.epoch << SERIAL_COUNTER_BITS | n)
+
+    def minted(self, serial: int) -> bool:
+        with self._lock:
+            return 1 <= serial & _COUNTER_MASK <= self._last.get(serial >> SERIAL_COUNTER_BITS, 0)
+
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._last = {}
+        self._new_epoch()
+
+
+_minter = _Minter()
+os.register_at_fork(after_in_child=_minter.after_fork)
 
 
 def mint_serial() -> TicketSerial:
-    """Next process-unique serial (monotonic; never reused, never derived from ``id()``)."""
-    with _serial_lock:
-        return TicketSerial(next(_serials))
+    """Next serial of this process: unique across processes, monotonic within one epoch, never
+    reused, never derived from ``id()``."""
+    return _minter.mint()
+
+
+def minted_here(serial: int) -> bool:
+    """Whether this process minted ``serial`` (a forged or foreign serial is not)."""
+    return _minter.minted(serial)
+
+
+def serial_epoch(serial: int) -> int:
+    """The epoch of the process that minted ``serial`` (the key a ledger trusts a peer by)."""
+    return serial >> SERIAL_COUNTER_BITS
+
+
+def this_epoch() -> int:
+    """The epoch this process mints serials in now (a peer's ledger trusts it to admit our tickets)."""
+    return _minter.epoch
 
 
 @final
@@ -54,10 +115,14 @@ class InitIntent(enum.Enum):
     """Chunked-prefill continuation: the slot already holds this request's state."""
 
 
-def _slots(values: object) -> tuple[MambaSlot, ...]:
+def _slots(values: object, node: str = "MambaInit", field: str = "slots") -> tuple[MambaSlot, ...]:
+    """Converter of slot tuples. ``IRValidationError`` names the first entry that is not an int64
+    integer (``bool``, ``float``, ``str``, ``None``, out of int64). An attrs converter is not told its
+    field (and mypy's attrs plugin supports no ``attrs.Converter``), so the names default to the
+    generic ``MambaInit.slots``; a per-field wrapper function can pass the exact ones."""
     if not isinstance(values, (tuple, list, range)):
-        raise IRValidationError("MambaInit", "slots", values, "must be a tuple or list of ints")
-    return tuple(MambaSlot(v) for v in ints(values))
+        raise IRValidationError(node, field, values, "must be a tuple or list of ints")
+    return tuple(MambaSlot(v) for v in ints(values, node, field))
 
 
 @final

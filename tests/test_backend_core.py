@@ -204,7 +204,7 @@ def test_outstanding_and_assert_drained_name_serial_and_pool() -> None:
     with pytest.raises(ResourceLeakError) as info:
         ledger.assert_drained()
     msg = str(info.value)
-    assert "3 init ticket(s) never consumed" in msg
+    assert "3 ticket(s) never consumed" in msg
     assert f"#{a.serial} for pool 'target'" in msg and "clear [2]" in msg
     assert f"#{b_init.serial} for pool 'draft'" in msg and "1->3" in msg
     with ledger.consuming(b_draft, DRAFT_POOL):

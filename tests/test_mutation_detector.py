@@ -3,6 +3,8 @@ from outside the executor, and model hooks writing their staged inputs, are repo
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from compiler.manager import PassManager
 from compiler.steps import Pipeline
 from ir.errors import MutationError
 from ir.ids import TARGET_POOL
+from ir.plan import ExtendPlan
 from passes import DecodeContext, LowerContext
 from tests.core import LAYOUT, fresh
 
@@ -27,6 +30,12 @@ class _Hook:
             extend.input_ids.add_(1)
         if self.scribble == "packed" and decode is not None:
             decode.packed.zero_()
+        if self.scribble == "quiet" and extend is not None:
+            extend.input_ids.data.add_(1)  # like a Triton store: the version counter does not move
+        if self.scribble == "column" and isinstance(plan, ExtendPlan):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch warns that the array is read-only
+                torch.from_numpy(plan.input_ids)[0] += 1
         return None
 
 
@@ -76,3 +85,38 @@ def test_model_hook_writing_its_staged_inputs_is_reported(field: str, kind: str)
         Executor(ex.pool, ex.ledger, _Hook()).execute(plan)
     with pytest.raises(MutationError, match=rf"the model hook wrote the staged tensor {kind} in place"):
         ex.execute(target)
+
+
+@pytest.mark.parametrize("how", ["swap", "plus-minus"])
+def test_writes_that_keep_the_bytes_sum_are_caught(how: str) -> None:
+    """A row swap, or +d in one row and -d in another, keeps every column sum: the stamp sees them."""
+    ex, pool, pipe = _world(_Hook())
+    extend, plan = pipe.prefill([fresh(1, 1, [1, 2], 1), fresh(2, 2, [3], 5)])
+    ex.execute(plan)
+    pool.buffer.data[3].fill_(7)
+    ex.adopt_pool_contents()
+    rows = pool.buffer.data
+    if how == "swap":
+        first = rows[3].clone()
+        rows[3].copy_(rows[1])
+        rows[1].copy_(first)
+    else:
+        rows[3, 0] += 1
+        rows[4, 0] -= 1
+    _, dplan = pipe.decode(extend, DecodeContext(next_tokens=[5, 6], kv_locs=[3, 6]))
+    with pytest.raises(MutationError, match="contents changed, version unchanged"):
+        ex.execute(dplan)
+
+
+def test_staged_inputs_are_compared_by_content() -> None:
+    ex, _, pipe = _world(_Hook("quiet"))
+    _, plan = pipe.prefill([fresh(1, 1, [1, 2], 1)])
+    with pytest.raises(MutationError, match=r"the model hook wrote the staged tensor StagedExtend.input_ids in place"):
+        ex.execute(plan)
+
+
+def test_plan_columns_are_checked_after_the_hook() -> None:
+    ex, _, pipe = _world(_Hook("column"))
+    _, plan = pipe.prefill([fresh(1, 1, [1, 2], 1)])
+    with pytest.raises(MutationError, match=r"the model hook changed the plan column ExtendPlan.input_ids"):
+        ex.execute(plan)

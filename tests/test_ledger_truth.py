@@ -1,0 +1,274 @@
+"""The registered ticket is the truth, and every ticket of a plan is claimed before its forward.
+
+Each hostile plan below is refused with a typed error before a byte of the pool moves (pool bytes,
+ledger, allocators and the model's call count unchanged), and the genuine plan still runs after it:
+
+- a forged-ops plan (the outstanding serial, other ops: ``attrs.evolve(plan, tickets=...)``, or a
+  fresh ``MambaInit`` with that serial);
+- a swapped-tickets plan (plan A carrying plan B's outstanding ticket);
+- a replay of a plan whose only one-shot op is a snapshot (a CONTINUE chunk ending at a cache
+  boundary), on a plain and on a transactional executor, as an extend and inside a MIXED forward;
+- a commit naming other slots than its verify ran on.
+
+Plus the ledger's own rules: re-registration with other ops, squatted serials, trusted peers,
+tickets stuck in flight, and serials that differ across processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+import pytest
+import torch
+
+from backend.executor import Executor
+from backend.ledger import Ledger
+from backend.pool import MambaStatePool
+from backend.staging import StagedDecode, StagedExtend
+from ir.errors import PlanExecutionError, ResourceLeakError, ResourceReplayError, TicketMismatchError, UnknownTicketError
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, TicketSerial
+from ir.init import InitIntent, InitTicket, MambaInit, SnapshotTicket, mint_serial, minted_here, serial_epoch, this_epoch
+from ir.plan import ExtendPlan, MixedPlan
+from ir.spec import AcceptResult, CommitPlan
+from passes.accept import accept
+from passes.commit import commit
+from passes.lower import LowerContext, lower
+from passes.mix_with_running import mix_with_running
+from passes.prepare_for_decode import DecodeContext, prepare_for_decode
+from passes.prepare_for_draft import SpecContext, prepare_for_draft
+from passes.prepare_for_extend import prepare_for_extend
+from passes.prepare_for_verify import prepare_for_verify
+from tests.helpers_core import World, decode_batch, extend_plan, make_world, request
+from tests.test_hostile_corpus import ToySpecModel
+
+
+class CountingModel(ToySpecModel):
+    """The toy speculative hook, counting forwards and writing a marker into every row it runs on
+    (so a forward that ran shows in the pool bytes)."""
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> None:
+        self.forwards += 1
+        for staged in (extend, decode):
+            if staged is not None:
+                for s in staged.slots.tolist():
+                    pool.buffer[s].add_(1)
+
+
+def _world(*, transactional: bool = False) -> tuple[World, CountingModel]:
+    model = CountingModel()
+    w = make_world(capacity=6, live_slots=5, model=model)
+    w.executor = Executor(w.pool, w.ledger, model, slots=w.slots, transactional=transactional)
+    return w, model
+
+
+def _refused(w: World, model: CountingModel, run: Callable[[], object], error: type[Exception], match: str) -> None:
+    """``run`` raises ``error`` (message matching ``match``) and changes nothing."""
+    before, forwards = w.state(), model.forwards
+    with pytest.raises(error, match=match):
+        run()
+    after = w.state()
+    assert torch.equal(before[0], after[0]), "pool bytes changed"
+    assert before[1:] == after[1:], "ledger or allocators changed"
+    assert model.forwards == forwards, "the model ran"
+
+
+def _two_prefills(w: World) -> tuple[ExtendPlan, ExtendPlan]:
+    """Plan A (fresh request in slot 1) and plan B (slot 2 starts as a copy of cache slot 4), both
+    registered and outstanding."""
+    _, a = extend_plan([request(1, 1, [5, 6], 0)], ledger=w.ledger)
+    _, b = extend_plan([request(2, 2, [7], 8, intent=InitIntent.COW, prefix_len=3, checkpoint=4)], ledger=w.ledger)
+    return a, b
+
+
+# -- the registered ticket is the truth ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_forged_ops_under_an_outstanding_serial_are_refused_and_the_registered_ops_run(transactional: bool) -> None:
+    w, model = _world(transactional=transactional)
+    _, b = _two_prefills(w)
+    serial = b.tickets[0].serial
+    # same serial, same pool, other ops: clear the plan's own row instead of copying the checkpoint
+    forged_init = MambaInit(serial=serial, clear_slots=(2,))
+    forged = attrs.evolve(b, tickets=(InitTicket(pool=TARGET_POOL, init=forged_init),))
+    match = rf"ticket #{serial} for pool 'target' handed to the executor with other ops.*registered ops clear \[\], cow \[4->2\]; these ops clear \[2\], cow \[\]"
+    _refused(w, model, lambda: w.executor.execute(forged), TicketMismatchError, match)
+    # the genuine plan runs the registered COW
+    before = w.pool.buffer.clone()
+    w.executor.execute(b)
+    assert torch.equal(w.pool.buffer[2], before[4] + 1)  # copied from slot 4, then the forward's marker
+    assert w.ledger.is_consumed(b.tickets[0])
+
+
+def test_forged_snapshot_ops_are_refused() -> None:
+    w, model = _world()
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    plan = lower(prepare_for_extend([r]), LowerContext())
+    w.ledger.register(plan.snapshots)
+    snap = plan.snapshots[0].snapshot
+    forged = attrs.evolve(plan, snapshots=(SnapshotTicket(pool=TARGET_POOL, snapshot=attrs.evolve(snap, dst=(5,))),))
+    _refused(w, model, lambda: w.executor.execute(forged), TicketMismatchError, r"registered ops snapshot \[1->4\]; these ops snapshot \[1->5\]")
+
+
+def test_swapped_tickets_are_refused_before_anything_moves() -> None:
+    w, model = _world()
+    a, b = _two_prefills(w)
+    swapped = attrs.evolve(a, tickets=b.tickets)  # A's rows, B's outstanding COW into slot 2
+    _refused(w, model, lambda: w.executor.execute(swapped), PlanExecutionError, r"init #\d+ writes slot 2, which is not a row of this plan \(rows \[1\]\)")
+    for plan in (a, b):
+        w.executor.execute(plan)
+    w.ledger.assert_drained()
+
+
+def test_a_snapshot_must_read_the_plans_rows_and_write_outside_them() -> None:
+    w, model = _world()
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    plan = lower(prepare_for_extend([r]), LowerContext())
+    other = ExtendPlan(
+        rids=[2], slots=[3], prefix_lens=[3], extend_lens=[2], more_chunks=[False], input_ids=[5, 6], kv_locs=[20, 21],
+        tickets=(), snapshots=plan.snapshots,
+    )
+    w.ledger.register(plan.snapshots)
+    _refused(w, model, lambda: w.executor.execute(other), PlanExecutionError, r"snapshot #\d+ reads slot 1, which is not a row of this plan")
+
+
+def test_register_refuses_another_ticket_under_an_outstanding_key() -> None:
+    ledger = Ledger()
+    serial = mint_serial()
+    t = InitTicket(pool=DRAFT_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
+    ledger.register([t])
+    ledger.register([t])  # the same ticket again: a no-op
+    other = InitTicket(pool=DRAFT_POOL, init=MambaInit(serial=serial, cow_src=(3,), cow_dst=(1,)))
+    with pytest.raises(TicketMismatchError, match=rf"#{serial} for pool 'draft' registered again with other ops.*clear \[1\].*cow \[3->1\]"):
+        ledger.register([other])
+    with pytest.raises(TicketMismatchError):
+        ledger.register([InitTicket(pool=TARGET_POOL, init=other.init), InitTicket(pool=TARGET_POOL, init=t.init)])
+    assert ledger.outstanding() == (t,)
+    assert ledger.minted(DRAFT_POOL).tickets == 1 and ledger.minted(TARGET_POOL).tickets == 0
+
+
+def test_serials_cannot_be_squatted() -> None:
+    ledger = Ledger()
+    mine = mint_serial()
+    assert minted_here(mine) and serial_epoch(mine) == this_epoch()
+    future = TicketSerial(mine + 1000)  # the right epoch, but not minted yet
+    foreign = TicketSerial(((this_epoch() % (1 << 30)) + 1) << 32 | 1)  # another process's epoch
+    for serial in (future, foreign):
+        t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
+        with pytest.raises(UnknownTicketError, match=rf"serial {serial} was not minted by this process and no trusted peer sent it"):
+            ledger.register([t])
+        assert ledger.outstanding() == ()
+    ledger.trust_peer(serial_epoch(foreign), "rank 0")
+    t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=foreign, clear_slots=(1,)))
+    ledger.register([t])
+    assert ledger.outstanding() == (t,)
+    with pytest.raises(ValueError, match="epoch must be a positive int, got True"):
+        ledger.trust_peer(True, "rank 1")
+
+
+def _mint_in_child(queue: multiprocessing.Queue[tuple[int, int]]) -> None:
+    s = mint_serial()
+    queue.put((s, this_epoch()))
+
+
+def test_serials_differ_across_processes_even_after_fork() -> None:
+    parent = mint_serial()
+    ctx = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[tuple[int, int]] = ctx.Queue()
+    proc = ctx.Process(target=_mint_in_child, args=(queue,))
+    proc.start()
+    child, child_epoch = queue.get(timeout=60)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert child_epoch != this_epoch() and serial_epoch(child) == child_epoch
+    assert child != parent + 1 and not minted_here(child)
+
+
+# -- claim everything before the forward ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_snapshot_only_replay_is_refused_before_the_model_runs(transactional: bool) -> None:
+    w, model = _world(transactional=transactional)
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    plan = lower(prepare_for_extend([r]), LowerContext())
+    assert plan.tickets == () and len(plan.snapshots) == 1
+    w.ledger.register(plan.snapshots)
+    w.executor.execute(plan)
+    assert model.forwards == 1 and torch.equal(w.pool.buffer[4], w.pool.buffer[1])
+    _refused(w, model, lambda: w.executor.execute(plan), ResourceReplayError, rf"replay of snapshot ticket #{plan.snapshots[0].serial} for pool 'target'")
+
+
+def test_a_mixed_replay_without_an_init_ticket_is_refused_before_the_model_runs() -> None:
+    w, model = _world()
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    running = decode_batch([2], [2], [4], [30])
+    decode = prepare_for_decode(running, DecodeContext(next_tokens=[9], kv_locs=[31]))
+    plan = lower(mix_with_running(prepare_for_extend([r]), decode), LowerContext())
+    assert isinstance(plan, MixedPlan) and plan.tickets == ()
+    w.ledger.register(plan.extend.snapshots)
+    w.executor.execute(plan)
+    _refused(w, model, lambda: w.executor.execute(plan), ResourceReplayError, "replay of snapshot ticket")
+
+
+def test_a_failed_forward_consumes_the_applied_init_and_returns_the_snapshot() -> None:
+    """Plain executor: the init ran and stays consumed; the snapshot never ran and is outstanding."""
+
+    class Failing(CountingModel):
+        def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> None:
+            raise RuntimeError("forward failed")
+
+    model = Failing()
+    w = make_world(capacity=6, live_slots=5, model=model)
+    r = attrs.evolve(request(1, 1, [5, 6], 0), snapshot_to=MambaSlot(4))
+    plan = lower(prepare_for_extend([r]), LowerContext())
+    w.ledger.register((*plan.tickets, *plan.snapshots))
+    with pytest.raises(RuntimeError, match="forward failed"):
+        w.executor.execute(plan)
+    assert w.ledger.is_consumed(plan.tickets[0]) and bool((w.pool.buffer[1] == 0).all())
+    assert w.ledger.outstanding() == plan.snapshots and w.ledger.in_flight() == ()
+
+
+def test_assert_drained_reports_tickets_stuck_in_flight() -> None:
+    ledger = Ledger()
+    t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=mint_serial(), clear_slots=(2,)))
+    ledger.register([t])
+    with ledger.consuming(t, TARGET_POOL):
+        with pytest.raises(ResourceLeakError, match=rf"1 ticket\(s\) stuck in flight: ticket #{t.serial} for pool 'target' \(ops clear \[2\]"):
+            ledger.assert_drained()
+    ledger.assert_drained()
+
+
+def test_one_plan_cannot_claim_a_ticket_twice() -> None:
+    ledger = Ledger()
+    t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=mint_serial(), clear_slots=(2,)))
+    ledger.register([t])
+    with pytest.raises(ResourceReplayError, match="claimed twice by one plan"):
+        with ledger.claiming([t, t], TARGET_POOL):
+            pass
+    assert ledger.outstanding() == (t,) and ledger.in_flight() == ()
+
+
+# -- a verify's states are bound to its rows --------------------------------------------------------
+
+
+def test_a_commit_naming_other_slots_is_refused_and_the_right_one_runs() -> None:
+    w, model = _world()
+    running = decode_batch([1, 2], [1, 2], [4, 4], [20, 21])
+    draft = prepare_for_draft(running, SpecContext(k=2, next_tokens=[3, 3], kv_locs=list(range(30, 36))))
+    v = prepare_for_verify(draft, np.full(4, 7, dtype=np.int64))
+    w.executor.execute(lower(v, LowerContext()))
+    c = commit(v, accept(v, np.full(6, 7, dtype=np.int64)))
+    swapped = CommitPlan(batch=attrs.evolve(c, slots=c.slots[::-1].copy()))
+    other = CommitPlan(batch=attrs.evolve(c, slots=[1, 3]))
+    shorter = commit(attrs.evolve(v, k=1, input_ids=[3, 7, 3, 7], kv_locs=[30, 31, 33, 34]), AcceptResult(accepted=[1, 1], bonus=[7, 7]))
+    for bad, shown in ((swapped, r"\[2, 1\] with k=2"), (other, r"\[1, 3\] with k=2"), (CommitPlan(batch=shorter), r"\[1, 2\] with k=1")):
+        _refused(w, model, lambda bad=bad: w.executor.execute(bad), PlanExecutionError, rf"commit of verify #{v.verify_id} names slots {shown}; the verify ran on slots \[1, 2\] with k=2")
+    w.executor.execute(lower(c, LowerContext()))
+    assert bool((w.pool.buffer[1] == 0x11).all()) and bool((w.pool.buffer[2] == 0x11).all())

@@ -10,69 +10,173 @@
 - ``batchc bench pipeline``: decode-step host cost against the mutable baseline.
 - ``batchc bench kernels``: the state-pool kernels (Triton on a GPU, torch references on a CPU).
 
-Errors the user can cause (bad option values) print one line and exit with status 2.
+Bad input the user can cause (option values and their bounds, ``BATCHC_VERIFY`` and
+``BATCHC_DUMP_DIR``, workload files, checkpoints, the ``--json`` path) prints one line on stderr and
+exits with status 2 before anything runs. ``batchc run`` exits with status 1, saying why in one
+line on stderr, when a forward failed and aborted requests, a ticket was never consumed, or the
+lossless check failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from compiler.manager import PassManager
-from compiler.workload import ARRIVALS, BURST_EVERY, BURST_SIZE
+from compiler.manager import PassManager, settings_from_env
+from compiler.workload import ARRIVALS, BURST_EVERY, BURST_SIZE, MAX_K, MAX_REQUESTS, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES
 from ir.errors import BatchcError
 
+MAX_BENCH_BATCH = 1 << 16
+"""Largest ``bench pipeline`` batch size (a batch's columns and plan are built in memory)."""
+MAX_REPEATS = 1000
 
-def _positive(text: str) -> int:
+
+class UsageError(BatchcError):
+    """A bad command line that argparse cannot see (an output path, a bound that depends on k)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line prints one line (no usage block) before exiting with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def _path(text: str) -> str:
+    return _shown(text, 1000)
+
+
+def _parse_int(text: str, want: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+        if text.strip().lstrip("+-").isdigit():  # over the interpreter's int-string digit limit
+            raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text)}: more than {sys.get_int_max_str_digits()} digits") from None
+        raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text)}") from None
+
+
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
+    below = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, f"an integer >= {lo}")
+
+    def parse(text: str) -> int:
+        value = _parse_int(text, below)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected {below}, got {value}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"expected at most {hi}, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _int_in(1)
+
+
+def _int(text: str) -> int:
+    return _parse_int(text, "an integer")
+
+
+def _device(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` naming a device this machine has."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"unknown device {_shown(text)} (expected cpu, cuda or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"device {_shown(text)}: no CUDA device on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"device {_shown(text)}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return text
+
+
+def _check_output(option: str, path: str) -> None:
+    """Refuse an output path that cannot be written, before anything runs ('-' is stdout)."""
+    if path == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{option} {_path(path)}: is a directory")
+    parent = p.parent
+    if not parent.is_dir():
+        raise UsageError(f"{option} {_path(path)}: no such directory {_path(str(parent))}")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"{option} {_path(path)}: not writable")
+
+
+def _write_output(option: str, path: str, text: str) -> None:
+    if path == "-":
+        print(text)
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    except OSError as exc:
+        raise UsageError(f"{option} {_path(path)}: cannot write it ({exc.strerror})") from None
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="batchc",
         description="Typed batch compiler for hybrid Mamba/attention serving: frozen IR, one-shot state-init "
         "ops as linear resources, a ledger-enforced backend.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="serve a workload (default: the built-in one on the bundled trained models)")
+    run = sub.add_parser(
+        "run", help="serve a workload (default: the built-in one on the bundled trained models)",
+        description=f"Serve a workload. Bounds: --k in [0, {MAX_K}]; --requests and --lossless-sample at most "
+        f"{MAX_REQUESTS}; --max-new-tokens (built-in workload) at most the context limit 512 minus its longest "
+        f"prompt minus k + 1; a workload file is a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB; the "
+        f"estimated memory of the run (state pools, KV caches, working memory; grows with --max-running, "
+        f"--cache-entries, --k, --chunk-size and the models' sizes) at most {MAX_SERVE_BYTES >> 30} GiB.",
+    )
     run.add_argument("--model", metavar="PATH", help="target checkpoint (.safetensors; default: the bundled one)")
     run.add_argument("--draft", metavar="PATH", help="draft checkpoint (default: the bundled one)")
-    run.add_argument("--workload", metavar="PATH", help="JSONL workload file (default: the built-in workload)")
-    run.add_argument("--requests", type=_positive, default=64, help="built-in workload size (default 64)")
-    run.add_argument("--max-new-tokens", type=_positive, default=32, help="built-in workload: max tokens per request (default 32)")
-    run.add_argument("--k", type=int, default=2, help="draft tokens per speculative iteration; 0 turns it off (default 2)")
-    run.add_argument("--max-running", type=_positive, default=8, help="requests live at once (default 8)")
+    run.add_argument("--workload", metavar="PATH",
+                     help=f"JSONL workload file, a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB (default: the built-in workload)")
+    run.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=64, help=f"built-in workload size, at most {MAX_REQUESTS} (default 64)")
+    run.add_argument("--max-new-tokens", type=_positive, default=32,
+                     help="built-in workload: max tokens per request, at most 512 - longest built-in prompt - (k + 1) (default 32)")
+    run.add_argument("--k", type=_int_in(0, MAX_K), default=2, help=f"draft tokens per speculative iteration, 0 to {MAX_K}; 0 turns it off (default 2)")
+    run.add_argument("--max-running", type=_positive, default=8, help="requests live at once (default 8; bounded by the memory estimate)")
     run.add_argument("--chunk-size", type=_positive, default=64, help="prefill chunk size in tokens (default 64)")
     run.add_argument("--token-budget", type=_positive, default=256, help="prefill tokens per step (default 256)")
-    run.add_argument("--cache-entries", type=_positive, default=8, help="prefix-cache checkpoints (default 8)")
-    run.add_argument("--seed", type=int, default=0, help="built-in workload seed (default 0)")
+    run.add_argument("--cache-entries", type=_positive, default=8, help="prefix-cache checkpoints (default 8; bounded by the memory estimate)")
+    run.add_argument("--seed", type=_int, default=0, help="built-in workload seed (default 0)")
     run.add_argument("--arrivals", choices=ARRIVALS, default="bursts",
                      help=f"built-in workload: {BURST_SIZE} requests every {BURST_EVERY} steps, or one at a time 0-2 steps apart (default bursts)")
-    run.add_argument("--lossless-sample", type=int, default=4, help="requests re-run with plain greedy to check losslessness (default 4)")
+    run.add_argument("--lossless-sample", type=_int_in(0, MAX_REQUESTS), default=4,
+                     help="requests re-run with plain greedy to check losslessness (default 4)")
     run.add_argument("--compare-mutable", action="store_true", help="also run the workload through the pre-fix mutable baseline")
     run.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH ('-' for stdout)")
 
     ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")
-    ab.add_argument("--k", type=_positive, default=2, help="draft tokens per iteration (default 2)")
-    ab.add_argument("--requests", type=_positive, default=12, help="requests (default 12)")
+    ab.add_argument("--k", type=_int_in(1, MAX_K), default=2, help=f"draft tokens per iteration, at most {MAX_K} (default 2)")
+    ab.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=12, help=f"requests, at most {MAX_REQUESTS} (default 12)")
     ab.add_argument("--max-new-tokens", type=_positive, default=24, help="tokens per request (default 24)")
     ab.add_argument("--max-running", type=_positive, default=4, help="requests live at once (default 4)")
     ab.add_argument("--draft-noise", type=float, default=None, help="relative weight noise of the draft (default 0.05)")
-    ab.add_argument("--seed", type=int, default=0, help="weights and workload seed (default 0)")
+    ab.add_argument("--seed", type=_int, default=0, help="weights and workload seed (default 0)")
     ab.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH ('-' for stdout)")
 
     dump = sub.add_parser("dump", help="print the IR after every pass of the built-in scenario")
@@ -82,13 +186,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="group", required=True, metavar="GROUP")
     bp = bsub.add_parser("pipeline", help="decode-step host cost: compiled pipeline vs. mutable baseline")
-    bp.add_argument("--sizes", type=_positive, nargs="+", default=[1, 64, 256, 1024], help="batch sizes")
-    bp.add_argument("--repeats", type=_positive, default=7, help="interleaved repeats per size (default 7)")
+    bp.add_argument("--sizes", type=_int_in(1, MAX_BENCH_BATCH), nargs="+", default=[1, 64, 256, 1024],
+                    help=f"batch sizes, each at most {MAX_BENCH_BATCH}")
+    bp.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats per size, at most {MAX_REPEATS} (default 7)")
     bs = bsub.add_parser("serve", help="serving workload at k=0 and k=2: compiled pipeline vs. mutable baseline")
-    bs.add_argument("--requests", type=_positive, default=24, help="built-in workload size (default 24)")
+    bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=24, help=f"built-in workload size, at most {MAX_REQUESTS} (default 24)")
     bs.add_argument("--max-new-tokens", type=_positive, default=24, help="max tokens per request (default 24)")
     bk = bsub.add_parser("kernels", help="state-pool kernels (init ops, selective_state_update)")
-    bk.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    bk.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     return p
 
 
@@ -111,18 +216,26 @@ def _cmd_dump(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import default_draft, default_target, load_checkpoint
-    from compiler.serve import ServeConfig, builtin_workload, load_workload, run
+    from compiler.serve import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, load_workload, run
 
-    if args.k < 0:
-        raise BatchcError(f"--k must be >= 0, got {args.k}")
     cfg = ServeConfig(
         k=args.k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
-        cache_entries=args.cache_entries, lossless_sample=max(0, args.lossless_sample),
+        cache_entries=args.cache_entries, lossless_sample=args.lossless_sample,
     )
+    # every check before anything runs: options, output path, models, memory, workload
+    if args.json:
+        _check_output("--json", args.json)
+    if not args.workload and args.max_new_tokens > cfg.builtin_max_new_tokens:
+        raise UsageError(
+            f"--max-new-tokens {args.max_new_tokens} is over {cfg.builtin_max_new_tokens}: the context limit {cfg.max_len} minus "
+            f"the longest built-in prompt ({LONGEST_BUILTIN_PROMPT} bytes) minus k + 1 = {cfg.reserve}"
+        )
     target = load_checkpoint(args.model) if args.model else default_target()
     draft = None if args.k == 0 else (load_checkpoint(args.draft) if args.draft else default_draft())
+    names = (f"target {args.model}" if args.model else "bundled target", f"draft {args.draft}" if args.draft else "bundled draft")
+    check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=args.compare_mutable, names=names)
     if args.workload:
-        workload = load_workload(args.workload, max_len=cfg.max_len)
+        workload = load_workload(args.workload, max_len=cfg.max_len, reserve=cfg.reserve, vocab=target.config.vocab)
     else:
         workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed, arrivals=args.arrivals)
     with Progress(
@@ -137,7 +250,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.items():
-        if key in ("samples", "pass_us_per_step", "mutable_baseline", "mutable_baseline_fixed", "lossless_ok"):
+        if key in ("samples", "pass_us_per_step", "mutable_baseline", "mutable_baseline_fixed", "lossless_ok") or value is None:
             continue
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
@@ -166,14 +279,19 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     for s in samples:
         console.print(f"r{s['rid']}: ...{s['prompt']!r} -> {s['completion']!r}", highlight=False)
     if args.json:
-        text = json.dumps(summary, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-    ok = summary["outstanding_tickets"] == 0 and summary.get("lossless_ok", True)
-    return 0 if ok else 1
+        _write_output("--json", args.json, json.dumps(summary, indent=2))
+    failures = []
+    if summary["aborted_requests"]:
+        failures.append(f"{summary['aborted_requests']} requests aborted by {summary['failed_forwards']} failed forwards, "
+                        f"first: {summary['first_failure']}")
+    if summary["outstanding_tickets"]:
+        failures.append(f"{summary['outstanding_tickets']} tickets never consumed")
+    if not summary.get("lossless_ok", True):
+        failures.append(f"lossless check {summary['lossless_check']}")
+    if failures:
+        print(f"batchc: run failed: {'; '.join(failures)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
@@ -182,6 +300,8 @@ def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
     noise = DRAFT_NOISE if args.draft_noise is None else args.draft_noise
     if not 0.0 <= noise < 10.0:
         raise BatchcError(f"--draft-noise must be in [0, 10), got {noise}")
+    if args.json:
+        _check_output("--json", args.json)
     with console.status("running plain greedy, compiled, mutable baseline (pre-fix and fixed), and the guarded baseline"):
         result = run_ab(
             k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens, max_running=args.max_running,
@@ -201,12 +321,7 @@ def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     console.print(f"mutable baseline (pre-fix) with a ledger on its runners: {result['ledger_on_baseline']}", highlight=False)
     if args.json:
-        text = json.dumps(result, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        _write_output("--json", args.json, json.dumps(result, indent=2))
     compiled = runs["compiled"]
     return 0 if compiled["equals_greedy"] and compiled["replays"] == 0 and compiled["outstanding_tickets"] == 0 else 1
 
@@ -231,8 +346,11 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if args.group == "serve":
         from backend.hybrid.checkpoint import default_draft, default_target
         from compiler.bench_serve import run_serve_bench
-        from compiler.serve import builtin_workload
+        from compiler.serve import ServeConfig, builtin_workload
 
+        bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2
+        if args.max_new_tokens > bound:
+            raise UsageError(f"--max-new-tokens {args.max_new_tokens} is over {bound}: the longest built-in prompt plus k + 1 = 3 must fit 512")
         workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens)
         with console.status("serving the workload four times (k=0 and k=2, compiled and mutable)"):
             srows = run_serve_bench(default_target(), default_draft(), workload)
@@ -257,8 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:  # pipes and CI logs: wide enough that the tables do not wrap
         console = Console(width=140)
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)  # a bad command line: one line on stderr, SystemExit(2)
     try:
+        settings_from_env()  # BATCHC_VERIFY, BATCHC_DUMP_DIR: refused here, before anything runs
         match args.command:
             case "run":
                 return _cmd_run(args, console)

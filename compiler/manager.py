@@ -13,14 +13,22 @@ Any exception raised by the pass or its verification is re-raised as ``PassError
 failing pass, the passes that ran before it in this manager (the last 8), and a bounded excerpt of
 the dump of the pass's first IR argument. The original exception is chained as ``__cause__`` and
 kept as ``.error``.
+
+Settings from the environment (``settings_from_env``, the one parser of both variables; the CLI
+calls it before anything runs): ``BATCHC_VERIFY`` must be exactly ``0``, ``1`` or ``2`` (unset or
+empty: 1); ``BATCHC_DUMP_DIR`` must not name an existing non-directory, nor a folder that holds a
+symbolic link. Dump files are opened with ``O_NOFOLLOW`` and must be single-link regular files, so a
+link planted at a dump file's name is refused, never written through. A bad setting or a refused
+dump file raises ``SettingsError`` (one line, naming the variable or file and the value).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -72,12 +80,64 @@ class PassTiming:
     seconds: float
 
 
-def _verify_level(value: str | None) -> int:
+class SettingsError(BatchcError, ValueError):
+    """A bad ``BATCHC_VERIFY`` or ``BATCHC_DUMP_DIR`` setting, or a dump file that cannot be written
+    safely; the message is one line naming the variable or file and the value."""
+
+
+def parse_verify_level(value: str | None) -> int:
+    """``BATCHC_VERIFY``: exactly ``"0"``, ``"1"`` or ``"2"``; unset or empty means 1. Nothing is
+    stripped or coerced (``" 1"`` and ``"yes"`` are refused)."""
     if value is None or value == "":
         return 1
     if value not in ("0", "1", "2"):
-        raise ValueError(f"BATCHC_VERIFY must be 0, 1 or 2, got {value!r}")
+        raise SettingsError(f"BATCHC_VERIFY must be 0, 1 or 2, got {value[:40]!r}")
     return int(value)
+
+
+def check_dump_dir(path: Path) -> None:
+    """Refuse a dump folder that exists as something else, or that holds a symbolic link."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return  # created when the pass manager is built
+    except OSError as exc:
+        raise SettingsError(f"dump folder {str(path)!r}: cannot stat it ({exc.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SettingsError(f"dump folder {str(path)!r} exists and is not a directory")
+    try:
+        links = sorted(e.name for e in os.scandir(path) if e.is_symlink())
+    except OSError as exc:
+        raise SettingsError(f"dump folder {str(path)!r}: cannot list it ({exc.strerror})") from None
+    if links:
+        raise SettingsError(f"dump folder {str(path)!r} holds a symbolic link {links[0]!r}; dump files are never written through links")
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, Path | None]:
+    """``(verify level, dump folder or None)`` from ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR``, checked."""
+    env = os.environ if environ is None else environ
+    level = parse_verify_level(env.get("BATCHC_VERIFY"))
+    raw = env.get("BATCHC_DUMP_DIR") or None
+    dump_dir = Path(raw) if raw is not None else None
+    if dump_dir is not None:
+        check_dump_dir(dump_dir)
+    return level, dump_dir
+
+
+def _write_dump(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` without following a link there (``O_NOFOLLOW``) and only into a
+    regular file with one link (a planted hard link or FIFO is refused too)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        raise SettingsError(f"dump file {str(path)!r}: cannot open it as a plain file, links are not followed ({exc.strerror})") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise SettingsError(f"dump file {str(path)!r} is not a regular file with a single link; refusing to write it")
+        f.truncate(0)
+        f.write(text)
 
 
 class PassManager:
@@ -87,7 +147,11 @@ class PassManager:
         self.verify_level = verify_level
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         if self.dump_dir is not None:
-            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            check_dump_dir(self.dump_dir)
+            try:
+                self.dump_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise SettingsError(f"dump folder {str(self.dump_dir)!r}: cannot create it ({exc.strerror})") from None
         self._history: deque[str] = deque(maxlen=_HISTORY)
         self._seq = 0
         self._calls: dict[str, int] = {}
@@ -97,11 +161,9 @@ class PassManager:
 
     @classmethod
     def from_env(cls) -> PassManager:
-        """Settings from ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR``."""
-        return cls(
-            verify_level=_verify_level(os.environ.get("BATCHC_VERIFY")),
-            dump_dir=os.environ.get("BATCHC_DUMP_DIR") or None,
-        )
+        """Settings from ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR`` (``settings_from_env``)."""
+        level, dump_dir = settings_from_env()
+        return cls(verify_level=level, dump_dir=dump_dir)
 
     def run(self, name: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._run(name, False, fn, *args, **kwargs)
@@ -129,7 +191,7 @@ class PassManager:
             self._seq += 1
             text = dump(out)
             if self.dump_dir is not None:
-                (self.dump_dir / f"{self._seq:05d}-{name}.txt").write_text(text)
+                _write_dump(self.dump_dir / f"{self._seq:05d}-{name}.txt", text)
             if self.trace is not None:
                 self.trace.append((name, text))
         return out

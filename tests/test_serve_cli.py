@@ -36,6 +36,8 @@ def test_short_run_json_summary_invariants(tmp_path: Path, capsys: pytest.Captur
             assert minted == consumed
     assert s["target_clears_minted_consumed"] == s["draft_clears_minted_consumed"]
     assert s["lossless_ok"] is True and s["lossless_check"].startswith("passed")
+    assert s["aborted_requests"] == 0 and s["failed_forwards"] == 0 and s["first_failure"] is None
+    assert "aborted_requests" in out and "first_failure" not in out
     assert 0.0 <= s["acceptance_rate"] <= 1.0
     assert 6 <= s["generated_tokens"] <= 36
     assert "lossless_check" in out and "host time per pass" in out
@@ -82,7 +84,7 @@ BAD_WORKLOADS = [
     ("bad-json", '{"prompt": "x", "max_new_tokens": 3}\n{"prompt": "y",\n', r"workload.jsonl:2: bad JSON"),
     ("empty-prompt", '{"prompt": "", "max_new_tokens": 3}\n', r"workload.jsonl:1: 'prompt' must be a non-empty string"),
     ("negative-max-tokens", '{"prompt": "x", "max_new_tokens": -1}\n', r"workload.jsonl:1: 'max_new_tokens' must be a positive integer, got -1"),
-    ("too-long", json.dumps({"prompt": "x" * 600, "max_new_tokens": 3}) + "\n", r"workload.jsonl:1: prompt of 600 bytes \+ 3 new tokens exceeds the context limit 512"),
+    ("too-long", json.dumps({"prompt": "x" * 600, "max_new_tokens": 3}) + "\n", r"workload.jsonl:1: prompt of 600 bytes \+ 3 new tokens exceeds the context limit 512 \(with 3 positions reserved for speculation\)"),
     ("not-an-object", "[1, 2]\n", r"workload.jsonl:1: expected a JSON object, got list"),
     ("unknown-field", '{"prompt": "x", "temperature": 0.7}\n', r"workload.jsonl:1: unknown field\(s\) \['temperature'\]"),
     ("long-stop", '{"prompt": "x", "stop": "ab"}\n', r"workload.jsonl:1: 'stop' must be a single one-byte character"),

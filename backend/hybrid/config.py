@@ -6,7 +6,12 @@ Invariants (checked at construction, ``ValueError``):
   are optional: an attention-free model (the bundled draft) has a KV cache with no layers and keeps
   its whole context in its recurrent state;
 - ``nheads % ngroups == 0`` (Mamba2 groups share B and C), ``conv_width`` in ``[2, 4]``;
-- rotary head dims are even.
+- rotary head dims are even;
+- sanity bounds, so that a hostile config cannot ask for absurd sizes or NaN: every size field
+  (``d_model``, head counts and dims, ``d_state``, ``ngroups``, ``mlp_hidden``, ``vocab``,
+  ``chunk_size``) in ``[1, MAX_DIM]``, at most ``MAX_LAYERS`` layers, ``rope_theta`` finite and
+  ``>= 1`` (below 1 the rotary frequencies exceed one radian per position, and for tiny values
+  they overflow float32 and the attention turns NaN), ``rms_eps`` finite in ``(0, 1]``.
 
 Mamba layer ``i`` of the pattern owns pool layer ``mamba_index(i)`` (its ordinal among the Mamba
 layers); attention layer ``i`` owns KV layer ``attn_index(i)``.
@@ -14,6 +19,7 @@ layers); attention layer ``i`` owns KV layer ``attn_index(i)``.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import attrs
@@ -23,6 +29,11 @@ from backend.pool import MambaLayerSpec, PoolLayout
 
 LayerKind = Literal["mamba", "attn"]
 LAYER_KINDS: tuple[LayerKind, ...] = ("mamba", "attn")
+
+MAX_DIM = 1 << 16
+"""Largest value of any size field (the bundled models use at most 512)."""
+MAX_LAYERS = 256
+"""Longest layer pattern."""
 
 
 def _kinds(value: tuple[LayerKind, ...]) -> tuple[LayerKind, ...]:
@@ -67,6 +78,10 @@ class HybridConfig:
         for name, value in sizes.items():
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
+            if value > MAX_DIM:
+                raise ValueError(f"{name} must be at most {MAX_DIM}, got {value!r}")
+        if len(self.layers) > MAX_LAYERS:
+            raise ValueError(f"layers: at most {MAX_LAYERS} layers, got {len(self.layers)}")
         bad = [k for k in self.layers if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"layer kinds must be one of {LAYER_KINDS}, got {bad!r}")
@@ -78,8 +93,12 @@ class HybridConfig:
             raise ValueError(f"conv_width must be in [2, 4], got {self.conv_width}")
         if self.attn_head_dim % 2:
             raise ValueError(f"attn_head_dim must be even for rotary embeddings, got {self.attn_head_dim}")
-        if self.rms_eps <= 0:
+        if not math.isfinite(self.rms_eps) or self.rms_eps <= 0:
             raise ValueError(f"rms_eps must be positive, got {self.rms_eps}")
+        if self.rms_eps > 1:
+            raise ValueError(f"rms_eps must be at most 1, got {self.rms_eps}")
+        if not math.isfinite(self.rope_theta) or self.rope_theta < 1:
+            raise ValueError(f"rope_theta must be a finite number >= 1, got {self.rope_theta}")
 
     # ---- derived sizes ----------------------------------------------------------------------
 

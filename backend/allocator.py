@@ -9,6 +9,11 @@ after free; ``num_live + num_free == capacity`` at all times; a bulk allocation 
 Allocation order is deterministic (lowest free index first after a reset; freed indices are reused
 last-freed-first), so dumps of a scripted run are reproducible.
 
+Arguments: capacities, counts and indices are ints (Python ints or numpy integer scalars, within
+int64); ``bool``, ``float`` (``3.0`` too), ``str``, ``None`` and values outside int64 are refused
+with ``SlotError`` naming the method's argument and the value, before anything changes. Bulk
+allocations come back as IR-owned columns (``ir._fields.own``), so IR nodes take them without a copy.
+
 Locking: every public method holds the allocator's lock, so a scheduler thread and a forward thread
 may share one allocator.
 """
@@ -17,11 +22,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import numpy as np
 
-from ir._fields import I64
+from ir._fields import I64, frozen_i64, int_problem, plain_ints
 from ir.errors import SlotError
 from ir.ids import KVLoc, MambaSlot
 
@@ -32,6 +37,7 @@ class _IndexAllocator(Generic[T]):
     _what = "index"
 
     def __init__(self, capacity: int) -> None:
+        capacity = self._int("(capacity)", capacity)
         if capacity <= 0:
             raise SlotError(f"{type(self).__name__}: capacity must be positive, got {capacity!r}")
         self.capacity = capacity
@@ -47,6 +53,25 @@ class _IndexAllocator(Generic[T]):
     def num_live(self) -> int:
         return self.capacity - len(self._free)
 
+    def _int(self, call: str, value: object) -> int:
+        """``value`` as an ``int``, or ``SlotError`` naming the call and argument (``call`` is
+        ``".free(index)"``) and the value."""
+        problem = int_problem(value)
+        if problem is not None:
+            raise SlotError(f"{type(self).__name__}{call}: {problem} (got {value!r})")
+        return int(cast(int, value))
+
+    def _ints(self, call: str, values: object) -> list[int]:
+        """Every entry as an ``int`` (``_int``'s rules); plain ``int`` lists and int arrays in one pass."""
+        if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind == "i":
+            return cast(list[int], values.tolist())  # signed numpy ints: every value is an int64 int
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise SlotError(f"{type(self).__name__}{call}: must be an iterable of {self._what}s (got {values!r})")
+        items = list(values)
+        if plain_ints(items):
+            return cast(list[int], items)
+        return [self._int(call, v) for v in items]
+
     def _check_range(self, i: int) -> None:
         if not 1 <= i <= self.capacity:
             raise SlotError(f"{self._what} {i} out of range [1, {self.capacity}]")
@@ -60,7 +85,8 @@ class _IndexAllocator(Generic[T]):
             return self._make(i)
 
     def alloc_many(self, n: int) -> I64:
-        """``n`` indices as a read-only int64 array; all or nothing."""
+        """``n`` indices as an IR-owned (read-only) int64 column; all or nothing."""
+        n = self._int(".alloc_many(n)", n)
         with self._lock:
             if n < 0:
                 raise SlotError(f"cannot allocate {n} {self._what}s")
@@ -70,16 +96,16 @@ class _IndexAllocator(Generic[T]):
             del self._free[len(self._free) - n :]
             for i in taken:
                 self._live[i] = 1
-        arr = np.array(taken, dtype=np.int64)
-        arr.flags.writeable = False
-        return arr
+        return frozen_i64(np.array(taken, dtype=np.int64))
 
     def free(self, index: int) -> None:
-        self.free_many((index,))
+        self._free_items([self._int(".free(index)", index)])
 
     def free_many(self, indices: Iterable[int]) -> None:
         """Free every index, or none if any is not live (or repeated)."""
-        items = [int(i) for i in indices]
+        self._free_items(self._ints(".free_many(indices)", indices))
+
+    def _free_items(self, items: list[int]) -> None:
         with self._lock:
             seen: set[int] = set()
             for i in items:
@@ -92,13 +118,14 @@ class _IndexAllocator(Generic[T]):
                 self._free.append(i)
 
     def is_live(self, index: int) -> bool:
-        return 1 <= index <= self.capacity and bool(self._live[index])
+        i = self._int(".is_live(index)", index)
+        return 1 <= i <= self.capacity and bool(self._live[i])
 
     def check_live(self, indices: Iterable[int], use: str) -> None:
         """Raise ``SlotError`` naming the first index that is not live (use after free)."""
+        items = self._ints(".check_live(indices)", indices)
         with self._lock:
-            for i in indices:
-                i = int(i)
+            for i in items:
                 self._check_range(i)
                 if not self._live[i]:
                     raise SlotError(f"use after free: {use} uses {self._what} {i}, which is not live")

@@ -42,7 +42,6 @@ consuming its ticket, and what is applied is the registered ticket's ops.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeAlias, assert_never, cast
@@ -65,6 +64,7 @@ from ir.init import InitTicket, SnapshotTicket, Ticket
 from ir.nodes import Plan
 from ir.ids import TicketSerial
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.verify import verify_level_from_env
 from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 
@@ -94,7 +94,7 @@ class Executor:
     ) -> None:
         self.pool = pool
         self.transactional = transactional
-        self.watch = watch if watch is not None else os.environ.get("BATCHC_VERIFY") == "2"
+        self.watch = watch if watch is not None else verify_level_from_env() == 2
         self._seen: tuple[int, bytes] | None = None
         self.ledger = ledger
         self.model: ModelHook = model if model is not None else NoOpModel()

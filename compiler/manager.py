@@ -34,10 +34,10 @@ from typing import ParamSpec, TypeVar
 
 import attrs
 
-from ir.errors import BatchcError
+from ir.errors import BatchcError, SettingsError
 from ir.nodes import NODE_TYPES
 from ir.printer import dump
-from ir.verify import verify
+from ir.verify import parse_verify_level, verify
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -78,21 +78,6 @@ def _excerpt(node: object) -> str:
 class PassTiming:
     calls: int
     seconds: float
-
-
-class SettingsError(BatchcError, ValueError):
-    """A bad ``BATCHC_VERIFY`` or ``BATCHC_DUMP_DIR`` setting, or a dump file that cannot be written
-    safely; the message is one line naming the variable or file and the value."""
-
-
-def parse_verify_level(value: str | None) -> int:
-    """``BATCHC_VERIFY``: exactly ``"0"``, ``"1"`` or ``"2"``; unset or empty means 1. Nothing is
-    stripped or coerced (``" 1"`` and ``"yes"`` are refused)."""
-    if value is None or value == "":
-        return 1
-    if value not in ("0", "1", "2"):
-        raise SettingsError(f"BATCHC_VERIFY must be 0, 1 or 2, got {value[:40]!r}")
-    return int(value)
 
 
 def check_dump_dir(path: Path) -> None:

@@ -54,9 +54,9 @@ from compiler.driver import checked_prompt
 from compiler.manager import PassManager
 from compiler.prefix_cache import CacheEntry, PrefixCache
 from compiler.steps import Pipeline
-from ir._fields import I64, frozen_i64
+from ir._fields import I64, frozen_i64, int_problem
 from ir.batch import DecodeBatch, ExtendBatch
-from ir.errors import BatchcError, PreconditionError
+from ir.errors import BatchcError, EngineStoppedError, PreconditionError
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
@@ -190,6 +190,11 @@ class SpecDriver:
         self._refs: Counter[int] = Counter()
         self._last_was_prefill = False
         self.outputs: dict[RequestId, list[int]] = {}
+        self.stopped_by: BaseException | None = None
+        self.aborted_by_failure: set[RequestId] = set()
+        """Requests aborted because a forward carrying them failed (not by ``abort``)."""
+        self.first_failure: str | None = None
+        """The first failed forward, in one line."""
 
     def _executor(self, model: HybridModel, pool_id: PoolId, capacity: int, kv_capacity: int) -> Executor:
         pool = model.new_pool(capacity, pool_id=pool_id)
@@ -237,26 +242,74 @@ class SpecDriver:
         stop: int | None = None,
     ) -> None:
         """Queue a request. With ``checkpoint`` its slot starts as a copy of that prefix state; else,
-        with a prefix cache, the longest cached prefix is used when the request is scheduled."""
+        with a prefix cache, the longest cached prefix is used when the request is scheduled.
+
+        Every argument is checked before anything changes (``PreconditionError``, or
+        ``IRValidationError`` for the prompt's tokens), so a refused admission leaves the driver, its
+        allocators, pools and prefix cache as they were. Ids and counts are ints (numpy integers
+        too), never ``bool``, ``float``, ``str`` or ``None``, within int64. A stopped engine
+        (``step``) refuses with ``EngineStoppedError``."""
+        self.check_serving()
+        problem = int_problem(rid)
+        if problem is not None:
+            raise PreconditionError("admit", f"rid {problem} (got {rid!r})")
+        rid = RequestId(int(rid))
         if rid in self._reqs or rid in self.outputs:
             raise PreconditionError("admit", f"request id {rid} is already in use")
         arr = checked_prompt(rid, prompt, self.vocab)
+        problem = int_problem(max_new_tokens)
+        if problem is not None:
+            raise PreconditionError("admit", f"request {rid}: max_new_tokens {problem} (got {max_new_tokens!r})")
+        max_new_tokens = int(max_new_tokens)
         if max_new_tokens < 1:
             raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
         if arr.shape[0] + max_new_tokens + self.k + 1 > self.max_len:
             raise PreconditionError(
                 "admit", f"request {rid}: prompt {arr.shape[0]} + {max_new_tokens} new tokens exceed max_len {self.max_len}"
             )
+        if stop is not None:
+            problem = int_problem(stop)
+            if problem is not None:
+                raise PreconditionError("admit", f"request {rid}: stop {problem} (got {stop!r})")
+            stop = int(stop)
+            if not 0 <= stop < self.vocab:
+                raise PreconditionError("admit", f"request {rid}: stop must be a token id in [0, {self.vocab}), got {stop}")
         if checkpoint is not None:
-            n = len(checkpoint.tokens)
-            if not (n < arr.shape[0] and tuple(int(t) for t in arr[:n]) == checkpoint.tokens):
-                raise PreconditionError("admit", f"request {rid}: prompt does not extend the checkpoint's {n} tokens")
-            if not self.slots.is_live(checkpoint.slot):
-                raise PreconditionError("admit", f"request {rid}: checkpoint slot {checkpoint.slot} was released")
+            self._check_checkpoint(rid, checkpoint, arr)
         if self.cache is not None and checkpoint is None:
             self.cache.observe(arr.tolist())
         self._reqs[rid] = _Request(rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stop, source=checkpoint)
         self._waiting.append(rid)
+
+    def _check_checkpoint(self, rid: RequestId, checkpoint: object, arr: I64) -> None:
+        """``admit``'s checks of a checkpoint argument: one of this driver's live prefix checkpoints
+        that the prompt extends (``PreconditionError`` otherwise)."""
+        if not isinstance(checkpoint, Checkpoint):
+            raise PreconditionError("admit", f"request {rid}: checkpoint must be a Checkpoint (from make_checkpoint), got {checkpoint!r}")
+        problem = int_problem(checkpoint.slot)
+        if problem is not None:
+            raise PreconditionError("admit", f"request {rid}: checkpoint slot {problem} (got {checkpoint.slot!r})")
+        for name, values in (("tokens", checkpoint.tokens), ("kv_locs", checkpoint.kv_locs)):
+            if not isinstance(values, tuple):
+                raise PreconditionError("admit", f"request {rid}: checkpoint {name} must be a tuple of ints, got {values!r}")
+            for v in values:
+                problem = int_problem(v)
+                if problem is not None:
+                    raise PreconditionError("admit", f"request {rid}: every checkpoint {name} entry {problem} (got {v!r})")
+        n = len(checkpoint.tokens)
+        if len(checkpoint.kv_locs) != n:
+            raise PreconditionError("admit", f"request {rid}: checkpoint has {len(checkpoint.kv_locs)} KV locations for {n} tokens")
+        if not (n < arr.shape[0] and tuple(int(t) for t in arr[:n]) == checkpoint.tokens):
+            raise PreconditionError("admit", f"request {rid}: prompt does not extend the checkpoint's {n} tokens")
+        slot = int(checkpoint.slot)
+        if not self.slots.is_live(MambaSlot(slot)):
+            raise PreconditionError("admit", f"request {rid}: checkpoint slot {checkpoint.slot} was released")
+        for other in self._reqs.values():
+            if slot in (other.slot, other.snapshot_slot):
+                raise PreconditionError("admit", f"request {rid}: checkpoint slot {slot} is a slot of live request {other.rid}")
+        unheld = [loc for loc in checkpoint.kv_locs if loc not in self._refs]
+        if unheld:
+            raise PreconditionError("admit", f"request {rid}: checkpoint KV location {unheld[0]} is not held (not a live checkpoint)")
 
     def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
         """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix checkpoint."""
@@ -294,12 +347,31 @@ class SpecDriver:
     def step(self) -> str:
         """One iteration. A forward that still fails after ``retries`` attempts aborts the requests of
         that forward (their tickets that did not run are cancelled in the ledger, with the reason);
-        the step then returns ``"failed"`` and serving goes on."""
+        the step then returns ``"failed"`` and serving goes on.
+
+        Any other exception escaping a step (a pass refusing its input, a dump that cannot be
+        written, a bug) may leave the step's bookkeeping half done: slots, KV locations or a
+        prefix-cache reservation taken but not yet recorded. Rather than serve on with resources it
+        cannot account for, the engine stops: the exception propagates, and every later ``step`` or
+        ``admit`` raises ``EngineStoppedError`` naming it. Outputs already finished stay in
+        ``outputs``."""
+        self.check_serving()
         try:
             return self._step()
         except StepFailed as failure:
             self._abort_failed(failure)
             return "failed"
+        except BaseException as exc:
+            self.stopped_by = exc
+            raise
+
+    def check_serving(self) -> None:
+        """Raise ``EngineStoppedError`` if an earlier step raised (see ``step``)."""
+        if self.stopped_by is not None:
+            raise EngineStoppedError(
+                f"engine stopped: an earlier step raised {self.stopped_by!r}; its bookkeeping may be partial, "
+                "so this engine serves no more steps (outputs finished before it are in .outputs)"
+            )
 
     def _step(self) -> str:
         if self.mixed and self.draft is None and self._waiting and self.running.num_requests:
@@ -557,6 +629,9 @@ class SpecDriver:
         self.stats.failed_steps += 1
         live = [rid for rid in failure.rids if rid in self._reqs]
         self.stats.aborts += len(live)
+        self.aborted_by_failure.update(live)
+        if self.first_failure is None:
+            self.first_failure = " ".join(str(failure).split())
         for ex in self._executors():
             ex.forget_verifies()
         self._release(live)

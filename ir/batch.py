@@ -24,7 +24,7 @@ from typing import Protocol, final
 
 import attrs
 
-from ir._fields import BoolArray, I64, as_bool, as_i64, check_column, check_min, column_key
+from ir._fields import BoolArray, I64, ColumnNode, as_bool, as_i64, check_column, check_min, column_key
 from ir.errors import IRValidationError
 from ir.init import InitIntent, MambaInit, MambaSnapshot
 
@@ -103,7 +103,7 @@ def check_decode_columns(node: _DecodeColumns) -> None:
 
 @final
 @attrs.frozen(kw_only=True)
-class ExtendBatch:
+class ExtendBatch(ColumnNode):
     """A prefill forward (EXTEND): each request processes ``extend_lens[i]`` prompt tokens.
 
     ``snapshot`` (optional) copies some requests' states into prefix-cache slots after the forward.
@@ -150,7 +150,7 @@ class ExtendBatch:
 
 @final
 @attrs.frozen(kw_only=True)
-class DecodeBatch:
+class DecodeBatch(ColumnNode):
     """One new token per request (DECODE). There is no init field: decode never runs init ops.
 
     ``seq_lens[i]`` counts the tokens in request ``i``'s context after this forward, the fed token

@@ -88,3 +88,13 @@ class PreconditionError(BatchcError, ValueError):
 
 class MutationError(BatchcError):
     """A tensor the backend owns or staged was written in place by code that had no right to."""
+
+
+class EngineStoppedError(BatchcError):
+    """The serving engine refuses further steps: an earlier step raised, and its bookkeeping may be
+    partial (the message names the first exception)."""
+
+
+class SettingsError(BatchcError, ValueError):
+    """A bad ``BATCHC_VERIFY`` or ``BATCHC_DUMP_DIR`` setting, or a dump file that cannot be written
+    safely; the message is one line naming the variable or file and the value."""

@@ -30,7 +30,7 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import ints
+from ir._fields import check_int, ints
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, PoolId, TicketSerial
 
@@ -115,14 +115,39 @@ class InitIntent(enum.Enum):
     """Chunked-prefill continuation: the slot already holds this request's state."""
 
 
-def _slots(values: object, node: str = "MambaInit", field: str = "slots") -> tuple[MambaSlot, ...]:
-    """Converter of slot tuples. ``IRValidationError`` names the first entry that is not an int64
+def _slots(values: object, node: str, field: str) -> tuple[MambaSlot, ...]:
+    """Slot tuples. ``IRValidationError`` names the field and the first entry that is not an int64
     integer (``bool``, ``float``, ``str``, ``None``, out of int64). An attrs converter is not told its
-    field (and mypy's attrs plugin supports no ``attrs.Converter``), so the names default to the
-    generic ``MambaInit.slots``; a per-field wrapper function can pass the exact ones."""
+    field (and mypy's attrs plugin supports no ``attrs.Converter``), hence one converter per field."""
     if not isinstance(values, (tuple, list, range)):
         raise IRValidationError(node, field, values, "must be a tuple or list of ints")
     return tuple(MambaSlot(v) for v in ints(values, node, field))
+
+
+def _clear_slots(values: object) -> tuple[MambaSlot, ...]:
+    return _slots(values, "MambaInit", "clear_slots")
+
+
+def _cow_src(values: object) -> tuple[MambaSlot, ...]:
+    return _slots(values, "MambaInit", "cow_src")
+
+
+def _cow_dst(values: object) -> tuple[MambaSlot, ...]:
+    return _slots(values, "MambaInit", "cow_dst")
+
+
+def _snapshot_src(values: object) -> tuple[MambaSlot, ...]:
+    return _slots(values, "MambaSnapshot", "src")
+
+
+def _snapshot_dst(values: object) -> tuple[MambaSlot, ...]:
+    return _slots(values, "MambaSnapshot", "dst")
+
+
+def _check_serial(node: str, serial: object) -> None:
+    value = check_int(node, "serial", serial)
+    if value <= 0:
+        raise IRValidationError(node, "serial", serial, "must be positive (use ir.init.mint_serial())")
 
 
 @final
@@ -131,9 +156,9 @@ class MambaInit:
     """The clear and copy-on-write ops of one prefill forward. Clears run first, then copies."""
 
     serial: TicketSerial
-    clear_slots: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_slots)
-    cow_src: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_slots)
-    cow_dst: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_slots)
+    clear_slots: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_clear_slots)
+    cow_src: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_cow_src)
+    cow_dst: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_cow_dst)
 
     def __attrs_post_init__(self) -> None:
         self.check_fields()
@@ -141,8 +166,7 @@ class MambaInit:
     def check_fields(self) -> None:
         """The local invariants (run on construction, and again by ``ir.verify`` at level 2)."""
         name = "MambaInit"
-        if self.serial <= 0:
-            raise IRValidationError(name, "serial", self.serial, "must be positive (use ir.init.mint_serial())")
+        _check_serial(name, self.serial)
         if len(self.cow_src) != len(self.cow_dst):
             raise IRValidationError(
                 name, "cow_dst", self.cow_dst, f"length must equal len(cow_src) ({len(self.cow_src)})"
@@ -216,16 +240,15 @@ class MambaSnapshot:
     ``MambaInit``: its serial is its identity."""
 
     serial: TicketSerial
-    src: tuple[MambaSlot, ...] = attrs.field(converter=_slots)
-    dst: tuple[MambaSlot, ...] = attrs.field(converter=_slots)
+    src: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_src)
+    dst: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_dst)
 
     def __attrs_post_init__(self) -> None:
         self.check_fields()
 
     def check_fields(self) -> None:
         name = "MambaSnapshot"
-        if self.serial <= 0:
-            raise IRValidationError(name, "serial", self.serial, "must be positive (use ir.init.mint_serial())")
+        _check_serial(name, self.serial)
         if not self.dst:
             raise IRValidationError(name, "dst", self.dst, "a snapshot copies at least one slot")
         if len(self.src) != len(self.dst):

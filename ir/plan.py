@@ -13,7 +13,7 @@ from typing import final
 
 import attrs
 
-from ir._fields import BoolArray, I64, as_bool, as_i64, check_column, column_key
+from ir._fields import BoolArray, I64, ColumnNode, as_bool, as_i64, check_column, column_key
 from ir.batch import check_decode_columns, check_extend_columns
 from ir.errors import IRValidationError
 from ir.ids import PoolId
@@ -38,7 +38,7 @@ def _tickets(values: object) -> tuple[InitTicket, ...]:
 
 @final
 @attrs.frozen(kw_only=True)
-class ExtendPlan:
+class ExtendPlan(ColumnNode):
     rids: I64 = attrs.field(converter=as_i64, eq=column_key)
     slots: I64 = attrs.field(converter=as_i64, eq=column_key)
     prefix_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
@@ -75,7 +75,7 @@ class ExtendPlan:
 
 @final
 @attrs.frozen(kw_only=True)
-class DecodePlan:
+class DecodePlan(ColumnNode):
     rids: I64 = attrs.field(converter=as_i64, eq=column_key)
     slots: I64 = attrs.field(converter=as_i64, eq=column_key)
     seq_lens: I64 = attrs.field(converter=as_i64, eq=column_key)

@@ -10,7 +10,10 @@ Invariants (``IRValidationError``):
   ``prefix_len > 0`` and ``checkpoint`` is a slot other than ``slot``;
 - ``CONTINUE`` keeps the slot's state after ``prefix_len`` earlier tokens: ``prefix_len > 0``,
   no checkpoint;
-- ``len(kv_locs) == len(input_ids) >= 1``.
+- ``len(kv_locs) == len(input_ids) >= 1``;
+- ``rid``, ``slot``, ``prefix_len``, ``checkpoint`` and ``snapshot_to`` are ints (Python or numpy
+  integers within int64: not ``bool``, ``float``, ``str`` or ``None`` where an id is required),
+  ``intent`` is an ``InitIntent`` and ``more_chunks`` a ``bool``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from __future__ import annotations
 from typing import final
 
 import attrs
+import numpy as np
 
-from ir._fields import I64, as_i64, check_column, column_key
+from ir._fields import I64, ColumnNode, as_i64, check_column, check_int, check_opt_int, column_key
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, RequestId
 from ir.init import InitIntent
@@ -27,7 +31,7 @@ from ir.init import InitIntent
 
 @final
 @attrs.frozen(kw_only=True)
-class AdmittedRequest:
+class AdmittedRequest(ColumnNode):
     rid: RequestId
     slot: MambaSlot
     input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
@@ -45,6 +49,17 @@ class AdmittedRequest:
     def check_fields(self) -> None:
         """The local invariants (run on construction, and again by ``ir.verify`` at level 2)."""
         name = "AdmittedRequest"
+        check_int(self, "rid", self.rid)
+        check_int(self, "slot", self.slot)
+        check_int(self, "prefix_len", self.prefix_len)
+        check_opt_int(self, "checkpoint", self.checkpoint)
+        check_opt_int(self, "snapshot_to", self.snapshot_to)
+        intent: object = self.intent  # typed InitIntent; checked because callers need not be typed
+        if not isinstance(intent, InitIntent):
+            raise IRValidationError(name, "intent", intent, "must be an InitIntent")
+        more: object = self.more_chunks
+        if not isinstance(more, (bool, np.bool_)):
+            raise IRValidationError(name, "more_chunks", more, f"must be a bool, not {type(more).__name__}")
         check_column(self, "input_ids", self.input_ids, None)
         check_column(self, "kv_locs", self.kv_locs, None)
         if self.slot < 1:

@@ -29,7 +29,7 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import I64, as_i64, check_column, check_min, column_key
+from ir._fields import I64, ColumnNode, as_i64, check_column, check_int, check_min, column_key
 from ir.batch import check_extend_columns
 from ir.errors import IRValidationError
 from ir.ids import TicketSerial
@@ -50,9 +50,15 @@ def _check_window(node: object, k: int, rids: I64, slots: I64, seq_lens: I64, wi
         check_min(node, field, col, 0)
 
 
+def _check_ids(node: object, k: object, verify_id: object) -> None:
+    check_int(node, "k", k)
+    if check_int(node, "verify_id", verify_id) < 1:
+        raise IRValidationError(type(node).__name__, "verify_id", verify_id, "must be positive (use ir.init.mint_serial())")
+
+
 @final
 @attrs.frozen(kw_only=True)
-class DraftBatch:
+class DraftBatch(ColumnNode):
     """Draft proposal: ``input_ids[i]`` is row ``i``'s pending token, at position ``seq_lens[i] - 1``."""
 
     k: int
@@ -66,6 +72,7 @@ class DraftBatch:
         self.check_fields()
 
     def check_fields(self) -> None:
+        check_int(self, "k", self.k)  # before any comparison (and before typeguard sees an int parameter)
         _check_window(self, self.k, self.rids, self.slots, self.seq_lens, (("kv_locs", self.kv_locs),))
         check_column(self, "input_ids", self.input_ids, self.rids.shape[0])
         check_min(self, "input_ids", self.input_ids, 0)
@@ -77,7 +84,7 @@ class DraftBatch:
 
 @final
 @attrs.frozen(kw_only=True)
-class VerifyBatch:
+class VerifyBatch(ColumnNode):
     """Target verify over ``k + 1`` positions per row: ``[pending, d1..dk]`` from position
     ``seq_lens[i] - 1``. ``verify_id`` names the intermediate states this forward produces."""
 
@@ -93,6 +100,7 @@ class VerifyBatch:
         self.check_fields()
 
     def check_fields(self) -> None:
+        _check_ids(self, self.k, self.verify_id)
         _check_window(
             self, self.k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
         )
@@ -108,7 +116,7 @@ class VerifyBatch:
 
 @final
 @attrs.frozen(kw_only=True)
-class AcceptResult:
+class AcceptResult(ColumnNode):
     """Greedy verification outcome: ``accepted[i]`` draft tokens of row ``i`` were accepted
     (``0..k``) and ``bonus[i]`` is the target's token after them."""
 
@@ -124,7 +132,7 @@ class AcceptResult:
 
 @final
 @attrs.frozen(kw_only=True)
-class CommitBatch:
+class CommitBatch(ColumnNode):
     """Per row, commit the target state at intermediate position ``accept_pos[i]`` of verify
     ``verify_id``. ``released_kv`` are the KV locations of rejected positions, to be freed."""
 
@@ -142,6 +150,7 @@ class CommitBatch:
         self.check_fields()
 
     def check_fields(self) -> None:
+        _check_ids(self, self.k, self.verify_id)
         _check_window(
             self, self.k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
         )
@@ -160,7 +169,7 @@ class CommitBatch:
 
 @final
 @attrs.frozen(kw_only=True)
-class DraftExtendBatch:
+class DraftExtendBatch(ColumnNode):
     """The draft model's catch-up forward over the accepted tokens ``p, d1..dm`` of each row, from
     its committed state after ``prefix_lens[i]`` tokens. Extend-shaped, without an init field."""
 

@@ -6,7 +6,11 @@ Checked here (local field checks live in the node validators):
 - an ``ExtendBatch``'s ``MambaInit`` is exactly what its per-request intents ask for: the clear
   slots are the slots of the ``CLEAR`` requests, the COW dsts those of the ``COW`` requests, in
   request order, and ``init`` is ``None`` when no request needs an op;
-- a COW src is never the live slot of a request in the same forward (it is a checkpoint);
+- a COW src is never the live slot of a request in the same forward (it is a checkpoint): not a
+  slot of the batch or plan being prefilled, nor of the decode part of a mixed one. Clears and COW
+  dsts as sources are refused by ``MambaInit`` itself. The plan-level form of this check runs at
+  ``BATCHC_VERIFY=1`` (the default), which verifies each step's lowered plan; the batch-level form
+  only at level 2;
 - a plan's tickets write only slots of its own requests.
 
 ``verify(node)`` dispatches over every batch and plan type.
@@ -14,13 +18,14 @@ Checked here (local field checks live in the node validators):
 
 from __future__ import annotations
 
+import os
 from typing import assert_never
 
 import numpy as np
 
 from ir._fields import I64, first_common, first_missing, has_duplicates
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
-from ir.errors import IRVerificationError
+from ir.errors import IRVerificationError, SettingsError
 from ir.init import InitIntent, InitTicket
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.nodes import Batch, Plan
@@ -92,20 +97,40 @@ def _disjoint(path: str, a: I64, b: I64, what: str) -> None:
         raise IRVerificationError(path, f"{what} {both} is in both the extend and the decode part")
 
 
+def _cow_src_not_in(path: str, cow_src: tuple[int, ...], slots: I64, what: str) -> None:
+    """A COW must not read a slot this forward also runs a request in: that is a live request's
+    state, which the forward advances, not a checkpoint's."""
+    if not cow_src:
+        return
+    written = frozenset(slots.tolist())
+    for j, src in enumerate(cow_src):
+        if src in written:
+            raise IRVerificationError(f"{path}[{j}]", f"COW src {src} is the live slot of a request in {what}")
+
+
 def verify_mixed_batch(batch: MixedBatch, path: str = "MixedBatch") -> None:
     verify_extend_batch(batch.extend, f"{path}.extend")
     verify_decode_batch(batch.decode, f"{path}.decode")
+    if batch.extend.init is not None:
+        _cow_src_not_in(f"{path}.extend.init.cow_src", batch.extend.init.cow_src, batch.decode.slots, "the decode part")
     _disjoint(f"{path}.rids", batch.extend.rids, batch.decode.rids, "request id")
     _disjoint(f"{path}.slots", batch.extend.slots, batch.decode.slots, "slot")
     _disjoint(f"{path}.kv_locs", batch.extend.kv_locs, batch.decode.kv_locs, "KV location")
 
 
 def _verify_tickets(path: str, tickets: tuple[InitTicket, ...], slots: I64) -> None:
-    live = frozenset(int(s) for s in slots)
+    if not tickets:
+        return
+    live = frozenset(slots.tolist())
     for k, t in enumerate(tickets):
         for s in sorted(t.init.targets()):
             if s not in live:
                 raise IRVerificationError(f"{path}.tickets[{k}]", f"{t} writes slot {s}, which no request of the plan owns")
+        for j, src in enumerate(t.init.cow_src):
+            if src in live:
+                raise IRVerificationError(
+                    f"{path}.tickets[{k}].init.cow_src[{j}]", f"COW src {src} is the live slot of a request in this plan"
+                )
 
 
 def verify_extend_plan(plan: ExtendPlan, path: str = "ExtendPlan") -> None:
@@ -167,6 +192,8 @@ def verify(node: Batch | Plan) -> None:
         case MixedPlan():
             verify_extend_plan(node.extend, "MixedPlan.extend")
             verify_decode_plan(node.decode, "MixedPlan.decode")
+            for k, t in enumerate(node.extend.tickets):
+                _cow_src_not_in(f"MixedPlan.extend.tickets[{k}].init.cow_src", t.init.cow_src, node.decode.slots, "the decode part")
             _disjoint("MixedPlan.slots", node.extend.slots, node.decode.slots, "slot")
             _disjoint("MixedPlan.kv_locs", node.extend.kv_locs, node.decode.kv_locs, "KV location")
         case DraftBatch() | VerifyBatch() | CommitBatch() | DraftExtendBatch():
@@ -177,3 +204,19 @@ def verify(node: Batch | Plan) -> None:
             pass
         case _:
             assert_never(node)
+
+
+def parse_verify_level(value: str | None) -> int:
+    """``BATCHC_VERIFY``: exactly ``"0"``, ``"1"`` or ``"2"``; unset or empty means 1. Nothing is
+    stripped or coerced (``" 1"`` and ``"yes"`` are refused with ``SettingsError``). The one parser
+    of the variable: the pass manager and the executor's mutation detector both read it here."""
+    if value is None or value == "":
+        return 1
+    if value not in ("0", "1", "2"):
+        raise SettingsError(f"BATCHC_VERIFY must be 0, 1 or 2, got {value[:40]!r}")
+    return int(value)
+
+
+def verify_level_from_env() -> int:
+    """``parse_verify_level`` of this process's ``BATCHC_VERIFY``."""
+    return parse_verify_level(os.environ.get("BATCHC_VERIFY"))

@@ -18,7 +18,7 @@ from typing import assert_never, final
 import attrs
 import numpy as np
 
-from ir._fields import I64, as_i64, build_unchecked, check_column, check_min, column_key, freeze
+from ir._fields import I64, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError
 from passes._rows import finished_prefill_rows
@@ -26,7 +26,7 @@ from passes._rows import finished_prefill_rows
 
 @final
 @attrs.frozen(kw_only=True)
-class DecodeContext:
+class DecodeContext(ColumnNode):
     """What the forward that just ran produced: the sampled tokens and the KV locations allocated
     for them, one per request of the resulting decode batch."""
 

@@ -13,7 +13,7 @@ from typing import final
 
 import attrs
 
-from ir._fields import I64, as_i64, build_unchecked, check_column, check_min, column_key, freeze
+from ir._fields import I64, ColumnNode, as_i64, build_unchecked, check_column, check_int, check_min, column_key, freeze
 from ir.batch import DecodeBatch
 from ir.errors import IRValidationError, PreconditionError
 from ir.spec import DraftBatch
@@ -21,13 +21,13 @@ from ir.spec import DraftBatch
 
 @final
 @attrs.frozen(kw_only=True)
-class SpecContext:
+class SpecContext(ColumnNode):
     k: int
     next_tokens: I64 = attrs.field(converter=as_i64, eq=column_key)
     kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
 
     def __attrs_post_init__(self) -> None:
-        if self.k < 1:
+        if check_int(self, "k", self.k) < 1:
             raise IRValidationError("SpecContext", "k", self.k, "speculative steps must be >= 1")
         check_column(self, "next_tokens", self.next_tokens, None)
         n = self.next_tokens.shape[0]

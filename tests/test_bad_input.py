@@ -13,6 +13,7 @@ A case may have a ``setup`` that does legitimate work first (run a plan once, fr
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 import re
 from collections.abc import Callable
@@ -24,11 +25,16 @@ import pytest
 import torch
 from typeguard import suppress_type_checks
 
+from backend.allocator import KVAllocator, SlotAllocator
 from backend.executor import Executor
+from backend.hybrid.config import tiny
+from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger
 from backend.state_init import apply_init
 from compiler.driver import Driver
 from compiler.manager import PassError, PassManager
+from compiler.prefix_cache import PrefixCache
+from compiler.spec_driver import Checkpoint, SpecDriver
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.errors import (
@@ -42,9 +48,10 @@ from ir.errors import (
     WrongPoolError,
 )
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
-from ir.init import InitIntent, MambaInit, mint_serial
+from ir.init import InitIntent, MambaInit, MambaSnapshot, mint_serial
 from ir.plan import DecodePlan, ExtendPlan
 from ir.request import AdmittedRequest
+from ir.spec import DraftBatch, VerifyBatch
 from ir.verify import verify
 from passes.lower import LowerContext, lower
 from passes.merge_batch import merge_batch
@@ -445,6 +452,128 @@ CASES: list[Case] = [
 ]
 
 
+# -- no silent coercion: bool, float, str, None and out-of-int64 values where an int is required ----
+
+BAD_INTS: list[tuple[str, object]] = [
+    ("bool", True),
+    ("float", 3.5),
+    ("integral-float", 3.0),  # 3.0 is not slot 3 either
+    ("str", "3"),
+    ("none", None),
+    ("above-int64", 2**63),
+    ("below-int64", -(2**64)),
+]
+"""One bad value per class; every table row below is built once per value."""
+
+
+def _got(value: object) -> str:
+    """The ``(got ...)`` tail every refusal ends with: the bad value's repr."""
+    return rf"\(got {re.escape(repr(value))}\)"
+
+
+def _untyped(fn: Callable[[World, Ctx], object]) -> Callable[[World, Ctx], object]:
+    """The suite's typeguard would refuse an ill-typed call at the signature; production runs
+    without it, so the library's own check is what these rows test."""
+
+    def act(w: World, ctx: Ctx) -> object:
+        with suppress_type_checks():
+            return fn(w, ctx)
+
+    return act
+
+
+def _verify_batch(**kw: Any) -> Callable[[World, Ctx], object]:
+    fields: dict[str, Any] = dict(k=1, verify_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3, 4], kv_locs=[30, 31])
+    fields.update(kw)
+    return _build(lambda: VerifyBatch(**fields))
+
+
+def _draft_batch(**kw: Any) -> Callable[[World, Ctx], object]:
+    fields: dict[str, Any] = dict(k=1, rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])
+    fields.update(kw)
+    return _build(lambda: DraftBatch(**fields))
+
+
+def _coercion_cases(kind: str, v: object) -> list[Case]:
+    got = _got(v)
+    rows = [
+        # an IR int column given as a list holding the bad value
+        Case(
+            f"{kind}-in-int-column",
+            _build(lambda: DecodeBatch(rids=[1, 2], slots=[1, v], seq_lens=[4, 4], input_ids=[7, 7], kv_locs=[20, 21])),
+            IRValidationError,
+            rf"DecodeBatch\.slots: .*{got}",
+            field="slots",
+        ),
+        Case(f"{kind}-token", _tokens([5, v]), IRValidationError, rf"AdmittedRequest\.input_ids: .*{got}", field="input_ids"),
+        # IR scalar id fields
+        Case(f"{kind}-rid", _admitted(rid=v), IRValidationError, rf"AdmittedRequest\.rid: .*{got}", field="rid"),
+        Case(f"{kind}-slot", _admitted(slot=v), IRValidationError, rf"AdmittedRequest\.slot: .*{got}", field="slot"),
+        Case(f"{kind}-prefix-len", _admitted(prefix_len=v), IRValidationError, rf"AdmittedRequest\.prefix_len: .*{got}", field="prefix_len"),
+        Case(f"{kind}-verify-id", _verify_batch(verify_id=v), IRValidationError, rf"VerifyBatch\.verify_id: .*{got}", field="verify_id"),
+        Case(f"{kind}-k", _draft_batch(k=v), IRValidationError, rf"DraftBatch\.k: .*{got}", field="k"),
+        # MambaInit slots (the converter is not told which slot field it converts: it names "slots")
+        Case(f"{kind}-clear-slot", _init(clear_slots=(2, v)), IRValidationError, rf"MambaInit\.clear_slots: .*{got}", field="clear_slots"),
+        Case(f"{kind}-cow-src", _init(cow_src=(v,), cow_dst=(2,)), IRValidationError, rf"MambaInit\.cow_src: .*{got}", field="cow_src"),
+        # allocator arguments: SlotError naming the call, the argument and the value
+        Case(f"{kind}-capacity", _untyped(lambda w, ctx: SlotAllocator(v)), SlotError, rf"SlotAllocator\(capacity\): .*{got}"),
+        Case(f"{kind}-kv-capacity", _untyped(lambda w, ctx: KVAllocator(v)), SlotError, rf"KVAllocator\(capacity\): .*{got}"),
+        Case(f"{kind}-free", _untyped(lambda w, ctx: w.slots.free(v)), SlotError, rf"SlotAllocator\.free\(index\): .*{got}"),
+        Case(f"{kind}-alloc-many", _untyped(lambda w, ctx: w.kv.alloc_many(v)), SlotError, rf"KVAllocator\.alloc_many\(n\): .*{got}"),
+        # slot 1 is live: all or nothing, so it must still be live afterwards
+        Case(f"{kind}-free-many", _untyped(lambda w, ctx: w.slots.free_many([1, v])), SlotError, rf"SlotAllocator\.free_many\(indices\): .*{got}"),
+        Case(f"{kind}-check-live", _untyped(lambda w, ctx: w.slots.check_live([1, v], "a plan")), SlotError, rf"SlotAllocator\.check_live\(indices\): .*{got}"),
+        Case(f"{kind}-is-live", _untyped(lambda w, ctx: w.kv.is_live(v)), SlotError, rf"KVAllocator\.is_live\(index\): .*{got}"),
+    ]
+    rows += [
+        Case(f"{kind}-init-serial", _build(lambda: MambaInit(serial=v, clear_slots=(2,))), IRValidationError, rf"MambaInit\.serial: .*{got}", field="serial"),
+        Case(
+            f"{kind}-snapshot-serial",
+            _build(lambda: MambaSnapshot(serial=v, src=(2,), dst=(4,))),
+            IRValidationError,
+            rf"MambaSnapshot\.serial: .*{got}",
+            field="serial",
+        ),
+    ]
+    if v is not None:  # None is a valid "no checkpoint"
+        rows.append(
+            Case(
+                f"{kind}-checkpoint",
+                _admitted(intent=InitIntent.COW, prefix_len=3, checkpoint=v),
+                IRValidationError,
+                rf"AdmittedRequest\.checkpoint: .*{got}",
+                field="checkpoint",
+            )
+        )
+    return rows
+
+
+COERCION_CASES: list[Case] = [case for kind, v in BAD_INTS for case in _coercion_cases(kind, v)] + [
+    # arrays of the wrong kind given to int columns
+    Case("bool-array-column", _tokens(np.array([True, False])), IRValidationError, r"AdmittedRequest\.input_ids: .*got dtype bool", field="input_ids"),
+    Case(
+        "uint64-array-above-int64",
+        _tokens(np.array([5, 2**63], dtype=np.uint64)),
+        IRValidationError,
+        rf"AdmittedRequest\.input_ids: .*within int64.*{_got(2**63)}",
+        field="input_ids",
+    ),
+    Case("object-array-column", _tokens(np.array([5, 6], dtype=object)), IRValidationError, r"AdmittedRequest\.input_ids: .*dtype object", field="input_ids"),
+    Case("none-as-column", _tokens(None), IRValidationError, rf"AdmittedRequest\.input_ids: .*{_got(None)}", field="input_ids"),
+    Case("int-as-column", _tokens(5), IRValidationError, rf"AdmittedRequest\.input_ids: .*{_got(5)}", field="input_ids"),
+    Case("float-in-bool-column", _build(lambda: ExtendBatch(
+        rids=[1], slots=[2], prefix_lens=[0], extend_lens=[1], more_chunks=[0.0], intents=(InitIntent.CLEAR,),
+        input_ids=[5], kv_locs=[10], init=MambaInit(serial=mint_serial(), clear_slots=(2,)),
+    )), IRValidationError, rf"ExtendBatch\.more_chunks: .*{_got(0.0)}", field="more_chunks"),
+    Case("int-more-chunks", _admitted(more_chunks=1), IRValidationError, rf"AdmittedRequest\.more_chunks: .*{_got(1)}", field="more_chunks"),
+    Case("str-intent", _admitted(intent="clear"), IRValidationError, rf"AdmittedRequest\.intent: .*{_got('clear')}", field="intent"),
+    Case("str-as-slot-tuple", _init(clear_slots="12"), IRValidationError, r"MambaInit\.clear_slots: .*'12'", field="clear_slots"),
+    Case("free-many-str", _untyped(lambda w, ctx: w.slots.free_many("12")), SlotError, r"SlotAllocator\.free_many\(indices\): must be an iterable of slots \(got '12'\)"),
+    Case("check-live-none", _untyped(lambda w, ctx: w.slots.check_live(None, "a plan")), SlotError, r"check_live\(indices\): .*\(got None\)"),
+    Case("float-array-free-many", _untyped(lambda w, ctx: w.slots.free_many(np.array([1.0]))), SlotError, r"free_many\(indices\): must be an int, not float64"),
+]
+CASES += COERCION_CASES
+
 def _pattern(case: Case, ctx: Ctx) -> str:
     pattern = case.match
     for name, value in ctx.items():
@@ -603,3 +732,164 @@ def test_driver_step_that_runs_out_of_slots_changes_nothing() -> None:
     assert result.kind == "extend"
     for slot in d.live_slots().values():
         assert torch.count_nonzero(d.pool.buffer[slot]) == 0
+
+
+# -- SpecDriver.admit: every argument checked before anything changes --------------------------------
+
+
+@functools.cache
+def _tiny_target() -> HybridModel:
+    return HybridModel.from_seed(tiny(), seed=0)
+
+
+ADMIT_PREFIX = list(b"You are terse.\n")
+
+
+@attrs.define
+class AdmitWorld:
+    """A ``SpecDriver`` (tiny target, prefix cache) holding a checkpoint, with two requests that have
+    run their prefill (so they hold slots and KV references) and one waiting."""
+
+    driver: SpecDriver
+    checkpoint: Checkpoint
+
+
+def _admit_world() -> AdmitWorld:
+    drv = SpecDriver(_tiny_target(), None, k=0, capacity=5, kv_capacity=128, max_len=64, prefix_cache=PrefixCache(capacity=2, block=8))
+    cp = drv.make_checkpoint(ADMIT_PREFIX)
+    drv.admit(RequestId(1), ADMIT_PREFIX + list(b"hi"), max_new_tokens=4, checkpoint=cp)
+    drv.admit(RequestId(2), list(b"def f(x):"), max_new_tokens=4)
+    assert drv.step() == "extend"
+    drv.admit(RequestId(3), list(b"abc"), max_new_tokens=4)
+    return AdmitWorld(driver=drv, checkpoint=cp)
+
+
+def _admit_state(w: AdmitWorld) -> tuple[torch.Tensor, tuple[object, ...]]:
+    drv = w.driver
+    cache_ = drv.cache
+    assert cache_ is not None
+    return drv.target.pool.buffer.clone(), (
+        drv.ledger.outstanding(), drv.ledger.num_consumed,
+        drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(),
+        dict(drv._refs), tuple(drv._waiting), {r: (q.slot, q.done, list(q.context)) for r, q in drv._reqs.items()},  # private: no public view
+        drv.live, drv.live_slots(), {r: list(o) for r, o in drv.outputs.items()},
+        tuple(attrs.asdict(e) for e in cache_.entries()), dict(cache_._seen),  # cache bookkeeping (private)
+    )
+
+
+@attrs.frozen
+class AdmitCase:
+    id: str
+    kwargs: Callable[[AdmitWorld], dict[str, Any]]
+    """``admit``'s arguments, built from the world (so a row can forge a checkpoint from a live one)."""
+    error: type[BaseException]
+    match: str
+    field: str | None = None
+
+
+def _args(rid: object = 9, prompt: object = (5, 6, 7), **kw: object) -> Callable[[AdmitWorld], dict[str, Any]]:
+    def build(w: AdmitWorld) -> dict[str, Any]:
+        return {"rid": rid, "prompt": list(prompt) if isinstance(prompt, tuple) else prompt, "max_new_tokens": 2, **kw}
+
+    return build
+
+
+def _with_checkpoint(**changes: object) -> Callable[[AdmitWorld], dict[str, Any]]:
+    """A checkpoint argument: the world's live one with ``changes`` (a forged or malformed one)."""
+
+    def build(w: AdmitWorld) -> dict[str, Any]:
+        cp = attrs.evolve(w.checkpoint, **changes)
+        return {"rid": 9, "prompt": ADMIT_PREFIX + [1, 2], "max_new_tokens": 2, "checkpoint": cp}
+
+    return build
+
+
+def _live_request_slot(w: AdmitWorld) -> dict[str, Any]:
+    slot = w.driver.live_slots()[RequestId(2)]
+    return _with_checkpoint(slot=slot)(w)
+
+
+def _admit_cases(kind: str, v: object) -> list[AdmitCase]:
+    got = _got(v)
+    rows = [
+        AdmitCase(f"admit-{kind}-rid", _args(rid=v), PreconditionError, rf"admit: rid .*{got}"),
+        AdmitCase(f"admit-{kind}-max-new-tokens", _args(max_new_tokens=v), PreconditionError, rf"admit: request 9: max_new_tokens .*{got}"),
+        AdmitCase(f"admit-{kind}-prompt-token", _args(prompt=(5, v)), IRValidationError, rf"request 9\.prompt: .*{got}", field="prompt"),
+        AdmitCase(f"admit-{kind}-checkpoint-slot", _with_checkpoint(slot=v), PreconditionError, rf"admit: request 9: checkpoint slot .*{got}"),
+        AdmitCase(
+            f"admit-{kind}-checkpoint-token",
+            _with_checkpoint(tokens=(*ADMIT_PREFIX[:-1], v)),
+            PreconditionError,
+            rf"admit: request 9: every checkpoint tokens entry .*{got}",
+        ),
+    ]
+    if v is not None:  # None is a valid "no stop token" and "no checkpoint"
+        rows += [
+            AdmitCase(f"admit-{kind}-stop", _args(stop=v), PreconditionError, rf"admit: request 9: stop .*{re.escape(repr(v))}"),
+            AdmitCase(f"admit-{kind}-as-checkpoint", _args(checkpoint=v), PreconditionError, rf"admit: request 9: checkpoint must be a Checkpoint.*{re.escape(repr(v))}"),
+        ]
+    return rows
+
+
+ADMIT_CASES: list[AdmitCase] = [c for kind, v in BAD_INTS for c in _admit_cases(kind, v)] + [
+    AdmitCase("admit-stop-past-vocab", _args(stop=256), PreconditionError, r"stop must be a token id in \[0, 256\), got 256"),
+    AdmitCase("admit-negative-stop", _args(stop=-1), PreconditionError, r"stop must be a token id in \[0, 256\), got -1"),
+    AdmitCase("admit-none-prompt", _args(prompt=None), IRValidationError, rf"request 9\.prompt: .*{_got(None)}", field="prompt"),
+    AdmitCase("admit-bool-array-prompt", _args(prompt=np.array([True, False])), IRValidationError, r"request 9\.prompt: must be a 1-D sequence of int token ids", field="prompt"),
+    AdmitCase("admit-rid-list", _args(rid=[9]), PreconditionError, r"admit: rid must be an int, not list \(got \[9\]\)"),
+    AdmitCase("admit-slot-as-checkpoint", _args(checkpoint=MambaSlot(4)), PreconditionError, r"checkpoint must be a Checkpoint \(from make_checkpoint\), got 4"),
+    AdmitCase("admit-checkpoint-of-live-request", _live_request_slot, PreconditionError, r"checkpoint slot \d+ is a slot of live request 2"),
+    AdmitCase("admit-checkpoint-kv-not-held", _with_checkpoint(kv_locs=tuple(range(100, 115))), PreconditionError, r"checkpoint KV location 100 is not held"),
+    AdmitCase("admit-checkpoint-lengths", _with_checkpoint(kv_locs=(1, 2)), PreconditionError, r"checkpoint has 2 KV locations for 15 tokens"),
+    AdmitCase("admit-checkpoint-tokens-list", _with_checkpoint(tokens=list(ADMIT_PREFIX)), PreconditionError, r"checkpoint tokens must be a tuple of ints"),
+]
+
+
+@pytest.mark.parametrize("case", ADMIT_CASES, ids=[c.id for c in ADMIT_CASES])
+def test_spec_driver_admit_refuses_before_changing_anything(case: AdmitCase) -> None:
+    w = _admit_world()
+    kwargs = case.kwargs(w)
+    before = _admit_state(w)
+    with suppress_type_checks():  # production runs without typeguard: admit's own checks must hold
+        with pytest.raises(case.error, match=case.match) as info:
+            w.driver.admit(kwargs.pop("rid"), kwargs.pop("prompt"), **kwargs)
+    assert type(info.value) is case.error, f"expected exactly {case.error.__name__}, got {type(info.value).__name__}"
+    if case.field is not None:
+        assert isinstance(info.value, IRValidationError) and info.value.field == case.field
+    after = _admit_state(w)
+    assert torch.equal(before[0], after[0]), "pool bytes changed"
+    assert before[1] == after[1], "driver, allocators, ledger or prefix cache changed"
+    # the refused admission left a driver that still serves its requests
+    w.driver.run_until_done()
+    assert set(w.driver.outputs) == {RequestId(1), RequestId(2), RequestId(3)}
+
+
+def test_admit_tables_cover_every_bad_value() -> None:
+    ids = [c.id for c in ADMIT_CASES] + [c.id for c in COERCION_CASES]
+    assert len(ids) == len(set(ids))
+    for kind, _ in BAD_INTS:
+        assert sum(i.startswith(f"{kind}-") or i.startswith(f"admit-{kind}-") for i in ids) >= 20, kind
+
+
+# -- numpy integer scalars stay accepted -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("np_int", [np.int64, np.int32, np.uint8], ids=lambda t: t.__name__)
+def test_numpy_integer_scalars_are_accepted(np_int: Callable[[int], object]) -> None:
+    w = make_world()
+    with suppress_type_checks():  # typeguard holds the annotations to plain int; the library takes numpy ints
+        r = AdmittedRequest(rid=np_int(1), slot=np_int(2), input_ids=[np_int(5), 6], kv_locs=np.array([10, 11], dtype=np.int32), intent=InitIntent.CLEAR)
+        assert r.input_ids.tolist() == [5, 6] and r.input_ids.dtype == np.int64
+        assert MambaInit(serial=mint_serial(), clear_slots=(np_int(2),)).clear_slots == (2,)
+        assert DraftBatch(k=np_int(1), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31]).num_requests == 1
+        assert w.slots.is_live(np_int(1))
+        w.slots.free(np_int(1))
+        w.slots.free_many([np_int(2)])
+        w.slots.check_live(np.array([3], dtype=np.int32), "a plan")
+        assert w.kv.alloc_many(np_int(2)).tolist() == [1, 2]
+        assert SlotAllocator(np_int(3)).capacity == 3
+        adw = _admit_world()
+        adw.driver.admit(np_int(9), [np_int(5), 6], max_new_tokens=np_int(2), stop=np_int(7))
+    assert all(type(r) is int for r in adw.driver._reqs)  # ids are stored as Python ints
+    assert RequestId(9) in adw.driver._reqs
+    assert w.slots.live() == frozenset({3}) and w.kv.live() == frozenset({1, 2})

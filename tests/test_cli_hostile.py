@@ -23,7 +23,8 @@ from backend.hybrid.checkpoint import FORMAT, MAX_CHECKPOINT_BYTES, config_to_js
 from backend.hybrid.config import HybridConfig, tiny
 from backend.hybrid.weights import init_weights
 from compiler.cli import main
-from compiler.manager import PassManager, SettingsError
+from compiler.manager import PassManager
+from ir.errors import SettingsError
 from compiler.serve import WorkloadError, load_workload
 from compiler.workload import MAX_REQUESTS, MAX_WORKLOAD_BYTES
 from compiler.spec_driver import SpecDriver

@@ -45,11 +45,11 @@ Sampler = Callable[[Plan, "torch.Tensor | None", Sequence[tuple[RequestId, int]]
 """``(plan, model_output, [(rid, position)]) -> one token per listed request``."""
 
 
-def checked_prompt(rid: RequestId, prompt: Sequence[int], vocab: int | None = None) -> I64:
-    """The prompt as a read-only int64 column, or ``IRValidationError`` naming the bad token
-    (negative, or ``>= vocab`` when the model's vocabulary size is given)."""
+def checked_prompt(where: str, prompt: Sequence[int], vocab: int | None = None) -> I64:
+    """The prompt as a read-only int64 column, or ``IRValidationError`` naming ``where`` (``"request
+    3"``, ``"checkpoint"``) and the bad token (negative, or ``>= vocab`` when the model's vocabulary
+    size is given)."""
     arr = as_i64(prompt)
-    where = f"request {rid}"
     if arr.dtype != np.int64 or arr.ndim != 1:
         shown: object = arr[0] if arr.dtype == object and arr.shape == (1,) else prompt
         raise IRValidationError(where, "prompt", shown, "must be a 1-D sequence of int token ids")
@@ -133,7 +133,7 @@ class Driver:
             raise PreconditionError("admit", f"request id {rid} is already in use")
         if max_new_tokens < 1:
             raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        arr = checked_prompt(rid, prompt)
+        arr = checked_prompt(f"request {rid}", prompt)
         if not 0 <= prefix_len < arr.shape[0]:
             raise PreconditionError("admit", f"request {rid}: prefix_len {prefix_len} outside [0, {arr.shape[0]})")
         if (checkpoint is None) != (prefix_len == 0):

@@ -27,7 +27,14 @@ from collections.abc import Sequence
 
 import attrs
 
+from ir._fields import int_problem
+from ir.errors import BatchcError
 from ir.ids import MambaSlot
+
+
+class PrefixCacheError(BatchcError, ValueError):
+    """The prefix cache's protocol was misused (an unpin of an entry not pinned, an insert without
+    a reservation or of a prefix already cached); the cache is unchanged."""
 
 
 @attrs.define(kw_only=True)
@@ -53,10 +60,14 @@ class CacheStats:
 
 class PrefixCache:
     def __init__(self, *, capacity: int, block: int = 16) -> None:
-        if capacity < 1 or block < 1:
-            raise ValueError(f"capacity and block must be >= 1, got {capacity}, {block}")
-        self.capacity = capacity
-        self.block = block
+        for name, value in (("capacity", capacity), ("block", block)):
+            problem = int_problem(value)
+            if problem is not None:
+                raise PrefixCacheError(f"PrefixCache({name}): {problem} (got {value!r})")
+            if value < 1:
+                raise PrefixCacheError(f"PrefixCache({name}): must be >= 1 (got {value!r})")
+        self.capacity = int(capacity)
+        self.block = int(block)
         self._entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()  # LRU order: oldest first
         self._seen: Counter[tuple[int, ...]] = Counter()
         self._planned: set[tuple[int, ...]] = set()  # snapshots promised to a request, not yet taken
@@ -112,13 +123,13 @@ class PrefixCache:
 
     def release_room(self) -> None:
         if self._reserved <= 0:
-            raise ValueError("release_room without a reservation")
+            raise PrefixCacheError("release_room without a reservation")
         self._reserved -= 1
 
     def insert(self, entry: CacheEntry) -> None:
         """Add the entry a reservation was made for."""
         if entry.tokens in self._entries:
-            raise ValueError(f"prefix of {len(entry.tokens)} tokens is already cached in slot {self._entries[entry.tokens].slot}")
+            raise PrefixCacheError(f"prefix of {len(entry.tokens)} tokens is already cached in slot {self._entries[entry.tokens].slot}")
         self.release_room()
         self._entries[entry.tokens] = entry
         self._planned.discard(entry.tokens)
@@ -138,5 +149,5 @@ class PrefixCache:
 
     def unpin(self, entry: CacheEntry) -> None:
         if entry.pins <= 0:
-            raise ValueError(f"unpin of checkpoint slot {entry.slot}, which is not pinned")
+            raise PrefixCacheError(f"unpin of checkpoint slot {entry.slot}, which is not pinned")
         entry.pins -= 1

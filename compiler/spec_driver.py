@@ -256,7 +256,7 @@ class SpecDriver:
         rid = RequestId(int(rid))
         if rid in self._reqs or rid in self.outputs:
             raise PreconditionError("admit", f"request id {rid} is already in use")
-        arr = checked_prompt(rid, prompt, self.vocab)
+        arr = checked_prompt(f"request {rid}", prompt, self.vocab)
         problem = int_problem(max_new_tokens)
         if problem is not None:
             raise PreconditionError("admit", f"request {rid}: max_new_tokens {problem} (got {max_new_tokens!r})")
@@ -313,7 +313,7 @@ class SpecDriver:
 
     def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
         """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix checkpoint."""
-        arr = checked_prompt(RequestId(-1), tokens, self.vocab)  # validated before anything is allocated
+        arr = checked_prompt("checkpoint", tokens, self.vocab)  # validated before anything is allocated
         if arr.shape[0] > self.kv.num_free or self.slots.num_free == 0:
             raise PreconditionError("make_checkpoint", f"no room for a {arr.shape[0]}-token checkpoint")
         slot = self.slots.alloc()

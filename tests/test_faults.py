@@ -75,10 +75,21 @@ def test_failed_forward_in_a_transactional_executor_rolls_the_whole_forward_back
 
 def test_failed_forward_in_a_plain_executor_leaves_the_init_applied_and_consumed() -> None:
     ledger, pool, ex, plan = _prefill_world(False)
+    before = pool.snapshot()  # random bytes: a cleared row is zeros, a rolled-back row is not
     with faults.armed("model_forward"), pytest.raises(faults.InjectedFault):
         ex.execute(plan)  # type: ignore[arg-type]  # see above
     assert ledger.outstanding() == () and ledger.num_consumed == 1  # applied and consumed
-    assert torch.equal(pool.buffer[2], pool.buffer[5]) or float(pool.ssm_state(0)[2].flatten()[0]) != 0.0
+    # the exact pool a consumed init leaves: slot 1 cleared, slot 2 a copy of checkpoint 5, then the
+    # stand-in model's write (it ran; the fault fired after it), every other row untouched
+    expected = MambaStatePool(TARGET_POOL, LAYOUT, 8)
+    expected.buffer.copy_(before)
+    expected.buffer[1].zero_()
+    expected.buffer[2].copy_(before[5])
+    expected.ssm_state(0)[1].add_(3.0 + 4.0)  # request 1's tokens [3, 4]
+    expected.ssm_state(0)[2].add_(5.0)  # request 2's token [5]
+    assert torch.all(pool.conv_state(0)[1] == 0), "the clear of slot 1 was rolled back"
+    assert torch.equal(pool.conv_state(0)[2], pool.conv_state(0)[5]), "the COW 5 -> 2 was rolled back"
+    assert torch.equal(pool.buffer, expected.buffer)
 
 
 def _serve(drv: SpecDriver, ids: range = range(4)) -> None:

@@ -65,6 +65,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
+from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
 from compiler.prefix_cache import PrefixCache
 from compiler.spec_driver import SpecDriver
@@ -99,13 +100,12 @@ _REFERENCE: dict[tuple[tuple[int, ...], int, int | None], list[int]] = {}
 
 
 def greedy_reference(prompt: tuple[int, ...], max_new_tokens: int, stop: int | None) -> list[int]:
-    """Plain greedy decoding of the target alone: no draft, cache, chunking or pressure."""
+    """Plain greedy decoding of the target by the from-scratch reference model (no pools, caches,
+    chunking or engine at all), cut after the stop token."""
     key = (prompt, max_new_tokens, stop)
     if key not in _REFERENCE:
-        drv = SpecDriver(_models()[0], None, k=0, capacity=1, kv_capacity=MAX_LEN, max_len=MAX_LEN)
-        drv.admit(RequestId(0), list(prompt), max_new_tokens=max_new_tokens, stop=stop)
-        drv.run_until_done()
-        _REFERENCE[key] = drv.outputs[RequestId(0)]
+        out = greedy_generate_reference(_models()[0], list(prompt), max_new_tokens)
+        _REFERENCE[key] = out[: out.index(stop) + 1] if stop is not None and stop in out else out
         STATS["reference runs"] += 1
     return _REFERENCE[key]
 

@@ -46,12 +46,22 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import init_weights, perturb
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
-from compiler.prefix_cache import CacheEntry, PrefixCache
+from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
 from compiler.serve import WorkloadError, load_workload
 from compiler.spec_driver import Checkpoint, SpecDriver
-from ir.errors import IRValidationError, IRVerificationError, PlanExecutionError, PreconditionError, SlotError
-from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
-from ir.init import InitIntent, MambaSnapshot, mint_serial
+from ir.errors import (
+    IRValidationError,
+    IRVerificationError,
+    PlanExecutionError,
+    PreconditionError,
+    ResourceReplayError,
+    SlotError,
+    TicketMismatchError,
+    UnknownTicketError,
+)
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId, TicketSerial
+from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, mint_serial
+from ir.plan import ExtendPlan
 from ir.spec import (
     AcceptResult,
     CommitBatch,
@@ -554,16 +564,16 @@ def _make_checkpoint(tokens: list[int]) -> Callable[[DriverWorld, Ctx], object]:
 
 
 DRIVER_CASES = [
-    Case("cache-unpin-unpinned", lambda w, ctx: _cache(w).unpin(ctx["entry"]), ValueError, r"unpin of checkpoint slot <entry_slot>, which is not pinned", world="driver", setup=_with_entry),
+    Case("cache-unpin-unpinned", lambda w, ctx: _cache(w).unpin(ctx["entry"]), PrefixCacheError, r"unpin of checkpoint slot <entry_slot>, which is not pinned", world="driver", setup=_with_entry),
     Case(
         "cache-insert-without-reservation",
         lambda w, ctx: _cache(w).insert(CacheEntry(slot=MambaSlot(6), tokens=(1, 2, 3, 4, 5, 6, 7, 8), kv_locs=tuple(range(200, 208)))),
-        ValueError,
+        PrefixCacheError,
         r"release_room without a reservation",
         world="driver",
     ),
-    Case("cache-double-insert", _insert_again, ValueError, r"prefix of 16 tokens is already cached in slot", world="driver", setup=_with_entry),
-    Case("cache-release-unreserved-room", lambda w, ctx: _cache(w).release_room(), ValueError, r"release_room without a reservation", world="driver"),
+    Case("cache-double-insert", _insert_again, PrefixCacheError, r"prefix of 16 tokens is already cached in slot", world="driver", setup=_with_entry),
+    Case("cache-release-unreserved-room", lambda w, ctx: _cache(w).release_room(), PrefixCacheError, r"release_room without a reservation", world="driver"),
     Case("admit-too-long-for-max-len", _admit(9, list(range(60))), PreconditionError, r"admit: request 9: prompt 60 \+ 4 new tokens exceed max_len 64", world="driver"),
     Case("admit-spec-window-past-max-len", _admit(9, list(range(58)), max_new_tokens=4), PreconditionError, r"exceed max_len 64", world="driver"),
     Case("admit-duplicate-live-rid", _admit(1, [1, 2, 3]), PreconditionError, r"admit: request id 1 is already in use", world="driver"),
@@ -597,16 +607,18 @@ DRIVER_CASES = [
     Case(
         "make-checkpoint-negative-token",
         _make_checkpoint([5, -1]),
-        Exception,
-        r">= 0",
+        IRValidationError,
+        r"prompt: token ids must be >= 0 \(got -1\)",
         world="driver",
+        field="prompt",
     ),
     Case(
         "make-checkpoint-token-past-vocab",
         _make_checkpoint([5, 999]),
-        Exception,
-        r"999",
+        IRValidationError,
+        r"prompt: token ids must be < the vocabulary size 256 \(got 999\)",
         world="driver",
+        field="prompt",
     ),
 ]
 
@@ -809,9 +821,109 @@ CHECKPOINT_CASES = [
 ]
 
 
+# -- the registered ticket is the truth (see tests/test_ledger_truth.py for the same with a model) --
+
+
+def _prefills(w: World) -> Ctx:
+    """Plan A (requests in slots 1 and 2, both cleared) and plan B (slot 3 copies checkpoint slot 4),
+    registered and outstanding."""
+    a = lower(prepare_for_extend([request(1, 1, [5], 0), request(2, 2, [6], 1)]), LowerContext())
+    b = lower(prepare_for_extend([request(3, 3, [7], 8, intent=InitIntent.COW, prefix_len=2, checkpoint=4)]), LowerContext())
+    w.slots.alloc()  # slot 4: the checkpoint
+    w.ledger.register((*a.tickets, *b.tickets))
+    return {"a": a, "b": b, "serial": a.tickets[0].serial}
+
+
+def _forged(init: Callable[[Ctx], MambaInit]) -> Callable[[World, Ctx], object]:
+    def act(w: World, ctx: Ctx) -> object:
+        return w.executor.execute(attrs.evolve(ctx["a"], tickets=(InitTicket(pool=TARGET_POOL, init=init(ctx)),)))
+
+    return act
+
+
+def _register(ticket: Callable[[Ctx], InitTicket]) -> Callable[[World, Ctx], object]:
+    return lambda w, ctx: w.ledger.register([ticket(ctx)])
+
+
+def _ran_snapshot(w: World) -> Ctx:
+    ctx = _snapshot_plan(3)(w)
+    w.executor.execute(ctx["plan"])
+    return ctx
+
+
+def _foreign_rows_snapshot(w: World) -> Ctx:
+    ctx = _snapshot_plan(3)(w)
+    snapshots = ctx["plan"].snapshots
+    ctx["plan"] = ExtendPlan(
+        rids=[2], slots=[2], prefix_lens=[3], extend_lens=[1], more_chunks=[False], input_ids=[5], kv_locs=[40],
+        tickets=(), snapshots=snapshots,
+    )
+    return ctx
+
+
+def _swapped_commit(w: World, ctx: Ctx) -> object:
+    batch = ctx["commit"].batch
+    return w.executor.execute(CommitPlan(batch=attrs.evolve(batch, slots=batch.slots[::-1].copy())))
+
+
+LEDGER_CASES = [
+    Case(
+        "forged-ops-under-an-outstanding-serial",
+        _forged(lambda ctx: attrs.evolve(ctx["a"].tickets[0].init, clear_slots=(1,))),
+        TicketMismatchError,
+        r"ticket #<serial> for pool 'target' handed to the executor with other ops: .*registered ops clear \[1, 2\], cow \[\]; these ops clear \[1\], cow \[\]",
+        setup=_prefills,
+    ),
+    Case(
+        "forged-mambainit-with-an-outstanding-serial",
+        _forged(lambda ctx: MambaInit(serial=ctx["serial"], clear_slots=(2,), cow_src=(4,), cow_dst=(1,))),
+        TicketMismatchError,
+        r"these ops clear \[2\], cow \[4->1\]",
+        setup=_prefills,
+    ),
+    Case(
+        "swapped-tickets",
+        lambda w, ctx: w.executor.execute(attrs.evolve(ctx["a"], tickets=ctx["b"].tickets)),
+        PlanExecutionError,
+        r"init #\d+ writes slot 3, which is not a row of this plan \(rows \[1, 2\]\)",
+        setup=_prefills,
+    ),
+    Case("snapshot-only-replay", _run("plan"), ResourceReplayError, r"replay of snapshot ticket #<serial> for pool 'target': already consumed", setup=_ran_snapshot),
+    Case("snapshot-of-a-foreign-row", _run("plan"), PlanExecutionError, r"snapshot #<serial> reads slot 1, which is not a row of this plan \(rows \[2\]\)", setup=_foreign_rows_snapshot),
+    Case(
+        "commit-into-swapped-slots",
+        _swapped_commit,
+        PlanExecutionError,
+        r"commit of verify #<vid> names slots \[2, 1\] with k=2; the verify ran on slots \[1, 2\] with k=2",
+        setup=_verified([1, 2]),
+    ),
+    Case(
+        "register-other-ops-under-an-outstanding-key",
+        _register(lambda ctx: InitTicket(pool=TARGET_POOL, init=MambaInit(serial=ctx["serial"], clear_slots=(3,)))),
+        TicketMismatchError,
+        r"ticket #<serial> for pool 'target' registered again with other ops",
+        setup=_prefills,
+    ),
+    Case(
+        "register-a-serial-never-minted",
+        _register(lambda ctx: InitTicket(pool=TARGET_POOL, init=MambaInit(serial=TicketSerial(ctx["serial"] + 10**6), clear_slots=(3,)))),
+        UnknownTicketError,
+        r"was not minted by this process and no trusted peer sent it",
+        setup=_prefills,
+    ),
+    Case("prefix-cache-bool-capacity", _build(lambda: PrefixCache(capacity=True)), PrefixCacheError, r"PrefixCache\(capacity\): must be an int, not bool \(got True\)"),
+    Case("prefix-cache-float-block", _build(lambda: _cache_of(capacity=2, block=8.0)), PrefixCacheError, r"PrefixCache\(block\): must be an int, not float \(got 8\.0\)"),
+]
+
+
+def _cache_of(**kw: Any) -> PrefixCache:
+    with suppress_type_checks():  # the library's own check is under test, not typeguard's
+        return PrefixCache(**kw)
+
+
 # -- the test ------------------------------------------------------------------------------------------
 
-CASES = SPEC_CASES + EXECUTOR_CASES + DRIVER_CASES + WORKLOAD_CASES + CHECKPOINT_CASES
+CASES = SPEC_CASES + EXECUTOR_CASES + LEDGER_CASES + DRIVER_CASES + WORKLOAD_CASES + CHECKPOINT_CASES
 
 
 def _pattern(case: Case, ctx: Ctx) -> str:
@@ -827,6 +939,8 @@ def test_corpus_is_large_and_ids_unique() -> None:
     assert len(ids) == len(set(ids))
     assert len(ids) >= 40
     assert {c.world for c in CASES} == {"core", "driver"}
+    # every row names a specific error: a catch-all would accept a plain ValueError or TypeError
+    assert not [c.id for c in CASES if c.error in (Exception, BaseException)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -854,8 +968,7 @@ def test_hostile_input_is_refused_and_changes_nothing(case: Case, tmp_path: Path
     pools_before, before = state_of(world)
     with pytest.raises(case.error, match=_pattern(case, ctx)) as info:
         case.act(world, ctx)
-    if case.error is not Exception:
-        assert type(info.value) is case.error, f"expected exactly {case.error.__name__}, got {type(info.value).__name__}: {info.value}"
+    assert type(info.value) is case.error, f"expected exactly {case.error.__name__}, got {type(info.value).__name__}: {info.value}"
     if case.field is not None:
         assert isinstance(info.value, IRValidationError)
         assert info.value.field == case.field

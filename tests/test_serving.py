@@ -1,16 +1,20 @@
 """The serving driver's scheduler features on the seeded tiny hybrid model (float32, CPU): prefix
 cache (hit, miss, eviction under pressure, snapshot exactly once per pool, pinned entries kept),
-chunked prefill equivalence, retraction and abort, stop tokens. Every run's output is compared
-with plain greedy decoding of the same prompts, token for token."""
+chunked prefill equivalence, retraction and abort, stop tokens. Every run's output is compared,
+token for token, with greedy decoding by the from-scratch reference model
+(``backend.hybrid.reference``: no pool, KV cache, token table, kernel or scheduler), never with the
+engine itself at k = 0, so a bug the engine has at every k cannot hide in the reference."""
 
 from __future__ import annotations
 
 from functools import cache
 
 import pytest
+import torch
 
 from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
+from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
 from compiler.ab import DRAFT_NOISE
 from compiler.prefix_cache import CacheEntry, PrefixCache
@@ -36,12 +40,15 @@ def _driver(k: int, **kw: object) -> SpecDriver:
 
 
 @cache
+def _reference(prompt: tuple[int, ...], n: int = NEW) -> list[int]:
+    """``n`` greedy tokens of the target after ``prompt``, recomputed from scratch for each token."""
+    return greedy_generate_reference(_models()[0], list(prompt), n)
+
+
+@cache
 def _greedy() -> dict[RequestId, list[int]]:
-    drv = _driver(0)
-    for i, p in enumerate(PROMPTS):
-        drv.admit(RequestId(i), p, max_new_tokens=NEW)
-    drv.run_until_done()
-    return drv.outputs
+    """The reference model's greedy output for each of ``PROMPTS`` (request ``i`` is prompt ``i``)."""
+    return {RequestId(i): _reference(tuple(p)) for i, p in enumerate(PROMPTS)}
 
 
 def _serve(drv: SpecDriver, prompts: list[list[int]], *, wave: int = 2) -> None:
@@ -84,17 +91,69 @@ def test_prefix_cache_eviction_under_pressure_keeps_output() -> None:
     # two prompt families, one cache entry, two slots: each family's snapshot evicts the other's
     prompts = [SYSTEM + list(b"a = 1"), SYSTEM + list(b"b = 2"), OTHER + list(b"# x"), OTHER + list(b"# y"),
                SYSTEM + list(b"c = 3"), SYSTEM + list(b"d = 4")]
-    expected = _driver(0)
-    _serve(expected, prompts, wave=1)
     pc = PrefixCache(capacity=1, block=16)
     drv = _driver(2, prefix_cache=pc, capacity=2)
     _serve(drv, prompts, wave=1)
-    assert drv.outputs == expected.outputs
+    assert drv.outputs == {RequestId(i): _reference(tuple(p)) for i, p in enumerate(prompts)}
     assert pc.stats.evictions >= 1 and pc.stats.hits >= 1
     drv.ledger.assert_drained()
     drv.drop_cache()
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0
 
+
+
+def _state_rows(drv: SpecDriver, slot: int) -> dict[str, torch.Tensor]:
+    """The recurrent state in ``slot`` of every Mamba layer of both pools (target and draft)."""
+    rows: dict[str, torch.Tensor] = {}
+    for ex in (drv.target, drv.draft):
+        assert ex is not None
+        pool = ex.pool
+        for layer in range(len(pool.layout.layers)):
+            rows[f"{pool.pool_id} conv {layer}"] = pool.conv_state(layer)[slot].clone()
+            rows[f"{pool.pool_id} ssm {layer}"] = pool.ssm_state(layer)[slot].clone()
+    return rows
+
+
+def _state_from_scratch(prompt: list[int]) -> dict[str, torch.Tensor]:
+    """The same state computed without any cache: ``prompt`` prefilled into a fresh slot of a new driver."""
+    drv = _driver(2)
+    drv.admit(RequestId(0), prompt, max_new_tokens=2)
+    assert drv.step() == "extend"
+    return _state_rows(drv, drv.live_slots()[RequestId(0)])
+
+
+def _assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in got.items():
+        torch.testing.assert_close(value, expected[name], atol=2e-5, rtol=2e-5, msg=lambda m: f"{what}, {name}: {m}")
+
+
+def test_a_prefix_cache_hit_starts_from_its_own_entrys_state() -> None:
+    # two prompt families, each leaving its own entry: a COW from the wrong slot is possible, and
+    # would show in the state even when a few greedy tokens of a tiny model happen to agree
+    pc = PrefixCache(capacity=4, block=16)
+    drv = _driver(2, prefix_cache=pc, chunk_size=64)
+    _serve(drv, [SYSTEM + list(b"a = 1"), SYSTEM + list(b"b = 2"), OTHER + list(b"# x"), OTHER + list(b"# y")], wave=1)
+    entries = {e.tokens: e for e in pc.entries()}
+    assert set(entries) == {tuple(SYSTEM[:32]), tuple(OTHER[:32])}
+    for tokens, entry in entries.items():  # each snapshot holds its own prefix's state, in both pools
+        _assert_same_state(_state_rows(drv, entry.slot), _state_from_scratch(list(tokens)), f"cache entry in slot {entry.slot}")
+    # one request per family, in one forward: two COWs from two entries in one init op
+    hits = {RequestId(10): SYSTEM + list(b"c = 3"), RequestId(11): OTHER + list(b"# z")}
+    for rid, prompt in hits.items():
+        drv.admit(rid, prompt, max_new_tokens=2)
+    before = (pc.stats.hits, drv.ledger.counts(TARGET_POOL).cows, drv.ledger.counts(DRAFT_POOL).cows)
+    assert drv.step() == "extend"  # each whole prompt: a COW from its entry, then the rest
+    after = (pc.stats.hits, drv.ledger.counts(TARGET_POOL).cows, drv.ledger.counts(DRAFT_POOL).cows)
+    assert after == tuple(n + 2 for n in before)
+    for rid, prompt in hits.items():
+        got = _state_rows(drv, drv.live_slots()[rid])
+        _assert_same_state(got, _state_from_scratch(prompt), f"request {rid} after its cache hit")
+    drv.run_until_done()
+    assert {rid: drv.outputs[rid] for rid in hits} == {rid: _reference(tuple(p), 2) for rid, p in hits.items()}
+    drv.ledger.assert_drained()
+    drv.drop_cache()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
 
 def test_pinned_entry_is_never_evicted() -> None:
     pc = PrefixCache(capacity=2, block=4)

@@ -94,11 +94,11 @@ def test_as_the_draft_of_a_hybrid_target_speculation_is_lossless() -> None:
     target = HybridModel.from_seed(tiny(), 0, device=DEVICE)
     draft = _model(seed=1)
     spec = SpecDriver(target, draft, k=3, capacity=4, kv_capacity=512, max_len=96)
-    plain = SpecDriver(target, None, k=0, capacity=4, kv_capacity=512, max_len=96)
-    for drv in (spec, plain):
-        for i, p in enumerate(PROMPTS):
-            drv.admit(RequestId(i), p, max_new_tokens=10)
-        drv.run_until_done()
-    assert spec.outputs == plain.outputs
+    for i, p in enumerate(PROMPTS):
+        spec.admit(RequestId(i), p, max_new_tokens=10)
+    spec.run_until_done()
+    # the oracle is the from-scratch reference model, not the engine at k = 0
+    assert spec.outputs == {RequestId(i): greedy_generate_reference(target, p, 10) for i, p in enumerate(PROMPTS)}
+    assert spec.stats.iterations > 0
     assert spec.ledger.counts(DRAFT_POOL) == spec.ledger.counts(TARGET_POOL)
     spec.ledger.assert_drained()

@@ -1,0 +1,34 @@
+"""The suite's own settings (``tests/conftest.py``): every test runs at ``BATCHC_VERIFY=2`` even when
+the developer's shell sets another level, and the run says once that it overrode it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from backend.executor import Executor
+from backend.ledger import Ledger
+from backend.pool import MambaStatePool
+from compiler.manager import PassManager
+from ir.ids import TARGET_POOL
+from tests.core import LAYOUT
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_suite_runs_at_verify_level_2() -> None:
+    assert os.environ["BATCHC_VERIFY"] == "2"
+    assert PassManager.from_env().verify_level == 2  # every pass output is verified
+    assert Executor(MambaStatePool(TARGET_POOL, LAYOUT, 2), Ledger()).watch  # the mutation detector is on
+
+
+def test_a_developer_level_is_overridden_and_reported_once() -> None:
+    env = {**os.environ, "BATCHC_VERIFY": "0"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_the_suite_runs_at_verify_level_2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("BATCHC_VERIFY='0' from the environment was overridden") == 1, out.stdout

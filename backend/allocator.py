@@ -41,17 +41,39 @@ class _IndexAllocator(Generic[T]):
         if capacity <= 0:
             raise SlotError(f"{type(self).__name__}: capacity must be positive, got {capacity!r}")
         self.capacity = capacity
-        self._free: list[int] = list(range(capacity, 0, -1))  # pop() yields 1, 2, 3, ...
-        self._live = bytearray(capacity + 1)
+        # Memory grows with the indices handed out, not with the capacity (a capacity of 10**9
+        # costs nothing until used): indices above ``_fresh`` were never handed out, ``_free``
+        # holds the freed ones (reused last-freed-first, before fresh ones), ``_live[i]`` is
+        # known for ``i <= _fresh``.
+        self._fresh = 0
+        self._free: list[int] = []
+        self._live = bytearray(1)
         self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.capacity - self._fresh
 
     @property
     def num_live(self) -> int:
-        return self.capacity - len(self._free)
+        return self._fresh - len(self._free)
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` free indices (the caller checked there are), marked live: freed ones first (last
+        freed first), then fresh ones in increasing order."""
+        k = min(n, len(self._free))
+        taken = self._free[len(self._free) - k :][::-1]
+        del self._free[len(self._free) - k :]
+        start, self._fresh = self._fresh + 1, self._fresh + n - k
+        if self._fresh >= len(self._live):
+            self._live.extend(bytes(min(self.capacity + 1, max(self._fresh + 1, 2 * len(self._live))) - len(self._live)))
+        taken += range(start, self._fresh + 1)
+        for i in taken:
+            self._live[i] = 1
+        return taken
+
+    def _is_live(self, i: int) -> bool:
+        return 1 <= i <= self._fresh and bool(self._live[i])
 
     def _int(self, call: str, value: object) -> int:
         """``value`` as an ``int``, or ``SlotError`` naming the call and argument (``call`` is
@@ -78,11 +100,9 @@ class _IndexAllocator(Generic[T]):
 
     def alloc(self) -> T:
         with self._lock:
-            if not self._free:
+            if not self.num_free:
                 raise SlotError(f"out of {self._what}s: all {self.capacity} are live")
-            i = self._free.pop()
-            self._live[i] = 1
-            return self._make(i)
+            return self._make(self._take(1)[0])
 
     def alloc_many(self, n: int) -> I64:
         """``n`` indices as an IR-owned (read-only) int64 column; all or nothing."""
@@ -90,12 +110,9 @@ class _IndexAllocator(Generic[T]):
         with self._lock:
             if n < 0:
                 raise SlotError(f"cannot allocate {n} {self._what}s")
-            if n > len(self._free):
-                raise SlotError(f"out of {self._what}s: {n} requested, {len(self._free)} free of {self.capacity}")
-            taken = self._free[len(self._free) - n :][::-1]
-            del self._free[len(self._free) - n :]
-            for i in taken:
-                self._live[i] = 1
+            if n > self.num_free:
+                raise SlotError(f"out of {self._what}s: {n} requested, {self.num_free} free of {self.capacity}")
+            taken = self._take(n)
         return frozen_i64(np.array(taken, dtype=np.int64))
 
     def free(self, index: int) -> None:
@@ -110,7 +127,7 @@ class _IndexAllocator(Generic[T]):
             seen: set[int] = set()
             for i in items:
                 self._check_range(i)
-                if not self._live[i] or i in seen:
+                if not self._is_live(i) or i in seen:
                     raise SlotError(f"double free of {self._what} {i}: it is not live")
                 seen.add(i)
             for i in items:
@@ -119,7 +136,8 @@ class _IndexAllocator(Generic[T]):
 
     def is_live(self, index: int) -> bool:
         i = self._int(".is_live(index)", index)
-        return 1 <= i <= self.capacity and bool(self._live[i])
+        with self._lock:
+            return self._is_live(i)
 
     def check_live(self, indices: Iterable[int], use: str) -> None:
         """Raise ``SlotError`` naming the first index that is not live (use after free)."""
@@ -127,12 +145,12 @@ class _IndexAllocator(Generic[T]):
         with self._lock:
             for i in items:
                 self._check_range(i)
-                if not self._live[i]:
+                if not self._is_live(i):
                     raise SlotError(f"use after free: {use} uses {self._what} {i}, which is not live")
 
     def live(self) -> frozenset[int]:
         with self._lock:
-            return frozenset(i for i in range(1, self.capacity + 1) if self._live[i])
+            return frozenset(i for i in range(1, self._fresh + 1) if self._live[i])
 
     def _make(self, i: int) -> T:
         raise NotImplementedError

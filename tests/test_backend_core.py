@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
@@ -528,3 +530,19 @@ def test_pool_has_a_padding_row() -> None:
     assert pool.buffer.dtype == torch.uint8
     with pytest.raises(ValueError, match="capacity"):
         MambaStatePool(TARGET_POOL, SMALL_LAYOUT, 0)
+
+
+@pytest.mark.parametrize("cls", [SlotAllocator, KVAllocator])
+def test_an_allocator_costs_memory_for_what_it_hands_out_not_for_its_capacity(cls: type[SlotAllocator] | type[KVAllocator]) -> None:
+    tracemalloc.start()
+    try:
+        a = cls(10**12)
+        taken = a.alloc_many(1000)
+        a.free_many(taken[:10].tolist())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes for 1000 indices of a 10**12 capacity"
+    assert a.num_live == 990 and a.num_free == 10**12 - 990
+    assert [int(i) for i in a.alloc_many(12)] == [10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 1001, 1002]  # freed last-first, then fresh
+    assert sorted(a.live()) == list(range(1, 1003))

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 
 import attrs
 
-from ir.errors import ResourceLeakError, ResourceReplayError, TicketMismatchError, UnknownTicketError, WrongPoolError
+from ir.errors import IRValidationError, ResourceLeakError, ResourceReplayError, TicketMismatchError, UnknownTicketError, WrongPoolError
 from ir.ids import PoolId, TicketSerial
 from ir.init import InitTicket, SnapshotTicket, Ticket, minted_here, serial_epoch
 
@@ -100,7 +100,7 @@ class Ledger:
         """Accept tickets minted by the process whose serial epoch is ``epoch`` (``ir.init.this_epoch()``
         there), e.g. the scheduling rank of a tensor-parallel group."""
         if type(epoch) is not int or epoch <= 0:
-            raise ValueError(f"trust_peer: epoch must be a positive int, got {epoch!r}")
+            raise IRValidationError("Ledger.trust_peer", "epoch", epoch, "must be a positive int")
         with self._lock:
             self._peers[epoch] = peer
 

@@ -17,19 +17,21 @@ tickets stuck in flight, and serials that differ across processes.
 from __future__ import annotations
 
 import multiprocessing
+import re
 from collections.abc import Callable
 
 import attrs
 import numpy as np
 import pytest
 import torch
+from typeguard import suppress_type_checks
 
 from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
-from ir.errors import PlanExecutionError, ResourceLeakError, ResourceReplayError, TicketMismatchError, UnknownTicketError
-from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, TicketSerial
+from ir.errors import IRValidationError, PlanExecutionError, ResourceLeakError, ResourceReplayError, SlotError, TicketMismatchError, UnknownTicketError
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, TicketSerial
 from ir.init import InitIntent, InitTicket, MambaInit, SnapshotTicket, mint_serial, minted_here, serial_epoch, this_epoch
 from ir.plan import ExtendPlan, MixedPlan
 from ir.spec import AcceptResult, CommitPlan
@@ -168,7 +170,7 @@ def test_serials_cannot_be_squatted() -> None:
     t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=foreign, clear_slots=(1,)))
     ledger.register([t])
     assert ledger.outstanding() == (t,)
-    with pytest.raises(ValueError, match="epoch must be a positive int, got True"):
+    with pytest.raises(IRValidationError, match=r"epoch: must be a positive int \(got True\)"):
         ledger.trust_peer(True, "rank 1")
 
 
@@ -272,3 +274,126 @@ def test_a_commit_naming_other_slots_is_refused_and_the_right_one_runs() -> None
         _refused(w, model, lambda bad=bad: w.executor.execute(bad), PlanExecutionError, rf"commit of verify #{v.verify_id} names slots {shown}; the verify ran on slots \[1, 2\] with k=2")
     w.executor.execute(lower(c, LowerContext()))
     assert bool((w.pool.buffer[1] == 0x11).all()) and bool((w.pool.buffer[2] == 0x11).all())
+
+
+# -- the rest of the ledger's protocol (each of these closed a survivor of the mutation run) -------
+
+
+def _registered(*clears: int, pool: PoolId = TARGET_POOL, ledger: Ledger | None = None) -> tuple[Ledger, list[InitTicket]]:
+    ledger = ledger if ledger is not None else Ledger()
+    tickets = [InitTicket(pool=pool, init=MambaInit(serial=mint_serial(), clear_slots=(c,))) for c in clears]
+    ledger.register(tickets)
+    return ledger, tickets
+
+
+def test_registering_a_ticket_in_flight_or_cancelled_is_a_replay() -> None:
+    ledger, (t, u) = _registered(2, 3)
+    with ledger.consuming(t, TARGET_POOL):
+        with pytest.raises(ResourceReplayError, match=rf"#{t.serial} for pool 'target' is being consumed right now"):
+            ledger.register([t])
+    ledger.cancel(u, "aborted")
+    with pytest.raises(ResourceReplayError, match=rf"#{u.serial} for pool 'target' was cancelled; the batch it came from already ran"):
+        ledger.register([u])
+    assert ledger.replays_blocked == 2
+
+
+def test_a_cancelled_ticket_cannot_be_claimed_and_cancel_checks_its_ticket() -> None:
+    ledger, (t, u) = _registered(2, 3)
+    ledger.cancel(t, "aborted: its forward failed")
+    with pytest.raises(ResourceReplayError, match=rf"#{t.serial} for pool 'target' was cancelled \(aborted: its forward failed\)"):
+        with ledger.consuming(t, TARGET_POOL):
+            pass
+    with pytest.raises(UnknownTicketError, match="not outstanding in this ledger"):
+        ledger.cancel(t, "again")
+    with ledger.consuming(u, TARGET_POOL):
+        with pytest.raises(ResourceReplayError, match="it has run or is running"):
+            ledger.cancel(u, "mid-flight")
+    with pytest.raises(ResourceReplayError, match="it has run or is running"):
+        ledger.cancel(u, "after")
+    assert ledger.cancelled() == {(t.serial, TARGET_POOL): "aborted: its forward failed"}
+    assert ledger.is_consumed(u) and ledger.outstanding() == ()
+
+
+def test_claim_done_takes_only_its_own_tickets() -> None:
+    ledger, (t, u) = _registered(2, 3)
+    with pytest.raises(UnknownTicketError, match=rf"#{u.serial} for pool 'target' is not held by this claim"):
+        with ledger.claiming([t], TARGET_POOL) as claim:
+            claim.done(u)
+    assert ledger.outstanding() == (t, u) and ledger.in_flight() == ()
+
+
+def test_a_duplicate_claim_counts_as_a_blocked_replay() -> None:
+    ledger, (t,) = _registered(2)
+    with pytest.raises(ResourceReplayError, match=rf"replay of ticket #{t.serial} for pool 'target': claimed twice by one plan \(ops clear \[2\]"):
+        with ledger.claiming([t, t], TARGET_POOL):
+            pass
+    assert ledger.replays_blocked == 1
+
+
+def test_assert_drained_lists_ten_tickets_and_counts_the_rest() -> None:
+    ledger, tickets = _registered(*range(1, 13))
+    with pytest.raises(ResourceLeakError) as info:
+        ledger.assert_drained()
+    msg = str(info.value)
+    assert msg.startswith("12 ticket(s) never consumed: ") and msg.endswith(" and 2 more")
+    assert msg.count("(ops clear [") == 10 and f"#{tickets[9].serial} " in msg and f"#{tickets[10].serial} " not in msg
+
+
+@pytest.mark.parametrize("epoch", [0, -1, True, 2.0, "7"])
+def test_trust_peer_takes_a_positive_int_epoch(epoch: object) -> None:
+    with suppress_type_checks(), pytest.raises(IRValidationError, match=rf"Ledger\.trust_peer\.epoch: must be a positive int \(got {re.escape(repr(epoch))}\)"):
+        Ledger().trust_peer(epoch, "rank 0")  # type: ignore[arg-type]
+
+
+# -- the executor's other refusals --------------------------------------------------------------------
+
+
+def test_a_mixed_plans_decode_rows_are_checked_before_anything_moves() -> None:
+    w, model = _world()
+    running = decode_batch([2], [6], [4], [30])  # slot 6 is not live (slots 1..5 are)
+    w.slots.free(5)
+    plan = lower(mix_with_running(prepare_for_extend([request(1, 1, [5, 6], 0)]), running), LowerContext())
+    w.ledger.register(plan.tickets)
+    _refused(w, model, lambda: w.executor.execute(plan), SlotError, r"use after free: MixedPlan.decode uses slot 6")
+
+
+def test_a_snapshot_lowered_for_another_pool_is_refused() -> None:
+    w, model = _world()
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    plan = lower(prepare_for_extend([r]), LowerContext(pools=(DRAFT_POOL,)))
+    w.ledger.register(plan.snapshots)
+    _refused(w, model, lambda: w.executor.execute(plan), PlanExecutionError, r"plan with snapshot #\d+ was lowered for pool\(s\) 'draft', not for this executor's pool 'target'")
+
+
+def test_a_snapshot_may_not_write_a_row_of_its_own_plan() -> None:
+    w, model = _world()
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(2))
+    plan = lower(prepare_for_extend([r, request(2, 2, [7], 20, intent=InitIntent.CONTINUE, prefix_len=1)]), LowerContext())
+    w.ledger.register(plan.snapshots)
+    _refused(w, model, lambda: w.executor.execute(plan), PlanExecutionError, r"snapshot #\d+ writes slot 2, a row of this plan")
+
+
+def test_forgotten_verifies_cannot_be_committed() -> None:
+    w, model = _world()
+    running = decode_batch([1], [1], [4], [20])
+    draft = prepare_for_draft(running, SpecContext(k=1, next_tokens=[3], kv_locs=[30, 31]))
+    v = prepare_for_verify(draft, np.full(1, 7, dtype=np.int64))
+    w.executor.execute(lower(v, LowerContext()))
+    w.executor.forget_verifies()
+    c = commit(v, accept(v, np.full(2, 7, dtype=np.int64)))
+    _refused(w, model, lambda: w.executor.execute(lower(c, LowerContext())), PlanExecutionError, r"no intermediate states of verify")
+
+
+@pytest.mark.parametrize("not_a_plan", [None, "plan", 3])
+def test_something_that_is_not_a_plan_is_refused_by_name(not_a_plan: object) -> None:
+    w, model = _world()
+    with suppress_type_checks():
+        _refused(w, model, lambda: w.executor.execute(not_a_plan), PlanExecutionError, rf"Executor.execute: a {type(not_a_plan).__name__} is not a plan")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("level", "watching"), [("0", False), ("1", False), ("2", True), ("", False)])
+def test_the_mutation_detector_follows_batchc_verify(monkeypatch: pytest.MonkeyPatch, level: str, watching: bool) -> None:
+    monkeypatch.setenv("BATCHC_VERIFY", level)
+    w = make_world()
+    assert Executor(w.pool, w.ledger).watch is watching
+    assert Executor(w.pool, w.ledger, watch=not watching).watch is not watching

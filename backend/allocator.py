@@ -60,14 +60,20 @@ class _IndexAllocator(Generic[T]):
 
     def _take(self, n: int) -> list[int]:
         """``n`` free indices (the caller checked there are), marked live: freed ones first (last
-        freed first), then fresh ones in increasing order."""
+        freed first), then fresh ones in increasing order. Everything that allocates memory happens
+        before any state changes, so a ``MemoryError`` (a bulk request far beyond what the process
+        can hold) leaves the allocator as it was and comes back as ``SlotError``."""
         k = min(n, len(self._free))
-        taken = self._free[len(self._free) - k :][::-1]
+        fresh = self._fresh + n - k
+        try:
+            taken = self._free[len(self._free) - k :][::-1]
+            taken += range(self._fresh + 1, fresh + 1)
+            grow = min(self.capacity + 1, max(fresh + 1, 2 * len(self._live))) - len(self._live) if fresh >= len(self._live) else 0
+            self._live.extend(bytes(grow))
+        except MemoryError:
+            raise SlotError(f"out of memory handing out {n} {self._what}s at once") from None
         del self._free[len(self._free) - k :]
-        start, self._fresh = self._fresh + 1, self._fresh + n - k
-        if self._fresh >= len(self._live):
-            self._live.extend(bytes(min(self.capacity + 1, max(self._fresh + 1, 2 * len(self._live))) - len(self._live)))
-        taken += range(start, self._fresh + 1)
+        self._fresh = fresh
         for i in taken:
             self._live[i] = 1
         return taken

@@ -60,7 +60,7 @@ from backend import faults
 from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
 from ir._fields import I64
 from ir.errors import MutationError, PlanExecutionError
-from ir.init import InitTicket, SnapshotTicket, Ticket
+from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
 from ir.nodes import Plan
 from ir.ids import TicketSerial
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -100,6 +100,7 @@ class Executor:
         self.model: ModelHook = model if model is not None else NoOpModel()
         self.slots = slots
         self._intermediates: dict[TicketSerial, _Verified] = {}
+        self._verified_upto: dict[int, int] = {}
 
     def execute(self, plan: Plan) -> torch.Tensor | None:
         if not self.watch:
@@ -195,13 +196,19 @@ class Executor:
 
     def run_verify(self, plan: VerifyPlan) -> torch.Tensor:
         vid = plan.batch.verify_id
-        if vid in self._intermediates:
-            raise PlanExecutionError(f"verify #{vid} already ran on pool {self.pool.pool_id!r}")
+        epoch, n = serial_epoch(vid), vid & ((1 << SERIAL_COUNTER_BITS) - 1)
+        # verify ids are minted in order and each verify runs once: remembering the newest one per
+        # minting epoch refuses a replay (even after its commit) in constant memory
+        if vid in self._intermediates or n <= self._verified_upto.get(epoch, 0):
+            raise PlanExecutionError(
+                f"verify #{vid} already ran on pool {self.pool.pool_id!r} (each verify runs once, in the order its id was minted)"
+            )
         self._check_slots(plan.batch.slots, "VerifyPlan")
         staged = stage_window(plan.batch, self.pool.device)
         with self._watched("the model hook's verify", plan, staged):
             out, states = self._spec_model(plan).verify(plan, staged, self.pool)
         self._intermediates[vid] = _Verified(slots=plan.batch.slots.tobytes(), k=plan.batch.k, states=states)
+        self._verified_upto[epoch] = n
         return out
 
     def run_commit(self, plan: CommitPlan) -> None:

@@ -42,7 +42,8 @@ import attrs
 
 from ir.errors import IRValidationError, ResourceLeakError, ResourceReplayError, TicketMismatchError, UnknownTicketError, WrongPoolError
 from ir.ids import PoolId, TicketSerial
-from ir.init import InitTicket, SnapshotTicket, Ticket, minted_here, serial_epoch
+from ir._fields import int_problem
+from ir.init import EPOCH_BITS, InitTicket, SnapshotTicket, Ticket, minted_here, serial_epoch
 
 _Key = tuple[TicketSerial, PoolId]
 
@@ -99,14 +100,20 @@ class Ledger:
     def trust_peer(self, epoch: int, peer: str) -> None:
         """Accept tickets minted by the process whose serial epoch is ``epoch`` (``ir.init.this_epoch()``
         there), e.g. the scheduling rank of a tensor-parallel group."""
-        if type(epoch) is not int or epoch <= 0:
-            raise IRValidationError("Ledger.trust_peer", "epoch", epoch, "must be a positive int")
+        problem = int_problem(epoch)
+        if problem is not None:
+            raise IRValidationError("Ledger.trust_peer", "epoch", epoch, problem)
+        if not 1 <= int(epoch) <= 1 << EPOCH_BITS:
+            raise IRValidationError("Ledger.trust_peer", "epoch", epoch, f"must be in [1, 2**{EPOCH_BITS}] (an epoch of ir.init.this_epoch())")
+        if not isinstance(peer, str):
+            raise IRValidationError("Ledger.trust_peer", "peer", peer, "must be a str naming the peer")
+        epoch = int(epoch)
         with self._lock:
             self._peers[epoch] = peer
 
     def register(self, tickets: Iterable[Ticket]) -> None:
         """Expect each ticket to be consumed exactly once; all or nothing."""
-        items = list(tickets)
+        items = _tickets_arg("register", tickets)
         with self._lock:
             seen: dict[_Key, Ticket] = {}
             for t in items:
@@ -139,8 +146,10 @@ class Ledger:
         the model, the snapshots). All are checked before any moves; the registered tickets are
         yielded; those not consumed early (``Claim.done``) are consumed if the block succeeds and
         return to outstanding if it raises."""
+        items = _tickets_arg("claiming", tickets)
+        _pool_arg("claiming", pool)
         with self._lock:
-            registered = tuple(self._check_claim(t, pool) for t in tickets)
+            registered = tuple(self._check_claim(t, pool) for t in items)
             keys = [_key(t) for t in registered]
             if len(set(keys)) != len(keys):
                 dup = next(t for i, t in enumerate(registered) if keys.index(keys[i]) != i)
@@ -161,7 +170,7 @@ class Ledger:
     def consuming(self, ticket: Ticket, pool: PoolId) -> Iterator[Ticket]:
         """Hold one ticket while its ops are applied to ``pool``; consumed only if the block succeeds.
         Yields the registered ticket: apply its ops, not the ones of the copy passed in."""
-        with self.claiming((ticket,), pool) as claim:
+        with self.claiming(_tickets_arg("consuming", (ticket,)), pool) as claim:
             yield claim.tickets[0]
 
     def _check_claim(self, ticket: Ticket, pool: PoolId) -> Ticket:
@@ -197,7 +206,7 @@ class Ledger:
         """Record that an outstanding ticket will never run (its requests were aborted before its
         forward). A cancellation is an event with a reason, not a silent drop; it is refused for a
         ticket that is consumed or being consumed."""
-        key = _key(ticket)
+        key = _key(_tickets_arg("cancel", (ticket,))[0])
         with self._lock:
             if key in self._consumed or key in self._in_flight:
                 raise ResourceReplayError(f"cannot cancel {ticket}: it has run or is running")
@@ -212,8 +221,9 @@ class Ledger:
             return dict(self._cancelled)
 
     def is_consumed(self, ticket: Ticket) -> bool:
+        key = _key(_tickets_arg("is_consumed", (ticket,))[0])
         with self._lock:
-            return _key(ticket) in self._consumed
+            return key in self._consumed
 
     def outstanding(self) -> tuple[Ticket, ...]:
         """Registered tickets not yet consumed nor in flight, oldest serial first."""
@@ -250,6 +260,23 @@ class Ledger:
     def num_consumed(self) -> int:
         with self._lock:
             return len(self._consumed)
+
+
+def _tickets_arg(method: str, tickets: object) -> list[Ticket]:
+    """The tickets a caller passed, checked to be tickets (a typed error naming the method and the
+    value, not an ``AttributeError`` from inside)."""
+    if isinstance(tickets, (str, bytes)) or not isinstance(tickets, Iterable):
+        raise IRValidationError(f"Ledger.{method}", "tickets", tickets, "must be an iterable of InitTicket or SnapshotTicket")
+    items = list(tickets)
+    for t in items:
+        if not isinstance(t, (InitTicket, SnapshotTicket)):
+            raise IRValidationError(f"Ledger.{method}", "tickets", t, "every entry must be an InitTicket or a SnapshotTicket")
+    return items
+
+
+def _pool_arg(method: str, pool: object) -> None:
+    if not isinstance(pool, str) or not pool:
+        raise IRValidationError(f"Ledger.{method}", "pool", pool, "must be a pool name (a non-empty str)")
 
 
 def _key(t: Ticket) -> _Key:

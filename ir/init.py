@@ -37,7 +37,7 @@ from ir.ids import MambaSlot, PoolId, TicketSerial
 SERIAL_COUNTER_BITS = 32
 """A serial is ``epoch << 32 | counter``: the high bits are this process's epoch, the low bits count."""
 _COUNTER_MASK = (1 << SERIAL_COUNTER_BITS) - 1
-_EPOCH_BITS = 30
+EPOCH_BITS = 30
 """Epochs are drawn from ``[1, 2**30]``, so a serial stays below ``2**62`` (an int64 column can hold it)."""
 
 
@@ -53,9 +53,9 @@ class _Minter:
         self._new_epoch()
 
     def _new_epoch(self) -> None:
-        epoch = secrets.randbits(_EPOCH_BITS) + 1
+        epoch = secrets.randbits(EPOCH_BITS) + 1
         while epoch in self._last:
-            epoch = secrets.randbits(_EPOCH_BITS) + 1
+            epoch = secrets.randbits(EPOCH_BITS) + 1
         self.epoch, self._count = epoch, itertools.count(1)
         self._last[epoch] = 0
 

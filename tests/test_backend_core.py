@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tracemalloc
 
 import numpy as np
@@ -546,3 +548,21 @@ def test_an_allocator_costs_memory_for_what_it_hands_out_not_for_its_capacity(cl
     assert a.num_live == 990 and a.num_free == 10**12 - 990
     assert [int(i) for i in a.alloc_many(12)] == [10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 1001, 1002]  # freed last-first, then fresh
     assert sorted(a.live()) == list(range(1, 1003))
+
+
+def test_a_bulk_request_beyond_memory_is_refused_and_changes_nothing() -> None:
+    """Run in a child whose address space is capped at 3 GB: the request cannot be held, and the
+    allocator stays usable."""
+    code = (
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "from backend.allocator import KVAllocator\n"
+        "from ir.errors import SlotError\n"
+        "a = KVAllocator(2**40)\n"
+        "try:\n"
+        "    a.alloc_many(2**33)\n"
+        "except SlotError as e:\n"
+        "    print('refused:', e)\n"
+        "print(a.num_free == 2**40, a.num_live, a.alloc_many(3).tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.splitlines() == ["refused: out of memory handing out 8589934592 KV locations at once", "True 0 [1, 2, 3]"]

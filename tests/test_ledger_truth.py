@@ -17,6 +17,7 @@ tickets stuck in flight, and serials that differ across processes.
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import re
 from collections.abc import Callable
 
@@ -170,7 +171,7 @@ def test_serials_cannot_be_squatted() -> None:
     t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=foreign, clear_slots=(1,)))
     ledger.register([t])
     assert ledger.outstanding() == (t,)
-    with pytest.raises(IRValidationError, match=r"epoch: must be a positive int \(got True\)"):
+    with pytest.raises(IRValidationError, match=r"epoch: must be an int, not bool \(got True\)"):
         ledger.trust_peer(True, "rank 1")
 
 
@@ -341,7 +342,7 @@ def test_assert_drained_lists_ten_tickets_and_counts_the_rest() -> None:
 
 @pytest.mark.parametrize("epoch", [0, -1, True, 2.0, "7"])
 def test_trust_peer_takes_a_positive_int_epoch(epoch: object) -> None:
-    with suppress_type_checks(), pytest.raises(IRValidationError, match=rf"Ledger\.trust_peer\.epoch: must be a positive int \(got {re.escape(repr(epoch))}\)"):
+    with suppress_type_checks(), pytest.raises(IRValidationError, match=rf"Ledger\.trust_peer\.epoch: must be (an int|in \[1, 2\*\*30\]).* \(got {re.escape(repr(epoch))}\)"):
         Ledger().trust_peer(epoch, "rank 0")  # type: ignore[arg-type]
 
 
@@ -397,3 +398,52 @@ def test_the_mutation_detector_follows_batchc_verify(monkeypatch: pytest.MonkeyP
     w = make_world()
     assert Executor(w.pool, w.ledger).watch is watching
     assert Executor(w.pool, w.ledger, watch=not watching).watch is not watching
+
+
+def test_a_verify_and_its_commit_cannot_run_again_even_after_the_commit() -> None:
+    w, model = _world()
+    running = decode_batch([1, 2], [1, 2], [4, 4], [20, 21])
+    draft = prepare_for_draft(running, SpecContext(k=2, next_tokens=[3, 3], kv_locs=list(range(30, 36))))
+    v = prepare_for_verify(draft, np.full(4, 7, dtype=np.int64))
+    vplan = lower(v, LowerContext())
+    cplan = lower(commit(v, accept(v, np.full(6, 7, dtype=np.int64))), LowerContext())
+    w.executor.execute(vplan)
+    w.executor.execute(cplan)
+    for replay in (vplan, pickle.loads(pickle.dumps(vplan))):
+        _refused(w, model, lambda replay=replay: w.executor.execute(replay), PlanExecutionError, rf"verify #{v.verify_id} already ran on pool 'target'")
+    _refused(w, model, lambda: w.executor.execute(cplan), PlanExecutionError, rf"no intermediate states of verify #{v.verify_id}")
+    newer = prepare_for_verify(draft, np.full(4, 7, dtype=np.int64))  # minted later: it runs
+    w.executor.execute(lower(newer, LowerContext()))
+    _refused(w, model, lambda: w.executor.execute(vplan), PlanExecutionError, "already ran")
+
+
+@pytest.mark.parametrize(
+    ("call", "shown"),
+    [
+        (lambda ledger: ledger.register(None), r"Ledger\.register\.tickets: must be an iterable of InitTicket or SnapshotTicket \(got None\)"),
+        (lambda ledger: ledger.register("ab"), r"Ledger\.register\.tickets: must be an iterable .*\(got 'ab'\)"),
+        (lambda ledger: ledger.register([None]), r"Ledger\.register\.tickets: every entry must be an InitTicket or a SnapshotTicket \(got None\)"),
+        (lambda ledger: ledger.claiming(None, TARGET_POOL).__enter__(), r"Ledger\.claiming\.tickets: .*\(got None\)"),
+        (lambda ledger: ledger.claiming([], None).__enter__(), r"Ledger\.claiming\.pool: must be a pool name \(a non-empty str\) \(got None\)"),
+        (lambda ledger: ledger.consuming(None, TARGET_POOL).__enter__(), r"Ledger\.consuming\.tickets: every entry .*\(got None\)"),
+        (lambda ledger: ledger.cancel(None, "x"), r"Ledger\.cancel\.tickets: every entry .*\(got None\)"),
+        (lambda ledger: ledger.is_consumed(None), r"Ledger\.is_consumed\.tickets: every entry .*\(got None\)"),
+        (lambda ledger: ledger.trust_peer(2**70, "rank 0"), r"Ledger\.trust_peer\.epoch: must fit in int64"),
+        (lambda ledger: ledger.trust_peer(2**31, "rank 0"), r"Ledger\.trust_peer\.epoch: must be in \[1, 2\*\*30\]"),
+        (lambda ledger: ledger.trust_peer(7, None), r"Ledger\.trust_peer\.peer: must be a str naming the peer \(got None\)"),
+    ],
+)
+def test_ledger_arguments_are_checked_before_anything_changes(call: Callable[[Ledger], object], shown: str) -> None:
+    ledger, (t,) = _registered(2)
+    with suppress_type_checks(), pytest.raises(IRValidationError, match=shown):
+        call(ledger)
+    assert ledger.outstanding() == (t,) and ledger.in_flight() == () and ledger.num_consumed == 0
+
+
+def test_trust_peer_takes_numpy_integers() -> None:
+    ledger = Ledger()
+    with suppress_type_checks():  # annotated int; numpy integers are accepted at run time
+        ledger.trust_peer(np.int64(12345), "rank 0")
+    t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=TicketSerial(12345 << 32 | 1), clear_slots=(1,)))
+    ledger.register([t])
+    assert ledger.outstanding() == (t,)

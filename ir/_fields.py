@@ -42,6 +42,11 @@ values outside int64 are refused with ``IRValidationError`` naming the node, the
 value, never an ``OverflowError`` from numpy or a ``TypeError`` from a comparison. The converters
 cannot raise (they do not know the field's name): they return a one-element object array holding a
 ``_Bad`` marker, and ``check_column`` (which every node runs on every column) raises with the name.
+
+Every other field is type-checked by its node's ``check_fields`` too: node-typed fields with
+``check_instance`` (``InitTicket(init=None)`` is refused naming ``InitTicket.init``), pool names with
+``check_pool`` (a non-empty ``str``, never ``str(value)``). Nodes built by passes through
+``build_unchecked`` skip these checks like every other local check; ``ir.verify`` re-runs them.
 """
 
 from __future__ import annotations
@@ -103,6 +108,44 @@ def check_int(node: object, name: str, value: object) -> int:
 def check_opt_int(node: object, name: str, value: object) -> int | None:
     """``check_int`` for an optional field (``None`` is allowed)."""
     return None if value is None else check_int(node, name, value)
+
+
+def first_bad_int(items: Sequence[object]) -> tuple[object, str] | None:
+    """The first entry of ``items`` that is not an int64 integer and why (``int_problem``), or
+    ``None`` when every entry is one. Plain ints are decided in C loops (``plain_ints``); the
+    per-entry loop runs only when some entry is not a plain ``int``."""
+    if plain_ints(items):
+        return None
+    for v in items:
+        problem = int_problem(v)
+        if problem is not None:
+            return v, problem
+    return None
+
+
+def type_names(cls: type | tuple[type, ...], optional: bool = False) -> str:
+    """``"a MambaInit"``, ``"a MambaInit or None"``, ``"an ExtendBatch or a DecodeBatch"``."""
+    classes = cls if isinstance(cls, tuple) else (cls,)
+    names = [f"{'an' if c.__name__[0] in 'AEIOU' else 'a'} {c.__name__}" for c in classes]
+    return " or ".join([*names, "None"] if optional else names)
+
+
+def check_instance(node: object, name: str, value: object, cls: type | tuple[type, ...], *, optional: bool = False) -> None:
+    """``IRValidationError`` naming ``node.name``, ``value`` and its type when ``value`` is not an
+    instance of ``cls`` (``None`` is allowed with ``optional``): the type check of a node-typed field
+    (an attrs ``instance_of`` validator would raise a ``TypeError`` without the node's name)."""
+    if isinstance(value, cls) or (optional and value is None):
+        return
+    raise IRValidationError(_node_name(node), name, value, f"must be {type_names(cls, optional)}, not {type(value).__name__}")
+
+
+def check_pool(node: object, name: str, value: object) -> None:
+    """A pool name (``PoolId``): a non-empty ``str``. Nothing is converted: ``None`` is not pool
+    ``'None'``."""
+    if not isinstance(value, str):
+        raise IRValidationError(_node_name(node), name, value, f"must be a pool name (a non-empty str), not {type(value).__name__}")
+    if not value:
+        raise IRValidationError(_node_name(node), name, value, "must be a non-empty pool name")
 
 
 def is_owned(arr: npt.NDArray[Any]) -> bool:
@@ -270,10 +313,9 @@ def ints(values: Iterable[object], node: str, name: str) -> tuple[int, ...]:
     items = tuple(values)
     if plain_ints(items):
         return cast(tuple[int, ...], items)
-    for v in items:
-        problem = int_problem(v)
-        if problem is not None:
-            raise IRValidationError(node, name, v, f"every entry {problem}")
+    bad = first_bad_int(items)
+    if bad is not None:
+        raise IRValidationError(node, name, bad[0], f"every entry {bad[1]}")
     return tuple(int(cast(int, v)) for v in items)
 
 

@@ -8,7 +8,10 @@ Local invariants (checked on construction, ``IRValidationError`` naming the fiel
 
 - every per-request column has the same length; packed token columns sum to ``extend_lens``;
 - slots are >= 1 (slot 0 is padding), lengths are positive, prefix lengths are >= 0, KV locations
-  and token ids are >= 0.
+  and token ids are >= 0;
+- node-typed fields hold their declared type: ``ExtendBatch.init`` a ``MambaInit`` or ``None``,
+  ``ExtendBatch.snapshot`` a ``MambaSnapshot`` or ``None``, ``MixedBatch.extend``/``decode`` an
+  ``ExtendBatch``/``DecodeBatch`` (``check_instance``: the error names the node, field and value).
 
 Whole-node invariants (uniqueness of rids, slots and KV locations; consistency between the
 per-request ``intents`` and the ``MambaInit``) live in ``ir.verify``.
@@ -24,7 +27,7 @@ from typing import Protocol, final
 
 import attrs
 
-from ir._fields import BoolArray, I64, ColumnNode, as_bool, as_i64, check_column, check_min, column_key
+from ir._fields import BoolArray, I64, ColumnNode, as_bool, as_i64, check_column, check_instance, check_min, column_key
 from ir.errors import IRValidationError
 from ir.init import InitIntent, MambaInit, MambaSnapshot
 
@@ -129,6 +132,8 @@ class ExtendBatch(ColumnNode):
 
     def check_fields(self) -> None:
         """The local invariants (run on construction, and again by ``ir.verify`` at level 2)."""
+        check_instance(self, "init", self.init, MambaInit, optional=True)
+        check_instance(self, "snapshot", self.snapshot, MambaSnapshot, optional=True)
         check_extend_columns(self)
         check_column(self, "more_chunks", self.more_chunks, self.rids.shape[0], bools=True)
         if len(self.intents) != self.rids.shape[0]:
@@ -188,6 +193,15 @@ class MixedBatch:
 
     extend: ExtendBatch
     decode: DecodeBatch
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """The parts' types (each part checked its own fields when it was built; ``ir.verify``
+        re-runs the parts' checks at level 2)."""
+        check_instance(self, "extend", self.extend, ExtendBatch)
+        check_instance(self, "decode", self.decode, DecodeBatch)
 
     @property
     def init(self) -> MambaInit | None:

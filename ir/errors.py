@@ -27,7 +27,7 @@ class IRValidationError(BatchcError, ValueError):
         self.node = node
         self.field = field
         self.value = value
-        super().__init__(f"{node}.{field}: {message} (got {_short(value)})")
+        super().__init__(f"{node}.{field}: {message} (got {short_repr(value)})")
 
 
 class IRVerificationError(BatchcError):
@@ -73,7 +73,8 @@ class PlanExecutionError(BatchcError, ValueError):
     """A plan cannot run on this backend (wrong pool, slot out of range, malformed staging)."""
 
 
-def _short(value: object, limit: int = 120) -> str:
+def short_repr(value: object, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters: how an error message shows a bad value."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

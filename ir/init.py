@@ -16,7 +16,8 @@ Invariants checked on construction (``IRValidationError``): slots are >= 1 (0 is
 ``len(cow_src) == len(cow_dst)``, no slot is cleared twice, no dst is written twice, a copy never
 copies a slot onto itself, never reads a slot cleared in the same forward (clears run first, so the
 copy would read zeros) or written by another copy of it (copies run concurrently), and clear and
-copy targets are disjoint.
+copy targets are disjoint. A ticket's ``pool`` is a non-empty ``str`` and its ``init``/``snapshot`` a
+``MambaInit``/``MambaSnapshot`` (``check_fields``; nothing is converted).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import check_int, ints
+from ir._fields import check_instance, check_int, check_pool, ints
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, PoolId, TicketSerial
 
@@ -224,6 +225,14 @@ class InitTicket:
     pool: PoolId
     init: MambaInit
 
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """``pool`` is a non-empty pool name and ``init`` a ``MambaInit`` (itself checked when built)."""
+        check_pool(self, "pool", self.pool)
+        check_instance(self, "init", self.init, MambaInit)
+
     @property
     def serial(self) -> TicketSerial:
         return self.init.serial
@@ -271,6 +280,14 @@ class SnapshotTicket:
 
     pool: PoolId
     snapshot: MambaSnapshot
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """``pool`` is a non-empty pool name and ``snapshot`` a ``MambaSnapshot``."""
+        check_pool(self, "pool", self.pool)
+        check_instance(self, "snapshot", self.snapshot, MambaSnapshot)
 
     @property
     def serial(self) -> TicketSerial:

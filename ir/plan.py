@@ -4,36 +4,59 @@ A plan holds the same immutable columns as the batch it was lowered from (shared
 nothing the backend must not act on: ``ExtendPlan`` and ``MixedPlan`` carry the init ops only as
 ``InitTicket``s, one per state pool; ``DecodePlan`` and ``IdlePlan`` have no ticket field at all.
 
-Invariant: a plan's tickets all carry the same ``MambaInit`` (one serial) and distinct pools.
+Invariant: a plan's tickets all carry the same ``MambaInit`` (one serial) and distinct pools; so do
+its snapshot tickets (one ``MambaSnapshot``). Every field is type-checked on construction
+(``IRValidationError`` naming the field and the value).
 """
 
 from __future__ import annotations
 
-from typing import final
+from typing import cast, final
 
 import attrs
 
-from ir._fields import BoolArray, I64, ColumnNode, as_bool, as_i64, check_column, column_key
+from ir._fields import BoolArray, I64, ColumnNode, as_bool, as_i64, check_column, check_instance, column_key, type_names
 from ir.batch import check_decode_columns, check_extend_columns
 from ir.errors import IRValidationError
 from ir.ids import PoolId
 from ir.init import InitTicket, SnapshotTicket
 
 
-def _tickets(values: object) -> tuple[InitTicket, ...]:
+def _ticket_tuple(field: str, what: str, values: object) -> tuple[object, ...]:
     if not isinstance(values, (tuple, list)):
-        raise IRValidationError("ExtendPlan", "tickets", values, "must be a tuple of InitTicket")
-    out = tuple(values)
+        raise IRValidationError("ExtendPlan", field, values, f"must be a tuple of {what}")
+    return tuple(values)
+
+
+def _tickets(values: object) -> tuple[InitTicket, ...]:
+    """Converter of ``ExtendPlan.tickets``: a tuple of checked entries (``check_fields`` checks them
+    again, for plans built by ``build_unchecked``)."""
+    out = _ticket_tuple("tickets", "InitTicket", values)
+    _check_tickets("tickets", out, InitTicket)
+    return cast("tuple[InitTicket, ...]", out)
+
+
+def _snapshots(values: object) -> tuple[SnapshotTicket, ...]:
+    """Converter of ``ExtendPlan.snapshots``, like ``_tickets``."""
+    out = _ticket_tuple("snapshots", "SnapshotTicket", values)
+    _check_tickets("snapshots", out, SnapshotTicket)
+    return cast("tuple[SnapshotTicket, ...]", out)
+
+
+def _check_tickets(field: str, tickets: tuple[object, ...], cls: type[InitTicket | SnapshotTicket]) -> None:
+    """Every entry a ``cls`` (itself checked when built), one per pool, all with one serial.
+    (``tickets`` is typed ``object`` entries: the check is for callers that are not type-checked.)"""
     pools: set[PoolId] = set()
-    for t in out:
-        if not isinstance(t, InitTicket):
-            raise IRValidationError("ExtendPlan", "tickets", t, "every entry must be an InitTicket")
+    serials: set[int] = set()
+    for t in tickets:
+        if not isinstance(t, cls):
+            raise IRValidationError("ExtendPlan", field, t, f"every entry must be {type_names(cls)}, not {type(t).__name__}")
         if t.pool in pools:
-            raise IRValidationError("ExtendPlan", "tickets", t.pool, "two tickets for one pool")
+            raise IRValidationError("ExtendPlan", field, t.pool, "two tickets for one pool")
         pools.add(t.pool)
-    if len({t.serial for t in out}) > 1:
-        raise IRValidationError("ExtendPlan", "tickets", [t.serial for t in out], "tickets of one plan share one serial")
-    return out
+        serials.add(t.serial)
+    if len(serials) > 1:
+        raise IRValidationError("ExtendPlan", field, sorted(serials), "tickets of one plan share one serial")
 
 
 @final
@@ -47,7 +70,7 @@ class ExtendPlan(ColumnNode):
     input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
     kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
     tickets: tuple[InitTicket, ...] = attrs.field(converter=_tickets)
-    snapshots: tuple[SnapshotTicket, ...] = ()
+    snapshots: tuple[SnapshotTicket, ...] = attrs.field(default=(), converter=_snapshots)
 
     def __attrs_post_init__(self) -> None:
         self.check_fields()
@@ -55,6 +78,8 @@ class ExtendPlan(ColumnNode):
     def check_fields(self) -> None:
         check_extend_columns(self)
         check_column(self, "more_chunks", self.more_chunks, self.rids.shape[0], bools=True)
+        _check_tickets("tickets", self.tickets, InitTicket)
+        _check_tickets("snapshots", self.snapshots, SnapshotTicket)
 
     @property
     def num_requests(self) -> int:
@@ -98,6 +123,14 @@ class DecodePlan(ColumnNode):
 class MixedPlan:
     extend: ExtendPlan
     decode: DecodePlan
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """The parts' types (``ir.verify`` re-runs the parts' own checks)."""
+        check_instance(self, "extend", self.extend, ExtendPlan)
+        check_instance(self, "decode", self.decode, DecodePlan)
 
     @property
     def tickets(self) -> tuple[InitTicket, ...]:

@@ -21,6 +21,9 @@ None of these nodes has an init field, and none of their plans has a ticket fiel
 ops reach the draft pool through the draft executor running the prefill's own ``ExtendPlan``, and
 only there. Windowed columns (``input_ids``/``kv_locs`` of draft and verify) are flattened
 row-major with ``k + 1`` entries per row.
+
+``k`` is an int in ``[1, MAX_SPEC_K]`` in every node (and in ``passes.prepare_for_draft.SpecContext``),
+and each spec plan's ``batch`` is the batch type of its phase (``IRValidationError`` otherwise).
 """
 
 from __future__ import annotations
@@ -29,16 +32,35 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import I64, ColumnNode, as_i64, check_column, check_int, check_min, column_key
+from ir._fields import I64, ColumnNode, as_i64, check_column, check_instance, check_int, check_min, column_key
 from ir.batch import check_extend_columns
 from ir.errors import IRValidationError
 from ir.ids import TicketSerial
 
 
-def _check_window(node: object, k: int, rids: I64, slots: I64, seq_lens: I64, windows: tuple[tuple[str, I64], ...]) -> None:
-    name = type(node).__name__
-    if k < 1:
+MAX_SPEC_K = 64
+"""Largest ``k`` (draft tokens per speculative iteration) a node or ``SpecContext`` accepts.
+
+Every row of a draft, verify and commit owns ``k + 1`` KV locations and the verify forward keeps
+``k + 1`` intermediate recurrent states per row, so the executor allocates memory in proportion to
+``k``: an unbounded ``k`` (``2**40`` in an otherwise empty batch) would make it try to allocate
+terabytes. Greedy acceptance of ``k`` drafted tokens stops paying long before 64 (each further draft
+token is accepted only if all before it were), so the bound refuses nothing useful."""
+
+
+def check_k(node: object, k: object) -> int:
+    """``k`` as an int in ``[1, MAX_SPEC_K]``, else ``IRValidationError`` naming ``node.k``."""
+    value = check_int(node, "k", k)
+    name = node if isinstance(node, str) else type(node).__name__
+    if value < 1:
         raise IRValidationError(name, "k", k, "speculative steps must be >= 1")
+    if value > MAX_SPEC_K:
+        raise IRValidationError(name, "k", k, f"speculative steps must be at most MAX_SPEC_K ({MAX_SPEC_K})")
+    return value
+
+
+def _check_window(node: object, k: int, rids: I64, slots: I64, seq_lens: I64, windows: tuple[tuple[str, I64], ...]) -> None:
+    """The columns of a windowed node, ``k`` already checked (``check_k``)."""
     check_column(node, "rids", rids, None)
     n = rids.shape[0]
     check_column(node, "slots", slots, n)
@@ -50,10 +72,12 @@ def _check_window(node: object, k: int, rids: I64, slots: I64, seq_lens: I64, wi
         check_min(node, field, col, 0)
 
 
-def _check_ids(node: object, k: object, verify_id: object) -> None:
-    check_int(node, "k", k)
+def _check_ids(node: object, k: object, verify_id: object) -> int:
+    """``k`` (returned, as an int) and ``verify_id``."""
+    value = check_k(node, k)
     if check_int(node, "verify_id", verify_id) < 1:
         raise IRValidationError(type(node).__name__, "verify_id", verify_id, "must be positive (use ir.init.mint_serial())")
+    return value
 
 
 @final
@@ -72,8 +96,8 @@ class DraftBatch(ColumnNode):
         self.check_fields()
 
     def check_fields(self) -> None:
-        check_int(self, "k", self.k)  # before any comparison (and before typeguard sees an int parameter)
-        _check_window(self, self.k, self.rids, self.slots, self.seq_lens, (("kv_locs", self.kv_locs),))
+        k = check_k(self, self.k)  # before any comparison
+        _check_window(self, k, self.rids, self.slots, self.seq_lens, (("kv_locs", self.kv_locs),))
         check_column(self, "input_ids", self.input_ids, self.rids.shape[0])
         check_min(self, "input_ids", self.input_ids, 0)
 
@@ -100,9 +124,9 @@ class VerifyBatch(ColumnNode):
         self.check_fields()
 
     def check_fields(self) -> None:
-        _check_ids(self, self.k, self.verify_id)
+        k = _check_ids(self, self.k, self.verify_id)
         _check_window(
-            self, self.k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
+            self, k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
         )
 
     @property
@@ -124,6 +148,9 @@ class AcceptResult(ColumnNode):
     bonus: I64 = attrs.field(converter=as_i64, eq=column_key)
 
     def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
         check_column(self, "accepted", self.accepted, None)
         check_column(self, "bonus", self.bonus, self.accepted.shape[0], "len(accepted)")
         check_min(self, "accepted", self.accepted, 0)
@@ -150,9 +177,9 @@ class CommitBatch(ColumnNode):
         self.check_fields()
 
     def check_fields(self) -> None:
-        _check_ids(self, self.k, self.verify_id)
+        k = _check_ids(self, self.k, self.verify_id)
         _check_window(
-            self, self.k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
+            self, k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
         )
         check_column(self, "accept_pos", self.accept_pos, self.rids.shape[0])
         check_column(self, "released_kv", self.released_kv, None)
@@ -201,6 +228,13 @@ class DraftExtendBatch(ColumnNode):
 class DraftPlan:
     batch: DraftBatch
 
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """The batch's type (``ir.verify`` re-runs the batch's own checks)."""
+        check_instance(self, "batch", self.batch, DraftBatch)
+
     @property
     def num_requests(self) -> int:
         return self.batch.num_requests
@@ -210,6 +244,13 @@ class DraftPlan:
 @attrs.frozen(kw_only=True)
 class VerifyPlan:
     batch: VerifyBatch
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """The batch's type (``ir.verify`` re-runs the batch's own checks)."""
+        check_instance(self, "batch", self.batch, VerifyBatch)
 
     @property
     def num_requests(self) -> int:
@@ -221,6 +262,13 @@ class VerifyPlan:
 class CommitPlan:
     batch: CommitBatch
 
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """The batch's type (``ir.verify`` re-runs the batch's own checks)."""
+        check_instance(self, "batch", self.batch, CommitBatch)
+
     @property
     def num_requests(self) -> int:
         return self.batch.num_requests
@@ -230,6 +278,13 @@ class CommitPlan:
 @attrs.frozen(kw_only=True)
 class DraftExtendPlan:
     batch: DraftExtendBatch
+
+    def __attrs_post_init__(self) -> None:
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """The batch's type (``ir.verify`` re-runs the batch's own checks)."""
+        check_instance(self, "batch", self.batch, DraftExtendBatch)
 
     @property
     def num_requests(self) -> int:

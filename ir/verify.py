@@ -152,11 +152,13 @@ def check_fields(node: Batch | Plan) -> None:
         case ExtendBatch() | DecodeBatch() | ExtendPlan() | DecodePlan():
             node.check_fields()
         case MixedBatch() | MixedPlan():
+            node.check_fields()
             node.extend.check_fields()
             node.decode.check_fields()
         case DraftBatch() | VerifyBatch() | CommitBatch() | DraftExtendBatch():
             node.check_fields()
         case DraftPlan() | VerifyPlan() | CommitPlan() | DraftExtendPlan():
+            node.check_fields()
             node.batch.check_fields()
         case IdleBatch() | IdlePlan():
             pass

@@ -2,6 +2,10 @@
 
 A pass never mutates its input, never calls the backend, and returns its input object when it
 changes nothing. Configuration comes in a frozen context argument.
+
+Every pass checks its arguments at entry, one ``isinstance`` per argument (``passes._args``): an
+argument of the wrong type raises ``PreconditionError`` naming the pass, the argument, the type
+received and the value, before anything else runs.
 """
 
 from passes.accept import accept

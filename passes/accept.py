@@ -2,6 +2,8 @@
 
 Pre: ``target_tokens`` holds the target's argmax at each of the ``k + 1`` verified positions of each
 row, row-major (position ``j`` predicts the token after ``input_ids[j]``).
+``batch`` must be a ``VerifyBatch`` and ``target_tokens`` a 1-D int64 numpy array of non-negative
+token ids (a list, a float or unsigned array is refused, not converted: ``PreconditionError``).
 Post: ``accepted[i]`` is the length of the longest prefix of row ``i``'s draft tokens equal to the
 target's predictions, and ``bonus[i]`` the target's prediction after that prefix, so the row emits
 ``d1..dm, bonus``: exactly what plain greedy decoding of the target would emit (lossless).
@@ -11,19 +13,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir._fields import I64, freeze
+from ir._fields import I64, build_unchecked, freeze
 from ir.errors import PreconditionError
 from ir.spec import AcceptResult, VerifyBatch
+from passes._args import bad_arg
 
 
 def accept(batch: VerifyBatch, target_tokens: I64) -> AcceptResult:
+    if not isinstance(batch, VerifyBatch):
+        raise bad_arg("accept", "batch", batch, "a VerifyBatch")
+    if not isinstance(target_tokens, np.ndarray):
+        raise bad_arg("accept", "target_tokens", target_tokens, "a 1-D int64 numpy array")
     n, k = batch.num_requests, batch.k
     if target_tokens.shape != (n * (k + 1),):
-        raise PreconditionError("accept", f"expected {n * (k + 1)} target tokens, got shape {target_tokens.shape}")
+        raise PreconditionError("accept", f"expected {n * (k + 1)} target tokens, got shape {target_tokens.shape} for target_tokens")
+    if target_tokens.dtype != np.int64:
+        raise PreconditionError("accept", f"target_tokens must hold int64 token ids, got dtype {target_tokens.dtype}")
+    if n and int(target_tokens.min()) < 0:
+        raise PreconditionError("accept", f"negative target token {int(target_tokens.min())} in target_tokens")
     predicted = target_tokens.reshape(n, k + 1)
     drafts = batch.window(batch.input_ids)[:, 1:]
     matches = drafts == predicted[:, :k]
     # length of the all-True prefix: index of the first mismatch, or k
     accepted = np.where(matches.all(axis=1), k, np.argmin(matches, axis=1)).astype(np.int64)
     bonus = predicted[np.arange(n), accepted].astype(np.int64)
-    return AcceptResult(accepted=freeze(accepted), bonus=freeze(bonus))
+    # accepted is in [0, k] and bonus a subset of the checked (non-negative) target tokens, both
+    # IR-owned: the local checks hold by construction
+    return build_unchecked(AcceptResult, accepted=freeze(accepted), bonus=freeze(bonus))

@@ -13,9 +13,14 @@ import numpy as np
 from ir._fields import build_unchecked, freeze
 from ir.errors import PreconditionError
 from ir.spec import AcceptResult, CommitBatch, VerifyBatch
+from passes._args import bad_arg
 
 
 def commit(batch: VerifyBatch, result: AcceptResult) -> CommitBatch:
+    if not isinstance(batch, VerifyBatch):
+        raise bad_arg("commit", "batch", batch, "a VerifyBatch")
+    if not isinstance(result, AcceptResult):
+        raise bad_arg("commit", "result", result, "an AcceptResult")
     n, k = batch.num_requests, batch.k
     if result.accepted.shape[0] != n:
         raise PreconditionError("commit", f"accept result has {result.accepted.shape[0]} rows, the verify {n}")

@@ -1,7 +1,10 @@
 """``filter_batch``: drop finished or aborted requests from a batch.
 
-Pre: none; ids in ``drop`` that are not in the batch are ignored (the scheduler may pass its whole
-finished set).
+Pre: ``batch`` is an ``ExtendBatch`` or a ``DecodeBatch``; ``drop`` is an iterable of request ids
+(Python ints or numpy integers within int64, or a 1-D integer numpy array); ``bool``, ``float``,
+``str``, ``None`` and out-of-int64 entries, a ``str`` or ``bytes`` as a whole, and a non-iterable are
+refused with ``PreconditionError`` naming the argument and the value (``True`` is not rid 1). Ids in
+``drop`` that are not in the batch are ignored (the scheduler may pass its whole finished set).
 Post: the output has the same type and keeps the order of the remaining requests; when nothing is
 dropped the input object itself is returned. For an ``ExtendBatch`` the dropped requests' init ops
 go with them, and the ``MambaInit`` keeps its serial (it is still "the init of this forward": if
@@ -16,20 +19,49 @@ from typing import TypeVar, assert_never
 
 import numpy as np
 
-from ir._fields import BoolArray, I64, frozen_i64
+from ir._fields import INT64_MAX, BoolArray, I64, first_bad_int, frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch
+from ir.errors import PreconditionError, short_repr
 from ir.ids import RequestId
 from ir.init import MambaInit, MambaSnapshot
+from passes._args import bad_arg
 
 B = TypeVar("B", ExtendBatch, DecodeBatch)
 
 
-def _keep_mask(rids: I64, drop: Iterable[RequestId]) -> BoolArray:
-    return ~np.isin(rids, np.fromiter(drop, dtype=np.int64))
+_DROP = "an iterable of request ids (ints)"
+
+
+def _drop_ids(drop: object) -> I64:
+    """``drop`` as an int64 array, every entry checked (``first_bad_int``: plain ints in C loops)."""
+    if isinstance(drop, np.ndarray):
+        if drop.ndim != 1 or drop.dtype.kind not in "iu":
+            raise PreconditionError(
+                "filter_batch", f"drop must be {_DROP}, got an ndarray of dtype {drop.dtype} and shape {drop.shape} ({short_repr(drop)})"
+            )
+        if drop.dtype.kind == "u" and drop.size and int(drop.max()) > INT64_MAX:
+            raise PreconditionError("filter_batch", f"drop: every entry must fit in int64 (got {int(drop.max())})")
+        return drop.astype(np.int64, copy=False)
+    if isinstance(drop, (str, bytes, bytearray)) or not isinstance(drop, Iterable):
+        raise bad_arg("filter_batch", "drop", drop, _DROP)
+    items = tuple(drop)
+    bad = first_bad_int(items)
+    if bad is not None:
+        raise PreconditionError("filter_batch", f"drop: every entry {bad[1]} (got {short_repr(bad[0])})")
+    return np.array(items, dtype=np.int64)
+
+
+def _keep_mask(rids: I64, drop: I64) -> BoolArray:
+    return ~np.isin(rids, drop)
 
 
 def filter_batch(batch: B, drop: Iterable[RequestId]) -> B:
-    keep = _keep_mask(batch.rids, drop)
+    if not isinstance(batch, (DecodeBatch, ExtendBatch)):
+        raise bad_arg("filter_batch", "batch", batch, "an ExtendBatch or a DecodeBatch")
+    ids = _drop_ids(drop)
+    if ids.shape[0] == 0:
+        return batch
+    keep = _keep_mask(batch.rids, ids)
     if keep.all():
         return batch
     match batch:

@@ -11,7 +11,7 @@ refuses to consume twice). Plans share the batch's immutable columns; nothing is
 
 from __future__ import annotations
 
-from typing import assert_never, final, overload
+from typing import final, overload
 
 import attrs
 
@@ -32,12 +32,19 @@ from ir.spec import (
     VerifyBatch,
     VerifyPlan,
 )
+from passes._args import bad_arg, unexpected_arg
 
 
 def _pools(values: object) -> tuple[PoolId, ...]:
+    """Converter of ``LowerContext.pools``: a tuple of non-empty ``str`` pool names, distinct, at
+    least one. Nothing is converted (``None`` is not pool ``'None'``)."""
     if isinstance(values, str) or not isinstance(values, (tuple, list, frozenset, set)):
         raise IRValidationError("LowerContext", "pools", values, "must be a tuple of pool names")
-    out = tuple(PoolId(str(v)) for v in values)
+    out = tuple(values)
+    for v in out:
+        if not isinstance(v, str) or not v:
+            what = "an empty str" if isinstance(v, str) else type(v).__name__
+            raise IRValidationError("LowerContext", "pools", v, f"every entry must be a pool name (a non-empty str), not {what}")
     if not out:
         raise IRValidationError("LowerContext", "pools", values, "at least one pool must be registered")
     if len(set(out)) != len(out):
@@ -96,6 +103,8 @@ def lower(batch: CommitBatch, ctx: LowerContext) -> CommitPlan: ...
 @overload
 def lower(batch: DraftExtendBatch, ctx: LowerContext) -> DraftExtendPlan: ...
 def lower(batch: Batch, ctx: LowerContext) -> Plan:
+    if not isinstance(ctx, LowerContext):
+        raise bad_arg("lower", "ctx", ctx, "a LowerContext")
     match batch:
         case ExtendBatch():
             return _extend_plan(batch, ctx)
@@ -114,4 +123,4 @@ def lower(batch: Batch, ctx: LowerContext) -> Plan:
         case DraftExtendBatch():
             return DraftExtendPlan(batch=batch)
         case _:
-            assert_never(batch)
+            unexpected_arg("lower", "batch", batch, "a batch (ir.nodes.Batch)")

@@ -20,15 +20,20 @@ from ir._fields import first_common
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.errors import PreconditionError
 from ir.spec import DraftExtendBatch
+from passes._args import bad_arg
 from passes._rows import finished_prefill_rows
 
 
 def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
+    if not isinstance(running, DecodeBatch):
+        raise bad_arg("merge_batch", "running", running, "a DecodeBatch")
     if isinstance(prefilled, (ExtendBatch, DraftExtendBatch)):
         rids, slots, seq_lens, input_ids, kv_locs = finished_prefill_rows(prefilled)
-    else:
+    elif isinstance(prefilled, DecodeBatch):
         rids, slots, seq_lens = prefilled.rids, prefilled.slots, prefilled.seq_lens
         input_ids, kv_locs = prefilled.input_ids, prefilled.kv_locs
+    else:
+        raise bad_arg("merge_batch", "prefilled", prefilled, "an ExtendBatch, a DraftExtendBatch or a DecodeBatch")
     if rids.shape[0] == 0:
         return running
     for name, a, b in (("request id", running.rids, rids), ("slot", running.slots, slots)):

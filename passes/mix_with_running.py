@@ -12,9 +12,14 @@ from __future__ import annotations
 from ir._fields import first_common
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError
+from passes._args import bad_arg
 
 
 def mix_with_running(extend: ExtendBatch, running: DecodeBatch) -> MixedBatch:
+    if not isinstance(extend, ExtendBatch):
+        raise bad_arg("mix_with_running", "extend", extend, "an ExtendBatch")
+    if not isinstance(running, DecodeBatch):
+        raise bad_arg("mix_with_running", "running", running, "a DecodeBatch")
     for name, a, b in (
         ("request id", extend.rids, running.rids),
         ("slot", extend.slots, running.slots),

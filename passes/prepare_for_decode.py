@@ -13,7 +13,7 @@ decode: this is the type-level half of the fix for the stale-replay bug (DOMAIN.
 
 from __future__ import annotations
 
-from typing import assert_never, final
+from typing import final
 
 import attrs
 import numpy as np
@@ -21,6 +21,7 @@ import numpy as np
 from ir._fields import I64, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError
+from passes._args import bad_arg, unexpected_arg
 from passes._rows import finished_prefill_rows
 
 
@@ -41,6 +42,8 @@ class DecodeContext(ColumnNode):
 
 
 def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext) -> DecodeBatch:
+    if not isinstance(ctx, DecodeContext):
+        raise bad_arg("prepare_for_decode", "ctx", ctx, "a DecodeContext")
     match batch:
         case DecodeBatch():
             rids, slots, seq_lens = batch.rids, batch.slots, batch.seq_lens
@@ -53,7 +56,7 @@ def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: Decod
             slots = freeze(np.concatenate((e_slots, d.slots)))
             seq_lens = np.concatenate((e_lens, d.seq_lens))
         case _:
-            assert_never(batch)
+            unexpected_arg("prepare_for_decode", "batch", batch, "an ExtendBatch, a MixedBatch or a DecodeBatch")
     n = rids.shape[0]
     for name, col in (("next_tokens", ctx.next_tokens), ("kv_locs", ctx.kv_locs)):
         if col.shape[0] != n:

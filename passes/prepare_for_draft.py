@@ -13,10 +13,11 @@ from typing import final
 
 import attrs
 
-from ir._fields import I64, ColumnNode, as_i64, build_unchecked, check_column, check_int, check_min, column_key, freeze
+from ir._fields import I64, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch
-from ir.errors import IRValidationError, PreconditionError
-from ir.spec import DraftBatch
+from ir.errors import PreconditionError
+from ir.spec import DraftBatch, check_k
+from passes._args import bad_arg
 
 
 @final
@@ -27,16 +28,19 @@ class SpecContext(ColumnNode):
     kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
 
     def __attrs_post_init__(self) -> None:
-        if check_int(self, "k", self.k) < 1:
-            raise IRValidationError("SpecContext", "k", self.k, "speculative steps must be >= 1")
+        k = check_k(self, self.k)  # an int in [1, MAX_SPEC_K], before any arithmetic on it
         check_column(self, "next_tokens", self.next_tokens, None)
         n = self.next_tokens.shape[0]
-        check_column(self, "kv_locs", self.kv_locs, n * (self.k + 1), "len(next_tokens) * (k + 1)")
+        check_column(self, "kv_locs", self.kv_locs, n * (k + 1), "len(next_tokens) * (k + 1)")
         check_min(self, "next_tokens", self.next_tokens, 0)
         check_min(self, "kv_locs", self.kv_locs, 0)
 
 
 def prepare_for_draft(batch: DecodeBatch, ctx: SpecContext) -> DraftBatch:
+    if not isinstance(batch, DecodeBatch):
+        raise bad_arg("prepare_for_draft", "batch", batch, "a DecodeBatch")
+    if not isinstance(ctx, SpecContext):
+        raise bad_arg("prepare_for_draft", "ctx", ctx, "a SpecContext")
     n = batch.num_requests
     if ctx.next_tokens.shape[0] != n:
         raise PreconditionError("prepare_for_draft", f"ctx has {ctx.next_tokens.shape[0]} pending tokens for {n} rows")

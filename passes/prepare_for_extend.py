@@ -1,6 +1,8 @@
 """``prepare_for_extend``: admitted requests -> ``ExtendBatch`` with its ``MambaInit``.
 
-Pre: at least one request; rids, slots and KV locations distinct (checked by the verifier).
+Pre: ``requests`` is a list or tuple (any ``Sequence`` but a ``str``/``bytes``) of at least one
+``AdmittedRequest`` (else ``PreconditionError`` naming the argument and what it got); rids, slots
+and KV locations distinct (checked by the verifier).
 Post: the batch's columns follow the request order; ``init`` holds one clear per ``CLEAR``
 request and one COW ``checkpoint -> slot`` per ``COW`` request, in request order, under a freshly
 minted serial, or is ``None`` when every request is a chunked continuation.
@@ -24,9 +26,15 @@ from ir.errors import PreconditionError
 from ir.ids import MambaSlot
 from ir.init import InitIntent, MambaInit, MambaSnapshot, mint_serial
 from ir.request import AdmittedRequest
+from passes._args import bad_arg
 
 
 def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
+    arg: object = requests  # typed; checked because callers need not be typed
+    kind = type(arg)
+    if kind is not list and kind is not tuple and (isinstance(arg, (str, bytes, bytearray)) or not isinstance(arg, Sequence)):
+        raise bad_arg("prepare_for_extend", "requests", arg, "a sequence of AdmittedRequest")
+    _check_requests(requests)
     if not requests:
         raise PreconditionError("prepare_for_extend", "no admitted requests (schedule an IdleBatch instead)")
     clears: list[MambaSlot] = []
@@ -56,3 +64,13 @@ def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
         init=init,
         snapshot=snapshot,
     )
+
+
+def _check_requests(requests: Sequence[object]) -> None:
+    """Every entry an ``AdmittedRequest``: the entries' types are collected in C
+    (``set(map(type, ...))``); only a bad batch is searched entry by entry, for the message."""
+    kinds = set(map(type, requests))
+    if kinds <= {AdmittedRequest} or all(issubclass(t, AdmittedRequest) for t in kinds):
+        return
+    i, bad = next((i, r) for i, r in enumerate(requests) if not isinstance(r, AdmittedRequest))
+    raise bad_arg("prepare_for_extend", f"requests[{i}]", bad, "an AdmittedRequest")

@@ -49,14 +49,28 @@ from ir.errors import (
 )
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.init import InitIntent, MambaInit, MambaSnapshot, mint_serial
-from ir.plan import DecodePlan, ExtendPlan
+from ir._fields import build_unchecked
+from ir.batch import MixedBatch
+from ir.init import InitTicket, SnapshotTicket
+from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
-from ir.spec import DraftBatch, VerifyBatch
+from ir.spec import (
+    MAX_SPEC_K,
+    CommitBatch,
+    CommitPlan,
+    DraftBatch,
+    DraftExtendBatch,
+    DraftExtendPlan,
+    DraftPlan,
+    VerifyBatch,
+    VerifyPlan,
+)
 from ir.verify import verify
 from passes.lower import LowerContext, lower
 from passes.merge_batch import merge_batch
 from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
+from passes.prepare_for_draft import SpecContext
 from passes.prepare_for_extend import prepare_for_extend
 from tests.helpers_core import SMALL_LAYOUT, World, decode_batch, extend_plan, make_world, random_fill, request
 
@@ -306,6 +320,121 @@ def _init(**kw: Any) -> Callable[[World, Ctx], object]:
     return _build(lambda: MambaInit(serial=mint_serial(), **kw))
 
 
+# -- node-typed fields: every attrs field of every IR node is type-checked on construction ---------
+
+
+def _ticket_init() -> MambaInit:
+    return MambaInit(serial=mint_serial(), clear_slots=(2,))
+
+
+def _snapshot() -> MambaSnapshot:
+    return MambaSnapshot(serial=mint_serial(), src=(2,), dst=(4,))
+
+
+def _extend_batch(**changes: Any) -> Callable[[World, Ctx], object]:
+    """A checked one-request ``ExtendBatch`` rebuilt (through its constructor) with ``changes``."""
+    return _build(lambda: attrs.evolve(prepare_for_extend([request(1, 2, [5, 6], 10)]), **changes))
+
+
+def _extend_plan(**changes: Any) -> Callable[[World, Ctx], object]:
+    """A lowered one-request ``ExtendPlan`` (one ticket, for the target pool) rebuilt with ``changes``."""
+    return _build(lambda: attrs.evolve(extend_plan([request(1, 2, [5, 6], 10)])[1], **changes))
+
+
+def _spec_window(k: int) -> dict[str, Any]:
+    """The fields of a one-row windowed spec batch with ``k`` draft tokens."""
+    return dict(k=k, rids=[1], slots=[1], seq_lens=[5], input_ids=list(range(k + 1)), kv_locs=list(range(30, 31 + k)))
+
+
+_DECODE = decode_batch([5], [3], [4], [20])
+_GARBAGE = "garbage"
+
+
+NODE_FIELD_CASES: list[Case] = [
+    Case("ticket-init-none", _build(lambda: InitTicket(pool=TARGET_POOL, init=None)), IRValidationError, r"InitTicket\.init: must be a MambaInit, not NoneType \(got None\)", field="init"),  # type: ignore[arg-type]
+    Case("ticket-init-str", _build(lambda: InitTicket(pool=TARGET_POOL, init="x")), IRValidationError, r"InitTicket\.init: must be a MambaInit, not str \(got 'x'\)", field="init"),  # type: ignore[arg-type]
+    Case("ticket-init-snapshot", _build(lambda: InitTicket(pool=TARGET_POOL, init=_snapshot())), IRValidationError, r"InitTicket\.init: must be a MambaInit, not MambaSnapshot", field="init"),  # type: ignore[arg-type]
+    Case("ticket-pool-none", _build(lambda: InitTicket(pool=None, init=_ticket_init())), IRValidationError, r"InitTicket\.pool: must be a pool name \(a non-empty str\), not NoneType \(got None\)", field="pool"),  # type: ignore[arg-type]
+    Case("ticket-pool-int", _build(lambda: InitTicket(pool=3, init=_ticket_init())), IRValidationError, r"InitTicket\.pool: .*not int \(got 3\)", field="pool"),  # type: ignore[arg-type]
+    Case("ticket-pool-empty", _build(lambda: InitTicket(pool=PoolId(""), init=_ticket_init())), IRValidationError, r"InitTicket\.pool: must be a non-empty pool name \(got ''\)", field="pool"),
+    Case("snapshot-ticket-snapshot-str", _build(lambda: SnapshotTicket(pool=TARGET_POOL, snapshot="x")), IRValidationError, r"SnapshotTicket\.snapshot: must be a MambaSnapshot, not str \(got 'x'\)", field="snapshot"),  # type: ignore[arg-type]
+    Case("snapshot-ticket-snapshot-init", _build(lambda: SnapshotTicket(pool=TARGET_POOL, snapshot=_ticket_init())), IRValidationError, r"SnapshotTicket\.snapshot: must be a MambaSnapshot, not MambaInit", field="snapshot"),  # type: ignore[arg-type]
+    Case("snapshot-ticket-pool-none", _build(lambda: SnapshotTicket(pool=None, snapshot=_snapshot())), IRValidationError, r"SnapshotTicket\.pool: .*not NoneType \(got None\)", field="pool"),  # type: ignore[arg-type]
+    Case("extend-batch-init-str", _extend_batch(init=_GARBAGE), IRValidationError, r"ExtendBatch\.init: must be a MambaInit or None, not str \(got 'garbage'\)", field="init"),
+    Case("extend-batch-init-snapshot", _extend_batch(init=MambaSnapshot(serial=mint_serial(), src=(2,), dst=(4,))), IRValidationError, r"ExtendBatch\.init: must be a MambaInit or None, not MambaSnapshot", field="init"),
+    Case("extend-batch-snapshot-str", _extend_batch(snapshot=_GARBAGE), IRValidationError, r"ExtendBatch\.snapshot: must be a MambaSnapshot or None, not str \(got 'garbage'\)", field="snapshot"),
+    Case("extend-batch-snapshot-init", _extend_batch(snapshot=MambaInit(serial=mint_serial(), clear_slots=(2,))), IRValidationError, r"ExtendBatch\.snapshot: .*not MambaInit", field="snapshot"),
+    Case("extend-plan-ticket-init-str", _build(lambda: attrs.evolve(extend_plan([request(1, 2, [5, 6], 10)])[1], tickets=(InitTicket(pool=TARGET_POOL, init="x"),))), IRValidationError, r"InitTicket\.init: .*\(got 'x'\)", field="init"),  # type: ignore[arg-type]
+    Case("extend-plan-tickets-none-entry", _extend_plan(tickets=(None,)), IRValidationError, r"ExtendPlan\.tickets: every entry must be an InitTicket, not NoneType \(got None\)", field="tickets"),
+    Case("extend-plan-tickets-str", _extend_plan(tickets="ab"), IRValidationError, r"ExtendPlan\.tickets: must be a tuple of InitTicket \(got 'ab'\)", field="tickets"),
+    Case("extend-plan-snapshots-none-entry", _extend_plan(snapshots=(None,)), IRValidationError, r"ExtendPlan\.snapshots: every entry must be a SnapshotTicket, not NoneType \(got None\)", field="snapshots"),
+    Case("extend-plan-snapshots-str", _extend_plan(snapshots="ab"), IRValidationError, r"ExtendPlan\.snapshots: must be a tuple of SnapshotTicket \(got 'ab'\)", field="snapshots"),
+    Case("extend-plan-snapshots-none", _extend_plan(snapshots=None), IRValidationError, r"ExtendPlan\.snapshots: must be a tuple of SnapshotTicket \(got None\)", field="snapshots"),
+    Case(
+        "extend-plan-snapshots-init-ticket",
+        _extend_plan(snapshots=(InitTicket(pool=TARGET_POOL, init=MambaInit(serial=mint_serial(), clear_slots=(2,))),)),
+        IRValidationError,
+        r"ExtendPlan\.snapshots: every entry must be a SnapshotTicket, not InitTicket",
+        field="snapshots",
+    ),
+    Case(
+        "extend-plan-snapshots-two-for-one-pool",
+        _build(lambda: (lambda s: attrs.evolve(extend_plan([request(1, 2, [5, 6], 10)])[1], snapshots=(SnapshotTicket(pool=TARGET_POOL, snapshot=s), SnapshotTicket(pool=TARGET_POOL, snapshot=s))))(_snapshot())),
+        IRValidationError,
+        r"ExtendPlan\.snapshots: two tickets for one pool \(got 'target'\)",
+        field="snapshots",
+    ),
+    Case(
+        "extend-plan-snapshots-two-serials",
+        _extend_plan(snapshots=(SnapshotTicket(pool=TARGET_POOL, snapshot=MambaSnapshot(serial=mint_serial(), src=(2,), dst=(4,))), SnapshotTicket(pool=DRAFT_POOL, snapshot=MambaSnapshot(serial=mint_serial(), src=(2,), dst=(4,))))),
+        IRValidationError,
+        r"ExtendPlan\.snapshots: tickets of one plan share one serial",
+        field="snapshots",
+    ),
+    Case("mixed-batch-none", _build(lambda: MixedBatch(extend=None, decode=None)), IRValidationError, r"MixedBatch\.extend: must be an ExtendBatch, not NoneType \(got None\)", field="extend"),  # type: ignore[arg-type]
+    Case("mixed-batch-decode-none", _build(lambda: MixedBatch(extend=prepare_for_extend([request(1, 2, [5, 6], 10)]), decode=None)), IRValidationError, r"MixedBatch\.decode: must be a DecodeBatch, not NoneType \(got None\)", field="decode"),  # type: ignore[arg-type]
+    Case("mixed-batch-parts-swapped", _build(lambda: MixedBatch(extend=_DECODE, decode=prepare_for_extend([request(1, 2, [5, 6], 10)]))), IRValidationError, r"MixedBatch\.extend: must be an ExtendBatch, not DecodeBatch", field="extend"),  # type: ignore[arg-type]
+    Case("mixed-plan-none", _build(lambda: MixedPlan(extend=None, decode=None)), IRValidationError, r"MixedPlan\.extend: must be an ExtendPlan, not NoneType \(got None\)", field="extend"),  # type: ignore[arg-type]
+    Case("mixed-plan-decode-is-a-batch", _build(lambda: MixedPlan(extend=extend_plan([request(1, 2, [5, 6], 10)])[1], decode=_DECODE)), IRValidationError, r"MixedPlan\.decode: must be a DecodePlan, not DecodeBatch", field="decode"),  # type: ignore[arg-type]
+    Case("draft-plan-batch-none", _build(lambda: DraftPlan(batch=None)), IRValidationError, r"DraftPlan\.batch: must be a DraftBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
+    Case("verify-plan-batch-none", _build(lambda: VerifyPlan(batch=None)), IRValidationError, r"VerifyPlan\.batch: must be a VerifyBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
+    Case("verify-plan-batch-is-draft", _build(lambda: VerifyPlan(batch=DraftBatch(**{**_spec_window(1), "input_ids": [3]}))), IRValidationError, r"VerifyPlan\.batch: must be a VerifyBatch, not DraftBatch", field="batch"),  # type: ignore[arg-type]
+    Case("commit-plan-batch-str", _build(lambda: CommitPlan(batch="x")), IRValidationError, r"CommitPlan\.batch: must be a CommitBatch, not str \(got 'x'\)", field="batch"),  # type: ignore[arg-type]
+    Case("draft-extend-plan-batch-none", _build(lambda: DraftExtendPlan(batch=None)), IRValidationError, r"DraftExtendPlan\.batch: must be a DraftExtendBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
+    Case(
+        "verify-rechecks-unchecked-mixed-plan",
+        lambda w, ctx: verify(build_unchecked(MixedPlan, extend=None, decode=_DECODE)),
+        IRValidationError,
+        r"MixedPlan\.extend: must be an ExtendPlan, not NoneType",
+        field="extend",
+    ),
+    Case(
+        "verify-rechecks-unchecked-plan-tickets",
+        lambda w, ctx: verify(build_unchecked(ExtendPlan, **{**attrs.asdict(extend_plan([request(1, 2, [5, 6], 10)])[1], recurse=False), "tickets": ("x",)})),
+        IRValidationError,
+        r"ExtendPlan\.tickets: every entry must be an InitTicket, not str \(got 'x'\)",
+        field="tickets",
+    ),
+    # pool names: non-empty str, nothing converted (None is not pool 'None')
+    Case("lower-pools-none-entry", _build(lambda: LowerContext(pools=[None])), IRValidationError, r"LowerContext\.pools: every entry must be a pool name \(a non-empty str\), not NoneType \(got None\)", field="pools"),  # type: ignore[list-item]
+    Case("lower-pools-int-entry", _build(lambda: LowerContext(pools=("target", 1))), IRValidationError, r"LowerContext\.pools: .*not int \(got 1\)", field="pools"),
+    Case("lower-pools-empty-name", _build(lambda: LowerContext(pools=("target", ""))), IRValidationError, r"LowerContext\.pools: .*not an empty str \(got ''\)", field="pools"),
+    # k is bounded: the executor allocates k + 1 positions per row
+    Case("draft-batch-k-huge", _build(lambda: DraftBatch(k=2**40, rids=[], slots=[], seq_lens=[], input_ids=[], kv_locs=[])), IRValidationError, rf"DraftBatch\.k: speculative steps must be at most MAX_SPEC_K \({MAX_SPEC_K}\) \(got {2**40}\)", field="k"),
+    Case("draft-batch-k-past-max", _build(lambda: DraftBatch(**{**_spec_window(MAX_SPEC_K + 1), "input_ids": [3]})), IRValidationError, rf"DraftBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
+    Case("verify-batch-k-past-max", _build(lambda: VerifyBatch(verify_id=mint_serial(), **_spec_window(MAX_SPEC_K + 1))), IRValidationError, rf"VerifyBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
+    Case(
+        "commit-batch-k-huge",
+        _build(lambda: CommitBatch(k=2**40, verify_id=mint_serial(), rids=[], slots=[], seq_lens=[], accept_pos=[], input_ids=[], kv_locs=[], released_kv=[])),
+        IRValidationError,
+        rf"CommitBatch\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)",
+        field="k",
+    ),
+    Case("spec-context-k-huge", _build(lambda: SpecContext(k=2**40, next_tokens=[], kv_locs=[])), IRValidationError, rf"SpecContext\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)", field="k"),
+    Case("spec-context-k-none", _build(lambda: SpecContext(k=None, next_tokens=[], kv_locs=[])), IRValidationError, r"SpecContext\.k: must be an int, not NoneType \(got None\)", field="k"),  # type: ignore[arg-type]
+]
+
+
 CASES: list[Case] = [
     # -- slots -------------------------------------------------------------------------------------
     Case("negative-slot", _admitted(slot=MambaSlot(-3)), IRValidationError, r"slot.*-3", field="slot"),
@@ -410,6 +539,7 @@ CASES: list[Case] = [
     Case("lower-dup-pools", _build(lambda: LowerContext(pools=("target", "draft", "target"))), IRValidationError, r"distinct.*'target'", field="pools"),
     Case("lower-empty-pools", _build(lambda: LowerContext(pools=())), IRValidationError, r"at least one pool", field="pools"),
     Case("lower-pools-string", _build(lambda: LowerContext(pools="target")), IRValidationError, r"tuple of pool names.*'target'", field="pools"),
+    *NODE_FIELD_CASES,
     # -- tickets and the ledger --------------------------------------------------------------------
     Case(
         "executor-wrong-pool",

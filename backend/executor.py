@@ -92,6 +92,19 @@ class Executor:
         transactional: bool = False,
         watch: bool | None = None,
     ) -> None:
+        """Arguments are checked before anything is kept (``IRValidationError`` naming
+        ``Executor.<argument>`` and the value): ``pool`` a ``MambaStatePool``, ``ledger`` a
+        ``Ledger``, ``model`` ``None`` or a ``ModelHook`` (an object with a ``forward``), ``slots``
+        ``None`` or a ``SlotAllocator``, ``transactional`` a ``bool``, ``watch`` a ``bool`` or
+        ``None`` (0, 1 and ``'no'`` are not switches)."""
+        from ir._fields import check_instance  # (imported here: this method's checks only)
+
+        check_instance("Executor", "pool", pool, MambaStatePool)
+        check_instance("Executor", "ledger", ledger, Ledger)
+        check_instance("Executor", "model", model, ModelHook, optional=True)  # the protocol check, once
+        check_instance("Executor", "slots", slots, SlotAllocator, optional=True)
+        check_instance("Executor", "transactional", transactional, bool)
+        check_instance("Executor", "watch", watch, bool, optional=True)
         self.pool = pool
         self.transactional = transactional
         self.watch = watch if watch is not None else verify_level_from_env() == 2

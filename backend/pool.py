@@ -25,9 +25,16 @@ from typing import Final
 import attrs
 import torch
 
+from ir._fields import check_instance, check_int, check_pool
+from ir.errors import IRValidationError
 from ir.ids import PoolId
 
 _DTYPES: Final = {torch.float32, torch.float16, torch.bfloat16}
+
+MAX_POOL_SLOTS: Final = 2**20
+"""Most usable slots of one pool."""
+MAX_POOL_BYTES: Final = 1 << 38
+"""Most bytes of one pool's buffer (256 GiB: more than one accelerator holds)."""
 
 
 def _positive(name: str, value: int) -> None:
@@ -129,6 +136,12 @@ class MambaStatePool:
 
     ``capacity`` usable slots are ``1..capacity``; row 0 is padding, so the buffer has
     ``capacity + 1`` rows.
+
+    Arguments are checked before the buffer is allocated (``IRValidationError`` naming
+    ``MambaStatePool.<argument>`` and the value): ``pool_id`` a non-empty ``str``, ``layout`` a
+    ``PoolLayout``, ``capacity`` an int (numpy integers too; never ``bool``, ``float``, ``str`` or
+    ``None``) in ``[1, MAX_POOL_SLOTS]`` whose ``(capacity + 1) * row_bytes`` is at most
+    ``MAX_POOL_BYTES``.
     """
 
     def __init__(
@@ -139,10 +152,21 @@ class MambaStatePool:
         *,
         device: torch.device | str = "cpu",
     ) -> None:
-        _positive("capacity", capacity)
+        check_pool("MambaStatePool", "pool_id", pool_id)
+        check_instance("MambaStatePool", "layout", layout, PoolLayout)
+        slots = check_int("MambaStatePool", "capacity", capacity)
+        if not 1 <= slots <= MAX_POOL_SLOTS:
+            raise IRValidationError("MambaStatePool", "capacity", capacity, f"must be in [1, {MAX_POOL_SLOTS}]")
+        if (slots + 1) * layout.row_bytes > MAX_POOL_BYTES:
+            raise IRValidationError(
+                "MambaStatePool", "capacity", capacity,
+                f"{slots + 1} rows of {layout.row_bytes} bytes exceed the pool bound of {MAX_POOL_BYTES} bytes",
+            )
+        if not isinstance(device, (torch.device, str)):
+            raise IRValidationError("MambaStatePool", "device", device, f"must be a torch.device or a str, not {type(device).__name__}")
         self.pool_id: Final = pool_id
         self.layout: Final = layout
-        self.capacity: Final = capacity
+        self.capacity: Final = slots
         self.buffer: Final = torch.zeros((capacity + 1, layout.row_bytes), dtype=torch.uint8, device=device)
 
     @property

@@ -18,17 +18,25 @@ Policy (decided by the scheduler through this object):
   run yet is never evicted.
 
 The cache holds no tensors and allocates nothing: the scheduler owns slots and KV references.
+
+Arguments are checked before anything changes (``PrefixCacheError`` naming the method, the argument
+and the bad value): token sequences are lists, tuples, ``range``s, ``bytes`` or 1-D integer arrays of
+ints >= 0 (numpy integers too; never ``bool``, ``float``, ``str`` or ``None``); entries are
+``CacheEntry`` records whose slot is an int, whose tokens and KV locations are tuples of ints of one
+length, and whose prefix ends at a block boundary; ``pin`` and ``unpin`` take an entry of this cache.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 import attrs
+import numpy as np
 
-from ir._fields import int_problem
-from ir.errors import BatchcError
+from ir._fields import first_bad_int, int_problem
+from ir.errors import BatchcError, short_repr
 from ir.ids import MambaSlot
 
 
@@ -84,11 +92,60 @@ class PrefixCache:
         """Block boundaries strictly inside a prompt of ``n`` tokens, longest first."""
         return range((n - 1) // self.block * self.block, 0, -self.block)
 
+    def _tokens(self, method: str, name: str, tokens: object) -> tuple[int, ...]:
+        """``tokens`` as a tuple of Python ints, or ``PrefixCacheError`` naming ``method(name)`` and
+        the bad value (nothing is converted silently: ``'abc'``, ``[1.5]``, ``[True]``, ``None`` are
+        refused)."""
+        if isinstance(tokens, np.ndarray):
+            if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+                raise PrefixCacheError(f"{method}({name}): must be a 1-D integer array, got dtype {tokens.dtype} and shape {tokens.shape}")
+            items: Sequence[object] = tokens.tolist()
+        elif isinstance(tokens, (list, tuple, range, bytes)):
+            items = tokens
+        else:
+            raise PrefixCacheError(f"{method}({name}): must be a sequence of token ids, not {type(tokens).__name__} (got {short_repr(tokens)})")
+        bad = first_bad_int(items)
+        if bad is not None:
+            raise PrefixCacheError(f"{method}({name}): every token id {bad[1]} (got {short_repr(bad[0])})")
+        values = tuple(int(cast(int, v)) for v in items)
+        if values and min(values) < 0:
+            raise PrefixCacheError(f"{method}({name}): token ids must be >= 0 (got {min(values)})")
+        return values
+
+    def _entry(self, method: str, entry: object) -> CacheEntry:
+        """``entry`` when it is a well-formed ``CacheEntry``, else ``PrefixCacheError``."""
+        if not isinstance(entry, CacheEntry):
+            raise PrefixCacheError(f"{method}(entry): must be a CacheEntry, not {type(entry).__name__} (got {short_repr(entry)})")
+        problem = int_problem(entry.slot)
+        if problem is not None:
+            raise PrefixCacheError(f"{method}(entry): slot {problem} (got {short_repr(entry.slot)})")
+        for name, values in (("tokens", entry.tokens), ("kv_locs", entry.kv_locs)):
+            if type(values) is not tuple:
+                raise PrefixCacheError(f"{method}(entry): {name} must be a tuple of ints, not {type(values).__name__} (got {short_repr(values)})")
+            bad = first_bad_int(values)
+            if bad is not None:
+                raise PrefixCacheError(f"{method}(entry): every {name} entry {bad[1]} (got {short_repr(bad[0])})")
+        problem = int_problem(entry.pins)
+        if problem is not None or entry.pins < 0:
+            raise PrefixCacheError(f"{method}(entry): pins must be an int >= 0 (got {short_repr(entry.pins)})")
+        return entry
+
+    def _cached(self, method: str, entry: object) -> CacheEntry:
+        """``entry`` when it is one of this cache's entries (the very record), else ``PrefixCacheError``."""
+        e = self._entry(method, entry)
+        if self._entries.get(e.tokens) is not e:
+            raise PrefixCacheError(f"{method}(entry): the entry of slot {e.slot} ({len(e.tokens)} tokens) is not in this cache")
+        return e
+
     def observe(self, tokens: Sequence[int]) -> None:
-        for m in self._boundaries(len(tokens)):
-            self._seen[tuple(tokens[:m])] += 1
+        """Count ``tokens``'s block-boundary prefixes (a prefix seen twice is worth a snapshot)."""
+        values = self._tokens("observe", "tokens", tokens)
+        for m in self._boundaries(len(values)):
+            self._seen[values[:m]] += 1
 
     def lookup(self, tokens: Sequence[int]) -> CacheEntry | None:
+        """The entry of the longest cached prefix strictly shorter than ``tokens``, or ``None``."""
+        tokens = self._tokens("lookup", "tokens", tokens)
         self.stats.lookups += 1
         for m in self._boundaries(len(tokens)):
             entry = self._entries.get(tuple(tokens[:m]))
@@ -102,6 +159,12 @@ class PrefixCache:
     def plan_snapshot(self, tokens: Sequence[int], after: int) -> int | None:
         """The boundary to snapshot at (> ``after``, shared by at least two prompts, neither cached
         nor promised to another request); the caller then owes ``insert`` or ``cancel_plan``."""
+        tokens = self._tokens("plan_snapshot", "tokens", tokens)
+        problem = int_problem(after)
+        if problem is not None:
+            raise PrefixCacheError(f"plan_snapshot(after): {problem} (got {short_repr(after)})")
+        if after < 0:
+            raise PrefixCacheError(f"plan_snapshot(after): must be >= 0 (got {after})")
         for m in self._boundaries(len(tokens)):
             if m <= after:
                 return None
@@ -112,7 +175,7 @@ class PrefixCache:
         return None
 
     def cancel_plan(self, tokens: Sequence[int]) -> None:
-        self._planned.discard(tuple(tokens))
+        self._planned.discard(self._tokens("cancel_plan", "tokens", tokens))
 
     def reserve_room(self) -> bool:
         """Promise one entry to a snapshot in flight; False when the cache is full."""
@@ -127,7 +190,16 @@ class PrefixCache:
         self._reserved -= 1
 
     def insert(self, entry: CacheEntry) -> None:
-        """Add the entry a reservation was made for."""
+        """Add the entry a reservation was made for (its prefix ends at a block boundary and it has
+        one KV location per token, not pinned)."""
+        entry = self._entry("insert", entry)
+        n = len(entry.tokens)
+        if n == 0 or n % self.block:
+            raise PrefixCacheError(f"insert(entry): a prefix of {n} tokens does not end at a block boundary (block {self.block})")
+        if len(entry.kv_locs) != n:
+            raise PrefixCacheError(f"insert(entry): {len(entry.kv_locs)} KV locations for {n} tokens")
+        if entry.pins:
+            raise PrefixCacheError(f"insert(entry): a new entry must not be pinned (got pins={entry.pins})")
         if entry.tokens in self._entries:
             raise PrefixCacheError(f"prefix of {len(entry.tokens)} tokens is already cached in slot {self._entries[entry.tokens].slot}")
         self.release_room()
@@ -145,9 +217,12 @@ class PrefixCache:
         return None
 
     def pin(self, entry: CacheEntry) -> None:
+        """Keep ``entry`` (one of this cache's) from eviction until ``unpin``."""
+        entry = self._cached("pin", entry)
         entry.pins += 1
 
     def unpin(self, entry: CacheEntry) -> None:
+        entry = self._cached("unpin", entry)
         if entry.pins <= 0:
             raise PrefixCacheError(f"unpin of checkpoint slot {entry.slot}, which is not pinned")
         entry.pins -= 1

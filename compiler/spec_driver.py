@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import assert_never
+from typing import assert_never, cast
 
 import attrs
 import torch
@@ -49,6 +49,7 @@ from backend.allocator import KVAllocator, SlotAllocator
 from backend.executor import Executor
 from backend.hybrid.hook import HybridHook
 from backend.hybrid.model import HybridModel
+from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
 from backend.ledger import Ledger
 from compiler.driver import checked_prompt
 from compiler.manager import PassManager
@@ -56,7 +57,7 @@ from compiler.prefix_cache import CacheEntry, PrefixCache
 from compiler.steps import Pipeline
 from ir._fields import I64, frozen_i64, int_problem
 from ir.batch import DecodeBatch, ExtendBatch
-from ir.errors import BatchcError, EngineStoppedError, PreconditionError
+from ir.errors import BatchcError, EngineStoppedError, PreconditionError, SlotError, short_repr
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
@@ -141,6 +142,97 @@ class SpecStats:
         return (self.accepted + self.row_iterations) / self.row_iterations if self.row_iterations else 0.0
 
 
+MAX_K = 32
+"""Most draft tokens per speculative iteration (the same bound as ``compiler.workload.MAX_K``, the
+command line's; the engine does not import the command line's modules)."""
+MAX_CAPACITY = 2**20
+"""Most Mamba slots (per pool) a driver takes: running requests, checkpoints and cache entries."""
+MAX_KV_CAPACITY = 2**31
+"""Most attention KV locations a driver takes."""
+MAX_LEN = 2**20
+"""Longest context (prompt, new tokens and the k + 1 speculative positions) a driver takes."""
+MAX_TABLE_ENTRIES = 2**31
+"""Bound on ``(capacity + 1) * max_len``, the entries of each model's token table (int64: 16 GiB)."""
+MAX_POOL_BYTES = MAMBA_POOL_MAX_BYTES
+"""Bound on each Mamba state pool's bytes (``backend.pool.MAX_POOL_BYTES``), checked up front."""
+MAX_RETRIES = 100
+"""Most re-executions of a failing forward."""
+
+
+def _driver_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
+    """``value`` as an ``int`` in ``[lo, hi]``, or ``PreconditionError`` naming ``SpecDriver``'s
+    argument ``name`` and the value (``bool``, ``float``, ``str``, ``None`` are not ints)."""
+    problem = int_problem(value)
+    if problem is not None:
+        raise PreconditionError("SpecDriver", f"{name} {problem} (got {short_repr(value)})")
+    n = int(cast(int, value))
+    if n < lo or (hi is not None and n > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise PreconditionError("SpecDriver", f"{name} must be {bound}, got {n}")
+    return n
+
+
+def _check_driver_args(
+    target: object,
+    draft: object,
+    *,
+    k: object,
+    capacity: object,
+    kv_capacity: object,
+    max_len: object,
+    chunk_size: object,
+    token_budget: object,
+    prefix_cache: object,
+    retries: object,
+    mixed: object,
+    pm: object,
+) -> None:
+    """``SpecDriver``'s argument checks, all before anything is allocated (``PreconditionError``
+    naming the argument and the value)."""
+    kk = _driver_int("k", k, 0, MAX_K)
+    slots = _driver_int("capacity", capacity, 1, MAX_CAPACITY)
+    _driver_int("kv_capacity", kv_capacity, 1, MAX_KV_CAPACITY)
+    length = _driver_int("max_len", max_len, 1, MAX_LEN)
+    if length < kk + 3:
+        raise PreconditionError(
+            "SpecDriver", f"max_len {length} leaves no room for a prompt token and a new token next to the k + 1 = {kk + 1} speculative positions"
+        )
+    if (slots + 1) * length > MAX_TABLE_ENTRIES:
+        raise PreconditionError(
+            "SpecDriver", f"(capacity + 1) * max_len = {(slots + 1) * length} token-table entries, over the bound {MAX_TABLE_ENTRIES}"
+        )
+    for name, value in (("chunk_size", chunk_size), ("token_budget", token_budget)):
+        if value is not None:
+            _driver_int(name, value, 1)
+    _driver_int("retries", retries, 0, MAX_RETRIES)
+    if type(mixed) is not bool:  # noqa: E721 - 0, 1, 'no' and None are not switches
+        raise PreconditionError("SpecDriver", f"mixed must be a bool, not {type(mixed).__name__} (got {short_repr(mixed)})")
+    if not isinstance(target, HybridModel):
+        raise PreconditionError("SpecDriver", f"target must be a HybridModel, not {type(target).__name__} (got {short_repr(target)})")
+    if draft is not None and not isinstance(draft, HybridModel):
+        raise PreconditionError("SpecDriver", f"draft must be a HybridModel or None, not {type(draft).__name__} (got {short_repr(draft)})")
+    if kk > 0 and draft is None:
+        raise PreconditionError("SpecDriver", f"speculative decoding (k = {kk}) needs a draft model, got draft=None")
+    if kk > 0 and draft is not None and draft.config.vocab != target.config.vocab:
+        raise PreconditionError(
+            "SpecDriver", f"draft vocabulary {draft.config.vocab} differs from the target's {target.config.vocab}"
+        )
+    for name, model in (("target", target), ("draft", draft if kk > 0 else None)):
+        if model is not None:
+            row_bytes = model.config.pool_layout().row_bytes
+            if (slots + 1) * row_bytes > MAX_POOL_BYTES:
+                raise PreconditionError(
+                    "SpecDriver",
+                    f"capacity {slots}: the {name}'s state pool would take {(slots + 1) * row_bytes} bytes, over the bound {MAX_POOL_BYTES}",
+                )
+    if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+        raise PreconditionError(
+            "SpecDriver", f"prefix_cache must be a PrefixCache or None, not {type(prefix_cache).__name__} (got {short_repr(prefix_cache)})"
+        )
+    if pm is not None and not isinstance(pm, PassManager):
+        raise PreconditionError("SpecDriver", f"pm must be a PassManager or None, not {type(pm).__name__} (got {short_repr(pm)})")
+
+
 class SpecDriver:
     def __init__(
         self,
@@ -158,15 +250,23 @@ class SpecDriver:
         mixed: bool = True,
         pm: PassManager | None = None,
     ) -> None:
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
-        if k > 0 and draft is None:
-            raise ValueError("speculative decoding (k > 0) needs a draft model")
-        for name, value in (("chunk_size", chunk_size), ("token_budget", token_budget)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
+        """Every argument is checked before anything is allocated (``PreconditionError`` naming the
+        argument and the value): counts are ints (numpy integers too; never ``bool``, ``float``,
+        ``str`` or ``None``) with ``k`` in ``[0, MAX_K]``, ``capacity`` in ``[1, MAX_CAPACITY]``,
+        ``kv_capacity`` in ``[1, MAX_KV_CAPACITY]``, ``max_len`` in ``[k + 3, MAX_LEN]`` (room for a
+        prompt token, a new token and the k + 1 speculative positions) with ``(capacity + 1) *
+        max_len <= MAX_TABLE_ENTRIES`` and each state pool within ``MAX_POOL_BYTES``,
+        ``chunk_size`` and ``token_budget`` ``None`` or ``>= 1``, ``retries`` in ``[0,
+        MAX_RETRIES]``; ``target`` a ``HybridModel``; ``draft`` a ``HybridModel`` of the target's
+        vocabulary when ``k > 0`` (``None`` or unused when ``k == 0``); ``mixed`` a ``bool``;
+        ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a ``PassManager`` or ``None``."""
+        _check_driver_args(
+            target, draft, k=k, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, chunk_size=chunk_size,
+            token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm,
+        )
+        k, capacity, kv_capacity, max_len, retries = int(k), int(capacity), int(kv_capacity), int(max_len), int(retries)
+        chunk_size = int(chunk_size) if chunk_size is not None else None
+        token_budget = int(token_budget) if token_budget is not None else None
         self.k = k
         self.vocab = target.config.vocab
         self.retries = retries
@@ -188,6 +288,8 @@ class SpecDriver:
         self._waiting: list[RequestId] = []
         self._pending: dict[RequestId, int] = {}
         self._refs: Counter[int] = Counter()
+        self._checkpoints: dict[MambaSlot, Checkpoint] = {}
+        """The checkpoints ``make_checkpoint`` made and ``release_checkpoint`` has not released."""
         self._last_was_prefill = False
         self.outputs: dict[RequestId, list[int]] = {}
         self.stopped_by: BaseException | None = None
@@ -310,25 +412,88 @@ class SpecDriver:
         unheld = [loc for loc in checkpoint.kv_locs if loc not in self._refs]
         if unheld:
             raise PreconditionError("admit", f"request {rid}: checkpoint KV location {unheld[0]} is not held (not a live checkpoint)")
+        if self._checkpoints.get(MambaSlot(slot)) != checkpoint:
+            raise PreconditionError(
+                "admit", f"request {rid}: checkpoint {short_repr(checkpoint)} is not a checkpoint this driver holds (forged, or released)"
+            )
 
     def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
-        """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix checkpoint."""
+        """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix checkpoint.
+
+        Everything is checked before a slot, a KV location or a ticket is taken: the tokens
+        (``IRValidationError``), their length (a request extending the checkpoint must fit
+        ``max_len``: at least one more prompt token, one new token and the k + 1 speculative
+        positions) and the free slots and KV locations (``PreconditionError``). A stopped engine
+        refuses with ``EngineStoppedError``; an exception escaping the prefill itself stops the
+        engine, as one escaping ``step`` does."""
+        self.check_serving()
         arr = checked_prompt("checkpoint", tokens, self.vocab)  # validated before anything is allocated
-        if arr.shape[0] > self.kv.num_free or self.slots.num_free == 0:
-            raise PreconditionError("make_checkpoint", f"no room for a {arr.shape[0]}-token checkpoint")
-        slot = self.slots.alloc()
-        kv = self._alloc_kv(arr.shape[0])
-        req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=arr, kv_locs=kv, intent=InitIntent.CLEAR)
-        _, plan = self.pipeline.prefill([req])
-        for ex in self._executors():
-            ex.execute(plan)
-        return Checkpoint(slot=slot, tokens=tuple(int(t) for t in tokens), kv_locs=tuple(int(k) for k in kv))
+        n = int(arr.shape[0])
+        if n + self.k + 3 > self.max_len:
+            raise PreconditionError(
+                "make_checkpoint",
+                f"tokens: a checkpoint of {n} tokens leaves no room under max_len {self.max_len} for a request extending it "
+                f"(at least {n} + 1 prompt tokens, 1 new token and k + 1 = {self.k + 1} speculative positions)",
+            )
+        if n > self.kv.num_free or self.slots.num_free == 0:
+            raise PreconditionError(
+                "make_checkpoint",
+                f"no room for a {n}-token checkpoint ({self.slots.num_free} free slots, {self.kv.num_free} free KV locations)",
+            )
+        try:
+            slot = self.slots.alloc()
+            kv = self._alloc_kv(n)
+            req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=arr, kv_locs=kv, intent=InitIntent.CLEAR)
+            _, plan = self.pipeline.prefill([req])
+            for ex in self._executors():
+                ex.execute(plan)
+        except BaseException as exc:
+            self.stopped_by = exc  # a slot, KV locations or tickets may be taken and not recorded
+            raise
+        cp = Checkpoint(slot=slot, tokens=tuple(arr.tolist()), kv_locs=tuple(int(k) for k in kv))
+        self._checkpoints[slot] = cp
+        return cp
 
     def release_checkpoint(self, cp: Checkpoint) -> None:
-        self.slots.free(cp.slot)
-        self._unref(cp.kv_locs)
+        """Return a checkpoint's slot and its KV references.
+
+        Only a checkpoint this driver made and has not released yet is accepted (the whole record
+        must equal the one ``make_checkpoint`` returned), and only while no live request still
+        waits to copy it (admitted from it and not yet past its first prefill chunk); otherwise
+        ``PreconditionError`` (``SlotError`` for a second release: a double free of its slot), and
+        nothing changes. A stopped engine refuses with ``EngineStoppedError``."""
+        self.check_serving()
+        if not isinstance(cp, Checkpoint):
+            raise PreconditionError(
+                "release_checkpoint", f"cp must be a Checkpoint (from make_checkpoint), not {type(cp).__name__} (got {short_repr(cp)})"
+            )
+        problem = int_problem(cp.slot)
+        if problem is not None:
+            raise PreconditionError("release_checkpoint", f"cp.slot {problem} (got {short_repr(cp.slot)})")
+        slot = MambaSlot(int(cp.slot))
+        held = self._checkpoints.get(slot)
+        if held is None and not self.slots.is_live(slot):
+            raise SlotError(f"release_checkpoint: double free of slot {slot}: no checkpoint of this driver holds it (released already?)")
+        if held is None or held != cp:
+            raise PreconditionError(
+                "release_checkpoint", f"cp {short_repr(cp)} is not a checkpoint this driver holds (forged, or released already)"
+            )
+        waiting = sorted(int(r.rid) for r in self._reqs.values() if r.done == 0 and r.source == held)
+        if waiting:
+            raise PreconditionError(
+                "release_checkpoint", f"checkpoint in slot {slot} is still to be copied by request(s) {waiting} (their first chunk has not run)"
+            )
+        del self._checkpoints[slot]
+        self.slots.free(slot)
+        self._unref(held.kv_locs)
 
     def abort(self, rid: RequestId) -> None:
+        """End a live request now (its output so far goes to ``outputs``). ``rid`` is an int (numpy
+        integers too; never ``bool``, ``float``, ``str`` or ``None``), else ``PreconditionError``."""
+        problem = int_problem(rid)
+        if problem is not None:
+            raise PreconditionError("abort", f"rid {problem} (got {short_repr(rid)})")
+        rid = RequestId(int(rid))
         if rid not in self._reqs:
             raise PreconditionError("abort", f"request {rid} is not live")
         self.stats.aborts += 1

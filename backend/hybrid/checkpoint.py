@@ -217,8 +217,39 @@ def _read(p: Path, f: Any, meta: dict[str, str]) -> tuple[HybridConfig, Weights,
     return config, weights, meta
 
 
+def _check_load_args(path: object, device: object, dtype: object) -> None:
+    """``load_checkpoint``'s argument checks (``CheckpointError``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(repr(path), f"path must be a str or a path, not {type(path).__name__}")
+    path = str(path)
+    if isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError):
+            raise CheckpointError(path, f"device must be 'cpu' or an available CUDA device, got {device!r} (not a device name)") from None
+    elif isinstance(device, torch.device):
+        dev = device
+    else:
+        raise CheckpointError(path, f"device must be a str or a torch.device, not {type(device).__name__} (got {device!r})")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise CheckpointError(path, f"device {device!r}: CUDA is not available in this process")
+        if not 0 <= (dev.index or 0) < count:
+            raise CheckpointError(path, f"device {device!r}: there are {count} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise CheckpointError(path, f"device must be 'cpu' or an available CUDA device, got {device!r}")
+    if not isinstance(dtype, torch.dtype) or dtype not in _LOADABLE_DTYPES:
+        raise CheckpointError(path, f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+
+
 def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
-    """The model stored in ``path`` (validated; ``CheckpointError`` otherwise), on ``device`` in ``dtype``."""
+    """The model stored in ``path`` (validated; ``CheckpointError`` otherwise), on ``device`` in ``dtype``.
+
+    ``device`` is ``"cpu"`` or a CUDA device this process can use (``"cuda"``, ``"cuda:1"``, or a
+    ``torch.device``); ``dtype`` is ``torch.float32``, ``torch.float16`` or ``torch.bfloat16``. Both
+    are checked before the file is read (``CheckpointError`` naming the argument and the value)."""
+    _check_load_args(path, device, dtype)
     config, weights, _ = read_checkpoint(path)
     return HybridModel(config, {name: t.to(device=device, dtype=dtype) for name, t in weights.items()})
 

@@ -10,9 +10,11 @@
 - ``batchc bench pipeline``: decode-step host cost against the mutable baseline.
 - ``batchc bench kernels``: the state-pool kernels (Triton on a GPU, torch references on a CPU).
 
-Bad input the user can cause (option values and their bounds, ``BATCHC_VERIFY`` and
-``BATCHC_DUMP_DIR``, workload files, checkpoints, the ``--json`` path) prints one line on stderr and
-exits with status 2 before anything runs. ``batchc run`` exits with status 1, saying why in one
+Bad input the user can cause (option values and their bounds, an empty path, ``--draft`` with
+``--k 0``, ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR``, workload files, checkpoints, the ``--json``
+path) prints one line on stderr and exits with status 2 before anything runs. ``--json`` claims its
+path before the run: a temporary file created next to it (never through a link, device or FIFO at
+the path) is filled and renamed onto it when the run ends. ``batchc run`` exits with status 1, saying why in one
 line on stderr, when a forward failed and aborted requests, a ticket was never consumed, or the
 lossless check failed.
 """
@@ -22,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -109,29 +113,127 @@ def _device(text: str) -> str:
     return text
 
 
+def _path_arg(text: str) -> str:
+    """An argparse type for path options: an empty string is not a path (and not "not given")."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return text
+
+
 def _check_output(option: str, path: str) -> None:
-    """Refuse an output path that cannot be written, before anything runs ('-' is stdout)."""
+    """Refuse an output path that cannot be written, before anything runs ('-' is stdout): the
+    path, if it exists, must be a writable regular file (not a symbolic link, even a dangling
+    one, a device, a FIFO, a socket or a directory) in an existing directory."""
+    from backend.hybrid.checkpoint import file_kind
+
     if path == "-":
         return
-    p = Path(path)
-    if p.is_dir():
+    head, name = os.path.split(path)
+    parent = head or "."
+    try:
+        st: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        raise UsageError(f"{option} {_path(path)}: no such directory {_path(parent)}") from None
+    except OSError as exc:
+        raise UsageError(f"{option} {_path(path)}: cannot use it ({exc.strerror})") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
         raise UsageError(f"{option} {_path(path)}: is a directory")
-    parent = p.parent
-    if not parent.is_dir():
-        raise UsageError(f"{option} {_path(path)}: no such directory {_path(str(parent))}")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+    if name in ("", ".", ".."):
+        raise UsageError(f"{option} {_path(path)}: names a directory, not a file")
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise UsageError(f"{option} {_path(path)}: is a symbolic link (links are not followed; '-' is stdout)")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{option} {_path(path)}: {file_kind(st.st_mode)}, not a regular file ('-' is stdout)")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {_path(path)}: no such directory {_path(parent)}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (st is not None and not os.access(path, os.W_OK)):
         raise UsageError(f"{option} {_path(path)}: not writable")
 
 
-def _write_output(option: str, path: str, text: str) -> None:
-    if path == "-":
-        print(text)
-        return
-    try:
-        with open(path, "w") as f:
-            f.write(text + "\n")
-    except OSError as exc:
-        raise UsageError(f"{option} {_path(path)}: cannot write it ({exc.strerror})") from None
+class _Output:
+    """An output path ('-' is stdout) claimed before the run: ``open`` checks the path and creates a
+    temporary file next to it (``O_EXCL | O_NOFOLLOW``, so nothing already there is written
+    through), refusing the path in one line if either fails; ``write`` fills it at the end and
+    renames it onto the path; ``close`` removes it if it was never written. Use it as a context
+    manager around the run."""
+
+    def __init__(self, option: str, path: str | None) -> None:
+        self.option, self.path = option, path
+        self._fd: int | None = None
+        self._tmp: str | None = None
+
+    def open(self) -> None:
+        if self.path is None or self.path == "-":
+            return
+        _check_output(self.option, self.path)
+        head, name = os.path.split(self.path)
+        parent = head or "."
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        for _ in range(8):
+            tmp = os.path.join(parent, f".{name[:64]}.{secrets.token_hex(6)}.tmp")
+            try:
+                fd = os.open(tmp, flags, 0o666)
+                break
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise UsageError(f"{self.option} {_path(self.path)}: cannot create a file in {_path(parent)} ({exc.strerror})") from None
+        else:
+            raise UsageError(f"{self.option} {_path(self.path)}: cannot create a file in {_path(parent)}")
+        self._fd, self._tmp = fd, tmp
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UsageError(f"{self.option} {_path(self.path)}: cannot create a regular file in {_path(parent)}")
+            try:
+                os.fchmod(fd, stat.S_IMODE(os.lstat(self.path).st_mode))  # replacing a file keeps its permissions
+            except FileNotFoundError:
+                pass
+        except OSError as exc:
+            self.close()
+            raise UsageError(f"{self.option} {_path(self.path)}: cannot use it ({exc.strerror})") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, text: str) -> None:
+        if self.path is None:
+            return
+        if self.path == "-":
+            print(text)
+            return
+        assert self._fd is not None and self._tmp is not None, "write before open"
+        data = memoryview((text + "\n").encode("utf-8"))
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self._tmp, self.path)
+            self._tmp = None
+        except OSError as exc:
+            raise UsageError(f"{self.option} {_path(self.path)}: cannot write it ({exc.strerror})") from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._tmp is not None:
+            try:
+                os.unlink(self._tmp)
+            except OSError:
+                pass
+            self._tmp = None
+
+    def __enter__(self) -> _Output:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -147,12 +249,14 @@ def _parser() -> argparse.ArgumentParser:
         description=f"Serve a workload. Bounds: --k in [0, {MAX_K}]; --requests and --lossless-sample at most "
         f"{MAX_REQUESTS}; --max-new-tokens (built-in workload) at most the context limit 512 minus its longest "
         f"prompt minus k + 1; a workload file is a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB; the "
-        f"estimated memory of the run (state pools, KV caches, working memory; grows with --max-running, "
-        f"--cache-entries, --k, --chunk-size and the models' sizes) at most {MAX_SERVE_BYTES >> 30} GiB.",
+        f"estimated memory of the run (state pools, KV caches, working memory, the Mamba chunk scan; grows with "
+        f"--max-running, --cache-entries, --k, --chunk-size, --token-budget and the models' sizes) at most "
+        f"{MAX_SERVE_BYTES >> 30} GiB; --draft only with k > 0; an empty PATH is refused.",
     )
-    run.add_argument("--model", metavar="PATH", help="target checkpoint (.safetensors; default: the bundled one)")
-    run.add_argument("--draft", metavar="PATH", help="draft checkpoint (default: the bundled one)")
-    run.add_argument("--workload", metavar="PATH",
+    run.add_argument("--model", metavar="PATH", type=_path_arg, help="target checkpoint (.safetensors; default: the bundled one)")
+    run.add_argument("--draft", metavar="PATH", type=_path_arg,
+                     help="draft checkpoint (default: the bundled one); refused with --k 0, which runs no draft")
+    run.add_argument("--workload", metavar="PATH", type=_path_arg,
                      help=f"JSONL workload file, a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB (default: the built-in workload)")
     run.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=64, help=f"built-in workload size, at most {MAX_REQUESTS} (default 64)")
     run.add_argument("--max-new-tokens", type=_positive, default=32,
@@ -168,7 +272,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--lossless-sample", type=_int_in(0, MAX_REQUESTS), default=4,
                      help="requests re-run with plain greedy to check losslessness (default 4)")
     run.add_argument("--compare-mutable", action="store_true", help="also run the workload through the pre-fix mutable baseline")
-    run.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH ('-' for stdout)")
+    run.add_argument("--json", metavar="PATH", type=_path_arg,
+                     help="also write the summary as JSON to PATH, a new or regular file (not a link, device or FIFO), "
+                     "replaced when the run ends ('-' for stdout)")
 
     ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")
     ab.add_argument("--k", type=_int_in(1, MAX_K), default=2, help=f"draft tokens per iteration, at most {MAX_K} (default 2)")
@@ -177,7 +283,9 @@ def _parser() -> argparse.ArgumentParser:
     ab.add_argument("--max-running", type=_positive, default=4, help="requests live at once (default 4)")
     ab.add_argument("--draft-noise", type=float, default=None, help="relative weight noise of the draft (default 0.05)")
     ab.add_argument("--seed", type=_int, default=0, help="weights and workload seed (default 0)")
-    ab.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH ('-' for stdout)")
+    ab.add_argument("--json", metavar="PATH", type=_path_arg,
+                    help="also write the figures as JSON to PATH, a new or regular file (not a link, device or FIFO), "
+                    "replaced when the run ends ('-' for stdout)")
 
     dump = sub.add_parser("dump", help="print the IR after every pass of the built-in scenario")
     dump.add_argument("--verify", type=int, choices=(0, 1, 2), default=2, help="verify level while dumping (default 2)")
@@ -223,63 +331,66 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         cache_entries=args.cache_entries, lossless_sample=args.lossless_sample,
     )
     # every check before anything runs: options, output path, models, memory, workload
-    if args.json:
+    if args.draft is not None and args.k == 0:
+        raise UsageError(f"--draft {_path(args.draft)} with --k 0: k = 0 turns speculative decoding off and runs no draft")
+    if args.json is not None:
         _check_output("--json", args.json)
-    if not args.workload and args.max_new_tokens > cfg.builtin_max_new_tokens:
+    if args.workload is None and args.max_new_tokens > cfg.builtin_max_new_tokens:
         raise UsageError(
             f"--max-new-tokens {args.max_new_tokens} is over {cfg.builtin_max_new_tokens}: the context limit {cfg.max_len} minus "
             f"the longest built-in prompt ({LONGEST_BUILTIN_PROMPT} bytes) minus k + 1 = {cfg.reserve}"
         )
-    target = load_checkpoint(args.model) if args.model else default_target()
-    draft = None if args.k == 0 else (load_checkpoint(args.draft) if args.draft else default_draft())
-    names = (f"target {args.model}" if args.model else "bundled target", f"draft {args.draft}" if args.draft else "bundled draft")
+    target = load_checkpoint(args.model) if args.model is not None else default_target()
+    draft = None if args.k == 0 else (load_checkpoint(args.draft) if args.draft is not None else default_draft())
+    names = (f"target {args.model}" if args.model is not None else "bundled target",
+             f"draft {args.draft}" if args.draft is not None else "bundled draft")
     check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=args.compare_mutable, names=names)
-    if args.workload:
+    if args.workload is not None:
         workload = load_workload(args.workload, max_len=cfg.max_len, reserve=cfg.reserve, vocab=target.config.vocab)
     else:
         workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed, arrivals=args.arrivals)
-    with Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as progress:
-        task = progress.add_task("serving", total=len(workload))
-        summary = run(workload, target, draft, cfg, on_finish=lambda n: progress.update(task, completed=n),
-                      compare_mutable=args.compare_mutable)
-    title = f"batchc run: {len(workload)} requests, k={args.k}, {'bundled' if not args.model else args.model} target"
-    table = Table(title=title)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in summary.items():
-        if key in ("samples", "pass_us_per_step", "mutable_baseline", "mutable_baseline_fixed", "lossless_ok") or value is None:
-            continue
-        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
-    console.print(table)
-    passes = Table(title="host time per pass")
-    passes.add_column("pass")
-    passes.add_column("calls", justify="right")
-    passes.add_column("us/call", justify="right")
-    pass_times = summary["pass_us_per_step"]
-    assert isinstance(pass_times, dict)
-    for name, (calls, us) in pass_times.items():
-        passes.add_row(name, str(calls), f"{us:.1f}")
-    console.print(passes)
-    mutable, fixed = summary.get("mutable_baseline"), summary.get("mutable_baseline_fixed")
-    if isinstance(mutable, dict) and isinstance(fixed, dict):
-        ab = Table(title="compiled pipeline vs. mutable baseline, same workload and models")
-        for h in ("run", "acceptance", "mean accepted len", "replays", "stale init ops run", "tokens/s"):
-            ab.add_column(h, justify="right")
-        ab.add_row("compiled", f"{summary['acceptance_rate']:.3f}", f"{summary['mean_accepted_length']:.2f}",
-                   str(summary["replays_blocked"]), "0", f"{summary['tokens_per_s']:.1f}")
-        for name, m in (("mutable, pre-fix", mutable), ("mutable + upstream fix", fixed)):
-            ab.add_row(name, f"{m['acceptance_rate']:.3f}", f"{m['mean_accepted_length']:.2f}",
-                       str(m["replays"]), str(m["stale_ops_run"]), f"{m['tokens_per_s']:.1f}")
-        console.print(ab)
-    samples = summary["samples"]
-    assert isinstance(samples, list)
-    for s in samples:
-        console.print(f"r{s['rid']}: ...{s['prompt']!r} -> {s['completion']!r}", highlight=False)
-    if args.json:
-        _write_output("--json", args.json, json.dumps(summary, indent=2))
+    with _Output("--json", args.json) as output:  # claimed (and refused) here, before the run; written at its end
+        with Progress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console, transient=True,
+        ) as progress:
+            task = progress.add_task("serving", total=len(workload))
+            summary = run(workload, target, draft, cfg, on_finish=lambda n: progress.update(task, completed=n),
+                          compare_mutable=args.compare_mutable)
+        title = f"batchc run: {len(workload)} requests, k={args.k}, {'bundled' if args.model is None else args.model} target"
+        table = Table(title=title)
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key, value in summary.items():
+            if key in ("samples", "pass_us_per_step", "mutable_baseline", "mutable_baseline_fixed", "lossless_ok") or value is None:
+                continue
+            table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+        console.print(table)
+        passes = Table(title="host time per pass")
+        passes.add_column("pass")
+        passes.add_column("calls", justify="right")
+        passes.add_column("us/call", justify="right")
+        pass_times = summary["pass_us_per_step"]
+        assert isinstance(pass_times, dict)
+        for name, (calls, us) in pass_times.items():
+            passes.add_row(name, str(calls), f"{us:.1f}")
+        console.print(passes)
+        mutable, fixed = summary.get("mutable_baseline"), summary.get("mutable_baseline_fixed")
+        if isinstance(mutable, dict) and isinstance(fixed, dict):
+            ab = Table(title="compiled pipeline vs. mutable baseline, same workload and models")
+            for h in ("run", "acceptance", "mean accepted len", "replays", "stale init ops run", "tokens/s"):
+                ab.add_column(h, justify="right")
+            ab.add_row("compiled", f"{summary['acceptance_rate']:.3f}", f"{summary['mean_accepted_length']:.2f}",
+                       str(summary["replays_blocked"]), "0", f"{summary['tokens_per_s']:.1f}")
+            for name, m in (("mutable, pre-fix", mutable), ("mutable + upstream fix", fixed)):
+                ab.add_row(name, f"{m['acceptance_rate']:.3f}", f"{m['mean_accepted_length']:.2f}",
+                           str(m["replays"]), str(m["stale_ops_run"]), f"{m['tokens_per_s']:.1f}")
+            console.print(ab)
+        samples = summary["samples"]
+        assert isinstance(samples, list)
+        for s in samples:
+            console.print(f"r{s['rid']}: ...{s['prompt']!r} -> {s['completion']!r}", highlight=False)
+        output.write(json.dumps(summary, indent=2))
     failures = []
     if summary["aborted_requests"]:
         failures.append(f"{summary['aborted_requests']} requests aborted by {summary['failed_forwards']} failed forwards, "
@@ -294,19 +405,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
-    from compiler.ab import DRAFT_NOISE, run_ab
-
-    noise = DRAFT_NOISE if args.draft_noise is None else args.draft_noise
-    if not 0.0 <= noise < 10.0:
-        raise BatchcError(f"--draft-noise must be in [0, 10), got {noise}")
-    if args.json:
-        _check_output("--json", args.json)
-    with console.status("running plain greedy, compiled, mutable baseline (pre-fix and fixed), and the guarded baseline"):
-        result = run_ab(
-            k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens, max_running=args.max_running,
-            draft_noise=noise, seed=args.seed,
-        )
+def _print_ab(args: argparse.Namespace, noise: float, result: dict[str, object], console: Console) -> None:
     runs = result["runs"]
     assert isinstance(runs, dict)
     table = Table(title=f"speculative decoding, k={args.k}, {args.requests} requests (fresh + cached-prefix COW), draft noise {noise}")
@@ -320,8 +419,24 @@ def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(table)
     console.print(f"mutable baseline (pre-fix) with a ledger on its runners: {result['ledger_on_baseline']}", highlight=False)
-    if args.json:
-        _write_output("--json", args.json, json.dumps(result, indent=2))
+
+
+def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
+    from compiler.ab import DRAFT_NOISE, run_ab
+
+    noise = DRAFT_NOISE if args.draft_noise is None else args.draft_noise
+    if not 0.0 <= noise < 10.0:
+        raise BatchcError(f"--draft-noise must be in [0, 10), got {noise}")
+    with _Output("--json", args.json) as output:  # claimed (and refused) here, before the run; written at its end
+        with console.status("running plain greedy, compiled, mutable baseline (pre-fix and fixed), and the guarded baseline"):
+            result = run_ab(
+                k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens, max_running=args.max_running,
+                draft_noise=noise, seed=args.seed,
+            )
+        _print_ab(args, noise, result, console)
+        output.write(json.dumps(result, indent=2))
+    runs = result["runs"]
+    assert isinstance(runs, dict)
     compiled = runs["compiled"]
     return 0 if compiled["equals_greedy"] and compiled["replays"] == 0 and compiled["outstanding_tickets"] == 0 else 1
 

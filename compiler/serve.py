@@ -172,6 +172,35 @@ def _read_bounded(p: Path) -> bytes:
     return data
 
 
+def _check_workload_args(path: object, *, max_len: object, reserve: object, vocab: object, default_max_new_tokens: object) -> None:
+    """``load_workload``'s argument checks, before the file is opened (``WorkloadError``)."""
+    from typing import cast
+
+    from backend.hybrid.config import MAX_DIM
+    from compiler.spec_driver import MAX_LEN
+    from ir._fields import int_problem
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise WorkloadError(f"load_workload: path must be a str or a path, not {type(path).__name__} (got {path!r})")
+    values: dict[str, int] = {}
+    for name, value, lo, hi in (
+        ("max_len", max_len, 1, MAX_LEN), ("reserve", reserve, 0, MAX_LEN), ("vocab", vocab, 1, MAX_DIM),
+        ("default_max_new_tokens", default_max_new_tokens, 1, MAX_LEN),
+    ):
+        problem = int_problem(value)
+        if problem is not None:
+            raise WorkloadError(f"load_workload: {name} {problem} (got {value!r})")
+        n = int(cast(int, value))  # an int or a numpy integer: int_problem said so
+        if not lo <= n <= hi:
+            raise WorkloadError(f"load_workload: {name} must be in [{lo}, {hi}], got {n}")
+        values[name] = n
+    if values["reserve"] + 2 > values["max_len"]:
+        raise WorkloadError(
+            f"load_workload: reserve {values['reserve']} leaves no room under max_len {values['max_len']} "
+            "for a prompt byte and a new token"
+        )
+
+
 def load_workload(
     path: str | Path, *, max_len: int, reserve: int = 8, vocab: int = BYTE_VOCAB, default_max_new_tokens: int = 32
 ) -> list[Request]:
@@ -184,7 +213,14 @@ def load_workload(
     Request limits, the same as ``SpecDriver.admit``'s so that nothing loaded is refused mid-run:
     prompt bytes + ``max_new_tokens`` + ``reserve`` <= ``max_len`` (``reserve`` = k + 1 for
     speculative decoding with k draft tokens; the default 8 covers k <= 7), every prompt byte and
-    the stop byte below ``vocab``."""
+    the stop byte below ``vocab``.
+
+    The arguments are checked first (``WorkloadError`` naming the argument and the value): ``path``
+    a ``str`` or ``os.PathLike``; ``max_len``, ``reserve``, ``vocab`` and ``default_max_new_tokens``
+    ints (never ``bool``, ``float``, ``str`` or ``None``) with ``max_len`` in
+    ``[reserve + 2, spec_driver.MAX_LEN]``, ``reserve >= 0``, ``vocab`` in ``[1, MAX_DIM]`` (the
+    model config's bound) and ``default_max_new_tokens >= 1``."""
+    _check_workload_args(path, max_len=max_len, reserve=reserve, vocab=vocab, default_max_new_tokens=default_max_new_tokens)
     p = Path(path)
     data = _read_bounded(p)
     try:
@@ -265,16 +301,26 @@ def _engine_bytes(c: HybridConfig, *, capacity: int, kv_capacity: int, max_len: 
     return pool + kv + table
 
 
-def _step_bytes(c: HybridConfig, cfg: ServeConfig) -> int:
-    """Working memory of the largest forward: verify states of every running row, attention scores
-    over the longest context, activations of the widest layer."""
+_SCAN_LIVE = 4
+"""``[Q, Q, nheads]`` float32 tensors alive at once at the peak of the chunked SSD scan
+(``backend.kernels.chunked._ssd_scan``: the masked log-decay differences, their exp, the ``C Bᵀ``
+product and the decay-weighted product; measured on the CPU)."""
+
+
+def _step_bytes(c: HybridConfig, cfg: ServeConfig, *, seq: int, tokens: int) -> int:
+    """Working memory of the largest forward of one engine whose prefill sequences are at most
+    ``seq`` tokens long and pack at most ``tokens`` tokens: verify states of every running row,
+    attention scores of the prefill chunk (or the verify window) over the longest context, the
+    chunked SSD scan of one Mamba layer (its ``[Q, Q, nheads]`` tensors with ``Q = min(chunk_size
+    of the model, seq)``, and ``B``, ``C`` expanded to every head), activations of the widest layer."""
     rows = cfg.max_running
     verify = (cfg.k + 1) * rows * c.pool_layout().row_bytes
-    queries = max(min(cfg.chunk_size, cfg.max_len), cfg.k + 1)
+    queries = max(seq, cfg.k + 1)
     scores = 3 * rows * c.attn_heads * queries * cfg.max_len * _F32 if c.n_attn else 0
-    tokens = min(cfg.token_budget, rows * cfg.max_len) + rows * (cfg.k + 1)
+    q = min(c.chunk_size, seq)
+    scan = _SCAN_LIVE * q * q * c.nheads * _F32 + 2 * tokens * c.nheads * c.d_state * _F32
     width = max(c.in_proj_dim, 2 * c.mlp_hidden, c.vocab, 3 * c.attn_dim, c.d_model)
-    return verify + scores + 4 * tokens * width * _F32
+    return verify + scores + scan + 4 * (tokens + rows * (cfg.k + 1)) * width * _F32
 
 
 def memory_estimate(
@@ -295,7 +341,18 @@ def memory_estimate(
                    "kv_capacity": cfg.max_running * cfg.max_len + 1024, "max_len": cfg.max_len}
         parts["mutable baseline"] = _engine_bytes(target, **mutable) + _engine_bytes(draft, **mutable)
     parts["allocators"] = indices * _INDEX_BYTES
-    parts["forward working memory"] = max(_step_bytes(target, cfg), _step_bytes(draft, cfg) if draft is not None and cfg.k else 0)
+    # prefill sequence length and packed tokens of one forward: the served engines chunk prompts by
+    # --chunk-size within --token-budget; the lossless check's plain engine by the context limit
+    # within the budget; the mutable baseline prefills its admitted prompts whole, in one forward
+    packed = min(cfg.token_budget, cfg.max_running * cfg.max_len)
+    served = {"seq": min(cfg.chunk_size, cfg.token_budget, cfg.max_len), "tokens": packed}
+    models = [target, draft] if draft is not None and cfg.k else [target]
+    steps = [_step_bytes(m, cfg, **served) for m in models]
+    if cfg.lossless_sample:
+        steps.append(_step_bytes(target, cfg, seq=min(cfg.max_len, cfg.token_budget), tokens=packed))
+    if compare_mutable and draft is not None and cfg.k:
+        steps += [_step_bytes(m, cfg, seq=cfg.max_len, tokens=cfg.max_running * cfg.max_len) for m in models]
+    parts["forward working memory"] = max(steps)
     return parts
 
 
@@ -321,7 +378,8 @@ def check_serving(
         raise ServeError(
             f"the run would need about {total / 2**30:.1f} GiB (largest part: {part}, {size / 2**30:.1f} GiB), over the "
             f"bound of {MAX_SERVE_BYTES >> 30} GiB; lower --max-running ({cfg.max_running}), --cache-entries "
-            f"({cfg.cache_entries}), --k ({cfg.k}) or --chunk-size ({cfg.chunk_size}), or use a smaller model"
+            f"({cfg.cache_entries}), --k ({cfg.k}), --chunk-size ({cfg.chunk_size}) or --token-budget "
+            f"({cfg.token_budget}), or use a smaller model"
         )
 
 

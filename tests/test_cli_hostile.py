@@ -25,8 +25,8 @@ from backend.hybrid.weights import init_weights
 from compiler.cli import main
 from compiler.manager import PassManager
 from ir.errors import SettingsError
-from compiler.serve import WorkloadError, load_workload
-from compiler.workload import MAX_REQUESTS, MAX_WORKLOAD_BYTES
+from compiler.serve import ServeConfig, WorkloadError, load_workload, memory_estimate
+from compiler.workload import MAX_REQUESTS, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES
 from compiler.spec_driver import SpecDriver
 from ir.batch import DecodeBatch
 from ir.errors import BatchcError
@@ -57,6 +57,7 @@ def _refused(args: list[str], tmp: Path, capsys: pytest.CaptureFixture[str], *fr
     assert "Traceback" not in err
     assert out == "", "something ran: " + out[:200]
     assert not summary.exists()
+    assert not list(tmp.glob(".summary.json.*")), "a temporary --json file was left behind"
     for fragment in fragments:
         assert fragment in err, (fragment, err)
     return err
@@ -201,6 +202,22 @@ def test_bad_option_value(tmp_path: Path, capsys: pytest.CaptureFixture[str], ar
     _refused(args, tmp_path, capsys, fragment)
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["run", "--workload", ""], ["run", "--model", ""], ["run", "--draft", ""], ["run", "--json", ""], ["ab", "--json", ""]],
+    ids=["run-workload", "run-model", "run-draft", "run-json", "ab-json"],
+)
+def test_empty_path_is_not_a_missing_option(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    # an empty path used to mean "not given": the built-in workload, the bundled models, no JSON
+    _refused(args, tmp_path, capsys, f"argument {args[1]}: expected a path, got ''")
+
+
+def test_draft_with_k_0_is_refused_not_ignored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # k = 0 runs no draft: a --draft next to it (even a missing file) used to be ignored silently
+    _refused(["run", "--k", "0", "--draft", "/nonexistent"], tmp_path, capsys,
+             "--draft '/nonexistent' with --k 0: k = 0 turns speculative decoding off and runs no draft")
+
+
 def test_max_running_huge_is_refused_before_allocation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     _refused(["run", "--max-running", str(10**9)], tmp_path, capsys,
@@ -234,6 +251,60 @@ def test_json_onto_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str
     code = _main(["run", "--json", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err == f"batchc: error: --json '{tmp_path}': is a directory\n"
+
+
+def _json_refused(path: str, tmp: Path, capsys: pytest.CaptureFixture[str], fragment: str) -> None:
+    """``--json path`` on a small run: status 2 and one line, before the run printed anything."""
+    code = _main(["run", "--requests", "2", "--max-new-tokens", "4", "--k", "0", "--lossless-sample", "0", "--json", path])
+    out, err = capsys.readouterr()
+    assert code == 2, (code, err)
+    assert out == "", "the run happened first: " + out[:200]
+    assert err == f"batchc: error: --json {path!r}: {fragment}\n"
+    assert not list(tmp.glob(".*.tmp"))
+
+
+def test_json_onto_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _json_refused("/dev/full", tmp_path, capsys, "a character device, not a regular file ('-' is stdout)")
+
+
+@pytest.mark.skipif(not Path("/proc/version").exists(), reason="no procfs")
+def test_json_onto_a_proc_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a regular file to stat (and writable for root), but no file can be created next to it
+    _json_refused("/proc/version", tmp_path, capsys, "cannot create a file in '/proc' (No such file or directory)")
+
+
+@pytest.mark.parametrize("dangling", [True, False], ids=["dangling", "to-a-file"])
+def test_json_onto_a_symlink(tmp_path: Path, capsys: pytest.CaptureFixture[str], dangling: bool) -> None:
+    victim, link = tmp_path / "victim.json", tmp_path / "link.json"
+    if not dangling:
+        victim.write_text("precious\n")
+    link.symlink_to(victim)
+    _json_refused(str(link), tmp_path, capsys, "is a symbolic link (links are not followed; '-' is stdout)")
+    assert victim.read_text() == "precious\n" if not dangling else not victim.exists()
+
+
+def test_json_onto_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    # a subprocess with a timeout: writing into a FIFO blocks until a reader comes
+    fifo = tmp_path / "summary.fifo"
+    os.mkfifo(fifo)
+    result = subprocess.run(
+        [sys.executable, "-m", "compiler.cli", "run", "--requests", "2", "--max-new-tokens", "4", "--json", str(fifo)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"batchc: error: --json '{fifo}': a FIFO, not a regular file ('-' is stdout)\n"
+    assert result.stdout == ""
+
+
+def test_json_replaces_a_regular_file_keeping_its_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    summary = tmp_path / "summary.json"
+    summary.write_text("old " * 1000)
+    summary.chmod(0o600)
+    code = _main(["run", "--requests", "2", "--max-new-tokens", "4", "--k", "0", "--lossless-sample", "0", "--json", str(summary)])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(summary.read_text())["requests"] == 2
+    assert summary.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
 
 
 # ---- environment --------------------------------------------------------------------------------------
@@ -328,15 +399,59 @@ def test_small_checkpoint_asking_for_gigabytes_is_refused_before_allocation(tmp_
     path = tmp_path / "hostile.safetensors"
     save_checkpoint(path, cfg, init_weights(cfg, 0))
     assert path.stat().st_size < 800_000
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("wb") as out_f, err.open("wb") as err_f:
+        child = subprocess.Popen([sys.executable, "-m", "compiler.cli", "run", "--model", str(path), "--k", "0"],
+                                 stdout=out_f, stderr=err_f, cwd=REPO)
+        # wait4 reports this child's own peak (RUSAGE_CHILDREN would be the largest of every child so far)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    stderr = err.read_text()
+    assert child.returncode == 2 and out.read_text() == "", stderr
+    assert stderr.count("\n") == 1
+    assert "the run would need about 9.7 GiB (largest part: target" in stderr and "over the bound of 4 GiB" in stderr
+    assert usage.ru_maxrss < 1024 * 1024, f"the child reached {usage.ru_maxrss} KiB"
+
+
+def _wide_scan_config(chunk_size: int = 64) -> HybridConfig:
+    """65536 Mamba heads of dimension 1: a few MB of weights, but each ``[Q, Q, nheads]`` tensor of
+    the chunked SSD scan is 1 GiB at Q = 64."""
+    return HybridConfig(d_model=4, layers=("mamba",), nheads=65536, head_dim=1, d_state=1, attn_heads=1, attn_head_dim=2,
+                        mlp_hidden=1, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize(
+    ("args", "gib"),
+    [(["--chunk-size", "512"], "4.9"), (["--chunk-size", "8"], "4.9"), (["--chunk-size", "512", "--lossless-sample", "0"], "4.9")],
+    ids=["chunk-512", "lossless-check-chunks-by-the-context", "chunk-512-no-lossless"],
+)
+def test_checkpoint_whose_chunk_scan_asks_for_gigabytes_is_refused(tmp_path: Path, args: list[str], gib: str) -> None:
+    # the estimate used to stop at 0.81 GiB while the scan's [Q, Q, nheads] tensors asked for ~28 GB
+    path = tmp_path / "wide.safetensors"
+    save_checkpoint(path, _wide_scan_config(), init_weights(_wide_scan_config(), 0))
+    assert path.stat().st_size < 8_000_000
+    limit = 6 << 30  # a regression fails to allocate instead of eating the machine
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     result = subprocess.run(
-        [sys.executable, "-m", "compiler.cli", "run", "--model", str(path), "--k", "0"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        [sys.executable, "-m", "compiler.cli", "run", "--model", str(path), "--k", "0", *args],
+        capture_output=True, text=True, timeout=120, cwd=REPO, preexec_fn=cap,
     )
-    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.returncode == 2 and result.stdout == "", (result.returncode, result.stderr)
     assert result.stderr.count("\n") == 1
-    assert "the run would need about 9.6 GiB (largest part: target" in result.stderr and "over the bound of 4 GiB" in result.stderr
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    assert peak_kib < 1024 * 1024, f"a child reached {peak_kib} KiB"
+    assert f"the run would need about {gib} GiB (largest part: forward working memory, {gib} GiB), over the bound of 4 GiB" in result.stderr
+
+
+def test_chunk_scan_estimate_follows_the_models_chunk_length() -> None:
+    cfg = _wide_scan_config()
+    small_chunks = attrs.evolve(cfg, chunk_size=8)
+    runs = ServeConfig(k=0, chunk_size=8, lossless_sample=0)
+    assert sum(memory_estimate(small_chunks, None, runs).values()) < MAX_SERVE_BYTES  # Q = 8: 64 MiB a tensor
+    # Q = min(64, 8) for the served engine, but the lossless check prefills 256 tokens at a time
+    assert sum(memory_estimate(cfg, None, attrs.evolve(runs, lossless_sample=1)).values()) > MAX_SERVE_BYTES
+    assert sum(memory_estimate(small_chunks, None, attrs.evolve(runs, lossless_sample=1)).values()) < MAX_SERVE_BYTES
 
 
 def test_checkpoint_that_is_dev_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -56,6 +56,7 @@ from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
 from ir.spec import (
     MAX_SPEC_K,
+    AcceptResult,
     CommitBatch,
     CommitPlan,
     DraftBatch,
@@ -288,6 +289,33 @@ def _verify_init_mismatch(w: World, ctx: Ctx) -> object:
         init=MambaInit(serial=mint_serial(), clear_slots=(2,)),
     )
     verify(batch)
+    return None
+
+
+def _verify_dup_kv_extend(w: World, ctx: Ctx) -> object:
+    # request 2's only token reuses request 1's second KV location: each request is fine on its own
+    verify(prepare_for_extend([request(1, 1, [5, 6], 10), request(2, 2, [7], 11)]))
+    return None
+
+
+def _verify_init_missing(w: World, ctx: Ctx) -> object:
+    # a CLEAR request with no MambaInit: the slot would start from whatever state it holds
+    batch = ExtendBatch(
+        rids=[1], slots=[2], prefix_lens=[0], extend_lens=[2], more_chunks=[False],
+        intents=(InitIntent.CLEAR,), input_ids=[5, 6], kv_locs=[10, 11], init=None,
+    )
+    verify(batch)
+    return None
+
+
+def _verify_mixed_shared_slot(w: World, ctx: Ctx) -> object:
+    # built directly (not through mix_with_running): each part is fine, only the verifier sees slot 2 twice
+    verify(MixedBatch(extend=prepare_for_extend([request(1, 2, [5, 6], 10)]), decode=decode_batch([5], [2], [4], [20])))
+    return None
+
+
+def _verify_dup_slots_decode_plan(w: World, ctx: Ctx) -> object:
+    verify(lower(decode_batch([1, 2], [3, 3], [4, 4], [20, 21]), LowerContext()))
     return None
 
 
@@ -527,6 +555,26 @@ CASES: list[Case] = [
         r"DecodeContext\.kv_locs.*len\(next_tokens\) \(2\) \(got 1\)",
         field="kv_locs",
     ),
+    # -- every column check of every node, each one on its own -------------------------------------
+    Case("extend-slots-length", _extend_batch(slots=[2, 3]), IRValidationError, r"ExtendBatch\.slots: length must equal len\(rids\) \(1\) \(got 2\)", field="slots"),
+    Case("extend-negative-prefix-len", _extend_batch(prefix_lens=[-1]), IRValidationError, r"ExtendBatch\.prefix_lens: every value must be >= 0 \(got -1\)", field="prefix_lens"),
+    Case("extend-plan-more-chunks-length", _extend_plan(more_chunks=[False, True]), IRValidationError, r"ExtendPlan\.more_chunks: length must equal len\(rids\) \(1\) \(got 2\)", field="more_chunks"),
+    Case("decode-rids-not-ints", _build(lambda: DecodeBatch(rids=[None], slots=[1], seq_lens=[4], input_ids=[7], kv_locs=[20])), IRValidationError, r"DecodeBatch\.rids: .*ints.*\(got None\)", field="rids"),  # type: ignore[list-item]
+    Case("decode-negative-kv-loc", _build(lambda: decode_batch([1], [1], [4], [-1])), IRValidationError, r"DecodeBatch\.kv_locs: every value must be >= 0 \(got -1\)", field="kv_locs"),
+    Case("decode-plan-slot-0", _build(lambda: DecodePlan(rids=[1], slots=[0], seq_lens=[4], input_ids=[7], kv_locs=[20])), IRValidationError, r"DecodePlan\.slots: every value must be >= 1 \(got 0\)", field="slots"),
+    Case("decode-plan-seq-lens-length", _build(lambda: DecodePlan(rids=[1, 2], slots=[1, 2], seq_lens=[4], input_ids=[7, 7], kv_locs=[20, 21])), IRValidationError, r"DecodePlan\.seq_lens: length must equal len\(rids\) \(2\) \(got 1\)", field="seq_lens"),
+    Case("draft-batch-slots-length", _build(lambda: DraftBatch(k=1, rids=[1], slots=[1, 2], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])), IRValidationError, r"DraftBatch\.slots: length must equal len\(rids\) \(1\) \(got 2\)", field="slots"),
+    Case("accept-result-negative-bonus", _build(lambda: AcceptResult(accepted=[0], bonus=[-1])), IRValidationError, r"AcceptResult\.bonus: every value must be >= 0 \(got -1\)", field="bonus"),
+    Case("cow-checkpoint-0", _admitted(intent=InitIntent.COW, prefix_len=3, checkpoint=MambaSlot(0)), IRValidationError, r"AdmittedRequest\.checkpoint: must be >= 1 \(got 0\)", field="checkpoint"),
+    Case("decode-context-float-tokens", _build(lambda: DecodeContext(next_tokens=np.array([1.5]), kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: .*got dtype float64", field="next_tokens"),
+    Case("decode-context-negative-token", _build(lambda: DecodeContext(next_tokens=[-1], kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: every value must be >= 0 \(got -1\)", field="next_tokens"),
+    Case("decode-context-negative-kv-loc", _build(lambda: DecodeContext(next_tokens=[1], kv_locs=[-1])), IRValidationError, r"DecodeContext\.kv_locs: every value must be >= 0 \(got -1\)", field="kv_locs"),
+    Case("spec-context-float-tokens", _build(lambda: SpecContext(k=1, next_tokens=np.array([1.5]), kv_locs=[3, 4])), IRValidationError, r"SpecContext\.next_tokens: .*got dtype float64", field="next_tokens"),
+    Case("lower-pools-none", _build(lambda: LowerContext(pools=None)), IRValidationError, r"LowerContext\.pools: must be a tuple of pool names \(got None\)", field="pools"),
+    Case("dup-kv-extend-verifier", _verify_dup_kv_extend, IRVerificationError, r"ExtendBatch\.kv_locs\[2\]: KV location 11 already used at index 1"),
+    Case("init-missing-verifier", _verify_init_missing, IRVerificationError, r"ExtendBatch\.init: requests need init ops \(clear \(2,\), COW into \(\)\) but init is None"),
+    Case("mixed-shared-slot-verifier", _verify_mixed_shared_slot, IRVerificationError, r"MixedBatch\.slots: slot 2 is in both the extend and the decode part"),
+    Case("dup-slots-decode-plan-verifier", _verify_dup_slots_decode_plan, IRVerificationError, r"DecodePlan\.slots\[1\]: slot 3 already used at index 0"),
     # -- passes ------------------------------------------------------------------------------------
     Case("prepare-decode-ctx-too-short", _prepare_decode_wrong_ctx, PreconditionError, r"prepare_for_decode: ctx\.next_tokens has 1 entries for 2"),
     Case("prepare-decode-ctx-chunked", _prepare_decode_counts_chunked, PreconditionError, r"has 2 entries for 1 decoding"),
@@ -999,6 +1047,19 @@ def test_admit_tables_cover_every_bad_value() -> None:
     assert len(ids) == len(set(ids))
     for kind, _ in BAD_INTS:
         assert sum(i.startswith(f"{kind}-") or i.startswith(f"admit-{kind}-") for i in ids) >= 20, kind
+
+
+# -- the lower bounds are inclusive ---------------------------------------------------------------
+
+
+def test_smallest_legal_values_are_accepted() -> None:
+    """Token id 0, KV location 0 and a sequence length of 1 are legal in every windowed node."""
+    d = DraftBatch(k=1, rids=[1], slots=[1], seq_lens=[1], input_ids=[0], kv_locs=[0, 1])
+    assert d.seq_lens.tolist() == [1] and d.input_ids.tolist() == [0] and d.kv_locs.tolist() == [0, 1]
+    v = VerifyBatch(k=1, verify_id=mint_serial(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0, 0], kv_locs=[0, 1])
+    assert v.input_ids.tolist() == [0, 0] and v.kv_locs.tolist() == [0, 1]
+    r = AcceptResult(accepted=[0], bonus=[0])
+    assert r.bonus.tolist() == [0]
 
 
 # -- numpy integer scalars stay accepted -------------------------------------------------------------

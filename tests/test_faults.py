@@ -128,3 +128,23 @@ def test_without_retries_the_affected_requests_are_aborted_and_serving_goes_on(p
     drv.ledger.assert_drained()
     drv.drop_cache()
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+def test_an_aborted_prefill_gives_back_its_cache_reservation() -> None:
+    """A chunk ending at a snapshot boundary reserves a prefix-cache entry for its snapshot. When
+    its forward fails and the request is aborted, the reservation goes back with it: a one-entry
+    cache still takes the next snapshot."""
+    drv = _driver(0, prefix_cache=PrefixCache(capacity=1, block=16))
+    for i in range(2):  # both share the system prompt: the first one's chunk plans a snapshot
+        drv.admit(RequestId(i), PROMPTS[i], max_new_tokens=1)
+    with faults.armed("model_forward") as fired:
+        drv.run_until_done()
+    assert fired == {"model_forward": 1} and drv.stats.failed_steps == 1 and drv.live == 0
+    assert drv.cache is not None and len(drv.cache) == 0
+    drv.admit(RequestId(2), PROMPTS[2], max_new_tokens=1)  # the shared prefix, seen a third time
+    drv.run_until_done()
+    assert drv.cache.stats.snapshots == 1 and len(drv.cache) == 1
+    assert len(drv.outputs[RequestId(2)]) == 1
+    drv.ledger.assert_drained()
+    drv.drop_cache()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import re
+import secrets
 from collections.abc import Callable
 
 import attrs
@@ -27,6 +28,7 @@ import pytest
 import torch
 from typeguard import suppress_type_checks
 
+import ir.init
 from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
@@ -191,6 +193,52 @@ def test_serials_differ_across_processes_even_after_fork() -> None:
     assert proc.exitcode == 0
     assert child_epoch != this_epoch() and serial_epoch(child) == child_epoch
     assert child != parent + 1 and not minted_here(child)
+
+
+def _fresh_epoch_in_child(queue: multiprocessing.Queue[tuple[int, bool, int, bool, bool]]) -> None:
+    epoch = this_epoch()
+    first = TicketSerial(epoch << 32 | 1)
+    trusted_before = minted_here(first)  # the child has minted nothing yet
+    s = mint_serial()
+    try:
+        MambaInit(serial=s, clear_slots=(1,))
+        valid = True
+    except IRValidationError:
+        valid = False
+    queue.put((epoch, trusted_before, s, minted_here(s), valid))
+
+
+def test_a_fresh_epoch_trusts_exactly_the_serials_it_mints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked child draws a new epoch. Even the lowest draw (``randbits`` -> 0) is epoch 1: its
+    serials are positive and accepted by ``MambaInit``; a serial of the new epoch is trusted only
+    once minted, and the first one minted is."""
+    monkeypatch.setattr(secrets, "randbits", lambda bits: 0)
+    ctx = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[tuple[int, bool, int, bool, bool]] = ctx.Queue()
+    proc = ctx.Process(target=_fresh_epoch_in_child, args=(queue,))
+    proc.start()
+    epoch, trusted_before, serial, trusted_after, valid = queue.get(timeout=60)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert epoch == 1 and serial == (1 << 32 | 1)
+    assert not trusted_before, "a serial of the child's epoch was trusted before the child minted it"
+    assert trusted_after and valid
+
+
+def test_an_exhausted_counter_moves_to_a_new_valid_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the counter runs out the minter draws a new epoch, drawing again while the draw is an
+    epoch it already used; serials stay positive, valid and trusted across the change. (The counter
+    is shrunk to 2 bits to get there: the real one runs out after 2**32 serials.)"""
+    draws = iter([0, 0, 0, 6])  # epoch 1; at exhaustion two draws of the used epoch 1, then 7
+    monkeypatch.setattr(secrets, "randbits", lambda bits: next(draws))
+    monkeypatch.setattr(ir.init, "_COUNTER_MASK", 3)
+    minter = ir.init._Minter()
+    serials = [minter.mint() for _ in range(4)]
+    assert serials == [1 << 32 | 1, 1 << 32 | 2, 1 << 32 | 3, 7 << 32 | 1]
+    for s in serials:
+        assert minter.minted(s)
+        assert MambaInit(serial=s, clear_slots=(1,)).serial == s
+    assert not minter.minted(7 << 32 | 2)
 
 
 # -- claim everything before the forward ----------------------------------------------------------

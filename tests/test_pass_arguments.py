@@ -222,6 +222,16 @@ def test_filter_batch_empty_or_unknown_drop_returns_the_batch() -> None:
     assert filter_batch(RUNNING, []) is RUNNING
     assert filter_batch(RUNNING, np.array([], dtype=np.int64)) is RUNNING  # type: ignore[arg-type]
     assert filter_batch(RUNNING, [RequestId(-5), RequestId(2**63 - 1)]) is RUNNING
+    assert filter_batch(RUNNING, np.array([2**63 - 1], dtype=np.uint64)) is RUNNING  # the largest id a uint64 array may hold
+
+
+def test_token_id_0_and_kv_location_0_are_accepted() -> None:
+    """0 is a token id and a KV location like any other: the contexts and the draft tokens take it."""
+    decoded = prepare_for_decode(RUNNING, DecodeContext(next_tokens=[0, 0], kv_locs=[0, 1]))
+    assert decoded.input_ids.tolist() == [0, 0] and decoded.kv_locs.tolist() == [0, 1]
+    draft = prepare_for_draft(RUNNING, SpecContext(k=2, next_tokens=[0, 0], kv_locs=list(range(6))))
+    verified = prepare_for_verify(draft, frozen_i64([0, 0, 0, 0]))
+    assert verified.input_ids.tolist() == [0] * 6 and verified.kv_locs.tolist() == list(range(6))
 
 
 def test_prepare_for_extend_takes_a_list_or_a_tuple() -> None:

@@ -247,6 +247,7 @@ def test_lower_each_kind() -> None:
     assert isinstance(lower(d, LowerContext()), DecodePlan)
     assert isinstance(lower(MixedBatch(extend=_extend(), decode=d), LowerContext()), MixedPlan)
     assert isinstance(lower(IdleBatch(), LowerContext()), IdlePlan)
+    assert IdleBatch().num_requests == lower(IdleBatch(), LowerContext()).num_requests == 0
 
 
 # -- purity -------------------------------------------------------------------------------------

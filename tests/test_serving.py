@@ -221,6 +221,22 @@ def test_mixed_forward_with_retraction_under_kv_pressure() -> None:
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0
 
 
+def test_mixed_step_needs_one_kv_location_per_running_request() -> None:
+    """Before a MIXED step each running request needs one KV location for its decode. With exactly
+    that many free, nothing is retracted: the step decodes, and the waiting prompt (whose chunk does
+    not fit) is prefilled once the running request has finished."""
+    first, second = list(b"print('hello world')"), list(b"def f(x):")
+    drv = _driver(0, kv_capacity=len(first) + 1)  # the first prompt and its one decode, nothing more
+    drv.admit(RequestId(0), first, max_new_tokens=2)
+    drv.admit(RequestId(1), second, max_new_tokens=2)
+    assert [drv.step() for _ in range(3)] == ["extend", "decode", "extend"]
+    drv.run_until_done()
+    assert drv.stats.retractions == 0
+    assert drv.outputs == {RequestId(0): _reference(tuple(first), 2), RequestId(1): _reference(tuple(second), 2)}
+    drv.ledger.assert_drained()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_retraction_frees_and_the_request_completes_after_re_prefill(k: int) -> None:
     # all three prompts fit (157 locations), their growth does not: the newest is retracted

@@ -80,6 +80,25 @@ def test_init_ops_consumed_once_per_pool_and_nothing_leaks(k: int) -> None:
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0
 
 
+def test_run_until_done_gives_up_after_max_steps() -> None:
+    target, _ = _models()
+    drv = SpecDriver(target, None, k=0)
+    drv.admit(RequestId(0), PROMPTS[0], max_new_tokens=4)  # a prefill and 3 decodes
+    with pytest.raises(RuntimeError, match=r"^1 requests still live after 2 steps$"):
+        drv.run_until_done(max_steps=2)
+    assert drv.live == 1 and drv.outputs == {}
+    drv.run_until_done()  # the engine is still serving: the request completes
+    assert drv.live == 0 and len(drv.outputs[RequestId(0)]) == 4
+
+
+def test_run_until_done_with_exactly_enough_steps_returns() -> None:
+    target, _ = _models()
+    drv = SpecDriver(target, None, k=0)
+    drv.admit(RequestId(0), PROMPTS[0], max_new_tokens=4)  # a prefill and 3 decodes: 4 steps
+    drv.run_until_done(max_steps=4)
+    assert drv.live == 0 and len(drv.outputs[RequestId(0)]) == 4
+
+
 def test_default_draft_acceptance_is_in_range() -> None:
     for k in (1, 2, 4):
         rate = _serve(k).stats.acceptance_rate

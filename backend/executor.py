@@ -59,7 +59,7 @@ from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_deco
 from backend import faults
 from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
 from ir._fields import I64
-from ir.errors import MutationError, PlanExecutionError
+from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
 from ir.nodes import Plan
 from ir.ids import TicketSerial
@@ -105,6 +105,10 @@ class Executor:
         check_instance("Executor", "slots", slots, SlotAllocator, optional=True)
         check_instance("Executor", "transactional", transactional, bool)
         check_instance("Executor", "watch", watch, bool, optional=True)
+        if slots is not None and slots.capacity != pool.capacity:
+            raise IRValidationError(
+                "Executor", "slots", slots, f"the slot allocator's capacity {slots.capacity} differs from the pool's {pool.capacity}"
+            )
         self.pool = pool
         self.transactional = transactional
         self.watch = watch if watch is not None else verify_level_from_env() == 2
@@ -145,6 +149,8 @@ class Executor:
                 _not_a_plan(plan)
 
     def run_prefill(self, plan: ExtendPlan | MixedPlan) -> torch.Tensor | None:
+        if not isinstance(plan, (ExtendPlan, MixedPlan)):
+            _wrong_plan("run_prefill", plan, "an ExtendPlan or a MixedPlan")
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
         self._check_slots(ext.slots, type(plan).__name__)
         rows = ext.slots.tolist()
@@ -193,6 +199,8 @@ class Executor:
                 apply_snapshot(self.pool, t.snapshot)
 
     def run_decode(self, plan: DecodePlan) -> torch.Tensor | None:
+        if not isinstance(plan, DecodePlan):
+            _wrong_plan("run_decode", plan, "a DecodePlan")
         self._check_slots(plan.slots, "DecodePlan")
         staged = stage_decode(plan, self.pool.device)
         with self._unit(plan.slots):
@@ -201,6 +209,8 @@ class Executor:
         return out
 
     def run_draft(self, plan: DraftPlan) -> torch.Tensor:
+        if not isinstance(plan, DraftPlan):
+            _wrong_plan("run_draft", plan, "a DraftPlan")
         self._check_slots(plan.batch.slots, "DraftPlan")
         staged = stage_window(plan.batch, self.pool.device)
         with self._watched("the model hook's propose", plan, staged):
@@ -208,6 +218,8 @@ class Executor:
         return out
 
     def run_verify(self, plan: VerifyPlan) -> torch.Tensor:
+        if not isinstance(plan, VerifyPlan):
+            _wrong_plan("run_verify", plan, "a VerifyPlan")
         vid = plan.batch.verify_id
         epoch, n = serial_epoch(vid), vid & ((1 << SERIAL_COUNTER_BITS) - 1)
         # verify ids are minted in order and each verify runs once: remembering the newest one per
@@ -226,6 +238,8 @@ class Executor:
 
     def run_commit(self, plan: CommitPlan) -> None:
         """Commit the intermediate states of the verify the plan names; each verify commits once."""
+        if not isinstance(plan, CommitPlan):
+            _wrong_plan("run_commit", plan, "a CommitPlan")
         vid = plan.batch.verify_id
         self._check_slots(plan.batch.slots, "CommitPlan")
         verified = self._intermediates.get(vid)
@@ -248,6 +262,8 @@ class Executor:
         del self._intermediates[vid]
 
     def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor | None:
+        if not isinstance(plan, DraftExtendPlan):
+            _wrong_plan("run_draft_extend", plan, "a DraftExtendPlan")
         self._check_slots(plan.batch.slots, "DraftExtendPlan")
         staged = stage_extend(plan.batch, self.pool.device)
         with self._unit(plan.batch.slots):
@@ -372,6 +388,12 @@ class Executor:
                 raise PlanExecutionError(f"{what}: slot {bad} out of range [1, {self.pool.capacity}] of pool {self.pool.pool_id!r}")
             if self.slots is not None:
                 self.slots.check_live(np.asarray(slots).tolist(), what)
+
+
+def _wrong_plan(entry: str, value: object, expected: str) -> NoReturn:
+    """A typed entry point handed something else: mypy rejects it for typed callers; anyone else
+    gets a typed error naming the entry and what they passed."""
+    raise PlanExecutionError(f"Executor.{entry}: expected {expected}, got a {type(value).__name__}")
 
 
 def _not_a_plan(value: Never) -> NoReturn:

@@ -40,7 +40,10 @@ from contextlib import contextmanager
 
 import attrs
 
-from ir.errors import IRValidationError, ResourceLeakError, ResourceReplayError, TicketMismatchError, UnknownTicketError, WrongPoolError
+from ir.errors import (
+    IRValidationError, PreconditionError, ResourceLeakError, ResourceReplayError, TicketMismatchError, UnknownTicketError, WrongPoolError,
+    short_repr,
+)
 from ir.ids import PoolId, TicketSerial
 from ir._fields import int_problem
 from ir.init import EPOCH_BITS, InitTicket, SnapshotTicket, Ticket, minted_here, serial_epoch
@@ -207,6 +210,9 @@ class Ledger:
         forward). A cancellation is an event with a reason, not a silent drop; it is refused for a
         ticket that is consumed or being consumed."""
         key = _key(_tickets_arg("cancel", (ticket,))[0])
+        why: object = reason  # typed str; checked because callers need not be typed
+        if not isinstance(why, str) or not why:
+            raise PreconditionError("Ledger.cancel", f"reason must be a non-empty str, got {short_repr(reason)}")
         with self._lock:
             if key in self._consumed or key in self._in_flight:
                 raise ResourceReplayError(f"cannot cancel {ticket}: it has run or is running")

@@ -37,14 +37,39 @@ MAX_POOL_BYTES: Final = 1 << 38
 """Most bytes of one pool's buffer (256 GiB: more than one accelerator holds)."""
 
 
-def _positive(name: str, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+MAX_LAYER_DIM: Final = 1 << 20
+"""Largest conv_dim, nheads, head_dim or d_state of one layer's state."""
+
+
+def device_problem(device: object) -> str | None:
+    """Why ``device`` cannot hold a pool or a model here (a message fragment), or ``None``: it must
+    be a ``torch.device`` or a device name, ``cpu`` or an available CUDA device."""
+    if isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError):
+            return f"device must be 'cpu' or an available CUDA device, got {device!r} (not a device name)"
+    elif isinstance(device, torch.device):
+        dev = device
+    else:
+        return f"device must be a str or a torch.device, not {type(device).__name__} (got {device!r})"
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return f"device {device!r}: CUDA is not available in this process"
+        if not 0 <= (dev.index or 0) < count:
+            return f"device {device!r}: there are {count} CUDA device(s)"
+    elif dev.type != "cpu":
+        return f"device must be 'cpu' or an available CUDA device, got {device!r}"
+    return None
 
 
 @attrs.frozen(kw_only=True)
 class MambaLayerSpec:
-    """Shapes and dtypes of one Mamba2 layer's recurrent state."""
+    """Shapes and dtypes of one Mamba2 layer's recurrent state. Dimensions are ints (numpy
+    integers too; never ``bool``, ``float``, ``str`` or ``None``) in ``[1, MAX_LAYER_DIM]``,
+    ``kernel_width`` in ``[2, 4]``, dtypes float32, float16 or bfloat16; else ``IRValidationError``
+    naming the field and the value."""
 
     conv_dim: int
     kernel_width: int
@@ -61,12 +86,18 @@ class MambaLayerSpec:
             ("head_dim", self.head_dim),
             ("d_state", self.d_state),
         ):
-            _positive(name, value)
-        if not 2 <= self.kernel_width <= 4:
-            raise ValueError(f"kernel_width must be in [2, 4], got {self.kernel_width!r}")
-        for name, dtype in (("conv_dtype", self.conv_dtype), ("ssm_dtype", self.ssm_dtype)):
-            if dtype not in _DTYPES:
-                raise ValueError(f"{name} must be one of float32/float16/bfloat16, got {dtype!r}")
+            n = check_int(self, name, value)
+            if not 1 <= n <= MAX_LAYER_DIM:
+                raise IRValidationError("MambaLayerSpec", name, value, f"must be in [1, {MAX_LAYER_DIM}]")
+            object.__setattr__(self, name, n)  # a numpy integer is kept as a Python int
+        width = check_int(self, "kernel_width", self.kernel_width)
+        if not 2 <= width <= 4:
+            raise IRValidationError("MambaLayerSpec", "kernel_width", self.kernel_width, "must be in [2, 4]")
+        object.__setattr__(self, "kernel_width", width)
+        dtypes: tuple[tuple[str, object], ...] = (("conv_dtype", self.conv_dtype), ("ssm_dtype", self.ssm_dtype))
+        for name, dtype in dtypes:  # typed torch.dtype; checked because callers need not be typed
+            if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+                raise IRValidationError("MambaLayerSpec", name, dtype, "must be torch.float32, torch.float16 or torch.bfloat16")
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -85,7 +116,11 @@ class MambaLayerSpec:
         return self.nheads * self.head_dim * self.d_state * self.ssm_dtype.itemsize
 
 
-def _layer_tuple(layers: Iterable[MambaLayerSpec]) -> tuple[MambaLayerSpec, ...]:
+def _layer_tuple(layers: object) -> tuple[MambaLayerSpec, ...]:
+    """The layers as a tuple (each is type-checked in ``PoolLayout``); a str or a non-iterable is
+    refused, not iterated."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise IRValidationError("PoolLayout", "layers", layers, "must be a sequence of MambaLayerSpec")
     return tuple(layers)
 
 
@@ -117,9 +152,12 @@ class PoolLayout:
 
     def _offsets(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         if not self.layers:
-            raise ValueError("a pool layout needs at least one Mamba layer")
-        if self.align < 16 or self.align & (self.align - 1):
-            raise ValueError(f"align must be a power of two >= 16, got {self.align!r}")
+            raise IRValidationError("PoolLayout", "layers", self.layers, "a pool layout needs at least one Mamba layer")
+        for i, spec in enumerate(self.layers):
+            check_instance(self, f"layers[{i}]", spec, MambaLayerSpec)
+        align = check_int(self, "align", self.align)
+        if not 16 <= align <= 4096 or align & (align - 1):
+            raise IRValidationError("PoolLayout", "align", self.align, "must be a power of two in [16, 4096]")
         conv: list[int] = []
         ssm: list[int] = []
         off = 0
@@ -162,8 +200,9 @@ class MambaStatePool:
                 "MambaStatePool", "capacity", capacity,
                 f"{slots + 1} rows of {layout.row_bytes} bytes exceed the pool bound of {MAX_POOL_BYTES} bytes",
             )
-        if not isinstance(device, (torch.device, str)):
-            raise IRValidationError("MambaStatePool", "device", device, f"must be a torch.device or a str, not {type(device).__name__}")
+        problem = device_problem(device)
+        if problem is not None:
+            raise IRValidationError("MambaStatePool", "device", device, problem)
         self.pool_id: Final = pool_id
         self.layout: Final = layout
         self.capacity: Final = slots
@@ -182,13 +221,21 @@ class MambaStatePool:
         flat = self.buffer[:, offset : offset + nbytes].view(dtype)
         return flat.view((self.num_slots, *shape))
 
+    def _layer(self, layer: object) -> int:
+        i = check_int("MambaStatePool", "layer", layer)
+        if not 0 <= i < len(self.layout.layers):
+            raise IRValidationError("MambaStatePool", "layer", layer, f"must be a layer index in [0, {len(self.layout.layers)})")
+        return i
+
     def conv_state(self, layer: int) -> torch.Tensor:
         """``[num_slots, conv_dim, kernel_width - 1]`` strided view of layer ``layer``'s conv state."""
+        layer = self._layer(layer)
         spec = self.layout.layers[layer]
         return self._view(self.layout.conv_offsets[layer], spec.conv_bytes, spec.conv_dtype, spec.conv_shape)
 
     def ssm_state(self, layer: int) -> torch.Tensor:
         """``[num_slots, nheads, head_dim, d_state]`` strided view of layer ``layer``'s SSM state."""
+        layer = self._layer(layer)
         spec = self.layout.layers[layer]
         return self._view(self.layout.ssm_offsets[layer], spec.ssm_bytes, spec.ssm_dtype, spec.ssm_shape)
 

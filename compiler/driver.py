@@ -18,7 +18,7 @@ KV of finished and aborted requests return to their allocators.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 
 import attrs
 import numpy as np
@@ -45,10 +45,15 @@ Sampler = Callable[[Plan, "torch.Tensor | None", Sequence[tuple[RequestId, int]]
 """``(plan, model_output, [(rid, position)]) -> one token per listed request``."""
 
 
-def checked_prompt(where: str, prompt: Sequence[int], vocab: int | None = None) -> I64:
+def checked_prompt(where: str, prompt: Sequence[int], vocab: int | None = None, max_len: int | None = None) -> I64:
     """The prompt as a read-only int64 column, or ``IRValidationError`` naming ``where`` (``"request
     3"``, ``"checkpoint"``) and the bad token (negative, or ``>= vocab`` when the model's vocabulary
-    size is given)."""
+    size is given). With ``max_len``, a longer prompt is refused by its length before any of it is
+    read (``range(10**10)`` is not materialised); a prompt without a length (a generator) is refused."""
+    if not isinstance(prompt, Sized):
+        raise IRValidationError(where, "prompt", prompt, f"must be a sequence of int token ids, not {type(prompt).__name__}")
+    if max_len is not None and len(prompt) > max_len:
+        raise IRValidationError(where, "prompt", f"<{len(prompt)} tokens>", f"is longer than {max_len} tokens")
     arr = as_i64(prompt)
     if arr.dtype != np.int64 or arr.ndim != 1:
         shown: object = arr[0] if arr.dtype == object and arr.shape == (1,) else prompt

@@ -125,6 +125,11 @@ class PrefixCache:
             bad = first_bad_int(values)
             if bad is not None:
                 raise PrefixCacheError(f"{method}(entry): every {name} entry {bad[1]} (got {short_repr(bad[0])})")
+        if entry.slot < 1:
+            raise PrefixCacheError(f"{method}(entry): slot must be a cache slot >= 1 (slot 0 is the padding slot), got {entry.slot}")
+        for name, values in (("tokens", entry.tokens), ("kv_locs", entry.kv_locs)):
+            if values and min(values) < 0:
+                raise PrefixCacheError(f"{method}(entry): every {name} entry must be >= 0 (got {min(values)})")
         problem = int_problem(entry.pins)
         if problem is not None or entry.pins < 0:
             raise PrefixCacheError(f"{method}(entry): pins must be an int >= 0 (got {short_repr(entry.pins)})")

@@ -358,7 +358,7 @@ class SpecDriver:
         rid = RequestId(int(rid))
         if rid in self._reqs or rid in self.outputs:
             raise PreconditionError("admit", f"request id {rid} is already in use")
-        arr = checked_prompt(f"request {rid}", prompt, self.vocab)
+        arr = checked_prompt(f"request {rid}", prompt, self.vocab, MAX_LEN)  # huge inputs refused unread
         problem = int_problem(max_new_tokens)
         if problem is not None:
             raise PreconditionError("admit", f"request {rid}: max_new_tokens {problem} (got {max_new_tokens!r})")
@@ -427,7 +427,7 @@ class SpecDriver:
         refuses with ``EngineStoppedError``; an exception escaping the prefill itself stops the
         engine, as one escaping ``step`` does."""
         self.check_serving()
-        arr = checked_prompt("checkpoint", tokens, self.vocab)  # validated before anything is allocated
+        arr = checked_prompt("checkpoint", tokens, self.vocab, MAX_LEN)  # validated before anything is allocated
         n = int(arr.shape[0])
         if n + self.k + 3 > self.max_len:
             raise PreconditionError(
@@ -855,7 +855,11 @@ class SpecDriver:
             pass
 
     def run_until_done(self, max_steps: int = 100_000) -> None:
-        """Step until no request is live; ``RuntimeError`` if some still are after ``max_steps``."""
+        """Step until no request is live; ``RuntimeError`` if some still are after ``max_steps`` (an
+        int >= 0, else ``PreconditionError``)."""
+        problem = int_problem(max_steps)
+        if problem is not None or max_steps < 0:
+            raise PreconditionError("run_until_done", f"max_steps must be an int >= 0 (got {short_repr(max_steps)})")
         for _ in range(max_steps):
             if not self._reqs:
                 return

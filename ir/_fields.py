@@ -319,6 +319,21 @@ def ints(values: Iterable[object], node: str, name: str) -> tuple[int, ...]:
     return tuple(int(cast(int, v)) for v in items)
 
 
+MAX_SEQ_LEN = 2**31 - 1
+"""Largest sequence length, prefix length or chunk length a node accepts (positions are int32 in
+the kernels). The bound also keeps every sum a pass forms (``prefix_lens + extend_lens``,
+``sum(extend_lens)``, ``seq_lens + k + 1``) far inside int64, so nothing wraps around."""
+
+
+def check_max(node: object, name: str, arr: I64, maximum: int | I64, what: str = "") -> None:
+    """Every value of ``arr`` is ``<= maximum`` (a bound, or one per entry; ``what`` names it in
+    the message)."""
+    if arr.size:
+        over = arr > maximum
+        if over.any():
+            raise IRValidationError(_node_name(node), name, int(arr[over][0]), f"every value must be <= {what or maximum}")
+
+
 def check_min(node: object, name: str, arr: I64, minimum: int) -> None:
     if arr.size and int(arr.min()) < minimum:
         bad = int(arr[arr < minimum][0])

@@ -27,7 +27,7 @@ from typing import Protocol, final
 
 import attrs
 
-from ir._fields import BoolArray, I64, ColumnNode, as_bool, as_i64, check_column, check_instance, check_min, column_key
+from ir._fields import BoolArray, I64, ColumnNode, as_bool, as_i64, check_column, check_instance, check_max, check_min, column_key, MAX_SEQ_LEN
 from ir.errors import IRValidationError
 from ir.init import InitIntent, MambaInit, MambaSnapshot
 
@@ -80,6 +80,8 @@ def check_extend_columns(node: _ExtendColumns) -> None:
     check_min(node, "slots", node.slots, 1)
     check_min(node, "prefix_lens", node.prefix_lens, 0)
     check_min(node, "extend_lens", node.extend_lens, 1)
+    check_max(node, "extend_lens", node.extend_lens, MAX_SEQ_LEN, "MAX_SEQ_LEN (2**31 - 1)")
+    check_max(node, "prefix_lens", node.prefix_lens, MAX_SEQ_LEN - node.extend_lens, "MAX_SEQ_LEN - extend_lens")
     total = int(node.extend_lens.sum())
     check_column(node, "input_ids", node.input_ids, total, "sum(extend_lens)")
     check_column(node, "kv_locs", node.kv_locs, total, "sum(extend_lens)")
@@ -100,6 +102,7 @@ def check_decode_columns(node: _DecodeColumns) -> None:
         check_column(node, name, col, n)
     check_min(node, "slots", node.slots, 1)
     check_min(node, "seq_lens", node.seq_lens, 1)
+    check_max(node, "seq_lens", node.seq_lens, MAX_SEQ_LEN, "MAX_SEQ_LEN (2**31 - 1)")
     check_min(node, "input_ids", node.input_ids, 0)
     check_min(node, "kv_locs", node.kv_locs, 0)
 

@@ -32,7 +32,7 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import I64, ColumnNode, as_i64, check_column, check_instance, check_int, check_min, column_key
+from ir._fields import I64, ColumnNode, as_i64, check_column, check_instance, check_int, check_max, check_min, column_key, MAX_SEQ_LEN
 from ir.batch import check_extend_columns
 from ir.errors import IRValidationError
 from ir.ids import TicketSerial
@@ -67,6 +67,7 @@ def _check_window(node: object, k: int, rids: I64, slots: I64, seq_lens: I64, wi
     check_column(node, "seq_lens", seq_lens, n)
     check_min(node, "slots", slots, 1)
     check_min(node, "seq_lens", seq_lens, 1)
+    check_max(node, "seq_lens", seq_lens, MAX_SEQ_LEN - k - 1, "MAX_SEQ_LEN - k - 1")
     for field, col in windows:
         check_column(node, field, col, n * (k + 1), "len(rids) * (k + 1)")
         check_min(node, field, col, 0)

@@ -18,7 +18,7 @@ from typing import final
 import attrs
 import numpy as np
 
-from ir._fields import I64, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
+from ir._fields import MAX_SEQ_LEN, I64, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError
 from passes._args import bad_arg, unexpected_arg
@@ -63,8 +63,10 @@ def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: Decod
             raise PreconditionError(
                 "prepare_for_decode", f"ctx.{name} has {col.shape[0]} entries for {n} decoding requests"
             )
-    # Every column comes from a checked node or context and ``seq_lens + 1`` stays >= 1, so the
-    # local checks hold by construction (re-run by ``ir.verify``).
+    if n and int(seq_lens.max()) >= MAX_SEQ_LEN:
+        raise PreconditionError("prepare_for_decode", f"a sequence of {int(seq_lens.max())} tokens cannot grow: MAX_SEQ_LEN is {MAX_SEQ_LEN}")
+    # Every column comes from a checked node or context and ``seq_lens + 1`` stays in [1,
+    # MAX_SEQ_LEN], so the local checks hold by construction (re-run by ``ir.verify``).
     return build_unchecked(
         DecodeBatch,
         rids=rids,

@@ -13,7 +13,7 @@ from typing import final
 
 import attrs
 
-from ir._fields import I64, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
+from ir._fields import MAX_SEQ_LEN, I64, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch
 from ir.errors import PreconditionError
 from ir.spec import DraftBatch, check_k
@@ -44,6 +44,10 @@ def prepare_for_draft(batch: DecodeBatch, ctx: SpecContext) -> DraftBatch:
     n = batch.num_requests
     if ctx.next_tokens.shape[0] != n:
         raise PreconditionError("prepare_for_draft", f"ctx has {ctx.next_tokens.shape[0]} pending tokens for {n} rows")
+    if n and int(batch.seq_lens.max()) > MAX_SEQ_LEN - ctx.k - 2:
+        raise PreconditionError(
+            "prepare_for_draft", f"a sequence of {int(batch.seq_lens.max())} tokens has no room for k + 1 = {ctx.k + 1} more under MAX_SEQ_LEN"
+        )
     return build_unchecked(
         DraftBatch,
         k=ctx.k,

@@ -588,3 +588,134 @@ def test_load_checkpoint_refuses_cuda_without_a_gpu(device: object) -> None:
 def test_load_checkpoint_still_loads() -> None:
     model = load_checkpoint(bundled_path(TARGET_FILE), device=torch.device("cpu"), dtype=torch.bfloat16)
     assert model.config.vocab == 256
+
+
+# -- third hostile round: layer specs, layouts, devices, typed entry points, lengths --------------
+
+
+_SPEC = {"conv_dim": 4, "kernel_width": 4, "nheads": 2, "head_dim": 2, "d_state": 2}
+
+
+@pytest.mark.parametrize("field", ["conv_dim", "kernel_width", "nheads", "head_dim", "d_state"])
+@pytest.mark.parametrize("value", [True, 3.0, None, "4", 0, 2**70], ids=["bool", "float", "None", "str", "zero", "huge"])
+def test_layer_spec_dimensions_are_checked(field: str, value: object) -> None:
+    err = _refused(IRValidationError, rf"^MambaLayerSpec\.{field}: ", lambda: MambaLayerSpec(**{**_SPEC, field: value}))
+    assert repr(value)[:20] in str(err)
+
+
+@pytest.mark.parametrize("dtype", ["float32", torch.int64, None])
+def test_layer_spec_dtypes_are_checked(dtype: object) -> None:
+    _refused(IRValidationError, r"^MambaLayerSpec\.conv_dtype: must be torch.float32", lambda: MambaLayerSpec(**_SPEC, conv_dtype=dtype))
+
+
+def test_layer_spec_keeps_numpy_dimensions_as_ints() -> None:
+    spec = MambaLayerSpec(**{**_SPEC, "nheads": np.int32(3)})
+    assert type(spec.nheads) is int and spec.nheads == 3
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"layers": []}, r"^PoolLayout\.layers: a pool layout needs at least one Mamba layer"),
+        ({"layers": None}, r"^PoolLayout\.layers: must be a sequence of MambaLayerSpec"),
+        ({"layers": "ab"}, r"^PoolLayout\.layers: must be a sequence of MambaLayerSpec"),
+        ({"layers": [None]}, r"^PoolLayout\.layers\[0\]: must be a MambaLayerSpec, not NoneType"),
+        ({"layers": [{"conv_dim": 4}]}, r"^PoolLayout\.layers\[0\]: must be a MambaLayerSpec, not dict"),
+        ({"align": 24}, r"^PoolLayout\.align: must be a power of two in \[16, 4096\] \(got 24\)"),
+        ({"align": True}, r"^PoolLayout\.align: .*bool"),
+        ({"align": 256.0}, r"^PoolLayout\.align: .*float"),
+        ({"align": None}, r"^PoolLayout\.align: "),
+        ({"align": "256"}, r"^PoolLayout\.align: "),
+    ],
+    ids=["empty", "None", "str", "None-layer", "dict-layer", "align-24", "align-bool", "align-float", "align-None", "align-str"],
+)
+def test_pool_layout_arguments_are_checked(kw: dict[str, Any], match: str) -> None:
+    args: dict[str, Any] = {"layers": [MambaLayerSpec(**_SPEC)], **kw}
+    _refused(IRValidationError, match, lambda: PoolLayout(**args))
+
+
+def _pool() -> MambaStatePool:
+    return MambaStatePool(TARGET_POOL, PoolLayout(layers=[MambaLayerSpec(**_SPEC)]), 4)
+
+
+@pytest.mark.parametrize("device", ["quantum", "cuda:7", 3], ids=["unknown", "cuda-absent", "int"])
+def test_pool_device_is_checked_before_allocation(device: object) -> None:
+    _refused(IRValidationError, r"^MambaStatePool\.device: device", lambda: MambaStatePool(TARGET_POOL, _pool().layout, 4, device=device))
+
+
+@pytest.mark.parametrize("layer", [1, -1, "0", None, True], ids=["past-end", "negative", "str", "None", "bool"])
+def test_pool_layer_index_is_checked(layer: object) -> None:
+    pool = _pool()
+    for view in (pool.conv_state, pool.ssm_state):
+        _refused(IRValidationError, r"^MambaStatePool\.layer: ", lambda: view(layer))  # type: ignore[arg-type]  # deliberately wrong
+
+
+@pytest.mark.parametrize("entry", ["run_prefill", "run_decode", "run_draft", "run_verify", "run_commit", "run_draft_extend"])
+def test_executor_typed_entry_points_refuse_other_values(entry: str) -> None:
+    pool = _pool()
+    ex = Executor(pool, Ledger())
+    before = pool.buffer.clone()
+    with suppress_type_checks():
+        call = {"run_prefill": ex.run_prefill, "run_decode": ex.run_decode, "run_draft": ex.run_draft,
+                "run_verify": ex.run_verify, "run_commit": ex.run_commit, "run_draft_extend": ex.run_draft_extend}[entry]
+    from ir.errors import PlanExecutionError
+
+    _refused(PlanExecutionError, rf"^Executor\.{entry}: expected .*, got a NoneType", lambda: call(None))  # type: ignore[arg-type]
+    assert torch.equal(pool.buffer, before)
+
+
+def test_executor_refuses_a_slot_allocator_of_another_capacity() -> None:
+    _refused(IRValidationError, r"^Executor\.slots: the slot allocator's capacity 100 differs from the pool's 4",
+             lambda: Executor(_pool(), Ledger(), slots=SlotAllocator(100)))
+
+
+def test_ledger_cancel_needs_a_reason() -> None:
+    from ir.init import InitTicket, MambaInit, mint_serial
+
+    ledger = Ledger()
+    ticket = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=mint_serial(), clear_slots=(1,)))
+    ledger.register([ticket])
+    for reason in (None, "", 3):
+        _refused(PreconditionError, r"^Ledger\.cancel: reason must be a non-empty str", lambda: ledger.cancel(ticket, reason))  # type: ignore[arg-type]
+    assert ledger.outstanding() == (ticket,) and ledger.cancelled() == {}
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        (CacheEntry(slot=MambaSlot(0), tokens=(1, 2, 3, 4), kv_locs=(1, 2, 3, 4)), r"slot must be a cache slot >= 1 .* got 0"),
+        (CacheEntry(slot=MambaSlot(-5), tokens=(1, 2, 3, 4), kv_locs=(1, 2, 3, 4)), r"slot must be a cache slot >= 1 .* got -5"),
+        (CacheEntry(slot=MambaSlot(1), tokens=(-1, -1, -1, -1), kv_locs=(1, 2, 3, 4)), r"every tokens entry must be >= 0 \(got -1\)"),
+        (CacheEntry(slot=MambaSlot(1), tokens=(1, 2, 3, 4), kv_locs=(1, -2, 3, 4)), r"every kv_locs entry must be >= 0 \(got -2\)"),
+    ],
+    ids=["slot-0", "slot-negative", "negative-token", "negative-kv"],
+)
+def test_prefix_cache_insert_refuses_impossible_entries(entry: CacheEntry, match: str) -> None:
+    cache = PrefixCache(capacity=2, block=4)
+    assert cache.reserve_room()
+    _refused(PrefixCacheError, r"^insert\(entry\): " + match, lambda: cache.insert(entry))
+    assert cache.entries() == () and cache._reserved == 1  # private: the reservation is still held
+
+
+@pytest.mark.parametrize("max_steps", [True, "x", None, 1.5, -1], ids=["bool", "str", "None", "float", "negative"])
+def test_run_until_done_checks_max_steps(max_steps: object) -> None:
+    drv, _ = _world()
+    before = _state(drv)
+    _refused(PreconditionError, r"^run_until_done: max_steps must be an int >= 0", lambda: drv.run_until_done(max_steps))  # type: ignore[arg-type]
+    _assert_unchanged(drv, before)
+
+
+@pytest.mark.parametrize("huge", [range(10**10), np.broadcast_to(np.int64(1), (2**36,))], ids=["range", "broadcast"])
+def test_a_huge_prompt_is_refused_by_its_length_unread(huge: Any) -> None:
+    drv, _ = _world()
+    before = _state(drv)
+    _refused(IRValidationError, rf"^request 9\.prompt: is longer than {sd.MAX_LEN} tokens \(got '<{len(huge)} tokens>'\)",
+             lambda: drv.admit(RequestId(9), huge, max_new_tokens=1))
+    _refused(IRValidationError, rf"^checkpoint\.prompt: is longer than {sd.MAX_LEN} tokens", lambda: drv.make_checkpoint(huge))
+    _assert_unchanged(drv, before)
+
+
+def test_a_prompt_without_a_length_is_refused() -> None:
+    drv, _ = _world()
+    _refused(IRValidationError, r"^request 9\.prompt: must be a sequence of int token ids, not generator",
+             lambda: drv.admit(RequestId(9), (t for t in [1, 2, 3]), max_new_tokens=1))  # type: ignore[arg-type]

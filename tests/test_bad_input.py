@@ -1084,3 +1084,43 @@ def test_numpy_integer_scalars_are_accepted(np_int: Callable[[int], object]) -> 
     assert all(type(r) is int for r in adw.driver._reqs)  # ids are stored as Python ints
     assert RequestId(9) in adw.driver._reqs
     assert w.slots.live() == frozenset({3}) and w.kv.live() == frozenset({1, 2})
+
+
+# -- lengths are bounded, so no sum a pass forms wraps around int64 ----------------------------------
+
+
+def _extend_cols(cls: type, extend_lens: list[int]) -> dict[str, Any]:
+    n = len(extend_lens)
+    cols: dict[str, Any] = {"rids": list(range(1, n + 1)), "slots": list(range(2, n + 2)), "prefix_lens": [0] * n,
+                            "extend_lens": extend_lens, "input_ids": [], "kv_locs": []}
+    if cls is ExtendBatch:
+        cols.update(more_chunks=[False] * n, intents=(InitIntent.CLEAR,) * n,
+                    init=MambaInit(serial=mint_serial(), clear_slots=tuple(range(2, n + 2))))
+    return cols
+
+
+def test_extend_lengths_whose_sum_would_wrap_are_refused() -> None:
+    # 4 x 2**62 sums to 0 in int64: without the bound the node had no tokens and filter_batch's
+    # np.repeat crashed the interpreter
+    from passes.filter_batch import filter_batch  # noqa: F401 - the pass the wrapped node used to crash
+
+    for cls in (ExtendBatch, DraftExtendBatch):
+        with pytest.raises(IRValidationError, match=rf"^{cls.__name__}\.extend_lens: every value must be <= MAX_SEQ_LEN \(2\*\*31 - 1\) \(got 4611686018427387904\)"):
+            cls(**_extend_cols(cls, [2**62] * 4))
+    with pytest.raises(IRValidationError, match=r"^DraftExtendBatch\.prefix_lens: every value must be <= MAX_SEQ_LEN - extend_lens \(got 2147483647\)"):
+        DraftExtendBatch(**{**_extend_cols(DraftExtendBatch, [1]), "prefix_lens": [2**31 - 1], "input_ids": [5], "kv_locs": [7]})
+
+
+def test_sequences_at_the_length_bound_cannot_grow() -> None:
+    top = 2**31 - 1
+    with pytest.raises(IRValidationError, match=r"^DecodeBatch\.seq_lens: every value must be <= MAX_SEQ_LEN"):
+        DecodeBatch(rids=[1], slots=[1], seq_lens=[top + 1], input_ids=[3], kv_locs=[4])
+    full = DecodeBatch(rids=[1], slots=[1], seq_lens=[top], input_ids=[3], kv_locs=[4])
+    with pytest.raises(PreconditionError, match=r"^prepare_for_decode: a sequence of 2147483647 tokens cannot grow"):
+        prepare_for_decode(full, DecodeContext(next_tokens=[5], kv_locs=[6]))
+    from passes.prepare_for_draft import prepare_for_draft
+
+    with pytest.raises(PreconditionError, match=r"^prepare_for_draft: a sequence of 2147483647 tokens has no room for k \+ 1 = 3"):
+        prepare_for_draft(full, SpecContext(k=2, next_tokens=[5], kv_locs=[6, 7, 8]))
+    with pytest.raises(IRValidationError, match=r"^AdmittedRequest\.prefix_len: prefix_len \+ len\(input_ids\) must be <= MAX_SEQ_LEN"):
+        AdmittedRequest(rid=RequestId(1), slot=MambaSlot(1), input_ids=[1], kv_locs=[2], prefix_len=top, intent=InitIntent.CONTINUE)

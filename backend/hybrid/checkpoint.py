@@ -32,6 +32,8 @@ import safetensors
 import safetensors.torch
 import torch
 
+from backend.pool import device_problem
+
 from backend.hybrid.config import LAYER_KINDS, HybridConfig
 from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import Weights, check_weights, weight_shapes
@@ -222,23 +224,9 @@ def _check_load_args(path: object, device: object, dtype: object) -> None:
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointError(repr(path), f"path must be a str or a path, not {type(path).__name__}")
     path = str(path)
-    if isinstance(device, str):
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, ValueError):
-            raise CheckpointError(path, f"device must be 'cpu' or an available CUDA device, got {device!r} (not a device name)") from None
-    elif isinstance(device, torch.device):
-        dev = device
-    else:
-        raise CheckpointError(path, f"device must be a str or a torch.device, not {type(device).__name__} (got {device!r})")
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise CheckpointError(path, f"device {device!r}: CUDA is not available in this process")
-        if not 0 <= (dev.index or 0) < count:
-            raise CheckpointError(path, f"device {device!r}: there are {count} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise CheckpointError(path, f"device must be 'cpu' or an available CUDA device, got {device!r}")
+    problem = device_problem(device)
+    if problem is not None:
+        raise CheckpointError(path, problem)
     if not isinstance(dtype, torch.dtype) or dtype not in _LOADABLE_DTYPES:
         raise CheckpointError(path, f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
 

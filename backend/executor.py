@@ -42,7 +42,7 @@ consuming its ticket, and what is applied is the registered ticket's ops.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Never, NoReturn, TypeAlias, cast
 
@@ -173,7 +173,8 @@ class Executor:
         if not self.transactional:
             # the init ticket is consumed once its ops are applied; a failing forward then leaves
             # its requests' state undefined (the driver aborts them) and its snapshot outstanding
-            with self.ledger.claiming(tickets, self.pool.pool_id) as claim:
+            with self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
+                _check_fresh_rows(plan, ext, claim.tickets)
                 for t in claim.tickets:
                     if isinstance(t, InitTicket):
                         apply_init(self.pool, t.init)
@@ -184,7 +185,8 @@ class Executor:
             return out
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
         # and every ticket is outstanding again, so the same plan can simply be executed again
-        with restoring(self.pool, rows), self.ledger.claiming(tickets, self.pool.pool_id) as claim:
+        with restoring(self.pool, rows), self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
+            _check_fresh_rows(plan, ext, claim.tickets)
             for t in claim.tickets:
                 if isinstance(t, InitTicket):
                     apply_init(self.pool, t.init)
@@ -202,6 +204,7 @@ class Executor:
         if not isinstance(plan, DecodePlan):
             _wrong_plan("run_decode", plan, "a DecodePlan")
         self._check_slots(plan.slots, "DecodePlan")
+        self.ledger.check_rows(plan.slots.tolist(), self.pool.pool_id, "DecodePlan")
         staged = stage_decode(plan, self.pool.device)
         with self._unit(plan.slots):
             out = self._forward(plan, None, staged)
@@ -212,6 +215,7 @@ class Executor:
         if not isinstance(plan, DraftPlan):
             _wrong_plan("run_draft", plan, "a DraftPlan")
         self._check_slots(plan.batch.slots, "DraftPlan")
+        self.ledger.check_rows(plan.batch.slots.tolist(), self.pool.pool_id, "DraftPlan")
         staged = stage_window(plan.batch, self.pool.device)
         with self._watched("the model hook's propose", plan, staged):
             out = self._spec_model(plan).propose(plan, staged, self.pool)
@@ -229,6 +233,7 @@ class Executor:
                 f"verify #{vid} already ran on pool {self.pool.pool_id!r} (each verify runs once, in the order its id was minted)"
             )
         self._check_slots(plan.batch.slots, "VerifyPlan")
+        self.ledger.check_rows(plan.batch.slots.tolist(), self.pool.pool_id, "VerifyPlan")
         staged = stage_window(plan.batch, self.pool.device)
         with self._watched("the model hook's verify", plan, staged):
             out, states = self._spec_model(plan).verify(plan, staged, self.pool)
@@ -242,6 +247,7 @@ class Executor:
             _wrong_plan("run_commit", plan, "a CommitPlan")
         vid = plan.batch.verify_id
         self._check_slots(plan.batch.slots, "CommitPlan")
+        self.ledger.check_rows(plan.batch.slots.tolist(), self.pool.pool_id, "CommitPlan")
         verified = self._intermediates.get(vid)
         if verified is None:
             raise PlanExecutionError(
@@ -265,6 +271,7 @@ class Executor:
         if not isinstance(plan, DraftExtendPlan):
             _wrong_plan("run_draft_extend", plan, "a DraftExtendPlan")
         self._check_slots(plan.batch.slots, "DraftExtendPlan")
+        self.ledger.check_rows(plan.batch.slots.tolist(), self.pool.pool_id, "DraftExtendPlan")
         staged = stage_extend(plan.batch, self.pool.device)
         with self._unit(plan.batch.slots):
             out = self._forward(plan, staged, None)
@@ -388,6 +395,23 @@ class Executor:
                 raise PlanExecutionError(f"{what}: slot {bad} out of range [1, {self.pool.capacity}] of pool {self.pool.pool_id!r}")
             if self.slots is not None:
                 self.slots.check_live(np.asarray(slots).tolist(), what)
+
+
+def _check_fresh_rows(plan: ExtendPlan | MixedPlan, ext: ExtendPlan, tickets: Sequence[Ticket]) -> None:
+    """A row that starts at token 0 starts from a cleared state, and only the plan's own init (the
+    registered one, claimed) can clear it: a plan stripped of its ticket would run on whatever the
+    slot held. Runs inside the claim, before any op, so a refusal leaves the pool as it was."""
+    fresh = ext.slots[ext.prefix_lens == 0]
+    if not fresh.size:
+        return
+    init = next((t.init for t in tickets if isinstance(t, InitTicket)), None)
+    cleared = frozenset(init.clear_slots) if init is not None else frozenset()
+    missing = [s for s in fresh.tolist() if s not in cleared]
+    if missing:
+        raise PlanExecutionError(
+            f"{type(plan).__name__}: slot {missing[0]} starts at token 0 but the plan's init does not clear it "
+            f"(init: {'none for this pool' if init is None else init})"
+        )
 
 
 def _wrong_plan(entry: str, value: object, expected: str) -> NoReturn:

@@ -98,6 +98,9 @@ class Ledger:
         self._counts: dict[PoolId, PoolCounts] = {}
         self._minted: dict[PoolId, PoolCounts] = {}
         self._peers: dict[int, str] = {}
+        self._rows: dict[PoolId, dict[int, set[_Key]]] = {}
+        """Per pool, the plan rows each registered, not yet consumed ticket writes (init targets)
+        or reads (snapshot sources): a plan over such a row must carry that ticket."""
         self.replays_blocked = 0
 
     def trust_peer(self, epoch: int, peer: str) -> None:
@@ -142,15 +145,48 @@ class Ledger:
                 if key not in self._outstanding:
                     self._outstanding[key] = t
                     self._minted[t.pool] = _add(self._minted.get(t.pool, PoolCounts()), t)
+                    rows = self._rows.setdefault(t.pool, {})
+                    for slot in _ticket_rows(t):
+                        rows.setdefault(slot, set()).add(key)
+
+    def _forget_rows(self, key: _Key, t: Ticket) -> None:
+        rows = self._rows.get(t.pool, {})
+        for slot in _ticket_rows(t):
+            keys = rows.get(slot)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del rows[slot]
+
+    def check_rows(self, rows: Iterable[int], pool: PoolId, plan: str, carried: Iterable[Ticket] = ()) -> None:
+        """Refuse a plan over ``rows`` of ``pool`` while a registered ticket that the plan does not
+        carry still has to write one of those rows (a clear or a COW into it) or read it (a
+        snapshot): the plan would run on a state its init never reached, or move it before its
+        snapshot was taken (``TicketMismatchError`` naming the row and the ticket)."""
+        with self._lock:
+            pending = self._rows.get(pool)
+            if not pending:
+                return
+            carried_keys = {_key(t) for t in carried}
+            for slot in rows:
+                for key in pending.get(slot, ()):
+                    if key not in carried_keys:
+                        t = self._outstanding.get(key) or self._in_flight[key]
+                        raise TicketMismatchError(
+                            f"{plan} over slot {slot} of pool {pool!r} does not carry {t} (ops {_ops(t)}), which must run "
+                            "on that row first: execute the plan it was lowered with"
+                        )
 
     @contextmanager
-    def claiming(self, tickets: Sequence[Ticket], pool: PoolId) -> Iterator[Claim]:
+    def claiming(self, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan") -> Iterator[Claim]:
         """Hold every ticket of one plan in flight on ``pool`` while the block runs (the init ops,
         the model, the snapshots). All are checked before any moves; the registered tickets are
         yielded; those not consumed early (``Claim.done``) are consumed if the block succeeds and
-        return to outstanding if it raises."""
+        return to outstanding if it raises. With ``rows`` (the plan's slots), ``check_rows`` runs
+        first: a registered ticket over one of them must be among ``tickets``."""
         items = _tickets_arg("claiming", tickets)
         _pool_arg("claiming", pool)
+        self.check_rows(rows, pool, plan, items)
         with self._lock:
             registered = tuple(self._check_claim(t, pool) for t in items)
             keys = [_key(t) for t in registered]
@@ -197,6 +233,7 @@ class Ledger:
         with self._lock:
             for key in keys:
                 t = self._in_flight.pop(key)
+                self._forget_rows(key, t)
                 self._consumed.add(key)
                 self._counts[t.pool] = _add(self._counts.get(t.pool, PoolCounts()), t)
 
@@ -218,7 +255,7 @@ class Ledger:
                 raise ResourceReplayError(f"cannot cancel {ticket}: it has run or is running")
             if key not in self._outstanding:
                 raise UnknownTicketError(f"cannot cancel {ticket}: not outstanding in this ledger")
-            del self._outstanding[key]
+            self._forget_rows(key, self._outstanding.pop(key))
             self._cancelled[key] = reason
 
     def cancelled(self) -> dict[tuple[TicketSerial, PoolId], str]:
@@ -293,6 +330,13 @@ def _add(c: PoolCounts, t: Ticket) -> PoolCounts:
     if isinstance(t, InitTicket):
         return attrs.evolve(c, tickets=c.tickets + 1, clears=c.clears + len(t.init.clear_slots), cows=c.cows + len(t.init.cow_dst))
     return attrs.evolve(c, snapshots=c.snapshots + len(t.snapshot.dst))
+
+
+def _ticket_rows(t: Ticket) -> tuple[int, ...]:
+    """The plan rows a ticket touches: an init's targets (cleared or COW'd into), a snapshot's sources."""
+    if isinstance(t, InitTicket):
+        return (*t.init.clear_slots, *t.init.cow_dst)
+    return tuple(t.snapshot.src)
 
 
 def _mismatch(registered: Ticket, other: Ticket, how: str) -> TicketMismatchError:

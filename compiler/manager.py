@@ -81,13 +81,18 @@ class PassTiming:
 
 
 def check_dump_dir(path: Path) -> None:
-    """Refuse a dump folder that exists as something else, or that holds a symbolic link."""
+    """Refuse a dump folder that is a symbolic link (dangling or not), exists as something else,
+    or holds a symbolic link."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return  # created when the pass manager is built
+    except ValueError:  # a NUL byte
+        raise SettingsError(f"dump folder {str(path)!r}: a path cannot hold a NUL byte") from None
     except OSError as exc:
         raise SettingsError(f"dump folder {str(path)!r}: cannot stat it ({exc.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise SettingsError(f"dump folder {str(path)!r} is a symbolic link; dump files are never written through links")
     if not stat.S_ISDIR(st.st_mode):
         raise SettingsError(f"dump folder {str(path)!r} exists and is not a directory")
     try:

@@ -151,6 +151,8 @@ def _read_bounded(p: Path) -> bytes:
     """The bytes of the regular file ``p``, at most ``MAX_WORKLOAD_BYTES`` of them."""
     try:
         st = os.stat(p)
+    except ValueError:  # a NUL byte in the path
+        raise WorkloadError(f"{str(p)!r}: cannot read workload file (a path cannot hold a NUL byte)") from None
     except OSError as exc:
         raise WorkloadError(f"{p}: cannot read workload file ({exc.strerror})") from None
     if not stat.S_ISREG(st.st_mode):

@@ -293,6 +293,8 @@ class SpecDriver:
         self._last_was_prefill = False
         self.outputs: dict[RequestId, list[int]] = {}
         self.stopped_by: BaseException | None = None
+        self._stepping = False
+        """True while ``step`` runs: a model hook calling back into the engine is refused."""
         self.aborted_by_failure: set[RequestId] = set()
         """Requests aborted because a forward carrying them failed (not by ``abort``)."""
         self.first_failure: str | None = None
@@ -489,7 +491,9 @@ class SpecDriver:
 
     def abort(self, rid: RequestId) -> None:
         """End a live request now (its output so far goes to ``outputs``). ``rid`` is an int (numpy
-        integers too; never ``bool``, ``float``, ``str`` or ``None``), else ``PreconditionError``."""
+        integers too; never ``bool``, ``float``, ``str`` or ``None``), else ``PreconditionError``.
+        A stopped engine refuses with ``EngineStoppedError``."""
+        self.check_serving()
         problem = int_problem(rid)
         if problem is not None:
             raise PreconditionError("abort", f"rid {problem} (got {short_repr(rid)})")
@@ -521,6 +525,7 @@ class SpecDriver:
         ``admit`` raises ``EngineStoppedError`` naming it. Outputs already finished stay in
         ``outputs``."""
         self.check_serving()
+        self._stepping = True
         try:
             return self._step()
         except StepFailed as failure:
@@ -529,9 +534,15 @@ class SpecDriver:
         except BaseException as exc:
             self.stopped_by = exc
             raise
+        finally:
+            self._stepping = False
 
     def check_serving(self) -> None:
-        """Raise ``EngineStoppedError`` if an earlier step raised (see ``step``)."""
+        """Raise ``EngineStoppedError`` if an earlier step raised (see ``step``), and
+        ``PreconditionError`` when called from inside a step (a model hook calling back into the
+        engine: the step's bookkeeping is half done)."""
+        if self._stepping:
+            raise PreconditionError("engine", "called from inside a step (a model hook?): admit, abort and checkpoints wait for step() to return")
         if self.stopped_by is not None:
             raise EngineStoppedError(
                 f"engine stopped: an earlier step raised {self.stopped_by!r}; its bookkeeping may be partial, "

@@ -44,10 +44,12 @@ def _snapshots(values: object) -> tuple[SnapshotTicket, ...]:
 
 
 def _check_tickets(field: str, tickets: tuple[object, ...], cls: type[InitTicket | SnapshotTicket]) -> None:
-    """Every entry a ``cls`` (itself checked when built), one per pool, all with one serial.
+    """Every entry a ``cls`` (itself checked when built), one per pool, all with one serial and the
+    same ops (the same ``MambaInit`` or ``MambaSnapshot``: every pool's state starts alike).
     (``tickets`` is typed ``object`` entries: the check is for callers that are not type-checked.)"""
     pools: set[PoolId] = set()
     serials: set[int] = set()
+    ops: set[object] = set()
     for t in tickets:
         if not isinstance(t, cls):
             raise IRValidationError("ExtendPlan", field, t, f"every entry must be {type_names(cls)}, not {type(t).__name__}")
@@ -55,8 +57,11 @@ def _check_tickets(field: str, tickets: tuple[object, ...], cls: type[InitTicket
             raise IRValidationError("ExtendPlan", field, t.pool, "two tickets for one pool")
         pools.add(t.pool)
         serials.add(t.serial)
+        ops.add(t.init if isinstance(t, InitTicket) else t.snapshot)
     if len(serials) > 1:
         raise IRValidationError("ExtendPlan", field, sorted(serials), "tickets of one plan share one serial")
+    if len(ops) > 1:
+        raise IRValidationError("ExtendPlan", field, tickets, "tickets of one plan carry the same ops for every pool")
 
 
 @final

@@ -336,6 +336,23 @@ def test_dump_dir_holding_a_symlink_is_refused_before_the_run(tmp_path: Path, ca
     assert victim.read_text() == "precious\n"
 
 
+@pytest.mark.parametrize("target", ["dir", "dangling"])
+def test_dump_dir_that_is_a_symlink_is_refused_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch, target: str) -> None:
+    real, link = tmp_path / "real", tmp_path / "dumps"
+    if target == "dir":
+        real.mkdir()
+    link.symlink_to(real)
+    monkeypatch.setenv("BATCHC_DUMP_DIR", str(link))
+    _refused(["run"], tmp_path, capsys, f"dump folder '{link}' is a symbolic link; dump files are never written through links")
+    assert not real.exists() or list(real.iterdir()) == []
+
+
+def test_nul_byte_in_a_path_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(["run", "--workload", "a\0b"], tmp_path, capsys, "'a\\x00b': cannot read workload file (a path cannot hold a NUL byte)")
+    _refused(["run", "--model", "a\0b", "--k", "0"], tmp_path, capsys, "a path cannot hold a NUL byte")
+
+
 def test_dump_file_never_follows_a_link_planted_during_the_run(tmp_path: Path) -> None:
     dumps, victim = tmp_path / "dumps", tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -376,6 +393,7 @@ def _checkpoint(tmp: Path, name: str, **changes: object) -> Path:
     ("changes", "fragment"),
     [
         ({"rope_theta": 0.0}, "bad config: rope_theta must be a finite number >= 1, got 0.0"),
+        ({"rope_theta": 10**400}, "bad config: field 'rope_theta' must be a finite number, got an integer of 401 digits"),
         ({"rope_theta": -10000.0}, "bad config: rope_theta must be a finite number >= 1, got -10000.0"),
         ({"rope_theta": 1e-300}, "bad config: rope_theta must be a finite number >= 1"),
         ({"rms_eps": 1e300}, "bad config: rms_eps must be at most 1"),
@@ -384,7 +402,7 @@ def _checkpoint(tmp: Path, name: str, **changes: object) -> Path:
         ({"d_state": 1 << 20}, "bad config: d_state must be at most 65536"),
         ({"layers": ["mamba"] * 100_000}, "bad config: layers: at most 256 layers, got 100000"),
     ],
-    ids=["rope-theta-zero", "rope-theta-negative", "rope-theta-tiny", "rms-eps-huge", "d-model-huge", "vocab-huge",
+    ids=["rope-theta-zero", "rope-theta-huge-int", "rope-theta-negative", "rope-theta-tiny", "rms-eps-huge", "d-model-huge", "vocab-huge",
          "d-state-huge", "layers-huge"],
 )
 def test_checkpoint_config_out_of_bounds(tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, object], fragment: str) -> None:

@@ -58,3 +58,23 @@ def test_a_failed_forward_does_not_stop_the_engine(monkeypatch: pytest.MonkeyPat
     drv.admit(RequestId(3), list(b"xy"), max_new_tokens=2)
     drv.run_until_done()
     assert sorted(drv.outputs) == [1, 2, 3] and drv.outputs[1] == [] and len(drv.outputs[3]) == 2
+
+
+def test_a_model_hook_calling_back_into_the_engine_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``abort`` from inside a forward (a hook calling back) would free a slot the step is still
+    using; it is refused with a typed error, which stops the engine instead of corrupting it."""
+    from ir.errors import PreconditionError
+
+    drv = _driver()
+    real = drv.target.execute
+
+    def reentrant(plan: Any) -> Any:
+        drv.abort(RequestId(1))
+        return real(plan)
+
+    monkeypatch.setattr(drv.target, "execute", reentrant)
+    with pytest.raises(PreconditionError, match=r"engine: called from inside a step \(a model hook\?\)"):
+        drv.step()
+    assert drv.live == 2 and drv.outputs == {}  # the abort did not happen
+    with pytest.raises(EngineStoppedError):
+        drv.abort(RequestId(1))

@@ -131,6 +131,54 @@ def test_swapped_tickets_are_refused_before_anything_moves() -> None:
     w.ledger.assert_drained()
 
 
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_plan_stripped_of_its_outstanding_tickets_is_refused(transactional: bool) -> None:
+    """Dropping the ticket (``attrs.evolve(plan, tickets=())``) does not drop the op: a registered
+    ticket over a plan's row must travel with the plan, and a row starting at token 0 needs the
+    plan's own clear."""
+    w, model = _world(transactional=transactional)
+    a, b = _two_prefills(w)
+    a_serial, b_serial = a.tickets[0].serial, b.tickets[0].serial
+    _refused(w, model, lambda: w.executor.execute(attrs.evolve(b, tickets=())), TicketMismatchError,
+             rf"ExtendPlan over slot 2 of pool 'target' does not carry ticket #{b_serial} .*cow \[4->2\]")
+    _refused(w, model, lambda: w.executor.execute(attrs.evolve(a, tickets=())), TicketMismatchError,
+             rf"ExtendPlan over slot 1 of pool 'target' does not carry ticket #{a_serial}")
+    # plan A carrying B's ticket with a row of B's: B's COW would run on A's forward, A's clear never
+    a2 = ExtendPlan(rids=[1, 2], slots=[1, 2], prefix_lens=[0, 3], extend_lens=[2, 1], more_chunks=[False, False],
+                    input_ids=[5, 6, 7], kv_locs=[0, 1, 8], tickets=b.tickets)
+    _refused(w, model, lambda: w.executor.execute(a2), TicketMismatchError, rf"over slot 1 of pool 'target' does not carry ticket #{a_serial}")
+    # a decode over a row whose clear has not run yet
+    d = lower(decode_batch([1], [1], [2], [9]), LowerContext())
+    _refused(w, model, lambda: w.executor.execute(d), TicketMismatchError, rf"DecodePlan over slot 1 .* does not carry ticket #{a_serial}")
+    for plan in (a, b):
+        w.executor.execute(plan)
+    w.ledger.assert_drained()
+    # once consumed, a stripped replay of A is still refused: its row starts at token 0 and nothing clears it
+    _refused(w, model, lambda: w.executor.execute(attrs.evolve(a, tickets=())), PlanExecutionError,
+             r"ExtendPlan: slot 1 starts at token 0 but the plan's init does not clear it \(init: none for this pool\)")
+
+
+def test_a_plan_stripped_of_its_snapshot_is_refused() -> None:
+    w, model = _world()
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    plan = lower(prepare_for_extend([r]), LowerContext())
+    w.ledger.register(plan.snapshots)
+    serial = plan.snapshots[0].serial
+    _refused(w, model, lambda: w.executor.execute(attrs.evolve(plan, snapshots=())), TicketMismatchError,
+             rf"ExtendPlan over slot 1 of pool 'target' does not carry snapshot ticket #{serial}")
+    w.executor.execute(plan)
+    w.ledger.assert_drained()
+
+
+def test_one_serial_carries_the_same_ops_for_every_pool() -> None:
+    serial = mint_serial()
+    target = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
+    draft = InitTicket(pool=DRAFT_POOL, init=MambaInit(serial=serial, clear_slots=(2,)))
+    with pytest.raises(IRValidationError, match=r"ExtendPlan\.tickets: tickets of one plan carry the same ops for every pool"):
+        ExtendPlan(rids=[1], slots=[1], prefix_lens=[0], extend_lens=[1], more_chunks=[False], input_ids=[5], kv_locs=[0],
+                   tickets=(target, draft))
+
+
 def test_a_snapshot_must_read_the_plans_rows_and_write_outside_them() -> None:
     w, model = _world()
     r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))

@@ -32,12 +32,11 @@ import safetensors
 import safetensors.torch
 import torch
 
-from backend.pool import device_problem
-
 from backend.hybrid.config import LAYER_KINDS, HybridConfig
 from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import Weights, check_weights, weight_shapes
-from ir.errors import BatchcError
+from backend.pool import device_problem
+from ir.errors import BatchcError, short_repr
 
 FORMAT = "batchc.hybrid/1"
 _RESERVED = ("format", "config")
@@ -105,9 +104,14 @@ def config_from_json(path: str | Path, text: str) -> HybridConfig:
                 raise CheckpointError(path, f"bad config: field {name!r} must be an integer, got {value!r}")
             kwargs[name] = value
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise CheckpointError(path, f"bad config: field {name!r} must be a finite number, got {value!r}")
-            kwargs[name] = float(value)
+            try:
+                number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+            except OverflowError:  # an int beyond the float range (10**400)
+                number = math.inf
+            if not math.isfinite(number):
+                shown = short_repr(value) if not isinstance(value, int) else f"an integer of {len(str(abs(value)))} digits"
+                raise CheckpointError(path, f"bad config: field {name!r} must be a finite number, got {shown}")
+            kwargs[name] = number
     try:
         return HybridConfig(**kwargs)
     except ValueError as e:
@@ -142,6 +146,8 @@ def _regular_size(p: Path) -> int:
     """The size of the regular file ``p``; ``CheckpointError`` for anything else or over the bound."""
     try:
         st = os.stat(p)
+    except ValueError:  # a NUL byte in the path
+        raise CheckpointError(repr(str(p)), "a path cannot hold a NUL byte") from None
     except FileNotFoundError:
         raise CheckpointError(p, "no such checkpoint file") from None
     except OSError as e:

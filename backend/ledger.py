@@ -98,6 +98,9 @@ class Ledger:
         self._counts: dict[PoolId, PoolCounts] = {}
         self._minted: dict[PoolId, PoolCounts] = {}
         self._peers: dict[int, str] = {}
+        self._ops: dict[tuple[TicketSerial, bool], Ticket] = {}
+        """The first ticket registered under each (serial, is-a-snapshot): one serial carries the
+        same ops for every pool."""
         self._rows: dict[PoolId, dict[int, set[_Key]]] = {}
         """Per pool, the plan rows each registered, not yet consumed ticket writes (init targets)
         or reads (snapshot sources): a plan over such a row must carry that ticket."""
@@ -140,8 +143,12 @@ class Ledger:
                 known = self._outstanding.get(key, seen.get(key))
                 if known is not None and known != t:
                     raise _mismatch(known, t, "registered again with other ops")
+                sibling = self._ops.get(_ops_key(t)) or next((o for o in seen.values() if _ops_key(o) == _ops_key(t)), None)
+                if sibling is not None and not _same_ops(sibling, t):
+                    raise _mismatch(sibling, t, f"registered for pool {t.pool!r} with other ops than for pool {sibling.pool!r}")
                 seen[key] = t
             for key, t in seen.items():
+                self._ops.setdefault(_ops_key(t), t)
                 if key not in self._outstanding:
                     self._outstanding[key] = t
                     self._minted[t.pool] = _add(self._minted.get(t.pool, PoolCounts()), t)
@@ -330,6 +337,18 @@ def _add(c: PoolCounts, t: Ticket) -> PoolCounts:
     if isinstance(t, InitTicket):
         return attrs.evolve(c, tickets=c.tickets + 1, clears=c.clears + len(t.init.clear_slots), cows=c.cows + len(t.init.cow_dst))
     return attrs.evolve(c, snapshots=c.snapshots + len(t.snapshot.dst))
+
+
+def _ops_key(t: Ticket) -> tuple[TicketSerial, bool]:
+    return t.serial, isinstance(t, SnapshotTicket)
+
+
+def _same_ops(a: Ticket, b: Ticket) -> bool:
+    if isinstance(a, InitTicket) and isinstance(b, InitTicket):
+        return a.init == b.init
+    if isinstance(a, SnapshotTicket) and isinstance(b, SnapshotTicket):
+        return a.snapshot == b.snapshot
+    return False
 
 
 def _ticket_rows(t: Ticket) -> tuple[int, ...]:

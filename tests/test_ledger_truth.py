@@ -206,6 +206,20 @@ def test_register_refuses_another_ticket_under_an_outstanding_key() -> None:
     assert ledger.minted(DRAFT_POOL).tickets == 1 and ledger.minted(TARGET_POOL).tickets == 0
 
 
+def test_one_serial_is_registered_with_one_set_of_ops_for_every_pool() -> None:
+    ledger = Ledger()
+    serial = mint_serial()
+    target = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
+    ledger.register([target])
+    other = InitTicket(pool=DRAFT_POOL, init=MambaInit(serial=serial, clear_slots=(2,)))
+    with pytest.raises(TicketMismatchError, match=r"registered for pool 'draft' with other ops than for pool 'target'.*clear \[1\].*clear \[2\]"):
+        ledger.register([other])
+    assert ledger.outstanding() == (target,)
+    same = InitTicket(pool=DRAFT_POOL, init=target.init)
+    ledger.register([same])  # the same ops for the draft pool: the normal case
+    assert set(ledger.outstanding()) == {target, same}
+
+
 def test_serials_cannot_be_squatted() -> None:
     ledger = Ledger()
     mine = mint_serial()

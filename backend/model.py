@@ -52,6 +52,17 @@ class SpecModelHook(ModelHook, Protocol):
         ...
 
 
+@runtime_checkable
+class ServingModelHook(SpecModelHook, Protocol):
+    """What a serving engine needs from a model beyond the forwards: prefix sharing. A request that
+    starts from a cached prefix state (a COW into its slot) also takes over that prefix's KV
+    locations, so the model's per-slot context (which location holds each position) is copied."""
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst``'s first ``length`` context positions become those of slot ``src``."""
+        ...
+
+
 class NoOpModel:
     """Runs no model: every forward returns nothing. It has no speculative phases."""
 

@@ -4,8 +4,8 @@ The same prompts (some sharing a cached prefix, so their slots start with a COW,
 with a clear), with continuous batching (at most ``max_running`` live, new requests join as others
 finish), go through:
 
-1. plain greedy decoding of the target (``SpecDriver`` with ``k = 0``): the reference output;
-2. the compiled pipeline with speculative decoding (``SpecDriver``);
+1. plain greedy decoding of the target (``Engine`` with ``k = 0``): the reference output;
+2. the compiled pipeline with speculative decoding (``Engine``);
 3. the mutable baseline (``MutableSpecEngine``), pre-fix;
 4. the mutable baseline with the upstream fix, for comparison;
 5. the pre-fix baseline once more with a ledger on its runners, which refuses the first replay.
@@ -27,7 +27,7 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
 from compiler.baseline_spec import MutableSpecEngine
-from compiler.spec_driver import Checkpoint, SpecDriver, SpecStats
+from compiler.engine import Checkpoint, Engine, SpecStats
 from compiler.workload import SNIPPETS, SYSTEM_PREFIXES
 from ir.errors import ResourceReplayError
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
@@ -41,7 +41,7 @@ class _Engine(Protocol):
 
     def make_checkpoint(self, tokens: list[int]) -> Checkpoint: ...
     def admit(self, rid: RequestId, prompt: list[int], *, max_new_tokens: int, checkpoint: Checkpoint | None = None) -> None: ...
-    def step(self) -> str: ...
+    def step(self) -> object: ...
     def release_checkpoint(self, cp: Checkpoint) -> None: ...
     @property
     def live(self) -> int: ...
@@ -86,9 +86,9 @@ def run_ab(*, k: int = 2, requests: int = 12, max_new_tokens: int = 24, max_runn
     prompts = ab_prompts(requests, seed)
     kw = {"max_new_tokens": max_new_tokens, "max_running": max_running}
 
-    greedy = SpecDriver(target, None, k=0)
+    greedy = Engine(target, None, k=0)
     serve(greedy, prompts, **kw)
-    compiled = SpecDriver(target, draft, k=k)
+    compiled = Engine(target, draft, k=k)
     t_c = serve(compiled, prompts, **kw)
     compiled.ledger.assert_drained()
     rows: dict[str, object] = {}

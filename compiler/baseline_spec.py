@@ -1,4 +1,4 @@
-"""The mutable baseline driven through the speculative flow, on the same models as ``SpecDriver``.
+"""The mutable baseline driven through the speculative flow, on the same models as ``Engine``.
 
 One long-lived ``ScheduleBatch`` per the pre-fix engine (``compiler.baseline_mutable``): every
 forward object of an iteration (draft decode, target verify, draft extend) is built from it by
@@ -25,7 +25,7 @@ from backend.hybrid.model import HybridModel, greedy
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
 from compiler.baseline_mutable import ForwardMode, ModelRunner, Req, ScheduleBatch
-from compiler.spec_driver import Checkpoint, SpecStats
+from compiler.engine import Checkpoint, SpecStats
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId
 
 
@@ -80,7 +80,7 @@ class MutableSpecEngine:
         self.max_new[rid] = max_new_tokens
 
     def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
-        """The same prefix checkpoint as ``SpecDriver.make_checkpoint``, built with plain torch calls."""
+        """The same prefix checkpoint as ``Engine.make_checkpoint``, built with plain torch calls."""
         slot = self.slots.alloc()
         kv = self.kvs.alloc_many(len(tokens))
         batch = ScheduleBatch(spec_enabled=True, fixed=self.fixed)

@@ -67,11 +67,11 @@ def run_spec_scenario(pm: PassManager, *, k: int = 2, max_new_tokens: int = 6) -
     from backend.hybrid.model import HybridModel
     from backend.hybrid.weights import perturb
     from compiler.ab import DRAFT_NOISE
-    from compiler.spec_driver import SpecDriver
+    from compiler.engine import Engine
 
     target = HybridModel.from_seed(tiny(), seed=0)
     draft = HybridModel(target.config, perturb(target.weights, DRAFT_NOISE, seed=1))
-    driver = SpecDriver(target, draft, k=k, capacity=4, kv_capacity=256, max_len=64, pm=pm)
+    driver = Engine(target, draft, k=k, capacity=4, kv_capacity=256, max_len=64, pm=pm)
     cp = driver.make_checkpoint(list(SPEC_PREFIX))
     for rid, prompt in enumerate(SPEC_PROMPTS):
         driver.admit(RequestId(rid), list(prompt), max_new_tokens=max_new_tokens, checkpoint=cp if prompt.startswith(SPEC_PREFIX) else None)

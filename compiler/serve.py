@@ -1,4 +1,4 @@
-"""``batchc run``: the main job. A workload of requests served by ``SpecDriver`` on a target and a
+"""``batchc run``: the main job. A workload of requests served by ``Engine`` on a target and a
 draft model, with the prefix cache, chunked prefill, continuous batching and speculative decoding,
 and a summary an engine author can judge the library by.
 
@@ -6,7 +6,7 @@ Workloads: the built-in one (``builtin_workload``: requests built from a bundled
 shared system prefixes, arrivals in bursts or a trickle, and mixed lengths) or a JSONL file (``load_workload``), one
 request per line: ``{"prompt": str, "max_new_tokens": int, "arrival": int (optional, scheduler step),
 "stop": str (optional, one character)}``. A malformed file raises ``WorkloadError`` naming the line.
-``load_workload`` checks the same bounds as ``SpecDriver.admit`` (context length with the k + 1
+``load_workload`` checks the same bounds as ``Engine.admit`` (context length with the k + 1
 speculative positions, token ids below the vocabulary), so a loaded workload is never refused
 mid-run; its file limits are in its docstring.
 
@@ -15,7 +15,7 @@ cannot serve (target/draft vocabulary mismatch, vocabulary other than 256) and r
 memory (``memory_estimate``: state pools, KV caches, token tables, allocators, verify states,
 attention scores and activations, for every engine the run builds) is over ``MAX_SERVE_BYTES``.
 
-A forward that fails aborts its requests (``SpecDriver``, no retries here); the summary counts
+A forward that fails aborts its requests (``Engine``, no retries here); the summary counts
 them (``aborted_requests``, ``failed_forwards``, ``first_failure``), and the lossless check skips
 them.
 
@@ -43,7 +43,7 @@ from backend.hybrid.model import HybridModel
 from compiler.baseline_spec import MutableSpecEngine
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
-from compiler.spec_driver import SpecDriver
+from compiler.engine import Engine
 from compiler.workload import (
     ARRIVALS, BURST_EVERY, BURST_SIZE, MAX_BODY_SNIPPETS, MAX_K, MAX_REQUESTS, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES, SNIPPETS,
     SYSTEM_PREFIXES,
@@ -106,7 +106,7 @@ class ServeConfig:
 
     @property
     def reserve(self) -> int:
-        """Context positions a request keeps free after its prompt and new tokens (``SpecDriver.admit``)."""
+        """Context positions a request keeps free after its prompt and new tokens (``Engine.admit``)."""
         return self.k + 1
 
     @property
@@ -179,7 +179,7 @@ def _check_workload_args(path: object, *, max_len: object, reserve: object, voca
     from typing import cast
 
     from backend.hybrid.config import MAX_DIM
-    from compiler.spec_driver import MAX_LEN
+    from compiler.engine.admission import MAX_LEN
     from ir._fields import int_problem
 
     if not isinstance(path, (str, os.PathLike)):
@@ -212,7 +212,7 @@ def load_workload(
     (64 MiB), UTF-8, at most ``MAX_REQUESTS`` requests. Lines are split on ``"\\n"`` only, so a
     raw U+2028 or U+0085 inside a JSON string is part of the string; blank lines are skipped.
 
-    Request limits, the same as ``SpecDriver.admit``'s so that nothing loaded is refused mid-run:
+    Request limits, the same as ``Engine.admit``'s so that nothing loaded is refused mid-run:
     prompt bytes + ``max_new_tokens`` + ``reserve`` <= ``max_len`` (``reserve`` = k + 1 for
     speculative decoding with k draft tokens; the default 8 covers k <= 7), every prompt byte and
     the stop byte below ``vocab``.
@@ -220,7 +220,7 @@ def load_workload(
     The arguments are checked first (``WorkloadError`` naming the argument and the value): ``path``
     a ``str`` or ``os.PathLike``; ``max_len``, ``reserve``, ``vocab`` and ``default_max_new_tokens``
     ints (never ``bool``, ``float``, ``str`` or ``None``) with ``max_len`` in
-    ``[reserve + 2, spec_driver.MAX_LEN]``, ``reserve >= 0``, ``vocab`` in ``[1, MAX_DIM]`` (the
+    ``[reserve + 2, compiler.engine.admission.MAX_LEN]``, ``reserve >= 0``, ``vocab`` in ``[1, MAX_DIM]`` (the
     model config's bound) and ``default_max_new_tokens >= 1``."""
     _check_workload_args(path, max_len=max_len, reserve=reserve, vocab=vocab, default_max_new_tokens=default_max_new_tokens)
     p = Path(path)
@@ -385,9 +385,9 @@ def check_serving(
         )
 
 
-def _driver(target: HybridModel, draft: HybridModel | None, cfg: ServeConfig, pm: PassManager | None, cache: bool, k: int) -> SpecDriver:
+def _driver(target: HybridModel, draft: HybridModel | None, cfg: ServeConfig, pm: PassManager | None, cache: bool, k: int) -> Engine:
     total = cfg.max_running + (cfg.cache_entries if cache else 0) + 2
-    return SpecDriver(
+    return Engine(
         target, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
         max_len=cfg.max_len, chunk_size=cfg.chunk_size, token_budget=cfg.token_budget,
         prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
@@ -395,7 +395,7 @@ def _driver(target: HybridModel, draft: HybridModel | None, cfg: ServeConfig, pm
 
 
 def serve(
-    driver: SpecDriver, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None
+    driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None
 ) -> tuple[float, dict[str, int]]:
     """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live."""
     queue = sorted(workload, key=lambda r: r.arrival)
@@ -407,7 +407,7 @@ def serve(
         while queue and queue[0].arrival <= step_no and driver.live < max_running:
             r = queue.pop(0)
             driver.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, stop=r.stop)
-        kind = driver.step()
+        kind = driver.step().kind.value
         steps[kind] = steps.get(kind, 0) + 1
         step_no += 1
         if on_finish is not None and len(driver.outputs) != done:

@@ -2,7 +2,7 @@
 ``BatchcError`` whose message names the argument and the value, before anything changes (no slot,
 KV location, ticket or prefix-cache state is taken).
 
-Covered here: the ``SpecDriver`` constructor, ``abort``, ``make_checkpoint``, ``release_checkpoint``
+Covered here: the ``Engine`` constructor, ``abort``, ``make_checkpoint``, ``release_checkpoint``
 (forged, foreign, released and still-needed checkpoints), ``MambaStatePool``, ``Executor``, the
 ``PrefixCache`` methods, ``load_workload`` and ``load_checkpoint``. typeguard is on in the suite, so
 calls with deliberately wrong types run under ``suppress_type_checks`` (production runs without it:
@@ -31,10 +31,10 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
 from backend.pool import MAX_POOL_BYTES, MambaLayerSpec, MambaStatePool, PoolLayout
-from compiler import spec_driver as sd
+from compiler.engine import admission as sd
 from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
 from compiler.serve import WorkloadError, load_workload
-from compiler.spec_driver import Checkpoint, SpecDriver
+from compiler.engine import Checkpoint, Engine
 from compiler.workload import MAX_K as CLI_MAX_K
 from ir.errors import BatchcError, EngineStoppedError, IRValidationError, PreconditionError, SlotError
 from ir.ids import TARGET_POOL, MambaSlot, RequestId
@@ -50,38 +50,38 @@ PREFIX = list(b"You are terse.\n")
 MAX_LEN = 64
 
 
-def _driver(**kw: Any) -> SpecDriver:
+def _driver(**kw: Any) -> Engine:
     """A speculative driver (k = 2) with a prefix cache, a checkpoint, a running request started
     from it and a fresh one."""
     target, draft = _models()
     options: dict[str, Any] = {"k": 2, "capacity": 6, "kv_capacity": 256, "max_len": MAX_LEN, "chunk_size": 16,
                                "prefix_cache": PrefixCache(capacity=3, block=8), **kw}
-    return SpecDriver(target, draft, **options)
+    return Engine(target, draft, **options)
 
 
-def _world() -> tuple[SpecDriver, Checkpoint]:
+def _world() -> tuple[Engine, Checkpoint]:
     drv = _driver()
     cp = drv.make_checkpoint(PREFIX)
     drv.admit(RequestId(1), PREFIX + list(b"print(1)"), max_new_tokens=6, checkpoint=cp)
     drv.admit(RequestId(2), list(b"def f(x):"), max_new_tokens=6)
-    assert drv.step() == "extend"
-    assert drv.step() == "spec"
+    assert drv.step().kind.value == "extend"
+    assert drv.step().kind.value == "spec"
     return drv, cp
 
 
-def _state(drv: SpecDriver) -> tuple[list[torch.Tensor], tuple[object, ...]]:
+def _state(drv: Engine) -> tuple[list[torch.Tensor], tuple[object, ...]]:
     """(pool buffers, everything else) that a refused call must leave as it was."""
     assert drv.draft is not None and drv.cache is not None
     c = drv.cache
     return [drv.target.pool.buffer.clone(), drv.draft.pool.buffer.clone()], (
         drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(), drv.ledger.outstanding(), drv.ledger.num_consumed,
-        dict(drv._refs), dict(drv._checkpoints), drv.live, drv.live_slots(), tuple(drv._waiting),  # private: no public view
+        drv.kv_refs.held(), dict(drv._checkpoints), drv.live, drv.live_slots(), tuple(drv.requests.queued),  # _checkpoints: private, no public view
         {r: list(o) for r, o in drv.outputs.items()}, drv.stopped_by,
         tuple(attrs.asdict(e) for e in c.entries()), dict(c._seen), c._reserved, set(c._planned), attrs.asdict(c.stats),
     )
 
 
-def _assert_unchanged(drv: SpecDriver, before: tuple[list[torch.Tensor], tuple[object, ...]]) -> None:
+def _assert_unchanged(drv: Engine, before: tuple[list[torch.Tensor], tuple[object, ...]]) -> None:
     after = _state(drv)
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True)), "pool bytes changed"
     assert before[1] == after[1], "driver, allocators, ledger or prefix cache changed"
@@ -95,7 +95,7 @@ def _refused(error: type[BaseException], match: str, call: Callable[[], object])
     return info.value
 
 
-# -- 1. the SpecDriver constructor ----------------------------------------------------------------
+# -- 1. the Engine constructor ----------------------------------------------------------------
 
 
 def _ctor_cases() -> list[tuple[str, dict[str, Any], str]]:
@@ -157,14 +157,14 @@ def test_spec_driver_constructor_refuses_before_allocating(kw: dict[str, Any], m
 
     monkeypatch.setattr(HybridModel, "new_pool", recording)
     args: dict[str, Any] = {"target": target, "draft": draft, "k": 2, "capacity": 6, "kv_capacity": 256, "max_len": MAX_LEN, **kw}
-    _refused(PreconditionError, r"^SpecDriver: " + match, lambda: SpecDriver(**args))
+    _refused(PreconditionError, r"^Engine: " + match, lambda: Engine(**args))
     assert pools == [], "a pool was allocated before the refusal"
 
 
 def test_spec_driver_constructor_takes_numpy_ints_as_python_ints() -> None:
     target, _ = _models()
     with suppress_type_checks():
-        drv = SpecDriver(target, None, k=np.int64(0), capacity=np.int32(4), kv_capacity=np.uint16(128), max_len=np.int64(32),  # type: ignore[arg-type]
+        drv = Engine(target, None, k=np.int64(0), capacity=np.int32(4), kv_capacity=np.uint16(128), max_len=np.int64(32),  # type: ignore[arg-type]
                          chunk_size=np.int8(8), token_budget=np.int64(16), retries=np.int64(1))  # type: ignore[arg-type]
     for value in (drv.k, drv.max_len, drv.chunk_size, drv.token_budget, drv.retries, drv.slots.capacity):
         assert type(value) is int
@@ -230,7 +230,7 @@ def test_make_checkpoint_at_the_length_bound() -> None:
 
 def test_make_checkpoint_without_room_takes_nothing() -> None:
     target, draft = _models()
-    drv = SpecDriver(target, draft, k=2, capacity=2, kv_capacity=20, max_len=MAX_LEN, prefix_cache=PrefixCache(capacity=1, block=8))
+    drv = Engine(target, draft, k=2, capacity=2, kv_capacity=20, max_len=MAX_LEN, prefix_cache=PrefixCache(capacity=1, block=8))
     drv.make_checkpoint(PREFIX)  # 15 of 20 KV locations, one of two slots
     before = _state(drv)
     _refused(PreconditionError, r"make_checkpoint: no room for a 15-token checkpoint \(1 free slots, 5 free KV locations\)",
@@ -267,7 +267,7 @@ def test_forged_checkpoint_over_a_live_request_slot_is_refused() -> None:
     slot = drv.live_slots()[RequestId(2)]
     forged = Checkpoint(slot=slot, tokens=(), kv_locs=())
     before = _state(drv)
-    _refused(PreconditionError, rf"release_checkpoint: cp Checkpoint\(slot={slot}, tokens=\(\), kv_locs=\(\)\) is not a checkpoint this driver holds",
+    _refused(PreconditionError, rf"release_checkpoint: cp Checkpoint\(slot={slot}, tokens=\(\), kv_locs=\(\)\) is not a checkpoint this engine holds",
              lambda: drv.release_checkpoint(forged))
     _assert_unchanged(drv, before)
     drv.run_until_done()  # request 2 kept its slot and finishes
@@ -279,9 +279,9 @@ def test_checkpoint_with_kv_locations_it_does_not_hold_is_refused() -> None:
     for forged in (attrs.evolve(cp, kv_locs=tuple(range(200, 215))), attrs.evolve(cp, kv_locs=cp.kv_locs[:-1] + (cp.kv_locs[-1] + 1,)),
                    attrs.evolve(cp, tokens=cp.tokens[:-1])):
         before = _state(drv)
-        _refused(PreconditionError, r"release_checkpoint: cp .* is not a checkpoint this driver holds", lambda: drv.release_checkpoint(forged))
+        _refused(PreconditionError, r"release_checkpoint: cp .* is not a checkpoint this engine holds", lambda: drv.release_checkpoint(forged))
         _assert_unchanged(drv, before)
-    assert min(drv._refs.values()) >= 1  # no reference count went to 0 or below
+    assert min(drv.kv_refs.held().values()) >= 1  # no reference count went to 0 or below
 
 
 def test_release_waits_for_requests_still_to_copy_the_checkpoint() -> None:
@@ -313,8 +313,8 @@ def test_released_checkpoint_cannot_be_used_or_released_again() -> None:
     other = drv.make_checkpoint(list(b"Other prefix here"))
     assert other.slot == cp.slot
     before = _state(drv)
-    _refused(PreconditionError, r"release_checkpoint: cp .* is not a checkpoint this driver holds", lambda: drv.release_checkpoint(cp))
-    _refused(PreconditionError, r"admit: request 9: (prompt does not extend|checkpoint .* is not a checkpoint this driver holds)",
+    _refused(PreconditionError, r"release_checkpoint: cp .* is not a checkpoint this engine holds", lambda: drv.release_checkpoint(cp))
+    _refused(PreconditionError, r"admit: request 9: (prompt does not extend|checkpoint .* is not a checkpoint this engine holds)",
              lambda: drv.admit(RequestId(9), PREFIX + [1, 2], max_new_tokens=2, checkpoint=cp))
     _assert_unchanged(drv, before)
     drv.release_checkpoint(other)
@@ -327,7 +327,7 @@ def test_checkpoint_of_another_driver_is_refused() -> None:
     other.run_until_done()
     foreign = attrs.evolve(other_cp, kv_locs=tuple(x + 1 for x in other_cp.kv_locs))
     before = _state(drv)
-    _refused(PreconditionError, r"is not a checkpoint this driver holds", lambda: drv.release_checkpoint(foreign))
+    _refused(PreconditionError, r"is not a checkpoint this engine holds", lambda: drv.release_checkpoint(foreign))
     _assert_unchanged(drv, before)
 
 
@@ -336,7 +336,7 @@ def test_admit_refuses_a_forged_record_of_a_live_checkpoint() -> None:
     drv, cp = _world()
     forged = attrs.evolve(cp, tokens=(0,) * len(cp.tokens))
     before = _state(drv)
-    _refused(PreconditionError, r"admit: request 9: checkpoint .* is not a checkpoint this driver holds",
+    _refused(PreconditionError, r"admit: request 9: checkpoint .* is not a checkpoint this engine holds",
              lambda: drv.admit(RequestId(9), [0] * len(cp.tokens) + [1], max_new_tokens=2, checkpoint=forged))
     _assert_unchanged(drv, before)
 

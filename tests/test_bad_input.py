@@ -34,7 +34,7 @@ from backend.state_init import apply_init
 from compiler.driver import Driver
 from compiler.manager import PassError, PassManager
 from compiler.prefix_cache import PrefixCache
-from compiler.spec_driver import Checkpoint, SpecDriver
+from compiler.engine import Checkpoint, Engine
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.errors import (
@@ -912,7 +912,7 @@ def test_driver_step_that_runs_out_of_slots_changes_nothing() -> None:
         assert torch.count_nonzero(d.pool.buffer[slot]) == 0
 
 
-# -- SpecDriver.admit: every argument checked before anything changes --------------------------------
+# -- Engine.admit: every argument checked before anything changes --------------------------------
 
 
 @functools.cache
@@ -925,19 +925,19 @@ ADMIT_PREFIX = list(b"You are terse.\n")
 
 @attrs.define
 class AdmitWorld:
-    """A ``SpecDriver`` (tiny target, prefix cache) holding a checkpoint, with two requests that have
+    """A ``Engine`` (tiny target, prefix cache) holding a checkpoint, with two requests that have
     run their prefill (so they hold slots and KV references) and one waiting."""
 
-    driver: SpecDriver
+    driver: Engine
     checkpoint: Checkpoint
 
 
 def _admit_world() -> AdmitWorld:
-    drv = SpecDriver(_tiny_target(), None, k=0, capacity=5, kv_capacity=128, max_len=64, prefix_cache=PrefixCache(capacity=2, block=8))
+    drv = Engine(_tiny_target(), None, k=0, capacity=5, kv_capacity=128, max_len=64, prefix_cache=PrefixCache(capacity=2, block=8))
     cp = drv.make_checkpoint(ADMIT_PREFIX)
     drv.admit(RequestId(1), ADMIT_PREFIX + list(b"hi"), max_new_tokens=4, checkpoint=cp)
     drv.admit(RequestId(2), list(b"def f(x):"), max_new_tokens=4)
-    assert drv.step() == "extend"
+    assert drv.step().kind.value == "extend"
     drv.admit(RequestId(3), list(b"abc"), max_new_tokens=4)
     return AdmitWorld(driver=drv, checkpoint=cp)
 
@@ -949,7 +949,7 @@ def _admit_state(w: AdmitWorld) -> tuple[torch.Tensor, tuple[object, ...]]:
     return drv.target.pool.buffer.clone(), (
         drv.ledger.outstanding(), drv.ledger.num_consumed,
         drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(),
-        dict(drv._refs), tuple(drv._waiting), {r: (q.slot, q.done, list(q.context)) for r, q in drv._reqs.items()},  # private: no public view
+        dict(drv.kv_refs.held()), tuple(drv.requests.queued), {q.rid: (q.slot, q.done, list(q.context)) for q in drv.requests},
         drv.live, drv.live_slots(), {r: list(o) for r, o in drv.outputs.items()},
         tuple(attrs.asdict(e) for e in cache_.entries()), dict(cache_._seen),  # cache bookkeeping (private)
     )
@@ -1081,8 +1081,8 @@ def test_numpy_integer_scalars_are_accepted(np_int: Callable[[int], object]) -> 
         assert SlotAllocator(np_int(3)).capacity == 3
         adw = _admit_world()
         adw.driver.admit(np_int(9), [np_int(5), 6], max_new_tokens=np_int(2), stop=np_int(7))
-    assert all(type(r) is int for r in adw.driver._reqs)  # ids are stored as Python ints
-    assert RequestId(9) in adw.driver._reqs
+    assert all(type(r.rid) is int for r in adw.driver.requests)  # ids are stored as Python ints
+    assert RequestId(9) in adw.driver.requests
     assert w.slots.live() == frozenset({3}) and w.kv.live() == frozenset({1, 2})
 
 

@@ -27,7 +27,7 @@ from compiler.manager import PassManager
 from ir.errors import SettingsError
 from compiler.serve import ServeConfig, WorkloadError, load_workload, memory_estimate
 from compiler.workload import MAX_REQUESTS, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES
-from compiler.spec_driver import SpecDriver
+from compiler.engine import Engine
 from ir.batch import DecodeBatch
 from ir.errors import BatchcError
 from ir.ids import RequestId
@@ -159,7 +159,7 @@ def test_loader_and_admission_agree_at_the_boundary(tmp_path: Path, k: int) -> N
             loaded = load_workload(path, max_len=max_len, reserve=k + 1, vocab=model.config.vocab)
         except WorkloadError:
             loaded = None
-        driver = SpecDriver(model, model if k else None, k=k, max_len=max_len)
+        driver = Engine(model, model if k else None, k=k, max_len=max_len)
         try:
             driver.admit(RequestId(0), list(b"y" * length), max_new_tokens=4)
             admitted = True

@@ -11,14 +11,14 @@ import pytest
 
 from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
-from compiler.spec_driver import SpecDriver
+from compiler.engine import Engine
 from ir.errors import EngineStoppedError
 from ir.ids import RequestId
 
 
-def _driver() -> SpecDriver:
+def _driver() -> Engine:
     target = HybridModel.from_seed(tiny(), seed=0)
-    drv = SpecDriver(target, None, k=0, capacity=4, kv_capacity=128, max_len=32)
+    drv = Engine(target, None, k=0, capacity=4, kv_capacity=128, max_len=32)
     drv.admit(RequestId(1), list(b"abc"), max_new_tokens=3)
     drv.admit(RequestId(2), list(b"de"), max_new_tokens=2)
     return drv
@@ -26,7 +26,7 @@ def _driver() -> SpecDriver:
 
 def test_a_step_that_raises_stops_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     drv = _driver()
-    assert drv.step() == "extend"
+    assert drv.step().kind.value == "extend"
     real = drv.pipeline.pm.run_last
 
     def failing(*args: Any, **kwargs: Any) -> Any:
@@ -54,7 +54,7 @@ def test_a_failed_forward_does_not_stop_the_engine(monkeypatch: pytest.MonkeyPat
         return real(plan)
 
     monkeypatch.setattr(drv.target, "execute", flaky)
-    assert drv.step() == "failed"
+    assert drv.step().kind.value == "failed"
     drv.admit(RequestId(3), list(b"xy"), max_new_tokens=2)
     drv.run_until_done()
     assert sorted(drv.outputs) == [1, 2, 3] and drv.outputs[1] == [] and len(drv.outputs[3]) == 2

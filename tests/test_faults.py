@@ -19,7 +19,7 @@ from compiler.steps import Pipeline
 from ir.ids import TARGET_POOL, RequestId
 from passes import LowerContext
 from tests.core import LAYOUT, cow, fresh
-from compiler.spec_driver import SpecDriver
+from compiler.engine import Engine
 from tests.test_serving import PROMPTS, _driver, _greedy
 
 NEW = 8
@@ -92,7 +92,7 @@ def test_failed_forward_in_a_plain_executor_leaves_the_init_applied_and_consumed
     assert torch.equal(pool.buffer, expected.buffer)
 
 
-def _serve(drv: SpecDriver, ids: range = range(4)) -> None:
+def _serve(drv: Engine, ids: range = range(4)) -> None:
     for i in ids:
         drv.admit(RequestId(i), PROMPTS[i], max_new_tokens=NEW)
     drv.run_until_done()

@@ -1,4 +1,4 @@
-"""Whole-stack fuzzing on the CPU: a hypothesis state machine drives ``SpecDriver`` (seeded tiny
+"""Whole-stack fuzzing on the CPU: a hypothesis state machine drives ``Engine`` (seeded tiny
 target, draft = target + 5% weight noise, ``k`` in {0, 1, 2}) with a small prefix cache, chunked
 prefill under a token budget, few slots and few KV locations, so eviction, retraction and pool
 pressure all happen.
@@ -22,7 +22,7 @@ After every rule (and inside the step rules, after every scheduler step):
   and each count equals the number of holders (request contexts, cache entries); a running row's
   context is as long as its committed tokens;
 - outputs: a finished request's tokens equal plain greedy decoding of the target alone (a separate
-  ``SpecDriver(target, None, k=0)`` run per prompt, cached), an aborted one's are a prefix of them;
+  ``Engine(target, None, k=0)`` run per prompt, cached), an aborted one's are a prefix of them;
 - liveness: a step never idles with live requests twice in a row (it could never progress);
 - state (every ``SHADOW_EVERY`` scheduler steps): the target pool row of every running request,
   every mid-prefill request and every cache entry equals the state of the target run from scratch
@@ -38,7 +38,7 @@ livelock of mid-prefill requests holding all KV, and a request retracted twice r
 output twice. The machine still has a counted allowance for each (``known ...`` in the printed
 figures), used only with ``BATCHC_FUZZ_STRICT=0``; by default any occurrence fails.
 
-The checks read the driver's private bookkeeping (``_reqs``, ``_refs``, ``_waiting``) and the
+The checks read the engine's bookkeeping (``requests``, ``kv_refs``, ``requests.queued``) and the
 executors' ``_intermediates``: there is no public view of per-request KV references, and a fuzzer
 that only looks at the public surface cannot tell a leaked reference from a shared prefix.
 
@@ -68,7 +68,7 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
 from compiler.prefix_cache import PrefixCache
-from compiler.spec_driver import SpecDriver
+from compiler.engine import Engine
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 from tests.hypothesis_profiles import FUZZ_CI, FUZZ_LONG
 
@@ -160,7 +160,7 @@ class StackMachine(RuleBasedStateMachine):
         target, draft = _models()
         self.k = k
         self.cache = PrefixCache(capacity=cache_capacity, block=BLOCK)
-        self.driver = SpecDriver(
+        self.driver = Engine(
             target, draft if k else None, k=k, capacity=CAPACITY, kv_capacity=kv_capacity, max_len=MAX_LEN,
             chunk_size=chunk, token_budget=budget, prefix_cache=self.cache,
         )
@@ -253,13 +253,13 @@ class StackMachine(RuleBasedStateMachine):
     # -- scheduler -----------------------------------------------------------------------------------
 
     def _step(self) -> str:
-        kind = self.driver.step()
+        kind = self.driver.step().kind.value
         STATS["scheduler steps"] += 1
         STATS[f"step {kind}"] += 1
         assert kind != "failed", f"a forward failed: {self.driver.stats}"
         if kind == "idle" and self.driver.live:
             # a failed prefill may still take a slot or evict; a second idle means nothing can move
-            again = self.driver.step()
+            again = self.driver.step().kind.value
             STATS["scheduler steps"] += 1
             if again == "idle":
                 self._livelocked()
@@ -269,7 +269,7 @@ class StackMachine(RuleBasedStateMachine):
 
     def _livelocked(self) -> None:
         drv = self.driver
-        stuck = [r for r in drv._reqs.values() if r.slot is not None and r.done > 0]
+        stuck = [r for r in drv.requests if r.slot is not None and r.done > 0]
         known = not drv.running.num_requests and stuck and drv.kv.num_free < drv.chunk_size
         assert known and not STRICT, (
             f"livelock: {drv.live} live requests, every step idles (running {drv.running.num_requests}, "
@@ -278,8 +278,8 @@ class StackMachine(RuleBasedStateMachine):
         # the known bug (test_overcommitted_chunked_prefills_make_progress): mid-prefill requests hold
         # all KV and none can finish. Abort them so the machine goes on exploring.
         STATS["known livelocks (mid-prefill requests hold all KV)"] += 1
-        note(f"known livelock: aborting {len(drv._reqs)} requests")
-        for rid in list(drv._reqs):
+        note(f"known livelock: aborting {len(drv.requests)} requests")
+        for rid in [r.rid for r in drv.requests]:
             drv.abort(rid)
             self.aborted.add(rid)
 
@@ -355,19 +355,19 @@ class StackMachine(RuleBasedStateMachine):
         live = drv.live_slots()
         request_slots = list(live.values())
         cache_slots = [e.slot for e in self.cache.entries()]
-        snap_slots = [r.snapshot_slot for r in drv._reqs.values() if r.snapshot_slot is not None]
+        snap_slots = [r.snapshot_slot for r in drv.requests if r.snapshot_slot is not None]
         owned = request_slots + cache_slots + snap_slots
         assert len(set(owned)) == len(owned), f"a slot is live twice: {live}, cache {cache_slots}, snapshots {snap_slots}"
         assert drv.slots.live() == frozenset(int(s) for s in owned)
         assert drv.slots.num_live + drv.slots.num_free == drv.slots.capacity == CAPACITY
         assert drv.kv.num_live + drv.kv.num_free == drv.kv.capacity
 
-        # KV references (private: the driver keeps no public view of them)
-        refs = drv._refs
+        # KV references
+        refs = drv.kv_refs.held()
         assert all(c > 0 for c in refs.values()), refs
         assert drv.kv.live() == frozenset(refs), "live KV locations differ from the referenced ones"
         holders: Counter[int] = Counter()
-        for r in drv._reqs.values():
+        for r in drv.requests:
             holders.update(r.context)
         for e in self.cache.entries():
             holders.update(e.kv_locs)
@@ -375,18 +375,18 @@ class StackMachine(RuleBasedStateMachine):
 
         # every live request is either waiting or running, never both
         running = {int(r) for r in drv.running.rids}
-        waiting = {int(r) for r in drv._waiting}
+        waiting = {int(r) for r in drv.requests.queued}
         assert not running & waiting
-        assert running | waiting == {int(r) for r in drv._reqs}
-        assert drv.live == len(drv._reqs)
-        for rid_, r in drv._reqs.items():
+        assert running | waiting == {int(r.rid) for r in drv.requests}
+        assert drv.live == len(drv.requests)
+        for rid_, r in ((r.rid, r) for r in drv.requests):
             if r.retractions >= 2 and not STRICT and rid_ not in self.retracted_twice:
                 # known bug (test_a_request_retracted_twice_re_prefills_its_context_once): its context
                 # holds its early output twice, so its tokens are not greedy's; count it, skip it
                 self.retracted_twice.add(rid_)
                 STATS["known bug: requests retracted twice (output not checked)"] += 1
         for rid, slot, seq_len in zip(drv.running.rids, drv.running.slots, drv.running.seq_lens, strict=True):
-            r = drv._reqs[RequestId(int(rid))]
+            r = drv.requests[RequestId(int(rid))]
             assert r.slot == int(slot)
             assert len(r.context) == int(seq_len), (int(rid), len(r.context), int(seq_len))
             if RequestId(int(rid)) in self.retracted_twice:
@@ -415,7 +415,7 @@ class StackMachine(RuleBasedStateMachine):
         drv = self.driver
         rows: list[tuple[str, int, tuple[int, ...]]] = []
         for rid, slot, seq_len in zip(drv.running.rids, drv.running.slots, drv.running.seq_lens, strict=True):
-            r = drv._reqs[RequestId(int(rid))]
+            r = drv.requests[RequestId(int(rid))]
             if RequestId(int(rid)) in self.retracted_twice:
                 # its context is what it re-prefilled, then the tokens fed since (all but the pending one)
                 fed_since = int(seq_len) - len(r.prompt)
@@ -423,8 +423,8 @@ class StackMachine(RuleBasedStateMachine):
                 rows.append((f"request {int(rid)} (retracted twice)", int(slot), tuple(int(t) for t in r.prompt) + tuple(since)))
                 continue
             rows.append((f"request {int(rid)}", int(slot), self.prompts[RequestId(int(rid))] + tuple(r.output[:-1])))
-        for rid in drv._waiting:
-            r = drv._reqs[rid]
+        for rid in drv.requests.queued:
+            r = drv.requests[rid]
             if r.slot is not None and r.done > 0:  # mid-prefill: the state after its first `done` tokens
                 rows.append((f"request {int(rid)} (mid-prefill)", int(r.slot), tuple(int(t) for t in r.prompt[: r.done])))
         for e in self.cache.entries():
@@ -457,7 +457,7 @@ class StackMachine(RuleBasedStateMachine):
         assert drv.live == 0
         self._check_outputs()
         drv.drop_cache()
-        assert drv.slots.num_live == 0 and drv.kv.num_live == 0 and not drv._refs
+        assert drv.slots.num_live == 0 and drv.kv.num_live == 0 and not drv.kv_refs.held()
         drv.ledger.assert_drained()
         st_, cs = drv.stats, self.cache.stats
         for key, value in (
@@ -504,7 +504,7 @@ def test_overcommitted_chunked_prefills_make_progress() -> None:
     """Five 70-token prompts, chunks of 8 under a budget of 40, 300 KV locations: after 8 prefill
     steps the five hold 296 locations, the first two need 6 more each, and only 4 are free."""
     target, _ = _models()
-    drv = SpecDriver(target, None, k=0, capacity=5, kv_capacity=300, max_len=128, chunk_size=8, token_budget=40)
+    drv = Engine(target, None, k=0, capacity=5, kv_capacity=300, max_len=128, chunk_size=8, token_budget=40)
     prompts = {RequestId(i): [(7 * i + j) % 256 for j in range(70)] for i in range(5)}
     for rid, prompt in prompts.items():
         drv.admit(rid, prompt, max_new_tokens=4)
@@ -517,18 +517,18 @@ def test_a_request_retracted_twice_re_prefills_its_context_once() -> None:
     whenever it waits for its re-prefill its prompt is its original prompt + its output, and its
     final output is greedy's."""
     target, _ = _models()
-    drv = SpecDriver(target, None, k=0, capacity=3, kv_capacity=400, max_len=128)
+    drv = Engine(target, None, k=0, capacity=3, kv_capacity=400, max_len=128)
     prompts = {RequestId(i): list(b"request number %d:" % i) for i in range(2)}
     for rid, prompt in prompts.items():
         drv.admit(rid, prompt, max_new_tokens=12)
     victim = RequestId(1)
     for _ in range(2):
-        while victim in drv._waiting or len(drv._reqs[victim].output) < 3 * (drv._reqs[victim].retractions + 1):
+        while victim in drv.requests.queued or len(drv.requests[victim].output) < 3 * (drv.requests[victim].retractions + 1):
             drv.step()
         drv._retract(victim)  # private: forces the retraction the KV pressure would cause
-        r = drv._reqs[victim]
+        r = drv.requests[victim]
         assert r.prompt.tolist() == prompts[victim] + r.output
-    assert drv._reqs[victim].retractions == 2
+    assert drv.requests[victim].retractions == 2
     drv.run_until_done()
     assert drv.outputs == {rid: greedy_reference(tuple(p), 12, None) for rid, p in prompts.items()}
 

@@ -3,14 +3,14 @@
 Complements ``tests/test_bad_input.py`` (which covers the prefill/decode IR, the ledger and the
 allocators) with what it does not: the speculative phases (contexts, passes, nodes, the executor's
 verify/commit protocol), prefix-cache snapshots (node, verifier, executor), prefix-cache misuse,
-``SpecDriver`` admission and checkpoints, JSONL workload files (``compiler.serve.load_workload``,
+``Engine`` admission and checkpoints, JSONL workload files (``compiler.serve.load_workload``,
 then admission of what it returns) and checkpoint files (``load_checkpoint``).
 
 Each row names the exact exception type and a message fragment. Two worlds:
 
 - ``core``: ``tests.helpers_core.make_world`` (a target pool of random bytes, its ledger, slot and KV
   allocators, an executor) with a toy speculative model hook, so verify/commit plans can run;
-- ``driver``: a ``SpecDriver`` (tiny seeded target and draft, k = 2, prefix cache) that has made a
+- ``driver``: a ``Engine`` (tiny seeded target and draft, k = 2, prefix cache) that has made a
   checkpoint, admitted two requests and run a prefill and a speculative iteration.
 
 Around the hostile call (after any legitimate ``setup``), the pool bytes (both pools for the
@@ -48,7 +48,7 @@ from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
 from compiler.serve import WorkloadError, load_workload
-from compiler.spec_driver import Checkpoint, SpecDriver
+from compiler.engine import Checkpoint, Engine
 from ir.errors import (
     IRValidationError,
     IRVerificationError,
@@ -123,22 +123,22 @@ PREFIX = list(b"You are terse.\n")
 
 @attrs.define
 class DriverWorld:
-    driver: SpecDriver
+    driver: Engine
     checkpoint: Checkpoint
     tmp: Path
 
 
 def driver_world(tmp: Path) -> DriverWorld:
     target, draft = _models()
-    drv = SpecDriver(
+    drv = Engine(
         target, draft, k=2, capacity=6, kv_capacity=256, max_len=64, chunk_size=16,
         prefix_cache=PrefixCache(capacity=3, block=8),
     )
     cp = drv.make_checkpoint(PREFIX)
     drv.admit(RequestId(1), PREFIX + list(b"print(1)"), max_new_tokens=6, checkpoint=cp)
     drv.admit(RequestId(2), list(b"def f(x):"), max_new_tokens=6)
-    assert drv.step() == "extend"
-    assert drv.step() == "spec"
+    assert drv.step().kind.value == "extend"
+    assert drv.step().kind.value == "spec"
     return DriverWorld(driver=drv, checkpoint=cp, tmp=tmp)
 
 
@@ -166,7 +166,7 @@ def state_of(world: World | DriverWorld) -> tuple[list[torch.Tensor], tuple[obje
     return [drv.target.pool.buffer.clone(), drv.draft.pool.buffer.clone()], (
         _ledger_state(drv.ledger),
         drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(),
-        dict(drv._refs),  # KV reference counts (private: no public view)
+        drv.kv_refs.held(),  # KV reference counts
         drv.live, drv.live_slots(), {r: list(o) for r, o in drv.outputs.items()},
         tuple(attrs.asdict(e) for e in cache_.entries()), cache_._reserved,  # cache bookkeeping (private)
     )
@@ -500,7 +500,7 @@ EXECUTOR_CASES = [
 ]
 
 
-# -- prefix cache and SpecDriver ------------------------------------------------------------------------
+# -- prefix cache and Engine ------------------------------------------------------------------------
 
 
 def _cache(w: DriverWorld) -> PrefixCache:

@@ -18,7 +18,7 @@ from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
 from compiler.ab import DRAFT_NOISE
 from compiler.prefix_cache import CacheEntry, PrefixCache
-from compiler.spec_driver import SpecDriver
+from compiler.engine import Engine
 from ir.errors import PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
 
@@ -34,9 +34,9 @@ def _models() -> tuple[HybridModel, HybridModel]:
     return target, HybridModel(target.config, perturb(target.weights, DRAFT_NOISE, seed=1))
 
 
-def _driver(k: int, **kw: object) -> SpecDriver:
+def _driver(k: int, **kw: object) -> Engine:
     target, draft = _models()
-    return SpecDriver(target, draft if k else None, k=k, **kw)  # type: ignore[arg-type]  # test passes options through
+    return Engine(target, draft if k else None, k=k, **kw)  # type: ignore[arg-type]  # test passes options through
 
 
 @cache
@@ -51,7 +51,7 @@ def _greedy() -> dict[RequestId, list[int]]:
     return {RequestId(i): _reference(tuple(p)) for i, p in enumerate(PROMPTS)}
 
 
-def _serve(drv: SpecDriver, prompts: list[list[int]], *, wave: int = 2) -> None:
+def _serve(drv: Engine, prompts: list[list[int]], *, wave: int = 2) -> None:
     """Admit ``wave`` requests at a time; the next wave joins when the previous has finished."""
     for start in range(0, len(prompts), wave):
         for i in range(start, min(start + wave, len(prompts))):
@@ -102,7 +102,7 @@ def test_prefix_cache_eviction_under_pressure_keeps_output() -> None:
 
 
 
-def _state_rows(drv: SpecDriver, slot: int) -> dict[str, torch.Tensor]:
+def _state_rows(drv: Engine, slot: int) -> dict[str, torch.Tensor]:
     """The recurrent state in ``slot`` of every Mamba layer of both pools (target and draft)."""
     rows: dict[str, torch.Tensor] = {}
     for ex in (drv.target, drv.draft):
@@ -118,7 +118,7 @@ def _state_from_scratch(prompt: list[int]) -> dict[str, torch.Tensor]:
     """The same state computed without any cache: ``prompt`` prefilled into a fresh slot of a new driver."""
     drv = _driver(2)
     drv.admit(RequestId(0), prompt, max_new_tokens=2)
-    assert drv.step() == "extend"
+    assert drv.step().kind.value == "extend"
     return _state_rows(drv, drv.live_slots()[RequestId(0)])
 
 
@@ -143,7 +143,7 @@ def test_a_prefix_cache_hit_starts_from_its_own_entrys_state() -> None:
     for rid, prompt in hits.items():
         drv.admit(rid, prompt, max_new_tokens=2)
     before = (pc.stats.hits, drv.ledger.counts(TARGET_POOL).cows, drv.ledger.counts(DRAFT_POOL).cows)
-    assert drv.step() == "extend"  # each whole prompt: a COW from its entry, then the rest
+    assert drv.step().kind.value == "extend"  # each whole prompt: a COW from its entry, then the rest
     after = (pc.stats.hits, drv.ledger.counts(TARGET_POOL).cows, drv.ledger.counts(DRAFT_POOL).cows)
     assert after == tuple(n + 2 for n in before)
     for rid, prompt in hits.items():
@@ -178,14 +178,14 @@ def test_chunked_prefill_equals_unchunked(k: int, chunk: int) -> None:
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0
 
 
-def _staggered(drv: SpecDriver, prompts: list[list[int]]) -> list[str]:
+def _staggered(drv: Engine, prompts: list[list[int]]) -> list[str]:
     """One new request per step while earlier ones run; returns the step kinds."""
     kinds = []
     for i, p in enumerate(prompts):
         drv.admit(RequestId(i), p, max_new_tokens=NEW)
-        kinds.append(drv.step())
+        kinds.append(drv.step().kind.value)
     while drv.live:
-        kinds.append(drv.step())
+        kinds.append(drv.step().kind.value)
     return kinds
 
 
@@ -193,7 +193,7 @@ def _staggered(drv: SpecDriver, prompts: list[list[int]]) -> list[str]:
 def test_mixed_forwards_at_k0_equal_greedy_and_unmixed(cached: bool) -> None:
     # a newcomer's chunks share the forward with the running decodes: clears, COWs from the cache
     # and snapshots all run inside MIXED forwards, exactly once
-    def make(mixed: bool) -> SpecDriver:
+    def make(mixed: bool) -> Engine:
         pc = PrefixCache(capacity=4, block=16) if cached else None
         return _driver(0, chunk_size=16, token_budget=24, prefix_cache=pc, mixed=mixed)
 
@@ -229,7 +229,7 @@ def test_mixed_step_needs_one_kv_location_per_running_request() -> None:
     drv = _driver(0, kv_capacity=len(first) + 1)  # the first prompt and its one decode, nothing more
     drv.admit(RequestId(0), first, max_new_tokens=2)
     drv.admit(RequestId(1), second, max_new_tokens=2)
-    assert [drv.step() for _ in range(3)] == ["extend", "decode", "extend"]
+    assert [drv.step().kind.value for _ in range(3)] == ["extend", "decode", "extend"]
     drv.run_until_done()
     assert drv.stats.retractions == 0
     assert drv.outputs == {RequestId(0): _reference(tuple(first), 2), RequestId(1): _reference(tuple(second), 2)}

@@ -24,7 +24,7 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
 from compiler.ab import DRAFT_NOISE, run_ab
-from compiler.spec_driver import SpecDriver
+from compiler.engine import Engine
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 
 PREFIX = list(b"You are terse.\n")
@@ -38,9 +38,9 @@ def _models(noise: float = DRAFT_NOISE, seed: int = 1) -> tuple[HybridModel, Hyb
     return target, HybridModel(target.config, perturb(target.weights, noise, seed=seed))
 
 
-def _serve(k: int, noise: float = DRAFT_NOISE) -> SpecDriver:
+def _serve(k: int, noise: float = DRAFT_NOISE) -> Engine:
     target, draft = _models(noise)
-    drv = SpecDriver(target, draft if k else None, k=k)
+    drv = Engine(target, draft if k else None, k=k)
     cp = drv.make_checkpoint(PREFIX)
     for i, p in enumerate(PROMPTS):
         drv.admit(RequestId(i), p, max_new_tokens=NEW, checkpoint=cp if p[: len(PREFIX)] == PREFIX else None)
@@ -82,7 +82,7 @@ def test_init_ops_consumed_once_per_pool_and_nothing_leaks(k: int) -> None:
 
 def test_run_until_done_gives_up_after_max_steps() -> None:
     target, _ = _models()
-    drv = SpecDriver(target, None, k=0)
+    drv = Engine(target, None, k=0)
     drv.admit(RequestId(0), PROMPTS[0], max_new_tokens=4)  # a prefill and 3 decodes
     with pytest.raises(RuntimeError, match=r"^1 requests still live after 2 steps$"):
         drv.run_until_done(max_steps=2)
@@ -93,7 +93,7 @@ def test_run_until_done_gives_up_after_max_steps() -> None:
 
 def test_run_until_done_with_exactly_enough_steps_returns() -> None:
     target, _ = _models()
-    drv = SpecDriver(target, None, k=0)
+    drv = Engine(target, None, k=0)
     drv.admit(RequestId(0), PROMPTS[0], max_new_tokens=4)  # a prefill and 3 decodes: 4 steps
     drv.run_until_done(max_steps=4)
     assert drv.live == 0 and len(drv.outputs[RequestId(0)]) == 4
@@ -132,7 +132,7 @@ def test_random_acceptance_and_join_leave_keep_exactly_once_and_losslessness(
     k: int, noise_seed: int, noise: float, plan: list[tuple[int, int, int]]
 ) -> None:
     target, draft = _models(noise, noise_seed)
-    drv = SpecDriver(target, draft, k=k, capacity=8)
+    drv = Engine(target, draft, k=k, capacity=8)
     cp = drv.make_checkpoint(PREFIX)
     expected: dict[RequestId, list[int]] = {}
     for rid_, (p, n, wait) in enumerate(plan):  # request rid_ joins after `wait` more steps

@@ -28,6 +28,10 @@ class HybridHook:
         self.kv = kv
         self.table = table
 
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst``'s first ``length`` KV locations become slot ``src``'s (the token table's rows)."""
+        self.table.copy_prefix(src, dst, length)
+
     def _extend(self, s: StagedExtend, pool: MambaStatePool) -> torch.Tensor:
         return self.model.extend(
             pool, self.kv, self.table, slots=s.slots, cu_seqlens=s.cu_seqlens, prefix_lens=s.prefix_lens,

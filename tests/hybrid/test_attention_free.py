@@ -9,7 +9,7 @@ import torch
 
 from backend.hybrid import HybridModel, tiny
 from backend.hybrid.reference import greedy_generate_reference, reference_logits
-from compiler.spec_driver import SpecDriver
+from compiler.engine import Engine
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 
 from .helpers import DEVICE, PROMPTS, Backend, assert_close, grid, ids
@@ -93,7 +93,7 @@ def test_greedy_generation_equals_the_reference() -> None:
 def test_as_the_draft_of_a_hybrid_target_speculation_is_lossless() -> None:
     target = HybridModel.from_seed(tiny(), 0, device=DEVICE)
     draft = _model(seed=1)
-    spec = SpecDriver(target, draft, k=3, capacity=4, kv_capacity=512, max_len=96)
+    spec = Engine(target, draft, k=3, capacity=4, kv_capacity=512, max_len=96)
     for i, p in enumerate(PROMPTS):
         spec.admit(RequestId(i), p, max_new_tokens=10)
     spec.run_until_done()

@@ -1,0 +1,108 @@
+"""Argument checks of the engine's public entry points, all run before anything is allocated.
+
+Counts are ints (numpy integers too; never ``bool``, ``float``, ``str`` or ``None``) within their
+bounds; a bad argument raises ``PreconditionError`` naming the argument and the value, and leaves
+the engine, its allocators, pools and prefix cache as they were.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from backend.hybrid.model import HybridModel
+from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
+from compiler.manager import PassManager
+from compiler.prefix_cache import PrefixCache
+from ir._fields import int_problem
+from ir.errors import PreconditionError, short_repr
+
+
+MAX_K = 32
+"""Most draft tokens per speculative iteration (the same bound as ``compiler.workload.MAX_K``, the
+command line's; the engine does not import the command line's modules)."""
+MAX_CAPACITY = 2**20
+"""Most Mamba slots (per pool) an engine takes: running requests, checkpoints and cache entries."""
+MAX_KV_CAPACITY = 2**31
+"""Most attention KV locations an engine takes."""
+MAX_LEN = 2**20
+"""Longest context (prompt, new tokens and the k + 1 speculative positions) an engine takes."""
+MAX_TABLE_ENTRIES = 2**31
+"""Bound on ``(capacity + 1) * max_len``, the entries of each model's token table (int64: 16 GiB)."""
+MAX_POOL_BYTES = MAMBA_POOL_MAX_BYTES
+"""Bound on each Mamba state pool's bytes (``backend.pool.MAX_POOL_BYTES``), checked up front."""
+MAX_RETRIES = 100
+"""Most re-executions of a failing forward."""
+
+
+def engine_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
+    """``value`` as an ``int`` in ``[lo, hi]``, or ``PreconditionError`` naming ``Engine``'s
+    argument ``name`` and the value (``bool``, ``float``, ``str``, ``None`` are not ints)."""
+    problem = int_problem(value)
+    if problem is not None:
+        raise PreconditionError("Engine", f"{name} {problem} (got {short_repr(value)})")
+    n = int(cast(int, value))
+    if n < lo or (hi is not None and n > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise PreconditionError("Engine", f"{name} must be {bound}, got {n}")
+    return n
+
+
+def check_engine_args(
+    target: object,
+    draft: object,
+    *,
+    k: object,
+    capacity: object,
+    kv_capacity: object,
+    max_len: object,
+    chunk_size: object,
+    token_budget: object,
+    prefix_cache: object,
+    retries: object,
+    mixed: object,
+    pm: object,
+) -> None:
+    """``Engine``'s argument checks, all before anything is allocated (``PreconditionError``
+    naming the argument and the value)."""
+    kk = engine_int("k", k, 0, MAX_K)
+    slots = engine_int("capacity", capacity, 1, MAX_CAPACITY)
+    engine_int("kv_capacity", kv_capacity, 1, MAX_KV_CAPACITY)
+    length = engine_int("max_len", max_len, 1, MAX_LEN)
+    if length < kk + 3:
+        raise PreconditionError(
+            "Engine", f"max_len {length} leaves no room for a prompt token and a new token next to the k + 1 = {kk + 1} speculative positions"
+        )
+    if (slots + 1) * length > MAX_TABLE_ENTRIES:
+        raise PreconditionError(
+            "Engine", f"(capacity + 1) * max_len = {(slots + 1) * length} token-table entries, over the bound {MAX_TABLE_ENTRIES}"
+        )
+    for name, value in (("chunk_size", chunk_size), ("token_budget", token_budget)):
+        if value is not None:
+            engine_int(name, value, 1)
+    engine_int("retries", retries, 0, MAX_RETRIES)
+    if type(mixed) is not bool:  # noqa: E721 - 0, 1, 'no' and None are not switches
+        raise PreconditionError("Engine", f"mixed must be a bool, not {type(mixed).__name__} (got {short_repr(mixed)})")
+    if not isinstance(target, HybridModel):
+        raise PreconditionError("Engine", f"target must be a HybridModel, not {type(target).__name__} (got {short_repr(target)})")
+    if draft is not None and not isinstance(draft, HybridModel):
+        raise PreconditionError("Engine", f"draft must be a HybridModel or None, not {type(draft).__name__} (got {short_repr(draft)})")
+    if kk > 0 and draft is None:
+        raise PreconditionError("Engine", f"speculative decoding (k = {kk}) needs a draft model, got draft=None")
+    if kk > 0 and draft is not None and draft.config.vocab != target.config.vocab:
+        raise PreconditionError(
+            "Engine", f"draft vocabulary {draft.config.vocab} differs from the target's {target.config.vocab}"
+        )
+    for name, model in (("target", target), ("draft", draft if kk > 0 else None)):
+        if model is not None:
+            row_bytes = model.config.pool_layout().row_bytes
+            if (slots + 1) * row_bytes > MAX_POOL_BYTES:
+                raise PreconditionError(
+                    "Engine",
+                    f"capacity {slots}: the {name}'s state pool would take {(slots + 1) * row_bytes} bytes, over the bound {MAX_POOL_BYTES}",
+                )
+    if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+        raise PreconditionError(
+            "Engine", f"prefix_cache must be a PrefixCache or None, not {type(prefix_cache).__name__} (got {short_repr(prefix_cache)})"
+        )
+    if pm is not None and not isinstance(pm, PassManager):
+        raise PreconditionError("Engine", f"pm must be a PassManager or None, not {type(pm).__name__} (got {short_repr(pm)})")

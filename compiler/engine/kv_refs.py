@@ -1,0 +1,77 @@
+"""Reference counts on KV locations.
+
+A request holds one reference on every location of its context; a prefix checkpoint or a
+prefix-cache entry holds one on each location of its prefix, which the requests starting from it
+share. A location goes back to the allocator when its last reference is dropped. Counts live in one
+numpy array indexed by location, grown to the highest location referenced (not to the allocator's
+capacity, which may be 2**31), so a step's references are taken and dropped with one vectorised
+call each instead of a Python loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from backend.allocator import KVAllocator
+from ir._fields import I64
+from ir.errors import SlotError
+
+
+class KVRefs:
+    def __init__(self, kv: KVAllocator) -> None:
+        self.kv = kv
+        self._counts: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+    @staticmethod
+    def _array(locs: Iterable[int] | I64) -> npt.NDArray[np.int64]:
+        if isinstance(locs, np.ndarray):
+            return locs.astype(np.int64, copy=False)
+        return np.fromiter(locs, dtype=np.int64)
+
+    def _grow(self, hi: int) -> None:
+        if hi > self._counts.shape[0]:
+            grown = np.zeros(max(hi, 2 * self._counts.shape[0]), dtype=np.int64)
+            grown[: self._counts.shape[0]] = self._counts
+            self._counts = grown
+
+    def ref(self, locs: Iterable[int] | I64) -> None:
+        arr = self._array(locs)
+        if arr.size:
+            self._grow(int(arr.max()) + 1)
+            np.add.at(self._counts, arr, 1)
+
+    def unref(self, locs: Iterable[int] | I64) -> None:
+        """Drop one reference per entry; locations left with none go back to the allocator (in the
+        order they appear in ``locs``). Dropping a reference nobody holds is a bookkeeping bug:
+        ``SlotError`` naming the location, and nothing changes."""
+        arr = self._array(locs)
+        if not arr.size:
+            return
+        uniq, first, times = np.unique(arr, return_index=True, return_counts=True)
+        held = self._counts[uniq] if int(uniq[-1]) < self._counts.shape[0] else None
+        if held is None or bool((held < times).any()):
+            bad = int(uniq[-1]) if held is None else int(uniq[held < times][0])
+            raise SlotError(f"KV location {bad}: a reference was dropped that nobody holds")
+        self._counts[uniq] -= times
+        freed = uniq[self._counts[uniq] == 0]
+        if freed.size:
+            order = np.argsort(first[self._counts[uniq] == 0], kind="stable")
+            self.kv.free_many(freed[order].tolist())
+
+    def alloc(self, n: int) -> I64:
+        """``n`` fresh locations, one reference each."""
+        locs = self.kv.alloc_many(n)
+        self.ref(locs)
+        return locs
+
+    def count(self, loc: int) -> int:
+        """References held on ``loc``."""
+        return int(self._counts[loc]) if 0 <= loc < self._counts.shape[0] else 0
+
+    def held(self) -> dict[int, int]:
+        """Every referenced location and its count."""
+        nz = np.flatnonzero(self._counts)
+        return dict(zip(nz.tolist(), self._counts[nz].tolist(), strict=True))

@@ -1,0 +1,157 @@
+"""The engine's request table: every live request, its state, and the order prefills are served in.
+
+A request moves through these states (``RequestState``)::
+
+    admit --> WAITING --(slot + prefix source)--> PREFILLING --(last chunk)--> RUNNING
+                 ^                                     |                          |
+                 +------------- retract ---------------+--------------------------+
+    any live state --(finish | abort | failed forward)--> gone (its output is recorded)
+
+WAITING requests have no slot yet; PREFILLING ones hold a slot and have part of their prompt in
+their state; RUNNING ones decode. Retraction sends a PREFILLING or RUNNING request back to WAITING
+(first in line, its prompt extended by the output so far). The table only keeps the records; what a
+request holds (slot, KV references, prefix-cache reservations) is freed by the engine's one release
+path, which every ending (finish, abort, retraction, failure) goes through.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+
+import attrs
+
+from compiler.prefix_cache import CacheEntry
+from compiler.engine.report import Checkpoint
+from ir._fields import I64
+from ir.ids import MambaSlot, RequestId
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+
+
+class Ending(enum.Enum):
+    """Why a request left the running set: the one release path is told which."""
+
+    FINISHED = "finished"  # max_new_tokens or its stop token
+    ABORTED = "aborted"  # the user's abort
+    FAILED = "failed"  # a forward carrying it failed after every retry
+    RETRACTED = "retracted"  # out of KV: back to WAITING, re-prefilled later
+
+
+@attrs.define(kw_only=True)
+class Request:
+    rid: RequestId
+    prompt: I64
+    """The tokens to prefill: the prompt, plus the output so far after a retraction."""
+    original: I64
+    """The prompt as admitted."""
+    max_new_tokens: int
+    stop: int | None
+    source: Checkpoint | CacheEntry | None = None
+    """Where the slot's first state comes from (a COW), or ``None`` (a clear)."""
+    state: RequestState = RequestState.WAITING
+    slot: MambaSlot | None = None
+    done: int = 0
+    """Prompt tokens already in the state."""
+    snapshot_at: int | None = None
+    """Prefix boundary to snapshot into the prefix cache."""
+    snapshot_slot: MambaSlot | None = None
+    context: list[int] = attrs.Factory(list)
+    """KV location of every context position (one reference each)."""
+    output: list[int] = attrs.Factory(list)
+    pending: int | None = None
+    """The last emitted token: the next decode's input."""
+    retractions: int = 0
+
+    @property
+    def start(self) -> int:
+        """The first prompt position this request computes (the length of its prefix source)."""
+        return len(self.source.tokens) if self.source is not None else 0
+
+    @property
+    def next_pos(self) -> int:
+        """Where its next prefill chunk starts."""
+        return self.done if self.done else self.start
+
+    def is_done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens or (self.stop is not None and self.stop in self.output)
+
+    def final_output(self) -> list[int]:
+        """The output as reported: cut at ``max_new_tokens`` and after the stop token."""
+        out = self.output[: self.max_new_tokens]
+        if self.stop is not None and self.stop in out:
+            out = out[: out.index(self.stop) + 1]
+        return out
+
+
+class RequestTable:
+    """Live requests by id, and the prefill queue (WAITING and PREFILLING, in serving order)."""
+
+    def __init__(self) -> None:
+        self._reqs: dict[RequestId, Request] = {}
+        self._queue: list[RequestId] = []
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._reqs
+
+    def __getitem__(self, rid: RequestId) -> Request:
+        return self._reqs[rid]
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._reqs.values())
+
+    def get(self, rid: RequestId) -> Request | None:
+        return self._reqs.get(rid)
+
+    def add(self, r: Request, *, first: bool = False) -> None:
+        """A new (or retracted) WAITING request, at the end of the queue (``first``: at its head)."""
+        assert r.state is RequestState.WAITING and r.slot is None
+        self._reqs[r.rid] = r
+        if first:
+            self._queue.insert(0, r.rid)
+        else:
+            self._queue.append(r.rid)
+
+    @property
+    def queued(self) -> list[RequestId]:
+        """Requests waiting for (more of) their prefill, in the order they are served."""
+        return list(self._queue)
+
+    @property
+    def has_queued(self) -> bool:
+        return bool(self._queue)
+
+    def started(self, r: Request, slot: MambaSlot) -> None:
+        assert r.state is RequestState.WAITING
+        r.slot, r.state = slot, RequestState.PREFILLING
+
+    def prefilled(self, r: Request) -> None:
+        """Its last prompt chunk ran: it decodes from now on."""
+        assert r.state is RequestState.PREFILLING
+        r.state = RequestState.RUNNING
+        self._queue.remove(r.rid)
+
+    def requeue(self, r: Request) -> None:
+        """A retracted request's fresh WAITING record, replacing its old one, first in the queue."""
+        assert r.rid in self._reqs and r.state is RequestState.WAITING and r.slot is None
+        if self._reqs[r.rid].state is not RequestState.RUNNING:
+            self._queue.remove(r.rid)
+        self._reqs[r.rid] = r
+        self._queue.insert(0, r.rid)
+
+    def remove(self, rid: RequestId) -> Request:
+        r = self._reqs.pop(rid)
+        if r.state is not RequestState.RUNNING:
+            self._queue.remove(rid)
+        return r
+
+    def kv_owed(self) -> int:
+        """KV locations that started, unfinished prefills still need for the rest of their prompts."""
+        return sum(int(r.prompt.shape[0]) - r.done for r in map(self._reqs.__getitem__, self._queue) if r.state is RequestState.PREFILLING)

@@ -306,7 +306,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_dump(args: argparse.Namespace, console: Console) -> int:
-    from compiler.scenario import build_driver, run_scenario, run_spec_scenario
+    from compiler.tools.scenario import build_driver, run_scenario, run_spec_scenario
 
     pm = PassManager(verify_level=args.verify, record=True)
     if args.spec:
@@ -357,6 +357,12 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
             task = progress.add_task("serving", total=len(workload))
             summary = run(workload, target, draft, cfg, on_finish=lambda n: progress.update(task, completed=n),
                           compare_mutable=args.compare_mutable)
+            if args.compare_mutable and draft is not None and cfg.k:
+                from compiler.tools.compare_mutable import run_mutable
+
+                progress.update(task, description="mutable baseline")
+                summary["mutable_baseline"] = run_mutable(workload, target, draft, cfg, fixed=False)
+                summary["mutable_baseline_fixed"] = run_mutable(workload, target, draft, cfg, fixed=True)
         title = f"batchc run: {len(workload)} requests, k={args.k}, {'bundled' if args.model is None else args.model} target"
         table = Table(title=title)
         table.add_column("metric")
@@ -422,7 +428,7 @@ def _print_ab(args: argparse.Namespace, noise: float, result: dict[str, object],
 
 
 def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
-    from compiler.ab import DRAFT_NOISE, run_ab
+    from compiler.tools.ab import DRAFT_NOISE, run_ab
 
     noise = DRAFT_NOISE if args.draft_noise is None else args.draft_noise
     if not 0.0 <= noise < 10.0:
@@ -443,7 +449,7 @@ def _cmd_ab(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if args.group == "pipeline":
-        from compiler.bench import PIPELINE_HEADERS, format_pipeline, run_pipeline_bench
+        from compiler.tools.bench_pipeline import PIPELINE_HEADERS, format_pipeline, run_pipeline_bench
 
         t0 = time.perf_counter()
         rows = run_pipeline_bench(sizes=args.sizes, repeats=args.repeats)
@@ -460,7 +466,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         return 0
     if args.group == "serve":
         from backend.hybrid.checkpoint import default_draft, default_target
-        from compiler.bench_serve import run_serve_bench
+        from compiler.tools.bench_serve import run_serve_bench
         from compiler.serve import ServeConfig, builtin_workload
 
         bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2

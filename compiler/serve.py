@@ -40,7 +40,6 @@ import attrs
 from backend.hybrid.checkpoint import file_kind
 from backend.hybrid.config import HybridConfig
 from backend.hybrid.model import HybridModel
-from compiler.baseline_spec import MutableSpecEngine
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.engine import Engine
@@ -425,6 +424,8 @@ def run(
     on_finish: Callable[[int], None] | None = None,
     compare_mutable: bool = False,
 ) -> dict[str, object]:
+    """Serve ``workload`` on the engine and summarise the run. ``compare_mutable`` only sizes the
+    memory check for the baseline runs that ``compiler.tools.compare_mutable`` adds afterwards."""
     check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable)
     pm = PassManager.from_env()
     driver = _driver(target, draft, cfg, pm, cache=True, k=cfg.k)
@@ -476,50 +477,4 @@ def run(
         skipped = f" ({len(sample) - len(checked)} aborted requests not compared)" if len(checked) < len(sample) else ""
         summary["lossless_check"] = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal plain greedy of the target{skipped}"
         summary["lossless_ok"] = same
-    if compare_mutable and draft is not None and cfg.k:
-        summary["mutable_baseline"] = _mutable(workload, target, draft, cfg, fixed=False)
-        summary["mutable_baseline_fixed"] = _mutable(workload, target, draft, cfg, fixed=True)
     return summary
-
-
-def make_mutable(target: HybridModel, draft: HybridModel, cfg: ServeConfig, *, k: int) -> MutableSpecEngine:
-    return MutableSpecEngine(target, draft, k=k, capacity=cfg.max_running + len(SYSTEM_PREFIXES) + 2,
-                             kv_capacity=cfg.max_running * cfg.max_len + 1024, max_len=cfg.max_len)
-
-
-def serve_mutable(engine: MutableSpecEngine, workload: Sequence[Request], *, max_running: int) -> tuple[float, int]:
-    """The same admission loop for the mutable baseline; system prefixes are checkpoints it COWs from
-    (it has no prefix cache). Returns wall seconds and steps."""
-    cps = [engine.make_checkpoint(list(p)) for p in SYSTEM_PREFIXES]
-    queue = sorted(workload, key=lambda r: r.arrival)
-    t0 = time.perf_counter()
-    steps = 0
-    while queue or engine.live:
-        while queue and queue[0].arrival <= steps and engine.live < max_running:
-            r = queue.pop(0)
-            cp = next((c for c in cps if r.prompt.startswith(bytes(c.tokens)) and len(r.prompt) > len(c.tokens)), None)
-            engine.admit(int(r.rid), list(r.prompt), max_new_tokens=r.max_new_tokens, checkpoint=cp)
-        engine.step()
-        steps += 1
-    wall = time.perf_counter() - t0
-    for cp in cps:
-        engine.release_checkpoint(cp)
-    return wall, steps
-
-
-def _mutable(workload: Sequence[Request], target: HybridModel, draft: HybridModel, cfg: ServeConfig, *, fixed: bool) -> dict[str, object]:
-    """The same workload through the mutable baseline, pre-fix or with the upstream fix."""
-    engine = make_mutable(target, draft, cfg, k=cfg.k)
-    engine.fixed = fixed
-    wall, _ = serve_mutable(engine, workload, max_running=cfg.max_running)
-    generated = sum(len(v) for v in engine.outputs.values())
-    return {
-        "acceptance_rate": engine.stats.acceptance_rate,
-        "mean_accepted_length": engine.stats.mean_accepted_length,
-        "init_ops_target": engine.t.runner.clears_executed + engine.t.runner.cows_executed,
-        "init_ops_draft": engine.d.runner.clears_executed + engine.d.runner.cows_executed,
-        "replays": engine.replays,
-        "stale_ops_run": engine.t.runner.stale_ops + engine.d.runner.stale_ops,
-        "wall_s": wall,
-        "tokens_per_s": generated / wall if wall else 0.0,
-    }

@@ -3,17 +3,18 @@
 ``Pipeline`` binds a pass manager, the lowering context (which pools see init ops) and the ledger.
 Each method calls the passes through the manager with their own types, so mypy checks every edge of
 the lifecycle, and registers the tickets of each lowered prefill plan with the ledger: a ticket the
-backend never consumes is then reported by ``Ledger.assert_drained``.
+backend never consumes is then reported by the ledger (``backend.ledger.Ledger.assert_drained``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from backend.ledger import Ledger
 from compiler.manager import PassManager
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.ids import RequestId
+from ir.init import InitTicket, SnapshotTicket
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
 from ir._fields import I64
@@ -41,8 +42,15 @@ from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
 
 
+class TicketRegistry(Protocol):
+    """Where a lowered plan's one-shot tickets are registered before any backend sees them
+    (``backend.ledger.Ledger`` is one): compiling a step needs no runtime object."""
+
+    def register(self, tickets: Iterable[InitTicket | SnapshotTicket]) -> None: ...
+
+
 class Pipeline:
-    def __init__(self, ledger: Ledger, lower_ctx: LowerContext | None = None, pm: PassManager | None = None) -> None:
+    def __init__(self, ledger: TicketRegistry, lower_ctx: LowerContext | None = None, pm: PassManager | None = None) -> None:
         self.ledger = ledger
         self.lower_ctx = lower_ctx if lower_ctx is not None else LowerContext()
         self.pm = pm if pm is not None else PassManager.from_env()

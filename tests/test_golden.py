@@ -1,6 +1,6 @@
 """Golden IR dumps: one file per pass, holding every output of that pass in the built-in scenario.
 
-The scenario (``compiler.scenario``) takes every pass of the non-speculative path: prefill with a
+The scenario (``compiler.tools.scenario``) takes every pass of the non-speculative path: prefill with a
 clear and a COW, chunked prefill in MIXED forwards, decode, filter, merge, abort and idle. The
 speculative scenario (``golden/spec/``) takes draft, verify, commit and draft extend on the seeded
 tiny hybrid model (float32, deterministic on the CPU). A change
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from compiler.manager import PassManager
-from compiler.scenario import build_driver, run_scenario, run_spec_scenario
+from compiler.tools.scenario import build_driver, run_scenario, run_spec_scenario
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 PASSES = ("prepare_for_extend", "prepare_for_decode", "filter_batch", "merge_batch", "mix_with_running", "lower")

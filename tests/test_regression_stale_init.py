@@ -22,7 +22,7 @@ import torch
 from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
-from compiler.baseline_mutable import ForwardMode, ModelRunner, Req, ScheduleBatch
+from compiler.baselines.mutable import ForwardMode, ModelRunner, Req, ScheduleBatch
 from compiler.manager import PassManager
 from compiler.steps import Pipeline
 from ir.errors import ResourceLeakError, ResourceReplayError

@@ -16,7 +16,7 @@ from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
-from compiler.ab import DRAFT_NOISE
+from compiler.tools.ab import DRAFT_NOISE
 from compiler.prefix_cache import CacheEntry, PrefixCache
 from compiler.engine import Engine
 from ir.errors import PreconditionError

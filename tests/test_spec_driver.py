@@ -23,7 +23,7 @@ from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
-from compiler.ab import DRAFT_NOISE, run_ab
+from compiler.tools.ab import DRAFT_NOISE, run_ab
 from compiler.engine import Engine
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 

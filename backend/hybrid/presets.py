@@ -37,7 +37,7 @@ def trained_draft() -> HybridConfig:
     with one attention layer recovered from a re-zeroed state through attention over its own KV
     cache: with its state cleared before every draft extend, its acceptance on the default workload
     fell only from 0.715 to 0.713, so the stale-replay bug left no trace on it. This one falls from
-    0.73 to 0.48 under the same abuse (both measured with ``compiler.baseline_spec``)."""
+    0.73 to 0.48 under the same abuse (both measured with ``compiler.baselines.spec``)."""
     return HybridConfig(
         d_model=64,
         layers=("mamba", "mamba"),

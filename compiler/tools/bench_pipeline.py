@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from backend.staging import stage_decode
-from compiler.baseline_mutable import ForwardMode, Req, ScheduleBatch
+from compiler.baselines.mutable import ForwardMode, Req, ScheduleBatch
 from compiler.manager import PassManager
 from ir._fields import frozen_i64
 from ir.batch import DecodeBatch

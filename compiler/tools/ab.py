@@ -26,7 +26,7 @@ from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
-from compiler.baseline_spec import MutableSpecEngine
+from compiler.baselines.spec import MutableSpecEngine
 from compiler.engine import Checkpoint, Engine, SpecStats
 from compiler.workload import SNIPPETS, SYSTEM_PREFIXES
 from ir.errors import ResourceReplayError

@@ -1,6 +1,6 @@
 """The mutable baseline driven through the speculative flow, on the same models as ``Engine``.
 
-One long-lived ``ScheduleBatch`` per the pre-fix engine (``compiler.baseline_mutable``): every
+One long-lived ``ScheduleBatch`` per the pre-fix engine (``compiler.baselines.mutable``): every
 forward object of an iteration (draft decode, target verify, draft extend) is built from it by
 ``get_model_worker_batch``; ``prepare_for_decode`` takes the spec early return; the first prefill
 batch becomes the running batch, so its deferred init indices ride along until a request finishes.
@@ -24,7 +24,7 @@ from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.model import HybridModel, greedy
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
-from compiler.baseline_mutable import ForwardMode, ModelRunner, Req, ScheduleBatch
+from compiler.baselines.mutable import ForwardMode, ModelRunner, Req, ScheduleBatch
 from compiler.engine import Checkpoint, SpecStats
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId
 

@@ -66,7 +66,7 @@ def run_spec_scenario(pm: PassManager, *, k: int = 2, max_new_tokens: int = 6) -
     from backend.hybrid.config import tiny
     from backend.hybrid.model import HybridModel
     from backend.hybrid.weights import perturb
-    from compiler.ab import DRAFT_NOISE
+    from compiler.tools.ab import DRAFT_NOISE
     from compiler.engine import Engine
 
     target = HybridModel.from_seed(tiny(), seed=0)

@@ -21,7 +21,8 @@ import torch
 from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.model import ForwardOut, HybridModel, VerifyOut, VerifyStates
 from backend.pool import MambaStatePool
-from compiler.serve import Request, ServeConfig, _driver, make_mutable, serve, serve_mutable
+from compiler.serve import Request, ServeConfig, _driver, serve
+from compiler.tools.compare_mutable import make_mutable, serve_mutable
 
 
 class TimedModel(HybridModel):

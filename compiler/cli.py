@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import attrs
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -361,13 +362,13 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
                 from compiler.tools.compare_mutable import run_mutable
 
                 progress.update(task, description="mutable baseline")
-                summary["mutable_baseline"] = run_mutable(workload, target, draft, cfg, fixed=False)
-                summary["mutable_baseline_fixed"] = run_mutable(workload, target, draft, cfg, fixed=True)
+                summary = attrs.evolve(summary, mutable_baseline=run_mutable(workload, target, draft, cfg, fixed=False),
+                                       mutable_baseline_fixed=run_mutable(workload, target, draft, cfg, fixed=True))
         title = f"batchc run: {len(workload)} requests, k={args.k}, {'bundled' if args.model is None else args.model} target"
         table = Table(title=title)
         table.add_column("metric")
         table.add_column("value", justify="right")
-        for key, value in summary.items():
+        for key, value in summary.to_json().items():
             if key in ("samples", "pass_us_per_step", "mutable_baseline", "mutable_baseline_fixed", "lossless_ok") or value is None:
                 continue
             table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
@@ -376,35 +377,31 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         passes.add_column("pass")
         passes.add_column("calls", justify="right")
         passes.add_column("us/call", justify="right")
-        pass_times = summary["pass_us_per_step"]
-        assert isinstance(pass_times, dict)
-        for name, (calls, us) in pass_times.items():
+        for name, (calls, us) in summary.pass_us_per_step.items():
             passes.add_row(name, str(calls), f"{us:.1f}")
         console.print(passes)
-        mutable, fixed = summary.get("mutable_baseline"), summary.get("mutable_baseline_fixed")
-        if isinstance(mutable, dict) and isinstance(fixed, dict):
+        mutable, fixed = summary.mutable_baseline, summary.mutable_baseline_fixed
+        if mutable is not None and fixed is not None:
             ab = Table(title="compiled pipeline vs. mutable baseline, same workload and models")
             for h in ("run", "acceptance", "mean accepted len", "replays", "stale init ops run", "tokens/s"):
                 ab.add_column(h, justify="right")
-            ab.add_row("compiled", f"{summary['acceptance_rate']:.3f}", f"{summary['mean_accepted_length']:.2f}",
-                       str(summary["replays_blocked"]), "0", f"{summary['tokens_per_s']:.1f}")
+            ab.add_row("compiled", f"{summary.acceptance_rate:.3f}", f"{summary.mean_accepted_length:.2f}",
+                       str(summary.replays_blocked), "0", f"{summary.tokens_per_s:.1f}")
             for name, m in (("mutable, pre-fix", mutable), ("mutable + upstream fix", fixed)):
-                ab.add_row(name, f"{m['acceptance_rate']:.3f}", f"{m['mean_accepted_length']:.2f}",
-                           str(m["replays"]), str(m["stale_ops_run"]), f"{m['tokens_per_s']:.1f}")
+                ab.add_row(name, f"{m.acceptance_rate:.3f}", f"{m.mean_accepted_length:.2f}",
+                           str(m.replays), str(m.stale_ops_run), f"{m.tokens_per_s:.1f}")
             console.print(ab)
-        samples = summary["samples"]
-        assert isinstance(samples, list)
-        for s in samples:
-            console.print(f"r{s['rid']}: ...{s['prompt']!r} -> {s['completion']!r}", highlight=False)
-        output.write(json.dumps(summary, indent=2))
+        for sample in summary.samples:
+            console.print(f"r{sample.rid}: ...{sample.prompt!r} -> {sample.completion!r}", highlight=False)
+        output.write(json.dumps(summary.to_json(), indent=2))
     failures = []
-    if summary["aborted_requests"]:
-        failures.append(f"{summary['aborted_requests']} requests aborted by {summary['failed_forwards']} failed forwards, "
-                        f"first: {summary['first_failure']}")
-    if summary["outstanding_tickets"]:
-        failures.append(f"{summary['outstanding_tickets']} tickets never consumed")
-    if not summary.get("lossless_ok", True):
-        failures.append(f"lossless check {summary['lossless_check']}")
+    if summary.aborted_requests:
+        failures.append(f"{summary.aborted_requests} requests aborted by {summary.failed_forwards} failed forwards, "
+                        f"first: {summary.first_failure}")
+    if summary.outstanding_tickets:
+        failures.append(f"{summary.outstanding_tickets} tickets never consumed")
+    if summary.lossless_ok is False:
+        failures.append(f"lossless check {summary.lossless_check}")
     if failures:
         print(f"batchc: run failed: {'; '.join(failures)}", file=sys.stderr)
         return 1

@@ -48,7 +48,7 @@ from compiler.workload import (
     SYSTEM_PREFIXES,
 )
 from ir.errors import BatchcError
-from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
+from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 
 
 MAX_ARRIVAL = 1_000_000
@@ -415,6 +415,80 @@ def serve(
     return time.perf_counter() - t0, steps
 
 
+@attrs.frozen(kw_only=True)
+class Sample:
+    """The end of a prompt and its completion (bytes decoded with replacement)."""
+
+    rid: int
+    prompt: str
+    completion: str
+
+
+@attrs.frozen(kw_only=True)
+class MutableRun:
+    """The same workload through the mutable baseline (``compiler.tools.compare_mutable``)."""
+
+    acceptance_rate: float
+    mean_accepted_length: float
+    init_ops_target: int
+    init_ops_draft: int
+    replays: int
+    stale_ops_run: int
+    wall_s: float
+    tokens_per_s: float
+
+
+_OPTIONAL = frozenset({
+    "draft_clears_minted_consumed", "draft_cows_minted_consumed", "draft_snapshots_minted_consumed", "lossless_check",
+    "lossless_ok", "mutable_baseline", "mutable_baseline_fixed",
+})
+
+
+@attrs.frozen(kw_only=True)
+class ServeSummary:
+    """What ``batchc run`` reports; ``to_json`` is what ``--json`` writes (the same field names,
+    optional parts left out when they did not run)."""
+
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    k: int
+    steps: int
+    steps_by_kind: str
+    wall_s: float
+    tokens_per_s: float
+    acceptance_rate: float
+    mean_accepted_length: float
+    prefix_cache_hit_rate: float
+    prefix_cache_hit_tokens: int
+    prefix_cache_evictions: int
+    retractions: int
+    aborted_requests: int
+    """Requests aborted because a forward carrying them failed."""
+    failed_forwards: int
+    first_failure: str | None
+    target_clears_minted_consumed: str
+    target_cows_minted_consumed: str
+    target_snapshots_minted_consumed: str
+    draft_clears_minted_consumed: str | None
+    draft_cows_minted_consumed: str | None
+    draft_snapshots_minted_consumed: str | None
+    replays_blocked: int
+    outstanding_tickets: int
+    slots_live_after: int
+    kv_live_after: int
+    pass_us_per_step: dict[str, tuple[int, float]]
+    """Pass name -> (calls, microseconds per call)."""
+    samples: tuple[Sample, ...]
+    lossless_check: str | None = None
+    lossless_ok: bool | None = None
+    mutable_baseline: MutableRun | None = None
+    mutable_baseline_fixed: MutableRun | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None)}
+
+
 def run(
     workload: Sequence[Request],
     target: HybridModel,
@@ -423,7 +497,7 @@ def run(
     *,
     on_finish: Callable[[int], None] | None = None,
     compare_mutable: bool = False,
-) -> dict[str, object]:
+) -> ServeSummary:
     """Serve ``workload`` on the engine and summarise the run. ``compare_mutable`` only sizes the
     memory check for the baseline runs that ``compiler.tools.compare_mutable`` adds afterwards."""
     check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable)
@@ -433,40 +507,17 @@ def run(
     driver.drop_cache()
     ledger = driver.ledger
     generated = sum(len(v) for v in driver.outputs.values())
-    summary: dict[str, object] = {
-        "requests": len(workload),
-        "prompt_tokens": sum(len(r.prompt) for r in workload),
-        "generated_tokens": generated,
-        "k": cfg.k,
-        "steps": sum(steps.values()),
-        "steps_by_kind": ", ".join(f"{k}={v}" for k, v in sorted(steps.items())),
-        "wall_s": wall,
-        "tokens_per_s": generated / wall if wall else 0.0,
-        "acceptance_rate": driver.stats.acceptance_rate,
-        "mean_accepted_length": driver.stats.mean_accepted_length,
-        "prefix_cache_hit_rate": driver.cache.stats.hit_rate if driver.cache is not None else 0.0,
-        "prefix_cache_hit_tokens": driver.cache.stats.hit_tokens if driver.cache is not None else 0,
-        "prefix_cache_evictions": driver.cache.stats.evictions if driver.cache is not None else 0,
-        "retractions": driver.stats.retractions,
-        "aborted_requests": len(driver.aborted_by_failure),
-        "failed_forwards": driver.stats.failed_steps,
-        "first_failure": driver.first_failure,
-    }
-    pools = (TARGET_POOL, DRAFT_POOL) if cfg.k else (TARGET_POOL,)
-    for pool in pools:
-        minted, consumed = ledger.minted(pool), ledger.counts(pool)
-        summary[f"{pool}_clears_minted_consumed"] = f"{minted.clears}/{consumed.clears}"
-        summary[f"{pool}_cows_minted_consumed"] = f"{minted.cows}/{consumed.cows}"
-        summary[f"{pool}_snapshots_minted_consumed"] = f"{minted.snapshots}/{consumed.snapshots}"
-    summary["replays_blocked"] = ledger.replays_blocked
-    summary["outstanding_tickets"] = len(ledger.outstanding())
-    summary["slots_live_after"] = driver.slots.num_live
-    summary["kv_live_after"] = driver.kv.num_live
-    summary["pass_us_per_step"] = {name: [t.calls, t.seconds / t.calls * 1e6] for name, t in pm.timings().items()}
-    summary["samples"] = [
-        {"rid": int(r.rid), "prompt": r.prompt[-40:].decode("utf-8", "replace"), "completion": bytes(driver.outputs[r.rid]).decode("utf-8", "replace")}
-        for r in list(workload)[:3]
-    ]
+
+    def minted_consumed(pool: PoolId) -> tuple[str, str, str]:
+        """Clears, COWs and snapshots of ``pool``, each as "minted/consumed"."""
+        m, c = ledger.minted(pool), ledger.counts(pool)
+        return f"{m.clears}/{c.clears}", f"{m.cows}/{c.cows}", f"{m.snapshots}/{c.snapshots}"
+
+    target_counts = minted_consumed(TARGET_POOL)
+    draft_counts: tuple[str | None, str | None, str | None] = minted_consumed(DRAFT_POOL) if cfg.k else (None, None, None)
+
+    lossless_check: str | None = None
+    lossless_ok: bool | None = None
     sample = list(workload)[: cfg.lossless_sample]
     checked = [r for r in sample if r.rid not in driver.aborted_by_failure]  # an aborted request's output is cut short
     if sample:
@@ -475,6 +526,43 @@ def run(
         serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running)
         same = not plain.aborted_by_failure and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
         skipped = f" ({len(sample) - len(checked)} aborted requests not compared)" if len(checked) < len(sample) else ""
-        summary["lossless_check"] = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal plain greedy of the target{skipped}"
-        summary["lossless_ok"] = same
-    return summary
+        lossless_check = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal plain greedy of the target{skipped}"
+        lossless_ok = same
+    cache = driver.cache
+    return ServeSummary(
+        requests=len(workload),
+        prompt_tokens=sum(len(r.prompt) for r in workload),
+        generated_tokens=generated,
+        k=cfg.k,
+        steps=sum(steps.values()),
+        steps_by_kind=", ".join(f"{k}={v}" for k, v in sorted(steps.items())),
+        wall_s=wall,
+        tokens_per_s=generated / wall if wall else 0.0,
+        acceptance_rate=driver.stats.acceptance_rate,
+        mean_accepted_length=driver.stats.mean_accepted_length,
+        prefix_cache_hit_rate=cache.stats.hit_rate if cache is not None else 0.0,
+        prefix_cache_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,
+        prefix_cache_evictions=cache.stats.evictions if cache is not None else 0,
+        retractions=driver.stats.retractions,
+        aborted_requests=len(driver.aborted_by_failure),
+        failed_forwards=driver.stats.failed_steps,
+        first_failure=driver.first_failure,
+        replays_blocked=ledger.replays_blocked,
+        outstanding_tickets=len(ledger.outstanding()),
+        slots_live_after=driver.slots.num_live,
+        kv_live_after=driver.kv.num_live,
+        pass_us_per_step={name: (t.calls, t.seconds / t.calls * 1e6) for name, t in pm.timings().items()},
+        samples=tuple(
+            Sample(rid=int(r.rid), prompt=r.prompt[-40:].decode("utf-8", "replace"),
+                   completion=bytes(driver.outputs[r.rid]).decode("utf-8", "replace"))
+            for r in list(workload)[:3]
+        ),
+        target_clears_minted_consumed=target_counts[0],
+        target_cows_minted_consumed=target_counts[1],
+        target_snapshots_minted_consumed=target_counts[2],
+        draft_clears_minted_consumed=draft_counts[0],
+        draft_cows_minted_consumed=draft_counts[1],
+        draft_snapshots_minted_consumed=draft_counts[2],
+        lossless_check=lossless_check,
+        lossless_ok=lossless_ok,
+    )

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from backend.hybrid.model import HybridModel
 from compiler.baselines.spec import MutableSpecEngine
-from compiler.serve import Request, ServeConfig
+from compiler.serve import MutableRun, Request, ServeConfig
 from compiler.workload import SYSTEM_PREFIXES
 
 
@@ -38,19 +38,19 @@ def serve_mutable(engine: MutableSpecEngine, workload: Sequence[Request], *, max
     return wall, steps
 
 
-def run_mutable(workload: Sequence[Request], target: HybridModel, draft: HybridModel, cfg: ServeConfig, *, fixed: bool) -> dict[str, object]:
+def run_mutable(workload: Sequence[Request], target: HybridModel, draft: HybridModel, cfg: ServeConfig, *, fixed: bool) -> MutableRun:
     """The same workload through the mutable baseline, pre-fix or with the upstream fix."""
     engine = make_mutable(target, draft, cfg, k=cfg.k)
     engine.fixed = fixed
     wall, _ = serve_mutable(engine, workload, max_running=cfg.max_running)
     generated = sum(len(v) for v in engine.outputs.values())
-    return {
-        "acceptance_rate": engine.stats.acceptance_rate,
-        "mean_accepted_length": engine.stats.mean_accepted_length,
-        "init_ops_target": engine.t.runner.clears_executed + engine.t.runner.cows_executed,
-        "init_ops_draft": engine.d.runner.clears_executed + engine.d.runner.cows_executed,
-        "replays": engine.replays,
-        "stale_ops_run": engine.t.runner.stale_ops + engine.d.runner.stale_ops,
-        "wall_s": wall,
-        "tokens_per_s": generated / wall if wall else 0.0,
-    }
+    return MutableRun(
+        acceptance_rate=engine.stats.acceptance_rate,
+        mean_accepted_length=engine.stats.mean_accepted_length,
+        init_ops_target=engine.t.runner.clears_executed + engine.t.runner.cows_executed,
+        init_ops_draft=engine.d.runner.clears_executed + engine.d.runner.cows_executed,
+        replays=engine.replays,
+        stale_ops_run=engine.t.runner.stale_ops + engine.d.runner.stale_ops,
+        wall_s=wall,
+        tokens_per_s=generated / wall if wall else 0.0,
+    )

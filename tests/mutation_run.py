@@ -4,7 +4,7 @@ fast tests kill each one.
     python -m tests.mutation_run [--per-file N] [--workers W] [--seed S] [--only PATTERN] [--out FILE]
 
 Targets: ``ir/``, ``passes/``, ``backend/ledger.py``, ``backend/executor.py`` and the engine
-(``compiler/spec_driver.py``, ``compiler/steps.py``, ``compiler/prefix_cache.py``). Every function
+(``compiler/engine/``, ``compiler/steps.py``, ``compiler/prefix_cache.py``). Every function
 body is parsed and each of these sites becomes one mutant:
 
 - a comparison flipped (``==``/``!=``, ``<``/``<=``, ``>``/``>=``, ``in``/``not in``, ``is``/``is not``);
@@ -54,14 +54,14 @@ CORE_TESTS = [
 ENGINE_TESTS = [
     "tests/test_engine_stop.py", "tests/test_spec_driver.py", "tests/test_serving.py", "tests/test_faults.py",
     "tests/test_hostile_corpus.py", "tests/test_bad_input.py", "tests/test_property_lifecycle.py",
-    "tests/test_api_validation.py",
+    "tests/test_api_validation.py", "tests/test_engine_parts.py",
 ]
 TARGETS: dict[str, list[str]] = {
     "ir/*.py": CORE_TESTS,
     "passes/*.py": CORE_TESTS,
     "backend/ledger.py": CORE_TESTS,
     "backend/executor.py": CORE_TESTS + ["tests/test_spec_driver.py", "tests/test_api_validation.py"],
-    "compiler/spec_driver.py": ENGINE_TESTS,
+    "compiler/engine/*.py": ENGINE_TESTS,
     "compiler/steps.py": ENGINE_TESTS,
     "compiler/prefix_cache.py": ENGINE_TESTS,
 }

@@ -64,7 +64,7 @@ from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, ser
 from ir.nodes import Plan
 from ir.ids import TicketSerial
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.verify import verify_level_from_env
+from ir.verify import VerifyLevel, verify_level_from_env
 from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 
@@ -111,7 +111,7 @@ class Executor:
             )
         self.pool = pool
         self.transactional = transactional
-        self.watch = watch if watch is not None else verify_level_from_env() == 2
+        self.watch = watch if watch is not None else verify_level_from_env() is VerifyLevel.EVERY_PASS
         self._seen: tuple[int, bytes] | None = None
         self.ledger = ledger
         self.model: ModelHook = model if model is not None else NoOpModel()
@@ -180,7 +180,7 @@ class Executor:
                         apply_init(self.pool, t.init)
                         claim.done(t)
                 out = self._forward(plan, extend, decode)
-                faults.check("model_forward")
+                faults.check(faults.FaultPoint.MODEL_FORWARD)
                 self._snapshots(claim)
             return out
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
@@ -191,7 +191,7 @@ class Executor:
                 if isinstance(t, InitTicket):
                     apply_init(self.pool, t.init)
             out = self._forward(plan, extend, decode)
-            faults.check("model_forward")
+            faults.check(faults.FaultPoint.MODEL_FORWARD)
             self._snapshots(claim)
         return out
 
@@ -208,7 +208,7 @@ class Executor:
         staged = stage_decode(plan, self.pool.device)
         with self._unit(plan.slots):
             out = self._forward(plan, None, staged)
-            faults.check("model_forward")
+            faults.check(faults.FaultPoint.MODEL_FORWARD)
         return out
 
     def run_draft(self, plan: DraftPlan) -> torch.Tensor:
@@ -264,7 +264,7 @@ class Executor:
         with self._unit(plan.batch.slots):
             with self._watched("the model hook's commit", plan):
                 self._spec_model(plan).commit(plan, verified.states, self.pool)
-            faults.check("commit")
+            faults.check(faults.FaultPoint.COMMIT)
         del self._intermediates[vid]
 
     def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor | None:
@@ -275,7 +275,7 @@ class Executor:
         staged = stage_extend(plan.batch, self.pool.device)
         with self._unit(plan.batch.slots):
             out = self._forward(plan, staged, None)
-            faults.check("model_forward")
+            faults.check(faults.FaultPoint.MODEL_FORWARD)
         return out
 
     def _forward(self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor | None:

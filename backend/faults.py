@@ -8,15 +8,24 @@ production, where ``check`` is one dictionary test. Arming is process-wide and t
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
 
-POINTS: Final = ("init_launch", "model_forward", "commit", "snapshot")
 
-_armed: dict[str, int] = {}  # point -> passes left before it fires
-_fired: dict[str, int] = {}
+class FaultPoint(enum.StrEnum):
+    INIT_LAUNCH = "init_launch"
+    MODEL_FORWARD = "model_forward"
+    COMMIT = "commit"
+    SNAPSHOT = "snapshot"
+
+
+POINTS: Final = tuple(FaultPoint)
+
+_armed: dict[FaultPoint, int] = {}  # point -> passes left before it fires
+_fired: dict[FaultPoint, int] = {}
 _lock = threading.Lock()
 
 
@@ -29,7 +38,7 @@ def armed_points() -> bool:
     return bool(_armed)
 
 
-def check(point: str) -> None:
+def check(point: FaultPoint) -> None:
     if not _armed:
         return
     with _lock:
@@ -45,10 +54,10 @@ def check(point: str) -> None:
 
 
 @contextmanager
-def armed(point: str, *, after: int = 0) -> Iterator[dict[str, int]]:
+def armed(point: FaultPoint, *, after: int = 0) -> Iterator[dict[FaultPoint, int]]:
     """Fire once at the ``after + 1``-th pass through ``point`` inside the block; yields the counts
     of faults fired so far, by point."""
-    if point not in POINTS:
+    if not isinstance(point, FaultPoint):
         raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
     with _lock:
         _armed[point] = after

@@ -64,7 +64,7 @@ def apply_init(pool: MambaStatePool, init: MambaInit) -> None:
     with restoring(pool, init.targets()):
         if faults.armed_points():
             init_rows(pool.buffer, clear, src[:0], dst[:0])  # the clears, then the fault point
-            faults.check("init_launch")
+            faults.check(faults.FaultPoint.INIT_LAUNCH)
             init_rows(pool.buffer, clear[:0], src, dst)
         else:
             init_rows(pool.buffer, clear, src, dst)
@@ -79,4 +79,4 @@ def apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot) -> None:
     dst = torch.tensor(snap.dst, dtype=torch.int64, device=dev)
     with restoring(pool, snap.dst):
         init_rows(pool.buffer, none, src, dst)
-        faults.check("snapshot")
+        faults.check(faults.FaultPoint.SNAPSHOT)

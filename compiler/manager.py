@@ -37,7 +37,7 @@ import attrs
 from ir.errors import BatchcError, SettingsError
 from ir.nodes import NODE_TYPES
 from ir.printer import dump
-from ir.verify import parse_verify_level, verify
+from ir.verify import VerifyLevel, parse_verify_level, verify
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -103,7 +103,7 @@ def check_dump_dir(path: Path) -> None:
         raise SettingsError(f"dump folder {str(path)!r} holds a symbolic link {links[0]!r}; dump files are never written through links")
 
 
-def settings_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, Path | None]:
+def settings_from_env(environ: Mapping[str, str] | None = None) -> tuple[VerifyLevel, Path | None]:
     """``(verify level, dump folder or None)`` from ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR``, checked."""
     env = os.environ if environ is None else environ
     level = parse_verify_level(env.get("BATCHC_VERIFY"))
@@ -131,10 +131,10 @@ def _write_dump(path: Path, text: str) -> None:
 
 
 class PassManager:
-    def __init__(self, *, verify_level: int = 1, dump_dir: Path | str | None = None, record: bool = False) -> None:
-        if verify_level not in (0, 1, 2):
-            raise ValueError(f"verify_level must be 0, 1 or 2, got {verify_level!r}")
-        self.verify_level = verify_level
+    def __init__(self, *, verify_level: int = VerifyLevel.LAST, dump_dir: Path | str | None = None, record: bool = False) -> None:
+        if isinstance(verify_level, bool) or verify_level not in (0, 1, 2):
+            raise ValueError(f"verify_level must be 0, 1 or 2 (a VerifyLevel), got {verify_level!r}")
+        self.verify_level = VerifyLevel(verify_level)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         if self.dump_dir is not None:
             check_dump_dir(self.dump_dir)
@@ -166,7 +166,7 @@ class PassManager:
         t0 = time.perf_counter_ns()
         try:
             out = fn(*args, **kwargs)
-            if self.verify_level == 2 or (last and self.verify_level == 1):
+            if self.verify_level is VerifyLevel.EVERY_PASS or (last and self.verify_level is VerifyLevel.LAST):
                 if isinstance(out, _IR_TYPES):
                     verify(out)
         except PassError:

@@ -18,6 +18,7 @@ Checked here (local field checks live in the node validators):
 
 from __future__ import annotations
 
+import enum
 import os
 from typing import assert_never
 
@@ -208,17 +209,27 @@ def verify(node: Batch | Plan) -> None:
             assert_never(node)
 
 
-def parse_verify_level(value: str | None) -> int:
+class VerifyLevel(enum.IntEnum):
+    """How much a pass manager verifies (``BATCHC_VERIFY``)."""
+
+    OFF = 0
+    LAST = 1
+    """After the last pass of each step (the default)."""
+    EVERY_PASS = 2
+    """After every pass, plus the executor's in-place mutation detector (the test setting)."""
+
+
+def parse_verify_level(value: str | None) -> VerifyLevel:
     """``BATCHC_VERIFY``: exactly ``"0"``, ``"1"`` or ``"2"``; unset or empty means 1. Nothing is
     stripped or coerced (``" 1"`` and ``"yes"`` are refused with ``SettingsError``). The one parser
     of the variable: the pass manager and the executor's mutation detector both read it here."""
     if value is None or value == "":
-        return 1
+        return VerifyLevel.LAST
     if value not in ("0", "1", "2"):
         raise SettingsError(f"BATCHC_VERIFY must be 0, 1 or 2, got {value[:40]!r}")
-    return int(value)
+    return VerifyLevel(int(value))
 
 
-def verify_level_from_env() -> int:
+def verify_level_from_env() -> VerifyLevel:
     """``parse_verify_level`` of this process's ``BATCHC_VERIFY``."""
     return parse_verify_level(os.environ.get("BATCHC_VERIFY"))

@@ -507,10 +507,10 @@ def test_target_vocabulary_other_than_bytes(tmp_path: Path, capsys: pytest.Captu
 
 def test_failed_forward_aborts_are_counted_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     summary = tmp_path / "summary.json"
-    with faults.armed("model_forward", after=2) as fired:
+    with faults.armed(faults.FaultPoint.MODEL_FORWARD, after=2) as fired:
         code = main(["run", "--requests", "8", "--max-new-tokens", "6", "--lossless-sample", "8", "--json", str(summary)])
     out, err = capsys.readouterr()
-    assert fired == {"model_forward": 1}
+    assert fired == {faults.FaultPoint.MODEL_FORWARD: 1}
     assert code == 1
     assert err.count("\n") == 1 and err.startswith("batchc: run failed: ") and "Traceback" not in err
     assert "aborted by 1 failed forwards, first: forward of requests [" in err

@@ -51,9 +51,9 @@ def _prefill_world(transactional: bool) -> tuple[Ledger, MambaStatePool, Executo
 def test_failed_init_launch_restores_rows_and_keeps_the_ticket(transactional: bool) -> None:
     ledger, pool, ex, plan = _prefill_world(transactional)
     before = pool.snapshot()
-    with faults.armed("init_launch") as fired, pytest.raises(faults.InjectedFault):
+    with faults.armed(faults.FaultPoint.INIT_LAUNCH) as fired, pytest.raises(faults.InjectedFault):
         ex.execute(plan)  # type: ignore[arg-type]  # the world builder returns the plan untyped
-    assert fired == {"init_launch": 1}
+    assert fired == {faults.FaultPoint.INIT_LAUNCH: 1}
     assert torch.equal(pool.buffer, before)  # the clears that ran were undone: not half applied
     assert len(ledger.outstanding()) == 1 and ledger.num_consumed == 0
     ex.execute(plan)  # type: ignore[arg-type]  # the retry runs the whole op once
@@ -65,7 +65,7 @@ def test_failed_forward_in_a_transactional_executor_rolls_the_whole_forward_back
     clean_ledger, clean_pool, clean_ex, clean_plan = _prefill_world(True)
     clean_ex.execute(clean_plan)  # type: ignore[arg-type]  # same world, no fault
     before = pool.snapshot()
-    with faults.armed("model_forward"), pytest.raises(faults.InjectedFault):
+    with faults.armed(faults.FaultPoint.MODEL_FORWARD), pytest.raises(faults.InjectedFault):
         ex.execute(plan)  # type: ignore[arg-type]  # see above
     assert torch.equal(pool.buffer, before) and len(ledger.outstanding()) == 1
     ex.execute(plan)  # type: ignore[arg-type]  # see above
@@ -76,7 +76,7 @@ def test_failed_forward_in_a_transactional_executor_rolls_the_whole_forward_back
 def test_failed_forward_in_a_plain_executor_leaves_the_init_applied_and_consumed() -> None:
     ledger, pool, ex, plan = _prefill_world(False)
     before = pool.snapshot()  # random bytes: a cleared row is zeros, a rolled-back row is not
-    with faults.armed("model_forward"), pytest.raises(faults.InjectedFault):
+    with faults.armed(faults.FaultPoint.MODEL_FORWARD), pytest.raises(faults.InjectedFault):
         ex.execute(plan)  # type: ignore[arg-type]  # see above
     assert ledger.outstanding() == () and ledger.num_consumed == 1  # applied and consumed
     # the exact pool a consumed init leaves: slot 1 cleared, slot 2 a copy of checkpoint 5, then the
@@ -98,8 +98,8 @@ def _serve(drv: Engine, ids: range = range(4)) -> None:
     drv.run_until_done()
 
 
-@pytest.mark.parametrize(("point", "after"), [(p, 0) for p in faults.POINTS] + [("model_forward", 3), ("commit", 2)])
-def test_a_retried_step_gives_the_fault_free_output(point: str, after: int) -> None:
+@pytest.mark.parametrize(("point", "after"), [(p, 0) for p in faults.POINTS] + [(faults.FaultPoint.MODEL_FORWARD, 3), (faults.FaultPoint.COMMIT, 2)])
+def test_a_retried_step_gives_the_fault_free_output(point: faults.FaultPoint, after: int) -> None:
     drv = _driver(2, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32, retries=1)
     with faults.armed(point, after=after) as fired:
         _serve(drv)
@@ -113,7 +113,7 @@ def test_a_retried_step_gives_the_fault_free_output(point: str, after: int) -> N
 
 
 @pytest.mark.parametrize("point", faults.POINTS)
-def test_without_retries_the_affected_requests_are_aborted_and_serving_goes_on(point: str) -> None:
+def test_without_retries_the_affected_requests_are_aborted_and_serving_goes_on(point: faults.FaultPoint) -> None:
     drv = _driver(2, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32)
     with faults.armed(point) as fired:
         _serve(drv)
@@ -137,9 +137,9 @@ def test_an_aborted_prefill_gives_back_its_cache_reservation() -> None:
     drv = _driver(0, prefix_cache=PrefixCache(capacity=1, block=16))
     for i in range(2):  # both share the system prompt: the first one's chunk plans a snapshot
         drv.admit(RequestId(i), PROMPTS[i], max_new_tokens=1)
-    with faults.armed("model_forward") as fired:
+    with faults.armed(faults.FaultPoint.MODEL_FORWARD) as fired:
         drv.run_until_done()
-    assert fired == {"model_forward": 1} and drv.stats.failed_steps == 1 and drv.live == 0
+    assert fired == {faults.FaultPoint.MODEL_FORWARD: 1} and drv.stats.failed_steps == 1 and drv.live == 0
     assert drv.cache is not None and len(drv.cache) == 0
     drv.admit(RequestId(2), PROMPTS[2], max_new_tokens=1)  # the shared prefix, seen a third time
     drv.run_until_done()

@@ -32,3 +32,21 @@ def test_a_developer_level_is_overridden_and_reported_once() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("BATCHC_VERIFY='0' from the environment was overridden") == 1, out.stdout
+
+
+def test_verify_level_is_parsed_once_into_an_enum() -> None:
+    import pytest
+
+    from ir.errors import SettingsError
+    from ir.verify import VerifyLevel, parse_verify_level
+
+    assert [parse_verify_level(v) for v in (None, "", "0", "1", "2")] == [
+        VerifyLevel.LAST, VerifyLevel.LAST, VerifyLevel.OFF, VerifyLevel.LAST, VerifyLevel.EVERY_PASS
+    ]
+    assert all(type(parse_verify_level(v)) is VerifyLevel for v in ("0", "1", "2"))
+    for bad in (" 1", "yes", "3"):
+        with pytest.raises(SettingsError, match="BATCHC_VERIFY must be 0, 1 or 2"):
+            parse_verify_level(bad)
+    assert PassManager(verify_level=2).verify_level is VerifyLevel.EVERY_PASS
+    with pytest.raises(ValueError, match=r"verify_level must be 0, 1 or 2 \(a VerifyLevel\), got True"):
+        PassManager(verify_level=True)

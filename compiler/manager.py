@@ -38,6 +38,7 @@ from ir.errors import BatchcError, SettingsError
 from ir.nodes import NODE_TYPES
 from ir.printer import dump
 from ir.verify import VerifyLevel, parse_verify_level, verify
+from passes.registry import spec_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -155,12 +156,11 @@ class PassManager:
         level, dump_dir = settings_from_env()
         return cls(verify_level=level, dump_dir=dump_dir)
 
-    def run(self, name: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self._run(name, False, fn, *args, **kwargs)
-
-    def run_last(self, name: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run the pass that ends a step: its output is verified at level 1 too."""
-        return self._run(name, True, fn, *args, **kwargs)
+    def run(self, pass_: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a registered pass (``passes.registry``) on ``args``: its name and whether it ends a
+        step (then its output is verified at level 1 too) come from its declaration."""
+        spec = spec_of(pass_)
+        return self._run(spec.name, spec.ends_step, pass_, *args, **kwargs)
 
     def _run(self, name: str, last: bool, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         t0 = time.perf_counter_ns()

@@ -56,8 +56,8 @@ class Pipeline:
         self.pm = pm if pm is not None else PassManager.from_env()
 
     def prefill(self, requests: Sequence[AdmittedRequest]) -> tuple[ExtendBatch, ExtendPlan]:
-        batch = self.pm.run("prepare_for_extend", prepare_for_extend, requests)
-        plan: ExtendPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        batch = self.pm.run(prepare_for_extend, requests)
+        plan: ExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
         self.ledger.register((*plan.tickets, *plan.snapshots))
         return batch, plan
 
@@ -65,46 +65,46 @@ class Pipeline:
         self, requests: Sequence[AdmittedRequest], running: DecodeBatch, ctx: DecodeContext
     ) -> tuple[MixedBatch, MixedPlan]:
         """New prefills and the running decodes (advanced by ``ctx``) in one forward."""
-        extend = self.pm.run("prepare_for_extend", prepare_for_extend, requests)
-        decode = self.pm.run("prepare_for_decode", prepare_for_decode, running, ctx)
-        batch = self.pm.run("mix_with_running", mix_with_running, extend, decode)
-        plan: MixedPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        extend = self.pm.run(prepare_for_extend, requests)
+        decode = self.pm.run(prepare_for_decode, running, ctx)
+        batch = self.pm.run(mix_with_running, extend, decode)
+        plan: MixedPlan = self.pm.run(lower, batch, self.lower_ctx)
         self.ledger.register((*plan.extend.tickets, *plan.extend.snapshots))
         return batch, plan
 
     def decode(self, batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext) -> tuple[DecodeBatch, DecodePlan]:
-        out = self.pm.run("prepare_for_decode", prepare_for_decode, batch, ctx)
-        plan: DecodePlan = self.pm.run_last("lower", lower, out, self.lower_ctx)
+        out = self.pm.run(prepare_for_decode, batch, ctx)
+        plan: DecodePlan = self.pm.run(lower, out, self.lower_ctx)
         return out, plan
 
     def filter_decode(self, batch: DecodeBatch, drop: Iterable[RequestId]) -> DecodeBatch:
-        return self.pm.run("filter_batch", filter_batch, batch, drop)
+        return self.pm.run(filter_batch, batch, drop)
 
     def filter_extend(self, batch: ExtendBatch, drop: Iterable[RequestId]) -> ExtendBatch:
-        return self.pm.run("filter_batch", filter_batch, batch, drop)
+        return self.pm.run(filter_batch, batch, drop)
 
     def merge(self, running: DecodeBatch, prefilled: ExtendBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
-        return self.pm.run("merge_batch", merge_batch, running, prefilled)
+        return self.pm.run(merge_batch, running, prefilled)
 
     # -- speculative decoding: one iteration = draft, verify, accept + commit, draft extend --------
 
     def draft(self, running: DecodeBatch, ctx: SpecContext) -> tuple[DraftBatch, DraftPlan]:
-        batch = self.pm.run("prepare_for_draft", prepare_for_draft, running, ctx)
-        plan: DraftPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        batch = self.pm.run(prepare_for_draft, running, ctx)
+        plan: DraftPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
 
     def verify(self, draft: DraftBatch, draft_tokens: I64) -> tuple[VerifyBatch, VerifyPlan]:
-        batch = self.pm.run("prepare_for_verify", prepare_for_verify, draft, draft_tokens)
-        plan: VerifyPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        batch = self.pm.run(prepare_for_verify, draft, draft_tokens)
+        plan: VerifyPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
 
     def commit(self, verify: VerifyBatch, target_tokens: I64) -> tuple[AcceptResult, CommitBatch, CommitPlan]:
-        result = self.pm.run("accept", accept, verify, target_tokens)
-        batch = self.pm.run("commit", commit, verify, result)
-        plan: CommitPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        result = self.pm.run(accept, verify, target_tokens)
+        batch = self.pm.run(commit, verify, result)
+        plan: CommitPlan = self.pm.run(lower, batch, self.lower_ctx)
         return result, batch, plan
 
     def draft_extend(self, committed: CommitBatch) -> tuple[DraftExtendBatch, DraftExtendPlan]:
-        batch = self.pm.run("prepare_for_draft_extend", prepare_for_draft_extend, committed)
-        plan: DraftExtendPlan = self.pm.run_last("lower", lower, batch, self.lower_ctx)
+        batch = self.pm.run(prepare_for_draft_extend, committed)
+        plan: DraftExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan

@@ -347,7 +347,7 @@ def test_checkpoints_refused_after_the_engine_stopped(monkeypatch: pytest.Monkey
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(drv.pipeline.pm, "run_last", failing)
+    monkeypatch.setattr(drv.pipeline.pm, "run", failing)
     with pytest.raises(OSError):
         drv.step()
     monkeypatch.undo()

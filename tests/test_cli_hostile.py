@@ -30,6 +30,7 @@ from compiler.workload import MAX_REQUESTS, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES
 from compiler.engine import Engine
 from ir.batch import DecodeBatch
 from ir.errors import BatchcError
+from passes.filter_batch import filter_batch
 from ir.ids import RequestId
 
 REPO = Path(__file__).resolve().parents[1]
@@ -357,19 +358,20 @@ def test_dump_file_never_follows_a_link_planted_during_the_run(tmp_path: Path) -
     dumps, victim = tmp_path / "dumps", tmp_path / "victim.txt"
     victim.write_text("precious\n")
     pm = PassManager(dump_dir=dumps)  # the folder is checked and created here
-    pm.run("first", DecodeBatch.empty)
-    assert (dumps / "00001-first.txt").read_text().startswith("DecodeBatch")
-    (dumps / "00002-second.txt").symlink_to(victim)  # planted after the check
-    with pytest.raises(SettingsError, match=r"dump file '.*00002-second\.txt': cannot open it as a plain file, links are not followed"):
-        pm.run("second", DecodeBatch.empty)
-    os.link(victim, dumps / "00003-third.txt")  # a hard link is refused too
-    with pytest.raises(SettingsError, match=r"00003-third\.txt' is not a regular file with a single link"):
-        pm.run("third", DecodeBatch.empty)
+    empty = DecodeBatch.empty()
+    pm.run(filter_batch, empty, [])
+    assert (dumps / "00001-filter_batch.txt").read_text().startswith("DecodeBatch")
+    (dumps / "00002-filter_batch.txt").symlink_to(victim)  # planted after the check
+    with pytest.raises(SettingsError, match=r"dump file '.*00002-filter_batch\.txt': cannot open it as a plain file, links are not followed"):
+        pm.run(filter_batch, empty, [])
+    os.link(victim, dumps / "00003-filter_batch.txt")  # a hard link is refused too
+    with pytest.raises(SettingsError, match=r"00003-filter_batch\.txt' is not a regular file with a single link"):
+        pm.run(filter_batch, empty, [])
     assert victim.read_text() == "precious\n"
     # an ordinary stale dump of an earlier run is overwritten
-    (dumps / "00004-fourth.txt").write_text("stale " * 1000)
-    pm.run("fourth", DecodeBatch.empty)
-    assert (dumps / "00004-fourth.txt").read_text() == (dumps / "00001-first.txt").read_text()
+    (dumps / "00004-filter_batch.txt").write_text("stale " * 1000)
+    pm.run(filter_batch, empty, [])
+    assert (dumps / "00004-filter_batch.txt").read_text() == (dumps / "00001-filter_batch.txt").read_text()
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

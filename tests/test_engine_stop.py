@@ -27,15 +27,15 @@ def _driver() -> Engine:
 def test_a_step_that_raises_stops_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     drv = _driver()
     assert drv.step().kind.value == "extend"
-    real = drv.pipeline.pm.run_last
+    real = drv.pipeline.pm.run
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise OSError("No space left on device: the IR dump")
 
-    monkeypatch.setattr(drv.pipeline.pm, "run_last", failing)
+    monkeypatch.setattr(drv.pipeline.pm, "run", failing)
     with pytest.raises(OSError, match="No space left"):
         drv.step()
-    monkeypatch.setattr(drv.pipeline.pm, "run_last", real)  # the cause is gone, the engine stays stopped
+    monkeypatch.setattr(drv.pipeline.pm, "run", real)  # the cause is gone, the engine stays stopped
     for refused in (drv.step, lambda: drv.admit(RequestId(3), list(b"x"), max_new_tokens=1)):
         with pytest.raises(EngineStoppedError, match=r"engine stopped: an earlier step raised OSError\('No space left"):
             refused()

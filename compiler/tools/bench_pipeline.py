@@ -75,8 +75,8 @@ def _compiled_step(b: int, verify_level: int) -> Callable[[], object]:
 
     def step() -> object:
         ctx = DecodeContext(next_tokens=toks, kv_locs=kv)
-        d = pm.run("prepare_for_decode", prepare_for_decode, batch, ctx)
-        plan: DecodePlan = pm.run_last("lower", lower, d, lctx)
+        d = pm.run(prepare_for_decode, batch, ctx)
+        plan: DecodePlan = pm.run(lower, d, lctx)
         return stage_decode(plan, cpu)
 
     return step

@@ -145,26 +145,27 @@ def _bench_init(shape: BenchShape, device: torch.device, on_gpu: bool) -> tuple[
     )
     nbytes = 3 * n * row_bytes  # n row writes (clear) + n reads and n writes (COW)
 
-    pool = MambaStatePool(PoolId("bench"), layout, capacity, device=device)
-    if on_gpu:
-        fused_ms = _time_ms(lambda: init_rows(pool.buffer, clear, src, dst), device)
-        path = "triton"
-    else:
-        fused_ms = _time_ms(lambda: reference.init_rows_reference(pool.buffer, clear, src, dst), device)
-        path = "torch"
-    assert torch.equal(pool.buffer[int(dst[0])], pool.buffer[int(src[0])])
-    del pool
+    def fused() -> float:  # the pool lives only while it is timed
+        buf = MambaStatePool(PoolId("bench"), layout, capacity, device=device).buffer
+        run = init_rows if on_gpu else reference.init_rows_reference
+        ms = _time_ms(lambda: run(buf, clear, src, dst), device)
+        assert torch.equal(buf[int(dst[0])], buf[int(src[0])])
+        return ms
+
+    fused_ms, path = fused(), "triton" if on_gpu else "torch"
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
     spec = shape.spec()
     slots = capacity + 1
-    states = [
-        torch.zeros((shape.layers, slots, *spec.conv_shape), dtype=spec.conv_dtype, device=device),
-        torch.zeros((shape.layers, slots, *spec.ssm_shape), dtype=spec.ssm_dtype, device=device),
-    ]
-    baseline_ms = _time_ms(lambda: reference.init_rows_layer_major(states, clear, src, dst), device)
-    del states
+    def layer_major() -> float:  # the state tensors live only while they are timed
+        states = [
+            torch.zeros((shape.layers, slots, *spec.conv_shape), dtype=spec.conv_dtype, device=device),
+            torch.zeros((shape.layers, slots, *spec.ssm_shape), dtype=spec.ssm_dtype, device=device),
+        ]
+        return _time_ms(lambda: reference.init_rows_layer_major(states, clear, src, dst), device)
+
+    baseline_ms = layer_major()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     size = f"{n} cow + {n} clear"

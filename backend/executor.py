@@ -51,22 +51,21 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from backend import faults
 from backend.allocator import SlotAllocator
 from backend.ledger import Claim, Ledger
 from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
-from backend import faults
 from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
 from ir._fields import I64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
+from ir.ids import TicketSerial
 from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
 from ir.nodes import Plan
-from ir.ids import TicketSerial
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.verify import VerifyLevel, verify_level_from_env
 from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
-
+from ir.verify import VerifyLevel, verify_level_from_env
 
 Staged: TypeAlias = StagedExtend | StagedDecode | StagedWindow
 

@@ -40,12 +40,18 @@ from contextlib import contextmanager
 
 import attrs
 
+from ir._fields import int_problem
 from ir.errors import (
-    IRValidationError, PreconditionError, ResourceLeakError, ResourceReplayError, TicketMismatchError, UnknownTicketError, WrongPoolError,
+    IRValidationError,
+    PreconditionError,
+    ResourceLeakError,
+    ResourceReplayError,
+    TicketMismatchError,
+    UnknownTicketError,
+    WrongPoolError,
     short_repr,
 )
 from ir.ids import PoolId, TicketSerial
-from ir._fields import int_problem
 from ir.init import EPOCH_BITS, InitTicket, SnapshotTicket, Ticket, minted_here, serial_epoch
 
 _Key = tuple[TicketSerial, PoolId]

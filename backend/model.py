@@ -16,7 +16,6 @@ from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
-
 ForwardPlan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | DraftExtendPlan
 """Plans whose forward updates the committed state in place (a draft extend is extend-shaped)."""
 

@@ -29,7 +29,6 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import NoReturn
 
 import attrs
@@ -463,8 +462,8 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         return 0
     if args.group == "serve":
         from backend.hybrid.checkpoint import default_draft, default_target
-        from compiler.tools.bench_serve import run_serve_bench
         from compiler.serve import ServeConfig, builtin_workload
+        from compiler.tools.bench_serve import run_serve_bench
 
         bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2
         if args.max_new_tokens > bound:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import stat
 import sys
-import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,16 +40,23 @@ import attrs
 from backend.hybrid.checkpoint import file_kind
 from backend.hybrid.config import HybridConfig
 from backend.hybrid.model import HybridModel
+from compiler.engine import Engine
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
-from compiler.engine import Engine
 from compiler.workload import (
-    ARRIVALS, BURST_EVERY, BURST_SIZE, MAX_BODY_SNIPPETS, MAX_K, MAX_REQUESTS, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES, SNIPPETS,
+    ARRIVALS,
+    BURST_EVERY,
+    BURST_SIZE,
+    MAX_BODY_SNIPPETS,
+    MAX_K,
+    MAX_REQUESTS,
+    MAX_SERVE_BYTES,
+    MAX_WORKLOAD_BYTES,
+    SNIPPETS,
     SYSTEM_PREFIXES,
 )
 from ir.errors import BatchcError
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
-
 
 MAX_ARRIVAL = 1_000_000
 """Latest arrival step a workload may ask for (a larger one would idle the scheduler for ever)."""

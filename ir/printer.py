@@ -16,8 +16,8 @@ import numpy as np
 from ir._fields import I64
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.nodes import Batch, Plan
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import (
     CommitBatch,
     CommitPlan,

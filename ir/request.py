@@ -23,7 +23,7 @@ from typing import final
 import attrs
 import numpy as np
 
-from ir._fields import I64, ColumnNode, as_i64, check_column, check_int, check_opt_int, column_key, MAX_SEQ_LEN
+from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, check_column, check_int, check_opt_int, column_key
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, RequestId
 from ir.init import InitIntent
@@ -74,7 +74,7 @@ class AdmittedRequest(ColumnNode):
             raise IRValidationError(name, "prefix_len", self.prefix_len, "must be >= 0")
         if self.prefix_len + self.input_ids.shape[0] > MAX_SEQ_LEN:
             raise IRValidationError(
-                name, "prefix_len", self.prefix_len, f"prefix_len + len(input_ids) must be <= MAX_SEQ_LEN (2**31 - 1)"
+                name, "prefix_len", self.prefix_len, "prefix_len + len(input_ids) must be <= MAX_SEQ_LEN (2**31 - 1)"
             )
         if self.snapshot_to is not None and (self.snapshot_to < 1 or self.snapshot_to == self.slot):
             raise IRValidationError(name, "snapshot_to", self.snapshot_to, "must be a cache slot >= 1 other than the request's own")

@@ -32,11 +32,10 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import I64, ColumnNode, as_i64, check_column, check_instance, check_int, check_max, check_min, column_key, MAX_SEQ_LEN
+from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, check_column, check_instance, check_int, check_max, check_min, column_key
 from ir.batch import check_extend_columns
 from ir.errors import IRValidationError
 from ir.ids import TicketSerial
-
 
 MAX_SPEC_K = 64
 """Largest ``k`` (draft tokens per speculative iteration) a node or ``SpecContext`` accepts.

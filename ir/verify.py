@@ -28,8 +28,8 @@ from ir._fields import I64, first_common, first_missing, has_duplicates
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.errors import IRVerificationError, SettingsError
 from ir.init import InitIntent, InitTicket
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.nodes import Batch, Plan
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import (
     CommitBatch,
     CommitPlan,

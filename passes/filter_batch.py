@@ -19,7 +19,7 @@ from typing import TypeVar, assert_never
 
 import numpy as np
 
-from ir._fields import INT64_MAX, BoolArray, I64, first_bad_int, frozen_i64
+from ir._fields import I64, INT64_MAX, BoolArray, first_bad_int, frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.errors import PreconditionError, short_repr
 from ir.ids import RequestId

@@ -20,8 +20,8 @@ from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.errors import IRValidationError
 from ir.ids import TARGET_POOL, PoolId
 from ir.init import InitTicket, SnapshotTicket
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.nodes import Batch, Plan
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import (
     CommitBatch,
     CommitPlan,

@@ -8,7 +8,6 @@ init ops in this forward) and whose decode part has none.
 
 from __future__ import annotations
 
-
 from ir._fields import first_common
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError

@@ -18,7 +18,7 @@ from typing import final
 import attrs
 import numpy as np
 
-from ir._fields import MAX_SEQ_LEN, I64, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
+from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError
 from passes._args import bad_arg, unexpected_arg

@@ -22,7 +22,7 @@ from passes._args import bad_arg
 def prepare_for_draft_extend(batch: CommitBatch) -> DraftExtendBatch:
     if not isinstance(batch, CommitBatch):
         raise bad_arg("prepare_for_draft_extend", "batch", batch, "a CommitBatch")
-    n, k = batch.num_requests, batch.k
+    k = batch.k
     keep = (np.arange(k + 1)[None, :] <= batch.accept_pos[:, None]).reshape(-1)
     return build_unchecked(
         DraftExtendBatch,

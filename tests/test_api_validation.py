@@ -31,10 +31,10 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
 from backend.pool import MAX_POOL_BYTES, MambaLayerSpec, MambaStatePool, PoolLayout
+from compiler.engine import Checkpoint, Engine
 from compiler.engine import admission as sd
 from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
 from compiler.serve import WorkloadError, load_workload
-from compiler.engine import Checkpoint, Engine
 from compiler.workload import MAX_K as CLI_MAX_K
 from ir.errors import BatchcError, EngineStoppedError, IRValidationError, PreconditionError, SlotError
 from ir.ids import TARGET_POOL, MambaSlot, RequestId

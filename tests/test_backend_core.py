@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tracemalloc
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -514,7 +515,7 @@ def test_views_alias_exactly_one_row_and_one_byte_range() -> None:
 def test_sub_states_do_not_overlap() -> None:
     pool = MambaStatePool(TARGET_POOL, SMALL_LAYOUT, 2)
     spans = sorted((r.start, r.stop) for _, _, r in _byte_ranges(pool))
-    assert all(a_stop <= b_start for (_, a_stop), (b_start, _) in zip(spans, spans[1:]))
+    assert all(a_stop <= b_start for (_, a_stop), (b_start, _) in pairwise(spans))
     assert spans[-1][1] <= pool.layout.row_bytes
     views = [(pool.conv_state(i), pool.ssm_state(i)) for i in range(len(SMALL_LAYOUT.layers))]
     for k, (c, s) in enumerate(views):

@@ -32,11 +32,12 @@ from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger
 from backend.state_init import apply_init
 from compiler.driver import Driver
+from compiler.engine import Checkpoint, Engine
 from compiler.manager import PassError, PassManager
 from compiler.prefix_cache import PrefixCache
-from compiler.engine import Checkpoint, Engine
 from compiler.steps import Pipeline
-from ir.batch import DecodeBatch, ExtendBatch
+from ir._fields import build_unchecked
+from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import (
     IRValidationError,
     IRVerificationError,
@@ -48,10 +49,7 @@ from ir.errors import (
     WrongPoolError,
 )
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
-from ir.init import InitIntent, MambaInit, MambaSnapshot, mint_serial
-from ir._fields import build_unchecked
-from ir.batch import MixedBatch
-from ir.init import InitTicket, SnapshotTicket
+from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket, mint_serial
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
 from ir.spec import (

@@ -23,15 +23,14 @@ from backend.hybrid.checkpoint import FORMAT, MAX_CHECKPOINT_BYTES, config_to_js
 from backend.hybrid.config import HybridConfig, tiny
 from backend.hybrid.weights import init_weights
 from compiler.cli import main
+from compiler.engine import Engine
 from compiler.manager import PassManager
-from ir.errors import SettingsError
 from compiler.serve import ServeConfig, WorkloadError, load_workload, memory_estimate
 from compiler.workload import MAX_REQUESTS, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES
-from compiler.engine import Engine
 from ir.batch import DecodeBatch
-from ir.errors import BatchcError
-from passes.filter_batch import filter_batch
+from ir.errors import BatchcError, SettingsError
 from ir.ids import RequestId
+from passes.filter_batch import filter_batch
 
 REPO = Path(__file__).resolve().parents[1]
 

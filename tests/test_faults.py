@@ -13,13 +13,13 @@ from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
+from compiler.engine import Engine
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
 from ir.ids import TARGET_POOL, RequestId
 from passes import LowerContext
 from tests.core import LAYOUT, cow, fresh
-from compiler.engine import Engine
 from tests.test_serving import PROMPTS, _driver, _greedy
 
 NEW = 8

@@ -67,8 +67,8 @@ from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
-from compiler.prefix_cache import PrefixCache
 from compiler.engine import Engine
+from compiler.prefix_cache import PrefixCache
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 from tests.hypothesis_profiles import FUZZ_CI, FUZZ_LONG
 

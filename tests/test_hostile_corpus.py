@@ -46,9 +46,9 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import init_weights, perturb
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
+from compiler.engine import Checkpoint, Engine
 from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
 from compiler.serve import WorkloadError, load_workload
-from compiler.engine import Checkpoint, Engine
 from ir.errors import (
     IRValidationError,
     IRVerificationError,
@@ -68,7 +68,6 @@ from ir.spec import (
     CommitPlan,
     DraftBatch,
     DraftExtendBatch,
-    DraftExtendPlan,
     DraftPlan,
     VerifyBatch,
     VerifyPlan,

@@ -28,9 +28,9 @@ import torch
 from typeguard import suppress_type_checks
 
 import passes
+from backend.ledger import Ledger
 from compiler.manager import PassError, PassManager
 from compiler.steps import Pipeline
-from backend.ledger import Ledger
 from ir._fields import frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError, short_repr

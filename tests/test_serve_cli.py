@@ -4,10 +4,10 @@ naming the file and line (or tensor), exit status 2, no traceback."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
-
 import safetensors.torch
 
 from backend.hybrid.checkpoint import FORMAT, bundled_path, config_to_json, save_checkpoint
@@ -65,7 +65,7 @@ def test_builtin_workload_arrival_patterns() -> None:
 
     bursts, trickle = builtin_workload(num_requests=20), builtin_workload(num_requests=20, arrivals="trickle")
     assert [r.arrival for r in bursts] == [(i // BURST_SIZE) * BURST_EVERY for i in range(20)]
-    steps = [b.arrival - a.arrival for a, b in zip(trickle, trickle[1:])]
+    steps = [b.arrival - a.arrival for a, b in pairwise(trickle)]
     assert set(steps) <= {0, 1, 2} and len(set(steps)) > 1
     assert [(r.prompt, r.max_new_tokens) for r in bursts] == [(r.prompt, r.max_new_tokens) for r in trickle]
     with pytest.raises(ValueError, match="arrivals must be one of"):

@@ -16,9 +16,9 @@ from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
-from compiler.tools.ab import DRAFT_NOISE
-from compiler.prefix_cache import CacheEntry, PrefixCache
 from compiler.engine import Engine
+from compiler.prefix_cache import CacheEntry, PrefixCache
+from compiler.tools.ab import DRAFT_NOISE
 from ir.errors import PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
 

@@ -23,8 +23,8 @@ from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
-from compiler.tools.ab import DRAFT_NOISE, run_ab
 from compiler.engine import Engine
+from compiler.tools.ab import DRAFT_NOISE, run_ab
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 
 PREFIX = list(b"You are terse.\n")

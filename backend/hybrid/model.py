@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from itertools import pairwise
 
 import attrs
 import torch
@@ -280,7 +281,7 @@ class HybridModel:
         _check_index("positions", positions, (total,), device)
         _check_index("kv_locs", kv_locs, (total,), device)
         bounds = [int(b) for b in cu_seqlens.tolist()]
-        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        lens = [b - a for a, b in pairwise(bounds)]
         require(bounds[0] == 0 and bounds[-1] == total, f"cu_seqlens must run from 0 to {total}")
         require(all(length >= 1 for length in lens), f"every sequence needs at least one token, got lengths {lens[:8]}")
         c = self.config

@@ -19,6 +19,8 @@ non-decreasing, ending at the token count, one entry more than ``slot_idx``; slo
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
@@ -33,7 +35,7 @@ def _check_varlen(cu_seqlens: torch.Tensor, slot_idx: torch.Tensor, total: int, 
     checks.check_index("slot_idx", slot_idx, length=cu_seqlens.shape[0] - 1, device=device)
     bounds = [int(v) for v in cu_seqlens.tolist()]
     require(bounds[0] == 0 and bounds[-1] == total, f"cu_seqlens must run from 0 to {total}, got {bounds[:4]}...")
-    require(all(a <= b for a, b in zip(bounds, bounds[1:])), "cu_seqlens must be non-decreasing")
+    require(all(a <= b for a, b in pairwise(bounds)), "cu_seqlens must be non-decreasing")
     if check_slots:
         checks.check_slot_rows("slot_idx", slot_idx, num_slots)
     return bounds

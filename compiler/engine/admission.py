@@ -16,7 +16,6 @@ from compiler.prefix_cache import PrefixCache
 from ir._fields import int_problem
 from ir.errors import PreconditionError, short_repr
 
-
 MAX_K = 32
 """Most draft tokens per speculative iteration (the same bound as ``compiler.workload.MAX_K``, the
 command line's; the engine does not import the command line's modules)."""

@@ -54,7 +54,7 @@ from compiler.engine.report import Checkpoint, SpecStats, StepKind, StepReport
 from compiler.engine.requests import Ending, Request, RequestState, RequestTable
 from compiler.engine.runner import ForwardRunner, StepFailed
 from compiler.manager import PassManager
-from compiler.prefix_cache import CacheEntry, PrefixCache
+from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
 from ir._fields import I64, frozen_i64, int_problem
 from ir.batch import DecodeBatch, ExtendBatch

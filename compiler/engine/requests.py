@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import attrs
 
-from compiler.prefix_cache import CacheEntry
 from compiler.engine.report import Checkpoint
+from compiler.prefix_cache import CacheEntry
 from ir._fields import I64
 from ir.ids import MambaSlot, RequestId
 

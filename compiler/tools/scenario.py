@@ -66,8 +66,8 @@ def run_spec_scenario(pm: PassManager, *, k: int = 2, max_new_tokens: int = 6) -
     from backend.hybrid.config import tiny
     from backend.hybrid.model import HybridModel
     from backend.hybrid.weights import perturb
-    from compiler.tools.ab import DRAFT_NOISE
     from compiler.engine import Engine
+    from compiler.tools.ab import DRAFT_NOISE
 
     target = HybridModel.from_seed(tiny(), seed=0)
     draft = HybridModel(target.config, perturb(target.weights, DRAFT_NOISE, seed=1))

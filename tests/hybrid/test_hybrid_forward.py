@@ -3,13 +3,14 @@ full-sequence reference, and greedy generation token for token."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
 from backend.hybrid.reference import greedy_generate_reference, reference_hidden, reference_logits
 
 from .helpers import PROMPTS, Backend, assert_close, tiny_model
-
 
 
 def test_extend_whole_prompts_match_the_reference() -> None:
@@ -41,7 +42,7 @@ def test_chunked_extend_equals_unchunked_and_reference(cuts: tuple[int, ...]) ->
     chunked = Backend(model)
     bounds = [0, *cuts, len(prompt)]
     ref = reference_logits(model, prompt)
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in pairwise(bounds):
         # a fresh request rides along in the same batch as every continuation chunk
         out = chunked.extend([(1, prompt[a:b], a), (2 + len(cuts) - bounds.index(a), PROMPTS[0], 0)])
         assert_close(out.logits[0], ref[b - 1])

@@ -27,14 +27,10 @@ Immutability (a node's columns can never change, whoever holds a reference to th
   numpy operation on a column would then return the subclass, with ``__array_finalize__`` on the
   hot path; registering a reducer for ``np.ndarray`` in ``copyreg`` would change every array of the
   process and would not affect ``deepcopy``.)
-- **Cost.** ``own`` is one ``tobytes`` copy and an array over the bytes: about 0.4 us for 64
-  values, against 0.2 us for the ``copy`` + ``flags.writeable = False`` it replaces. Passes that
-  compute a column call ``freeze``/``frozen_i64``, which make it IR-owned, so it crosses
-  constructors and ``build_unchecked`` without further copies; ``is_owned`` (the pass-through test)
-  is about 0.2 us. Measured on 64-row batches (``timeit``, best of 7, 2 busy cores):
-  ``DecodeContext`` + ``prepare_for_decode`` + ``lower`` of a running batch 8.2 us before and after;
-  from a 64-request ``ExtendBatch`` 17.2 -> 17.9 us; ``prepare_for_extend`` of 64 requests +
-  ``lower`` 76 -> 77 us; ``merge_batch`` of a 64-row extend 31.7 -> 34.4 us.
+- **Cost.** ``own`` is one ``tobytes`` copy and an array over the bytes. Passes that compute a
+  column call ``freeze``/``frozen_i64``, which make it IR-owned, so it crosses constructors and
+  ``build_unchecked`` without further copies; ``is_owned`` (the pass-through test) is one walk of
+  the ``.base`` chain. ``batchc bench pipeline`` measures the per-step cost.
 
 No silent coercion: an int column or an int field takes Python ``int`` (not ``bool``) and numpy
 integer scalars or arrays, within int64. ``bool``, ``float`` (``3.0`` too), ``str``, ``None`` and
@@ -381,10 +377,9 @@ class ColumnNode:
 
 SMALL_COLUMN = 64
 """Up to this many values (per column, or in both together), set checks go through Python sets:
-numpy's sort-based ``intersect1d`` and ``argsort`` cost microseconds of fixed overhead each, which
-was most of a serving step's plan verification at scheduler batch sizes (measured: 8 values,
-0.7 us against 4.5 us for the duplicate check, 1.1 us against 12 us for the intersection; at 256
-values numpy is as fast or faster). Larger columns use numpy."""
+numpy's sort-based ``intersect1d`` and ``argsort`` have a fixed overhead that dominates at
+scheduler batch sizes, while from a few hundred values numpy is as fast or faster. Larger columns
+use numpy. ``tests/test_column_sets.py`` checks both paths agree across the threshold."""
 
 
 def has_duplicates(arr: I64) -> bool:

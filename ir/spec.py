@@ -1,4 +1,4 @@
-"""Speculative-decoding phases as frozen IR nodes (DOMAIN.md section 5).
+"""Speculative-decoding phases as frozen IR nodes.
 
 One iteration over the running requests, each with ``c`` committed tokens and one pending token
 ``p`` (sampled, not yet fed), with ``k`` draft tokens:

@@ -8,7 +8,8 @@ request's sequence length advances by one and it feeds ``ctx.next_tokens[i]`` wi
 ``ctx.kv_locs[i]``.
 
 The output type has no init field, so a prefill's one-shot init ops cannot follow the request into
-decode: this is the type-level half of the fix for the stale-replay bug (DOMAIN.md section 4).
+decode: this is the type-level half of the fix for the stale-replay bug (init indices of a
+finished prefill replayed on live state at every later step).
 """
 
 from __future__ import annotations

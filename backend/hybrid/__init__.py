@@ -1,4 +1,4 @@
-"""The reference hybrid Mamba2/attention byte model (issue 4, backend side).
+"""The reference hybrid Mamba2/attention byte model.
 
 ``config`` (shapes, presets), ``weights`` (named tensors, seeded init, draft perturbation), ``kv``
 (token-granular KV cache and the slot/position table), ``model`` (the forward entry points over
@@ -28,7 +28,7 @@ __all__ = [
     "weight_shapes",
 ]
 
-# Trained models and checkpoint files (issue 5): presets, safetensors IO, the bundled weights.
+# Trained models and checkpoint files: presets, safetensors IO, the bundled weights.
 from backend.hybrid.checkpoint import (  # noqa: E402
     CheckpointError,
     default_draft,

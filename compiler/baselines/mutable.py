@@ -1,7 +1,7 @@
 """The mutable baseline: a small, faithful model of the pre-fix ``ScheduleBatch`` lifecycle.
 
 This is what batchc replaces, kept so that benchmarks and the A/B demo run both side by side. It
-deliberately reproduces the engine's behaviour (DOMAIN.md section 4), bugs included:
+deliberately reproduces the upstream engine's behaviour, bugs included:
 
 - one long-lived ``ScheduleBatch`` holds torch tensors and is mutated in place by
   ``prepare_for_extend``, ``prepare_for_decode``, ``filter_batch`` and ``merge_batch``;

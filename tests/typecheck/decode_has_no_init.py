@@ -1,4 +1,4 @@
-"""The stale-replay bug of DOMAIN.md section 4, written against batchc: mypy must reject each line."""
+"""The stale-replay bug (a finished prefill's init ops carried into decode), written against batchc: mypy must reject each line."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 
 import attrs
 
-from ir._fields import int_problem
+from ir._fields import int_problem, ints
 from ir.errors import (
     IRValidationError,
     PreconditionError,
@@ -176,12 +176,15 @@ class Ledger:
         carry still has to write one of those rows (a clear or a COW into it) or read it (a
         snapshot): the plan would run on a state its init never reached, or move it before its
         snapshot was taken (``TicketMismatchError`` naming the row and the ticket)."""
+        _pool_arg("check_rows", pool)
+        carried = _tickets_arg("check_rows", carried)
+        slots = ints(rows, "Ledger.check_rows", "rows")
         with self._lock:
             pending = self._rows.get(pool)
             if not pending:
                 return
             carried_keys = {_key(t) for t in carried}
-            for slot in rows:
+            for slot in slots:
                 for key in pending.get(slot, ()):
                     if key not in carried_keys:
                         t = self._outstanding.get(key) or self._in_flight[key]

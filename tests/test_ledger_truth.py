@@ -557,3 +557,15 @@ def test_trust_peer_takes_numpy_integers() -> None:
     t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=TicketSerial(12345 << 32 | 1), clear_slots=(1,)))
     ledger.register([t])
     assert ledger.outstanding() == (t,)
+
+
+def test_check_rows_checks_its_arguments() -> None:
+    ledger = Ledger()
+    with suppress_type_checks():
+        with pytest.raises(IRValidationError, match=r"Ledger\.check_rows\.pool: must be a pool name"):
+            ledger.check_rows([1], None, "plan")  # type: ignore[arg-type]
+        with pytest.raises(IRValidationError, match=r"Ledger\.check_rows\.rows: every entry must be an int, not float \(got 1\.5\)"):
+            ledger.check_rows([1.5], TARGET_POOL, "plan")  # type: ignore[list-item]
+        with pytest.raises(IRValidationError, match=r"Ledger\.check_rows\.tickets: "):
+            ledger.check_rows([1], TARGET_POOL, "plan", [None])  # type: ignore[list-item]
+    ledger.check_rows([1, 2], TARGET_POOL, "plan")  # nothing registered: nothing to carry

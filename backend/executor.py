@@ -202,8 +202,7 @@ class Executor:
     def run_decode(self, plan: DecodePlan) -> torch.Tensor | None:
         if not isinstance(plan, DecodePlan):
             _wrong_plan("run_decode", plan, "a DecodePlan")
-        self._check_slots(plan.slots, "DecodePlan")
-        self.ledger.check_rows(plan.slots.tolist(), self.pool.pool_id, "DecodePlan")
+        self._check_rows(plan.slots, "DecodePlan")
         staged = stage_decode(plan, self.pool.device)
         with self._unit(plan.slots):
             out = self._forward(plan, None, staged)
@@ -213,8 +212,7 @@ class Executor:
     def run_draft(self, plan: DraftPlan) -> torch.Tensor:
         if not isinstance(plan, DraftPlan):
             _wrong_plan("run_draft", plan, "a DraftPlan")
-        self._check_slots(plan.batch.slots, "DraftPlan")
-        self.ledger.check_rows(plan.batch.slots.tolist(), self.pool.pool_id, "DraftPlan")
+        self._check_rows(plan.batch.slots, "DraftPlan")
         staged = stage_window(plan.batch, self.pool.device)
         with self._watched("the model hook's propose", plan, staged):
             out = self._spec_model(plan).propose(plan, staged, self.pool)
@@ -231,8 +229,7 @@ class Executor:
             raise PlanExecutionError(
                 f"verify #{vid} already ran on pool {self.pool.pool_id!r} (each verify runs once, in the order its id was minted)"
             )
-        self._check_slots(plan.batch.slots, "VerifyPlan")
-        self.ledger.check_rows(plan.batch.slots.tolist(), self.pool.pool_id, "VerifyPlan")
+        self._check_rows(plan.batch.slots, "VerifyPlan")
         staged = stage_window(plan.batch, self.pool.device)
         with self._watched("the model hook's verify", plan, staged):
             out, states = self._spec_model(plan).verify(plan, staged, self.pool)
@@ -245,8 +242,7 @@ class Executor:
         if not isinstance(plan, CommitPlan):
             _wrong_plan("run_commit", plan, "a CommitPlan")
         vid = plan.batch.verify_id
-        self._check_slots(plan.batch.slots, "CommitPlan")
-        self.ledger.check_rows(plan.batch.slots.tolist(), self.pool.pool_id, "CommitPlan")
+        self._check_rows(plan.batch.slots, "CommitPlan")
         verified = self._intermediates.get(vid)
         if verified is None:
             raise PlanExecutionError(
@@ -269,8 +265,7 @@ class Executor:
     def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor | None:
         if not isinstance(plan, DraftExtendPlan):
             _wrong_plan("run_draft_extend", plan, "a DraftExtendPlan")
-        self._check_slots(plan.batch.slots, "DraftExtendPlan")
-        self.ledger.check_rows(plan.batch.slots.tolist(), self.pool.pool_id, "DraftExtendPlan")
+        self._check_rows(plan.batch.slots, "DraftExtendPlan")
         staged = stage_extend(plan.batch, self.pool.device)
         with self._unit(plan.batch.slots):
             out = self._forward(plan, staged, None)
@@ -385,6 +380,13 @@ class Executor:
         if self.slots is not None:
             self.slots.check_live((*snap.src, *snap.dst), f"snapshot #{snap.serial}")
         return ticket
+
+
+    def _check_rows(self, slots: I64, what: str) -> None:
+        """``_check_slots``, and no registered ticket still has to run on one of the rows (a plan
+        without tickets cannot run over a slot whose clear, COW or snapshot is pending)."""
+        self._check_slots(slots, what)
+        self.ledger.check_rows(slots.tolist(), self.pool.pool_id, what)
 
     def _check_slots(self, slots: I64, what: str) -> None:
         if slots.size:

@@ -10,25 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import Final, get_args
 
 import attrs
 
-from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.nodes import Batch, Plan
 from ir.request import AdmittedRequest
-from ir.spec import (
-    AcceptResult,
-    CommitBatch,
-    CommitPlan,
-    DraftBatch,
-    DraftExtendBatch,
-    DraftExtendPlan,
-    DraftPlan,
-    VerifyBatch,
-    VerifyPlan,
-)
+from ir.spec import AcceptResult, CommitBatch, DraftBatch, DraftExtendBatch, VerifyBatch
 from passes.accept import accept
 from passes.commit import commit
 from passes.filter_batch import filter_batch
@@ -53,8 +43,8 @@ class PassSpec:
     ends_step: bool = False
 
 
-_BATCHES = (ExtendBatch, DecodeBatch, MixedBatch, IdleBatch, DraftBatch, VerifyBatch, CommitBatch, DraftExtendBatch)
-_PLANS = (ExtendPlan, DecodePlan, MixedPlan, IdlePlan, DraftPlan, VerifyPlan, CommitPlan, DraftExtendPlan)
+_BATCHES: tuple[type, ...] = get_args(Batch)
+_PLANS: tuple[type, ...] = get_args(Plan)
 
 PASSES: Final[tuple[PassSpec, ...]] = (
     PassSpec(fn=prepare_for_extend, name="prepare_for_extend", takes=(AdmittedRequest,), returns=(ExtendBatch,)),

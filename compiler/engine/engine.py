@@ -382,8 +382,7 @@ class Engine:
             )
 
     def _step(self) -> StepKind:
-        waiting = self.requests.has_queued
-        if self.mixed and self.draft is None and waiting and self.running.num_requests:
+        if self.mixed and self.draft is None and self.requests.has_queued and self.running.num_requests:
             if self._reserve_kv(1):  # False only when retraction emptied the running batch
                 self._last_was_prefill = False
                 return self._mixed()

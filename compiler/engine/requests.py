@@ -107,9 +107,6 @@ class RequestTable:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._reqs.values())
 
-    def get(self, rid: RequestId) -> Request | None:
-        return self._reqs.get(rid)
-
     def add(self, r: Request, *, first: bool = False) -> None:
         """A new (or retracted) WAITING request, at the end of the queue (``first``: at its head)."""
         assert r.state is RequestState.WAITING and r.slot is None

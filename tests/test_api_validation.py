@@ -75,7 +75,7 @@ def _state(drv: Engine) -> tuple[list[torch.Tensor], tuple[object, ...]]:
     c = drv.cache
     return [drv.target.pool.buffer.clone(), drv.draft.pool.buffer.clone()], (
         drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(), drv.ledger.outstanding(), drv.ledger.num_consumed,
-        drv.kv_refs.held(), dict(drv._checkpoints), drv.live, drv.live_slots(), tuple(drv.requests.queued),  # _checkpoints: private, no public view
+        drv.kv_refs.held(), drv.checkpoints.held(), drv.live, drv.live_slots(), tuple(drv.requests.queued),
         {r: list(o) for r, o in drv.outputs.items()}, drv.stopped_by,
         tuple(attrs.asdict(e) for e in c.entries()), dict(c._seen), c._reserved, set(c._planned), attrs.asdict(c.stats),
     )

@@ -7,14 +7,17 @@ the engine, its allocators, pools and prefix cache as they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from backend.hybrid.model import HybridModel
 from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
+from compiler.driver import checked_prompt
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
-from ir._fields import int_problem
+from ir._fields import I64, int_problem
 from ir.errors import PreconditionError, short_repr
+from ir.ids import RequestId
 
 MAX_K = 32
 """Most draft tokens per speculative iteration (the same bound as ``compiler.workload.MAX_K``, the
@@ -105,3 +108,45 @@ def check_engine_args(
         )
     if pm is not None and not isinstance(pm, PassManager):
         raise PreconditionError("Engine", f"pm must be a PassManager or None, not {type(pm).__name__} (got {short_repr(pm)})")
+
+
+def check_request(
+    rid: object,
+    prompt: Sequence[int],
+    max_new_tokens: object,
+    stop: object,
+    *,
+    in_use: Callable[[RequestId], bool],
+    vocab: int,
+    max_len: int,
+    k: int,
+) -> tuple[RequestId, I64, int, int | None]:
+    """``Engine.admit``'s argument checks (``PreconditionError``, or ``IRValidationError`` for the
+    prompt's tokens), before anything changes: the request id, the prompt (huge ones refused by
+    their length, unread), ``max_new_tokens >= 1`` with room under ``max_len`` for the prompt, the
+    new tokens and the k + 1 speculative positions, and ``stop`` ``None`` or a token id. Returns
+    them as ``(rid, prompt, max_new_tokens, stop)``."""
+    problem = int_problem(rid)
+    if problem is not None:
+        raise PreconditionError("admit", f"rid {problem} (got {rid!r})")
+    rid = RequestId(int(cast(int, rid)))
+    if in_use(rid):
+        raise PreconditionError("admit", f"request id {rid} is already in use")
+    arr = checked_prompt(f"request {rid}", prompt, vocab, MAX_LEN)
+    problem = int_problem(max_new_tokens)
+    if problem is not None:
+        raise PreconditionError("admit", f"request {rid}: max_new_tokens {problem} (got {max_new_tokens!r})")
+    new = int(cast(int, max_new_tokens))
+    if new < 1:
+        raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {new}")
+    if arr.shape[0] + new + k + 1 > max_len:
+        raise PreconditionError("admit", f"request {rid}: prompt {arr.shape[0]} + {new} new tokens exceed max_len {max_len}")
+    if stop is None:
+        return rid, arr, new, None
+    problem = int_problem(stop)
+    if problem is not None:
+        raise PreconditionError("admit", f"request {rid}: stop {problem} (got {stop!r})")
+    token = int(cast(int, stop))
+    if not 0 <= token < vocab:
+        raise PreconditionError("admit", f"request {rid}: stop must be a token id in [0, {vocab}), got {token}")
+    return rid, arr, new, token

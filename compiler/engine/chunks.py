@@ -1,0 +1,94 @@
+"""Prefill chunking: which waiting requests get their next prompt chunk in this step, and how long.
+
+Requests are served in queue order. A WAITING request first gets its slot and its prefix source (a
+checkpoint it was admitted with, or the longest prefix the cache holds), and only if the KV for its
+whole prompt fits next to what the started prefills still need, so a started prefill can always
+finish (no deadlock of half-prefilled requests). Each chunk is at most ``chunk_size`` tokens, all of
+them together at most ``token_budget``, and a chunk stops at the prefix boundary the cache wants a
+snapshot of.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from backend.allocator import KVAllocator, SlotAllocator
+from compiler.engine.cache_session import CacheSession
+from compiler.engine.kv_refs import KVRefs
+from compiler.engine.requests import Request, RequestState, RequestTable
+from ir.init import InitIntent
+from ir.request import AdmittedRequest
+
+
+class ChunkPlanner:
+    def __init__(
+        self,
+        *,
+        requests: RequestTable,
+        slots: SlotAllocator,
+        kv: KVAllocator,
+        kv_refs: KVRefs,
+        session: CacheSession,
+        share_prefix: Callable[[int, int, int], None],
+        chunk_size: int,
+        token_budget: int,
+    ) -> None:
+        self.requests, self.slots, self.kv, self.kv_refs, self.session = requests, slots, kv, kv_refs, session
+        self.share_prefix = share_prefix
+        self.chunk_size, self.token_budget = chunk_size, token_budget
+
+    def start(self, r: Request) -> bool:
+        """Give a request its slot and prefix source before its first chunk; False if none is free,
+        or if the KV for its whole prompt does not fit next to what started prefills still need."""
+        while self.kv.num_free < self.requests.kv_owed() + int(r.prompt.shape[0]):
+            if not self.session.evict():
+                return False
+        if self.slots.num_free == 0 and not self.session.evict():
+            return False
+        self.requests.started(r, self.slots.alloc())
+        assert r.slot is not None
+        if r.source is None:
+            r.source = self.session.source_for(r.prompt)
+        if r.source is not None:
+            self.kv_refs.ref(r.source.kv_locs)
+            r.context.extend(r.source.kv_locs)
+            self.share_prefix(int(r.source.slot), int(r.slot), r.start)
+        r.snapshot_at = self.session.plan_snapshot(r.prompt, r.start)
+        return True
+
+    def next_chunks(self) -> list[AdmittedRequest]:
+        """The next prefill chunk of each waiting request, in order, within the token budget, the
+        free slots and the free KV locations (allocated here)."""
+        admitted: list[AdmittedRequest] = []
+        budget = self.token_budget
+        for rid in self.requests.queued:
+            r = self.requests[rid]
+            if budget <= 0:
+                break
+            if r.state is RequestState.WAITING and not self.start(r):
+                break
+            assert r.slot is not None
+            pos = r.next_pos
+            n = min(self.chunk_size, budget, int(r.prompt.shape[0]) - pos)
+            if r.snapshot_at is not None and pos < r.snapshot_at:
+                n = min(n, r.snapshot_at - pos)
+            if n > self.kv.num_free:
+                break
+            snap_to = None
+            if r.snapshot_at is not None and pos + n == r.snapshot_at:
+                snap_to = r.snapshot_slot = self.session.snapshot_slot(r.prompt, r.snapshot_at)
+                if snap_to is None:
+                    r.snapshot_at = None  # no room: skip this snapshot
+            kv = self.kv_refs.alloc(n)
+            r.context.extend(kv.tolist())
+            first = r.done == 0
+            admitted.append(
+                AdmittedRequest(
+                    rid=rid, slot=r.slot, input_ids=r.prompt[pos : pos + n], kv_locs=kv, prefix_len=pos,
+                    intent=(InitIntent.COW if r.source is not None else InitIntent.CLEAR) if first else InitIntent.CONTINUE,
+                    checkpoint=r.source.slot if first and r.source is not None else None,
+                    more_chunks=pos + n < r.prompt.shape[0], snapshot_to=snap_to,
+                )
+            )
+            budget -= n
+        return admitted

@@ -1,0 +1,197 @@
+"""The forwards of one engine step: prefill chunks (EXTEND), prefill chunks and the running decodes in
+one forward (MIXED), a plain decode (DECODE), and a speculative iteration (SPEC: draft proposal,
+verify, accept + commit, draft extend). Each lowers its batch through the engine's ``Pipeline``,
+runs the plans through the ``ForwardRunner`` and records what the step did in ``Progress``.
+
+``Forwards`` holds the running batch (a frozen ``DecodeBatch`` replaced each step) and emits tokens
+into the request table; requests that finish go through the engine's one release path (``release``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from backend.executor import AnyExecutor
+from compiler.engine.cache_session import CacheSession
+from compiler.engine.chunks import ChunkPlanner
+from compiler.engine.kv_refs import KVRefs
+from compiler.engine.report import SpecStats, StepKind
+from compiler.engine.requests import Ending, RequestState, RequestTable
+from compiler.engine.runner import ForwardRunner
+from compiler.steps import Pipeline
+from ir._fields import I64, frozen_i64
+from ir.batch import DecodeBatch, ExtendBatch
+from ir.ids import RequestId
+from ir.request import AdmittedRequest
+from passes.prepare_for_decode import DecodeContext
+from passes.prepare_for_draft import SpecContext
+
+
+class Progress:
+    """What one step did, filled in as it goes (the engine's ``StepReport`` at the end)."""
+
+    def __init__(self) -> None:
+        self.requests = self.prefill_tokens = self.tokens = 0
+        self.finished: list[RequestId] = []
+        self.aborted: list[RequestId] = []
+
+
+class Forwards:
+    def __init__(
+        self,
+        *,
+        k: int,
+        pipeline: Pipeline,
+        runner: ForwardRunner,
+        target: AnyExecutor,
+        draft: AnyExecutor | None,
+        requests: RequestTable,
+        kv_refs: KVRefs,
+        session: CacheSession,
+        planner: ChunkPlanner,
+        stats: SpecStats,
+        release: Callable[[Sequence[RequestId], Ending], None],
+    ) -> None:
+        self.k, self.pipeline, self.runner, self.target, self.draft = k, pipeline, runner, target, draft
+        self.requests, self.kv_refs, self.session, self.planner, self.stats = requests, kv_refs, session, planner, stats
+        self.release = release
+        self.running = DecodeBatch.empty()
+        self.progress = Progress()
+
+    def prefill(self) -> bool:
+        """The next prefill chunks in one EXTEND forward; False if none fits."""
+        admitted = self.planner.next_chunks()
+        if not admitted:
+            return False
+        extend, plan = self.pipeline.prefill(admitted)
+        logits = self.runner.run(self.target, plan)
+        if self.draft is not None:
+            self.runner.run(self.draft, plan)  # the draft pool's init ops (and snapshots): consumed here, once
+        assert logits is not None
+        self.stats.prefills += 1
+        self._after_chunks(admitted, extend, logits)
+        self.running = self.pipeline.merge(self.running, extend)
+        self._finish()
+        return True
+
+    def _after_chunks(self, admitted: Sequence[AdmittedRequest], extend: ExtendBatch, logits: torch.Tensor) -> None:
+        """Advance the prefilled requests, cache their snapshots, and emit the first token of each
+        whose prompt is complete (``logits``: one row per extend row, in ``extend.rids`` order)."""
+        finished: list[RequestId] = []
+        for a in admitted:
+            r = self.requests[a.rid]
+            if r.done == 0:
+                self.session.copied(r.source)
+            pos = a.prefix_len + int(a.input_ids.shape[0])
+            r.done = pos
+            self.progress.requests += 1
+            self.progress.prefill_tokens += int(a.input_ids.shape[0])
+            if a.snapshot_to is not None:
+                assert r.slot is not None
+                self.planner.share_prefix(int(r.slot), int(a.snapshot_to), pos)
+                self.session.insert(a.snapshot_to, tuple(r.prompt[:pos].tolist()), tuple(r.context[:pos]))
+                r.snapshot_at = r.snapshot_slot = None
+            if not a.more_chunks:
+                finished.append(a.rid)
+                self.requests.prefilled(r)
+        rows = {RequestId(rid): i for i, rid in enumerate(extend.rids.tolist())}
+        tokens = logits.argmax(dim=-1).tolist()
+        self._emit(finished, [[int(tokens[rows[rid]])] for rid in finished])
+
+    def mixed(self) -> StepKind:
+        """``k == 0`` with requests both running and waiting: the running batch's decode and the
+        next prefill chunks in one MIXED forward (a plain decode if no chunk fits)."""
+        rids = self.running.rids
+        ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
+        admitted = self.planner.next_chunks()
+        if not admitted:
+            self.decode(ctx)
+            return StepKind.DECODE
+        mixed, plan = self.pipeline.mixed(admitted, self.running, ctx)
+        logits = self.runner.run(self.target, plan)
+        assert logits is not None
+        self.stats.prefills += 1
+        self.stats.decodes += 1
+        self.stats.mixed += 1
+        n = mixed.extend.num_requests
+        self._after_chunks(admitted, mixed.extend, logits[:n])
+        self.progress.requests += len(rids)
+        self._emit([RequestId(r) for r in rids.tolist()], [[t] for t in logits[n:].argmax(dim=-1).tolist()])
+        self.running = self.pipeline.merge(mixed.decode, mixed.extend)
+        self._finish()
+        return StepKind.MIXED
+
+    def decode(self, ctx: DecodeContext | None = None) -> None:
+        """One greedy token per running request (``ctx``: its inputs, when already allocated)."""
+        rids = self.running.rids
+        if ctx is None:
+            ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
+        self.running, plan = self.pipeline.decode(self.running, ctx)
+        logits = self.runner.run(self.target, plan)
+        assert logits is not None
+        self.stats.decodes += 1
+        self.progress.requests += len(rids)
+        self._emit([RequestId(r) for r in rids.tolist()], [[t] for t in logits.argmax(dim=-1).tolist()])
+        self._finish()
+
+    def speculate(self) -> None:
+        """One speculative iteration: the draft proposes k tokens per row, the target verifies them,
+        the accepted prefix and a bonus token are committed, the draft extends over them."""
+        assert self.draft is not None
+        k, rids = self.k, self.running.rids
+        window = self._alloc_for(rids, k + 1)
+        draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
+        proposals = self.runner.run(self.draft, dplan)
+        assert proposals is not None
+        verify_batch, vplan = self.pipeline.verify(draft_batch, frozen_i64(proposals.reshape(-1).cpu().numpy()))
+        target_tokens = self.runner.run(self.target, vplan)
+        assert target_tokens is not None
+        result, committed, cplan = self.pipeline.commit(verify_batch, frozen_i64(target_tokens.reshape(-1).cpu().numpy()))
+        self.runner.run(self.target, cplan)
+        released = set(committed.released_kv.tolist())
+        for rid in rids.tolist():
+            r = self.requests[RequestId(rid)]
+            r.context = [x for x in r.context if x not in released]
+        self.kv_refs.unref(committed.released_kv)
+        extended, eplan = self.pipeline.draft_extend(committed)
+        self.runner.run(self.draft, eplan)
+        self.running = self.pipeline.merge(DecodeBatch.empty(), extended)
+        drafts = proposals.reshape(len(rids), k).tolist()
+        emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(result.accepted.tolist(), result.bonus.tolist(), strict=True))]
+        self.stats.iterations += 1
+        self.stats.row_iterations += len(rids)
+        self.stats.proposed += k * len(rids)
+        self.stats.accepted += int(result.accepted.sum())
+        self.progress.requests += len(rids)
+        self._emit([RequestId(r) for r in rids.tolist()], emitted)
+        self._finish()
+
+    def _alloc_for(self, rids: I64, per_row: int) -> I64:
+        kv = self.kv_refs.alloc(len(rids) * per_row)
+        locs = kv.tolist()
+        for i, rid in enumerate(rids.tolist()):
+            self.requests[RequestId(rid)].context.extend(locs[i * per_row : (i + 1) * per_row])
+        return kv
+
+    def _pending_of(self, rids: I64) -> I64:
+        pending: list[int] = []
+        for rid in rids.tolist():
+            token = self.requests[RequestId(rid)].pending
+            assert token is not None, "every running request has emitted a token"
+            pending.append(token)
+        return frozen_i64(pending)
+
+    def _emit(self, rids: Sequence[RequestId], tokens: list[list[int]]) -> None:
+        for rid, toks in zip(rids, tokens, strict=True):
+            r = self.requests[rid]
+            r.output.extend(toks)
+            r.pending = toks[-1]
+            self.progress.tokens += len(toks)
+
+    def _finish(self) -> None:
+        done = [r.rid for r in self.requests if r.state is RequestState.RUNNING and r.is_done()]
+        if done:
+            self.progress.finished.extend(done)
+            self.release(done, Ending.FINISHED)

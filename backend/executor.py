@@ -44,7 +44,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Never, NoReturn, TypeAlias, cast
+from typing import Any, Generic, Never, NoReturn, TypeAlias, cast
 
 import attrs
 import numpy as np
@@ -54,7 +54,7 @@ import torch
 from backend import faults
 from backend.allocator import SlotAllocator
 from backend.ledger import Claim, Ledger
-from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook
+from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
 from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
@@ -71,21 +71,23 @@ Staged: TypeAlias = StagedExtend | StagedDecode | StagedWindow
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class _Verified:
+class _Verified(Generic[VerifyStateT]):
     """What a verify left on this pool for its commit: the rows and window it ran on, and the
     model's intermediate states."""
 
     slots: bytes
     k: int
-    states: object
+    states: VerifyStateT
 
 
-class Executor:
+class Executor(Generic[VerifyStateT]):
+    """Runs plans on one state pool; ``VerifyStateT`` is what its model's verify keeps for the commit."""
+
     def __init__(
         self,
         pool: MambaStatePool,
         ledger: Ledger,
-        model: ModelHook | None = None,
+        model: ModelHook | SpecModelHook[VerifyStateT] | None = None,
         *,
         slots: SlotAllocator | None = None,
         transactional: bool = False,
@@ -115,7 +117,7 @@ class Executor:
         self.ledger = ledger
         self.model: ModelHook = model if model is not None else NoOpModel()
         self.slots = slots
-        self._intermediates: dict[TicketSerial, _Verified] = {}
+        self._intermediates: dict[TicketSerial, _Verified[VerifyStateT]] = {}
         self._verified_upto: dict[int, int] = {}
 
     def execute(self, plan: Plan) -> torch.Tensor | None:
@@ -328,10 +330,11 @@ class Executor:
         """Drop every kept verify state (the driver aborted the requests they belonged to)."""
         self._intermediates.clear()
 
-    def _spec_model(self, plan: DraftPlan | VerifyPlan | CommitPlan) -> SpecModelHook:
+    def _spec_model(self, plan: DraftPlan | VerifyPlan | CommitPlan) -> SpecModelHook[VerifyStateT]:
         if not isinstance(self.model, SpecModelHook):
             raise PlanExecutionError(f"{type(plan).__name__} needs a SpecModelHook; {type(self.model).__name__} has no speculative phases")
-        return self.model
+        # the model this executor was built with: its verify states are this executor's VerifyStateT
+        return cast("SpecModelHook[VerifyStateT]", self.model)
 
     def _ticket(self, plan: ExtendPlan, own: frozenset[int]) -> InitTicket | None:
         if not plan.tickets:
@@ -438,3 +441,7 @@ def _columns(node: attrs.AttrsInstance, path: str) -> Iterator[tuple[str, npt.ND
             yield f"{path}.{name}", value
         elif attrs.has(type(value)):
             yield from _columns(cast(attrs.AttrsInstance, value), f"{path}.{name}")
+
+
+AnyExecutor: TypeAlias = Executor[Any]
+"""An executor whatever its model keeps between verify and commit (for code that only runs plans)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Protocol, TypeAlias, runtime_checkable
 
 import torch
+from typing_extensions import TypeVar
 
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
@@ -18,6 +19,10 @@ from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 ForwardPlan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | DraftExtendPlan
 """Plans whose forward updates the committed state in place (a draft extend is extend-shaped)."""
+
+VerifyStateT = TypeVar("VerifyStateT", default=object)
+"""What a model's verify keeps for its commit (the intermediate states); opaque to batchc, which
+hands the commit exactly what the same hook's verify returned. ``object`` when not given."""
 
 
 @runtime_checkable
@@ -34,25 +39,25 @@ class ModelHook(Protocol):
 
 
 @runtime_checkable
-class SpecModelHook(ModelHook, Protocol):
+class SpecModelHook(ModelHook, Protocol[VerifyStateT]):
     """A model hook that also runs the speculative phases (draft proposal, verify, commit)."""
 
     def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> torch.Tensor:
         """Draft proposal: ``[n, k]`` tokens, greedily from the committed state, which stays as it was."""
         ...
 
-    def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
+    def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStateT]:
         """Verify over ``k + 1`` positions: ``([n, k + 1]`` target tokens or logits, intermediate states).
         The committed state stays as it was; the executor keeps the states for the commit."""
         ...
 
-    def commit(self, plan: CommitPlan, states: object, pool: MambaStatePool) -> None:
+    def commit(self, plan: CommitPlan, states: VerifyStateT, pool: MambaStatePool) -> None:
         """Scatter each row's intermediate state at ``accept_pos`` into its slot."""
         ...
 
 
 @runtime_checkable
-class ServingModelHook(SpecModelHook, Protocol):
+class ServingModelHook(SpecModelHook[VerifyStateT], Protocol[VerifyStateT]):
     """What a serving engine needs from a model beyond the forwards: prefix sharing. A request that
     starts from a cached prefix state (a COW into its slot) also takes over that prefix's KV
     locations, so the model's per-slot context (which location holds each position) is copied."""

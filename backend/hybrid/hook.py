@@ -17,7 +17,6 @@ from backend.hybrid.model import HybridModel, VerifyStates, greedy
 from backend.model import ForwardPlan
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
-from ir.errors import PlanExecutionError
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
@@ -67,16 +66,14 @@ class HybridHook:
             positions=staged.positions[:, 0].contiguous(), kv_locs=staged.kv_locs[:, :k].contiguous(), k=k,
         )
 
-    def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
+    def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStates]:
         out = self.model.verify(
             pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids,
             positions=staged.positions, kv_locs=staged.kv_locs,
         )
         return greedy(out.logits), out.states
 
-    def commit(self, plan: CommitPlan, states: object, pool: MambaStatePool) -> None:
-        if not isinstance(states, VerifyStates):
-            raise PlanExecutionError(f"commit of verify #{plan.batch.verify_id}: states of another model ({type(states).__name__})")
+    def commit(self, plan: CommitPlan, states: VerifyStates, pool: MambaStatePool) -> None:
         dev = pool.device
         self.model.commit(
             pool, states,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from functools import cache
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -107,18 +108,17 @@ def test_default_draft_acceptance_is_in_range() -> None:
 
 def test_ab_reproduces_the_seed_bug_and_the_ledger_refuses_it() -> None:
     r = run_ab(k=2, requests=6, max_new_tokens=16, max_running=3)
-    runs = r["runs"]
-    assert isinstance(runs, dict)
-    compiled, base, fixed = runs["compiled"], runs["mutable_baseline"], runs["mutable_baseline_fixed"]
-    assert compiled["equals_greedy"] and base["equals_greedy"] and fixed["equals_greedy"]
-    assert compiled["replays"] == 0 and compiled["outstanding_tickets"] == 0
-    assert compiled["init_ops_target"] == compiled["init_ops_draft"] == fixed["init_ops_draft"]
-    assert base["replays"] > 0
-    assert base["init_ops_draft"] > compiled["init_ops_draft"]
-    assert base["acceptance_rate"] < compiled["acceptance_rate"] == fixed["acceptance_rate"]
-    assert isinstance(r["ledger_on_baseline"], str)
-    assert r["ledger_on_baseline"].startswith("ResourceReplayError: replay of ticket #")
-    assert "for pool 'draft'" in r["ledger_on_baseline"]
+    compiled, base, fixed = r.runs["compiled"], r.runs["mutable_baseline"], r.runs["mutable_baseline_fixed"]
+    assert compiled.equals_greedy and base.equals_greedy and fixed.equals_greedy
+    assert compiled.replays == 0 and compiled.outstanding_tickets == 0
+    assert compiled.init_ops_target == compiled.init_ops_draft == fixed.init_ops_draft
+    assert base.replays > 0
+    assert base.init_ops_draft > compiled.init_ops_draft
+    assert base.acceptance_rate < compiled.acceptance_rate == fixed.acceptance_rate
+    assert r.ledger_on_baseline.startswith("ResourceReplayError: replay of ticket #")
+    assert "for pool 'draft'" in r.ledger_on_baseline
+    # the --json form keeps the field names of the record
+    assert set(r.to_json()["runs"]["compiled"]) == set(attrs.fields_dict(type(compiled)))  # type: ignore[index]  # to_json is a plain dict
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

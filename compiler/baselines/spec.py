@@ -15,6 +15,7 @@ With ``ledger=`` both runners consume the init ops through tickets and the first
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -25,8 +26,8 @@ from backend.hybrid.model import HybridModel, greedy
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
 from compiler.baselines.mutable import ForwardMode, ModelRunner, Req, ScheduleBatch
-from compiler.engine import Checkpoint, SpecStats
-from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId
+from compiler.engine import Checkpoint, SpecStats, StepKind, StepReport
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 
 
 class _Side:
@@ -69,15 +70,21 @@ class MutableSpecEngine:
         self.waiting: list[tuple[Req, int, Checkpoint | None]] = []
         self.committed: dict[int, int] = {}  # rid -> committed tokens
         self.kv_of: dict[int, list[int]] = {}
-        self.outputs: dict[int, list[int]] = {}
+        self.outputs: dict[RequestId, list[int]] = {}
         self.max_new: dict[int, int] = {}
+        self.stop: dict[int, int | None] = {}
         self.stats = SpecStats()
+        self._advanced = self._prefilled = self._emitted = 0
+        self._finished: list[RequestId] = []
 
-    def admit(self, rid: int, prompt: Sequence[int], *, max_new_tokens: int, checkpoint: Checkpoint | None = None) -> None:
+    def admit(
+        self, rid: RequestId, prompt: Sequence[int], *, max_new_tokens: int, checkpoint: Checkpoint | None = None, stop: int | None = None
+    ) -> None:
         req = Req(rid=rid, slot=0, prompt=list(prompt), prefix_len=len(checkpoint.tokens) if checkpoint else 0,
                   checkpoint=int(checkpoint.slot) if checkpoint else None)
         self.waiting.append((req, max_new_tokens, checkpoint))
         self.max_new[rid] = max_new_tokens
+        self.stop[rid] = stop
 
     def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
         """The same prefix checkpoint as ``Engine.make_checkpoint``, built with plain torch calls."""
@@ -105,14 +112,22 @@ class MutableSpecEngine:
 
     # -- the engine loop ----------------------------------------------------------------------
 
-    def step(self) -> str:
+    def step(self) -> StepReport:
+        t0 = time.perf_counter()
+        self._advanced = self._prefilled = self._emitted = 0
+        self._finished = []
         if self.waiting:
             self._prefill()
-            return "extend"
-        if self.running is None or not self.running.reqs:
-            return "idle"
-        self._speculate()
-        return "spec"
+            kind = StepKind.EXTEND
+        elif self.running is None or not self.running.reqs:
+            kind = StepKind.IDLE
+        else:
+            self._speculate()
+            kind = StepKind.SPEC if self.k else StepKind.DECODE
+        return StepReport(
+            kind=kind, requests=self._advanced, prefill_tokens=self._prefilled, tokens=self._emitted,
+            finished=tuple(self._finished), aborted=(), seconds=time.perf_counter() - t0,
+        )
 
     def _prefill(self) -> None:
         reqs = []
@@ -139,8 +154,11 @@ class MutableSpecEngine:
         assert logits is not None
         first = greedy(logits).tolist()
         for r, tok in zip(reqs, first, strict=True):
-            self.outputs[r.rid] = [int(tok)]
+            self.outputs[RequestId(r.rid)] = [int(tok)]
             self.committed[r.rid] = len(r.prompt)
+        self._advanced += len(reqs)
+        self._prefilled += sum(len(r.prompt) - r.prefix_len for r in reqs)
+        self._emitted += len(reqs)
         batch.output_ids = _i64(first)
         self.stats.prefills += 1
         if self.running is None or not self.running.reqs:
@@ -166,7 +184,9 @@ class MutableSpecEngine:
         for i, r in enumerate(reqs):
             self.kv_of[r.rid].append(int(kv[i]))
             self.committed[r.rid] += 1
-            self.outputs[r.rid].append(int(tokens[i]))
+            self.outputs[RequestId(r.rid)].append(int(tokens[i]))
+        self._advanced += len(reqs)
+        self._emitted += len(reqs)
         rb.output_ids = tokens
         self.stats.decodes += 1
         self._finish()
@@ -179,7 +199,7 @@ class MutableSpecEngine:
         assert rb is not None
         k, reqs = self.k, list(rb.reqs)
         rb.prepare_for_decode(_i64([]))  # spec mode: early return, the deferred init fields stay
-        pending = [self.outputs[r.rid][-1] for r in reqs]
+        pending = [self.outputs[RequestId(r.rid)][-1] for r in reqs]
         slots = [r.slot for r in reqs]
         c = [self.committed[r.rid] for r in reqs]
         window = self.kvs.alloc_many(len(reqs) * (k + 1)).reshape(len(reqs), k + 1)
@@ -212,7 +232,9 @@ class MutableSpecEngine:
             self.kvs.free_many(window[i, m + 1 :].tolist())
             self.kv_of[r.rid].extend(window[i, : m + 1].tolist())
             self.committed[r.rid] += m + 1
-            self.outputs[r.rid].extend(proposals[i, :m].tolist() + [int(bonus[i])])
+            self.outputs[RequestId(r.rid)].extend(proposals[i, :m].tolist() + [int(bonus[i])])
+            self._emitted += m + 1
+        self._advanced += len(reqs)
         self.stats.iterations += 1
         self.stats.row_iterations += len(reqs)
         self.stats.proposed += k * len(reqs)
@@ -224,13 +246,21 @@ class MutableSpecEngine:
         rb = self.running
         if rb is None:
             return
-        keep = [i for i, r in enumerate(rb.reqs) if len(self.outputs[r.rid]) < self.max_new[r.rid]]
+        keep = [i for i, r in enumerate(rb.reqs) if not self._done(r.rid)]
         done = [r for i, r in enumerate(rb.reqs) if i not in keep]
         for r in done:
+            rid = RequestId(r.rid)
             self.slots.free(r.slot)
             self.kvs.free_many(self.kv_of.pop(r.rid))
-            self.outputs[r.rid] = self.outputs[r.rid][: self.max_new[r.rid]]
+            out = self.outputs[rid][: self.max_new[r.rid]]
+            stop = self.stop[r.rid]
+            self.outputs[rid] = out[: out.index(stop) + 1] if stop is not None and stop in out else out
+            self._finished.append(rid)
         rb.filter_batch(keep)
+
+    def _done(self, rid: int) -> bool:
+        out, stop = self.outputs[RequestId(rid)], self.stop[rid]
+        return len(out) >= self.max_new[rid] or (stop is not None and stop in out)
 
     def run_until_done(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):

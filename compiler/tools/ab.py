@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Protocol
 
 import attrs
 
@@ -27,24 +26,13 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
 from compiler.baselines.spec import MutableSpecEngine
-from compiler.engine import Checkpoint, Engine, SpecStats
+from compiler.engine import Engine, ServingEngine
 from compiler.workload import SNIPPETS, SYSTEM_PREFIXES
 from ir.errors import ResourceReplayError
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 
 DRAFT_NOISE = 0.05
 """Relative weight noise of the default draft: speculative acceptance about 0.6-0.8 at k = 1..4."""
-
-
-class _Engine(Protocol):
-    stats: SpecStats
-
-    def make_checkpoint(self, tokens: list[int]) -> Checkpoint: ...
-    def admit(self, rid: RequestId, prompt: list[int], *, max_new_tokens: int, checkpoint: Checkpoint | None = None) -> None: ...
-    def step(self) -> object: ...
-    def release_checkpoint(self, cp: Checkpoint) -> None: ...
-    @property
-    def live(self) -> int: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -65,7 +53,7 @@ def ab_prompts(n: int, seed: int) -> list[Prompt]:
     return out
 
 
-def serve(engine: _Engine, prompts: list[Prompt], *, max_new_tokens: int, max_running: int) -> float:
+def serve(engine: ServingEngine, prompts: list[Prompt], *, max_new_tokens: int, max_running: int) -> float:
     """Continuous batching: keep at most ``max_running`` requests live; returns wall seconds."""
     t0 = time.perf_counter()
     cps = [engine.make_checkpoint(list(p)) for p in SYSTEM_PREFIXES]
@@ -80,7 +68,49 @@ def serve(engine: _Engine, prompts: list[Prompt], *, max_new_tokens: int, max_ru
     return time.perf_counter() - t0
 
 
-def run_ab(*, k: int = 2, requests: int = 12, max_new_tokens: int = 24, max_running: int = 4, draft_noise: float = DRAFT_NOISE, seed: int = 0) -> dict[str, object]:
+@attrs.frozen(kw_only=True)
+class AbRun:
+    """One engine's run of the A/B workload."""
+
+    acceptance_rate: float
+    mean_accepted_length: float
+    init_ops_target: int
+    """Clears and COWs executed on the target pool."""
+    init_ops_draft: int
+    """Clears and COWs executed on the draft pool (more than the target's: replays)."""
+    replays: int
+    """Init ops executed again from a stale batch (the compiled engine's ledger refuses them)."""
+    outstanding_tickets: int | None
+    """Tickets never consumed (``None``: the baseline has no ledger)."""
+    equals_greedy: bool
+    """Every output equals plain greedy decoding of the target."""
+    wall_s: float
+
+
+@attrs.frozen(kw_only=True)
+class AbReport:
+    """``batchc ab``'s result; ``to_json`` is its ``--json`` file."""
+
+    k: int
+    requests: int
+    max_new_tokens: int
+    draft_noise: float
+    runs: dict[str, AbRun]
+    """By run: ``compiled``, ``mutable_baseline`` (pre-fix), ``mutable_baseline_fixed``."""
+    ledger_on_baseline: str
+    """What the pre-fix baseline did with a ledger on its runners (the refusal of its first replay)."""
+
+    @property
+    def compiled(self) -> AbRun:
+        return self.runs["compiled"]
+
+    def to_json(self) -> dict[str, object]:
+        return attrs.asdict(self)
+
+
+def run_ab(
+    *, k: int = 2, requests: int = 12, max_new_tokens: int = 24, max_running: int = 4, draft_noise: float = DRAFT_NOISE, seed: int = 0
+) -> AbReport:
     target = HybridModel.from_seed(tiny(), seed=seed)
     draft = HybridModel(target.config, perturb(target.weights, draft_noise, seed=seed + 1))
     prompts = ab_prompts(requests, seed)
@@ -91,36 +121,31 @@ def run_ab(*, k: int = 2, requests: int = 12, max_new_tokens: int = 24, max_runn
     compiled = Engine(target, draft, k=k)
     t_c = serve(compiled, prompts, **kw)
     compiled.ledger.assert_drained()
-    rows: dict[str, object] = {}
     tc, dc = compiled.ledger.counts(TARGET_POOL), compiled.ledger.counts(DRAFT_POOL)
-    rows["compiled"] = {
-        "acceptance_rate": compiled.stats.acceptance_rate,
-        "mean_accepted_length": compiled.stats.mean_accepted_length,
-        "init_ops_target": tc.clears + tc.cows,
-        "init_ops_draft": dc.clears + dc.cows,
-        "replays": compiled.ledger.replays_blocked,
-        "outstanding_tickets": len(compiled.ledger.outstanding()),
-        "equals_greedy": compiled.outputs == greedy.outputs,
-        "wall_s": t_c,
+    runs = {
+        "compiled": AbRun(
+            acceptance_rate=compiled.stats.acceptance_rate, mean_accepted_length=compiled.stats.mean_accepted_length,
+            init_ops_target=tc.clears + tc.cows, init_ops_draft=dc.clears + dc.cows, replays=compiled.ledger.replays_blocked,
+            outstanding_tickets=len(compiled.ledger.outstanding()), equals_greedy=compiled.outputs == greedy.outputs, wall_s=t_c,
+        )
     }
     for name, fixed in (("mutable_baseline", False), ("mutable_baseline_fixed", True)):
         base = MutableSpecEngine(target, draft, k=k, fixed=fixed)
         t_b = serve(base, prompts, **kw)
-        rows[name] = {
-            "acceptance_rate": base.stats.acceptance_rate,
-            "mean_accepted_length": base.stats.mean_accepted_length,
-            "init_ops_target": base.t.runner.clears_executed + base.t.runner.cows_executed,
-            "init_ops_draft": base.d.runner.clears_executed + base.d.runner.cows_executed,
-            "replays": base.replays,
-            "outstanding_tickets": None,
-            "equals_greedy": {RequestId(r): o for r, o in base.outputs.items()} == greedy.outputs,
-            "wall_s": t_b,
-        }
+        runs[name] = AbRun(
+            acceptance_rate=base.stats.acceptance_rate, mean_accepted_length=base.stats.mean_accepted_length,
+            init_ops_target=base.t.runner.clears_executed + base.t.runner.cows_executed,
+            init_ops_draft=base.d.runner.clears_executed + base.d.runner.cows_executed, replays=base.replays,
+            outstanding_tickets=None, equals_greedy=base.outputs == greedy.outputs, wall_s=t_b,
+        )
     guarded = MutableSpecEngine(target, draft, k=k, ledger=Ledger())
-
     try:
         serve(guarded, prompts, **kw)
         refusal = "no replay happened"
     except ResourceReplayError as exc:
         refusal = f"ResourceReplayError: {exc}"
-    return {"k": k, "requests": requests, "max_new_tokens": max_new_tokens, "draft_noise": draft_noise, "runs": rows, "ledger_on_baseline": refusal}
+    return AbReport(k=k, requests=requests, max_new_tokens=max_new_tokens, draft_noise=draft_noise, runs=runs, ledger_on_baseline=refusal)
+
+
+_ENGINES: tuple[type[ServingEngine], ...] = (Engine, MutableSpecEngine)
+"""Both engines this harness drives provide ``ServingEngine`` (checked by mypy here)."""

@@ -29,7 +29,7 @@ def serve_mutable(engine: MutableSpecEngine, workload: Sequence[Request], *, max
         while queue and queue[0].arrival <= steps and engine.live < max_running:
             r = queue.pop(0)
             cp = next((c for c in cps if r.prompt.startswith(bytes(c.tokens)) and len(r.prompt) > len(c.tokens)), None)
-            engine.admit(int(r.rid), list(r.prompt), max_new_tokens=r.max_new_tokens, checkpoint=cp)
+            engine.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, checkpoint=cp)
         engine.step()
         steps += 1
     wall = time.perf_counter() - t0

@@ -1,0 +1,58 @@
+"""``ServingEngine``: what a harness needs from a serving engine. The compiled ``Engine`` and the
+mutable baseline (``compiler.baselines.spec.MutableSpecEngine``) both provide it, so the A/B
+harness, the benchmarks and the tests drive them through the same calls."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from compiler.engine.report import Checkpoint, SpecStats, StepReport
+from ir.ids import RequestId
+
+
+class ServingEngine(Protocol):
+    @property
+    def stats(self) -> SpecStats:
+        """Counters over the engine's life (forwards, speculative acceptance, retractions, ...)."""
+        ...
+
+    @property
+    def outputs(self) -> Mapping[RequestId, list[int]]:
+        """Outputs by request id: complete for every request that has left (an engine may also
+        show the partial output of live ones)."""
+        ...
+
+    @property
+    def live(self) -> int:
+        """Requests admitted and not finished or aborted."""
+        ...
+
+    def admit(
+        self,
+        rid: RequestId,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        checkpoint: Checkpoint | None = None,
+        stop: int | None = None,
+    ) -> None:
+        """Queue a request: ``max_new_tokens`` greedy tokens after ``prompt``, fewer if ``stop`` is
+        emitted; with ``checkpoint`` it starts from that prefix state."""
+        ...
+
+    def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
+        """Prefill ``tokens`` once into a slot that requests can start from."""
+        ...
+
+    def release_checkpoint(self, cp: Checkpoint) -> None:
+        """Give a checkpoint's slot and KV locations back."""
+        ...
+
+    def step(self) -> StepReport:
+        """One scheduler iteration."""
+        ...
+
+    def run_until_done(self, max_steps: int = 100_000) -> None:
+        """Step until no request is live."""
+        ...

@@ -1,9 +1,16 @@
 """The bundled prompt set of the built-in workloads (``batchc run``, ``batchc ab``): system
 prefixes that many requests share (so their prefix state is cached and copied), and Python snippets
 that make up the request bodies; and the limits of ``batchc run``'s workloads and options (here,
-so that the command line can state them in ``--help`` without importing the serving stack)."""
+so that the command line can state them in ``--help`` without importing the serving stack), with
+the options record (``ServeConfig``, whose defaults are the command line's), the request record and
+the errors of a run."""
 
 from __future__ import annotations
+
+import attrs
+
+from ir.errors import BatchcError
+from ir.ids import RequestId
 
 ARRIVALS = ("bursts", "trickle")
 """Arrival patterns of the built-in workload (``compiler.serve.builtin_workload``)."""
@@ -39,3 +46,69 @@ SNIPPETS: tuple[bytes, ...] = (
     b"async def fetch(url):\n    return await client.get(url)\n",
     b"import itertools\npairs = list(itertools.combinations(items, 2))\n",
 )
+
+
+MAX_ARRIVAL = 1_000_000
+"""Latest arrival step a workload may ask for (a larger one would idle the scheduler for ever)."""
+BYTE_VOCAB = 256
+"""Vocabulary of the byte-level serving path: prompts, completions and stop tokens are bytes."""
+
+
+class WorkloadError(BatchcError, ValueError):
+    """A workload file that cannot be served; the message names the file and line."""
+
+
+class ServeError(BatchcError, ValueError):
+    """Options or models that cannot be served; the message names the option or model field."""
+
+
+@attrs.frozen(kw_only=True)
+class Request:
+    rid: RequestId
+    prompt: bytes
+    max_new_tokens: int
+    arrival: int = 0
+    stop: int | None = None
+
+
+LONGEST_BUILTIN_PROMPT = max(len(p) for p in SYSTEM_PREFIXES) + MAX_BODY_SNIPPETS * max(len(s) for s in SNIPPETS)
+"""Longest prompt ``builtin_workload`` can build (bytes)."""
+
+
+@attrs.frozen(kw_only=True)
+class ServeConfig:
+    """Serving options (checked on construction, ``ServeError``; memory bounds: ``check_serving``)."""
+
+    k: int = 2
+    max_running: int = 8
+    chunk_size: int = 64
+    token_budget: int = 256
+    cache_entries: int = 8
+    cache_block: int = 16
+    max_len: int = 512
+    lossless_sample: int = 4
+
+    def __attrs_post_init__(self) -> None:
+        for name, value in attrs.asdict(self).items():
+            if type(value) is not int:  # noqa: E721 - bool, float and str are not option values
+                raise ServeError(f"{name} must be an int, got {value!r}")
+            lo = 0 if name in ("k", "lossless_sample") else 1
+            if value < lo:
+                raise ServeError(f"{name} must be >= {lo}, got {value}")
+        if self.k > MAX_K:
+            raise ServeError(f"k must be in [0, {MAX_K}], got {self.k}")
+        if self.max_len < self.k + 3:
+            raise ServeError(f"max_len {self.max_len} leaves no room for a prompt and a new token next to k + 1 = {self.k + 1}")
+
+    @property
+    def reserve(self) -> int:
+        """Context positions a request keeps free after its prompt and new tokens (``Engine.admit``)."""
+        return self.k + 1
+
+    @property
+    def builtin_max_new_tokens(self) -> int:
+        """Largest ``max_new_tokens`` the built-in workload can ask for: its longest possible prompt
+        plus that many tokens plus ``reserve`` must fit ``max_len``."""
+        return self.max_len - LONGEST_BUILTIN_PROMPT - self.reserve
+
+

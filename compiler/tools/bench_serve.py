@@ -21,7 +21,7 @@ import torch
 from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.model import ForwardOut, HybridModel, VerifyOut, VerifyStates
 from backend.pool import MambaStatePool
-from compiler.serve import Request, ServeConfig, _driver, serve
+from compiler.serve import Request, ServeConfig, make_engine, serve
 from compiler.tools.compare_mutable import make_mutable, serve_mutable
 
 
@@ -82,12 +82,12 @@ def run_serve_bench(target: HybridModel, draft: HybridModel, workload: Sequence[
     warm = list(workload)[:2]  # first calls pay for imports and lazy initialisation: not measured
     for k in ks:
         cfg = ServeConfig(k=k)
-        serve(_driver(target, draft, cfg, None, cache=True, k=k), warm, max_running=cfg.max_running)
+        serve(make_engine(target, draft, cfg, None, cache=True, k=k), warm, max_running=cfg.max_running)
         serve_mutable(make_mutable(target, draft, cfg, k=k), warm, max_running=cfg.max_running)
     for k in ks:
         cfg = ServeConfig(k=k)
         t, d = TimedModel(target), TimedModel(draft)
-        drv = _driver(t, d, cfg, None, cache=True, k=k)
+        drv = make_engine(t, d, cfg, None, cache=True, k=k)
         wall, steps = serve(drv, workload, max_running=cfg.max_running)
         rows.append(ServeRow(k=k, engine="compiled", tokens=sum(map(len, drv.outputs.values())), wall_s=wall,
                              model_s=t.seconds + d.seconds, steps=sum(steps.values())))

@@ -1,0 +1,44 @@
+"""``batchc run``: the main job. A workload of requests served by ``Engine`` on a target and a
+draft model, with the prefix cache, chunked prefill, continuous batching and speculative decoding,
+and a summary an engine author can judge the library by.
+
+Workloads: the built-in one (``builtin_workload``: requests built from a bundled prompt set, with
+shared system prefixes, arrivals in bursts or a trickle, and mixed lengths) or a JSONL file (``load_workload``), one
+request per line: ``{"prompt": str, "max_new_tokens": int, "arrival": int (optional, scheduler step),
+"stop": str (optional, one character)}``. A malformed file raises ``WorkloadError`` naming the line.
+``load_workload`` checks the same bounds as ``Engine.admit`` (context length with the k + 1
+speculative positions, token ids below the vocabulary), so a loaded workload is never refused
+mid-run; its file limits are in its docstring.
+
+Before anything is allocated, ``check_serving`` refuses models that the byte-level serving path
+cannot serve (target/draft vocabulary mismatch, vocabulary other than 256) and runs whose estimated
+memory (``memory_estimate``: state pools, KV caches, token tables, allocators, verify states,
+attention scores and activations, for every engine the run builds) is over ``MAX_SERVE_BYTES``.
+
+A forward that fails aborts its requests (``Engine``, no retries here); the summary counts
+them (``aborted_requests``, ``failed_forwards``, ``first_failure``), and the lossless check skips
+them.
+
+The lossless check re-runs a sample of the requests with plain greedy decoding of the target alone
+(no draft, no cache, no chunking) and compares the outputs token for token.
+"""
+
+from compiler.serve.load import builtin_workload, load_workload
+from compiler.serve.memory import check_serving, memory_estimate
+from compiler.serve.run import make_engine, run, serve
+from compiler.serve.summary import MutableRun, Sample, ServeSummary
+from compiler.workload import (
+    BYTE_VOCAB,
+    LONGEST_BUILTIN_PROMPT,
+    MAX_ARRIVAL,
+    Request,
+    ServeConfig,
+    ServeError,
+    WorkloadError,
+)
+
+__all__ = [
+    "BYTE_VOCAB", "LONGEST_BUILTIN_PROMPT", "MAX_ARRIVAL", "MutableRun", "Request", "Sample", "ServeConfig", "ServeError",
+    "ServeSummary", "WorkloadError", "builtin_workload", "check_serving", "load_workload", "make_engine", "memory_estimate",
+    "run", "serve",
+]

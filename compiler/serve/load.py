@@ -1,0 +1,203 @@
+"""Where ``batchc run``'s requests come from: the built-in workload (``builtin_workload``) or a JSONL
+file (``load_workload``), checked against the same bounds as ``Engine.admit``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+from backend.hybrid.checkpoint import file_kind
+from compiler.workload import (
+    ARRIVALS,
+    BURST_EVERY,
+    BURST_SIZE,
+    BYTE_VOCAB,
+    MAX_ARRIVAL,
+    MAX_BODY_SNIPPETS,
+    MAX_REQUESTS,
+    MAX_WORKLOAD_BYTES,
+    SNIPPETS,
+    SYSTEM_PREFIXES,
+    Request,
+    WorkloadError,
+)
+from ir.ids import RequestId
+
+
+def builtin_workload(
+    *, num_requests: int = 64, max_new_tokens: int = 32, seed: int = 0, arrivals: str = "bursts"
+) -> list[Request]:
+    """Byte prompts from the bundled snippets: about two thirds start with one of the shared system
+    prefixes; bodies of 1 to 6 snippets (long ones are prefilled in chunks); generation lengths vary
+    from a quarter of ``max_new_tokens`` to all of it.
+
+    ``arrivals``: ``"bursts"`` (default): ``BURST_SIZE`` requests arrive together every
+    ``BURST_EVERY`` scheduler steps, as when clients submit batches of prompts (evaluation
+    harnesses, agent fan-out, batch APIs). ``"trickle"``: one request at a time, 0 to 2 steps
+    apart. The pattern decides how far the pre-fix engine's stale-init bug reaches: its stale
+    indices ride on the running batch from the moment a prefill batch becomes the running batch
+    (nothing else was running) until that batch's first request finishes. Each burst opens that
+    window over all of its requests; a trickle opens it over one request at a time."""
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
+    rng = random.Random(seed)
+    out = []
+    arrival = 0
+    for i in range(num_requests):
+        prefix = rng.choice((-1, 0, 1))
+        body = b"".join(rng.choice(SNIPPETS) for _ in range(rng.randint(1, MAX_BODY_SNIPPETS)))
+        prompt = (SYSTEM_PREFIXES[prefix] if prefix >= 0 else b"") + body
+        step = rng.choice((0, 0, 1, 2))  # drawn under both patterns: prompts and lengths stay the same
+        arrival = (i // BURST_SIZE) * BURST_EVERY if arrivals == "bursts" else arrival + step
+        out.append(
+            Request(rid=RequestId(i), prompt=prompt, max_new_tokens=rng.randint(max(1, max_new_tokens // 4), max_new_tokens), arrival=arrival)
+        )
+    return out
+
+
+def _read_bounded(p: Path) -> bytes:
+    """The bytes of the regular file ``p``, at most ``MAX_WORKLOAD_BYTES`` of them."""
+    try:
+        st = os.stat(p)
+    except ValueError:  # a NUL byte in the path
+        raise WorkloadError(f"{str(p)!r}: cannot read workload file (a path cannot hold a NUL byte)") from None
+    except OSError as exc:
+        raise WorkloadError(f"{p}: cannot read workload file ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise WorkloadError(f"{p}: cannot read workload file: {file_kind(st.st_mode)}, not a regular file")
+    if st.st_size > MAX_WORKLOAD_BYTES:
+        raise WorkloadError(f"{p}: workload file of {st.st_size} bytes is over the limit of {MAX_WORKLOAD_BYTES} bytes (64 MiB)")
+    try:
+        # O_NONBLOCK: a FIFO swapped in after the stat cannot block the open; fstat refuses it
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise WorkloadError(f"{p}: cannot read workload file: {file_kind(mode)}, not a regular file")
+            data = f.read(MAX_WORKLOAD_BYTES + 1)
+    except OSError as exc:
+        raise WorkloadError(f"{p}: cannot read workload file ({exc.strerror})") from None
+    if len(data) > MAX_WORKLOAD_BYTES:
+        raise WorkloadError(f"{p}: workload file is over the limit of {MAX_WORKLOAD_BYTES} bytes (64 MiB)")
+    return data
+
+
+def _check_workload_args(path: object, *, max_len: object, reserve: object, vocab: object, default_max_new_tokens: object) -> None:
+    """``load_workload``'s argument checks, before the file is opened (``WorkloadError``)."""
+    from typing import cast
+
+    from backend.hybrid.config import MAX_DIM
+    from compiler.engine.admission import MAX_LEN
+    from ir._fields import int_problem
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise WorkloadError(f"load_workload: path must be a str or a path, not {type(path).__name__} (got {path!r})")
+    values: dict[str, int] = {}
+    for name, value, lo, hi in (
+        ("max_len", max_len, 1, MAX_LEN), ("reserve", reserve, 0, MAX_LEN), ("vocab", vocab, 1, MAX_DIM),
+        ("default_max_new_tokens", default_max_new_tokens, 1, MAX_LEN),
+    ):
+        problem = int_problem(value)
+        if problem is not None:
+            raise WorkloadError(f"load_workload: {name} {problem} (got {value!r})")
+        n = int(cast(int, value))  # an int or a numpy integer: int_problem said so
+        if not lo <= n <= hi:
+            raise WorkloadError(f"load_workload: {name} must be in [{lo}, {hi}], got {n}")
+        values[name] = n
+    if values["reserve"] + 2 > values["max_len"]:
+        raise WorkloadError(
+            f"load_workload: reserve {values['reserve']} leaves no room under max_len {values['max_len']} "
+            "for a prompt byte and a new token"
+        )
+
+
+def load_workload(
+    path: str | Path, *, max_len: int, reserve: int = 8, vocab: int = BYTE_VOCAB, default_max_new_tokens: int = 32
+) -> list[Request]:
+    """The requests of the JSONL file ``path``, or ``WorkloadError`` naming the file and line.
+
+    File limits: a regular file (not a FIFO, device or directory) of at most ``MAX_WORKLOAD_BYTES``
+    (64 MiB), UTF-8, at most ``MAX_REQUESTS`` requests. Lines are split on ``"\\n"`` only, so a
+    raw U+2028 or U+0085 inside a JSON string is part of the string; blank lines are skipped.
+
+    Request limits, the same as ``Engine.admit``'s so that nothing loaded is refused mid-run:
+    prompt bytes + ``max_new_tokens`` + ``reserve`` <= ``max_len`` (``reserve`` = k + 1 for
+    speculative decoding with k draft tokens; the default 8 covers k <= 7), every prompt byte and
+    the stop byte below ``vocab``.
+
+    The arguments are checked first (``WorkloadError`` naming the argument and the value): ``path``
+    a ``str`` or ``os.PathLike``; ``max_len``, ``reserve``, ``vocab`` and ``default_max_new_tokens``
+    ints (never ``bool``, ``float``, ``str`` or ``None``) with ``max_len`` in
+    ``[reserve + 2, compiler.engine.admission.MAX_LEN]``, ``reserve >= 0``, ``vocab`` in ``[1, MAX_DIM]`` (the
+    model config's bound) and ``default_max_new_tokens >= 1``."""
+    _check_workload_args(path, max_len=max_len, reserve=reserve, vocab=vocab, default_max_new_tokens=default_max_new_tokens)
+    p = Path(path)
+    data = _read_bounded(p)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = data[: exc.start].count(b"\n") + 1
+        raise WorkloadError(f"{p}: cannot read workload file ({exc}, line {at})") from None
+    out: list[Request] = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip(" \t\r"):
+            continue
+        where = f"{p}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"{where}: bad JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise WorkloadError(f"{where}: bad JSON (nested too deeply)") from None
+        except ValueError:  # int(): a literal longer than the interpreter's digit limit
+            raise WorkloadError(f"{where}: bad JSON (an integer of more than {sys.get_int_max_str_digits()} digits)") from None
+        if not isinstance(obj, dict):
+            raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if len(out) == MAX_REQUESTS:
+            raise WorkloadError(f"{where}: more than {MAX_REQUESTS} requests")
+        out.append(_request(where, obj, RequestId(len(out)), max_len=max_len, reserve=reserve, vocab=vocab,
+                            default_max_new_tokens=default_max_new_tokens))
+    if not out:
+        raise WorkloadError(f"{p}: no requests")
+    return out
+
+
+def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, reserve: int, vocab: int,
+             default_max_new_tokens: int) -> Request:
+    unknown = set(obj) - {"prompt", "max_new_tokens", "arrival", "stop"}
+    if unknown:
+        raise WorkloadError(f"{where}: unknown field(s) {sorted(unknown)}")
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise WorkloadError(f"{where}: 'prompt' must be a non-empty string")
+    try:
+        data = prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise WorkloadError(f"{where}: 'prompt' is not valid Unicode ({exc.reason} at character {exc.start})") from None
+    new = obj.get("max_new_tokens", default_max_new_tokens)
+    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
+        raise WorkloadError(f"{where}: 'max_new_tokens' must be a positive integer, got {new!r}")
+    if len(data) + new + reserve > max_len:
+        raise WorkloadError(
+            f"{where}: prompt of {len(data)} bytes + {new} new tokens exceeds the context limit {max_len} "
+            f"(with {reserve} positions reserved for speculation)"
+        )
+    if max(data) >= vocab:
+        raise WorkloadError(f"{where}: 'prompt' holds byte {max(data)}, not below the vocabulary size {vocab}")
+    arrival = obj.get("arrival", 0)
+    if not isinstance(arrival, int) or isinstance(arrival, bool) or not 0 <= arrival <= MAX_ARRIVAL:
+        raise WorkloadError(f"{where}: 'arrival' must be an integer step in [0, {MAX_ARRIVAL}], got {arrival!r}")
+    stop = obj.get("stop")
+    if stop is not None and (not isinstance(stop, str) or len(stop.encode("utf-8")) != 1):
+        raise WorkloadError(f"{where}: 'stop' must be a single one-byte character, got {stop!r}")
+    stop_byte = stop.encode("utf-8")[0] if stop is not None else None
+    if stop_byte is not None and stop_byte >= vocab:
+        raise WorkloadError(f"{where}: 'stop' byte {stop_byte} is not below the vocabulary size {vocab}")
+    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=arrival, stop=stop_byte)
+
+

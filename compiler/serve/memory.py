@@ -1,0 +1,104 @@
+"""Preflight of ``batchc run``: what the run will allocate (``memory_estimate``) and whether the
+models can be served together within ``MAX_SERVE_BYTES`` (``check_serving``), before anything is
+allocated."""
+
+from __future__ import annotations
+
+from backend.hybrid.config import HybridConfig
+from compiler.workload import BYTE_VOCAB, MAX_SERVE_BYTES, SYSTEM_PREFIXES, ServeConfig, ServeError
+
+_F32 = 4
+_INDEX_BYTES = 48
+"""Per allocator index: a Python int in the free list (8 + 28 bytes), a live byte, slack."""
+
+
+def _engine_bytes(c: HybridConfig, *, capacity: int, kv_capacity: int, max_len: int) -> int:
+    """State pool, KV cache and token table of one model in one engine."""
+    pool = (capacity + 1) * c.pool_layout().row_bytes
+    kv = 2 * c.n_attn * (kv_capacity + 1) * c.attn_dim * _F32
+    table = (capacity + 1) * max_len * 8
+    return pool + kv + table
+
+
+_SCAN_LIVE = 4
+"""``[Q, Q, nheads]`` float32 tensors alive at once at the peak of the chunked SSD scan
+(``backend.kernels.chunked._ssd_scan``: the masked log-decay differences, their exp, the ``C Bᵀ``
+product and the decay-weighted product; measured on the CPU)."""
+
+
+def _step_bytes(c: HybridConfig, cfg: ServeConfig, *, seq: int, tokens: int) -> int:
+    """Working memory of the largest forward of one engine whose prefill sequences are at most
+    ``seq`` tokens long and pack at most ``tokens`` tokens: verify states of every running row,
+    attention scores of the prefill chunk (or the verify window) over the longest context, the
+    chunked SSD scan of one Mamba layer (its ``[Q, Q, nheads]`` tensors with ``Q = min(chunk_size
+    of the model, seq)``, and ``B``, ``C`` expanded to every head), activations of the widest layer."""
+    rows = cfg.max_running
+    verify = (cfg.k + 1) * rows * c.pool_layout().row_bytes
+    queries = max(seq, cfg.k + 1)
+    scores = 3 * rows * c.attn_heads * queries * cfg.max_len * _F32 if c.n_attn else 0
+    q = min(c.chunk_size, seq)
+    scan = _SCAN_LIVE * q * q * c.nheads * _F32 + 2 * tokens * c.nheads * c.d_state * _F32
+    width = max(c.in_proj_dim, 2 * c.mlp_hidden, c.vocab, 3 * c.attn_dim, c.d_model)
+    return verify + scores + scan + 4 * (tokens + rows * (cfg.k + 1)) * width * _F32
+
+
+def memory_estimate(
+    target: HybridConfig, draft: HybridConfig | None, cfg: ServeConfig, *, compare_mutable: bool = False
+) -> dict[str, int]:
+    """Estimated bytes of a ``run``, by part (every engine it builds stays alive until it returns)."""
+    capacity = cfg.max_running + cfg.cache_entries + 2
+    kv_capacity = cfg.max_running * cfg.max_len + cfg.cache_entries * 128
+    parts = {"target": _engine_bytes(target, capacity=capacity, kv_capacity=kv_capacity, max_len=cfg.max_len)}
+    indices = capacity + kv_capacity
+    if draft is not None and cfg.k:
+        parts["draft"] = _engine_bytes(draft, capacity=capacity, kv_capacity=kv_capacity, max_len=cfg.max_len)
+    if cfg.lossless_sample:
+        parts["lossless check"] = _engine_bytes(target, capacity=cfg.max_running + 2, kv_capacity=kv_capacity, max_len=cfg.max_len)
+        indices += cfg.max_running + 2 + kv_capacity
+    if compare_mutable and draft is not None and cfg.k:
+        mutable = {"capacity": cfg.max_running + len(SYSTEM_PREFIXES) + 2,
+                   "kv_capacity": cfg.max_running * cfg.max_len + 1024, "max_len": cfg.max_len}
+        parts["mutable baseline"] = _engine_bytes(target, **mutable) + _engine_bytes(draft, **mutable)
+    parts["allocators"] = indices * _INDEX_BYTES
+    # prefill sequence length and packed tokens of one forward: the served engines chunk prompts by
+    # --chunk-size within --token-budget; the lossless check's plain engine by the context limit
+    # within the budget; the mutable baseline prefills its admitted prompts whole, in one forward
+    packed = min(cfg.token_budget, cfg.max_running * cfg.max_len)
+    served = {"seq": min(cfg.chunk_size, cfg.token_budget, cfg.max_len), "tokens": packed}
+    models = [target, draft] if draft is not None and cfg.k else [target]
+    steps = [_step_bytes(m, cfg, **served) for m in models]
+    if cfg.lossless_sample:
+        steps.append(_step_bytes(target, cfg, seq=min(cfg.max_len, cfg.token_budget), tokens=packed))
+    if compare_mutable and draft is not None and cfg.k:
+        steps += [_step_bytes(m, cfg, seq=cfg.max_len, tokens=cfg.max_running * cfg.max_len) for m in models]
+    parts["forward working memory"] = max(steps)
+    return parts
+
+
+def check_serving(
+    target: HybridConfig,
+    draft: HybridConfig | None,
+    cfg: ServeConfig,
+    *,
+    compare_mutable: bool = False,
+    names: tuple[str, str] = ("target", "draft"),
+) -> None:
+    """``ServeError`` (one line, naming the model by ``names`` or the options) unless the models can
+    be served together on the byte-level path and ``memory_estimate`` is within ``MAX_SERVE_BYTES``."""
+    if draft is not None and cfg.k and draft.vocab != target.vocab:
+        raise ServeError(f"{names[1]}: vocab {draft.vocab} does not match the vocab {target.vocab} of {names[0]}")
+    for name, c in ((names[0], target), (names[1], draft if cfg.k else None)):
+        if c is not None and c.vocab != BYTE_VOCAB:
+            raise ServeError(f"{name}: vocab {c.vocab}; batchc run serves byte prompts and needs vocab {BYTE_VOCAB}")
+    parts = memory_estimate(target, draft, cfg, compare_mutable=compare_mutable)
+    total = sum(parts.values())
+    if total > MAX_SERVE_BYTES:
+        part, size = max(parts.items(), key=lambda kv: kv[1])
+        raise ServeError(
+            f"the run would need about {total / 2**30:.1f} GiB (largest part: {part}, {size / 2**30:.1f} GiB), over the "
+            f"bound of {MAX_SERVE_BYTES >> 30} GiB; lower --max-running ({cfg.max_running}), --cache-entries "
+            f"({cfg.cache_entries}), --k ({cfg.k}), --chunk-size ({cfg.chunk_size}) or --token-budget "
+            f"({cfg.token_budget}), or use a smaller model"
+        )
+
+

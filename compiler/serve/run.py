@@ -1,0 +1,131 @@
+"""Serving a workload on ``Engine`` (``serve``) and the whole ``batchc run`` job (``run``): the run,
+its ticket counts, the lossless check against plain greedy decoding, and the summary."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from backend.hybrid.model import HybridModel
+from compiler.engine import Engine
+from compiler.manager import PassManager
+from compiler.prefix_cache import PrefixCache
+from compiler.serve.memory import check_serving
+from compiler.serve.summary import Sample, ServeSummary
+from compiler.workload import Request, ServeConfig
+from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId
+
+
+def make_engine(
+    target: HybridModel, draft: HybridModel | None, cfg: ServeConfig, pm: PassManager | None, cache: bool, k: int,
+    chunk_size: int | None = None,
+) -> Engine:
+    """The engine ``cfg`` describes (``chunk_size`` overrides the config's)."""
+    total = cfg.max_running + (cfg.cache_entries if cache else 0) + 2
+    return Engine(
+        target, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
+        max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,
+        prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
+    )
+
+
+def serve(
+    driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None
+) -> tuple[float, dict[str, int]]:
+    """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live."""
+    queue = sorted(workload, key=lambda r: r.arrival)
+    steps: dict[str, int] = {}
+    step_no = 0
+    t0 = time.perf_counter()
+    done = 0
+    while queue or driver.live:
+        while queue and queue[0].arrival <= step_no and driver.live < max_running:
+            r = queue.pop(0)
+            driver.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, stop=r.stop)
+        kind = driver.step().kind.value
+        steps[kind] = steps.get(kind, 0) + 1
+        step_no += 1
+        if on_finish is not None and len(driver.outputs) != done:
+            done = len(driver.outputs)
+            on_finish(done)
+    return time.perf_counter() - t0, steps
+
+
+def run(
+    workload: Sequence[Request],
+    target: HybridModel,
+    draft: HybridModel | None,
+    cfg: ServeConfig,
+    *,
+    on_finish: Callable[[int], None] | None = None,
+    compare_mutable: bool = False,
+) -> ServeSummary:
+    """Serve ``workload`` on the engine and summarise the run. ``compare_mutable`` only sizes the
+    memory check for the baseline runs that ``compiler.tools.compare_mutable`` adds afterwards."""
+    check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable)
+    pm = PassManager.from_env()
+    driver = make_engine(target, draft, cfg, pm, cache=True, k=cfg.k)
+    wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish)
+    driver.drop_cache()
+    ledger = driver.ledger
+    generated = sum(len(v) for v in driver.outputs.values())
+
+    def minted_consumed(pool: PoolId) -> tuple[str, str, str]:
+        """Clears, COWs and snapshots of ``pool``, each as "minted/consumed"."""
+        m, c = ledger.minted(pool), ledger.counts(pool)
+        return f"{m.clears}/{c.clears}", f"{m.cows}/{c.cows}", f"{m.snapshots}/{c.snapshots}"
+
+    target_counts = minted_consumed(TARGET_POOL)
+    draft_counts: tuple[str | None, str | None, str | None] = minted_consumed(DRAFT_POOL) if cfg.k else (None, None, None)
+
+    lossless_check: str | None = None
+    lossless_ok: bool | None = None
+    sample = list(workload)[: cfg.lossless_sample]
+    checked = [r for r in sample if r.rid not in driver.aborted_by_failure]  # an aborted request's output is cut short
+    if sample:
+        plain = make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len)
+        serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running)
+        same = not plain.aborted_by_failure and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
+        skipped = f" ({len(sample) - len(checked)} aborted requests not compared)" if len(checked) < len(sample) else ""
+        lossless_check = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal plain greedy of the target{skipped}"
+        lossless_ok = same
+    cache = driver.cache
+    return ServeSummary(
+        requests=len(workload),
+        prompt_tokens=sum(len(r.prompt) for r in workload),
+        generated_tokens=generated,
+        k=cfg.k,
+        steps=sum(steps.values()),
+        steps_by_kind=", ".join(f"{k}={v}" for k, v in sorted(steps.items())),
+        wall_s=wall,
+        tokens_per_s=generated / wall if wall else 0.0,
+        acceptance_rate=driver.stats.acceptance_rate,
+        mean_accepted_length=driver.stats.mean_accepted_length,
+        prefix_cache_hit_rate=cache.stats.hit_rate if cache is not None else 0.0,
+        prefix_cache_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,
+        prefix_cache_evictions=cache.stats.evictions if cache is not None else 0,
+        retractions=driver.stats.retractions,
+        aborted_requests=len(driver.aborted_by_failure),
+        failed_forwards=driver.stats.failed_steps,
+        first_failure=driver.first_failure,
+        replays_blocked=ledger.replays_blocked,
+        outstanding_tickets=len(ledger.outstanding()),
+        slots_live_after=driver.slots.num_live,
+        kv_live_after=driver.kv.num_live,
+        pass_us_per_step={name: (t.calls, t.seconds / t.calls * 1e6) for name, t in pm.timings().items()},
+        samples=tuple(
+            Sample(rid=int(r.rid), prompt=r.prompt[-40:].decode("utf-8", "replace"),
+                   completion=bytes(driver.outputs[r.rid]).decode("utf-8", "replace"))
+            for r in list(workload)[:3]
+        ),
+        target_clears_minted_consumed=target_counts[0],
+        target_cows_minted_consumed=target_counts[1],
+        target_snapshots_minted_consumed=target_counts[2],
+        draft_clears_minted_consumed=draft_counts[0],
+        draft_cows_minted_consumed=draft_counts[1],
+        draft_snapshots_minted_consumed=draft_counts[2],
+        lossless_check=lossless_check,
+        lossless_ok=lossless_ok,
+    )

@@ -1,0 +1,59 @@
+"""The ``batchc`` command line.
+
+- ``batchc run``: the main job: a workload (built-in, or a JSONL file) served on the bundled trained
+  target and draft with the prefix cache, chunked prefill, continuous batching and speculative
+  decoding; a progress bar, a summary table (``--json`` too), sample completions and the lossless
+  check; ``--compare-mutable`` adds the pre-fix mutable baseline on the same workload.
+- ``batchc ab``: the stale-init bug side by side: speculative decoding through the compiled
+  pipeline and through the mutable baseline (pre-fix, fixed, and with a ledger) on the same models.
+- ``batchc dump``: the IR after every pass of the built-in scenario.
+- ``batchc bench pipeline``: decode-step host cost against the mutable baseline.
+- ``batchc bench kernels``: the state-pool kernels (Triton on a GPU, torch references on a CPU).
+
+Bad input the user can cause (option values and their bounds, an empty path, ``--draft`` with
+``--k 0``, ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR``, workload files, checkpoints, the ``--json``
+path) prints one line on stderr and exits with status 2 before anything runs. ``--json`` claims its
+path before the run: a temporary file created next to it (never through a link, device or FIFO at
+the path) is filled and renamed onto it when the run ends. ``batchc run`` exits with status 1, saying why in one
+line on stderr, when a forward failed and aborted requests, a ticket was never consumed, or the
+lossless check failed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from compiler.cli.args import UsageError, parser
+from compiler.cli.run import cmd_run
+from compiler.cli.tools import cmd_ab, cmd_bench, cmd_dump
+from compiler.manager import settings_from_env
+from ir.errors import BatchcError
+
+__all__ = ["UsageError", "main", "parser"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    console = Console()
+    if not console.is_terminal:  # pipes and CI logs: wide enough that the tables do not wrap
+        console = Console(width=140)
+    args = parser().parse_args(argv)  # a bad command line: one line on stderr, SystemExit(2)
+    try:
+        settings_from_env()  # BATCHC_VERIFY, BATCHC_DUMP_DIR: refused here, before anything runs
+        match args.command:
+            case "run":
+                return cmd_run(args, console)
+            case "dump":
+                return cmd_dump(args, console)
+            case "ab":
+                return cmd_ab(args, console)
+            case "bench":
+                return cmd_bench(args, console)
+    except BatchcError as exc:
+        print(f"batchc: error: {exc}", file=sys.stderr)
+        return 2
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+

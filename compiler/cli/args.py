@@ -1,0 +1,178 @@
+"""The ``batchc`` command line's parser: commands, options, their bounds and defaults. A bad command
+line prints one line on stderr and exits with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from compiler.workload import (
+    ARRIVALS,
+    BURST_EVERY,
+    BURST_SIZE,
+    MAX_K,
+    MAX_REQUESTS,
+    MAX_SERVE_BYTES,
+    MAX_WORKLOAD_BYTES,
+    ServeConfig,
+)
+from ir.errors import BatchcError
+
+_SERVE = ServeConfig()
+"""``batchc run``'s defaults."""
+
+MAX_BENCH_BATCH = 1 << 16
+"""Largest ``bench pipeline`` batch size (a batch's columns and plan are built in memory)."""
+MAX_REPEATS = 1000
+
+
+class UsageError(BatchcError):
+    """A bad command line that argparse cannot see (an output path, a bound that depends on k)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line prints one line (no usage block) before exiting with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def shown_path(text: str) -> str:
+    return _shown(text, 1000)
+
+
+def _parse_int(text: str, want: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        if text.strip().lstrip("+-").isdigit():  # over the interpreter's int-string digit limit
+            raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text)}: more than {sys.get_int_max_str_digits()} digits") from None
+        raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text)}") from None
+
+
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
+    below = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, f"an integer >= {lo}")
+
+    def parse(text: str) -> int:
+        value = _parse_int(text, below)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected {below}, got {value}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"expected at most {hi}, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _int_in(1)
+
+
+def _int(text: str) -> int:
+    return _parse_int(text, "an integer")
+
+
+def _device(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` naming a device this machine has."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"unknown device {_shown(text)} (expected cpu, cuda or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"device {_shown(text)}: no CUDA device on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"device {_shown(text)}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return text
+
+
+def _path_arg(text: str) -> str:
+    """An argparse type for path options: an empty string is not a path (and not "not given")."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return text
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line; option defaults of ``batchc run`` are ``ServeConfig``'s."""
+    p = _Parser(
+        prog="batchc",
+        description="Typed batch compiler for hybrid Mamba/attention serving: frozen IR, one-shot state-init "
+        "ops as linear resources, a ledger-enforced backend.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", help="serve a workload (default: the built-in one on the bundled trained models)",
+        description=f"Serve a workload. Bounds: --k in [0, {MAX_K}]; --requests and --lossless-sample at most "
+        f"{MAX_REQUESTS}; --max-new-tokens (built-in workload) at most the context limit {_SERVE.max_len} minus its longest "
+        f"prompt minus k + 1; a workload file is a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB; the "
+        f"estimated memory of the run (state pools, KV caches, working memory, the Mamba chunk scan; grows with "
+        f"--max-running, --cache-entries, --k, --chunk-size, --token-budget and the models' sizes) at most "
+        f"{MAX_SERVE_BYTES >> 30} GiB; --draft only with k > 0; an empty PATH is refused.",
+    )
+    run.add_argument("--model", metavar="PATH", type=_path_arg, help="target checkpoint (.safetensors; default: the bundled one)")
+    run.add_argument("--draft", metavar="PATH", type=_path_arg,
+                     help="draft checkpoint (default: the bundled one); refused with --k 0, which runs no draft")
+    run.add_argument("--workload", metavar="PATH", type=_path_arg,
+                     help=f"JSONL workload file, a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB (default: the built-in workload)")
+    run.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=64, help=f"built-in workload size, at most {MAX_REQUESTS} (default 64)")
+    run.add_argument("--max-new-tokens", type=_positive, default=32,
+                     help=f"built-in workload: max tokens per request, at most {_SERVE.max_len} - longest built-in prompt - (k + 1) (default 32)")
+    run.add_argument("--k", type=_int_in(0, MAX_K), default=_SERVE.k,
+                     help=f"draft tokens per speculative iteration, 0 to {MAX_K}; 0 turns it off (default {_SERVE.k})")
+    run.add_argument("--max-running", type=_positive, default=_SERVE.max_running,
+                     help=f"requests live at once (default {_SERVE.max_running}; bounded by the memory estimate)")
+    run.add_argument("--chunk-size", type=_positive, default=_SERVE.chunk_size, help=f"prefill chunk size in tokens (default {_SERVE.chunk_size})")
+    run.add_argument("--token-budget", type=_positive, default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
+    run.add_argument("--cache-entries", type=_positive, default=_SERVE.cache_entries,
+                     help=f"prefix-cache entries (default {_SERVE.cache_entries}; bounded by the memory estimate)")
+    run.add_argument("--seed", type=_int, default=0, help="built-in workload seed (default 0)")
+    run.add_argument("--arrivals", choices=ARRIVALS, default="bursts",
+                     help=f"built-in workload: {BURST_SIZE} requests every {BURST_EVERY} steps, or one at a time 0-2 steps apart (default bursts)")
+    run.add_argument("--lossless-sample", type=_int_in(0, MAX_REQUESTS), default=_SERVE.lossless_sample,
+                     help=f"requests re-run with plain greedy to check losslessness (default {_SERVE.lossless_sample})")
+    run.add_argument("--compare-mutable", action="store_true", help="also run the workload through the pre-fix mutable baseline")
+    run.add_argument("--json", metavar="PATH", type=_path_arg,
+                     help="also write the summary as JSON to PATH, a new or regular file (not a link, device or FIFO), "
+                     "replaced when the run ends ('-' for stdout)")
+
+    ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")
+    ab.add_argument("--k", type=_int_in(1, MAX_K), default=2, help=f"draft tokens per iteration, at most {MAX_K} (default 2)")
+    ab.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=12, help=f"requests, at most {MAX_REQUESTS} (default 12)")
+    ab.add_argument("--max-new-tokens", type=_positive, default=24, help="tokens per request (default 24)")
+    ab.add_argument("--max-running", type=_positive, default=4, help="requests live at once (default 4)")
+    ab.add_argument("--draft-noise", type=float, default=None, help="relative weight noise of the draft (default 0.05)")
+    ab.add_argument("--seed", type=_int, default=0, help="weights and workload seed (default 0)")
+    ab.add_argument("--json", metavar="PATH", type=_path_arg,
+                    help="also write the figures as JSON to PATH, a new or regular file (not a link, device or FIFO), "
+                    "replaced when the run ends ('-' for stdout)")
+
+    dump = sub.add_parser("dump", help="print the IR after every pass of the built-in scenario")
+    dump.add_argument("--verify", type=int, choices=(0, 1, 2), default=2, help="verify level while dumping (default 2)")
+    dump.add_argument("--spec", action="store_true", help="the speculative-decoding scenario (tiny hybrid model, k=2)")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="group", required=True, metavar="GROUP")
+    bp = bsub.add_parser("pipeline", help="decode-step host cost: compiled pipeline vs. mutable baseline")
+    bp.add_argument("--sizes", type=_int_in(1, MAX_BENCH_BATCH), nargs="+", default=[1, 64, 256, 1024],
+                    help=f"batch sizes, each at most {MAX_BENCH_BATCH}")
+    bp.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats per size, at most {MAX_REPEATS} (default 7)")
+    bs = bsub.add_parser("serve", help="serving workload at k=0 and k=2: compiled pipeline vs. mutable baseline")
+    bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=24, help=f"built-in workload size, at most {MAX_REQUESTS} (default 24)")
+    bs.add_argument("--max-new-tokens", type=_positive, default=24, help="max tokens per request (default 24)")
+    bk = bsub.add_parser("kernels", help="state-pool kernels (init ops, selective_state_update)")
+    bk.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    return p
+
+

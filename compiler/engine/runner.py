@@ -12,7 +12,7 @@ from typing import assert_never
 
 import torch
 
-from backend.executor import Executor
+from backend.executor import AnyExecutor
 from compiler.engine.report import SpecStats
 from ir.errors import BatchcError
 from ir.ids import RequestId
@@ -51,7 +51,7 @@ class ForwardRunner:
         self.retries = retries
         self.stats = stats
 
-    def run(self, ex: Executor, plan: Plan) -> torch.Tensor | None:
+    def run(self, ex: AnyExecutor, plan: Plan) -> torch.Tensor | None:
         for attempt in range(self.retries + 1):
             try:
                 return ex.execute(plan)

@@ -1,7 +1,9 @@
 """Dependencies point down: ``ir`` imports nothing of ours, ``passes`` only ``ir``, ``backend`` never
-``passes`` or ``compiler``; product code never imports the mutable baseline or the tools, and
+``passes`` or ``compiler``; product code never imports the mutable baseline or the tools (``compiler/tools/``
+and ``backend/tools/``: the runtime of ``backend`` never imports training or the kernel benchmark), and
 compiling a step does not import the backend. Every import statement counts, including the ones
-inside functions."""
+inside functions; the command line, which may use the tools, imports them only inside the functions
+that need them, so starting it loads none of them."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ def _modules() -> list[Path]:
     return sorted(p for pkg in OURS for p in (ROOT / pkg).rglob("*.py"))
 
 
-def _imports(path: Path) -> set[str]:
+def _imported(nodes: list[ast.AST]) -> set[str]:
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
@@ -28,22 +30,39 @@ def _imports(path: Path) -> set[str]:
     return {m for m in found if m.split(".")[0] in OURS}
 
 
+def _imports(path: Path) -> set[str]:
+    return _imported(list(ast.walk(ast.parse(path.read_text(), str(path)))))
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """The imports that run when the module is imported: everything outside function bodies."""
+    nodes: list[ast.AST] = []
+    todo: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
+    while todo:
+        node = todo.pop()
+        nodes.append(node)
+        todo.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    return _imported(nodes)
+
+
 def _name(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
+# development tools and the mutable baseline: used only by the command line, each other and tests
+QUARANTINED = ("compiler.baselines", "compiler.tools", "backend.tools")
+
+
 def _allowed(module: str, imported: str) -> bool:
     top, target = module.split(".")[0], imported.split(".")[0]
+    if imported.startswith(QUARANTINED) and not (module.startswith(QUARANTINED) or module == "compiler.cli"):
+        return False
     if top == "ir":
         return target == "ir"
     if top == "passes":
         return target in ("ir", "passes")
     if top == "backend":
         return target in ("ir", "backend")
-    # compiler: the baselines and tools are used only by the command line, each other and tests
-    quarantined = ("compiler.baselines", "compiler.tools")
-    if imported.startswith(quarantined):
-        return module.startswith(quarantined) or module == "compiler.cli"
     if module == "compiler.steps":
         return target != "backend"
     return True
@@ -56,6 +75,11 @@ def test_imports_point_down(path: Path) -> None:
     assert not bad, f"{module} imports {bad}"
 
 
+def test_the_command_line_imports_the_tools_only_when_a_command_runs() -> None:
+    eager = sorted(m for m in _module_level_imports(ROOT / "compiler" / "cli.py") if m.startswith(QUARANTINED))
+    assert not eager, f"compiler.cli imports {eager} at module level"
+
+
 def test_the_rules_catch_a_wrong_import() -> None:
     assert not _allowed("ir.batch", "passes.lower")
     assert not _allowed("passes.lower", "backend.ledger")
@@ -64,3 +88,14 @@ def test_the_rules_catch_a_wrong_import() -> None:
     assert not _allowed("compiler.engine.engine", "compiler.tools.ab")
     assert not _allowed("compiler.steps", "backend.ledger")
     assert _allowed("compiler.cli", "compiler.tools.ab") and _allowed("compiler.tools.ab", "compiler.baselines.spec")
+    assert not _allowed("backend.executor", "backend.tools.bench_kernels")
+    assert not _allowed("backend.hybrid.presets", "backend.tools.train")
+    assert not _allowed("compiler.serve", "backend.tools.train")
+    assert _allowed("compiler.cli", "backend.tools.bench_kernels") and _allowed("backend.tools.train", "backend.hybrid.checkpoint")
+
+
+def test_module_level_imports_skip_function_bodies(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text("import ir.ids\n\nclass C:\n    from passes import lower\n\n    def f(self) -> None:\n        import backend.tools.train\n")
+    assert _module_level_imports(path) == {"ir.ids", "passes"}
+    assert _imports(path) == {"ir.ids", "passes", "backend.tools.train"}

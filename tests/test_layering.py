@@ -26,7 +26,9 @@ def _imported(nodes: list[ast.AST]) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            # ``from backend import tools`` imports ``backend.tools``: the names may be submodules
             found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
     return {m for m in found if m.split(".")[0] in OURS}
 
 
@@ -96,6 +98,7 @@ def test_the_rules_catch_a_wrong_import() -> None:
 
 def test_module_level_imports_skip_function_bodies(tmp_path: Path) -> None:
     path = tmp_path / "m.py"
-    path.write_text("import ir.ids\n\nclass C:\n    from passes import lower\n\n    def f(self) -> None:\n        import backend.tools.train\n")
-    assert _module_level_imports(path) == {"ir.ids", "passes"}
-    assert _imports(path) == {"ir.ids", "passes", "backend.tools.train"}
+    path.write_text("import ir.ids\n\nclass C:\n    from passes import lower\n\n    def f(self) -> None:\n        from backend import tools\n")
+    assert _module_level_imports(path) == {"ir.ids", "passes", "passes.lower"}
+    assert _imports(path) == {"ir.ids", "passes", "passes.lower", "backend", "backend.tools"}
+    assert not _allowed("backend.pool", "backend.tools")

@@ -688,16 +688,42 @@ def _good_checkpoint(tmp: Path) -> Path:
     return path
 
 
-def _header(data: bytes) -> tuple[int, dict[str, Any]]:
-    (n,) = struct.unpack("<Q", data[:8])
-    return n, json.loads(data[8 : 8 + n])
+def _good_layout(tmp: Path) -> tuple[dict[str, Any], bytes]:
+    """The good checkpoint's safetensors header (as a JSON object) and data section, rebuilt from what
+    ``safetensors.safe_open`` reports: the metadata, the names, each tensor's dtype, shape and bytes.
+    The hostile files below edit the header and write it back; nothing parses a header by hand."""
+    header: dict[str, Any] = {}
+    chunks: list[bytes] = []
+    with safetensors.safe_open(str(_good_checkpoint(tmp)), framework="pt") as f:
+        header["__metadata__"] = dict(f.metadata() or {})
+        for name in sorted(f.keys()):
+            view = f.get_slice(name)
+            raw = f.get_tensor(name).contiguous().view(torch.uint8).numpy().tobytes()
+            start = sum(map(len, chunks))
+            header[name] = {"dtype": view.get_dtype(), "shape": view.get_shape(), "data_offsets": [start, start + len(raw)]}
+            chunks.append(raw)
+    return header, b"".join(chunks)
 
 
-def _with_header(data: bytes, header: dict[str, Any]) -> bytes:
-    n, _ = _header(data)
+def _file_bytes(header: dict[str, Any], data: bytes) -> bytes:
+    """A safetensors file: the header's length (8 bytes, little-endian), the header as JSON padded with
+    spaces to a multiple of 8 bytes, then the data."""
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _ckpt_header(edit: Callable[[dict[str, Any]], object], *, data: bool = True) -> Callable[[DriverWorld], Ctx]:
+    """The good checkpoint with ``edit`` applied to its header (and without its data if ``data`` is false)."""
+
+    def setup(w: DriverWorld) -> Ctx:
+        header, body = _good_layout(w.tmp)
+        edit(header)
+        path = w.tmp / "bad.safetensors"
+        path.write_bytes(_file_bytes(header, body if data else b""))
+        return {"path": path}
+
+    return setup
 
 
 def _ckpt_bytes(edit: Callable[[bytes], bytes]) -> Callable[[DriverWorld], Ctx]:
@@ -762,22 +788,16 @@ def _overflow_fp16(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _meta_value_not_string(data: bytes) -> bytes:
-    _, header = _header(data)
+def _meta_value_not_string(header: dict[str, Any]) -> None:
     header["__metadata__"]["steps"] = 5
-    return _with_header(data, header)
 
 
-def _offsets_past_end(data: bytes) -> bytes:
-    _, header = _header(data)
+def _offsets_past_end(header: dict[str, Any]) -> None:
     header["embed"]["data_offsets"] = [0, 10**9]
-    return _with_header(data, header)
 
 
-def _empty_format(data: bytes) -> bytes:
-    _, header = _header(data)
+def _empty_format(header: dict[str, Any]) -> None:
     header["__metadata__"]["format"] = ""
-    return _with_header(data, header)
 
 
 def _directory(w: DriverWorld) -> Ctx:
@@ -796,9 +816,9 @@ CHECKPOINT_CASES = [
     _ck("checkpoint-header-length-2-63", _ckpt_bytes(lambda d: struct.pack("<Q", 2**63) + d[8:]), r"not a safetensors file or corrupt \(.*header too large"),
     _ck("checkpoint-header-length-zero", _ckpt_bytes(lambda d: struct.pack("<Q", 0) + d[8:]), r"not a safetensors file or corrupt"),
     _ck("checkpoint-trailing-garbage", _ckpt_bytes(lambda d: d + b"garbage!"), r"not a safetensors file or corrupt \(.*not fully covered"),
-    _ck("checkpoint-header-only", _ckpt_bytes(lambda d: d[: 8 + _header(d)[0]]), r"not a safetensors file or corrupt"),
-    _ck("checkpoint-metadata-value-not-string", _ckpt_bytes(_meta_value_not_string), r"not a safetensors file or corrupt"),
-    _ck("checkpoint-tensor-offsets-past-end", _ckpt_bytes(_offsets_past_end), r"not a safetensors file or corrupt"),
+    _ck("checkpoint-header-only", _ckpt_header(lambda h: None, data=False), r"not a safetensors file or corrupt"),
+    _ck("checkpoint-metadata-value-not-string", _ckpt_header(_meta_value_not_string), r"not a safetensors file or corrupt"),
+    _ck("checkpoint-tensor-offsets-past-end", _ckpt_header(_offsets_past_end), r"not a safetensors file or corrupt"),
     _ck("checkpoint-nan-in-bf16-tensor", _ckpt_tensors(_nan_in("final_norm", torch.bfloat16)), r"tensor 'final_norm' has 1 non-finite values \(of 32\)"),
     _ck("checkpoint-fp16-overflow-to-inf", _ckpt_tensors(_overflow_fp16), r"tensor 'embed' has \d+ non-finite values"),
     _ck("checkpoint-layer-kind-not-a-string", _ckpt_tensors(lambda t: t, layers=["mamba", 1, "mamba"]), r"bad config: field 'layers' must be a list of \['mamba', 'attn'\], got \['mamba', 1, 'mamba'\]"),
@@ -815,7 +835,7 @@ CHECKPOINT_CASES = [
     _ck("checkpoint-extra-tensor-like-a-layer", _ckpt_tensors(lambda t: {**t, "layers.3.norm": torch.ones(32)}), r"unexpected tensor 'layers\.3\.norm'"),
     _ck("checkpoint-extra-and-missing", _ckpt_tensors(lambda t: {**_drop("embed")(t), "embedding": t["embed"]}), r"missing tensor 'embed'"),
     _ck("checkpoint-scalar-for-vector", _ckpt_tensors(lambda t: {**t, "final_norm": torch.tensor(1.0)}), r"tensor 'final_norm' has shape \(\), expected \(32,\)"),
-    _ck("checkpoint-empty-format", _ckpt_bytes(_empty_format), r"unsupported format '', expected 'batchc\.hybrid/1'"),
+    _ck("checkpoint-empty-format", _ckpt_header(_empty_format), r"unsupported format '', expected 'batchc\.hybrid/1'"),
     _ck("checkpoint-path-is-a-directory", _directory, r"no such checkpoint file"),
 ]
 
@@ -931,6 +951,15 @@ def _pattern(case: Case, ctx: Ctx) -> str:
         pattern = pattern.replace(f"<{name}>", re.escape(str(value)))
     assert not re.search(r"<[a-z]+>", pattern), f"unfilled placeholder in {case.match!r}"
     return pattern
+
+
+def test_the_rebuilt_checkpoint_is_the_good_one(tmp_path: Path) -> None:
+    """The header edits above start from a faithful copy: unedited, it loads to the same model."""
+    path = tmp_path / "rebuilt.safetensors"
+    path.write_bytes(_file_bytes(*_good_layout(tmp_path)))
+    good, rebuilt = load_checkpoint(_good_checkpoint(tmp_path)), load_checkpoint(path)
+    assert rebuilt.config == good.config and rebuilt.weights.keys() == good.weights.keys()
+    assert all(torch.equal(rebuilt.weights[k], good.weights[k]) for k in good.weights)
 
 
 def test_corpus_is_large_and_ids_unique() -> None:

@@ -6,7 +6,7 @@ safetensors header metadata
 
 - ``format``: ``"batchc.hybrid/1"``;
 - ``config``: the ``HybridConfig`` fields as a JSON object (``layers`` a list of strings);
-- any extra string entries the writer passed (``train.py`` records its settings and losses).
+- any extra string entries the writer passed (``backend.tools.train`` records its settings and losses).
 
 ``load_checkpoint`` validates everything before building the model and raises ``CheckpointError``
 with a one-line message that starts with the file and names the bad tensor or config field. The

@@ -1,6 +1,6 @@
 """Configs of the trained byte-level models shipped in ``backend/hybrid/weights/``.
 
-Both were trained by ``python -m backend.hybrid.train`` on the Python standard library's source
+Both were trained by ``python -m backend.tools.train`` on the Python standard library's source
 (see that module). The draft is a separate, smaller model with its own config: it shares only the
 byte vocabulary with the target, which is all greedy speculative decoding needs.
 """

@@ -108,7 +108,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         console.print(table)
         console.print("host ms/step = (wall - time inside model forwards) / steps. The baseline has no prefix cache.")
         return 0
-    from backend.bench_kernels import run as run_kernel_bench
+    from backend.tools.bench_kernels import run as run_kernel_bench
 
     print(run_kernel_bench(device=args.device))
     return 0

@@ -15,7 +15,7 @@ from backend.hybrid.config import HybridConfig
 from backend.hybrid.functional import forward_logits, ssd_scan
 from backend.hybrid.presets import trained_draft, trained_target
 from backend.hybrid.reference import reference_logits
-from backend.hybrid.train import (
+from backend.tools.train import (
     TrainSettings,
     bits_per_byte,
     bytes_tensor,
@@ -180,7 +180,7 @@ def test_tokens_per_round() -> None:
 
 
 def test_script_writes_loadable_checkpoints(tmp_path: Path) -> None:
-    from backend.hybrid.train import main
+    from backend.tools.train import main
 
     threads = torch.get_num_threads()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.bench_kernels import PEAK_BANDWIDTH, peak_bandwidth, run
+from backend.tools.bench_kernels import PEAK_BANDWIDTH, peak_bandwidth, run
 
 
 def test_small_run_reports_every_kernel() -> None:

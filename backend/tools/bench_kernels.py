@@ -2,7 +2,7 @@
 decode ``selective_state_update``, in achieved bandwidth against the device's HBM peak.
 
 ``run(device=..., small=...) -> str`` is the entry point (``batchc bench kernels`` prints it;
-``python -m backend.bench_kernels`` too).
+``python -m backend.tools.bench_kernels`` too).
 
 - On a GPU (default sizes): a pool shaped like a real hybrid model (48 Mamba layers, nheads 128,
   head_dim 64, d_state 128, ngroups 8, conv width 4, fp32 SSM state, bf16 conv state: ~204 MB per

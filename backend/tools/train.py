@@ -1,6 +1,6 @@
 r"""Train the bundled byte-level target and draft models on the Python standard library's source.
 
-Run ``python -m backend.hybrid.train --out DIR [--minutes M] [--seed S]``; it writes
+Run ``python -m backend.tools.train --out DIR [--minutes M] [--seed S]``; it writes
 ``DIR/target.safetensors`` and ``DIR/draft.safetensors`` (``backend.hybrid.checkpoint`` format,
 with the training settings and losses in the metadata ``training``) and logs to stderr.
 
@@ -319,7 +319,7 @@ def _train_one(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.hybrid.train", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="python -m backend.tools.train", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True, help="directory for target.safetensors and draft.safetensors")
     parser.add_argument("--minutes", type=float, default=10.0, help="safety cap on the training time of both models")
     parser.add_argument("--seed", type=int, default=0)

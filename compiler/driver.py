@@ -18,10 +18,9 @@ KV of finished and aborted requests return to their allocators.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Callable, Sequence
 
 import attrs
-import numpy as np
 import torch
 
 from backend.allocator import KVAllocator, SlotAllocator
@@ -29,11 +28,12 @@ from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.model import ModelHook
 from backend.pool import MambaStatePool, PoolLayout
+from compiler.engine.admission import checked_prompt
 from compiler.manager import PassManager
 from compiler.steps import Pipeline
-from ir._fields import I64, as_i64, frozen_i64
+from ir._fields import I64, frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch
-from ir.errors import IRValidationError, PreconditionError, SlotError
+from ir.errors import PreconditionError, SlotError
 from ir.ids import TARGET_POOL, MambaSlot, RequestId
 from ir.init import InitIntent
 from ir.nodes import Plan
@@ -43,28 +43,6 @@ from passes.prepare_for_decode import DecodeContext
 
 Sampler = Callable[[Plan, "torch.Tensor | None", Sequence[tuple[RequestId, int]]], Sequence[int]]
 """``(plan, model_output, [(rid, position)]) -> one token per listed request``."""
-
-
-def checked_prompt(where: str, prompt: Sequence[int], vocab: int | None = None, max_len: int | None = None) -> I64:
-    """The prompt as a read-only int64 column, or ``IRValidationError`` naming ``where`` (``"request
-    3"``, ``"checkpoint"``) and the bad token (negative, or ``>= vocab`` when the model's vocabulary
-    size is given). With ``max_len``, a longer prompt is refused by its length before any of it is
-    read (``range(10**10)`` is not materialised); a prompt without a length (a generator) is refused."""
-    if not isinstance(prompt, Sized):
-        raise IRValidationError(where, "prompt", prompt, f"must be a sequence of int token ids, not {type(prompt).__name__}")
-    if max_len is not None and len(prompt) > max_len:
-        raise IRValidationError(where, "prompt", f"<{len(prompt)} tokens>", f"is longer than {max_len} tokens")
-    arr = as_i64(prompt)
-    if arr.dtype != np.int64 or arr.ndim != 1:
-        shown: object = arr[0] if arr.dtype == object and arr.shape == (1,) else prompt
-        raise IRValidationError(where, "prompt", shown, "must be a 1-D sequence of int token ids")
-    if arr.shape[0] == 0:
-        raise IRValidationError(where, "prompt", [], "must hold at least one token")
-    if int(arr.min()) < 0:
-        raise IRValidationError(where, "prompt", int(arr.min()), "token ids must be >= 0")
-    if vocab is not None and int(arr.max()) >= vocab:
-        raise IRValidationError(where, "prompt", int(arr.max()), f"token ids must be < the vocabulary size {vocab}")
-    return arr
 
 
 def hash_sampler(plan: Plan, output: torch.Tensor | None, rows: Sequence[tuple[RequestId, int]]) -> list[int]:

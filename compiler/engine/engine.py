@@ -46,8 +46,7 @@ from backend.hybrid.hook import HybridHook
 from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger
 from backend.model import ServingModelHook
-from compiler.driver import checked_prompt
-from compiler.engine.admission import MAX_LEN, check_engine_args
+from compiler.engine.admission import MAX_LEN, check_engine_args, checked_prompt
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import Checkpoint, SpecStats, StepKind, StepReport

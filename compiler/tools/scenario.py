@@ -76,10 +76,10 @@ def run_spec_scenario(pm: PassManager, *, k: int = 2, max_new_tokens: int = 6) -
 
     target = _tiny_target()
     draft = HybridModel(target.config, perturb(target.weights, DRAFT_NOISE, seed=1))
-    driver = Engine(target, draft, k=k, capacity=4, kv_capacity=256, max_len=64, pm=pm)
-    cp = driver.make_checkpoint(list(SPEC_PREFIX))
+    engine = Engine(target, draft, k=k, capacity=4, kv_capacity=256, max_len=64, pm=pm)
+    cp = engine.make_checkpoint(list(SPEC_PREFIX))
     for rid, prompt in enumerate(SPEC_PROMPTS):
-        driver.admit(RequestId(rid), list(prompt), max_new_tokens=max_new_tokens, checkpoint=cp if prompt.startswith(SPEC_PREFIX) else None)
-    driver.run_until_done()
-    driver.release_checkpoint(cp)
-    driver.ledger.assert_drained()
+        engine.admit(RequestId(rid), list(prompt), max_new_tokens=max_new_tokens, checkpoint=cp if prompt.startswith(SPEC_PREFIX) else None)
+    engine.run_until_done()
+    engine.release_checkpoint(cp)
+    engine.ledger.assert_drained()

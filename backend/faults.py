@@ -1,9 +1,11 @@
 """Fault injection, for tests: named points in the backend raise ``InjectedFault`` when armed.
 
-Points: ``init_launch`` (inside the init-op launch, after the clears and before the copies: the
-worst moment), ``model_forward`` (after the model hook has run and written the pool), ``commit``
-(after the commit scatter) and ``snapshot`` (after the snapshot copy). Nothing is armed in
-production, where ``check`` is one dictionary test. Arming is process-wide and thread-safe.
+Points: ``init_launch`` (right after the init-op launch has written its rows, before its ticket is
+done: every row it wrote must be put back), ``model_forward`` (after the model hook has run and
+written the pool), ``commit`` (after the commit scatter) and ``snapshot`` (after the snapshot copy).
+Each point is a plain ``check`` call at a fixed place: arming one never changes the path the
+product code takes. Nothing is armed in production, where ``check`` is one dictionary test. Arming
+is process-wide and thread-safe.
 """
 
 from __future__ import annotations
@@ -31,11 +33,6 @@ _lock = threading.Lock()
 
 class InjectedFault(RuntimeError):
     """Raised by an armed fault point."""
-
-
-def armed_points() -> bool:
-    """True while any point is armed (the init launch then splits itself at its fault point)."""
-    return bool(_armed)
 
 
 def check(point: FaultPoint) -> None:

@@ -62,12 +62,8 @@ def apply_init(pool: MambaStatePool, init: MambaInit) -> None:
     src = torch.tensor(init.cow_src, dtype=torch.int64, device=dev)
     dst = torch.tensor(init.cow_dst, dtype=torch.int64, device=dev)
     with restoring(pool, init.targets()):
-        if faults.armed_points():
-            init_rows(pool.buffer, clear, src[:0], dst[:0])  # the clears, then the fault point
-            faults.check(faults.FaultPoint.INIT_LAUNCH)
-            init_rows(pool.buffer, clear[:0], src, dst)
-        else:
-            init_rows(pool.buffer, clear, src, dst)
+        init_rows(pool.buffer, clear, src, dst)
+        faults.check(faults.FaultPoint.INIT_LAUNCH)
 
 
 def apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot) -> None:

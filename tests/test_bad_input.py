@@ -31,8 +31,7 @@ from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger
 from backend.state_init import apply_init
-from compiler.driver import Driver
-from compiler.engine import Checkpoint, Engine
+from compiler.engine import Checkpoint, Engine, RequestState, StepKind
 from compiler.manager import PassError, PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
@@ -71,7 +70,7 @@ from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
 from passes.prepare_for_draft import SpecContext
 from passes.prepare_for_extend import prepare_for_extend
-from tests.helpers_core import SMALL_LAYOUT, World, decode_batch, extend_plan, make_world, random_fill, request
+from tests.helpers_core import World, decode_batch, extend_plan, make_world, random_fill, request
 
 Ctx = dict[str, Any]
 
@@ -851,63 +850,77 @@ def test_decode_plan_has_no_tickets() -> None:
     assert "tickets" not in attrs.fields_dict(DecodePlan)
 
 
-# -- the serving driver --------------------------------------------------------------------------
+# -- the serving engine at k = 0: admission refusals and a step short of slots -------------------
 
 
-def _driver(capacity: int = 2) -> Driver:
-    d = Driver(layout=SMALL_LAYOUT, capacity=capacity, kv_capacity=64, chunk_size=4)
-    random_fill(d.pool, 5)
-    return d
+def _engine(capacity: int = 2, seed: int = 5) -> Engine:
+    """The engine at k = 0 on the tiny target, its target pool filled with random bytes (so a slot
+    that is not cleared on first use shows in its state)."""
+    e = Engine(_tiny_target(), None, k=0, capacity=capacity, kv_capacity=64, max_len=16, chunk_size=4)
+    random_fill(e.target.pool, seed)
+    return e
 
 
-def test_driver_admit_refuses_a_reused_id_and_bad_prefix() -> None:
-    d = _driver()
-    d.admit(RequestId(1), [1, 2, 3], max_new_tokens=1)
+def _holdings(e: Engine) -> tuple[object, ...]:
+    return (e.live, e.slots.live(), e.kv.live(), e.kv_refs.held(), e.requests.queued)
+
+
+def test_engine_admit_refuses_a_reused_id_a_prompt_not_extending_its_checkpoint_and_no_new_tokens() -> None:
+    e = _engine(capacity=3)
+    cp = e.make_checkpoint([1, 2, 3])
+    e.admit(RequestId(1), [1, 2, 3, 4], max_new_tokens=1, checkpoint=cp)
+    before = _holdings(e)
     with pytest.raises(PreconditionError, match="request id 1 is already in use"):
-        d.admit(RequestId(1), [4], max_new_tokens=1)
-    with pytest.raises(PreconditionError, match=r"prefix_len 3 outside \[0, 3\)"):
-        d.admit(RequestId(2), [1, 2, 3], max_new_tokens=1, checkpoint=MambaSlot(1), prefix_len=3)
-    with pytest.raises(PreconditionError, match="checkpoint goes with a prefix_len > 0"):
-        d.admit(RequestId(2), [1, 2, 3], max_new_tokens=1, prefix_len=1)
+        e.admit(RequestId(1), [4], max_new_tokens=1)
+    with pytest.raises(PreconditionError, match="prompt does not extend the checkpoint's 3 tokens"):
+        e.admit(RequestId(2), [1, 2, 3], max_new_tokens=1, checkpoint=cp)  # the whole prompt is the prefix
+    with pytest.raises(PreconditionError, match="prompt does not extend the checkpoint's 3 tokens"):
+        e.admit(RequestId(2), [1, 2, 4, 5], max_new_tokens=1, checkpoint=cp)
     with pytest.raises(PreconditionError, match="max_new_tokens must be >= 1, got 0"):
-        d.admit(RequestId(2), [1, 2, 3], max_new_tokens=0)
-    assert d.live == 1
-    assert d.slots.num_free == 2 and d.kv.num_free == 64
+        e.admit(RequestId(2), [1, 2, 3], max_new_tokens=0)
+    assert _holdings(e) == before and e.live == 1
 
 
 @pytest.mark.parametrize("prompt", [[1.5, 2.7], ["7", "8"]], ids=["floats", "digit-strings"])
-def test_driver_admit_refuses_non_integer_tokens(prompt: list[object]) -> None:
-    d = _driver()
+def test_engine_admit_refuses_non_integer_tokens(prompt: list[object]) -> None:
+    e = _engine()
+    before = _holdings(e)
     # the test suite's typeguard would refuse this call at the signature; production runs without it
     with suppress_type_checks():
         with pytest.raises((PreconditionError, IRValidationError), match=re.escape(repr(prompt[0]))):
-            d.admit(RequestId(1), prompt, max_new_tokens=1)  # type: ignore[arg-type]
-    assert d.live == 0
+            e.admit(RequestId(1), prompt, max_new_tokens=1)  # type: ignore[arg-type]
+    assert _holdings(e) == before and e.live == 0
 
 
-def test_driver_admit_refuses_a_negative_token() -> None:
-    d = _driver()
+def test_engine_admit_refuses_a_negative_token() -> None:
+    e = _engine()
+    before = _holdings(e)
     with pytest.raises((PreconditionError, IRValidationError), match="-2"):
-        d.admit(RequestId(1), [1, -2], max_new_tokens=1)
-    assert d.live == 0
+        e.admit(RequestId(1), [1, -2], max_new_tokens=1)
+    assert _holdings(e) == before and e.live == 0
 
 
-def test_driver_step_that_runs_out_of_slots_changes_nothing() -> None:
-    d = _driver(capacity=2)
-    for rid in range(3):
-        d.admit(RequestId(rid), [1, 2, 3], max_new_tokens=2)
-    before = d.pool.buffer.clone()
-    with pytest.raises(SlotError, match="out of slots"):
-        d.step()
-    assert torch.equal(d.pool.buffer, before)
-    assert d.slots.live() == frozenset() and d.kv.live() == frozenset()
-    assert d.live_slots() == {}
-    # the scheduler backs off one request; the other two then run from a cleared state
-    d.abort(RequestId(2))
-    result = d.step()
-    assert result.kind == "extend"
-    for slot in d.live_slots().values():
-        assert torch.count_nonzero(d.pool.buffer[slot]) == 0
+def test_engine_step_short_of_slots_defers_a_request_and_takes_nothing_for_it() -> None:
+    e, other = _engine(capacity=2, seed=5), _engine(capacity=2, seed=6)  # different stale bytes
+    for engine in (e, other):
+        for rid in range(3):
+            engine.admit(RequestId(rid), [1, 2, 3], max_new_tokens=2)
+        report = engine.step()
+        assert report.kind is StepKind.EXTEND and report.requests == 2
+    # two slots, three requests: the third waits, holding no slot and no KV location
+    assert sorted(e.live_slots()) == [0, 1] and e.slots.num_free == 0
+    waiting = e.requests[RequestId(2)]
+    assert waiting.state is RequestState.WAITING and waiting.slot is None and waiting.context == []
+    assert e.kv.num_live == 6 and e.requests.queued == [RequestId(2)]
+    # the two that ran started from a cleared state: the stale bytes they found left no trace
+    assert e.ledger.counts(TARGET_POOL).clears == 2
+    for rid, slot in e.live_slots().items():
+        assert other.live_slots()[rid] == slot
+        assert torch.equal(e.target.pool.buffer[slot], other.target.pool.buffer[slot]), f"request {rid} saw stale bytes"
+    e.run_until_done()
+    assert sorted(e.outputs) == [0, 1, 2] and all(len(out) == 2 for out in e.outputs.values())
+    assert e.slots.num_live == 0 and e.kv.num_live == 0
+    e.ledger.assert_drained()
 
 
 # -- Engine.admit: every argument checked before anything changes --------------------------------

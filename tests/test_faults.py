@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import faults
+from backend import faults, state_init
 from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
@@ -54,9 +54,37 @@ def test_failed_init_launch_restores_rows_and_keeps_the_ticket(transactional: bo
     with faults.armed(faults.FaultPoint.INIT_LAUNCH) as fired, pytest.raises(faults.InjectedFault):
         ex.execute(plan)  # type: ignore[arg-type]  # the world builder returns the plan untyped
     assert fired == {faults.FaultPoint.INIT_LAUNCH: 1}
-    assert torch.equal(pool.buffer, before)  # the clears that ran were undone: not half applied
+    assert torch.equal(pool.buffer, before)  # the clear and the copy that ran were undone
     assert len(ledger.outstanding()) == 1 and ledger.num_consumed == 0
     ex.execute(plan)  # type: ignore[arg-type]  # the retry runs the whole op once
+    ledger.assert_drained()
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_an_init_launch_failing_midway_restores_rows_and_keeps_the_ticket(
+    transactional: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch itself fails after writing part of its rows (the clears, not the copies): the
+    rows it wrote are put back, the ticket stays outstanding, and a retry applies the whole op."""
+    ledger, pool, ex, plan = _prefill_world(transactional)
+    clean_ledger, clean_pool, clean_ex, clean_plan = _prefill_world(transactional)
+    clean_ex.execute(clean_plan)  # type: ignore[arg-type]  # same world, no failure
+    before = pool.snapshot()
+    real = state_init.init_rows
+
+    def clears_then_fail(buffer: torch.Tensor, clear: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        real(buffer, clear, src[:0], dst[:0])
+        assert bool(clear.numel()) and not torch.equal(buffer, before), "the clears wrote nothing: nothing to restore"
+        raise RuntimeError("launch failed after the clears")
+
+    monkeypatch.setattr(state_init, "init_rows", clears_then_fail)
+    with pytest.raises(RuntimeError, match="after the clears"):
+        ex.execute(plan)  # type: ignore[arg-type]  # see above
+    assert torch.equal(pool.buffer, before)  # the clears were undone: not half applied
+    assert len(ledger.outstanding()) == 1 and ledger.num_consumed == 0
+    monkeypatch.setattr(state_init, "init_rows", real)
+    ex.execute(plan)  # type: ignore[arg-type]  # the retry runs the whole op once
+    assert torch.equal(pool.buffer, clean_pool.buffer)
     ledger.assert_drained()
 
 

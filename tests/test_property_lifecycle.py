@@ -1,23 +1,30 @@
-"""Property: random admit / abort / step sequences through the serving ``Driver`` keep every request's
-recurrent state exactly what a pure-Python reference says, and run every init op exactly once.
+"""Property: random admit / abort / step sequences through the serving ``Engine`` (k = 0) keep every
+request's recurrent state exactly what a pure-Python reference says, and run every init op exactly once.
 
-The model is a toy recurrence written into layer 0's SSM state of each request's row:
-``state = state * 0.5 + (sum of the tokens this request fed in this forward)``. The shadow reference
-keeps one float32 tensor per *request id* (not per slot, so a slot mix-up shows) and applies, on a
-request's first forward, zeros (fresh) or a copy of the checkpoint's seeded state (cached prefix),
-then the same recurrence in the same dtype and order, so the comparison is exact.
+The model is a toy recurrence, installed as the target executor's model hook in place of the tiny
+hybrid model's (the engine is otherwise the one ``batchc run`` serves with): it writes layer 0's SSM
+state of each request's row, ``state = state * 0.5 + (sum of the tokens this request fed in this
+forward) * WEIGHTS``, and emits the token ``token_for(rid, position)`` as one-hot logits. COWs come
+from two prefix checkpoints of different lengths (``Engine.make_checkpoint``, prefilled through the
+same toy). The shadow reference keeps one tensor per *request id* (not per slot, so a slot mix-up
+shows) and applies, on a request's first forward, zeros (fresh) or a copy of its own checkpoint's
+state (cached prefix), then the same recurrence in the same dtype and order, so the comparison is
+exact.
 
-The shadow derives on its own which init op each request needs; it only reads from the plan which
-tokens the driver fed, and checks those against the prompt (prefill) or the last sampled token
-(decode). After every step: tickets minted == tickets consumed, nothing outstanding, the plan's init
-ops are exactly the expected clears and COWs, slots and KV locations are owned by one request each,
-``live + free == capacity``, the checkpoint row is untouched, and every live state matches.
+The shadow derives on its own which init op each request needs and which tokens it emits; it only
+reads from the plans which tokens the engine fed, and checks those against the prompt (prefill) or
+the last emitted token (decode). After every step: tickets minted == tickets consumed, nothing
+outstanding, the plan's init ops are exactly the expected clears and COWs, slots are owned by one
+request each, every KV location is held exactly by the requests and checkpoints whose context holds
+it (a request's own locations by it alone; each context exactly as long as what it fed),
+``live + free == capacity`` for slots and KV, the checkpoint rows are untouched, every live state
+matches, and every finished or aborted request's output is the tokens it emitted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections import Counter
+from functools import cache
 
 import attrs
 import numpy as np
@@ -25,45 +32,76 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from backend.model import ModelHook
-from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
+from backend.hybrid.config import tiny
+from backend.hybrid.model import HybridModel
+from backend.model import ForwardPlan
+from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
-from compiler.driver import Driver, StepResult, hash_sampler
-from ir.ids import TARGET_POOL, MambaSlot, RequestId
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from compiler.engine import Checkpoint, Engine, StepKind
+from ir.ids import TARGET_POOL, RequestId
+from ir.init import InitTicket
+from ir.plan import DecodePlan, ExtendPlan, MixedPlan
+from tests.helpers_core import random_fill
 
-LAYOUT = PoolLayout(
-    layers=(
-        MambaLayerSpec(conv_dim=4, kernel_width=3, nheads=2, head_dim=2, d_state=3),
-        MambaLayerSpec(conv_dim=4, kernel_width=2, nheads=1, head_dim=2, d_state=2),
-    ),
-    align=32,
-)
-CAPACITY = 6  # one slot is the checkpoint, so at most 5 requests may hold a slot at once
-KV_CAPACITY = 256
-MAX_LIVE = CAPACITY - 1
+CAPACITY = 7  # two slots hold the checkpoints, so at most 5 requests may hold a slot at once
+KV_CAPACITY = 256  # never short: a retraction would re-prefill, which this reference does not model
+MAX_LEN = 32
+CKPT_TOKENS = ([11, 22, 33], [44, 55, 66, 77, 88])
+MAX_LIVE = CAPACITY - len(CKPT_TOKENS)
 
 
-class ToyRecurrence:
-    """A deterministic, request-dependent recurrence on layer 0's SSM state."""
+@cache
+def _target() -> HybridModel:
+    return HybridModel.from_seed(tiny(), seed=0)
 
-    def forward(
-        self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool
-    ) -> torch.Tensor | None:
-        ssm = pool.ssm_state(0)
-        if extend is not None:
-            cu = extend.cu_seqlens.tolist()
-            for i, slot in enumerate(extend.slots.tolist()):
-                fed = float(extend.input_ids[cu[i] : cu[i + 1]].sum().item())
-                ssm[slot] = ssm[slot] * 0.5 + fed
-        if decode is not None:
-            for slot, tok in zip(decode.slots.tolist(), decode.input_ids.tolist(), strict=True):
-                ssm[slot] = ssm[slot] * 0.5 + float(tok)
-        return None
+
+def token_for(rid: int, position: int) -> int:
+    """The token the toy emits for request ``rid`` when its context has ``position`` tokens."""
+    return (rid * 1_000_003 + position * 7919) % 251 + 1
+
+
+def _weights(state: torch.Tensor) -> torch.Tensor:
+    return torch.arange(state.numel(), dtype=state.dtype).reshape(state.shape) * 0.25 + 1.0
 
 
 def _toy(state: torch.Tensor, fed: float) -> torch.Tensor:
-    return state * 0.5 + fed
+    return state * 0.5 + fed * _weights(state)
+
+
+class ToyRecurrence:
+    """A deterministic, request-dependent recurrence on layer 0's SSM state; it keeps every plan it ran."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.plans: list[ForwardPlan] = []
+
+    def take(self) -> list[ForwardPlan]:
+        plans, self.plans = self.plans, []
+        return plans
+
+    def forward(
+        self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool
+    ) -> torch.Tensor | None:
+        self.plans.append(plan)
+        ssm = pool.ssm_state(0)
+        rows: list[tuple[int, int]] = []  # (rid, context length) per output row, extend rows first
+        if extend is not None:
+            ext = plan.extend if isinstance(plan, MixedPlan) else plan
+            assert isinstance(ext, ExtendPlan)
+            cu = extend.cu_seqlens.tolist()
+            for i, slot in enumerate(extend.slots.tolist()):
+                ssm[slot] = _toy(ssm[slot], float(extend.input_ids[cu[i] : cu[i + 1]].sum().item()))
+            rows += [(int(r), int(p + n)) for r, p, n in zip(ext.rids, ext.prefix_lens, ext.extend_lens, strict=True)]
+        if decode is not None:
+            dec = plan.decode if isinstance(plan, MixedPlan) else plan
+            assert isinstance(dec, DecodePlan)
+            for slot, tok in zip(decode.slots.tolist(), decode.input_ids.tolist(), strict=True):
+                ssm[slot] = _toy(ssm[slot], float(tok))
+            rows += [(int(r), int(n)) for r, n in zip(dec.rids, dec.seq_lens, strict=True)]
+        logits = torch.zeros(len(rows), self.vocab)
+        for i, (rid, pos) in enumerate(rows):
+            logits[i, token_for(rid, pos)] = 1.0
+        return logits
 
 
 def prompt_of(rid: int, n: int) -> list[int]:
@@ -73,92 +111,88 @@ def prompt_of(rid: int, n: int) -> list[int]:
 @attrs.define
 class ShadowRequest:
     prompt: list[int]
+    source: int | None  # index of the checkpoint it copies, or None (fresh)
     prefix0: int
-    cow: bool
     max_new: int
     slot: int | None = None
     done: int = 0  # prompt tokens fed after the cached prefix
+    decoded: int = 0  # tokens fed by decodes
     state: torch.Tensor | None = None
-    outputs: int = 0
+    outputs: list[int] = attrs.Factory(list)
 
 
 @attrs.define
 class Harness:
-    driver: Driver
-    checkpoint: MambaSlot
-    ckpt_state: torch.Tensor
-    ckpt_row: torch.Tensor
+    engine: Engine
+    toy: ToyRecurrence
+    checkpoints: list[Checkpoint]
+    ckpt_states: list[torch.Tensor]
+    ckpt_rows: list[torch.Tensor]
     shadow: dict[int, ShadowRequest] = attrs.Factory(dict)
-    last_token: dict[int, int] = attrs.Factory(dict)
     next_rid: int = 0
     tickets_minted: int = 0
-    expect_clears: int = 0
+    expect_clears: int = 0  # of requests (the checkpoints' own clears are counted apart)
     expect_cows: int = 0
     steps: int = 0
-    kinds: set[str] = attrs.Factory(set)
+    kinds: set[StepKind] = attrs.Factory(set)
 
     # -- actions ------------------------------------------------------------------------------------
 
-    def admit(self, n: int, max_new: int, cow: bool, prefix_pct: int) -> None:
+    def admit(self, n: int, max_new: int, cow: bool, which: int) -> None:
         if len(self.shadow) >= MAX_LIVE:
             return
         rid = self.next_rid
         self.next_rid += 1
-        prompt = prompt_of(rid, n)
-        prefix = 0
-        if cow and n >= 2:
-            prefix = 1 + prefix_pct * (n - 1) // 100  # in [1, n - 1]
-        use_ckpt = prefix > 0
-        self.driver.admit(
-            RequestId(rid),
-            prompt,
-            max_new_tokens=max_new,
-            checkpoint=self.checkpoint if use_ckpt else None,
-            prefix_len=prefix,
+        source = which % len(self.checkpoints) if cow else None
+        head = list(self.checkpoints[source].tokens) if source is not None else []
+        prompt = head + prompt_of(rid, n)
+        self.engine.admit(
+            RequestId(rid), prompt, max_new_tokens=max_new, checkpoint=self.checkpoints[source] if source is not None else None
         )
-        self.shadow[rid] = ShadowRequest(prompt=prompt, prefix0=prefix, cow=use_ckpt, max_new=max_new)
+        self.shadow[rid] = ShadowRequest(prompt=prompt, source=source, prefix0=len(head), max_new=max_new)
 
     def abort(self, pick: int) -> None:
         if not self.shadow:
             return
         rid = sorted(self.shadow)[pick % len(self.shadow)]
-        self.driver.abort(RequestId(rid))
+        self.engine.abort(RequestId(rid))
+        assert self.engine.outputs[RequestId(rid)] == self.shadow[rid].outputs
         del self.shadow[rid]
-        self.last_token.pop(rid, None)
         self.check()
 
     def step(self) -> None:
-        fed = dict(self.last_token)  # the sampler overwrites last_token during the step
-        result = self.driver.step()
+        report = self.engine.step()
         self.steps += 1
-        self.kinds.add(result.kind)
-        self.apply(result, fed)
+        self.kinds.add(report.kind)
+        plans = self.toy.take()
+        assert report.kind in (StepKind.EXTEND, StepKind.MIXED, StepKind.DECODE, StepKind.IDLE), report
+        assert len(plans) == (0 if report.kind is StepKind.IDLE else 1), "one forward per step at k = 0"
+        self.apply(report.kind, plans[0] if plans else None, {int(r) for r in report.finished})
         self.check()
 
     # -- the reference ------------------------------------------------------------------------------
 
-    def apply(self, result: StepResult, fed: dict[int, int]) -> None:
-        plan = result.plan
+    def apply(self, kind: StepKind, plan: ForwardPlan | None, finished: set[int]) -> None:
         ext: ExtendPlan | None
         dec: DecodePlan | None
         match plan:
             case ExtendPlan():
-                ext, dec, kind = plan, None, "extend"
+                ext, dec, want = plan, None, StepKind.EXTEND
             case MixedPlan():
-                ext, dec, kind = plan.extend, plan.decode, "mixed"
+                ext, dec, want = plan.extend, plan.decode, StepKind.MIXED
             case DecodePlan():
-                ext, dec, kind = None, plan, "decode"
-            case IdlePlan():
-                ext, dec, kind = None, None, "idle"
+                ext, dec, want = None, plan, StepKind.DECODE
+            case None:
+                ext, dec, want = None, None, StepKind.IDLE
             case _:
-                raise AssertionError(f"the non-speculative driver returned a {type(plan).__name__}")
-        assert result.kind == kind
-        if kind == "idle":
+                raise AssertionError(f"the engine at k = 0 ran a {type(plan).__name__}")
+        assert kind is want
+        if kind is StepKind.IDLE:
             assert not self.shadow, "idle step with live requests"
         exp_clear: list[int] = []
         exp_src: list[int] = []
         exp_dst: list[int] = []
-        sampled_now: set[int] = set()
+        sampled_now: dict[int, int] = {}  # rid -> its context length when it emits
         if ext is not None:
             offs = np.concatenate(([0], np.cumsum(ext.extend_lens)))
             for i, rid_ in enumerate(ext.rids.tolist()):
@@ -168,12 +202,12 @@ class Harness:
                 if r.state is None:  # first forward of this request
                     assert prefix == r.prefix0
                     r.slot = slot
-                    if r.cow:
-                        r.state = self.ckpt_state.clone()
-                        exp_src.append(self.checkpoint)
+                    if r.source is not None:
+                        r.state = self.ckpt_states[r.source].clone()
+                        exp_src.append(int(self.checkpoints[r.source].slot))
                         exp_dst.append(slot)
                     else:
-                        r.state = torch.zeros_like(self.ckpt_state)
+                        r.state = torch.zeros_like(self.ckpt_states[0])
                         exp_clear.append(slot)
                 else:
                     assert slot == r.slot, "a request changed slots between chunks"
@@ -183,23 +217,25 @@ class Harness:
                 r.done += int(tokens.shape[0])
                 complete = r.prefix0 + r.done == len(r.prompt)
                 assert bool(ext.more_chunks[i]) == (not complete)
-                assert tokens.shape[0] <= self.driver.chunk_size
+                assert tokens.shape[0] <= self.engine.chunk_size
                 if complete:
-                    sampled_now.add(rid_)
+                    sampled_now[rid_] = len(r.prompt)
         if dec is not None:
-            for rid_, slot, tok in zip(dec.rids.tolist(), dec.slots.tolist(), dec.input_ids.tolist(), strict=True):
+            for rid_, slot, tok, seq in zip(dec.rids.tolist(), dec.slots.tolist(), dec.input_ids.tolist(), dec.seq_lens.tolist(), strict=True):
                 r = self.shadow[rid_]
                 assert r.state is not None and r.prefix0 + r.done == len(r.prompt)
                 assert slot == r.slot
-                assert tok == fed[rid_], "decode fed a token other than the last sampled one"
+                assert r.outputs and tok == r.outputs[-1], "decode fed a token other than the last emitted one"
+                r.decoded += 1
+                assert seq == len(r.prompt) + r.decoded
                 r.state = _toy(r.state, float(tok))
-                sampled_now.add(rid_)
+                sampled_now[rid_] = seq
         # the init ops of this forward are exactly the expected ones, in one ticket for the target pool
         tickets = ext.tickets if ext is not None else ()
         if exp_clear or exp_dst:
             assert len(tickets) == 1
             (t,) = tickets
-            assert t.pool == TARGET_POOL
+            assert isinstance(t, InitTicket) and t.pool == TARGET_POOL
             assert list(t.init.clear_slots) == exp_clear
             assert list(t.init.cow_src) == exp_src and list(t.init.cow_dst) == exp_dst
         else:
@@ -207,45 +243,57 @@ class Harness:
         self.tickets_minted += len(tickets)
         self.expect_clears += len(exp_clear)
         self.expect_cows += len(exp_dst)
-        # sampling and finishing
-        for rid_ in sampled_now:
-            self.shadow[rid_].outputs += 1
-        finished = {int(r) for r in result.finished}
-        assert finished == {rid_ for rid_ in sampled_now if self.shadow[rid_].outputs >= self.shadow[rid_].max_new}
+        # emitting and finishing
+        for rid_, pos in sampled_now.items():
+            self.shadow[rid_].outputs.append(token_for(rid_, pos))
+        assert finished == {rid_ for rid_ in sampled_now if len(self.shadow[rid_].outputs) >= self.shadow[rid_].max_new}
         for rid_ in finished:
-            assert len(self.driver.outputs[RequestId(rid_)]) == self.shadow[rid_].max_new
+            assert self.engine.outputs[RequestId(rid_)] == self.shadow[rid_].outputs
+            assert len(self.shadow[rid_].outputs) == self.shadow[rid_].max_new
             del self.shadow[rid_]
-            self.last_token.pop(rid_, None)
-
-    def sampler(self, plan: Any, output: torch.Tensor | None, rows: Sequence[tuple[RequestId, int]]) -> list[int]:
-        toks = hash_sampler(plan, output, rows)
-        for (rid, _), tok in zip(rows, toks, strict=True):
-            self.last_token[int(rid)] = tok
-        return toks
 
     # -- invariants ---------------------------------------------------------------------------------
 
     def check(self) -> None:
-        d = self.driver
-        assert d.ledger.outstanding() == ()
-        assert d.ledger.num_consumed == self.tickets_minted
-        counts = d.ledger.counts(TARGET_POOL)
-        assert (counts.tickets, counts.clears, counts.cows) == (self.tickets_minted, self.expect_clears, self.expect_cows)
-        live = d.live_slots()
+        e = self.engine
+        assert e.ledger.outstanding() == ()
+        assert e.ledger.num_consumed == self.tickets_minted
+        counts = e.ledger.counts(TARGET_POOL)
+        assert (counts.tickets, counts.clears, counts.cows) == (self.tickets_minted, self.expect_clears + len(self.checkpoints), self.expect_cows)
+        assert e.stats.retractions == 0
+        live = e.live_slots()
         assert {int(r) for r in live} <= set(self.shadow)
         slots = [int(s) for s in live.values()]
         assert len(slots) == len(set(slots)), f"a slot is live for two requests: {live}"
-        assert int(self.checkpoint) not in slots
-        assert d.slots.live() == frozenset(slots) | {int(self.checkpoint)}
-        assert d.slots.num_live + d.slots.num_free == CAPACITY
-        kv_all: list[int] = []
-        for rid in self.shadow:
-            kv_all += d.kv_of(RequestId(rid)).tolist()
-        assert len(kv_all) == len(set(kv_all)), "a KV location is owned by two requests"
-        assert d.kv.live() == frozenset(kv_all)
-        assert d.kv.num_live + d.kv.num_free == KV_CAPACITY
-        assert torch.equal(d.pool.buffer[self.checkpoint], self.ckpt_row), "the checkpoint row was written"
-        ssm = d.pool.ssm_state(0)
+        ckpt_slots = {int(cp.slot) for cp in self.checkpoints}
+        assert not ckpt_slots & set(slots)
+        assert e.slots.live() == frozenset(slots) | ckpt_slots
+        assert e.slots.num_live + e.slots.num_free == CAPACITY
+        # KV: a checkpoint's locations are shared (by reference) with the requests copying it; every
+        # other location belongs to one request; each context is exactly as long as what was fed
+        holders: Counter[int] = Counter()
+        for cp in self.checkpoints:
+            holders.update(cp.kv_locs)
+        own: list[int] = []
+        for rid, r in self.shadow.items():
+            context = e.requests[RequestId(rid)].context
+            if r.state is None:
+                assert context == [], f"request {rid} holds KV before its first forward"
+                continue
+            assert len(context) == r.prefix0 + r.done + r.decoded
+            if r.source is not None:
+                assert tuple(context[: r.prefix0]) == self.checkpoints[r.source].kv_locs
+            own += context[r.prefix0 :]
+            holders.update(context)
+        assert len(own) == len(set(own)), "a KV location is owned by two requests"
+        assert not set(own) & {loc for cp in self.checkpoints for loc in cp.kv_locs}
+        assert e.kv_refs.held() == dict(holders)
+        assert e.kv.live() == frozenset(holders)
+        assert e.kv.num_live + e.kv.num_free == KV_CAPACITY
+        pool = e.target.pool
+        for cp, row in zip(self.checkpoints, self.ckpt_rows, strict=True):
+            assert torch.equal(pool.buffer[cp.slot], row), f"the checkpoint row {cp.slot} was written"
+        ssm = pool.ssm_state(0)
         for rid, r in self.shadow.items():
             if r.state is None:
                 assert RequestId(rid) not in live
@@ -256,31 +304,52 @@ class Harness:
 
 
 def make_harness(chunk_size: int, seed: int) -> Harness:
-    # the sampler needs the harness and the harness needs the driver: bind through a cell
-    cell: list[Harness] = []
-
-    def sampler(plan: object, output: torch.Tensor | None, rows: Sequence[tuple[RequestId, int]]) -> list[int]:
-        return cell[0].sampler(plan, output, rows)
-
-    model: ModelHook = ToyRecurrence()
-    d = Driver(layout=LAYOUT, capacity=CAPACITY, kv_capacity=KV_CAPACITY, model=model, sampler=sampler, chunk_size=chunk_size)
-    gen = torch.Generator().manual_seed(seed)
+    e = Engine(_target(), None, k=0, capacity=CAPACITY, kv_capacity=KV_CAPACITY, max_len=MAX_LEN, chunk_size=chunk_size)
     # stale bytes everywhere: a slot that is not cleared on (re)use poisons its request
-    d.pool.buffer.copy_(torch.randint(0, 256, tuple(d.pool.buffer.shape), generator=gen, dtype=torch.uint8))
-    ckpt = d.slots.alloc()
-    ssm = d.pool.ssm_state(0)
-    ssm[ckpt] = torch.arange(ssm[ckpt].numel(), dtype=torch.float32).reshape(ssm[ckpt].shape) * 0.25 + 3.0
-    h = Harness(driver=d, checkpoint=ckpt, ckpt_state=ssm[ckpt].clone(), ckpt_row=d.pool.buffer[ckpt].clone())
-    cell.append(h)
+    random_fill(e.target.pool, seed)
+    toy = ToyRecurrence(_target().config.vocab)
+    e.target.model = toy
+    checkpoints, states, rows = [], [], []
+    ssm = e.target.pool.ssm_state(0)
+    for tokens in CKPT_TOKENS:
+        cp = e.make_checkpoint(tokens)
+        (plan,) = toy.take()
+        assert isinstance(plan, ExtendPlan) and plan.tickets[0].init.clear_slots == (cp.slot,)
+        state = _toy(torch.zeros_like(ssm[cp.slot]), float(sum(tokens)))
+        assert torch.equal(ssm[cp.slot], state)
+        checkpoints.append(cp)
+        states.append(state)
+        rows.append(e.target.pool.buffer[cp.slot].clone())
+    h = Harness(engine=e, toy=toy, checkpoints=checkpoints, ckpt_states=states, ckpt_rows=rows, tickets_minted=len(checkpoints))
+    h.check()
     return h
+
+
+def finish(h: Harness) -> None:
+    """Step until every request has left, then an idle step; give the checkpoints back and check
+    that nothing is left anywhere."""
+    for _ in range(200):
+        if not h.shadow:
+            break
+        h.step()
+    assert not h.shadow, "requests still live after 200 steps"
+    assert h.engine.live == 0
+    h.step()  # nothing left: an idle step
+    e = h.engine
+    assert e.slots.live() == frozenset(int(cp.slot) for cp in h.checkpoints)
+    for cp in h.checkpoints:
+        e.release_checkpoint(cp)
+    assert e.slots.num_live == 0 and e.kv.num_free == KV_CAPACITY and e.kv_refs.held() == {}
+    e.ledger.assert_drained()
+    assert e.ledger.num_consumed == h.tickets_minted
 
 
 ADMIT = st.tuples(
     st.just("admit"),
-    st.integers(1, 12),  # prompt length
+    st.integers(1, 12),  # prompt length (after the checkpoint's tokens, for a cached prefix)
     st.integers(1, 4),  # max_new_tokens
-    st.booleans(),  # cached prefix (COW from the checkpoint)
-    st.integers(0, 99),  # where the cached prefix ends, in percent of the prompt
+    st.booleans(),  # cached prefix (COW from a checkpoint)
+    st.integers(0, 1),  # which checkpoint
 )
 STEP = st.tuples(st.just("step"))
 ABORT = st.tuples(st.just("abort"), st.integers(0, 10))
@@ -296,47 +365,31 @@ def test_random_lifecycles_match_the_reference_and_run_each_init_once(
     h = make_harness(chunk_size, seed)
     for op in ops:
         match op:
-            case ("admit", int(n), int(max_new), bool(cow), int(pct)):
-                h.admit(n, max_new, cow, pct)
+            case ("admit", int(n), int(max_new), bool(cow), int(which)):
+                h.admit(n, max_new, cow, which)
             case ("step",):
                 h.step()
             case ("abort", int(pick)):
                 h.abort(pick)
             case _:
                 raise AssertionError(op)
-    for _ in range(200):
-        if not h.shadow:
-            break
-        h.step()
-    assert not h.shadow, "requests still live after 200 steps"
-    for kind in sorted(h.kinds):
+    finish(h)
+    for kind in sorted(k.value for k in h.kinds):
         event(f"step kind {kind}")
     event(f"COWs {min(h.expect_cows, 3)}+")
-    assert h.driver.live == 0
-    h.step()  # nothing left: an idle forward
-    d = h.driver
-    assert d.slots.live() == frozenset({int(h.checkpoint)})
-    assert d.kv.num_free == KV_CAPACITY
-    d.ledger.assert_drained()
-    assert d.ledger.num_consumed == h.tickets_minted
 
 
 def test_a_scripted_lifecycle_takes_every_path() -> None:
     """The property's generator can reach every step kind; this pins one run that does."""
     h = make_harness(chunk_size=3, seed=1)
     h.admit(7, 2, False, 0)  # chunked: 3 + 3 + 1
-    h.admit(5, 3, True, 50)  # COW, prefix 3, then 2 tokens
+    h.admit(2, 3, True, 0)  # COW from the 3-token checkpoint, then 2 tokens
     h.step()  # extend
     h.step()  # mixed: r0's second chunk with r1's decode
     h.admit(4, 1, False, 0)
     h.step()  # mixed: r0's last chunk, r2's first, r1 decodes its last token and finishes
     h.abort(1)  # r2, mid-prefill; r0 is left to decode alone
-    for _ in range(30):
-        if not h.shadow:
-            break
-        h.step()
-    h.step()
-    assert {"extend", "mixed", "decode", "idle"} <= h.kinds
+    finish(h)
+    assert {StepKind.EXTEND, StepKind.MIXED, StepKind.DECODE, StepKind.IDLE} <= h.kinds
     assert h.expect_cows == 1 and h.expect_clears == 2
-    assert h.driver.outputs[RequestId(2)] == []
-    h.driver.ledger.assert_drained()
+    assert h.engine.outputs[RequestId(2)] == []

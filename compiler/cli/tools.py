@@ -21,15 +21,13 @@ if TYPE_CHECKING:  # the tools are imported by the commands that run them
 
 
 def cmd_dump(args: argparse.Namespace, console: Console) -> int:
-    from compiler.tools.scenario import build_driver, run_scenario, run_spec_scenario
+    from compiler.tools.scenario import run_scenario, run_spec_scenario
 
     pm = PassManager(verify_level=args.verify, record=True)
     if args.spec:
         run_spec_scenario(pm)
     else:
-        driver, checkpoint = build_driver(pm)
-        run_scenario(driver, checkpoint)
-        driver.ledger.assert_drained()
+        run_scenario(pm)
     assert pm.trace is not None
     for i, (name, text) in enumerate(pm.trace, 1):
         console.print(f"[bold]== {i:03d} {name} ==[/bold]", highlight=False)

@@ -1,22 +1,23 @@
 """Argument checks of the engine's public entry points, all run before anything is allocated.
 
-Counts are ints (numpy integers too; never ``bool``, ``float``, ``str`` or ``None``) within their
-bounds; a bad argument raises ``PreconditionError`` naming the argument and the value, and leaves
+Prompts (and checkpoint tokens) are checked by ``checked_prompt``. Counts are ints (numpy integers
+too; never ``bool``, ``float``, ``str`` or ``None``) within their bounds; a bad argument raises ``PreconditionError`` naming the argument and the value, and leaves
 the engine, its allocators, pools and prefix cache as they were.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import cast
+
+import numpy as np
 
 from backend.hybrid.model import HybridModel
 from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
-from compiler.driver import checked_prompt
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
-from ir._fields import I64, int_problem
-from ir.errors import PreconditionError, short_repr
+from ir._fields import I64, as_i64, int_problem
+from ir.errors import IRValidationError, PreconditionError, short_repr
 from ir.ids import RequestId
 
 MAX_K = 32
@@ -150,3 +151,25 @@ def check_request(
     if not 0 <= token < vocab:
         raise PreconditionError("admit", f"request {rid}: stop must be a token id in [0, {vocab}), got {token}")
     return rid, arr, new, token
+
+
+def checked_prompt(where: str, prompt: Sequence[int], vocab: int | None = None, max_len: int | None = None) -> I64:
+    """The prompt as a read-only int64 column, or ``IRValidationError`` naming ``where`` (``"request
+    3"``, ``"checkpoint"``) and the bad token (negative, or ``>= vocab`` when the model's vocabulary
+    size is given). With ``max_len``, a longer prompt is refused by its length before any of it is
+    read (``range(10**10)`` is not materialised); a prompt without a length (a generator) is refused."""
+    if not isinstance(prompt, Sized):
+        raise IRValidationError(where, "prompt", prompt, f"must be a sequence of int token ids, not {type(prompt).__name__}")
+    if max_len is not None and len(prompt) > max_len:
+        raise IRValidationError(where, "prompt", f"<{len(prompt)} tokens>", f"is longer than {max_len} tokens")
+    arr = as_i64(prompt)
+    if arr.dtype != np.int64 or arr.ndim != 1:
+        shown: object = arr[0] if arr.dtype == object and arr.shape == (1,) else prompt
+        raise IRValidationError(where, "prompt", shown, "must be a 1-D sequence of int token ids")
+    if arr.shape[0] == 0:
+        raise IRValidationError(where, "prompt", [], "must hold at least one token")
+    if int(arr.min()) < 0:
+        raise IRValidationError(where, "prompt", int(arr.min()), "token ids must be >= 0")
+    if vocab is not None and int(arr.max()) >= vocab:
+        raise IRValidationError(where, "prompt", int(arr.max()), f"token ids must be < the vocabulary size {vocab}")
+    return arr

@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.executor import AnyExecutor
-from compiler.driver import checked_prompt
-from compiler.engine.admission import MAX_LEN
+from compiler.engine.admission import MAX_LEN, checked_prompt
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import Checkpoint
 from compiler.engine.requests import Request

@@ -31,8 +31,8 @@ from backend.model import ModelHook
 from backend.pool import MambaStatePool, PoolLayout
 from compiler.manager import PassManager
 from compiler.steps import Pipeline
-from ir._fields import I64, as_i64, frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch
+from ir.columns import I64, as_i64, frozen_i64
 from ir.errors import IRValidationError, PreconditionError, SlotError
 from ir.ids import TARGET_POOL, MambaSlot, RequestId
 from ir.init import InitIntent

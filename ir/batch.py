@@ -27,7 +27,7 @@ from typing import Protocol, final
 
 import attrs
 
-from ir._fields import I64, MAX_SEQ_LEN, BoolArray, ColumnNode, as_bool, as_i64, check_column, check_instance, check_max, check_min, column_key
+from ir.columns import I64, MAX_SEQ_LEN, BoolArray, ColumnNode, as_bool, as_i64, check_column, check_instance, check_max, check_min, column_key
 from ir.errors import IRValidationError
 from ir.init import InitIntent, MambaInit, MambaSnapshot
 

@@ -31,7 +31,7 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import check_instance, check_int, check_pool, ints
+from ir.columns import check_instance, check_int, check_pool, ints
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, PoolId, TicketSerial
 

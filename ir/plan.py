@@ -15,8 +15,8 @@ from typing import cast, final
 
 import attrs
 
-from ir._fields import I64, BoolArray, ColumnNode, as_bool, as_i64, check_column, check_instance, column_key, type_names
 from ir.batch import check_decode_columns, check_extend_columns
+from ir.columns import I64, BoolArray, ColumnNode, as_bool, as_i64, check_column, check_instance, column_key, type_names
 from ir.errors import IRValidationError
 from ir.ids import PoolId
 from ir.init import InitTicket, SnapshotTicket

@@ -13,8 +13,8 @@ from typing import Any, assert_never
 
 import numpy as np
 
-from ir._fields import I64
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.columns import I64
 from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot
 from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan

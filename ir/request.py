@@ -23,7 +23,7 @@ from typing import final
 import attrs
 import numpy as np
 
-from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, check_column, check_int, check_opt_int, column_key
+from ir.columns import I64, MAX_SEQ_LEN, ColumnNode, as_i64, check_column, check_int, check_opt_int, column_key
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, RequestId
 from ir.init import InitIntent

@@ -32,8 +32,8 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, check_column, check_instance, check_int, check_max, check_min, column_key
 from ir.batch import check_extend_columns
+from ir.columns import I64, MAX_SEQ_LEN, ColumnNode, as_i64, check_column, check_instance, check_int, check_max, check_min, column_key
 from ir.errors import IRValidationError
 from ir.ids import TicketSerial
 

@@ -24,8 +24,8 @@ from typing import assert_never
 
 import numpy as np
 
-from ir._fields import I64, first_common, first_missing, has_duplicates
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.columns import I64, first_common, first_missing, has_duplicates
 from ir.errors import IRVerificationError, SettingsError
 from ir.init import InitIntent, InitTicket
 from ir.nodes import Batch, Plan

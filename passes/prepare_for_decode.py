@@ -19,8 +19,8 @@ from typing import final
 import attrs
 import numpy as np
 
-from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.columns import I64, MAX_SEQ_LEN, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.errors import PreconditionError
 from passes._args import bad_arg, unexpected_arg
 from passes._rows import finished_prefill_rows

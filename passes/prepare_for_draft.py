@@ -13,8 +13,8 @@ from typing import final
 
 import attrs
 
-from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch
+from ir.columns import I64, MAX_SEQ_LEN, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.errors import PreconditionError
 from ir.spec import DraftBatch, check_k
 from passes._args import bad_arg

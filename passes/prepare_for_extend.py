@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ir._fields import frozen_i64
 from ir.batch import ExtendBatch
+from ir.columns import frozen_i64
 from ir.errors import PreconditionError
 from ir.ids import MambaSlot
 from ir.init import InitIntent, MambaInit, MambaSnapshot, mint_serial

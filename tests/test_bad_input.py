@@ -36,8 +36,8 @@ from compiler.engine import Checkpoint, Engine
 from compiler.manager import PassError, PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
-from ir._fields import build_unchecked
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.columns import build_unchecked
 from ir.errors import (
     IRValidationError,
     IRVerificationError,

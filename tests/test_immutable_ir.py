@@ -7,7 +7,7 @@
   ``pickle`` and ``copy.deepcopy`` (numpy alone unpickles arrays as writeable).
 - Sharing stays free: a plan's columns are its batch's (identity), and nodes built from another
   node's columns, from ``freeze``/``frozen_i64`` or from the allocators take them without a copy.
-- Every pass's output columns are IR-owned (``ir._fields.is_owned``).
+- Every pass's output columns are IR-owned (``ir.columns.is_owned``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from backend.allocator import KVAllocator, SlotAllocator
 from backend.ledger import Ledger
 from compiler.manager import PassError, PassManager
 from compiler.steps import Pipeline
-from ir._fields import freeze, frozen_i64, is_owned
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.columns import freeze, frozen_i64, is_owned
 from ir.errors import IRVerificationError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
 from ir.init import InitIntent

@@ -13,7 +13,7 @@ from backend.hybrid.model import HybridModel
 from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
-from ir._fields import int_problem
+from ir.columns import int_problem
 from ir.errors import PreconditionError, short_repr
 
 MAX_K = 32

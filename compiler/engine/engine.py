@@ -56,8 +56,8 @@ from compiler.engine.runner import ForwardRunner, StepFailed
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
-from ir._fields import I64, frozen_i64, int_problem
 from ir.batch import DecodeBatch, ExtendBatch
+from ir.columns import I64, frozen_i64, int_problem
 from ir.errors import EngineStoppedError, PreconditionError, SlotError, short_repr
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.init import InitIntent

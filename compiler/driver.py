@@ -35,9 +35,8 @@ from ir.batch import DecodeBatch, ExtendBatch, IdleBatch
 from ir.columns import I64, as_i64, frozen_i64
 from ir.errors import IRValidationError, PreconditionError, SlotError
 from ir.ids import TARGET_POOL, MambaSlot, RequestId
-from ir.init import InitIntent
 from ir.nodes import Plan
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
 from passes.lower import lower
 from passes.prepare_for_decode import DecodeContext
 
@@ -77,7 +76,8 @@ class _Request:
     rid: RequestId
     prompt: I64
     max_new_tokens: int
-    checkpoint: MambaSlot | None
+    cow_src: MambaSlot | None
+    """The cached-state slot the first chunk copies its prefix state from (``admit``'s ``checkpoint``)."""
     prefix_len: int
     slot: MambaSlot | None = None
     done: int = 0  # prompt tokens already in the state
@@ -145,7 +145,7 @@ class Driver:
             raise PreconditionError("admit", f"request {rid}: a checkpoint goes with a prefix_len > 0 and only then")
         if checkpoint is not None and not self.slots.is_live(checkpoint):
             raise PreconditionError("admit", f"request {rid}: checkpoint slot {checkpoint} is not a live slot")
-        self._reqs[rid] = _Request(rid=rid, prompt=arr, max_new_tokens=max_new_tokens, checkpoint=checkpoint, prefix_len=prefix_len)
+        self._reqs[rid] = _Request(rid=rid, prompt=arr, max_new_tokens=max_new_tokens, cow_src=checkpoint, prefix_len=prefix_len)
         self._prefilling.append(rid)
 
     def abort(self, rid: RequestId) -> None:
@@ -212,19 +212,20 @@ class Driver:
             r.slot = self.slots.alloc()
         kv = self.kv.alloc_many(n)
         r.kv.extend(int(k) for k in kv)
-        if first:
-            intent = InitIntent.COW if r.checkpoint is not None else InitIntent.CLEAR
+        intent: Intent
+        if not first:
+            intent = Continue(prefix_len=start)
+        elif r.cow_src is not None:
+            intent = CopyFrom(src=r.cow_src, prefix_len=start)
         else:
-            intent = InitIntent.CONTINUE
+            intent = Clear()
         assert r.slot is not None
         return AdmittedRequest(
             rid=r.rid,
             slot=r.slot,
             input_ids=r.prompt[start : start + n],
             kv_locs=kv,
-            prefix_len=start,
             intent=intent,
-            checkpoint=r.checkpoint if first else None,
             more_chunks=start + n < r.prompt.shape[0],
         )
 

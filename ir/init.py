@@ -1,8 +1,9 @@
 """One-shot Mamba state-init ops as linear resources.
 
 - ``InitIntent`` is what one request of a prefill needs before its first Mamba layer runs: a fresh
-  slot is cleared, a cached prefix state is copied (copy-on-write) from a checkpoint slot, a chunked
-  continuation keeps the state it has.
+  slot is cleared, a cached prefix state is copied (copy-on-write) from a cached-state slot (the
+  COW source), a chunked continuation keeps the state it has. ``ExtendBatch`` keeps it per request;
+  an ``AdmittedRequest`` says it with a variant of ``ir.request.Intent`` (whose ``kind`` it is).
 - ``MambaInit`` is the set of ops of one prefill forward. It has a ``serial``, minted once when the
   prefill batch is built: the serial is the identity of "the init ops of this forward", so lowering
   the same batch twice, or executing a deep copy or a pickled clone of its plan, yields the same
@@ -111,7 +112,8 @@ class InitIntent(enum.Enum):
     CLEAR = "clear"
     """Fresh slot: its state must start at zero."""
     COW = "cow"
-    """Cached prefix: the slot starts as a copy of the checkpoint slot holding the prefix state."""
+    """Cached prefix: the slot starts as a copy of the cached-state slot (the COW source) holding
+    the prefix state."""
     CONTINUE = "continue"
     """Chunked-prefill continuation: the slot already holds this request's state."""
 

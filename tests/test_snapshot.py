@@ -16,9 +16,8 @@ from compiler.manager import PassManager
 from compiler.steps import Pipeline
 from ir.errors import IRValidationError, IRVerificationError, PlanExecutionError, ResourceLeakError, ResourceReplayError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
-from ir.init import InitIntent
 from ir.printer import dump
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear
 from ir.verify import verify
 from passes import LowerContext, filter_batch, prepare_for_extend
 from tests.core import LAYOUT, fresh
@@ -27,7 +26,7 @@ from tests.core import LAYOUT, fresh
 def _snapshotting(rid: int, slot: int, cache: int, tokens: list[int], kv: int) -> AdmittedRequest:
     return AdmittedRequest(
         rid=RequestId(rid), slot=MambaSlot(slot), input_ids=tokens, kv_locs=list(range(kv, kv + len(tokens))),
-        intent=InitIntent.CLEAR, snapshot_to=MambaSlot(cache), more_chunks=True,
+        intent=Clear(), snapshot_to=MambaSlot(cache), more_chunks=True,
     )
 
 

@@ -60,8 +60,7 @@ from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64, int_problem
 from ir.errors import EngineStoppedError, PreconditionError, SlotError, short_repr
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
-from ir.init import InitIntent
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
 from passes.lower import LowerContext
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext
@@ -270,7 +269,7 @@ class Engine:
         try:
             slot = self.slots.alloc()
             kv = self.kv_refs.alloc(n)
-            req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=arr, kv_locs=kv, intent=InitIntent.CLEAR)
+            req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=arr, kv_locs=kv, intent=Clear())
             _, plan = self.pipeline.prefill([req])
             for ex in self._executors():
                 ex.execute(plan)
@@ -447,11 +446,16 @@ class Engine:
             kv = self.kv_refs.alloc(n)
             r.context.extend(kv.tolist())
             first = r.done == 0
+            intent: Intent
+            if not first:
+                intent = Continue(prefix_len=pos)
+            elif r.source is not None:
+                intent = CopyFrom(src=r.source.slot, prefix_len=pos)
+            else:
+                intent = Clear()
             admitted.append(
                 AdmittedRequest(
-                    rid=rid, slot=r.slot, input_ids=r.prompt[pos : pos + n], kv_locs=kv, prefix_len=pos,
-                    intent=(InitIntent.COW if r.source is not None else InitIntent.CLEAR) if first else InitIntent.CONTINUE,
-                    checkpoint=r.source.slot if first and r.source is not None else None,
+                    rid=rid, slot=r.slot, input_ids=r.prompt[pos : pos + n], kv_locs=kv, intent=intent,
                     more_chunks=pos + n < r.prompt.shape[0], snapshot_to=snap_to,
                 )
             )

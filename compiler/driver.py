@@ -187,7 +187,7 @@ class Driver:
             decode, plan_d = self.pipeline.decode(self.running, self._decode_ctx())
             out = self.executor.execute(plan_d)
             self.running = decode
-            rows = [(RequestId(int(r)), int(n)) for r, n in zip(decode.rids, decode.seq_lens, strict=True)]
+            rows = list(zip(decode.rid_list(), decode.seq_lens.tolist(), strict=True))
             return self._after_sampling(plan_d, out, rows, "decode")
         plan_i = lower(IdleBatch(), self.pipeline.lower_ctx)
         return StepResult(kind="idle", plan=plan_i, finished=())
@@ -230,23 +230,24 @@ class Driver:
         )
 
     def _decode_ctx(self) -> DecodeContext:
-        toks = [self._next[RequestId(int(r))] for r in self.running.rids]
+        rids = self.running.rid_list()
+        toks = [self._next[rid] for rid in rids]
         kv = self.kv.alloc_many(len(toks))
-        for rid, k in zip(self.running.rids, kv, strict=True):
-            self._reqs[RequestId(int(rid))].kv.append(int(k))
+        for rid, k in zip(rids, kv.tolist(), strict=True):
+            self._reqs[rid].kv.append(k)
         return DecodeContext(next_tokens=frozen_i64(toks), kv_locs=kv)
 
     def _after_prefill(
         self, extend: ExtendBatch, decode: DecodeBatch, plan: Plan, out: torch.Tensor | None, kind: str
     ) -> StepResult:
         rows: list[tuple[RequestId, int]] = []
-        for rid_, more, pre, ext in zip(extend.rids, extend.more_chunks, extend.prefix_lens, extend.extend_lens, strict=True):
-            rid = RequestId(int(rid_))
-            self._reqs[rid].done += int(ext)
+        columns = (extend.rid_list(), extend.more_chunks.tolist(), extend.prefix_lens.tolist(), extend.extend_lens.tolist())
+        for rid, more, pre, ext in zip(*columns, strict=True):
+            self._reqs[rid].done += ext
             if not more:
                 self._prefilling.remove(rid)
-                rows.append((rid, int(pre + ext)))
-        rows += [(RequestId(int(r)), int(n)) for r, n in zip(decode.rids, decode.seq_lens, strict=True)]
+                rows.append((rid, pre + ext))
+        rows += zip(decode.rid_list(), decode.seq_lens.tolist(), strict=True)
         self.running = self.pipeline.merge(decode, extend)
         return self._after_sampling(plan, out, rows, kind)
 

@@ -497,14 +497,14 @@ class Engine:
             if not a.more_chunks:
                 finished.append(a.rid)
                 self.requests.prefilled(r)
-        rows = {RequestId(rid): i for i, rid in enumerate(extend.rids.tolist())}
+        rows = {rid: i for i, rid in enumerate(extend.rid_list())}
         tokens = logits.argmax(dim=-1).tolist()
         self._emit(finished, [[int(tokens[rows[rid]])] for rid in finished])
 
     def _mixed(self) -> StepKind:
         """``k == 0`` with requests both running and waiting: the running batch's decode and the
         next prefill chunks in one MIXED forward (a plain decode if no chunk fits)."""
-        rids = self.running.rids
+        rids = self.running.rid_list()
         ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
         admitted = self._chunks()
         if not admitted:
@@ -519,7 +519,7 @@ class Engine:
         n = mixed.extend.num_requests
         self._after_chunks(admitted, mixed.extend, logits[:n])
         self._progress.requests += len(rids)
-        self._emit([RequestId(r) for r in rids.tolist()], [[t] for t in logits[n:].argmax(dim=-1).tolist()])
+        self._emit(rids, [[t] for t in logits[n:].argmax(dim=-1).tolist()])
         self.running = self.pipeline.merge(mixed.decode, mixed.extend)
         self._finish()
         return StepKind.MIXED
@@ -530,7 +530,7 @@ class Engine:
         while self.running.num_requests and self.kv.num_free < per_row * self.running.num_requests:
             if self.session.evict():
                 continue
-            self._retract(RequestId(int(self.running.rids[-1])))
+            self._retract(self.running.rid_at(-1))
             retracted = True
         return not retracted or bool(self.running.num_requests)
 
@@ -539,7 +539,7 @@ class Engine:
         self._release([rid], Ending.RETRACTED)
 
     def _decode(self, ctx: DecodeContext | None = None) -> None:
-        rids = self.running.rids
+        rids = self.running.rid_list()
         if ctx is None:
             ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
         self.running, plan = self.pipeline.decode(self.running, ctx)
@@ -547,12 +547,12 @@ class Engine:
         assert logits is not None
         self.stats.decodes += 1
         self._progress.requests += len(rids)
-        self._emit([RequestId(r) for r in rids.tolist()], [[t] for t in logits.argmax(dim=-1).tolist()])
+        self._emit(rids, [[t] for t in logits.argmax(dim=-1).tolist()])
         self._finish()
 
     def _speculate(self) -> None:
         assert self.draft is not None
-        k, rids = self.k, self.running.rids
+        k, rids = self.k, self.running.rid_list()
         window = self._alloc_for(rids, k + 1)
         draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
         proposals = self.runner.run(self.draft, dplan)
@@ -563,8 +563,8 @@ class Engine:
         result, committed, cplan = self.pipeline.commit(verify_batch, frozen_i64(target_tokens.reshape(-1).cpu().numpy()))
         self.runner.run(self.target, cplan)
         released = set(committed.released_kv.tolist())
-        for rid in rids.tolist():
-            r = self.requests[RequestId(rid)]
+        for rid in rids:
+            r = self.requests[rid]
             r.context = [x for x in r.context if x not in released]
         self.kv_refs.unref(committed.released_kv)
         extended, eplan = self.pipeline.draft_extend(committed)
@@ -577,7 +577,7 @@ class Engine:
         self.stats.proposed += k * len(rids)
         self.stats.accepted += int(result.accepted.sum())
         self._progress.requests += len(rids)
-        self._emit([RequestId(r) for r in rids.tolist()], emitted)
+        self._emit(rids, emitted)
         self._finish()
 
     def _abort_failed(self, failure: StepFailed) -> None:
@@ -598,17 +598,17 @@ class Engine:
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
-    def _alloc_for(self, rids: I64, per_row: int) -> I64:
+    def _alloc_for(self, rids: Sequence[RequestId], per_row: int) -> I64:
         kv = self.kv_refs.alloc(len(rids) * per_row)
         locs = kv.tolist()
-        for i, rid in enumerate(rids.tolist()):
-            self.requests[RequestId(rid)].context.extend(locs[i * per_row : (i + 1) * per_row])
+        for i, rid in enumerate(rids):
+            self.requests[rid].context.extend(locs[i * per_row : (i + 1) * per_row])
         return kv
 
-    def _pending_of(self, rids: I64) -> I64:
+    def _pending_of(self, rids: Sequence[RequestId]) -> I64:
         pending: list[int] = []
-        for rid in rids.tolist():
-            token = self.requests[RequestId(rid)].pending
+        for rid in rids:
+            token = self.requests[rid].pending
             assert token is not None, "every running request has emitted a token"
             pending.append(token)
         return frozen_i64(pending)

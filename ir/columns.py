@@ -70,6 +70,7 @@ Every other field is type-checked by its node's ``check_fields`` too: node-typed
 
 from __future__ import annotations
 
+import operator
 import sys
 import types
 import typing
@@ -593,13 +594,19 @@ def _compile_columns(cls: type, fields: Sequence[Any]) -> _Columns:  # (attrs.At
     return _Columns(key, tuple(plain), tuple(derived))
 
 
-def _generate(cls_name: str, cols: _Columns) -> Callable[[Any], None]:
-    """The column checks of one class as one straight-line function (made once per class, when
-    attrs makes it: construction then costs what the hand-written checks did, with no per-column
-    interpretation of the declarations)."""
+def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Callable[[Any], None]:
+    """The local checks of one class as one straight-line function: its ``_check_first`` hook (when
+    it has one), the type checks of its node-typed fields, its column checks, its ``_check`` hook.
+    Made once per class (at its first check): construction then costs what hand-written checks did,
+    with no per-column interpretation of the declarations."""
     lines = ["def check(node):"]
     names = {c.name: f"c{i}" for i, c in enumerate((*cols.plain, *cols.derived))}
-    env: dict[str, object] = {"check_column": check_column, "check_min": check_min, "check_max": check_max}
+    env: dict[str, object] = {"check_column": check_column, "check_min": check_min, "check_max": check_max, "check_instance": check_instance}
+    if cls._check_first is not Node._check_first:
+        lines.append("    node._check_first()")
+    for i, part in enumerate(parts):
+        env[f"part{i}"] = part.cls
+        lines.append(f"    check_instance(node, {part.name!r}, node.{part.name}, part{i}, optional={part.optional})")
     if cols.key is not None:
         lines.append(f"    n = node.{cols.key}.shape[0]")
     for group in (cols.plain, cols.derived):
@@ -627,14 +634,19 @@ def _generate(cls_name: str, cols: _Columns) -> Callable[[Any], None]:
                 env[f"bound_{names[c.name]}"] = c.bound
                 b = f"bound_{names[c.name]}"
                 lines.append(f"    check_max(node, {c.name!r}, {names[c.name]}, {b}.value(node), {b}.what)")
+    if cls._check is not Node._check:
+        lines.append("    node._check()")
     lines.append("    return None")
-    code = compile("\n".join(lines) + "\n", f"<column checks of {cls_name}>", "exec")
+    code = compile("\n".join(lines) + "\n", f"<local checks of {cls.__name__}>", "exec")
     exec(code, env)  # our own declarations, rendered above
     return cast("Callable[[Any], None]", env["check"])
 
 
-def _no_columns(node: Any) -> None:
-    return None
+def _first_check(node: Any) -> None:
+    """A class's checker before its first use: generate it (``_generate``), install it, run it."""
+    cls = type(node)
+    cls._checker = staticmethod(_generate(cls, cls._columns, cls._node_parts()))
+    cls._checker(node)
 
 
 @attrs.frozen
@@ -684,14 +696,23 @@ class Node:
        ``IRValidationError`` naming the node, the field and the value otherwise;
     3. the declared columns (``ColumnNode``);
     4. ``_check()``: the node's own invariants.
-"""
+
+    The sequence is generated as one function per class (``_generate``) at the class's first
+    check, when every annotation resolves, and installed as its ``_checker``."""
 
     __slots__ = ()
     _parts: ClassVar[tuple[_Part, ...]] = ()
     _parts_of: ClassVar[type | None] = None
+    _columns: ClassVar[_Columns] = _Columns(None, (), ())
+    _checker: ClassVar[Callable[[Any], None]] = staticmethod(_first_check)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__attrs_attrs__" in cls.__dict__:  # the class attrs made (after the class statement's own)
+            cls._checker = staticmethod(_first_check)  # generated at the first check, not inherited
 
     def __attrs_post_init__(self) -> None:
-        self.check_fields()
+        type(self)._checker(self)
 
     @classmethod
     def _node_parts(cls) -> tuple[_Part, ...]:
@@ -701,13 +722,7 @@ class Node:
 
     def check_fields(self) -> None:
         """The local invariants (run on construction, and again by ``ir.verify`` at level 2)."""
-        self._check_first()
-        self._check_parts()
-        self._check()
-
-    def _check_parts(self) -> None:
-        for p in self._node_parts():
-            check_instance(self, p.name, getattr(self, p.name), p.cls, optional=p.optional)
+        type(self)._checker(self)
 
     def _check_first(self) -> None:
         """Checks that must run before the generated ones (fields they use); none by default."""
@@ -744,30 +759,22 @@ class ColumnNode(Node):
     back writeable arrays."""
 
     __slots__ = ()
-    _columns: ClassVar[_Columns] = _Columns(None, (), ())
-    _check_columns: ClassVar[Callable[[Any], None]] = staticmethod(_no_columns)
+    _rows_of: ClassVar[Callable[[Any], I64] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         fields = cls.__dict__.get("__attrs_attrs__")
         if fields is not None:  # the class attrs made (not the class statement's own, made first)
             cls._columns = _compile_columns(cls, fields)
-            cls._check_columns = staticmethod(_generate(cls.__name__, cls._columns))
-
-    def check_fields(self) -> None:
-        """The local invariants (run on construction, and again by ``ir.verify`` at level 2)."""
-        self._check_first()
-        if self._node_parts():
-            self._check_parts()
-        type(self)._check_columns(self)
-        self._check()
+            key = cls._columns.key
+            cls._rows_of = None if key is None else staticmethod(operator.attrgetter(key))
 
     @property
     def num_requests(self) -> int:
-        key = self._columns.key
-        if key is None:
+        rows = type(self)._rows_of
+        if rows is None:
             raise TypeError(f"{type(self).__name__} has no per-request column")
-        return int(getattr(self, key).shape[0])
+        return int(rows(self).shape[0])
 
     def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
         cls = type(self)

@@ -15,9 +15,8 @@ import pytest
 
 from ir.batch import DecodeBatch, IdleBatch
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
-from ir.printer import dump
+from ir.printer import dump, dump_all
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
-from ir.spec import AcceptResult
 from passes import (
     DecodeContext,
     LowerContext,
@@ -40,8 +39,6 @@ GOLDEN = Path(__file__).resolve().parent / "golden" / "passes"
 
 
 def _show(value: object) -> str:
-    if isinstance(value, AcceptResult):
-        return f"AcceptResult accepted={value.accepted.tolist()} bonus={value.bonus.tolist()}\n"
     if isinstance(value, np.ndarray):
         return f"tokens {value.tolist()}\n"
     if isinstance(value, (DecodeContext, SpecContext)):
@@ -50,12 +47,10 @@ def _show(value: object) -> str:
     if isinstance(value, LowerContext):
         return f"LowerContext pools={list(value.pools)}\n"
     if isinstance(value, list):
+        if value and isinstance(value[0], AdmittedRequest):
+            return dump_all(value)  # one naming across the requests of one call
         return "".join(_show(v) for v in value) if value and not isinstance(value[0], int) else f"rids {value}\n"
-    if isinstance(value, AdmittedRequest):
-        return (f"AdmittedRequest rid={value.rid} slot={value.slot} intent={value.intent!r} "
-                f"tokens={value.input_ids.tolist()} kv={value.kv_locs.tolist()} "
-                f"more={value.more_chunks} snapshot_to={value.snapshot_to}\n")
-    return dump(value)  # type: ignore[arg-type]  # a batch or a plan; anything else fails here, loudly
+    return dump(value)  # type: ignore[arg-type]  # an IR node; anything else fails here, loudly
 
 
 def _case(label: str, fn: Callable[..., object], *args: object) -> tuple[str, str]:

@@ -12,7 +12,7 @@ last-freed-first), so dumps of a scripted run are reproducible.
 Arguments: capacities, counts and indices are ints (Python ints or numpy integer scalars, within
 int64); ``bool``, ``float`` (``3.0`` too), ``str``, ``None`` and values outside int64 are refused
 with ``SlotError`` naming the method's argument and the value, before anything changes. Bulk
-allocations come back as IR-owned columns (``ir._fields.own``), so IR nodes take them without a copy.
+allocations come back as IR-owned columns (``ir.columns.own``), so IR nodes take them without a copy.
 
 Locking: every public method holds the allocator's lock, so a scheduler thread and a forward thread
 may share one allocator.
@@ -26,7 +26,7 @@ from typing import Generic, TypeVar, cast
 
 import numpy as np
 
-from ir._fields import I64, frozen_i64, int_problem, plain_ints
+from ir.columns import I64, frozen_i64, int_problem, plain_ints
 from ir.errors import SlotError
 from ir.ids import KVLoc, MambaSlot
 

@@ -58,7 +58,7 @@ from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook, Veri
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
 from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
-from ir._fields import I64
+from ir.columns import I64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.ids import TicketSerial
 from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
@@ -98,7 +98,7 @@ class Executor(Generic[VerifyStateT]):
         ``Ledger``, ``model`` ``None`` or a ``ModelHook`` (an object with a ``forward``), ``slots``
         ``None`` or a ``SlotAllocator``, ``transactional`` a ``bool``, ``watch`` a ``bool`` or
         ``None`` (0, 1 and ``'no'`` are not switches)."""
-        from ir._fields import check_instance  # (imported here: this method's checks only)
+        from ir.columns import check_instance  # (imported here: this method's checks only)
 
         check_instance("Executor", "pool", pool, MambaStatePool)
         check_instance("Executor", "ledger", ledger, Ledger)

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 
 import attrs
 
-from ir._fields import int_problem, ints
+from ir.columns import int_problem, ints
 from ir.errors import (
     IRValidationError,
     PreconditionError,

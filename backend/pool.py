@@ -25,7 +25,7 @@ from typing import Final
 import attrs
 import torch
 
-from ir._fields import check_instance, check_int, check_pool
+from ir.columns import check_instance, check_int, check_pool
 from ir.errors import IRValidationError
 from ir.ids import PoolId
 

@@ -35,7 +35,7 @@ from typing import cast
 import attrs
 import numpy as np
 
-from ir._fields import first_bad_int, int_problem
+from ir.columns import first_bad_int, int_problem
 from ir.errors import BatchcError, short_repr
 from ir.ids import MambaSlot
 

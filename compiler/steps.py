@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from compiler.manager import PassManager
-from ir._fields import I64
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.columns import I64
 from ir.ids import RequestId
 from ir.init import InitTicket, SnapshotTicket
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan

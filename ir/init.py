@@ -1,8 +1,9 @@
 """One-shot Mamba state-init ops as linear resources.
 
 - ``InitIntent`` is what one request of a prefill needs before its first Mamba layer runs: a fresh
-  slot is cleared, a cached prefix state is copied (copy-on-write) from a checkpoint slot, a chunked
-  continuation keeps the state it has.
+  slot is cleared, a cached prefix state is copied (copy-on-write) from a cached-state slot (the
+  COW source), a chunked continuation keeps the state it has. ``ExtendBatch`` keeps it per request;
+  an ``AdmittedRequest`` says it with a variant of ``ir.request.Intent`` (whose ``kind`` it is).
 - ``MambaInit`` is the set of ops of one prefill forward. It has a ``serial``, minted once when the
   prefill batch is built: the serial is the identity of "the init ops of this forward", so lowering
   the same batch twice, or executing a deep copy or a pickled clone of its plan, yields the same
@@ -31,7 +32,7 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import check_instance, check_int, check_pool, ints
+from ir.columns import Node, check_int, check_pool, ints
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, PoolId, TicketSerial
 
@@ -111,7 +112,8 @@ class InitIntent(enum.Enum):
     CLEAR = "clear"
     """Fresh slot: its state must start at zero."""
     COW = "cow"
-    """Cached prefix: the slot starts as a copy of the checkpoint slot holding the prefix state."""
+    """Cached prefix: the slot starts as a copy of the cached-state slot (the COW source) holding
+    the prefix state."""
     CONTINUE = "continue"
     """Chunked-prefill continuation: the slot already holds this request's state."""
 
@@ -153,7 +155,7 @@ def _check_serial(node: str, serial: object) -> None:
 
 @final
 @attrs.frozen(kw_only=True)
-class MambaInit:
+class MambaInit(Node):
     """The clear and copy-on-write ops of one prefill forward. Clears run first, then copies."""
 
     serial: TicketSerial
@@ -161,11 +163,7 @@ class MambaInit:
     cow_src: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_cow_src)
     cow_dst: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_cow_dst)
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        """The local invariants (run on construction, and again by ``ir.verify`` at level 2)."""
+    def _check(self) -> None:
         name = "MambaInit"
         _check_serial(name, self.serial)
         if len(self.cow_src) != len(self.cow_dst):
@@ -216,22 +214,18 @@ def _no_repeat(node: str, field: str, slots: tuple[MambaSlot, ...]) -> None:
 
 @final
 @attrs.frozen(kw_only=True)
-class InitTicket:
+class InitTicket(Node):
     """A ``MambaInit`` addressed to one state pool: a linear resource, consumed exactly once there.
 
     The identity of a ticket is ``(serial, pool)``; copies of a ticket are the same ticket.
+    ``pool`` is a non-empty pool name and ``init`` a ``MambaInit`` (itself checked when built).
     """
 
     pool: PoolId
     init: MambaInit
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        """``pool`` is a non-empty pool name and ``init`` a ``MambaInit`` (itself checked when built)."""
+    def _check_first(self) -> None:
         check_pool(self, "pool", self.pool)
-        check_instance(self, "init", self.init, MambaInit)
 
     @property
     def serial(self) -> TicketSerial:
@@ -243,7 +237,7 @@ class InitTicket:
 
 @final
 @attrs.frozen(kw_only=True)
-class MambaSnapshot:
+class MambaSnapshot(Node):
     """Prefix-cache snapshots of one forward: after the model runs, copy slot ``src[i]`` (a request's
     live state at the end of this forward's tokens) into cache slot ``dst[i]``. One-shot like a
     ``MambaInit``: its serial is its identity."""
@@ -252,10 +246,7 @@ class MambaSnapshot:
     src: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_src)
     dst: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_dst)
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
+    def _check(self) -> None:
         name = "MambaSnapshot"
         _check_serial(name, self.serial)
         if not self.dst:
@@ -275,19 +266,15 @@ class MambaSnapshot:
 
 @final
 @attrs.frozen(kw_only=True)
-class SnapshotTicket:
-    """A ``MambaSnapshot`` addressed to one state pool; consumed exactly once there, after the forward."""
+class SnapshotTicket(Node):
+    """A ``MambaSnapshot`` addressed to one state pool; consumed exactly once there, after the
+    forward. ``pool`` is a non-empty pool name and ``snapshot`` a ``MambaSnapshot``."""
 
     pool: PoolId
     snapshot: MambaSnapshot
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        """``pool`` is a non-empty pool name and ``snapshot`` a ``MambaSnapshot``."""
+    def _check_first(self) -> None:
         check_pool(self, "pool", self.pool)
-        check_instance(self, "snapshot", self.snapshot, MambaSnapshot)
 
     @property
     def serial(self) -> TicketSerial:

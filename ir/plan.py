@@ -15,8 +15,23 @@ from typing import cast, final
 
 import attrs
 
-from ir._fields import I64, BoolArray, ColumnNode, as_bool, as_i64, check_column, check_instance, column_key, type_names
-from ir.batch import check_decode_columns, check_extend_columns
+from ir.batch import PREFIX_MAX
+from ir.columns import (
+    I64,
+    MAX_SEQ_LEN,
+    MAX_SEQ_LEN_WHAT,
+    REQUEST,
+    BoolArray,
+    ColumnNode,
+    Composite,
+    RequestRows,
+    as_bool,
+    as_i64,
+    column,
+    per,
+    tokens_of,
+    type_names,
+)
 from ir.errors import IRValidationError
 from ir.ids import PoolId
 from ir.init import InitTicket, SnapshotTicket
@@ -66,29 +81,22 @@ def _check_tickets(field: str, tickets: tuple[object, ...], cls: type[InitTicket
 
 @final
 @attrs.frozen(kw_only=True)
-class ExtendPlan(ColumnNode):
-    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
-    prefix_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    extend_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    more_chunks: BoolArray = attrs.field(converter=as_bool, eq=column_key)
-    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+class ExtendPlan(ColumnNode, RequestRows):
+    """The columns of an ``ExtendBatch`` (declared alike) and its ops as tickets."""
+
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
+    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX))
+    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
+    more_chunks: BoolArray = column(converter=as_bool, metadata=per(REQUEST))
+    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
     tickets: tuple[InitTicket, ...] = attrs.field(converter=_tickets)
     snapshots: tuple[SnapshotTicket, ...] = attrs.field(default=(), converter=_snapshots)
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        check_extend_columns(self)
-        check_column(self, "more_chunks", self.more_chunks, self.rids.shape[0], bools=True)
+    def _check(self) -> None:
         _check_tickets("tickets", self.tickets, InitTicket)
         _check_tickets("snapshots", self.snapshots, SnapshotTicket)
-
-    @property
-    def num_requests(self) -> int:
-        return int(self.rids.shape[0])
 
     def ticket_for(self, pool: PoolId) -> InitTicket | None:
         for t in self.tickets:
@@ -105,52 +113,32 @@ class ExtendPlan(ColumnNode):
 
 @final
 @attrs.frozen(kw_only=True)
-class DecodePlan(ColumnNode):
-    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
-    seq_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+class DecodePlan(ColumnNode, RequestRows):
+    """The columns of a ``DecodeBatch`` (declared alike)."""
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        check_decode_columns(self)
-
-    @property
-    def num_requests(self) -> int:
-        return int(self.rids.shape[0])
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
+    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
 
 
 @final
 @attrs.frozen(kw_only=True)
-class MixedPlan:
+class MixedPlan(Composite):
+    """Its checks are its parts' types (``ir.verify`` re-runs the parts' own checks)."""
+
     extend: ExtendPlan
     decode: DecodePlan
-
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        """The parts' types (``ir.verify`` re-runs the parts' own checks)."""
-        check_instance(self, "extend", self.extend, ExtendPlan)
-        check_instance(self, "decode", self.decode, DecodePlan)
 
     @property
     def tickets(self) -> tuple[InitTicket, ...]:
         return self.extend.tickets
 
-    @property
-    def num_requests(self) -> int:
-        return self.extend.num_requests + self.decode.num_requests
-
 
 @final
 @attrs.frozen(kw_only=True)
-class IdlePlan:
-    @property
-    def num_requests(self) -> int:
-        return 0
+class IdlePlan(Composite):
+    """Nothing to run (the plan of an ``IdleBatch``)."""
 
 

@@ -32,8 +32,25 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, check_column, check_instance, check_int, check_max, check_min, column_key
-from ir.batch import check_extend_columns
+from ir.batch import PREFIX_MAX
+from ir.columns import (
+    ANY,
+    I64,
+    MAX_SEQ_LEN,
+    MAX_SEQ_LEN_WHAT,
+    REQUEST,
+    WINDOW,
+    Bound,
+    ColumnNode,
+    Composite,
+    RequestRows,
+    as_i64,
+    check_column,
+    check_int,
+    column,
+    per,
+    tokens_of,
+)
 from ir.errors import IRValidationError
 from ir.ids import TicketSerial
 
@@ -58,18 +75,8 @@ def check_k(node: object, k: object) -> int:
     return value
 
 
-def _check_window(node: object, k: int, rids: I64, slots: I64, seq_lens: I64, windows: tuple[tuple[str, I64], ...]) -> None:
-    """The columns of a windowed node, ``k`` already checked (``check_k``)."""
-    check_column(node, "rids", rids, None)
-    n = rids.shape[0]
-    check_column(node, "slots", slots, n)
-    check_column(node, "seq_lens", seq_lens, n)
-    check_min(node, "slots", slots, 1)
-    check_min(node, "seq_lens", seq_lens, 1)
-    check_max(node, "seq_lens", seq_lens, MAX_SEQ_LEN - k - 1, "MAX_SEQ_LEN - k - 1")
-    for field, col in windows:
-        check_column(node, field, col, n * (k + 1), "len(rids) * (k + 1)")
-        check_min(node, field, col, 0)
+WINDOW_SEQ_MAX = Bound("MAX_SEQ_LEN - k - 1", lambda node: MAX_SEQ_LEN - int(node.k) - 1)
+"""A row's sequence and its window of ``k + 1`` positions fit in ``MAX_SEQ_LEN``."""
 
 
 def _check_ids(node: object, k: object, verify_id: object) -> int:
@@ -82,56 +89,36 @@ def _check_ids(node: object, k: object, verify_id: object) -> int:
 
 @final
 @attrs.frozen(kw_only=True)
-class DraftBatch(ColumnNode):
+class DraftBatch(ColumnNode, RequestRows):
     """Draft proposal: ``input_ids[i]`` is row ``i``'s pending token, at position ``seq_lens[i] - 1``."""
 
     k: int
-    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
-    seq_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
+    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        k = check_k(self, self.k)  # before any comparison
-        _check_window(self, k, self.rids, self.slots, self.seq_lens, (("kv_locs", self.kv_locs),))
-        check_column(self, "input_ids", self.input_ids, self.rids.shape[0])
-        check_min(self, "input_ids", self.input_ids, 0)
-
-    @property
-    def num_requests(self) -> int:
-        return int(self.rids.shape[0])
+    def _check_first(self) -> None:
+        check_k(self, self.k)  # an int in [1, MAX_SPEC_K] before the window lengths use it
 
 
 @final
 @attrs.frozen(kw_only=True)
-class VerifyBatch(ColumnNode):
+class VerifyBatch(ColumnNode, RequestRows):
     """Target verify over ``k + 1`` positions per row: ``[pending, d1..dk]`` from position
     ``seq_lens[i] - 1``. ``verify_id`` names the intermediate states this forward produces."""
 
     k: int
     verify_id: TicketSerial
-    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
-    seq_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
+    input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        k = _check_ids(self, self.k, self.verify_id)
-        _check_window(
-            self, k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
-        )
-
-    @property
-    def num_requests(self) -> int:
-        return int(self.rids.shape[0])
+    def _check_first(self) -> None:
+        _check_ids(self, self.k, self.verify_id)
 
     def window(self, column: I64) -> I64:
         """A windowed column as ``[n, k + 1]`` (a read-only view)."""
@@ -144,151 +131,78 @@ class AcceptResult(ColumnNode):
     """Greedy verification outcome: ``accepted[i]`` draft tokens of row ``i`` were accepted
     (``0..k``) and ``bonus[i]`` is the target's token after them."""
 
-    accepted: I64 = attrs.field(converter=as_i64, eq=column_key)
-    bonus: I64 = attrs.field(converter=as_i64, eq=column_key)
-
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        check_column(self, "accepted", self.accepted, None)
-        check_column(self, "bonus", self.bonus, self.accepted.shape[0], "len(accepted)")
-        check_min(self, "accepted", self.accepted, 0)
-        check_min(self, "bonus", self.bonus, 0)
+    accepted: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    bonus: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
 
 
 @final
 @attrs.frozen(kw_only=True)
-class CommitBatch(ColumnNode):
+class CommitBatch(ColumnNode, RequestRows):
     """Per row, commit the target state at intermediate position ``accept_pos[i]`` of verify
     ``verify_id``. ``released_kv`` are the KV locations of rejected positions, to be freed."""
 
     k: int
     verify_id: TicketSerial
-    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
-    seq_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    accept_pos: I64 = attrs.field(converter=as_i64, eq=column_key)
-    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
-    released_kv: I64 = attrs.field(converter=as_i64, eq=column_key)
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
+    accept_pos: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
+    released_kv: I64 = column(converter=as_i64, metadata=per(ANY))
+    """As many as the rejected positions (``len(rids) * k - sum(accept_pos)``: checked by ``_check``)."""
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
+    def _check_first(self) -> None:
+        _check_ids(self, self.k, self.verify_id)
 
-    def check_fields(self) -> None:
-        k = _check_ids(self, self.k, self.verify_id)
-        _check_window(
-            self, k, self.rids, self.slots, self.seq_lens, (("input_ids", self.input_ids), ("kv_locs", self.kv_locs))
-        )
-        check_column(self, "accept_pos", self.accept_pos, self.rids.shape[0])
-        check_column(self, "released_kv", self.released_kv, None)
-        check_min(self, "accept_pos", self.accept_pos, 0)
+    def _check(self) -> None:
         if self.accept_pos.size and int(self.accept_pos.max()) > self.k:
             raise IRValidationError("CommitBatch", "accept_pos", int(self.accept_pos.max()), f"must be <= k ({self.k})")
         expected = int(self.rids.shape[0] * self.k - self.accept_pos.sum())
         check_column(self, "released_kv", self.released_kv, expected, "the rejected positions")
 
-    @property
-    def num_requests(self) -> int:
-        return int(self.rids.shape[0])
-
 
 @final
 @attrs.frozen(kw_only=True)
-class DraftExtendBatch(ColumnNode):
+class DraftExtendBatch(ColumnNode, RequestRows):
     """The draft model's catch-up forward over the accepted tokens ``p, d1..dm`` of each row, from
     its committed state after ``prefix_lens[i]`` tokens. Extend-shaped, without an init field."""
 
-    rids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    slots: I64 = attrs.field(converter=as_i64, eq=column_key)
-    prefix_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    extend_lens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    input_ids: I64 = attrs.field(converter=as_i64, eq=column_key)
-    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
-
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        check_extend_columns(self)
-
-    @property
-    def num_requests(self) -> int:
-        return int(self.rids.shape[0])
-
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
+    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX))
+    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
+    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
 
 
 # Spec plans wrap their batch: each of these batches already holds exactly what its forward needs
 # and nothing the backend must not act on (no init ops), so lowering adds only the phase's name.
+# Their checks are the batch's type (``ir.verify`` re-runs the batch's own checks).
 
 
 @final
 @attrs.frozen(kw_only=True)
-class DraftPlan:
+class DraftPlan(Composite):
     batch: DraftBatch
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        """The batch's type (``ir.verify`` re-runs the batch's own checks)."""
-        check_instance(self, "batch", self.batch, DraftBatch)
-
-    @property
-    def num_requests(self) -> int:
-        return self.batch.num_requests
-
 
 @final
 @attrs.frozen(kw_only=True)
-class VerifyPlan:
+class VerifyPlan(Composite):
     batch: VerifyBatch
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        """The batch's type (``ir.verify`` re-runs the batch's own checks)."""
-        check_instance(self, "batch", self.batch, VerifyBatch)
-
-    @property
-    def num_requests(self) -> int:
-        return self.batch.num_requests
-
 
 @final
 @attrs.frozen(kw_only=True)
-class CommitPlan:
+class CommitPlan(Composite):
     batch: CommitBatch
 
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        """The batch's type (``ir.verify`` re-runs the batch's own checks)."""
-        check_instance(self, "batch", self.batch, CommitBatch)
-
-    @property
-    def num_requests(self) -> int:
-        return self.batch.num_requests
-
 
 @final
 @attrs.frozen(kw_only=True)
-class DraftExtendPlan:
+class DraftExtendPlan(Composite):
     batch: DraftExtendBatch
-
-    def __attrs_post_init__(self) -> None:
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        """The batch's type (``ir.verify`` re-runs the batch's own checks)."""
-        check_instance(self, "batch", self.batch, DraftExtendBatch)
-
-    @property
-    def num_requests(self) -> int:
-        return self.batch.num_requests
 
 
 SpecBatch: TypeAlias = DraftBatch | VerifyBatch | CommitBatch | DraftExtendBatch

@@ -6,8 +6,8 @@ Checked here (local field checks live in the node validators):
 - an ``ExtendBatch``'s ``MambaInit`` is exactly what its per-request intents ask for: the clear
   slots are the slots of the ``CLEAR`` requests, the COW dsts those of the ``COW`` requests, in
   request order, and ``init`` is ``None`` when no request needs an op;
-- a COW src is never the live slot of a request in the same forward (it is a checkpoint): not a
-  slot of the batch or plan being prefilled, nor of the decode part of a mixed one. Clears and COW
+- a COW src is never the live slot of a request in the same forward (it is a cached-state slot):
+  not a slot of the batch or plan being prefilled, nor of the decode part of a mixed one. Clears and COW
   dsts as sources are refused by ``MambaInit`` itself. The plan-level form of this check runs at
   ``BATCHC_VERIFY=1`` (the default), which verifies each step's lowered plan; the batch-level form
   only at level 2;
@@ -24,8 +24,8 @@ from typing import assert_never
 
 import numpy as np
 
-from ir._fields import I64, first_common, first_missing, has_duplicates
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.columns import I64, first_common, first_missing, has_duplicates
 from ir.errors import IRVerificationError, SettingsError
 from ir.init import InitIntent, InitTicket
 from ir.nodes import Batch, Plan
@@ -100,7 +100,7 @@ def _disjoint(path: str, a: I64, b: I64, what: str) -> None:
 
 def _cow_src_not_in(path: str, cow_src: tuple[int, ...], slots: I64, what: str) -> None:
     """A COW must not read a slot this forward also runs a request in: that is a live request's
-    state, which the forward advances, not a checkpoint's."""
+    state, which the forward advances, not a cached one."""
     if not cow_src:
         return
     written = frozenset(slots.tolist())

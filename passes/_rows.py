@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir._fields import I64, frozen_i64
 from ir.batch import ExtendBatch
+from ir.columns import I64, frozen_i64
 from ir.spec import DraftExtendBatch
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir._fields import I64, build_unchecked, freeze
+from ir.columns import I64, build_unchecked, freeze
 from ir.errors import PreconditionError
 from ir.spec import AcceptResult, VerifyBatch
 from passes._args import bad_arg

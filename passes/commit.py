@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir._fields import build_unchecked, freeze
+from ir.columns import build_unchecked, freeze
 from ir.errors import PreconditionError
 from ir.spec import AcceptResult, CommitBatch, VerifyBatch
 from passes._args import bad_arg

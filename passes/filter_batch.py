@@ -19,8 +19,8 @@ from typing import TypeVar, assert_never
 
 import numpy as np
 
-from ir._fields import I64, INT64_MAX, BoolArray, first_bad_int, frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch
+from ir.columns import I64, INT64_MAX, BoolArray, first_bad_int, frozen_i64
 from ir.errors import PreconditionError, short_repr
 from ir.ids import RequestId
 from ir.init import MambaInit, MambaSnapshot

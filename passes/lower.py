@@ -15,8 +15,8 @@ from typing import final, overload
 
 import attrs
 
-from ir._fields import build_unchecked
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.columns import build_unchecked
 from ir.errors import IRValidationError
 from ir.ids import TARGET_POOL, PoolId
 from ir.init import InitTicket, SnapshotTicket

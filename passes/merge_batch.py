@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir._fields import first_common
 from ir.batch import DecodeBatch, ExtendBatch
+from ir.columns import first_common
 from ir.errors import PreconditionError
 from ir.spec import DraftExtendBatch
 from passes._args import bad_arg

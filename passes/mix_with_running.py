@@ -8,8 +8,8 @@ init ops in this forward) and whose decode part has none.
 
 from __future__ import annotations
 
-from ir._fields import first_common
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.columns import first_common
 from ir.errors import PreconditionError
 from passes._args import bad_arg
 

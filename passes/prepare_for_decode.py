@@ -19,8 +19,8 @@ from typing import final
 import attrs
 import numpy as np
 
-from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.columns import I64, MAX_SEQ_LEN, REQUEST, ColumnNode, as_i64, build_unchecked, column, freeze, per
 from ir.errors import PreconditionError
 from passes._args import bad_arg, unexpected_arg
 from passes._rows import finished_prefill_rows
@@ -32,14 +32,8 @@ class DecodeContext(ColumnNode):
     """What the forward that just ran produced: the sampled tokens and the KV locations allocated
     for them, one per request of the resulting decode batch."""
 
-    next_tokens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
-
-    def __attrs_post_init__(self) -> None:
-        check_column(self, "next_tokens", self.next_tokens, None)
-        check_column(self, "kv_locs", self.kv_locs, self.next_tokens.shape[0], "len(next_tokens)")
-        check_min(self, "next_tokens", self.next_tokens, 0)
-        check_min(self, "kv_locs", self.kv_locs, 0)
+    next_tokens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
 
 
 def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext) -> DecodeBatch:

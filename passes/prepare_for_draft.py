@@ -13,8 +13,8 @@ from typing import final
 
 import attrs
 
-from ir._fields import I64, MAX_SEQ_LEN, ColumnNode, as_i64, build_unchecked, check_column, check_min, column_key, freeze
 from ir.batch import DecodeBatch
+from ir.columns import I64, MAX_SEQ_LEN, REQUEST, WINDOW, ColumnNode, as_i64, build_unchecked, column, freeze, per
 from ir.errors import PreconditionError
 from ir.spec import DraftBatch, check_k
 from passes._args import bad_arg
@@ -23,17 +23,14 @@ from passes._args import bad_arg
 @final
 @attrs.frozen(kw_only=True)
 class SpecContext(ColumnNode):
-    k: int
-    next_tokens: I64 = attrs.field(converter=as_i64, eq=column_key)
-    kv_locs: I64 = attrs.field(converter=as_i64, eq=column_key)
+    """Per row, the pending token and the ``k + 1`` fresh KV locations of its window."""
 
-    def __attrs_post_init__(self) -> None:
-        k = check_k(self, self.k)  # an int in [1, MAX_SPEC_K], before any arithmetic on it
-        check_column(self, "next_tokens", self.next_tokens, None)
-        n = self.next_tokens.shape[0]
-        check_column(self, "kv_locs", self.kv_locs, n * (k + 1), "len(next_tokens) * (k + 1)")
-        check_min(self, "next_tokens", self.next_tokens, 0)
-        check_min(self, "kv_locs", self.kv_locs, 0)
+    k: int
+    next_tokens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
+
+    def _check_first(self) -> None:
+        check_k(self, self.k)  # an int in [1, MAX_SPEC_K], before any arithmetic on it
 
 
 def prepare_for_draft(batch: DecodeBatch, ctx: SpecContext) -> DraftBatch:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir._fields import build_unchecked, freeze
+from ir.columns import build_unchecked, freeze
 from ir.spec import CommitBatch, DraftExtendBatch
 from passes._args import bad_arg
 

@@ -3,9 +3,9 @@
 Pre: ``requests`` is a list or tuple (any ``Sequence`` but a ``str``/``bytes``) of at least one
 ``AdmittedRequest`` (else ``PreconditionError`` naming the argument and what it got); rids, slots
 and KV locations distinct (checked by the verifier).
-Post: the batch's columns follow the request order; ``init`` holds one clear per ``CLEAR``
-request and one COW ``checkpoint -> slot`` per ``COW`` request, in request order, under a freshly
-minted serial, or is ``None`` when every request is a chunked continuation.
+Post: the batch's columns follow the request order; ``init`` holds one clear per ``Clear()``
+request and one COW ``src -> slot`` per ``CopyFrom(src=...)`` request, in request order, under a
+freshly minted serial, or is ``None`` when every request is a chunked continuation (``Continue``).
 
 Requests with ``snapshot_to`` contribute a ``MambaSnapshot`` (their slot -> that cache slot, after
 the forward) under its own serial.
@@ -17,15 +17,16 @@ linear resource with an identity that survives copies.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import assert_never
 
 import numpy as np
 
-from ir._fields import frozen_i64
 from ir.batch import ExtendBatch
+from ir.columns import frozen_i64
 from ir.errors import PreconditionError
 from ir.ids import MambaSlot
-from ir.init import InitIntent, MambaInit, MambaSnapshot, mint_serial
-from ir.request import AdmittedRequest
+from ir.init import MambaInit, MambaSnapshot, mint_serial
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 from passes._args import bad_arg
 
 
@@ -41,12 +42,16 @@ def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
     src: list[MambaSlot] = []
     dst: list[MambaSlot] = []
     for r in requests:
-        if r.intent is InitIntent.CLEAR:
-            clears.append(r.slot)
-        elif r.intent is InitIntent.COW:
-            assert r.checkpoint is not None  # AdmittedRequest's validator guarantees it
-            src.append(r.checkpoint)
-            dst.append(r.slot)
+        match r.intent:
+            case Clear():
+                clears.append(r.slot)
+            case CopyFrom(src=cow_src):
+                src.append(cow_src)
+                dst.append(r.slot)
+            case Continue():
+                pass
+            case _:
+                assert_never(r.intent)
     init = MambaInit(serial=mint_serial(), clear_slots=clears, cow_src=src, cow_dst=dst) if clears or dst else None
     snap = [(r.slot, r.snapshot_to) for r in requests if r.snapshot_to is not None]
     snapshot = (
@@ -55,10 +60,10 @@ def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
     return ExtendBatch(
         rids=frozen_i64([r.rid for r in requests]),
         slots=frozen_i64([r.slot for r in requests]),
-        prefix_lens=frozen_i64([r.prefix_len for r in requests]),
+        prefix_lens=frozen_i64([r.intent.prefix_len for r in requests]),
         extend_lens=frozen_i64([r.input_ids.shape[0] for r in requests]),
         more_chunks=np.array([r.more_chunks for r in requests], dtype=np.bool_),
-        intents=tuple(r.intent for r in requests),
+        intents=tuple(r.intent.kind for r in requests),
         input_ids=np.concatenate([r.input_ids for r in requests]),
         kv_locs=np.concatenate([r.kv_locs for r in requests]),
         init=init,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir._fields import I64, build_unchecked, freeze
+from ir.columns import I64, build_unchecked, freeze
 from ir.errors import PreconditionError
 from ir.init import mint_serial
 from ir.spec import DraftBatch, VerifyBatch

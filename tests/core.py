@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from backend.pool import MambaLayerSpec, PoolLayout
 from ir.batch import DecodeBatch
 from ir.ids import MambaSlot, RequestId
-from ir.init import InitIntent
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 
 LAYOUT = PoolLayout(layers=(MambaLayerSpec(conv_dim=8, kernel_width=4, nheads=2, head_dim=4, d_state=4),))
 
@@ -16,23 +15,21 @@ LAYOUT = PoolLayout(layers=(MambaLayerSpec(conv_dim=8, kernel_width=4, nheads=2,
 def fresh(rid: int, slot: int, tokens: Sequence[int], kv_start: int, *, more: bool = False) -> AdmittedRequest:
     return AdmittedRequest(
         rid=RequestId(rid), slot=MambaSlot(slot), input_ids=list(tokens),
-        kv_locs=list(range(kv_start, kv_start + len(tokens))), intent=InitIntent.CLEAR, more_chunks=more,
+        kv_locs=list(range(kv_start, kv_start + len(tokens))), intent=Clear(), more_chunks=more,
     )
 
 
-def cow(rid: int, slot: int, checkpoint: int, prefix: int, tokens: Sequence[int], kv_start: int) -> AdmittedRequest:
+def cow(rid: int, slot: int, src: int, prefix: int, tokens: Sequence[int], kv_start: int) -> AdmittedRequest:
     return AdmittedRequest(
         rid=RequestId(rid), slot=MambaSlot(slot), input_ids=list(tokens),
-        kv_locs=list(range(kv_start, kv_start + len(tokens))), prefix_len=prefix, intent=InitIntent.COW,
-        checkpoint=MambaSlot(checkpoint),
+        kv_locs=list(range(kv_start, kv_start + len(tokens))), intent=CopyFrom(src=MambaSlot(src), prefix_len=prefix),
     )
 
 
 def cont(rid: int, slot: int, prefix: int, tokens: Sequence[int], kv_start: int, *, more: bool = False) -> AdmittedRequest:
     return AdmittedRequest(
         rid=RequestId(rid), slot=MambaSlot(slot), input_ids=list(tokens),
-        kv_locs=list(range(kv_start, kv_start + len(tokens))), prefix_len=prefix, intent=InitIntent.CONTINUE,
-        more_chunks=more,
+        kv_locs=list(range(kv_start, kv_start + len(tokens))), intent=Continue(prefix_len=prefix), more_chunks=more,
     )
 
 

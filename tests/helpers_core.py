@@ -18,9 +18,8 @@ from backend.model import ModelHook
 from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId
-from ir.init import InitIntent
 from ir.plan import ExtendPlan
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear, Intent
 from passes.lower import LowerContext, lower
 from passes.prepare_for_extend import prepare_for_extend
 
@@ -86,9 +85,7 @@ def request(
     tokens: Sequence[int],
     kv_start: int,
     *,
-    intent: InitIntent = InitIntent.CLEAR,
-    prefix_len: int = 0,
-    checkpoint: int | None = None,
+    intent: Intent | None = None,
     more_chunks: bool = False,
 ) -> AdmittedRequest:
     return AdmittedRequest(
@@ -96,9 +93,7 @@ def request(
         slot=MambaSlot(slot),
         input_ids=np.asarray(tokens, dtype=np.int64),
         kv_locs=np.arange(kv_start, kv_start + len(tokens), dtype=np.int64),
-        prefix_len=prefix_len,
-        intent=intent,
-        checkpoint=None if checkpoint is None else MambaSlot(checkpoint),
+        intent=Clear() if intent is None else intent,
         more_chunks=more_chunks,
     )
 

@@ -18,9 +18,10 @@ from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, stage_decode, stage_extend
 from backend.state_init import apply_init
 from ir.errors import PlanExecutionError, ResourceLeakError, ResourceReplayError, SlotError
-from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId
-from ir.init import InitIntent, InitTicket, MambaInit, mint_serial
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId
+from ir.init import InitTicket, MambaInit, mint_serial
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.request import Continue, CopyFrom
 from passes.lower import LowerContext, lower
 from passes.mix_with_running import mix_with_running
 from passes.prepare_for_extend import prepare_for_extend
@@ -307,8 +308,8 @@ def test_executor_runs_clears_then_copies_then_the_model() -> None:
     _, plan = extend_plan(
         [
             request(1, 2, [5, 6, 7], 10),
-            request(2, 3, [8, 9], 13, intent=InitIntent.COW, prefix_len=4, checkpoint=1),
-            request(3, 4, [1], 15, intent=InitIntent.CONTINUE, prefix_len=2),
+            request(2, 3, [8, 9], 13, intent=CopyFrom(src=MambaSlot(1), prefix_len=4)),
+            request(3, 4, [1], 15, intent=Continue(prefix_len=2)),
         ],
         ledger=w.ledger,
     )
@@ -354,7 +355,7 @@ def test_mixed_plan_consumes_its_extend_ticket_and_stages_both_parts() -> None:
     before = w.pool.buffer.clone()
     model = RecordingModel()
     w.executor.model = model
-    extend = prepare_for_extend([request(1, 4, [5, 6], 10), request(2, 5, [7], 12, intent=InitIntent.COW, prefix_len=3, checkpoint=1)])
+    extend = prepare_for_extend([request(1, 4, [5, 6], 10), request(2, 5, [7], 12, intent=CopyFrom(src=MambaSlot(1), prefix_len=3))])
     running = decode_batch([7, 8], [2, 3], [9, 4], [30, 31])
     plan = lower(mix_with_running(extend, running), LowerContext())
     assert isinstance(plan, MixedPlan)
@@ -393,7 +394,7 @@ def test_decode_and_idle_plans_consume_nothing() -> None:
 def test_continuation_only_extend_consumes_nothing() -> None:
     w = make_world(seed=2)
     before = w.pool.buffer.clone()
-    _, plan = extend_plan([request(1, 2, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=5)], ledger=w.ledger)
+    _, plan = extend_plan([request(1, 2, [5, 6], 10, intent=Continue(prefix_len=5))], ledger=w.ledger)
     assert plan.tickets == ()
     w.executor.execute(plan)
     assert torch.equal(w.pool.buffer, before)
@@ -406,7 +407,7 @@ def test_each_pool_consumes_its_own_ticket_once() -> None:
     random_fill(draft_pool, 2)
     draft = Executor(draft_pool, target.ledger)
     _, plan = extend_plan(
-        [request(1, 2, [5, 6], 10), request(2, 3, [7], 12, intent=InitIntent.COW, prefix_len=2, checkpoint=1)],
+        [request(1, 2, [5, 6], 10), request(2, 3, [7], 12, intent=CopyFrom(src=MambaSlot(1), prefix_len=2))],
         pools=(TARGET_POOL, DRAFT_POOL),
         ledger=target.ledger,
     )
@@ -429,8 +430,8 @@ def _extend_plan_for_staging() -> ExtendPlan:
     _, plan = extend_plan(
         [
             request(1, 2, [5, 6, 7], 10),
-            request(2, 3, [8], 13, intent=InitIntent.CONTINUE, prefix_len=6),
-            request(3, 4, [9, 1], 14, intent=InitIntent.COW, prefix_len=4, checkpoint=1),
+            request(2, 3, [8], 13, intent=Continue(prefix_len=6)),
+            request(3, 4, [9, 1], 14, intent=CopyFrom(src=MambaSlot(1), prefix_len=4)),
         ]
     )
     return plan

@@ -35,8 +35,8 @@ from compiler.engine import Checkpoint, Engine, RequestState, StepKind
 from compiler.manager import PassError, PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
-from ir._fields import build_unchecked
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.columns import build_unchecked
 from ir.errors import (
     IRValidationError,
     IRVerificationError,
@@ -50,7 +50,7 @@ from ir.errors import (
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket, mint_serial
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 from ir.spec import (
     MAX_SPEC_K,
     AcceptResult,
@@ -129,7 +129,7 @@ def _freed_slot_plan(w: World) -> Ctx:
 def _freed_checkpoint_plan(w: World) -> Ctx:
     """A COW from checkpoint slot 1 into slot 2, lowered and registered; then slot 1 is freed."""
     _, plan = extend_plan(
-        [request(1, 2, [5, 6], 10, intent=InitIntent.COW, prefix_len=3, checkpoint=1)], ledger=w.ledger
+        [request(1, 2, [5, 6], 10, intent=CopyFrom(src=MambaSlot(1), prefix_len=3))], ledger=w.ledger
     )
     w.slots.free(1)
     return {"plan": plan, "serial": plan.tickets[0].serial}
@@ -184,12 +184,12 @@ def _plan_setup(build: Callable[[World], Any]) -> Callable[[World], Ctx]:
 _out_of_range_clear = _plan_setup(lambda w: extend_plan([request(1, 9, [5, 6], 10)], ledger=w.ledger)[1])
 # no init ops: the plan's own slot column is what is out of range
 _out_of_range_continue = _plan_setup(
-    lambda w: extend_plan([request(1, 7, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=4)], ledger=w.ledger)[1]
+    lambda w: extend_plan([request(1, 7, [5, 6], 10, intent=Continue(prefix_len=4))], ledger=w.ledger)[1]
 )
 _out_of_range_decode = _plan_setup(lambda w: lower(decode_batch([1, 2], [1, 5], [4, 4], [20, 21]), LowerContext()))
 _out_of_range_cow_src = _plan_setup(
     lambda w: extend_plan(
-        [request(1, 2, [5, 6], 10, intent=InitIntent.COW, prefix_len=3, checkpoint=11)], ledger=w.ledger
+        [request(1, 2, [5, 6], 10, intent=CopyFrom(src=MambaSlot(11), prefix_len=3))], ledger=w.ledger
     )[1]
 )
 # the world's pool is "draft"; the plan was lowered for the target pool only
@@ -248,8 +248,8 @@ def _verify_dup_slots_extend(w: World, ctx: Ctx) -> object:
     # continuations (no init ops), so only the whole-batch verifier can see the repeat
     batch = prepare_for_extend(
         [
-            request(1, 2, [5], 10, intent=InitIntent.CONTINUE, prefix_len=3),
-            request(2, 2, [6], 11, intent=InitIntent.CONTINUE, prefix_len=3),
+            request(1, 2, [5], 10, intent=Continue(prefix_len=3)),
+            request(2, 2, [6], 11, intent=Continue(prefix_len=3)),
         ]
     )
     verify(batch)
@@ -264,8 +264,8 @@ def _verify_dup_kv(w: World, ctx: Ctx) -> object:
 def _verify_cow_src_live(w: World, ctx: Ctx) -> object:
     batch = prepare_for_extend(
         [
-            request(1, 1, [5], 10, intent=InitIntent.CONTINUE, prefix_len=3),
-            request(2, 2, [6, 7], 11, intent=InitIntent.COW, prefix_len=3, checkpoint=1),
+            request(1, 1, [5], 10, intent=Continue(prefix_len=3)),
+            request(2, 2, [6, 7], 11, intent=CopyFrom(src=MambaSlot(1), prefix_len=3)),
         ]
     )
     verify(batch)
@@ -325,7 +325,7 @@ def _pipeline_mixed_shared_slot(w: World, ctx: Ctx) -> object:
 def _tokens(values: Any) -> Callable[[World, Ctx], object]:
     def act(w: World, ctx: Ctx) -> object:
         return AdmittedRequest(
-            rid=RequestId(1), slot=MambaSlot(2), input_ids=values, kv_locs=[10, 11], intent=InitIntent.CLEAR
+            rid=RequestId(1), slot=MambaSlot(2), input_ids=values, kv_locs=[10, 11], intent=Clear()
         )
 
     return act
@@ -336,7 +336,7 @@ def _build(fn: Callable[[], object]) -> Callable[[World, Ctx], object]:
 
 
 def _admitted(**kw: Any) -> Callable[[World, Ctx], object]:
-    fields: dict[str, Any] = dict(rid=RequestId(1), slot=MambaSlot(2), input_ids=[5, 6], kv_locs=[10, 11], intent=InitIntent.CLEAR)
+    fields: dict[str, Any] = dict(rid=RequestId(1), slot=MambaSlot(2), input_ids=[5, 6], kv_locs=[10, 11], intent=Clear())
     fields.update(kw)
     return _build(lambda: AdmittedRequest(**fields))
 
@@ -504,13 +504,16 @@ CASES: list[Case] = [
     Case("cow-lengths", _init(cow_src=(1, 3), cow_dst=(2,)), IRValidationError, r"len\(cow_src\) \(2\)", field="cow_dst"),
     Case("serial-zero", _build(lambda: MambaInit(serial=0, clear_slots=(1,))), IRValidationError, r"serial.*got 0", field="serial"),  # type: ignore[arg-type]
     # -- request fields ----------------------------------------------------------------------------
-    Case("cow-without-checkpoint", _admitted(intent=InitIntent.COW, prefix_len=3), IRValidationError, r"checkpoint", field="checkpoint"),
-    Case("cow-checkpoint-is-own-slot", _admitted(intent=InitIntent.COW, prefix_len=3, checkpoint=MambaSlot(2)), IRValidationError, r"own slot.*got 2", field="checkpoint"),
-    Case("cow-without-prefix", _admitted(intent=InitIntent.COW, checkpoint=MambaSlot(1)), IRValidationError, r"cached prefix", field="prefix_len"),
-    Case("clear-with-prefix", _admitted(prefix_len=4), IRValidationError, r"starts at token 0 \(got 4\)", field="prefix_len"),
-    Case("clear-with-checkpoint", _admitted(checkpoint=MambaSlot(1)), IRValidationError, r"copies no checkpoint \(got 1\)", field="checkpoint"),
-    Case("continue-without-prefix", _admitted(intent=InitIntent.CONTINUE), IRValidationError, r"earlier chunks", field="prefix_len"),
-    Case("negative-prefix", _admitted(intent=InitIntent.CONTINUE, prefix_len=-2), IRValidationError, r"got -2", field="prefix_len"),
+    # (the combinations an intent cannot express are refused by the constructor: no such field)
+    Case("cow-without-src", _build(lambda: CopyFrom(prefix_len=3)), TypeError, r"src"),  # type: ignore[call-arg]
+    Case("cow-src-is-own-slot", _admitted(intent=CopyFrom(src=MambaSlot(2), prefix_len=3)), IRValidationError, r"own slot.*got 2", field="intent"),
+    Case("cow-without-prefix", _build(lambda: CopyFrom(src=MambaSlot(1), prefix_len=0)), IRValidationError, r"cached prefix", field="prefix_len"),
+    Case("clear-with-prefix", _build(lambda: Clear(prefix_len=4)), TypeError, r"prefix_len"),  # type: ignore[call-arg]
+    Case("clear-with-src", _build(lambda: Clear(src=MambaSlot(1))), TypeError, r"src"),  # type: ignore[call-arg]
+    Case("continue-with-src", _build(lambda: Continue(src=MambaSlot(1), prefix_len=3)), TypeError, r"src"),  # type: ignore[call-arg]
+    Case("intent-enum-not-variant", _admitted(intent=InitIntent.COW), IRValidationError, r"must be a Clear or a CopyFrom or a Continue, not InitIntent", field="intent"),
+    Case("continue-without-prefix", _build(lambda: Continue(prefix_len=0)), IRValidationError, r"earlier chunks", field="prefix_len"),
+    Case("negative-prefix", _build(lambda: Continue(prefix_len=-2)), IRValidationError, r"got -2", field="prefix_len"),
     Case("no-tokens", _admitted(input_ids=[], kv_locs=[]), IRValidationError, r"at least one token", field="input_ids"),
     Case("kv-shorter-than-tokens", _admitted(input_ids=[5, 6, 7]), IRValidationError, r"len\(input_ids\) \(3\) \(got 2\)", field="kv_locs"),
     Case(
@@ -562,7 +565,7 @@ CASES: list[Case] = [
     Case("decode-plan-seq-lens-length", _build(lambda: DecodePlan(rids=[1, 2], slots=[1, 2], seq_lens=[4], input_ids=[7, 7], kv_locs=[20, 21])), IRValidationError, r"DecodePlan\.seq_lens: length must equal len\(rids\) \(2\) \(got 1\)", field="seq_lens"),
     Case("draft-batch-slots-length", _build(lambda: DraftBatch(k=1, rids=[1], slots=[1, 2], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])), IRValidationError, r"DraftBatch\.slots: length must equal len\(rids\) \(1\) \(got 2\)", field="slots"),
     Case("accept-result-negative-bonus", _build(lambda: AcceptResult(accepted=[0], bonus=[-1])), IRValidationError, r"AcceptResult\.bonus: every value must be >= 0 \(got -1\)", field="bonus"),
-    Case("cow-checkpoint-0", _admitted(intent=InitIntent.COW, prefix_len=3, checkpoint=MambaSlot(0)), IRValidationError, r"AdmittedRequest\.checkpoint: must be >= 1 \(got 0\)", field="checkpoint"),
+    Case("cow-src-0", _build(lambda: CopyFrom(src=MambaSlot(0), prefix_len=3)), IRValidationError, r"CopyFrom\.src: must be >= 1 .*\(got 0\)", field="src"),
     Case("decode-context-float-tokens", _build(lambda: DecodeContext(next_tokens=np.array([1.5]), kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: .*got dtype float64", field="next_tokens"),
     Case("decode-context-negative-token", _build(lambda: DecodeContext(next_tokens=[-1], kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: every value must be >= 0 \(got -1\)", field="next_tokens"),
     Case("decode-context-negative-kv-loc", _build(lambda: DecodeContext(next_tokens=[1], kv_locs=[-1])), IRValidationError, r"DecodeContext\.kv_locs: every value must be >= 0 \(got -1\)", field="kv_locs"),
@@ -684,7 +687,8 @@ def _coercion_cases(kind: str, v: object) -> list[Case]:
         # IR scalar id fields
         Case(f"{kind}-rid", _admitted(rid=v), IRValidationError, rf"AdmittedRequest\.rid: .*{got}", field="rid"),
         Case(f"{kind}-slot", _admitted(slot=v), IRValidationError, rf"AdmittedRequest\.slot: .*{got}", field="slot"),
-        Case(f"{kind}-prefix-len", _admitted(prefix_len=v), IRValidationError, rf"AdmittedRequest\.prefix_len: .*{got}", field="prefix_len"),
+        Case(f"{kind}-prefix-len", _build(lambda: Continue(prefix_len=v)), IRValidationError, rf"Continue\.prefix_len: .*{got}", field="prefix_len"),
+        Case(f"{kind}-cow-prefix-len", _build(lambda: CopyFrom(src=MambaSlot(1), prefix_len=v)), IRValidationError, rf"CopyFrom\.prefix_len: .*{got}", field="prefix_len"),
         Case(f"{kind}-verify-id", _verify_batch(verify_id=v), IRValidationError, rf"VerifyBatch\.verify_id: .*{got}", field="verify_id"),
         Case(f"{kind}-k", _draft_batch(k=v), IRValidationError, rf"DraftBatch\.k: .*{got}", field="k"),
         # MambaInit slots (the converter is not told which slot field it converts: it names "slots")
@@ -710,16 +714,15 @@ def _coercion_cases(kind: str, v: object) -> list[Case]:
             field="serial",
         ),
     ]
-    if v is not None:  # None is a valid "no checkpoint"
-        rows.append(
-            Case(
-                f"{kind}-checkpoint",
-                _admitted(intent=InitIntent.COW, prefix_len=3, checkpoint=v),
-                IRValidationError,
-                rf"AdmittedRequest\.checkpoint: .*{got}",
-                field="checkpoint",
-            )
+    rows.append(  # (None too: a COW always has a source)
+        Case(
+            f"{kind}-copy-from-src",
+            _build(lambda: CopyFrom(src=v, prefix_len=3)),
+            IRValidationError,
+            rf"CopyFrom\.src: .*{got}",
+            field="src",
         )
+    )
     return rows
 
 
@@ -835,7 +838,7 @@ def test_caller_mutation_cannot_reach_a_node() -> None:
     """The converter copies: mutating the caller's list or array later changes nothing in the node."""
     tokens = [5, 6]
     arr = np.array([10, 11], dtype=np.int64)
-    r = AdmittedRequest(rid=RequestId(1), slot=MambaSlot(2), input_ids=tokens, kv_locs=arr, intent=InitIntent.CLEAR)
+    r = AdmittedRequest(rid=RequestId(1), slot=MambaSlot(2), input_ids=tokens, kv_locs=arr, intent=Clear())
     tokens[0] = 99
     arr[0] = 99
     assert r.input_ids.tolist() == [5, 6]
@@ -1080,7 +1083,7 @@ def test_smallest_legal_values_are_accepted() -> None:
 def test_numpy_integer_scalars_are_accepted(np_int: Callable[[int], object]) -> None:
     w = make_world()
     with suppress_type_checks():  # typeguard holds the annotations to plain int; the library takes numpy ints
-        r = AdmittedRequest(rid=np_int(1), slot=np_int(2), input_ids=[np_int(5), 6], kv_locs=np.array([10, 11], dtype=np.int32), intent=InitIntent.CLEAR)
+        r = AdmittedRequest(rid=np_int(1), slot=np_int(2), input_ids=[np_int(5), 6], kv_locs=np.array([10, 11], dtype=np.int32), intent=Clear())
         assert r.input_ids.tolist() == [5, 6] and r.input_ids.dtype == np.int64
         assert MambaInit(serial=mint_serial(), clear_slots=(np_int(2),)).clear_slots == (2,)
         assert DraftBatch(k=np_int(1), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31]).num_requests == 1
@@ -1134,4 +1137,4 @@ def test_sequences_at_the_length_bound_cannot_grow() -> None:
     with pytest.raises(PreconditionError, match=r"^prepare_for_draft: a sequence of 2147483647 tokens has no room for k \+ 1 = 3"):
         prepare_for_draft(full, SpecContext(k=2, next_tokens=[5], kv_locs=[6, 7, 8]))
     with pytest.raises(IRValidationError, match=r"^AdmittedRequest\.prefix_len: prefix_len \+ len\(input_ids\) must be <= MAX_SEQ_LEN"):
-        AdmittedRequest(rid=RequestId(1), slot=MambaSlot(1), input_ids=[1], kv_locs=[2], prefix_len=top, intent=InitIntent.CONTINUE)
+        AdmittedRequest(rid=RequestId(1), slot=MambaSlot(1), input_ids=[1], kv_locs=[2], intent=Continue(prefix_len=top))

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ir._fields import SMALL_COLUMN, first_common, first_missing, frozen_i64, has_duplicates
+from ir.columns import SMALL_COLUMN, first_common, first_missing, frozen_i64, has_duplicates
 
 _sizes = st.sampled_from([0, 1, 2, 7, SMALL_COLUMN // 2, SMALL_COLUMN - 1, SMALL_COLUMN, SMALL_COLUMN + 1, 3 * SMALL_COLUMN])
 

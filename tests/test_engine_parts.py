@@ -14,7 +14,7 @@ from backend.hybrid.model import HybridModel
 from compiler.engine import Engine, RequestState, StepKind
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.requests import Request, RequestTable
-from ir._fields import frozen_i64
+from ir.columns import frozen_i64
 from ir.errors import SlotError
 from ir.ids import MambaSlot, RequestId
 

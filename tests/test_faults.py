@@ -42,7 +42,7 @@ def _prefill_world(transactional: bool) -> tuple[Ledger, MambaStatePool, Executo
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, generator=torch.Generator().manual_seed(0), dtype=torch.uint8))
     ex = Executor(pool, ledger, _Writer(), transactional=transactional)
     _, plan = Pipeline(ledger, LowerContext(), PassManager(verify_level=2)).prefill(
-        [fresh(1, 1, [3, 4], 1), cow(2, 2, checkpoint=5, prefix=4, tokens=[5], kv_start=10)]
+        [fresh(1, 1, [3, 4], 1), cow(2, 2, src=5, prefix=4, tokens=[5], kv_start=10)]
     )
     return ledger, pool, ex, plan
 

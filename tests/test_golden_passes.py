@@ -15,10 +15,8 @@ import pytest
 
 from ir.batch import DecodeBatch, IdleBatch
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
-from ir.init import InitIntent
-from ir.printer import dump
-from ir.request import AdmittedRequest
-from ir.spec import AcceptResult
+from ir.printer import dump, dump_all
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 from passes import (
     DecodeContext,
     LowerContext,
@@ -41,8 +39,6 @@ GOLDEN = Path(__file__).resolve().parent / "golden" / "passes"
 
 
 def _show(value: object) -> str:
-    if isinstance(value, AcceptResult):
-        return f"AcceptResult accepted={value.accepted.tolist()} bonus={value.bonus.tolist()}\n"
     if isinstance(value, np.ndarray):
         return f"tokens {value.tolist()}\n"
     if isinstance(value, (DecodeContext, SpecContext)):
@@ -51,12 +47,10 @@ def _show(value: object) -> str:
     if isinstance(value, LowerContext):
         return f"LowerContext pools={list(value.pools)}\n"
     if isinstance(value, list):
+        if value and isinstance(value[0], AdmittedRequest):
+            return dump_all(value)  # one naming across the requests of one call
         return "".join(_show(v) for v in value) if value and not isinstance(value[0], int) else f"rids {value}\n"
-    if isinstance(value, AdmittedRequest):
-        return (f"AdmittedRequest rid={value.rid} slot={value.slot} intent={value.intent.name} prefix={value.prefix_len} "
-                f"checkpoint={value.checkpoint} tokens={value.input_ids.tolist()} kv={value.kv_locs.tolist()} "
-                f"more={value.more_chunks} snapshot_to={value.snapshot_to}\n")
-    return dump(value)  # type: ignore[arg-type]  # a batch or a plan; anything else fails here, loudly
+    return dump(value)  # type: ignore[arg-type]  # an IR node; anything else fails here, loudly
 
 
 def _case(label: str, fn: Callable[..., object], *args: object) -> tuple[str, str]:
@@ -67,11 +61,11 @@ def _case(label: str, fn: Callable[..., object], *args: object) -> tuple[str, st
 
 def _cases() -> dict[str, str]:
     requests = [
-        AdmittedRequest(rid=RequestId(10), slot=MambaSlot(1), input_ids=[5, 6, 7], kv_locs=[20, 21, 22], intent=InitIntent.CLEAR),
-        AdmittedRequest(rid=RequestId(11), slot=MambaSlot(2), input_ids=[8, 9], kv_locs=[30, 31], prefix_len=4,
-                        intent=InitIntent.COW, checkpoint=MambaSlot(6), snapshot_to=MambaSlot(7)),
-        AdmittedRequest(rid=RequestId(12), slot=MambaSlot(3), input_ids=[1, 2, 3, 4], kv_locs=[40, 41, 42, 43], prefix_len=8,
-                        intent=InitIntent.CONTINUE, more_chunks=True),
+        AdmittedRequest(rid=RequestId(10), slot=MambaSlot(1), input_ids=[5, 6, 7], kv_locs=[20, 21, 22], intent=Clear()),
+        AdmittedRequest(rid=RequestId(11), slot=MambaSlot(2), input_ids=[8, 9], kv_locs=[30, 31],
+                        intent=CopyFrom(src=MambaSlot(6), prefix_len=4), snapshot_to=MambaSlot(7)),
+        AdmittedRequest(rid=RequestId(12), slot=MambaSlot(3), input_ids=[1, 2, 3, 4], kv_locs=[40, 41, 42, 43],
+                        intent=Continue(prefix_len=8), more_chunks=True),
     ]
     running = DecodeBatch(rids=[20, 21], slots=[4, 5], seq_lens=[9, 12], input_ids=[50, 51], kv_locs=[60, 61])
     both = LowerContext(pools=(TARGET_POOL, DRAFT_POOL))

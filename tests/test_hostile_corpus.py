@@ -60,8 +60,9 @@ from ir.errors import (
     UnknownTicketError,
 )
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId, TicketSerial
-from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, mint_serial
+from ir.init import InitTicket, MambaInit, MambaSnapshot, mint_serial
 from ir.plan import ExtendPlan
+from ir.request import Continue, CopyFrom
 from ir.spec import (
     AcceptResult,
     CommitBatch,
@@ -419,7 +420,7 @@ def _snapshot_plan(dst: int) -> Callable[[World], Ctx]:
     """A prefill of a continuation in slot 1 that snapshots into cache slot ``dst`` (lowered, registered)."""
 
     def setup(w: World) -> Ctx:
-        r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(dst))
+        r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(dst))
         plan = lower(prepare_for_extend([r]), LowerContext())
         w.ledger.register(plan.snapshots)
         return {"plan": plan, "serial": plan.snapshots[0].serial}
@@ -847,7 +848,7 @@ def _prefills(w: World) -> Ctx:
     """Plan A (requests in slots 1 and 2, both cleared) and plan B (slot 3 copies checkpoint slot 4),
     registered and outstanding."""
     a = lower(prepare_for_extend([request(1, 1, [5], 0), request(2, 2, [6], 1)]), LowerContext())
-    b = lower(prepare_for_extend([request(3, 3, [7], 8, intent=InitIntent.COW, prefix_len=2, checkpoint=4)]), LowerContext())
+    b = lower(prepare_for_extend([request(3, 3, [7], 8, intent=CopyFrom(src=MambaSlot(4), prefix_len=2))]), LowerContext())
     w.slots.alloc()  # slot 4: the checkpoint
     w.ledger.register((*a.tickets, *b.tickets))
     return {"a": a, "b": b, "serial": a.tickets[0].serial}

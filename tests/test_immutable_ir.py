@@ -7,7 +7,7 @@
   ``pickle`` and ``copy.deepcopy`` (numpy alone unpickles arrays as writeable).
 - Sharing stays free: a plan's columns are its batch's (identity), and nodes built from another
   node's columns, from ``freeze``/``frozen_i64`` or from the allocators take them without a copy.
-- Every pass's output columns are IR-owned (``ir._fields.is_owned``).
+- Every pass's output columns are IR-owned (``ir.columns.is_owned``).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from backend.allocator import KVAllocator, SlotAllocator
 from backend.ledger import Ledger
 from compiler.manager import PassError, PassManager
 from compiler.steps import Pipeline
-from ir._fields import freeze, frozen_i64, is_owned
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.columns import freeze, frozen_i64, is_owned
 from ir.errors import IRVerificationError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
 from ir.init import InitIntent
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 from ir.spec import AcceptResult, CommitBatch, DraftBatch, DraftExtendBatch, VerifyBatch
 from ir.verify import verify
 from passes.accept import accept
@@ -84,7 +84,7 @@ def _extend() -> ExtendBatch:
     return prepare_for_extend(
         [
             fresh(10, 1, [5, 6, 7], 100),
-            cow(11, 2, checkpoint=9, prefix=4, tokens=[8, 9], kv_start=200),
+            cow(11, 2, src=9, prefix=4, tokens=[8, 9], kv_start=200),
             cont(12, 3, prefix=6, tokens=[1, 2, 3, 4], kv_start=300, more=True),
         ]
     )
@@ -184,7 +184,7 @@ def _read_only_view_of_bytearray(values: list[int]) -> tuple[bytearray, np.ndarr
 
 def test_frombuffer_bytearray_input_is_copied() -> None:
     buf, arr = _read_only_view_of_bytearray([5, 6])
-    r = AdmittedRequest(rid=RequestId(1), slot=MambaSlot(2), input_ids=arr, kv_locs=[10, 11], intent=InitIntent.CLEAR)
+    r = AdmittedRequest(rid=RequestId(1), slot=MambaSlot(2), input_ids=arr, kv_locs=[10, 11], intent=Clear())
     buf[:8] = (99).to_bytes(8, "little")
     assert arr.tolist() == [99, 6]  # the caller's array did change ...
     assert r.input_ids.tolist() == [5, 6]  # ... the node did not
@@ -296,8 +296,8 @@ def _cow_from_live_slot() -> ExtendBatch:
     # request 1 continues in slot 1; request 2 copies slot 1 as its "checkpoint" in the same forward
     return prepare_for_extend(
         [
-            request(1, 1, [5], 10, intent=InitIntent.CONTINUE, prefix_len=3),
-            request(2, 2, [6, 7], 11, intent=InitIntent.COW, prefix_len=3, checkpoint=1),
+            request(1, 1, [5], 10, intent=Continue(prefix_len=3)),
+            request(2, 2, [6, 7], 11, intent=CopyFrom(src=MambaSlot(1), prefix_len=3)),
         ]
     )
 
@@ -310,7 +310,7 @@ def test_plan_verification_refuses_a_cow_from_a_live_slot() -> None:
 
 
 def test_mixed_verification_refuses_a_cow_from_a_decode_row() -> None:
-    extend = prepare_for_extend([request(7, 2, [6, 7], 11, intent=InitIntent.COW, prefix_len=3, checkpoint=4)])
+    extend = prepare_for_extend([request(7, 2, [6, 7], 11, intent=CopyFrom(src=MambaSlot(4), prefix_len=3))])
     mixed = mix_with_running(extend, _running())  # the running request in slot 4 decodes in this forward
     with pytest.raises(IRVerificationError, match=r"MixedBatch\.extend\.init\.cow_src\[0\]: COW src 4 .*decode part"):
         verify(mixed)
@@ -324,8 +324,8 @@ def test_default_pipeline_refuses_a_cow_from_a_live_slot() -> None:
     with pytest.raises(PassError, match="COW src 1 is the live slot") as info:
         pipe.prefill(
             [
-                request(1, 1, [5], 10, intent=InitIntent.CONTINUE, prefix_len=3),
-                request(2, 2, [6, 7], 11, intent=InitIntent.COW, prefix_len=3, checkpoint=1),
+                request(1, 1, [5], 10, intent=Continue(prefix_len=3)),
+                request(2, 2, [6, 7], 11, intent=CopyFrom(src=MambaSlot(1), prefix_len=3)),
             ]
         )
     assert isinstance(info.value.error, IRVerificationError)

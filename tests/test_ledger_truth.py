@@ -35,8 +35,9 @@ from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
 from ir.errors import IRValidationError, PlanExecutionError, ResourceLeakError, ResourceReplayError, SlotError, TicketMismatchError, UnknownTicketError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, TicketSerial
-from ir.init import InitIntent, InitTicket, MambaInit, SnapshotTicket, mint_serial, minted_here, serial_epoch, this_epoch
+from ir.init import InitTicket, MambaInit, SnapshotTicket, mint_serial, minted_here, serial_epoch, this_epoch
 from ir.plan import ExtendPlan, MixedPlan
+from ir.request import Continue, CopyFrom
 from ir.spec import AcceptResult, CommitPlan
 from passes.accept import accept
 from passes.commit import commit
@@ -87,7 +88,7 @@ def _two_prefills(w: World) -> tuple[ExtendPlan, ExtendPlan]:
     """Plan A (fresh request in slot 1) and plan B (slot 2 starts as a copy of cache slot 4), both
     registered and outstanding."""
     _, a = extend_plan([request(1, 1, [5, 6], 0)], ledger=w.ledger)
-    _, b = extend_plan([request(2, 2, [7], 8, intent=InitIntent.COW, prefix_len=3, checkpoint=4)], ledger=w.ledger)
+    _, b = extend_plan([request(2, 2, [7], 8, intent=CopyFrom(src=MambaSlot(4), prefix_len=3))], ledger=w.ledger)
     return a, b
 
 
@@ -113,7 +114,7 @@ def test_forged_ops_under_an_outstanding_serial_are_refused_and_the_registered_o
 
 def test_forged_snapshot_ops_are_refused() -> None:
     w, model = _world()
-    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(4))
     plan = lower(prepare_for_extend([r]), LowerContext())
     w.ledger.register(plan.snapshots)
     snap = plan.snapshots[0].snapshot
@@ -160,7 +161,7 @@ def test_a_plan_stripped_of_its_outstanding_tickets_is_refused(transactional: bo
 
 def test_a_plan_stripped_of_its_snapshot_is_refused() -> None:
     w, model = _world()
-    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(4))
     plan = lower(prepare_for_extend([r]), LowerContext())
     w.ledger.register(plan.snapshots)
     serial = plan.snapshots[0].serial
@@ -181,7 +182,7 @@ def test_one_serial_carries_the_same_ops_for_every_pool() -> None:
 
 def test_a_snapshot_must_read_the_plans_rows_and_write_outside_them() -> None:
     w, model = _world()
-    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(4))
     plan = lower(prepare_for_extend([r]), LowerContext())
     other = ExtendPlan(
         rids=[2], slots=[3], prefix_lens=[3], extend_lens=[2], more_chunks=[False], input_ids=[5, 6], kv_locs=[20, 21],
@@ -309,7 +310,7 @@ def test_an_exhausted_counter_moves_to_a_new_valid_epoch(monkeypatch: pytest.Mon
 @pytest.mark.parametrize("transactional", [False, True])
 def test_a_snapshot_only_replay_is_refused_before_the_model_runs(transactional: bool) -> None:
     w, model = _world(transactional=transactional)
-    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(4))
     plan = lower(prepare_for_extend([r]), LowerContext())
     assert plan.tickets == () and len(plan.snapshots) == 1
     w.ledger.register(plan.snapshots)
@@ -320,7 +321,7 @@ def test_a_snapshot_only_replay_is_refused_before_the_model_runs(transactional: 
 
 def test_a_mixed_replay_without_an_init_ticket_is_refused_before_the_model_runs() -> None:
     w, model = _world()
-    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(4))
     running = decode_batch([2], [2], [4], [30])
     decode = prepare_for_decode(running, DecodeContext(next_tokens=[9], kv_locs=[31]))
     plan = lower(mix_with_running(prepare_for_extend([r]), decode), LowerContext())
@@ -470,7 +471,7 @@ def test_a_mixed_plans_decode_rows_are_checked_before_anything_moves() -> None:
 
 def test_a_snapshot_lowered_for_another_pool_is_refused() -> None:
     w, model = _world()
-    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(4))
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(4))
     plan = lower(prepare_for_extend([r]), LowerContext(pools=(DRAFT_POOL,)))
     w.ledger.register(plan.snapshots)
     _refused(w, model, lambda: w.executor.execute(plan), PlanExecutionError, r"plan with snapshot #\d+ was lowered for pool\(s\) 'draft', not for this executor's pool 'target'")
@@ -478,8 +479,8 @@ def test_a_snapshot_lowered_for_another_pool_is_refused() -> None:
 
 def test_a_snapshot_may_not_write_a_row_of_its_own_plan() -> None:
     w, model = _world()
-    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=InitIntent.CONTINUE, prefix_len=3), snapshot_to=MambaSlot(2))
-    plan = lower(prepare_for_extend([r, request(2, 2, [7], 20, intent=InitIntent.CONTINUE, prefix_len=1)]), LowerContext())
+    r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(2))
+    plan = lower(prepare_for_extend([r, request(2, 2, [7], 20, intent=Continue(prefix_len=1))]), LowerContext())
     w.ledger.register(plan.snapshots)
     _refused(w, model, lambda: w.executor.execute(plan), PlanExecutionError, r"snapshot #\d+ writes slot 2, a row of this plan")
 

@@ -31,8 +31,8 @@ import passes
 from backend.ledger import Ledger
 from compiler.manager import PassError, PassManager
 from compiler.steps import Pipeline
-from ir._fields import frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
+from ir.columns import frozen_i64
 from ir.errors import PreconditionError, short_repr
 from ir.ids import RequestId
 from ir.spec import AcceptResult, CommitBatch, DraftBatch, VerifyBatch

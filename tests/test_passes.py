@@ -32,7 +32,7 @@ def _extend() -> ExtendBatch:
     return prepare_for_extend(
         [
             fresh(10, 1, [5, 6, 7], 100),
-            cow(11, 2, checkpoint=9, prefix=4, tokens=[8, 9], kv_start=200),
+            cow(11, 2, src=9, prefix=4, tokens=[8, 9], kv_start=200),
             cont(12, 3, prefix=6, tokens=[1, 2, 3, 4], kv_start=300, more=True),
         ]
     )
@@ -275,7 +275,7 @@ def test_passes_never_mutate_inputs() -> None:
 # slots and KV locations deliberately not in request order, so a swap cannot look like the original
 _EXT_REQS = (
     fresh(10, 7, [5, 6, 7], 100),
-    cow(11, 3, checkpoint=9, prefix=4, tokens=[8, 9], kv_start=200),
+    cow(11, 3, src=9, prefix=4, tokens=[8, 9], kv_start=200),
     cont(12, 5, prefix=6, tokens=[1, 2, 3, 4], kv_start=300, more=True),
 )
 _EXT_ROWS = {  # rid -> (slot, prefix_len, tokens, KV locations)
@@ -411,7 +411,7 @@ def test_a_decode_derived_batch_lowers_without_tickets() -> None:
         assert _no_one_shot_ops(dump(d)) and _no_one_shot_ops(dump(plan)), dump(plan)
 
     # a later MIXED forward: the running part came from `e`; only the newcomers' init is lowered
-    newcomers = prepare_for_extend([fresh(20, 2, [9, 9], 400), cow(21, 1, checkpoint=9, prefix=4, tokens=[7], kv_start=500)])
+    newcomers = prepare_for_extend([fresh(20, 2, [9, 9], 400), cow(21, 1, src=9, prefix=4, tokens=[7], kv_start=500)])
     assert newcomers.init is not None and newcomers.init.serial != e.init.serial
     m = mix_with_running(newcomers, prepare_for_decode(merge_batch(_running(), e), _ctx([1, 2, 3, 10, 11], _NEXT)))
     plan = lower(m, ctx)

@@ -16,9 +16,8 @@ from compiler.manager import PassManager
 from compiler.steps import Pipeline
 from ir.errors import IRValidationError, IRVerificationError, PlanExecutionError, ResourceLeakError, ResourceReplayError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
-from ir.init import InitIntent
 from ir.printer import dump
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear
 from ir.verify import verify
 from passes import LowerContext, filter_batch, prepare_for_extend
 from tests.core import LAYOUT, fresh
@@ -27,7 +26,7 @@ from tests.core import LAYOUT, fresh
 def _snapshotting(rid: int, slot: int, cache: int, tokens: list[int], kv: int) -> AdmittedRequest:
     return AdmittedRequest(
         rid=RequestId(rid), slot=MambaSlot(slot), input_ids=tokens, kv_locs=list(range(kv, kv + len(tokens))),
-        intent=InitIntent.CLEAR, snapshot_to=MambaSlot(cache), more_chunks=True,
+        intent=Clear(), snapshot_to=MambaSlot(cache), more_chunks=True,
     )
 
 
@@ -55,7 +54,7 @@ def test_snapshot_is_lowered_per_pool_and_applied_after_the_forward() -> None:
     batch, plan = pipe.prefill([_snapshotting(1, 1, 7, [3, 4], 1), fresh(2, 2, [5], 10)])
     assert batch.snapshot is not None and batch.snapshot.src == (1,) and batch.snapshot.dst == (7,)
     assert [t.pool for t in plan.snapshots] == [TARGET_POOL, DRAFT_POOL]
-    assert "snapshot ticket #1 [s0->s2] pool=target" in dump(plan)
+    assert "snapshot ticket #2 [s1->s3] pool=target" in dump(plan)
     for ex, pool in zip(execs, pools, strict=True):
         ex.execute(plan)
         assert torch.equal(pool.buffer[7], pool.buffer[1])  # the state after the forward

@@ -12,7 +12,7 @@ from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.manager import PassManager
 from compiler.steps import Pipeline
-from ir._fields import frozen_i64
+from ir.columns import frozen_i64
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL
 from ir.spec import CommitPlan, DraftBatch, DraftExtendPlan, DraftPlan, VerifyBatch, VerifyPlan

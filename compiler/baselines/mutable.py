@@ -37,7 +37,7 @@ import torch
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
 from backend.reference import init_rows_reference
-from ir.ids import MambaSlot, PoolId, TicketSerial
+from ir.ids import PoolId, TicketSerial
 from ir.init import InitTicket, MambaInit, mint_serial
 
 
@@ -263,8 +263,8 @@ class ModelRunner:
             self._serials[origin] = mint_serial()
         init = MambaInit(
             serial=self._serials[origin],
-            clear_slots=[MambaSlot(int(s)) for s in clear],
-            cow_src=[MambaSlot(int(s)) for s in src],
-            cow_dst=[MambaSlot(int(s)) for s in dst],
+            clear_slots=clear.tolist(),
+            cow_src=src.tolist(),
+            cow_dst=dst.tolist(),
         )
         return InitTicket(pool=PoolId(self.pool.pool_id), init=init)

@@ -27,7 +27,7 @@ from backend.ledger import Ledger
 from backend.pool import MambaStatePool
 from compiler.baselines.mutable import ForwardMode, ModelRunner, Req, ScheduleBatch
 from compiler.engine import Checkpoint, SpecStats, StepKind, StepReport
-from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
+from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 
 
 class _Side:
@@ -95,7 +95,7 @@ class MutableSpecEngine:
         for side in (self.t, self.d):
             side.runner.forward(batch.get_model_worker_batch(ForwardMode.EXTEND))  # the clear of the fresh slot
             self._extend(side, [int(slot)], [0], [list(tokens)], [kv.tolist()])
-        return Checkpoint(slot=MambaSlot(int(slot)), tokens=tuple(tokens), kv_locs=tuple(int(x) for x in kv))
+        return Checkpoint(slot=slot, tokens=tuple(tokens), kv_locs=tuple(int(x) for x in kv))
 
     # -- model calls --------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from backend.hybrid.model import HybridModel
 from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
-from ir._fields import I64, as_i64, int_problem
+from ir.columns import I64, as_i64, int_problem
 from ir.errors import IRValidationError, PreconditionError, short_repr
 from ir.ids import RequestId
 

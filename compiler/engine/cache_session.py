@@ -16,7 +16,7 @@ from backend.allocator import SlotAllocator
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.requests import Request
 from compiler.prefix_cache import CacheEntry, PrefixCache
-from ir._fields import I64
+from ir.columns import I64
 from ir.ids import MambaSlot
 
 

@@ -16,8 +16,7 @@ from backend.allocator import KVAllocator, SlotAllocator
 from compiler.engine.cache_session import CacheSession
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.requests import Request, RequestState, RequestTable
-from ir.init import InitIntent
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
 
 
 class ChunkPlanner:
@@ -81,12 +80,16 @@ class ChunkPlanner:
                     r.snapshot_at = None  # no room: skip this snapshot
             kv = self.kv_refs.alloc(n)
             r.context.extend(kv.tolist())
-            first = r.done == 0
+            intent: Intent
+            if r.done:
+                intent = Continue(prefix_len=pos)
+            elif r.source is not None:
+                intent = CopyFrom(src=r.source.slot, prefix_len=pos)
+            else:
+                intent = Clear()
             admitted.append(
                 AdmittedRequest(
-                    rid=rid, slot=r.slot, input_ids=r.prompt[pos : pos + n], kv_locs=kv, prefix_len=pos,
-                    intent=(InitIntent.COW if r.source is not None else InitIntent.CLEAR) if first else InitIntent.CONTINUE,
-                    checkpoint=r.source.slot if first and r.source is not None else None,
+                    rid=rid, slot=r.slot, input_ids=r.prompt[pos : pos + n], kv_locs=kv, intent=intent,
                     more_chunks=pos + n < r.prompt.shape[0], snapshot_to=snap_to,
                 )
             )

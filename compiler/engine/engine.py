@@ -57,8 +57,8 @@ from compiler.engine.runner import ForwardRunner, StepFailed
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
-from ir._fields import frozen_i64, int_problem
 from ir.batch import DecodeBatch
+from ir.columns import frozen_i64, int_problem
 from ir.errors import EngineStoppedError, PreconditionError, short_repr
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 from passes.lower import LowerContext
@@ -315,7 +315,7 @@ class Engine:
         while self.running.num_requests and self.kv.num_free < per_row * self.running.num_requests:
             if self.session.evict():
                 continue
-            self._retract(RequestId(int(self.running.rids[-1])))
+            self._retract(self.running.rid_at(-1))
             retracted = True
         return not retracted or bool(self.running.num_requests)
 

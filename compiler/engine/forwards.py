@@ -21,8 +21,8 @@ from compiler.engine.report import SpecStats, StepKind
 from compiler.engine.requests import Ending, RequestState, RequestTable
 from compiler.engine.runner import ForwardRunner
 from compiler.steps import Pipeline
-from ir._fields import I64, frozen_i64
 from ir.batch import DecodeBatch, ExtendBatch
+from ir.columns import I64, frozen_i64
 from ir.ids import RequestId
 from ir.request import AdmittedRequest
 from passes.prepare_for_decode import DecodeContext
@@ -96,14 +96,14 @@ class Forwards:
             if not a.more_chunks:
                 finished.append(a.rid)
                 self.requests.prefilled(r)
-        rows = {RequestId(rid): i for i, rid in enumerate(extend.rids.tolist())}
+        rows = {rid: i for i, rid in enumerate(extend.rid_list())}
         tokens = logits.argmax(dim=-1).tolist()
         self._emit(finished, [[int(tokens[rows[rid]])] for rid in finished])
 
     def mixed(self) -> StepKind:
         """``k == 0`` with requests both running and waiting: the running batch's decode and the
         next prefill chunks in one MIXED forward (a plain decode if no chunk fits)."""
-        rids = self.running.rids
+        rids = self.running.rid_list()
         ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
         admitted = self.planner.next_chunks()
         if not admitted:
@@ -118,14 +118,14 @@ class Forwards:
         n = mixed.extend.num_requests
         self._after_chunks(admitted, mixed.extend, logits[:n])
         self.progress.requests += len(rids)
-        self._emit([RequestId(r) for r in rids.tolist()], [[t] for t in logits[n:].argmax(dim=-1).tolist()])
+        self._emit(rids, [[t] for t in logits[n:].argmax(dim=-1).tolist()])
         self.running = self.pipeline.merge(mixed.decode, mixed.extend)
         self._finish()
         return StepKind.MIXED
 
     def decode(self, ctx: DecodeContext | None = None) -> None:
         """One greedy token per running request (``ctx``: its inputs, when already allocated)."""
-        rids = self.running.rids
+        rids = self.running.rid_list()
         if ctx is None:
             ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
         self.running, plan = self.pipeline.decode(self.running, ctx)
@@ -133,14 +133,14 @@ class Forwards:
         assert logits is not None
         self.stats.decodes += 1
         self.progress.requests += len(rids)
-        self._emit([RequestId(r) for r in rids.tolist()], [[t] for t in logits.argmax(dim=-1).tolist()])
+        self._emit(rids, [[t] for t in logits.argmax(dim=-1).tolist()])
         self._finish()
 
     def speculate(self) -> None:
         """One speculative iteration: the draft proposes k tokens per row, the target verifies them,
         the accepted prefix and a bonus token are committed, the draft extends over them."""
         assert self.draft is not None
-        k, rids = self.k, self.running.rids
+        k, rids = self.k, self.running.rid_list()
         window = self._alloc_for(rids, k + 1)
         draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
         proposals = self.runner.run(self.draft, dplan)
@@ -151,8 +151,8 @@ class Forwards:
         result, committed, cplan = self.pipeline.commit(verify_batch, frozen_i64(target_tokens.reshape(-1).cpu().numpy()))
         self.runner.run(self.target, cplan)
         released = set(committed.released_kv.tolist())
-        for rid in rids.tolist():
-            r = self.requests[RequestId(rid)]
+        for rid in rids:
+            r = self.requests[rid]
             r.context = [x for x in r.context if x not in released]
         self.kv_refs.unref(committed.released_kv)
         extended, eplan = self.pipeline.draft_extend(committed)
@@ -165,20 +165,20 @@ class Forwards:
         self.stats.proposed += k * len(rids)
         self.stats.accepted += int(result.accepted.sum())
         self.progress.requests += len(rids)
-        self._emit([RequestId(r) for r in rids.tolist()], emitted)
+        self._emit(rids, emitted)
         self._finish()
 
-    def _alloc_for(self, rids: I64, per_row: int) -> I64:
+    def _alloc_for(self, rids: Sequence[RequestId], per_row: int) -> I64:
         kv = self.kv_refs.alloc(len(rids) * per_row)
         locs = kv.tolist()
-        for i, rid in enumerate(rids.tolist()):
-            self.requests[RequestId(rid)].context.extend(locs[i * per_row : (i + 1) * per_row])
+        for i, rid in enumerate(rids):
+            self.requests[rid].context.extend(locs[i * per_row : (i + 1) * per_row])
         return kv
 
-    def _pending_of(self, rids: I64) -> I64:
+    def _pending_of(self, rids: Sequence[RequestId]) -> I64:
         pending: list[int] = []
-        for rid in rids.tolist():
-            token = self.requests[RequestId(rid)].pending
+        for rid in rids:
+            token = self.requests[rid].pending
             assert token is not None, "every running request has emitted a token"
             pending.append(token)
         return frozen_i64(pending)

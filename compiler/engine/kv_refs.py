@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from backend.allocator import KVAllocator
-from ir._fields import I64
+from ir.columns import I64
 from ir.errors import SlotError
 
 

@@ -17,11 +17,10 @@ from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import Checkpoint
 from compiler.engine.requests import Request
 from compiler.steps import Pipeline
-from ir._fields import I64, int_problem
+from ir.columns import I64, int_problem
 from ir.errors import PreconditionError, SlotError, short_repr
 from ir.ids import MambaSlot, RequestId
-from ir.init import InitIntent
-from ir.request import AdmittedRequest
+from ir.request import AdmittedRequest, Clear
 
 
 class Checkpoints:
@@ -105,7 +104,7 @@ class Checkpoints:
         n = int(arr.shape[0])
         slot = self.slots.alloc()
         kv = self.kv_refs.alloc(n)
-        req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=arr, kv_locs=kv, intent=InitIntent.CLEAR)
+        req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=arr, kv_locs=kv, intent=Clear())
         _, plan = self.pipeline.prefill([req])
         for ex in self.executors():
             ex.execute(plan)

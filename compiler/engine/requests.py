@@ -23,7 +23,7 @@ import attrs
 
 from compiler.engine.report import Checkpoint
 from compiler.prefix_cache import CacheEntry
-from ir._fields import I64
+from ir.columns import I64
 from ir.ids import MambaSlot, RequestId
 
 

@@ -93,7 +93,7 @@ def _check_workload_args(path: object, *, max_len: object, reserve: object, voca
 
     from backend.hybrid.config import MAX_DIM
     from compiler.engine.admission import MAX_LEN
-    from ir._fields import int_problem
+    from ir.columns import int_problem
 
     if not isinstance(path, (str, os.PathLike)):
         raise WorkloadError(f"load_workload: path must be a str or a path, not {type(path).__name__} (got {path!r})")

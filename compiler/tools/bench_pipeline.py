@@ -26,8 +26,8 @@ import torch
 from backend.staging import stage_decode
 from compiler.baselines.mutable import ForwardMode, Req, ScheduleBatch
 from compiler.manager import PassManager
-from ir._fields import frozen_i64
 from ir.batch import DecodeBatch
+from ir.columns import frozen_i64
 from ir.plan import DecodePlan
 from passes.lower import LowerContext, lower
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode

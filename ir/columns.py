@@ -1,8 +1,31 @@
-"""Field helpers for IR nodes: immutable int64 columns, int checks, tuple converters.
+"""Columns of IR nodes: declared column fields, the node bases that check them, int checks.
 
-Bulk per-request and per-token data is held as read-only ``numpy`` int64 (or bool) arrays, declared
-as ``attrs.field(converter=as_i64, eq=column_key)`` so that node equality compares contents and
-mypy's attrs plugin types the constructor argument as ``IntColumn``.
+Bulk per-request and per-token data is held as read-only ``numpy`` int64 (or bool) arrays. A node
+declares each column once, at the field, with its dtype (the converter), its length relation and
+its bounds::
+
+    @final
+    @attrs.frozen(kw_only=True)
+    class DecodeBatch(ColumnNode, RequestRows):
+        rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+        slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
+        input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+
+- ``per(REQUEST)``: one entry per request (the first ``REQUEST`` column defines ``num_requests``);
+  ``per(tokens_of("extend_lens"))``: packed per-token entries, ``sum(extend_lens)`` of them;
+  ``per(WINDOW)``: ``k + 1`` per request; ``per(length_of("input_ids"))``; ``per(ANY)``.
+- ``min=`` / ``max=``: bounds on every value; ``max`` may be a ``Bound`` computed from the node
+  (``MAX_SEQ_LEN - extend_lens``).
+
+``ColumnNode`` compiles these declarations into the class's checks once, when attrs makes the
+class, and runs them on construction (``__attrs_post_init__`` -> ``check_fields``), around two
+optional hooks: ``_check_first`` (scalars the checks use, like ``k``) and ``_check`` (the node's own
+invariants). Fields annotated with a node class (``MambaInit | None``) are type-checked too
+(``Node``). Errors name the node, the field and the bad value.
+
+``column`` is ``attrs.field`` for mypy, so its attrs plugin types each constructor argument from the
+converter (``IntColumn`` for ``as_i64``): the declaration rides in ``metadata``, and at run time
+``column`` adds the by-contents equality (``eq=column_key``).
 
 Immutability (a node's columns can never change, whoever holds a reference to them):
 
@@ -47,14 +70,69 @@ Every other field is type-checked by its node's ``check_fields`` too: node-typed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
+import operator
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeVar, cast
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from ir.errors import IRValidationError
+from ir.ids import MambaSlot, RequestId
+
+# (explicit: ``column`` is ``attrs.field`` re-exported for mypy, see below)
+__all__ = [
+    "ANY",
+    "BoolArray",
+    "BoolColumn",
+    "Bound",
+    "ColumnDecl",
+    "ColumnNode",
+    "Composite",
+    "I64",
+    "INT64_MAX",
+    "INT64_MIN",
+    "IntColumn",
+    "MAX_SEQ_LEN",
+    "MAX_SEQ_LEN_WHAT",
+    "Node",
+    "Per",
+    "REQUEST",
+    "RequestRows",
+    "SMALL_COLUMN",
+    "WINDOW",
+    "as_bool",
+    "as_i64",
+    "build_unchecked",
+    "check_column",
+    "check_instance",
+    "check_int",
+    "check_max",
+    "check_min",
+    "check_opt_int",
+    "check_pool",
+    "column",
+    "column_key",
+    "first_bad_int",
+    "first_common",
+    "first_missing",
+    "freeze",
+    "frozen_i64",
+    "has_duplicates",
+    "int_problem",
+    "ints",
+    "is_owned",
+    "length_of",
+    "own",
+    "per",
+    "plain_ints",
+    "tokens_of",
+    "type_names",
+]
 
 I64: TypeAlias = npt.NDArray[np.int64]
 BoolArray: TypeAlias = npt.NDArray[np.bool_]
@@ -321,6 +399,10 @@ the kernels). The bound also keeps every sum a pass forms (``prefix_lens + exten
 ``sum(extend_lens)``, ``seq_lens + k + 1``) far inside int64, so nothing wraps around."""
 
 
+MAX_SEQ_LEN_WHAT = "MAX_SEQ_LEN (2**31 - 1)"
+"""How a message names ``MAX_SEQ_LEN`` as a bound (``per(..., max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT)``)."""
+
+
 def check_max(node: object, name: str, arr: I64, maximum: int | I64, what: str = "") -> None:
     """Every value of ``arr`` is ``<= maximum`` (a bound, or one per entry; ``what`` names it in
     the message)."""
@@ -361,18 +443,370 @@ def _rebuild(cls: type[N], fields: dict[str, object]) -> N:
     return cast("Callable[..., N]", cls)(**fields)
 
 
-class ColumnNode:
-    """Base of the IR nodes that hold columns: ``pickle`` and ``copy`` rebuild them through their
-    constructor (``_rebuild``), so their columns are IR-owned (read-only, and not flippable back to
-    writeable) after ``pickle.loads(pickle.dumps(node))`` and ``copy.deepcopy(node)`` too; numpy
-    alone would hand back writeable arrays. Nodes are kw-only attrs classes."""
+# -- declarations ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Per:
+    """How many entries a column has (``per(...)``'s first argument). Build one with ``REQUEST``,
+    ``ANY``, ``WINDOW``, ``tokens_of(name)`` or ``length_of(name)``."""
+
+    kind: str
+    of: str = ""
+
+    @property
+    def derived(self) -> bool:
+        """Whether the length is computed from other columns' values (checked after them)."""
+        return self.kind in ("tokens", "window")
+
+
+REQUEST = Per("request")
+"""One entry per request. The node's first ``REQUEST`` column (``rids``) defines ``num_requests``;
+every other one must have as many entries (message: ``len(rids)``)."""
+ANY = Per("any")
+"""Any length (a node-specific ``_check`` may relate it to others)."""
+WINDOW = Per("window")
+"""``k + 1`` entries per request (speculative windows, flattened row-major); the node has ``k``."""
+
+
+def tokens_of(lengths: str) -> Per:
+    """Packed per-token entries: as many as ``sum(lengths)`` (``lengths`` is a per-request column)."""
+    return Per("tokens", lengths)
+
+
+def length_of(column: str) -> Per:
+    """As many entries as the (earlier declared) ``column``."""
+    return Per("same", column)
+
+
+@attrs.frozen
+class Bound:
+    """An upper bound that depends on the node (another column, ``k``): ``value(node)`` is an int or
+    one bound per entry; ``what`` names it in the message. Checked after the constant bounds."""
+
+    what: str
+    value: Callable[[Any], int | I64]
+
+
+@attrs.frozen(kw_only=True)
+class ColumnDecl:
+    """What ``column`` declares about one column field: its length relation, its bounds and
+    whether it holds bools (``converter=as_bool``) or int64s (``converter=as_i64``)."""
+
+    per: Per = REQUEST
+    min: int | None = None
+    max: int | Bound | None = None
+    max_what: str = ""
+    """How the message names a constant ``max`` (``MAX_SEQ_LEN (2**31 - 1)``); the number if empty."""
+    bools: bool = False
+
+
+_DECL = "ir.columns"
+
+
+def per(per: Per = REQUEST, *, min: int | None = None, max: int | Bound | None = None, max_what: str = "") -> dict[str, ColumnDecl]:
+    """A column declaration, as ``column``'s ``metadata``::
+
+        slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
+        input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
+    """
+    return {_DECL: ColumnDecl(per=per, min=min, max=max, max_what=max_what)}
+
+
+def _column(*, converter: object, metadata: Mapping[str, object] | None = None, **kwargs: Any) -> Any:
+    decl = (metadata or {}).get(_DECL, ColumnDecl())
+    if converter is not _as_i64 and converter is not _as_bool:
+        raise TypeError(f"column: converter must be as_i64 or as_bool, not {converter!r}")
+    if not isinstance(decl, ColumnDecl):
+        raise TypeError(f"column: metadata must come from per(...), got {metadata!r}")
+    decl = attrs.evolve(decl, bools=converter is _as_bool)
+    return attrs.field(converter=converter, eq=column_key, metadata={_DECL: decl}, **kwargs)
+
+
+# The column field factory. mypy's attrs plugin types a field's constructor argument from the
+# ``converter=`` of an ``attrs.field`` call only, so for mypy ``column`` *is* ``attrs.field`` (and a
+# call must use ``attrs.field``'s parameters: the declaration rides in ``metadata``); at run time it
+# adds the by-contents equality and checks that the declaration is one.
+if TYPE_CHECKING:
+    from attrs import field as column
+else:
+    column = _column
+
+
+# -- nodes -----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Length:
+    """A column's expected length: ``kind`` is ``key`` (unchecked), ``request``, ``same`` (len of
+    ``of``), ``tokens`` (sum of ``of``) or ``window``; ``what`` names it in the message."""
+
+    kind: str
+    of: str
+    what: str
+
+
+@attrs.frozen
+class _ColumnCheck:
+    name: str
+    bools: bool
+    length: _Length | None
+    min: int | None
+    max: int | None
+    max_what: str
+    bound: Bound | None
+
+
+@attrs.frozen
+class _Columns:
+    """The column checks of one node class, in the order they run: first the columns whose length
+    is known from lengths alone (shape, then bounds), then those whose length is computed from
+    other columns' values (per-token, windows). Dependent bounds (``Bound``) run after constant ones."""
+
+    key: str | None
+    plain: tuple[_ColumnCheck, ...]
+    derived: tuple[_ColumnCheck, ...]
+
+
+def _compile_columns(cls: type, fields: Sequence[Any]) -> _Columns:  # (attrs.Attribute: generic only for mypy)
+    decls = [(a.name, a.metadata[_DECL]) for a in fields if _DECL in a.metadata]
+    key = next((name for name, d in decls if d.per == REQUEST), None)
+    seen: set[str] = set()
+    plain: list[_ColumnCheck] = []
+    derived: list[_ColumnCheck] = []
+    for name, d in decls:
+        p = d.per
+        if p.kind in ("same", "tokens") and p.of not in seen:
+            raise TypeError(f"{cls.__name__}.{name}: per {p.kind} of {p.of!r}, which is not a column declared before it")
+        if p.kind == "window" and key is None:
+            raise TypeError(f"{cls.__name__}.{name}: a window column needs a REQUEST column before it")
+        length = {
+            "request": None if name == key else _Length("request", cast(str, key), f"len({key})"),
+            "any": None,
+            "same": _Length("same", p.of, f"len({p.of})"),
+            "tokens": _Length("tokens", p.of, f"sum({p.of})"),
+            "window": _Length("window", cast(str, key), f"len({key}) * (k + 1)"),
+        }[p.kind]
+        bound = d.max if isinstance(d.max, Bound) else None
+        const = d.max if isinstance(d.max, int) else None
+        (derived if p.derived else plain).append(_ColumnCheck(name, d.bools, length, d.min, const, d.max_what, bound))
+        seen.add(name)
+    return _Columns(key, tuple(plain), tuple(derived))
+
+
+def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Callable[[Any], None]:
+    """The local checks of one class as one straight-line function: its ``_check_first`` hook (when
+    it has one), the type checks of its node-typed fields, its column checks, its ``_check`` hook.
+    Made once per class (at its first check): construction then costs what hand-written checks did,
+    with no per-column interpretation of the declarations."""
+    lines = ["def check(node):"]
+    names = {c.name: f"c{i}" for i, c in enumerate((*cols.plain, *cols.derived))}
+    env: dict[str, object] = {"check_column": check_column, "check_min": check_min, "check_max": check_max, "check_instance": check_instance}
+    if cls._check_first is not Node._check_first:
+        lines.append("    node._check_first()")
+    for i, part in enumerate(parts):
+        env[f"part{i}"] = part.cls
+        lines.append(f"    check_instance(node, {part.name!r}, node.{part.name}, part{i}, optional={part.optional})")
+    if cols.key is not None:
+        lines.append(f"    n = node.{cols.key}.shape[0]")
+    for group in (cols.plain, cols.derived):
+        for c in group:
+            v = names[c.name]
+            lines.append(f"    {v} = node.{c.name}")
+            expected, what = "None", ""
+            if c.length is not None:
+                what = c.length.what
+                expected = {
+                    "request": "n",
+                    "same": f"{names[c.length.of]}.shape[0]",
+                    "tokens": f"int({names[c.length.of]}.sum())",
+                    "window": "n * (int(node.k) + 1)",  # a window node checks ``k`` in ``_check_first``
+                }[c.length.kind]
+            lines.append(f"    check_column(node, {c.name!r}, {v}, {expected}, {what!r}, bools={c.bools})")
+        for c in group:
+            v = names[c.name]
+            if c.min is not None:
+                lines.append(f"    check_min(node, {c.name!r}, {v}, {c.min})")
+            if c.max is not None:
+                lines.append(f"    check_max(node, {c.name!r}, {v}, {c.max}, {c.max_what!r})")
+        for c in group:
+            if c.bound is not None:
+                env[f"bound_{names[c.name]}"] = c.bound
+                b = f"bound_{names[c.name]}"
+                lines.append(f"    check_max(node, {c.name!r}, {names[c.name]}, {b}.value(node), {b}.what)")
+    if cls._check is not Node._check:
+        lines.append("    node._check()")
+    lines.append("    return None")
+    code = compile("\n".join(lines) + "\n", f"<local checks of {cls.__name__}>", "exec")
+    exec(code, env)  # our own declarations, rendered above
+    return cast("Callable[[Any], None]", env["check"])
+
+
+def _first_check(node: Any) -> None:
+    """A class's checker before its first use: generate it (``_generate``), install it, run it."""
+    cls = type(node)
+    cls._checker = staticmethod(_generate(cls, cls._columns, cls._node_parts()))
+    cls._checker(node)
+
+
+@attrs.frozen
+class _Part:
+    """A node-typed field: its value must be an instance of ``cls`` (or ``None`` when optional)."""
+
+    name: str
+    cls: type | tuple[type, ...]
+    optional: bool
+
+
+def _node_classes(tp: object) -> tuple[tuple[type, ...], bool] | None:
+    """The ``Node`` classes of a resolved annotation (``X``, ``X | None``, ``X | Y``) and whether
+    ``None`` is allowed, or ``None`` when it is not (only) node classes."""
+    args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
+    optional = type(None) in args
+    classes = tuple(a for a in args if a is not type(None))
+    if classes and all(isinstance(a, type) and issubclass(a, Node) for a in classes):
+        return cast("tuple[type, ...]", classes), optional
+    return None
+
+
+def _compile_parts(cls: type) -> tuple[_Part, ...]:
+    """The node-typed fields of ``cls``, from its annotations (resolved in its module, once)."""
+    namespace = vars(sys.modules[cls.__module__])
+    parts = []
+    for a in attrs.fields(cast("type[attrs.AttrsInstance]", cls)):
+        tp = a.type
+        if isinstance(tp, str):
+            try:
+                tp = eval(tp, namespace)  # noqa: S307 (an annotation of our own module)
+            except NameError as e:
+                raise TypeError(f"{cls.__name__}.{a.name}: cannot resolve the annotation {a.type!r} ({e})") from None
+        found = _node_classes(tp)
+        if found is not None:
+            classes, optional = found
+            parts.append(_Part(a.name, classes[0] if len(classes) == 1 else classes, optional))
+    return tuple(parts)
+
+
+class Node:
+    """Base of every IR node (frozen, kw-only attrs classes). Construction runs ``check_fields``,
+    which ``ir.verify`` re-runs on nodes built by ``build_unchecked``:
+
+    1. ``_check_first()``: the node's scalar fields that the checks below depend on (``k``);
+    2. node-typed fields (annotated with a ``Node`` class, ``X | None`` or a union of them) hold one:
+       ``IRValidationError`` naming the node, the field and the value otherwise;
+    3. the declared columns (``ColumnNode``);
+    4. ``_check()``: the node's own invariants.
+
+    The sequence is generated as one function per class (``_generate``) at the class's first
+    check, when every annotation resolves, and installed as its ``_checker``."""
 
     __slots__ = ()
+    _parts: ClassVar[tuple[_Part, ...]] = ()
+    _parts_of: ClassVar[type | None] = None
+    _columns: ClassVar[_Columns] = _Columns(None, (), ())
+    _checker: ClassVar[Callable[[Any], None]] = staticmethod(_first_check)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__attrs_attrs__" in cls.__dict__:  # the class attrs made (after the class statement's own)
+            cls._checker = staticmethod(_first_check)  # generated at the first check, not inherited
+
+    def __attrs_post_init__(self) -> None:
+        type(self)._checker(self)
+
+    @classmethod
+    def _node_parts(cls) -> tuple[_Part, ...]:
+        if cls._parts_of is not cls:
+            cls._parts, cls._parts_of = _compile_parts(cls), cls
+        return cls._parts
+
+    def check_fields(self) -> None:
+        """The local invariants (run on construction, and again by ``ir.verify`` at level 2)."""
+        type(self)._checker(self)
+
+    def _check_first(self) -> None:
+        """Checks that must run before the generated ones (fields they use); none by default."""
+
+    def _check(self) -> None:
+        """The node's own invariants, after the generated checks; none by default."""
+
+
+
+class Composite(Node):
+    """A node made of other nodes (``MixedBatch``, ``DraftPlan``, ``IdleBatch``): its
+    ``num_requests`` is the sum over its required node-typed fields that hold columns (0 for none)."""
+
+    __slots__ = ()
+
+    @property
+    def num_requests(self) -> int:
+        return sum(
+            int(getattr(self, p.name).num_requests)
+            for p in self._node_parts()
+            if not p.optional and isinstance(p.cls, type) and issubclass(p.cls, ColumnNode)
+        )
+
+
+class ColumnNode(Node):
+    """Base of the IR nodes that hold columns, declared with ``column(converter=as_i64 or as_bool,
+    metadata=per(...))``: the class's column checks are compiled once, when attrs makes the class,
+    and run by ``check_fields`` (length relations, then bounds; see ``_Columns``).
+    ``num_requests`` is the length of the first ``REQUEST`` column.
+
+    ``pickle`` and ``copy`` rebuild the node through its constructor (``_rebuild``), so its columns
+    are IR-owned (read-only, and not flippable back to writeable) after
+    ``pickle.loads(pickle.dumps(node))`` and ``copy.deepcopy(node)`` too; numpy alone would hand
+    back writeable arrays."""
+
+    __slots__ = ()
+    _rows_of: ClassVar[Callable[[Any], I64] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        fields = cls.__dict__.get("__attrs_attrs__")
+        if fields is not None:  # the class attrs made (not the class statement's own, made first)
+            cls._columns = _compile_columns(cls, fields)
+            key = cls._columns.key
+            cls._rows_of = None if key is None else staticmethod(operator.attrgetter(key))
+
+    @property
+    def num_requests(self) -> int:
+        rows = type(self)._rows_of
+        if rows is None:
+            raise TypeError(f"{type(self).__name__} has no per-request column")
+        return int(rows(self).shape[0])
 
     def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
         cls = type(self)
         fields = attrs.fields(cast("type[attrs.AttrsInstance]", cls))
         return _rebuild, (cls, {a.name: getattr(self, a.name) for a in fields})
+
+
+class RequestRows:
+    """Typed row access of the nodes with ``rids`` and ``slots`` columns: an int64 column holds
+    plain ints, and these give them their id types, so callers need no ``RequestId(int(...))``."""
+
+    __slots__ = ()
+
+    @property
+    def rids(self) -> I64:
+        raise NotImplementedError  # the node's column field
+
+    @property
+    def slots(self) -> I64:
+        raise NotImplementedError  # the node's column field
+
+    def rid_list(self) -> list[RequestId]:
+        """``rids`` as a list of ``RequestId`` (one ``tolist``; the ids are the column's ints)."""
+        return cast("list[RequestId]", self.rids.tolist())
+
+    def slot_list(self) -> list[MambaSlot]:
+        """``slots`` as a list of ``MambaSlot``."""
+        return cast("list[MambaSlot]", self.slots.tolist())
+
+    def rid_at(self, i: int) -> RequestId:
+        """The request id of row ``i`` (negative ``i`` counts from the end)."""
+        return RequestId(int(self.rids[i]))
 
 
 SMALL_COLUMN = 64

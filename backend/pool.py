@@ -239,8 +239,8 @@ class MambaStatePool:
         spec = self.layout.layers[layer]
         return self._view(self.layout.ssm_offsets[layer], spec.ssm_bytes, spec.ssm_dtype, spec.ssm_shape)
 
-    def snapshot(self) -> torch.Tensor:
-        """A copy of the whole buffer, for tests and fault checks."""
+    def copy_buffer(self) -> torch.Tensor:
+        """A copy of the whole buffer, for tests and fault checks (not a prefix-cache snapshot)."""
         return self.buffer.clone()
 
     def __repr__(self) -> str:

@@ -1,6 +1,6 @@
-"""The Mamba prefix cache: recurrent-state checkpoints of shared prompt prefixes.
+"""The Mamba prefix cache: the recurrent states of shared prompt prefixes.
 
-A checkpoint is a pool slot (the same slot id in the target and draft pools) holding the state
+An entry is a pool slot (the same slot id in the target and draft pools) holding the state
 after a prefix, plus the KV locations of that prefix (shared read-only through the token tables:
 attention pages of a cached prefix are reused, not recomputed). Prefixes are cut at multiples of
 ``block`` tokens.
@@ -10,9 +10,9 @@ Policy (decided by the scheduler through this object):
 - ``observe`` counts, for each block boundary of a prompt, how many prompts started with that
   prefix; a prefix seen twice is worth caching;
 - ``lookup`` finds the longest cached prefix strictly shorter than a prompt (a hit: the request's
-  slot starts as a COW of the checkpoint); ``plan_snapshot`` picks where to take a new one: the
+  slot starts as a COW of the entry's slot); ``plan_snapshot`` picks where to take a new one: the
   longest shared, uncached boundary past the hit;
-- a checkpoint is created by a snapshot op after the forward whose chunk ends exactly at that
+- an entry is created by a snapshot op after the forward whose chunk ends exactly at that
   boundary (the scheduler aligns the chunk), through the same tickets and ledger as init ops;
 - entries are evicted least recently used first; an entry pinned by a request whose COW has not
   run yet is never evicted.
@@ -229,5 +229,5 @@ class PrefixCache:
     def unpin(self, entry: CacheEntry) -> None:
         entry = self._cached("unpin", entry)
         if entry.pins <= 0:
-            raise PrefixCacheError(f"unpin of checkpoint slot {entry.slot}, which is not pinned")
+            raise PrefixCacheError(f"unpin of cache slot {entry.slot}, which is not pinned")
         entry.pins -= 1

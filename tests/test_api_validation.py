@@ -2,8 +2,8 @@
 ``BatchcError`` whose message names the argument and the value, before anything changes (no slot,
 KV location, ticket or prefix-cache state is taken).
 
-Covered here: the ``Engine`` constructor, ``abort``, ``make_checkpoint``, ``release_checkpoint``
-(forged, foreign, released and still-needed checkpoints), ``MambaStatePool``, ``Executor``, the
+Covered here: the ``Engine`` constructor, ``abort``, ``make_prefix``, ``release_prefix``
+(forged, foreign, released and still-needed prefix states), ``MambaStatePool``, ``Executor``, the
 ``PrefixCache`` methods, ``load_workload`` and ``load_checkpoint``. typeguard is on in the suite, so
 calls with deliberately wrong types run under ``suppress_type_checks`` (production runs without it:
 the library's own checks must hold).
@@ -31,7 +31,7 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
 from backend.pool import MAX_POOL_BYTES, MambaLayerSpec, MambaStatePool, PoolLayout
-from compiler.engine import Checkpoint, Engine
+from compiler.engine import Engine, PrefixState
 from compiler.engine import admission as sd
 from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
 from compiler.serve import WorkloadError, load_workload
@@ -51,7 +51,7 @@ MAX_LEN = 64
 
 
 def _driver(**kw: Any) -> Engine:
-    """A speculative driver (k = 2) with a prefix cache, a checkpoint, a running request started
+    """A speculative driver (k = 2) with a prefix cache, a prefix, a running request started
     from it and a fresh one."""
     target, draft = _models()
     options: dict[str, Any] = {"k": 2, "capacity": 6, "kv_capacity": 256, "max_len": MAX_LEN, "chunk_size": 16,
@@ -59,10 +59,10 @@ def _driver(**kw: Any) -> Engine:
     return Engine(target, draft, **options)
 
 
-def _world() -> tuple[Engine, Checkpoint]:
+def _world() -> tuple[Engine, PrefixState]:
     drv = _driver()
-    cp = drv.make_checkpoint(PREFIX)
-    drv.admit(RequestId(1), PREFIX + list(b"print(1)"), max_new_tokens=6, checkpoint=cp)
+    cp = drv.make_prefix(PREFIX)
+    drv.admit(RequestId(1), PREFIX + list(b"print(1)"), max_new_tokens=6, prefix=cp)
     drv.admit(RequestId(2), list(b"def f(x):"), max_new_tokens=6)
     assert drv.step().kind.value == "extend"
     assert drv.step().kind.value == "spec"
@@ -75,7 +75,7 @@ def _state(drv: Engine) -> tuple[list[torch.Tensor], tuple[object, ...]]:
     c = drv.cache
     return [drv.target.pool.buffer.clone(), drv.draft.pool.buffer.clone()], (
         drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(), drv.ledger.outstanding(), drv.ledger.num_consumed,
-        drv.kv_refs.held(), drv.checkpoints.held(), drv.live, drv.live_slots(), tuple(drv.requests.queued),
+        drv.kv_refs.held(), drv.prefixes.held(), drv.live, drv.live_slots(), tuple(drv.requests.queued),
         {r: list(o) for r, o in drv.outputs.items()}, drv.stopped_by,
         tuple(attrs.asdict(e) for e in c.entries()), dict(c._seen), c._reserved, set(c._planned), attrs.asdict(c.stats),
     )
@@ -203,14 +203,14 @@ def test_abort_checks_the_request_id(rid: object, match: str) -> None:
     assert RequestId(1) in drv.outputs and drv.stats.aborts == 1
 
 
-# -- 3. make_checkpoint ------------------------------------------------------------------------------
+# -- 3. make_prefix ------------------------------------------------------------------------------
 
 
 def test_make_checkpoint_longer_than_max_len_takes_nothing() -> None:
     drv, _ = _world()
     before = _state(drv)
-    _refused(PreconditionError, r"make_checkpoint: tokens: a checkpoint of 100 tokens leaves no room under max_len 64",
-             lambda: drv.make_checkpoint([65] * 100))
+    _refused(PreconditionError, r"make_prefix: tokens: a prefix of 100 tokens leaves no room under max_len 64",
+             lambda: drv.make_prefix([65] * 100))
     _assert_unchanged(drv, before)
     drv.ledger.assert_drained()
 
@@ -219,22 +219,22 @@ def test_make_checkpoint_at_the_length_bound() -> None:
     drv, _ = _world()
     longest = MAX_LEN - drv.k - 3  # one more prompt token, one new token, k + 1 positions
     before = _state(drv)
-    _refused(PreconditionError, rf"a checkpoint of {longest + 1} tokens leaves no room", lambda: drv.make_checkpoint([65] * (longest + 1)))
+    _refused(PreconditionError, rf"a prefix of {longest + 1} tokens leaves no room", lambda: drv.make_prefix([65] * (longest + 1)))
     _assert_unchanged(drv, before)
-    cp = drv.make_checkpoint([65] * longest)
-    drv.admit(RequestId(5), [65] * (longest + 1), max_new_tokens=1, checkpoint=cp)  # a request can extend it
+    cp = drv.make_prefix([65] * longest)
+    drv.admit(RequestId(5), [65] * (longest + 1), max_new_tokens=1, prefix=cp)  # a request can extend it
     drv.run_until_done()
-    drv.release_checkpoint(cp)
+    drv.release_prefix(cp)
     drv.ledger.assert_drained()
 
 
 def test_make_checkpoint_without_room_takes_nothing() -> None:
     target, draft = _models()
     drv = Engine(target, draft, k=2, capacity=2, kv_capacity=20, max_len=MAX_LEN, prefix_cache=PrefixCache(capacity=1, block=8))
-    drv.make_checkpoint(PREFIX)  # 15 of 20 KV locations, one of two slots
+    drv.make_prefix(PREFIX)  # 15 of 20 KV locations, one of two slots
     before = _state(drv)
-    _refused(PreconditionError, r"make_checkpoint: no room for a 15-token checkpoint \(1 free slots, 5 free KV locations\)",
-             lambda: drv.make_checkpoint(PREFIX))
+    _refused(PreconditionError, r"make_prefix: no room for a 15-token prefix \(1 free slots, 5 free KV locations\)",
+             lambda: drv.make_prefix(PREFIX))
     _assert_unchanged(drv, before)
 
 
@@ -242,33 +242,33 @@ def test_make_checkpoint_bad_tokens_take_nothing() -> None:
     drv, _ = _world()
     before = _state(drv)
     for bad in (None, "abc", [1.5], [True], [300]):
-        with suppress_type_checks(), pytest.raises(IRValidationError, match=r"checkpoint\.prompt"):
-            drv.make_checkpoint(bad)  # type: ignore[arg-type]
+        with suppress_type_checks(), pytest.raises(IRValidationError, match=r"prefix\.prompt"):
+            drv.make_prefix(bad)  # type: ignore[arg-type]
     _assert_unchanged(drv, before)
 
 
-# -- 4. release_checkpoint ---------------------------------------------------------------------------
+# -- 4. release_prefix ---------------------------------------------------------------------------
 
 
 def test_release_checkpoint_refuses_none_and_non_checkpoints() -> None:
     drv, cp = _world()
     before = _state(drv)
-    _refused(PreconditionError, r"release_checkpoint: cp must be a Checkpoint \(from make_checkpoint\), not NoneType \(got None\)",
-             lambda: drv.release_checkpoint(None))  # type: ignore[arg-type]
-    _refused(PreconditionError, r"release_checkpoint: cp must be a Checkpoint .*not MambaSlot|not int \(got \d+\)",
-             lambda: drv.release_checkpoint(cp.slot))  # type: ignore[arg-type]
-    _refused(PreconditionError, r"release_checkpoint: cp\.slot must be an int, not bool \(got True\)",
-             lambda: drv.release_checkpoint(attrs.evolve(cp, slot=True)))  # type: ignore[arg-type]
+    _refused(PreconditionError, r"release_prefix: cp must be a PrefixState \(from make_prefix\), not NoneType \(got None\)",
+             lambda: drv.release_prefix(None))  # type: ignore[arg-type]
+    _refused(PreconditionError, r"release_prefix: cp must be a PrefixState .*not MambaSlot|not int \(got \d+\)",
+             lambda: drv.release_prefix(cp.slot))  # type: ignore[arg-type]
+    _refused(PreconditionError, r"release_prefix: cp\.slot must be an int, not bool \(got True\)",
+             lambda: drv.release_prefix(attrs.evolve(cp, slot=True)))  # type: ignore[arg-type]
     _assert_unchanged(drv, before)
 
 
 def test_forged_checkpoint_over_a_live_request_slot_is_refused() -> None:
     drv, _ = _world()
     slot = drv.live_slots()[RequestId(2)]
-    forged = Checkpoint(slot=slot, tokens=(), kv_locs=())
+    forged = PrefixState(slot=slot, tokens=(), kv_locs=())
     before = _state(drv)
-    _refused(PreconditionError, rf"release_checkpoint: cp Checkpoint\(slot={slot}, tokens=\(\), kv_locs=\(\)\) is not a checkpoint this engine holds",
-             lambda: drv.release_checkpoint(forged))
+    _refused(PreconditionError, rf"release_prefix: cp PrefixState\(slot={slot}, tokens=\(\), kv_locs=\(\)\) is not a prefix this engine holds",
+             lambda: drv.release_prefix(forged))
     _assert_unchanged(drv, before)
     drv.run_until_done()  # request 2 kept its slot and finishes
     assert len(drv.outputs[RequestId(2)]) == 6
@@ -279,21 +279,21 @@ def test_checkpoint_with_kv_locations_it_does_not_hold_is_refused() -> None:
     for forged in (attrs.evolve(cp, kv_locs=tuple(range(200, 215))), attrs.evolve(cp, kv_locs=cp.kv_locs[:-1] + (cp.kv_locs[-1] + 1,)),
                    attrs.evolve(cp, tokens=cp.tokens[:-1])):
         before = _state(drv)
-        _refused(PreconditionError, r"release_checkpoint: cp .* is not a checkpoint this engine holds", lambda: drv.release_checkpoint(forged))
+        _refused(PreconditionError, r"release_prefix: cp .* is not a prefix this engine holds", lambda: drv.release_prefix(forged))
         _assert_unchanged(drv, before)
     assert min(drv.kv_refs.held().values()) >= 1  # no reference count went to 0 or below
 
 
 def test_release_waits_for_requests_still_to_copy_the_checkpoint() -> None:
     drv, cp = _world()
-    drv.admit(RequestId(7), PREFIX + list(b"x = 1"), max_new_tokens=2, checkpoint=cp)  # its COW has not run
+    drv.admit(RequestId(7), PREFIX + list(b"x = 1"), max_new_tokens=2, prefix=cp)  # its COW has not run
     before = _state(drv)
-    _refused(PreconditionError, rf"release_checkpoint: checkpoint in slot {cp.slot} is still to be copied by request\(s\) \[7\]",
-             lambda: drv.release_checkpoint(cp))
+    _refused(PreconditionError, rf"release_prefix: prefix in slot {cp.slot} is still to be copied by request\(s\) \[7\]",
+             lambda: drv.release_prefix(cp))
     _assert_unchanged(drv, before)
     drv.run_until_done()
     assert len(drv.outputs[RequestId(7)]) == 2
-    drv.release_checkpoint(cp)  # its copies have run: released now
+    drv.release_prefix(cp)  # its copies have run: released now
     assert drv.cache is not None and drv.slots.num_live == len(drv.cache.entries())
     drv.drop_cache()
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0
@@ -303,21 +303,21 @@ def test_release_waits_for_requests_still_to_copy_the_checkpoint() -> None:
 def test_released_checkpoint_cannot_be_used_or_released_again() -> None:
     drv, cp = _world()
     drv.run_until_done()
-    drv.release_checkpoint(cp)
+    drv.release_prefix(cp)
     before = _state(drv)
-    _refused(SlotError, rf"release_checkpoint: double free of slot {cp.slot}", lambda: drv.release_checkpoint(cp))
-    _refused(PreconditionError, rf"admit: request 9: checkpoint slot {cp.slot} was released",
-             lambda: drv.admit(RequestId(9), PREFIX + [1, 2], max_new_tokens=2, checkpoint=cp))
+    _refused(SlotError, rf"release_prefix: double free of slot {cp.slot}", lambda: drv.release_prefix(cp))
+    _refused(PreconditionError, rf"admit: request 9: prefix slot {cp.slot} was released",
+             lambda: drv.admit(RequestId(9), PREFIX + [1, 2], max_new_tokens=2, prefix=cp))
     _assert_unchanged(drv, before)
-    # its slot handed out again to a new checkpoint with other tokens: the old record is still refused
-    other = drv.make_checkpoint(list(b"Other prefix here"))
+    # its slot handed out again to a new prefix with other tokens: the old record is still refused
+    other = drv.make_prefix(list(b"Other prefix here"))
     assert other.slot == cp.slot
     before = _state(drv)
-    _refused(PreconditionError, r"release_checkpoint: cp .* is not a checkpoint this engine holds", lambda: drv.release_checkpoint(cp))
-    _refused(PreconditionError, r"admit: request 9: (prompt does not extend|checkpoint .* is not a checkpoint this engine holds)",
-             lambda: drv.admit(RequestId(9), PREFIX + [1, 2], max_new_tokens=2, checkpoint=cp))
+    _refused(PreconditionError, r"release_prefix: cp .* is not a prefix this engine holds", lambda: drv.release_prefix(cp))
+    _refused(PreconditionError, r"admit: request 9: (prompt does not extend|prefix .* is not a prefix this engine holds)",
+             lambda: drv.admit(RequestId(9), PREFIX + [1, 2], max_new_tokens=2, prefix=cp))
     _assert_unchanged(drv, before)
-    drv.release_checkpoint(other)
+    drv.release_prefix(other)
 
 
 def test_checkpoint_of_another_driver_is_refused() -> None:
@@ -327,17 +327,17 @@ def test_checkpoint_of_another_driver_is_refused() -> None:
     other.run_until_done()
     foreign = attrs.evolve(other_cp, kv_locs=tuple(x + 1 for x in other_cp.kv_locs))
     before = _state(drv)
-    _refused(PreconditionError, r"is not a checkpoint this engine holds", lambda: drv.release_checkpoint(foreign))
+    _refused(PreconditionError, r"is not a prefix this engine holds", lambda: drv.release_prefix(foreign))
     _assert_unchanged(drv, before)
 
 
 def test_admit_refuses_a_forged_record_of_a_live_checkpoint() -> None:
-    """Same slot and held KV locations, other tokens: not the record make_checkpoint returned."""
+    """Same slot and held KV locations, other tokens: not the record make_prefix returned."""
     drv, cp = _world()
     forged = attrs.evolve(cp, tokens=(0,) * len(cp.tokens))
     before = _state(drv)
-    _refused(PreconditionError, r"admit: request 9: checkpoint .* is not a checkpoint this engine holds",
-             lambda: drv.admit(RequestId(9), [0] * len(cp.tokens) + [1], max_new_tokens=2, checkpoint=forged))
+    _refused(PreconditionError, r"admit: request 9: prefix .* is not a prefix this engine holds",
+             lambda: drv.admit(RequestId(9), [0] * len(cp.tokens) + [1], max_new_tokens=2, prefix=forged))
     _assert_unchanged(drv, before)
 
 
@@ -352,7 +352,7 @@ def test_checkpoints_refused_after_the_engine_stopped(monkeypatch: pytest.Monkey
         drv.step()
     monkeypatch.undo()
     before = _state(drv)
-    for call in (lambda: drv.make_checkpoint(PREFIX), lambda: drv.release_checkpoint(cp)):
+    for call in (lambda: drv.make_prefix(PREFIX), lambda: drv.release_prefix(cp)):
         _refused(EngineStoppedError, r"engine stopped: an earlier step raised OSError", call)
     _assert_unchanged(drv, before)
 
@@ -366,7 +366,7 @@ def test_a_failing_checkpoint_prefill_stops_the_engine(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(drv.target, "execute", failing)
     with pytest.raises(RuntimeError, match="kernel fault"):
-        drv.make_checkpoint(list(b"abc"))
+        drv.make_prefix(list(b"abc"))
     monkeypatch.undo()
     _refused(EngineStoppedError, r"engine stopped: an earlier step raised RuntimeError\('kernel fault'\)",
              lambda: drv.admit(RequestId(9), list(b"abc"), max_new_tokens=1))
@@ -711,7 +711,7 @@ def test_a_huge_prompt_is_refused_by_its_length_unread(huge: Any) -> None:
     before = _state(drv)
     _refused(IRValidationError, rf"^request 9\.prompt: is longer than {sd.MAX_LEN} tokens \(got '<{len(huge)} tokens>'\)",
              lambda: drv.admit(RequestId(9), huge, max_new_tokens=1))
-    _refused(IRValidationError, rf"^checkpoint\.prompt: is longer than {sd.MAX_LEN} tokens", lambda: drv.make_checkpoint(huge))
+    _refused(IRValidationError, rf"^prefix\.prompt: is longer than {sd.MAX_LEN} tokens", lambda: drv.make_prefix(huge))
     _assert_unchanged(drv, before)
 
 

@@ -31,7 +31,7 @@ from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger
 from backend.state_init import apply_init
-from compiler.engine import Checkpoint, Engine, RequestState, StepKind
+from compiler.engine import Engine, PrefixState, RequestState, StepKind
 from compiler.manager import PassError, PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
@@ -127,7 +127,7 @@ def _freed_slot_plan(w: World) -> Ctx:
 
 
 def _freed_checkpoint_plan(w: World) -> Ctx:
-    """A COW from checkpoint slot 1 into slot 2, lowered and registered; then slot 1 is freed."""
+    """A COW from prefix slot 1 into slot 2, lowered and registered; then slot 1 is freed."""
     _, plan = extend_plan(
         [request(1, 2, [5, 6], 10, intent=CopyFrom(src=MambaSlot(1), prefix_len=3))], ledger=w.ledger
     )
@@ -618,7 +618,7 @@ CASES: list[Case] = [
     Case("kv-double-free", lambda w, ctx: w.kv.free(ctx["loc"]), SlotError, r"double free of KV location <loc>", setup=_free_kv_5),
     Case("use-after-free", _execute, SlotError, r"use after free: ExtendPlan uses slot 3", setup=_freed_slot_plan),
     Case(
-        "cow-from-freed-checkpoint",
+        "cow-from-freed-prefix",
         _execute,
         SlotError,
         r"use after free.*slot 1",
@@ -870,15 +870,15 @@ def _holdings(e: Engine) -> tuple[object, ...]:
 
 def test_engine_admit_refuses_a_reused_id_a_prompt_not_extending_its_checkpoint_and_no_new_tokens() -> None:
     e = _engine(capacity=3)
-    cp = e.make_checkpoint([1, 2, 3])
-    e.admit(RequestId(1), [1, 2, 3, 4], max_new_tokens=1, checkpoint=cp)
+    cp = e.make_prefix([1, 2, 3])
+    e.admit(RequestId(1), [1, 2, 3, 4], max_new_tokens=1, prefix=cp)
     before = _holdings(e)
     with pytest.raises(PreconditionError, match="request id 1 is already in use"):
         e.admit(RequestId(1), [4], max_new_tokens=1)
-    with pytest.raises(PreconditionError, match="prompt does not extend the checkpoint's 3 tokens"):
-        e.admit(RequestId(2), [1, 2, 3], max_new_tokens=1, checkpoint=cp)  # the whole prompt is the prefix
-    with pytest.raises(PreconditionError, match="prompt does not extend the checkpoint's 3 tokens"):
-        e.admit(RequestId(2), [1, 2, 4, 5], max_new_tokens=1, checkpoint=cp)
+    with pytest.raises(PreconditionError, match="prompt does not extend the prefix state's 3 tokens"):
+        e.admit(RequestId(2), [1, 2, 3], max_new_tokens=1, prefix=cp)  # the whole prompt is the prefix
+    with pytest.raises(PreconditionError, match="prompt does not extend the prefix state's 3 tokens"):
+        e.admit(RequestId(2), [1, 2, 4, 5], max_new_tokens=1, prefix=cp)
     with pytest.raises(PreconditionError, match="max_new_tokens must be >= 1, got 0"):
         e.admit(RequestId(2), [1, 2, 3], max_new_tokens=0)
     assert _holdings(e) == before and e.live == 1
@@ -939,21 +939,21 @@ ADMIT_PREFIX = list(b"You are terse.\n")
 
 @attrs.define
 class AdmitWorld:
-    """A ``Engine`` (tiny target, prefix cache) holding a checkpoint, with two requests that have
+    """A ``Engine`` (tiny target, prefix cache) holding a prefix, with two requests that have
     run their prefill (so they hold slots and KV references) and one waiting."""
 
     driver: Engine
-    checkpoint: Checkpoint
+    prefix: PrefixState
 
 
 def _admit_world() -> AdmitWorld:
     drv = Engine(_tiny_target(), None, k=0, capacity=5, kv_capacity=128, max_len=64, prefix_cache=PrefixCache(capacity=2, block=8))
-    cp = drv.make_checkpoint(ADMIT_PREFIX)
-    drv.admit(RequestId(1), ADMIT_PREFIX + list(b"hi"), max_new_tokens=4, checkpoint=cp)
+    cp = drv.make_prefix(ADMIT_PREFIX)
+    drv.admit(RequestId(1), ADMIT_PREFIX + list(b"hi"), max_new_tokens=4, prefix=cp)
     drv.admit(RequestId(2), list(b"def f(x):"), max_new_tokens=4)
     assert drv.step().kind.value == "extend"
     drv.admit(RequestId(3), list(b"abc"), max_new_tokens=4)
-    return AdmitWorld(driver=drv, checkpoint=cp)
+    return AdmitWorld(driver=drv, prefix=cp)
 
 
 def _admit_state(w: AdmitWorld) -> tuple[torch.Tensor, tuple[object, ...]]:
@@ -973,7 +973,7 @@ def _admit_state(w: AdmitWorld) -> tuple[torch.Tensor, tuple[object, ...]]:
 class AdmitCase:
     id: str
     kwargs: Callable[[AdmitWorld], dict[str, Any]]
-    """``admit``'s arguments, built from the world (so a row can forge a checkpoint from a live one)."""
+    """``admit``'s arguments, built from the world (so a row can forge a prefix from a live one)."""
     error: type[BaseException]
     match: str
     field: str | None = None
@@ -987,11 +987,11 @@ def _args(rid: object = 9, prompt: object = (5, 6, 7), **kw: object) -> Callable
 
 
 def _with_checkpoint(**changes: object) -> Callable[[AdmitWorld], dict[str, Any]]:
-    """A checkpoint argument: the world's live one with ``changes`` (a forged or malformed one)."""
+    """A prefix argument: the world's live one with ``changes`` (a forged or malformed one)."""
 
     def build(w: AdmitWorld) -> dict[str, Any]:
-        cp = attrs.evolve(w.checkpoint, **changes)
-        return {"rid": 9, "prompt": ADMIT_PREFIX + [1, 2], "max_new_tokens": 2, "checkpoint": cp}
+        cp = attrs.evolve(w.prefix, **changes)
+        return {"rid": 9, "prompt": ADMIT_PREFIX + [1, 2], "max_new_tokens": 2, "prefix": cp}
 
     return build
 
@@ -1007,18 +1007,18 @@ def _admit_cases(kind: str, v: object) -> list[AdmitCase]:
         AdmitCase(f"admit-{kind}-rid", _args(rid=v), PreconditionError, rf"admit: rid .*{got}"),
         AdmitCase(f"admit-{kind}-max-new-tokens", _args(max_new_tokens=v), PreconditionError, rf"admit: request 9: max_new_tokens .*{got}"),
         AdmitCase(f"admit-{kind}-prompt-token", _args(prompt=(5, v)), IRValidationError, rf"request 9\.prompt: .*{got}", field="prompt"),
-        AdmitCase(f"admit-{kind}-checkpoint-slot", _with_checkpoint(slot=v), PreconditionError, rf"admit: request 9: checkpoint slot .*{got}"),
+        AdmitCase(f"admit-{kind}-prefix-slot", _with_checkpoint(slot=v), PreconditionError, rf"admit: request 9: prefix slot .*{got}"),
         AdmitCase(
-            f"admit-{kind}-checkpoint-token",
+            f"admit-{kind}-prefix-token",
             _with_checkpoint(tokens=(*ADMIT_PREFIX[:-1], v)),
             PreconditionError,
-            rf"admit: request 9: every checkpoint tokens entry .*{got}",
+            rf"admit: request 9: every prefix tokens entry .*{got}",
         ),
     ]
-    if v is not None:  # None is a valid "no stop token" and "no checkpoint"
+    if v is not None:  # None is a valid "no stop token" and "no prefix"
         rows += [
             AdmitCase(f"admit-{kind}-stop", _args(stop=v), PreconditionError, rf"admit: request 9: stop .*{re.escape(repr(v))}"),
-            AdmitCase(f"admit-{kind}-as-checkpoint", _args(checkpoint=v), PreconditionError, rf"admit: request 9: checkpoint must be a Checkpoint.*{re.escape(repr(v))}"),
+            AdmitCase(f"admit-{kind}-as-prefix", _args(prefix=v), PreconditionError, rf"admit: request 9: prefix must be a PrefixState.*{re.escape(repr(v))}"),
         ]
     return rows
 
@@ -1029,11 +1029,11 @@ ADMIT_CASES: list[AdmitCase] = [c for kind, v in BAD_INTS for c in _admit_cases(
     AdmitCase("admit-none-prompt", _args(prompt=None), IRValidationError, rf"request 9\.prompt: .*{_got(None)}", field="prompt"),
     AdmitCase("admit-bool-array-prompt", _args(prompt=np.array([True, False])), IRValidationError, r"request 9\.prompt: must be a 1-D sequence of int token ids", field="prompt"),
     AdmitCase("admit-rid-list", _args(rid=[9]), PreconditionError, r"admit: rid must be an int, not list \(got \[9\]\)"),
-    AdmitCase("admit-slot-as-checkpoint", _args(checkpoint=MambaSlot(4)), PreconditionError, r"checkpoint must be a Checkpoint \(from make_checkpoint\), got 4"),
-    AdmitCase("admit-checkpoint-of-live-request", _live_request_slot, PreconditionError, r"checkpoint slot \d+ is a slot of live request 2"),
-    AdmitCase("admit-checkpoint-kv-not-held", _with_checkpoint(kv_locs=tuple(range(100, 115))), PreconditionError, r"checkpoint KV location 100 is not held"),
-    AdmitCase("admit-checkpoint-lengths", _with_checkpoint(kv_locs=(1, 2)), PreconditionError, r"checkpoint has 2 KV locations for 15 tokens"),
-    AdmitCase("admit-checkpoint-tokens-list", _with_checkpoint(tokens=list(ADMIT_PREFIX)), PreconditionError, r"checkpoint tokens must be a tuple of ints"),
+    AdmitCase("admit-slot-as-prefix", _args(prefix=MambaSlot(4)), PreconditionError, r"prefix must be a PrefixState \(from make_prefix\), got 4"),
+    AdmitCase("admit-prefix-of-live-request", _live_request_slot, PreconditionError, r"prefix slot \d+ is a slot of live request 2"),
+    AdmitCase("admit-prefix-kv-not-held", _with_checkpoint(kv_locs=tuple(range(100, 115))), PreconditionError, r"prefix KV location 100 is not held"),
+    AdmitCase("admit-prefix-lengths", _with_checkpoint(kv_locs=(1, 2)), PreconditionError, r"prefix has 2 KV locations for 15 tokens"),
+    AdmitCase("admit-prefix-tokens-list", _with_checkpoint(tokens=list(ADMIT_PREFIX)), PreconditionError, r"prefix tokens must be a tuple of ints"),
 ]
 
 

@@ -50,7 +50,7 @@ def _prefill_world(transactional: bool) -> tuple[Ledger, MambaStatePool, Executo
 @pytest.mark.parametrize("transactional", [False, True])
 def test_failed_init_launch_restores_rows_and_keeps_the_ticket(transactional: bool) -> None:
     ledger, pool, ex, plan = _prefill_world(transactional)
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     with faults.armed(faults.FaultPoint.INIT_LAUNCH) as fired, pytest.raises(faults.InjectedFault):
         ex.execute(plan)  # type: ignore[arg-type]  # the world builder returns the plan untyped
     assert fired == {faults.FaultPoint.INIT_LAUNCH: 1}
@@ -69,7 +69,7 @@ def test_an_init_launch_failing_midway_restores_rows_and_keeps_the_ticket(
     ledger, pool, ex, plan = _prefill_world(transactional)
     clean_ledger, clean_pool, clean_ex, clean_plan = _prefill_world(transactional)
     clean_ex.execute(clean_plan)  # type: ignore[arg-type]  # same world, no failure
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     real = state_init.init_rows
 
     def clears_then_fail(buffer: torch.Tensor, clear: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -92,7 +92,7 @@ def test_failed_forward_in_a_transactional_executor_rolls_the_whole_forward_back
     ledger, pool, ex, plan = _prefill_world(True)
     clean_ledger, clean_pool, clean_ex, clean_plan = _prefill_world(True)
     clean_ex.execute(clean_plan)  # type: ignore[arg-type]  # same world, no fault
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     with faults.armed(faults.FaultPoint.MODEL_FORWARD), pytest.raises(faults.InjectedFault):
         ex.execute(plan)  # type: ignore[arg-type]  # see above
     assert torch.equal(pool.buffer, before) and len(ledger.outstanding()) == 1
@@ -103,7 +103,7 @@ def test_failed_forward_in_a_transactional_executor_rolls_the_whole_forward_back
 
 def test_failed_forward_in_a_plain_executor_leaves_the_init_applied_and_consumed() -> None:
     ledger, pool, ex, plan = _prefill_world(False)
-    before = pool.snapshot()  # random bytes: a cleared row is zeros, a rolled-back row is not
+    before = pool.copy_buffer()  # random bytes: a cleared row is zeros, a rolled-back row is not
     with faults.armed(faults.FaultPoint.MODEL_FORWARD), pytest.raises(faults.InjectedFault):
         ex.execute(plan)  # type: ignore[arg-type]  # see above
     assert ledger.outstanding() == () and ledger.num_consumed == 1  # applied and consumed

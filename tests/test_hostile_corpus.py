@@ -3,7 +3,7 @@
 Complements ``tests/test_bad_input.py`` (which covers the prefill/decode IR, the ledger and the
 allocators) with what it does not: the speculative phases (contexts, passes, nodes, the executor's
 verify/commit protocol), prefix-cache snapshots (node, verifier, executor), prefix-cache misuse,
-``Engine`` admission and checkpoints, JSONL workload files (``compiler.serve.load_workload``,
+``Engine`` admission and prefix states, JSONL workload files (``compiler.serve.load_workload``,
 then admission of what it returns) and checkpoint files (``load_checkpoint``).
 
 Each row names the exact exception type and a message fragment. Two worlds:
@@ -11,7 +11,7 @@ Each row names the exact exception type and a message fragment. Two worlds:
 - ``core``: ``tests.helpers_core.make_world`` (a target pool of random bytes, its ledger, slot and KV
   allocators, an executor) with a toy speculative model hook, so verify/commit plans can run;
 - ``driver``: a ``Engine`` (tiny seeded target and draft, k = 2, prefix cache) that has made a
-  checkpoint, admitted two requests and run a prefill and a speculative iteration.
+  prefix state, admitted two requests and run a prefill and a speculative iteration.
 
 Around the hostile call (after any legitimate ``setup``), the pool bytes (both pools for the
 driver), the ledger (outstanding tickets, number consumed, minted and consumed counts per pool),
@@ -46,7 +46,7 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import init_weights, perturb
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
-from compiler.engine import Checkpoint, Engine
+from compiler.engine import Engine, PrefixState
 from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
 from compiler.serve import WorkloadError, load_workload
 from ir.errors import (
@@ -124,7 +124,7 @@ PREFIX = list(b"You are terse.\n")
 @attrs.define
 class DriverWorld:
     driver: Engine
-    checkpoint: Checkpoint
+    prefix: PrefixState
     tmp: Path
 
 
@@ -134,12 +134,12 @@ def driver_world(tmp: Path) -> DriverWorld:
         target, draft, k=2, capacity=6, kv_capacity=256, max_len=64, chunk_size=16,
         prefix_cache=PrefixCache(capacity=3, block=8),
     )
-    cp = drv.make_checkpoint(PREFIX)
-    drv.admit(RequestId(1), PREFIX + list(b"print(1)"), max_new_tokens=6, checkpoint=cp)
+    cp = drv.make_prefix(PREFIX)
+    drv.admit(RequestId(1), PREFIX + list(b"print(1)"), max_new_tokens=6, prefix=cp)
     drv.admit(RequestId(2), list(b"def f(x):"), max_new_tokens=6)
     assert drv.step().kind.value == "extend"
     assert drv.step().kind.value == "spec"
-    return DriverWorld(driver=drv, checkpoint=cp, tmp=tmp)
+    return DriverWorld(driver=drv, prefix=cp, tmp=tmp)
 
 
 def _ledger_state(ledger: Any) -> tuple[object, ...]:
@@ -544,8 +544,8 @@ def _admit(rid: int, prompt: Any, **kw: Any) -> Callable[[DriverWorld, Ctx], obj
     return act
 
 
-def _admit_from_checkpoint(prompt: list[int]) -> Callable[[DriverWorld, Ctx], object]:
-    return lambda w, ctx: w.driver.admit(RequestId(9), prompt, max_new_tokens=2, checkpoint=w.checkpoint)
+def _admit_from_prefix(prompt: list[int]) -> Callable[[DriverWorld, Ctx], object]:
+    return lambda w, ctx: w.driver.admit(RequestId(9), prompt, max_new_tokens=2, prefix=w.prefix)
 
 
 def _all_finished(w: DriverWorld) -> Ctx:
@@ -553,18 +553,18 @@ def _all_finished(w: DriverWorld) -> Ctx:
     return {}
 
 
-def _release_checkpoint(w: DriverWorld) -> Ctx:
+def _release_prefix(w: DriverWorld) -> Ctx:
     w.driver.run_until_done()
-    w.driver.release_checkpoint(w.checkpoint)
-    return {"slot": w.checkpoint.slot}
+    w.driver.release_prefix(w.prefix)
+    return {"slot": w.prefix.slot}
 
 
-def _make_checkpoint(tokens: list[int]) -> Callable[[DriverWorld, Ctx], object]:
-    return lambda w, ctx: w.driver.make_checkpoint(tokens)
+def _make_prefix(tokens: list[int]) -> Callable[[DriverWorld, Ctx], object]:
+    return lambda w, ctx: w.driver.make_prefix(tokens)
 
 
 DRIVER_CASES = [
-    Case("cache-unpin-unpinned", lambda w, ctx: _cache(w).unpin(ctx["entry"]), PrefixCacheError, r"unpin of checkpoint slot <entry_slot>, which is not pinned", world="driver", setup=_with_entry),
+    Case("cache-unpin-unpinned", lambda w, ctx: _cache(w).unpin(ctx["entry"]), PrefixCacheError, r"unpin of cache slot <entry_slot>, which is not pinned", world="driver", setup=_with_entry),
     Case(
         "cache-insert-without-reservation",
         lambda w, ctx: _cache(w).insert(CacheEntry(slot=MambaSlot(6), tokens=(1, 2, 3, 4, 5, 6, 7, 8), kv_locs=tuple(range(200, 208)))),
@@ -592,29 +592,29 @@ DRIVER_CASES = [
         world="driver",
     ),
     Case("admit-zero-new-tokens", _admit(9, [1, 2], max_new_tokens=0), PreconditionError, r"max_new_tokens must be >= 1, got 0", world="driver"),
-    Case("admit-released-checkpoint", _admit_from_checkpoint(PREFIX + [1, 2]), PreconditionError, r"request 9: checkpoint slot <slot> was released", world="driver", setup=_release_checkpoint),
-    Case("admit-not-extending-checkpoint", _admit_from_checkpoint(list(b"Something else entirely")), PreconditionError, r"request 9: prompt does not extend the checkpoint's 15 tokens", world="driver"),
-    Case("admit-equal-to-checkpoint", _admit_from_checkpoint(PREFIX), PreconditionError, r"prompt does not extend the checkpoint's 15 tokens", world="driver"),
+    Case("admit-released-prefix", _admit_from_prefix(PREFIX + [1, 2]), PreconditionError, r"request 9: prefix slot <slot> was released", world="driver", setup=_release_prefix),
+    Case("admit-not-extending-prefix", _admit_from_prefix(list(b"Something else entirely")), PreconditionError, r"request 9: prompt does not extend the prefix state's 15 tokens", world="driver"),
+    Case("admit-equal-to-prefix", _admit_from_prefix(PREFIX), PreconditionError, r"prompt does not extend the prefix state's 15 tokens", world="driver"),
     Case("abort-unknown-request", lambda w, ctx: w.driver.abort(RequestId(77)), PreconditionError, r"abort: request 77 is not live", world="driver"),
-    Case("release-checkpoint-twice", lambda w, ctx: w.driver.release_checkpoint(w.checkpoint), SlotError, r"double free of slot <slot>", world="driver", setup=_release_checkpoint),
+    Case("release-prefix-twice", lambda w, ctx: w.driver.release_prefix(w.prefix), SlotError, r"double free of slot <slot>", world="driver", setup=_release_prefix),
     Case(
-        "make-checkpoint-empty",
-        _make_checkpoint([]),
+        "make-prefix-empty",
+        _make_prefix([]),
         IRValidationError,
         r"at least one token",
         world="driver",
     ),
     Case(
-        "make-checkpoint-negative-token",
-        _make_checkpoint([5, -1]),
+        "make-prefix-negative-token",
+        _make_prefix([5, -1]),
         IRValidationError,
         r"prompt: token ids must be >= 0 \(got -1\)",
         world="driver",
         field="prompt",
     ),
     Case(
-        "make-checkpoint-token-past-vocab",
-        _make_checkpoint([5, 999]),
+        "make-prefix-token-past-vocab",
+        _make_prefix([5, 999]),
         IRValidationError,
         r"prompt: token ids must be < the vocabulary size 256 \(got 999\)",
         world="driver",
@@ -845,11 +845,11 @@ CHECKPOINT_CASES = [
 
 
 def _prefills(w: World) -> Ctx:
-    """Plan A (requests in slots 1 and 2, both cleared) and plan B (slot 3 copies checkpoint slot 4),
+    """Plan A (requests in slots 1 and 2, both cleared) and plan B (slot 3 copies the cached state in slot 4),
     registered and outstanding."""
     a = lower(prepare_for_extend([request(1, 1, [5], 0), request(2, 2, [6], 1)]), LowerContext())
     b = lower(prepare_for_extend([request(3, 3, [7], 8, intent=CopyFrom(src=MambaSlot(4), prefix_len=2))]), LowerContext())
-    w.slots.alloc()  # slot 4: the checkpoint
+    w.slots.alloc()  # slot 4: the cached state
     w.ledger.register((*a.tickets, *b.tickets))
     return {"a": a, "b": b, "serial": a.tickets[0].serial}
 
@@ -993,7 +993,7 @@ def test_hostile_input_is_refused_and_changes_nothing(case: Case, tmp_path: Path
     world: World | DriverWorld = core_world() if case.world == "core" else driver_world(tmp_path)
     ctx = (case.setup or (lambda w: {}))(world)
     if isinstance(world, DriverWorld):
-        ctx.setdefault("slot", world.checkpoint.slot)
+        ctx.setdefault("slot", world.prefix.slot)
     pools_before, before = state_of(world)
     with pytest.raises(case.error, match=_pattern(case, ctx)) as info:
         case.act(world, ctx)

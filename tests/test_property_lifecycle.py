@@ -5,9 +5,9 @@ The model is a toy recurrence, installed as the target executor's model hook in 
 hybrid model's (the engine is otherwise the one ``batchc run`` serves with): it writes layer 0's SSM
 state of each request's row, ``state = state * 0.5 + (sum of the tokens this request fed in this
 forward) * WEIGHTS``, and emits the token ``token_for(rid, position)`` as one-hot logits. COWs come
-from two prefix checkpoints of different lengths (``Engine.make_checkpoint``, prefilled through the
+from two prefix states of different lengths (``Engine.make_prefix``, prefilled through the
 same toy). The shadow reference keeps one tensor per *request id* (not per slot, so a slot mix-up
-shows) and applies, on a request's first forward, zeros (fresh) or a copy of its own checkpoint's
+shows) and applies, on a request's first forward, zeros (fresh) or a copy of its own prefix state's
 state (cached prefix), then the same recurrence in the same dtype and order, so the comparison is
 exact.
 
@@ -15,9 +15,9 @@ The shadow derives on its own which init op each request needs and which tokens 
 reads from the plans which tokens the engine fed, and checks those against the prompt (prefill) or
 the last emitted token (decode). After every step: tickets minted == tickets consumed, nothing
 outstanding, the plan's init ops are exactly the expected clears and COWs, slots are owned by one
-request each, every KV location is held exactly by the requests and checkpoints whose context holds
+request each, every KV location is held exactly by the requests and prefix states whose context holds
 it (a request's own locations by it alone; each context exactly as long as what it fed),
-``live + free == capacity`` for slots and KV, the checkpoint rows are untouched, every live state
+``live + free == capacity`` for slots and KV, the prefix rows are untouched, every live state
 matches, and every finished or aborted request's output is the tokens it emitted.
 """
 
@@ -37,13 +37,13 @@ from backend.hybrid.model import HybridModel
 from backend.model import ForwardPlan
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
-from compiler.engine import Checkpoint, Engine, StepKind
+from compiler.engine import Engine, PrefixState, StepKind
 from ir.ids import TARGET_POOL, RequestId
 from ir.init import InitTicket
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from tests.helpers_core import random_fill
 
-CAPACITY = 7  # two slots hold the checkpoints, so at most 5 requests may hold a slot at once
+CAPACITY = 7  # two slots hold the prefix states, so at most 5 requests may hold a slot at once
 KV_CAPACITY = 256  # never short: a retraction would re-prefill, which this reference does not model
 MAX_LEN = 32
 CKPT_TOKENS = ([11, 22, 33], [44, 55, 66, 77, 88])
@@ -111,7 +111,7 @@ def prompt_of(rid: int, n: int) -> list[int]:
 @attrs.define
 class ShadowRequest:
     prompt: list[int]
-    source: int | None  # index of the checkpoint it copies, or None (fresh)
+    source: int | None  # index of the prefix it copies, or None (fresh)
     prefix0: int
     max_new: int
     slot: int | None = None
@@ -125,13 +125,13 @@ class ShadowRequest:
 class Harness:
     engine: Engine
     toy: ToyRecurrence
-    checkpoints: list[Checkpoint]
+    prefixes: list[PrefixState]
     ckpt_states: list[torch.Tensor]
     ckpt_rows: list[torch.Tensor]
     shadow: dict[int, ShadowRequest] = attrs.Factory(dict)
     next_rid: int = 0
     tickets_minted: int = 0
-    expect_clears: int = 0  # of requests (the checkpoints' own clears are counted apart)
+    expect_clears: int = 0  # of requests (the prefix states' own clears are counted apart)
     expect_cows: int = 0
     steps: int = 0
     kinds: set[StepKind] = attrs.Factory(set)
@@ -143,11 +143,11 @@ class Harness:
             return
         rid = self.next_rid
         self.next_rid += 1
-        source = which % len(self.checkpoints) if cow else None
-        head = list(self.checkpoints[source].tokens) if source is not None else []
+        source = which % len(self.prefixes) if cow else None
+        head = list(self.prefixes[source].tokens) if source is not None else []
         prompt = head + prompt_of(rid, n)
         self.engine.admit(
-            RequestId(rid), prompt, max_new_tokens=max_new, checkpoint=self.checkpoints[source] if source is not None else None
+            RequestId(rid), prompt, max_new_tokens=max_new, prefix=self.prefixes[source] if source is not None else None
         )
         self.shadow[rid] = ShadowRequest(prompt=prompt, source=source, prefix0=len(head), max_new=max_new)
 
@@ -204,7 +204,7 @@ class Harness:
                     r.slot = slot
                     if r.source is not None:
                         r.state = self.ckpt_states[r.source].clone()
-                        exp_src.append(int(self.checkpoints[r.source].slot))
+                        exp_src.append(int(self.prefixes[r.source].slot))
                         exp_dst.append(slot)
                     else:
                         r.state = torch.zeros_like(self.ckpt_states[0])
@@ -259,20 +259,20 @@ class Harness:
         assert e.ledger.outstanding() == ()
         assert e.ledger.num_consumed == self.tickets_minted
         counts = e.ledger.counts(TARGET_POOL)
-        assert (counts.tickets, counts.clears, counts.cows) == (self.tickets_minted, self.expect_clears + len(self.checkpoints), self.expect_cows)
+        assert (counts.tickets, counts.clears, counts.cows) == (self.tickets_minted, self.expect_clears + len(self.prefixes), self.expect_cows)
         assert e.stats.retractions == 0
         live = e.live_slots()
         assert {int(r) for r in live} <= set(self.shadow)
         slots = [int(s) for s in live.values()]
         assert len(slots) == len(set(slots)), f"a slot is live for two requests: {live}"
-        ckpt_slots = {int(cp.slot) for cp in self.checkpoints}
+        ckpt_slots = {int(cp.slot) for cp in self.prefixes}
         assert not ckpt_slots & set(slots)
         assert e.slots.live() == frozenset(slots) | ckpt_slots
         assert e.slots.num_live + e.slots.num_free == CAPACITY
-        # KV: a checkpoint's locations are shared (by reference) with the requests copying it; every
+        # KV: a prefix state's locations are shared (by reference) with the requests copying it; every
         # other location belongs to one request; each context is exactly as long as what was fed
         holders: Counter[int] = Counter()
-        for cp in self.checkpoints:
+        for cp in self.prefixes:
             holders.update(cp.kv_locs)
         own: list[int] = []
         for rid, r in self.shadow.items():
@@ -282,17 +282,17 @@ class Harness:
                 continue
             assert len(context) == r.prefix0 + r.done + r.decoded
             if r.source is not None:
-                assert tuple(context[: r.prefix0]) == self.checkpoints[r.source].kv_locs
+                assert tuple(context[: r.prefix0]) == self.prefixes[r.source].kv_locs
             own += context[r.prefix0 :]
             holders.update(context)
         assert len(own) == len(set(own)), "a KV location is owned by two requests"
-        assert not set(own) & {loc for cp in self.checkpoints for loc in cp.kv_locs}
+        assert not set(own) & {loc for cp in self.prefixes for loc in cp.kv_locs}
         assert e.kv_refs.held() == dict(holders)
         assert e.kv.live() == frozenset(holders)
         assert e.kv.num_live + e.kv.num_free == KV_CAPACITY
         pool = e.target.pool
-        for cp, row in zip(self.checkpoints, self.ckpt_rows, strict=True):
-            assert torch.equal(pool.buffer[cp.slot], row), f"the checkpoint row {cp.slot} was written"
+        for cp, row in zip(self.prefixes, self.ckpt_rows, strict=True):
+            assert torch.equal(pool.buffer[cp.slot], row), f"the prefix row {cp.slot} was written"
         ssm = pool.ssm_state(0)
         for rid, r in self.shadow.items():
             if r.state is None:
@@ -309,24 +309,24 @@ def make_harness(chunk_size: int, seed: int) -> Harness:
     random_fill(e.target.pool, seed)
     toy = ToyRecurrence(_target().config.vocab)
     e.target.model = toy
-    checkpoints, states, rows = [], [], []
+    prefixes, states, rows = [], [], []
     ssm = e.target.pool.ssm_state(0)
     for tokens in CKPT_TOKENS:
-        cp = e.make_checkpoint(tokens)
+        cp = e.make_prefix(tokens)
         (plan,) = toy.take()
         assert isinstance(plan, ExtendPlan) and plan.tickets[0].init.clear_slots == (cp.slot,)
         state = _toy(torch.zeros_like(ssm[cp.slot]), float(sum(tokens)))
         assert torch.equal(ssm[cp.slot], state)
-        checkpoints.append(cp)
+        prefixes.append(cp)
         states.append(state)
         rows.append(e.target.pool.buffer[cp.slot].clone())
-    h = Harness(engine=e, toy=toy, checkpoints=checkpoints, ckpt_states=states, ckpt_rows=rows, tickets_minted=len(checkpoints))
+    h = Harness(engine=e, toy=toy, prefixes=prefixes, ckpt_states=states, ckpt_rows=rows, tickets_minted=len(prefixes))
     h.check()
     return h
 
 
 def finish(h: Harness) -> None:
-    """Step until every request has left, then an idle step; give the checkpoints back and check
+    """Step until every request has left, then an idle step; give the prefix states back and check
     that nothing is left anywhere."""
     for _ in range(200):
         if not h.shadow:
@@ -336,9 +336,9 @@ def finish(h: Harness) -> None:
     assert h.engine.live == 0
     h.step()  # nothing left: an idle step
     e = h.engine
-    assert e.slots.live() == frozenset(int(cp.slot) for cp in h.checkpoints)
-    for cp in h.checkpoints:
-        e.release_checkpoint(cp)
+    assert e.slots.live() == frozenset(int(cp.slot) for cp in h.prefixes)
+    for cp in h.prefixes:
+        e.release_prefix(cp)
     assert e.slots.num_live == 0 and e.kv.num_free == KV_CAPACITY and e.kv_refs.held() == {}
     e.ledger.assert_drained()
     assert e.ledger.num_consumed == h.tickets_minted
@@ -346,10 +346,10 @@ def finish(h: Harness) -> None:
 
 ADMIT = st.tuples(
     st.just("admit"),
-    st.integers(1, 12),  # prompt length (after the checkpoint's tokens, for a cached prefix)
+    st.integers(1, 12),  # prompt length (after the prefix state's tokens, for a cached prefix)
     st.integers(1, 4),  # max_new_tokens
-    st.booleans(),  # cached prefix (COW from a checkpoint)
-    st.integers(0, 1),  # which checkpoint
+    st.booleans(),  # cached prefix (COW from a prefix)
+    st.integers(0, 1),  # which prefix
 )
 STEP = st.tuples(st.just("step"))
 ABORT = st.tuples(st.just("abort"), st.integers(0, 10))
@@ -383,7 +383,7 @@ def test_a_scripted_lifecycle_takes_every_path() -> None:
     """The property's generator can reach every step kind; this pins one run that does."""
     h = make_harness(chunk_size=3, seed=1)
     h.admit(7, 2, False, 0)  # chunked: 3 + 3 + 1
-    h.admit(2, 3, True, 0)  # COW from the 3-token checkpoint, then 2 tokens
+    h.admit(2, 3, True, 0)  # COW from the 3-token prefix, then 2 tokens
     h.step()  # extend
     h.step()  # mixed: r0's second chunk with r1's decode
     h.admit(4, 1, False, 0)

@@ -31,13 +31,13 @@ from ir.plan import DecodePlan
 from passes import DecodeContext, LowerContext
 from tests.core import LAYOUT, cow, empty_decode, fresh
 
-CHECKPOINT = MambaSlot(5)
+CACHED = MambaSlot(5)
 
 
 def _pools() -> tuple[MambaStatePool, MambaStatePool]:
     pools = MambaStatePool(TARGET_POOL, LAYOUT, 8), MambaStatePool(DRAFT_POOL, LAYOUT, 8)
     for p in pools:
-        p.buffer[CHECKPOINT].fill_(7)  # the cached prefix state
+        p.buffer[CACHED].fill_(7)  # the cached prefix state
         p.buffer[1].fill_(0xAB)  # stale bytes from the slot's previous owner
     return pools
 
@@ -48,12 +48,12 @@ def test_init_ops_cannot_follow_the_request_into_decode() -> None:
     pipeline = Pipeline(ledger, LowerContext(pools=(TARGET_POOL, DRAFT_POOL)), PassManager(verify_level=2))
     ex_t, ex_d = Executor(target, ledger), Executor(draft, ledger)
 
-    extend, plan = pipeline.prefill([fresh(1, 1, [10, 11, 12], 1), cow(2, 2, CHECKPOINT, 4, [13, 14], 10)])
+    extend, plan = pipeline.prefill([fresh(1, 1, [10, 11, 12], 1), cow(2, 2, CACHED, 4, [13, 14], 10)])
     for ex in (ex_t, ex_d):
         ex.execute(plan)
     for pool in (target, draft):
         assert torch.all(pool.buffer[1] == 0)
-        assert torch.equal(pool.buffer[2], pool.buffer[CHECKPOINT])
+        assert torch.equal(pool.buffer[2], pool.buffer[CACHED])
     assert ledger.outstanding() == ()
     assert ledger.counts(TARGET_POOL).tickets == ledger.counts(DRAFT_POOL).tickets == 1
 
@@ -76,7 +76,7 @@ def test_init_ops_cannot_follow_the_request_into_decode() -> None:
     assert "tickets" not in {f.name for f in DecodePlan.__attrs_attrs__}
     assert ledger.counts(TARGET_POOL).tickets == ledger.counts(DRAFT_POOL).tickets == 1
 
-    live = (target.snapshot(), draft.snapshot())
+    live = (target.copy_buffer(), draft.copy_buffer())
     assert plan.tickets
     serial = plan.tickets[0].serial
     for replay in (plan, copy.deepcopy(plan), pickle.loads(pickle.dumps(plan))):
@@ -113,7 +113,7 @@ def test_a_ticket_never_executed_is_a_leak() -> None:
 def _baseline(spec: bool, fixed: bool = False, ledger: Ledger | None = None) -> tuple[ScheduleBatch, ModelRunner, ModelRunner]:
     target, draft = _pools()
     batch = ScheduleBatch(spec_enabled=spec, fixed=fixed)
-    reqs = [Req(rid=1, slot=1, prompt=[10, 11, 12]), Req(rid=2, slot=2, prompt=[9, 9, 9, 9, 13, 14], prefix_len=4, checkpoint=int(CHECKPOINT))]
+    reqs = [Req(rid=1, slot=1, prompt=[10, 11, 12]), Req(rid=2, slot=2, prompt=[9, 9, 9, 9, 13, 14], prefix_len=4, cow_src=int(CACHED))]
     batch.prepare_for_extend(reqs, torch.arange(1, 6))
     runners = ModelRunner(target, ledger), ModelRunner(draft, ledger)
     for r in runners:
@@ -169,7 +169,7 @@ def test_ledger_refuses_the_first_baseline_replay() -> None:
     ledger = Ledger()
     batch, target, draft = _baseline(spec=True, ledger=ledger)
     draft.pool.buffer[1].fill_(3)
-    before = draft.pool.snapshot()
+    before = draft.pool.copy_buffer()
     with pytest.raises(ResourceReplayError, match=r"pool 'draft'.*already consumed"):
         _iterate(batch, target, draft, steps=5)
     assert draft.replays == 0

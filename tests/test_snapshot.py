@@ -99,7 +99,7 @@ def test_snapshot_out_of_pool_range_changes_nothing() -> None:
     pool = MambaStatePool(TARGET_POOL, LAYOUT, 4)
     pipe = Pipeline(ledger, LowerContext(), PassManager(verify_level=2))
     _, plan = pipe.prefill([_snapshotting(1, 1, 9, [3, 4], 1)])
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     with pytest.raises(PlanExecutionError, match=r"snapshot #\d+: dst slot 9 out of range"):
         Executor(pool, ledger).execute(plan)
     assert torch.equal(pool.buffer, before)

@@ -42,11 +42,11 @@ def _models(noise: float = DRAFT_NOISE, seed: int = 1) -> tuple[HybridModel, Hyb
 def _serve(k: int, noise: float = DRAFT_NOISE) -> Engine:
     target, draft = _models(noise)
     drv = Engine(target, draft if k else None, k=k)
-    cp = drv.make_checkpoint(PREFIX)
+    cp = drv.make_prefix(PREFIX)
     for i, p in enumerate(PROMPTS):
-        drv.admit(RequestId(i), p, max_new_tokens=NEW, checkpoint=cp if p[: len(PREFIX)] == PREFIX else None)
+        drv.admit(RequestId(i), p, max_new_tokens=NEW, prefix=cp if p[: len(PREFIX)] == PREFIX else None)
     drv.run_until_done()
-    drv.release_checkpoint(cp)
+    drv.release_prefix(cp)
     return drv
 
 
@@ -58,7 +58,7 @@ def _greedy() -> dict[RequestId, list[int]]:
 
 
 def test_plain_greedy_driver_matches_the_from_scratch_reference() -> None:
-    drv = _serve(0)  # fresh prompts and prompts copied from the checkpoint
+    drv = _serve(0)  # fresh prompts and prompts copied from the prefix
     assert drv.outputs == _greedy()
     assert drv.stats.iterations == 0 and drv.stats.decodes > 0
 
@@ -75,7 +75,7 @@ def test_init_ops_consumed_once_per_pool_and_nothing_leaks(k: int) -> None:
     drv = _serve(k)
     drv.ledger.assert_drained()
     t, d = drv.ledger.counts(TARGET_POOL), drv.ledger.counts(DRAFT_POOL)
-    # the checkpoint prefill (1 clear) and one prefill of the 4 prompts (2 clears + 2 COWs)
+    # the prefix prefill (1 clear) and one prefill of the 4 prompts (2 clears + 2 COWs)
     assert (t.tickets, t.clears, t.cows) == (d.tickets, d.clears, d.cows) == (2, 3, 2)
     assert drv.ledger.replays_blocked == 0
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0
@@ -133,19 +133,19 @@ def test_random_acceptance_and_join_leave_keep_exactly_once_and_losslessness(
 ) -> None:
     target, draft = _models(noise, noise_seed)
     drv = Engine(target, draft, k=k, capacity=8)
-    cp = drv.make_checkpoint(PREFIX)
+    cp = drv.make_prefix(PREFIX)
     expected: dict[RequestId, list[int]] = {}
     for rid_, (p, n, wait) in enumerate(plan):  # request rid_ joins after `wait` more steps
         rid = RequestId(rid_)
         prompt = PROMPTS[p]
-        drv.admit(rid, prompt, max_new_tokens=n, checkpoint=cp if prompt[: len(PREFIX)] == PREFIX else None)
+        drv.admit(rid, prompt, max_new_tokens=n, prefix=cp if prompt[: len(PREFIX)] == PREFIX else None)
         expected[rid] = _greedy()[RequestId(p)][:n]
         for _ in range(wait):
             drv.step()
             assert drv.ledger.outstanding() == ()
-            assert drv.slots.num_live == len(drv.live_slots()) + 1  # each started request's slot and the checkpoint's
+            assert drv.slots.num_live == len(drv.live_slots()) + 1  # each started request's slot and the prefix state's
     drv.run_until_done()
-    drv.release_checkpoint(cp)
+    drv.release_prefix(cp)
     drv.ledger.assert_drained()
     assert drv.ledger.counts(TARGET_POOL) == drv.ledger.counts(DRAFT_POOL)
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0

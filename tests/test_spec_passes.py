@@ -180,7 +180,7 @@ def test_commit_of_a_verify_that_never_ran_is_refused() -> None:
     ex = Executor(pool, ledger, _Scripted({3: 1, 4: 1}))
     v = _verify()
     c = commit(v, accept(v, frozen_i64([11, 0, 0, 0, 21, 0, 0, 0])))
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     with pytest.raises(PlanExecutionError, match=rf"verify #{v.verify_id}.*never verified here"):
         ex.execute(lower(c, LowerContext()))
     assert torch.equal(pool.buffer, before)

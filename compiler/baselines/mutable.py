@@ -59,7 +59,7 @@ class Req:
     slot: int
     prompt: list[int]
     prefix_len: int = 0
-    checkpoint: int | None = None  # COW source slot when the prefix state is cached
+    cow_src: int | None = None  # COW source slot when the prefix state is cached
     output_ids: list[int] = attrs.Factory(list)
     finished: bool = False
     decode_batch_idx: int = 0
@@ -128,8 +128,8 @@ class ScheduleBatch:
             r.kv_committed_len = r.kv_allocated_len = len(r.prompt)
         self.req_pool_indices = _t([r.slot for r in reqs])
         self.out_cache_loc = out_cache_loc
-        cow = [(r.checkpoint, r.slot) for r in reqs if r.checkpoint is not None]
-        clear = [r.slot for r in reqs if r.checkpoint is None and r.prefix_len == 0]
+        cow = [(r.cow_src, r.slot) for r in reqs if r.cow_src is not None]
+        clear = [r.slot for r in reqs if r.cow_src is None and r.prefix_len == 0]
         self.mamba_cow_src_indices = _t([s for s, _ in cow]) if cow else None
         self.mamba_cow_dst_indices = _t([d for _, d in cow]) if cow else None
         self.mamba_clear_indices = _t(clear) if clear else None

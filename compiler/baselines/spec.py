@@ -26,7 +26,7 @@ from backend.hybrid.model import HybridModel, greedy
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
 from compiler.baselines.mutable import ForwardMode, ModelRunner, Req, ScheduleBatch
-from compiler.engine import Checkpoint, SpecStats, StepKind, StepReport
+from compiler.engine import PrefixState, SpecStats, StepKind, StepReport
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 
 
@@ -67,7 +67,7 @@ class MutableSpecEngine:
         self.t = _Side(target, TARGET_POOL, capacity, kv_capacity, max_len, ledger)
         self.d = _Side(draft, DRAFT_POOL, capacity, kv_capacity, max_len, ledger)
         self.running: ScheduleBatch | None = None
-        self.waiting: list[tuple[Req, int, Checkpoint | None]] = []
+        self.waiting: list[tuple[Req, int, PrefixState | None]] = []
         self.committed: dict[int, int] = {}  # rid -> committed tokens
         self.kv_of: dict[int, list[int]] = {}
         self.outputs: dict[RequestId, list[int]] = {}
@@ -78,16 +78,16 @@ class MutableSpecEngine:
         self._finished: list[RequestId] = []
 
     def admit(
-        self, rid: RequestId, prompt: Sequence[int], *, max_new_tokens: int, checkpoint: Checkpoint | None = None, stop: int | None = None
+        self, rid: RequestId, prompt: Sequence[int], *, max_new_tokens: int, prefix: PrefixState | None = None, stop: int | None = None
     ) -> None:
-        req = Req(rid=rid, slot=0, prompt=list(prompt), prefix_len=len(checkpoint.tokens) if checkpoint else 0,
-                  checkpoint=int(checkpoint.slot) if checkpoint else None)
-        self.waiting.append((req, max_new_tokens, checkpoint))
+        req = Req(rid=rid, slot=0, prompt=list(prompt), prefix_len=len(prefix.tokens) if prefix else 0,
+                  cow_src=int(prefix.slot) if prefix else None)
+        self.waiting.append((req, max_new_tokens, prefix))
         self.max_new[rid] = max_new_tokens
         self.stop[rid] = stop
 
-    def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
-        """The same prefix checkpoint as ``Engine.make_checkpoint``, built with plain torch calls."""
+    def make_prefix(self, tokens: Sequence[int]) -> PrefixState:
+        """The same prefix state as ``Engine.make_prefix``, built with plain torch calls."""
         slot = self.slots.alloc()
         kv = self.kvs.alloc_many(len(tokens))
         batch = ScheduleBatch(spec_enabled=True, fixed=self.fixed)
@@ -95,7 +95,7 @@ class MutableSpecEngine:
         for side in (self.t, self.d):
             side.runner.forward(batch.get_model_worker_batch(ForwardMode.EXTEND))  # the clear of the fresh slot
             self._extend(side, [int(slot)], [0], [list(tokens)], [kv.tolist()])
-        return Checkpoint(slot=slot, tokens=tuple(tokens), kv_locs=tuple(int(x) for x in kv))
+        return PrefixState(slot=slot, tokens=tuple(tokens), kv_locs=tuple(int(x) for x in kv))
 
     # -- model calls --------------------------------------------------------------------------
 
@@ -277,6 +277,6 @@ class MutableSpecEngine:
     def replays(self) -> int:
         return self.t.runner.replays + self.d.runner.replays
 
-    def release_checkpoint(self, cp: Checkpoint) -> None:
+    def release_prefix(self, cp: PrefixState) -> None:
         self.slots.free(cp.slot)
         self.kvs.free_many(cp.kv_locs)

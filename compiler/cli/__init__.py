@@ -11,7 +11,7 @@
 - ``batchc bench kernels``: the state-pool kernels (Triton on a GPU, torch references on a CPU).
 
 Bad input the user can cause (option values and their bounds, an empty path, ``--draft`` with
-``--k 0``, ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR``, workload files, checkpoints, the ``--json``
+``--k 0``, ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR``, workload files, checkpoint files, the ``--json``
 path) prints one line on stderr and exits with status 2 before anything runs. ``--json`` claims its
 path before the run: a temporary file created next to it (never through a link, device or FIFO at
 the path) is filled and renamed onto it when the run ends. ``batchc run`` exits with status 1, saying why in one

@@ -2,8 +2,8 @@
 
 from compiler.engine.api import ServingEngine
 from compiler.engine.engine import Engine
-from compiler.engine.report import Checkpoint, SpecStats, StepKind, StepReport
+from compiler.engine.report import PrefixState, SpecStats, StepKind, StepReport
 from compiler.engine.requests import RequestState
 from compiler.engine.runner import StepFailed
 
-__all__ = ["Checkpoint", "Engine", "RequestState", "ServingEngine", "SpecStats", "StepFailed", "StepKind", "StepReport"]
+__all__ = ["PrefixState", "Engine", "RequestState", "ServingEngine", "SpecStats", "StepFailed", "StepKind", "StepReport"]

@@ -1,6 +1,6 @@
 """Argument checks of the engine's public entry points, all run before anything is allocated.
 
-Prompts (and checkpoint tokens) are checked by ``checked_prompt``. Counts are ints (numpy integers
+Prompts (and prefix tokens) are checked by ``checked_prompt``. Counts are ints (numpy integers
 too; never ``bool``, ``float``, ``str`` or ``None``) within their bounds; a bad argument raises ``PreconditionError`` naming the argument and the value, and leaves
 the engine, its allocators, pools and prefix cache as they were.
 """
@@ -24,7 +24,7 @@ MAX_K = 32
 """Most draft tokens per speculative iteration (the same bound as ``compiler.workload.MAX_K``, the
 command line's; the engine does not import the command line's modules)."""
 MAX_CAPACITY = 2**20
-"""Most Mamba slots (per pool) an engine takes: running requests, checkpoints and cache entries."""
+"""Most Mamba slots (per pool) an engine takes: running requests, prefix states and cache entries."""
 MAX_KV_CAPACITY = 2**31
 """Most attention KV locations an engine takes."""
 MAX_LEN = 2**20
@@ -155,7 +155,7 @@ def check_request(
 
 def checked_prompt(where: str, prompt: Sequence[int], vocab: int | None = None, max_len: int | None = None) -> I64:
     """The prompt as a read-only int64 column, or ``IRValidationError`` naming ``where`` (``"request
-    3"``, ``"checkpoint"``) and the bad token (negative, or ``>= vocab`` when the model's vocabulary
+    3"``, ``"prefix"``) and the bad token (negative, or ``>= vocab`` when the model's vocabulary
     size is given). With ``max_len``, a longer prompt is refused by its length before any of it is
     read (``range(10**10)`` is not materialised); a prompt without a length (a generator) is refused."""
     if not isinstance(prompt, Sized):

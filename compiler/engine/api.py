@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from compiler.engine.report import Checkpoint, SpecStats, StepReport
+from compiler.engine.report import PrefixState, SpecStats, StepReport
 from ir.ids import RequestId
 
 
@@ -34,19 +34,19 @@ class ServingEngine(Protocol):
         prompt: Sequence[int],
         *,
         max_new_tokens: int,
-        checkpoint: Checkpoint | None = None,
+        prefix: PrefixState | None = None,
         stop: int | None = None,
     ) -> None:
         """Queue a request: ``max_new_tokens`` greedy tokens after ``prompt``, fewer if ``stop`` is
-        emitted; with ``checkpoint`` it starts from that prefix state."""
+        emitted; with ``prefix`` it starts from that prefix state."""
         ...
 
-    def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
+    def make_prefix(self, tokens: Sequence[int]) -> PrefixState:
         """Prefill ``tokens`` once into a slot that requests can start from."""
         ...
 
-    def release_checkpoint(self, cp: Checkpoint) -> None:
-        """Give a checkpoint's slot and KV locations back."""
+    def release_prefix(self, cp: PrefixState) -> None:
+        """Give a prefix state's slot and KV locations back."""
         ...
 
     def step(self) -> StepReport:

@@ -1,7 +1,7 @@
 """Prefill chunking: which waiting requests get their next prompt chunk in this step, and how long.
 
 Requests are served in queue order. A WAITING request first gets its slot and its prefix source (a
-checkpoint it was admitted with, or the longest prefix the cache holds), and only if the KV for its
+prefix it was admitted with, or the longest prefix the cache holds), and only if the KV for its
 whole prompt fits next to what the started prefills still need, so a started prefill can always
 finish (no deadlock of half-prefilled requests). Each chunk is at most ``chunk_size`` tokens, all of
 them together at most ``token_budget``, and a chunk stops at the prefix boundary the cache wants a

@@ -7,7 +7,7 @@ Per ``step()`` (one scheduler iteration), one kind of forward (``StepKind``):
 - **extend** when requests wait for (more of) their prefill, alternating with the running batch
   so neither starves: each gets its next chunk (at most ``chunk_size`` tokens, at most
   ``token_budget`` in total). A first chunk starts with a clear (fresh slot) or a COW (a cached
-  prefix, from a ``Checkpoint`` or the prefix cache), later chunks continue. One
+  prefix, from a ``PrefixState`` or the prefix cache), later chunks continue. One
   ``Pipeline.prefill`` lowers the forward with one ticket per pool and both executors run the same
   ``ExtendPlan``: the draft pool's init ops run there, and only there. A chunk that ends at a prefix
   worth caching carries a snapshot into a cache slot (a one-shot op after the forward, through the
@@ -23,7 +23,7 @@ Per ``step()`` (one scheduler iteration), one kind of forward (``StepKind``):
 The engine is small parts with one job each: the request table (``requests``: states and the
 prefill queue), KV reference counts (``kv_refs``), the prefix-cache session (``cache_session``; a
 null object when caching is off), prefill chunking (``chunks``), the step's forwards (``forwards``),
-the forward runner (``runner``: retries and ``StepFailed``), prefix checkpoints (``prefixes``) and
+the forward runner (``runner``: retries and ``StepFailed``), prefix states (``prefixes``) and
 the argument checks (``admission``). This module wires them and owns the step loop. Every request that leaves (finished, aborted, failed,
 retracted) goes through one release path, ``_release``.
 
@@ -50,8 +50,8 @@ from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSess
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.forwards import Forwards, Progress
 from compiler.engine.kv_refs import KVRefs
-from compiler.engine.prefixes import Checkpoints
-from compiler.engine.report import Checkpoint, SpecStats, StepKind, StepReport
+from compiler.engine.prefixes import PrefixStates
+from compiler.engine.report import PrefixState, SpecStats, StepKind, StepReport
 from compiler.engine.requests import Ending, Request, RequestTable
 from compiler.engine.runner import ForwardRunner, StepFailed
 from compiler.manager import PassManager
@@ -123,7 +123,7 @@ class Engine:
             k=k, pipeline=self.pipeline, runner=self.runner, target=self.target, draft=self.draft, requests=self.requests,
             kv_refs=self.kv_refs, session=self.session, planner=self.planner, stats=self.stats, release=self._release,
         )
-        self.checkpoints = Checkpoints(
+        self.prefixes = PrefixStates(
             slots=self.slots, kv=self.kv, kv_refs=self.kv_refs, pipeline=self.pipeline, executors=self._executors,
             k=k, max_len=max_len, vocab=self.vocab,
         )
@@ -172,10 +172,10 @@ class Engine:
         prompt: Sequence[int],
         *,
         max_new_tokens: int,
-        checkpoint: Checkpoint | None = None,
+        prefix: PrefixState | None = None,
         stop: int | None = None,
     ) -> None:
-        """Queue a request. With ``checkpoint`` its slot starts as a copy of that prefix state; else,
+        """Queue a request. With ``prefix`` its slot starts as a copy of that prefix state; else,
         with a prefix cache, the longest cached prefix is used when the request is scheduled.
 
         Every argument is checked before anything changes (``PreconditionError``, or
@@ -188,39 +188,39 @@ class Engine:
             rid, prompt, max_new_tokens, stop, in_use=lambda r: r in self.requests or r in self.outputs,
             vocab=self.vocab, max_len=self.max_len, k=self.k,
         )
-        if checkpoint is not None:
-            self.checkpoints.check(rid, checkpoint, arr, self.requests)
+        if prefix is not None:
+            self.prefixes.check(rid, prefix, arr, self.requests)
         else:
             self.session.observe(arr)
-        self.requests.add(Request(rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stop, source=checkpoint))
+        self.requests.add(Request(rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stop, source=prefix))
 
-    def make_checkpoint(self, tokens: Sequence[int]) -> Checkpoint:
-        """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix checkpoint.
+    def make_prefix(self, tokens: Sequence[int]) -> PrefixState:
+        """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix state.
 
         Everything is checked before a slot, a KV location or a ticket is taken: the tokens
-        (``IRValidationError``), their length (a request extending the checkpoint must fit
+        (``IRValidationError``), their length (a request extending the prefix must fit
         ``max_len``: at least one more prompt token, one new token and the k + 1 speculative
         positions) and the free slots and KV locations (``PreconditionError``). A stopped engine
         refuses with ``EngineStoppedError``; an exception escaping the prefill itself stops the
         engine, as one escaping ``step`` does."""
         self.check_serving()
-        arr = self.checkpoints.checked_tokens(tokens)
+        arr = self.prefixes.checked_tokens(tokens)
         try:
-            return self.checkpoints.make(arr)
+            return self.prefixes.make(arr)
         except BaseException as exc:
             self.stopped_by = exc  # a slot, KV locations or tickets may be taken and not recorded
             raise
 
-    def release_checkpoint(self, cp: Checkpoint) -> None:
-        """Return a checkpoint's slot and its KV references.
+    def release_prefix(self, cp: PrefixState) -> None:
+        """Return a prefix state's slot and its KV references.
 
-        Only a checkpoint this engine made and has not released yet is accepted (the whole record
-        must equal the one ``make_checkpoint`` returned), and only while no live request still
+        Only a prefix this engine made and has not released yet is accepted (the whole record
+        must equal the one ``make_prefix`` returned), and only while no live request still
         waits to copy it (admitted from it and not yet past its first prefill chunk); otherwise
         ``PreconditionError`` (``SlotError`` for a second release: a double free of its slot), and
         nothing changes. A stopped engine refuses with ``EngineStoppedError``."""
         self.check_serving()
-        self.checkpoints.release(cp, self.requests)
+        self.prefixes.release(cp, self.requests)
 
     def abort(self, rid: RequestId) -> None:
         """End a live request now (its output so far goes to ``outputs``). ``rid`` is an int (numpy
@@ -282,7 +282,7 @@ class Engine:
         ``PreconditionError`` when called from inside a step (a model hook calling back into the
         engine: the step's bookkeeping is half done)."""
         if self._stepping:
-            raise PreconditionError("engine", "called from inside a step (a model hook?): admit, abort and checkpoints wait for step() to return")
+            raise PreconditionError("engine", "called from inside a step (a model hook?): admit, abort and prefix states wait for step() to return")
         if self.stopped_by is not None:
             raise EngineStoppedError(
                 f"engine stopped: an earlier step raised {self.stopped_by!r}; its bookkeeping may be partial, "

@@ -1,6 +1,6 @@
 """Reference counts on KV locations.
 
-A request holds one reference on every location of its context; a prefix checkpoint or a
+A request holds one reference on every location of its context; a prefix state or a
 prefix-cache entry holds one on each location of its prefix, which the requests starting from it
 share. A location goes back to the allocator when its last reference is dropped. Counts live in one
 numpy array indexed by location, grown to the highest location referenced (not to the allocator's

@@ -1,7 +1,7 @@
-"""Prefix checkpoints handed out by the engine: a prompt prefix prefilled once into a slot of every
+"""Prefix states handed out by the engine: a prompt prefix prefilled once into a slot of every
 pool, which requests admitted with it start from (a COW of that slot, sharing its KV locations).
 
-``Checkpoints`` keeps the ones made and not yet released, checks every record handed back against
+``PrefixStates`` keeps the ones made and not yet released, checks every record handed back against
 them (a forged or released one is refused), and holds one slot and one KV reference per location of
 each until it is released.
 """
@@ -14,7 +14,7 @@ from backend.allocator import KVAllocator, SlotAllocator
 from backend.executor import AnyExecutor
 from compiler.engine.admission import MAX_LEN, checked_prompt
 from compiler.engine.kv_refs import KVRefs
-from compiler.engine.report import Checkpoint
+from compiler.engine.report import PrefixState
 from compiler.engine.requests import Request
 from compiler.steps import Pipeline
 from ir.columns import I64, int_problem
@@ -23,7 +23,7 @@ from ir.ids import MambaSlot, RequestId
 from ir.request import AdmittedRequest, Clear
 
 
-class Checkpoints:
+class PrefixStates:
     def __init__(
         self,
         *,
@@ -39,66 +39,66 @@ class Checkpoints:
         self.slots, self.kv, self.kv_refs, self.pipeline = slots, kv, kv_refs, pipeline
         self.executors = executors
         self.k, self.max_len, self.vocab = k, max_len, vocab
-        self._held: dict[MambaSlot, Checkpoint] = {}
-        """The checkpoints ``make`` made and ``release`` has not released."""
+        self._held: dict[MambaSlot, PrefixState] = {}
+        """The prefix states ``make`` made and ``release`` has not released."""
 
-    def held(self) -> dict[MambaSlot, Checkpoint]:
-        """The live checkpoints by slot (a copy)."""
+    def held(self) -> dict[MambaSlot, PrefixState]:
+        """The live prefix states by slot (a copy)."""
         return dict(self._held)
 
-    def check(self, rid: RequestId, checkpoint: object, arr: I64, requests: Iterable[Request]) -> None:
-        """``Engine.admit``'s checks of a checkpoint argument: one of this engine's live checkpoints
+    def check(self, rid: RequestId, prefix: object, arr: I64, requests: Iterable[Request]) -> None:
+        """``Engine.admit``'s checks of a prefix argument: one of this engine's live prefix states
         that the prompt ``arr`` extends (``PreconditionError`` otherwise)."""
-        if not isinstance(checkpoint, Checkpoint):
-            raise PreconditionError("admit", f"request {rid}: checkpoint must be a Checkpoint (from make_checkpoint), got {checkpoint!r}")
-        problem = int_problem(checkpoint.slot)
+        if not isinstance(prefix, PrefixState):
+            raise PreconditionError("admit", f"request {rid}: prefix must be a PrefixState (from make_prefix), got {prefix!r}")
+        problem = int_problem(prefix.slot)
         if problem is not None:
-            raise PreconditionError("admit", f"request {rid}: checkpoint slot {problem} (got {checkpoint.slot!r})")
-        for name, values in (("tokens", checkpoint.tokens), ("kv_locs", checkpoint.kv_locs)):
+            raise PreconditionError("admit", f"request {rid}: prefix slot {problem} (got {prefix.slot!r})")
+        for name, values in (("tokens", prefix.tokens), ("kv_locs", prefix.kv_locs)):
             if not isinstance(values, tuple):
-                raise PreconditionError("admit", f"request {rid}: checkpoint {name} must be a tuple of ints, got {values!r}")
+                raise PreconditionError("admit", f"request {rid}: prefix {name} must be a tuple of ints, got {values!r}")
             for v in values:
                 problem = int_problem(v)
                 if problem is not None:
-                    raise PreconditionError("admit", f"request {rid}: every checkpoint {name} entry {problem} (got {v!r})")
-        n = len(checkpoint.tokens)
-        if len(checkpoint.kv_locs) != n:
-            raise PreconditionError("admit", f"request {rid}: checkpoint has {len(checkpoint.kv_locs)} KV locations for {n} tokens")
-        if not (n < arr.shape[0] and tuple(int(t) for t in arr[:n]) == checkpoint.tokens):
-            raise PreconditionError("admit", f"request {rid}: prompt does not extend the checkpoint's {n} tokens")
-        slot = int(checkpoint.slot)
+                    raise PreconditionError("admit", f"request {rid}: every prefix {name} entry {problem} (got {v!r})")
+        n = len(prefix.tokens)
+        if len(prefix.kv_locs) != n:
+            raise PreconditionError("admit", f"request {rid}: prefix has {len(prefix.kv_locs)} KV locations for {n} tokens")
+        if not (n < arr.shape[0] and tuple(int(t) for t in arr[:n]) == prefix.tokens):
+            raise PreconditionError("admit", f"request {rid}: prompt does not extend the prefix state's {n} tokens")
+        slot = int(prefix.slot)
         if not self.slots.is_live(MambaSlot(slot)):
-            raise PreconditionError("admit", f"request {rid}: checkpoint slot {checkpoint.slot} was released")
+            raise PreconditionError("admit", f"request {rid}: prefix slot {prefix.slot} was released")
         for other in requests:
             if slot in (other.slot, other.snapshot_slot):
-                raise PreconditionError("admit", f"request {rid}: checkpoint slot {slot} is a slot of live request {other.rid}")
-        unheld = [loc for loc in checkpoint.kv_locs if self.kv_refs.count(loc) == 0]
+                raise PreconditionError("admit", f"request {rid}: prefix slot {slot} is a slot of live request {other.rid}")
+        unheld = [loc for loc in prefix.kv_locs if self.kv_refs.count(loc) == 0]
         if unheld:
-            raise PreconditionError("admit", f"request {rid}: checkpoint KV location {unheld[0]} is not held (not a live checkpoint)")
-        if self._held.get(MambaSlot(slot)) != checkpoint:
+            raise PreconditionError("admit", f"request {rid}: prefix KV location {unheld[0]} is not held (not a live prefix)")
+        if self._held.get(MambaSlot(slot)) != prefix:
             raise PreconditionError(
-                "admit", f"request {rid}: checkpoint {short_repr(checkpoint)} is not a checkpoint this engine holds (forged, or released)"
+                "admit", f"request {rid}: prefix {short_repr(prefix)} is not a prefix this engine holds (forged, or released)"
             )
 
     def checked_tokens(self, tokens: Sequence[int]) -> I64:
         """``tokens`` checked for ``make`` (``IRValidationError``, ``PreconditionError``), before
         a slot, a KV location or a ticket is taken."""
-        arr = checked_prompt("checkpoint", tokens, self.vocab, MAX_LEN)  # huge inputs refused unread
+        arr = checked_prompt("prefix", tokens, self.vocab, MAX_LEN)  # huge inputs refused unread
         n = int(arr.shape[0])
         if n + self.k + 3 > self.max_len:
             raise PreconditionError(
-                "make_checkpoint",
-                f"tokens: a checkpoint of {n} tokens leaves no room under max_len {self.max_len} for a request extending it "
+                "make_prefix",
+                f"tokens: a prefix of {n} tokens leaves no room under max_len {self.max_len} for a request extending it "
                 f"(at least {n} + 1 prompt tokens, 1 new token and k + 1 = {self.k + 1} speculative positions)",
             )
         if n > self.kv.num_free or self.slots.num_free == 0:
             raise PreconditionError(
-                "make_checkpoint",
-                f"no room for a {n}-token checkpoint ({self.slots.num_free} free slots, {self.kv.num_free} free KV locations)",
+                "make_prefix",
+                f"no room for a {n}-token prefix ({self.slots.num_free} free slots, {self.kv.num_free} free KV locations)",
             )
         return arr
 
-    def make(self, arr: I64) -> Checkpoint:
+    def make(self, arr: I64) -> PrefixState:
         """Prefill ``arr`` (from ``checked_tokens``) into a fresh slot of every pool and hold it. An
         exception escaping the prefill may leave a slot, KV locations or tickets taken."""
         n = int(arr.shape[0])
@@ -108,31 +108,31 @@ class Checkpoints:
         _, plan = self.pipeline.prefill([req])
         for ex in self.executors():
             ex.execute(plan)
-        cp = Checkpoint(slot=slot, tokens=tuple(arr.tolist()), kv_locs=tuple(kv.tolist()))
+        cp = PrefixState(slot=slot, tokens=tuple(arr.tolist()), kv_locs=tuple(kv.tolist()))
         self._held[slot] = cp
         return cp
 
-    def release(self, cp: Checkpoint, requests: Iterable[Request]) -> None:
-        """See ``Engine.release_checkpoint``: nothing changes unless every check passes."""
-        if not isinstance(cp, Checkpoint):
+    def release(self, cp: PrefixState, requests: Iterable[Request]) -> None:
+        """See ``Engine.release_prefix``: nothing changes unless every check passes."""
+        if not isinstance(cp, PrefixState):
             raise PreconditionError(
-                "release_checkpoint", f"cp must be a Checkpoint (from make_checkpoint), not {type(cp).__name__} (got {short_repr(cp)})"
+                "release_prefix", f"cp must be a PrefixState (from make_prefix), not {type(cp).__name__} (got {short_repr(cp)})"
             )
         problem = int_problem(cp.slot)
         if problem is not None:
-            raise PreconditionError("release_checkpoint", f"cp.slot {problem} (got {short_repr(cp.slot)})")
+            raise PreconditionError("release_prefix", f"cp.slot {problem} (got {short_repr(cp.slot)})")
         slot = MambaSlot(int(cp.slot))
         held = self._held.get(slot)
         if held is None and not self.slots.is_live(slot):
-            raise SlotError(f"release_checkpoint: double free of slot {slot}: no checkpoint of this engine holds it (released already?)")
+            raise SlotError(f"release_prefix: double free of slot {slot}: no prefix of this engine holds it (released already?)")
         if held is None or held != cp:
             raise PreconditionError(
-                "release_checkpoint", f"cp {short_repr(cp)} is not a checkpoint this engine holds (forged, or released already)"
+                "release_prefix", f"cp {short_repr(cp)} is not a prefix this engine holds (forged, or released already)"
             )
         waiting = sorted(int(r.rid) for r in requests if r.done == 0 and r.source == held)
         if waiting:
             raise PreconditionError(
-                "release_checkpoint", f"checkpoint in slot {slot} is still to be copied by request(s) {waiting} (their first chunk has not run)"
+                "release_prefix", f"prefix in slot {slot} is still to be copied by request(s) {waiting} (their first chunk has not run)"
             )
         del self._held[slot]
         self.slots.free(slot)

@@ -1,5 +1,5 @@
 """What the engine reports: per step (``StepReport``), over a run (``SpecStats``), and the prefix
-checkpoints it hands out (``Checkpoint``)."""
+prefix states it hands out (``PrefixState``)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class StepReport:
 
 
 @attrs.frozen(kw_only=True)
-class Checkpoint:
+class PrefixState:
     """The recurrent state after ``tokens`` in ``slot`` of both pools, and their KV locations."""
 
     slot: MambaSlot

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import attrs
 
-from compiler.engine.report import Checkpoint
+from compiler.engine.report import PrefixState
 from compiler.prefix_cache import CacheEntry
 from ir.columns import I64
 from ir.ids import MambaSlot, RequestId
@@ -51,7 +51,7 @@ class Request:
     """The prompt as admitted."""
     max_new_tokens: int
     stop: int | None
-    source: Checkpoint | CacheEntry | None = None
+    source: PrefixState | CacheEntry | None = None
     """Where the slot's first state comes from (a COW), or ``None`` (a clear)."""
     state: RequestState = RequestState.WAITING
     slot: MambaSlot | None = None

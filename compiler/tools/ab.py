@@ -56,15 +56,15 @@ def ab_prompts(n: int, seed: int) -> list[Prompt]:
 def serve(engine: ServingEngine, prompts: list[Prompt], *, max_new_tokens: int, max_running: int) -> float:
     """Continuous batching: keep at most ``max_running`` requests live; returns wall seconds."""
     t0 = time.perf_counter()
-    cps = [engine.make_checkpoint(list(p)) for p in SYSTEM_PREFIXES]
+    cps = [engine.make_prefix(list(p)) for p in SYSTEM_PREFIXES]
     queue = list(prompts)
     while queue or engine.live:
         while queue and engine.live < max_running:
             p = queue.pop(0)
-            engine.admit(p.rid, list(p.tokens), max_new_tokens=max_new_tokens, checkpoint=cps[p.prefix] if p.prefix >= 0 else None)
+            engine.admit(p.rid, list(p.tokens), max_new_tokens=max_new_tokens, prefix=cps[p.prefix] if p.prefix >= 0 else None)
         engine.step()
     for cp in cps:
-        engine.release_checkpoint(cp)
+        engine.release_prefix(cp)
     return time.perf_counter() - t0
 
 

@@ -1,5 +1,5 @@
 """``batchc run --compare-mutable``: the same workload through the mutable baseline, before and
-after the upstream fix, with the same admission loop (system prefixes are checkpoints it COWs
+after the upstream fix, with the same admission loop (system prefixes are prefix states it COWs
 from: it has no prefix cache)."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ def make_mutable(target: HybridModel, draft: HybridModel, cfg: ServeConfig, *, k
 
 
 def serve_mutable(engine: MutableSpecEngine, workload: Sequence[Request], *, max_running: int) -> tuple[float, int]:
-    """The same admission loop for the mutable baseline; system prefixes are checkpoints it COWs from
+    """The same admission loop for the mutable baseline; system prefixes are prefix states it COWs from
     (it has no prefix cache). Returns wall seconds and steps."""
-    cps = [engine.make_checkpoint(list(p)) for p in SYSTEM_PREFIXES]
+    cps = [engine.make_prefix(list(p)) for p in SYSTEM_PREFIXES]
     queue = sorted(workload, key=lambda r: r.arrival)
     t0 = time.perf_counter()
     steps = 0
@@ -29,12 +29,12 @@ def serve_mutable(engine: MutableSpecEngine, workload: Sequence[Request], *, max
         while queue and queue[0].arrival <= steps and engine.live < max_running:
             r = queue.pop(0)
             cp = next((c for c in cps if r.prompt.startswith(bytes(c.tokens)) and len(r.prompt) > len(c.tokens)), None)
-            engine.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, checkpoint=cp)
+            engine.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, prefix=cp)
         engine.step()
         steps += 1
     wall = time.perf_counter() - t0
     for cp in cps:
-        engine.release_checkpoint(cp)
+        engine.release_prefix(cp)
     return wall, steps
 
 

@@ -69,7 +69,7 @@ SPEC_PROMPTS = (b"def add(a, b):", b"import os\nprint(os.sep)")
 
 def run_spec_scenario(pm: PassManager, *, k: int = 2, max_new_tokens: int = 6) -> None:
     """Speculative decoding on the seeded tiny hybrid model (draft = target + 5% weight noise): a
-    checkpoint prefill, then a fresh and a cached-prefix request through draft, verify, accept,
+    prefix prefill, then a fresh and a cached-prefix request through draft, verify, accept,
     commit and draft extend until both finish."""
     from backend.hybrid.weights import perturb
     from compiler.tools.ab import DRAFT_NOISE
@@ -77,9 +77,9 @@ def run_spec_scenario(pm: PassManager, *, k: int = 2, max_new_tokens: int = 6) -
     target = _tiny_target()
     draft = HybridModel(target.config, perturb(target.weights, DRAFT_NOISE, seed=1))
     engine = Engine(target, draft, k=k, capacity=4, kv_capacity=256, max_len=64, pm=pm)
-    cp = engine.make_checkpoint(list(SPEC_PREFIX))
+    cp = engine.make_prefix(list(SPEC_PREFIX))
     for rid, prompt in enumerate(SPEC_PROMPTS):
-        engine.admit(RequestId(rid), list(prompt), max_new_tokens=max_new_tokens, checkpoint=cp if prompt.startswith(SPEC_PREFIX) else None)
+        engine.admit(RequestId(rid), list(prompt), max_new_tokens=max_new_tokens, prefix=cp if prompt.startswith(SPEC_PREFIX) else None)
     engine.run_until_done()
-    engine.release_checkpoint(cp)
+    engine.release_prefix(cp)
     engine.ledger.assert_drained()

@@ -115,7 +115,7 @@ def test_empty_batches_are_no_ops() -> None:
     model = tiny_model()
     be = Backend(model)
     none, none2 = ids([]), grid([[], []])[:0].reshape(0, 2)
-    before = be.pool.snapshot()
+    before = be.pool.copy_buffer()
     assert model.decode(be.pool, be.kv, be.table, slots=none, input_ids=none, positions=none, kv_locs=none).logits.shape == (0, 256)
     out = model.extend(be.pool, be.kv, be.table, slots=none, cu_seqlens=ids([0]), prefix_lens=none, input_ids=none,
                        positions=none, kv_locs=none)

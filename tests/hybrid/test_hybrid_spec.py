@@ -33,7 +33,7 @@ def test_verify_then_commit_equals_the_accepted_decode_steps() -> None:
     drafts = [[prompt[-1], *b"ump"], [prompt[-1], *b"ox "], [prompt[-1], *b"abc"], [prompt[-1], *b"  j"], [prompt[-1], *b"xyz"]]
 
     verified = _prefilled(model, prompt)
-    before = verified.pool.snapshot()
+    before = verified.pool.copy_buffer()
     out = model.verify(
         verified.pool,
         verified.kv,
@@ -67,7 +67,7 @@ def test_propose_leaves_the_pool_alone_and_decodes_greedily() -> None:
     slots = [3, 1]
     be = Backend(model)
     be.extend([(s, p[:-1], 0) for s, p in zip(slots, prompts, strict=True)])
-    before = be.pool.snapshot()
+    before = be.pool.copy_buffer()
     tokens = model.propose(
         be.pool,
         be.kv,

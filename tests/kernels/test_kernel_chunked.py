@@ -98,7 +98,7 @@ def test_prefill_equals_decode_steps() -> None:
 def test_prefill_rejects_bad_varlen(cu: list[int], slots: list[int], message: str) -> None:
     pool = make_pool(nheads=NHEADS, head_dim=HEAD_DIM, d_state=D_STATE)
     inp = make_inputs((5,))
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     with pytest.raises(ValueError, match=message):
         ssd_prefill(pool.ssm_state(0), *inp[:6], cu_seqlens=index(cu), slot_idx=index(slots))
     assert torch.equal(pool.buffer, before)

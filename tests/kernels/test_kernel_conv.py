@@ -34,7 +34,7 @@ def test_update_matches_reference(
     slots = index([3, -1, 1, 0], index_dtype)  # a padding row, and slot 0 used by a padded row
     expected_state = state.clone()
     expected = reference.causal_conv1d_update_reference(x, expected_state, weight, bias, silu=silu, slot_idx=slots)
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     before_ssm = pool.ssm_state(1).clone()
     out = causal_conv1d_update(x, state, weight, bias, silu=silu, slot_idx=slots)
     torch.testing.assert_close(out, expected, **_tol(torch.float32))
@@ -54,7 +54,7 @@ def test_verify_matches_reference_and_leaves_pool(width: int, state_dtype: torch
     T = 3
     x, weight, bias = randn(3, T, DIM, seed=4), randn(DIM, width, seed=5), randn(DIM, seed=6)
     slots = index([2, 5, -1])
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     out, states = causal_conv1d_verify(x, state, weight, bias, silu=True, slot_idx=slots)
     exp_out, exp_states = reference.causal_conv1d_verify_reference(x, state, weight, bias, silu=True, slot_idx=slots)
     assert torch.equal(pool.buffer, before)
@@ -98,7 +98,7 @@ def test_bad_input_raises_before_launch(change: str, message: str) -> None:
         slots = index([1])
     elif change == "state_shape":
         state = state[:, :, :2]
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     with pytest.raises(ValueError, match=message):
         causal_conv1d_update(x, state, weight, bias, silu=True, slot_idx=slots)
     with pytest.raises(ValueError, match=message):

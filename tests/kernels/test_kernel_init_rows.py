@@ -25,7 +25,7 @@ def test_triton_path_is_taken() -> None:
 
 def test_matches_reference_on_pool_buffer() -> None:
     pool = make_pool(capacity=8)
-    expected = pool.snapshot()
+    expected = pool.copy_buffer()
     clear, src, dst = index([2, 7]), index([1, 3]), index([4, 8])
     init_rows(pool.buffer, clear, src, dst)
     reference.init_rows_reference(expected, clear, src, dst)

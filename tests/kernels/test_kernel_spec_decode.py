@@ -86,7 +86,7 @@ def test_verify_then_commit_equals_accepted_decode_steps(state_dtype: torch.dtyp
 def test_commit_rejects_bad_rows(accept: list[int], slots: list[int], message: str) -> None:
     pool = _pool(torch.float32)
     inter = randn(2, T, NHEADS, HEAD_DIM, D_STATE, seed=5)
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     with pytest.raises(ValueError, match=message):
         commit_accepted(pool.ssm_state(0), inter, index(accept), index(slots))
     assert torch.equal(pool.buffer, before)
@@ -94,7 +94,7 @@ def test_commit_rejects_bad_rows(accept: list[int], slots: list[int], message: s
 
 def test_commit_rejects_mismatched_buffers() -> None:
     pool = _pool(torch.float32)
-    before = pool.snapshot()
+    before = pool.copy_buffer()
     accept, slots = index([0]), index([1])
     with pytest.raises(ValueError, match="dtype mismatch"):
         bf16 = randn(1, T, NHEADS, HEAD_DIM, D_STATE, seed=5, dtype=torch.bfloat16)

@@ -70,7 +70,7 @@ def test_commit_writes_every_chunk_of_a_wide_state() -> None:
         assert 2 * commit_mod.BLOCK < numel < 3 * commit_mod.BLOCK, (name, numel)
         assert use_triton(state)
         inter = randn(5, T, *state.shape[1:], seed=24)
-        before = pool.snapshot()
+        before = pool.copy_buffer()
         expected = state.clone()
         reference.commit_reference(expected, inter, accept, slots)
         commit_accepted(state, inter, accept, slots)

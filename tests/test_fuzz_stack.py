@@ -513,7 +513,7 @@ def test_overcommitted_chunked_prefills_make_progress() -> None:
 
 
 def test_a_request_retracted_twice_re_prefills_its_context_once() -> None:
-    """Retract one request twice (private ``_retract``, the scheduler's own move under KV pressure):
+    """Retract one request twice (``Forwards.retract``, the scheduler's own move under KV pressure):
     whenever it waits for its re-prefill its prompt is its original prompt + its output, and its
     final output is greedy's."""
     target, _ = _models()
@@ -525,7 +525,7 @@ def test_a_request_retracted_twice_re_prefills_its_context_once() -> None:
     for _ in range(2):
         while victim in drv.requests.queued or len(drv.requests[victim].output) < 3 * (drv.requests[victim].retractions + 1):
             drv.step()
-        drv._retract(victim)  # private: forces the retraction the KV pressure would cause
+        drv.forwards.retract(victim)  # forces the retraction the KV pressure would cause
         r = drv.requests[victim]
         assert r.prompt.tolist() == prompts[victim] + r.output
     assert drv.requests[victim].retractions == 2

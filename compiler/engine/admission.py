@@ -65,8 +65,17 @@ def check_engine_args(
     mixed: object,
     pm: object,
 ) -> None:
-    """``Engine``'s argument checks, all before anything is allocated (``PreconditionError``
-    naming the argument and the value)."""
+    """``Engine``'s argument checks, all before anything is allocated (``PreconditionError`` naming
+    the argument and the value): counts are ints (numpy
+    integers too; never ``bool``, ``float``, ``str`` or ``None``) with ``k`` in ``[0, MAX_K]``,
+    ``capacity`` in ``[1, MAX_CAPACITY]``, ``kv_capacity`` in ``[1, MAX_KV_CAPACITY]``,
+    ``max_len`` in ``[k + 3, MAX_LEN]`` (room for a prompt token, a new token and the k + 1
+    speculative positions) with ``(capacity + 1) * max_len <= MAX_TABLE_ENTRIES`` and each state
+    pool within ``MAX_POOL_BYTES``, ``chunk_size`` and ``token_budget`` ``None`` or ``>= 1``,
+    ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``HybridModel``; ``draft`` a
+    ``HybridModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
+    0``); ``mixed`` a ``bool``; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
+    ``PassManager`` or ``None``."""
     kk = engine_int("k", k, 0, MAX_K)
     slots = engine_int("capacity", capacity, 1, MAX_CAPACITY)
     engine_int("kv_capacity", kv_capacity, 1, MAX_KV_CAPACITY)

@@ -2,36 +2,19 @@
 draft model, each with its own Mamba pool, KV cache and token table, addressed by the same slot ids
 and KV locations.
 
-Per ``step()`` (one scheduler iteration), one kind of forward (``StepKind``):
-
-- **extend** when requests wait for (more of) their prefill, alternating with the running batch
-  so neither starves: each gets its next chunk (at most ``chunk_size`` tokens, at most
-  ``token_budget`` in total). A first chunk starts with a clear (fresh slot) or a COW (a cached
-  prefix, from a ``PrefixState`` or the prefix cache), later chunks continue. One
-  ``Pipeline.prefill`` lowers the forward with one ticket per pool and both executors run the same
-  ``ExtendPlan``: the draft pool's init ops run there, and only there. A chunk that ends at a prefix
-  worth caching carries a snapshot into a cache slot (a one-shot op after the forward, through the
-  same tickets and ledger). The target's argmax at a prompt's end is the request's first token.
-- **mixed** (``k == 0`` only, on by default, ``mixed=False`` turns it off): while requests both
-  run and wait, the running batch's decode and the next prefill chunks share one MIXED forward.
-  With a draft the steps alternate instead: a speculative iteration is four forwards over two
-  models (the same choice as engines that turn mixed chunked prefill off under speculation).
-- otherwise **decode** (``k == 0``: plain greedy) or **spec** (``k > 0``): draft proposal (draft
-  executor), verify (target), accept + commit (target), draft extend (draft). Rejected KV
-  locations go back to the allocator right after the commit.
+Per ``step()`` (one scheduler iteration), one kind of forward (``StepKind``), chosen and run by
+``compiler.engine.forwards``.
 
 The engine is small parts with one job each: the request table (``requests``: states and the
 prefill queue), KV reference counts (``kv_refs``), the prefix-cache session (``cache_session``; a
 null object when caching is off), prefill chunking (``chunks``), the step's forwards (``forwards``),
 the forward runner (``runner``: retries and ``StepFailed``), prefix states (``prefixes``) and
-the argument checks (``admission``). This module wires them and owns the step loop. Every request that leaves (finished, aborted, failed,
-retracted) goes through one release path, ``_release``.
+the argument checks (``admission``). This module wires them and owns the step loop. Every request
+that leaves (finished, aborted, failed, retracted) goes through one release path, ``_release``.
 
 A request finishes at ``max_new_tokens`` or after emitting its ``stop`` token; ``abort`` ends it at
-any time. When the next decode or spec step cannot get its KV locations, the newest running
-requests are retracted and re-prefill their prompt plus the tokens generated so far later (greedy,
-so their output continues unchanged). Greedy speculative decoding is lossless: the tokens emitted
-at any ``k`` equal those at ``k = 0``.
+any time. Greedy speculative decoding is lossless: the tokens emitted at any ``k`` equal those at
+``k = 0``, retracted requests included (they re-prefill their prompt and output so far).
 """
 
 from __future__ import annotations
@@ -81,17 +64,8 @@ class Engine:
         mixed: bool = True,
         pm: PassManager | None = None,
     ) -> None:
-        """Every argument is checked before anything is allocated (``PreconditionError`` naming the
-        argument and the value; bounds in ``compiler.engine.admission``): counts are ints (numpy
-        integers too; never ``bool``, ``float``, ``str`` or ``None``) with ``k`` in ``[0, MAX_K]``,
-        ``capacity`` in ``[1, MAX_CAPACITY]``, ``kv_capacity`` in ``[1, MAX_KV_CAPACITY]``,
-        ``max_len`` in ``[k + 3, MAX_LEN]`` (room for a prompt token, a new token and the k + 1
-        speculative positions) with ``(capacity + 1) * max_len <= MAX_TABLE_ENTRIES`` and each state
-        pool within ``MAX_POOL_BYTES``, ``chunk_size`` and ``token_budget`` ``None`` or ``>= 1``,
-        ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``HybridModel``; ``draft`` a
-        ``HybridModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
-        0``); ``mixed`` a ``bool``; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
-        ``PassManager`` or ``None``."""
+        """Every argument is checked before anything is allocated (``check_engine_args``: types and
+        bounds, ``PreconditionError`` naming the argument and the value)."""
         check_engine_args(
             target, draft, k=k, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, chunk_size=chunk_size,
             token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm,
@@ -121,13 +95,12 @@ class Engine:
         )
         self.forwards = Forwards(
             k=k, pipeline=self.pipeline, runner=self.runner, target=self.target, draft=self.draft, requests=self.requests,
-            kv_refs=self.kv_refs, session=self.session, planner=self.planner, stats=self.stats, release=self._release,
+            kv_refs=self.kv_refs, session=self.session, planner=self.planner, stats=self.stats, release=self._release, mixed=mixed,
         )
         self.prefixes = PrefixStates(
             slots=self.slots, kv=self.kv, kv_refs=self.kv_refs, pipeline=self.pipeline, executors=self._executors,
             k=k, max_len=max_len, vocab=self.vocab,
         )
-        self._last_was_prefill = False
         self.outputs: dict[RequestId, list[int]] = {}
         self.stopped_by: BaseException | None = None
         self._stepping = False
@@ -164,8 +137,6 @@ class Engine:
         for hook in self._hooks:
             hook.share_prefix(src, dst, length)
 
-    # -- requests -----------------------------------------------------------------------------
-
     def admit(
         self,
         rid: RequestId,
@@ -195,14 +166,9 @@ class Engine:
         self.requests.add(Request(rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stop, source=prefix))
 
     def make_prefix(self, tokens: Sequence[int]) -> PrefixState:
-        """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix state.
-
-        Everything is checked before a slot, a KV location or a ticket is taken: the tokens
-        (``IRValidationError``), their length (a request extending the prefix must fit
-        ``max_len``: at least one more prompt token, one new token and the k + 1 speculative
-        positions) and the free slots and KV locations (``PreconditionError``). A stopped engine
-        refuses with ``EngineStoppedError``; an exception escaping the prefill itself stops the
-        engine, as one escaping ``step`` does."""
+        """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix state (checks:
+        ``PrefixStates.checked_tokens``). An exception escaping the prefill stops the engine, as one
+        escaping ``step`` does."""
         self.check_serving()
         arr = self.prefixes.checked_tokens(tokens)
         try:
@@ -212,13 +178,7 @@ class Engine:
             raise
 
     def release_prefix(self, cp: PrefixState) -> None:
-        """Return a prefix state's slot and its KV references.
-
-        Only a prefix this engine made and has not released yet is accepted (the whole record
-        must equal the one ``make_prefix`` returned), and only while no live request still
-        waits to copy it (admitted from it and not yet past its first prefill chunk); otherwise
-        ``PreconditionError`` (``SlotError`` for a second release: a double free of its slot), and
-        nothing changes. A stopped engine refuses with ``EngineStoppedError``."""
+        """Return a prefix state's slot and its KV references (checks: ``PrefixStates.release``)."""
         self.check_serving()
         self.prefixes.release(cp, self.requests)
 
@@ -262,7 +222,7 @@ class Engine:
         self.forwards.progress = Progress()
         self._stepping = True
         try:
-            kind = self._step()
+            kind = self.forwards.run()
         except StepFailed as failure:
             self._abort_failed(failure)
             kind = StepKind.FAILED
@@ -289,55 +249,11 @@ class Engine:
                 "so this engine serves no more steps (outputs finished before it are in .outputs)"
             )
 
-    def _step(self) -> StepKind:
-        if self.mixed and self.draft is None and self.requests.has_queued and self.running.num_requests:
-            if self._reserve_kv(1):  # False only when retraction emptied the running batch
-                self._last_was_prefill = False
-                return self.forwards.mixed()
-        prefill_ready = self.requests.has_queued and (not self.running.num_requests or not self._last_was_prefill)
-        if prefill_ready and self.forwards.prefill():
-            self._last_was_prefill = True
-            return StepKind.EXTEND
-        self._last_was_prefill = False
-        if not self.running.num_requests:
-            return StepKind.IDLE
-        if not self._reserve_kv(self.k + 1):
-            return StepKind.RETRACT
-        if self.draft is None:
-            self.forwards.decode()
-            return StepKind.DECODE
-        self.forwards.speculate()
-        return StepKind.SPEC
-
-    def _reserve_kv(self, per_row: int) -> bool:
-        """Retract the newest running requests until the next step's KV locations fit."""
-        retracted = False
-        while self.running.num_requests and self.kv.num_free < per_row * self.running.num_requests:
-            if self.session.evict():
-                continue
-            self._retract(self.running.rid_at(-1))
-            retracted = True
-        return not retracted or bool(self.running.num_requests)
-
-    def _retract(self, rid: RequestId) -> None:
-        self.stats.retractions += 1
-        self._release([rid], Ending.RETRACTED)
-
     def _abort_failed(self, failure: StepFailed) -> None:
-        # every ticket is consumed within the step that registers it, so what is outstanding now
-        # belongs to the failed forward
-        for t in self.ledger.outstanding():
-            self.ledger.cancel(t, f"aborted: its forward failed ({failure.cause!r})")
-        self.stats.failed_steps += 1
-        live = [rid for rid in failure.rids if rid in self.requests]
-        self.stats.aborts += len(live)
+        live = self.forwards.abort_failed(failure)
         self.aborted_by_failure.update(live)
-        self.forwards.progress.aborted.extend(live)
         if self.first_failure is None:
             self.first_failure = " ".join(str(failure).split())
-        for ex in self._executors():
-            ex.forget_verifies()
-        self._release(live, Ending.FAILED)
 
     def _release(self, rids: Sequence[RequestId], ending: Ending) -> None:
         """The one release path: the requests leave the running batch and give back their slot,

@@ -1,7 +1,27 @@
-"""The forwards of one engine step: prefill chunks (EXTEND), prefill chunks and the running decodes in
-one forward (MIXED), a plain decode (DECODE), and a speculative iteration (SPEC: draft proposal,
-verify, accept + commit, draft extend). Each lowers its batch through the engine's ``Pipeline``,
-runs the plans through the ``ForwardRunner`` and records what the step did in ``Progress``.
+"""The forwards of one engine step, and which one a step runs (``Forwards.run``). Each lowers its
+batch through the engine's ``Pipeline``, runs the plans through the ``ForwardRunner`` and records
+what the step did in ``Progress``.
+
+Per engine step, one kind of forward (``StepKind``):
+
+- **extend** when requests wait for (more of) their prefill, alternating with the running batch
+  so neither starves: each gets its next chunk (at most ``chunk_size`` tokens, at most
+  ``token_budget`` in total). A first chunk starts with a clear (fresh slot) or a COW (a cached
+  prefix, from a ``PrefixState`` or the prefix cache), later chunks continue. One
+  ``Pipeline.prefill`` lowers the forward with one ticket per pool and both executors run the same
+  ``ExtendPlan``: the draft pool's init ops run there, and only there. A chunk that ends at a prefix
+  worth caching carries a snapshot into a cache slot (a one-shot op after the forward, through the
+  same tickets and ledger). The target's argmax at a prompt's end is the request's first token.
+- **mixed** (``k == 0`` only, on by default, ``mixed=False`` turns it off): while requests both
+  run and wait, the running batch's decode and the next prefill chunks share one MIXED forward.
+  With a draft the steps alternate instead: a speculative iteration is four forwards over two
+  models (the same choice as engines that turn mixed chunked prefill off under speculation).
+- otherwise **decode** (``k == 0``: plain greedy) or **spec** (``k > 0``): draft proposal (draft
+  executor), verify (target), accept + commit (target), draft extend (draft). Rejected KV
+  locations go back to the allocator right after the commit.
+
+When the next decode or spec step cannot get its KV locations, the newest running requests are
+retracted (``retract``) and re-prefill their prompt plus their output so far later.
 
 ``Forwards`` holds the running batch (a frozen ``DecodeBatch`` replaced each step) and emits tokens
 into the request table; requests that finish go through the engine's one release path (``release``).
@@ -19,7 +39,7 @@ from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import SpecStats, StepKind
 from compiler.engine.requests import Ending, RequestState, RequestTable
-from compiler.engine.runner import ForwardRunner
+from compiler.engine.runner import ForwardRunner, StepFailed
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64
@@ -53,12 +73,67 @@ class Forwards:
         planner: ChunkPlanner,
         stats: SpecStats,
         release: Callable[[Sequence[RequestId], Ending], None],
+        mixed: bool,
     ) -> None:
         self.k, self.pipeline, self.runner, self.target, self.draft = k, pipeline, runner, target, draft
         self.requests, self.kv_refs, self.session, self.planner, self.stats = requests, kv_refs, session, planner, stats
-        self.release = release
+        self.release, self.mixed = release, mixed
         self.running = DecodeBatch.empty()
         self.progress = Progress()
+        self._last_was_prefill = False
+
+    def run(self) -> StepKind:
+        """Choose this step's forward and run it."""
+        if self.mixed and self.draft is None and self.requests.has_queued and self.running.num_requests:
+            if self._reserve_kv(1):  # False only when retraction emptied the running batch
+                self._last_was_prefill = False
+                return self.run_mixed()
+        prefill_ready = self.requests.has_queued and (not self.running.num_requests or not self._last_was_prefill)
+        if prefill_ready and self.prefill():
+            self._last_was_prefill = True
+            return StepKind.EXTEND
+        self._last_was_prefill = False
+        if not self.running.num_requests:
+            return StepKind.IDLE
+        if not self._reserve_kv(self.k + 1):
+            return StepKind.RETRACT
+        if self.draft is None:
+            self.decode()
+            return StepKind.DECODE
+        self.speculate()
+        return StepKind.SPEC
+
+    def _reserve_kv(self, per_row: int) -> bool:
+        """Retract the newest running requests until the next step's KV locations fit."""
+        retracted = False
+        while self.running.num_requests and self.kv_refs.kv.num_free < per_row * self.running.num_requests:
+            if self.session.evict():
+                continue
+            self.retract(self.running.rid_at(-1))
+            retracted = True
+        return not retracted or bool(self.running.num_requests)
+
+    def abort_failed(self, failure: StepFailed) -> list[RequestId]:
+        """Abort the live requests of a forward that failed after every retry; returns them."""
+        ledger = self.target.ledger
+        # every ticket is consumed within the step that registers it, so what is outstanding now
+        # belongs to the failed forward
+        for t in ledger.outstanding():
+            ledger.cancel(t, f"aborted: its forward failed ({failure.cause!r})")
+        self.stats.failed_steps += 1
+        live = [rid for rid in failure.rids if rid in self.requests]
+        self.stats.aborts += len(live)
+        self.progress.aborted.extend(live)
+        for ex in (self.target, self.draft):
+            if ex is not None:
+                ex.forget_verifies()
+        self.release(live, Ending.FAILED)
+        return live
+
+    def retract(self, rid: RequestId) -> None:
+        """Send a running request back to the queue (out of KV room)."""
+        self.stats.retractions += 1
+        self.release([rid], Ending.RETRACTED)
 
     def prefill(self) -> bool:
         """The next prefill chunks in one EXTEND forward; False if none fits."""
@@ -100,7 +175,7 @@ class Forwards:
         tokens = logits.argmax(dim=-1).tolist()
         self._emit(finished, [[int(tokens[rows[rid]])] for rid in finished])
 
-    def mixed(self) -> StepKind:
+    def run_mixed(self) -> StepKind:
         """``k == 0`` with requests both running and waiting: the running batch's decode and the
         next prefill chunks in one MIXED forward (a plain decode if no chunk fits)."""
         rids = self.running.rid_list()

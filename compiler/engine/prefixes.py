@@ -81,8 +81,10 @@ class PrefixStates:
             )
 
     def checked_tokens(self, tokens: Sequence[int]) -> I64:
-        """``tokens`` checked for ``make`` (``IRValidationError``, ``PreconditionError``), before
-        a slot, a KV location or a ticket is taken."""
+        """``tokens`` checked for ``make``, before a slot, a KV location or a ticket is taken: the
+        tokens (``IRValidationError``), their length (a request extending the prefix must fit
+        ``max_len``: at least one more prompt token, one new token and the k + 1 speculative
+        positions) and the free slots and KV locations (``PreconditionError``)."""
         arr = checked_prompt("prefix", tokens, self.vocab, MAX_LEN)  # huge inputs refused unread
         n = int(arr.shape[0])
         if n + self.k + 3 > self.max_len:
@@ -113,7 +115,11 @@ class PrefixStates:
         return cp
 
     def release(self, cp: PrefixState, requests: Iterable[Request]) -> None:
-        """See ``Engine.release_prefix``: nothing changes unless every check passes."""
+        """Only a prefix this engine made and has not released yet is accepted (the whole record
+        must equal the one ``make`` returned), and only while no live request still waits to copy
+        it (admitted from it and not yet past its first prefill chunk); otherwise
+        ``PreconditionError`` (``SlotError`` for a second release: a double free of its slot), and
+        nothing changes."""
         if not isinstance(cp, PrefixState):
             raise PreconditionError(
                 "release_prefix", f"cp must be a PrefixState (from make_prefix), not {type(cp).__name__} (got {short_repr(cp)})"

@@ -206,7 +206,7 @@ def test_abort_checks_the_request_id(rid: object, match: str) -> None:
 # -- 3. make_prefix ------------------------------------------------------------------------------
 
 
-def test_make_checkpoint_longer_than_max_len_takes_nothing() -> None:
+def test_make_prefix_longer_than_max_len_takes_nothing() -> None:
     drv, _ = _world()
     before = _state(drv)
     _refused(PreconditionError, r"make_prefix: tokens: a prefix of 100 tokens leaves no room under max_len 64",
@@ -215,7 +215,7 @@ def test_make_checkpoint_longer_than_max_len_takes_nothing() -> None:
     drv.ledger.assert_drained()
 
 
-def test_make_checkpoint_at_the_length_bound() -> None:
+def test_make_prefix_at_the_length_bound() -> None:
     drv, _ = _world()
     longest = MAX_LEN - drv.k - 3  # one more prompt token, one new token, k + 1 positions
     before = _state(drv)
@@ -228,7 +228,7 @@ def test_make_checkpoint_at_the_length_bound() -> None:
     drv.ledger.assert_drained()
 
 
-def test_make_checkpoint_without_room_takes_nothing() -> None:
+def test_make_prefix_without_room_takes_nothing() -> None:
     target, draft = _models()
     drv = Engine(target, draft, k=2, capacity=2, kv_capacity=20, max_len=MAX_LEN, prefix_cache=PrefixCache(capacity=1, block=8))
     drv.make_prefix(PREFIX)  # 15 of 20 KV locations, one of two slots
@@ -238,7 +238,7 @@ def test_make_checkpoint_without_room_takes_nothing() -> None:
     _assert_unchanged(drv, before)
 
 
-def test_make_checkpoint_bad_tokens_take_nothing() -> None:
+def test_make_prefix_bad_tokens_take_nothing() -> None:
     drv, _ = _world()
     before = _state(drv)
     for bad in (None, "abc", [1.5], [True], [300]):
@@ -250,7 +250,7 @@ def test_make_checkpoint_bad_tokens_take_nothing() -> None:
 # -- 4. release_prefix ---------------------------------------------------------------------------
 
 
-def test_release_checkpoint_refuses_none_and_non_checkpoints() -> None:
+def test_release_prefix_refuses_none_and_non_prefix_states() -> None:
     drv, cp = _world()
     before = _state(drv)
     _refused(PreconditionError, r"release_prefix: cp must be a PrefixState \(from make_prefix\), not NoneType \(got None\)",
@@ -262,7 +262,7 @@ def test_release_checkpoint_refuses_none_and_non_checkpoints() -> None:
     _assert_unchanged(drv, before)
 
 
-def test_forged_checkpoint_over_a_live_request_slot_is_refused() -> None:
+def test_forged_prefix_over_a_live_request_slot_is_refused() -> None:
     drv, _ = _world()
     slot = drv.live_slots()[RequestId(2)]
     forged = PrefixState(slot=slot, tokens=(), kv_locs=())
@@ -274,7 +274,7 @@ def test_forged_checkpoint_over_a_live_request_slot_is_refused() -> None:
     assert len(drv.outputs[RequestId(2)]) == 6
 
 
-def test_checkpoint_with_kv_locations_it_does_not_hold_is_refused() -> None:
+def test_prefix_with_kv_locations_it_does_not_hold_is_refused() -> None:
     drv, cp = _world()
     for forged in (attrs.evolve(cp, kv_locs=tuple(range(200, 215))), attrs.evolve(cp, kv_locs=cp.kv_locs[:-1] + (cp.kv_locs[-1] + 1,)),
                    attrs.evolve(cp, tokens=cp.tokens[:-1])):
@@ -284,7 +284,7 @@ def test_checkpoint_with_kv_locations_it_does_not_hold_is_refused() -> None:
     assert min(drv.kv_refs.held().values()) >= 1  # no reference count went to 0 or below
 
 
-def test_release_waits_for_requests_still_to_copy_the_checkpoint() -> None:
+def test_release_waits_for_requests_still_to_copy_the_prefix() -> None:
     drv, cp = _world()
     drv.admit(RequestId(7), PREFIX + list(b"x = 1"), max_new_tokens=2, prefix=cp)  # its COW has not run
     before = _state(drv)
@@ -300,7 +300,7 @@ def test_release_waits_for_requests_still_to_copy_the_checkpoint() -> None:
     drv.ledger.assert_drained()
 
 
-def test_released_checkpoint_cannot_be_used_or_released_again() -> None:
+def test_released_prefix_cannot_be_used_or_released_again() -> None:
     drv, cp = _world()
     drv.run_until_done()
     drv.release_prefix(cp)
@@ -320,7 +320,7 @@ def test_released_checkpoint_cannot_be_used_or_released_again() -> None:
     drv.release_prefix(other)
 
 
-def test_checkpoint_of_another_driver_is_refused() -> None:
+def test_prefix_of_another_driver_is_refused() -> None:
     drv, cp = _world()
     other, other_cp = _world()
     drv.run_until_done()
@@ -331,7 +331,7 @@ def test_checkpoint_of_another_driver_is_refused() -> None:
     _assert_unchanged(drv, before)
 
 
-def test_admit_refuses_a_forged_record_of_a_live_checkpoint() -> None:
+def test_admit_refuses_a_forged_record_of_a_live_prefix() -> None:
     """Same slot and held KV locations, other tokens: not the record make_prefix returned."""
     drv, cp = _world()
     forged = attrs.evolve(cp, tokens=(0,) * len(cp.tokens))
@@ -341,7 +341,7 @@ def test_admit_refuses_a_forged_record_of_a_live_checkpoint() -> None:
     _assert_unchanged(drv, before)
 
 
-def test_checkpoints_refused_after_the_engine_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefix_refused_after_the_engine_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     drv, cp = _world()
 
     def failing(*args: Any, **kwargs: Any) -> Any:
@@ -357,7 +357,7 @@ def test_checkpoints_refused_after_the_engine_stopped(monkeypatch: pytest.Monkey
     _assert_unchanged(drv, before)
 
 
-def test_a_failing_checkpoint_prefill_stops_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_prefix_prefill_stops_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     drv, _ = _world()
     drv.run_until_done()
 

@@ -12,8 +12,9 @@ from typing import Protocol, TypeAlias, runtime_checkable
 import torch
 from typing_extensions import TypeVar
 
-from backend.pool import MambaStatePool
+from backend.pool import MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
+from ir.ids import PoolId
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
@@ -64,6 +65,32 @@ class ServingModelHook(SpecModelHook[VerifyStateT], Protocol[VerifyStateT]):
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         """Slot ``dst``'s first ``length`` context positions become those of slot ``src``."""
+        ...
+
+
+@runtime_checkable
+class ServedModel(Protocol[VerifyStateT]):
+    """What a serving engine needs from a model: its vocabulary, the layout of its recurrent state,
+    a state pool, and a ``ServingModelHook`` bound to fresh per-slot caches (whatever the model keeps
+    besides the pool: a KV cache, a token table). ``HybridModel`` is one; a test can serve any other.
+    """
+
+    @property
+    def vocab(self) -> int:
+        """Token ids are ``[0, vocab)``."""
+        ...
+
+    def pool_layout(self) -> PoolLayout:
+        """The per-slot layout of the recurrent state (what ``new_pool`` allocates)."""
+        ...
+
+    def new_pool(self, capacity: int, *, pool_id: PoolId) -> MambaStatePool:
+        """A state pool of ``capacity`` slots (plus the padding row)."""
+        ...
+
+    def serving_hook(self, *, capacity: int, kv_capacity: int, max_len: int) -> ServingModelHook[VerifyStateT]:
+        """A hook with fresh caches for ``capacity`` slots of up to ``max_len`` positions and
+        ``kv_capacity`` KV locations."""
         ...
 
 

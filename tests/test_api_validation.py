@@ -134,9 +134,9 @@ def _ctor_cases() -> list[tuple[str, dict[str, Any], str]]:
         ("prefix-cache-str", {"prefix_cache": "x"}, r"prefix_cache must be a PrefixCache or None, not str \(got 'x'\)"),
         ("pm-str", {"pm": "x"}, r"pm must be a PassManager or None, not str \(got 'x'\)"),
         ("draft-missing", {"draft": None}, r"speculative decoding \(k = 2\) needs a draft model, got draft=None"),
-        ("draft-str", {"draft": "x"}, r"draft must be a HybridModel or None, not str \(got 'x'\)"),
-        ("target-none", {"target": None}, r"target must be a HybridModel, not NoneType \(got None\)"),
-        ("target-str", {"target": "model"}, r"target must be a HybridModel, not str \(got 'model'\)"),
+        ("draft-str", {"draft": "x"}, r"draft must be a ServedModel or None, not str \(got 'x'\)"),
+        ("target-none", {"target": None}, r"target must be a ServedModel, not NoneType \(got None\)"),
+        ("target-str", {"target": "model"}, r"target must be a ServedModel, not str \(got 'model'\)"),
         ("draft-vocab-mismatch", {"draft": HybridModel.from_seed(attrs.evolve(tiny(), vocab=128), seed=0)},
          r"draft vocabulary 128 differs from the target's 256"),
     ]

@@ -1,8 +1,8 @@
 """Property: random admit / abort / step sequences through the serving ``Engine`` (k = 0) keep every
 request's recurrent state exactly what a pure-Python reference says, and run every init op exactly once.
 
-The model is a toy recurrence, installed as the target executor's model hook in place of the tiny
-hybrid model's (the engine is otherwise the one ``batchc run`` serves with): it writes layer 0's SSM
+The model is a toy recurrence served through the ``ServedModel`` protocol with the tiny hybrid
+model's state layout (the engine is the one ``batchc run`` serves with): it writes layer 0's SSM
 state of each request's row, ``state = state * 0.5 + (sum of the tokens this request fed in this
 forward) * WEIGHTS``, and emits the token ``token_for(rid, position)`` as one-hot logits. COWs come
 from two prefix states of different lengths (``Engine.make_prefix``, prefilled through the
@@ -35,12 +35,13 @@ from hypothesis import strategies as st
 from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.model import ForwardPlan
-from backend.pool import MambaStatePool
-from backend.staging import StagedDecode, StagedExtend
+from backend.pool import MambaStatePool, PoolLayout
+from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine, PrefixState, StepKind
-from ir.ids import TARGET_POOL, RequestId
+from ir.ids import TARGET_POOL, PoolId, RequestId
 from ir.init import InitTicket
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
+from ir.spec import CommitPlan, DraftPlan, VerifyPlan
 from tests.helpers_core import random_fill
 
 CAPACITY = 7  # two slots hold the prefix states, so at most 5 requests may hold a slot at once
@@ -102,6 +103,35 @@ class ToyRecurrence:
         for i, (rid, pos) in enumerate(rows):
             logits[i, token_for(rid, pos)] = 1.0
         return logits
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """The toy keeps no per-slot context besides the pool."""
+
+    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> torch.Tensor:
+        raise AssertionError("the engine at k = 0 never speculates")
+
+    def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
+        raise AssertionError("the engine at k = 0 never speculates")
+
+    def commit(self, plan: CommitPlan, states: object, pool: MambaStatePool) -> None:
+        raise AssertionError("the engine at k = 0 never speculates")
+
+
+class ToyServed:
+    """The toy recurrence as a served model, with the tiny hybrid model's vocabulary and state layout."""
+
+    def __init__(self, toy: ToyRecurrence) -> None:
+        self.toy = toy
+        self.vocab = toy.vocab
+
+    def pool_layout(self) -> PoolLayout:
+        return _target().pool_layout()
+
+    def new_pool(self, capacity: int, *, pool_id: PoolId) -> MambaStatePool:
+        return MambaStatePool(pool_id, self.pool_layout(), capacity)
+
+    def serving_hook(self, *, capacity: int, kv_capacity: int, max_len: int) -> ToyRecurrence:
+        return self.toy
 
 
 def prompt_of(rid: int, n: int) -> list[int]:
@@ -304,11 +334,10 @@ class Harness:
 
 
 def make_harness(chunk_size: int, seed: int) -> Harness:
-    e = Engine(_target(), None, k=0, capacity=CAPACITY, kv_capacity=KV_CAPACITY, max_len=MAX_LEN, chunk_size=chunk_size)
+    toy = ToyRecurrence(_target().vocab)
+    e = Engine(ToyServed(toy), None, k=0, capacity=CAPACITY, kv_capacity=KV_CAPACITY, max_len=MAX_LEN, chunk_size=chunk_size)
     # stale bytes everywhere: a slot that is not cleared on (re)use poisons its request
     random_fill(e.target.pool, seed)
-    toy = ToyRecurrence(_target().config.vocab)
-    e.target.model = toy
     prefixes, states, rows = [], [], []
     ssm = e.target.pool.ssm_state(0)
     for tokens in CKPT_TOKENS:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -50,8 +51,11 @@ from backend.kernels.chunked import causal_conv1d_prefill, ssd_prefill
 from backend.kernels.commit import commit_accepted
 from backend.kernels.conv import causal_conv1d_update, causal_conv1d_verify
 from backend.kernels.ssm import selective_state_update, selective_state_verify
-from backend.pool import MambaStatePool
+from backend.pool import MambaStatePool, PoolLayout
 from ir.ids import TARGET_POOL, PoolId
+
+if TYPE_CHECKING:
+    from backend.hybrid.hook import HybridHook
 
 # (layer index, normed input) -> mixer output, for one token layout (packed, per-row, [n, T]).
 _Mixer = Callable[[int, torch.Tensor], torch.Tensor]
@@ -137,7 +141,14 @@ class HybridModel:
     def dtype(self) -> torch.dtype:
         return self.weights["embed"].dtype
 
+    @property
+    def vocab(self) -> int:
+        return self.config.vocab
+
     # ---- backend state of the right shapes --------------------------------------------------
+
+    def pool_layout(self) -> PoolLayout:
+        return self.config.pool_layout()
 
     def new_pool(
         self,
@@ -154,6 +165,12 @@ class HybridModel:
 
     def new_token_table(self, max_slots: int, max_len: int) -> TokenTable:
         return TokenTable(max_slots, max_len, device=self.device)
+
+    def serving_hook(self, *, capacity: int, kv_capacity: int, max_len: int) -> HybridHook:
+        """This model behind the serving hook protocol, with a fresh KV cache and token table."""
+        from backend.hybrid.hook import HybridHook  # here: the hook module imports this one
+
+        return HybridHook(self, self.new_kv_cache(kv_capacity), self.new_token_table(capacity, max_len))
 
     # ---- building blocks ----------------------------------------------------------------------
 

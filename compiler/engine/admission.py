@@ -12,7 +12,7 @@ from typing import cast
 
 import numpy as np
 
-from backend.hybrid.model import HybridModel
+from backend.model import ServedModel
 from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
@@ -72,8 +72,8 @@ def check_engine_args(
     ``max_len`` in ``[k + 3, MAX_LEN]`` (room for a prompt token, a new token and the k + 1
     speculative positions) with ``(capacity + 1) * max_len <= MAX_TABLE_ENTRIES`` and each state
     pool within ``MAX_POOL_BYTES``, ``chunk_size`` and ``token_budget`` ``None`` or ``>= 1``,
-    ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``HybridModel``; ``draft`` a
-    ``HybridModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
+    ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``ServedModel`` (a ``HybridModel``, or
+    any model with the protocol's methods); ``draft`` a ``ServedModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
     0``); ``mixed`` a ``bool``; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
     ``PassManager`` or ``None``."""
     kk = engine_int("k", k, 0, MAX_K)
@@ -94,19 +94,19 @@ def check_engine_args(
     engine_int("retries", retries, 0, MAX_RETRIES)
     if type(mixed) is not bool:  # noqa: E721 - 0, 1, 'no' and None are not switches
         raise PreconditionError("Engine", f"mixed must be a bool, not {type(mixed).__name__} (got {short_repr(mixed)})")
-    if not isinstance(target, HybridModel):
-        raise PreconditionError("Engine", f"target must be a HybridModel, not {type(target).__name__} (got {short_repr(target)})")
-    if draft is not None and not isinstance(draft, HybridModel):
-        raise PreconditionError("Engine", f"draft must be a HybridModel or None, not {type(draft).__name__} (got {short_repr(draft)})")
+    if not isinstance(target, ServedModel):
+        raise PreconditionError("Engine", f"target must be a ServedModel, not {type(target).__name__} (got {short_repr(target)})")
+    if draft is not None and not isinstance(draft, ServedModel):
+        raise PreconditionError("Engine", f"draft must be a ServedModel or None, not {type(draft).__name__} (got {short_repr(draft)})")
     if kk > 0 and draft is None:
         raise PreconditionError("Engine", f"speculative decoding (k = {kk}) needs a draft model, got draft=None")
-    if kk > 0 and draft is not None and draft.config.vocab != target.config.vocab:
+    if kk > 0 and draft is not None and draft.vocab != target.vocab:
         raise PreconditionError(
-            "Engine", f"draft vocabulary {draft.config.vocab} differs from the target's {target.config.vocab}"
+            "Engine", f"draft vocabulary {draft.vocab} differs from the target's {target.vocab}"
         )
     for name, model in (("target", target), ("draft", draft if kk > 0 else None)):
         if model is not None:
-            row_bytes = model.config.pool_layout().row_bytes
+            row_bytes = model.pool_layout().row_bytes
             if (slots + 1) * row_bytes > MAX_POOL_BYTES:
                 raise PreconditionError(
                     "Engine",

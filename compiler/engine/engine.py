@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from backend.allocator import KVAllocator, SlotAllocator
-from backend.executor import Executor
-from backend.hybrid.hook import HybridHook
-from backend.hybrid.model import HybridModel, VerifyStates
+from backend.executor import AnyExecutor, Executor
 from backend.ledger import Ledger
-from backend.model import ServingModelHook
+from backend.model import ServedModel, ServingModelHook
 from compiler.engine.admission import check_engine_args, check_request
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
 from compiler.engine.chunks import ChunkPlanner
@@ -50,8 +49,8 @@ from passes.lower import LowerContext
 class Engine:
     def __init__(
         self,
-        target: HybridModel,
-        draft: HybridModel | None,
+        target: ServedModel[Any],
+        draft: ServedModel[Any] | None,
         *,
         k: int,
         capacity: int = 16,
@@ -71,7 +70,7 @@ class Engine:
             token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm,
         )
         k, capacity, kv_capacity, max_len, retries = int(k), int(capacity), int(kv_capacity), int(max_len), int(retries)
-        self.k, self.vocab, self.retries, self.mixed, self.max_len = k, target.config.vocab, retries, mixed, max_len
+        self.k, self.vocab, self.retries, self.mixed, self.max_len = k, target.vocab, retries, mixed, max_len
         self.cache = prefix_cache
         self.ledger = Ledger()
         self.slots = SlotAllocator(capacity)
@@ -82,7 +81,7 @@ class Engine:
         )
         pools = (TARGET_POOL, DRAFT_POOL) if k > 0 else (TARGET_POOL,)
         self.pipeline = Pipeline(self.ledger, LowerContext(pools=pools), pm)
-        self._hooks: list[ServingModelHook[VerifyStates]] = []
+        self._hooks: list[ServingModelHook[Any]] = []
         self.target = self._executor(target, TARGET_POOL, capacity, kv_capacity)
         self.draft = self._executor(draft, DRAFT_POOL, capacity, kv_capacity) if k > 0 and draft is not None else None
         self.stats = SpecStats()
@@ -123,14 +122,14 @@ class Engine:
     def token_budget(self) -> int:
         return self.planner.token_budget
 
-    def _executor(self, model: HybridModel, pool_id: PoolId, capacity: int, kv_capacity: int) -> Executor[VerifyStates]:
+    def _executor(self, model: ServedModel[Any], pool_id: PoolId, capacity: int, kv_capacity: int) -> AnyExecutor:
         pool = model.new_pool(capacity, pool_id=pool_id)
-        hook = HybridHook(model, model.new_kv_cache(kv_capacity), model.new_token_table(capacity, self.max_len))
+        hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=self.max_len)
         self._hooks.append(hook)
         # with retries, each forward is one transactional unit that can simply run again
         return Executor(pool, self.ledger, hook, slots=self.slots, transactional=self.retries > 0)
 
-    def _executors(self) -> list[Executor[VerifyStates]]:
+    def _executors(self) -> list[AnyExecutor]:
         return [self.target] + ([self.draft] if self.draft is not None else [])
 
     def _share_prefix(self, src: int, dst: int, length: int) -> None:

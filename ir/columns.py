@@ -428,7 +428,7 @@ def build_unchecked(cls: type[N], **fields: object) -> N:
     ``freeze``/``frozen_i64``) int64/bool arrays derived from already checked nodes by operations
     that keep the local invariants (``seq_lens + 1`` of a checked batch is still >= 1).
     ``ir.verify.verify`` re-runs the local checks, so ``BATCHC_VERIFY=2`` (the test setting) catches
-    a pass that breaks this promise; ``tests/test_immutable_ir.py`` checks that every pass's output
+    a pass that breaks this promise; ``tests/ir/test_immutable_ir.py`` checks that every pass's output
     columns are IR-owned.
     """
     node = object.__new__(cls)
@@ -813,7 +813,7 @@ SMALL_COLUMN = 64
 """Up to this many values (per column, or in both together), set checks go through Python sets:
 numpy's sort-based ``intersect1d`` and ``argsort`` have a fixed overhead that dominates at
 scheduler batch sizes, while from a few hundred values numpy is as fast or faster. Larger columns
-use numpy. ``tests/test_column_sets.py`` checks both paths agree across the threshold."""
+use numpy. ``tests/ir/test_column_sets.py`` checks both paths agree across the threshold."""
 
 
 def has_duplicates(arr: I64) -> bool:

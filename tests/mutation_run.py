@@ -46,21 +46,21 @@ import attrs
 ROOT = Path(__file__).resolve().parent.parent
 
 CORE_TESTS = [
-    "tests/test_backend_core.py", "tests/test_ledger_truth.py", "tests/test_bad_input.py", "tests/test_immutable_ir.py",
-    "tests/test_passes.py", "tests/test_spec_passes.py", "tests/test_snapshot.py", "tests/test_regression_stale_init.py",
-    "tests/test_column_sets.py", "tests/test_golden.py", "tests/test_mutation_detector.py", "tests/test_faults.py",
-    "tests/test_concurrency.py", "tests/test_hostile_corpus.py", "tests/test_pass_arguments.py",
+    "tests/backend/test_backend_core.py", "tests/backend/test_ledger_truth.py", "tests/test_bad_input.py", "tests/ir/test_immutable_ir.py",
+    "tests/passes/test_passes.py", "tests/passes/test_spec_passes.py", "tests/backend/test_snapshot.py", "tests/test_regression_stale_init.py",
+    "tests/ir/test_column_sets.py", "tests/compiler/test_golden.py", "tests/backend/test_mutation_detector.py", "tests/compiler/test_faults.py",
+    "tests/backend/test_concurrency.py", "tests/test_hostile_corpus.py", "tests/passes/test_pass_arguments.py",
 ]
 ENGINE_TESTS = [
-    "tests/test_engine_stop.py", "tests/test_spec_driver.py", "tests/test_serving.py", "tests/test_faults.py",
-    "tests/test_hostile_corpus.py", "tests/test_bad_input.py", "tests/test_property_lifecycle.py",
-    "tests/test_api_validation.py", "tests/test_engine_parts.py",
+    "tests/compiler/test_engine_stop.py", "tests/compiler/test_engine_spec.py", "tests/compiler/test_serving.py", "tests/compiler/test_faults.py",
+    "tests/test_hostile_corpus.py", "tests/test_bad_input.py", "tests/compiler/test_property_lifecycle.py",
+    "tests/test_api_validation.py", "tests/compiler/test_engine_parts.py",
 ]
 TARGETS: dict[str, list[str]] = {
     "ir/*.py": CORE_TESTS,
     "passes/*.py": CORE_TESTS,
     "backend/ledger.py": CORE_TESTS,
-    "backend/executor.py": CORE_TESTS + ["tests/test_spec_driver.py", "tests/test_api_validation.py"],
+    "backend/executor.py": CORE_TESTS + ["tests/compiler/test_engine_spec.py", "tests/test_api_validation.py"],
     "compiler/engine/*.py": ENGINE_TESTS,
     "compiler/steps.py": ENGINE_TESTS,
     "compiler/prefix_cache.py": ENGINE_TESTS,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ from backend.executor import Executor
 from backend.hybrid.checkpoint import TARGET_FILE, CheckpointError, bundled_path, load_checkpoint
 from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
-from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
 from backend.pool import MAX_POOL_BYTES, MambaLayerSpec, MambaStatePool, PoolLayout
 from compiler.engine import Engine, PrefixState
@@ -38,13 +36,7 @@ from compiler.serve import WorkloadError, load_workload
 from compiler.workload import MAX_K as CLI_MAX_K
 from ir.errors import BatchcError, EngineStoppedError, IRValidationError, PreconditionError, SlotError
 from ir.ids import TARGET_POOL, MambaSlot, RequestId
-
-
-@cache
-def _models() -> tuple[HybridModel, HybridModel]:
-    target = HybridModel.from_seed(tiny(), seed=0)
-    return target, HybridModel(target.config, perturb(target.weights, 0.05, seed=1))
-
+from tests.helpers import tiny_models
 
 PREFIX = list(b"You are terse.\n")
 MAX_LEN = 64
@@ -53,7 +45,7 @@ MAX_LEN = 64
 def _driver(**kw: Any) -> Engine:
     """A speculative driver (k = 2) with a prefix cache, a prefix, a running request started
     from it and a fresh one."""
-    target, draft = _models()
+    target, draft = tiny_models()
     options: dict[str, Any] = {"k": 2, "capacity": 6, "kv_capacity": 256, "max_len": MAX_LEN, "chunk_size": 16,
                                "prefix_cache": PrefixCache(capacity=3, block=8), **kw}
     return Engine(target, draft, **options)
@@ -99,7 +91,7 @@ def _refused(error: type[BaseException], match: str, call: Callable[[], object])
 
 
 def _ctor_cases() -> list[tuple[str, dict[str, Any], str]]:
-    target, draft = _models()
+    target, draft = tiny_models()
     return [
         ("k-bool", {"k": True}, r"k must be an int, not bool \(got True\)"),
         ("k-float", {"k": 1.5}, r"k must be an int, not float \(got 1\.5\)"),
@@ -147,7 +139,7 @@ CTOR_CASES = _ctor_cases()
 
 @pytest.mark.parametrize(("kw", "match"), [c[1:] for c in CTOR_CASES], ids=[c[0] for c in CTOR_CASES])
 def test_spec_driver_constructor_refuses_before_allocating(kw: dict[str, Any], match: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    target, draft = _models()
+    target, draft = tiny_models()
     pools: list[object] = []
     real = HybridModel.new_pool
 
@@ -162,7 +154,7 @@ def test_spec_driver_constructor_refuses_before_allocating(kw: dict[str, Any], m
 
 
 def test_spec_driver_constructor_takes_numpy_ints_as_python_ints() -> None:
-    target, _ = _models()
+    target, _ = tiny_models()
     with suppress_type_checks():
         drv = Engine(target, None, k=np.int64(0), capacity=np.int32(4), kv_capacity=np.uint16(128), max_len=np.int64(32),  # type: ignore[arg-type]
                          chunk_size=np.int8(8), token_budget=np.int64(16), retries=np.int64(1))  # type: ignore[arg-type]
@@ -229,7 +221,7 @@ def test_make_prefix_at_the_length_bound() -> None:
 
 
 def test_make_prefix_without_room_takes_nothing() -> None:
-    target, draft = _models()
+    target, draft = tiny_models()
     drv = Engine(target, draft, k=2, capacity=2, kv_capacity=20, max_len=MAX_LEN, prefix_cache=PrefixCache(capacity=1, block=8))
     drv.make_prefix(PREFIX)  # 15 of 20 KV locations, one of two slots
     before = _state(drv)

@@ -70,7 +70,7 @@ from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
 from passes.prepare_for_draft import SpecContext
 from passes.prepare_for_extend import prepare_for_extend
-from tests.helpers_core import World, decode_batch, extend_plan, make_world, random_fill, request
+from tests.helpers import World, decode_batch, extend_plan, make_world, random_fill, request
 
 Ctx = dict[str, Any]
 

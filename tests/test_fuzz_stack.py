@@ -55,7 +55,6 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator
-from functools import cache
 
 import pytest
 import torch
@@ -63,13 +62,11 @@ from hypothesis import note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from backend.hybrid.config import tiny
-from backend.hybrid.model import HybridModel
 from backend.hybrid.reference import greedy_generate_reference
-from backend.hybrid.weights import perturb
 from compiler.engine import Engine
 from compiler.prefix_cache import PrefixCache
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
+from tests.helpers import tiny_models
 from tests.hypothesis_profiles import FUZZ_CI, FUZZ_LONG
 
 CAPACITY = 5  # Mamba slots, shared by running requests, mid-prefill requests and cache entries
@@ -90,12 +87,6 @@ STRICT = os.environ.get("BATCHC_FUZZ_STRICT", "1") == "1"  # both bugs are fixed
 STATS: Counter[str] = Counter()  # rules, scheduler steps, outcomes: printed at the end of the module
 
 
-@cache
-def _models() -> tuple[HybridModel, HybridModel]:
-    target = HybridModel.from_seed(tiny(), seed=0)
-    return target, HybridModel(target.config, perturb(target.weights, 0.05, seed=1))
-
-
 _REFERENCE: dict[tuple[tuple[int, ...], int, int | None], list[int]] = {}
 
 
@@ -104,7 +95,7 @@ def greedy_reference(prompt: tuple[int, ...], max_new_tokens: int, stop: int | N
     chunking or engine at all), cut after the stop token."""
     key = (prompt, max_new_tokens, stop)
     if key not in _REFERENCE:
-        out = greedy_generate_reference(_models()[0], list(prompt), max_new_tokens)
+        out = greedy_generate_reference(tiny_models()[0], list(prompt), max_new_tokens)
         _REFERENCE[key] = out[: out.index(stop) + 1] if stop is not None and stop in out else out
         STATS["reference runs"] += 1
     return _REFERENCE[key]
@@ -118,7 +109,7 @@ def scratch_state(draft: bool, tokens: tuple[int, ...]) -> tuple[list[torch.Tens
     in one forward (fresh pool, KV cache and table; slot 1)."""
     key = (draft, tokens)
     if key not in _SCRATCH:
-        model = _models()[1 if draft else 0]
+        model = tiny_models()[1 if draft else 0]
         n = len(tokens)
         pool = model.new_pool(1)
         model.extend(
@@ -157,7 +148,7 @@ class StackMachine(RuleBasedStateMachine):
     def setup(self, k: int, cache_capacity: int, chunk: int, budget: int, kv_capacity: int) -> None:
         STATS["state-machine steps"] += 1
         STATS["rule setup"] += 1
-        target, draft = _models()
+        target, draft = tiny_models()
         self.k = k
         self.cache = PrefixCache(capacity=cache_capacity, block=BLOCK)
         self.driver = Engine(
@@ -503,7 +494,7 @@ def teardown_module() -> None:
 def test_overcommitted_chunked_prefills_make_progress() -> None:
     """Five 70-token prompts, chunks of 8 under a budget of 40, 300 KV locations: after 8 prefill
     steps the five hold 296 locations, the first two need 6 more each, and only 4 are free."""
-    target, _ = _models()
+    target, _ = tiny_models()
     drv = Engine(target, None, k=0, capacity=5, kv_capacity=300, max_len=128, chunk_size=8, token_budget=40)
     prompts = {RequestId(i): [(7 * i + j) % 256 for j in range(70)] for i in range(5)}
     for rid, prompt in prompts.items():
@@ -516,7 +507,7 @@ def test_a_request_retracted_twice_re_prefills_its_context_once() -> None:
     """Retract one request twice (``Forwards.retract``, the scheduler's own move under KV pressure):
     whenever it waits for its re-prefill its prompt is its original prompt + its output, and its
     final output is greedy's."""
-    target, _ = _models()
+    target, _ = tiny_models()
     drv = Engine(target, None, k=0, capacity=3, kv_capacity=400, max_len=128)
     prompts = {RequestId(i): list(b"request number %d:" % i) for i in range(2)}
     for rid, prompt in prompts.items():

@@ -8,7 +8,7 @@ then admission of what it returns) and checkpoint files (``load_checkpoint``).
 
 Each row names the exact exception type and a message fragment. Two worlds:
 
-- ``core``: ``tests.helpers_core.make_world`` (a target pool of random bytes, its ledger, slot and KV
+- ``core``: ``tests.helpers.make_world`` (a target pool of random bytes, its ledger, slot and KV
   allocators, an executor) with a toy speculative model hook, so verify/commit plans can run;
 - ``driver``: a ``Engine`` (tiny seeded target and draft, k = 2, prefix cache) that has made a
   prefix state, admitted two requests and run a prefill and a speculative iteration.
@@ -28,7 +28,6 @@ import json
 import re
 import struct
 from collections.abc import Callable, Iterator
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +41,8 @@ from typeguard import suppress_type_checks
 from backend.executor import Executor
 from backend.hybrid.checkpoint import CheckpointError, config_to_json, load_checkpoint, save_checkpoint
 from backend.hybrid.config import tiny
-from backend.hybrid.model import HybridModel
-from backend.hybrid.weights import init_weights, perturb
+from backend.hybrid.weights import init_weights
 from backend.pool import MambaStatePool
-from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine, PrefixState
 from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
 from compiler.serve import WorkloadError, load_workload
@@ -69,9 +66,7 @@ from ir.spec import (
     CommitPlan,
     DraftBatch,
     DraftExtendBatch,
-    DraftPlan,
     VerifyBatch,
-    VerifyPlan,
 )
 from ir.verify import verify
 from passes.accept import accept
@@ -82,7 +77,7 @@ from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers_core import World, decode_batch, make_world, request
+from tests.helpers import ToySpecModel, World, decode_batch, make_world, request, tiny_models
 
 Ctx = dict[str, Any]
 
@@ -90,32 +85,8 @@ Ctx = dict[str, Any]
 # -- the two worlds ------------------------------------------------------------------------------
 
 
-class ToySpecModel:
-    """A speculative model hook that proposes token 7, predicts token 7 everywhere, and commits by
-    writing a marker into the committed rows (so a second commit would show in the pool bytes)."""
-
-    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> None:
-        return None
-
-    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> torch.Tensor:
-        return torch.full((plan.batch.num_requests, plan.batch.k), 7, dtype=torch.int64)
-
-    def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
-        return torch.full((plan.batch.num_requests, plan.batch.k + 1), 7, dtype=torch.int64), ("states of", plan.batch.verify_id)
-
-    def commit(self, plan: CommitPlan, states: object, pool: MambaStatePool) -> None:
-        for s in plan.batch.slots.tolist():
-            pool.buffer[s].fill_(0x11)
-
-
 def core_world() -> World:
     return make_world(model=ToySpecModel())  # slots 1..3 of 4 live, 64 KV locations
-
-
-@cache
-def _models() -> tuple[HybridModel, HybridModel]:
-    target = HybridModel.from_seed(tiny(), seed=0)
-    return target, HybridModel(target.config, perturb(target.weights, 0.05, seed=1))
 
 
 PREFIX = list(b"You are terse.\n")
@@ -129,7 +100,7 @@ class DriverWorld:
 
 
 def driver_world(tmp: Path) -> DriverWorld:
-    target, draft = _models()
+    target, draft = tiny_models()
     drv = Engine(
         target, draft, k=2, capacity=6, kv_capacity=256, max_len=64, chunk_size=16,
         prefix_cache=PrefixCache(capacity=3, block=8),
@@ -841,7 +812,7 @@ CHECKPOINT_CASES = [
 ]
 
 
-# -- the registered ticket is the truth (see tests/test_ledger_truth.py for the same with a model) --
+# -- the registered ticket is the truth (see tests/backend/test_ledger_truth.py for the same with a model) --
 
 
 def _prefills(w: World) -> Ctx:

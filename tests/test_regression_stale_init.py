@@ -29,7 +29,7 @@ from ir.errors import ResourceLeakError, ResourceReplayError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot
 from ir.plan import DecodePlan
 from passes import DecodeContext, LowerContext
-from tests.core import LAYOUT, cow, empty_decode, fresh
+from tests.helpers import LAYOUT, cow, empty_decode, fresh
 
 CACHED = MambaSlot(5)
 

@@ -13,7 +13,7 @@ from backend.ledger import Ledger
 from backend.pool import MambaStatePool
 from compiler.manager import PassManager
 from ir.ids import TARGET_POOL
-from tests.core import LAYOUT
+from tests.helpers import LAYOUT
 
 ROOT = Path(__file__).resolve().parent.parent
 

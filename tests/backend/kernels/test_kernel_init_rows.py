@@ -1,0 +1,148 @@
+"""init_rows: the fused clear + copy-on-write launch over a slot-major pool buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend import reference
+from backend.kernels.dispatch import use_triton
+from backend.kernels.init_rows import init_rows
+from tests.helpers import DEVICE, index, make_pool
+
+
+def _random_bytes(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).to(DEVICE)
+
+
+def test_triton_path_is_taken() -> None:
+    assert use_triton(torch.empty(1, device=DEVICE))
+
+
+def test_matches_reference_on_pool_buffer() -> None:
+    pool = make_pool(capacity=8)
+    expected = pool.copy_buffer()
+    clear, src, dst = index([2, 7]), index([1, 3]), index([4, 8])
+    init_rows(pool.buffer, clear, src, dst)
+    reference.init_rows_reference(expected, clear, src, dst)
+    assert torch.equal(pool.buffer, expected)
+    assert torch.all(pool.buffer[2] == 0) and torch.all(pool.buffer[7] == 0)
+    assert torch.equal(pool.buffer[4], pool.buffer[1])
+
+
+def test_strided_buffer_view_leaves_gap_bytes_alone() -> None:
+    # Row stride 1280 bytes, row length 1024: the 256 bytes after each row are not the pool's.
+    backing = _random_bytes((6, 1280), seed=1)
+    before = backing.clone()
+    buffer = backing[:, :1024]
+    assert buffer.stride(0) != buffer.shape[1]
+    init_rows(buffer, index([5]), index([1, 2]), index([3, 4]))
+    reference.init_rows_reference(before[:, :1024], index([5]), index([1, 2]), index([3, 4]))
+    assert torch.equal(backing, before)
+
+
+def test_odd_row_length_uses_narrow_words() -> None:
+    buffer = _random_bytes((4, 37), seed=2)
+    expected = buffer.clone()
+    init_rows(buffer, index([1]), index([2]), index([3]))
+    reference.init_rows_reference(expected, index([1]), index([2]), index([3]))
+    assert torch.equal(buffer, expected)
+
+
+def test_no_ops_is_a_no_op() -> None:
+    buffer = _random_bytes((4, 256), seed=3)
+    before = buffer.clone()
+    init_rows(buffer, index([]), index([]), index([]))
+    assert torch.equal(buffer, before)
+
+
+def test_layer_major_baseline_agrees_with_slot_major() -> None:
+    pool = make_pool(capacity=6, layers=2)
+    layers = range(len(pool.layout.layers))
+    conv = torch.stack([pool.conv_state(layer) for layer in layers])  # [L, slots, ...] copies
+    ssm = torch.stack([pool.ssm_state(layer) for layer in layers])
+    clear, src, dst = index([1, 6]), index([2]), index([5])
+    init_rows(pool.buffer, clear, src, dst)
+    reference.init_rows_layer_major([conv, ssm], clear, src, dst)
+    for layer in layers:
+        assert torch.equal(pool.conv_state(layer), conv[layer])
+        assert torch.equal(pool.ssm_state(layer), ssm[layer])
+
+
+@st.composite
+def _init_ops(draw: st.DrawFn) -> tuple[int, list[int], list[int], list[int]]:
+    num_slots = draw(st.integers(min_value=2, max_value=12))
+    slots = draw(st.permutations(list(range(1, num_slots))))
+    n_clear = draw(st.integers(min_value=0, max_value=len(slots)))
+    n_copy = draw(st.integers(min_value=0, max_value=(len(slots) - n_clear) // 2))
+    clear = slots[:n_clear]
+    dst = slots[n_clear : n_clear + n_copy]
+    # Sources: any slot that is neither cleared nor a destination (0 excluded; repeats allowed).
+    free = [s for s in range(1, num_slots) if s not in clear and s not in dst]
+    src = [draw(st.sampled_from(free)) for _ in dst] if free else []
+    return num_slots, clear, src[: len(dst)], dst[: len(src)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=_init_ops(), row_words=st.sampled_from([64, 96, 2050]), seed=st.integers(0, 2**16))
+def test_property_cleared_zero_copied_equal_others_untouched(
+    ops: tuple[int, list[int], list[int], list[int]], row_words: int, seed: int
+) -> None:
+    num_slots, clear, src, dst = ops
+    buffer = _random_bytes((num_slots, row_words * 4), seed=seed)
+    before = buffer.clone()
+    init_rows(buffer, index(clear), index(src), index(dst))
+    for s in clear:
+        assert torch.all(buffer[s] == 0)
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(buffer[d], before[s])
+    touched = set(clear) | set(dst)
+    for row in range(num_slots):
+        if row not in touched:
+            assert torch.equal(buffer[row], before[row])
+
+
+@pytest.mark.parametrize(
+    ("clear", "src", "dst", "message"),
+    [
+        ([0], [], [], "out of range"),
+        ([6], [], [], "out of range"),
+        ([], [1], [0], "out of range"),
+        ([], [-1], [2], "out of range"),
+        ([1, 1], [], [], "clear repeats"),
+        ([], [1, 2], [3, 3], "cow_dst repeats"),
+        ([3], [1], [3], "both cleared and a copy destination"),
+        ([1], [1], [3], "cleared in the same launch"),
+        ([], [2], [2], "src == dst"),
+        ([], [1, 2], [2, 3], "also copy destinations"),
+        ([], [1, 2], [3], "differ in length"),
+    ],
+)
+def test_bad_ops_raise_before_launch(clear: list[int], src: list[int], dst: list[int], message: str) -> None:
+    buffer = _random_bytes((6, 256), seed=4)
+    before = buffer.clone()
+    with pytest.raises(ValueError, match=message):
+        init_rows(buffer, index(clear), index(src), index(dst))
+    assert torch.equal(buffer, before)
+
+
+def test_bad_tensors_raise_before_launch() -> None:
+    buffer = _random_bytes((6, 256), seed=5)
+    before = buffer.clone()
+    ok = index([1])
+    with pytest.raises(ValueError, match="int64"):
+        init_rows(buffer, index([1], torch.int32), index([]), index([]))
+    with pytest.raises(ValueError, match="uint8"):
+        init_rows(buffer.view(torch.int32), ok, index([]), index([]))
+    with pytest.raises(ValueError, match="2-D"):
+        init_rows(buffer.view(-1), ok, index([]), index([]))
+    with pytest.raises(ValueError, match="1-D"):
+        init_rows(buffer, index([[1]]), index([]), index([]))
+    with pytest.raises(ValueError, match="contiguous"):
+        init_rows(buffer[:, ::2], ok, index([]), index([]))
+    with pytest.raises(ValueError, match="is on"):
+        init_rows(buffer, torch.tensor([1], device="meta"), index([]), index([]))
+    assert torch.equal(buffer, before)

@@ -1,0 +1,119 @@
+"""Golden dumps per registered pass, from fixed IR written here (not from a scheduler trace): a
+scheduling change leaves them alone, and a change to a pass or the printer shows as a diff of the
+full dump of its inputs and output. Every pass in ``passes.registry`` must have one; a pass added
+without a golden fails ``test_every_registered_pass_has_a_golden``. To accept an intended change,
+rerun with ``BATCHC_UPDATE_GOLDEN=1`` and review the diff."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from ir.batch import DecodeBatch, IdleBatch
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
+from ir.printer import dump, dump_all
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
+from passes import (
+    DecodeContext,
+    LowerContext,
+    SpecContext,
+    accept,
+    commit,
+    filter_batch,
+    lower,
+    merge_batch,
+    mix_with_running,
+    prepare_for_decode,
+    prepare_for_draft,
+    prepare_for_draft_extend,
+    prepare_for_extend,
+    prepare_for_verify,
+)
+from passes.registry import PASSES
+from tests.helpers import GOLDEN
+
+PASS_GOLDEN = GOLDEN / "passes"
+
+
+def _show(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"tokens {value.tolist()}\n"
+    if isinstance(value, (DecodeContext, SpecContext)):
+        k = f"k={value.k} " if isinstance(value, SpecContext) else ""
+        return f"{type(value).__name__} {k}next_tokens={value.next_tokens.tolist()} kv_locs={value.kv_locs.tolist()}\n"
+    if isinstance(value, LowerContext):
+        return f"LowerContext pools={list(value.pools)}\n"
+    if isinstance(value, list):
+        if value and isinstance(value[0], AdmittedRequest):
+            return dump_all(value)  # one naming across the requests of one call
+        return "".join(_show(v) for v in value) if value and not isinstance(value[0], int) else f"rids {value}\n"
+    return dump(value)  # type: ignore[arg-type]  # an IR node; anything else fails here, loudly
+
+
+def _case(label: str, fn: Callable[..., object], *args: object) -> tuple[str, str]:
+    out = fn(*args)
+    text = f"-- {label} --\n== input ==\n" + "".join(_show(a) for a in args) + "== output ==\n" + _show(out)
+    return fn.__name__, text
+
+
+def _cases() -> dict[str, str]:
+    requests = [
+        AdmittedRequest(rid=RequestId(10), slot=MambaSlot(1), input_ids=[5, 6, 7], kv_locs=[20, 21, 22], intent=Clear()),
+        AdmittedRequest(rid=RequestId(11), slot=MambaSlot(2), input_ids=[8, 9], kv_locs=[30, 31],
+                        intent=CopyFrom(src=MambaSlot(6), prefix_len=4), snapshot_to=MambaSlot(7)),
+        AdmittedRequest(rid=RequestId(12), slot=MambaSlot(3), input_ids=[1, 2, 3, 4], kv_locs=[40, 41, 42, 43],
+                        intent=Continue(prefix_len=8), more_chunks=True),
+    ]
+    running = DecodeBatch(rids=[20, 21], slots=[4, 5], seq_lens=[9, 12], input_ids=[50, 51], kv_locs=[60, 61])
+    both = LowerContext(pools=(TARGET_POOL, DRAFT_POOL))
+    cases: list[tuple[str, str]] = []
+    extend = prepare_for_extend(requests)
+    cases.append(_case("a clear, a COW with a snapshot, a continued chunk", prepare_for_extend, requests))
+    decode_ctx = DecodeContext(next_tokens=[70, 71], kv_locs=[23, 32])
+    cases.append(_case("the two finished prefills start decoding", prepare_for_decode, extend, decode_ctx))
+    running_ctx = DecodeContext(next_tokens=[52, 53], kv_locs=[62, 63])
+    decoded = prepare_for_decode(running, running_ctx)
+    cases.append(_case("the running batch advances", prepare_for_decode, running, running_ctx))
+    cases.append(_case("prefills and decodes in one forward", mix_with_running, extend, decoded))
+    cases.append(_case("drop a running request", filter_batch, decoded, [RequestId(20)]))
+    cases.append(_case("drop the continued chunk", filter_batch, extend, [RequestId(12)]))
+    cases.append(_case("finished prefills join the running batch", merge_batch, running, extend))
+    spec_ctx = SpecContext(k=2, next_tokens=[52, 53], kv_locs=[62, 63, 64, 65, 66, 67])
+    draft = prepare_for_draft(running, spec_ctx)
+    cases.append(_case("k = 2 proposals", prepare_for_draft, running, spec_ctx))
+    draft_tokens = np.array([80, 81, 82, 83], dtype=np.int64)
+    verify = prepare_for_verify(draft, draft_tokens)
+    cases.append(_case("pending token then the drafts", prepare_for_verify, draft, draft_tokens))
+    target_tokens = np.array([80, 90, 91, 82, 83, 92], dtype=np.int64)
+    result = accept(verify, target_tokens)
+    cases.append(_case("one draft accepted, then all of them", accept, verify, target_tokens))
+    committed = commit(verify, result)
+    cases.append(_case("states at the accepted positions", commit, verify, result))
+    cases.append(_case("the draft catches up on the accepted tokens", prepare_for_draft_extend, committed))
+    mixed = mix_with_running(extend, decoded)
+    for label, batch in (("extend, both pools", extend), ("decode", decoded), ("mixed", mixed), ("draft", draft),
+                         ("verify", verify), ("commit", committed), ("draft extend", prepare_for_draft_extend(committed)),
+                         ("idle", IdleBatch())):
+        cases.append(_case(f"lower: {label}", lower, batch, both))
+    by_pass: dict[str, str] = {}
+    for name, text in cases:
+        by_pass[name] = by_pass.get(name, "") + text
+    return by_pass
+
+
+def test_every_registered_pass_has_a_golden() -> None:
+    assert set(_cases()) == {p.name for p in PASSES}
+
+
+@pytest.mark.parametrize("name", [p.name for p in PASSES])
+def test_pass_golden(name: str) -> None:
+    actual = _cases()[name]
+    path = PASS_GOLDEN / f"{name}.txt"
+    if os.environ.get("BATCHC_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(actual)
+    assert path.exists(), f"missing {path}; run with BATCHC_UPDATE_GOLDEN=1"
+    assert actual == path.read_text()

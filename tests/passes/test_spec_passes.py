@@ -1,0 +1,192 @@
+"""Speculative-decoding passes: draft, verify, accept, commit, draft extend, and their plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backend.executor import Executor
+from backend.ledger import Ledger
+from backend.pool import MambaStatePool
+from backend.staging import StagedDecode, StagedExtend, StagedWindow
+from compiler.manager import PassManager
+from compiler.steps import Pipeline
+from ir.columns import frozen_i64
+from ir.errors import IRValidationError, PlanExecutionError, PreconditionError
+from ir.ids import DRAFT_POOL, TARGET_POOL
+from ir.spec import CommitPlan, DraftBatch, DraftExtendPlan, DraftPlan, VerifyBatch, VerifyPlan
+from ir.verify import verify
+from passes import (
+    LowerContext,
+    SpecContext,
+    accept,
+    commit,
+    lower,
+    merge_batch,
+    prepare_for_draft,
+    prepare_for_draft_extend,
+    prepare_for_verify,
+)
+from tests.helpers import LAYOUT, decode_batch, fresh
+
+K = 3
+
+
+def _running() -> object:
+    # forward-done state: row 0 has 5 committed tokens, row 1 has 9
+    return decode_batch([1, 2], [3, 4], [5, 9], [15, 19], tokens=[50, 90])
+
+
+def _draft() -> DraftBatch:
+    running = decode_batch([1, 2], [3, 4], [5, 9], [15, 19], tokens=[50, 90])
+    return prepare_for_draft(running, SpecContext(k=K, next_tokens=[7, 8], kv_locs=list(range(100, 108))))
+
+
+def _verify() -> VerifyBatch:
+    return prepare_for_verify(_draft(), frozen_i64([11, 12, 13, 21, 22, 23]))
+
+
+def test_prepare_for_draft_feeds_pending_token_at_next_position() -> None:
+    d = _draft()
+    assert d.seq_lens.tolist() == [6, 10]
+    assert d.input_ids.tolist() == [7, 8]
+    assert d.kv_locs.tolist() == list(range(100, 108))
+    verify(d)
+
+
+def test_spec_context_checks_window_size() -> None:
+    with pytest.raises(IRValidationError, match="SpecContext.kv_locs"):
+        SpecContext(k=K, next_tokens=[7, 8], kv_locs=list(range(100, 107)))
+    with pytest.raises(IRValidationError, match="SpecContext.k"):
+        SpecContext(k=0, next_tokens=[7], kv_locs=[1])
+
+
+def test_prepare_for_verify_windows_pending_then_drafts() -> None:
+    v = _verify()
+    assert v.window(v.input_ids).tolist() == [[7, 11, 12, 13], [8, 21, 22, 23]]
+    assert v.verify_id != _verify().verify_id
+    verify(v)
+
+
+def test_prepare_for_verify_checks_token_count() -> None:
+    with pytest.raises(PreconditionError, match="expected 6 int64 draft tokens"):
+        prepare_for_verify(_draft(), frozen_i64([1, 2, 3]))
+
+
+@pytest.mark.parametrize(
+    ("target", "accepted", "bonus"),
+    [
+        ([[11, 12, 13, 14], [21, 22, 23, 24]], [3, 3], [14, 24]),  # everything accepted
+        ([[99, 12, 13, 14], [21, 99, 23, 24]], [0, 1], [99, 99]),  # first mismatch decides
+        ([[11, 12, 99, 14], [21, 22, 23, 99]], [2, 3], [99, 99]),
+        ([[11, 99, 13, 14], [5, 22, 23, 24]], [1, 0], [99, 5]),  # later matches do not count
+    ],
+)
+def test_accept_longest_matching_prefix_plus_bonus(target: list[list[int]], accepted: list[int], bonus: list[int]) -> None:
+    r = accept(_verify(), frozen_i64(np.array(target).reshape(-1)))
+    assert r.accepted.tolist() == accepted
+    assert r.bonus.tolist() == bonus
+
+
+def test_commit_releases_rejected_kv_and_draft_extend_takes_accepted_tokens() -> None:
+    v = _verify()
+    r = accept(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24]))  # row 0 accepts 1, row 1 accepts 3
+    c = commit(v, r)
+    assert c.accept_pos.tolist() == [1, 3]
+    assert c.released_kv.tolist() == [102, 103]
+    assert c.verify_id == v.verify_id
+    verify(c)
+    e = prepare_for_draft_extend(c)
+    assert e.prefix_lens.tolist() == [5, 9]
+    assert e.extend_lens.tolist() == [2, 4]
+    assert e.input_ids.tolist() == [7, 11, 8, 21, 22, 23]
+    assert e.kv_locs.tolist() == [100, 101, 104, 105, 106, 107]
+    verify(e)
+    running = merge_batch(decode_batch([], [], [], [], tokens=[]), e)
+    assert running.seq_lens.tolist() == [7, 13]  # c + m + 1 committed
+    assert running.input_ids.tolist() == [11, 23]
+
+
+def test_spec_plans_have_no_tickets() -> None:
+    for plan in (lower(_draft(), LowerContext()), lower(_verify(), LowerContext())):
+        assert "tickets" not in {f.name for f in type(plan).__attrs_attrs__}
+
+
+class _Scripted:
+    """A spec model hook with scripted tokens: the draft proposes ``10*slot + j``; the target agrees
+    on the first ``agree[slot]`` of them."""
+
+    def __init__(self, agree: dict[int, int]) -> None:
+        self.agree = agree
+        self.commits: list[list[int]] = []
+
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor | None:
+        return None
+
+    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> torch.Tensor:
+        return torch.tensor([[10 * int(s) + j for j in range(plan.batch.k)] for s in staged.slots])
+
+    def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
+        k = plan.batch.k
+        rows = []
+        for s, window in zip(staged.slots.tolist(), staged.input_ids.tolist(), strict=True):
+            a = self.agree[s]
+            rows.append([window[j + 1] if j < a else 200 + s for j in range(k)] + [250])
+        return torch.tensor(rows), "states"
+
+    def commit(self, plan: CommitPlan, states: object, pool: MambaStatePool) -> None:
+        assert states == "states"
+        self.commits.append(plan.batch.accept_pos.tolist())
+
+
+def test_one_iteration_through_pipeline_and_executors() -> None:
+    ledger = Ledger()
+    target, draft = MambaStatePool(TARGET_POOL, LAYOUT, 8), MambaStatePool(DRAFT_POOL, LAYOUT, 8)
+    model = _Scripted({1: 0, 2: 2})
+    ex_t, ex_d = Executor(target, ledger, model), Executor(draft, ledger, model)
+    pipe = Pipeline(ledger, LowerContext(pools=(TARGET_POOL, DRAFT_POOL)), PassManager(verify_level=2))
+    extend, plan = pipe.prefill([fresh(1, 1, [1, 2, 3], 1), fresh(2, 2, [4, 5], 4)])
+    ex_t.execute(plan)
+    ex_d.execute(plan)  # the draft pool's init ops run here, and only here
+    running = pipe.merge(decode_batch([], [], [], [], tokens=[]), extend)
+    consumed = ledger.num_consumed
+    for it in range(3):
+        d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10 + 8 * it, 18 + 8 * it))))
+        proposals = ex_d.execute(dplan)
+        assert proposals is not None
+        v, vplan = pipe.verify(d, frozen_i64(proposals.reshape(-1).numpy()))
+        target_tokens = ex_t.execute(vplan)
+        assert target_tokens is not None
+        result, c, cplan = pipe.commit(v, frozen_i64(target_tokens.reshape(-1).numpy()))
+        assert result.accepted.tolist() == [0, 2]
+        ex_t.execute(cplan)
+        with pytest.raises(PlanExecutionError, match="already committed"):
+            ex_t.execute(cplan)
+        e, eplan = pipe.draft_extend(c)
+        assert isinstance(eplan, DraftExtendPlan)
+        ex_d.execute(eplan)
+        running = pipe.merge(decode_batch([], [], [], [], tokens=[]), e)
+    assert running.seq_lens.tolist() == [3 + 3, 2 + 3 * 3]
+    assert ledger.num_consumed == consumed == 2  # one ticket per pool, at the prefill only
+    assert ledger.counts(TARGET_POOL).clears == ledger.counts(DRAFT_POOL).clears == 2
+    ledger.assert_drained()
+    assert model.commits == [[0, 2]] * 3
+
+
+def test_commit_of_a_verify_that_never_ran_is_refused() -> None:
+    ledger = Ledger()
+    pool = MambaStatePool(TARGET_POOL, LAYOUT, 8)
+    ex = Executor(pool, ledger, _Scripted({3: 1, 4: 1}))
+    v = _verify()
+    c = commit(v, accept(v, frozen_i64([11, 0, 0, 0, 21, 0, 0, 0])))
+    before = pool.copy_buffer()
+    with pytest.raises(PlanExecutionError, match=rf"verify #{v.verify_id}.*never verified here"):
+        ex.execute(lower(c, LowerContext()))
+    assert torch.equal(pool.buffer, before)
+
+
+def test_spec_plan_on_a_model_without_spec_phases_is_refused() -> None:
+    ex = Executor(MambaStatePool(TARGET_POOL, LAYOUT, 8), Ledger())
+    with pytest.raises(PlanExecutionError, match="needs a SpecModelHook"):
+        ex.execute(lower(_draft(), LowerContext()))

@@ -20,7 +20,10 @@ Speculative plans: a ``VerifyPlan`` leaves its intermediate states with the exec
 verify's id, bound to the rows and window it ran on, and exactly one ``CommitPlan`` naming that id
 and those same slots (in the same order) with the same ``k`` consumes them (a second commit, a commit
 of a verify that never ran on this pool, or one naming other slots, is refused before touching the
-pool).
+pool). A ``DraftPlan`` leaves its proposal's per-step states the same way under the draft's id, for
+exactly one ``DraftCommitPlan``; they live until that commit or the next draft on this pool (an
+engine that catches its draft up with a ``DraftExtendPlan`` never commits them, and keeps at most
+one draft's states). A commit never takes a draft's states, nor a draft commit a verify's.
 
 Per plan, in this order: (1) check that the plan fits this backend (its tickets name this pool,
 every slot, the init ops' COW sources included, is in range and, with an allocator attached, live;
@@ -64,17 +67,19 @@ from ir.ids import TicketSerial
 from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
+from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 from ir.verify import VerifyLevel, verify_level_from_env
 
 Staged: TypeAlias = StagedExtend | StagedDecode | StagedWindow
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class _Verified(Generic[VerifyStateT]):
-    """What a verify left on this pool for its commit: the rows and window it ran on, and the
-    model's intermediate states."""
+class _Kept(Generic[VerifyStateT]):
+    """What a verify (or a draft proposal) left on this pool for its commit: the rows and window it
+    ran on, and the model's per-position states."""
 
+    phase: str
+    """``"verify"`` or ``"draft"``: which commit may take them."""
     slots: bytes
     k: int
     states: VerifyStateT
@@ -117,8 +122,10 @@ class Executor(Generic[VerifyStateT]):
         self.ledger = ledger
         self.model: ModelHook = model if model is not None else NoOpModel()
         self.slots = slots
-        self._intermediates: dict[TicketSerial, _Verified[VerifyStateT]] = {}
+        self._intermediates: dict[TicketSerial, _Kept[VerifyStateT]] = {}
         self._verified_upto: dict[int, int] = {}
+        self._kept_draft: TicketSerial | None = None
+        """The draft whose states are kept (at most one: a newer draft drops them)."""
 
     def execute(self, plan: Plan) -> torch.Tensor | None:
         if not self.watch:
@@ -141,6 +148,9 @@ class Executor(Generic[VerifyStateT]):
                 return self.run_verify(plan)
             case CommitPlan():
                 self.run_commit(plan)
+                return None
+            case DraftCommitPlan():
+                self.run_draft_commit(plan)
                 return None
             case DraftExtendPlan():
                 return self.run_draft_extend(plan)
@@ -212,57 +222,82 @@ class Executor(Generic[VerifyStateT]):
         return out
 
     def run_draft(self, plan: DraftPlan) -> torch.Tensor:
+        """Run the proposal; keep its per-step states for the draft commit (dropping an older
+        draft's, never committed)."""
         if not isinstance(plan, DraftPlan):
             _wrong_plan("run_draft", plan, "a DraftPlan")
+        did = plan.batch.draft_id
+        self._check_fresh("draft", did)
         self._check_rows(plan.batch.slots, "DraftPlan")
         staged = stage_window(plan.batch, self.pool.device)
         with self._watched("the model hook's propose", plan, staged):
-            out = self._spec_model(plan).propose(plan, staged, self.pool)
+            out, states = self._spec_model(plan).propose(plan, staged, self.pool)
+        if self._kept_draft is not None:
+            self._intermediates.pop(self._kept_draft, None)
+        self._keep("draft", did, plan.batch.slots, plan.batch.k, states)
+        self._kept_draft = did
         return out
 
     def run_verify(self, plan: VerifyPlan) -> torch.Tensor:
         if not isinstance(plan, VerifyPlan):
             _wrong_plan("run_verify", plan, "a VerifyPlan")
         vid = plan.batch.verify_id
-        epoch, n = serial_epoch(vid), vid & ((1 << SERIAL_COUNTER_BITS) - 1)
-        # verify ids are minted in order and each verify runs once: remembering the newest one per
-        # minting epoch refuses a replay (even after its commit) in constant memory
-        if vid in self._intermediates or n <= self._verified_upto.get(epoch, 0):
-            raise PlanExecutionError(
-                f"verify #{vid} already ran on pool {self.pool.pool_id!r} (each verify runs once, in the order its id was minted)"
-            )
+        self._check_fresh("verify", vid)
         self._check_rows(plan.batch.slots, "VerifyPlan")
         staged = stage_window(plan.batch, self.pool.device)
         with self._watched("the model hook's verify", plan, staged):
             out, states = self._spec_model(plan).verify(plan, staged, self.pool)
-        self._intermediates[vid] = _Verified(slots=plan.batch.slots.tobytes(), k=plan.batch.k, states=states)
-        self._verified_upto[epoch] = n
+        self._keep("verify", vid, plan.batch.slots, plan.batch.k, states)
         return out
 
     def run_commit(self, plan: CommitPlan) -> None:
         """Commit the intermediate states of the verify the plan names; each verify commits once."""
         if not isinstance(plan, CommitPlan):
             _wrong_plan("run_commit", plan, "a CommitPlan")
-        vid = plan.batch.verify_id
-        self._check_rows(plan.batch.slots, "CommitPlan")
-        verified = self._intermediates.get(vid)
-        if verified is None:
+        self._commit(plan, "verify", plan.batch.verify_id)
+
+    def run_draft_commit(self, plan: DraftCommitPlan) -> None:
+        """Commit the states the draft the plan names kept; each draft commits once."""
+        if not isinstance(plan, DraftCommitPlan):
+            _wrong_plan("run_draft_commit", plan, "a DraftCommitPlan")
+        self._commit(plan, "draft", plan.batch.draft_id)
+        self._kept_draft = None
+
+    def _check_fresh(self, phase: str, serial: TicketSerial) -> None:
+        """Ids are minted in order and each draft or verify runs once: remembering the newest one per
+        minting epoch refuses a replay (even after its commit) in constant memory."""
+        epoch, n = serial_epoch(serial), serial & ((1 << SERIAL_COUNTER_BITS) - 1)
+        if serial in self._intermediates or n <= self._verified_upto.get(epoch, 0):
             raise PlanExecutionError(
-                f"no intermediate states of verify #{vid} on pool {self.pool.pool_id!r}: never verified here, or already committed"
+                f"{phase} #{serial} already ran on pool {self.pool.pool_id!r} (each {phase} runs once, in the order its id was minted)"
             )
-        # the states are bound to the verify's rows: committing them into other slots (or another
-        # window) would write one request's state into another's row
-        if plan.batch.slots.tobytes() != verified.slots or plan.batch.k != verified.k:
-            ran = np.frombuffer(verified.slots, dtype=np.int64).tolist()
+
+    def _keep(self, phase: str, serial: TicketSerial, slots: I64, k: int, states: VerifyStateT) -> None:
+        self._intermediates[serial] = _Kept(phase=phase, slots=slots.tobytes(), k=k, states=states)
+        self._verified_upto[serial_epoch(serial)] = serial & ((1 << SERIAL_COUNTER_BITS) - 1)
+
+    def _commit(self, plan: CommitPlan | DraftCommitPlan, phase: str, serial: TicketSerial) -> None:
+        self._check_rows(plan.batch.slots, type(plan).__name__)
+        kept = self._intermediates.get(serial)
+        if kept is None or kept.phase != phase:
+            what = "intermediate states of verify" if phase == "verify" else "kept states of draft"
+            why = "never verified here, or already committed" if phase == "verify" else "never drafted here, already committed, or dropped by a newer draft"
+            if kept is not None:
+                why = f"#{serial} names a {kept.phase}'s states, which only a {'CommitPlan' if kept.phase == 'verify' else 'DraftCommitPlan'} commits"
+            raise PlanExecutionError(f"no {what} #{serial} on pool {self.pool.pool_id!r}: {why}")
+        # the states are bound to the rows they were computed on: committing them into other slots
+        # (or another window) would write one request's state into another's row
+        if plan.batch.slots.tobytes() != kept.slots or plan.batch.k != kept.k:
+            ran = np.frombuffer(kept.slots, dtype=np.int64).tolist()
             raise PlanExecutionError(
-                f"commit of verify #{vid} names slots {plan.batch.slots.tolist()} with k={plan.batch.k}; "
-                f"the verify ran on slots {ran} with k={verified.k} on pool {self.pool.pool_id!r}"
+                f"commit of {phase} #{serial} names slots {plan.batch.slots.tolist()} with k={plan.batch.k}; "
+                f"the {phase} ran on slots {ran} with k={kept.k} on pool {self.pool.pool_id!r}"
             )
         with self._unit(plan.batch.slots):
             with self._watched("the model hook's commit", plan):
-                self._spec_model(plan).commit(plan, verified.states, self.pool)
+                self._spec_model(plan).commit(plan, kept.states, self.pool)
             faults.check(faults.FaultPoint.COMMIT)
-        del self._intermediates[vid]
+        del self._intermediates[serial]
 
     def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor | None:
         if not isinstance(plan, DraftExtendPlan):
@@ -327,10 +362,11 @@ class Executor(Generic[VerifyStateT]):
             self._seen = self._pool_stamp()
 
     def forget_verifies(self) -> None:
-        """Drop every kept verify state (the driver aborted the requests they belonged to)."""
+        """Drop every kept verify and draft state (the engine aborted the requests they belonged to)."""
         self._intermediates.clear()
+        self._kept_draft = None
 
-    def _spec_model(self, plan: DraftPlan | VerifyPlan | CommitPlan) -> SpecModelHook[VerifyStateT]:
+    def _spec_model(self, plan: DraftPlan | VerifyPlan | CommitPlan | DraftCommitPlan) -> SpecModelHook[VerifyStateT]:
         if not isinstance(self.model, SpecModelHook):
             raise PlanExecutionError(f"{type(plan).__name__} needs a SpecModelHook; {type(self.model).__name__} has no speculative phases")
         # the model this executor was built with: its verify states are this executor's VerifyStateT

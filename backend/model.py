@@ -16,14 +16,15 @@ from backend.pool import MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from ir.ids import PoolId
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
-from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
+from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 ForwardPlan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | DraftExtendPlan
 """Plans whose forward updates the committed state in place (a draft extend is extend-shaped)."""
 
 VerifyStateT = TypeVar("VerifyStateT", default=object)
-"""What a model's verify keeps for its commit (the intermediate states); opaque to batchc, which
-hands the commit exactly what the same hook's verify returned. ``object`` when not given."""
+"""What a model's proposal or verify keeps for its commit (the per-position states); opaque to
+batchc, which hands the commit exactly what the same hook's proposal or verify returned. ``object``
+when not given."""
 
 
 @runtime_checkable
@@ -43,8 +44,10 @@ class ModelHook(Protocol):
 class SpecModelHook(ModelHook, Protocol[VerifyStateT]):
     """A model hook that also runs the speculative phases (draft proposal, verify, commit)."""
 
-    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> torch.Tensor:
-        """Draft proposal: ``[n, k]`` tokens, greedily from the committed state, which stays as it was."""
+    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStateT]:
+        """Draft proposal: ``k + 1`` greedy steps from the committed state, which stays as it was,
+        feeding the pending token and then each proposal. Returns ``([n, k]`` proposed tokens, the
+        state after each of the ``k + 1`` steps); the executor keeps the states for the draft commit."""
         ...
 
     def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStateT]:
@@ -52,8 +55,9 @@ class SpecModelHook(ModelHook, Protocol[VerifyStateT]):
         The committed state stays as it was; the executor keeps the states for the commit."""
         ...
 
-    def commit(self, plan: CommitPlan, states: VerifyStateT, pool: MambaStatePool) -> None:
-        """Scatter each row's intermediate state at ``accept_pos`` into its slot."""
+    def commit(self, plan: CommitPlan | DraftCommitPlan, states: VerifyStateT, pool: MambaStatePool) -> None:
+        """Scatter each row's state at ``accept_pos`` (of the verify's or the proposal's states)
+        into its slot."""
         ...
 
 

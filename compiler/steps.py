@@ -23,6 +23,8 @@ from ir.spec import (
     CommitBatch,
     CommitPlan,
     DraftBatch,
+    DraftCommitBatch,
+    DraftCommitPlan,
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
@@ -37,6 +39,7 @@ from passes.merge_batch import merge_batch
 from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
+from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
@@ -83,10 +86,10 @@ class Pipeline:
     def filter_extend(self, batch: ExtendBatch, drop: Iterable[RequestId]) -> ExtendBatch:
         return self.pm.run(filter_batch, batch, drop)
 
-    def merge(self, running: DecodeBatch, prefilled: ExtendBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
+    def merge(self, running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
         return self.pm.run(merge_batch, running, prefilled)
 
-    # -- speculative decoding: one iteration = draft, verify, accept + commit, draft extend --------
+    # -- speculative decoding: one iteration = draft, verify, accept + commit, draft commit --------
 
     def draft(self, running: DecodeBatch, ctx: SpecContext) -> tuple[DraftBatch, DraftPlan]:
         batch = self.pm.run(prepare_for_draft, running, ctx)
@@ -103,6 +106,11 @@ class Pipeline:
         batch = self.pm.run(commit, verify, result)
         plan: CommitPlan = self.pm.run(lower, batch, self.lower_ctx)
         return result, batch, plan
+
+    def draft_commit(self, committed: CommitBatch, draft: DraftBatch) -> tuple[DraftCommitBatch, DraftCommitPlan]:
+        batch = self.pm.run(prepare_for_draft_commit, committed, draft)
+        plan: DraftCommitPlan = self.pm.run(lower, batch, self.lower_ctx)
+        return batch, plan
 
     def draft_extend(self, committed: CommitBatch) -> tuple[DraftExtendBatch, DraftExtendPlan]:
         batch = self.pm.run(prepare_for_draft_extend, committed)

@@ -14,6 +14,8 @@ from ir.spec import (
     CommitBatch,
     CommitPlan,
     DraftBatch,
+    DraftCommitBatch,
+    DraftCommitPlan,
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
@@ -22,12 +24,15 @@ from ir.spec import (
 )
 
 Batch: TypeAlias = (
-    ExtendBatch | DecodeBatch | MixedBatch | IdleBatch | DraftBatch | VerifyBatch | CommitBatch | DraftExtendBatch
+    ExtendBatch | DecodeBatch | MixedBatch | IdleBatch | DraftBatch | VerifyBatch | CommitBatch | DraftCommitBatch | DraftExtendBatch
 )
-Plan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | IdlePlan | DraftPlan | VerifyPlan | CommitPlan | DraftExtendPlan
+Plan: TypeAlias = (
+    ExtendPlan | DecodePlan | MixedPlan | IdlePlan | DraftPlan | VerifyPlan | CommitPlan | DraftCommitPlan | DraftExtendPlan
+)
 
 NODE_TYPES: tuple[type[Batch | Plan], ...] = (
-    ExtendBatch, DecodeBatch, MixedBatch, IdleBatch, DraftBatch, VerifyBatch, CommitBatch, DraftExtendBatch,
-    ExtendPlan, DecodePlan, MixedPlan, IdlePlan, DraftPlan, VerifyPlan, CommitPlan, DraftExtendPlan,
+    ExtendBatch, DecodeBatch, MixedBatch, IdleBatch, DraftBatch, VerifyBatch, CommitBatch, DraftCommitBatch,
+    DraftExtendBatch, ExtendPlan, DecodePlan, MixedPlan, IdlePlan, DraftPlan, VerifyPlan, CommitPlan, DraftCommitPlan,
+    DraftExtendPlan,
 )
 """Every node class, for ``isinstance`` checks on values of unknown type (dumps, error excerpts)."""

@@ -51,6 +51,8 @@ from ir.spec import (
     CommitBatch,
     CommitPlan,
     DraftBatch,
+    DraftCommitBatch,
+    DraftCommitPlan,
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
@@ -360,10 +362,13 @@ def _decode_cols(p: _Parser, line: _Line, indent: int) -> dict[str, list[int]]:
     return cols
 
 
-def _window_cols(p: _Parser, line: _Line, indent: int, *, single: bool, accept: bool) -> tuple[int, int | None, dict[str, list[int]]]:
+def _window_cols(
+    p: _Parser, line: _Line, indent: int, *, single: bool, accept: bool, id_key: str
+) -> tuple[int, int, dict[str, list[int]]]:
+    """A windowed node: ``k``, its phase id (``id_key``: ``verify`` or ``draft``) and its columns."""
     declared = line.int_key("requests")
     k = line.int_key("k")
-    verify = None if single else line.name("#", line.key("verify"))
+    serial = line.name("#", line.key(id_key))
     line.end()
     rows = p.rows(indent)
     p.header_count(line, rows, declared)
@@ -382,26 +387,31 @@ def _window_cols(p: _Parser, line: _Line, indent: int, *, single: bool, accept: 
         row.end()
     if not accept:
         del cols["accept_pos"]
-    return k, verify, cols
+    return k, serial, cols
 
 
 def _draft(p: _Parser, line: _Line, indent: int) -> DraftBatch:
-    k, _, cols = _window_cols(p, line, indent, single=True, accept=False)
-    return DraftBatch(k=k, **cols)
+    k, draft, cols = _window_cols(p, line, indent, single=True, accept=False, id_key="draft")
+    return DraftBatch(k=k, draft_id=TicketSerial(draft), **cols)
 
 
 def _verify(p: _Parser, line: _Line, indent: int) -> VerifyBatch:
-    k, verify, cols = _window_cols(p, line, indent, single=False, accept=False)
-    return VerifyBatch(k=k, verify_id=TicketSerial(verify or 0), **cols)
+    k, verify, cols = _window_cols(p, line, indent, single=False, accept=False, id_key="verify")
+    return VerifyBatch(k=k, verify_id=TicketSerial(verify), **cols)
 
 
 def _commit(p: _Parser, line: _Line, indent: int) -> CommitBatch:
-    k, verify, cols = _window_cols(p, line, indent, single=False, accept=True)
+    k, verify, cols = _window_cols(p, line, indent, single=False, accept=True, id_key="verify")
     rel = p.take(indent, "released kv=...")
     rel.literal("released")
     released = rel.kv(rel.key("kv"))
     rel.end()
-    return CommitBatch(k=k, verify_id=TicketSerial(verify or 0), released_kv=released, **cols)
+    return CommitBatch(k=k, verify_id=TicketSerial(verify), released_kv=released, **cols)
+
+
+def _draft_commit(p: _Parser, line: _Line, indent: int) -> DraftCommitBatch:
+    k, draft, cols = _window_cols(p, line, indent, single=False, accept=True, id_key="draft")
+    return DraftCommitBatch(k=k, draft_id=TicketSerial(draft), **cols)
 
 
 def _draft_extend(p: _Parser, line: _Line, indent: int) -> DraftExtendBatch:
@@ -513,10 +523,12 @@ _KINDS: dict[str, Callable[[_Parser, _Line, int], Printable]] = {
     "DraftBatch": _draft,
     "VerifyBatch": _verify,
     "CommitBatch": _commit,
+    "DraftCommitBatch": _draft_commit,
     "DraftExtendBatch": _draft_extend,
     "DraftPlan": _parts(DraftPlan, "batch"),
     "VerifyPlan": _parts(VerifyPlan, "batch"),
     "CommitPlan": _parts(CommitPlan, "batch"),
+    "DraftCommitPlan": _parts(DraftCommitPlan, "batch"),
     "DraftExtendPlan": _parts(DraftExtendPlan, "batch"),
     "MambaInit": _mamba_init,
     "MambaSnapshot": _mamba_snapshot,

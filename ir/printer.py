@@ -31,6 +31,8 @@ from ir.spec import (
     CommitBatch,
     CommitPlan,
     DraftBatch,
+    DraftCommitBatch,
+    DraftCommitPlan,
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
@@ -201,7 +203,9 @@ def _dump(node: Printable, names: _Names, indent: str) -> list[str]:
         case IdleBatch() | IdlePlan():
             return [_head(node, indent)]
         case DraftBatch():
-            return [f"{_head(node, indent)} k={node.k}"] + _window_rows(names, node.rids, node.slots, node.seq_lens, node.input_ids, None, node.kv_locs, node.k, inner, single=True)
+            return [f"{_head(node, indent)} k={node.k} draft={names('#', node.draft_id)}"] + _window_rows(
+                names, node.rids, node.slots, node.seq_lens, node.input_ids, None, node.kv_locs, node.k, inner, single=True
+            )
         case VerifyBatch():
             return [f"{_head(node, indent)} k={node.k} verify={names('#', node.verify_id)}"] + _window_rows(
                 names, node.rids, node.slots, node.seq_lens, node.input_ids, None, node.kv_locs, node.k, inner, single=False
@@ -210,13 +214,17 @@ def _dump(node: Printable, names: _Names, indent: str) -> list[str]:
             lines = [f"{_head(node, indent)} k={node.k} verify={names('#', node.verify_id)}"]
             lines += _window_rows(names, node.rids, node.slots, node.seq_lens, node.input_ids, node.accept_pos, node.kv_locs, node.k, inner, single=False)
             return lines + [f"{inner}released kv={names.kv(node.released_kv)}"]
+        case DraftCommitBatch():
+            return [f"{_head(node, indent)} k={node.k} draft={names('#', node.draft_id)}"] + _window_rows(
+                names, node.rids, node.slots, node.seq_lens, node.input_ids, node.accept_pos, node.kv_locs, node.k, inner, single=False
+            )
         case DraftExtendBatch():
             n = node.num_requests
             return [f"{_head(node, indent)} tokens={node.input_ids.shape[0]}"] + _extend_rows(
                 names, node.rids, node.slots, node.prefix_lens, node.extend_lens, [False] * n,
                 node.input_ids, node.kv_locs, None, inner,
             )
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftExtendPlan():
+        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
             return [_head(node, indent)] + _dump(node.batch, names, inner)
         case _:
             assert_never(node)

@@ -4,8 +4,10 @@ One iteration over the running requests, each with ``c`` committed tokens and on
 ``p`` (sampled, not yet fed), with ``k`` draft tokens:
 
 1. ``DraftBatch``: the draft model proposes ``d1..dk`` greedily from its committed state, feeding
-   ``p`` first; its committed state is not modified. Each row owns ``k + 1`` KV locations, for the
-   positions ``c .. c + k`` (used by the draft proposal, the verify, and the draft extend).
+   ``p`` first and then each proposal, ``k + 1`` steps in all (the last feeds ``dk``); its committed
+   state is not modified: each step's state is kept, under the batch's ``draft_id``, for the draft
+   commit. Each row owns ``k + 1`` KV locations, for the positions ``c .. c + k`` (written by the
+   draft proposal and by the verify).
 2. ``VerifyBatch``: the target model scores ``[p, d1..dk]`` at positions ``c .. c + k`` in one
    forward; its recurrent layers write every position's state to intermediate buffers, identified
    by the batch's ``verify_id``, and leave the committed state alone.
@@ -14,8 +16,12 @@ One iteration over the running requests, each with ``c`` committed tokens and on
    them).
 4. ``CommitBatch``: per row, commit the target state at intermediate position ``m`` (after
    consuming ``p, d1..dm``); the KV locations of positions past ``c + m`` are released.
-5. ``DraftExtendBatch``: the draft model catches up over ``p, d1..dm`` from its committed state, so
-   both models have committed ``c + m + 1`` tokens and the bonus token is pending.
+5. ``DraftCommitBatch`` (from ``passes.prepare_for_draft_commit``): per row, the draft state its
+   proposal kept after consuming ``p, d1..dm`` becomes the draft's committed state, so both models
+   have committed ``c + m + 1`` tokens and the bonus token is pending. The proposal computed those
+   states already (the accepted drafts are the tokens it fed), so no draft forward runs.
+   ``DraftExtendBatch`` is the alternative for a draft model that keeps no states: a catch-up
+   forward over ``p, d1..dm`` from the draft's committed state.
 
 None of these nodes has an init field, and none of their plans has a ticket field: a prefill's init
 ops reach the draft pool through the draft executor running the prefill's own ``ExtendPlan``, and
@@ -79,20 +85,22 @@ WINDOW_SEQ_MAX = Bound("MAX_SEQ_LEN - k - 1", lambda node: MAX_SEQ_LEN - int(nod
 """A row's sequence and its window of ``k + 1`` positions fit in ``MAX_SEQ_LEN``."""
 
 
-def _check_ids(node: object, k: object, verify_id: object) -> int:
-    """``k`` (returned, as an int) and ``verify_id``."""
+def _check_ids(node: object, k: object, id_name: str, serial: object) -> int:
+    """``k`` (returned, as an int) and the phase's id (``verify_id`` or ``draft_id``)."""
     value = check_k(node, k)
-    if check_int(node, "verify_id", verify_id) < 1:
-        raise IRValidationError(type(node).__name__, "verify_id", verify_id, "must be positive (use ir.init.mint_serial())")
+    if check_int(node, id_name, serial) < 1:
+        raise IRValidationError(type(node).__name__, id_name, serial, "must be positive (use ir.init.mint_serial())")
     return value
 
 
 @final
 @attrs.frozen(kw_only=True)
 class DraftBatch(ColumnNode, RequestRows):
-    """Draft proposal: ``input_ids[i]`` is row ``i``'s pending token, at position ``seq_lens[i] - 1``."""
+    """Draft proposal: ``input_ids[i]`` is row ``i``'s pending token, at position ``seq_lens[i] - 1``.
+    ``draft_id`` names the per-step states the proposal keeps for the draft commit."""
 
     k: int
+    draft_id: TicketSerial
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
     slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
@@ -100,7 +108,7 @@ class DraftBatch(ColumnNode, RequestRows):
     kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
 
     def _check_first(self) -> None:
-        check_k(self, self.k)  # an int in [1, MAX_SPEC_K] before the window lengths use it
+        _check_ids(self, self.k, "draft_id", self.draft_id)  # k an int in [1, MAX_SPEC_K] before the window lengths use it
 
 
 @final
@@ -118,7 +126,7 @@ class VerifyBatch(ColumnNode, RequestRows):
     kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
 
     def _check_first(self) -> None:
-        _check_ids(self, self.k, self.verify_id)
+        _check_ids(self, self.k, "verify_id", self.verify_id)
 
     def window(self, column: I64) -> I64:
         """A windowed column as ``[n, k + 1]`` (a read-only view)."""
@@ -153,13 +161,38 @@ class CommitBatch(ColumnNode, RequestRows):
     """As many as the rejected positions (``len(rids) * k - sum(accept_pos)``: checked by ``_check``)."""
 
     def _check_first(self) -> None:
-        _check_ids(self, self.k, self.verify_id)
+        _check_ids(self, self.k, "verify_id", self.verify_id)
 
     def _check(self) -> None:
         if self.accept_pos.size and int(self.accept_pos.max()) > self.k:
             raise IRValidationError("CommitBatch", "accept_pos", int(self.accept_pos.max()), f"must be <= k ({self.k})")
         expected = int(self.rids.shape[0] * self.k - self.accept_pos.sum())
         check_column(self, "released_kv", self.released_kv, expected, "the rejected positions")
+
+
+@final
+@attrs.frozen(kw_only=True)
+class DraftCommitBatch(ColumnNode, RequestRows):
+    """Per row, commit the draft state that draft ``draft_id`` kept at position ``accept_pos[i]``
+    (after consuming the window's tokens ``0 .. accept_pos[i]``). The window columns are the verified
+    ones (``[pending, d1..dk]`` and their KV locations); the KV locations of rejected positions were
+    released by the target's commit, which shares them."""
+
+    k: int
+    draft_id: TicketSerial
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
+    accept_pos: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
+
+    def _check_first(self) -> None:
+        _check_ids(self, self.k, "draft_id", self.draft_id)
+
+    def _check(self) -> None:
+        if self.accept_pos.size and int(self.accept_pos.max()) > self.k:
+            raise IRValidationError("DraftCommitBatch", "accept_pos", int(self.accept_pos.max()), f"must be <= k ({self.k})")
 
 
 @final
@@ -201,9 +234,15 @@ class CommitPlan(Composite):
 
 @final
 @attrs.frozen(kw_only=True)
+class DraftCommitPlan(Composite):
+    batch: DraftCommitBatch
+
+
+@final
+@attrs.frozen(kw_only=True)
 class DraftExtendPlan(Composite):
     batch: DraftExtendBatch
 
 
-SpecBatch: TypeAlias = DraftBatch | VerifyBatch | CommitBatch | DraftExtendBatch
-SpecPlan: TypeAlias = DraftPlan | VerifyPlan | CommitPlan | DraftExtendPlan
+SpecBatch: TypeAlias = DraftBatch | VerifyBatch | CommitBatch | DraftCommitBatch | DraftExtendBatch
+SpecPlan: TypeAlias = DraftPlan | VerifyPlan | CommitPlan | DraftCommitPlan | DraftExtendPlan

@@ -34,6 +34,8 @@ from ir.spec import (
     CommitBatch,
     CommitPlan,
     DraftBatch,
+    DraftCommitBatch,
+    DraftCommitPlan,
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
@@ -156,9 +158,9 @@ def check_fields(node: Batch | Plan) -> None:
             node.check_fields()
             node.extend.check_fields()
             node.decode.check_fields()
-        case DraftBatch() | VerifyBatch() | CommitBatch() | DraftExtendBatch():
+        case DraftBatch() | VerifyBatch() | CommitBatch() | DraftCommitBatch() | DraftExtendBatch():
             node.check_fields()
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftExtendPlan():
+        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
             node.check_fields()
             node.batch.check_fields()
         case IdleBatch() | IdlePlan():
@@ -199,9 +201,9 @@ def verify(node: Batch | Plan) -> None:
                 _cow_src_not_in(f"MixedPlan.extend.tickets[{k}].init.cow_src", t.init.cow_src, node.decode.slots, "the decode part")
             _disjoint("MixedPlan.slots", node.extend.slots, node.decode.slots, "slot")
             _disjoint("MixedPlan.kv_locs", node.extend.kv_locs, node.decode.kv_locs, "KV location")
-        case DraftBatch() | VerifyBatch() | CommitBatch() | DraftExtendBatch():
+        case DraftBatch() | VerifyBatch() | CommitBatch() | DraftCommitBatch() | DraftExtendBatch():
             _verify_spec(node, type(node).__name__)
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftExtendPlan():
+        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
             _verify_spec(node.batch, f"{type(node).__name__}.batch")
         case IdleBatch() | IdlePlan():
             pass

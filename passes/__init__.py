@@ -16,6 +16,7 @@ from passes.merge_batch import merge_batch
 from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
+from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
@@ -27,6 +28,7 @@ __all__ = [
     "accept",
     "commit",
     "prepare_for_draft",
+    "prepare_for_draft_commit",
     "prepare_for_draft_extend",
     "prepare_for_verify",
     "filter_batch",

@@ -6,7 +6,7 @@ import numpy as np
 
 from ir.batch import ExtendBatch
 from ir.columns import I64, frozen_i64
-from ir.spec import DraftExtendBatch
+from ir.spec import DraftCommitBatch, DraftExtendBatch
 
 
 def finished_prefill_rows(batch: ExtendBatch | DraftExtendBatch) -> tuple[I64, I64, I64, I64, I64]:
@@ -24,4 +24,19 @@ def finished_prefill_rows(batch: ExtendBatch | DraftExtendBatch) -> tuple[I64, I
         frozen_i64((batch.prefix_lens + batch.extend_lens)[final]),
         frozen_i64(batch.input_ids[last[final]]),
         frozen_i64(batch.kv_locs[last[final]]),
+    )
+
+
+def committed_rows(batch: DraftCommitBatch) -> tuple[I64, I64, I64, I64, I64]:
+    """Decode-form columns after a speculative iteration: row ``i`` has committed its window's
+    tokens ``0 .. accept_pos[i]``, so its context holds ``seq_lens[i] + accept_pos[i]`` tokens and
+    its last fed token and KV location are the window's at ``accept_pos[i]``."""
+    n, w = batch.num_requests, batch.k + 1
+    at = np.arange(n, dtype=np.int64) * w + batch.accept_pos
+    return (
+        batch.rids,
+        batch.slots,
+        frozen_i64(batch.seq_lens + batch.accept_pos),
+        frozen_i64(batch.input_ids[at]),
+        frozen_i64(batch.kv_locs[at]),
     )

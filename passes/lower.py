@@ -4,7 +4,7 @@ Pre: ``ctx.pools`` names every state pool that must see this model's init ops: t
 and each draft pool in speculative mode; distinct names, at least one.
 Post: ``ExtendBatch -> ExtendPlan``, ``MixedBatch -> MixedPlan``, ``DecodeBatch -> DecodePlan``,
 ``IdleBatch -> IdlePlan``, and each speculative phase to its plan (``DraftPlan``, ``VerifyPlan``,
-``CommitPlan``, ``DraftExtendPlan``: none has a ticket field). A batch with a ``MambaInit`` yields one ``InitTicket`` per pool, all with
+``CommitPlan``, ``DraftCommitPlan``, ``DraftExtendPlan``: none has a ticket field). A batch with a ``MambaInit`` yields one ``InitTicket`` per pool, all with
 the init's serial (lowering the same batch twice yields the same tickets, which the ledger then
 refuses to consume twice). Plans share the batch's immutable columns; nothing is copied.
 """
@@ -26,6 +26,8 @@ from ir.spec import (
     CommitBatch,
     CommitPlan,
     DraftBatch,
+    DraftCommitBatch,
+    DraftCommitPlan,
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
@@ -101,6 +103,8 @@ def lower(batch: VerifyBatch, ctx: LowerContext) -> VerifyPlan: ...
 @overload
 def lower(batch: CommitBatch, ctx: LowerContext) -> CommitPlan: ...
 @overload
+def lower(batch: DraftCommitBatch, ctx: LowerContext) -> DraftCommitPlan: ...
+@overload
 def lower(batch: DraftExtendBatch, ctx: LowerContext) -> DraftExtendPlan: ...
 def lower(batch: Batch, ctx: LowerContext) -> Plan:
     if not isinstance(ctx, LowerContext):
@@ -120,6 +124,8 @@ def lower(batch: Batch, ctx: LowerContext) -> Plan:
             return VerifyPlan(batch=batch)
         case CommitBatch():
             return CommitPlan(batch=batch)
+        case DraftCommitBatch():
+            return DraftCommitPlan(batch=batch)
         case DraftExtendBatch():
             return DraftExtendPlan(batch=batch)
         case _:

@@ -5,7 +5,8 @@ Post: the running requests, then the prefilled requests whose prompt is complete
 prefilled request enters in the state "its last forward has run": ``seq_len`` is the tokens now in
 its context and ``input_ids``/``kv_locs`` are those of its last prompt token; ``prepare_for_decode``
 then advances every row the same way. Chunked requests (``more_chunks``) are not merged. A
-``DraftExtendBatch`` (the end of a speculative iteration) enters the same way. An empty
+``DraftCommitBatch`` or ``DraftExtendBatch`` (the end of a speculative iteration) enters the same
+way: each row with the tokens it committed in the iteration. An empty
 ``prefilled`` contribution returns ``running`` itself.
 
 The output is a ``DecodeBatch``: a prefill's ``MambaInit`` has nowhere to go (in the engine this pass
@@ -19,21 +20,23 @@ import numpy as np
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import first_common
 from ir.errors import PreconditionError
-from ir.spec import DraftExtendBatch
+from ir.spec import DraftCommitBatch, DraftExtendBatch
 from passes._args import bad_arg
-from passes._rows import finished_prefill_rows
+from passes._rows import committed_rows, finished_prefill_rows
 
 
-def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
+def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
     if not isinstance(running, DecodeBatch):
         raise bad_arg("merge_batch", "running", running, "a DecodeBatch")
     if isinstance(prefilled, (ExtendBatch, DraftExtendBatch)):
         rids, slots, seq_lens, input_ids, kv_locs = finished_prefill_rows(prefilled)
+    elif isinstance(prefilled, DraftCommitBatch):
+        rids, slots, seq_lens, input_ids, kv_locs = committed_rows(prefilled)
     elif isinstance(prefilled, DecodeBatch):
         rids, slots, seq_lens = prefilled.rids, prefilled.slots, prefilled.seq_lens
         input_ids, kv_locs = prefilled.input_ids, prefilled.kv_locs
     else:
-        raise bad_arg("merge_batch", "prefilled", prefilled, "an ExtendBatch, a DraftExtendBatch or a DecodeBatch")
+        raise bad_arg("merge_batch", "prefilled", prefilled, "an ExtendBatch, a DraftCommitBatch, a DraftExtendBatch or a DecodeBatch")
     if rids.shape[0] == 0:
         return running
     for name, a, b in (("request id", running.rids, rids), ("slot", running.slots, slots)):

@@ -4,7 +4,8 @@ Pre: ``batch`` is the running batch in its "last forward has run" state (``merge
 ``seq_lens[i]`` tokens committed); ``ctx`` has, per row, the pending token (sampled after that
 forward) and ``k + 1`` fresh KV locations for positions ``seq_lens[i] .. seq_lens[i] + k``.
 Post: a ``DraftBatch`` feeding each pending token at position ``seq_lens[i]`` (so its ``seq_lens``
-are one larger), with the KV window flattened row-major.
+are one larger), with the KV window flattened row-major; a fresh ``draft_id`` names the states its
+proposal will keep, so a draft commit can only ever apply the states of the draft it pairs with.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import attrs
 from ir.batch import DecodeBatch
 from ir.columns import I64, MAX_SEQ_LEN, REQUEST, WINDOW, ColumnNode, as_i64, build_unchecked, column, freeze, per
 from ir.errors import PreconditionError
+from ir.init import mint_serial
 from ir.spec import DraftBatch, check_k
 from passes._args import bad_arg
 
@@ -48,6 +50,7 @@ def prepare_for_draft(batch: DecodeBatch, ctx: SpecContext) -> DraftBatch:
     return build_unchecked(
         DraftBatch,
         k=ctx.k,
+        draft_id=mint_serial(),
         rids=batch.rids,
         slots=batch.slots,
         seq_lens=freeze(batch.seq_lens + 1),

@@ -18,7 +18,7 @@ from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError
 from ir.nodes import Batch, Plan
 from ir.request import AdmittedRequest
-from ir.spec import AcceptResult, CommitBatch, DraftBatch, DraftExtendBatch, VerifyBatch
+from ir.spec import AcceptResult, CommitBatch, DraftBatch, DraftCommitBatch, DraftExtendBatch, VerifyBatch
 from passes.accept import accept
 from passes.commit import commit
 from passes.filter_batch import filter_batch
@@ -27,6 +27,7 @@ from passes.merge_batch import merge_batch
 from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import prepare_for_decode
 from passes.prepare_for_draft import prepare_for_draft
+from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
@@ -56,6 +57,7 @@ PASSES: Final[tuple[PassSpec, ...]] = (
     PassSpec(fn=prepare_for_verify, name="prepare_for_verify", takes=(DraftBatch,), returns=(VerifyBatch,)),
     PassSpec(fn=accept, name="accept", takes=(VerifyBatch,), returns=(AcceptResult,)),
     PassSpec(fn=commit, name="commit", takes=(VerifyBatch,), returns=(CommitBatch,)),
+    PassSpec(fn=prepare_for_draft_commit, name="prepare_for_draft_commit", takes=(CommitBatch,), returns=(DraftCommitBatch,)),
     PassSpec(fn=prepare_for_draft_extend, name="prepare_for_draft_extend", takes=(CommitBatch,), returns=(DraftExtendBatch,)),
     PassSpec(fn=lower, name="lower", takes=_BATCHES, returns=_PLANS, ends_step=True),
 )

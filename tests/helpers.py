@@ -41,7 +41,7 @@ from ir.batch import DecodeBatch, ExtendBatch
 from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.plan import ExtendPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
-from ir.spec import CommitPlan, DraftPlan, VerifyPlan
+from ir.spec import CommitPlan, DraftCommitPlan, DraftPlan, VerifyPlan
 from passes.lower import LowerContext, lower
 from passes.prepare_for_extend import prepare_for_extend
 
@@ -189,19 +189,20 @@ def make_world(
 
 
 class ToySpecModel:
-    """A speculative model hook that proposes token 7, predicts token 7 everywhere, and commits by
-    writing a marker into the committed rows (so a second commit would show in the pool bytes)."""
+    """A speculative model hook that proposes token 7, predicts token 7 everywhere, and commits (a
+    verify's or a proposal's states) by writing a marker into the committed rows (so a second commit
+    would show in the pool bytes)."""
 
     def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> None:
         return None
 
-    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> torch.Tensor:
-        return torch.full((plan.batch.num_requests, plan.batch.k), 7, dtype=torch.int64)
+    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
+        return torch.full((plan.batch.num_requests, plan.batch.k), 7, dtype=torch.int64), ("states of draft", plan.batch.draft_id)
 
     def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
         return torch.full((plan.batch.num_requests, plan.batch.k + 1), 7, dtype=torch.int64), ("states of", plan.batch.verify_id)
 
-    def commit(self, plan: CommitPlan, states: object, pool: MambaStatePool) -> None:
+    def commit(self, plan: CommitPlan | DraftCommitPlan, states: object, pool: MambaStatePool) -> None:
         for s in plan.batch.slots.tolist():
             pool.buffer[s].fill_(0x11)
 

@@ -423,7 +423,7 @@ NODE_FIELD_CASES: list[Case] = [
     Case("mixed-plan-decode-is-a-batch", _build(lambda: MixedPlan(extend=extend_plan([request(1, 2, [5, 6], 10)])[1], decode=_DECODE)), IRValidationError, r"MixedPlan\.decode: must be a DecodePlan, not DecodeBatch", field="decode"),  # type: ignore[arg-type]
     Case("draft-plan-batch-none", _build(lambda: DraftPlan(batch=None)), IRValidationError, r"DraftPlan\.batch: must be a DraftBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
     Case("verify-plan-batch-none", _build(lambda: VerifyPlan(batch=None)), IRValidationError, r"VerifyPlan\.batch: must be a VerifyBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
-    Case("verify-plan-batch-is-draft", _build(lambda: VerifyPlan(batch=DraftBatch(**{**_spec_window(1), "input_ids": [3]}))), IRValidationError, r"VerifyPlan\.batch: must be a VerifyBatch, not DraftBatch", field="batch"),  # type: ignore[arg-type]
+    Case("verify-plan-batch-is-draft", _build(lambda: VerifyPlan(batch=DraftBatch(draft_id=mint_serial(), **{**_spec_window(1), "input_ids": [3]}))), IRValidationError, r"VerifyPlan\.batch: must be a VerifyBatch, not DraftBatch", field="batch"),  # type: ignore[arg-type]
     Case("commit-plan-batch-str", _build(lambda: CommitPlan(batch="x")), IRValidationError, r"CommitPlan\.batch: must be a CommitBatch, not str \(got 'x'\)", field="batch"),  # type: ignore[arg-type]
     Case("draft-extend-plan-batch-none", _build(lambda: DraftExtendPlan(batch=None)), IRValidationError, r"DraftExtendPlan\.batch: must be a DraftExtendBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
     Case(
@@ -445,8 +445,8 @@ NODE_FIELD_CASES: list[Case] = [
     Case("lower-pools-int-entry", _build(lambda: LowerContext(pools=("target", 1))), IRValidationError, r"LowerContext\.pools: .*not int \(got 1\)", field="pools"),
     Case("lower-pools-empty-name", _build(lambda: LowerContext(pools=("target", ""))), IRValidationError, r"LowerContext\.pools: .*not an empty str \(got ''\)", field="pools"),
     # k is bounded: the executor allocates k + 1 positions per row
-    Case("draft-batch-k-huge", _build(lambda: DraftBatch(k=2**40, rids=[], slots=[], seq_lens=[], input_ids=[], kv_locs=[])), IRValidationError, rf"DraftBatch\.k: speculative steps must be at most MAX_SPEC_K \({MAX_SPEC_K}\) \(got {2**40}\)", field="k"),
-    Case("draft-batch-k-past-max", _build(lambda: DraftBatch(**{**_spec_window(MAX_SPEC_K + 1), "input_ids": [3]})), IRValidationError, rf"DraftBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
+    Case("draft-batch-k-huge", _build(lambda: DraftBatch(k=2**40, draft_id=mint_serial(), rids=[], slots=[], seq_lens=[], input_ids=[], kv_locs=[])), IRValidationError, rf"DraftBatch\.k: speculative steps must be at most MAX_SPEC_K \({MAX_SPEC_K}\) \(got {2**40}\)", field="k"),
+    Case("draft-batch-k-past-max", _build(lambda: DraftBatch(draft_id=mint_serial(), **{**_spec_window(MAX_SPEC_K + 1), "input_ids": [3]})), IRValidationError, rf"DraftBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
     Case("verify-batch-k-past-max", _build(lambda: VerifyBatch(verify_id=mint_serial(), **_spec_window(MAX_SPEC_K + 1))), IRValidationError, rf"VerifyBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
     Case(
         "commit-batch-k-huge",
@@ -563,7 +563,7 @@ CASES: list[Case] = [
     Case("decode-negative-kv-loc", _build(lambda: decode_batch([1], [1], [4], [-1])), IRValidationError, r"DecodeBatch\.kv_locs: every value must be >= 0 \(got -1\)", field="kv_locs"),
     Case("decode-plan-slot-0", _build(lambda: DecodePlan(rids=[1], slots=[0], seq_lens=[4], input_ids=[7], kv_locs=[20])), IRValidationError, r"DecodePlan\.slots: every value must be >= 1 \(got 0\)", field="slots"),
     Case("decode-plan-seq-lens-length", _build(lambda: DecodePlan(rids=[1, 2], slots=[1, 2], seq_lens=[4], input_ids=[7, 7], kv_locs=[20, 21])), IRValidationError, r"DecodePlan\.seq_lens: length must equal len\(rids\) \(2\) \(got 1\)", field="seq_lens"),
-    Case("draft-batch-slots-length", _build(lambda: DraftBatch(k=1, rids=[1], slots=[1, 2], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])), IRValidationError, r"DraftBatch\.slots: length must equal len\(rids\) \(1\) \(got 2\)", field="slots"),
+    Case("draft-batch-slots-length", _build(lambda: DraftBatch(k=1, draft_id=mint_serial(), rids=[1], slots=[1, 2], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])), IRValidationError, r"DraftBatch\.slots: length must equal len\(rids\) \(1\) \(got 2\)", field="slots"),
     Case("accept-result-negative-bonus", _build(lambda: AcceptResult(accepted=[0], bonus=[-1])), IRValidationError, r"AcceptResult\.bonus: every value must be >= 0 \(got -1\)", field="bonus"),
     Case("cow-src-0", _build(lambda: CopyFrom(src=MambaSlot(0), prefix_len=3)), IRValidationError, r"CopyFrom\.src: must be >= 1 .*\(got 0\)", field="src"),
     Case("decode-context-float-tokens", _build(lambda: DecodeContext(next_tokens=np.array([1.5]), kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: .*got dtype float64", field="next_tokens"),
@@ -667,7 +667,7 @@ def _verify_batch(**kw: Any) -> Callable[[World, Ctx], object]:
 
 
 def _draft_batch(**kw: Any) -> Callable[[World, Ctx], object]:
-    fields: dict[str, Any] = dict(k=1, rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])
+    fields: dict[str, Any] = dict(k=1, draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])
     fields.update(kw)
     return _build(lambda: DraftBatch(**fields))
 
@@ -1068,7 +1068,7 @@ def test_admit_tables_cover_every_bad_value() -> None:
 
 def test_smallest_legal_values_are_accepted() -> None:
     """Token id 0, KV location 0 and a sequence length of 1 are legal in every windowed node."""
-    d = DraftBatch(k=1, rids=[1], slots=[1], seq_lens=[1], input_ids=[0], kv_locs=[0, 1])
+    d = DraftBatch(k=1, draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0], kv_locs=[0, 1])
     assert d.seq_lens.tolist() == [1] and d.input_ids.tolist() == [0] and d.kv_locs.tolist() == [0, 1]
     v = VerifyBatch(k=1, verify_id=mint_serial(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0, 0], kv_locs=[0, 1])
     assert v.input_ids.tolist() == [0, 0] and v.kv_locs.tolist() == [0, 1]
@@ -1086,7 +1086,7 @@ def test_numpy_integer_scalars_are_accepted(np_int: Callable[[int], object]) -> 
         r = AdmittedRequest(rid=np_int(1), slot=np_int(2), input_ids=[np_int(5), 6], kv_locs=np.array([10, 11], dtype=np.int32), intent=Clear())
         assert r.input_ids.tolist() == [5, 6] and r.input_ids.dtype == np.int64
         assert MambaInit(serial=mint_serial(), clear_slots=(np_int(2),)).clear_slots == (2,)
-        assert DraftBatch(k=np_int(1), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31]).num_requests == 1
+        assert DraftBatch(k=np_int(1), draft_id=np_int(1), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31]).num_requests == 1
         assert w.slots.is_live(np_int(1))
         w.slots.free(np_int(1))
         w.slots.free_many([np_int(2)])

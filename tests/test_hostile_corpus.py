@@ -298,7 +298,7 @@ SPEC_CASES = [
     ),
     Case(
         "draft-batch-padding-slot",
-        _build(lambda: DraftBatch(k=1, rids=[1], slots=[0], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])),
+        _build(lambda: DraftBatch(k=1, draft_id=mint_serial(), rids=[1], slots=[0], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])),
         IRValidationError,
         r"DraftBatch\.slots",
         field="slots",

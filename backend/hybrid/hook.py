@@ -18,7 +18,7 @@ from backend.model import ForwardPlan
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
-from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
+from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 
 class HybridHook:
@@ -59,11 +59,10 @@ class HybridHook:
             case _:
                 assert_never(plan)
 
-    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> torch.Tensor:
-        k = plan.batch.k
-        return self.model.propose(
+    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStates]:
+        return self.model.propose_keeping_states(
             pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids,
-            positions=staged.positions[:, 0].contiguous(), kv_locs=staged.kv_locs[:, :k].contiguous(), k=k,
+            positions=staged.positions[:, 0].contiguous(), kv_locs=staged.kv_locs, k=plan.batch.k,
         )
 
     def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStates]:
@@ -73,7 +72,7 @@ class HybridHook:
         )
         return greedy(out.logits), out.states
 
-    def commit(self, plan: CommitPlan, states: VerifyStates, pool: MambaStatePool) -> None:
+    def commit(self, plan: CommitPlan | DraftCommitPlan, states: VerifyStates, pool: MambaStatePool) -> None:
         dev = pool.device
         self.model.commit(
             pool, states,

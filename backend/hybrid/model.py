@@ -511,22 +511,71 @@ class HybridModel:
         The pool is not written: the rows are gathered into a scratch pool first. Step ``j`` writes
         the KV of the token it feeds at ``kv_locs[:, j]`` (table entry ``positions + j``).
         """
+        tokens, _ = self._propose(pool, kv, table, slots, input_ids, positions, kv_locs, k=k, keep=False)
+        return tokens
+
+    def propose_keeping_states(
+        self,
+        pool: MambaStatePool,
+        kv: KVCache,
+        table: TokenTable,
+        *,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+        k: int,
+    ) -> tuple[torch.Tensor, VerifyStates]:
+        """Draft proposal for a draft commit: ``k + 1`` greedy steps per row, feeding ``input_ids``
+        and then each step's argmax (the last step feeds the ``k``-th proposal), so the KV of every
+        window position is written (``kv_locs [n, k + 1]``) and the state after each step is kept.
+
+        Returns the ``[n, k]`` proposals and the per-step states (``VerifyStates`` laid out as a
+        verify's: ``[n, k + 1, ...]`` per Mamba layer, position ``j`` after feeding window token
+        ``j``), which ``commit`` takes at each row's accepted position. The pool is not written.
+        """
+        tokens, states = self._propose(pool, kv, table, slots, input_ids, positions, kv_locs, k=k, keep=True)
+        assert states is not None
+        return tokens, states
+
+    def _propose(
+        self,
+        pool: MambaStatePool,
+        kv: KVCache,
+        table: TokenTable,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+        *,
+        k: int,
+        keep: bool,
+    ) -> tuple[torch.Tensor, VerifyStates | None]:
+        """``k`` steps (``k + 1`` and the states after each when ``keep``) on a scratch copy of the rows."""
         device = pool.device
         self._check_rows(pool, kv, table, slots)
         n = slots.shape[0]
         require(k >= 1, f"k must be positive, got {k}")
+        steps = k + 1 if keep else k
         _check_index("input_ids", input_ids, (n,), device)
         _check_index("positions", positions, (n,), device)
-        _check_index("kv_locs", kv_locs, (n, k), device)
+        _check_index("kv_locs", kv_locs, (n, steps), device)
         tokens = torch.zeros((n, k), dtype=torch.int64, device=device)
-        if n == 0:
-            return tokens
-        scratch = MambaStatePool(pool.pool_id, pool.layout, n, device=device)
-        scratch.buffer[1:] = pool.buffer[slots.clamp(min=0)]
-        rows = torch.where(slots >= 0, torch.arange(1, n + 1, device=device), -1)
-        fed = input_ids
-        for j in range(k):
-            out = self._decode(scratch, rows, kv, table, slots, fed, positions + j, kv_locs[:, j].contiguous())
-            fed = greedy(out.logits)
-            tokens[:, j] = fed
-        return tokens
+        layers = range(self.config.n_mamba)
+        conv = [torch.zeros((n, steps, *pool.conv_state(m).shape[1:]), dtype=pool.conv_state(m).dtype, device=device) for m in layers]
+        ssm = [torch.zeros((n, steps, *pool.ssm_state(m).shape[1:]), dtype=pool.ssm_state(m).dtype, device=device) for m in layers]
+        if n > 0:
+            scratch = MambaStatePool(pool.pool_id, pool.layout, n, device=device)
+            scratch.buffer[1:] = pool.buffer[slots.clamp(min=0)]
+            rows = torch.where(slots >= 0, torch.arange(1, n + 1, device=device), -1)
+            fed = input_ids
+            for j in range(steps):
+                out = self._decode(scratch, rows, kv, table, slots, fed, positions + j, kv_locs[:, j].contiguous())
+                if j < k:
+                    fed = greedy(out.logits)
+                    tokens[:, j] = fed
+                if keep:
+                    for m in layers:
+                        conv[m][:, j] = scratch.conv_state(m)[1:]
+                        ssm[m][:, j] = scratch.ssm_state(m)[1:]
+        return tokens, (VerifyStates(tuple(conv), tuple(ssm)) if keep else None)

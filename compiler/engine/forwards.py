@@ -212,8 +212,9 @@ class Forwards:
         self._finish()
 
     def speculate(self) -> None:
-        """One speculative iteration: the draft proposes k tokens per row, the target verifies them,
-        the accepted prefix and a bonus token are committed, the draft extends over them."""
+        """One speculative iteration: the draft proposes k tokens per row (keeping its state after
+        each), the target verifies them, the accepted prefix and a bonus token are committed on the
+        target, and the draft commits its own state at the accepted position (no draft forward)."""
         assert self.draft is not None
         k, rids = self.k, self.running.rid_list()
         window = self._alloc_for(rids, k + 1)
@@ -230,9 +231,9 @@ class Forwards:
             r = self.requests[rid]
             r.context = [x for x in r.context if x not in released]
         self.kv_refs.unref(committed.released_kv)
-        extended, eplan = self.pipeline.draft_extend(committed)
-        self.runner.run(self.draft, eplan)
-        self.running = self.pipeline.merge(DecodeBatch.empty(), extended)
+        draft_committed, dcplan = self.pipeline.draft_commit(committed, draft_batch)
+        self.runner.run(self.draft, dcplan)
+        self.running = self.pipeline.merge(DecodeBatch.empty(), draft_committed)
         drafts = proposals.reshape(len(rids), k).tolist()
         emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(result.accepted.tolist(), result.bonus.tolist(), strict=True))]
         self.stats.iterations += 1

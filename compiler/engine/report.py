@@ -16,7 +16,7 @@ class StepKind(enum.Enum):
     EXTEND = "extend"  # prefill chunks only
     MIXED = "mixed"  # prefill chunks and the running decodes in one forward (k = 0)
     DECODE = "decode"  # one token per running request (k = 0)
-    SPEC = "spec"  # draft, verify, commit, draft extend (k > 0)
+    SPEC = "spec"  # draft, verify, commit, draft commit (k > 0)
     RETRACT = "retract"  # no forward: running requests were retracted for KV room
     IDLE = "idle"  # nothing to do
     FAILED = "failed"  # the forward failed after every retry; its requests were aborted

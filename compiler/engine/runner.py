@@ -18,7 +18,7 @@ from ir.errors import BatchcError
 from ir.ids import RequestId
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import CommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
+from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 
 class StepFailed(Exception):
@@ -37,7 +37,7 @@ def plan_rids(plan: Plan) -> tuple[RequestId, ...]:
             cols = [plan.rids]
         case MixedPlan():
             cols = [plan.extend.rids, plan.decode.rids]
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftExtendPlan():
+        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
             cols = [plan.batch.rids]
         case IdlePlan():
             cols = []

@@ -55,6 +55,10 @@ class TimedModel(HybridModel):
         out: torch.Tensor = self._timed(super().propose, pool, kv, table, **kw)
         return out
 
+    def propose_keeping_states(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: Any) -> tuple[torch.Tensor, VerifyStates]:
+        out: tuple[torch.Tensor, VerifyStates] = self._timed(super().propose_keeping_states, pool, kv, table, **kw)
+        return out
+
     def commit(self, pool: MambaStatePool, states: VerifyStates, **kw: torch.Tensor) -> None:
         self._timed(super().commit, pool, states, **kw)
 

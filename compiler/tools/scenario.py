@@ -70,7 +70,7 @@ SPEC_PROMPTS = (b"def add(a, b):", b"import os\nprint(os.sep)")
 def run_spec_scenario(pm: PassManager, *, k: int = 2, max_new_tokens: int = 6) -> None:
     """Speculative decoding on the seeded tiny hybrid model (draft = target + 5% weight noise): a
     prefix prefill, then a fresh and a cached-prefix request through draft, verify, accept,
-    commit and draft extend until both finish."""
+    commit and draft commit until both finish."""
     from backend.hybrid.weights import perturb
     from compiler.tools.ab import DRAFT_NOISE
 

@@ -17,14 +17,15 @@ from functools import cache
 
 import attrs
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backend.hybrid.reference import greedy_generate_reference
-from compiler.engine import Engine
+from compiler.engine import Engine, StepKind
 from compiler.tools.ab import DRAFT_NOISE, run_ab
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
-from tests.helpers import tiny_models
+from tests.helpers import Backend, tiny_models
 
 PREFIX = list(b"You are terse.\n")
 PROMPTS = [list(b"def add(a, b):"), PREFIX + list(b"print(1)"), list(b"class A:\n  x"), PREFIX + list(b"for i in x:")]
@@ -142,3 +143,33 @@ def test_random_acceptance_and_join_leave_keep_exactly_once_and_losslessness(
     assert drv.ledger.counts(TARGET_POOL) == drv.ledger.counts(DRAFT_POOL)
     assert drv.slots.num_live == 0 and drv.kv.num_live == 0
     assert drv.outputs == expected
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_draft_commit_leaves_the_draft_state_of_its_committed_tokens(k: int) -> None:
+    """After every speculative iteration, each running request's draft state (its kept proposal state
+    at the accepted position) equals the draft model's state over the same committed tokens computed
+    without speculation: one prefill of the prompt and every emitted token but the pending one."""
+    target, draft = tiny_models()
+    drv = Engine(target, draft, k=k, capacity=8)
+    prompts = {RequestId(0): PROMPTS[0], RequestId(1): PROMPTS[2]}
+    for rid, prompt in prompts.items():
+        drv.admit(rid, prompt, max_new_tokens=NEW)
+    iterations = 0
+    while drv.live:
+        report = drv.step()
+        if report.kind is not StepKind.SPEC:
+            continue
+        iterations += 1
+        assert drv.draft is not None
+        for rid, slot in drv.live_slots().items():
+            committed = prompts[rid] + drv.requests[rid].output[:-1]  # the last emitted token is pending, not fed
+            reference = Backend(draft, capacity=2)
+            reference.extend([(1, committed, 0)])
+            for layer in range(len(reference.pool.layout.layers)):
+                for name, got, want in (
+                    ("conv", drv.draft.pool.conv_state(layer)[slot], reference.pool.conv_state(layer)[1]),
+                    ("ssm", drv.draft.pool.ssm_state(layer)[slot], reference.pool.ssm_state(layer)[1]),
+                ):
+                    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"request {rid} {name} {layer}: {m}")
+    assert iterations >= 3

@@ -2,8 +2,9 @@
 
 The scenario (``compiler.tools.scenario``, the engine at k = 0 on the seeded tiny hybrid model) takes
 every pass of the non-speculative path: prefill with a clear and a COW from the engine's prefix cache,
-chunked prefill in MIXED forwards, decode, filter, merge, abort and idle. The speculative scenario (``golden/spec/``) takes draft, verify, commit and draft extend on the seeded
-tiny hybrid model (float32, deterministic on the CPU). A change
+chunked prefill in MIXED forwards, decode, filter, merge, abort and idle. The speculative scenario
+(``golden/spec/``) takes draft, verify, commit and draft commit on the seeded tiny hybrid model
+(float32, deterministic on the CPU). A change
 to a pass or the printer shows up here as a diff of the full dump. To accept an intended change,
 rerun with ``BATCHC_UPDATE_GOLDEN=1`` and review the diff.
 """
@@ -23,7 +24,7 @@ from tests.helpers import GOLDEN
 PASSES = ("prepare_for_extend", "prepare_for_decode", "filter_batch", "merge_batch", "mix_with_running", "lower")
 SPEC_PASSES = (
     "prepare_for_extend", "merge_batch", "prepare_for_draft", "prepare_for_verify", "commit",
-    "prepare_for_draft_extend", "filter_batch", "lower",
+    "prepare_for_draft_commit", "filter_batch", "lower",
 )
 
 

@@ -33,6 +33,8 @@ from ir.spec import (
     CommitBatch,
     CommitPlan,
     DraftBatch,
+    DraftCommitBatch,
+    DraftCommitPlan,
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
@@ -152,6 +154,14 @@ def commit_batches(draw: Any) -> CommitBatch:
 
 
 @st.composite
+def draft_commit_batches(draw: Any) -> DraftCommitBatch:
+    cols = draw(windows(single=False))
+    n, k = len(cols["rids"]), cols["k"]
+    accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
+    return DraftCommitBatch(**cols, draft_id=TicketSerial(draw(serials)), accept_pos=accept)
+
+
+@st.composite
 def draft_extend_batches(draw: Any) -> DraftExtendBatch:
     cols = draw(extend_columns())
     del cols["more_chunks"]
@@ -182,7 +192,7 @@ def accept_results(draw: Any) -> AcceptResult:
 
 decode_batches = decode_columns().map(lambda c: DecodeBatch(**c))
 decode_plans = decode_columns().map(lambda c: DecodePlan(**c))
-draft_batches = windows(single=True).map(lambda c: DraftBatch(**c))
+draft_batches = st.builds(lambda c, d: DraftBatch(**c, draft_id=TicketSerial(d)), windows(single=True), serials)
 verify_batches = st.builds(lambda c, v: VerifyBatch(**c, verify_id=TicketSerial(v)), windows(single=False), serials)
 
 NODES: dict[str, st.SearchStrategy[Any]] = {
@@ -197,10 +207,12 @@ NODES: dict[str, st.SearchStrategy[Any]] = {
     "DraftBatch": draft_batches,
     "VerifyBatch": verify_batches,
     "CommitBatch": commit_batches(),
+    "DraftCommitBatch": draft_commit_batches(),
     "DraftExtendBatch": draft_extend_batches(),
     "DraftPlan": draft_batches.map(lambda b: DraftPlan(batch=b)),
     "VerifyPlan": verify_batches.map(lambda b: VerifyPlan(batch=b)),
     "CommitPlan": commit_batches().map(lambda b: CommitPlan(batch=b)),
+    "DraftCommitPlan": draft_commit_batches().map(lambda b: DraftCommitPlan(batch=b)),
     "DraftExtendPlan": draft_extend_batches().map(lambda b: DraftExtendPlan(batch=b)),
     "MambaInit": mamba_inits(),
     "MambaSnapshot": mamba_snapshots(),

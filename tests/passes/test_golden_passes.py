@@ -28,6 +28,7 @@ from passes import (
     mix_with_running,
     prepare_for_decode,
     prepare_for_draft,
+    prepare_for_draft_commit,
     prepare_for_draft_extend,
     prepare_for_extend,
     prepare_for_verify,
@@ -92,10 +93,14 @@ def _cases() -> dict[str, str]:
     cases.append(_case("one draft accepted, then all of them", accept, verify, target_tokens))
     committed = commit(verify, result)
     cases.append(_case("states at the accepted positions", commit, verify, result))
+    draft_committed = prepare_for_draft_commit(committed, draft)
+    cases.append(_case("the draft commits its own states at the accepted positions", prepare_for_draft_commit, committed, draft))
+    cases.append(_case("the iteration's rows rejoin the running batch", merge_batch, DecodeBatch.empty(), draft_committed))
     cases.append(_case("the draft catches up on the accepted tokens", prepare_for_draft_extend, committed))
     mixed = mix_with_running(extend, decoded)
     for label, batch in (("extend, both pools", extend), ("decode", decoded), ("mixed", mixed), ("draft", draft),
-                         ("verify", verify), ("commit", committed), ("draft extend", prepare_for_draft_extend(committed)),
+                         ("verify", verify), ("commit", committed), ("draft commit", draft_committed),
+                         ("draft extend", prepare_for_draft_extend(committed)),
                          ("idle", IdleBatch())):
         cases.append(_case(f"lower: {label}", lower, batch, both))
     by_pass: dict[str, str] = {}

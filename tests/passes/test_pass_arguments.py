@@ -48,6 +48,7 @@ from passes import (
     mix_with_running,
     prepare_for_decode,
     prepare_for_draft,
+    prepare_for_draft_commit,
     prepare_for_draft_extend,
     prepare_for_extend,
     prepare_for_verify,
@@ -159,6 +160,9 @@ CASES: list[ArgCase] = [
     # -- commit -------------------------------------------------------------------------------------------------
     *_arg_cases("commit", "batch", lambda v: commit(v, RESULT), [*NOT_A_NODE, *_nodes(DRAFT, COMMIT)]),  # type: ignore[arg-type]
     *_arg_cases("commit", "result", lambda v: commit(VERIFY, v), [*NOT_A_NODE, ("tuple", ((1, 1), (9, 9))), *_nodes(COMMIT)]),  # type: ignore[arg-type]
+    # -- prepare_for_draft_commit: the commit and the draft of its own iteration -----------------------------------
+    *_arg_cases("prepare_for_draft_commit", "batch", lambda v: prepare_for_draft_commit(v, DRAFT), [*NOT_A_NODE, *_nodes(VERIFY, lower(COMMIT, LOWER_CTX), EXTEND)]),  # type: ignore[arg-type]
+    *_arg_cases("prepare_for_draft_commit", "draft", lambda v: prepare_for_draft_commit(COMMIT, v), [*NOT_A_NODE, *_nodes(VERIFY, lower(DRAFT, LOWER_CTX), COMMIT)]),  # type: ignore[arg-type]
     # -- prepare_for_draft_extend ---------------------------------------------------------------------------------
     *_arg_cases("prepare_for_draft_extend", "batch", prepare_for_draft_extend, [*NOT_A_NODE, *_nodes(VERIFY, lower(COMMIT, LOWER_CTX), EXTEND)]),  # type: ignore[arg-type]
 ]

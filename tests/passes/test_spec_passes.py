@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -15,7 +16,7 @@ from compiler.steps import Pipeline
 from ir.columns import frozen_i64
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL
-from ir.spec import CommitPlan, DraftBatch, DraftExtendPlan, DraftPlan, VerifyBatch, VerifyPlan
+from ir.spec import CommitPlan, DraftBatch, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyBatch, VerifyPlan
 from ir.verify import verify
 from passes import (
     LowerContext,
@@ -25,6 +26,7 @@ from passes import (
     lower,
     merge_batch,
     prepare_for_draft,
+    prepare_for_draft_commit,
     prepare_for_draft_extend,
     prepare_for_verify,
 )
@@ -108,6 +110,28 @@ def test_commit_releases_rejected_kv_and_draft_extend_takes_accepted_tokens() ->
     assert running.input_ids.tolist() == [11, 23]
 
 
+def test_draft_commit_commits_the_accepted_position_and_merges_like_the_draft_extend() -> None:
+    d = _draft()
+    v = prepare_for_verify(d, frozen_i64([11, 12, 13, 21, 22, 23]))
+    c = commit(v, accept(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24])))
+    dc = prepare_for_draft_commit(c, d)
+    assert dc.draft_id == d.draft_id != v.verify_id
+    assert dc.accept_pos.tolist() == [1, 3] and dc.k == K
+    verify(dc)
+    assert merge_batch(decode_batch([], [], [], []), dc) == merge_batch(decode_batch([], [], [], []), prepare_for_draft_extend(c))
+
+
+def test_draft_commit_pairs_a_commit_with_the_draft_of_its_own_iteration() -> None:
+    d = _draft()
+    v = prepare_for_verify(d, frozen_i64([11, 12, 13, 21, 22, 23]))
+    c = commit(v, accept(v, frozen_i64([0] * 8)))
+    other = prepare_for_draft(
+        decode_batch([1, 2], [3, 5], [5, 9], [15, 19], tokens=[50, 90]), SpecContext(k=K, next_tokens=[7, 8], kv_locs=list(range(100, 108)))
+    )
+    with pytest.raises(PreconditionError, match=rf"the commit's slots \[3, 4\] are not those of draft #{other.draft_id} \(\[3, 5\]\)"):
+        prepare_for_draft_commit(c, other)
+
+
 def test_spec_plans_have_no_tickets() -> None:
     for plan in (lower(_draft(), LowerContext()), lower(_verify(), LowerContext())):
         assert "tickets" not in {f.name for f in type(plan).__attrs_attrs__}
@@ -119,13 +143,13 @@ class _Scripted:
 
     def __init__(self, agree: dict[int, int]) -> None:
         self.agree = agree
-        self.commits: list[list[int]] = []
+        self.commits: list[tuple[str, list[int]]] = []
 
     def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor | None:
         return None
 
-    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> torch.Tensor:
-        return torch.tensor([[10 * int(s) + j for j in range(plan.batch.k)] for s in staged.slots])
+    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
+        return torch.tensor([[10 * int(s) + j for j in range(plan.batch.k)] for s in staged.slots]), "draft states"
 
     def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
         k = plan.batch.k
@@ -135,12 +159,13 @@ class _Scripted:
             rows.append([window[j + 1] if j < a else 200 + s for j in range(k)] + [250])
         return torch.tensor(rows), "states"
 
-    def commit(self, plan: CommitPlan, states: object, pool: MambaStatePool) -> None:
-        assert states == "states"
-        self.commits.append(plan.batch.accept_pos.tolist())
+    def commit(self, plan: CommitPlan | DraftCommitPlan, states: object, pool: MambaStatePool) -> None:
+        assert states == ("states" if isinstance(plan, CommitPlan) else "draft states")
+        self.commits.append((type(plan).__name__, plan.batch.accept_pos.tolist()))
 
 
 def test_one_iteration_through_pipeline_and_executors() -> None:
+    """The draft-extend variant: the draft catches up with a forward and never commits its states."""
     ledger = Ledger()
     target, draft = MambaStatePool(TARGET_POOL, LAYOUT, 8), MambaStatePool(DRAFT_POOL, LAYOUT, 8)
     model = _Scripted({1: 0, 2: 2})
@@ -171,7 +196,73 @@ def test_one_iteration_through_pipeline_and_executors() -> None:
     assert ledger.num_consumed == consumed == 2  # one ticket per pool, at the prefill only
     assert ledger.counts(TARGET_POOL).clears == ledger.counts(DRAFT_POOL).clears == 2
     ledger.assert_drained()
-    assert model.commits == [[0, 2]] * 3
+    assert model.commits == [("CommitPlan", [0, 2])] * 3
+
+
+def test_one_iteration_with_a_draft_commit() -> None:
+    """The engine's variant: the draft commits the states its proposal kept, once, at the target's
+    accepted positions; a replayed draft commit, or one of a draft a newer draft replaced, is refused."""
+    ledger = Ledger()
+    target, draft = MambaStatePool(TARGET_POOL, LAYOUT, 8), MambaStatePool(DRAFT_POOL, LAYOUT, 8)
+    model = _Scripted({1: 0, 2: 2})
+    ex_t, ex_d = Executor(target, ledger, model), Executor(draft, ledger, model)
+    pipe = Pipeline(ledger, LowerContext(pools=(TARGET_POOL, DRAFT_POOL)), PassManager(verify_level=2))
+    extend, plan = pipe.prefill([fresh(1, 1, [1, 2, 3], 1), fresh(2, 2, [4, 5], 4)])
+    ex_t.execute(plan)
+    ex_d.execute(plan)
+    running = pipe.merge(decode_batch([], [], [], []), extend)
+    for it in range(3):
+        d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10 + 8 * it, 18 + 8 * it))))
+        proposals = ex_d.execute(dplan)
+        assert proposals is not None
+        v, vplan = pipe.verify(d, frozen_i64(proposals.reshape(-1).numpy()))
+        target_tokens = ex_t.execute(vplan)
+        assert target_tokens is not None
+        _, c, cplan = pipe.commit(v, frozen_i64(target_tokens.reshape(-1).numpy()))
+        ex_t.execute(cplan)
+        dc, dcplan = pipe.draft_commit(c, d)
+        assert isinstance(dcplan, DraftCommitPlan) and dc.draft_id == d.draft_id
+        assert dc.accept_pos.tolist() == c.accept_pos.tolist() == [0, 2]
+        ex_d.execute(dcplan)
+        with pytest.raises(PlanExecutionError, match=rf"draft #{d.draft_id}.*already committed"):
+            ex_d.execute(dcplan)
+        running = pipe.merge(decode_batch([], [], [], []), dc)
+    assert running.seq_lens.tolist() == [3 + 3, 2 + 3 * 3]
+    assert model.commits == [("CommitPlan", [0, 2]), ("DraftCommitPlan", [0, 2])] * 3
+    # a newer draft drops an older draft's kept states: committing the older one is refused
+    d1, dplan1 = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(40, 48))))
+    ex_d.execute(dplan1)
+    d2, dplan2 = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(40, 48))))
+    ex_d.execute(dplan2)
+    stale = lower(prepare_for_draft_commit(commit(_verify_of(d1), accept(_verify_of(d1), frozen_i64([0] * 8))), d1), LowerContext())
+    before = draft.copy_buffer()
+    with pytest.raises(PlanExecutionError, match=rf"draft #{d1.draft_id}.*dropped by a newer draft"):
+        ex_d.execute(stale)
+    assert torch.equal(draft.buffer, before)
+    ledger.assert_drained()
+
+
+def _verify_of(d: DraftBatch) -> VerifyBatch:
+    return prepare_for_verify(d, frozen_i64([0] * (d.num_requests * d.k)))
+
+
+def test_a_commit_never_takes_a_drafts_states_nor_a_draft_commit_a_verifys() -> None:
+    ledger = Ledger()
+    pool = MambaStatePool(TARGET_POOL, LAYOUT, 8)
+    ex = Executor(pool, ledger, _Scripted({3: 1, 4: 1}))
+    d = _draft()
+    ex.execute(lower(d, LowerContext()))
+    v = _verify_of(d)
+    ex.execute(lower(v, LowerContext()))
+    c = commit(v, accept(v, frozen_i64([0] * 8)))
+    forged = attrs.evolve(c, verify_id=d.draft_id)  # a commit naming the draft's id
+    before = pool.copy_buffer()
+    with pytest.raises(PlanExecutionError, match=rf"#{d.draft_id} names a draft's states, which only a DraftCommitPlan commits"):
+        ex.execute(lower(forged, LowerContext()))
+    wrong = attrs.evolve(prepare_for_draft_commit(c, d), draft_id=v.verify_id)  # a draft commit naming the verify's id
+    with pytest.raises(PlanExecutionError, match=rf"#{v.verify_id} names a verify's states, which only a CommitPlan commits"):
+        ex.execute(lower(wrong, LowerContext()))
+    assert torch.equal(pool.buffer, before)
 
 
 def test_commit_of_a_verify_that_never_ran_is_refused() -> None:

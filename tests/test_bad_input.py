@@ -47,7 +47,7 @@ from ir.errors import (
     UnknownTicketError,
     WrongPoolError,
 )
-from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
 from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket, mint_serial
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
@@ -57,6 +57,8 @@ from ir.spec import (
     CommitBatch,
     CommitPlan,
     DraftBatch,
+    DraftCommitBatch,
+    DraftCommitPlan,
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
@@ -455,6 +457,18 @@ NODE_FIELD_CASES: list[Case] = [
         rf"CommitBatch\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)",
         field="k",
     ),
+    Case(
+        "draft-commit-batch-k-huge",
+        _build(lambda: DraftCommitBatch(k=2**40, draft_id=mint_serial(), rids=[], slots=[], seq_lens=[], accept_pos=[], input_ids=[], kv_locs=[])),
+        IRValidationError,
+        rf"DraftCommitBatch\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)",
+        field="k",
+    ),
+    Case("draft-commit-batch-accept-past-k", _build(lambda: DraftCommitBatch(draft_id=mint_serial(), accept_pos=[2], **_spec_window(1))), IRValidationError, r"DraftCommitBatch\.accept_pos: must be .= k \(1\) \(got 2\)", field="accept_pos"),
+    Case("draft-commit-batch-id-zero", _build(lambda: DraftCommitBatch(draft_id=TicketSerial(0), accept_pos=[0], **_spec_window(1))), IRValidationError, r"DraftCommitBatch\.draft_id: must be positive .*\(got 0\)", field="draft_id"),
+    Case("draft-batch-id-negative", _build(lambda: DraftBatch(draft_id=TicketSerial(-4), **{**_spec_window(1), "input_ids": [3]})), IRValidationError, r"DraftBatch\.draft_id: must be positive .*\(got -4\)", field="draft_id"),
+    Case("draft-commit-batch-window-short", _build(lambda: DraftCommitBatch(draft_id=mint_serial(), accept_pos=[0], **{**_spec_window(1), "kv_locs": [30]})), IRValidationError, r"DraftCommitBatch\.kv_locs: length must equal", field="kv_locs"),
+    Case("draft-commit-plan-batch-is-commit", _build(lambda: DraftCommitPlan(batch=CommitBatch(verify_id=mint_serial(), accept_pos=[1], released_kv=[], **_spec_window(1)))), IRValidationError, r"DraftCommitPlan\.batch: must be a DraftCommitBatch, not CommitBatch", field="batch"),  # type: ignore[arg-type]
     Case("spec-context-k-huge", _build(lambda: SpecContext(k=2**40, next_tokens=[], kv_locs=[])), IRValidationError, rf"SpecContext\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)", field="k"),
     Case("spec-context-k-none", _build(lambda: SpecContext(k=None, next_tokens=[], kv_locs=[])), IRValidationError, r"SpecContext\.k: must be an int, not NoneType \(got None\)", field="k"),  # type: ignore[arg-type]
 ]

@@ -49,6 +49,13 @@ class _IndexAllocator(Generic[T]):
         self._free: list[int] = []
         self._live = bytearray(1)
         self._lock = threading.Lock()
+        self._generation = 0
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every allocation and free: a liveness check made at one generation still
+        holds while the generation is the same."""
+        return self._generation
 
     @property
     def num_free(self) -> int:
@@ -76,6 +83,7 @@ class _IndexAllocator(Generic[T]):
         self._fresh = fresh
         for i in taken:
             self._live[i] = 1
+        self._generation += 1
         return taken
 
     def _is_live(self, i: int) -> bool:
@@ -139,6 +147,7 @@ class _IndexAllocator(Generic[T]):
             for i in items:
                 self._live[i] = 0
                 self._free.append(i)
+            self._generation += 1
 
     def is_live(self, index: int) -> bool:
         i = self._int(".is_live(index)", index)

@@ -120,12 +120,27 @@ class Executor(Generic[VerifyStateT]):
         self.watch = watch if watch is not None else verify_level_from_env() is VerifyLevel.EVERY_PASS
         self._seen: tuple[int, bytes] | None = None
         self.ledger = ledger
-        self.model: ModelHook = model if model is not None else NoOpModel()
+        self.model = model if model is not None else NoOpModel()
         self.slots = slots
+        self._slots_ok: tuple[bytes, int] | None = None
+        """The last slots column found in range and live, with the allocator's generation then."""
         self._intermediates: dict[TicketSerial, _Kept[VerifyStateT]] = {}
         self._verified_upto: dict[int, int] = {}
         self._kept_draft: TicketSerial | None = None
         """The draft whose states are kept (at most one: a newer draft drops them)."""
+
+    @property
+    def model(self) -> ModelHook:
+        """The model hook (``NoOpModel`` when none was given); replacing it re-checks its kind."""
+        return self._model
+
+    @model.setter
+    def model(self, hook: ModelHook) -> None:
+        self._model = hook
+        # the runtime-protocol check, once per hook rather than once per speculative plan
+        self._spec_hook: SpecModelHook[VerifyStateT] | None = (
+            cast("SpecModelHook[VerifyStateT]", hook) if isinstance(hook, SpecModelHook) else None
+        )
 
     def execute(self, plan: Plan) -> torch.Tensor | None:
         if not self.watch:
@@ -367,10 +382,10 @@ class Executor(Generic[VerifyStateT]):
         self._kept_draft = None
 
     def _spec_model(self, plan: DraftPlan | VerifyPlan | CommitPlan | DraftCommitPlan) -> SpecModelHook[VerifyStateT]:
-        if not isinstance(self.model, SpecModelHook):
+        if self._spec_hook is None:
             raise PlanExecutionError(f"{type(plan).__name__} needs a SpecModelHook; {type(self.model).__name__} has no speculative phases")
         # the model this executor was built with: its verify states are this executor's VerifyStateT
-        return cast("SpecModelHook[VerifyStateT]", self.model)
+        return self._spec_hook
 
     def _ticket(self, plan: ExtendPlan, own: frozenset[int]) -> InitTicket | None:
         if not plan.tickets:
@@ -428,13 +443,20 @@ class Executor(Generic[VerifyStateT]):
         self.ledger.check_rows(slots.tolist(), self.pool.pool_id, what)
 
     def _check_slots(self, slots: I64, what: str) -> None:
-        if slots.size:
-            lo, hi = int(slots.min()), int(slots.max())
-            if lo < 1 or hi > self.pool.capacity:
-                bad = lo if lo < 1 else hi
-                raise PlanExecutionError(f"{what}: slot {bad} out of range [1, {self.pool.capacity}] of pool {self.pool.pool_id!r}")
-            if self.slots is not None:
-                self.slots.check_live(np.asarray(slots).tolist(), what)
+        """Every slot in range and (with an allocator) live. The phases of a speculative iteration
+        run on one slots column: it is checked once until the allocator next changes."""
+        if not slots.size:
+            return
+        key = (slots.tobytes(), self.slots.generation if self.slots is not None else 0)
+        if key == self._slots_ok:
+            return
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 1 or hi > self.pool.capacity:
+            bad = lo if lo < 1 else hi
+            raise PlanExecutionError(f"{what}: slot {bad} out of range [1, {self.pool.capacity}] of pool {self.pool.pool_id!r}")
+        if self.slots is not None:
+            self.slots.check_live(np.asarray(slots).tolist(), what)
+        self._slots_ok = key
 
 
 def _check_fresh_rows(plan: ExtendPlan | MixedPlan, ext: ExtendPlan, tickets: Sequence[Ticket]) -> None:

@@ -20,7 +20,7 @@ from typing import TypeVar, assert_never
 import numpy as np
 
 from ir.batch import DecodeBatch, ExtendBatch
-from ir.columns import I64, INT64_MAX, BoolArray, first_bad_int, frozen_i64
+from ir.columns import I64, INT64_MAX, BoolArray, build_unchecked, first_bad_int, frozen_i64
 from ir.errors import PreconditionError, short_repr
 from ir.ids import RequestId
 from ir.init import MambaInit, MambaSnapshot
@@ -66,7 +66,9 @@ def filter_batch(batch: B, drop: Iterable[RequestId]) -> B:
         return batch
     match batch:
         case DecodeBatch():
-            return DecodeBatch(
+            # rows of a checked batch, kept whole: every local check still holds
+            return build_unchecked(
+                DecodeBatch,
                 rids=frozen_i64(batch.rids[keep]),
                 slots=frozen_i64(batch.slots[keep]),
                 seq_lens=frozen_i64(batch.seq_lens[keep]),

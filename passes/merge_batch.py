@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ir.batch import DecodeBatch, ExtendBatch
-from ir.columns import first_common
+from ir.columns import build_unchecked, first_common, freeze
 from ir.errors import PreconditionError
 from ir.spec import DraftCommitBatch, DraftExtendBatch
 from passes._args import bad_arg
@@ -43,10 +43,13 @@ def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch 
         both = first_common(a, b)
         if both is not None:
             raise PreconditionError("merge_batch", f"{name} {both} is in both the running and the prefilled batch")
-    return DecodeBatch(
-        rids=np.concatenate((running.rids, rids)),
-        slots=np.concatenate((running.slots, slots)),
-        seq_lens=np.concatenate((running.seq_lens, seq_lens)),
-        input_ids=np.concatenate((running.input_ids, input_ids)),
-        kv_locs=np.concatenate((running.kv_locs, kv_locs)),
+    # rows of checked nodes, with no request id or slot in both (checked above): every local check
+    # of the output holds, so it is built without re-running them (``ir.verify`` still does)
+    return build_unchecked(
+        DecodeBatch,
+        rids=freeze(np.concatenate((running.rids, rids))),
+        slots=freeze(np.concatenate((running.slots, slots))),
+        seq_lens=freeze(np.concatenate((running.seq_lens, seq_lens))),
+        input_ids=freeze(np.concatenate((running.input_ids, input_ids))),
+        kv_locs=freeze(np.concatenate((running.kv_locs, kv_locs))),
     )

@@ -226,10 +226,10 @@ class Forwards:
         assert target_tokens is not None
         result, committed, cplan = self.pipeline.commit(verify_batch, frozen_i64(target_tokens.reshape(-1).cpu().numpy()))
         self.runner.run(self.target, cplan)
-        released = set(committed.released_kv.tolist())
-        for rid in rids:
-            r = self.requests[rid]
-            r.context = [x for x in r.context if x not in released]
+        # each row's rejected positions are the tail of its window, the last entries of its context
+        for rid, m in zip(rids, committed.accept_pos.tolist(), strict=True):
+            if m < k:
+                del self.requests[rid].context[m - k :]
         self.kv_refs.unref(committed.released_kv)
         draft_committed, dcplan = self.pipeline.draft_commit(committed, draft_batch)
         self.runner.run(self.draft, dcplan)

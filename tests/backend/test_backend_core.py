@@ -119,6 +119,41 @@ def test_check_live_reports_use_after_free() -> None:
         a.check_live([4], "probe")
 
 
+@pytest.mark.parametrize("cls", [SlotAllocator, KVAllocator])
+def test_generation_moves_with_every_allocation_and_free_and_nothing_else(cls: type[SlotAllocator] | type[KVAllocator]) -> None:
+    a = cls(4)
+    seen = [a.generation]
+    a.alloc_many(2)
+    seen.append(a.generation)
+    a.alloc()
+    seen.append(a.generation)
+    a.check_live([1, 2], "probe")
+    a.is_live(3)
+    a.live()
+    assert a.generation == seen[-1], "a read moved the generation"
+    a.free(2)
+    seen.append(a.generation)
+    with pytest.raises(SlotError):
+        a.free(2)  # a refused free changes nothing
+    assert a.generation == seen[-1]
+    a.free_many([1, 3])
+    seen.append(a.generation)
+    assert len(set(seen)) == len(seen)
+
+
+def test_a_slot_freed_after_a_plan_ran_is_refused_on_the_next_plan_over_the_same_slots() -> None:
+    """The executor checks a slots column once per allocator generation: a free in between is seen."""
+    w = make_world()
+    plan = lower(decode_batch([1, 2], [1, 2], [4, 4], [20, 21]), LowerContext())
+    w.executor.execute(plan)
+    w.executor.execute(plan)  # same column, same generation: still fine
+    w.slots.free(2)
+    before = w.pool.copy_buffer()
+    with pytest.raises(SlotError, match="use after free: DecodePlan uses slot 2"):
+        w.executor.execute(plan)
+    assert torch.equal(w.pool.buffer, before)
+
+
 def test_allocator_capacity_must_be_positive() -> None:
     with pytest.raises(SlotError, match="capacity"):
         SlotAllocator(0)

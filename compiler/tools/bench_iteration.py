@@ -1,0 +1,132 @@
+"""``batchc bench iteration``: one speculative iteration's model phases in target-decode equivalents.
+
+Speculation pays when an iteration (draft proposal, verify, commit, draft catch-up) costs fewer
+target decodes than the tokens it emits per row. This benchmark times each phase's model call on
+the bundled target and draft, ``rows`` running requests with a prompt already in their context,
+and divides by one target decode of the same rows:
+
+- ``decode``: one target decode (the unit).
+- ``verify``: the target over ``k + 1`` positions, keeping every position's state.
+- ``commit``: the target's kept state at each row's accepted position into its slot.
+- ``propose``: the draft's ``k + 1`` steps keeping each step's state (what the engine runs).
+- ``draft commit``: the draft's kept state at the accepted position (what the engine runs).
+- ``propose k`` and ``draft extend``: the alternative the engine replaced, ``k`` proposal steps and
+  a catch-up forward over the accepted tokens (accepted lengths cycle over ``0..k`` by row).
+
+Each phase is one call of the model entry point (the kernels and the model's own checks included,
+no scheduler). Timings are the minimum over interleaved repeats after a warm-up round, with the
+thread count the caller set.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from backend.hybrid.kv import KVCache, TokenTable
+from backend.hybrid.model import HybridModel
+from backend.pool import MambaStatePool
+
+PROMPT_LEN = 40
+"""Tokens already in each row's context before the measured phases."""
+
+
+@attrs.frozen(kw_only=True)
+class PhaseTime:
+    phase: str
+    seconds: float
+    decodes: float
+    """``seconds`` over one target decode of the same rows."""
+
+
+@attrs.frozen(kw_only=True)
+class IterationReport:
+    rows: int
+    k: int
+    repeats: int
+    phases: tuple[PhaseTime, ...]
+    iteration_decodes: float
+    """verify + commit + propose + draft commit, in target decodes (what the engine runs)."""
+    replaced_iteration_decodes: float
+    """verify + commit + propose k + draft extend, in target decodes (the draft-extend iteration)."""
+
+
+class _Side:
+    """One model's backend state with ``rows`` requests prefilled to ``PROMPT_LEN`` tokens."""
+
+    def __init__(self, model: HybridModel, rows: int, k: int) -> None:
+        self.model = model
+        self.pool: MambaStatePool = model.new_pool(rows)
+        self.kv: KVCache = model.new_kv_cache(rows * (PROMPT_LEN + 4 * (k + 1)) + 8)
+        self.table: TokenTable = model.new_token_table(rows, PROMPT_LEN + 4 * (k + 1))
+        self.slots = torch.arange(1, rows + 1)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, model.config.vocab, (rows * PROMPT_LEN,), generator=gen)
+        model.extend(
+            self.pool, self.kv, self.table, slots=self.slots, cu_seqlens=torch.arange(rows + 1) * PROMPT_LEN,
+            prefix_lens=torch.zeros(rows, dtype=torch.int64), input_ids=tokens,
+            positions=torch.arange(PROMPT_LEN).repeat(rows), kv_locs=torch.arange(1, rows * PROMPT_LEN + 1),
+        )
+        self.next_loc = rows * PROMPT_LEN + 1
+
+    def locs(self, rows: int, width: int) -> torch.Tensor:
+        """Fresh KV locations, ``[rows, width]`` (the same ones every call: the phases are repeated)."""
+        return torch.arange(self.next_loc, self.next_loc + rows * width).reshape(rows, width)
+
+
+def run_iteration_bench(target: HybridModel, draft: HybridModel, *, rows: int = 8, k: int = 2, repeats: int = 7) -> IterationReport:
+    t, d = _Side(target, rows, k), _Side(draft, rows, k)
+    n, w = rows, k + 1
+    gen = torch.Generator().manual_seed(1)
+    window = torch.randint(0, target.config.vocab, (n, w), generator=gen)
+    pos = torch.full((n,), PROMPT_LEN, dtype=torch.int64)
+    wpos = pos[:, None] + torch.arange(w)[None, :]
+    accept = torch.arange(n) % w  # accepted drafts per row, cycling over 0..k
+    verify_states = target.verify(t.pool, t.kv, t.table, slots=t.slots, input_ids=window, positions=wpos, kv_locs=t.locs(n, w)).states
+    _, draft_states = draft.propose_keeping_states(
+        d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w), k=k
+    )
+    ext_lens = accept + 1
+    ext_ids = torch.cat([window[i, : int(ext_lens[i])] for i in range(n)])
+    ext_pos = torch.cat([torch.arange(PROMPT_LEN, PROMPT_LEN + int(ext_lens[i])) for i in range(n)])
+    ext_locs = torch.cat([d.locs(n, w)[i, : int(ext_lens[i])] for i in range(n)])
+    ext_cu = torch.cat((torch.zeros(1, dtype=torch.int64), ext_lens.cumsum(0)))
+    decode_locs = t.locs(n, 1)[:, 0].contiguous()
+
+    # The pools are scratch: a phase may leave a row advanced, which changes no phase's cost.
+    phases: dict[str, Callable[[], object]] = {
+        "decode": lambda: target.decode(t.pool, t.kv, t.table, slots=t.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=decode_locs),
+        "verify": lambda: target.verify(t.pool, t.kv, t.table, slots=t.slots, input_ids=window, positions=wpos, kv_locs=t.locs(n, w)),
+        "commit": lambda: target.commit(t.pool, verify_states, accept_pos=accept, slots=t.slots),
+        "propose": lambda: draft.propose_keeping_states(
+            d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w), k=k
+        ),
+        "draft commit": lambda: draft.commit(d.pool, draft_states, accept_pos=accept, slots=d.slots),
+        "propose k": lambda: draft.propose(
+            d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w)[:, :k].contiguous(), k=k
+        ),
+        "draft extend": lambda: draft.extend(
+            d.pool, d.kv, d.table, slots=d.slots, cu_seqlens=ext_cu, prefix_lens=pos, input_ids=ext_ids, positions=ext_pos, kv_locs=ext_locs
+        ),
+    }
+    best = dict.fromkeys(phases, float("inf"))
+    with torch.inference_mode():
+        for fn in phases.values():  # warm-up
+            fn()
+        for r in range(repeats):
+            order = list(phases) if r % 2 == 0 else list(reversed(phases))
+            for name in order:
+                t0 = time.perf_counter()
+                phases[name]()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    unit = best["decode"]
+    times = tuple(PhaseTime(phase=name, seconds=s, decodes=s / unit) for name, s in best.items())
+    per = {p.phase: p.decodes for p in times}
+    return IterationReport(
+        rows=rows, k=k, repeats=repeats, phases=times,
+        iteration_decodes=per["verify"] + per["commit"] + per["propose"] + per["draft commit"],
+        replaced_iteration_decodes=per["verify"] + per["commit"] + per["propose k"] + per["draft extend"],
+    )

@@ -1,0 +1,21 @@
+"""``compiler.tools.bench_iteration`` runs every phase of an iteration on real models and reports it
+in target-decode units (the figures themselves are measured by the benchmark, never asserted)."""
+
+from __future__ import annotations
+
+from compiler.tools.bench_iteration import run_iteration_bench
+from tests.helpers import tiny_models
+
+
+def test_every_phase_is_timed_in_decode_units() -> None:
+    target, draft = tiny_models()
+    report = run_iteration_bench(target, draft, rows=3, k=2, repeats=1)
+    per = {p.phase: p for p in report.phases}
+    assert list(per) == ["decode", "verify", "commit", "propose", "draft commit", "propose k", "draft extend"]
+    assert per["decode"].decodes == 1.0
+    assert all(p.seconds > 0 and p.decodes > 0 for p in report.phases)
+    assert report.iteration_decodes == per["verify"].decodes + per["commit"].decodes + per["propose"].decodes + per["draft commit"].decodes
+    assert report.replaced_iteration_decodes == (
+        per["verify"].decodes + per["commit"].decodes + per["propose k"].decodes + per["draft extend"].decodes
+    )
+    assert (report.rows, report.k, report.repeats) == (3, 2, 1)

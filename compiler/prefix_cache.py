@@ -99,8 +99,12 @@ class PrefixCache:
         if isinstance(tokens, np.ndarray):
             if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
                 raise PrefixCacheError(f"{method}({name}): must be a 1-D integer array, got dtype {tokens.dtype} and shape {tokens.shape}")
-            items: Sequence[object] = tokens.tolist()
-        elif isinstance(tokens, (list, tuple, range, bytes)):
+            # an integer array holds ints by its dtype: only the sign is left to check
+            if tokens.size and int(tokens.min()) < 0:
+                raise PrefixCacheError(f"{method}({name}): token ids must be >= 0 (got {int(tokens.min())})")
+            return tuple(tokens.tolist())
+        items: Sequence[object]
+        if isinstance(tokens, (list, tuple, range, bytes)):
             items = tokens
         else:
             raise PrefixCacheError(f"{method}({name}): must be a sequence of token ids, not {type(tokens).__name__} (got {short_repr(tokens)})")

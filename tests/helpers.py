@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import attrs
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.executor import Executor
@@ -37,11 +38,24 @@ from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine
 from compiler.tools.ab import DRAFT_NOISE
-from ir.batch import DecodeBatch, ExtendBatch
-from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId
-from ir.plan import ExtendPlan
+from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
+from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
-from ir.spec import CommitPlan, DraftCommitPlan, DraftPlan, VerifyPlan
+from ir.spec import (
+    AcceptResult,
+    CommitBatch,
+    CommitPlan,
+    DraftBatch,
+    DraftCommitBatch,
+    DraftCommitPlan,
+    DraftExtendBatch,
+    DraftExtendPlan,
+    DraftPlan,
+    VerifyBatch,
+    VerifyPlan,
+)
 from passes.lower import LowerContext, lower
 from passes.prepare_for_extend import prepare_for_extend
 
@@ -396,3 +410,181 @@ def greedy_reference(prompt: Sequence[int], n: int) -> list[int]:
 def review_greedy() -> dict[RequestId, list[int]]:
     """The reference's output for each of ``REVIEW_PROMPTS`` (request ``i`` is prompt ``i``)."""
     return {RequestId(i): greedy_reference(p, REVIEW_NEW) for i, p in enumerate(REVIEW_PROMPTS)}
+
+
+# -- IR node strategies (hypothesis) -------------------------------------------------------------
+# Valid nodes of every kind the printer prints, the parser reads and a plan message carries.
+serial_ids = st.integers(1, 2**62)
+rid_values = st.integers(-(2**40), 2**40)
+token_ids = st.integers(0, 2**31)
+row_lengths = st.integers(1, 6)
+
+
+def _distinct(elements: st.SearchStrategy[int], n: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(elements, min_size=n, max_size=n, unique=True)
+
+
+@st.composite
+def mamba_inits(draw: Any) -> MambaInit:
+    a, b = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    if a + b == 0:
+        a = 1
+    slots = draw(_distinct(st.integers(1, 10_000), a + 2 * b))
+    return MambaInit(serial=TicketSerial(draw(serial_ids)), clear_slots=slots[:a], cow_src=slots[a : a + b], cow_dst=slots[a + b :])
+
+
+@st.composite
+def mamba_snapshots(draw: Any) -> MambaSnapshot:
+    n = draw(st.integers(1, 3))
+    slots = draw(_distinct(st.integers(1, 10_000), 2 * n))
+    return MambaSnapshot(serial=TicketSerial(draw(serial_ids)), src=slots[:n], dst=slots[n:])
+
+
+pool_names = st.sampled_from(["target", "draft", "a pool", 'q"uote', "ümlaut"])
+
+
+@st.composite
+def extend_columns(draw: Any, *, min_rows: int = 1) -> dict[str, Any]:
+    n = draw(st.integers(min_rows, 4))
+    ext = draw(st.lists(row_lengths, min_size=n, max_size=n))
+    total = sum(ext)
+    return {
+        "rids": draw(_distinct(rid_values, n)),
+        "slots": draw(_distinct(st.integers(1, 10_000), n)),
+        "prefix_lens": draw(st.lists(st.integers(0, 5000), min_size=n, max_size=n)),
+        "extend_lens": ext,
+        "input_ids": draw(st.lists(token_ids, min_size=total, max_size=total)),
+        "kv_locs": draw(_distinct(st.integers(0, 100_000), total)),
+        "more_chunks": draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+    }
+
+
+@st.composite
+def extend_batches(draw: Any) -> ExtendBatch:
+    cols = draw(extend_columns())
+    n = len(cols["rids"])
+    return ExtendBatch(
+        **cols,
+        intents=tuple(draw(st.lists(st.sampled_from(list(InitIntent)), min_size=n, max_size=n))),
+        init=draw(st.none() | mamba_inits()),
+        snapshot=draw(st.none() | mamba_snapshots()),
+    )
+
+
+@st.composite
+def extend_plans(draw: Any) -> ExtendPlan:
+    cols = draw(extend_columns())
+    names = draw(st.lists(pool_names, unique=True, max_size=2))
+    init = draw(mamba_inits())
+    snap = draw(mamba_snapshots())
+    snap_pools = draw(st.lists(pool_names, unique=True, max_size=2))
+    return ExtendPlan(
+        **cols,
+        tickets=tuple(InitTicket(pool=PoolId(p), init=init) for p in names),
+        snapshots=tuple(SnapshotTicket(pool=PoolId(p), snapshot=snap) for p in snap_pools),
+    )
+
+
+@st.composite
+def decode_columns(draw: Any) -> dict[str, Any]:
+    n = draw(st.integers(0, 4))
+    return {
+        "rids": draw(_distinct(rid_values, n)),
+        "slots": draw(_distinct(st.integers(1, 10_000), n)),
+        "seq_lens": draw(st.lists(st.integers(1, 2**31 - 1), min_size=n, max_size=n)),
+        "input_ids": draw(st.lists(token_ids, min_size=n, max_size=n)),
+        "kv_locs": draw(_distinct(st.integers(0, 100_000), n)),
+    }
+
+
+@st.composite
+def windows(draw: Any, *, single: bool) -> dict[str, Any]:
+    k, n = draw(st.integers(1, 4)), draw(st.integers(0, 3))
+    w = n * (k + 1)
+    return {
+        "k": k,
+        "rids": draw(_distinct(rid_values, n)),
+        "slots": draw(_distinct(st.integers(1, 10_000), n)),
+        "seq_lens": draw(st.lists(st.integers(1, 100_000), min_size=n, max_size=n)),
+        "input_ids": draw(st.lists(token_ids, min_size=n if single else w, max_size=n if single else w)),
+        "kv_locs": draw(_distinct(st.integers(0, 100_000), w)),
+    }
+
+
+@st.composite
+def commit_batches(draw: Any) -> CommitBatch:
+    cols = draw(windows(single=False))
+    n, k = len(cols["rids"]), cols["k"]
+    accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
+    released = draw(_distinct(st.integers(0, 100_000), n * k - sum(accept)))
+    return CommitBatch(**cols, verify_id=TicketSerial(draw(serial_ids)), accept_pos=accept, released_kv=released)
+
+
+@st.composite
+def draft_commit_batches(draw: Any) -> DraftCommitBatch:
+    cols = draw(windows(single=False))
+    n, k = len(cols["rids"]), cols["k"]
+    accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
+    return DraftCommitBatch(**cols, draft_id=TicketSerial(draw(serial_ids)), accept_pos=accept)
+
+
+@st.composite
+def draft_extend_batches(draw: Any) -> DraftExtendBatch:
+    cols = draw(extend_columns())
+    del cols["more_chunks"]
+    return DraftExtendBatch(**cols)
+
+
+@st.composite
+def admitted(draw: Any) -> AdmittedRequest:
+    slot = draw(st.integers(1, 10_000))
+    n = draw(row_lengths)
+    intent = draw(
+        st.just(Clear())
+        | st.builds(Continue, prefix_len=st.integers(1, 5000))
+        | st.builds(CopyFrom, src=st.integers(1, 10_000).filter(lambda s: s != slot).map(MambaSlot), prefix_len=st.integers(1, 5000))
+    )
+    snap = draw(st.none() | st.integers(1, 10_000).filter(lambda s: s != slot).map(MambaSlot))
+    return AdmittedRequest(
+        rid=RequestId(draw(rid_values)), slot=MambaSlot(slot), input_ids=draw(st.lists(token_ids, min_size=n, max_size=n)),
+        kv_locs=draw(_distinct(st.integers(0, 100_000), n)), intent=intent, more_chunks=draw(st.booleans()), snapshot_to=snap,
+    )
+
+
+@st.composite
+def accept_results(draw: Any) -> AcceptResult:
+    n = draw(st.integers(0, 4))
+    return AcceptResult(accepted=draw(st.lists(st.integers(0, 64), min_size=n, max_size=n)), bonus=draw(st.lists(token_ids, min_size=n, max_size=n)))
+
+
+decode_batches = decode_columns().map(lambda c: DecodeBatch(**c))
+decode_plans = decode_columns().map(lambda c: DecodePlan(**c))
+draft_batches = st.builds(lambda c, d: DraftBatch(**c, draft_id=TicketSerial(d)), windows(single=True), serial_ids)
+verify_batches = st.builds(lambda c, v: VerifyBatch(**c, verify_id=TicketSerial(v)), windows(single=False), serial_ids)
+
+NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
+    "ExtendBatch": extend_batches(),
+    "DecodeBatch": decode_batches,
+    "MixedBatch": st.builds(lambda e, d: MixedBatch(extend=e, decode=d), extend_batches(), decode_batches),
+    "IdleBatch": st.just(IdleBatch()),
+    "ExtendPlan": extend_plans(),
+    "DecodePlan": decode_plans,
+    "MixedPlan": st.builds(lambda e, d: MixedPlan(extend=e, decode=d), extend_plans(), decode_plans),
+    "IdlePlan": st.just(IdlePlan()),
+    "DraftBatch": draft_batches,
+    "VerifyBatch": verify_batches,
+    "CommitBatch": commit_batches(),
+    "DraftCommitBatch": draft_commit_batches(),
+    "DraftExtendBatch": draft_extend_batches(),
+    "DraftPlan": draft_batches.map(lambda b: DraftPlan(batch=b)),
+    "VerifyPlan": verify_batches.map(lambda b: VerifyPlan(batch=b)),
+    "CommitPlan": commit_batches().map(lambda b: CommitPlan(batch=b)),
+    "DraftCommitPlan": draft_commit_batches().map(lambda b: DraftCommitPlan(batch=b)),
+    "DraftExtendPlan": draft_extend_batches().map(lambda b: DraftExtendPlan(batch=b)),
+    "MambaInit": mamba_inits(),
+    "MambaSnapshot": mamba_snapshots(),
+    "InitTicket": st.builds(lambda p, i: InitTicket(pool=PoolId(p), init=i), pool_names, mamba_inits()),
+    "SnapshotTicket": st.builds(lambda p, s: SnapshotTicket(pool=PoolId(p), snapshot=s), pool_names, mamba_snapshots()),
+    "AdmittedRequest": admitted(),
+    "AcceptResult": accept_results(),
+}

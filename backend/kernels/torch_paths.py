@@ -65,24 +65,26 @@ def _run_crosses_rows(t: torch.Tensor, row_dims: int) -> bool:
 def _per_row(op: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, row_dims: int) -> torch.Tensor:
     """``op(t)`` for an elementwise ``op`` whose first ``row_dims`` axes index rows, giving each
     row's elements the bits ``op(t[row])`` gives them (see the module docstring)."""
-    lead, row_shape = t.shape[:row_dims], t.shape[row_dims:]
-    rows, row_numel = math.prod(lead), math.prod(row_shape)
+    rows, row_numel = math.prod(t.shape[:row_dims]), math.prod(t.shape[row_dims:])
     if rows <= 1 or row_numel == 0:
         return op(t)
-    padded = _run_crosses_rows(t, row_dims)
-    if padded:
-        gapped = torch.empty((rows, row_numel + 1), dtype=t.dtype, device=t.device)[:, :row_numel]
-        gapped.copy_(t.reshape(rows, row_numel))
-        t = gapped
-    elif row_dims > 1 and t.numel() >= GRAIN and torch.get_num_threads() > 1:
-        # blocks are cut along the first axis only: keep the others' layout by going row by row
-        return torch.stack([_per_row(op, t[i], row_dims - 1) for i in range(t.shape[0])])
+    if not _run_crosses_rows(t, row_dims):
+        return _unsplit(op, t, row_dims)
+    gapped = torch.empty((rows, row_numel + 1), dtype=t.dtype, device=t.device)[:, :row_numel]
+    gapped.copy_(t.reshape(rows, row_numel))
+    return _unsplit(op, gapped, 1).view(t.shape)
+
+
+def _unsplit(op: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, row_dims: int) -> torch.Tensor:
+    """``op(t)`` in blocks along the first axis that torch does not split across threads; an entry
+    of the first axis over the grain on its own is computed row by row along the next."""
     if t.numel() < GRAIN or torch.get_num_threads() == 1:
-        out = op(t)
-    else:
-        per_block = max(1, (GRAIN - 1) // (t.numel() // t.shape[0]))
-        out = torch.cat([op(block) for block in torch.split(t, per_block)])
-    return out.view(t.shape if not padded else (*lead, *row_shape))
+        return op(t)
+    per_entry = t.numel() // t.shape[0]
+    if per_entry >= GRAIN and row_dims > 1:
+        return torch.stack([_unsplit(op, entry, row_dims - 1) for entry in t.unbind(0)])
+    per_block = max(1, (GRAIN - 1) // per_entry)
+    return torch.cat([op(block) for block in torch.split(t, per_block)])
 
 
 def _live_rows(slot_idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

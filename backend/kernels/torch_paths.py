@@ -302,7 +302,9 @@ def commit_accepted(
     """``pool_state[slot_idx[row]] = intermediate[row, accept_pos[row]]`` for every row with both
     non-negative, as one indexed copy."""
     pos, slots = accept_pos.long(), slot_idx.long()
-    rows = ((pos >= 0) & (slots >= 0)).nonzero().squeeze(1)
-    if rows.numel() == 0:
+    commits = (pos >= 0) & (slots >= 0)
+    if bool(commits.all()):  # the serving case: every row accepted at least its first position
+        pool_state.index_copy_(0, slots, intermediate[torch.arange(pos.shape[0], device=pos.device), pos])
         return
+    rows = commits.nonzero().squeeze(1)
     pool_state.index_copy_(0, slots[rows], intermediate[rows, pos[rows]])

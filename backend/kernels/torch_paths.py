@@ -300,11 +300,20 @@ def commit_accepted(
     pool_state: torch.Tensor, intermediate: torch.Tensor, accept_pos: torch.Tensor, slot_idx: torch.Tensor
 ) -> None:
     """``pool_state[slot_idx[row]] = intermediate[row, accept_pos[row]]`` for every row with both
-    non-negative, as one indexed copy."""
+    non-negative, as one indexed copy.
+
+    The accepted states are gathered with one ``index_select`` over the (batch, T) axes merged into
+    one when they merge (a verify's output), which costs less than indexing the two axes."""
+    batch, T = intermediate.shape[:2]
     pos, slots = accept_pos.long(), slot_idx.long()
     commits = (pos >= 0) & (slots >= 0)
     if bool(commits.all()):  # the serving case: every row accepted at least its first position
-        pool_state.index_copy_(0, slots, intermediate[torch.arange(pos.shape[0], device=pos.device), pos])
-        return
-    rows = commits.nonzero().squeeze(1)
-    pool_state.index_copy_(0, slots[rows], intermediate[rows, pos[rows]])
+        first = torch.arange(0, batch * T, T, device=pos.device)  # flat index of each row's position 0
+    else:
+        rows = commits.nonzero().squeeze(1)
+        pos, slots, first = pos[rows], slots[rows], rows * T
+    if intermediate.stride(0) == T * intermediate.stride(1):
+        accepted = intermediate.flatten(0, 1).index_select(0, first + pos)
+    else:
+        accepted = intermediate[first // T, pos]
+    pool_state.index_copy_(0, slots, accepted)

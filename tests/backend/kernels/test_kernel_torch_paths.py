@@ -225,12 +225,20 @@ def test_conv_verify_of_one_position_and_of_low_precision_inputs_equals_referenc
         ([], []),
     ],
 )
-def test_commit_equals_reference(state_dtype: torch.dtype, accept: list[int], slots: list[int]) -> None:
+@pytest.mark.parametrize("position_major", [False, True])
+def test_commit_equals_reference(state_dtype: torch.dtype, accept: list[int], slots: list[int], position_major: bool) -> None:
     expected_pool, pool = _pool(state_dtype), _pool(state_dtype)
     before = pool.copy_buffer()
     batch = len(slots)
-    conv_inter = randn(batch, T, DIM, 3, seed=9, dtype=state_dtype, device=CPU)
-    ssm_inter = randn(batch, T, SSM_NHEADS, SSM_HEAD_DIM, SSM_D_STATE, seed=10, dtype=state_dtype, device=CPU)
+
+    def intermediate(*state: int, seed: int) -> torch.Tensor:
+        # a verify's layout, or [T, batch] transposed (each state still contiguous, the two axes not mergeable)
+        if position_major:
+            return randn(T, batch, *state, seed=seed, dtype=state_dtype, device=CPU).transpose(0, 1)
+        return randn(batch, T, *state, seed=seed, dtype=state_dtype, device=CPU)
+
+    conv_inter = intermediate(DIM, 3, seed=9)
+    ssm_inter = intermediate(SSM_NHEADS, SSM_HEAD_DIM, SSM_D_STATE, seed=10)
     a, s = index(accept, device=CPU), index(slots, dtype=torch.int32, device=CPU)
     for layer in (0, 1):
         reference.commit_reference(expected_pool.conv_state(layer), conv_inter, a, s)

@@ -34,6 +34,7 @@ import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final
+from unittest import mock
 
 import attrs
 import torch
@@ -328,14 +329,10 @@ def _reference_paths() -> Iterator[None]:
         causal_conv1d_verify=reference.causal_conv1d_verify_reference,
         commit_accepted=reference.commit_reference,
     )
-    modules = (ssm_module, conv_module, commit_module)
-    try:
-        for module in modules:
-            setattr(module, "torch_paths", per_row)  # noqa: B010  # mypy would reject the namespace for a module
+    with contextlib.ExitStack() as stack:
+        for module in (ssm_module, conv_module, commit_module):
+            stack.enter_context(mock.patch.object(module, "torch_paths", per_row))
         yield
-    finally:
-        for module in modules:
-            setattr(module, "torch_paths", torch_paths)  # noqa: B010  # as above
 
 
 def _bench_model(repeats: int) -> list[PathRow]:

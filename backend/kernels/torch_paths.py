@@ -9,8 +9,9 @@ once, advanced together, and scattered back with one indexed copy. Padding rows 
 pool untouched and their outputs zero. ``backend.reference`` stays the readable specification and
 the tests' oracle.
 
-Results equal the reference's bit for bit (states, outputs, every state dtype). Two details of
-torch's CPU loops make that take care, and ``_per_row`` takes it:
+On a CPU the results equal the reference's bit for bit (states, outputs, every state dtype). Two
+details of torch's CPU loops make that take care, and ``_per_row`` takes it (on other devices it
+applies the op as is: equal within float rounding there):
 
 - Torch evaluates a contiguous run of elements with SIMD code and the tail of the run (shorter
   than two vectors) with scalar code, and ``exp``, ``softplus`` and ``silu`` may differ between the
@@ -66,7 +67,7 @@ def _per_row(op: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, row_di
     """``op(t)`` for an elementwise ``op`` whose first ``row_dims`` axes index rows, giving each
     row's elements the bits ``op(t[row])`` gives them (see the module docstring)."""
     rows, row_numel = math.prod(t.shape[:row_dims]), math.prod(t.shape[row_dims:])
-    if rows <= 1 or row_numel == 0:
+    if rows <= 1 or row_numel == 0 or t.device.type != "cpu":
         return op(t)
     if not _run_crosses_rows(t, row_dims):
         return _unsplit(op, t, row_dims)
@@ -305,6 +306,8 @@ def commit_accepted(
     The accepted states are gathered with one ``index_select`` over the (batch, T) axes merged into
     one when they merge (a verify's output), which costs less than indexing the two axes."""
     batch, T = intermediate.shape[:2]
+    if batch == 0 or T == 0:  # no row, or no position to accept (every accept_pos is -1)
+        return
     pos, slots = accept_pos.long(), slot_idx.long()
     commits = (pos >= 0) & (slots >= 0)
     if bool(commits.all()):  # the serving case: every row accepted at least its first position

@@ -249,6 +249,15 @@ def test_commit_equals_reference(state_dtype: torch.dtype, accept: list[int], sl
     _untouched(pool, before, [sl for sl, p in zip(slots, accept, strict=True) if p >= 0])
 
 
+def test_commit_of_a_verify_without_positions_is_a_no_op() -> None:
+    pool = _pool(torch.float32)
+    before = pool.copy_buffer()
+    for batch in (0, 2):
+        inter = randn(batch, 0, DIM, 3, seed=1, device=CPU)
+        torch_paths.commit_accepted(pool.conv_state(0), inter, index([-1] * batch, device=CPU), index([1, 2][:batch], device=CPU))
+    assert torch.equal(pool.buffer, before)
+
+
 # -- speculative decoding on the torch path -------------------------------------------------------
 
 

@@ -1,8 +1,9 @@
 """Torch reference implementations of every pool kernel, written to be read, not to be fast.
 
-These are the executable specification: the Triton kernels are tested against them, and the launch
-wrappers in ``backend.kernels`` fall back to them on machines without a GPU. They assume arguments
-already validated by the wrappers (shapes, dtypes, slot ranges, no repeated slots).
+These are the executable specification: the Triton kernels and the batched torch paths of the
+decode, verify and commit wrappers (``backend.kernels.torch_paths``, what runs on machines without
+a GPU) are tested against them; ``init_rows`` falls back to its reference here directly. They
+assume arguments already validated by the wrappers (shapes, dtypes, slot ranges, no repeated slots).
 
 Conventions kept by every function here and by the kernels:
 

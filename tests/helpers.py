@@ -5,7 +5,7 @@
 - Backend worlds: small pool layouts, ``random_fill``, ``make_world`` (a target pool of random
   bytes with its ledger, allocators and executor), ``ToySpecModel`` (a speculative hook whose
   commit marks the pool bytes).
-- Kernels: ``make_pool`` (a random pool on the test device), ``randn``, ``index``.
+- Kernels: ``make_pool`` (a random pool on the test device, or another), ``randn``, ``index``, ``ssm_inputs``.
 - The hybrid model: ``tiny_model``, ``Backend`` (a model's pool, KV cache and token table with
   list-of-ints entry points), ``assert_close`` at float32 tolerance.
 - Serving: the tiny target and its default draft (``tiny_models``), ``engine``, the from-scratch
@@ -236,8 +236,9 @@ def make_pool(
     ssm_dtype: torch.dtype = torch.float32,
     layers: int = 2,
     seed: int = 0,
+    device: torch.device = DEVICE,
 ) -> MambaStatePool:
-    """A small pool on the test device whose every state holds random (finite) values."""
+    """A small pool on ``device`` (the test device) whose every state holds random (finite) values."""
     spec = MambaLayerSpec(
         conv_dim=conv_dim,
         kernel_width=kernel_width,
@@ -247,7 +248,7 @@ def make_pool(
         conv_dtype=conv_dtype,
         ssm_dtype=ssm_dtype,
     )
-    pool = MambaStatePool(TARGET_POOL, PoolLayout(layers=(spec,) * layers), capacity, device=DEVICE)
+    pool = MambaStatePool(TARGET_POOL, PoolLayout(layers=(spec,) * layers), capacity, device=device)
     gen = torch.Generator().manual_seed(seed)
     for layer in range(layers):
         for view in (pool.conv_state(layer), pool.ssm_state(layer)):
@@ -255,13 +256,13 @@ def make_pool(
     return pool
 
 
-def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, device: torch.device = DEVICE) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE)
+    return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
 
 
-def index(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=DEVICE)
+def index(values: list[int], dtype: torch.dtype = torch.int64, device: torch.device = DEVICE) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 SSM_NHEADS, SSM_HEAD_DIM, SSM_D_STATE = 4, 12, 16
@@ -281,18 +282,28 @@ class SsmInputs(NamedTuple):
     dt_bias: torch.Tensor | None
 
 
-def ssm_inputs(lead: tuple[int, ...], *, ngroups: int = 2, full: bool = True, seed: int = 0) -> SsmInputs:
-    """Per-token inputs with leading dims ``lead`` (``(batch,)`` or ``(batch, T)``)."""
-    nheads, head_dim, d_state = SSM_NHEADS, SSM_HEAD_DIM, SSM_D_STATE
+def ssm_inputs(
+    lead: tuple[int, ...],
+    *,
+    ngroups: int = 2,
+    full: bool = True,
+    seed: int = 0,
+    nheads: int = SSM_NHEADS,
+    head_dim: int = SSM_HEAD_DIM,
+    d_state: int = SSM_D_STATE,
+    device: torch.device = DEVICE,
+) -> SsmInputs:
+    """Per-token inputs with leading dims ``lead`` (``(batch,)`` or ``(batch, T)``); ``full`` gives
+    ``D``, ``z`` and ``dt_bias``, else they are ``None``."""
     return SsmInputs(
-        x=randn(*lead, nheads, head_dim, seed=seed),
-        dt=randn(*lead, nheads, seed=seed + 1) * 0.5,
-        A=-torch.rand(nheads, generator=torch.Generator().manual_seed(seed + 2)).to(DEVICE) - 0.1,
-        B=randn(*lead, ngroups, d_state, seed=seed + 3),
-        C=randn(*lead, ngroups, d_state, seed=seed + 4),
-        D=randn(nheads, seed=seed + 5) if full else None,
-        z=randn(*lead, nheads, head_dim, seed=seed + 6) if full else None,
-        dt_bias=randn(nheads, seed=seed + 7) if full else None,
+        x=randn(*lead, nheads, head_dim, seed=seed, device=device),
+        dt=randn(*lead, nheads, seed=seed + 1, device=device) * 0.5,
+        A=-torch.rand(nheads, generator=torch.Generator().manual_seed(seed + 2)).to(device) - 0.1,
+        B=randn(*lead, ngroups, d_state, seed=seed + 3, device=device),
+        C=randn(*lead, ngroups, d_state, seed=seed + 4, device=device),
+        D=randn(nheads, seed=seed + 5, device=device) if full else None,
+        z=randn(*lead, nheads, head_dim, seed=seed + 6, device=device) if full else None,
+        dt_bias=randn(nheads, seed=seed + 7, device=device) if full else None,
     )
 
 

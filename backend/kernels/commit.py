@@ -19,8 +19,7 @@ from collections import Counter
 
 import torch
 
-from backend import reference
-from backend.kernels import checks
+from backend.kernels import checks, torch_paths
 from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
 
@@ -70,7 +69,7 @@ def commit_accepted(
     """Scatter each row's accepted-position state from ``intermediate`` into its pool slot."""
     validate_commit(pool_state, intermediate, accept_pos, slot_idx)
     if not use_triton(pool_state):
-        reference.commit_reference(pool_state, intermediate, accept_pos, slot_idx)
+        torch_paths.commit_accepted(pool_state, intermediate, accept_pos, slot_idx)
         return
     batch, T = intermediate.shape[:2]
     row_numel = intermediate[0, 0].numel() if batch and T else 0

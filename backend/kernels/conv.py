@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from backend import reference
-from backend.kernels import checks
+from backend.kernels import checks, torch_paths
 from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
 
@@ -117,7 +116,7 @@ def causal_conv1d_update(
     """Decode: ``x [batch, dim]`` -> ``out [batch, dim]``; shifts ``x`` into ``conv_state[slot_idx]``."""
     _validate(x, conv_state, weight, bias, slot_idx, tokens_dims=1, check_slots=check_slots)
     if not use_triton(x):
-        return reference.causal_conv1d_update_reference(x, conv_state, weight, bias, silu=silu, slot_idx=slot_idx)
+        return torch_paths.causal_conv1d_update(x, conv_state, weight, bias, silu=silu, slot_idx=slot_idx)
     out = torch.zeros_like(x)
     if x.shape[0] and x.shape[1]:
         _launch(x[:, None], conv_state, weight, bias, out[:, None], slot_idx, conv_state, silu=silu, in_place=True)
@@ -140,7 +139,7 @@ def causal_conv1d_verify(
     """
     _validate(x, conv_state, weight, bias, slot_idx, tokens_dims=2, check_slots=check_slots)
     if not use_triton(x):
-        return reference.causal_conv1d_verify_reference(x, conv_state, weight, bias, silu=silu, slot_idx=slot_idx)
+        return torch_paths.causal_conv1d_verify(x, conv_state, weight, bias, silu=silu, slot_idx=slot_idx)
     batch, T, dim = x.shape
     out = torch.zeros_like(x)
     states = torch.zeros((batch, T, dim, conv_state.shape[-1]), dtype=conv_state.dtype, device=x.device)

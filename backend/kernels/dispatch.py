@@ -1,9 +1,10 @@
-"""Where a kernel call runs: the Triton kernel or the torch reference.
+"""Where a kernel call runs: the Triton kernel or its torch path.
 
 Rule (one place, every wrapper asks it): the Triton path is taken when the tensor is on CUDA, or
 when ``TRITON_INTERPRET=1`` and ``BATCHC_TRITON_ON_CPU=1`` are both set (Triton's interpreter then
 runs the kernel on the CPU; that is how the kernels are tested without a GPU); otherwise the torch
-reference in ``backend.reference`` runs.
+path runs: ``backend.kernels.torch_paths`` for decode, verify and commit (the references' arithmetic,
+batched over rows), ``backend.reference`` for ``init_rows``.
 
 Triton decides interpreter-or-compiler when ``@triton.jit`` runs, i.e. when a ``backend.kernels.jit``
 module is imported, not at launch. ``jit_module`` therefore re-imports a jit module whose
@@ -49,11 +50,11 @@ CPU_KERNELS_ENV = "BATCHC_TRITON_ON_CPU"
 
 def use_triton(t: torch.Tensor) -> bool:
     """The dispatch rule: Triton on CUDA tensors; on CPU tensors only when Triton's interpreter is on
-    *and* ``BATCHC_TRITON_ON_CPU=1`` asks for it (the kernel tests); else the torch reference.
+    *and* ``BATCHC_TRITON_ON_CPU=1`` asks for it (the kernel tests); else the torch path.
 
     The second switch exists because ``TRITON_INTERPRET`` must be set before Triton is first
     imported to take effect everywhere (Triton's own ``@jit`` library functions are decorated at
-    import), while the rest of a CPU process should keep the fast torch references."""
+    import), while the rest of a CPU process should keep the fast torch paths."""
     if not triton_available():
         return False
     return t.is_cuda or (interpret_enabled() and os.environ.get(CPU_KERNELS_ENV) == "1")

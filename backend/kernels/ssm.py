@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from backend import reference
-from backend.kernels import checks
+from backend.kernels import checks, torch_paths
 from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
 
@@ -157,7 +156,7 @@ def selective_state_update(
     require(x.dim() == 3, f"x must be [batch, nheads, head_dim], got shape {tuple(x.shape)}")
     _validate(state, x, dt, A, B, C, D, z, dt_bias, slot_idx, lead=(x.shape[0],), check_slots=check_slots)
     if not use_triton(x):
-        return reference.selective_state_update_reference(
+        return torch_paths.selective_state_update(
             state, x, dt, A, B, C, D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, slot_idx=slot_idx
         )
     y = torch.zeros_like(x)
@@ -203,7 +202,7 @@ def selective_state_verify(
     batch, T = x.shape[0], x.shape[1]
     _validate(state, x, dt, A, B, C, D, z, dt_bias, slot_idx, lead=(batch, T), check_slots=check_slots)
     if not use_triton(x):
-        return reference.selective_state_verify_reference(
+        return torch_paths.selective_state_verify(
             state, x, dt, A, B, C, D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, slot_idx=slot_idx
         )
     y = torch.zeros_like(x)

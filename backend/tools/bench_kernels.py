@@ -12,8 +12,13 @@ decode ``selective_state_update``, in achieved bandwidth against the device's HB
   one pool is resident at a time. ``selective_state_update`` runs at batch 1, 64 and 256 over one
   layer of a slot-major pool with bf16 activations; slot validation is skipped in the timed call
   (``check_slots=False``), as the executor validates once per forward.
-- On a CPU (or ``small=True``): the same measurements at toy sizes through the torch reference
-  paths, labelled as such; absolute figures there say nothing about a GPU.
+- On a CPU (or ``small=True``): the same measurements at toy sizes through the torch paths (the
+  per-row reference for init rows, ``backend.kernels.torch_paths`` for the SSM update), labelled as
+  such; absolute figures there say nothing about a GPU.
+- On a CPU also: the torch path of each decode/verify/commit kernel against the per-row reference
+  it replaced, at 8 and 32 rows, and one decode and one verify (T=3) of the bundled target at 8
+  rows with either in the wrappers; one thread, the two timed in turn within each repeat after a
+  warm-up, medians.
 
 Bytes moved: a clear writes one row, a COW reads and writes one; the SSM update reads and writes
 its state per row plus its inputs and outputs (x, z, y, dt, B, C; the per-head parameters are
@@ -22,16 +27,24 @@ negligible).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
+from unittest import mock
 
 import attrs
 import torch
 
 from backend import reference
+from backend.kernels import commit as commit_module
+from backend.kernels import conv as conv_module
+from backend.kernels import ssm as ssm_module
+from backend.kernels import torch_paths
+from backend.kernels.dispatch import CPU_KERNELS_ENV, use_triton
 from backend.kernels.init_rows import init_rows
 from backend.kernels.ssm import selective_state_update
 from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
@@ -199,7 +212,7 @@ def _bench_ssu(shape: BenchShape, device: torch.device, on_gpu: bool) -> list[Be
                 return selective_state_update(
                     state, x, dt, A, B, C, D, z=z, dt_bias=dt_bias, slot_idx=slot_idx, check_slots=False
                 )
-            return reference.selective_state_update_reference(
+            return torch_paths.selective_state_update(
                 state, x, dt, A, B, C, D, z=z, dt_bias=dt_bias, dt_softplus=True, slot_idx=slot_idx
             )
 
@@ -207,6 +220,169 @@ def _bench_ssu(shape: BenchShape, device: torch.device, on_gpu: bool) -> list[Be
         path = "triton" if on_gpu else "torch"
         rows.append(BenchRow(name="selective_state_update", path=path, size=f"batch {batch}", nbytes=nbytes, ms=ms))
     return rows
+
+
+TORCH_PATH_ROWS: Final = (8, 32)
+MODEL_ROWS: Final = (8,)
+VERIFY_T: Final = 3
+
+
+@attrs.frozen(kw_only=True)
+class PathRow:
+    """One torch-path measurement: the per-row reference against the batched path."""
+
+    name: str
+    rows: int
+    reference_ms: float
+    batched_ms: float
+
+
+def _interleaved_ms(fns: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """Median milliseconds of each of ``fns``: all run twice to warm up, then in turn ``repeats`` times."""
+    for fn in [*fns, *fns]:
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, samples, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(times) for times in samples]
+
+
+@contextlib.contextmanager
+def _single_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench_torch_paths(shape: BenchShape, repeats: int) -> list[PathRow]:
+    """Each decode/verify/commit kernel: per-row reference vs ``torch_paths``, float32 states."""
+    spec = attrs.evolve(shape.spec(), conv_dtype=torch.float32)
+    H, P, N, G, dim, width = shape.nheads, shape.head_dim, shape.d_state, shape.ngroups, shape.conv_dim, shape.width
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=gen)
+
+    A, D, dt_bias = -torch.rand(H, generator=gen) - 0.1, randn(H), randn(H)
+    weight, bias = randn(dim, width), randn(dim)
+    rows_out = []
+    for rows in TORCH_PATH_ROWS:
+        pool = MambaStatePool(PoolId("bench-torch-path"), PoolLayout(layers=(spec,)), rows)
+        pool.buffer.zero_()
+        conv, ssm = pool.conv_state(0), pool.ssm_state(0)
+        slots = torch.randperm(rows, generator=gen) + 1
+        accept = torch.randint(0, VERIFY_T, (rows,), generator=gen)  # serving commits every row (CommitBatch: accept_pos >= 0)
+
+        def ssm_in(*lead: int) -> tuple[torch.Tensor, ...]:
+            return randn(*lead, H, P), randn(*lead, H) * 0.5, randn(*lead, G, N), randn(*lead, G, N), randn(*lead, H, P)
+
+        x1, dt1, B1, C1, z1 = ssm_in(rows)
+        xT, dtT, BT, CT, zT = ssm_in(rows, VERIFY_T)
+        cx1, cxT = randn(rows, dim), randn(rows, VERIFY_T, dim)
+        ssm_states = randn(rows, VERIFY_T, *spec.ssm_shape)
+        cases: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
+            (
+                "selective_state_update",
+                lambda: reference.selective_state_update_reference(ssm, x1, dt1, A, B1, C1, D, z=z1, dt_bias=dt_bias, dt_softplus=True, slot_idx=slots),
+                lambda: torch_paths.selective_state_update(ssm, x1, dt1, A, B1, C1, D, z=z1, dt_bias=dt_bias, dt_softplus=True, slot_idx=slots),
+            ),
+            (
+                f"selective_state_verify (T={VERIFY_T})",
+                lambda: reference.selective_state_verify_reference(ssm, xT, dtT, A, BT, CT, D, z=zT, dt_bias=dt_bias, dt_softplus=True, slot_idx=slots),
+                lambda: torch_paths.selective_state_verify(ssm, xT, dtT, A, BT, CT, D, z=zT, dt_bias=dt_bias, dt_softplus=True, slot_idx=slots),
+            ),
+            (
+                "causal_conv1d_update",
+                lambda: reference.causal_conv1d_update_reference(cx1, conv, weight, bias, silu=True, slot_idx=slots),
+                lambda: torch_paths.causal_conv1d_update(cx1, conv, weight, bias, silu=True, slot_idx=slots),
+            ),
+            (
+                f"causal_conv1d_verify (T={VERIFY_T})",
+                lambda: reference.causal_conv1d_verify_reference(cxT, conv, weight, bias, silu=True, slot_idx=slots),
+                lambda: torch_paths.causal_conv1d_verify(cxT, conv, weight, bias, silu=True, slot_idx=slots),
+            ),
+            (
+                "commit_accepted (SSM state)",
+                lambda: reference.commit_reference(ssm, ssm_states, accept, slots),
+                lambda: torch_paths.commit_accepted(ssm, ssm_states, accept, slots),
+            ),
+        ]
+        for name, ref_fn, batched_fn in cases:
+            ref_ms, batched_ms = _interleaved_ms([ref_fn, batched_fn], repeats)
+            rows_out.append(PathRow(name=name, rows=rows, reference_ms=ref_ms, batched_ms=batched_ms))
+    return rows_out
+
+
+@contextlib.contextmanager
+def _reference_paths() -> Iterator[None]:
+    """The wrappers' torch path swapped for the per-row references (what it was before batching)."""
+    per_row = types.SimpleNamespace(
+        selective_state_update=reference.selective_state_update_reference,
+        selective_state_verify=reference.selective_state_verify_reference,
+        causal_conv1d_update=reference.causal_conv1d_update_reference,
+        causal_conv1d_verify=reference.causal_conv1d_verify_reference,
+        commit_accepted=reference.commit_reference,
+    )
+    with contextlib.ExitStack() as stack:
+        for module in (ssm_module, conv_module, commit_module):
+            stack.enter_context(mock.patch.object(module, "torch_paths", per_row))
+        yield
+
+
+def _bench_model(repeats: int) -> list[PathRow]:
+    """One decode and one verify of the bundled target over prefilled rows, either path in the wrappers."""
+    from backend.hybrid.checkpoint import default_target
+
+    model = default_target()
+    prompt = 16
+    out = []
+    for rows in MODEL_ROWS:
+        pool, kv, table = model.new_pool(rows), model.new_kv_cache(rows * (prompt + VERIFY_T) + 1), model.new_token_table(rows + 1, 64)
+        slots = torch.arange(1, rows + 1)
+        tokens = torch.randint(0, model.config.vocab, (rows, prompt + VERIFY_T), generator=torch.Generator().manual_seed(0))
+        locs = torch.arange(1, rows * (prompt + VERIFY_T) + 1).view(rows, prompt + VERIFY_T)
+        model.extend(
+            pool, kv, table, slots=slots, cu_seqlens=torch.arange(0, rows * prompt + 1, prompt),
+            prefix_lens=torch.zeros(rows, dtype=torch.int64), input_ids=tokens[:, :prompt].reshape(-1),
+            positions=torch.arange(prompt).repeat(rows), kv_locs=locs[:, :prompt].reshape(-1),
+        )
+        positions = torch.arange(prompt, prompt + VERIFY_T).expand(rows, VERIFY_T).contiguous()
+
+        def decode() -> object:
+            return model.decode(
+                pool, kv, table, slots=slots, input_ids=tokens[:, prompt], positions=positions[:, 0], kv_locs=locs[:, prompt]
+            )
+
+        def verify() -> object:
+            return model.verify(
+                pool, kv, table, slots=slots, input_ids=tokens[:, prompt:], positions=positions,
+                kv_locs=locs[:, prompt:].contiguous(),
+            )
+
+        for name, fn in (("bundled target decode", decode), (f"bundled target verify (T={VERIFY_T})", verify)):
+
+            def per_row(fn: Callable[[], object] = fn) -> object:
+                with _reference_paths():
+                    return fn()
+
+            ref_ms, batched_ms = _interleaved_ms([per_row, fn], repeats)
+            out.append(PathRow(name=name, rows=rows, reference_ms=ref_ms, batched_ms=batched_ms))
+    return out
+
+
+def format_path_rows(rows: list[PathRow]) -> list[str]:
+    header = f"{'torch path':<40}{'rows':>6}{'per-row ms':>13}{'batched ms':>13}{'batched/per-row':>18}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        ratio = r.batched_ms / r.reference_ms if r.reference_ms > 0 else float("nan")
+        lines.append(f"{r.name:<40}{r.rows:>6}{r.reference_ms:>13.3f}{r.batched_ms:>13.3f}{ratio:>18.2f}")
+    return lines
 
 
 def format_rows(rows: list[BenchRow], peak: float | None) -> list[str]:
@@ -221,8 +397,9 @@ def format_rows(rows: list[BenchRow], peak: float | None) -> list[str]:
     return lines
 
 
-def run(*, device: str | None = None, small: bool | None = None) -> str:
-    """Run the benchmark and return the report text."""
+def run(*, device: str | None = None, small: bool | None = None, repeats: int = 15) -> str:
+    """Run the benchmark and return the report text; ``repeats`` is the number of interleaved runs of
+    each torch-path measurement (CPU only)."""
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = dev.type == "cuda"
     shape = SMALL if (small if small is not None else not on_gpu) else REAL
@@ -240,9 +417,22 @@ def run(*, device: str | None = None, small: bool | None = None) -> str:
     )
     if not on_gpu:
         lines.append(
-            "CPU run: torch reference paths at toy sizes. Absolute GPU figures (bandwidth vs HBM peak, "
+            "CPU run: torch paths at toy sizes. Absolute GPU figures (bandwidth vs HBM peak, "
             "targets: init_rows >= 85% of peak and >= 2x layer-major, selective_state_update >= 70%) need a GPU."
         )
+        # the model runs through the wrappers, which take Triton's interpreter when asked to on a CPU
+        wrappers_on_torch = not use_triton(torch.empty(0, device=dev))
+        with _single_thread():
+            path_rows = _bench_torch_paths(shape, repeats) + (_bench_model(repeats) if wrappers_on_torch else [])
+        lines.append("")
+        lines += format_path_rows(path_rows)
+        lines.append(
+            f"per-row: the references in backend.reference (the wrappers' CPU path before torch_paths); batched: "
+            f"backend.kernels.torch_paths. One thread, medians of {repeats} interleaved runs after a warm-up; "
+            f"float32 states; the target rows run the whole forward with either path in the wrappers."
+        )
+        if not wrappers_on_torch:
+            lines.append(f"bundled target rows skipped: {CPU_KERNELS_ENV}=1 sends the wrappers to Triton's interpreter.")
     elif peak is None:
         lines.append("peak HBM bandwidth of this device is unknown: add it to PEAK_BANDWIDTH for % of peak.")
     lines.append(f"({time.perf_counter() - t0:.1f} s)")

@@ -8,7 +8,8 @@
   pipeline and through the mutable baseline (pre-fix, fixed, and with a ledger) on the same models.
 - ``batchc dump``: the IR after every pass of the built-in scenario.
 - ``batchc bench pipeline``: decode-step host cost against the mutable baseline.
-- ``batchc bench kernels``: the state-pool kernels (Triton on a GPU, torch references on a CPU).
+- ``batchc bench kernels``: the state-pool kernels (Triton on a GPU; on a CPU the torch paths, and
+  the batched ones against the per-row references they replaced).
 
 Bad input the user can cause (option values and their bounds, an empty path, ``--draft`` with
 ``--k 0``, ``BATCHC_VERIFY`` and ``BATCHC_DUMP_DIR``, workload files, checkpoint files, the ``--json``

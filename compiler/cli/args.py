@@ -171,7 +171,7 @@ def parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("serve", help="serving workload at k=0 and k=2: compiled pipeline vs. mutable baseline")
     bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=24, help=f"built-in workload size, at most {MAX_REQUESTS} (default 24)")
     bs.add_argument("--max-new-tokens", type=_positive, default=24, help="max tokens per request (default 24)")
-    bk = bsub.add_parser("kernels", help="state-pool kernels (init ops, selective_state_update)")
+    bk = bsub.add_parser("kernels", help="state-pool kernels (init ops, selective_state_update; on a CPU, torch paths vs per-row references)")
     bk.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     return p
 

@@ -36,7 +36,9 @@ def test_bench_pipeline_prints_the_table(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_bench_kernels_on_cpu_says_gpu_figures_need_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "kernels", "--device", "cpu"]) == 0
-    assert "need a GPU" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "need a GPU" in out
+    assert "bundled target decode" in out and "bundled target verify" in out  # the torch path against the per-row one
 
 
 def test_bad_option_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:

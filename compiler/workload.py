@@ -30,6 +30,8 @@ MAX_K = 32
 for them; each iteration runs k draft forwards)."""
 MAX_SERVE_BYTES = 4 << 30
 """Bound on the estimated memory of a run (4 GiB; ``compiler.serve.memory_estimate``)."""
+MAX_THREADS = 1024
+"""Most torch intra-op threads a run or benchmark may ask for (``ServeConfig.threads``)."""
 
 
 SYSTEM_PREFIXES: tuple[bytes, ...] = (
@@ -87,6 +89,11 @@ class ServeConfig:
     cache_block: int = 16
     max_len: int = 512
     lossless_sample: int = 4
+    threads: int = 1
+    """Torch intra-op threads (``torch.set_num_threads``) that ``batchc run`` and ``batchc bench``
+    set before any work; process-wide, so the library's ``run`` leaves it alone. The default is
+    measured: one thread was never slower than two for these model sizes on a loaded CPU, where
+    idle OpenMP workers spin-wait for cores other processes hold (README, "Threads")."""
 
     def __attrs_post_init__(self) -> None:
         for name, value in attrs.asdict(self).items():
@@ -97,6 +104,8 @@ class ServeConfig:
                 raise ServeError(f"{name} must be >= {lo}, got {value}")
         if self.k > MAX_K:
             raise ServeError(f"k must be in [0, {MAX_K}], got {self.k}")
+        if self.threads > MAX_THREADS:
+            raise ServeError(f"threads must be in [1, {MAX_THREADS}], got {self.threads}")
         if self.max_len < self.k + 3:
             raise ServeError(f"max_len {self.max_len} leaves no room for a prompt and a new token next to k + 1 = {self.k + 1}")
 

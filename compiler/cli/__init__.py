@@ -17,6 +17,9 @@ path before the run: a temporary file created next to it (never through a link, 
 the path) is filled and renamed onto it when the run ends. ``batchc run`` exits with status 1, saying why in one
 line on stderr, when a forward failed and aborted requests, a ticket was never consumed, or the
 lossless check failed.
+
+``batchc run`` and every ``batchc bench`` group set torch's intra-op threads (``--threads``, default
+``ServeConfig.threads``) before any work.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # a bad command line: one line on stderr, SystemExit(2)
     try:
         settings_from_env()  # BATCHC_VERIFY, BATCHC_DUMP_DIR: refused here, before anything runs
+        if getattr(args, "threads", None) is not None:  # run and every bench group
+            import torch
+
+            torch.set_num_threads(args.threads)
         match args.command:
             case "run":
                 return cmd_run(args, console)

@@ -15,6 +15,7 @@ from compiler.workload import (
     MAX_K,
     MAX_REQUESTS,
     MAX_SERVE_BYTES,
+    MAX_THREADS,
     MAX_WORKLOAD_BYTES,
     ServeConfig,
 )
@@ -103,6 +104,15 @@ def _path_arg(text: str) -> str:
     return text
 
 
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads", type=_int_in(1, MAX_THREADS), default=_SERVE.threads,
+        help=f"torch intra-op threads, set before any work, at most {MAX_THREADS} (default {_SERVE.threads}: on a CPU "
+        "shared with other processes, a second thread made no run faster in the measurements behind this "
+        "default and made some many times slower, its idle workers spinning for a core; see the README)",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line; option defaults of ``batchc run`` are ``ServeConfig``'s."""
     p = _Parser(
@@ -146,6 +156,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="PATH", type=_path_arg,
                      help="also write the summary as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                      "replaced when the run ends ('-' for stdout)")
+    _add_threads(run)
 
     ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")
     ab.add_argument("--k", type=_int_in(1, MAX_K), default=2, help=f"draft tokens per iteration, at most {MAX_K} (default 2)")
@@ -168,11 +179,14 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--sizes", type=_int_in(1, MAX_BENCH_BATCH), nargs="+", default=[1, 64, 256, 1024],
                     help=f"batch sizes, each at most {MAX_BENCH_BATCH}")
     bp.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats per size, at most {MAX_REPEATS} (default 7)")
+    _add_threads(bp)
     bs = bsub.add_parser("serve", help="serving workload at k=0 and k=2: compiled pipeline vs. mutable baseline")
     bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=24, help=f"built-in workload size, at most {MAX_REQUESTS} (default 24)")
     bs.add_argument("--max-new-tokens", type=_positive, default=24, help="max tokens per request (default 24)")
+    _add_threads(bs)
     bk = bsub.add_parser("kernels", help="state-pool kernels (init ops, selective_state_update)")
     bk.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    _add_threads(bk)
     return p
 
 

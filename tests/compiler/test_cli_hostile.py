@@ -193,9 +193,14 @@ def test_loader_checks_bytes_and_stop_against_the_vocabulary(tmp_path: Path) -> 
         (["bench", "pipeline", "--sizes", str(10**9)], "argument --sizes: expected at most 65536, got 1000000000"),
         (["bench", "kernels", "--device", "quantum"], "argument --device: unknown device 'quantum' (expected cpu, cuda or cuda:N)"),
         (["bench", "kernels", "--device", "cuda:99"], "argument --device: device 'cuda:99'"),
+        (["run", "--threads", "0"], "argument --threads: expected a positive integer, got 0"),
+        (["run", "--threads", "two"], "argument --threads: expected a positive integer, got 'two'"),
+        (["bench", "serve", "--threads", "-1"], "argument --threads: expected a positive integer, got -1"),
+        (["bench", "pipeline", "--threads", str(10**6)], "argument --threads: expected at most 1024, got 1000000"),
     ],
     ids=["requests-1e12", "k-negative", "k-huge", "lossless-negative", "seed-5000-digits", "max-running-not-int",
-         "unknown-option", "ab-requests-1e12", "bench-batch-1e9", "device-unknown", "device-cuda-99"],
+         "unknown-option", "ab-requests-1e12", "bench-batch-1e9", "device-unknown", "device-cuda-99", "threads-0",
+         "threads-not-int", "bench-threads-negative", "bench-threads-1e6"],
 )
 def test_bad_option_value(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], fragment: str) -> None:
     _refused(args, tmp_path, capsys, fragment)

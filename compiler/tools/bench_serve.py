@@ -2,7 +2,7 @@
 mutable baseline, side by side in one run, on the same models.
 
 Per run: generated tokens per second, steps, and host overhead per step: wall time minus the time
-spent inside the model's forwards (measured by a timing subclass of the model), divided by the
+spent inside the model's forwards (measured by ``TimedModel``), divided by the
 steps. The host overhead is what batchc adds or removes; the model time is the same work on both
 sides (the baseline has no prefix cache, so it prefills the shared prefixes' tails it cannot reuse).
 Both engines first serve two requests unmeasured, so one-time costs (imports, lazy set-up) fall on
@@ -11,52 +11,14 @@ neither side.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
-import torch
 
-from backend.hybrid.kv import KVCache, TokenTable
-from backend.hybrid.model import ForwardOut, HybridModel, VerifyOut, VerifyStates
-from backend.pool import MambaStatePool
+from backend.hybrid.model import HybridModel
 from compiler.serve import Request, ServeConfig, make_engine, serve
 from compiler.tools.compare_mutable import make_mutable, serve_mutable
-
-
-class TimedModel(HybridModel):
-    """A ``HybridModel`` that adds the wall time of each forward to ``seconds``."""
-
-    def __init__(self, model: HybridModel) -> None:
-        super().__init__(model.config, model.weights)
-        self.seconds = 0.0
-
-    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def extend(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: torch.Tensor) -> ForwardOut:
-        out: ForwardOut = self._timed(super().extend, pool, kv, table, **kw)
-        return out
-
-    def decode(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: torch.Tensor) -> ForwardOut:
-        out: ForwardOut = self._timed(super().decode, pool, kv, table, **kw)
-        return out
-
-    def verify(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: torch.Tensor) -> VerifyOut:
-        out: VerifyOut = self._timed(super().verify, pool, kv, table, **kw)
-        return out
-
-    def propose(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: Any) -> torch.Tensor:
-        out: torch.Tensor = self._timed(super().propose, pool, kv, table, **kw)
-        return out
-
-    def commit(self, pool: MambaStatePool, states: VerifyStates, **kw: torch.Tensor) -> None:
-        self._timed(super().commit, pool, states, **kw)
+from compiler.tools.timed import TimedModel
 
 
 @attrs.frozen(kw_only=True)

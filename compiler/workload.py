@@ -1,9 +1,9 @@
 """The bundled prompt set of the built-in workloads (``batchc run``, ``batchc ab``): system
 prefixes that many requests share (so their prefix state is cached and copied), and Python snippets
-that make up the request bodies; and the limits of ``batchc run``'s workloads and options (here,
-so that the command line can state them in ``--help`` without importing the serving stack), with
-the options record (``ServeConfig``, whose defaults are the command line's), the request record and
-the errors of a run."""
+that make up the request bodies; and the limits and defaults of ``batchc run``'s and ``batchc bench
+serve``'s workloads and options (here, so that the command line can state them in ``--help``
+without importing the serving stack), with the options record (``ServeConfig``, whose defaults are
+the command line's), the request record and the errors of a run."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ MAX_K = 32
 for them; each iteration runs k draft forwards)."""
 MAX_SERVE_BYTES = 4 << 30
 """Bound on the estimated memory of a run (4 GiB; ``compiler.serve.memory_estimate``)."""
+BENCH_SERVE_REPEATS = 3
+"""``batchc bench serve``'s default interleaved repeats (the default bench stays under a minute on a
+2-core CPU)."""
+SWEEP_RUNNING = (8, 32, 128, 256)
+"""``batchc bench serve --sweep``'s default running batches."""
+SWEEP_NEW_TOKENS = 8
+"""New tokens per request in ``batchc bench serve --sweep``."""
 MAX_THREADS = 1024
 """Most torch intra-op threads a run or benchmark may ask for (``ServeConfig.threads``)."""
 

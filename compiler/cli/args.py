@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from compiler.workload import (
     ARRIVALS,
+    BENCH_SERVE_REPEATS,
     BURST_EVERY,
     BURST_SIZE,
     MAX_K,
@@ -17,6 +18,8 @@ from compiler.workload import (
     MAX_SERVE_BYTES,
     MAX_THREADS,
     MAX_WORKLOAD_BYTES,
+    SWEEP_NEW_TOKENS,
+    SWEEP_RUNNING,
     ServeConfig,
 )
 from ir.errors import BatchcError
@@ -180,9 +183,23 @@ def parser() -> argparse.ArgumentParser:
                     help=f"batch sizes, each at most {MAX_BENCH_BATCH}")
     bp.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats per size, at most {MAX_REPEATS} (default 7)")
     _add_threads(bp)
-    bs = bsub.add_parser("serve", help="serving workload at k=0 and k=2: compiled pipeline vs. mutable baseline")
+    bs = bsub.add_parser(
+        "serve", help="serving workload at k=0 and k=2: compiled pipeline vs. the mutable baseline, pre-fix and fixed",
+        description="Serve a workload at k = 0 and k = 2 through the compiled engine and the mutable baseline "
+        "(pre-fix and with the upstream fix), every engine warmed up first, runs interleaved across engines; "
+        "report the median of the repeats per (k, engine, running batch).",
+    )
     bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=24, help=f"built-in workload size, at most {MAX_REQUESTS} (default 24)")
     bs.add_argument("--max-new-tokens", type=_positive, default=24, help="max tokens per request (default 24)")
+    bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
+                    help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")
+    bs.add_argument("--sweep", metavar="B", type=_int_in(1, MAX_REQUESTS), nargs="*", default=None,
+                    help="instead of the built-in workload, sweep the running batch: B requests arriving together at step 0, "
+                    f"{SWEEP_NEW_TOKENS} new tokens each, for each B (default B: {' '.join(map(str, SWEEP_RUNNING))}; "
+                    "each bounded by the memory estimate)")
+    bs.add_argument("--json", metavar="PATH", type=_path_arg,
+                    help="also write the rows as JSON to PATH, a new or regular file (not a link, device or FIFO), "
+                    "replaced when the bench ends ('-' for stdout)")
     _add_threads(bs)
     bk = bsub.add_parser("kernels", help="state-pool kernels (init ops, selective_state_update)")
     bk.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")

@@ -32,9 +32,13 @@ def make_engine(
 
 
 def serve(
-    driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None
+    driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> tuple[float, dict[str, int]]:
-    """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live."""
+    """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live.
+    ``on_finish`` gets the number of finished requests whenever it changes; ``on_step`` is called
+    before each step, after that step's admissions (to sample ``driver.live``, say). Returns the
+    wall seconds and the steps by kind."""
     queue = sorted(workload, key=lambda r: r.arrival)
     steps: dict[str, int] = {}
     step_no = 0
@@ -44,6 +48,8 @@ def serve(
         while queue and queue[0].arrival <= step_no and driver.live < max_running:
             r = queue.pop(0)
             driver.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, stop=r.stop)
+        if on_step is not None:
+            on_step()
         kind = driver.step().kind.value
         steps[kind] = steps.get(kind, 0) + 1
         step_no += 1

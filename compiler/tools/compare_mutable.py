@@ -6,7 +6,7 @@ every run is measured the same way (``TimedModel``), so the runs' host time per 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from backend.hybrid.model import HybridModel
 from compiler.baselines.spec import MutableSpecEngine
@@ -27,11 +27,13 @@ def make_mutable(target: HybridModel, draft: HybridModel, cfg: ServeConfig, *, k
                              kv_capacity=cfg.max_running * cfg.max_len + 1024, max_len=cfg.max_len, fixed=fixed)
 
 
-def serve_mutable(engine: MutableSpecEngine, workload: Sequence[Request], *, max_running: int) -> tuple[float, int]:
+def serve_mutable(
+    engine: MutableSpecEngine, workload: Sequence[Request], *, max_running: int, on_step: Callable[[], None] | None = None
+) -> tuple[float, int]:
     """The same admission loop for the mutable baseline; system prefixes are prefix states it COWs from
     (it has no prefix cache). The clock starts before they are built, as the compiled engine builds
-    its cached prefixes within its run, so the wall time holds every forward of the run. Returns
-    wall seconds and steps."""
+    its cached prefixes within its run, so the wall time holds every forward of the run. ``on_step``
+    is called before each step, after that step's admissions. Returns wall seconds and steps."""
     queue = sorted(workload, key=lambda r: r.arrival)
     t0 = time.perf_counter()
     cps = [engine.make_prefix(list(p)) for p in SYSTEM_PREFIXES]
@@ -41,6 +43,8 @@ def serve_mutable(engine: MutableSpecEngine, workload: Sequence[Request], *, max
             r = queue.pop(0)
             cp = next((c for c in cps if r.prompt.startswith(bytes(c.tokens)) and len(r.prompt) > len(c.tokens)), None)
             engine.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, prefix=cp)
+        if on_step is not None:
+            on_step()
         engine.step()
         steps += 1
     wall = time.perf_counter() - t0

@@ -65,7 +65,6 @@ def test_compare_mutable_shows_the_replays_and_the_acceptance_they_cost(tmp_path
     assert "compiled / mutable + upstream fix" in out and "host ms/step" in out
 
 
-
 def test_builtin_workload_arrival_patterns() -> None:
     from compiler.serve import builtin_workload
     from compiler.workload import BURST_EVERY, BURST_SIZE
@@ -133,8 +132,3 @@ def test_mismatched_checkpoint_names_the_tensor(tmp_path: Path, capsys: pytest.C
     code, _, err = _run(["--model", str(path)], capsys)
     assert code == 2 and "lm_head" in err and err.count("\n") == 1
 
-
-def test_bench_serve_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "serve", "--requests", "3", "--max-new-tokens", "4"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("compiled") >= 2 and out.count("mutable baseline") >= 2 and "host ms/step" in out

@@ -1,17 +1,23 @@
 """``batchc bench serve``: the JSON rows of the bench (built-in workload and the running-batch
-sweep), their medians and ratios. Tiny workloads; performance is measured by the bench, never
-asserted here."""
+sweep), their medians and ratios, and the mutable baseline's serving loop the bench shares with
+``run --compare-mutable``. Tiny workloads; performance is measured by the bench, never asserted
+here."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
 from compiler.cli import main
+from compiler.serve import Request, ServeConfig, make_engine, serve
 from compiler.tools.bench_serve import ENGINES, ServeRun, summarise, sweep_cases, sweep_workload
+from compiler.tools.compare_mutable import make_mutable, serve_mutable
 from compiler.workload import SWEEP_NEW_TOKENS
+from ir.ids import RequestId
+from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, tiny_models
 
 ROW_FIELDS = {
     "k": int, "engine": str, "overlap": bool, "running": int, "tokens_per_s": float, "host_ms_per_step": float,
@@ -92,3 +98,22 @@ def test_rows_report_the_median_of_the_repeats_and_ratios_of_the_medians() -> No
 def test_a_different_running_batch_is_a_different_row() -> None:
     rows = summarise([_run("compiled", 0, 100.0, 0, running=8), _run("compiled", 0, 100.0, 1, running=4)])
     assert [(r.running, r.repeats, r.vs_mutable_fixed) for r in rows] == [(8, 1, None), (4, 1, None)]
+
+
+def test_the_mutable_baseline_stops_where_the_compiled_engine_does() -> None:
+    # a workload file's stop byte reaches the baseline too, so both sides generate the same tokens
+    target, draft = tiny_models()
+    cfg = ServeConfig(k=2, lossless_sample=0)
+    prompt = bytes(REVIEW_PROMPTS[0])
+    free = [Request(rid=RequestId(0), prompt=prompt, max_new_tokens=REVIEW_NEW)]
+    compiled = make_engine(target, draft, cfg, None, cache=True, k=2)
+    serve(compiled, free, max_running=cfg.max_running)
+    stop = compiled.outputs[RequestId(0)][1]
+    stopped = [attrs.evolve(free[0], stop=stop)]
+    compiled = make_engine(target, draft, cfg, None, cache=True, k=2)
+    serve(compiled, stopped, max_running=cfg.max_running)
+    for fixed in (False, True):
+        mutable = make_mutable(target, draft, cfg, k=2, fixed=fixed)
+        serve_mutable(mutable, stopped, max_running=cfg.max_running)
+        assert mutable.outputs[RequestId(0)] == compiled.outputs[RequestId(0)]
+        assert mutable.outputs[RequestId(0)][-1] == stop and len(mutable.outputs[RequestId(0)]) < REVIEW_NEW

@@ -30,6 +30,9 @@ MAX_K = 32
 for them; each iteration runs k draft forwards)."""
 MAX_SERVE_BYTES = 4 << 30
 """Bound on the estimated memory of a run (4 GiB; ``compiler.serve.memory_estimate``)."""
+BENCH_SERVE_REQUESTS = 24
+BENCH_SERVE_NEW_TOKENS = 24
+"""``batchc bench serve``'s default built-in workload: requests, and most new tokens per request."""
 BENCH_SERVE_REPEATS = 3
 """``batchc bench serve``'s default interleaved repeats (the default bench stays under a minute on a
 2-core CPU)."""

@@ -10,7 +10,9 @@ from typing import NoReturn
 
 from compiler.workload import (
     ARRIVALS,
+    BENCH_SERVE_NEW_TOKENS,
     BENCH_SERVE_REPEATS,
+    BENCH_SERVE_REQUESTS,
     BURST_EVERY,
     BURST_SIZE,
     MAX_K,
@@ -189,8 +191,10 @@ def parser() -> argparse.ArgumentParser:
         "(pre-fix and with the upstream fix), every engine warmed up first, runs interleaved across engines; "
         "report the median of the repeats per (k, engine, running batch).",
     )
-    bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=24, help=f"built-in workload size, at most {MAX_REQUESTS} (default 24)")
-    bs.add_argument("--max-new-tokens", type=_positive, default=24, help="max tokens per request (default 24)")
+    bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=None,
+                    help=f"built-in workload size, at most {MAX_REQUESTS} (default {BENCH_SERVE_REQUESTS}; not with --sweep)")
+    bs.add_argument("--max-new-tokens", type=_positive, default=None,
+                    help=f"built-in workload: max tokens per request (default {BENCH_SERVE_NEW_TOKENS}; not with --sweep)")
     bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")
     bs.add_argument("--sweep", metavar="B", type=_int_in(1, MAX_REQUESTS), nargs="*", default=None,

@@ -98,17 +98,21 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import default_draft, default_target
     from compiler.serve import ServeConfig, check_serving
     from compiler.tools.bench_serve import ENGINES, builtin_cases, run_serve_bench, sweep_cases
-    from compiler.workload import SWEEP_NEW_TOKENS, SWEEP_RUNNING
+    from compiler.workload import BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
 
     sweep = args.sweep is not None
-    if not sweep:
-        bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2
-        if args.max_new_tokens > bound:
-            raise UsageError(f"--max-new-tokens {args.max_new_tokens} is over {bound}: the longest built-in prompt plus k + 1 = 3 must fit 512")
+    for option, value in (("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens)):
+        if sweep and value is not None:  # refused, not ignored: the sweep sizes its own workload
+            raise UsageError(f"{option} {value} with --sweep: the sweep serves B requests of {SWEEP_NEW_TOKENS} new tokens each")
+    requests = BENCH_SERVE_REQUESTS if args.requests is None else args.requests
+    new_tokens = BENCH_SERVE_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2
+    if not sweep and new_tokens > bound:
+        raise UsageError(f"--max-new-tokens {new_tokens} is over {bound}: the longest built-in prompt plus k + 1 = 3 must fit 512")
     if args.json is not None:
         check_output("--json", args.json)
     sizes = tuple(dict.fromkeys(args.sweep or SWEEP_RUNNING)) if sweep else ()
-    cases = sweep_cases(sizes) if sweep else builtin_cases(requests=args.requests, max_new_tokens=args.max_new_tokens)
+    cases = sweep_cases(sizes) if sweep else builtin_cases(requests=requests, max_new_tokens=new_tokens)
     target, draft = default_target(), default_draft()
     for case in cases:  # every engine of every case within the memory bound, before anything is allocated
         check_serving(target.config, draft.config, case.cfg, compare_mutable=True, names=("bundled target", "bundled draft"))

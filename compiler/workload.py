@@ -102,8 +102,9 @@ class ServeConfig:
     threads: int = 1
     """Torch intra-op threads (``torch.set_num_threads``) that ``batchc run`` and ``batchc bench``
     set before any work; process-wide, so the library's ``run`` leaves it alone. The default is
-    measured: one thread was never slower than two for these model sizes on a loaded CPU, where
-    idle OpenMP workers spin-wait for cores other processes hold (README, "Threads")."""
+    measured (README, "Threads"): on a CPU shared with other processes, two threads made runs many
+    times slower whenever another process held a core (idle OpenMP workers spin-wait for it), and
+    gained little when the CPU was quiet."""
 
     def __attrs_post_init__(self) -> None:
         for name, value in attrs.asdict(self).items():

@@ -112,9 +112,10 @@ def _path_arg(text: str) -> str:
 def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=_int_in(1, MAX_THREADS), default=_SERVE.threads,
-        help=f"torch intra-op threads, set before any work, at most {MAX_THREADS} (default {_SERVE.threads}: on a CPU "
-        "shared with other processes, a second thread made no run faster in the measurements behind this "
-        "default and made some many times slower, its idle workers spinning for a core; see the README)",
+        help=f"torch intra-op threads, set before any work, at most {MAX_THREADS} (default {_SERVE.threads}: measured on "
+        "a 2-core CPU shared with other processes, two threads made runs many times slower whenever another "
+        "process held a core, their idle workers spinning for it, and gained little when the CPU was quiet; "
+        "figures in the README, 'Threads')",
     )
 
 

@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # a bad command line: one line on stderr, SystemExit(2)
     try:
         settings_from_env()  # BATCHC_VERIFY, BATCHC_DUMP_DIR: refused here, before anything runs
-        if getattr(args, "threads", None) is not None:  # run and every bench group
+        if args.command in ("run", "bench"):  # every bench group takes --threads too
             import torch
 
             torch.set_num_threads(args.threads)

@@ -92,8 +92,6 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-
-
 def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import default_draft, default_target
     from compiler.serve import ServeConfig, check_serving

@@ -34,8 +34,8 @@ BENCH_SERVE_REQUESTS = 24
 BENCH_SERVE_NEW_TOKENS = 24
 """``batchc bench serve``'s default built-in workload: requests, and most new tokens per request."""
 BENCH_SERVE_REPEATS = 3
-"""``batchc bench serve``'s default interleaved repeats (the default bench stays under a minute on a
-2-core CPU)."""
+"""``batchc bench serve``'s default interleaved repeats, as many as keep the default bench short on
+a 2-core CPU (measured: README)."""
 SWEEP_RUNNING = (8, 32, 128, 256)
 """``batchc bench serve --sweep``'s default running batches."""
 SWEEP_NEW_TOKENS = 8

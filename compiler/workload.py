@@ -1,9 +1,9 @@
 """The bundled prompt set of the built-in workloads (``batchc run``, ``batchc ab``): system
 prefixes that many requests share (so their prefix state is cached and copied), and Python snippets
-that make up the request bodies; and the limits of ``batchc run``'s workloads and options (here,
-so that the command line can state them in ``--help`` without importing the serving stack), with
-the options record (``ServeConfig``, whose defaults are the command line's), the request record and
-the errors of a run."""
+that make up the request bodies; and the limits and defaults of ``batchc run``'s and ``batchc bench
+serve``'s workloads and options (here, so that the command line can state them in ``--help``
+without importing the serving stack), with the options record (``ServeConfig``, whose defaults are
+the command line's), the request record and the errors of a run."""
 
 from __future__ import annotations
 
@@ -30,6 +30,18 @@ MAX_K = 32
 for them; each iteration runs k draft forwards)."""
 MAX_SERVE_BYTES = 4 << 30
 """Bound on the estimated memory of a run (4 GiB; ``compiler.serve.memory_estimate``)."""
+BENCH_SERVE_REQUESTS = 24
+BENCH_SERVE_NEW_TOKENS = 24
+"""``batchc bench serve``'s default built-in workload: requests, and most new tokens per request."""
+BENCH_SERVE_REPEATS = 3
+"""``batchc bench serve``'s default interleaved repeats, as many as keep the default bench short on
+a 2-core CPU (measured: README)."""
+SWEEP_RUNNING = (8, 32, 128, 256)
+"""``batchc bench serve --sweep``'s default running batches."""
+SWEEP_NEW_TOKENS = 8
+"""New tokens per request in ``batchc bench serve --sweep``."""
+MAX_THREADS = 1024
+"""Most torch intra-op threads a run or benchmark may ask for (``ServeConfig.threads``)."""
 
 
 SYSTEM_PREFIXES: tuple[bytes, ...] = (
@@ -87,6 +99,12 @@ class ServeConfig:
     cache_block: int = 16
     max_len: int = 512
     lossless_sample: int = 4
+    threads: int = 1
+    """Torch intra-op threads (``torch.set_num_threads``) that ``batchc run`` and ``batchc bench``
+    set before any work; process-wide, so the library's ``run`` leaves it alone. The default is
+    measured (README, "Threads"): on a CPU shared with other processes, two threads made runs many
+    times slower whenever another process held a core (idle OpenMP workers spin-wait for it), and
+    gained little when the CPU was quiet."""
 
     def __attrs_post_init__(self) -> None:
         for name, value in attrs.asdict(self).items():
@@ -97,6 +115,8 @@ class ServeConfig:
                 raise ServeError(f"{name} must be >= {lo}, got {value}")
         if self.k > MAX_K:
             raise ServeError(f"k must be in [0, {MAX_K}], got {self.k}")
+        if self.threads > MAX_THREADS:
+            raise ServeError(f"threads must be in [1, {MAX_THREADS}], got {self.threads}")
         if self.max_len < self.k + 3:
             raise ServeError(f"max_len {self.max_len} leaves no room for a prompt and a new token next to k + 1 = {self.k + 1}")
 

@@ -7,11 +7,14 @@
 - Without a GPU, Triton's interpreter is on for the whole session, set before anything imports
   Triton so that Triton's own ``@jit`` library functions are interpreted too. CPU code still takes
   the torch references unless a kernel test asks for Triton (``BATCHC_TRITON_ON_CPU``).
+- Torch's intra-op thread count is put back after every test: the command line sets it
+  (``--threads``), and a test that runs the command line must not change it for the tests after.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -42,3 +45,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if notice is not None:
         terminalreporter.write_sep("-", "settings")
         terminalreporter.write_line(notice)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

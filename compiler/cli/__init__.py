@@ -8,6 +8,7 @@
   pipeline and through the mutable baseline (pre-fix, fixed, and with a ledger) on the same models.
 - ``batchc dump``: the IR after every pass of the built-in scenario.
 - ``batchc bench pipeline``: decode-step host cost against the mutable baseline.
+- ``batchc bench iteration``: one speculative iteration's model phases in target decodes.
 - ``batchc bench kernels``: the state-pool kernels (Triton on a GPU; on a CPU the torch paths, and
   the batched ones against the per-row references they replaced).
 
@@ -18,6 +19,9 @@ path before the run: a temporary file created next to it (never through a link, 
 the path) is filled and renamed onto it when the run ends. ``batchc run`` exits with status 1, saying why in one
 line on stderr, when a forward failed and aborted requests, a ticket was never consumed, or the
 lossless check failed.
+
+``batchc run`` and every ``batchc bench`` group set torch's intra-op threads (``--threads``, default
+``ServeConfig.threads``) before any work.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # a bad command line: one line on stderr, SystemExit(2)
     try:
         settings_from_env()  # BATCHC_VERIFY, BATCHC_DUMP_DIR: refused here, before anything runs
+        if args.command in ("run", "bench"):  # every bench group takes --threads too
+            import torch
+
+            torch.set_num_threads(args.threads)
         match args.command:
             case "run":
                 return cmd_run(args, console)

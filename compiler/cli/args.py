@@ -10,12 +10,18 @@ from typing import NoReturn
 
 from compiler.workload import (
     ARRIVALS,
+    BENCH_SERVE_NEW_TOKENS,
+    BENCH_SERVE_REPEATS,
+    BENCH_SERVE_REQUESTS,
     BURST_EVERY,
     BURST_SIZE,
     MAX_K,
     MAX_REQUESTS,
     MAX_SERVE_BYTES,
+    MAX_THREADS,
     MAX_WORKLOAD_BYTES,
+    SWEEP_NEW_TOKENS,
+    SWEEP_RUNNING,
     ServeConfig,
 )
 from ir.errors import BatchcError
@@ -25,6 +31,10 @@ _SERVE = ServeConfig()
 
 MAX_BENCH_BATCH = 1 << 16
 """Largest ``bench pipeline`` batch size (a batch's columns and plan are built in memory)."""
+MAX_ITERATION_ROWS = 256
+"""Most rows ``bench iteration`` times (each row holds a prompt in both models' caches)."""
+MAX_ITERATION_K = 8
+"""Largest ``k`` of ``bench iteration``."""
 MAX_REPEATS = 1000
 
 
@@ -103,6 +113,16 @@ def _path_arg(text: str) -> str:
     return text
 
 
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads", type=_int_in(1, MAX_THREADS), default=_SERVE.threads,
+        help=f"torch intra-op threads, set before any work, at most {MAX_THREADS} (default {_SERVE.threads}: measured on "
+        "a 2-core CPU shared with other processes, two threads made runs many times slower whenever another "
+        "process held a core, their idle workers spinning for it, and gained little when the CPU was quiet; "
+        "figures in the README, 'Threads')",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line; option defaults of ``batchc run`` are ``ServeConfig``'s."""
     p = _Parser(
@@ -146,6 +166,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="PATH", type=_path_arg,
                      help="also write the summary as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                      "replaced when the run ends ('-' for stdout)")
+    _add_threads(run)
 
     ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")
     ab.add_argument("--k", type=_int_in(1, MAX_K), default=2, help=f"draft tokens per iteration, at most {MAX_K} (default 2)")
@@ -168,11 +189,40 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--sizes", type=_int_in(1, MAX_BENCH_BATCH), nargs="+", default=[1, 64, 256, 1024],
                     help=f"batch sizes, each at most {MAX_BENCH_BATCH}")
     bp.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats per size, at most {MAX_REPEATS} (default 7)")
-    bs = bsub.add_parser("serve", help="serving workload at k=0 and k=2: compiled pipeline vs. mutable baseline")
-    bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=24, help=f"built-in workload size, at most {MAX_REQUESTS} (default 24)")
-    bs.add_argument("--max-new-tokens", type=_positive, default=24, help="max tokens per request (default 24)")
+    _add_threads(bp)
+    bs = bsub.add_parser(
+        "serve", help="serving workload at k=0 and k=2: compiled pipeline vs. the mutable baseline, pre-fix and fixed",
+        description="Serve a workload at k = 0 and k = 2 through the compiled engine and the mutable baseline "
+        "(pre-fix and with the upstream fix), every engine warmed up first, runs interleaved across engines; "
+        "report the median of the repeats per (k, engine, running batch).",
+    )
+    bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=None,
+                    help=f"built-in workload size, at most {MAX_REQUESTS} (default {BENCH_SERVE_REQUESTS}; not with --sweep)")
+    bs.add_argument("--max-new-tokens", type=_positive, default=None,
+                    help=f"built-in workload: max tokens per request (default {BENCH_SERVE_NEW_TOKENS}; not with --sweep)")
+    bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
+                    help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")
+    bs.add_argument("--sweep", metavar="B", type=_int_in(1, MAX_REQUESTS), nargs="*", default=None,
+                    help="instead of the built-in workload, sweep the running batch: B requests arriving together at step 0, "
+                    f"{SWEEP_NEW_TOKENS} new tokens each, for each B (default B: {' '.join(map(str, SWEEP_RUNNING))}; "
+                    "each bounded by the memory estimate)")
+    bs.add_argument("--json", metavar="PATH", type=_path_arg,
+                    help="also write the rows as JSON to PATH, a new or regular file (not a link, device or FIFO), "
+                    "replaced when the bench ends ('-' for stdout)")
+    _add_threads(bs)
     bk = bsub.add_parser("kernels", help="state-pool kernels (init ops, selective_state_update; on a CPU, torch paths vs per-row references)")
     bk.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    _add_threads(bk)
+    bi = bsub.add_parser(
+        "iteration", help="one speculative iteration's model phases in target decodes (bundled target and draft)",
+        description="Time each model phase of a speculative iteration (verify, commit, the draft's proposal and commit; "
+        "and the draft-extend iteration it replaced) on the bundled models and divide by one target decode of the same rows: "
+        "speculation pays when an iteration costs fewer decodes than the tokens it emits per row.",
+    )
+    bi.add_argument("--rows", type=_int_in(1, MAX_ITERATION_ROWS), default=8, help=f"running requests, at most {MAX_ITERATION_ROWS} (default 8)")
+    bi.add_argument("--k", type=_int_in(1, MAX_ITERATION_K), default=2, help=f"draft tokens per row, at most {MAX_ITERATION_K} (default 2)")
+    bi.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats, the minimum is kept, at most {MAX_REPEATS} (default 7)")
+    _add_threads(bi)
     return p
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from compiler.cli.args import UsageError
-from compiler.cli.output import OutputFile
+from compiler.cli.output import OutputFile, check_output
 from compiler.manager import PassManager
 from ir.errors import BatchcError
 
@@ -85,30 +85,87 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         )
         return 0
     if args.group == "serve":
-        from backend.hybrid.checkpoint import default_draft, default_target
-        from compiler.serve import ServeConfig, builtin_workload
-        from compiler.tools.bench_serve import run_serve_bench
-
-        bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2
-        if args.max_new_tokens > bound:
-            raise UsageError(f"--max-new-tokens {args.max_new_tokens} is over {bound}: the longest built-in prompt plus k + 1 = 3 must fit 512")
-        workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens)
-        with console.status("serving the workload four times (k=0 and k=2, compiled and mutable)"):
-            srows = run_serve_bench(default_target(), default_draft(), workload)
-        table = Table(title=f"bench serve: {len(workload)} requests, bundled target and draft, side by side in one run")
-        for h in ("k", "engine", "tokens", "tokens/s", "steps", "model s", "host ms/step"):
-            table.add_column(h, justify="right")
-        for sr in srows:
-            table.add_row(
-                str(sr.k), sr.engine, str(sr.tokens), f"{sr.tokens_per_s:.1f}", str(sr.steps), f"{sr.model_s:.2f}",
-                f"{sr.host_ms_per_step:.2f}",
-            )
-        console.print(table)
-        console.print("host ms/step = (wall - time inside model forwards) / steps. The baseline has no prefix cache.")
-        return 0
+        return _bench_serve(args, console)
+    if args.group == "iteration":
+        return _bench_iteration(args, console)
     from backend.tools.bench_kernels import run as run_kernel_bench
 
     print(run_kernel_bench(device=args.device))
     return 0
 
 
+def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
+    from backend.hybrid.checkpoint import default_draft, default_target
+    from compiler.tools.bench_iteration import run_iteration_bench
+
+    with console.status("timing the phases of a speculative iteration"):
+        report = run_iteration_bench(default_target(), default_draft(), rows=args.rows, k=args.k, repeats=args.repeats)
+    table = Table(title=f"one speculative iteration, {report.rows} rows, k={report.k}: min of {report.repeats} interleaved repeats")
+    for h in ("phase", "ms", "target decodes"):
+        table.add_column(h, justify="right")
+    for p in report.phases:
+        table.add_row(p.phase, f"{p.seconds * 1e3:.2f}", f"{p.decodes:.2f}")
+    console.print(table)
+    console.print(
+        f"iteration (verify + commit + propose + draft commit): {report.iteration_decodes:.2f} target decodes; "
+        f"the draft-extend iteration (verify + commit + propose k + draft extend): {report.replaced_iteration_decodes:.2f}. "
+        "Speculation pays when an iteration costs fewer decodes than the tokens it emits per row."
+    )
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace, console: Console) -> int:
+    from backend.hybrid.checkpoint import default_draft, default_target
+    from compiler.serve import ServeConfig, check_serving
+    from compiler.tools.bench_serve import ENGINES, builtin_cases, run_serve_bench, sweep_cases
+    from compiler.workload import BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
+
+    sweep = args.sweep is not None
+    for option, value in (("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens)):
+        if sweep and value is not None:  # refused, not ignored: the sweep sizes its own workload
+            raise UsageError(f"{option} {value} with --sweep: the sweep serves B requests of {SWEEP_NEW_TOKENS} new tokens each")
+    requests = BENCH_SERVE_REQUESTS if args.requests is None else args.requests
+    new_tokens = BENCH_SERVE_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2
+    if not sweep and new_tokens > bound:
+        raise UsageError(f"--max-new-tokens {new_tokens} is over {bound}: the longest built-in prompt plus k + 1 = 3 must fit 512")
+    if args.json is not None:
+        check_output("--json", args.json)
+    sizes = tuple(dict.fromkeys(args.sweep or SWEEP_RUNNING)) if sweep else ()
+    cases = sweep_cases(sizes) if sweep else builtin_cases(requests=requests, max_new_tokens=new_tokens)
+    target, draft = default_target(), default_draft()
+    for case in cases:  # every engine of every case within the memory bound, before anything is allocated
+        check_serving(target.config, draft.config, case.cfg, compare_mutable=True, names=("bundled target", "bundled draft"))
+    t0 = time.perf_counter()
+    with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run; written at its end
+        with console.status("warming up every engine") as status:
+            def progress(done: int, total: int, run: object) -> None:
+                status.update(f"run {done + 1 if done < total else total}/{total} (interleaved: {', '.join(ENGINES)}, then again)")
+
+            rows = run_serve_bench(target, draft, cases, repeats=args.repeats, on_run=progress)
+        what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
+                else f"{len(cases[0].requests)} requests of the built-in workload")
+        table = Table(title=f"bench serve: {what}, bundled target and draft",
+                      caption=f"median of {args.repeats} interleaved repeats per (k, engine, running)")
+        for h in ("k", "engine", "running", "tokens", "steps", "tokens/s", "/ mutable-fixed", "/ k=0", "model s", "host ms/step"):
+            table.add_column(h, justify="right")
+        order = sorted(rows, key=lambda r: (r.running, r.k, ENGINES.index(r.engine))) if sweep else rows
+        for r in order:
+            table.add_row(
+                str(r.k), r.engine, str(r.running), str(r.tokens), str(r.steps), f"{r.tokens_per_s:.1f}",
+                _times(r.vs_mutable_fixed), _times(r.vs_k0), f"{r.model_s:.2f}", f"{r.host_ms_per_step:.2f}",
+            )
+        console.print(table)
+        console.print(
+            "host ms/step = (wall - time inside model forwards) / steps. '/ mutable-fixed' and '/ k=0': the row's "
+            "tokens/s over the fixed baseline's (same k and running) and over its own engine's at k=0, measured in "
+            "this run (ratios of the medians). mutable = the pre-fix baseline (replays stale init ops); neither "
+            f"baseline has a prefix cache. {time.perf_counter() - t0:.0f} s in all.",
+            highlight=False,
+        )
+        output.write(json.dumps([r.to_json() for r in rows], indent=2))
+    return 0
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"

@@ -13,7 +13,7 @@ from compiler.engine import Engine
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.serve.memory import check_serving
-from compiler.serve.summary import Sample, ServeSummary
+from compiler.serve.summary import Sample, ServeSummary, host_ms_per_step
 from compiler.workload import Request, ServeConfig
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId
 
@@ -32,9 +32,13 @@ def make_engine(
 
 
 def serve(
-    driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None
+    driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> tuple[float, dict[str, int]]:
-    """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live."""
+    """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live.
+    ``on_finish`` gets the number of finished requests whenever it changes; ``on_step`` is called
+    before each step, after that step's admissions (to sample ``driver.live``, say). Returns the
+    wall seconds and the steps by kind."""
     queue = sorted(workload, key=lambda r: r.arrival)
     steps: dict[str, int] = {}
     step_no = 0
@@ -44,6 +48,8 @@ def serve(
         while queue and queue[0].arrival <= step_no and driver.live < max_running:
             r = queue.pop(0)
             driver.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, stop=r.stop)
+        if on_step is not None:
+            on_step()
         kind = driver.step().kind.value
         steps[kind] = steps.get(kind, 0) + 1
         step_no += 1
@@ -61,13 +67,21 @@ def run(
     *,
     on_finish: Callable[[int], None] | None = None,
     compare_mutable: bool = False,
+    model_clock: Callable[[], float] | None = None,
 ) -> ServeSummary:
     """Serve ``workload`` on the engine and summarise the run. ``compare_mutable`` only sizes the
-    memory check for the baseline runs that ``compiler.tools.compare_mutable`` adds afterwards."""
+    memory check for the baseline runs that ``compiler.tools.compare_mutable`` adds afterwards.
+    ``model_clock``: the seconds spent inside the models' forwards so far (a timing wrapper's
+    running total), read before and after the served run; with it the summary reports the run's
+    model time and its host time per step (wall minus model time, per step). The lossless check
+    after the run is not counted."""
     check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable)
     pm = PassManager.from_env()
     driver = make_engine(target, draft, cfg, pm, cache=True, k=cfg.k)
+    model_before = model_clock() if model_clock is not None else 0.0
     wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish)
+    model_s = model_clock() - model_before if model_clock is not None else None
+    n_steps = sum(steps.values())
     driver.drop_cache()
     ledger = driver.ledger
     generated = sum(len(v) for v in driver.outputs.values())
@@ -97,10 +111,12 @@ def run(
         prompt_tokens=sum(len(r.prompt) for r in workload),
         generated_tokens=generated,
         k=cfg.k,
-        steps=sum(steps.values()),
+        steps=n_steps,
         steps_by_kind=", ".join(f"{k}={v}" for k, v in sorted(steps.items())),
         wall_s=wall,
         tokens_per_s=generated / wall if wall else 0.0,
+        model_s=model_s,
+        host_ms_per_step=host_ms_per_step(wall, model_s, n_steps) if model_s is not None else None,
         acceptance_rate=driver.stats.acceptance_rate,
         mean_accepted_length=driver.stats.mean_accepted_length,
         prefix_cache_hit_rate=cache.stats.hit_rate if cache is not None else 0.0,

@@ -14,6 +14,12 @@ class Sample:
     completion: str
 
 
+def host_ms_per_step(wall_s: float, model_s: float, steps: int) -> float:
+    """Exposed host time per step in milliseconds: wall time minus the time inside the models'
+    forwards, divided by the steps (0 for a run of no steps)."""
+    return (wall_s - model_s) / steps * 1e3 if steps else 0.0
+
+
 @attrs.frozen(kw_only=True)
 class MutableRun:
     """The same workload through the mutable baseline (``compiler.tools.compare_mutable``)."""
@@ -26,11 +32,16 @@ class MutableRun:
     stale_ops_run: int
     wall_s: float
     tokens_per_s: float
+    steps: int
+    model_s: float
+    """Seconds inside the models' forwards."""
+    host_ms_per_step: float
+    """(``wall_s`` - ``model_s``) / ``steps``, in milliseconds."""
 
 
 _OPTIONAL = frozenset({
     "draft_clears_minted_consumed", "draft_cows_minted_consumed", "draft_snapshots_minted_consumed", "lossless_check",
-    "lossless_ok", "mutable_baseline", "mutable_baseline_fixed",
+    "lossless_ok", "mutable_baseline", "mutable_baseline_fixed", "model_s", "host_ms_per_step",
 })
 
 
@@ -47,6 +58,10 @@ class ServeSummary:
     steps_by_kind: str
     wall_s: float
     tokens_per_s: float
+    model_s: float | None = None
+    """Seconds inside the models' forwards during the served run (when ``run`` was given a model clock)."""
+    host_ms_per_step: float | None = None
+    """(``wall_s`` - ``model_s``) / ``steps``, in milliseconds (with ``model_s``)."""
     acceptance_rate: float
     mean_accepted_length: float
     prefix_cache_hit_rate: float
@@ -75,7 +90,19 @@ class ServeSummary:
     mutable_baseline: MutableRun | None = None
     mutable_baseline_fixed: MutableRun | None = None
 
+    @property
+    def tokens_per_s_vs_mutable_fixed(self) -> float | None:
+        """Compiled tokens/s over the fixed mutable baseline's on the same workload (when it ran)."""
+        fixed = self.mutable_baseline_fixed
+        if fixed is None:
+            return None
+        return self.tokens_per_s / fixed.tokens_per_s if fixed.tokens_per_s else 0.0
+
     def to_json(self) -> dict[str, object]:
-        return {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None)}
+        out = {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None)}
+        ratio = self.tokens_per_s_vs_mutable_fixed
+        if ratio is not None:
+            out["tokens_per_s_vs_mutable_fixed"] = ratio
+        return out
 
 

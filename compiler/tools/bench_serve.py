@@ -1,76 +1,105 @@
-"""``batchc bench serve``: the serving workload at k = 0 and k = 2, compiled pipeline vs. the
-mutable baseline, side by side in one run, on the same models.
+"""``batchc bench serve``: a serving workload at k = 0 and k = 2 through the compiled engine and the
+mutable baseline, pre-fix (``mutable``: it replays stale init ops) and with the upstream fix
+(``mutable-fixed``), on the same models, in one run.
 
-Per run: generated tokens per second, steps, and host overhead per step: wall time minus the time
-spent inside the model's forwards (measured by a timing subclass of the model), divided by the
-steps. The host overhead is what batchc adds or removes; the model time is the same work on both
-sides (the baseline has no prefix cache, so it prefills the shared prefixes' tails it cannot reuse).
-Both engines first serve two requests unmeasured, so one-time costs (imports, lazy set-up) fall on
-neither side.
+Per run: generated tokens per second, steps, and host time per step: wall time minus the time
+spent inside the models' forwards (``TimedModel``), divided by the steps. The host time is what
+batchc adds or removes; the model time is much the same work on every side (the baseline has no
+prefix cache: it builds the system prefixes' states at the start of its run and COWs from them, and
+prefills the prompts' tails whole, in one forward).
+
+Every engine first serves a couple of requests of every case unmeasured (``warm_up``), so one-time
+costs fall on no measured run. Then the runs go round the engines (compiled, mutable,
+mutable-fixed, then again) ``repeats`` times, so drifting machine load falls on all of them alike,
+and each (workload, k, engine, running) reports the median of its repeats, with its tokens/s over
+the fixed baseline's and over its own at k = 0 (ratios of the medians).
+
+Workloads: the built-in one (``builtin_cases``), or the running-batch sweep (``sweep_cases``): B
+short requests arriving together at step 0, for each B, with the engines sized for B.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-from typing import Any
+import random
+import statistics
+from collections.abc import Callable, Sequence
 
 import attrs
-import torch
 
-from backend.hybrid.kv import KVCache, TokenTable
-from backend.hybrid.model import ForwardOut, HybridModel, VerifyOut, VerifyStates
-from backend.pool import MambaStatePool
-from compiler.serve import Request, ServeConfig, make_engine, serve
-from compiler.tools.compare_mutable import make_mutable, serve_mutable
+from backend.hybrid.model import HybridModel
+from compiler.serve import Request, ServeConfig, builtin_workload, make_engine, serve
+from compiler.serve.summary import host_ms_per_step
+from compiler.tools.compare_mutable import make_mutable, serve_mutable, warm_up
+from compiler.tools.timed import TimedModel
+from compiler.workload import SNIPPETS, SWEEP_NEW_TOKENS, SYSTEM_PREFIXES
+from ir.ids import RequestId
 
-
-class TimedModel(HybridModel):
-    """A ``HybridModel`` that adds the wall time of each forward to ``seconds``."""
-
-    def __init__(self, model: HybridModel) -> None:
-        super().__init__(model.config, model.weights)
-        self.seconds = 0.0
-
-    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def extend(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: torch.Tensor) -> ForwardOut:
-        out: ForwardOut = self._timed(super().extend, pool, kv, table, **kw)
-        return out
-
-    def decode(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: torch.Tensor) -> ForwardOut:
-        out: ForwardOut = self._timed(super().decode, pool, kv, table, **kw)
-        return out
-
-    def verify(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: torch.Tensor) -> VerifyOut:
-        out: VerifyOut = self._timed(super().verify, pool, kv, table, **kw)
-        return out
-
-    def propose(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: Any) -> torch.Tensor:
-        out: torch.Tensor = self._timed(super().propose, pool, kv, table, **kw)
-        return out
-
-    def propose_keeping_states(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: Any) -> tuple[torch.Tensor, VerifyStates]:
-        out: tuple[torch.Tensor, VerifyStates] = self._timed(super().propose_keeping_states, pool, kv, table, **kw)
-        return out
-
-    def commit(self, pool: MambaStatePool, states: VerifyStates, **kw: torch.Tensor) -> None:
-        self._timed(super().commit, pool, states, **kw)
+ENGINES = ("compiled", "mutable", "mutable-fixed")
+"""The engines of every case, in the order each repeat runs them."""
+KS = (0, 2)
 
 
 @attrs.frozen(kw_only=True)
-class ServeRow:
+class BenchCase:
+    """One workload at one k, and the configuration every engine is sized by."""
+
+    workload: str
+    """``"builtin"`` or ``"sweep"``."""
+    k: int
+    cfg: ServeConfig
+    requests: tuple[Request, ...]
+
+
+def builtin_cases(*, requests: int, max_new_tokens: int, ks: Sequence[int] = KS) -> list[BenchCase]:
+    """The built-in workload (bursts, shared prefixes, chunked prompts) at each k, with
+    ``batchc run``'s default configuration."""
+    workload = tuple(builtin_workload(num_requests=requests, max_new_tokens=max_new_tokens))
+    return [BenchCase(workload="builtin", k=k, cfg=ServeConfig(k=k), requests=workload) for k in ks]
+
+
+def sweep_workload(running: int, *, new_tokens: int = SWEEP_NEW_TOKENS, seed: int = 0) -> list[Request]:
+    """``running`` requests arriving together at step 0, each asking for exactly ``new_tokens``:
+    one bundled snippet, two thirds of them behind one of the shared system prefixes."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(running):
+        prefix = rng.choice((-1, 0, 1))
+        prompt = (SYSTEM_PREFIXES[prefix] if prefix >= 0 else b"") + rng.choice(SNIPPETS)
+        out.append(Request(rid=RequestId(i), prompt=prompt, max_new_tokens=new_tokens, arrival=0))
+    return out
+
+
+def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int = SWEEP_NEW_TOKENS) -> list[BenchCase]:
+    """The sweep workload for each running batch ``B`` in ``sizes`` at each k. Every engine is sized
+    for ``B`` requests at once (``max_running = B``, the context limit cut to what the short prompts
+    need, so the KV caches hold ``B`` contexts), and the compiled engine's prefill budget is ``B``
+    chunks, so the whole batch prefills in its first steps as the baseline's does in one forward."""
+    base = ServeConfig()
+    cases = []
+    for b in sizes:
+        workload = tuple(sweep_workload(b, new_tokens=new_tokens))
+        need = max(len(r.prompt) for r in workload) + new_tokens + max(ks) + 1
+        max_len = -(-need // base.cache_block) * base.cache_block
+        for k in ks:
+            cfg = ServeConfig(k=k, max_running=b, token_budget=b * base.chunk_size, max_len=max_len, lossless_sample=0)
+            cases.append(BenchCase(workload="sweep", k=k, cfg=cfg, requests=workload))
+    return cases
+
+
+@attrs.frozen(kw_only=True)
+class ServeRun:
+    """One measured run of one engine on one case."""
+
+    workload: str
     k: int
     engine: str
+    running: int
+    """Most requests live at once (admitted, not finished), sampled before every step."""
     tokens: int
+    steps: int
     wall_s: float
     model_s: float
-    steps: int
+    repeat: int
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,26 +107,131 @@ class ServeRow:
 
     @property
     def host_ms_per_step(self) -> float:
-        return (self.wall_s - self.model_s) / self.steps * 1e3 if self.steps else 0.0
+        return host_ms_per_step(self.wall_s, self.model_s, self.steps)
 
 
-def run_serve_bench(target: HybridModel, draft: HybridModel, workload: Sequence[Request], ks: Sequence[int] = (0, 2)) -> list[ServeRow]:
+def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel, *, repeat: int = 0) -> ServeRun:
+    """Serve ``case`` once on ``engine`` (one of ``ENGINES``), timing the models' forwards."""
+    cfg = case.cfg
+    target.seconds = draft.seconds = 0.0
+    peak = 0
+    if engine == "compiled":
+        drv = make_engine(target, draft, cfg, None, cache=True, k=case.k)
+
+        def sample() -> None:
+            nonlocal peak
+            peak = max(peak, drv.live)
+
+        wall, kinds = serve(drv, case.requests, max_running=cfg.max_running, on_step=sample)
+        steps, outputs = sum(kinds.values()), drv.outputs
+    elif engine in ("mutable", "mutable-fixed"):
+        eng = make_mutable(target, draft, cfg, k=case.k, fixed=engine == "mutable-fixed")
+
+        def sample() -> None:
+            nonlocal peak
+            peak = max(peak, eng.live)
+
+        wall, steps = serve_mutable(eng, case.requests, max_running=cfg.max_running, on_step=sample)
+        outputs = eng.outputs
+    else:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    return ServeRun(
+        workload=case.workload, k=case.k, engine=engine, running=peak, tokens=sum(map(len, outputs.values())),
+        steps=steps, wall_s=wall, model_s=target.seconds + draft.seconds, repeat=repeat,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class ServeRow:
+    """The median of the repeats of one (workload, k, engine, running), and its ratios."""
+
+    workload: str
+    k: int
+    engine: str
+    overlap: bool
+    """Whether host work overlapped the forwards: no engine does yet, so always false."""
+    running: int
+    tokens: int
+    steps: int
+    tokens_per_s: float
+    host_ms_per_step: float
+    wall_s: float
+    model_s: float
+    vs_mutable_fixed: float | None
+    """Median tokens/s over the ``mutable-fixed`` row's at the same workload, k and running."""
+    vs_k0: float | None
+    """Median tokens/s over the same engine's at k = 0 on the same workload and running."""
+    runs: tuple[ServeRun, ...]
+
+    @property
+    def repeats(self) -> int:
+        return len(self.runs)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "workload": self.workload, "k": self.k, "engine": self.engine, "overlap": self.overlap, "running": self.running,
+            "tokens_per_s": self.tokens_per_s, "host_ms_per_step": self.host_ms_per_step, "steps": self.steps,
+            "tokens": self.tokens, "wall_s": self.wall_s, "model_s": self.model_s,
+            "tokens_per_s_vs_mutable_fixed": self.vs_mutable_fixed, "tokens_per_s_vs_k0": self.vs_k0,
+            "statistic": "median", "repeats": self.repeats,
+            "runs": [
+                {"repeat": r.repeat, "tokens_per_s": r.tokens_per_s, "host_ms_per_step": r.host_ms_per_step,
+                 "wall_s": r.wall_s, "model_s": r.model_s, "steps": r.steps, "tokens": r.tokens}
+                for r in self.runs
+            ],
+        }
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    return a / b if b else None
+
+
+def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
+    """One row per (workload, k, engine, running): the medians of its runs, in the order the keys
+    first appear."""
+    groups: dict[tuple[str, int, str, int], list[ServeRun]] = {}
+    for r in runs:
+        groups.setdefault((r.workload, r.k, r.engine, r.running), []).append(r)
+    tps = {key: statistics.median(r.tokens_per_s for r in g) for key, g in groups.items()}
     rows = []
-    warm = list(workload)[:2]  # first calls pay for imports and lazy initialisation: not measured
-    for k in ks:
-        cfg = ServeConfig(k=k)
-        serve(make_engine(target, draft, cfg, None, cache=True, k=k), warm, max_running=cfg.max_running)
-        serve_mutable(make_mutable(target, draft, cfg, k=k), warm, max_running=cfg.max_running)
-    for k in ks:
-        cfg = ServeConfig(k=k)
-        t, d = TimedModel(target), TimedModel(draft)
-        drv = make_engine(t, d, cfg, None, cache=True, k=k)
-        wall, steps = serve(drv, workload, max_running=cfg.max_running)
-        rows.append(ServeRow(k=k, engine="compiled", tokens=sum(map(len, drv.outputs.values())), wall_s=wall,
-                             model_s=t.seconds + d.seconds, steps=sum(steps.values())))
-        t, d = TimedModel(target), TimedModel(draft)
-        eng = make_mutable(t, d, cfg, k=k)
-        wall, n = serve_mutable(eng, workload, max_running=cfg.max_running)
-        rows.append(ServeRow(k=k, engine="mutable baseline", tokens=sum(map(len, eng.outputs.values())), wall_s=wall,
-                             model_s=t.seconds + d.seconds, steps=n))
+    for (workload, k, engine, running), g in groups.items():
+        mine = tps[(workload, k, engine, running)]
+        rows.append(ServeRow(
+            workload=workload, k=k, engine=engine, overlap=False, running=running,
+            tokens=statistics.median_low(r.tokens for r in g), steps=statistics.median_low(r.steps for r in g),
+            tokens_per_s=mine, host_ms_per_step=statistics.median(r.host_ms_per_step for r in g),
+            wall_s=statistics.median(r.wall_s for r in g), model_s=statistics.median(r.model_s for r in g),
+            vs_mutable_fixed=_ratio(mine, tps.get((workload, k, "mutable-fixed", running))),
+            vs_k0=_ratio(mine, tps.get((workload, 0, engine, running))), runs=tuple(g),
+        ))
     return rows
+
+
+def run_serve_bench(
+    target: HybridModel,
+    draft: HybridModel,
+    cases: Sequence[BenchCase],
+    *,
+    repeats: int,
+    engines: Sequence[str] = ENGINES,
+    on_run: Callable[[int, int, ServeRun | None], None] | None = None,
+) -> list[ServeRow]:
+    """Warm every engine up on every case, then serve every case on every engine ``repeats`` times,
+    interleaved (each repeat runs every case's engines in turn), and summarise the medians.
+    ``on_run(done, total, run)`` reports progress (``run`` is None before the first)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    t, d = TimedModel(target), TimedModel(draft)
+    for case in cases:
+        warm_up(case.requests, t, d, case.cfg)
+    total = repeats * len(cases) * len(engines)
+    if on_run is not None:
+        on_run(0, total, None)
+    runs = []
+    for repeat in range(repeats):
+        for case in cases:
+            for engine in engines:
+                runs.append(measure(case, engine, t, d, repeat=repeat))
+                if on_run is not None:
+                    on_run(len(runs), total, runs[-1])
+    return summarise(runs)

@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from compiler.cli import main
+import compiler.cli
+from compiler.cli import main, parser
+from compiler.serve import ServeConfig
 
 
 def test_console_script_help() -> None:
@@ -41,6 +44,14 @@ def test_bench_kernels_on_cpu_says_gpu_figures_need_a_gpu(capsys: pytest.Capture
     assert "bundled target decode" in out and "bundled target verify" in out  # the torch path against the per-row one
 
 
+def test_bench_iteration_prints_every_phase_in_decodes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "iteration", "--rows", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for phase in ("decode", "verify", "commit", "propose", "draft commit", "propose k", "draft extend"):
+        assert f" {phase} " in out
+    assert "iteration (verify + commit + propose + draft commit):" in out and "target decodes" in out
+
+
 def test_bad_option_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["run", "--requests", "-3"])
@@ -48,3 +59,23 @@ def test_bad_option_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> N
     err = capsys.readouterr().err
     assert "expected a positive integer, got -3" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["run"], ["bench", "serve"], ["bench", "pipeline"], ["bench", "kernels"], ["bench", "iteration"]])
+def test_threads_default_is_the_config_record(argv: list[str]) -> None:
+    assert parser().parse_args(argv).threads == ServeConfig().threads == 1
+
+
+@pytest.mark.parametrize(("argv", "command"), [(["run"], "cmd_run"), (["bench", "serve"], "cmd_bench"),
+                                               (["bench", "kernels"], "cmd_bench"), (["bench", "iteration"], "cmd_bench")])
+def test_threads_are_set_before_the_command_runs(monkeypatch: pytest.MonkeyPatch, argv: list[str], command: str) -> None:
+    seen: list[int] = []
+
+    def command_stub(args: object, console: object) -> int:
+        seen.append(torch.get_num_threads())
+        return 0
+
+    monkeypatch.setattr(compiler.cli, command, command_stub)
+    want = 3 if torch.get_num_threads() != 3 else 2
+    assert main([*argv, "--threads", str(want)]) == 0
+    assert seen == [want] and torch.get_num_threads() == want

@@ -193,9 +193,22 @@ def test_loader_checks_bytes_and_stop_against_the_vocabulary(tmp_path: Path) -> 
         (["bench", "pipeline", "--sizes", str(10**9)], "argument --sizes: expected at most 65536, got 1000000000"),
         (["bench", "kernels", "--device", "quantum"], "argument --device: unknown device 'quantum' (expected cpu, cuda or cuda:N)"),
         (["bench", "kernels", "--device", "cuda:99"], "argument --device: device 'cuda:99'"),
+        (["bench", "iteration", "--rows", "0"], "argument --rows: expected a positive integer, got 0"),
+        (["bench", "iteration", "--rows", "257"], "argument --rows: expected at most 256, got 257"),
+        (["bench", "iteration", "--k", "0"], "argument --k: expected a positive integer, got 0"),
+        (["bench", "iteration", "--k", "9"], "argument --k: expected at most 8, got 9"),
+        (["bench", "iteration", "--repeats", "1.5"], "argument --repeats: expected a positive integer, got '1.5'"),
+        (["run", "--threads", "0"], "argument --threads: expected a positive integer, got 0"),
+        (["run", "--threads", "two"], "argument --threads: expected a positive integer, got 'two'"),
+        (["bench", "serve", "--threads", "-1"], "argument --threads: expected a positive integer, got -1"),
+        (["bench", "pipeline", "--threads", str(10**6)], "argument --threads: expected at most 1024, got 1000000"),
+        (["bench", "serve", "--repeats", "0"], "argument --repeats: expected a positive integer, got 0"),
+        (["bench", "serve", "--sweep", "8", "0"], "argument --sweep: expected a positive integer, got 0"),
     ],
     ids=["requests-1e12", "k-negative", "k-huge", "lossless-negative", "seed-5000-digits", "max-running-not-int",
-         "unknown-option", "ab-requests-1e12", "bench-batch-1e9", "device-unknown", "device-cuda-99"],
+         "unknown-option", "ab-requests-1e12", "bench-batch-1e9", "device-unknown", "device-cuda-99", "iteration-rows-0",
+         "iteration-rows-257", "iteration-k-0", "iteration-k-9", "iteration-repeats-float", "threads-0",
+         "threads-not-int", "bench-threads-negative", "bench-threads-1e6", "bench-repeats-0", "sweep-batch-0"],
 )
 def test_bad_option_value(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], fragment: str) -> None:
     _refused(args, tmp_path, capsys, fragment)
@@ -235,6 +248,23 @@ def test_max_new_tokens_past_the_builtin_bound(tmp_path: Path, capsys: pytest.Ca
 
 def test_bench_serve_max_new_tokens_past_the_builtin_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _refused(["bench", "serve", "--max-new-tokens", "100"], tmp_path, capsys, "--max-new-tokens 100 is over 73")
+
+
+@pytest.mark.parametrize("option", ["--requests", "--max-new-tokens"])
+def test_bench_serve_sweep_refuses_the_builtin_workload_options(tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str) -> None:
+    _refused(["bench", "serve", "--sweep", option, "4"], tmp_path, capsys,
+             f"{option} 4 with --sweep: the sweep serves B requests of 8 new tokens each")
+
+
+def test_bench_serve_sweep_over_the_memory_bound_is_refused_before_allocation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(["bench", "serve", "--sweep", "8", str(10**5)], tmp_path, capsys, "the run would need about", "over the bound of 4 GiB")
+
+
+@pytest.mark.parametrize("where", ["directory", "missing-parent"])
+def test_bench_serve_json_path_is_refused_like_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str) -> None:
+    path = tmp_path if where == "directory" else tmp_path / "missing" / "bench.json"
+    fragment = "is a directory" if where == "directory" else "no such directory"
+    _refused(["bench", "serve", "--requests", "1", "--json", str(path)], tmp_path, capsys, f"--json {str(path)!r}: {fragment}")
 
 
 def test_json_into_a_missing_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,119 @@
+"""``batchc bench serve``: the JSON rows of the bench (built-in workload and the running-batch
+sweep), their medians and ratios, and the mutable baseline's serving loop the bench shares with
+``run --compare-mutable``. Tiny workloads; performance is measured by the bench, never asserted
+here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+
+from compiler.cli import main
+from compiler.serve import Request, ServeConfig, make_engine, serve
+from compiler.tools.bench_serve import ENGINES, ServeRun, summarise, sweep_cases, sweep_workload
+from compiler.tools.compare_mutable import make_mutable, serve_mutable
+from compiler.workload import SWEEP_NEW_TOKENS
+from ir.ids import RequestId
+from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, tiny_models
+
+ROW_FIELDS = {
+    "k": int, "engine": str, "overlap": bool, "running": int, "tokens_per_s": float, "host_ms_per_step": float,
+    "steps": int, "tokens": int, "wall_s": float, "model_s": float, "repeats": int, "runs": list, "workload": str,
+}
+
+
+def _rows(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[list[dict[str, object]], str]:
+    path = tmp_path / "bench.json"
+    assert main(["bench", "serve", *args, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(path.read_text())
+    assert isinstance(rows, list)
+    for row in rows:
+        for name, kind in ROW_FIELDS.items():
+            assert isinstance(row[name], kind) and not (kind is int and isinstance(row[name], bool)), (name, row)
+        assert row["engine"] in ENGINES and row["overlap"] is False
+        assert row["repeats"] == len(row["runs"]) and row["steps"] > 0 and row["tokens"] > 0
+        for run in row["runs"]:  # every forward the model clock counts lies within the run's wall time
+            assert 0.0 < run["model_s"] < run["wall_s"], run
+    return rows, out
+
+
+def test_bench_serve_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows, out = _rows(["--requests", "2", "--max-new-tokens", "2", "--repeats", "1"], tmp_path, capsys)
+    assert [(r["k"], r["engine"]) for r in rows] == [(k, e) for k in (0, 2) for e in ENGINES]
+    for row in rows:
+        assert row["workload"] == "builtin" and row["repeats"] == 1
+        assert row["running"] == 2  # both requests arrive in the first burst
+        assert row["tokens"] == rows[0]["tokens"]  # every engine generates the same tokens
+        assert row["tokens_per_s_vs_mutable_fixed"] == pytest.approx(
+            row["tokens_per_s"] / next(r["tokens_per_s"] for r in rows if r["k"] == row["k"] and r["engine"] == "mutable-fixed"))
+        k0 = next(r for r in rows if r["k"] == 0 and r["engine"] == row["engine"])
+        assert row["tokens_per_s_vs_k0"] == pytest.approx(row["tokens_per_s"] / k0["tokens_per_s"])
+    assert "median of 1 interleaved repeats per (k, engine, running)" in out
+    assert "/ mutable-fixed" in out and "/ k=0" in out and "host ms/step" in out
+
+
+def test_bench_serve_sweep_rows_are_sized_by_the_running_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows, out = _rows(["--sweep", "3", "2", "3", "--repeats", "1"], tmp_path, capsys)
+    assert len(rows) == 2 * 2 * len(ENGINES)  # B = 3 and 2 (the repeated 3 once), k = 0 and 2, every engine
+    assert {(r["running"], r["k"], r["engine"]) for r in rows} == {(b, k, e) for b in (2, 3) for k in (0, 2) for e in ENGINES}
+    for row in rows:
+        assert row["workload"] == "sweep"
+        assert row["tokens"] == row["running"] * SWEEP_NEW_TOKENS
+    assert "sweep, running = B requests arriving together" in out
+
+
+def test_sweep_cases_size_every_engine_for_the_batch() -> None:
+    workload = sweep_workload(256)
+    assert len(workload) == 256 and {r.arrival for r in workload} == {0}
+    assert {r.max_new_tokens for r in workload} == {SWEEP_NEW_TOKENS}
+    for case in sweep_cases([256]):
+        cfg = case.cfg
+        assert cfg.max_running == 256 and cfg.token_budget == 256 * cfg.chunk_size
+        assert max(len(r.prompt) for r in case.requests) + SWEEP_NEW_TOKENS + cfg.reserve <= cfg.max_len
+
+
+def _run(engine: str, k: int, tokens_per_s: float, repeat: int, running: int = 8) -> ServeRun:
+    return ServeRun(workload="builtin", k=k, engine=engine, running=running, tokens=100, steps=10,
+                    wall_s=100 / tokens_per_s, model_s=0.5 * 100 / tokens_per_s, repeat=repeat)
+
+
+def test_rows_report_the_median_of_the_repeats_and_ratios_of_the_medians() -> None:
+    runs = [_run(e, k, tps * (1 + k) * (2 if e == "compiled" else 1), rep)
+            for rep, tps in enumerate((100.0, 300.0, 200.0)) for k in (0, 2) for e in ENGINES]
+    rows = {(r.k, r.engine): r for r in summarise(runs)}
+    assert len(rows) == 6
+    compiled0 = rows[(0, "compiled")]
+    assert compiled0.tokens_per_s == pytest.approx(400.0) and compiled0.repeats == 3
+    assert compiled0.wall_s == pytest.approx(0.25) and compiled0.host_ms_per_step == pytest.approx(12.5)
+    assert compiled0.vs_mutable_fixed == pytest.approx(2.0) and compiled0.vs_k0 == pytest.approx(1.0)
+    assert rows[(2, "compiled")].vs_k0 == pytest.approx(3.0)
+    assert rows[(2, "mutable")].vs_mutable_fixed == pytest.approx(1.0)
+    assert all(not r.overlap for r in rows.values())
+
+
+def test_a_different_running_batch_is_a_different_row() -> None:
+    rows = summarise([_run("compiled", 0, 100.0, 0, running=8), _run("compiled", 0, 100.0, 1, running=4)])
+    assert [(r.running, r.repeats, r.vs_mutable_fixed) for r in rows] == [(8, 1, None), (4, 1, None)]
+
+
+def test_the_mutable_baseline_stops_where_the_compiled_engine_does() -> None:
+    # a workload file's stop byte reaches the baseline too, so both sides generate the same tokens
+    target, draft = tiny_models()
+    cfg = ServeConfig(k=2, lossless_sample=0)
+    prompt = bytes(REVIEW_PROMPTS[0])
+    free = [Request(rid=RequestId(0), prompt=prompt, max_new_tokens=REVIEW_NEW)]
+    compiled = make_engine(target, draft, cfg, None, cache=True, k=2)
+    serve(compiled, free, max_running=cfg.max_running)
+    stop = compiled.outputs[RequestId(0)][1]
+    stopped = [attrs.evolve(free[0], stop=stop)]
+    compiled = make_engine(target, draft, cfg, None, cache=True, k=2)
+    serve(compiled, stopped, max_running=cfg.max_running)
+    for fixed in (False, True):
+        mutable = make_mutable(target, draft, cfg, k=2, fixed=fixed)
+        serve_mutable(mutable, stopped, max_running=cfg.max_running)
+        assert mutable.outputs[RequestId(0)] == compiled.outputs[RequestId(0)]
+        assert mutable.outputs[RequestId(0)][-1] == stop and len(mutable.outputs[RequestId(0)]) < REVIEW_NEW

@@ -35,7 +35,7 @@ from typing import cast
 import attrs
 import numpy as np
 
-from ir.columns import first_bad_int, int_problem
+from ir.columns import first_bad_int, int_problem, plain_ints
 from ir.errors import BatchcError, short_repr
 from ir.ids import MambaSlot
 
@@ -108,10 +108,13 @@ class PrefixCache:
             items = tokens
         else:
             raise PrefixCacheError(f"{method}({name}): must be a sequence of token ids, not {type(tokens).__name__} (got {short_repr(tokens)})")
-        bad = first_bad_int(items)
-        if bad is not None:
-            raise PrefixCacheError(f"{method}({name}): every token id {bad[1]} (got {short_repr(bad[0])})")
-        values = tuple(int(cast(int, v)) for v in items)
+        if plain_ints(items):
+            values = tuple(cast("Sequence[int]", items))  # the common case, decided in C loops
+        else:
+            bad = first_bad_int(items)
+            if bad is not None:
+                raise PrefixCacheError(f"{method}({name}): every token id {bad[1]} (got {short_repr(bad[0])})")
+            values = tuple(int(cast(int, v)) for v in items)
         if values and min(values) < 0:
             raise PrefixCacheError(f"{method}({name}): token ids must be >= 0 (got {min(values)})")
         return values

@@ -8,20 +8,23 @@ sequence (outputs zero, pool untouched); so does an empty sequence (its state st
 
 Status: **torch on every device** (no Triton kernel yet), batched over the sequences: the number
 of torch operations does not grow with the number of sequences. The live sequences (slot not -1,
-at least one token) are padded to the longest one, ``[sequences, longest, ...]``:
+at least one token) become rows, longest first:
 
-- the conv pads each sequence into a stream "conv state, then its tokens", runs the depthwise
-  conv over all streams at once (``width`` shifted multiply-adds, cheaper than ``conv1d`` at these
-  widths), gathers the valid outputs back to the packed layout and takes each sequence's final
-  state from the last ``width - 1`` entries of its own stream;
-- the SSD scan is the chunked (block-decomposed) form, batched over sequences: within a chunk of
-  ``chunk_size`` tokens the output is a masked, decay-weighted ``C Bᵀ`` product, across chunks the
-  state is carried in float32 (a Python loop over the chunk index of the longest sequence, never
-  over sequences). Padded positions get ``dt = 0`` (after bias and softplus), so they neither
-  decay nor feed the state, and their outputs are dropped. ``B`` and ``C`` stay per group (heads
-  are viewed as ``[ngroups, heads per group]``). When one ``[sequences, Q, Q, nheads]`` tensor of
-  the scan would exceed ``SCAN_GROUP_ELEMENTS`` the sequences are scanned in groups, so the scan's
-  working memory stays that of one sequence or of ``SCAN_GROUP_ELEMENTS``, whichever is larger.
+- the conv lays the rows' streams "conv state, then the tokens" one after another, runs the
+  depthwise conv over the whole concatenation at once (``width`` shifted multiply-adds, cheaper
+  than ``conv1d`` at these widths; outputs that straddle two streams are never read), gathers each
+  token's output and takes each row's final state from the last ``width - 1`` entries of its own
+  stream;
+- the SSD scan is the chunked (block-decomposed) form: within a chunk of ``chunk_size`` tokens the
+  output is a masked, decay-weighted ``C Bᵀ`` product, across chunks the state is carried in
+  float32. The tokens go to a chunk table (block ``c`` holds chunk ``c`` of every row that has
+  one, so a row is padded to a whole number of chunks, not to the longest row), with ``dt = 0`` on
+  the padding so it neither decays nor feeds the state. A Python loop runs over the chunk index
+  (the longest row's chunk count), never over sequences; each step is one batched chunk of the
+  rows still running. ``B`` and ``C`` stay per group (heads are viewed as ``[ngroups, heads per
+  group]``). When one ``[rows, Q, Q, nheads]`` tensor of a step would exceed
+  ``SCAN_GROUP_ELEMENTS`` the step's rows go in groups, so the scan's working memory stays that of
+  one sequence or of ``SCAN_GROUP_ELEMENTS``, whichever is larger.
 
 Both kernels compute in float32 and store in the state and output dtypes. ``backend.reference``
 holds the token-by-token scans the tests compare against.
@@ -45,8 +48,8 @@ from backend.kernels import checks
 from backend.kernels.checks import require
 
 SCAN_GROUP_ELEMENTS = 1 << 22
-"""Elements of one ``[sequences, Q, Q, nheads]`` float32 tensor of the batched SSD scan above which
-``ssd_prefill`` scans the sequences in groups (a group holds at least one sequence)."""
+"""Elements of one ``[rows, Q, Q, nheads]`` float32 tensor of a step of the batched SSD scan above
+which ``ssd_prefill`` splits the step's rows into groups (a group holds at least one row)."""
 
 
 def _check_varlen(cu_seqlens: torch.Tensor, slot_idx: torch.Tensor, total: int, num_slots: int, check_slots: bool) -> list[int]:
@@ -63,21 +66,19 @@ def _check_varlen(cu_seqlens: torch.Tensor, slot_idx: torch.Tensor, total: int, 
 
 
 @attrs.frozen
-class _Padded:
+class _Live:
     """The live sequences of a varlen batch (slot not -1, at least one token) as rows
-    ``0..rows-1`` of a ``[rows, longest, ...]`` padded layout, longest first (ties in batch order).
+    ``0..rows-1``, longest first (ties in batch order), and where their tokens are.
 
-    Live token ``j`` (in packed order) sits at ``[row[j], offset[j]]``; ``tokens`` are the packed
-    indices of the live tokens, ``None`` when every token is live; ``slots`` and ``lengths`` are per
-    row."""
+    ``rank[j]`` and ``offset[j]`` (host arrays) are the row and the position within it of live
+    token ``j``, in packed order; ``tokens`` are the packed indices of the live tokens, ``None`` when
+    every token is live; ``slots`` and ``lengths`` are per row."""
 
     rows: int
-    longest: int
     lengths: list[int]
     slots: torch.Tensor
-    lengths_t: torch.Tensor
-    row: torch.Tensor
-    offset: torch.Tensor
+    rank: np.ndarray
+    offset: np.ndarray
     tokens: torch.Tensor | None
 
     def gather(self, packed: torch.Tensor) -> torch.Tensor:
@@ -93,10 +94,8 @@ class _Padded:
         return out
 
 
-def _padded(bounds: list[int], slot_idx: torch.Tensor) -> _Padded | None:
-    """The padded layout of the live sequences, ``None`` when there are none (index arithmetic on
-    the host, then one copy of each index to the device)."""
-    device = slot_idx.device
+def _live(bounds: list[int], slot_idx: torch.Tensor) -> _Live | None:
+    """The live sequences, ``None`` when there are none (index arithmetic on the host)."""
     cu = np.asarray(bounds, dtype=np.int64)
     lengths = np.diff(cu)
     slots = np.asarray(slot_idx.tolist(), dtype=np.int64)
@@ -109,15 +108,13 @@ def _padded(bounds: list[int], slot_idx: torch.Tensor) -> _Padded | None:
     rank[order] = np.arange(order.shape[0])
     offset = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
     every_token = int(lens.sum()) == bounds[-1]
-    return _Padded(
+    return _Live(
         rows=int(order.shape[0]),
-        longest=int(lens.max()),
         lengths=lens[order].tolist(),
-        slots=torch.as_tensor(slots[live][order], device=device),
-        lengths_t=torch.as_tensor(lens[order], device=device),
-        row=torch.as_tensor(np.repeat(rank, lens), device=device),
-        offset=torch.as_tensor(offset, device=device),
-        tokens=None if every_token else torch.as_tensor(np.repeat(cu[:-1][live], lens) + offset, device=device),
+        slots=torch.as_tensor(slots[live][order], device=slot_idx.device),
+        rank=np.repeat(rank, lens),
+        offset=offset,
+        tokens=None if every_token else torch.as_tensor(np.repeat(cu[:-1][live], lens) + offset, device=slot_idx.device),
     )
 
 
@@ -145,70 +142,61 @@ def causal_conv1d_prefill(
         "conv_state", conv_state, shape=(conv_state.shape[0], dim, width - 1), device=x.device, dtypes=checks.STATE_DTYPES
     )
     bounds = _check_varlen(cu_seqlens, slot_idx, total, conv_state.shape[0], check_slots)
-    pad = _padded(bounds, slot_idx)
-    if pad is None:
+    live = _live(bounds, slot_idx)
+    if live is None:
         return torch.zeros_like(x)
 
     keep = width - 1
-    # stream[r, j]: input j of row r's stream "conv state, then its tokens" (zero past its end)
-    stream = torch.zeros((pad.rows, keep + pad.longest, dim), dtype=torch.float32, device=x.device)
-    stream[:, :keep] = conv_state[pad.slots].transpose(1, 2)
-    stream[pad.row, keep + pad.offset] = pad.gather(x)
-    # the depthwise conv as `width` shifted multiply-adds over every stream at once
+    # The streams "conv state, then the tokens" of the rows, one after another: row r's stream
+    # starts at base[r]. Output t of a row is its stream's entries t .. t + keep times the weight,
+    # so `width` shifted multiply-adds over the whole concatenation give every output (entries that
+    # straddle two streams are computed and never read).
+    lengths = np.asarray(live.lengths)
+    base = np.cumsum(keep + lengths) - (keep + lengths)
+    at_token = base[live.rank] + live.offset  # stream index of each live token's first window entry
+
+    def index(a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(a, device=x.device)
+
+    stream = torch.empty((int(base[-1]) + keep + live.lengths[-1], dim), dtype=torch.float32, device=x.device)
+    stream[index((base[:, None] + np.arange(keep)).reshape(-1))] = conv_state[live.slots].transpose(1, 2).reshape(-1, dim).float()
+    stream[index(at_token + keep)] = live.gather(x)
+    outputs = stream.shape[0] - keep
     w = weight.float().T.contiguous()  # [width, dim]: contiguous rows keep the multiply-adds vectorized
-    y = stream[:, : pad.longest] * w[0] if bias is None else torch.addcmul(bias.float(), stream[:, : pad.longest], w[0])
+    y = stream[:outputs] * w[0] if bias is None else torch.addcmul(bias.float(), stream[:outputs], w[0])
     for k in range(1, width):
-        y.addcmul_(stream[:, k : k + pad.longest], w[k])
-    y_live = y[pad.row, pad.offset]  # [live tokens, dim]
-    # a row of length L leaves stream inputs L .. L + keep - 1: its last `keep` inputs
-    last = pad.lengths_t[:, None, None] + torch.arange(keep, device=x.device)[:, None]  # [rows, keep, 1]
-    conv_state[pad.slots] = stream.gather(1, last.expand(pad.rows, keep, dim)).transpose(1, 2).to(conv_state.dtype)
-    return pad.scatter(F.silu(y_live) if silu else y_live, x)
+        y.addcmul_(stream[k : k + outputs], w[k])
+    y_live = y[index(at_token)]  # [live tokens, dim]
+    # a row of length L leaves its stream entries L .. L + keep - 1
+    final = stream[index(base[:, None] + lengths[:, None] + np.arange(keep))]  # [rows, keep, dim]
+    conv_state[live.slots] = final.transpose(1, 2).to(conv_state.dtype)
+    return live.scatter(F.silu(y_live) if silu else y_live, x)
 
 
-def _ssd_scan(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    chunk: int,
-    lengths: list[int],
+def _ssd_chunk(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> torch.Tensor:
-    """Padded sequences, float32, head-major with heads as ``[G, h]`` (groups, heads per group):
-    ``state [b, G, h, P, N]``, ``x [b, G, h, L, P]``, ``dt [b, G, h, L]`` (final, after
-    bias/softplus; zero past each sequence's end), ``A [G, h]``, ``B, C [b, G, L, N]``; ``lengths``
-    non-increasing (row 0 the longest). Returns ``y [b, G, h, L, P]`` without the ``D`` skip and
-    the ``z`` gate (undefined past a row's length); ``state`` is scanned in place to the final one.
-
-    A chunk runs on the rows still running at its start (a prefix, as the rows are sorted), so a
-    short row costs no chunks of padding; every contraction is a batched matmul over ``(b, G, h)``."""
-    length = x.shape[3]
-    groups, per_group, head_dim, d_state = state.shape[1:]
-    y = torch.empty_like(x)
-    running = len(lengths)
-    for c0 in range(0, length, chunk):
-        while lengths[running - 1] <= c0:
-            running -= 1
-        c1 = min(c0 + chunk, length)
-        xs, dts = x[:running, :, :, c0:c1], dt[:running, :, :, c0:c1]
-        Bs, Cs = B[:running, :, c0:c1], C[:running, :, c0:c1]  # [b, G, Q, N]
-        log_decay = (dts * A[:, :, None]).cumsum(dim=-1)  # [b, G, h, Q]: log of the decay from chunk start through t
-        # decay from token i to token t (i <= t), zero for t < i: zeroed before the exp so t < i
-        # cannot overflow, and after it (exp(0) = 1); a -inf fill would send half of the entries
-        # down the slow path of exp
-        weights = (log_decay[..., :, None] - log_decay[..., None, :]).tril_().exp_().tril_()  # [b, G, h, t, i]
-        weights.mul_((Cs @ Bs.transpose(-1, -2))[:, :, None])  # times C_t . B_i
-        dtx = xs * dts[..., None]  # [b, G, h, Q, P]
-        s0 = state[:running]
-        # C_t . (carried state), all heads of a group in one matmul: [b, G, Q, N] @ [b, G, N, h * P]
-        carried = (Cs @ s0.reshape(running, groups, per_group * head_dim, d_state).transpose(-1, -2))
-        carried = carried.view(running, groups, c1 - c0, per_group, head_dim).transpose(2, 3)  # [b, G, h, Q, P]
-        y[:running, :, :, c0:c1] = weights @ dtx + carried * torch.exp(log_decay)[..., None]
-        to_end = torch.exp(log_decay[..., -1:] - log_decay)  # [b, G, h, Q]: decay from token i to the chunk end
-        fed = (dtx * to_end[..., None]).transpose(-1, -2).reshape(running, groups, per_group * head_dim, c1 - c0) @ Bs
-        state[:running] = s0 * torch.exp(log_decay[..., -1])[..., None, None] + fed.view(s0.shape)
+    """One chunk of ``Q`` tokens of ``b`` rows, float32, head-major with heads as ``[G, h]`` (groups,
+    heads per group): ``state [b, G, h, P, N]`` (advanced in place to the chunk's end), ``x [b, G,
+    h, Q, P]``, ``dt [b, G, h, Q]`` (final, after bias/softplus; zero on padding), ``A [G, h]``,
+    ``B, C [b, G, Q, N]``. Returns ``y [b, G, h, Q, P]`` without the ``D`` skip and the ``z`` gate;
+    every contraction is a batched matmul over ``(b, G)`` or ``(b, G, h)``."""
+    rows, groups, per_group, head_dim, d_state = state.shape
+    q = x.shape[3]
+    log_decay = (dt * A[:, :, None]).cumsum(dim=-1)  # [b, G, h, Q]: log of the decay from chunk start through t
+    # decay from token i to token t (i <= t), zero for t < i: zeroed before the exp so t < i cannot
+    # overflow, and after it (exp(0) = 1); a -inf fill would send half of the entries down the slow
+    # path of exp
+    weights = (log_decay[..., :, None] - log_decay[..., None, :]).tril_().exp_().tril_()  # [b, G, h, t, i]
+    weights.mul_((C @ B.transpose(-1, -2))[:, :, None])  # times C_t . B_i
+    dtx = x * dt[..., None]  # [b, G, h, Q, P]
+    # C_t . (carried state), all heads of a group in one matmul: [b, G, Q, N] @ [b, G, N, h * P]
+    carried = C @ state.reshape(rows, groups, per_group * head_dim, d_state).transpose(-1, -2)
+    carried = carried.view(rows, groups, q, per_group, head_dim).transpose(2, 3)  # [b, G, h, Q, P]
+    y = weights @ dtx + carried * torch.exp(log_decay)[..., None]
+    to_end = torch.exp(log_decay[..., -1:] - log_decay)  # [b, G, h, Q]: decay from token i to the chunk end
+    fed = (dtx * to_end[..., None]).transpose(-1, -2).reshape(rows, groups, per_group * head_dim, q) @ B
+    state.mul_(torch.exp(log_decay[..., -1])[..., None, None]).add_(fed.view(state.shape))
     return y
 
 
@@ -250,52 +238,59 @@ def ssd_prefill(
     checks.check_optional("z", z, shape=(total, nheads, head_dim), device=device, dtypes=floats)
     checks.check_optional("dt_bias", dt_bias, shape=(nheads,), device=device, dtypes=floats)
     bounds = _check_varlen(cu_seqlens, slot_idx, total, num_slots, check_slots)
-    pad = _padded(bounds, slot_idx)
-    if pad is None:
+    live = _live(bounds, slot_idx)
+    if live is None:
         return torch.zeros_like(x)
 
+    # The chunk table: block c holds chunk c (tokens c * q .. c * q + q - 1) of every row that has
+    # one; the rows are longest first, so those are rows 0 .. running[c] - 1. A chunk runs past its
+    # row's end only in the row's last chunk (padding, with dt = 0 there).
+    q = min(chunk_size, live.lengths[0])
+    chunks = -(-np.asarray(live.lengths) // q)  # per row
+    running = (chunks[:, None] > np.arange(int(chunks[0]))).sum(axis=0)  # per chunk index
+    begin = np.cumsum(running) - running
+    chunk_of = live.offset // q
+    entry = (  # [table row, G, h, position] of every live token
+        torch.as_tensor(begin[chunk_of] + live.rank, device=device),
+        slice(None),
+        slice(None),
+        torch.as_tensor(live.offset - chunk_of * q, device=device),
+    )
+    table = int(running.sum())
     per_group = nheads // ngroups
-    x_live = pad.gather(x)  # [live, H, P]
-    dt_live = pad.gather(dt)
-    if dt_bias is not None:
-        dt_live = dt_live + dt_bias.float()
-    if dt_softplus:
-        dt_live = F.softplus(dt_live)
-    rows, longest = pad.rows, pad.longest
-    at = (pad.row, slice(None), slice(None), pad.offset)  # [row, G, h, offset] of every live token
 
     def zeros(*shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.float32, device=device)
 
-    x_pad = zeros(rows, ngroups, per_group, longest, head_dim)
-    x_pad[at] = x_live.reshape(-1, ngroups, per_group, head_dim)
-    dt_pad = zeros(rows, ngroups, per_group, longest)  # zero past each row's end: padding is inert
-    dt_pad[at] = dt_live.reshape(-1, ngroups, per_group)
-    B_pad = zeros(rows, ngroups, longest, d_state)
-    B_pad[pad.row, :, pad.offset] = pad.gather(B)
-    C_pad = torch.zeros_like(B_pad)
-    C_pad[pad.row, :, pad.offset] = pad.gather(C)
+    x_live = live.gather(x)  # [live, H, P]
+    dt_live = live.gather(dt)
+    if dt_bias is not None:
+        dt_live = dt_live + dt_bias.float()
+    if dt_softplus:
+        dt_live = F.softplus(dt_live)
+    x_tab = zeros(table, ngroups, per_group, q, head_dim)
+    x_tab[entry] = x_live.reshape(-1, ngroups, per_group, head_dim)
+    dt_tab = zeros(table, ngroups, per_group, q)  # zero on padding: it neither decays nor feeds the state
+    dt_tab[entry] = dt_live.reshape(-1, ngroups, per_group)
+    B_tab = zeros(table, ngroups, q, d_state)
+    B_tab[entry[:2] + entry[3:]] = live.gather(B)
+    C_tab = torch.zeros_like(B_tab)
+    C_tab[entry[:2] + entry[3:]] = live.gather(C)
     A_g = A.float().reshape(ngroups, per_group)
-    final = state[pad.slots].float().reshape(rows, ngroups, per_group, head_dim, d_state)  # scanned in place
+    carried = state[live.slots].float().reshape(live.rows, ngroups, per_group, head_dim, d_state)  # advanced in place
 
-    # rows per scan: the [rows, Q, Q, nheads] tensors stay within SCAN_GROUP_ELEMENTS (or one row)
-    q = min(chunk_size, longest)
-    per_scan = max(1, SCAN_GROUP_ELEMENTS // (q * q * nheads))
-    if per_scan >= rows:
-        y_pad = _ssd_scan(final, x_pad, dt_pad, A_g, B_pad, C_pad, chunk_size, pad.lengths)
-    else:
-        y_pad = torch.empty_like(x_pad)
-        for r0 in range(0, rows, per_scan):
-            r1 = min(r0 + per_scan, rows)
-            n = pad.lengths[r0]  # the group's longest row: no chunks of padding only
-            y_pad[r0:r1, :, :, :n] = _ssd_scan(
-                final[r0:r1], x_pad[r0:r1, :, :, :n], dt_pad[r0:r1, :, :, :n], A_g, B_pad[r0:r1, :, :n], C_pad[r0:r1, :, :n],
-                chunk_size, pad.lengths[r0:r1],
-            )
-    y_live = y_pad[at].reshape(-1, nheads, head_dim)  # [live, H, P]
+    # rows per step: the [rows, Q, Q, nheads] tensors stay within SCAN_GROUP_ELEMENTS (or one row)
+    per_step = max(1, SCAN_GROUP_ELEMENTS // (q * q * nheads))
+    y_tab = torch.empty_like(x_tab)
+    for b0, n in zip(begin.tolist(), running.tolist(), strict=True):  # over chunk indices, never over sequences
+        for r0 in range(0, n, per_step):
+            r1 = min(r0 + per_step, n)
+            rows = slice(b0 + r0, b0 + r1)
+            y_tab[rows] = _ssd_chunk(carried[r0:r1], x_tab[rows], dt_tab[rows], A_g, B_tab[rows], C_tab[rows])
+    y_live = y_tab[entry].reshape(-1, nheads, head_dim)  # [live, H, P]
     if D is not None:
         y_live = y_live + D.float()[:, None] * x_live
     if z is not None:
-        y_live = y_live * F.silu(pad.gather(z))
-    state[pad.slots] = final.reshape(rows, nheads, head_dim, d_state).to(state.dtype)
-    return pad.scatter(y_live, x)
+        y_live = y_live * F.silu(live.gather(z))
+    state[live.slots] = carried.reshape(live.rows, nheads, head_dim, d_state).to(state.dtype)
+    return live.scatter(y_live, x)

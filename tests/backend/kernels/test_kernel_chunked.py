@@ -227,7 +227,7 @@ def test_batched_prefill_edge_batches(seqlens: list[int], slots: list[int]) -> N
 
 @pytest.mark.parametrize("group", ["one-row", "two-rows"])
 def test_ssd_scans_in_groups_past_the_element_bound(monkeypatch: pytest.MonkeyPatch, group: str) -> None:
-    """Groups of rows (each scanned to its own longest sequence) give what one scan gives."""
+    """A step whose rows go in groups (one or two rows at a time) gives what one batched step gives."""
     chunk = 4
     monkeypatch.setattr(chunked, "SCAN_GROUP_ELEMENTS", 1 if group == "one-row" else 2 * chunk * chunk * SSM_NHEADS)
     _run_ssd(*_mixed(chunk), chunk=chunk, ngroups=1)

@@ -4,12 +4,30 @@ A prefill batch packs the tokens of several prompts: ``x[cu_seqlens[i]:cu_seqlen
 sequence ``i``. Each sequence starts from the state in its slot ``slot_idx[i]`` (zero after a
 clear, the checkpoint after a copy-on-write, its own state for a chunked-prefill continuation),
 leaves its final state there and returns per-token outputs. ``slot_idx[i] == -1`` skips a
-sequence (outputs zero, pool untouched).
+sequence (outputs zero, pool untouched); so does an empty sequence (its state stays as it is).
 
-Status: **torch on every device** (no Triton kernel yet). The conv is one grouped ``conv1d`` per
-sequence; the SSD scan is the chunked (block-decomposed) form: within a chunk of ``chunk_size``
-tokens the output is a masked, decay-weighted ``C Bᵀ`` product, across chunks the state is carried
-in float32. ``backend.reference`` holds the token-by-token scan the tests compare against.
+Status: **torch on every device** (no Triton kernel yet), batched over the sequences: the number
+of torch operations does not grow with the number of sequences. The live sequences (slot not -1,
+at least one token) become rows, longest first:
+
+- the conv lays the rows' streams "conv state, then the tokens" one after another, runs the
+  depthwise conv over the whole concatenation at once (``width`` shifted multiply-adds, cheaper
+  than ``conv1d`` at these widths; outputs that straddle two streams are never read), gathers each
+  token's output and takes each row's final state from the last ``width - 1`` entries of its own
+  stream;
+- the SSD scan is the chunked (block-decomposed) form: within a chunk of ``chunk_size`` tokens the
+  output is a masked, decay-weighted ``C Bᵀ`` product, across chunks the state is carried in
+  float32. The tokens go to a chunk table (block ``c`` holds chunk ``c`` of every row that has
+  one, so a row is padded to a whole number of chunks, not to the longest row), with ``dt = 0`` on
+  the padding so it neither decays nor feeds the state. A Python loop runs over the chunk index
+  (the longest row's chunk count), never over sequences; each step is one batched chunk of the
+  rows still running. ``B`` and ``C`` stay per group (heads are viewed as ``[ngroups, heads per
+  group]``). When one ``[rows, Q, Q, nheads]`` tensor of a step would exceed
+  ``SCAN_GROUP_ELEMENTS`` the step's rows go in groups, so the scan's working memory stays that of
+  one sequence or of ``SCAN_GROUP_ELEMENTS``, whichever is larger.
+
+Both kernels compute in float32 and store in the state and output dtypes. ``backend.reference``
+holds the token-by-token scans the tests compare against.
 
 Invariants checked before computing (``ValueError``): shapes as in ``backend.kernels.conv`` /
 ``backend.kernels.ssm`` with the token axis packed; ``cu_seqlens`` 1-D integer, starting at 0,
@@ -21,11 +39,17 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from backend.kernels import checks
 from backend.kernels.checks import require
+
+SCAN_GROUP_ELEMENTS = 1 << 22
+"""Elements of one ``[rows, Q, Q, nheads]`` float32 tensor of a step of the batched SSD scan above
+which ``ssd_prefill`` splits the step's rows into groups (a group holds at least one row)."""
 
 
 def _check_varlen(cu_seqlens: torch.Tensor, slot_idx: torch.Tensor, total: int, num_slots: int, check_slots: bool) -> list[int]:
@@ -39,6 +63,59 @@ def _check_varlen(cu_seqlens: torch.Tensor, slot_idx: torch.Tensor, total: int, 
     if check_slots:
         checks.check_slot_rows("slot_idx", slot_idx, num_slots)
     return bounds
+
+
+@attrs.frozen
+class _Live:
+    """The live sequences of a varlen batch (slot not -1, at least one token) as rows
+    ``0..rows-1``, longest first (ties in batch order), and where their tokens are.
+
+    ``rank[j]`` and ``offset[j]`` (host arrays) are the row and the position within it of live
+    token ``j``, in packed order; ``tokens`` are the packed indices of the live tokens, ``None`` when
+    every token is live; ``slots`` and ``lengths`` are per row."""
+
+    rows: int
+    lengths: list[int]
+    slots: torch.Tensor
+    rank: np.ndarray
+    offset: np.ndarray
+    tokens: torch.Tensor | None
+
+    def gather(self, packed: torch.Tensor) -> torch.Tensor:
+        """The live tokens of a packed ``[total, ...]`` tensor, in float32."""
+        return (packed if self.tokens is None else packed[self.tokens]).float()
+
+    def scatter(self, live: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A packed tensor shaped and typed like ``like``: ``live`` at the live tokens, zero elsewhere."""
+        if self.tokens is None:
+            return live.to(like.dtype)
+        out = torch.zeros_like(like)
+        out[self.tokens] = live.to(like.dtype)
+        return out
+
+
+def _live(bounds: list[int], slot_idx: torch.Tensor) -> _Live | None:
+    """The live sequences, ``None`` when there are none (index arithmetic on the host)."""
+    cu = np.asarray(bounds, dtype=np.int64)
+    lengths = np.diff(cu)
+    slots = np.asarray(slot_idx.tolist(), dtype=np.int64)
+    live = (slots >= 0) & (lengths > 0)
+    if not live.any():
+        return None
+    lens = lengths[live]  # batch order
+    order = np.argsort(-lens, kind="stable")  # row -> live sequence
+    rank = np.empty_like(order)  # live sequence -> row
+    rank[order] = np.arange(order.shape[0])
+    offset = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    every_token = int(lens.sum()) == bounds[-1]
+    return _Live(
+        rows=int(order.shape[0]),
+        lengths=lens[order].tolist(),
+        slots=torch.as_tensor(slots[live][order], device=slot_idx.device),
+        rank=np.repeat(rank, lens),
+        offset=offset,
+        tokens=None if every_token else torch.as_tensor(np.repeat(cu[:-1][live], lens) + offset, device=slot_idx.device),
+    )
 
 
 def causal_conv1d_prefill(
@@ -65,42 +142,62 @@ def causal_conv1d_prefill(
         "conv_state", conv_state, shape=(conv_state.shape[0], dim, width - 1), device=x.device, dtypes=checks.STATE_DTYPES
     )
     bounds = _check_varlen(cu_seqlens, slot_idx, total, conv_state.shape[0], check_slots)
+    live = _live(bounds, slot_idx)
+    if live is None:
+        return torch.zeros_like(x)
 
-    out = torch.zeros_like(x)
-    kernel = weight.float()[:, None, :]  # [dim, 1, width]: depthwise
-    bias_f = None if bias is None else bias.float()
-    for seq, slot in enumerate(slot_idx.tolist()):
-        start, end = bounds[seq], bounds[seq + 1]
-        if slot < 0 or start == end:  # an empty sequence leaves its state as it is
-            continue
-        stream = torch.cat([conv_state[slot].float(), x[start:end].float().T], dim=1)  # [dim, w-1+L]
-        y = F.conv1d(stream[None], kernel, bias_f, groups=dim)[0].T  # [L, dim]
-        out[start:end] = (F.silu(y) if silu else y).to(out.dtype)
-        conv_state[slot] = stream[:, stream.shape[1] - (width - 1) :].to(conv_state.dtype)
-    return out
+    keep = width - 1
+    # The streams "conv state, then the tokens" of the rows, one after another: row r's stream
+    # starts at base[r]. Output t of a row is its stream's entries t .. t + keep times the weight,
+    # so `width` shifted multiply-adds over the whole concatenation give every output (entries that
+    # straddle two streams are computed and never read).
+    lengths = np.asarray(live.lengths)
+    base = np.cumsum(keep + lengths) - (keep + lengths)
+    at_token = base[live.rank] + live.offset  # stream index of each live token's first window entry
+
+    def index(a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(a, device=x.device)
+
+    stream = torch.empty((int(base[-1]) + keep + live.lengths[-1], dim), dtype=torch.float32, device=x.device)
+    stream[index((base[:, None] + np.arange(keep)).reshape(-1))] = conv_state[live.slots].transpose(1, 2).reshape(-1, dim).float()
+    stream[index(at_token + keep)] = live.gather(x)
+    outputs = stream.shape[0] - keep
+    w = weight.float().T.contiguous()  # [width, dim]: contiguous rows keep the multiply-adds vectorized
+    y = stream[:outputs] * w[0] if bias is None else torch.addcmul(bias.float(), stream[:outputs], w[0])
+    for k in range(1, width):
+        y.addcmul_(stream[k : k + outputs], w[k])
+    y_live = y[index(at_token)]  # [live tokens, dim]
+    # a row of length L leaves its stream entries L .. L + keep - 1
+    final = stream[index(base[:, None] + lengths[:, None] + np.arange(keep))]  # [rows, keep, dim]
+    conv_state[live.slots] = final.transpose(1, 2).to(conv_state.dtype)
+    return live.scatter(F.silu(y_live) if silu else y_live, x)
 
 
-def _ssd_scan(
-    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, float32: ``state [H, P, N]``, ``x [L, H, P]``, ``dt [L, H]`` (final, after
-    bias/softplus), ``B, C [L, H, N]`` (per head). Returns ``(y [L, H, P], final state)``
-    without the ``D`` skip and the ``z`` gate."""
-    y = torch.empty_like(x)
-    for c0 in range(0, x.shape[0], chunk):
-        c1 = min(c0 + chunk, x.shape[0])
-        xs, dts, Bs, Cs = x[c0:c1], dt[c0:c1], B[c0:c1], C[c0:c1]
-        log_decay = (dts * A).cumsum(dim=0)  # [Q, H]: log of the decay from chunk start through t
-        # decay from token i to token t (i <= t); masked before exp so t < i cannot overflow.
-        causal = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=x.device).tril()
-        seg = (log_decay[:, None, :] - log_decay[None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
-        weights = torch.exp(seg) * torch.einsum("thn,ihn->tih", Cs, Bs) * dts[None, :, :]  # [t, i, H]
-        y_intra = torch.einsum("tih,ihp->thp", weights, xs)
-        y_carried = torch.einsum("hpn,thn->thp", state, Cs) * torch.exp(log_decay)[:, :, None]
-        y[c0:c1] = y_intra + y_carried
-        to_end = torch.exp(log_decay[-1][None, :] - log_decay) * dts  # [Q, H]
-        state = state * torch.exp(log_decay[-1])[:, None, None] + torch.einsum("ih,ihp,ihn->hpn", to_end, xs, Bs)
-    return y, state
+def _ssd_chunk(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+) -> torch.Tensor:
+    """One chunk of ``Q`` tokens of ``b`` rows, float32, head-major with heads as ``[G, h]`` (groups,
+    heads per group): ``state [b, G, h, P, N]`` (advanced in place to the chunk's end), ``x [b, G,
+    h, Q, P]``, ``dt [b, G, h, Q]`` (final, after bias/softplus; zero on padding), ``A [G, h]``,
+    ``B, C [b, G, Q, N]``. Returns ``y [b, G, h, Q, P]`` without the ``D`` skip and the ``z`` gate;
+    every contraction is a batched matmul over ``(b, G)`` or ``(b, G, h)``."""
+    rows, groups, per_group, head_dim, d_state = state.shape
+    q = x.shape[3]
+    log_decay = (dt * A[:, :, None]).cumsum(dim=-1)  # [b, G, h, Q]: log of the decay from chunk start through t
+    # decay from token i to token t (i <= t), zero for t < i: zeroed before the exp so t < i cannot
+    # overflow, and after it (exp(0) = 1); a -inf fill would send half of the entries down the slow
+    # path of exp
+    weights = (log_decay[..., :, None] - log_decay[..., None, :]).tril_().exp_().tril_()  # [b, G, h, t, i]
+    weights.mul_((C @ B.transpose(-1, -2))[:, :, None])  # times C_t . B_i
+    dtx = x * dt[..., None]  # [b, G, h, Q, P]
+    # C_t . (carried state), all heads of a group in one matmul: [b, G, Q, N] @ [b, G, N, h * P]
+    carried = C @ state.reshape(rows, groups, per_group * head_dim, d_state).transpose(-1, -2)
+    carried = carried.view(rows, groups, q, per_group, head_dim).transpose(2, 3)  # [b, G, h, Q, P]
+    y = weights @ dtx + carried * torch.exp(log_decay)[..., None]
+    to_end = torch.exp(log_decay[..., -1:] - log_decay)  # [b, G, h, Q]: decay from token i to the chunk end
+    fed = (dtx * to_end[..., None]).transpose(-1, -2).reshape(rows, groups, per_group * head_dim, q) @ B
+    state.mul_(torch.exp(log_decay[..., -1])[..., None, None]).add_(fed.view(state.shape))
+    return y
 
 
 def ssd_prefill(
@@ -141,28 +238,59 @@ def ssd_prefill(
     checks.check_optional("z", z, shape=(total, nheads, head_dim), device=device, dtypes=floats)
     checks.check_optional("dt_bias", dt_bias, shape=(nheads,), device=device, dtypes=floats)
     bounds = _check_varlen(cu_seqlens, slot_idx, total, num_slots, check_slots)
+    live = _live(bounds, slot_idx)
+    if live is None:
+        return torch.zeros_like(x)
 
-    dt_f = dt.float()
-    if dt_bias is not None:
-        dt_f = dt_f + dt_bias.float()
-    if dt_softplus:
-        dt_f = F.softplus(dt_f)
+    # The chunk table: block c holds chunk c (tokens c * q .. c * q + q - 1) of every row that has
+    # one; the rows are longest first, so those are rows 0 .. running[c] - 1. A chunk runs past its
+    # row's end only in the row's last chunk (padding, with dt = 0 there).
+    q = min(chunk_size, live.lengths[0])
+    chunks = -(-np.asarray(live.lengths) // q)  # per row
+    running = (chunks[:, None] > np.arange(int(chunks[0]))).sum(axis=0)  # per chunk index
+    begin = np.cumsum(running) - running
+    chunk_of = live.offset // q
+    entry = (  # [table row, G, h, position] of every live token
+        torch.as_tensor(begin[chunk_of] + live.rank, device=device),
+        slice(None),
+        slice(None),
+        torch.as_tensor(live.offset - chunk_of * q, device=device),
+    )
+    table = int(running.sum())
     per_group = nheads // ngroups
-    B_h = B.float().repeat_interleave(per_group, dim=1)
-    C_h = C.float().repeat_interleave(per_group, dim=1)
-    x_f = x.float()
-    y = torch.zeros_like(x)
-    for seq, slot in enumerate(slot_idx.tolist()):
-        start, end = bounds[seq], bounds[seq + 1]
-        if slot < 0 or start == end:
-            continue
-        ys, final = _ssd_scan(
-            state[slot].float(), x_f[start:end], dt_f[start:end], A.float(), B_h[start:end], C_h[start:end], chunk_size
-        )
-        if D is not None:
-            ys = ys + D.float()[:, None] * x_f[start:end]
-        if z is not None:
-            ys = ys * F.silu(z[start:end].float())
-        y[start:end] = ys.to(y.dtype)
-        state[slot] = final.to(state.dtype)
-    return y
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+
+    x_live = live.gather(x)  # [live, H, P]
+    dt_live = live.gather(dt)
+    if dt_bias is not None:
+        dt_live = dt_live + dt_bias.float()
+    if dt_softplus:
+        dt_live = F.softplus(dt_live)
+    x_tab = zeros(table, ngroups, per_group, q, head_dim)
+    x_tab[entry] = x_live.reshape(-1, ngroups, per_group, head_dim)
+    dt_tab = zeros(table, ngroups, per_group, q)  # zero on padding: it neither decays nor feeds the state
+    dt_tab[entry] = dt_live.reshape(-1, ngroups, per_group)
+    B_tab = zeros(table, ngroups, q, d_state)
+    B_tab[entry[:2] + entry[3:]] = live.gather(B)
+    C_tab = torch.zeros_like(B_tab)
+    C_tab[entry[:2] + entry[3:]] = live.gather(C)
+    A_g = A.float().reshape(ngroups, per_group)
+    carried = state[live.slots].float().reshape(live.rows, ngroups, per_group, head_dim, d_state)  # advanced in place
+
+    # rows per step: the [rows, Q, Q, nheads] tensors stay within SCAN_GROUP_ELEMENTS (or one row)
+    per_step = max(1, SCAN_GROUP_ELEMENTS // (q * q * nheads))
+    y_tab = torch.empty_like(x_tab)
+    for b0, n in zip(begin.tolist(), running.tolist(), strict=True):  # over chunk indices, never over sequences
+        for r0 in range(0, n, per_step):
+            r1 = min(r0 + per_step, n)
+            rows = slice(b0 + r0, b0 + r1)
+            y_tab[rows] = _ssd_chunk(carried[r0:r1], x_tab[rows], dt_tab[rows], A_g, B_tab[rows], C_tab[rows])
+    y_live = y_tab[entry].reshape(-1, nheads, head_dim)  # [live, H, P]
+    if D is not None:
+        y_live = y_live + D.float()[:, None] * x_live
+    if z is not None:
+        y_live = y_live * F.silu(live.gather(z))
+    state[live.slots] = carried.reshape(live.rows, nheads, head_dim, d_state).to(state.dtype)
+    return live.scatter(y_live, x)

@@ -5,6 +5,7 @@ allocated."""
 from __future__ import annotations
 
 from backend.hybrid.config import HybridConfig
+from backend.kernels.chunked import SCAN_GROUP_ELEMENTS
 from compiler.workload import BYTE_VOCAB, MAX_SERVE_BYTES, SYSTEM_PREFIXES, ServeConfig, ServeError
 
 _F32 = 4
@@ -21,23 +22,30 @@ def _engine_bytes(c: HybridConfig, *, capacity: int, kv_capacity: int, max_len: 
 
 
 _SCAN_LIVE = 4
-"""``[Q, Q, nheads]`` float32 tensors alive at once at the peak of the chunked SSD scan
-(``backend.kernels.chunked._ssd_scan``: the masked log-decay differences, their exp, the ``C Bᵀ``
-product and the decay-weighted product; measured on the CPU)."""
+"""``[rows, Q, Q, nheads]`` float32 tensors alive at once at the peak of a step of the chunked SSD
+scan, a bound with room (``backend.kernels.chunked._ssd_chunk`` builds its decay matrix in place, so
+one such tensor and the smaller per-group ``C Bᵀ`` product are alive)."""
 
 
 def _step_bytes(c: HybridConfig, cfg: ServeConfig, *, seq: int, tokens: int) -> int:
     """Working memory of the largest forward of one engine whose prefill sequences are at most
     ``seq`` tokens long and pack at most ``tokens`` tokens: verify states of every running row,
     attention scores of the prefill chunk (or the verify window) over the longest context, the
-    chunked SSD scan of one Mamba layer (its ``[Q, Q, nheads]`` tensors with ``Q = min(chunk_size
-    of the model, seq)``, and ``B``, ``C`` expanded to every head), activations of the widest layer."""
+    chunked SSD scan of one Mamba layer (its ``[rows, Q, Q, nheads]`` tensors with ``Q =
+    min(chunk_size of the model, seq)`` over the prefill sequences of a step, at most
+    ``max_running`` of them, fewer when ``SCAN_GROUP_ELEMENTS`` splits them into groups, and its
+    chunk table: ``x``, ``y``, ``dt``, ``B``, ``C`` of every sequence padded to whole chunks of
+    ``Q`` tokens), activations of the widest layer."""
     rows = cfg.max_running
     verify = (cfg.k + 1) * rows * c.pool_layout().row_bytes
     queries = max(seq, cfg.k + 1)
     scores = 3 * rows * c.attn_heads * queries * cfg.max_len * _F32 if c.n_attn else 0
     q = min(c.chunk_size, seq)
-    scan = _SCAN_LIVE * q * q * c.nheads * _F32 + 2 * tokens * c.nheads * c.d_state * _F32
+    sequences = min(rows, tokens)
+    scanned = min(sequences * q * q * c.nheads, max(q * q * c.nheads, SCAN_GROUP_ELEMENTS))
+    padded = min(tokens + sequences * q, sequences * -(-seq // q) * q)  # tokens in the chunk table
+    table = padded * (2 * c.nheads * c.head_dim + c.nheads + 2 * c.ngroups * c.d_state)  # x, y, dt, B, C
+    scan = (_SCAN_LIVE * scanned + table) * _F32
     width = max(c.in_proj_dim, 2 * c.mlp_hidden, c.vocab, 3 * c.attn_dim, c.d_model)
     return verify + scores + scan + 4 * (tokens + rows * (cfg.k + 1)) * width * _F32
 

@@ -93,6 +93,12 @@ def _check_ids(node: object, k: object, id_name: str, serial: object) -> int:
     return value
 
 
+def _check_accept_pos(node: object, accept_pos: I64, k: int) -> None:
+    """A commit's positions lie in the window: ``accept_pos[i] <= k``."""
+    if accept_pos.size and int(accept_pos.max()) > k:
+        raise IRValidationError(type(node).__name__, "accept_pos", int(accept_pos.max()), f"must be <= k ({k})")
+
+
 @final
 @attrs.frozen(kw_only=True)
 class DraftBatch(ColumnNode, RequestRows):
@@ -164,8 +170,7 @@ class CommitBatch(ColumnNode, RequestRows):
         _check_ids(self, self.k, "verify_id", self.verify_id)
 
     def _check(self) -> None:
-        if self.accept_pos.size and int(self.accept_pos.max()) > self.k:
-            raise IRValidationError("CommitBatch", "accept_pos", int(self.accept_pos.max()), f"must be <= k ({self.k})")
+        _check_accept_pos(self, self.accept_pos, self.k)
         expected = int(self.rids.shape[0] * self.k - self.accept_pos.sum())
         check_column(self, "released_kv", self.released_kv, expected, "the rejected positions")
 
@@ -191,8 +196,7 @@ class DraftCommitBatch(ColumnNode, RequestRows):
         _check_ids(self, self.k, "draft_id", self.draft_id)
 
     def _check(self) -> None:
-        if self.accept_pos.size and int(self.accept_pos.max()) > self.k:
-            raise IRValidationError("DraftCommitBatch", "accept_pos", int(self.accept_pos.max()), f"must be <= k ({self.k})")
+        _check_accept_pos(self, self.accept_pos, self.k)
 
 
 @final

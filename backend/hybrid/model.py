@@ -561,7 +561,7 @@ class HybridModel:
         _check_index("positions", positions, (n,), device)
         _check_index("kv_locs", kv_locs, (n, steps), device)
         tokens = torch.zeros((n, k), dtype=torch.int64, device=device)
-        layers = range(self.config.n_mamba)
+        layers = range(self.config.n_mamba if keep else 0)  # the per-step states only when kept
         conv = [torch.zeros((n, steps, *pool.conv_state(m).shape[1:]), dtype=pool.conv_state(m).dtype, device=device) for m in layers]
         ssm = [torch.zeros((n, steps, *pool.ssm_state(m).shape[1:]), dtype=pool.ssm_state(m).dtype, device=device) for m in layers]
         if n > 0:

@@ -64,3 +64,19 @@ def armed(point: FaultPoint, *, after: int = 0) -> Iterator[dict[FaultPoint, int
     finally:
         with _lock:
             _armed.pop(point, None)
+
+
+def arm(point: FaultPoint, *, after: int = 0) -> None:
+    """``armed`` without the block, for a process driven by messages (an executor process): fire
+    once at the ``after + 1``-th pass through ``point`` until ``disarm``."""
+    if not isinstance(point, FaultPoint):
+        raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
+    with _lock:
+        _armed[point] = after
+        _fired.clear()
+
+
+def disarm() -> None:
+    """Disarm every point."""
+    with _lock:
+        _armed.clear()

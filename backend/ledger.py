@@ -85,6 +85,24 @@ class Claim:
         self._held.discard(key)
         self._ledger._finish((key,))
 
+    def settle(self, consumed: Iterable[tuple[TicketSerial, PoolId]]) -> None:
+        """End a claim taken with ``Ledger.claim``: the tickets whose ``(serial, pool)`` is in
+        ``consumed`` (those the backend that ran the plan reports as consumed) are consumed, every
+        other one held returns to outstanding. A key this claim does not hold raises
+        ``UnknownTicketError`` and settles nothing."""
+        keys = set(consumed)
+        stray = keys - self._held
+        if stray:
+            raise UnknownTicketError(f"ticket {min(stray)} is not held by this claim")
+        self._ledger._finish(tuple(k for k in self._held if k in keys))
+        self._ledger._unclaim(tuple(k for k in self._held if k not in keys))
+        self._held.clear()
+
+    @property
+    def open(self) -> bool:
+        """True until every held ticket is consumed or released."""
+        return bool(self._held)
+
     def _release(self) -> None:
         self._ledger._unclaim(tuple(self._held))
         self._held.clear()
@@ -200,8 +218,23 @@ class Ledger:
         yielded; those not consumed early (``Claim.done``) are consumed if the block succeeds and
         return to outstanding if it raises. With ``rows`` (the plan's slots), ``check_rows`` runs
         first: a registered ticket over one of them must be among ``tickets``."""
-        items = _tickets_arg("claiming", tickets)
-        _pool_arg("claiming", pool)
+        claim = self._claim("claiming", tickets, pool, rows, plan)
+        try:
+            yield claim
+        except BaseException:
+            claim._release()
+            raise
+        claim._consume_rest()
+
+    def claim(self, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan") -> Claim:
+        """``claiming`` without the block, for a plan that runs somewhere else (an executor
+        process): the same checks, the tickets held in flight until the caller ends the claim with
+        ``Claim.settle``, naming the tickets that backend consumed."""
+        return self._claim("claim", tickets, pool, rows, plan)
+
+    def _claim(self, method: str, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int], plan: str) -> Claim:
+        items = _tickets_arg(method, tickets)
+        _pool_arg(method, pool)
         self.check_rows(rows, pool, plan, items)
         with self._lock:
             registered = tuple(self._check_claim(t, pool) for t in items)
@@ -213,13 +246,7 @@ class Ledger:
             for key, t in zip(keys, registered, strict=True):
                 del self._outstanding[key]
                 self._in_flight[key] = t
-        claim = Claim(self, registered)
-        try:
-            yield claim
-        except BaseException:
-            claim._release()
-            raise
-        claim._consume_rest()
+        return Claim(self, registered)
 
     @contextmanager
     def consuming(self, ticket: Ticket, pool: PoolId) -> Iterator[Ticket]:

@@ -106,8 +106,16 @@ class ServeConfig:
     times slower whenever another process held a core (idle OpenMP workers spin-wait for it), and
     gained little when the CPU was quiet."""
 
+    overlap: bool = False
+    """Run each model's executor in its own process (``Engine(overlap=True)``). Off by default:
+    measured on a 2-core CPU it is no faster yet (README, "Overlap")."""
+
     def __attrs_post_init__(self) -> None:
+        if type(self.overlap) is not bool:  # noqa: E721 - 0, 1 and 'no' are not switches
+            raise ServeError(f"overlap must be a bool, got {self.overlap!r}")
         for name, value in attrs.asdict(self).items():
+            if name == "overlap":
+                continue
             if type(value) is not int:  # noqa: E721 - bool, float and str are not option values
                 raise ServeError(f"{name} must be an int, got {value!r}")
             lo = 0 if name in ("k", "lossless_sample") else 1

@@ -163,6 +163,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--lossless-sample", type=_int_in(0, MAX_REQUESTS), default=_SERVE.lossless_sample,
                      help=f"requests re-run with plain greedy to check losslessness (default {_SERVE.lossless_sample})")
     run.add_argument("--compare-mutable", action="store_true", help="also run the workload through the pre-fix mutable baseline")
+    run.add_argument("--overlap", action="store_true",
+                     help="run each model's executor in its own process, fed packed plans, so the target's and the draft's "
+                     "prefills and commits run at the same time as each other and as host work (default off: on a 2-core CPU "
+                     "it is not faster yet; README, \"Overlap\")")
     run.add_argument("--json", metavar="PATH", type=_path_arg,
                      help="also write the summary as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                      "replaced when the run ends ('-' for stdout)")
@@ -206,6 +210,8 @@ def parser() -> argparse.ArgumentParser:
                     help="instead of the built-in workload, sweep the running batch: B requests arriving together at step 0, "
                     f"{SWEEP_NEW_TOKENS} new tokens each, for each B (default B: {' '.join(map(str, SWEEP_RUNNING))}; "
                     "each bounded by the memory estimate)")
+    bs.add_argument("--overlap", action="store_true",
+                    help="also measure the compiled engine with each executor in its own process (rows with overlap true)")
     bs.add_argument("--json", metavar="PATH", type=_path_arg,
                     help="also write the rows as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                     "replaced when the bench ends ('-' for stdout)")

@@ -22,7 +22,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
     cfg = ServeConfig(
         k=args.k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
-        cache_entries=args.cache_entries, lossless_sample=args.lossless_sample,
+        cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
     )
     # every check before anything runs: options, output path, models, memory, workload
     if args.draft is not None and args.k == 0:

@@ -142,22 +142,23 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             def progress(done: int, total: int, run: object) -> None:
                 status.update(f"run {done + 1 if done < total else total}/{total} (interleaved: {', '.join(ENGINES)}, then again)")
 
-            rows = run_serve_bench(target, draft, cases, repeats=args.repeats, on_run=progress)
+            rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress)
         what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
         table = Table(title=f"bench serve: {what}, bundled target and draft",
                       caption=f"median of {args.repeats} interleaved repeats per (k, engine, running)")
         for h in ("k", "engine", "running", "tokens", "steps", "tokens/s", "/ mutable-fixed", "/ k=0", "model s", "host ms/step"):
             table.add_column(h, justify="right")
-        order = sorted(rows, key=lambda r: (r.running, r.k, ENGINES.index(r.engine))) if sweep else rows
+        order = sorted(rows, key=lambda r: (r.running, r.k, ENGINES.index(r.engine), r.overlap)) if sweep else rows
         for r in order:
             table.add_row(
-                str(r.k), r.engine, str(r.running), str(r.tokens), str(r.steps), f"{r.tokens_per_s:.1f}",
+                str(r.k), r.engine + (" +overlap" if r.overlap else ""), str(r.running), str(r.tokens), str(r.steps), f"{r.tokens_per_s:.1f}",
                 _times(r.vs_mutable_fixed), _times(r.vs_k0), f"{r.model_s:.2f}", f"{r.host_ms_per_step:.2f}",
             )
         console.print(table)
         console.print(
-            "host ms/step = (wall - time inside model forwards) / steps. '/ mutable-fixed' and '/ k=0': the row's "
+            "host ms/step = (wall - time inside model forwards) / steps (with overlap: minus the time an executor process "
+            "ran a plan). '/ mutable-fixed' and '/ k=0': the row's "
             "tokens/s over the fixed baseline's (same k and running) and over its own engine's at k=0, measured in "
             "this run (ratios of the medians). mutable = the pre-fix baseline (replays stale init ops); neither "
             f"baseline has a prefix cache. {time.perf_counter() - t0:.0f} s in all.",

@@ -64,6 +64,7 @@ def check_engine_args(
     retries: object,
     mixed: object,
     pm: object,
+    overlap: object = False,
 ) -> None:
     """``Engine``'s argument checks, all before anything is allocated (``PreconditionError`` naming
     the argument and the value): counts are ints (numpy
@@ -74,7 +75,7 @@ def check_engine_args(
     pool within ``MAX_POOL_BYTES``, ``chunk_size`` and ``token_budget`` ``None`` or ``>= 1``,
     ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``ServedModel`` (a ``HybridModel``, or
     any model with the protocol's methods); ``draft`` a ``ServedModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
-    0``); ``mixed`` a ``bool``; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
+    0``); ``mixed`` and ``overlap`` ``bool``s; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
     ``PassManager`` or ``None``."""
     kk = engine_int("k", k, 0, MAX_K)
     slots = engine_int("capacity", capacity, 1, MAX_CAPACITY)
@@ -92,8 +93,9 @@ def check_engine_args(
         if value is not None:
             engine_int(name, value, 1)
     engine_int("retries", retries, 0, MAX_RETRIES)
-    if type(mixed) is not bool:  # noqa: E721 - 0, 1, 'no' and None are not switches
-        raise PreconditionError("Engine", f"mixed must be a bool, not {type(mixed).__name__} (got {short_repr(mixed)})")
+    for name, switch in (("mixed", mixed), ("overlap", overlap)):
+        if type(switch) is not bool:  # noqa: E721 - 0, 1, 'no' and None are not switches
+            raise PreconditionError("Engine", f"{name} must be a bool, not {type(switch).__name__} (got {short_repr(switch)})")
     if not isinstance(target, ServedModel):
         raise PreconditionError("Engine", f"target must be a ServedModel, not {type(target).__name__} (got {short_repr(target)})")
     if draft is not None and not isinstance(draft, ServedModel):

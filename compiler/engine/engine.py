@@ -12,6 +12,11 @@ the forward runner (``runner``: retries and ``StepFailed``), prefix states (``pr
 the argument checks (``admission``). This module wires them and owns the step loop. Every request
 that leaves (finished, aborted, failed, retracted) goes through one release path, ``_release``.
 
+With ``overlap=True`` each model's executor runs in its own process (``backend.remote``), fed
+packed plans: the target's and the draft's prefill of an extend step run at the same time, and the
+target's and draft's commits of a speculative iteration run while the host does the iteration's
+bookkeeping. ``close`` (or ``with Engine(...)``) stops the processes.
+
 A request finishes at ``max_new_tokens`` or after emitting its ``stop`` token; ``abort`` ends it at
 any time. Greedy speculative decoding is lossless: the tokens emitted at any ``k`` equal those at
 ``k = 0``, retracted requests included (they re-prefill their prompt and output so far).
@@ -23,10 +28,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from backend.allocator import KVAllocator, SlotAllocator
-from backend.executor import AnyExecutor, Executor
+from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.model import ServedModel, ServingModelHook
+from backend.remote import ExecutorProcess
 from compiler.engine.admission import check_engine_args, check_request
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
 from compiler.engine.chunks import ChunkPlanner
@@ -35,7 +43,7 @@ from compiler.engine.kv_refs import KVRefs
 from compiler.engine.prefixes import PrefixStates
 from compiler.engine.report import PrefixState, SpecStats, StepKind, StepReport
 from compiler.engine.requests import Ending, Request, RequestTable
-from compiler.engine.runner import ForwardRunner, StepFailed
+from compiler.engine.runner import Backend, ForwardRunner, StepFailed
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
@@ -62,13 +70,16 @@ class Engine:
         retries: int = 0,
         mixed: bool = True,
         pm: PassManager | None = None,
+        overlap: bool = False,
     ) -> None:
         """Every argument is checked before anything is allocated (``check_engine_args``: types and
-        bounds, ``PreconditionError`` naming the argument and the value)."""
+        bounds, ``PreconditionError`` naming the argument and the value). ``overlap``: run each
+        model's executor in its own process (see the module)."""
         check_engine_args(
             target, draft, k=k, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, chunk_size=chunk_size,
-            token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm,
+            token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm, overlap=overlap,
         )
+        self.overlap = overlap
         k, capacity, kv_capacity, max_len, retries = int(k), int(capacity), int(kv_capacity), int(max_len), int(retries)
         self.k, self.vocab, self.retries, self.mixed, self.max_len = k, target.vocab, retries, mixed, max_len
         self.cache = prefix_cache
@@ -83,7 +94,16 @@ class Engine:
         self.pipeline = Pipeline(self.ledger, LowerContext(pools=pools), pm)
         self._hooks: list[ServingModelHook[Any]] = []
         self.target = self._executor(target, TARGET_POOL, capacity, kv_capacity)
-        self.draft = self._executor(draft, DRAFT_POOL, capacity, kv_capacity) if k > 0 and draft is not None else None
+        self.draft: Backend | None = None
+        try:
+            self.draft = self._executor(draft, DRAFT_POOL, capacity, kv_capacity) if k > 0 and draft is not None else None
+            for ex in self._executors():  # the processes start side by side; their start-up ends here
+                if isinstance(ex, ExecutorProcess):
+                    ex.wait_ready()
+        except BaseException:
+            self._close(self.target)
+            self._close(self.draft)
+            raise
         self.stats = SpecStats()
         self.runner = ForwardRunner(retries, self.stats)
         self.requests = RequestTable()
@@ -122,19 +142,59 @@ class Engine:
     def token_budget(self) -> int:
         return self.planner.token_budget
 
-    def _executor(self, model: ServedModel[Any], pool_id: PoolId, capacity: int, kv_capacity: int) -> AnyExecutor:
+    def _executor(self, model: ServedModel[Any], pool_id: PoolId, capacity: int, kv_capacity: int) -> Backend:
+        if self.overlap:
+            return ExecutorProcess(
+                model, pool_id=pool_id, capacity=capacity, kv_capacity=kv_capacity, max_len=self.max_len, ledger=self.ledger,
+                slots=self.slots, transactional=self.retries > 0, threads=torch.get_num_threads(),
+            )
         pool = model.new_pool(capacity, pool_id=pool_id)
         hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=self.max_len)
         self._hooks.append(hook)
         # with retries, each forward is one transactional unit that can simply run again
         return Executor(pool, self.ledger, hook, slots=self.slots, transactional=self.retries > 0)
 
-    def _executors(self) -> list[AnyExecutor]:
+    def _executors(self) -> list[Backend]:
         return [self.target] + ([self.draft] if self.draft is not None else [])
 
     def _share_prefix(self, src: int, dst: int, length: int) -> None:
         for hook in self._hooks:
             hook.share_prefix(src, dst, length)
+        for ex in self._executors():
+            if isinstance(ex, ExecutorProcess):
+                ex.share_prefix(src, dst, length)
+
+    @staticmethod
+    def _close(ex: Backend | None) -> None:
+        if isinstance(ex, ExecutorProcess):
+            ex.close()
+
+    def close(self) -> None:
+        """Stop the executor processes (``overlap``); a no-op otherwise. Later steps fail."""
+        for ex in self._executors():
+            self._close(ex)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        """With ``overlap``: every interval (``time.perf_counter`` seconds) during which an executor
+        process ran a plan, both pools; empty otherwise."""
+        return [iv for ex in self._executors() if isinstance(ex, ExecutorProcess) for iv in ex.busy]
+
+    def busy_seconds(self, start: float, end: float) -> float:
+        """With ``overlap``: the seconds of ``[start, end]`` (``time.perf_counter``) during which at
+        least one executor process ran a plan (the union of ``busy_intervals``)."""
+        total, reach = 0.0, start
+        for a, b in sorted(self.busy_intervals()):
+            a, b = max(a, reach), min(b, end)
+            if b > a:
+                total += b - a
+                reach = b
+        return total
 
     def admit(
         self,
@@ -236,6 +296,22 @@ class Engine:
             aborted=tuple(p.aborted), seconds=time.perf_counter() - t0,
         )
 
+    def sync(self) -> None:
+        """Wait for the plans still running in executor processes (``overlap``: the last
+        speculative iteration's commits); one that failed aborts its requests, as in ``step``. A
+        no-op without ``overlap``."""
+        self.check_serving()
+        self._stepping = True
+        try:
+            self.forwards.settle()
+        except StepFailed as failure:
+            self._abort_failed(failure)
+        except BaseException as exc:
+            self.stopped_by = exc
+            raise
+        finally:
+            self._stepping = False
+
     def check_serving(self) -> None:
         """Raise ``EngineStoppedError`` if an earlier step raised (see ``step``), and
         ``PreconditionError`` when called from inside a step (a model hook calling back into the
@@ -289,9 +365,11 @@ class Engine:
             raise PreconditionError("run_until_done", f"max_steps must be an int >= 0 (got {short_repr(max_steps)})")
         for _ in range(max_steps):
             if not self.requests:
+                self.sync()
                 return
             self.step()
         if not self.requests:
+            self.sync()
             return
         raise RuntimeError(f"{self.live} requests still live after {max_steps} steps")
 

@@ -33,13 +33,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from backend.executor import AnyExecutor
+from backend.remote import ExecutorProcess
 from compiler.engine.cache_session import CacheSession
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import SpecStats, StepKind
 from compiler.engine.requests import Ending, RequestState, RequestTable
-from compiler.engine.runner import ForwardRunner, StepFailed
+from compiler.engine.runner import Backend, ForwardRunner, StepFailed, Submitted
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64
@@ -65,8 +65,8 @@ class Forwards:
         k: int,
         pipeline: Pipeline,
         runner: ForwardRunner,
-        target: AnyExecutor,
-        draft: AnyExecutor | None,
+        target: Backend,
+        draft: Backend | None,
         requests: RequestTable,
         kv_refs: KVRefs,
         session: CacheSession,
@@ -81,9 +81,24 @@ class Forwards:
         self.running = DecodeBatch.empty()
         self.progress = Progress()
         self._last_was_prefill = False
+        self._deferred: list[Submitted] = []
+        """Commits sent to executor processes and not waited for yet: nothing in this step needs
+        their result, and the next plan on each pool runs after them in that process."""
+
+    def settle(self) -> None:
+        """Wait for the plans still in flight in executor processes (the commits of the last
+        speculative iteration): ``StepFailed`` if one failed."""
+        deferred, self._deferred = self._deferred, []
+        for i, s in enumerate(deferred):
+            try:
+                self.runner.wait(s)
+            except BaseException:
+                self._deferred = deferred[i + 1 :]
+                raise
 
     def run(self) -> StepKind:
-        """Choose this step's forward and run it."""
+        """Choose this step's forward and run it (after settling the plans still in flight)."""
+        self.settle()
         if self.mixed and self.draft is None and self.requests.has_queued and self.running.num_requests:
             if self._reserve_kv(1):  # False only when retraction emptied the running batch
                 self._last_was_prefill = False
@@ -116,16 +131,24 @@ class Forwards:
     def abort_failed(self, failure: StepFailed) -> list[RequestId]:
         """Abort the live requests of a forward that failed after every retry; returns them."""
         ledger = self.target.ledger
+        for ex in (self.target, self.draft):
+            if isinstance(ex, ExecutorProcess) and not ex.closed:
+                ex.drain()  # a plan submitted beside the failed one has settled its claim
+        self._deferred.clear()  # the other commit of the failed one's iteration: its rows are aborted
         # every ticket is consumed within the step that registers it, so what is outstanding now
         # belongs to the failed forward
+        reason = f"aborted: its forward failed ({failure.cause!r})"
         for t in ledger.outstanding():
-            ledger.cancel(t, f"aborted: its forward failed ({failure.cause!r})")
+            ledger.cancel(t, reason)
+        for ex in (self.target, self.draft):
+            if isinstance(ex, ExecutorProcess) and not ex.closed:
+                ex.cancel_outstanding(reason)
         self.stats.failed_steps += 1
         live = [rid for rid in failure.rids if rid in self.requests]
         self.stats.aborts += len(live)
         self.progress.aborted.extend(live)
         for ex in (self.target, self.draft):
-            if ex is not None:
+            if ex is not None and not (isinstance(ex, ExecutorProcess) and ex.closed):
                 ex.forget_verifies()
         self.release(live, Ending.FAILED)
         return live
@@ -141,15 +164,23 @@ class Forwards:
         if not admitted:
             return False
         extend, plan = self.pipeline.prefill(admitted)
-        logits = self.runner.run(self.target, plan)
-        if self.draft is not None:
-            self.runner.run(self.draft, plan)  # the draft pool's init ops (and snapshots): consumed here, once
+        on_target = self.runner.submit(self.target, plan)
+        # the draft pool's init ops (and snapshots) are consumed there, once; in executor processes
+        # the two prefills run at the same time
+        on_draft = self.runner.submit(self.draft, plan) if self.draft is not None else None
+        logits = self.runner.wait(on_target)
         assert logits is not None
         self.stats.prefills += 1
+        self._wait(on_draft)
         self._after_chunks(admitted, extend, logits)
         self.running = self.pipeline.merge(self.running, extend)
         self._finish()
         return True
+
+    def _wait(self, *submitted: Submitted | None) -> None:
+        for s in submitted:
+            if s is not None:
+                self.runner.wait(s)
 
     def _after_chunks(self, admitted: Sequence[AdmittedRequest], extend: ExtendBatch, logits: torch.Tensor) -> None:
         """Advance the prefilled requests, cache their snapshots, and emit the first token of each
@@ -225,15 +256,22 @@ class Forwards:
         target_tokens = self.runner.run(self.target, vplan)
         assert target_tokens is not None
         result, committed, cplan = self.pipeline.commit(verify_batch, frozen_i64(target_tokens.reshape(-1).cpu().numpy()))
-        self.runner.run(self.target, cplan)
+        on_target = self.runner.submit(self.target, cplan)
+        draft_committed, dcplan = self.pipeline.draft_commit(committed, draft_batch)
+        on_draft = self.runner.submit(self.draft, dcplan)
+        # in executor processes both commits run while the host does the rest of the iteration
+        # and the next step's passes; a commit that failed fails the next step (``settle``)
         # each row's rejected positions are the tail of its window, the last entries of its context
         for rid, m in zip(rids, committed.accept_pos.tolist(), strict=True):
             if m < k:
                 del self.requests[rid].context[m - k :]
         self.kv_refs.unref(committed.released_kv)
-        draft_committed, dcplan = self.pipeline.draft_commit(committed, draft_batch)
-        self.runner.run(self.draft, dcplan)
         self.running = self.pipeline.merge(DecodeBatch.empty(), draft_committed)
+        for s in (on_target, on_draft):
+            if s.pending is not None:
+                self._deferred.append(s)
+            else:
+                self.runner.wait(s)
         drafts = proposals.reshape(len(rids), k).tolist()
         emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(result.accepted.tolist(), result.bonus.tolist(), strict=True))]
         self.stats.iterations += 1

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from backend.allocator import KVAllocator, SlotAllocator
-from backend.executor import AnyExecutor
 from compiler.engine.admission import MAX_LEN, checked_prompt
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import PrefixState
 from compiler.engine.requests import Request
+from compiler.engine.runner import Backend
 from compiler.steps import Pipeline
 from ir.columns import I64, int_problem
 from ir.errors import PreconditionError, SlotError, short_repr
@@ -31,7 +31,7 @@ class PrefixStates:
         kv: KVAllocator,
         kv_refs: KVRefs,
         pipeline: Pipeline,
-        executors: Callable[[], Sequence[AnyExecutor]],
+        executors: Callable[[], Sequence[Backend]],
         k: int,
         max_len: int,
         vocab: int,

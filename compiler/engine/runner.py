@@ -4,21 +4,29 @@ With ``retries > 0`` the executors are transactional (a failed forward leaves no
 forward that raises is simply executed again. A ``BatchcError`` is never retried: a plan that does
 not fit its backend is a bug, not a fault. When every attempt fails, ``StepFailed`` carries the
 plan's requests; the engine aborts them through its release path and serving goes on.
+
+``submit`` and ``wait`` split a run in two, so the scheduler can do host work while the forward
+runs: on an ``ExecutorProcess`` the plan is sent and the call returns; an in-process executor runs it
+at once (``wait`` hands back what it gave). Retries happen at ``wait``.
 """
 
 from __future__ import annotations
 
-from typing import assert_never
+from typing import TypeAlias, assert_never
 
 import torch
 
 from backend.executor import AnyExecutor
+from backend.remote import ExecutorProcess, Pending
 from compiler.engine.report import SpecStats
 from ir.errors import BatchcError
 from ir.ids import RequestId
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
+
+Backend: TypeAlias = AnyExecutor | ExecutorProcess
+"""Where the engine's plans run: an executor in this process or one in its own process."""
 
 
 class StepFailed(Exception):
@@ -46,19 +54,68 @@ def plan_rids(plan: Plan) -> tuple[RequestId, ...]:
     return tuple(RequestId(r) for col in cols for r in col.tolist())
 
 
+class Submitted:
+    """A plan handed to ``ForwardRunner.submit``: its result or failure, or the pending reply of an
+    executor process."""
+
+    def __init__(self, ex: Backend, plan: Plan) -> None:
+        self.ex, self.plan = ex, plan
+        self.pending: Pending | None = None
+        self.out: torch.Tensor | None = None
+        self.failure: StepFailed | None = None
+
+
 class ForwardRunner:
     def __init__(self, retries: int, stats: SpecStats) -> None:
         self.retries = retries
         self.stats = stats
 
-    def run(self, ex: AnyExecutor, plan: Plan) -> torch.Tensor | None:
-        for attempt in range(self.retries + 1):
+    def run(self, ex: Backend, plan: Plan) -> torch.Tensor | None:
+        return self._attempts(ex, plan, self.retries + 1)
+
+    def submit(self, ex: Backend, plan: Plan) -> Submitted:
+        """Start ``plan`` on ``ex``; a refusal on this side (a ``BatchcError``) is raised here."""
+        s = Submitted(ex, plan)
+        if isinstance(ex, ExecutorProcess):
+            try:
+                s.pending = ex.submit(plan)
+                return s
+            except BatchcError:
+                raise
+            except Exception:  # noqa: BLE001 - the process is gone: a failed forward, retried below
+                pass
+        try:
+            s.out = self.run(ex, plan)
+        except StepFailed as failure:
+            s.failure = failure
+        return s
+
+    def wait(self, s: Submitted) -> torch.Tensor | None:
+        """The result of a submitted plan, retried as ``run`` would; ``StepFailed`` when every
+        attempt failed."""
+        if s.pending is None:
+            if s.failure is not None:
+                raise s.failure
+            return s.out
+        assert isinstance(s.ex, ExecutorProcess)
+        try:
+            return s.ex.wait(s.pending)
+        except BatchcError:
+            raise
+        except Exception as exc:
+            if not self.retries:
+                raise StepFailed(plan_rids(s.plan), exc) from exc
+            self.stats.retries += 1
+            return self._attempts(s.ex, s.plan, self.retries)
+
+    def _attempts(self, ex: Backend, plan: Plan, attempts: int) -> torch.Tensor | None:
+        for attempt in range(attempts):
             try:
                 return ex.execute(plan)
             except BatchcError:
                 raise  # a plan that does not fit is a bug, not a fault to retry
             except Exception as exc:
-                if attempt < self.retries:
+                if attempt < attempts - 1:
                     self.stats.retries += 1
                     continue
                 raise StepFailed(plan_rids(plan), exc) from exc

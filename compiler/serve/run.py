@@ -20,14 +20,15 @@ from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId
 
 def make_engine(
     target: HybridModel, draft: HybridModel | None, cfg: ServeConfig, pm: PassManager | None, cache: bool, k: int,
-    chunk_size: int | None = None,
+    chunk_size: int | None = None, overlap: bool | None = None,
 ) -> Engine:
-    """The engine ``cfg`` describes (``chunk_size`` overrides the config's)."""
+    """The engine ``cfg`` describes (``chunk_size`` and ``overlap`` override the config's)."""
     total = cfg.max_running + (cfg.cache_entries if cache else 0) + 2
     return Engine(
         target, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
         max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,
         prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
+        overlap=cfg.overlap if overlap is None else overlap,
     )
 
 
@@ -56,6 +57,7 @@ def serve(
         if on_finish is not None and len(driver.outputs) != done:
             done = len(driver.outputs)
             on_finish(done)
+    driver.sync()  # the last commits still running in executor processes (overlap) are part of the run
     return time.perf_counter() - t0, steps
 
 
@@ -74,13 +76,25 @@ def run(
     ``model_clock``: the seconds spent inside the models' forwards so far (a timing wrapper's
     running total), read before and after the served run; with it the summary reports the run's
     model time and its host time per step (wall minus model time, per step). The lossless check
-    after the run is not counted."""
+    after the run is not counted. With ``cfg.overlap`` the model time is the time during which an
+    executor process ran a plan (``Engine.busy_seconds``), so the host time per step is the host
+    time the forwards did not hide."""
     check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable)
     pm = PassManager.from_env()
-    driver = make_engine(target, draft, cfg, pm, cache=True, k=cfg.k)
+    with make_engine(target, draft, cfg, pm, cache=True, k=cfg.k) as driver:
+        return _run(driver, workload, target, cfg, pm, on_finish=on_finish, model_clock=model_clock)
+
+
+def _run(
+    driver: Engine, workload: Sequence[Request], target: HybridModel, cfg: ServeConfig, pm: PassManager, *,
+    on_finish: Callable[[int], None] | None, model_clock: Callable[[], float] | None,
+) -> ServeSummary:
     model_before = model_clock() if model_clock is not None else 0.0
+    start = time.perf_counter()
     wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish)
     model_s = model_clock() - model_before if model_clock is not None else None
+    if driver.overlap:
+        model_s = driver.busy_seconds(start, time.perf_counter())
     n_steps = sum(steps.values())
     driver.drop_cache()
     ledger = driver.ledger
@@ -99,7 +113,7 @@ def run(
     sample = list(workload)[: cfg.lossless_sample]
     checked = [r for r in sample if r.rid not in driver.aborted_by_failure]  # an aborted request's output is cut short
     if sample:
-        plain = make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len)
+        plain = make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False)
         serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running)
         same = not plain.aborted_by_failure and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
         skipped = f" ({len(sample) - len(checked)} aborted requests not compared)" if len(checked) < len(sample) else ""

@@ -9,7 +9,10 @@ prefix cache: it builds the system prefixes' states at the start of its run and 
 prefills the prompts' tails whole, in one forward).
 
 Every engine first serves a couple of requests of every case unmeasured (``warm_up``), so one-time
-costs fall on no measured run. Then the runs go round the engines (compiled, mutable,
+costs fall on no measured run. With ``overlap`` the compiled engine is also measured with each
+executor in its own process (rows with ``overlap`` true): each such run builds its engine, waits for
+the processes to start and warms them on the case's first requests before the clock starts; its
+model time is the time during which an executor process ran a plan. Then the runs go round the engines (compiled, mutable,
 mutable-fixed, then again) ``repeats`` times, so drifting machine load falls on all of them alike,
 and each (workload, k, engine, running) reports the median of its repeats, with its tokens/s over
 the fixed baseline's and over its own at k = 0 (ratios of the medians).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -37,6 +41,8 @@ from ir.ids import RequestId
 ENGINES = ("compiled", "mutable", "mutable-fixed")
 """The engines of every case, in the order each repeat runs them."""
 KS = (0, 2)
+WARM_REQUESTS = 2
+"""Requests of its case an overlapped engine serves, unmeasured, before its measured run."""
 
 
 @attrs.frozen(kw_only=True)
@@ -93,6 +99,7 @@ class ServeRun:
     workload: str
     k: int
     engine: str
+    overlap: bool
     running: int
     """Most requests live at once (admitted, not finished), sampled before every step."""
     tokens: int
@@ -110,21 +117,30 @@ class ServeRun:
         return host_ms_per_step(self.wall_s, self.model_s, self.steps)
 
 
-def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel, *, repeat: int = 0) -> ServeRun:
-    """Serve ``case`` once on ``engine`` (one of ``ENGINES``), timing the models' forwards."""
+def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel, *, repeat: int = 0, overlap: bool = False) -> ServeRun:
+    """Serve ``case`` once on ``engine`` (one of ``ENGINES``), timing the models' forwards;
+    ``overlap`` (compiled only): with its executors in their own processes."""
     cfg = case.cfg
     target.seconds = draft.seconds = 0.0
     peak = 0
     if engine == "compiled":
-        drv = make_engine(target, draft, cfg, None, cache=True, k=case.k)
+        with make_engine(target, draft, cfg, None, cache=True, k=case.k, overlap=overlap) as drv:
+            if overlap:  # warm the processes themselves: an in-process warm-up does not reach them
+                serve(drv, case.requests[:WARM_REQUESTS], max_running=cfg.max_running)
+                drv.drop_cache()
+                drv.outputs.clear()
 
-        def sample() -> None:
-            nonlocal peak
-            peak = max(peak, drv.live)
+            def sample() -> None:
+                nonlocal peak
+                peak = max(peak, drv.live)
 
-        wall, kinds = serve(drv, case.requests, max_running=cfg.max_running, on_step=sample)
-        steps, outputs = sum(kinds.values()), drv.outputs
+            start = time.perf_counter()
+            wall, kinds = serve(drv, case.requests, max_running=cfg.max_running, on_step=sample)
+            model_s = drv.busy_seconds(start, time.perf_counter()) if overlap else target.seconds + draft.seconds
+            steps, outputs = sum(kinds.values()), drv.outputs
     elif engine in ("mutable", "mutable-fixed"):
+        if overlap:
+            raise ValueError("only the compiled engine runs with overlap")
         eng = make_mutable(target, draft, cfg, k=case.k, fixed=engine == "mutable-fixed")
 
         def sample() -> None:
@@ -133,11 +149,12 @@ def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel,
 
         wall, steps = serve_mutable(eng, case.requests, max_running=cfg.max_running, on_step=sample)
         outputs = eng.outputs
+        model_s = target.seconds + draft.seconds
     else:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     return ServeRun(
-        workload=case.workload, k=case.k, engine=engine, running=peak, tokens=sum(map(len, outputs.values())),
-        steps=steps, wall_s=wall, model_s=target.seconds + draft.seconds, repeat=repeat,
+        workload=case.workload, k=case.k, engine=engine, overlap=overlap, running=peak, tokens=sum(map(len, outputs.values())),
+        steps=steps, wall_s=wall, model_s=model_s, repeat=repeat,
     )
 
 
@@ -149,7 +166,7 @@ class ServeRow:
     k: int
     engine: str
     overlap: bool
-    """Whether host work overlapped the forwards: no engine does yet, so always false."""
+    """Whether the engine ran its executors in their own processes (``Engine(overlap=True)``)."""
     running: int
     tokens: int
     steps: int
@@ -187,22 +204,22 @@ def _ratio(a: float, b: float | None) -> float | None:
 
 
 def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
-    """One row per (workload, k, engine, running): the medians of its runs, in the order the keys
-    first appear."""
-    groups: dict[tuple[str, int, str, int], list[ServeRun]] = {}
+    """One row per (workload, k, engine, overlap, running): the medians of its runs, in the order the
+    keys first appear."""
+    groups: dict[tuple[str, int, str, bool, int], list[ServeRun]] = {}
     for r in runs:
-        groups.setdefault((r.workload, r.k, r.engine, r.running), []).append(r)
+        groups.setdefault((r.workload, r.k, r.engine, r.overlap, r.running), []).append(r)
     tps = {key: statistics.median(r.tokens_per_s for r in g) for key, g in groups.items()}
     rows = []
-    for (workload, k, engine, running), g in groups.items():
-        mine = tps[(workload, k, engine, running)]
+    for (workload, k, engine, overlap, running), g in groups.items():
+        mine = tps[(workload, k, engine, overlap, running)]
         rows.append(ServeRow(
-            workload=workload, k=k, engine=engine, overlap=False, running=running,
+            workload=workload, k=k, engine=engine, overlap=overlap, running=running,
             tokens=statistics.median_low(r.tokens for r in g), steps=statistics.median_low(r.steps for r in g),
             tokens_per_s=mine, host_ms_per_step=statistics.median(r.host_ms_per_step for r in g),
             wall_s=statistics.median(r.wall_s for r in g), model_s=statistics.median(r.model_s for r in g),
-            vs_mutable_fixed=_ratio(mine, tps.get((workload, k, "mutable-fixed", running))),
-            vs_k0=_ratio(mine, tps.get((workload, 0, engine, running))), runs=tuple(g),
+            vs_mutable_fixed=_ratio(mine, tps.get((workload, k, "mutable-fixed", False, running))),
+            vs_k0=_ratio(mine, tps.get((workload, 0, engine, overlap, running))), runs=tuple(g),
         ))
     return rows
 
@@ -214,24 +231,27 @@ def run_serve_bench(
     *,
     repeats: int,
     engines: Sequence[str] = ENGINES,
+    overlap: bool = False,
     on_run: Callable[[int, int, ServeRun | None], None] | None = None,
 ) -> list[ServeRow]:
     """Warm every engine up on every case, then serve every case on every engine ``repeats`` times,
-    interleaved (each repeat runs every case's engines in turn), and summarise the medians.
-    ``on_run(done, total, run)`` reports progress (``run`` is None before the first)."""
+    interleaved (each repeat runs every case's engines in turn; with ``overlap``, the compiled
+    engine with overlap right after it), and summarise the medians. ``on_run(done, total, run)``
+    reports progress (``run`` is None before the first)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     t, d = TimedModel(target), TimedModel(draft)
     for case in cases:
         warm_up(case.requests, t, d, case.cfg)
-    total = repeats * len(cases) * len(engines)
+    kinds = [(e, o) for e in engines for o in ((False, True) if overlap and e == "compiled" else (False,))]
+    total = repeats * len(cases) * len(kinds)
     if on_run is not None:
         on_run(0, total, None)
     runs = []
     for repeat in range(repeats):
         for case in cases:
-            for engine in engines:
-                runs.append(measure(case, engine, t, d, repeat=repeat))
+            for engine, over in kinds:
+                runs.append(measure(case, engine, t, d, repeat=repeat, overlap=over))
                 if on_run is not None:
                     on_run(len(runs), total, runs[-1])
     return summarise(runs)

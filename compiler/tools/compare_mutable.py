@@ -57,7 +57,7 @@ def warm_up(workload: Sequence[Request], target: HybridModel, draft: HybridModel
     """Serve the first ``WARM_UP_REQUESTS`` requests of ``workload``, unmeasured, through the compiled
     engine and (with a draft) both mutable baselines, at ``cfg.k``."""
     warm = list(workload)[:WARM_UP_REQUESTS]
-    serve(make_engine(target, draft, cfg, None, cache=True, k=cfg.k), warm, max_running=cfg.max_running)
+    serve(make_engine(target, draft, cfg, None, cache=True, k=cfg.k, overlap=False), warm, max_running=cfg.max_running)
     if draft is not None:
         for fixed in (False, True):
             serve_mutable(make_mutable(target, draft, cfg, k=cfg.k, fixed=fixed), warm, max_running=cfg.max_running)

@@ -34,7 +34,7 @@ def _rows(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     for row in rows:
         for name, kind in ROW_FIELDS.items():
             assert isinstance(row[name], kind) and not (kind is int and isinstance(row[name], bool)), (name, row)
-        assert row["engine"] in ENGINES and row["overlap"] is False
+        assert row["engine"] in ENGINES and (row["overlap"] is False or row["engine"] == "compiled")
         assert row["repeats"] == len(row["runs"]) and row["steps"] > 0 and row["tokens"] > 0
         for run in row["runs"]:  # every forward the model clock counts lies within the run's wall time
             assert 0.0 < run["model_s"] < run["wall_s"], run
@@ -54,6 +54,15 @@ def test_bench_serve_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert row["tokens_per_s_vs_k0"] == pytest.approx(row["tokens_per_s"] / k0["tokens_per_s"])
     assert "median of 1 interleaved repeats per (k, engine, running)" in out
     assert "/ mutable-fixed" in out and "/ k=0" in out and "host ms/step" in out
+
+
+def test_bench_serve_overlap_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows, out = _rows(["--requests", "3", "--max-new-tokens", "2", "--repeats", "1", "--overlap"], tmp_path, capsys)
+    assert [(r["k"], r["engine"], r["overlap"]) for r in rows] == [
+        (k, e, o) for k in (0, 2) for e in ENGINES for o in ((False, True) if e == "compiled" else (False,))
+    ]
+    assert len({r["tokens"] for r in rows}) == 1  # the overlapped engine generates the same tokens
+    assert "compiled +overlap" in out
 
 
 def test_bench_serve_sweep_rows_are_sized_by_the_running_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,8 +85,8 @@ def test_sweep_cases_size_every_engine_for_the_batch() -> None:
         assert max(len(r.prompt) for r in case.requests) + SWEEP_NEW_TOKENS + cfg.reserve <= cfg.max_len
 
 
-def _run(engine: str, k: int, tokens_per_s: float, repeat: int, running: int = 8) -> ServeRun:
-    return ServeRun(workload="builtin", k=k, engine=engine, running=running, tokens=100, steps=10,
+def _run(engine: str, k: int, tokens_per_s: float, repeat: int, running: int = 8, overlap: bool = False) -> ServeRun:
+    return ServeRun(workload="builtin", k=k, engine=engine, overlap=overlap, running=running, tokens=100, steps=10,
                     wall_s=100 / tokens_per_s, model_s=0.5 * 100 / tokens_per_s, repeat=repeat)
 
 
@@ -93,6 +102,16 @@ def test_rows_report_the_median_of_the_repeats_and_ratios_of_the_medians() -> No
     assert rows[(2, "compiled")].vs_k0 == pytest.approx(3.0)
     assert rows[(2, "mutable")].vs_mutable_fixed == pytest.approx(1.0)
     assert all(not r.overlap for r in rows.values())
+
+
+def test_an_overlapped_engine_is_its_own_row_compared_with_the_fixed_baseline_and_its_own_k0() -> None:
+    runs = [_run("compiled", k, 100.0 * (1 + k) * (1 + over), 0, overlap=bool(over)) for k in (0, 2) for over in (0, 1)]
+    runs += [_run("mutable-fixed", k, 100.0, 0) for k in (0, 2)]
+    rows = {(r.k, r.overlap): r for r in summarise(runs) if r.engine == "compiled"}
+    assert len(rows) == 4
+    assert rows[(2, True)].vs_mutable_fixed == pytest.approx(6.0) and rows[(2, True)].vs_k0 == pytest.approx(3.0)
+    assert rows[(0, False)].vs_mutable_fixed == pytest.approx(1.0)
+    assert rows[(2, True)].to_json()["overlap"] is True
 
 
 def test_a_different_running_batch_is_a_different_row() -> None:

@@ -1,0 +1,467 @@
+"""An executor in its own process: the backend half of overlap on a CPU.
+
+On a CPU a forward cannot run beside the scheduler in a thread of the same process (every torch op
+takes the interpreter lock back, and a busy scheduler thread starves it), so ``ExecutorProcess``
+runs an ``Executor`` (its pool, the model's KV cache and token table, its own ``Ledger``) in a child
+process and feeds it plans as ``ir.wire`` messages: the protocol tensor-parallel ranks use too.
+
+Per plan, ``submit`` (on the scheduler's side):
+
+1. checks that the plan's rows and the slots its one-shot ops name are live in the scheduler's slot
+   allocator (the allocator stays with the scheduler);
+2. claims the plan's tickets for this pool in the scheduler's ledger (``Ledger.claim``: a replayed,
+   forged or stripped plan is refused here, before a byte leaves the process);
+3. packs the plan with the next message number and sends it; the call returns at once.
+
+In the child, the message is unpacked (every node rebuilt through its constructor, the message
+number checked: a replayed, skipped or reordered message is refused), the plan's tickets for its
+pool are admitted into the child's ledger with the scheduler's provenance (``Ledger.trust_peer``
+with the scheduler's serial epoch: a serial minted anywhere else is refused), and its executor runs
+the plan with every check it makes in process. The reply names the tickets the child consumed;
+``wait`` settles the scheduler's claim with exactly those (``Claim.settle``), so both ledgers agree
+before an op counts as consumed, and a forward that failed leaves its tickets outstanding on both
+sides (a transactional executor restored its rows: the same plan can be submitted again).
+
+Errors come back by kind: a ``BatchcError`` raised in the child (a refused plan) is raised as
+``ExecutorRefused`` (never retried), anything else as ``ForwardFailed`` (a fault; retried by the
+engine's runner when it has retries). A child that died raises ``ExecutorGone`` for every later call.
+
+Replies arrive in order. Each carries the child's busy interval (``time.perf_counter``, the same
+monotonic clock in both processes on Linux), so a caller can tell how much of its wall time had a
+forward running (``busy``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Final, assert_never
+
+import numpy as np
+import torch
+
+from backend import faults
+from backend.allocator import SlotAllocator
+from backend.executor import Executor
+from backend.ledger import Claim, Ledger
+from backend.model import ServedModel
+from ir.columns import check_instance
+from ir.errors import BatchcError, IRValidationError
+from ir.ids import PoolId, TicketSerial
+from ir.init import InitTicket, Ticket, this_epoch
+from ir.nodes import Plan
+from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
+from ir.wire import pack, unpack
+
+_START_TIMEOUT_S: Final = 120.0
+"""How long ``ExecutorProcess`` waits for its child to build the pool and report ready."""
+
+
+class ForwardFailed(RuntimeError):
+    """A plan raised in the executor process with something other than a ``BatchcError`` (a fault):
+    ``kind`` is the exception's class name there."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind} in the executor process: {message}")
+        self.kind = kind
+
+
+class ExecutorRefused(BatchcError):
+    """The executor process refused a plan or a request with a ``BatchcError`` (its checks, its
+    ledger, the message's number): ``kind`` is that error's class name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind} in the executor process: {message}")
+        self.kind = kind
+
+
+class ExecutorGone(RuntimeError):
+    """The executor process is closed or died; nothing more runs on its pool."""
+
+
+def plan_slots(plan: Plan) -> list[int]:
+    """The state-pool rows a plan runs on."""
+    match plan:
+        case ExtendPlan() | DecodePlan():
+            return [int(s) for s in plan.slots]
+        case MixedPlan():
+            return [int(s) for s in plan.extend.slots] + [int(s) for s in plan.decode.slots]
+        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
+            return [int(s) for s in plan.batch.slots]
+        case IdlePlan():
+            return []
+        case _:
+            assert_never(plan)
+
+
+def plan_tickets(plan: Plan, pool: PoolId) -> list[Ticket]:
+    """The one-shot tickets a plan carries for ``pool`` (its init ticket, then its snapshot ticket)."""
+    ext = plan if isinstance(plan, ExtendPlan) else plan.extend if isinstance(plan, MixedPlan) else None
+    if ext is None:
+        return []
+    out: list[Ticket] = []
+    if (init := ext.ticket_for(pool)) is not None:
+        out.append(init)
+    if (snap := ext.snapshot_for(pool)) is not None:
+        out.append(snap)
+    return out
+
+
+def _ticket_slots(t: Ticket) -> tuple[int, ...]:
+    if isinstance(t, InitTicket):
+        return (*t.init.clear_slots, *t.init.cow_dst, *t.init.cow_src)
+    return (*t.snapshot.src, *t.snapshot.dst)
+
+
+class Pending:
+    """A plan submitted to an ``ExecutorProcess`` whose reply has not been read yet."""
+
+    def __init__(self, number: int, plan: Plan | None, claim: Claim | None) -> None:
+        self.number = number
+        self.plan = plan
+        self.claim = claim
+        self.done = False
+        self.out: torch.Tensor | None = None
+        self.error: BaseException | None = None
+
+
+_Key = tuple[TicketSerial, PoolId]
+
+
+class ExecutorProcess:
+    """An ``Executor`` over ``model``'s pool ``pool_id`` in a child process (see the module)."""
+
+    def __init__(
+        self,
+        model: ServedModel[Any],
+        *,
+        pool_id: PoolId,
+        capacity: int,
+        kv_capacity: int,
+        max_len: int,
+        ledger: Ledger,
+        slots: SlotAllocator | None = None,
+        transactional: bool = False,
+        threads: int = 1,
+    ) -> None:
+        """Arguments are checked here (``IRValidationError`` naming ``ExecutorProcess.<argument>``);
+        the model is pickled to the child, which builds the pool and serving hook and reports ready
+        (an error there is raised here, as ``ExecutorRefused`` or ``ForwardFailed``)."""
+        check_instance("ExecutorProcess", "ledger", ledger, Ledger)
+        check_instance("ExecutorProcess", "slots", slots, SlotAllocator, optional=True)
+        check_instance("ExecutorProcess", "transactional", transactional, bool)
+        for name, value in (("capacity", capacity), ("kv_capacity", kv_capacity), ("max_len", max_len), ("threads", threads)):
+            if type(value) is not int or value < 1:
+                raise IRValidationError("ExecutorProcess", name, value, "must be an int >= 1")
+        if not isinstance(pool_id, str):
+            raise IRValidationError("ExecutorProcess", "pool_id", pool_id, "must be a pool name (str)")
+        self.pool_id = pool_id
+        self.ledger = ledger
+        self.slots = slots
+        self._live_ok: tuple[bytes, int] | None = None
+        # a fresh interpreter (not fork: the scheduler's threads and locks stay behind; not the
+        # multiprocessing start methods: they re-import the caller's __main__), fed over a socket
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "backend.remote", str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self._conn = multiprocessing.connection.Connection(ours.detach())
+        self._next = 0
+        self._pending: deque[Pending] = deque()
+        self._gone: str | None = None
+        self._ready = False
+        self._control_error: BaseException | None = None
+        self.busy: list[tuple[float, float]] = []
+        """The child's busy intervals, one per reply read, in ``time.perf_counter`` seconds."""
+        self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._proc)
+        self._send(("start", model, pool_id, capacity, kv_capacity, max_len, transactional, threads, this_epoch()))
+
+    def wait_ready(self) -> None:
+        """Wait until the child has built its pool (``ExecutorGone`` after a minute without it); the
+        first use waits anyway, so this only moves the start-up cost to a chosen moment."""
+        self._check_open()
+
+    def _wait_ready(self) -> None:
+        """The child builds its pool while the caller goes on; the first use waits for it."""
+        if self._ready:
+            return
+        if not self._conn.poll(_START_TIMEOUT_S):
+            self.close()
+            raise ExecutorGone(f"executor process for pool {self.pool_id!r} did not start within {_START_TIMEOUT_S:.0f} s")
+        reply = self._recv()
+        if reply[0] != "ready":
+            self.close()
+            raise _error(reply)
+        self._ready = True
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    def submit(self, plan: Plan) -> Pending:
+        """Check and claim ``plan`` here and send it; returns at once (``wait`` reads the reply)."""
+        if not isinstance(plan, (ExtendPlan, MixedPlan, DecodePlan, DraftPlan, VerifyPlan, CommitPlan, DraftCommitPlan, DraftExtendPlan, IdlePlan)):
+            raise IRValidationError("ExecutorProcess.submit", "plan", plan, "must be a plan")
+        self._check_open()
+        rows = plan_slots(plan)
+        tickets = plan_tickets(plan, self.pool_id)
+        if self.slots is not None:
+            key = (np.asarray(rows, dtype=np.int64).tobytes(), self.slots.generation)
+            if key != self._live_ok:
+                self.slots.check_live(rows, type(plan).__name__)
+                self._live_ok = key
+            for t in tickets:
+                self.slots.check_live(_ticket_slots(t), str(t))
+        claim = self.ledger.claim(tickets, self.pool_id, rows, type(plan).__name__)
+        try:
+            data = pack(self._next, plan)
+            self._send(("plan", data))
+        except BaseException:
+            claim.settle(())
+            raise
+        p = Pending(self._next, plan, claim)
+        self._next += 1
+        self._pending.append(p)
+        return p
+
+    def wait(self, p: Pending) -> torch.Tensor | None:
+        """The result of ``p`` (reading every earlier reply first), or its error raised (or that of
+        a failed request sent before it)."""
+        while not p.done:
+            self._read_one()
+        self._raise_control_error()
+        if p.error is not None:
+            raise p.error
+        return p.out
+
+    def execute(self, plan: Plan) -> torch.Tensor | None:
+        """``submit`` then ``wait``: the in-process ``Executor.execute`` of this pool."""
+        return self.wait(self.submit(plan))
+
+    def drain(self) -> None:
+        """Read every outstanding reply (the errors of plans stay on their ``Pending``; that of a
+        failed request is raised)."""
+        while self._pending:
+            self._read_one()
+        self._raise_control_error()
+
+    # -- requests that are not plans (in order with the plans) ---------------------------------
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """The serving hook's ``share_prefix`` in the child (its token table's rows)."""
+        self._control("share", int(src), int(dst), int(length))
+
+    def forget_verifies(self) -> None:
+        """Drop every kept verify and draft state in the child (the engine aborted their requests)."""
+        self._control("forget")
+
+    def cancel_outstanding(self, reason: str) -> None:
+        """Cancel, in the child's ledger, every ticket admitted there that did not run (the
+        scheduler cancelled them in its own ledger: their requests were aborted)."""
+        self._control("cancel", str(reason))
+
+    def arm_fault(self, point: faults.FaultPoint, *, after: int = 0) -> None:
+        """Tests: arm ``point`` in the child (``backend.faults``), to fire once at its ``after + 1``-th
+        pass; ``disarm_faults`` ends it."""
+        self._control("arm", faults.FaultPoint(point).value, int(after))
+
+    def disarm_faults(self) -> None:
+        self._control("disarm")
+
+    def _control(self, *msg: object) -> None:
+        """Send a request that is not a plan; it returns at once. Its error (a bug: a bad slot, say)
+        is raised by the next ``wait``, ``drain`` or request."""
+        self._check_open()
+        self._raise_control_error()
+        self._send(msg)
+        self._pending.append(Pending(-1, None, None))
+
+    def _raise_control_error(self) -> None:
+        if self._control_error is not None:
+            err, self._control_error = self._control_error, None
+            raise err
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._gone is not None:
+            raise ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {self._gone}")
+        self._wait_ready()
+
+    def _send(self, msg: tuple[object, ...]) -> None:
+        try:
+            self._conn.send_bytes(_dumps(msg))
+        except (OSError, EOFError, ValueError) as exc:
+            self._mark_gone(f"send failed ({exc!r})")
+            raise ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {self._gone}") from exc
+
+    def _recv(self) -> tuple[Any, ...]:
+        try:
+            reply = pickle.loads(self._conn.recv_bytes())
+        except (OSError, EOFError) as exc:
+            self._mark_gone(f"it died (exit code {self._proc.poll()})")
+            raise ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {self._gone}") from exc
+        assert isinstance(reply, tuple)
+        return reply
+
+    def _mark_gone(self, why: str) -> None:
+        self._gone = why
+        for p in self._pending:  # claims of plans that never ran return to outstanding
+            if p.claim is not None and p.claim.open:
+                p.claim.settle(())
+            p.done, p.error = True, ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {why}")
+        self._pending.clear()
+
+    def _read_one(self) -> None:
+        if not self._pending:
+            return
+        reply = self._recv()
+        p = self._pending.popleft()
+        kind = reply[0]
+        started, ended, consumed = reply[-3], reply[-2], reply[-1]
+        self.busy.append((started, ended))
+        if p.claim is not None:
+            p.claim.settle(consumed)
+        if kind == "done":
+            arr = reply[1]
+            p.out = torch.from_numpy(arr) if arr is not None else None
+        else:
+            p.error = _error(reply)
+            if p.plan is None and self._control_error is None:
+                self._control_error = p.error
+        p.done = True
+
+    def close(self) -> None:
+        """Stop the child (after the plans already sent); later calls raise ``ExecutorGone``."""
+        if self._gone is None:
+            self._gone = "closed"
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._gone is not None
+
+    def __enter__(self) -> ExecutorProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _error(reply: tuple[Any, ...]) -> BaseException:
+    _, kind, message, refused = reply[:4]
+    return ExecutorRefused(kind, message) if refused else ForwardFailed(kind, message)
+
+
+def _shutdown(conn: multiprocessing.connection.Connection, proc: subprocess.Popen[bytes]) -> None:
+    try:
+        conn.send_bytes(_dumps(("close",)))
+    except (OSError, EOFError, ValueError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    conn.close()
+
+
+# -- the child -------------------------------------------------------------------------------
+
+
+def _main(fd: int) -> None:
+    conn = multiprocessing.connection.Connection(fd)
+    try:
+        start = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    _serve(conn, *start[1:])
+
+
+def _serve(
+    conn: multiprocessing.connection.Connection, model: ServedModel[Any], pool_id: PoolId, capacity: int, kv_capacity: int,
+    max_len: int, transactional: bool, threads: int, parent_epoch: int,
+) -> None:
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    try:
+        pool = model.new_pool(capacity, pool_id=pool_id)
+        hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=max_len)
+        ledger = Ledger()
+        ledger.trust_peer(parent_epoch, "scheduler")
+        ex: Executor[Any] = Executor(pool, ledger, hook, transactional=transactional)
+    except BaseException as exc:  # noqa: BLE001 (reported to the scheduler, which raises it)
+        conn.send_bytes(_dumps(_failed(exc, t0, [])))
+        return
+    conn.send_bytes(_dumps(("ready",)))
+    number = 0
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        kind = msg[0]
+        if kind == "close":
+            return
+        t0 = time.perf_counter()
+        tickets: list[Ticket] = []
+        try:
+            out: np.ndarray[Any, Any] | None = None
+            if kind == "plan":
+                plan = unpack(msg[1], expect_step=number).plan
+                number += 1
+                tickets = plan_tickets(plan, pool_id)
+                ledger.register(tickets)
+                result = ex.execute(plan)
+                out = result.detach().cpu().numpy() if result is not None else None
+            elif kind == "share":
+                hook.share_prefix(msg[1], msg[2], msg[3])
+            elif kind == "forget":
+                ex.forget_verifies()
+            elif kind == "cancel":
+                for t in ledger.outstanding():
+                    ledger.cancel(t, msg[1])
+            elif kind == "arm":
+                faults.arm(faults.FaultPoint(msg[1]), after=msg[2])
+            elif kind == "disarm":
+                faults.disarm()
+            else:
+                raise ExecutorRefused("ValueError", f"unknown request {kind!r}")
+        except BaseException as exc:  # noqa: BLE001 (reported to the scheduler, which raises it)
+            conn.send_bytes(_dumps(_failed(exc, t0, _consumed(ledger, tickets))))
+            continue
+        conn.send_bytes(_dumps(("done", out, t0, time.perf_counter(), _consumed(ledger, tickets))))
+
+
+def _dumps(msg: tuple[object, ...]) -> bytes:
+    """Plain pickle (not multiprocessing's, which hands torch tensors over as shared-memory file
+    descriptors that only a multiprocessing child can open)."""
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _consumed(ledger: Ledger, tickets: Sequence[Ticket]) -> list[_Key]:
+    return [(t.serial, t.pool) for t in tickets if ledger.is_consumed(t)]
+
+
+def _failed(exc: BaseException, t0: float, consumed: list[_Key]) -> tuple[object, ...]:
+    kind = exc.kind if isinstance(exc, (ExecutorRefused, ForwardFailed)) else type(exc).__name__
+    return ("failed", kind, str(exc), isinstance(exc, BatchcError), t0, time.perf_counter(), consumed)
+
+
+__all__ = [
+    "ExecutorGone", "ExecutorProcess", "ExecutorRefused", "ForwardFailed", "Pending", "plan_slots", "plan_tickets",
+]
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))

@@ -128,6 +128,9 @@ class Executor(Generic[VerifyStateT]):
         self._verified_upto: dict[int, int] = {}
         self._kept_draft: TicketSerial | None = None
         """The draft whose states are kept (at most one: a newer draft drops them)."""
+        self._samples: dict[int, tuple[TicketSerial, int]] = {}
+        """Per slot, the greedy token the last decode with a ``sample_id`` left there (and that id),
+        until a pipelined decode uses it."""
 
     @property
     def model(self) -> ModelHook:
@@ -191,7 +194,7 @@ class Executor(Generic[VerifyStateT]):
         if (snapshot := self._snapshot_ticket(ext, own)) is not None:
             tickets.append(snapshot)
         if isinstance(plan, MixedPlan):
-            decode = stage_decode(plan.decode, self.pool.device)
+            decode = stage_decode(plan.decode, self.pool.device, self._inputs(plan.decode, "MixedPlan.decode"))
         extend: StagedExtend = stage_extend(ext, self.pool.device)
         # Every ticket of the plan is claimed before the model runs, so a replayed plan (whatever
         # tickets it carries: init, snapshot or both) is refused with the pool untouched; what runs
@@ -208,6 +211,7 @@ class Executor(Generic[VerifyStateT]):
                 out = self._forward(plan, extend, decode)
                 faults.check(faults.FaultPoint.MODEL_FORWARD)
                 self._snapshots(claim)
+            self._mixed_sampled(plan, out)
             return out
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
         # and every ticket is outstanding again, so the same plan can simply be executed again
@@ -219,7 +223,12 @@ class Executor(Generic[VerifyStateT]):
             out = self._forward(plan, extend, decode)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
             self._snapshots(claim)
+        self._mixed_sampled(plan, out)
         return out
+
+    def _mixed_sampled(self, plan: ExtendPlan | MixedPlan, out: torch.Tensor | None) -> None:
+        if isinstance(plan, MixedPlan):  # the logits of a mixed forward: the extend rows', then the decode rows'
+            self._sampled(plan.decode, out[plan.extend.num_requests :] if out is not None else None)
 
     def _snapshots(self, claim: Claim) -> None:
         for t in claim.tickets:
@@ -230,11 +239,41 @@ class Executor(Generic[VerifyStateT]):
         if not isinstance(plan, DecodePlan):
             _wrong_plan("run_decode", plan, "a DecodePlan")
         self._check_rows(plan.slots, "DecodePlan")
-        staged = stage_decode(plan, self.pool.device)
+        staged = stage_decode(plan, self.pool.device, self._inputs(plan, "DecodePlan"))
         with self._unit(plan.slots):
             out = self._forward(plan, None, staged)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
+        self._sampled(plan, out)
         return out
+
+    def _inputs(self, plan: DecodePlan, what: str) -> npt.NDArray[np.int64] | None:
+        """The input tokens a pipelined decode names (``DecodePlan.inputs_from``): each row's slot must
+        hold a token that sample left here and no plan used yet; else ``PlanExecutionError``."""
+        if plan.inputs_from is None:
+            return None
+        tokens = []
+        for slot in plan.slots.tolist():
+            kept = self._samples.get(slot)
+            if kept is None or kept[0] != plan.inputs_from:
+                found = f"the token of sample #{kept[0]}" if kept is not None else "no token"
+                raise PlanExecutionError(
+                    f"{what} takes slot {slot}'s input from sample #{plan.inputs_from}, but pool {self.pool.pool_id!r} holds "
+                    f"{found} for it (a plan built against a forward that never ran here, or one whose token was used already)"
+                )
+            tokens.append(kept[1])
+        return np.asarray(tokens, dtype=np.int64)
+
+    def _sampled(self, plan: DecodePlan, logits: torch.Tensor | None) -> None:
+        """After a forward succeeded: the tokens it named are used (a replay finds none), and with a
+        ``sample_id`` its greedy tokens are kept per slot for the plan that names them."""
+        if plan.inputs_from is not None:
+            for slot in plan.slots.tolist():
+                del self._samples[slot]
+        if plan.sample_id is not None:
+            if logits is None:
+                raise PlanExecutionError(f"DecodePlan with sample #{plan.sample_id}: the model hook returned no logits to sample")
+            for slot, token in zip(plan.slots.tolist(), logits.argmax(dim=-1).tolist(), strict=True):
+                self._samples[slot] = (plan.sample_id, int(token))
 
     def run_draft(self, plan: DraftPlan) -> torch.Tensor:
         """Run the proposal; keep its per-step states for the draft commit (dropping an older

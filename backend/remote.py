@@ -185,6 +185,8 @@ class ExecutorProcess:
         self._control_error: BaseException | None = None
         self.busy: list[tuple[float, float]] = []
         """The child's busy intervals, one per reply read, in ``time.perf_counter`` seconds."""
+        self.waited = 0.0
+        """Seconds the caller spent blocked on this process's replies."""
         self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._proc)
         self._send(("start", model, pool_id, capacity, kv_capacity, max_len, transactional, threads, this_epoch()))
 
@@ -201,6 +203,7 @@ class ExecutorProcess:
             self.close()
             raise ExecutorGone(f"executor process for pool {self.pool_id!r} did not start within {_START_TIMEOUT_S:.0f} s")
         reply = self._recv()
+        self.waited = 0.0  # start-up is not waiting on plans
         if reply[0] != "ready":
             self.close()
             raise _error(reply)
@@ -306,11 +309,13 @@ class ExecutorProcess:
             raise ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {self._gone}") from exc
 
     def _recv(self) -> tuple[Any, ...]:
+        t0 = time.perf_counter()
         try:
             reply = pickle.loads(self._conn.recv_bytes())
         except (OSError, EOFError) as exc:
             self._mark_gone(f"it died (exit code {self._proc.poll()})")
             raise ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {self._gone}") from exc
+        self.waited += time.perf_counter() - t0
         assert isinstance(reply, tuple)
         return reply
 

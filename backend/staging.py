@@ -59,8 +59,10 @@ def _to_device(packed: npt.NDArray[np.int64], device: torch.device) -> torch.Ten
     return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
-def stage_decode(plan: DecodePlan, device: torch.device) -> StagedDecode:
-    packed = np.stack((plan.slots, plan.input_ids, plan.seq_lens - 1, plan.kv_locs, plan.seq_lens))
+def stage_decode(plan: DecodePlan, device: torch.device, input_ids: npt.NDArray[np.int64] | None = None) -> StagedDecode:
+    """``input_ids``: the resolved inputs of a plan that names them (``DecodePlan.inputs_from``)."""
+    tokens = plan.input_ids if input_ids is None else input_ids
+    packed = np.stack((plan.slots, tokens, plan.seq_lens - 1, plan.kv_locs, plan.seq_lens))
     return StagedDecode(_to_device(packed, device))
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+import attrs
+
 from compiler.manager import PassManager
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64
-from ir.ids import RequestId
+from ir.ids import RequestId, TicketSerial
 from ir.init import InitTicket, SnapshotTicket
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
@@ -75,9 +77,16 @@ class Pipeline:
         self.ledger.register((*plan.extend.tickets, *plan.extend.snapshots))
         return batch, plan
 
-    def decode(self, batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext) -> tuple[DecodeBatch, DecodePlan]:
+    def decode(
+        self, batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext, *,
+        sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None,
+    ) -> tuple[DecodeBatch, DecodePlan]:
+        """``sample_id`` and ``inputs_from``: a pipelined decode's (``DecodePlan``); with
+        ``inputs_from``, ``ctx.next_tokens`` are the placeholders (zeros)."""
         out = self.pm.run(prepare_for_decode, batch, ctx)
         plan: DecodePlan = self.pm.run(lower, out, self.lower_ctx)
+        if sample_id is not None or inputs_from is not None:
+            plan = attrs.evolve(plan, sample_id=sample_id, inputs_from=inputs_from)
         return out, plan
 
     def filter_decode(self, batch: DecodeBatch, drop: Iterable[RequestId]) -> DecodeBatch:

@@ -434,6 +434,11 @@ def build_unchecked(cls: type[N], **fields: object) -> N:
     node = object.__new__(cls)
     for name, value in fields.items():
         object.__setattr__(node, name, value)
+    for a in attrs.fields(cast(Any, cls)):  # a field left out takes its plain default (never a factory)
+        if a.name not in fields:
+            if a.default is attrs.NOTHING or isinstance(a.default, attrs.Factory):  # type: ignore[arg-type]  # attrs types Factory as a function; it is a class
+                raise TypeError(f"build_unchecked({cls.__name__}): field {a.name!r} has no plain default")
+            object.__setattr__(node, a.name, a.default)
     return node
 
 

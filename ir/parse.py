@@ -343,8 +343,23 @@ def _extend_plan(p: _Parser, line: _Line, indent: int) -> ExtendPlan:
     return ExtendPlan(**cols, tickets=tuple(tickets), snapshots=tuple(snapshots))  # type: ignore[arg-type]
 
 
-def _decode_cols(p: _Parser, line: _Line, indent: int) -> dict[str, list[int]]:
+def _decode_plan(p: _Parser, line: _Line, indent: int) -> DecodePlan:
+    """A decode plan: its columns, and its optional ``sample=#N`` and ``inputs=#N``."""
     declared = line.int_key("requests")
+    ids: list[TicketSerial | None] = []
+    for key in ("sample", "inputs"):
+        word = line.peek()
+        ids.append(TicketSerial(line.name("#", line.key(key))) if word is not None and word.startswith(key + "=") else None)
+    c = _decode_cols(p, line, indent, declared)
+    return DecodePlan(
+        rids=c["rids"], slots=c["slots"], seq_lens=c["seq_lens"], input_ids=c["input_ids"], kv_locs=c["kv_locs"],
+        sample_id=ids[0], inputs_from=ids[1],
+    )
+
+
+def _decode_cols(p: _Parser, line: _Line, indent: int, declared: int | None = None) -> dict[str, list[int]]:
+    if declared is None:
+        declared = line.int_key("requests")
     line.end()
     rows = p.rows(indent)
     p.header_count(line, rows, declared)
@@ -515,7 +530,7 @@ _KINDS: dict[str, Callable[[_Parser, _Line, int], Printable]] = {
     "ExtendBatch": _extend_batch,
     "ExtendPlan": _extend_plan,
     "DecodeBatch": lambda p, line, indent: DecodeBatch(**_decode_cols(p, line, indent)),
-    "DecodePlan": lambda p, line, indent: DecodePlan(**_decode_cols(p, line, indent)),
+    "DecodePlan": _decode_plan,
     "MixedBatch": _parts(MixedBatch, "extend", "decode"),
     "MixedPlan": _parts(MixedPlan, "extend", "decode"),
     "IdleBatch": _idle(IdleBatch),

@@ -27,13 +27,14 @@ from ir.columns import (
     RequestRows,
     as_bool,
     as_i64,
+    check_int,
     column,
     per,
     tokens_of,
     type_names,
 )
 from ir.errors import IRValidationError
-from ir.ids import PoolId
+from ir.ids import PoolId, TicketSerial
 from ir.init import InitTicket, SnapshotTicket
 
 
@@ -114,13 +115,40 @@ class ExtendPlan(ColumnNode, RequestRows):
 @final
 @attrs.frozen(kw_only=True)
 class DecodePlan(ColumnNode, RequestRows):
-    """The columns of a ``DecodeBatch`` (declared alike)."""
+    """The columns of a ``DecodeBatch`` (declared alike), and what a pipelined decode (a plan built
+    while the previous forward runs) names instead of tokens it cannot know yet:
+
+    - ``sample_id`` (a serial, or ``None``): the backend keeps this forward's greedy token of every
+      row under this id, per slot;
+    - ``inputs_from`` (a serial, or ``None``): every row's input token is the one the plan with
+      ``sample_id == inputs_from`` sampled for the row's slot, resolved when the backend stages the
+      plan; ``input_ids`` are then placeholders, all 0. A kept token is used once: a plan naming it
+      again (a replay) finds none and is refused, and so is one naming a forward that never ran.
+
+    A plan never changes after it is built: the backend resolves the symbolic inputs while staging."""
 
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
     slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
     input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
     kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    sample_id: TicketSerial | None = None
+    inputs_from: TicketSerial | None = None
+
+    def _check(self) -> None:
+        for field in ("sample_id", "inputs_from"):
+            value = self.sample_id if field == "sample_id" else self.inputs_from
+            if value is not None:
+                serial = check_int("DecodePlan", field, value)
+                if serial <= 0:
+                    raise IRValidationError("DecodePlan", field, value, "must be a positive serial (ir.init.mint_serial())")
+        if self.inputs_from is not None:
+            if self.sample_id is not None and int(self.sample_id) == int(self.inputs_from):
+                raise IRValidationError("DecodePlan", "inputs_from", self.inputs_from, "names this plan's own sample_id")
+            if self.input_ids.any():
+                raise IRValidationError(
+                    "DecodePlan", "input_ids", self.input_ids.tolist()[:8], "must be placeholders (all 0) when inputs_from names them"
+                )
 
 
 @final

@@ -197,7 +197,11 @@ def _dump(node: Printable, names: _Names, indent: str) -> list[str]:
                 node.input_ids, node.kv_locs, None, inner,
             )
         case DecodeBatch() | DecodePlan():
-            return [_head(node, indent)] + _decode_rows(names, node.rids, node.slots, node.seq_lens, node.input_ids, node.kv_locs, inner)
+            head = _head(node, indent)
+            if isinstance(node, DecodePlan):
+                head += f" sample={names('#', node.sample_id)}" if node.sample_id is not None else ""
+                head += f" inputs={names('#', node.inputs_from)}" if node.inputs_from is not None else ""
+            return [head] + _decode_rows(names, node.rids, node.slots, node.seq_lens, node.input_ids, node.kv_locs, inner)
         case MixedBatch() | MixedPlan():
             return [_head(node, indent)] + _dump(node.extend, names, inner) + _dump(node.decode, names, inner)
         case IdleBatch() | IdlePlan():

@@ -569,7 +569,15 @@ def accept_results(draw: Any) -> AcceptResult:
 
 
 decode_batches = decode_columns().map(lambda c: DecodeBatch(**c))
-decode_plans = decode_columns().map(lambda c: DecodePlan(**c))
+@st.composite
+def decode_plans(draw: Any) -> DecodePlan:
+    """Decode plans, some with a sample id, some pipelined (inputs named by an earlier sample)."""
+    cols = draw(decode_columns())
+    sample = draw(st.none() | serial_ids)
+    inputs = draw(st.none() | serial_ids.filter(lambda s: s != sample))
+    if inputs is not None:
+        cols["input_ids"] = [0] * len(cols["input_ids"])
+    return DecodePlan(**cols, sample_id=sample, inputs_from=inputs)
 draft_batches = st.builds(lambda c, d: DraftBatch(**c, draft_id=TicketSerial(d)), windows(single=True), serial_ids)
 verify_batches = st.builds(lambda c, v: VerifyBatch(**c, verify_id=TicketSerial(v)), windows(single=False), serial_ids)
 
@@ -579,8 +587,8 @@ NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "MixedBatch": st.builds(lambda e, d: MixedBatch(extend=e, decode=d), extend_batches(), decode_batches),
     "IdleBatch": st.just(IdleBatch()),
     "ExtendPlan": extend_plans(),
-    "DecodePlan": decode_plans,
-    "MixedPlan": st.builds(lambda e, d: MixedPlan(extend=e, decode=d), extend_plans(), decode_plans),
+    "DecodePlan": decode_plans(),
+    "MixedPlan": st.builds(lambda e, d: MixedPlan(extend=e, decode=d), extend_plans(), decode_plans()),
     "IdlePlan": st.just(IdlePlan()),
     "DraftBatch": draft_batches,
     "VerifyBatch": verify_batches,

@@ -38,8 +38,13 @@ livelock of mid-prefill requests holding all KV, and a request retracted twice r
 output twice. The machine still has a counted allowance for each (``known ...`` in the printed
 figures), used only with ``BATCHC_FUZZ_STRICT=0``; by default any occurrence fails.
 
-The checks read the engine's bookkeeping (``requests``, ``kv_refs``, ``requests.queued``) and the
-executors' ``_intermediates``: there is no public view of per-request KV references, and a fuzzer
+With ``k = 0`` half the examples pipeline their decodes (``Forwards.pipelined``: the plans of
+``Engine(overlap=True)``, each decode built while the previous one is in flight and naming its
+input tokens by the previous one's sample id), with the executor in process; a row in the decode in
+flight has fed its last output token already.
+
+The checks read the engine's bookkeeping (``requests``, ``kv_refs``, ``requests.queued``, the decode
+in flight) and the executors' ``_intermediates``: there is no public view of per-request KV references, and a fuzzer
 that only looks at the public surface cannot tell a leaked reference from a shared prefix.
 
 Profiles (``tests/hypothesis_profiles.py``): by default ``batchc-fuzz-ci`` (8 examples x 30 steps);
@@ -144,8 +149,9 @@ class StackMachine(RuleBasedStateMachine):
         chunk=st.integers(4, 8),
         budget=st.sampled_from([12, 16, 20]),
         kv_capacity=st.sampled_from(KV_CAPACITIES),
+        pipelined=st.booleans(),
     )
-    def setup(self, k: int, cache_capacity: int, chunk: int, budget: int, kv_capacity: int) -> None:
+    def setup(self, k: int, cache_capacity: int, chunk: int, budget: int, kv_capacity: int, pipelined: bool) -> None:
         STATS["state-machine steps"] += 1
         STATS["rule setup"] += 1
         target, draft = tiny_models()
@@ -155,6 +161,11 @@ class StackMachine(RuleBasedStateMachine):
             target, draft if k else None, k=k, capacity=CAPACITY, kv_capacity=kv_capacity, max_len=MAX_LEN,
             chunk_size=chunk, token_budget=budget, prefix_cache=self.cache,
         )
+        if k == 0 and pipelined:
+            # the decodes of overlap (each built while the previous one runs, its inputs named by the
+            # previous one's sample), here with the executor in process: the same plans, no processes
+            self.driver.forwards.pipelined = True
+            STATS["examples pipelined"] += 1
         STATS["examples"] += 1
         STATS[f"examples k={k}"] += 1
         STATS[f"examples kv={kv_capacity}"] += 1
@@ -382,8 +393,16 @@ class StackMachine(RuleBasedStateMachine):
             assert len(r.context) == int(seq_len), (int(rid), len(r.context), int(seq_len))
             if RequestId(int(rid)) in self.retracted_twice:
                 continue
-            committed = self.prompts[RequestId(int(rid))] + tuple(r.output[:-1])
+            committed = self._committed(RequestId(int(rid)))
             assert len(committed) == int(seq_len), (int(rid), len(committed), int(seq_len))
+
+    def _committed(self, rid: RequestId) -> tuple[int, ...]:
+        """The tokens a running request's row holds: its prompt and its output but the last token,
+        which the next decode feeds; a pipelined decode in flight has fed that one too."""
+        r = self.driver.requests[rid]
+        inflight = self.driver.forwards._inflight
+        fed = r.output if inflight is not None and rid in inflight.rids else r.output[:-1]
+        return self.prompts[rid] + tuple(fed)
 
     def _check_outputs(self) -> None:
         for rid, out in self.driver.outputs.items():
@@ -413,7 +432,7 @@ class StackMachine(RuleBasedStateMachine):
                 since = r.output[len(r.output) - 1 - fed_since : -1]
                 rows.append((f"request {int(rid)} (retracted twice)", int(slot), tuple(int(t) for t in r.prompt) + tuple(since)))
                 continue
-            rows.append((f"request {int(rid)}", int(slot), self.prompts[RequestId(int(rid))] + tuple(r.output[:-1])))
+            rows.append((f"request {int(rid)}", int(slot), self._committed(RequestId(int(rid)))))
         for rid in drv.requests.queued:
             r = drv.requests[rid]
             if r.slot is not None and r.done > 0:  # mid-prefill: the state after its first `done` tokens

@@ -116,6 +116,9 @@ class Engine:
             k=k, pipeline=self.pipeline, runner=self.runner, target=self.target, draft=self.draft, requests=self.requests,
             kv_refs=self.kv_refs, session=self.session, planner=self.planner, stats=self.stats, release=self._release, mixed=mixed,
         )
+        # with the executors in their own processes, each decode is built while the previous one runs
+        # (k = 0; a retried forward would have to replay the decode sent after it, so not with retries)
+        self.forwards.pipelined = overlap and self.draft is None and retries == 0
         self.prefixes = PrefixStates(
             slots=self.slots, kv=self.kv, kv_refs=self.kv_refs, pipeline=self.pipeline, executors=self._executors,
             k=k, max_len=max_len, vocab=self.vocab,
@@ -184,6 +187,11 @@ class Engine:
         """With ``overlap``: every interval (``time.perf_counter`` seconds) during which an executor
         process ran a plan, both pools; empty otherwise."""
         return [iv for ex in self._executors() if isinstance(ex, ExecutorProcess) for iv in ex.busy]
+
+    def waited_seconds(self) -> float:
+        """With ``overlap``: the seconds this process spent blocked on the executor processes'
+        replies (its host work is the rest of the wall time)."""
+        return sum(ex.waited for ex in self._executors() if isinstance(ex, ExecutorProcess))
 
     def busy_seconds(self, start: float, end: float) -> float:
         """With ``overlap``: the seconds of ``[start, end]`` (``time.perf_counter``) during which at

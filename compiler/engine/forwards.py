@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import attrs
+import numpy as np
 import torch
 
 from backend.remote import ExecutorProcess
@@ -43,7 +45,8 @@ from compiler.engine.runner import Backend, ForwardRunner, StepFailed, Submitted
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64
-from ir.ids import RequestId
+from ir.ids import RequestId, TicketSerial
+from ir.init import mint_serial
 from ir.request import AdmittedRequest
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext
@@ -56,6 +59,15 @@ class Progress:
         self.requests = self.prefill_tokens = self.tokens = 0
         self.finished: list[RequestId] = []
         self.aborted: list[RequestId] = []
+
+
+@attrs.frozen
+class _Inflight:
+    """A pipelined decode sent and not read back yet: its rows and the id its tokens are kept under."""
+
+    submitted: Submitted
+    rids: list[RequestId]
+    sample_id: TicketSerial
 
 
 class Forwards:
@@ -81,13 +93,20 @@ class Forwards:
         self.running = DecodeBatch.empty()
         self.progress = Progress()
         self._last_was_prefill = False
+        self.pipelined = False
+        """``k == 0``: build each decode while the previous one runs (``decode_pipelined``)."""
+        self._inflight: _Inflight | None = None
         self._deferred: list[Submitted] = []
         """Commits sent to executor processes and not waited for yet: nothing in this step needs
         their result, and the next plan on each pool runs after them in that process."""
 
     def settle(self) -> None:
         """Wait for the plans still in flight in executor processes (the commits of the last
-        speculative iteration): ``StepFailed`` if one failed."""
+        speculative iteration, the last pipelined decode): ``StepFailed`` if one failed."""
+        self.land()
+        self._settle_commits()
+
+    def _settle_commits(self) -> None:
         deferred, self._deferred = self._deferred, []
         for i, s in enumerate(deferred):
             try:
@@ -97,8 +116,11 @@ class Forwards:
                 raise
 
     def run(self) -> StepKind:
-        """Choose this step's forward and run it (after settling the plans still in flight)."""
-        self.settle()
+        """Choose this step's forward and run it (after settling the plans still in flight; a
+        pipelined decode stays in flight while the next step is one too)."""
+        self._settle_commits()
+        if self._inflight is not None and not (self.draft is None and not self.requests.has_queued and self.running.num_requests):
+            self.land()
         if self.mixed and self.draft is None and self.requests.has_queued and self.running.num_requests:
             if self._reserve_kv(1):  # False only when retraction emptied the running batch
                 self._last_was_prefill = False
@@ -113,7 +135,10 @@ class Forwards:
         if not self._reserve_kv(self.k + 1):
             return StepKind.RETRACT
         if self.draft is None:
-            self.decode()
+            if self.pipelined:
+                self.decode_pipelined()
+            else:
+                self.decode()
             return StepKind.DECODE
         self.speculate()
         return StepKind.SPEC
@@ -135,6 +160,7 @@ class Forwards:
             if isinstance(ex, ExecutorProcess) and not ex.closed:
                 ex.drain()  # a plan submitted beside the failed one has settled its claim
         self._deferred.clear()  # the other commit of the failed one's iteration: its rows are aborted
+        self._inflight = None  # a decode sent after the failed one: it names tokens that were never sampled
         # every ticket is consumed within the step that registers it, so what is outstanding now
         # belongs to the failed forward
         reason = f"aborted: its forward failed ({failure.cause!r})"
@@ -240,6 +266,57 @@ class Forwards:
         self.stats.decodes += 1
         self.progress.requests += len(rids)
         self._emit(rids, [[t] for t in logits.argmax(dim=-1).tolist()])
+        self._finish()
+
+    def decode_pipelined(self) -> None:
+        """One greedy token per running request, one step behind: the next decode is built and
+        sent before the one in flight is read back. Its plan names its input tokens symbolically
+        (``DecodePlan.inputs_from``: what the plan in flight samples, per slot), and the backend
+        resolves them when it stages it. Rows that the plan in flight finishes by length are left
+        out; a row that emits its stop token there runs once more, and that token is dropped."""
+        prev = self._inflight
+        if prev is not None and prev.submitted.failure is not None:  # (in process: it ran already) nothing to build on
+            self.land()
+            return
+        running = self.running
+        if prev is not None:
+            ending = [rid for rid in prev.rids if rid in self.requests and self._ends_at_next_token(rid)]
+            if ending:
+                running = self.pipeline.filter_decode(running, ending)
+        rids = running.rid_list()
+        sample = mint_serial()
+        if rids:
+            if prev is None:
+                ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
+                running, plan = self.pipeline.decode(running, ctx, sample_id=sample)
+            else:
+                ctx = DecodeContext(next_tokens=np.zeros(len(rids), dtype=np.int64), kv_locs=self._alloc_for(rids, 1))
+                running, plan = self.pipeline.decode(running, ctx, sample_id=sample, inputs_from=prev.sample_id)
+            submitted = self.runner.submit(self.target, plan)
+            self.stats.decodes += 1
+        self.running = running
+        self._inflight = _Inflight(submitted, rids, sample) if rids else None
+        if prev is not None:
+            self._land(prev)
+
+    def _ends_at_next_token(self, rid: RequestId) -> bool:
+        r = self.requests[rid]
+        return r.state is RequestState.RUNNING and len(r.output) + 1 >= r.max_new_tokens
+
+    def land(self) -> None:
+        """Read back the pipelined decode in flight, if any: emit its tokens and finish requests."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._land(prev)
+
+    def _land(self, prev: _Inflight) -> None:
+        logits = self.runner.wait(prev.submitted)
+        assert logits is not None
+        # a request retracted, aborted or finished since the plan was built drops its token
+        live = [(i, rid) for i, rid in enumerate(prev.rids) if rid in self.requests and self.requests[rid].state is RequestState.RUNNING]
+        tokens = logits.argmax(dim=-1).tolist()
+        self.progress.requests += len(live)
+        self._emit([rid for _, rid in live], [[int(tokens[i])] for i, _ in live])
         self._finish()
 
     def speculate(self) -> None:

@@ -93,9 +93,14 @@ def _run(
     start = time.perf_counter()
     wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish)
     model_s = model_clock() - model_before if model_clock is not None else None
+    n_steps = sum(steps.values())
+    busy_ms: float | None = None
+    hidden: float | None = None
     if driver.overlap:
         model_s = driver.busy_seconds(start, time.perf_counter())
-    n_steps = sum(steps.values())
+        busy_ms = host_ms_per_step(wall, driver.waited_seconds(), n_steps)
+        exposed = host_ms_per_step(wall, model_s, n_steps)
+        hidden = max(0.0, 1.0 - exposed / busy_ms) if busy_ms > 0 else None
     driver.drop_cache()
     ledger = driver.ledger
     generated = sum(len(v) for v in driver.outputs.values())
@@ -131,6 +136,7 @@ def _run(
         tokens_per_s=generated / wall if wall else 0.0,
         model_s=model_s,
         host_ms_per_step=host_ms_per_step(wall, model_s, n_steps) if model_s is not None else None,
+        overlap=driver.overlap, host_busy_ms_per_step=busy_ms, host_hidden_fraction=hidden,
         acceptance_rate=driver.stats.acceptance_rate,
         mean_accepted_length=driver.stats.mean_accepted_length,
         prefix_cache_hit_rate=cache.stats.hit_rate if cache is not None else 0.0,

@@ -41,7 +41,8 @@ class MutableRun:
 
 _OPTIONAL = frozenset({
     "draft_clears_minted_consumed", "draft_cows_minted_consumed", "draft_snapshots_minted_consumed", "lossless_check",
-    "lossless_ok", "mutable_baseline", "mutable_baseline_fixed", "model_s", "host_ms_per_step",
+    "lossless_ok", "mutable_baseline", "mutable_baseline_fixed", "model_s", "host_ms_per_step", "host_busy_ms_per_step",
+    "host_hidden_fraction",
 })
 
 
@@ -61,7 +62,16 @@ class ServeSummary:
     model_s: float | None = None
     """Seconds inside the models' forwards during the served run (when ``run`` was given a model clock)."""
     host_ms_per_step: float | None = None
-    """(``wall_s`` - ``model_s``) / ``steps``, in milliseconds (with ``model_s``)."""
+    """(``wall_s`` - ``model_s``) / ``steps``, in milliseconds (with ``model_s``): the host time the
+    forwards did not hide."""
+    overlap: bool = False
+    """Whether the executors ran in their own processes (``ServeConfig.overlap``)."""
+    host_busy_ms_per_step: float | None = None
+    """With ``overlap``: the scheduler's own time per step (wall minus the time it waited on the
+    executor processes), in milliseconds."""
+    host_hidden_fraction: float | None = None
+    """With ``overlap``: the part of the scheduler's own time during which a forward ran, 1 -
+    ``host_ms_per_step`` / ``host_busy_ms_per_step`` (at least 0)."""
     acceptance_rate: float
     mean_accepted_length: float
     prefix_cache_hit_rate: float

@@ -35,7 +35,7 @@ from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
 from ir.errors import IRValidationError, PlanExecutionError, ResourceLeakError, ResourceReplayError, SlotError, TicketMismatchError, UnknownTicketError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, TicketSerial
-from ir.init import InitTicket, MambaInit, SnapshotTicket, mint_serial, minted_here, serial_epoch, this_epoch
+from ir.init import InitTicket, MambaInit, MambaSnapshot, SnapshotTicket, mint_serial, minted_here, serial_epoch, this_epoch
 from ir.plan import ExtendPlan, MixedPlan
 from ir.request import Continue, CopyFrom
 from ir.spec import AcceptResult, CommitPlan
@@ -569,3 +569,27 @@ def test_check_rows_checks_its_arguments() -> None:
         with pytest.raises(IRValidationError, match=r"Ledger\.check_rows\.tickets: "):
             ledger.check_rows([1], TARGET_POOL, "plan", [None])  # type: ignore[list-item]
     ledger.check_rows([1, 2], TARGET_POOL, "plan")  # nothing registered: nothing to carry
+
+
+def test_a_claim_settled_by_a_remote_backend_consumes_exactly_what_it_reports() -> None:
+    """``Ledger.claim`` holds a plan's tickets in flight until ``Claim.settle`` names the ones the
+    backend that ran the plan consumed (an executor process): those are consumed, the rest return
+    to outstanding, and a key the claim does not hold is refused with nothing settled."""
+    ledger = Ledger()
+    serial = mint_serial()
+    init = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
+    snap = SnapshotTicket(pool=TARGET_POOL, snapshot=MambaSnapshot(serial=mint_serial(), src=(1,), dst=(2,)))
+    ledger.register([init, snap])
+    claim = ledger.claim([init, snap], TARGET_POOL, [1], "plan")
+    assert set(ledger.in_flight()) == {init, snap} and claim.open
+    with pytest.raises(ResourceReplayError):
+        ledger.claim([init], TARGET_POOL)  # held by the first claim
+    with pytest.raises(UnknownTicketError, match="not held"):
+        claim.settle([(mint_serial(), TARGET_POOL)])
+    assert set(ledger.in_flight()) == {init, snap}
+    claim.settle([(init.serial, TARGET_POOL)])  # the forward failed after its init ops ran
+    assert not claim.open and ledger.is_consumed(init) and ledger.outstanding() == (snap,)
+    with pytest.raises(ResourceReplayError):
+        ledger.claim([init], TARGET_POOL)
+    ledger.claim([snap], TARGET_POOL).settle([(snap.serial, TARGET_POOL)])
+    ledger.assert_drained()

@@ -26,11 +26,15 @@ from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.serve import ServeConfig, ServeError
 from compiler.steps import Pipeline
-from ir.errors import IRValidationError, PreconditionError, ResourceReplayError
+from ir.errors import IRValidationError, PlanExecutionError, PreconditionError, ResourceReplayError
 from ir.ids import TARGET_POOL, RequestId
-from ir.init import SERIAL_COUNTER_BITS, InitTicket, MambaInit, this_epoch
+from ir.init import SERIAL_COUNTER_BITS, InitTicket, MambaInit, mint_serial, this_epoch
+from ir.parse import parse
+from ir.plan import DecodePlan
+from ir.printer import dump
 from ir.wire import pack
 from passes import LowerContext
+from passes.prepare_for_decode import DecodeContext
 from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, engine, fresh, review_greedy, tiny_models
 
 
@@ -119,11 +123,18 @@ def test_a_fault_in_the_executor_process_is_retried_to_the_fault_free_output(poi
         assert drv.ledger.cancelled() == {}
 
 
-@pytest.mark.parametrize("point", faults.POINTS)
-def test_without_retries_a_fault_in_the_executor_process_aborts_its_requests_and_serving_goes_on(point: faults.FaultPoint) -> None:
-    with engine(2, overlap=True, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32) as drv:
+@pytest.mark.parametrize(
+    ("k", "point", "after"),
+    [(2, p, 0) for p in faults.POINTS] + [(0, faults.FaultPoint.MODEL_FORWARD, a) for a in (0, 5, 9)],
+)
+def test_without_retries_a_fault_in_the_executor_process_aborts_its_requests_and_serving_goes_on(
+    k: int, point: faults.FaultPoint, after: int
+) -> None:
+    # k = 0: the decodes are pipelined, so the failed forward has a decode in flight behind it
+    with engine(k, overlap=True, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32) as drv:
         assert isinstance(drv.target, ExecutorProcess)
-        drv.target.arm_fault(point)
+        assert drv.forwards.pipelined == (k == 0)
+        drv.target.arm_fault(point, after=after)
         _serve(drv)
         assert drv.stats.failed_steps == 1 and drv.stats.aborts >= 1
         for rid, out in drv.outputs.items():
@@ -182,3 +193,96 @@ def test_batchc_run_with_overlap(tmp_path: Path) -> None:
     assert 0.0 < summary["model_s"] < summary["wall_s"] and summary["host_ms_per_step"] > 0.0
     with pytest.raises(ServeError, match="overlap must be a bool"):
         ServeConfig(overlap=1)  # type: ignore[arg-type]  # an untyped caller's switch
+
+
+# -- pipelined decodes (k = 0): each decode built while the previous one runs ---------------------
+
+
+def _pipelined(**options: object) -> Engine:
+    """An in-process engine whose decodes are pipelined as ``overlap`` pipelines them (the same
+    plans, without the processes)."""
+    drv = engine(0, **options)  # type: ignore[arg-type]  # the options are Engine's keywords
+    drv.forwards.pipelined = True
+    return drv
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_pipelined_decodes_emit_what_plain_decodes_emit_stops_and_aborts_included(in_process: bool) -> None:
+    greedy = review_greedy()
+    stop = greedy[RequestId(2)][3]  # request 2 emits it before its limit: it finishes one decode late
+    options: dict[str, object] = {"prefix_cache": PrefixCache(capacity=4, block=16), "chunk_size": 32}
+    drv = _pipelined(**options) if in_process else engine(0, overlap=True, **options)  # type: ignore[arg-type]
+    with drv:
+        for i in range(5):
+            drv.admit(RequestId(i), REVIEW_PROMPTS[i], max_new_tokens=REVIEW_NEW, stop=stop if i == 2 else None)
+        while drv.live and RequestId(4) not in drv.outputs:
+            drv.step()
+            r3 = drv.requests[RequestId(3)] if RequestId(3) in drv.requests else None
+            if drv.forwards._inflight is not None and r3 is not None and len(r3.output) >= 3 and RequestId(3) in drv.forwards._inflight.rids:
+                drv.abort(RequestId(3))  # aborted while its next decode is in flight: that token is dropped
+        drv.run_until_done()
+        assert drv.forwards._inflight is None
+        expected = {RequestId(i): greedy[RequestId(i)] for i in (0, 1, 4)}
+        expected[RequestId(2)] = greedy[RequestId(2)][: greedy[RequestId(2)].index(stop) + 1]
+        assert {rid: out for rid, out in drv.outputs.items() if rid != RequestId(3)} == expected
+        assert drv.outputs[RequestId(3)] == greedy[RequestId(3)][: len(drv.outputs[RequestId(3)])]
+        assert len(drv.outputs[RequestId(3)]) < REVIEW_NEW
+        drv.drop_cache()
+        drv.ledger.assert_drained()
+        assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_pipelined_decodes_under_kv_pressure_retract_and_complete(in_process: bool) -> None:
+    # all three prompts fit (157 locations), their growth does not: the newest is retracted, its
+    # decode in flight dropped, and it re-prefills its prompt and output so far
+    drv = _pipelined(kv_capacity=170) if in_process else engine(0, overlap=True, kv_capacity=170)
+    with drv:
+        _serve(drv, range(3))
+        assert drv.stats.retractions >= 1
+        assert drv.outputs == {RequestId(i): review_greedy()[RequestId(i)] for i in range(3)}
+        drv.ledger.assert_drained()
+        assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+
+
+def test_a_pipelined_decode_takes_its_inputs_once_and_only_from_a_forward_that_ran() -> None:
+    drv = _pipelined()
+    drv.admit(RequestId(0), REVIEW_PROMPTS[0], max_new_tokens=REVIEW_NEW)
+    drv.step()  # prefill
+    drv.step()  # the first decode, sent with its input known and its sample kept
+    drv.step()  # the second, naming the first one's sample: in flight
+    assert drv.forwards._inflight is not None
+    ex = drv.target
+    assert not isinstance(ex, ExecutorProcess)
+    running = drv.running
+    prev = drv.forwards._inflight.sample_id
+    # the token of `prev` is still kept for the decode after it; a plan naming a sample that never
+    # ran, or naming `prev` twice, is refused before the model runs
+    _, plan = drv.pipeline.decode(
+        running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), sample_id=mint_serial(), inputs_from=mint_serial()
+    )
+    with pytest.raises(PlanExecutionError, match="holds the token of sample"):
+        ex.execute(plan)
+    _, plan = drv.pipeline.decode(running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), inputs_from=prev)
+    ex.execute(plan)
+    with pytest.raises(PlanExecutionError, match="holds no token"):
+        ex.execute(plan)  # a replay: the token was used
+
+
+def test_a_pipelined_decode_plan_checks_its_ids_and_prints_them() -> None:
+    cols = {"rids": [7, 8], "slots": [1, 2], "seq_lens": [5, 9], "kv_locs": [10, 11]}
+    a, b = mint_serial(), mint_serial()
+    plan = DecodePlan(**cols, input_ids=[0, 0], sample_id=b, inputs_from=a)
+    text = dump(plan, exact=True)
+    assert f"sample=#{b} inputs=#{a}" in text.splitlines()[0]
+    assert parse(text) == plan
+    with suppress_type_checks():  # hostile values, as an untyped caller would pass them
+        for bad, match in (
+            ({"input_ids": [3, 0], "inputs_from": a}, "placeholders"),
+            ({"input_ids": [0, 0], "inputs_from": a, "sample_id": a}, "own sample_id"),
+            ({"input_ids": [1, 2], "sample_id": 0}, "positive serial"),
+            ({"input_ids": [1, 2], "sample_id": True}, "sample_id"),
+            ({"input_ids": [0, 0], "inputs_from": "1"}, "inputs_from"),
+        ):
+            with pytest.raises(IRValidationError, match=match):
+                DecodePlan(**cols, **bad)  # type: ignore[arg-type]  # the bad value is the point

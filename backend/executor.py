@@ -227,8 +227,18 @@ class Executor(Generic[VerifyStateT]):
         return out
 
     def _mixed_sampled(self, plan: ExtendPlan | MixedPlan, out: torch.Tensor | None) -> None:
-        if isinstance(plan, MixedPlan):  # the logits of a mixed forward: the extend rows', then the decode rows'
-            self._sampled(plan.decode, out[plan.extend.num_requests :] if out is not None else None)
+        """``_sampled`` for a prefill: the logits are the extend rows', then (mixed) the decode rows'.
+        With a ``sample_id`` the extend part keeps the first token of every row it completes."""
+        ext = plan if isinstance(plan, ExtendPlan) else plan.extend
+        if isinstance(plan, MixedPlan):
+            self._sampled(plan.decode, out[ext.num_requests :] if out is not None else None)
+        if ext.sample_id is not None:
+            if out is None:
+                raise PlanExecutionError(f"{type(plan).__name__} with sample #{ext.sample_id}: the model hook returned no logits to sample")
+            tokens = out[: ext.num_requests].argmax(dim=-1).tolist()
+            for slot, token, more in zip(ext.slots.tolist(), tokens, ext.more_chunks.tolist(), strict=True):
+                if not more:
+                    self._samples[slot] = (ext.sample_id, int(token))
 
     def _snapshots(self, claim: Claim) -> None:
         for t in claim.tickets:

@@ -189,11 +189,15 @@ class Ledger:
                 if not keys:
                     del rows[slot]
 
-    def check_rows(self, rows: Iterable[int], pool: PoolId, plan: str, carried: Iterable[Ticket] = ()) -> None:
+    def check_rows(
+        self, rows: Iterable[int], pool: PoolId, plan: str, carried: Iterable[Ticket] = (), *, ordered: bool = False
+    ) -> None:
         """Refuse a plan over ``rows`` of ``pool`` while a registered ticket that the plan does not
         carry still has to write one of those rows (a clear or a COW into it) or read it (a
         snapshot): the plan would run on a state its init never reached, or move it before its
-        snapshot was taken (``TicketMismatchError`` naming the row and the ticket)."""
+        snapshot was taken (``TicketMismatchError`` naming the row and the ticket). ``ordered``: the
+        plan goes to a backend that runs plans in the order it gets them (an executor process), so
+        a ticket already claimed by an earlier plan (in flight) runs before it and does not count."""
         _pool_arg("check_rows", pool)
         carried = _tickets_arg("check_rows", carried)
         slots = ints(rows, "Ledger.check_rows", "rows")
@@ -204,7 +208,7 @@ class Ledger:
             carried_keys = {_key(t) for t in carried}
             for slot in slots:
                 for key in pending.get(slot, ()):
-                    if key not in carried_keys:
+                    if key not in carried_keys and not (ordered and key in self._in_flight):
                         t = self._outstanding.get(key) or self._in_flight[key]
                         raise TicketMismatchError(
                             f"{plan} over slot {slot} of pool {pool!r} does not carry {t} (ops {_ops(t)}), which must run "
@@ -226,16 +230,21 @@ class Ledger:
             raise
         claim._consume_rest()
 
-    def claim(self, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan") -> Claim:
+    def claim(
+        self, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan", *, ordered: bool = False
+    ) -> Claim:
         """``claiming`` without the block, for a plan that runs somewhere else (an executor
         process): the same checks, the tickets held in flight until the caller ends the claim with
-        ``Claim.settle``, naming the tickets that backend consumed."""
-        return self._claim("claim", tickets, pool, rows, plan)
+        ``Claim.settle``, naming the tickets that backend consumed. ``ordered`` as in ``check_rows``
+        (the backend's own ledger checks the rows again when the plan gets there)."""
+        return self._claim("claim", tickets, pool, rows, plan, ordered=ordered)
 
-    def _claim(self, method: str, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int], plan: str) -> Claim:
+    def _claim(
+        self, method: str, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int], plan: str, *, ordered: bool = False
+    ) -> Claim:
         items = _tickets_arg(method, tickets)
         _pool_arg(method, pool)
-        self.check_rows(rows, pool, plan, items)
+        self.check_rows(rows, pool, plan, items, ordered=ordered)
         with self._lock:
             registered = tuple(self._check_claim(t, pool) for t in items)
             keys = [_key(t) for t in registered]

@@ -225,7 +225,8 @@ class ExecutorProcess:
                 self._live_ok = key
             for t in tickets:
                 self.slots.check_live(_ticket_slots(t), str(t))
-        claim = self.ledger.claim(tickets, self.pool_id, rows, type(plan).__name__)
+        # plans run in the order they are sent: a ticket an earlier plan holds runs before this one
+        claim = self.ledger.claim(tickets, self.pool_id, rows, type(plan).__name__, ordered=True)
         try:
             data = pack(self._next, plan)
             self._send(("plan", data))

@@ -60,20 +60,30 @@ class Pipeline:
         self.lower_ctx = lower_ctx if lower_ctx is not None else LowerContext()
         self.pm = pm if pm is not None else PassManager.from_env()
 
-    def prefill(self, requests: Sequence[AdmittedRequest]) -> tuple[ExtendBatch, ExtendPlan]:
+    def prefill(self, requests: Sequence[AdmittedRequest], *, sample_id: TicketSerial | None = None) -> tuple[ExtendBatch, ExtendPlan]:
+        """``sample_id``: a pipelined step's (``ExtendPlan.sample_id``)."""
         batch = self.pm.run(prepare_for_extend, requests)
         plan: ExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
+        if sample_id is not None:
+            plan = attrs.evolve(plan, sample_id=sample_id)
         self.ledger.register((*plan.tickets, *plan.snapshots))
         return batch, plan
 
     def mixed(
-        self, requests: Sequence[AdmittedRequest], running: DecodeBatch, ctx: DecodeContext
+        self, requests: Sequence[AdmittedRequest], running: DecodeBatch, ctx: DecodeContext, *,
+        sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None,
     ) -> tuple[MixedBatch, MixedPlan]:
-        """New prefills and the running decodes (advanced by ``ctx``) in one forward."""
+        """New prefills and the running decodes (advanced by ``ctx``) in one forward; ``sample_id``
+        and ``inputs_from`` as in ``decode`` (both parts keep their tokens under ``sample_id``)."""
         extend = self.pm.run(prepare_for_extend, requests)
         decode = self.pm.run(prepare_for_decode, running, ctx)
         batch = self.pm.run(mix_with_running, extend, decode)
         plan: MixedPlan = self.pm.run(lower, batch, self.lower_ctx)
+        if sample_id is not None or inputs_from is not None:
+            plan = MixedPlan(
+                extend=attrs.evolve(plan.extend, sample_id=sample_id),
+                decode=attrs.evolve(plan.decode, sample_id=sample_id, inputs_from=inputs_from),
+            )
         self.ledger.register((*plan.extend.tickets, *plan.extend.snapshots))
         return batch, plan
 

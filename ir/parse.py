@@ -322,6 +322,8 @@ def _snapshot_ticket_line(p: _Parser, line: _Line) -> SnapshotTicket:
 
 def _extend_plan(p: _Parser, line: _Line, indent: int) -> ExtendPlan:
     declared, total = line.int_key("requests"), line.int_key("tokens")
+    word = line.peek()
+    sample = TicketSerial(line.name("#", line.key("sample"))) if word is not None and word.startswith("sample=") else None
     line.end()
     first = p.take(indent, "ticket ... or tickets none")
     tickets: list[InitTicket] = []
@@ -340,7 +342,7 @@ def _extend_plan(p: _Parser, line: _Line, indent: int) -> ExtendPlan:
         p.i += 1
         snapshots.append(_snapshot_ticket_line(p, t))
     cols = p._extend_rows(line, indent, declared, total, intents=False)
-    return ExtendPlan(**cols, tickets=tuple(tickets), snapshots=tuple(snapshots))  # type: ignore[arg-type]
+    return ExtendPlan(**cols, tickets=tuple(tickets), snapshots=tuple(snapshots), sample_id=sample)  # type: ignore[arg-type]
 
 
 def _decode_plan(p: _Parser, line: _Line, indent: int) -> DecodePlan:

@@ -80,6 +80,11 @@ def _check_tickets(field: str, tickets: tuple[object, ...], cls: type[InitTicket
         raise IRValidationError("ExtendPlan", field, tickets, "tickets of one plan carry the same ops for every pool")
 
 
+def _check_sample(node: str, field: str, value: object) -> None:
+    if value is not None and check_int(node, field, value) <= 0:
+        raise IRValidationError(node, field, value, "must be a positive serial (ir.init.mint_serial())")
+
+
 @final
 @attrs.frozen(kw_only=True)
 class ExtendPlan(ColumnNode, RequestRows):
@@ -94,10 +99,14 @@ class ExtendPlan(ColumnNode, RequestRows):
     kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
     tickets: tuple[InitTicket, ...] = attrs.field(converter=_tickets)
     snapshots: tuple[SnapshotTicket, ...] = attrs.field(default=(), converter=_snapshots)
+    sample_id: TicketSerial | None = None
+    """As ``DecodePlan.sample_id``, for the rows whose prompt this forward completes (``more_chunks``
+    false): the backend keeps their first token per slot, for the pipelined decode that names it."""
 
     def _check(self) -> None:
         _check_tickets("tickets", self.tickets, InitTicket)
         _check_tickets("snapshots", self.snapshots, SnapshotTicket)
+        _check_sample("ExtendPlan", "sample_id", self.sample_id)
 
     def ticket_for(self, pool: PoolId) -> InitTicket | None:
         for t in self.tickets:
@@ -136,12 +145,8 @@ class DecodePlan(ColumnNode, RequestRows):
     inputs_from: TicketSerial | None = None
 
     def _check(self) -> None:
-        for field in ("sample_id", "inputs_from"):
-            value = self.sample_id if field == "sample_id" else self.inputs_from
-            if value is not None:
-                serial = check_int("DecodePlan", field, value)
-                if serial <= 0:
-                    raise IRValidationError("DecodePlan", field, value, "must be a positive serial (ir.init.mint_serial())")
+        _check_sample("DecodePlan", "sample_id", self.sample_id)
+        _check_sample("DecodePlan", "inputs_from", self.inputs_from)
         if self.inputs_from is not None:
             if self.sample_id is not None and int(self.sample_id) == int(self.inputs_from):
                 raise IRValidationError("DecodePlan", "inputs_from", self.inputs_from, "names this plan's own sample_id")
@@ -154,10 +159,16 @@ class DecodePlan(ColumnNode, RequestRows):
 @final
 @attrs.frozen(kw_only=True)
 class MixedPlan(Composite):
-    """Its checks are its parts' types (``ir.verify`` re-runs the parts' own checks)."""
+    """Its checks are its parts' types (``ir.verify`` re-runs the parts' own checks), and one
+    forward has one sample: when both parts keep their tokens (``sample_id``), under the same id."""
 
     extend: ExtendPlan
     decode: DecodePlan
+
+    def _check(self) -> None:
+        a, b = self.extend.sample_id, self.decode.sample_id
+        if a is not None and b is not None and int(a) != int(b):
+            raise IRValidationError("MixedPlan", "decode", b, f"keeps its tokens under sample #{b}, the extend part under #{a}")
 
     @property
     def tickets(self) -> tuple[InitTicket, ...]:

@@ -189,7 +189,8 @@ def _dump(node: Printable, names: _Names, indent: str) -> list[str]:
                 node.input_ids, node.kv_locs, node.intents, inner,
             )
         case ExtendPlan():
-            lines = [f"{_head(node, indent)} tokens={node.input_ids.shape[0]}"]
+            sample = f" sample={names('#', node.sample_id)}" if node.sample_id is not None else ""
+            lines = [f"{_head(node, indent)} tokens={node.input_ids.shape[0]}{sample}"]
             lines += [f"{inner}ticket {_init(t.init, names)} pool={_pool(t.pool)}" for t in node.tickets] or [f"{inner}tickets none"]
             lines += [f"{inner}snapshot ticket {_snapshot(t.snapshot, names)} pool={_pool(t.pool)}" for t in node.snapshots]
             return lines + _extend_rows(

@@ -493,6 +493,7 @@ def extend_plans(draw: Any) -> ExtendPlan:
         **cols,
         tickets=tuple(InitTicket(pool=PoolId(p), init=init) for p in names),
         snapshots=tuple(SnapshotTicket(pool=PoolId(p), snapshot=snap) for p in snap_pools),
+        sample_id=draw(st.none() | serial_ids),
     )
 
 
@@ -570,6 +571,19 @@ def accept_results(draw: Any) -> AcceptResult:
 
 decode_batches = decode_columns().map(lambda c: DecodeBatch(**c))
 @st.composite
+def mixed_plans(draw: Any) -> MixedPlan:
+    """Mixed plans; one forward keeps its tokens under one sample id (or its parts under none)."""
+    e, d = draw(extend_plans()), draw(decode_plans())
+    if d.sample_id is not None:
+        e = attrs.evolve(e, sample_id=d.sample_id)
+    elif e.sample_id is not None and e.sample_id != d.inputs_from:
+        d = attrs.evolve(d, sample_id=e.sample_id)
+    else:
+        e = attrs.evolve(e, sample_id=None)
+    return MixedPlan(extend=e, decode=d)
+
+
+@st.composite
 def decode_plans(draw: Any) -> DecodePlan:
     """Decode plans, some with a sample id, some pipelined (inputs named by an earlier sample)."""
     cols = draw(decode_columns())
@@ -588,7 +602,7 @@ NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "IdleBatch": st.just(IdleBatch()),
     "ExtendPlan": extend_plans(),
     "DecodePlan": decode_plans(),
-    "MixedPlan": st.builds(lambda e, d: MixedPlan(extend=e, decode=d), extend_plans(), decode_plans()),
+    "MixedPlan": mixed_plans(),
     "IdlePlan": st.just(IdlePlan()),
     "DraftBatch": draft_batches,
     "VerifyBatch": verify_batches,

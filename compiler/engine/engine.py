@@ -13,9 +13,12 @@ the argument checks (``admission``). This module wires them and owns the step lo
 that leaves (finished, aborted, failed, retracted) goes through one release path, ``_release``.
 
 With ``overlap=True`` each model's executor runs in its own process (``backend.remote``), fed
-packed plans: the target's and the draft's prefill of an extend step run at the same time, and the
-target's and draft's commits of a speculative iteration run while the host does the iteration's
-bookkeeping. ``close`` (or ``with Engine(...)``) stops the processes.
+packed plans. At ``k == 0`` (without retries) every step is pipelined: built and sent while the
+previous forward runs, its input tokens named by that forward's sample (``Forwards.run_pipelined``),
+so ``step()`` reports the forward it read back, one step behind, and ``sync`` reads back the last
+one. At ``k > 0`` the target's and the draft's prefill of an extend step run at the same time, and
+the commits of a speculative iteration run while the host goes on. ``close`` (or ``with
+Engine(...)``) stops the processes.
 
 A request finishes at ``max_new_tokens`` or after emitting its ``stop`` token; ``abort`` ends it at
 any time. Greedy speculative decoding is lossless: the tokens emitted at any ``k`` equal those at

@@ -23,6 +23,9 @@ Per engine step, one kind of forward (``StepKind``):
 When the next decode or spec step cannot get its KV locations, the newest running requests are
 retracted (``retract``) and re-prefill their prompt plus their output so far later.
 
+Pipelined (``pipelined``, ``k == 0``: the engine's ``overlap``): each step's forward is built and sent
+before the previous one is read back (``run_pipelined``); the step kinds are chosen as above.
+
 ``Forwards`` holds the running batch (a frozen ``DecodeBatch`` replaced each step) and emits tokens
 into the request table; requests that finish go through the engine's one release path (``release``).
 """
@@ -40,12 +43,12 @@ from compiler.engine.cache_session import CacheSession
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import SpecStats, StepKind
-from compiler.engine.requests import Ending, RequestState, RequestTable
+from compiler.engine.requests import Ending, Request, RequestState, RequestTable
 from compiler.engine.runner import Backend, ForwardRunner, StepFailed, Submitted
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64
-from ir.ids import RequestId, TicketSerial
+from ir.ids import MambaSlot, RequestId, TicketSerial
 from ir.init import mint_serial
 from ir.request import AdmittedRequest
 from passes.prepare_for_decode import DecodeContext
@@ -63,11 +66,21 @@ class Progress:
 
 @attrs.frozen
 class _Inflight:
-    """A pipelined decode sent and not read back yet: its rows and the id its tokens are kept under."""
+    """A pipelined forward sent and not read back yet, and what reading it back does: the rows
+    whose token it samples (the extend rows it completes, then the decode rows, in the order of its
+    logits' rows), each with the request record it was built for, the snapshots to enter into the
+    prefix cache, and the id its tokens are kept under."""
 
     submitted: Submitted
-    rids: list[RequestId]
     sample_id: TicketSerial
+    rows: list[tuple[int, Request]]
+    """(row of the logits, request) of every token the forward samples for a request."""
+    snapshots: list[tuple[Request, MambaSlot, int]]
+    """(request, cache slot, position) of every snapshot the forward takes."""
+
+    @property
+    def rids(self) -> list[RequestId]:
+        return [r.rid for _, r in self.rows]
 
 
 class Forwards:
@@ -94,7 +107,7 @@ class Forwards:
         self.progress = Progress()
         self._last_was_prefill = False
         self.pipelined = False
-        """``k == 0``: build each decode while the previous one runs (``decode_pipelined``)."""
+        """``k == 0``: build each step's forward while the previous one runs (``run_pipelined``)."""
         self._inflight: _Inflight | None = None
         self._deferred: list[Submitted] = []
         """Commits sent to executor processes and not waited for yet: nothing in this step needs
@@ -119,8 +132,9 @@ class Forwards:
         """Choose this step's forward and run it (after settling the plans still in flight; a
         pipelined decode stays in flight while the next step is one too)."""
         self._settle_commits()
-        if self._inflight is not None and not (self.draft is None and not self.requests.has_queued and self.running.num_requests):
-            self.land()
+        if self.pipelined and self.draft is None:
+            return self.run_pipelined()
+        self.land()
         if self.mixed and self.draft is None and self.requests.has_queued and self.running.num_requests:
             if self._reserve_kv(1):  # False only when retraction emptied the running batch
                 self._last_was_prefill = False
@@ -135,10 +149,7 @@ class Forwards:
         if not self._reserve_kv(self.k + 1):
             return StepKind.RETRACT
         if self.draft is None:
-            if self.pipelined:
-                self.decode_pipelined()
-            else:
-                self.decode()
+            self.decode()
             return StepKind.DECODE
         self.speculate()
         return StepKind.SPEC
@@ -211,7 +222,19 @@ class Forwards:
     def _after_chunks(self, admitted: Sequence[AdmittedRequest], extend: ExtendBatch, logits: torch.Tensor) -> None:
         """Advance the prefilled requests, cache their snapshots, and emit the first token of each
         whose prompt is complete (``logits``: one row per extend row, in ``extend.rids`` order)."""
-        finished: list[RequestId] = []
+        completed, snapshots = self._chunks_ran(admitted)
+        for r, slot, pos in snapshots:
+            self._snapshot_taken(r, slot, pos)
+        rows = {rid: i for i, rid in enumerate(extend.rid_list())}
+        tokens = logits.argmax(dim=-1).tolist()
+        self._emit([r.rid for r in completed], [[int(tokens[rows[r.rid]])] for r in completed])
+
+    def _chunks_ran(self, admitted: Sequence[AdmittedRequest]) -> tuple[list[Request], list[tuple[Request, MambaSlot, int]]]:
+        """The planner's bookkeeping of prefill chunks that are sent: positions advance, a first
+        chunk's COW source is released, a request whose prompt is complete runs. Returns those
+        requests and the snapshots the chunks take (request, cache slot, position)."""
+        completed: list[Request] = []
+        snapshots: list[tuple[Request, MambaSlot, int]] = []
         for a in admitted:
             r = self.requests[a.rid]
             if r.done == 0:
@@ -221,16 +244,18 @@ class Forwards:
             self.progress.requests += 1
             self.progress.prefill_tokens += int(a.input_ids.shape[0])
             if a.snapshot_to is not None:
-                assert r.slot is not None
-                self.planner.share_prefix(int(r.slot), int(a.snapshot_to), pos)
-                self.session.insert(a.snapshot_to, tuple(r.prompt[:pos].tolist()), tuple(r.context[:pos]))
-                r.snapshot_at = r.snapshot_slot = None
+                snapshots.append((r, a.snapshot_to, pos))
             if not a.more_chunks:
-                finished.append(a.rid)
+                completed.append(r)
                 self.requests.prefilled(r)
-        rows = {rid: i for i, rid in enumerate(extend.rid_list())}
-        tokens = logits.argmax(dim=-1).tolist()
-        self._emit(finished, [[int(tokens[rows[rid]])] for rid in finished])
+        return completed, snapshots
+
+    def _snapshot_taken(self, r: Request, slot: MambaSlot, pos: int) -> None:
+        """The snapshot of ``r``'s first ``pos`` tokens into cache slot ``slot`` ran: a cache entry."""
+        assert r.slot is not None
+        self.planner.share_prefix(int(r.slot), int(slot), pos)
+        self.session.insert(slot, tuple(r.prompt[:pos].tolist()), tuple(r.context[:pos]))
+        r.snapshot_at = r.snapshot_slot = None
 
     def run_mixed(self) -> StepKind:
         """``k == 0`` with requests both running and waiting: the running batch's decode and the
@@ -268,55 +293,107 @@ class Forwards:
         self._emit(rids, [[t] for t in logits.argmax(dim=-1).tolist()])
         self._finish()
 
-    def decode_pipelined(self) -> None:
-        """One greedy token per running request, one step behind: the next decode is built and
-        sent before the one in flight is read back. Its plan names its input tokens symbolically
-        (``DecodePlan.inputs_from``: what the plan in flight samples, per slot), and the backend
-        resolves them when it stages it. Rows that the plan in flight finishes by length are left
+    def run_pipelined(self) -> StepKind:
+        """``k == 0`` one step behind: this step's forward (extend, mixed or decode, chosen as
+        ``run`` chooses) is built and sent before the one in flight is read back. Its plan names the
+        input tokens it cannot know yet symbolically (``DecodePlan.inputs_from``: what the forward in
+        flight samples, per slot; ``sample_id`` on the plan that samples them), and the backend
+        resolves them when it stages it. The chunk planner's bookkeeping (positions, finished
+        prompts, COW sources) is done when a plan is built; tokens, prefix-cache entries and finished
+        requests when it is read back. Rows that the forward in flight finishes by length are left
         out; a row that emits its stop token there runs once more, and that token is dropped."""
         prev = self._inflight
         if prev is not None and prev.submitted.failure is not None:  # (in process: it ran already) nothing to build on
             self.land()
-            return
+        queued = self.requests.has_queued
+        if self.running.num_requests and not self._reserve_kv(1):
+            self.land()
+            return StepKind.RETRACT
+        prev = self._inflight
         running = self.running
         if prev is not None:
-            ending = [rid for rid in prev.rids if rid in self.requests and self._ends_at_next_token(rid)]
+            ending = [rid for rid in running.rid_list() if self._ends_at_next_token(rid)]
             if ending:
                 running = self.pipeline.filter_decode(running, ending)
         rids = running.rid_list()
+        prefill = queued and (self.mixed or not rids or not self._last_was_prefill)
         sample = mint_serial()
-        if rids:
-            if prev is None:
-                ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
-                running, plan = self.pipeline.decode(running, ctx, sample_id=sample)
-            else:
-                ctx = DecodeContext(next_tokens=np.zeros(len(rids), dtype=np.int64), kv_locs=self._alloc_for(rids, 1))
-                running, plan = self.pipeline.decode(running, ctx, sample_id=sample, inputs_from=prev.sample_id)
-            submitted = self.runner.submit(self.target, plan)
+        kv = self._alloc_for(rids, 1) if rids else None
+        admitted = self.planner.next_chunks() if prefill else []
+        if prev is not None and rids:
+            inputs: I64 = np.zeros(len(rids), dtype=np.int64)
+        elif rids:
+            inputs = self._pending_of(rids)
+        after = prev.sample_id if prev is not None else None
+        built: _Inflight | None = None
+        kind = StepKind.IDLE
+        if admitted and rids:
+            assert kv is not None
+            mixed, mplan = self.pipeline.mixed(
+                admitted, running, DecodeContext(next_tokens=inputs, kv_locs=kv), sample_id=sample, inputs_from=after,
+            )
+            built = self._built(self.runner.submit(self.target, mplan), sample, admitted, mixed.extend, rids)
+            self.running = self.pipeline.merge(mixed.decode, mixed.extend)
+            self.stats.prefills += 1
             self.stats.decodes += 1
-        self.running = running
-        self._inflight = _Inflight(submitted, rids, sample) if rids else None
+            self.stats.mixed += 1
+            kind = StepKind.MIXED
+        elif admitted:
+            extend, eplan = self.pipeline.prefill(admitted, sample_id=sample)
+            built = self._built(self.runner.submit(self.target, eplan), sample, admitted, extend, [])
+            self.running = self.pipeline.merge(running, extend)
+            self.stats.prefills += 1
+            kind = StepKind.EXTEND
+        elif rids:
+            assert kv is not None
+            self.running, dplan = self.pipeline.decode(running, DecodeContext(next_tokens=inputs, kv_locs=kv), sample_id=sample, inputs_from=after)
+            built = _Inflight(self.runner.submit(self.target, dplan), sample, [(i, self.requests[rid]) for i, rid in enumerate(rids)], [])
+            self.stats.decodes += 1
+            kind = StepKind.DECODE
+        else:
+            self.running = running
+        self._last_was_prefill = kind is StepKind.EXTEND
+        self._inflight = built
         if prev is not None:
             self._land(prev)
+        if built is not None and built.submitted.failure is not None:
+            self.land()  # it failed already (in process, or the executor process is gone): say so now
+        return kind
+
+    def _built(
+        self, submitted: Submitted, sample: TicketSerial, admitted: Sequence[AdmittedRequest], extend: ExtendBatch,
+        decode_rids: Sequence[RequestId],
+    ) -> _Inflight:
+        """The planner's side of a prefill just sent (``_chunks_ran``), and what reading it back does."""
+        completed, snapshots = self._chunks_ran(admitted)
+        rows = {rid: i for i, rid in enumerate(extend.rid_list())}
+        n = extend.num_requests
+        sampled = [(rows[r.rid], r) for r in completed] + [(n + i, self.requests[rid]) for i, rid in enumerate(decode_rids)]
+        return _Inflight(submitted, sample, sampled, snapshots)
 
     def _ends_at_next_token(self, rid: RequestId) -> bool:
         r = self.requests[rid]
         return r.state is RequestState.RUNNING and len(r.output) + 1 >= r.max_new_tokens
 
     def land(self) -> None:
-        """Read back the pipelined decode in flight, if any: emit its tokens and finish requests."""
+        """Read back the pipelined forward in flight, if any (``_land``)."""
         prev, self._inflight = self._inflight, None
         if prev is not None:
             self._land(prev)
 
     def _land(self, prev: _Inflight) -> None:
+        """Enter its snapshots into the prefix cache, emit its tokens and finish requests. A request
+        retracted, aborted or finished since the plan was built (or retracted and back with a new
+        record) gets nothing: its token is dropped, and its snapshot slot went back when it left."""
         logits = self.runner.wait(prev.submitted)
         assert logits is not None
-        # a request retracted, aborted or finished since the plan was built drops its token
-        live = [(i, rid) for i, rid in enumerate(prev.rids) if rid in self.requests and self.requests[rid].state is RequestState.RUNNING]
+        for r, slot, pos in prev.snapshots:
+            if self.requests.get(r.rid) is r:
+                self._snapshot_taken(r, slot, pos)
         tokens = logits.argmax(dim=-1).tolist()
+        live = [(i, r) for i, r in prev.rows if self.requests.get(r.rid) is r and r.state is RequestState.RUNNING]
         self.progress.requests += len(live)
-        self._emit([rid for _, rid in live], [[int(tokens[i])] for i, _ in live])
+        self._emit([r.rid for _, r in live], [[int(tokens[i])] for i, _ in live])
         self._finish()
 
     def speculate(self) -> None:

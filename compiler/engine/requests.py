@@ -104,6 +104,10 @@ class RequestTable:
     def __getitem__(self, rid: RequestId) -> Request:
         return self._reqs[rid]
 
+    def get(self, rid: RequestId) -> Request | None:
+        """The live record of ``rid``, or None."""
+        return self._reqs.get(rid)
+
     def __iter__(self) -> Iterator[Request]:
         return iter(self._reqs.values())
 

@@ -348,9 +348,15 @@ class ExecutorProcess:
         p.done = True
 
     def close(self) -> None:
-        """Stop the child (after the plans already sent); later calls raise ``ExecutorGone``."""
+        """Stop the child after the plans already sent (their replies are read and dropped, so the
+        child never blocks on a full socket); later calls raise ``ExecutorGone``."""
         if self._gone is None:
-            self._gone = "closed"
+            try:
+                self.drain()
+            except Exception:  # noqa: BLE001 - closing: a failed plan or a dead child changes nothing now
+                pass
+            if self._gone is None:
+                self._gone = "closed"
         self._finalizer()
 
     @property

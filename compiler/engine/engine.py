@@ -13,7 +13,7 @@ the argument checks (``admission``). This module wires them and owns the step lo
 that leaves (finished, aborted, failed, retracted) goes through one release path, ``_release``.
 
 With ``overlap=True`` each model's executor runs in its own process (``backend.remote``), fed
-packed plans. At ``k == 0`` (without retries) every step is pipelined: built and sent while the
+packed plans. At ``k == 0`` (without retries, with ``mixed``) every step is pipelined: built and sent while the
 previous forward runs, its input tokens named by that forward's sample (``Forwards.run_pipelined``),
 so ``step()`` reports the forward it read back, one step behind, and ``sync`` reads back the last
 one. At ``k > 0`` the target's and the draft's prefill of an extend step run at the same time, and
@@ -119,9 +119,11 @@ class Engine:
             k=k, pipeline=self.pipeline, runner=self.runner, target=self.target, draft=self.draft, requests=self.requests,
             kv_refs=self.kv_refs, session=self.session, planner=self.planner, stats=self.stats, release=self._release, mixed=mixed,
         )
-        # with the executors in their own processes, each decode is built while the previous one runs
-        # (k = 0; a retried forward would have to replay the decode sent after it, so not with retries)
-        self.forwards.pipelined = overlap and self.draft is None and retries == 0
+        # with the executors in their own processes, each step is built while the previous one runs: at
+        # k = 0, without retries (a retried forward would have to replay the one sent after it) and
+        # with mixed forwards (every step then decodes every running row, so every row's input is the
+        # token the forward before sampled)
+        self.forwards.pipelined = overlap and self.draft is None and retries == 0 and mixed
         self.prefixes = PrefixStates(
             slots=self.slots, kv=self.kv, kv_refs=self.kv_refs, pipeline=self.pipeline, executors=self._executors,
             k=k, max_len=max_len, vocab=self.vocab,

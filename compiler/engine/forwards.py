@@ -75,6 +75,8 @@ class _Inflight:
     sample_id: TicketSerial
     rows: list[tuple[int, Request]]
     """(row of the logits, request) of every token the forward samples for a request."""
+    first_decode_row: int
+    """Rows of the logits from here on are decode rows (before: extend rows)."""
     snapshots: list[tuple[Request, MambaSlot, int]]
     """(request, cache slot, position) of every snapshot the forward takes."""
 
@@ -316,7 +318,7 @@ class Forwards:
             if ending:
                 running = self.pipeline.filter_decode(running, ending)
         rids = running.rid_list()
-        prefill = queued and (self.mixed or not rids or not self._last_was_prefill)
+        prefill = queued  # (the engine pipelines only with mixed forwards: every step decodes every running row)
         sample = mint_serial()
         kv = self._alloc_for(rids, 1) if rids else None
         admitted = self.planner.next_chunks() if prefill else []
@@ -347,12 +349,11 @@ class Forwards:
         elif rids:
             assert kv is not None
             self.running, dplan = self.pipeline.decode(running, DecodeContext(next_tokens=inputs, kv_locs=kv), sample_id=sample, inputs_from=after)
-            built = _Inflight(self.runner.submit(self.target, dplan), sample, [(i, self.requests[rid]) for i, rid in enumerate(rids)], [])
+            built = _Inflight(self.runner.submit(self.target, dplan), sample, [(i, self.requests[rid]) for i, rid in enumerate(rids)], 0, [])
             self.stats.decodes += 1
             kind = StepKind.DECODE
         else:
             self.running = running
-        self._last_was_prefill = kind is StepKind.EXTEND
         self._inflight = built
         if prev is not None:
             self._land(prev)
@@ -369,7 +370,7 @@ class Forwards:
         rows = {rid: i for i, rid in enumerate(extend.rid_list())}
         n = extend.num_requests
         sampled = [(rows[r.rid], r) for r in completed] + [(n + i, self.requests[rid]) for i, rid in enumerate(decode_rids)]
-        return _Inflight(submitted, sample, sampled, snapshots)
+        return _Inflight(submitted, sample, sampled, n, snapshots)
 
     def _ends_at_next_token(self, rid: RequestId) -> bool:
         r = self.requests[rid]
@@ -392,7 +393,7 @@ class Forwards:
                 self._snapshot_taken(r, slot, pos)
         tokens = logits.argmax(dim=-1).tolist()
         live = [(i, r) for i, r in prev.rows if self.requests.get(r.rid) is r and r.state is RequestState.RUNNING]
-        self.progress.requests += len(live)
+        self.progress.requests += sum(1 for i, _ in live if i >= prev.first_decode_row)  # (extend rows counted when sent)
         self._emit([r.rid for _, r in live], [[int(tokens[i])] for i, _ in live])
         self._finish()
 

@@ -286,3 +286,23 @@ def test_a_pipelined_decode_plan_checks_its_ids_and_prints_them() -> None:
         ):
             with pytest.raises(IRValidationError, match=match):
                 DecodePlan(**cols, **bad)  # type: ignore[arg-type]  # the bad value is the point
+
+
+def test_overlap_without_mixed_forwards_or_with_retries_runs_each_step_to_the_end() -> None:
+    # not pipelined: an extend-only step would skip the running rows, and a retried forward would
+    # have to replay the one sent after it
+    for options in ({"mixed": False}, {"retries": 1}):
+        with engine(0, overlap=True, **options) as drv:  # type: ignore[arg-type]  # Engine's keywords
+            assert not drv.forwards.pipelined
+            _serve(drv, range(3))
+            assert drv.outputs == {RequestId(i): review_greedy()[RequestId(i)] for i in range(3)}
+            drv.ledger.assert_drained()
+
+
+def test_closing_with_plans_in_flight_reads_their_replies_and_stops() -> None:
+    ledger = Ledger()
+    ex = _process(ledger)
+    pending = [ex.submit(_prefill(ledger)) for _ in range(20)]  # type: ignore[arg-type]  # untyped builder
+    ex.close()
+    assert ex.closed and all(p.done for p in pending) and ex._proc.poll() is not None
+    ledger.assert_drained()

@@ -20,7 +20,7 @@ the path) is filled and renamed onto it when the run ends. ``batchc run`` exits 
 line on stderr, when a forward failed and aborted requests, a ticket was never consumed, or the
 lossless check failed.
 
-``batchc run`` and every ``batchc bench`` group set torch's intra-op threads (``--threads``, default
+``batchc run``, ``batchc ab`` and every ``batchc bench`` group set torch's intra-op threads (``--threads``, default
 ``ServeConfig.threads``) before any work.
 """
 
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # a bad command line: one line on stderr, SystemExit(2)
     try:
         settings_from_env()  # BATCHC_VERIFY, BATCHC_DUMP_DIR: refused here, before anything runs
-        if args.command in ("run", "bench"):  # every bench group takes --threads too
+        if args.command in ("run", "bench", "ab"):  # every bench group takes --threads too
             import torch
 
             torch.set_num_threads(args.threads)

@@ -182,6 +182,7 @@ def parser() -> argparse.ArgumentParser:
     ab.add_argument("--json", metavar="PATH", type=_path_arg,
                     help="also write the figures as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                     "replaced when the run ends ('-' for stdout)")
+    _add_threads(ab)
 
     dump = sub.add_parser("dump", help="print the IR after every pass of the built-in scenario")
     dump.add_argument("--verify", type=int, choices=(0, 1, 2), default=2, help="verify level while dumping (default 2)")

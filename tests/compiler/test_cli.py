@@ -61,12 +61,12 @@ def test_bad_option_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> N
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv", [["run"], ["bench", "serve"], ["bench", "pipeline"], ["bench", "kernels"], ["bench", "iteration"]])
+@pytest.mark.parametrize("argv", [["run"], ["ab"], ["bench", "serve"], ["bench", "pipeline"], ["bench", "kernels"], ["bench", "iteration"]])
 def test_threads_default_is_the_config_record(argv: list[str]) -> None:
     assert parser().parse_args(argv).threads == ServeConfig().threads == 1
 
 
-@pytest.mark.parametrize(("argv", "command"), [(["run"], "cmd_run"), (["bench", "serve"], "cmd_bench"),
+@pytest.mark.parametrize(("argv", "command"), [(["run"], "cmd_run"), (["ab"], "cmd_ab"), (["bench", "serve"], "cmd_bench"),
                                                (["bench", "kernels"], "cmd_bench"), (["bench", "iteration"], "cmd_bench")])
 def test_threads_are_set_before_the_command_runs(monkeypatch: pytest.MonkeyPatch, argv: list[str], command: str) -> None:
     seen: list[int] = []

@@ -156,6 +156,7 @@ class ExecutorProcess:
         """Arguments are checked here (``IRValidationError`` naming ``ExecutorProcess.<argument>``);
         the model is pickled to the child, which builds the pool and serving hook and reports ready
         (an error there is raised here, as ``ExecutorRefused`` or ``ForwardFailed``)."""
+        check_instance("ExecutorProcess", "model", model, ServedModel)
         check_instance("ExecutorProcess", "ledger", ledger, Ledger)
         check_instance("ExecutorProcess", "slots", slots, SlotAllocator, optional=True)
         check_instance("ExecutorProcess", "transactional", transactional, bool)
@@ -188,11 +189,17 @@ class ExecutorProcess:
         self.waited = 0.0
         """Seconds the caller spent blocked on this process's replies."""
         self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._proc)
-        self._send(("start", model, pool_id, capacity, kv_capacity, max_len, transactional, threads, this_epoch()))
+        try:
+            start = _dumps(("start", model, pool_id, capacity, kv_capacity, max_len, transactional, threads, this_epoch()))
+        except Exception as exc:  # noqa: BLE001 - any pickling failure: the model cannot travel
+            self.close()
+            raise IRValidationError("ExecutorProcess", "model", type(model).__name__, f"must pickle to reach its process ({exc!r})") from exc
+        self._conn.send_bytes(start)
 
     def wait_ready(self) -> None:
-        """Wait until the child has built its pool (``ExecutorGone`` after a minute without it); the
-        first use waits anyway, so this only moves the start-up cost to a chosen moment."""
+        """Wait until the child has built its pool (``ExecutorGone`` after ``_START_TIMEOUT_S``
+        without it); the first use waits anyway, so this only moves the start-up cost to a chosen
+        moment."""
         self._check_open()
 
     def _wait_ready(self) -> None:
@@ -397,7 +404,8 @@ def _main(fd: int) -> None:
         start = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return
-    _serve(conn, *start[1:])
+    if start[0] == "start":  # (a scheduler that could not send its model closes at once)
+        _serve(conn, *start[1:])
 
 
 def _serve(

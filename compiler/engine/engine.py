@@ -14,9 +14,9 @@ that leaves (finished, aborted, failed, retracted) goes through one release path
 
 With ``overlap=True`` each model's executor runs in its own process (``backend.remote``), fed
 packed plans. At ``k == 0`` (without retries, with ``mixed``) every step is pipelined: built and sent while the
-previous forward runs, its input tokens named by that forward's sample (``Forwards.run_pipelined``),
-so ``step()`` reports the forward it read back, one step behind, and ``sync`` reads back the last
-one. At ``k > 0`` the target's and the draft's prefill of an extend step run at the same time, and
+previous forward runs, its input tokens named by that forward's sample (``Forwards.run_pipelined``):
+``step()``'s report has the kind of the forward it sent and the tokens, finished requests and
+failures of the one it read back, and ``sync`` reads back the last one. At ``k > 0`` the target's and the draft's prefill of an extend step run at the same time, and
 the commits of a speculative iteration run while the host goes on. ``close`` (or ``with
 Engine(...)``) stops the processes.
 

@@ -131,8 +131,8 @@ class Forwards:
                 raise
 
     def run(self) -> StepKind:
-        """Choose this step's forward and run it (after settling the plans still in flight; a
-        pipelined decode stays in flight while the next step is one too)."""
+        """Choose this step's forward and run it, after settling the commits still in flight
+        (``pipelined``: ``run_pipelined`` takes every step)."""
         self._settle_commits()
         if self.pipelined and self.draft is None:
             return self.run_pipelined()

@@ -17,6 +17,7 @@ import pytest
 from typeguard import suppress_type_checks
 
 from backend import faults
+from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger
 from backend.remote import ExecutorGone, ExecutorProcess, ExecutorRefused, Pending
 from compiler.cli import main
@@ -164,6 +165,13 @@ def test_a_dead_executor_process_fails_its_forwards_instead_of_hanging() -> None
             drv.draft.execute(_prefill(drv.ledger))  # type: ignore[arg-type]
 
 
+class _Unpicklable(HybridModel):
+    """A served model that cannot travel to an executor process (it holds, say, a lock)."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError("holds a lock")
+
+
 def test_closed_engine_and_bad_arguments() -> None:
     target, draft = tiny_models()
     with suppress_type_checks():  # a hostile caller, as an untyped one would be
@@ -173,6 +181,9 @@ def test_closed_engine_and_bad_arguments() -> None:
             args = {"capacity": 4, "kv_capacity": 64, "max_len": 32, "threads": 1, name: bad}
             with pytest.raises(IRValidationError, match=f"ExecutorProcess.{name}"):
                 ExecutorProcess(target, pool_id=TARGET_POOL, ledger=Ledger(), **args)  # type: ignore[arg-type]
+    with pytest.raises(IRValidationError, match="ExecutorProcess.model: must pickle"):
+        ExecutorProcess(_Unpicklable(target.config, target.weights), pool_id=TARGET_POOL, capacity=4, kv_capacity=64,
+                        max_len=32, ledger=Ledger())
     drv = Engine(target, None, k=0, overlap=True)
     drv.close()
     drv.close()  # idempotent

@@ -426,9 +426,11 @@ class Executor(Generic[VerifyStateT]):
             self._seen = self._pool_stamp()
 
     def forget_verifies(self) -> None:
-        """Drop every kept verify and draft state (the engine aborted the requests they belonged to)."""
+        """Drop every kept verify and draft state and every kept sample (the engine aborted the
+        requests they belonged to, and the plans built on them: a replay of one finds nothing)."""
         self._intermediates.clear()
         self._kept_draft = None
+        self._samples.clear()
 
     def _spec_model(self, plan: DraftPlan | VerifyPlan | CommitPlan | DraftCommitPlan) -> SpecModelHook[VerifyStateT]:
         if self._spec_hook is None:

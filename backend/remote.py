@@ -273,7 +273,7 @@ class ExecutorProcess:
         self._control("share", int(src), int(dst), int(length))
 
     def forget_verifies(self) -> None:
-        """Drop every kept verify and draft state in the child (the engine aborted their requests)."""
+        """``Executor.forget_verifies`` in the child: kept verify and draft states and samples go."""
         self._control("forget")
 
     def cancel_outstanding(self, reason: str) -> None:

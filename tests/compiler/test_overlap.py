@@ -274,10 +274,18 @@ def test_a_pipelined_decode_takes_its_inputs_once_and_only_from_a_forward_that_r
     )
     with pytest.raises(PlanExecutionError, match="holds the token of sample"):
         ex.execute(plan)
-    _, plan = drv.pipeline.decode(running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), inputs_from=prev)
+    kept = mint_serial()
+    _, plan = drv.pipeline.decode(
+        running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), sample_id=kept, inputs_from=prev
+    )
+    _, after = drv.pipeline.decode(running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), inputs_from=kept)
     ex.execute(plan)
+    with pytest.raises(PlanExecutionError, match=f"holds the token of sample #{kept}"):
+        ex.execute(plan)  # a replay: the token it names was used (the slot holds the plan's own now)
+    # after an abort the executor forgets every kept token: a plan built on one before finds none
+    ex.forget_verifies()
     with pytest.raises(PlanExecutionError, match="holds no token"):
-        ex.execute(plan)  # a replay: the token was used
+        ex.execute(after)
 
 
 def test_a_pipelined_decode_plan_checks_its_ids_and_prints_them() -> None:

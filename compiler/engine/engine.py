@@ -13,12 +13,13 @@ the argument checks (``admission``). This module wires them and owns the step lo
 that leaves (finished, aborted, failed, retracted) goes through one release path, ``_release``.
 
 With ``overlap=True`` each model's executor runs in its own process (``backend.remote``), fed
-packed plans. At ``k == 0`` (without retries, with ``mixed``) every step is pipelined: built and sent while the
-previous forward runs, its input tokens named by that forward's sample (``Forwards.run_pipelined``):
-``step()``'s report has the kind of the forward it sent and the tokens, finished requests and
-failures of the one it read back, and ``sync`` reads back the last one. At ``k > 0`` the target's and the draft's prefill of an extend step run at the same time, and
-the commits of a speculative iteration run while the host goes on. ``close`` (or ``with
-Engine(...)``) stops the processes.
+packed plans. At ``k == 0`` (without retries, with ``mixed``) every step is pipelined: built and
+sent while the previous forward runs, its input tokens named by that forward's sample
+(``Forwards.run_pipelined``). ``step()``'s report then has the kind of the forward it sent and the
+tokens, finished requests and failures of the one it read back; ``sync`` reads back the last one.
+At ``k > 0`` the target's and the draft's prefill of an extend step run at the same time, and the
+commits of a speculative iteration run while the host goes on. ``close`` (or ``with Engine(...)``)
+stops the processes.
 
 A request finishes at ``max_new_tokens`` or after emitting its ``stop`` token; ``abort`` ends it at
 any time. Greedy speculative decoding is lossless: the tokens emitted at any ``k`` equal those at
@@ -310,9 +311,9 @@ class Engine:
         )
 
     def sync(self) -> None:
-        """Wait for the plans still running in executor processes (``overlap``: the last
-        speculative iteration's commits); one that failed aborts its requests, as in ``step``. A
-        no-op without ``overlap``."""
+        """Read back what is still running in executor processes (``overlap``: the last pipelined
+        forward at ``k == 0``, the last speculative iteration's commits); a failed one aborts its
+        requests, as in ``step``. A no-op without ``overlap``."""
         self.check_serving()
         self._stepping = True
         try:

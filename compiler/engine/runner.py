@@ -17,7 +17,7 @@ from typing import TypeAlias, assert_never
 import torch
 
 from backend.executor import AnyExecutor
-from backend.remote import ExecutorProcess, Pending
+from backend.remote import ExecutorGone, ExecutorProcess, Pending
 from compiler.engine.report import SpecStats
 from ir.errors import BatchcError
 from ir.ids import RequestId
@@ -80,10 +80,8 @@ class ForwardRunner:
             try:
                 s.pending = ex.submit(plan)
                 return s
-            except BatchcError:
-                raise
-            except Exception:  # noqa: BLE001 - the process is gone: a failed forward, retried below
-                pass
+            except ExecutorGone:
+                pass  # a failed forward: run below fails it (retried, then StepFailed)
         try:
             s.out = self.run(ex, plan)
         except StepFailed as failure:

@@ -54,11 +54,7 @@ def check(point: FaultPoint) -> None:
 def armed(point: FaultPoint, *, after: int = 0) -> Iterator[dict[FaultPoint, int]]:
     """Fire once at the ``after + 1``-th pass through ``point`` inside the block; yields the counts
     of faults fired so far, by point."""
-    if not isinstance(point, FaultPoint):
-        raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
-    with _lock:
-        _armed[point] = after
-        _fired.clear()
+    arm(point, after=after)
     try:
         yield _fired
     finally:

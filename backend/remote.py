@@ -43,7 +43,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Final, assert_never
+from typing import Any, Final, assert_never, get_args
 
 import numpy as np
 import torch
@@ -220,7 +220,7 @@ class ExecutorProcess:
 
     def submit(self, plan: Plan) -> Pending:
         """Check and claim ``plan`` here and send it; returns at once (``wait`` reads the reply)."""
-        if not isinstance(plan, (ExtendPlan, MixedPlan, DecodePlan, DraftPlan, VerifyPlan, CommitPlan, DraftCommitPlan, DraftExtendPlan, IdlePlan)):
+        if not isinstance(plan, get_args(Plan)):
             raise IRValidationError("ExecutorProcess.submit", "plan", plan, "must be a plan")
         self._check_open()
         rows = plan_slots(plan)

@@ -307,7 +307,9 @@ class Forwards:
         prev = self._inflight
         if prev is not None and prev.submitted.failure is not None:  # (in process: it ran already) nothing to build on
             self.land()
-        queued = self.requests.has_queued
+        # (the engine pipelines only with mixed forwards: every step decodes every running row, and
+        # prefills whatever is queued beside them)
+        prefill = self.requests.has_queued
         if self.running.num_requests and not self._reserve_kv(1):
             self.land()
             return StepKind.RETRACT
@@ -318,7 +320,6 @@ class Forwards:
             if ending:
                 running = self.pipeline.filter_decode(running, ending)
         rids = running.rid_list()
-        prefill = queued  # (the engine pipelines only with mixed forwards: every step decodes every running row)
         sample = mint_serial()
         kv = self._alloc_for(rids, 1) if rids else None
         admitted = self.planner.next_chunks() if prefill else []

@@ -40,7 +40,7 @@ def init_rows_reference(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torc
 
     Sources are read before anything is written, so a copy sees its source as it was before the op.
     """
-    sources = buffer[cow_src].clone()
+    sources = buffer[cow_src]  # indexing with a tensor copies: the sources as they were
     buffer[clear] = 0
     buffer[cow_dst] = sources
 

@@ -36,10 +36,11 @@ class ChunkPlanner:
         self.share_prefix = share_prefix
         self.chunk_size, self.token_budget = chunk_size, token_budget
 
-    def start(self, r: Request) -> bool:
+    def start(self, r: Request, owed: int) -> bool:
         """Give a request its slot and prefix source before its first chunk; False if none is free,
-        or if the KV for its whole prompt does not fit next to what started prefills still need."""
-        while self.kv.num_free < self.requests.kv_owed() + int(r.prompt.shape[0]):
+        or if the KV for its whole prompt does not fit next to what started prefills still need
+        (``owed``: ``requests.kv_owed()``, which the caller keeps up to date)."""
+        while self.kv.num_free < owed + int(r.prompt.shape[0]):
             if not self.session.evict():
                 return False
         if self.slots.num_free == 0 and not self.session.evict():
@@ -60,12 +61,15 @@ class ChunkPlanner:
         free slots and the free KV locations (allocated here)."""
         admitted: list[AdmittedRequest] = []
         budget = self.token_budget
+        owed = self.requests.kv_owed()  # kept up to date below: summing it per start is quadratic in the queue
         for rid in self.requests.queued:
             r = self.requests[rid]
             if budget <= 0:
                 break
-            if r.state is RequestState.WAITING and not self.start(r):
-                break
+            if r.state is RequestState.WAITING:
+                if not self.start(r, owed):
+                    break
+                owed += int(r.prompt.shape[0]) - r.done  # what kv_owed() now counts for r
             assert r.slot is not None
             pos = r.next_pos
             n = min(self.chunk_size, budget, int(r.prompt.shape[0]) - pos)

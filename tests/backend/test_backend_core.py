@@ -96,6 +96,35 @@ def test_free_many_is_all_or_nothing(cls: type[SlotAllocator] | type[KVAllocator
 
 
 @pytest.mark.parametrize("cls", ALLOCATORS)
+def test_a_bulk_free_is_all_or_nothing_names_the_first_bad_index_and_keeps_the_reuse_order(
+    cls: type[SlotAllocator] | type[KVAllocator],
+) -> None:
+    """Frees of many indices at once take a vectorised path: same refusals, same messages, same
+    last-freed-first reuse as one index at a time."""
+    a = cls(1000)
+    a.alloc_many(300)
+    live = list(range(1, 301))
+    base = list(range(200, 100, -1))  # 100 live indices, freed in this order
+    what = "slot" if cls is SlotAllocator else "KV location"
+    cases = (
+        (base + [150], f"double free of {what} 150"),  # repeated
+        (base + [301], f"double free of {what} 301"),  # in range, never handed out
+        (base[:50] + [0] + base[50:], f"{what} 0 out of range"),
+        (base + [1001], f"{what} 1001 out of range"),
+    )
+    for bad, message in cases:
+        with pytest.raises(SlotError, match=message):
+            a.free_many(bad)
+        assert a.live() == frozenset(live) and a.num_free == 700
+    a.free_many(np.array(base, dtype=np.int64))
+    assert a.live() == frozenset(live) - frozenset(base)
+    with pytest.raises(SlotError, match=f"double free of {what} 101"):
+        a.free_many(list(range(30, 130)))  # 30..100 are live, 101 was just freed
+    assert a.num_free == 800
+    assert a.alloc_many(100).tolist() == base[::-1]  # last freed first
+
+
+@pytest.mark.parametrize("cls", ALLOCATORS)
 def test_alloc_many_is_all_or_nothing(cls: type[SlotAllocator] | type[KVAllocator]) -> None:
     a = cls(4)
     a.alloc()

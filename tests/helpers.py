@@ -17,7 +17,7 @@ references, or the kernels under Triton's interpreter in the kernel tests).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.executor import Executor
-from backend.hybrid import ForwardOut, HybridModel, KVCache, TokenTable, tiny
+from backend.hybrid import ForwardOut, HybridConfig, HybridModel, KVCache, TokenTable, tiny
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
@@ -319,9 +319,40 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
 
 
-def tiny_model(seed: int = 0) -> HybridModel:
-    """The tiny hybrid model on the test device."""
-    return HybridModel.from_seed(tiny(), seed, device=DEVICE)
+def tiny_model(seed: int = 0, arch: str = "bundled") -> HybridModel:
+    """The tiny hybrid model on the test device, of one of ``ARCHITECTURES``."""
+    return HybridModel.from_seed(ARCHITECTURES[arch](), seed, device=DEVICE)
+
+
+def _bamba_like() -> HybridConfig:
+    """Grouped-query attention with partial rotary; the gated norm over the whole mixer width."""
+    return attrs.evolve(tiny(), attn_kv_heads=1, rotary_dim=8, norm_groups=1)
+
+
+def _granite_like() -> HybridConfig:
+    """No position embedding, a softmax scale, tied embeddings, embedding/residual/logit scales."""
+    return attrs.evolve(
+        tiny(), attn_kv_heads=1, rotary_dim=0, attn_scale=0.2, tie_embeddings=True, embed_scale=0.5,
+        residual_scale=4.0, logit_scale=0.25,
+    )
+
+
+def _nemotron_like() -> HybridConfig:
+    """One operation per layer, squared-ReLU MLPs, and a dt clamp that binds (random dt_bias puts
+    dt in [1e-3, 0.1])."""
+    return attrs.evolve(
+        tiny(), block="single", layers=("mamba", "mlp", "attn", "mlp", "mamba", "mlp"), mlp_kind="relu2",
+        attn_kv_heads=1, rotary_dim=0, norm_groups=4, dt_min=0.01, dt_max=0.05,
+    )
+
+
+ARCHITECTURES: dict[str, Callable[[], HybridConfig]] = {
+    "bundled": tiny,
+    "bamba-like": _bamba_like,
+    "granite-like": _granite_like,
+    "nemotron-like": _nemotron_like,
+}
+"""Tiny configs of the bundled architecture and of each Hugging Face family's switches."""
 
 
 def ids(values: list[int]) -> torch.Tensor:

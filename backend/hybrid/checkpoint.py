@@ -32,7 +32,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from backend.hybrid.config import LAYER_KINDS, HybridConfig
+from backend.hybrid.config import ARCHITECTURE_SWITCHES, BLOCK_KINDS, LAYER_KINDS, MLP_KINDS, HybridConfig
 from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import Weights, check_weights, weight_shapes
 from backend.pool import device_problem
@@ -59,18 +59,29 @@ class CheckpointError(BatchcError, ValueError):
 # ---- config <-> JSON ------------------------------------------------------------------------------
 
 
+_CHOICES: dict[str, tuple[str, ...]] = {"block": BLOCK_KINDS, "mlp_kind": MLP_KINDS}
+"""The string fields of ``HybridConfig`` and their values."""
+
+
 def config_to_json(config: HybridConfig) -> str:
+    """The config as a JSON object. Architecture switches at their defaults are left out (so the
+    bundled models' metadata is what it always was, and ``dt_max``'s default of infinity, which
+    JSON cannot spell, is never written)."""
     fields = attrs.asdict(config)
     fields["layers"] = list(config.layers)
-    return json.dumps(fields, sort_keys=True)
+    switched = config.switched()
+    return json.dumps({k: v for k, v in fields.items() if k not in ARCHITECTURE_SWITCHES or k in switched}, sort_keys=True)
 
 
 def _field_kind(field: Any) -> str:
-    """``"int"``, ``"float"`` or ``"layers"`` for a ``HybridConfig`` attribute."""
+    """``"int"``, ``"float"``, ``"int | None"``, ``"float | None"``, ``"bool"``, ``"choice"`` or
+    ``"layers"`` for a ``HybridConfig`` attribute."""
     if field.name == "layers":
         return "layers"
+    if field.name in _CHOICES:
+        return "choice"
     annotation = str(field.type)
-    if annotation not in ("int", "float"):  # pragma: no cover - a new field kind needs a rule here
+    if annotation not in ("int", "float", "int | None", "float | None", "bool"):  # pragma: no cover - a new field kind needs a rule here
         raise TypeError(f"HybridConfig.{field.name}: no JSON rule for type {annotation!r}")
     return annotation
 
@@ -95,7 +106,20 @@ def config_from_json(path: str | Path, text: str) -> HybridConfig:
             continue
         value = raw[name]
         kind = _field_kind(field)
-        if kind == "layers":
+        if kind.endswith(" | None"):
+            if value is None:
+                kwargs[name] = None
+                continue
+            kind = kind.removesuffix(" | None")
+        if kind == "choice":
+            if value not in _CHOICES[name]:
+                raise CheckpointError(path, f"bad config: field {name!r} must be one of {list(_CHOICES[name])}, got {short_repr(value)}")
+            kwargs[name] = value
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                raise CheckpointError(path, f"bad config: field {name!r} must be true or false, got {short_repr(value)}")
+            kwargs[name] = value
+        elif kind == "layers":
             if not isinstance(value, list) or not all(isinstance(k, str) and k in LAYER_KINDS for k in value):
                 raise CheckpointError(path, f"bad config: field 'layers' must be a list of {list(LAYER_KINDS)}, got {value!r}")
             kwargs[name] = tuple(value)

@@ -1,12 +1,31 @@
-"""Shape hyper-parameters of the reference hybrid Mamba2/attention byte-level model.
+"""Shape hyper-parameters of the hybrid Mamba2/attention model: the bundled byte-level models and
+the Hugging Face families (Bamba, Granite-4.0-H, Nemotron-H; ``backend.hf`` maps their configs here).
+
+Architecture switches (the defaults are the bundled models' architecture):
+
+- ``block``: ``"mixer_mlp"`` (every layer is a mixer, Mamba or attention, then an MLP, each behind
+  its own pre-norm and residual) or ``"single"`` (every layer is one operation behind one pre-norm
+  and residual: ``"mamba"``, ``"attn"`` or ``"mlp"``, Nemotron-H's layout);
+- attention: ``attn_kv_heads`` (grouped-query attention: query head ``h`` reads KV head
+  ``h // (attn_heads // attn_kv_heads)``; the KV cache holds only the KV heads), ``rotary_dim``
+  (rotate-half rotary on the first ``rotary_dim`` dims of each head; ``None``: all of them, ``0``:
+  no position embedding), ``attn_scale`` (softmax scale; ``None``: ``1/sqrt(attn_head_dim)``);
+- ``mlp_kind``: ``"swiglu"`` (``down(silu(gate(x)) * up(x))``) or ``"relu2"`` (``down(relu(up(x))^2)``);
+- ``norm_groups``: groups of the Mamba mixer's gated RMSNorm (``None``: ``ngroups``);
+- ``dt_min``, ``dt_max``: ``dt = softplus(dt + dt_bias)`` is clamped to ``[dt_min, dt_max]`` in every
+  forward (prefill, decode, verify, proposal) when either bound is set;
+- ``tie_embeddings`` (the output projection is the embedding matrix), ``embed_scale`` (embeddings
+  times it), ``residual_scale`` (every block's output times it before the residual add),
+  ``logit_scale`` (logits times it).
 
 Invariants (checked at construction, ``ValueError``):
 
 - the layer pattern has at least one ``"mamba"`` layer (a pool layout needs one); attention layers
   are optional: an attention-free model (the bundled draft) has a KV cache with no layers and keeps
-  its whole context in its recurrent state;
-- ``nheads % ngroups == 0`` (Mamba2 groups share B and C), ``conv_width`` in ``[2, 4]``;
-- rotary head dims are even;
+  its whole context in its recurrent state; ``"mlp"`` layers only with ``block="single"``;
+- ``nheads % ngroups == 0`` (Mamba2 groups share B and C), ``d_inner % norm_groups == 0``,
+  ``attn_heads % attn_kv_heads == 0``, ``conv_width`` in ``[2, 4]``;
+- rotary dims are even and at most ``attn_head_dim``;
 - sanity bounds, so that a hostile config cannot ask for absurd sizes or NaN: every size field
   (``d_model``, head counts and dims, ``d_state``, ``ngroups``, ``mlp_hidden``, ``vocab``,
   ``chunk_size``) in ``[1, MAX_DIM]``, at most ``MAX_LAYERS`` layers, ``rope_theta`` finite and
@@ -27,8 +46,18 @@ import torch
 
 from backend.pool import MambaLayerSpec, PoolLayout
 
-LayerKind = Literal["mamba", "attn"]
-LAYER_KINDS: tuple[LayerKind, ...] = ("mamba", "attn")
+LayerKind = Literal["mamba", "attn", "mlp"]
+LAYER_KINDS: tuple[LayerKind, ...] = ("mamba", "attn", "mlp")
+BlockKind = Literal["mixer_mlp", "single"]
+BLOCK_KINDS: tuple[BlockKind, ...] = ("mixer_mlp", "single")
+MlpKind = Literal["swiglu", "relu2"]
+MLP_KINDS: tuple[MlpKind, ...] = ("swiglu", "relu2")
+
+ARCHITECTURE_SWITCHES = frozenset(
+    ("block", "attn_kv_heads", "rotary_dim", "attn_scale", "mlp_kind", "norm_groups", "dt_min", "dt_max",
+     "tie_embeddings", "embed_scale", "residual_scale", "logit_scale")
+)
+"""The ``HybridConfig`` fields whose defaults are the bundled models' architecture."""
 
 MAX_DIM = 1 << 16
 """Largest value of any size field (the bundled models use at most 512)."""
@@ -42,7 +71,7 @@ def _kinds(value: tuple[LayerKind, ...]) -> tuple[LayerKind, ...]:
 
 @attrs.frozen(kw_only=True)
 class HybridConfig:
-    """A byte-level (vocab 256) hybrid model: Mamba2 mixers, rotary attention, SwiGLU MLPs."""
+    """A hybrid model: Mamba2 mixers, attention, MLPs (see the module doc for the switches)."""
 
     d_model: int
     layers: tuple[LayerKind, ...] = attrs.field(converter=_kinds)
@@ -61,6 +90,19 @@ class HybridConfig:
     mlp_hidden: int
     rms_eps: float = 1e-5
     vocab: int = 256
+    # architecture switches (defaults: the bundled models)
+    block: BlockKind = "mixer_mlp"
+    attn_kv_heads: int | None = None
+    rotary_dim: int | None = None
+    attn_scale: float | None = None
+    mlp_kind: MlpKind = "swiglu"
+    norm_groups: int | None = None
+    dt_min: float = 0.0
+    dt_max: float = math.inf
+    tie_embeddings: bool = False
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
 
     def __attrs_post_init__(self) -> None:
         sizes = {
@@ -91,7 +133,7 @@ class HybridConfig:
             raise ValueError(f"nheads {self.nheads} is not a multiple of ngroups {self.ngroups}")
         if not 2 <= self.conv_width <= 4:
             raise ValueError(f"conv_width must be in [2, 4], got {self.conv_width}")
-        if self.attn_head_dim % 2:
+        if self.attn_head_dim % 2 and self.rotary_dim is None:
             raise ValueError(f"attn_head_dim must be even for rotary embeddings, got {self.attn_head_dim}")
         if not math.isfinite(self.rms_eps) or self.rms_eps <= 0:
             raise ValueError(f"rms_eps must be positive, got {self.rms_eps}")
@@ -99,6 +141,41 @@ class HybridConfig:
             raise ValueError(f"rms_eps must be at most 1, got {self.rms_eps}")
         if not math.isfinite(self.rope_theta) or self.rope_theta < 1:
             raise ValueError(f"rope_theta must be a finite number >= 1, got {self.rope_theta}")
+        self._check_switches()
+
+    def _check_switches(self) -> None:
+        if self.block not in BLOCK_KINDS:
+            raise ValueError(f"block must be one of {BLOCK_KINDS}, got {self.block!r}")
+        if self.mlp_kind not in MLP_KINDS:
+            raise ValueError(f"mlp_kind must be one of {MLP_KINDS}, got {self.mlp_kind!r}")
+        if "mlp" in self.layers and self.block != "single":
+            raise ValueError(f"'mlp' layers need block='single', got block={self.block!r}")
+        for name, opt in (("attn_kv_heads", self.attn_kv_heads), ("rotary_dim", self.rotary_dim), ("norm_groups", self.norm_groups)):
+            if opt is not None and (isinstance(opt, bool) or not isinstance(opt, int)):
+                raise ValueError(f"{name} must be an int or None, got {opt!r}")
+        if self.attn_kv_heads is not None and not (1 <= self.attn_kv_heads <= self.attn_heads and self.attn_heads % self.attn_kv_heads == 0):
+            raise ValueError(f"attn_kv_heads must divide attn_heads {self.attn_heads}, got {self.attn_kv_heads}")
+        if self.rotary_dim is not None and not (0 <= self.rotary_dim <= self.attn_head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in [0, attn_head_dim {self.attn_head_dim}], got {self.rotary_dim}")
+        if self.norm_groups is not None and not (1 <= self.norm_groups <= self.d_inner and self.d_inner % self.norm_groups == 0):
+            raise ValueError(f"norm_groups must divide d_inner {self.d_inner}, got {self.norm_groups}")
+        scales: tuple[tuple[str, float | None], ...] = (
+            ("embed_scale", self.embed_scale), ("residual_scale", self.residual_scale),
+            ("logit_scale", self.logit_scale), ("attn_scale", self.attn_scale),
+        )
+        for name, scale in scales:
+            if scale is not None and (not math.isfinite(scale) or scale <= 0):
+                raise ValueError(f"{name} must be a finite positive number, got {scale}")
+        if not (math.isfinite(self.dt_min) and 0 <= self.dt_min < self.dt_max) or math.isnan(self.dt_max):
+            raise ValueError(f"dt bounds must satisfy 0 <= dt_min < dt_max (dt_max may be inf), got {self.dt_min}, {self.dt_max}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+
+    def switched(self) -> tuple[str, ...]:
+        """The architecture switches this config sets to something other than their defaults
+        (empty: the bundled models' architecture)."""
+        values = attrs.asdict(self)
+        return tuple(f.name for f in attrs.fields(HybridConfig) if f.name in ARCHITECTURE_SWITCHES and values[f.name] != f.default)
 
     # ---- derived sizes ----------------------------------------------------------------------
 
@@ -123,6 +200,40 @@ class HybridConfig:
     @property
     def attn_dim(self) -> int:
         return self.attn_heads * self.attn_head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of an attention layer (``attn_heads`` unless grouped-query)."""
+        return self.attn_heads if self.attn_kv_heads is None else self.attn_kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.attn_head_dim
+
+    @property
+    def rope_dims(self) -> int:
+        """Dims of each head that the rotary embedding rotates (0: no position embedding)."""
+        return self.attn_head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.attn_head_dim) if self.attn_scale is None else self.attn_scale
+
+    @property
+    def gated_norm_groups(self) -> int:
+        return self.ngroups if self.norm_groups is None else self.norm_groups
+
+    @property
+    def clamps_dt(self) -> bool:
+        """Whether ``dt`` is clamped (``dt_min > 0`` or a finite ``dt_max``)."""
+        return self.dt_min > 0 or math.isfinite(self.dt_max)
+
+    @property
+    def mlp_layers(self) -> tuple[int, ...]:
+        """Layers with an MLP: every layer in a ``mixer_mlp`` block, the ``"mlp"`` layers in ``single``."""
+        if self.block == "mixer_mlp":
+            return tuple(range(len(self.layers)))
+        return tuple(i for i, k in enumerate(self.layers) if k == "mlp")
 
     @property
     def mamba_layers(self) -> tuple[int, ...]:

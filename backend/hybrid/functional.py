@@ -142,6 +142,8 @@ def forward_hidden(config: HybridConfig, weights: Weights, tokens: torch.Tensor,
     if tokens.shape[1] == 0:
         raise ValueError("tokens must hold at least one position")
     c = config
+    if c.switched():
+        raise ValueError(f"the training forward implements the bundled architecture only; this config sets {list(c.switched())}")
     q = c.chunk_size if chunk is None else chunk
     w = {name: t.float() for name, t in weights.items()}  # a no-op (grad kept) for float32
     h = F.embedding(tokens, w["embed"])

@@ -51,7 +51,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> KVCache:
-        return cls(config.n_attn, capacity, config.attn_heads, config.attn_head_dim, dtype=dtype, device=device)
+        return cls(config.n_attn, capacity, config.kv_heads, config.attn_head_dim, dtype=dtype, device=device)
 
     @property
     def device(self) -> torch.device:

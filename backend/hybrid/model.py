@@ -1,7 +1,12 @@
-"""The reference hybrid Mamba2/attention model over batchc's slot-major pool, KV cache and table.
+"""The hybrid Mamba2/attention model over batchc's slot-major pool, KV cache and table.
 
 Architecture (per layer, pre-norm residual): ``h += mixer(rmsnorm(h))`` then
 ``h += mlp(rmsnorm(h))``; then a final RMSNorm and an untied ``lm_head``. Byte vocabulary (256).
+That is the bundled models'; the config's switches (``backend.hybrid.config``) add what the Hugging
+Face families need: one operation per layer (Nemotron-H), grouped-query attention, partial or no
+rotary, a softmax scale, squared-ReLU MLPs, tied embeddings, embedding / residual / logit scales,
+gated-norm groups and a ``dt`` clamp. Below, the bundled architecture; the switches change only the
+parts they name.
 
 - Mamba2 mixer: ``in_proj`` -> ``(z, xBC, dt)``; causal depthwise conv1d (width 4, SiLU) over xBC
   whose last inputs live in the pool's conv state; split ``x, B, C``; selective scan with
@@ -98,8 +103,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x [..., heads, head_dim]`` at ``positions [...]``."""
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, dims: int | None = None) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [..., heads, head_dim]`` at ``positions [...]``, on the
+    first ``dims`` dims of each head (``None``: all; ``0``: ``x`` unchanged)."""
+    if dims is not None and dims != x.shape[-1]:
+        if dims == 0:
+            return x
+        return torch.cat([rotary(x[..., :dims], positions, theta), x[..., dims:]], dim=-1)
     half = x.shape[-1] // 2
     inv_freq = (theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)).float()
     angles = positions.float()[..., None] * inv_freq  # [..., half]
@@ -180,10 +190,22 @@ class HybridModel:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return x @ self.weights[name].T
 
-    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of layer ``i`` on its normed input."""
         p = f"layers.{i}.mlp"
-        x = rms_norm(h, self._w(f"layers.{i}.mlp_norm"), self.config.rms_eps)
+        if self.config.mlp_kind == "relu2":
+            return self._linear(torch.relu(self._linear(x, f"{p}.up_proj")).square(), f"{p}.down_proj")
         return self._linear(F.silu(self._linear(x, f"{p}.gate_proj")) * self._linear(x, f"{p}.up_proj"), f"{p}.down_proj")
+
+    def _dt(self, i: int, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """The kernels' ``(dt, dt_bias, dt_softplus)`` arguments for layer ``i``: the raw ``dt`` and
+        the bias for the kernels to add and softplus, or, when the config clamps ``dt``, the
+        clamped ``softplus(dt + dt_bias)`` (float32) computed here, for every kernel alike."""
+        c = self.config
+        dt_bias = self._w(f"layers.{i}.mixer.dt_bias")
+        if not c.clamps_dt:
+            return dt.contiguous(), dt_bias, True
+        return F.softplus(dt.float() + dt_bias.float()).clamp(c.dt_min, c.dt_max).to(dt.dtype).contiguous(), None, False
 
     def _mamba_in(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [..., d_model]`` -> ``z [..., d_inner]``, ``xBC [..., conv_dim]``, ``dt [..., nheads]``."""
@@ -206,16 +228,17 @@ class HybridModel:
             C.reshape(*lead, c.ngroups, c.d_state),
         )
 
-    def _ssm_params(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``A = -exp(A_log)`` (float32), ``D``, ``dt_bias``."""
+    def _ssm_params(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A = -exp(A_log)`` (float32), ``D``."""
         p = f"layers.{i}.mixer"
-        return -torch.exp(self._w(f"{p}.A_log").float()), self._w(f"{p}.D"), self._w(f"{p}.dt_bias")
+        return -torch.exp(self._w(f"{p}.A_log").float()), self._w(f"{p}.D")
 
     def _mamba_out(self, i: int, y: torch.Tensor) -> torch.Tensor:
         """``y [..., H, P]`` (already gated by ``silu(z)``) -> group RMSNorm -> ``out_proj``."""
         c = self.config
         lead = y.shape[:-2]
-        grouped = y.reshape(*lead, c.ngroups, c.d_inner // c.ngroups)
+        groups = c.gated_norm_groups
+        grouped = y.reshape(*lead, groups, c.d_inner // groups)
         ones = torch.ones(grouped.shape[-1], dtype=torch.float32, device=y.device)
         normed = rms_norm(grouped, ones, c.rms_eps).reshape(*lead, c.d_inner) * self._w(f"layers.{i}.mixer.norm")
         return self._linear(normed, f"layers.{i}.mixer.out_proj")
@@ -224,33 +247,52 @@ class HybridModel:
         """``x [..., d_model]`` at ``positions [...]`` -> rotated q, k and v, each ``[..., heads, head_dim]``."""
         c = self.config
         p = f"layers.{i}.mixer"
-        shape = (*x.shape[:-1], c.attn_heads, c.attn_head_dim)
-        q = self._linear(x, f"{p}.q_proj").reshape(shape)
-        k = self._linear(x, f"{p}.k_proj").reshape(shape)
-        v = self._linear(x, f"{p}.v_proj").reshape(shape)
-        return rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta), v
+        q = self._linear(x, f"{p}.q_proj").reshape(*x.shape[:-1], c.attn_heads, c.attn_head_dim)
+        k = self._linear(x, f"{p}.k_proj").reshape(*x.shape[:-1], c.kv_heads, c.attn_head_dim)
+        v = self._linear(x, f"{p}.v_proj").reshape(*x.shape[:-1], c.kv_heads, c.attn_head_dim)
+        return rotary(q, positions, c.rope_theta, c.rope_dims), rotary(k, positions, c.rope_theta, c.rope_dims), v
 
     def _attend(
         self, i: int, q: torch.Tensor, qpos: torch.Tensor, kv: KVCache, table: TokenTable, table_rows: torch.Tensor, ctx: int
     ) -> torch.Tensor:
         """``q [n, Tq, H, hd]`` at positions ``qpos [n, Tq]`` over ``table[rows, :ctx]`` -> ``o_proj`` output."""
+        c = self.config
         locs = table.rows(table_rows, ctx)  # [n, ctx]
-        k, v = kv.gather(self.config.attn_index(i), locs)  # [n, ctx, H, hd]
-        scores = torch.einsum("nthd,nlhd->nhtl", q.float(), k.float()) / math.sqrt(q.shape[-1])
+        k, v = kv.gather(c.attn_index(i), locs)  # [n, ctx, kv_heads, hd]
         visible = torch.arange(ctx, device=q.device)[None, None, :] <= qpos[:, :, None]  # [n, Tq, ctx]
-        probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
-        out = torch.einsum("nhtl,nlhd->nthd", probs, v.float()).to(q.dtype)
+        if c.kv_heads == c.attn_heads:
+            scores = torch.einsum("nthd,nlhd->nhtl", q.float(), k.float())
+            scores = scores / math.sqrt(q.shape[-1]) if c.attn_scale is None else scores * c.attn_scale
+            probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
+            out = torch.einsum("nhtl,nlhd->nthd", probs, v.float()).to(q.dtype)
+        else:  # grouped-query: query head g * rep + r reads KV head g (no KV row is repeated in memory)
+            n, tq, _, hd = q.shape
+            grouped = q.float().reshape(n, tq, c.kv_heads, c.attn_heads // c.kv_heads, hd)
+            scores = torch.einsum("ntgrd,nlgd->ngrtl", grouped, k.float()) * c.softmax_scale
+            probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)
+            out = torch.einsum("ngrtl,nlgd->ntgrd", probs, v.float()).reshape(n, tq, c.attn_heads, hd).to(q.dtype)
         return self._linear(out.reshape(*out.shape[:2], -1), f"layers.{i}.mixer.o_proj")
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self._w("embed")[input_ids]
+        return h if self.config.embed_scale == 1.0 else h * self.config.embed_scale
+
     def _layers(self, h: torch.Tensor, mamba: _Mixer, attn: _Mixer) -> torch.Tensor:
-        for i, kind in enumerate(self.config.layers):
-            x = rms_norm(h, self._w(f"layers.{i}.norm"), self.config.rms_eps)
-            h = h + (mamba(i, x) if kind == "mamba" else attn(i, x))
-            h = h + self._mlp(i, h)
+        c = self.config
+        scale = c.residual_scale
+        for i, kind in enumerate(c.layers):
+            x = rms_norm(h, self._w(f"layers.{i}.norm"), c.rms_eps)
+            out = mamba(i, x) if kind == "mamba" else attn(i, x) if kind == "attn" else self._mlp(i, x)
+            h = h + out if scale == 1.0 else h + out * scale
+            if c.block == "mixer_mlp":
+                out = self._mlp(i, rms_norm(h, self._w(f"layers.{i}.mlp_norm"), c.rms_eps))
+                h = h + out if scale == 1.0 else h + out * scale
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._linear(rms_norm(h, self._w("final_norm"), self.config.rms_eps), "lm_head").float()
+        c = self.config
+        logits = self._linear(rms_norm(h, self._w("final_norm"), c.rms_eps), "embed" if c.tie_embeddings else "lm_head").float()
+        return logits if c.logit_scale == 1.0 else logits * c.logit_scale
 
     def _check_rows(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, slots: torch.Tensor) -> None:
         device = pool.device
@@ -327,10 +369,11 @@ class HybridModel:
                 silu=True, cu_seqlens=cu_seqlens, slot_idx=slots, check_slots=False,
             )
             xs, B, C = self._split_xbc(xbc)
-            A, D, dt_bias = self._ssm_params(i)
+            A, D = self._ssm_params(i)
+            dt, dt_bias, dt_softplus = self._dt(i, dt)
             y = ssd_prefill(
-                pool.ssm_state(m), xs, dt.contiguous(), A, B, C, D,
-                z=z.reshape(total, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=True,
+                pool.ssm_state(m), xs, dt, A, B, C, D,
+                z=z.reshape(total, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=dt_softplus,
                 cu_seqlens=cu_seqlens, slot_idx=slots, chunk_size=c.chunk_size, check_slots=False,
             )
             return self._mamba_out(i, y)
@@ -343,7 +386,7 @@ class HybridModel:
             out = self._attend(i, q_pad, qpos, kv, table, slots, ctx)
             return out[seq_of, offset]
 
-        h = self._layers(self._w("embed")[input_ids], mamba, attn)
+        h = self._layers(self._embed(input_ids), mamba, attn)
         last = h[cu_seqlens[1:] - 1]
         return ForwardOut(self._logits(last), last)
 
@@ -397,10 +440,11 @@ class HybridModel:
                 silu=True, slot_idx=pool_rows, check_slots=False,
             )
             xs, B, C = self._split_xbc(xbc)
-            A, D, dt_bias = self._ssm_params(i)
+            A, D = self._ssm_params(i)
+            dt, dt_bias, dt_softplus = self._dt(i, dt)
             y = selective_state_update(
-                pool.ssm_state(m), xs, dt.contiguous(), A, B, C, D,
-                z=z.reshape(n, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=True,
+                pool.ssm_state(m), xs, dt, A, B, C, D,
+                z=z.reshape(n, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=dt_softplus,
                 slot_idx=pool_rows, check_slots=False,
             )
             return self._mamba_out(i, y)
@@ -410,7 +454,7 @@ class HybridModel:
             kv.write(c.attn_index(i), locs, k, v)
             return self._attend(i, q[:, None], positions[:, None], kv, table, table_rows, ctx)[:, 0]
 
-        h = self._layers(self._w("embed")[input_ids], mamba, attn)
+        h = self._layers(self._embed(input_ids), mamba, attn)
         return ForwardOut(self._logits(h), h)
 
     def verify(
@@ -467,10 +511,11 @@ class HybridModel:
                 silu=True, slot_idx=slots, check_slots=False,
             )
             xs, B, C = self._split_xbc(xbc)
-            A, D, dt_bias = self._ssm_params(i)
+            A, D = self._ssm_params(i)
+            dt, dt_bias, dt_softplus = self._dt(i, dt)
             y, ssm_st = selective_state_verify(
-                pool.ssm_state(m), xs, dt.contiguous(), A, B, C, D,
-                z=z.reshape(n, T, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=True,
+                pool.ssm_state(m), xs, dt, A, B, C, D,
+                z=z.reshape(n, T, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=dt_softplus,
                 slot_idx=slots, check_slots=False,
             )
             conv_states.append(conv_st)
@@ -482,7 +527,7 @@ class HybridModel:
             kv.write(c.attn_index(i), locs.reshape(-1), k.reshape(n * T, *k.shape[2:]), v.reshape(n * T, *v.shape[2:]))
             return self._attend(i, q, positions, kv, table, slots, ctx)
 
-        h = self._layers(self._w("embed")[input_ids], mamba, attn)
+        h = self._layers(self._embed(input_ids), mamba, attn)
         return VerifyOut(self._logits(h), h, VerifyStates(tuple(conv_states), tuple(ssm_states)))
 
     def commit(self, pool: MambaStatePool, states: VerifyStates, *, accept_pos: torch.Tensor, slots: torch.Tensor) -> None:

@@ -20,9 +20,11 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps) * w
 
 
-def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """``x [L, H, hd]`` at positions ``0..L-1``, rotate-half form."""
+def _rope(x: torch.Tensor, theta: float, dims: int) -> torch.Tensor:
+    """``x [L, H, hd]`` at positions ``0..L-1``, rotate-half form on the first ``dims`` dims."""
     length, _, hd = x.shape
+    if dims < hd:
+        return x if dims == 0 else torch.cat([_rope(x[..., :dims], theta, dims), x[..., dims:]], dim=-1)
     half = hd // 2
     inv_freq = (theta ** (-torch.arange(half, dtype=torch.float64) / half)).float().to(x.device)
     angles = torch.arange(length, device=x.device).float()[:, None] * inv_freq  # [L, half]
@@ -53,6 +55,8 @@ def _mamba(model: HybridModel, i: int, x: torch.Tensor) -> torch.Tensor:
     A = -torch.exp(w[f"{p}.A_log"])
     D = w[f"{p}.D"]
     dts = F.softplus(dt + w[f"{p}.dt_bias"])  # [L, H]
+    if c.clamps_dt:
+        dts = dts.clamp(c.dt_min, c.dt_max)
 
     state = torch.zeros(c.nheads, c.head_dim, c.d_state, device=x.device)
     ys = []
@@ -63,8 +67,8 @@ def _mamba(model: HybridModel, i: int, x: torch.Tensor) -> torch.Tensor:
         ys.append(y.reshape(c.d_inner) * F.silu(z[t]))
     y = torch.stack(ys)  # [L, d_inner]
 
-    group = c.d_inner // c.ngroups
-    grouped = y.reshape(length, c.ngroups, group)
+    groups = c.gated_norm_groups
+    grouped = y.reshape(length, groups, c.d_inner // groups)
     y = (grouped * torch.rsqrt(grouped.square().mean(dim=-1, keepdim=True) + c.rms_eps)).reshape(length, c.d_inner)
     return (y * w[f"{p}.norm"]) @ w[f"{p}.out_proj"].T
 
@@ -74,10 +78,13 @@ def _attention(model: HybridModel, i: int, x: torch.Tensor) -> torch.Tensor:
     p = f"layers.{i}.mixer"
     w = {name: model.weights[f"{p}.{name}"].float() for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     length = x.shape[0]
-    q = _rope((x @ w["q_proj"].T).reshape(length, c.attn_heads, c.attn_head_dim), c.rope_theta)
-    k = _rope((x @ w["k_proj"].T).reshape(length, c.attn_heads, c.attn_head_dim), c.rope_theta)
-    v = (x @ w["v_proj"].T).reshape(length, c.attn_heads, c.attn_head_dim)
-    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(c.attn_head_dim)
+    q = _rope((x @ w["q_proj"].T).reshape(length, c.attn_heads, c.attn_head_dim), c.rope_theta, c.rope_dims)
+    k = _rope((x @ w["k_proj"].T).reshape(length, c.kv_heads, c.attn_head_dim), c.rope_theta, c.rope_dims)
+    v = (x @ w["v_proj"].T).reshape(length, c.kv_heads, c.attn_head_dim)
+    rep = c.attn_heads // c.kv_heads  # query head h reads KV head h // rep
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scale = 1 / math.sqrt(c.attn_head_dim) if c.attn_scale is None else c.attn_scale
+    scores = torch.einsum("thd,shd->hts", q, k) * scale
     causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
     out = torch.einsum("hts,shd->thd", probs, v).reshape(length, c.attn_dim)
@@ -89,24 +96,35 @@ def reference_hidden(model: HybridModel, tokens: list[int]) -> torch.Tensor:
     if not tokens:
         raise ValueError("reference_hidden needs at least one token")
     c = model.config
-    wf = {name: model.weights[name].float() for name in ("embed",)}
-    h = wf["embed"][torch.tensor(tokens, dtype=torch.int64, device=model.device)]
+    h = model.weights["embed"].float()[torch.tensor(tokens, dtype=torch.int64, device=model.device)] * c.embed_scale
     for i, kind in enumerate(c.layers):
         x = _norm(h, model.weights[f"layers.{i}.norm"].float(), c.rms_eps)
-        h = h + (_mamba(model, i, x) if kind == "mamba" else _attention(model, i, x))
-        x = _norm(h, model.weights[f"layers.{i}.mlp_norm"].float(), c.rms_eps)
-        mlp = f"layers.{i}.mlp"
-        gate = x @ model.weights[f"{mlp}.gate_proj"].float().T
-        up = x @ model.weights[f"{mlp}.up_proj"].float().T
-        h = h + (F.silu(gate) * up) @ model.weights[f"{mlp}.down_proj"].float().T
+        if kind == "mlp":
+            h = h + _mlp(model, i, x) * c.residual_scale
+            continue
+        h = h + (_mamba(model, i, x) if kind == "mamba" else _attention(model, i, x)) * c.residual_scale
+        if c.block == "mixer_mlp":
+            x = _norm(h, model.weights[f"layers.{i}.mlp_norm"].float(), c.rms_eps)
+            h = h + _mlp(model, i, x) * c.residual_scale
     return h
+
+
+def _mlp(model: HybridModel, i: int, x: torch.Tensor) -> torch.Tensor:
+    mlp = f"layers.{i}.mlp"
+    up = x @ model.weights[f"{mlp}.up_proj"].float().T
+    if model.config.mlp_kind == "relu2":
+        act = torch.relu(up) ** 2
+    else:
+        act = F.silu(x @ model.weights[f"{mlp}.gate_proj"].float().T) * up
+    return act @ model.weights[f"{mlp}.down_proj"].float().T
 
 
 def reference_logits(model: HybridModel, tokens: list[int]) -> torch.Tensor:
     """Float32 logits ``[len(tokens), vocab]``: position ``t`` predicts token ``t + 1``."""
     h = reference_hidden(model, tokens)
     c = model.config
-    return _norm(h, model.weights["final_norm"].float(), c.rms_eps) @ model.weights["lm_head"].float().T
+    head = model.weights["embed" if c.tie_embeddings else "lm_head"].float()
+    return (_norm(h, model.weights["final_norm"].float(), c.rms_eps) @ head.T) * c.logit_scale
 
 
 def greedy_generate_reference(model: HybridModel, prompt: list[int], n: int) -> list[int]:

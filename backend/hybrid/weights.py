@@ -12,13 +12,18 @@ Names (``i`` is the layer index in the pattern; matrices are ``[out, in]``, appl
     layers.{i}.mixer.D             [nheads]
     layers.{i}.mixer.norm          [d_inner]              gated RMSNorm weight
     layers.{i}.mixer.out_proj      [d_model, d_inner]
-    layers.{i}.mixer.{q,k,v}_proj  [attn_heads * attn_head_dim, d_model]    (attn)
+    layers.{i}.mixer.q_proj        [attn_heads * attn_head_dim, d_model]    (attn)
+    layers.{i}.mixer.{k,v}_proj    [kv_heads * attn_head_dim, d_model]
     layers.{i}.mixer.o_proj        [d_model, attn_heads * attn_head_dim]
-    layers.{i}.mlp_norm            [d_model]              pre-MLP RMSNorm
-    layers.{i}.mlp.{gate,up}_proj  [mlp_hidden, d_model]
+    layers.{i}.mlp_norm            [d_model]              pre-MLP RMSNorm (block "mixer_mlp")
+    layers.{i}.mlp.gate_proj       [mlp_hidden, d_model]  (mlp_kind "swiglu")
+    layers.{i}.mlp.up_proj         [mlp_hidden, d_model]
     layers.{i}.mlp.down_proj       [d_model, mlp_hidden]
     final_norm                     [d_model]
-    lm_head                        [vocab, d_model]
+    lm_head                        [vocab, d_model]       (absent with tie_embeddings: embed is used)
+
+With ``block="mixer_mlp"`` every layer has a mixer and an MLP; with ``block="single"`` a layer of
+kind ``"mlp"`` has ``layers.{i}.norm`` and ``layers.{i}.mlp.*`` only, and the others no MLP.
 
 Initialisation (``init_weights``) is deterministic in the seed (drawn on the CPU in float32 in
 sorted-name order, then moved), and scaled so the residual stream stays near unit RMS: input
@@ -45,6 +50,7 @@ def weight_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
     """Every weight's name and shape for ``config`` (the exact key set of a valid weight dict)."""
     c = config
     shapes: dict[str, tuple[int, ...]] = {"embed": (c.vocab, c.d_model)}
+    mlp_layers = set(c.mlp_layers)
     for i, kind in enumerate(c.layers):
         p = f"layers.{i}"
         shapes[f"{p}.norm"] = (c.d_model,)
@@ -57,16 +63,21 @@ def weight_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.mixer.D"] = (c.nheads,)
             shapes[f"{p}.mixer.norm"] = (c.d_inner,)
             shapes[f"{p}.mixer.out_proj"] = (c.d_model, c.d_inner)
-        else:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                shapes[f"{p}.mixer.{name}"] = (c.attn_dim, c.d_model)
+        elif kind == "attn":
+            shapes[f"{p}.mixer.q_proj"] = (c.attn_dim, c.d_model)
+            shapes[f"{p}.mixer.k_proj"] = (c.kv_dim, c.d_model)
+            shapes[f"{p}.mixer.v_proj"] = (c.kv_dim, c.d_model)
             shapes[f"{p}.mixer.o_proj"] = (c.d_model, c.attn_dim)
-        shapes[f"{p}.mlp_norm"] = (c.d_model,)
-        shapes[f"{p}.mlp.gate_proj"] = (c.mlp_hidden, c.d_model)
-        shapes[f"{p}.mlp.up_proj"] = (c.mlp_hidden, c.d_model)
-        shapes[f"{p}.mlp.down_proj"] = (c.d_model, c.mlp_hidden)
+        if i in mlp_layers:
+            if c.block == "mixer_mlp":
+                shapes[f"{p}.mlp_norm"] = (c.d_model,)
+            if c.mlp_kind == "swiglu":
+                shapes[f"{p}.mlp.gate_proj"] = (c.mlp_hidden, c.d_model)
+            shapes[f"{p}.mlp.up_proj"] = (c.mlp_hidden, c.d_model)
+            shapes[f"{p}.mlp.down_proj"] = (c.d_model, c.mlp_hidden)
     shapes["final_norm"] = (c.d_model,)
-    shapes["lm_head"] = (c.vocab, c.d_model)
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (c.vocab, c.d_model)
     return shapes
 
 

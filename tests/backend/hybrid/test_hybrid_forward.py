@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from backend.hybrid.reference import greedy_generate_reference, reference_hidden, reference_logits
-from tests.helpers import BYTE_PROMPTS, Backend, assert_close, tiny_model
+from tests.helpers import ARCHITECTURES, BYTE_PROMPTS, Backend, assert_close, tiny_model
 
 
-def test_extend_whole_prompts_match_the_reference() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_extend_whole_prompts_match_the_reference(arch: str) -> None:
+    model = tiny_model(arch=arch)
     be = Backend(model)
     out = be.extend([(slot, prompt, 0) for slot, prompt in zip((3, 1, 5), BYTE_PROMPTS, strict=True)])
     for row, prompt in enumerate(BYTE_PROMPTS):
@@ -21,8 +22,9 @@ def test_extend_whole_prompts_match_the_reference() -> None:
         assert_close(out.hidden[row], reference_hidden(model, prompt)[-1])
 
 
-def test_extend_skips_padding_rows() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_extend_skips_padding_rows(arch: str) -> None:
+    model = tiny_model(arch=arch)
     be = Backend(model)
     out = be.extend([(2, BYTE_PROMPTS[0], 0), (-1, BYTE_PROMPTS[1], 0), (4, BYTE_PROMPTS[2], 0)])
     assert_close(out.logits[0], reference_logits(model, BYTE_PROMPTS[0])[-1])
@@ -32,8 +34,9 @@ def test_extend_skips_padding_rows() -> None:
 
 
 @pytest.mark.parametrize("cuts", [(7,), (5, 14), (1, 9, 17)])
-def test_chunked_extend_equals_unchunked_and_reference(cuts: tuple[int, ...]) -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_chunked_extend_equals_unchunked_and_reference(cuts: tuple[int, ...], arch: str) -> None:
+    model = tiny_model(arch=arch)
     prompt = BYTE_PROMPTS[2]
     whole = Backend(model)
     whole_out = whole.extend([(1, prompt, 0)])
@@ -49,8 +52,9 @@ def test_chunked_extend_equals_unchunked_and_reference(cuts: tuple[int, ...]) ->
     assert_close(chunked.pool.buffer[1].view(torch.float32), whole.pool.buffer[1].view(torch.float32))
 
 
-def test_extend_then_decode_matches_the_growing_reference() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_extend_then_decode_matches_the_growing_reference(arch: str) -> None:
+    model = tiny_model(arch=arch)
     be = Backend(model)
     seqs = [list(BYTE_PROMPTS[0]), list(BYTE_PROMPTS[1])]
     slots = [2, 6]
@@ -63,8 +67,9 @@ def test_extend_then_decode_matches_the_growing_reference() -> None:
             assert_close(out.logits[row], reference_logits(model, seqs[row])[-1])
 
 
-def test_copy_on_write_prefix_then_extend_the_rest() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_copy_on_write_prefix_then_extend_the_rest(arch: str) -> None:
+    model = tiny_model(arch=arch)
     be = Backend(model)
     prompt = BYTE_PROMPTS[1]
     split = 11
@@ -80,8 +85,9 @@ def test_copy_on_write_prefix_then_extend_the_rest() -> None:
     assert_close(out_a.logits[0], reference_logits(model, other)[-1])
 
 
-def test_greedy_generation_through_extend_and_decode_equals_the_reference() -> None:
-    model = tiny_model(seed=1)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_greedy_generation_through_extend_and_decode_equals_the_reference(arch: str) -> None:
+    model = tiny_model(seed=1, arch=arch)
     be = Backend(model)
     slots = [1, 2, 3]
     n_new = 16

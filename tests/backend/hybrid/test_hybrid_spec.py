@@ -3,11 +3,12 @@ leaves the pool alone and equals greedy decoding, and the whole loop is lossless
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backend.hybrid import HybridModel, perturb
 from backend.hybrid.reference import greedy_generate_reference, reference_logits
-from tests.helpers import BYTE_PROMPTS, Backend, assert_close, grid, ids, tiny_model
+from tests.helpers import ARCHITECTURES, BYTE_PROMPTS, Backend, assert_close, grid, ids, tiny_model
 
 T = 4
 ACCEPT = [-1, 0, 1, 2, 3]  # one row per accept position, each in its own slot
@@ -23,8 +24,9 @@ def _prefilled(model: HybridModel, prompt: list[int]) -> Backend:
     return be
 
 
-def test_verify_then_commit_equals_the_accepted_decode_steps() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_verify_then_commit_equals_the_accepted_decode_steps(arch: str) -> None:
+    model = tiny_model(arch=arch)
     prompt = BYTE_PROMPTS[0]
     start = len(prompt) - 1  # position of the first verified token (the prompt's last one)
     slots = list(range(1, len(ACCEPT) + 1))
@@ -59,8 +61,9 @@ def test_verify_then_commit_equals_the_accepted_decode_steps() -> None:
     assert torch.equal(verified.pool.buffer[1], before[1]), "accept -1 commits nothing"
 
 
-def test_propose_leaves_the_pool_alone_and_decodes_greedily() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_propose_leaves_the_pool_alone_and_decodes_greedily(arch: str) -> None:
+    model = tiny_model(arch=arch)
     k = 5
     prompts = [BYTE_PROMPTS[0], BYTE_PROMPTS[2]]
     slots = [3, 1]
@@ -132,8 +135,9 @@ def _speculative_generate(target: HybridModel, draft: HybridModel, prompt: list[
     return generated[:n], accepted / drafted
 
 
-def test_speculative_decoding_with_a_perturbed_draft_is_lossless() -> None:
-    target = tiny_model(seed=2)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_speculative_decoding_with_a_perturbed_draft_is_lossless(arch: str) -> None:
+    target = tiny_model(seed=2, arch=arch)
     draft = HybridModel(target.config, perturb(target.weights, 0.05, seed=7))
     for prompt in BYTE_PROMPTS[:2]:
         got, rate = _speculative_generate(target, draft, prompt, n=16, k=3)

@@ -60,7 +60,9 @@ ARCHITECTURE_SWITCHES = frozenset(
 """The ``HybridConfig`` fields whose defaults are the bundled models' architecture."""
 
 MAX_DIM = 1 << 16
-"""Largest value of any size field (the bundled models use at most 512)."""
+"""Largest value of any size field but ``vocab`` (the bundled models use at most 512)."""
+MAX_VOCAB = 1 << 18
+"""Largest vocabulary (the Hugging Face hybrid families use up to 131,072)."""
 MAX_LAYERS = 256
 """Longest layer pattern."""
 
@@ -120,8 +122,9 @@ class HybridConfig:
         for name, value in sizes.items():
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
-            if value > MAX_DIM:
-                raise ValueError(f"{name} must be at most {MAX_DIM}, got {value!r}")
+            bound = MAX_VOCAB if name == "vocab" else MAX_DIM
+            if value > bound:
+                raise ValueError(f"{name} must be at most {bound}, got {value!r}")
         if len(self.layers) > MAX_LAYERS:
             raise ValueError(f"layers: at most {MAX_LAYERS} layers, got {len(self.layers)}")
         bad = [k for k in self.layers if k not in LAYER_KINDS]

@@ -7,6 +7,8 @@ the command line's), the request record and the errors of a run."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
 from ir.errors import BatchcError
@@ -76,11 +78,21 @@ class ServeError(BatchcError, ValueError):
 
 @attrs.frozen(kw_only=True)
 class Request:
+    """One request of a workload. ``prompt`` is its text, UTF-8; on the byte-level path the bytes
+    are the token ids, otherwise ``ids`` holds the tokenizer's ids of it."""
+
     rid: RequestId
     prompt: bytes
     max_new_tokens: int
     arrival: int = 0
     stop: int | None = None
+    """A token id that ends the request (besides the model's end-of-sequence ids)."""
+    ids: tuple[int, ...] | None = None
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """The prompt as the model sees it."""
+        return self.prompt if self.ids is None else self.ids
 
 
 LONGEST_BUILTIN_PROMPT = max(len(p) for p in SYSTEM_PREFIXES) + MAX_BODY_SNIPPETS * max(len(s) for s in SNIPPETS)

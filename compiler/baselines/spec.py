@@ -72,19 +72,20 @@ class MutableSpecEngine:
         self.kv_of: dict[int, list[int]] = {}
         self.outputs: dict[RequestId, list[int]] = {}
         self.max_new: dict[int, int] = {}
-        self.stop: dict[int, int | None] = {}
+        self.stop: dict[int, frozenset[int]] = {}
         self.stats = SpecStats()
         self._advanced = self._prefilled = self._emitted = 0
         self._finished: list[RequestId] = []
 
     def admit(
-        self, rid: RequestId, prompt: Sequence[int], *, max_new_tokens: int, prefix: PrefixState | None = None, stop: int | None = None
+        self, rid: RequestId, prompt: Sequence[int], *, max_new_tokens: int, prefix: PrefixState | None = None,
+        stop: int | Sequence[int] | None = None,
     ) -> None:
         req = Req(rid=rid, slot=0, prompt=list(prompt), prefix_len=len(prefix.tokens) if prefix else 0,
                   cow_src=int(prefix.slot) if prefix else None)
         self.waiting.append((req, max_new_tokens, prefix))
         self.max_new[rid] = max_new_tokens
-        self.stop[rid] = stop
+        self.stop[rid] = frozenset() if stop is None else frozenset([stop] if isinstance(stop, int) else stop)
 
     def make_prefix(self, tokens: Sequence[int]) -> PrefixState:
         """The same prefix state as ``Engine.make_prefix``, built with plain torch calls."""
@@ -254,13 +255,15 @@ class MutableSpecEngine:
             self.kvs.free_many(self.kv_of.pop(r.rid))
             out = self.outputs[rid][: self.max_new[r.rid]]
             stop = self.stop[r.rid]
-            self.outputs[rid] = out[: out.index(stop) + 1] if stop is not None and stop in out else out
+            if not stop.isdisjoint(out):
+                out = out[: next(i for i, t in enumerate(out) if t in stop) + 1]
+            self.outputs[rid] = out
             self._finished.append(rid)
         rb.filter_batch(keep)
 
     def _done(self, rid: int) -> bool:
         out, stop = self.outputs[RequestId(rid)], self.stop[rid]
-        return len(out) >= self.max_new[rid] or (stop is not None and stop in out)
+        return len(out) >= self.max_new[rid] or not stop.isdisjoint(out)
 
     def run_until_done(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):

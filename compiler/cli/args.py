@@ -141,16 +141,26 @@ def parser() -> argparse.ArgumentParser:
         f"--max-running, --cache-entries, --k, --chunk-size, --token-budget and the models' sizes) at most "
         f"{MAX_SERVE_BYTES >> 30} GiB; --draft only with k > 0; an empty PATH is refused.",
     )
-    run.add_argument("--model", metavar="PATH", type=_path_arg, help="target checkpoint (.safetensors; default: the bundled one)")
+    run.add_argument("--model", metavar="PATH", type=_path_arg,
+                     help="target: a batchc checkpoint (.safetensors) or a Hugging Face checkpoint directory of Bamba, "
+                     "Granite-4.0-H or Nemotron-H (config.json, safetensors weights, tokenizer.json; served on its tokens) "
+                     "(default: the bundled byte-level model)")
     run.add_argument("--draft", metavar="PATH", type=_path_arg,
-                     help="draft checkpoint (default: the bundled one); refused with --k 0, which runs no draft")
+                     help="draft, the same kinds as --model, with the target's vocabulary (default: the bundled one for the "
+                     "bundled target; none for a Hugging Face target); refused with --k 0, which runs no draft")
+    run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                     help="compute dtype of the models (weights are converted on load; default float32)")
+    run.add_argument("--outputs", metavar="PATH", type=_path_arg,
+                     help="write one JSON line per request to PATH: rid, prompt, prompt_ids, output_ids, text, finish_reason "
+                     "(a new or regular file, replaced when the run ends; '-' for stdout)")
     run.add_argument("--workload", metavar="PATH", type=_path_arg,
                      help=f"JSONL workload file, a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB (default: the built-in workload)")
     run.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=64, help=f"built-in workload size, at most {MAX_REQUESTS} (default 64)")
     run.add_argument("--max-new-tokens", type=_positive, default=32,
                      help=f"built-in workload: max tokens per request, at most {_SERVE.max_len} - longest built-in prompt - (k + 1) (default 32)")
-    run.add_argument("--k", type=_int_in(0, MAX_K), default=_SERVE.k,
-                     help=f"draft tokens per speculative iteration, 0 to {MAX_K}; 0 turns it off (default {_SERVE.k})")
+    run.add_argument("--k", type=_int_in(0, MAX_K), default=None,
+                     help=f"draft tokens per speculative iteration, 0 to {MAX_K}; 0 turns it off (default {_SERVE.k} on "
+                     "batchc checkpoints; on a Hugging Face --model, 0 without --draft and 2 with one)")
     run.add_argument("--max-running", type=_positive, default=_SERVE.max_running,
                      help=f"requests live at once (default {_SERVE.max_running}; bounded by the memory estimate)")
     run.add_argument("--chunk-size", type=_positive, default=_SERVE.chunk_size, help=f"prefill chunk size in tokens (default {_SERVE.chunk_size})")

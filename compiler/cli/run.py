@@ -17,39 +17,64 @@ from compiler.cli.output import OutputFile, check_output
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from backend.hybrid.checkpoint import default_draft, default_target, load_checkpoint
-    from compiler.serve import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, load_workload, run
+    import torch
 
-    cfg = ServeConfig(
-        k=args.k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
-        cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
-    )
-    # every check before anything runs: options, output path, models, memory, workload
+    from compiler.serve import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, load_workload, run
+    from compiler.serve.load import tokenize_workload
+    from compiler.serve.models import check_same_vocabulary, load_served, output_lines
+
+    # every check before anything runs: options, output paths, models, memory, workload
     if args.draft is not None and args.k == 0:
         raise UsageError(f"--draft {shown_path(args.draft)} with --k 0: k = 0 turns speculative decoding off and runs no draft")
-    if args.json is not None:
-        check_output("--json", args.json)
+    for option, path in (("--json", args.json), ("--outputs", args.outputs)):
+        if path is not None:
+            check_output(option, path)
+    if args.json is not None and args.json == args.outputs:
+        raise UsageError(f"--json and --outputs name the same file {shown_path(args.json)}")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    target = load_served(args.model, role="target", dtype=dtype, bundled="target")
+    k = args.k if args.k is not None else (0 if target.hf and args.draft is None else ServeConfig().k)
+    if target.hf and k > 0 and args.draft is None:
+        raise UsageError(f"--k {k} with a Hugging Face --model needs --draft DIR (a smaller model with the same vocabulary)")
+    if target.hf and args.compare_mutable:
+        raise UsageError("--compare-mutable serves the bundled byte-level models only (the baseline has no tokenizer)")
+    cfg = ServeConfig(
+        k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
+        cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
+    )
     if args.workload is None and args.max_new_tokens > cfg.builtin_max_new_tokens:
         raise UsageError(
             f"--max-new-tokens {args.max_new_tokens} is over {cfg.builtin_max_new_tokens}: the context limit {cfg.max_len} minus "
             f"the longest built-in prompt ({LONGEST_BUILTIN_PROMPT} bytes) minus k + 1 = {cfg.reserve}"
         )
-    target = load_checkpoint(args.model) if args.model is not None else default_target()
-    draft = None if args.k == 0 else (load_checkpoint(args.draft) if args.draft is not None else default_draft())
-    names = (f"target {args.model}" if args.model is not None else "bundled target",
-             f"draft {args.draft}" if args.draft is not None else "bundled draft")
-    check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=args.compare_mutable, names=names)
+    drafted = None if k == 0 else load_served(args.draft, role="draft", dtype=dtype, bundled="draft")
+    if drafted is not None:
+        check_same_vocabulary(target, drafted)
+    draft = drafted.model if drafted is not None else None
+    tokenizer = target.tokenizer if target.hf else None
+    check_serving(target.model.config, draft.config if draft is not None else None, cfg, compare_mutable=args.compare_mutable,
+                  names=(target.name, drafted.name if drafted is not None else "draft"),
+                  vocab=tokenizer.vocab_size if tokenizer is not None else None)
+    vocab = target.model.config.vocab
     if args.workload is not None:
-        workload = load_workload(args.workload, max_len=cfg.max_len, reserve=cfg.reserve, vocab=target.config.vocab)
+        workload = load_workload(args.workload, max_len=cfg.max_len, reserve=cfg.reserve, vocab=vocab, tokenizer=tokenizer)
     else:
         workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed, arrivals=args.arrivals)
+        if tokenizer is not None:
+            workload = tokenize_workload(workload, tokenizer, vocab=vocab)
+            for r in workload:
+                if len(r.token_ids) + r.max_new_tokens + cfg.reserve > cfg.max_len:
+                    raise UsageError(f"built-in request {r.rid}: {len(r.token_ids)} prompt tokens + {r.max_new_tokens} new tokens "
+                                     f"+ k + 1 = {cfg.reserve} exceed the context limit {cfg.max_len}; lower --max-new-tokens")
+    target_model = target.model
     from compiler.tools.timed import TimedModel
 
     # the models' forwards are timed (host time per step = wall minus model time, per step)
-    timed_target = TimedModel(target)
+    timed_target = TimedModel(target_model)
     timed_draft = TimedModel(draft) if draft is not None else None
     comparing = args.compare_mutable and draft is not None and cfg.k > 0
-    with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run; written at its end
+    # both claimed (and refused) here, before the run; written at its end
+    with OutputFile("--json", args.json) as output, OutputFile("--outputs", args.outputs) as outputs_file:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=console, transient=True,
@@ -59,21 +84,22 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 from compiler.tools.compare_mutable import warm_up
 
                 progress.update(task, description="warming up every engine")
-                warm_up(workload, target, draft, cfg)  # so that no measured run of the comparison pays first-call costs
+                warm_up(workload, target_model, draft, cfg)  # so that no measured run of the comparison pays first-call costs
                 progress.update(task, description="serving")
             summary = run(
                 workload, timed_target, timed_draft, cfg, on_finish=lambda n: progress.update(task, completed=n),
                 compare_mutable=args.compare_mutable,
                 model_clock=lambda: timed_target.seconds + (timed_draft.seconds if timed_draft is not None else 0.0),
+                tokenizer=tokenizer, eos=target.eos,
             )
             if comparing:
                 from compiler.tools.compare_mutable import run_mutable
 
                 assert draft is not None
                 progress.update(task, description="mutable baseline")
-                summary = attrs.evolve(summary, mutable_baseline=run_mutable(workload, target, draft, cfg, fixed=False),
-                                       mutable_baseline_fixed=run_mutable(workload, target, draft, cfg, fixed=True))
-        title = f"batchc run: {len(workload)} requests, k={args.k}, {'bundled' if args.model is None else args.model} target"
+                summary = attrs.evolve(summary, mutable_baseline=run_mutable(workload, target_model, draft, cfg, fixed=False),
+                                       mutable_baseline_fixed=run_mutable(workload, target_model, draft, cfg, fixed=True))
+        title = f"batchc run: {len(workload)} requests, k={k}, {target.name}"
         table = Table(title=title)
         table.add_column("metric")
         table.add_column("value", justify="right")
@@ -111,6 +137,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         for sample in summary.samples:
             console.print(f"r{sample.rid}: ...{sample.prompt!r} -> {sample.completion!r}", highlight=False)
         output.write(json.dumps(summary.to_json(), indent=2))
+        if args.outputs is not None:
+            lines = output_lines(workload, summary, target.tokenizer, target.eos)
+            outputs_file.write("\n".join(json.dumps(line, ensure_ascii=False) for line in lines))
     failures = []
     if summary.aborted_requests:
         failures.append(f"{summary.aborted_requests} requests aborted by {summary.failed_forwards} failed forwards, "

@@ -34,6 +34,8 @@ MAX_TABLE_ENTRIES = 2**31
 MAX_POOL_BYTES = MAMBA_POOL_MAX_BYTES
 """Bound on each Mamba state pool's bytes (``backend.pool.MAX_POOL_BYTES``), checked up front."""
 MAX_RETRIES = 100
+MAX_STOPS = 64
+"""Most stop ids of one request."""
 """Most re-executions of a failing forward."""
 
 
@@ -132,12 +134,13 @@ def check_request(
     vocab: int,
     max_len: int,
     k: int,
-) -> tuple[RequestId, I64, int, int | None]:
+) -> tuple[RequestId, I64, int, frozenset[int]]:
     """``Engine.admit``'s argument checks (``PreconditionError``, or ``IRValidationError`` for the
     prompt's tokens), before anything changes: the request id, the prompt (huge ones refused by
     their length, unread), ``max_new_tokens >= 1`` with room under ``max_len`` for the prompt, the
-    new tokens and the k + 1 speculative positions, and ``stop`` ``None`` or a token id. Returns
-    them as ``(rid, prompt, max_new_tokens, stop)``."""
+    new tokens and the k + 1 speculative positions, and ``stop`` ``None``, a token id or a list or
+    tuple of them (every one that ends the request: a tokenizer's end-of-sequence ids). Returns them
+    as ``(rid, prompt, max_new_tokens, stop ids)``."""
     problem = int_problem(rid)
     if problem is not None:
         raise PreconditionError("admit", f"rid {problem} (got {rid!r})")
@@ -154,14 +157,20 @@ def check_request(
     if arr.shape[0] + new + k + 1 > max_len:
         raise PreconditionError("admit", f"request {rid}: prompt {arr.shape[0]} + {new} new tokens exceed max_len {max_len}")
     if stop is None:
-        return rid, arr, new, None
-    problem = int_problem(stop)
-    if problem is not None:
-        raise PreconditionError("admit", f"request {rid}: stop {problem} (got {stop!r})")
-    token = int(cast(int, stop))
-    if not 0 <= token < vocab:
-        raise PreconditionError("admit", f"request {rid}: stop must be a token id in [0, {vocab}), got {token}")
-    return rid, arr, new, token
+        return rid, arr, new, frozenset()
+    stops: list[object] = list(stop) if isinstance(stop, (list, tuple)) else [stop]
+    if len(stops) > MAX_STOPS:
+        raise PreconditionError("admit", f"request {rid}: at most {MAX_STOPS} stop ids, got {len(stops)}")
+    tokens = []
+    for value in stops:
+        problem = int_problem(value)
+        if problem is not None:
+            raise PreconditionError("admit", f"request {rid}: stop {problem} (got {value!r})")
+        token = int(cast(int, value))
+        if not 0 <= token < vocab:
+            raise PreconditionError("admit", f"request {rid}: stop must be a token id in [0, {vocab}), got {token}")
+        tokens.append(token)
+    return rid, arr, new, frozenset(tokens)
 
 
 def checked_prompt(where: str, prompt: Sequence[int], vocab: int | None = None, max_len: int | None = None) -> I64:

@@ -35,10 +35,10 @@ class ServingEngine(Protocol):
         *,
         max_new_tokens: int,
         prefix: PrefixState | None = None,
-        stop: int | None = None,
+        stop: int | Sequence[int] | None = None,
     ) -> None:
-        """Queue a request: ``max_new_tokens`` greedy tokens after ``prompt``, fewer if ``stop`` is
-        emitted; with ``prefix`` it starts from that prefix state."""
+        """Queue a request: ``max_new_tokens`` greedy tokens after ``prompt``, fewer if a ``stop`` id
+        (one, or a list or tuple of them) is emitted; with ``prefix`` it starts from that prefix state."""
         ...
 
     def make_prefix(self, tokens: Sequence[int]) -> PrefixState:

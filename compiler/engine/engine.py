@@ -217,9 +217,10 @@ class Engine:
         *,
         max_new_tokens: int,
         prefix: PrefixState | None = None,
-        stop: int | None = None,
+        stop: int | Sequence[int] | None = None,
     ) -> None:
-        """Queue a request. With ``prefix`` its slot starts as a copy of that prefix state; else,
+        """Queue a request; it ends after ``max_new_tokens`` or once it emits a ``stop`` id (one id, or
+        a list or tuple of them, such as a tokenizer's end-of-sequence ids). With ``prefix`` its slot starts as a copy of that prefix state; else,
         with a prefix cache, the longest cached prefix is used when the request is scheduled.
 
         Every argument is checked before anything changes (``PreconditionError``, or
@@ -228,7 +229,7 @@ class Engine:
         too), never ``bool``, ``float``, ``str`` or ``None``, within int64. A stopped engine
         (``step``) refuses with ``EngineStoppedError``."""
         self.check_serving()
-        rid, arr, max_new_tokens, stop = check_request(
+        rid, arr, max_new_tokens, stops = check_request(
             rid, prompt, max_new_tokens, stop, in_use=lambda r: r in self.requests or r in self.outputs,
             vocab=self.vocab, max_len=self.max_len, k=self.k,
         )
@@ -236,7 +237,7 @@ class Engine:
             self.prefixes.check(rid, prefix, arr, self.requests)
         else:
             self.session.observe(arr)
-        self.requests.add(Request(rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stop, source=prefix))
+        self.requests.add(Request(rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stops, source=prefix))
 
     def make_prefix(self, tokens: Sequence[int]) -> PrefixState:
         """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix state (checks:

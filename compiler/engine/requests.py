@@ -50,7 +50,8 @@ class Request:
     original: I64
     """The prompt as admitted."""
     max_new_tokens: int
-    stop: int | None
+    stop: frozenset[int]
+    """Token ids that end the request once emitted (empty: none)."""
     source: PrefixState | CacheEntry | None = None
     """Where the slot's first state comes from (a COW), or ``None`` (a clear)."""
     state: RequestState = RequestState.WAITING
@@ -78,13 +79,13 @@ class Request:
         return self.done if self.done else self.start
 
     def is_done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens or (self.stop is not None and self.stop in self.output)
+        return len(self.output) >= self.max_new_tokens or not self.stop.isdisjoint(self.output)
 
     def final_output(self) -> list[int]:
-        """The output as reported: cut at ``max_new_tokens`` and after the stop token."""
+        """The output as reported: cut at ``max_new_tokens`` and after the first stop token."""
         out = self.output[: self.max_new_tokens]
-        if self.stop is not None and self.stop in out:
-            out = out[: out.index(self.stop) + 1]
+        if not self.stop.isdisjoint(out):
+            out = out[: next(i for i, t in enumerate(out) if t in self.stop) + 1]
         return out
 
 

@@ -8,10 +8,14 @@ import os
 import random
 import stat
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from backend.hybrid.checkpoint import file_kind
+from compiler.serve.tokenizer import Tokenizer
 from compiler.workload import (
     ARRIVALS,
     BURST_EVERY,
@@ -91,7 +95,7 @@ def _check_workload_args(path: object, *, max_len: object, reserve: object, voca
     """``load_workload``'s argument checks, before the file is opened (``WorkloadError``)."""
     from typing import cast
 
-    from backend.hybrid.config import MAX_DIM
+    from backend.hybrid.config import MAX_VOCAB
     from compiler.engine.admission import MAX_LEN
     from ir.columns import int_problem
 
@@ -99,7 +103,7 @@ def _check_workload_args(path: object, *, max_len: object, reserve: object, voca
         raise WorkloadError(f"load_workload: path must be a str or a path, not {type(path).__name__} (got {path!r})")
     values: dict[str, int] = {}
     for name, value, lo, hi in (
-        ("max_len", max_len, 1, MAX_LEN), ("reserve", reserve, 0, MAX_LEN), ("vocab", vocab, 1, MAX_DIM),
+        ("max_len", max_len, 1, MAX_LEN), ("reserve", reserve, 0, MAX_LEN), ("vocab", vocab, 1, MAX_VOCAB),
         ("default_max_new_tokens", default_max_new_tokens, 1, MAX_LEN),
     ):
         problem = int_problem(value)
@@ -117,7 +121,8 @@ def _check_workload_args(path: object, *, max_len: object, reserve: object, voca
 
 
 def load_workload(
-    path: str | Path, *, max_len: int, reserve: int = 8, vocab: int = BYTE_VOCAB, default_max_new_tokens: int = 32
+    path: str | Path, *, max_len: int, reserve: int = 8, vocab: int = BYTE_VOCAB, default_max_new_tokens: int = 32,
+    tokenizer: Tokenizer | None = None,
 ) -> list[Request]:
     """The requests of the JSONL file ``path``, or ``WorkloadError`` naming the file and line.
 
@@ -133,8 +138,11 @@ def load_workload(
     The arguments are checked first (``WorkloadError`` naming the argument and the value): ``path``
     a ``str`` or ``os.PathLike``; ``max_len``, ``reserve``, ``vocab`` and ``default_max_new_tokens``
     ints (never ``bool``, ``float``, ``str`` or ``None``) with ``max_len`` in
-    ``[reserve + 2, compiler.engine.admission.MAX_LEN]``, ``reserve >= 0``, ``vocab`` in ``[1, MAX_DIM]`` (the
-    model config's bound) and ``default_max_new_tokens >= 1``."""
+    ``[reserve + 2, compiler.engine.admission.MAX_LEN]``, ``reserve >= 0``, ``vocab`` in ``[1, MAX_VOCAB]`` (the
+    model config's bound) and ``default_max_new_tokens >= 1``.
+
+    With a ``tokenizer`` (a checkpoint's) the prompts are its ids (``Request.ids``), the limits count
+    them, and ``stop`` is any text that encodes to exactly one id."""
     _check_workload_args(path, max_len=max_len, reserve=reserve, vocab=vocab, default_max_new_tokens=default_max_new_tokens)
     p = Path(path)
     data = _read_bounded(p)
@@ -161,14 +169,14 @@ def load_workload(
         if len(out) == MAX_REQUESTS:
             raise WorkloadError(f"{where}: more than {MAX_REQUESTS} requests")
         out.append(_request(where, obj, RequestId(len(out)), max_len=max_len, reserve=reserve, vocab=vocab,
-                            default_max_new_tokens=default_max_new_tokens))
+                            default_max_new_tokens=default_max_new_tokens, tokenizer=tokenizer))
     if not out:
         raise WorkloadError(f"{p}: no requests")
     return out
 
 
 def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, reserve: int, vocab: int,
-             default_max_new_tokens: int) -> Request:
+             default_max_new_tokens: int, tokenizer: Tokenizer | None) -> Request:
     unknown = set(obj) - {"prompt", "max_new_tokens", "arrival", "stop"}
     if unknown:
         raise WorkloadError(f"{where}: unknown field(s) {sorted(unknown)}")
@@ -182,6 +190,8 @@ def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, r
     new = obj.get("max_new_tokens", default_max_new_tokens)
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         raise WorkloadError(f"{where}: 'max_new_tokens' must be a positive integer, got {new!r}")
+    if tokenizer is not None:
+        return _tokenized(where, obj, rid, prompt, data, new, max_len=max_len, reserve=reserve, vocab=vocab, tokenizer=tokenizer)
     if len(data) + new + reserve > max_len:
         raise WorkloadError(
             f"{where}: prompt of {len(data)} bytes + {new} new tokens exceeds the context limit {max_len} "
@@ -199,5 +209,45 @@ def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, r
     if stop_byte is not None and stop_byte >= vocab:
         raise WorkloadError(f"{where}: 'stop' byte {stop_byte} is not below the vocabulary size {vocab}")
     return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=arrival, stop=stop_byte)
+
+
+def _arrival(where: str, obj: dict[str, Any]) -> int:
+    arrival = obj.get("arrival", 0)
+    if not isinstance(arrival, int) or isinstance(arrival, bool) or not 0 <= arrival <= MAX_ARRIVAL:
+        raise WorkloadError(f"{where}: 'arrival' must be an integer step in [0, {MAX_ARRIVAL}], got {arrival!r}")
+    return arrival
+
+
+def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data: bytes, new: int, *, max_len: int, reserve: int,
+               vocab: int, tokenizer: Tokenizer) -> Request:
+    """A workload line's request on a checkpoint's tokenizer: limits in tokens, ``stop`` one token."""
+    ids = tokenizer.encode(text)
+    if len(ids) + new + reserve > max_len:
+        raise WorkloadError(
+            f"{where}: prompt of {len(ids)} tokens + {new} new tokens exceeds the context limit {max_len} "
+            f"(with {reserve} positions reserved for speculation)"
+        )
+    if max(ids) >= vocab:
+        raise WorkloadError(f"{where}: the tokenizer gave id {max(ids)}, not below the model's vocabulary size {vocab}")
+    stop = obj.get("stop")
+    stop_id = None
+    if stop is not None:
+        stop_id = tokenizer.single_id(stop) if isinstance(stop, str) and stop else None
+        if stop_id is None:
+            raise WorkloadError(f"{where}: 'stop' must be text that is one token of the tokenizer, got {stop!r}")
+        if stop_id >= vocab:
+            raise WorkloadError(f"{where}: 'stop' is id {stop_id}, not below the model's vocabulary size {vocab}")
+    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=_arrival(where, obj), stop=stop_id, ids=tuple(ids))
+
+
+def tokenize_workload(workload: Sequence[Request], tokenizer: Tokenizer, *, vocab: int) -> list[Request]:
+    """The built-in workload's requests on a checkpoint's tokenizer (their text is UTF-8)."""
+    out = []
+    for r in workload:
+        ids = tokenizer.encode(r.prompt.decode("utf-8"))
+        if ids and max(ids) >= vocab:
+            raise WorkloadError(f"request {r.rid}: the tokenizer gave id {max(ids)}, not below the model's vocabulary size {vocab}")
+        out.append(attrs.evolve(r, ids=tuple(ids)))
+    return out
 
 

@@ -90,14 +90,20 @@ def check_serving(
     *,
     compare_mutable: bool = False,
     names: tuple[str, str] = ("target", "draft"),
+    vocab: int | None = None,
 ) -> None:
     """``ServeError`` (one line, naming the model by ``names`` or the options) unless the models can
-    be served together on the byte-level path and ``memory_estimate`` is within ``MAX_SERVE_BYTES``."""
+    be served together on the byte-level path (``vocab`` None: the models' vocabulary must be 256) or
+    with a checkpoint's tokenizer of ``vocab`` ids (at most the model's vocabulary, which may hold
+    padding rows), and
+    ``memory_estimate`` is within ``MAX_SERVE_BYTES``."""
     if draft is not None and cfg.k and draft.vocab != target.vocab:
         raise ServeError(f"{names[1]}: vocab {draft.vocab} does not match the vocab {target.vocab} of {names[0]}")
     for name, c in ((names[0], target), (names[1], draft if cfg.k else None)):
-        if c is not None and c.vocab != BYTE_VOCAB:
+        if c is not None and vocab is None and c.vocab != BYTE_VOCAB:
             raise ServeError(f"{name}: vocab {c.vocab}; batchc run serves byte prompts and needs vocab {BYTE_VOCAB}")
+        if c is not None and vocab is not None and c.vocab < vocab:
+            raise ServeError(f"{name}: vocab {c.vocab} is smaller than its tokenizer's {vocab} ids")
     parts = memory_estimate(target, draft, cfg, compare_mutable=compare_mutable)
     total = sum(parts.values())
     if total > MAX_SERVE_BYTES:

@@ -14,6 +14,7 @@ from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.serve.memory import check_serving
 from compiler.serve.summary import Sample, ServeSummary, host_ms_per_step
+from compiler.serve.tokenizer import ByteTokenizer, Tokenizer
 from compiler.workload import Request, ServeConfig
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId
 
@@ -32,14 +33,20 @@ def make_engine(
     )
 
 
+def stop_ids(r: Request, eos: Sequence[int]) -> list[int]:
+    """The ids that end ``r``: the model's end-of-sequence ids and the request's own stop."""
+    return [*eos, *(() if r.stop is None else (r.stop,))]
+
+
 def serve(
     driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None,
-    on_step: Callable[[], None] | None = None,
+    on_step: Callable[[], None] | None = None, eos: Sequence[int] = (),
 ) -> tuple[float, dict[str, int]]:
-    """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live.
-    ``on_finish`` gets the number of finished requests whenever it changes; ``on_step`` is called
-    before each step, after that step's admissions (to sample ``driver.live``, say). Returns the
-    wall seconds and the steps by kind."""
+    """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live;
+    each ends at its ``max_new_tokens``, its ``stop`` or any of the ``eos`` ids. ``on_finish`` gets
+    the number of finished requests whenever it changes; ``on_step`` is called before each step,
+    after that step's admissions (to sample ``driver.live``, say). Returns the wall seconds and the
+    steps by kind."""
     queue = sorted(workload, key=lambda r: r.arrival)
     steps: dict[str, int] = {}
     step_no = 0
@@ -48,7 +55,8 @@ def serve(
     while queue or driver.live:
         while queue and queue[0].arrival <= step_no and driver.live < max_running:
             r = queue.pop(0)
-            driver.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, stop=r.stop)
+            stops = stop_ids(r, eos)
+            driver.admit(r.rid, list(r.token_ids), max_new_tokens=r.max_new_tokens, stop=stops if stops else None)
         if on_step is not None:
             on_step()
         kind = driver.step().kind.value
@@ -70,6 +78,8 @@ def run(
     on_finish: Callable[[int], None] | None = None,
     compare_mutable: bool = False,
     model_clock: Callable[[], float] | None = None,
+    tokenizer: Tokenizer | None = None,
+    eos: Sequence[int] = (),
 ) -> ServeSummary:
     """Serve ``workload`` on the engine and summarise the run. ``compare_mutable`` only sizes the
     memory check for the baseline runs that ``compiler.tools.compare_mutable`` adds afterwards.
@@ -78,20 +88,24 @@ def run(
     model time and its host time per step (wall minus model time, per step). The lossless check
     after the run is not counted. With ``cfg.overlap`` the model time is the time during which an
     executor process ran a plan (``Engine.busy_seconds``), so the host time per step is the host
-    time the forwards did not hide."""
-    check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable)
+    time the forwards did not hide. ``tokenizer`` (default: bytes) renders the samples; ``eos``: the
+    model's end-of-sequence ids, which end every request."""
+    tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable,
+                  vocab=None if tokenizer is None else tok.vocab_size)
     pm = PassManager.from_env()
     with make_engine(target, draft, cfg, pm, cache=True, k=cfg.k) as driver:
-        return _run(driver, workload, target, cfg, pm, on_finish=on_finish, model_clock=model_clock)
+        return _run(driver, workload, target, cfg, pm, on_finish=on_finish, model_clock=model_clock, tokenizer=tok, eos=eos)
 
 
 def _run(
     driver: Engine, workload: Sequence[Request], target: HybridModel, cfg: ServeConfig, pm: PassManager, *,
-    on_finish: Callable[[int], None] | None, model_clock: Callable[[], float] | None,
+    on_finish: Callable[[int], None] | None, model_clock: Callable[[], float] | None, tokenizer: Tokenizer,
+    eos: Sequence[int],
 ) -> ServeSummary:
     model_before = model_clock() if model_clock is not None else 0.0
     start = time.perf_counter()
-    wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish)
+    wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish, eos=eos)
     model_s = model_clock() - model_before if model_clock is not None else None
     n_steps = sum(steps.values())
     busy_ms: float | None = None
@@ -119,7 +133,7 @@ def _run(
     checked = [r for r in sample if r.rid not in driver.aborted_by_failure]  # an aborted request's output is cut short
     if sample:
         plain = make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False)
-        serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running)
+        serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running, eos=eos)
         same = not plain.aborted_by_failure and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
         skipped = f" ({len(sample) - len(checked)} aborted requests not compared)" if len(checked) < len(sample) else ""
         lossless_check = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal plain greedy of the target{skipped}"
@@ -127,7 +141,7 @@ def _run(
     cache = driver.cache
     return ServeSummary(
         requests=len(workload),
-        prompt_tokens=sum(len(r.prompt) for r in workload),
+        prompt_tokens=sum(len(r.token_ids) for r in workload),
         generated_tokens=generated,
         k=cfg.k,
         steps=n_steps,
@@ -152,10 +166,12 @@ def _run(
         kv_live_after=driver.kv.num_live,
         pass_us_per_step={name: (t.calls, t.seconds / t.calls * 1e6) for name, t in pm.timings().items()},
         samples=tuple(
-            Sample(rid=int(r.rid), prompt=r.prompt[-40:].decode("utf-8", "replace"),
-                   completion=bytes(driver.outputs[r.rid]).decode("utf-8", "replace"))
+            Sample(rid=int(r.rid), prompt=r.prompt.decode("utf-8", "replace")[-40:],
+                   completion=tokenizer.decode(driver.outputs[r.rid]))
             for r in list(workload)[:3]
         ),
+        outputs={int(rid): tuple(out) for rid, out in driver.outputs.items()},
+        aborted=tuple(sorted(int(rid) for rid in driver.aborted_by_failure)),
         target_clears_minted_consumed=target_counts[0],
         target_cows_minted_consumed=target_counts[1],
         target_snapshots_minted_consumed=target_counts[2],

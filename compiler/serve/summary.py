@@ -99,6 +99,10 @@ class ServeSummary:
     lossless_ok: bool | None = None
     mutable_baseline: MutableRun | None = None
     mutable_baseline_fixed: MutableRun | None = None
+    outputs: dict[int, tuple[int, ...]] = attrs.Factory(dict)
+    """Every request's generated ids (``--outputs``; not in ``to_json``)."""
+    aborted: tuple[int, ...] = ()
+    """Requests aborted by failed forwards (their outputs are cut short; not in ``to_json``)."""
 
     @property
     def tokens_per_s_vs_mutable_fixed(self) -> float | None:
@@ -109,7 +113,7 @@ class ServeSummary:
         return self.tokens_per_s / fixed.tokens_per_s if fixed.tokens_per_s else 0.0
 
     def to_json(self) -> dict[str, object]:
-        out = {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None)}
+        out = {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None) and k not in ("outputs", "aborted")}
         ratio = self.tokens_per_s_vs_mutable_fixed
         if ratio is not None:
             out["tokens_per_s_vs_mutable_fixed"] = ratio

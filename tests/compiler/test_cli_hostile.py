@@ -428,7 +428,7 @@ def _checkpoint(tmp: Path, name: str, **changes: object) -> Path:
         ({"rope_theta": 1e-300}, "bad config: rope_theta must be a finite number >= 1"),
         ({"rms_eps": 1e300}, "bad config: rms_eps must be at most 1"),
         ({"d_model": 1 << 40}, "bad config: d_model must be at most 65536, got 1099511627776"),
-        ({"vocab": 10**9}, "bad config: vocab must be at most 65536, got 1000000000"),
+        ({"vocab": 10**9}, "bad config: vocab must be at most 262144, got 1000000000"),
         ({"d_state": 1 << 20}, "bad config: d_state must be at most 65536"),
         ({"layers": ["mamba"] * 100_000}, "bad config: layers: at most 256 layers, got 100000"),
     ],

@@ -32,7 +32,7 @@ def hf_config(family: str, **changes: Any) -> Any:
     if family == "granitemoehybrid":
         kw = dict(common, intermediate_size=96, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
                   num_local_experts=0, shared_intermediate_size=80, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
-                  mamba_chunk_size=8, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                  mamba_chunk_size=8, embedding_multiplier=0.5, residual_multiplier=2.0, attention_multiplier=0.0625,
                   logits_scaling=4.0, position_embedding_type="nope", tie_word_embeddings=True)
         kw.update(changes)
         return GraniteMoeHybridConfig(**kw)
@@ -64,8 +64,11 @@ def _fill(name: str, p: torch.Tensor, gen: torch.Generator, d_model: int) -> Non
         p.copy_(torch.randn(shape, generator=gen) / math.sqrt(fan_in))
 
 
-def build_hf_model(family: str, seed: int = 0, **changes: Any) -> Any:
-    """A tiny transformers model of ``family`` (eval mode, float32) with seeded random weights."""
+def build_hf_model(family: str, seed: int = 0, *, noise: float = 0.0, **changes: Any) -> Any:
+    """A tiny transformers model of ``family`` (eval mode, float32) with seeded random weights
+    (Granite's multipliers are set so that random tied embeddings do not make greedy decoding
+    repeat the last token); ``noise``: then every weight plus that much relative Gaussian noise
+    (a draft that agrees with the model of the same seed most of the time)."""
     from transformers import AutoModelForCausalLM
 
     config = hf_config(family, **changes)
@@ -75,11 +78,14 @@ def build_hf_model(family: str, seed: int = 0, **changes: Any) -> Any:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             _fill(name, p, gen, config.hidden_size)
+        if noise:
+            for _, p in sorted(model.named_parameters()):
+                p.add_(noise * p.float().square().mean().sqrt() * torch.randn(tuple(p.shape), generator=gen))
     return model
 
 
-def save_hf_model(family: str, directory: Path, seed: int = 0, **changes: Any) -> Any:
-    model = build_hf_model(family, seed, **changes)
+def save_hf_model(family: str, directory: Path, seed: int = 0, *, noise: float = 0.0, **changes: Any) -> Any:
+    model = build_hf_model(family, seed, noise=noise, **changes)
     model.save_pretrained(str(directory))
     return model
 
@@ -88,3 +94,36 @@ def hf_logits(model: Any, tokens: list[int]) -> torch.Tensor:
     """transformers' full-sequence float32 logits ``[len(tokens), vocab]``."""
     with torch.no_grad():
         return model(torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+TOKENIZER_TEXT = (
+    "def f(x):\n    return x * 2 + 1\n"
+    "import re, os\nclass K:\n    pass\n"
+    "for a in range(10):\n    print(a)\n"
+    "Grüße, naïve café — 日本語のテキスト 🙂🚀 emoji and accents.\n"
+) * 4
+
+
+def save_tokenizer(directory: Path, *, vocab_size: int = 320, metaspace: bool = False) -> Any:
+    """A byte-level BPE ``tokenizer.json`` trained here on a few lines of code and mixed-script text
+    (ids 0, 1, 2 are ``<pad>``, ``<s>``, ``</s>``; encoding adds ``<s>`` first, as a real model's
+    post-processor does). ``metaspace``: SentencePiece-style word boundaries (``▁``) instead."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None if not metaspace else "<unk>", byte_fallback=metaspace))
+    specials = ["<pad>", "<s>", "</s>"] + (["<unk>"] if metaspace else [])
+    if metaspace:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+        alphabet = [f"<0x{b:02X}>" for b in range(256)]
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials + alphabet, show_progress=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        )
+    tok.train_from_iterator([TOKENIZER_TEXT], trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(directory / "tokenizer.json"))
+    return tok

@@ -1,0 +1,86 @@
+"""The models ``batchc run`` serves and the text they speak: the bundled byte-level models, a
+batchc checkpoint file, or a Hugging Face checkpoint directory (``backend.hf``) with its
+``tokenizer.json``; and the ``--outputs`` lines of a run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from backend.hybrid.model import HybridModel
+from compiler.serve.summary import ServeSummary
+from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from compiler.workload import Request, ServeError
+
+
+@attrs.frozen(kw_only=True)
+class Served:
+    """A model to serve: the model, its tokenizer, its end-of-sequence ids, and how to name it."""
+
+    model: HybridModel
+    tokenizer: Tokenizer
+    eos: tuple[int, ...]
+    name: str
+    hf: bool
+    """Whether it came from a Hugging Face directory (token-level serving)."""
+
+
+def load_served(path: str | None, *, role: str, dtype: torch.dtype, bundled: str) -> Served:
+    """``path``: None (the bundled model ``bundled``, ``"target"`` or ``"draft"``), a directory (a
+    Hugging Face checkpoint and its tokenizer), or a batchc ``.safetensors`` file. ``role`` names it
+    in messages (``"target"``, ``"draft"``)."""
+    from backend.hybrid.checkpoint import default_draft, default_target, load_checkpoint
+
+    if path is None:
+        model = default_target(dtype=dtype) if bundled == "target" else default_draft(dtype=dtype)
+        return Served(model=model, tokenizer=ByteTokenizer(), eos=(), name=f"bundled {role}", hf=False)
+    if Path(path).is_dir():
+        from backend.hf import load_hf
+
+        loaded = load_hf(path, dtype=dtype)
+        return Served(model=loaded.model, tokenizer=HFTokenizer(Path(path) / "tokenizer.json"), eos=loaded.hf.eos_ids,
+                      name=f"{role} {path} ({loaded.family})", hf=True)
+    return Served(model=load_checkpoint(path, dtype=dtype), tokenizer=ByteTokenizer(), eos=(), name=f"{role} {path}", hf=False)
+
+
+def check_same_vocabulary(target: Served, draft: Served) -> None:
+    """``ServeError`` unless the draft speaks the target's vocabulary: the same model vocabulary
+    size and, for checkpoint tokenizers, the same token -> id map."""
+    if target.hf != draft.hf:
+        raise ServeError(f"{draft.name}: its vocabulary is not the one of {target.name} (a Hugging Face checkpoint and a byte-level model)")
+    if draft.model.config.vocab != target.model.config.vocab:
+        raise ServeError(f"{draft.name}: vocab {draft.model.config.vocab} does not match the vocab {target.model.config.vocab} of {target.name}")
+    if isinstance(target.tokenizer, HFTokenizer) and isinstance(draft.tokenizer, HFTokenizer):
+        a, b = target.tokenizer.vocab(), draft.tokenizer.vocab()
+        if a != b:
+            diff = next(iter(sorted(set(a.items()) ^ set(b.items()))))
+            raise ServeError(f"{draft.name}: its tokenizer's vocabulary differs from {target.name}'s (first difference: {diff[0]!r})")
+
+
+def finish_reason(r: Request, output: Sequence[int], eos: Sequence[int], aborted: bool) -> str:
+    """``"stop"`` (it emitted an end-of-sequence id or its stop), ``"length"`` (it reached its
+    ``max_new_tokens``) or ``"abort"`` (a failed forward cut it short)."""
+    if aborted:
+        return "abort"
+    stops = set(eos) | ({r.stop} if r.stop is not None else set())
+    return "stop" if output and output[-1] in stops else "length"
+
+
+def output_lines(workload: Sequence[Request], summary: ServeSummary, tokenizer: Tokenizer, eos: Sequence[int]) -> list[dict[str, object]]:
+    """One ``--outputs`` object per request, in workload order: ``rid`` (its line), ``prompt``,
+    ``prompt_ids``, ``output_ids`` (an ending end-of-sequence id included), ``text`` (the output
+    decoded incrementally, special tokens left out) and ``finish_reason``."""
+    aborted = set(summary.aborted)
+    lines: list[dict[str, object]] = []
+    for r in workload:
+        out = summary.outputs.get(int(r.rid), ())
+        detok = tokenizer.detokenizer()
+        text = "".join(detok.push(t) for t in out) + detok.flush()
+        lines.append({
+            "rid": int(r.rid), "prompt": r.prompt.decode("utf-8", errors="replace"), "prompt_ids": [int(t) for t in r.token_ids],
+            "output_ids": list(out), "text": text, "finish_reason": finish_reason(r, out, eos, int(r.rid) in aborted),
+        })
+    return lines

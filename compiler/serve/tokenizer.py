@@ -1,0 +1,167 @@
+"""Text <-> token ids for serving: the bundled models' bytes (``ByteTokenizer``) or a checkpoint's
+``tokenizer.json`` (``HFTokenizer``, the ``tokenizers`` library, offline), and incremental
+detokenisation that never splits a UTF-8 character (``Detokenizer``).
+
+``encode`` adds what the tokenizer's own post-processor adds (a BOS, say); ``decode`` leaves special
+tokens out. A ``Detokenizer`` takes generated ids one at a time and returns the text they complete:
+bytes of a character that is not complete yet are held back until it is (a byte-level BPE splits
+an emoji over several tokens), and ``flush`` returns what is left, so the pieces joined are exactly
+``decode`` of all the ids.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from backend.hybrid.checkpoint import CheckpointError, file_kind
+
+REPLACEMENT = "\ufffd"
+MAX_TOKENIZER_BYTES = 256 << 20
+"""Largest ``tokenizer.json`` read (real ones are 2 to 20 MB)."""
+
+
+class Detokenizer(Protocol):
+    def push(self, token: int) -> str:
+        """The text completed by ``token`` (may be empty)."""
+        ...
+
+    def flush(self) -> str:
+        """The text of the ids pushed but not returned yet (an unfinished character as U+FFFD)."""
+        ...
+
+
+class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int:
+        """Ids are in ``[0, vocab_size)``."""
+        ...
+
+    @property
+    def name(self) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def detokenizer(self) -> Detokenizer: ...
+
+    def single_id(self, text: str) -> int | None:
+        """The one id ``text`` encodes to without special tokens, or None if it is not one token."""
+        ...
+
+
+class _ByteDetokenizer:
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._utf8.decode(bytes((token,)))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class ByteTokenizer:
+    """The bundled models' vocabulary: a token is a byte of the UTF-8 text; nothing is special."""
+
+    vocab_size = 256
+    name = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def detokenizer(self) -> Detokenizer:
+        return _ByteDetokenizer()
+
+    def single_id(self, text: str) -> int | None:
+        data = text.encode("utf-8")
+        return data[0] if len(data) == 1 else None
+
+
+class _WindowDetokenizer:
+    """Incremental decoding by re-decoding a short window of ids: the text of ``ids[prefix:]`` minus
+    that of ``ids[prefix:read]`` is new once it does not end in an unfinished character (U+FFFD);
+    then the window moves up. Decoding from an earlier id rather than the new id alone keeps what a
+    decoder does at a token boundary (a leading space, bytes of one character) as a whole-sequence
+    decode does it, and each push costs a window, not the whole output."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def _delta(self) -> str:
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        after = self._tok.decode(self._ids[self._prefix :])
+        return after[len(before) :]
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        new = self._delta()
+        if not new or new.endswith(REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return new
+
+    def flush(self) -> str:
+        new = self._delta()
+        self._prefix = self._read = len(self._ids)
+        return new
+
+
+class HFTokenizer:
+    """A checkpoint's ``tokenizer.json`` through the ``tokenizers`` library (nothing downloaded)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        p = Path(path)
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            raise CheckpointError(p, "no tokenizer.json (serving text needs the checkpoint's tokenizer)") from None
+        except (OSError, ValueError) as e:
+            raise CheckpointError(p, f"cannot read the tokenizer ({e})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(p, f"the tokenizer is {file_kind(st.st_mode)}, not a regular file")
+        if st.st_size > MAX_TOKENIZER_BYTES:
+            raise CheckpointError(p, f"tokenizer of {st.st_size} bytes is over the limit of {MAX_TOKENIZER_BYTES}")
+        try:
+            self._tok = _Tokenizer.from_file(str(p))
+        except Exception as e:  # the Rust library raises plain Exceptions for a file it cannot parse
+            raise CheckpointError(p, f"the tokenizer does not parse ({' '.join(str(e).split())[:200]})") from None
+        self.path = p
+        self._vocab = int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    def vocab(self) -> dict[str, int]:
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def detokenizer(self) -> Detokenizer:
+        return _WindowDetokenizer(self)
+
+    def single_id(self, text: str) -> int | None:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return int(ids[0]) if len(ids) == 1 else None

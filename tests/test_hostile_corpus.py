@@ -793,7 +793,7 @@ CHECKPOINT_CASES = [
     _ck("checkpoint-tensor-offsets-past-end", _ckpt_header(_offsets_past_end), r"not a safetensors file or corrupt"),
     _ck("checkpoint-nan-in-bf16-tensor", _ckpt_tensors(_nan_in("final_norm", torch.bfloat16)), r"tensor 'final_norm' has 1 non-finite values \(of 32\)"),
     _ck("checkpoint-fp16-overflow-to-inf", _ckpt_tensors(_overflow_fp16), r"tensor 'embed' has \d+ non-finite values"),
-    _ck("checkpoint-layer-kind-not-a-string", _ckpt_tensors(lambda t: t, layers=["mamba", 1, "mamba"]), r"bad config: field 'layers' must be a list of \['mamba', 'attn'\], got \['mamba', 1, 'mamba'\]"),
+    _ck("checkpoint-layer-kind-not-a-string", _ckpt_tensors(lambda t: t, layers=["mamba", 1, "mamba"]), r"bad config: field 'layers' must be a list of \['mamba', 'attn', 'mlp'\], got \['mamba', 1, 'mamba'\]"),
     _ck("checkpoint-layers-a-string", _ckpt_tensors(lambda t: t, layers="mamba,attn,mamba"), r"bad config: field 'layers' must be a list"),
     _ck("checkpoint-unknown-layer-kind-case", _ckpt_tensors(lambda t: t, layers=["mamba", "Attn", "mamba"]), r"bad config: field 'layers'.*'Attn'"),
     _ck("checkpoint-no-layers", _ckpt_tensors(lambda t: t, layers=[]), r"bad config: the layer pattern needs at least one mamba layer"),

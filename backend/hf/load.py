@@ -9,6 +9,11 @@ config: every tensor the family needs is there with its shape, and nothing else 
 multi-token-prediction ``mtp.*`` tensors, which transformers also drops, excepted). Everything that
 cannot be loaded is a ``CheckpointError`` naming the file and the tensor or field.
 
+An embedding multiplier (Granite) is folded into an untied embedding matrix (exact: the same
+product, rounded once, as transformers' multiply after the lookup); tied, it stays a scale of the
+looked-up rows, as do the residual and logit multipliers (folding those into a matrix would round
+differently).
+
 Tensor names (``backend.hybrid.weights`` names on the right):
 
 - Bamba / Granite-4.0-H: ``model.embed_tokens`` -> ``embed``; ``model.layers.{i}.input_layernorm``
@@ -281,6 +286,11 @@ def load_hf(directory: str | Path, *, dtype: torch.dtype = torch.float32, device
             head = f.get_tensor("lm_head.weight")
         if tuple(head.shape) != tuple(weights["embed"].shape) or not torch.equal(head.to(dtype), weights["embed"].to("cpu")):
             raise CheckpointError(files["lm_head.weight"], "tensor 'lm_head.weight' differs from the embeddings, but tie_word_embeddings is true")
+    c = hf.config
+    if c.embed_scale != 1.0 and not c.tie_embeddings:
+        # exact: transformers multiplies the looked-up rows by the same number in the same dtype
+        weights["embed"] = weights["embed"] * c.embed_scale
+        hf = attrs.evolve(hf, config=attrs.evolve(c, embed_scale=1.0))
     try:
         model = HybridModel(hf.config, weights)
     except ValueError as e:  # pragma: no cover - the headers were checked against the same shapes

@@ -106,6 +106,16 @@ def test_eos_ids_come_from_generation_config_when_it_exists(tmp_path: Path) -> N
     assert load_hf(tmp_path).hf.eos_ids == (9, 2)
 
 
+def test_an_untied_embedding_multiplier_is_folded_into_the_embeddings_exactly(tmp_path: Path) -> None:
+    hf = save_hf_model("granitemoehybrid", tmp_path, seed=6, tie_word_embeddings=False, embedding_multiplier=0.75)
+    loaded = load_hf(tmp_path)
+    c = loaded.model.config
+    assert c.embed_scale == 1.0 and not c.tie_embeddings and c.residual_scale == 2.0
+    raw = _tensors(tmp_path)["model.embed_tokens.weight"]
+    assert torch.equal(loaded.model.weights["embed"], raw * 0.75)
+    assert float((reference_logits(loaded.model, PROMPT) - hf_logits(hf, PROMPT)).abs().max()) <= 1e-4
+
+
 def test_a_granite_conv_without_bias_loads_as_zero_bias(tmp_path: Path) -> None:
     hf = save_hf_model("granitemoehybrid", tmp_path, seed=6, mamba_conv_bias=False)
     loaded = load_hf(tmp_path)

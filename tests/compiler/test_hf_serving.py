@@ -93,6 +93,27 @@ def test_greedy_output_equals_transformers_generate(
         assert report["acceptance_rate"] > 0.5, report["acceptance_rate"]
 
 
+def test_the_built_in_workload_runs_with_prefix_cache_chunks_and_speculation(
+    family_dirs: tuple[str, Any, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Shared system prefixes (prefix-cache snapshots and COWs), prompts longer than a chunk, k = 2:
+    every init op consumed once per pool, output equal to plain greedy of the target."""
+    _, _, target_dir, draft_dir = family_dirs
+    summary = tmp_path / "summary.json"
+    args = ["run", "--model", str(target_dir), "--draft", str(draft_dir), "--requests", "12", "--max-new-tokens", "8",
+            "--json", str(summary)]
+    assert _main(args) == 0, capsys.readouterr().err
+    report = json.loads(summary.read_text())
+    assert report["prefix_cache_hit_tokens"] > 0 and "extend=" in report["steps_by_kind"] and "spec=" in report["steps_by_kind"]
+    assert report["prompt_tokens"] < 12 * 200  # tokens, not bytes
+    for pool in ("target", "draft"):
+        for op in ("clears", "cows", "snapshots"):
+            minted, consumed = report[f"{pool}_{op}_minted_consumed"].split("/")
+            assert minted == consumed
+    assert int(report["target_cows_minted_consumed"].split("/")[0]) > 0
+    assert report["lossless_check"].startswith("passed") and report["outstanding_tickets"] == 0
+
+
 def test_the_end_of_sequence_id_ends_a_request_and_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A generation_config.json naming the first generated id as EOS: every request stops at once."""
     d = tmp_path / "m"
@@ -166,5 +187,12 @@ def test_what_cannot_be_served_is_refused_in_one_line(tmp_path: Path, capsys: py
     cfg = json.loads((moe / "config.json").read_text())
     (moe / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 4}))
     _one_line_refusal(["run", "--model", str(moe)], capsys, "MoE variants are not supported")
+    import safetensors.torch
+
+    tensors = dict(safetensors.torch.load_file(str(moe / "model.safetensors")))
+    tensors["model.layers.0.mamba.out_proj.weight"] = tensors["model.layers.0.mamba.out_proj.weight"][:, :-1].contiguous()
+    safetensors.torch.save_file(tensors, str(moe / "model.safetensors"))
+    (moe / "config.json").write_text(json.dumps(cfg))  # dense again: now the shape is what is wrong
+    _one_line_refusal(["run", "--model", str(moe)], capsys, "tensor 'model.layers.0.mamba.out_proj.weight' has shape (64, 127), expected (64, 128)")
     (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": "gone.safetensors"}}))
     _one_line_refusal(["run", "--model", str(target)], capsys, "no shard named by model.safetensors.index.json")

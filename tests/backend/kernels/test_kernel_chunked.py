@@ -54,6 +54,23 @@ def test_ssd_chunked_matches_sequential_scan(chunk_size: int) -> None:
     assert torch.all(y[padded] == 0)
 
 
+def test_ssd_chunked_with_a_precomputed_dt_matches_the_sequential_scan() -> None:
+    """dt already ``softplus(dt + dt_bias)`` and clamped by the model: no bias, no softplus here."""
+    total = sum(SEQLENS)
+    inp = ssm_inputs((total,), seed=4)
+    dt = torch.nn.functional.softplus(inp.dt + inp.dt_bias).clamp(min=0.5)
+    pool = make_pool(nheads=SSM_NHEADS, head_dim=SSM_HEAD_DIM, d_state=SSM_D_STATE)
+    state = pool.ssm_state(0)
+    expected_state = state.clone()
+    cu, slots = _cu(SEQLENS), index(SLOTS)
+    expected = reference.ssd_prefill_reference(
+        expected_state, inp.x, dt, *inp[2:6], z=inp.z, dt_bias=None, dt_softplus=False, cu_seqlens=cu, slot_idx=slots
+    )
+    y = ssd_prefill(state, inp.x, dt, *inp[2:6], z=inp.z, dt_bias=None, dt_softplus=False, cu_seqlens=cu, slot_idx=slots, chunk_size=16)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)
+
+
 def test_conv_prefill_matches_reference() -> None:
     total = sum(SEQLENS)
     pool = make_pool(conv_dim=DIM, kernel_width=WIDTH)

@@ -57,6 +57,26 @@ def test_verify_matches_reference_and_leaves_pool(state_dtype: torch.dtype) -> N
     assert torch.all(y[1] == 0) and torch.all(states[1] == 0)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_verify_with_a_precomputed_dt_matches_reference(state_dtype: torch.dtype) -> None:
+    """The model computes a clamped ``softplus(dt + dt_bias)`` itself and passes it with no bias and
+    no softplus (``HybridConfig.dt_min``)."""
+    state = _pool(state_dtype)
+    inp = ssm_inputs((3, 3))
+    dt = torch.nn.functional.softplus(inp.dt + inp.dt_bias).clamp(min=0.5)
+    slots = index([1, -1, 4])
+    y, states = selective_state_verify(state, inp.x, dt, *inp[2:6], z=inp.z, dt_bias=None, dt_softplus=False, slot_idx=slots)
+    exp_y, exp_states = reference.selective_state_verify_reference(
+        state, inp.x, inp.dt, *inp[2:6], z=inp.z, dt_bias=inp.dt_bias, dt_softplus=True, slot_idx=slots
+    )
+    assert not torch.allclose(y, exp_y, **_tol(state_dtype)), "the clamp binds somewhere"
+    exp_y, exp_states = reference.selective_state_verify_reference(
+        state, inp.x, dt, *inp[2:6], z=inp.z, dt_bias=None, dt_softplus=False, slot_idx=slots
+    )
+    torch.testing.assert_close(y, exp_y, **_tol(state_dtype))
+    torch.testing.assert_close(states, exp_states, **_tol(state_dtype))
+
+
 def test_large_dt_softplus_is_finite() -> None:
     state = _pool()
     inp = ssm_inputs((1,))._replace(dt=torch.full((1, SSM_NHEADS), 60.0, device=DEVICE))

@@ -319,6 +319,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
 
 
+def run_cli(args: list[str]) -> int:
+    """``batchc``'s exit status for ``args`` (argparse's refusals exit through ``SystemExit``)."""
+    from compiler.cli import main
+
+    try:
+        return main(args)
+    except SystemExit as exc:
+        assert isinstance(exc.code, int)
+        return exc.code
+
+
 def tiny_model(seed: int = 0, arch: str = "bundled") -> HybridModel:
     """The tiny hybrid model on the test device, of one of ``ARCHITECTURES``."""
     return HybridModel.from_seed(ARCHITECTURES[arch](), seed, device=DEVICE)

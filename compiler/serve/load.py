@@ -192,16 +192,10 @@ def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, r
         raise WorkloadError(f"{where}: 'max_new_tokens' must be a positive integer, got {new!r}")
     if tokenizer is not None:
         return _tokenized(where, obj, rid, prompt, data, new, max_len=max_len, reserve=reserve, vocab=vocab, tokenizer=tokenizer)
-    if len(data) + new + reserve > max_len:
-        raise WorkloadError(
-            f"{where}: prompt of {len(data)} bytes + {new} new tokens exceeds the context limit {max_len} "
-            f"(with {reserve} positions reserved for speculation)"
-        )
+    _check_fits(where, len(data), "bytes", new, max_len=max_len, reserve=reserve)
     if max(data) >= vocab:
         raise WorkloadError(f"{where}: 'prompt' holds byte {max(data)}, not below the vocabulary size {vocab}")
-    arrival = obj.get("arrival", 0)
-    if not isinstance(arrival, int) or isinstance(arrival, bool) or not 0 <= arrival <= MAX_ARRIVAL:
-        raise WorkloadError(f"{where}: 'arrival' must be an integer step in [0, {MAX_ARRIVAL}], got {arrival!r}")
+    arrival = _arrival(where, obj)
     stop = obj.get("stop")
     if stop is not None and (not isinstance(stop, str) or len(stop.encode("utf-8")) != 1):
         raise WorkloadError(f"{where}: 'stop' must be a single one-byte character, got {stop!r}")
@@ -209,6 +203,14 @@ def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, r
     if stop_byte is not None and stop_byte >= vocab:
         raise WorkloadError(f"{where}: 'stop' byte {stop_byte} is not below the vocabulary size {vocab}")
     return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=arrival, stop=stop_byte)
+
+
+def _check_fits(where: str, n: int, unit: str, new: int, *, max_len: int, reserve: int) -> None:
+    if n + new + reserve > max_len:
+        raise WorkloadError(
+            f"{where}: prompt of {n} {unit} + {new} new tokens exceeds the context limit {max_len} "
+            f"(with {reserve} positions reserved for speculation)"
+        )
 
 
 def _arrival(where: str, obj: dict[str, Any]) -> int:
@@ -222,11 +224,7 @@ def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data:
                vocab: int, tokenizer: Tokenizer) -> Request:
     """A workload line's request on a checkpoint's tokenizer: limits in tokens, ``stop`` one token."""
     ids = tokenizer.encode(text)
-    if len(ids) + new + reserve > max_len:
-        raise WorkloadError(
-            f"{where}: prompt of {len(ids)} tokens + {new} new tokens exceeds the context limit {max_len} "
-            f"(with {reserve} positions reserved for speculation)"
-        )
+    _check_fits(where, len(ids), "tokens", new, max_len=max_len, reserve=reserve)
     if max(ids) >= vocab:
         raise WorkloadError(f"{where}: the tokenizer gave id {max(ids)}, not below the model's vocabulary size {vocab}")
     stop = obj.get("stop")

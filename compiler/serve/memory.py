@@ -16,7 +16,7 @@ _INDEX_BYTES = 48
 def _engine_bytes(c: HybridConfig, *, capacity: int, kv_capacity: int, max_len: int) -> int:
     """State pool, KV cache and token table of one model in one engine."""
     pool = (capacity + 1) * c.pool_layout().row_bytes
-    kv = 2 * c.n_attn * (kv_capacity + 1) * c.attn_dim * _F32
+    kv = 2 * c.n_attn * (kv_capacity + 1) * c.kv_dim * _F32  # grouped-query attention caches the KV heads only
     table = (capacity + 1) * max_len * 8
     return pool + kv + table
 

@@ -31,16 +31,9 @@ from ir.batch import DecodeBatch
 from ir.errors import BatchcError, SettingsError
 from ir.ids import RequestId
 from passes.filter_batch import filter_batch
-from tests.helpers import REPO
+from tests.helpers import REPO, run_cli
 
-
-def _main(args: list[str]) -> int:
-    """``main``'s exit status; argparse's refusals exit through ``SystemExit``."""
-    try:
-        return main(args)
-    except SystemExit as exc:
-        assert isinstance(exc.code, int)
-        return exc.code
+_main = run_cli
 
 
 def _refused(args: list[str], tmp: Path, capsys: pytest.CaptureFixture[str], *fragments: str) -> str:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from compiler.cli import main
 from tests.backend.hf.builders import FAMILY_NAMES, save_hf_model, save_tokenizer
+from tests.helpers import run_cli
 
 NEW = 32
 PROMPTS = [
@@ -25,12 +25,7 @@ PROMPTS = [
 ]
 
 
-def _main(args: list[str]) -> int:
-    try:
-        return main(args)
-    except SystemExit as exc:
-        assert isinstance(exc.code, int)
-        return exc.code
+_main = run_cli
 
 
 def _workload(tmp: Path, lines: list[dict[str, Any]]) -> Path:
@@ -112,6 +107,19 @@ def test_the_built_in_workload_runs_with_prefix_cache_chunks_and_speculation(
             assert minted == consumed
     assert int(report["target_cows_minted_consumed"].split("/")[0]) > 0
     assert report["lossless_check"].startswith("passed") and report["outstanding_tickets"] == 0
+
+
+def test_bfloat16_compute_serves_and_matches_greedy(
+    family_dirs: tuple[str, Any, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, _, target_dir, _ = family_dirs
+    workload = _workload(tmp_path, [{"prompt": p, "max_new_tokens": 8} for p in PROMPTS[:2]])
+    out, summary = tmp_path / "o.jsonl", tmp_path / "s.json"
+    args = ["run", "--model", str(target_dir), "--workload", str(workload), "--dtype", "bfloat16", "--outputs", str(out),
+            "--json", str(summary)]
+    assert _main(args) == 0, capsys.readouterr().err
+    assert [len(json.loads(x)["output_ids"]) > 0 for x in out.read_text().splitlines()] == [True, True]
+    assert json.loads(summary.read_text())["lossless_check"].startswith("passed")
 
 
 def test_the_end_of_sequence_id_ends_a_request_and_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,6 +53,14 @@ def test_the_loader_reads_the_family_and_its_switches(pair: tuple[Any, HFModel])
     assert set(c.switched()) == expected
 
 
+def test_the_kv_cache_holds_only_the_kv_heads(pair: tuple[Any, HFModel]) -> None:
+    _, loaded = pair
+    c = loaded.model.config
+    kv = loaded.model.new_kv_cache(16)
+    assert c.kv_heads == 2 < c.attn_heads == 4
+    assert kv.k.shape == kv.v.shape == (c.n_attn, 17, 2, c.attn_head_dim)  # KV heads only, nothing repeated
+
+
 def test_full_sequence_logits_equal_transformers(pair: tuple[Any, HFModel]) -> None:
     hf, loaded = pair
     for prompt in PROMPTS:

@@ -87,10 +87,18 @@ def _walk_floats(value: object) -> object:
     return value
 
 
+MAX_JSON_BYTES = 16 << 20
+"""Largest ``config.json``, shard index or ``generation_config.json`` read (real ones are kilobytes;
+a shard index of a thousand-layer model is well under a megabyte)."""
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """A JSON object from ``path`` (bare ``Infinity``/``NaN`` allowed, as 4.x wrote them), or
-    ``CheckpointError`` naming the file."""
+    ``CheckpointError`` naming the file; at most ``MAX_JSON_BYTES``."""
     try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(path, f"{what} of {size} bytes is over the limit of {MAX_JSON_BYTES} (16 MiB)")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CheckpointError(path, f"no {what} (the directory needs one)") from None
@@ -104,7 +112,10 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
         raise CheckpointError(path, f"{what} is nested too deeply") from None
     if not isinstance(raw, dict):
         raise CheckpointError(path, f"{what} must hold a JSON object, got {type(raw).__name__}")
-    walked = _walk_floats(raw)
+    try:
+        walked = _walk_floats(raw)
+    except RecursionError:
+        raise CheckpointError(path, f"{what} is nested too deeply") from None
     assert isinstance(walked, dict)
     return walked
 

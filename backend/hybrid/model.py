@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -64,6 +64,25 @@ if TYPE_CHECKING:
 
 # (layer index, normed input) -> mixer output, for one token layout (packed, per-row, [n, T]).
 _Mixer = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class Collective(Protocol):
+    """Tensor parallelism: an in-place sum of a tensor over every rank (``backend.tp``)."""
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None: ...
+
+
+@attrs.frozen
+class NormSplit:
+    """A tensor-parallel shard whose slice of the mixer width lies inside one gated-norm group that
+    other ranks share: the group's sum of squares is summed across ranks before it normalises."""
+
+    groups: int
+    """Gated-norm groups of the whole model."""
+    width: int
+    """Channels of one group (of the whole model)."""
+    group: int
+    """The group this rank's channels are in."""
 
 
 @attrs.frozen
@@ -127,10 +146,17 @@ def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device: tor
 class HybridModel:
     """Config + weights, and the forward entry points over the backend state (see module doc)."""
 
-    def __init__(self, config: HybridConfig, weights: Weights) -> None:
+    def __init__(
+        self, config: HybridConfig, weights: Weights, *, collective: Collective | None = None, norm_split: NormSplit | None = None,
+    ) -> None:
+        """``collective``: this model is one tensor-parallel shard (``backend.tp.shard_model``) and
+        sums its row-parallel outputs (``out_proj``, ``o_proj``, ``down_proj``) over the ranks;
+        ``norm_split``: and its gated norm's sums of squares too."""
         check_weights(config, weights)
         self.config = config
         self.weights = weights
+        self.collective = collective
+        self.norm_split = norm_split
 
     @classmethod
     def from_seed(
@@ -190,12 +216,19 @@ class HybridModel:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return x @ self.weights[name].T
 
+    def _reduced(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A row-parallel projection: ``_linear``, summed over the ranks of a shard."""
+        out = x @ self.weights[name].T
+        if self.collective is not None:
+            self.collective.all_reduce_sum(out)
+        return out
+
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """The MLP of layer ``i`` on its normed input."""
         p = f"layers.{i}.mlp"
         if self.config.mlp_kind == "relu2":
-            return self._linear(torch.relu(self._linear(x, f"{p}.up_proj")).square(), f"{p}.down_proj")
-        return self._linear(F.silu(self._linear(x, f"{p}.gate_proj")) * self._linear(x, f"{p}.up_proj"), f"{p}.down_proj")
+            return self._reduced(torch.relu(self._linear(x, f"{p}.up_proj")).square(), f"{p}.down_proj")
+        return self._reduced(F.silu(self._linear(x, f"{p}.gate_proj")) * self._linear(x, f"{p}.up_proj"), f"{p}.down_proj")
 
     def _dt(self, i: int, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """The kernels' ``(dt, dt_bias, dt_softplus)`` arguments for layer ``i``: the raw ``dt`` and
@@ -237,11 +270,21 @@ class HybridModel:
         """``y [..., H, P]`` (already gated by ``silu(z)``) -> group RMSNorm -> ``out_proj``."""
         c = self.config
         lead = y.shape[:-2]
-        groups = c.gated_norm_groups
-        grouped = y.reshape(*lead, groups, c.d_inner // groups)
-        ones = torch.ones(grouped.shape[-1], dtype=torch.float32, device=y.device)
-        normed = rms_norm(grouped, ones, c.rms_eps).reshape(*lead, c.d_inner) * self._w(f"layers.{i}.mixer.norm")
-        return self._linear(normed, f"layers.{i}.mixer.out_proj")
+        split = self.norm_split
+        if split is not None:  # the norm group spans ranks: its sum of squares is summed across them
+            flat = y.reshape(*lead, c.d_inner).float()
+            sums = torch.zeros((*lead, split.groups), dtype=torch.float32, device=y.device)
+            sums[..., split.group] = flat.square().sum(dim=-1)
+            assert self.collective is not None
+            self.collective.all_reduce_sum(sums)
+            scale = torch.rsqrt(sums[..., split.group : split.group + 1] / split.width + c.rms_eps)
+            normed = (flat * scale).to(y.dtype) * self._w(f"layers.{i}.mixer.norm")
+        else:
+            groups = c.gated_norm_groups
+            grouped = y.reshape(*lead, groups, c.d_inner // groups)
+            ones = torch.ones(grouped.shape[-1], dtype=torch.float32, device=y.device)
+            normed = rms_norm(grouped, ones, c.rms_eps).reshape(*lead, c.d_inner) * self._w(f"layers.{i}.mixer.norm")
+        return self._reduced(normed, f"layers.{i}.mixer.out_proj")
 
     def _qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [..., d_model]`` at ``positions [...]`` -> rotated q, k and v, each ``[..., heads, head_dim]``."""
@@ -271,7 +314,7 @@ class HybridModel:
             scores = torch.einsum("ntgrd,nlgd->ngrtl", grouped, k.float()) * c.softmax_scale
             probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)
             out = torch.einsum("ngrtl,nlgd->ntgrd", probs, v.float()).reshape(n, tq, c.attn_heads, hd).to(q.dtype)
-        return self._linear(out.reshape(*out.shape[:2], -1), f"layers.{i}.mixer.o_proj")
+        return self._reduced(out.reshape(*out.shape[:2], -1), f"layers.{i}.mixer.o_proj")
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self._w("embed")[input_ids]

@@ -239,6 +239,9 @@ def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(tmp_path: Path) -> 
         ("config_not_json", "config.json is not JSON"),
         ("config_list", "config.json must hold a JSON object, got list"),
         ("config_dir", "config.json is a directory, not a regular file"),
+        ("config_huge", "config.json of 16777218 bytes is over the limit"),
+        ("config_deep", "config.json is nested too deeply"),
+        ("config_not_utf8", "cannot read config.json"),
     ],
 )
 def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: Path, setup: str, message: str) -> None:
@@ -254,6 +257,12 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: Path, setup: 
     elif setup == "config_dir":
         (d / "config.json").unlink()
         (d / "config.json").mkdir()
+    elif setup == "config_huge":
+        (d / "config.json").write_text("{" + " " * (16 << 20) + "}")
+    elif setup == "config_deep":
+        (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif setup == "config_not_utf8":
+        (d / "config.json").write_bytes(b'{"model_type": "\xff"}')
     with pytest.raises(CheckpointError) as e:
         load_hf(d)
     assert message in str(e.value) and "\n" not in str(e.value)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,11 +48,14 @@ from typing import Any
 import attrs
 
 from backend.hybrid.checkpoint import CheckpointError
-from backend.hybrid.config import HybridConfig, LayerKind
+from backend.hybrid.config import MAX_LAYERS, HybridConfig, LayerKind
 from ir.errors import short_repr
 
 FAMILIES = {"bamba": "Bamba", "granitemoehybrid": "Granite-4.0-H", "nemotron_h": "Nemotron-H"}
 """``model_type`` -> family name, for every supported family."""
+
+MAX_EOS_IDS = 64
+"""Most end-of-sequence ids (``Engine.admit`` takes at most 64 stop ids per request)."""
 
 _KIND_NAMES: dict[str, LayerKind | None] = {
     "mamba": "mamba", "linear_attention": "mamba", "M": "mamba",
@@ -110,6 +114,8 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
         raise CheckpointError(path, f"{what} is not JSON ({e})") from None
     except RecursionError:
         raise CheckpointError(path, f"{what} is nested too deeply") from None
+    except ValueError:  # int(): a literal longer than the interpreter's digit limit
+        raise CheckpointError(path, f"{what} is not JSON we read (an integer of more than {sys.get_int_max_str_digits()} digits)") from None
     if not isinstance(raw, dict):
         raise CheckpointError(path, f"{what} must hold a JSON object, got {type(raw).__name__}")
     try:
@@ -151,15 +157,13 @@ class _Fields:
         return value
 
     def float_(self, *names: str, default: float) -> float:
+        """A finite number field (the first of ``names`` set)."""
         name = self.first(names)
         if name is None:
             return default
-        value = self.raw[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(name, f"must be a number, got {short_repr(value)}")
-        number = float(value)
-        if math.isnan(number):
-            raise self.fail(name, "must be a number, got NaN")
+        number = _number(self.raw[name])
+        if number is None or not math.isfinite(number):
+            raise self.fail(name, f"must be a finite number, got {_shown_number(self.raw[name])}")
         return number
 
     def bool_(self, *names: str, default: bool) -> bool:
@@ -193,7 +197,25 @@ class _Fields:
         values = value if isinstance(value, list) else [value]
         if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
             raise self.fail(name, f"must be a token id >= 0 or a non-empty list of them, got {short_repr(value)}")
+        if len(values) > MAX_EOS_IDS:
+            raise self.fail(name, f"at most {MAX_EOS_IDS} ids, got {len(values)}")
         return tuple(dict.fromkeys(values))
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a float (an int beyond the float range is infinite), or None if not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _shown_number(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**18:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return short_repr(value)
 
 
 def _layers(f: _Fields) -> tuple[LayerKind, ...]:
@@ -209,14 +231,20 @@ def _layers(f: _Fields) -> tuple[LayerKind, ...]:
         value = f.raw[source]
         if not isinstance(value, str):
             raise f.fail(source, f"must be a string of layer letters, got {short_repr(value)}")
-        names = list(value)
+        names = list(value[: MAX_LAYERS + 1])
     else:  # Bamba: attention layers by index, Mamba elsewhere
         source = "attn_layer_indices"
         n = f.int_("num_hidden_layers")
-        indices = f.raw.get(source) or []
+        if n > MAX_LAYERS:
+            raise f.fail("num_hidden_layers", f"at most {MAX_LAYERS} layers, got {_shown_number(n)}")
+        indices = f.raw.get(source)
+        indices = [] if indices is None else indices
         if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in indices):
             raise f.fail(source, f"must be a list of layer indices in [0, {n}), got {short_repr(indices)}")
-        names = ["attention" if i in set(indices) else "mamba" for i in range(n)]
+        attention = set(indices)
+        names = ["attention" if i in attention else "mamba" for i in range(n)]
+    if len(names) > MAX_LAYERS:
+        raise f.fail(source, f"at most {MAX_LAYERS} layers, got {len(value) if source != 'attn_layer_indices' else len(names)}")
     kinds: list[LayerKind] = []
     for i, name in enumerate(names):
         if name not in _KIND_NAMES:
@@ -313,12 +341,19 @@ def parse_config(path: Path, raw: Mapping[str, Any]) -> HFConfig:
         eps = f.float_("rms_norm_eps", default=1e-5 if family == "bamba" else 1e-6)
         tie = f.bool_("tie_word_embeddings", default=False)
         limit = raw.get("time_step_limit", [0.0, math.inf])
-        if not (isinstance(limit, list) and len(limit) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit)):
+        bounds = [_number(v) for v in limit] if isinstance(limit, list) and len(limit) == 2 else [None]
+        if any(b is None or math.isnan(b) for b in bounds):
             raise f.fail("time_step_limit", f"must be a pair of numbers, got {short_repr(limit)}")
-        switches.update(norm_groups=1, dt_min=float(limit[0]), dt_max=float(limit[1]))
+        lo, hi = bounds
+        assert lo is not None and hi is not None
+        if not math.isfinite(lo) or lo < 0 or not lo < hi:
+            raise f.fail("time_step_limit", f"must be [low, high] with 0 <= low < high (high may be infinite), got {short_repr(limit)}")
+        switches.update(norm_groups=1, dt_min=lo, dt_max=hi)
         if family == "bamba":
             mlp_hidden = f.int_("intermediate_size")
             theta, partial = _rope(f, default_partial=0.5)
+            if not 0 <= partial <= 1:
+                raise f.fail("partial_rotary_factor", f"must be in [0, 1], got {partial}")
             switches.update(rotary_dim=int(attn_head_dim * partial))
         else:
             if f.int_("num_local_experts", default=8, low=0):

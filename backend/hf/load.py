@@ -171,19 +171,25 @@ def _files(directory: Path) -> dict[str, Path]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(index, f"field 'weight_map': must be a non-empty object of tensor -> file, got {short_repr(weight_map)}")
     shards: dict[str, Path] = {}
+    listed: dict[Path, set[str]] = {}
     out: dict[str, Path] = {}
     for tensor, file in weight_map.items():
-        if not isinstance(file, str) or not file or "/" in file or "\\" in file or file in (".", ".."):
-            raise CheckpointError(index, f"tensor {tensor!r}: shard {short_repr(file)} must be a file name in the directory")
+        if not isinstance(file, str) or not file or "/" in file or "\\" in file or file in (".", "..") or not file.isprintable():
+            raise CheckpointError(index, f"tensor {short_repr(tensor)}: shard {short_repr(file)} must be a file name in the directory")
         if file not in shards:
             shards[file] = directory / file
             _regular(shards[file], f"shard named by {INDEX}")
+            listed[shards[file]] = set()
         out[tensor] = shards[file]
-    for path in shards.values():
+        listed[shards[file]].add(tensor)
+    for path, names in listed.items():  # each shard holds exactly what the index lists for it
         held = set(_header_names(path))
-        for tensor, where in out.items():
-            if where == path and tensor not in held:
-                raise CheckpointError(path, f"tensor {tensor!r}: {INDEX} names this shard, which does not hold it")
+        lacking = sorted(names - held)
+        if lacking:
+            raise CheckpointError(path, f"tensor {short_repr(lacking[0])}: {INDEX} names this shard, which does not hold it")
+        unlisted = sorted(held - names)
+        if unlisted:
+            raise CheckpointError(path, f"tensor {short_repr(unlisted[0])}: in this shard, but {INDEX} does not list it here")
     return out
 
 
@@ -204,18 +210,19 @@ def _header_names(path: Path) -> list[str]:
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def _check_headers(files: dict[str, Path], sources: dict[str, _Source], ignored: Callable[[str], bool]) -> None:
+def _check_headers(
+    directory: Path, files: dict[str, Path], sources: dict[str, _Source], ignored: Callable[[str], bool],
+) -> None:
     """Every source tensor present with its shape and a loadable dtype, nothing unexpected."""
     wanted = {s.name: s for s in sources.values()}
     missing = sorted(set(wanted) - set(files))
     if missing:
-        anywhere = next(iter(files.values()))
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(anywhere.parent, f"missing tensor {missing[0]!r}{more}")
+        raise CheckpointError(directory, f"missing tensor {missing[0]!r}{more}")
     extra = sorted(n for n in set(files) - set(wanted) if not ignored(n))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise CheckpointError(files[extra[0]], f"unexpected tensor {extra[0]!r}{more}")
+        raise CheckpointError(files[extra[0]], f"unexpected tensor {short_repr(extra[0])}{more}")
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
@@ -230,11 +237,19 @@ def _check_headers(files: dict[str, Path], sources: dict[str, _Source], ignored:
                     raise CheckpointError(path, f"tensor {name!r} has dtype {dtype}, expected one of {sorted(_DTYPES)}")
 
 
+def _check_eos(path: Path, ids: tuple[int, ...], vocab: int) -> None:
+    beyond = [i for i in ids if i >= vocab]
+    if beyond:
+        raise CheckpointError(path, f"field 'eos_token_id': id {beyond[0]} is not below the vocabulary size {vocab}")
+
+
 def load_hf(directory: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> HFModel:
     """The checkpoint in ``directory`` as a model computing in ``dtype`` on ``device``."""
     if not isinstance(directory, (str, Path)):
         raise TypeError(f"directory must be a path, got {short_repr(directory)}")
-    if dtype not in _LOADABLE:
+    if not str(directory):
+        raise ValueError("directory must be a path, got ''")
+    if not any(dtype is d for d in _LOADABLE):  # identity: torch dtypes are singletons, and an array compares elementwise
         raise ValueError(f"dtype must be one of {_LOADABLE}, got {short_repr(dtype)}")
     problem = device_problem(device)
     if problem is not None:
@@ -245,10 +260,12 @@ def load_hf(directory: str | Path, *, dtype: torch.dtype = torch.float32, device
     config_path = d / CONFIG
     _regular(config_path, CONFIG)
     hf = parse_config(config_path, read_json(config_path, CONFIG))
+    _check_eos(config_path, hf.eos_ids, hf.config.vocab)
     generation = d / GENERATION
-    if generation.exists():
+    if os.path.lexists(generation):  # a dangling link is refused, not skipped
         _regular(generation, GENERATION)
         eos = _Fields(generation, read_json(generation, GENERATION)).ids("eos_token_id")
+        _check_eos(generation, eos, hf.config.vocab)
         if eos:
             hf = attrs.evolve(hf, eos_ids=eos)
     files = _files(d)
@@ -267,7 +284,7 @@ def load_hf(directory: str | Path, *, dtype: torch.dtype = torch.float32, device
     def ignored(name: str) -> bool:
         return (nemotron and name.startswith("mtp.")) or (tied_head and name == "lm_head.weight")
 
-    _check_headers(files, sources, ignored)
+    _check_headers(d, files, sources, ignored)
     weights: Weights = {}
     cache: dict[str, torch.Tensor] = {}
     for name in sorted(sources):

@@ -53,7 +53,8 @@ class CheckpointError(BatchcError, ValueError):
     def __init__(self, path: str | Path, detail: str) -> None:
         self.path = str(path)
         self.detail = " ".join(detail.split())  # one line, whatever the cause said
-        super().__init__(f"{self.path}: {self.detail}")
+        shown = self.path if self.path.isprintable() else repr(self.path)  # a newline or escape in a name stays quoted
+        super().__init__(f"{shown}: {self.detail}")
 
 
 # ---- config <-> JSON ------------------------------------------------------------------------------

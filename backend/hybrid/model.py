@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from itertools import pairwise
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 _Mixer = Callable[[int, torch.Tensor], torch.Tensor]
 
 
+@runtime_checkable
 class Collective(Protocol):
     """Tensor parallelism: an in-place sum of a tensor over every rank (``backend.tp``)."""
 

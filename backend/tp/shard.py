@@ -28,12 +28,16 @@ import torch
 
 from backend.hybrid.config import HybridConfig
 from backend.hybrid.model import Collective, HybridModel, NormSplit
-from backend.hybrid.weights import Weights
+from backend.hybrid.weights import Weights, check_weights
 from ir.columns import int_problem
+from ir.errors import short_repr
 
 
 def check_tp(config: HybridConfig, world: int) -> None:
     """``ValueError`` naming the size unless ``config`` can be split over ``world`` ranks."""
+    given: object = config
+    if not isinstance(given, HybridConfig):
+        raise ValueError(f"config must be a HybridConfig, got {short_repr(given)}")
     problem = int_problem(world)
     if problem is not None or world < 1:
         raise ValueError(f"tp must be a positive int, got {world!r}")
@@ -74,8 +78,10 @@ def _rows(t: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
 def shard_weights(config: HybridConfig, weights: Weights, rank: int, world: int) -> Weights:
     """Rank ``rank``'s slice of every weight (copies; the full weights are not kept)."""
     check_tp(config, world)
-    if not 0 <= rank < world:
-        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    problem = int_problem(rank)
+    if problem is not None or not 0 <= rank < world:
+        raise ValueError(f"rank must be an int in [0, {world}), got {short_repr(rank)}")
+    check_weights(config, weights)
     c = config
     H, P, G, N = c.nheads, c.head_dim, c.ngroups, c.d_state
     d_in = c.d_inner
@@ -129,6 +135,11 @@ def shard_weights(config: HybridConfig, weights: Weights, rank: int, world: int)
 
 def shard_model(model: HybridModel, rank: int, world: int, collective: Collective) -> HybridModel:
     """Rank ``rank``'s shard of ``model``, summing its partial outputs through ``collective``."""
+    given: object = model
+    if not isinstance(given, HybridModel):
+        raise ValueError(f"model must be a HybridModel, got {short_repr(given)}")
+    if not isinstance(collective, Collective):
+        raise ValueError(f"collective must have all_reduce_sum (a Collective), got {short_repr(collective)}")
     c = model.config
     local = shard_config(c, world)
     ng = c.gated_norm_groups

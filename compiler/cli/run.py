@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import attrs
@@ -14,6 +15,13 @@ from rich.table import Table
 
 from compiler.cli.args import UsageError, shown_path
 from compiler.cli.output import OutputFile, check_output
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two output paths name one file ('-' is stdout, which both may share)."""
+    if a == "-" or b == "-":
+        return False
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -29,8 +37,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     for option, path in (("--json", args.json), ("--outputs", args.outputs)):
         if path is not None:
             check_output(option, path)
-    if args.json is not None and args.json == args.outputs:
-        raise UsageError(f"--json and --outputs name the same file {shown_path(args.json)}")
+    if args.json is not None and args.outputs is not None and _same_file(args.json, args.outputs):
+        raise UsageError(f"--json {shown_path(args.json)} and --outputs {shown_path(args.outputs)} name the same file")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     target = load_served(args.model, role="target", dtype=dtype, bundled="target")
     k = args.k if args.k is not None else (0 if target.hf and args.draft is None else ServeConfig().k)

@@ -143,14 +143,14 @@ def check_request(
     as ``(rid, prompt, max_new_tokens, stop ids)``."""
     problem = int_problem(rid)
     if problem is not None:
-        raise PreconditionError("admit", f"rid {problem} (got {rid!r})")
+        raise PreconditionError("admit", f"rid {problem} (got {short_repr(rid)})")
     rid = RequestId(int(cast(int, rid)))
     if in_use(rid):
         raise PreconditionError("admit", f"request id {rid} is already in use")
     arr = checked_prompt(f"request {rid}", prompt, vocab, MAX_LEN)
     problem = int_problem(max_new_tokens)
     if problem is not None:
-        raise PreconditionError("admit", f"request {rid}: max_new_tokens {problem} (got {max_new_tokens!r})")
+        raise PreconditionError("admit", f"request {rid}: max_new_tokens {problem} (got {short_repr(max_new_tokens)})")
     new = int(cast(int, max_new_tokens))
     if new < 1:
         raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {new}")
@@ -165,7 +165,7 @@ def check_request(
     for value in stops:
         problem = int_problem(value)
         if problem is not None:
-            raise PreconditionError("admit", f"request {rid}: stop {problem} (got {value!r})")
+            raise PreconditionError("admit", f"request {rid}: stop {problem} (got {short_repr(value)})")
         token = int(cast(int, value))
         if not 0 <= token < vocab:
             raise PreconditionError("admit", f"request {rid}: stop must be a token id in [0, {vocab}), got {token}")

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from backend.hybrid.checkpoint import file_kind
+from backend.hybrid.config import MAX_VOCAB
 from compiler.serve.tokenizer import Tokenizer
 from compiler.workload import (
     ARRIVALS,
@@ -30,6 +31,8 @@ from compiler.workload import (
     Request,
     WorkloadError,
 )
+from ir.columns import int_problem
+from ir.errors import short_repr
 from ir.ids import RequestId
 
 
@@ -144,6 +147,8 @@ def load_workload(
     With a ``tokenizer`` (a checkpoint's) the prompts are its ids (``Request.ids``), the limits count
     them, and ``stop`` is any text that encodes to exactly one id."""
     _check_workload_args(path, max_len=max_len, reserve=reserve, vocab=vocab, default_max_new_tokens=default_max_new_tokens)
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise WorkloadError(f"load_workload: tokenizer must be a Tokenizer (ByteTokenizer, HFTokenizer) or None, got {short_repr(tokenizer)}")
     p = Path(path)
     data = _read_bounded(p)
     try:
@@ -224,6 +229,8 @@ def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data:
                vocab: int, tokenizer: Tokenizer) -> Request:
     """A workload line's request on a checkpoint's tokenizer: limits in tokens, ``stop`` one token."""
     ids = tokenizer.encode(text)
+    if not ids:
+        raise WorkloadError(f"{where}: 'prompt' encodes to no tokens")
     _check_fits(where, len(ids), "tokens", new, max_len=max_len, reserve=reserve)
     if max(ids) >= vocab:
         raise WorkloadError(f"{where}: the tokenizer gave id {max(ids)}, not below the model's vocabulary size {vocab}")
@@ -240,10 +247,20 @@ def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data:
 
 def tokenize_workload(workload: Sequence[Request], tokenizer: Tokenizer, *, vocab: int) -> list[Request]:
     """The built-in workload's requests on a checkpoint's tokenizer (their text is UTF-8)."""
+    if not isinstance(tokenizer, Tokenizer):
+        raise WorkloadError(f"tokenize_workload: tokenizer must be a Tokenizer, got {short_repr(tokenizer)}")
+    problem = int_problem(vocab)
+    if problem is not None or not 1 <= int(vocab) <= MAX_VOCAB:
+        raise WorkloadError(f"tokenize_workload: vocab must be an int in [1, {MAX_VOCAB}], got {short_repr(vocab)}")
+    given: object = workload
+    if not isinstance(given, (list, tuple)) or not all(isinstance(r, Request) for r in given):
+        raise WorkloadError(f"tokenize_workload: workload must be a list of Request, got {short_repr(given)}")
     out = []
     for r in workload:
         ids = tokenizer.encode(r.prompt.decode("utf-8"))
-        if ids and max(ids) >= vocab:
+        if not ids:
+            raise WorkloadError(f"request {r.rid}: the prompt encodes to no tokens")
+        if max(ids) >= vocab:
             raise WorkloadError(f"request {r.rid}: the tokenizer gave id {max(ids)}, not below the model's vocabulary size {vocab}")
         out.append(attrs.evolve(r, ids=tuple(ids)))
     return out

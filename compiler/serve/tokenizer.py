@@ -16,15 +16,51 @@ import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from backend.hybrid.checkpoint import CheckpointError, file_kind
 
 REPLACEMENT = "\ufffd"
+MAX_ID = 1 << 32
+"""Ids a ``tokenizer.json`` decoder takes (32-bit); an id it does not know (a model's vocabulary
+may hold padding rows beyond the tokenizer's) decodes to nothing, as transformers decodes it."""
 MAX_TOKENIZER_BYTES = 256 << 20
 """Largest ``tokenizer.json`` read (real ones are 2 to 20 MB)."""
 
 
+def check_ids(ids: object, vocab: int) -> list[int]:
+    """``ids`` as a list of token ids in ``[0, vocab)`` (ints or numpy ints, never ``bool``,
+    ``float`` or ``str``), or ``ValueError`` naming the first bad one."""
+    from ir.columns import int_problem
+    from ir.errors import short_repr
+
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, range)):
+        raise ValueError(f"token ids must be a list or tuple of ints, got {short_repr(ids)}")
+    out = []
+    for i in ids:
+        problem = int_problem(i)
+        if problem is not None:
+            raise ValueError(f"token id {problem} (got {short_repr(i)})")
+        n = int(i)
+        if not 0 <= n < vocab:
+            raise ValueError(f"token id {n} is not in [0, {vocab})")
+        out.append(n)
+    return out
+
+
+def _check_text(text: object) -> str:
+    from ir.errors import short_repr
+
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {short_repr(text)}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode ({e.reason} at character {e.start})") from None
+    return text
+
+
+@runtime_checkable
 class Detokenizer(Protocol):
     def push(self, token: int) -> str:
         """The text completed by ``token`` (may be empty)."""
@@ -35,6 +71,7 @@ class Detokenizer(Protocol):
         ...
 
 
+@runtime_checkable
 class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int:
@@ -60,7 +97,8 @@ class _ByteDetokenizer:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
-        return self._utf8.decode(bytes((token,)))
+        (t,) = check_ids([token], 256)
+        return self._utf8.decode(bytes((t,)))
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
@@ -73,16 +111,16 @@ class ByteTokenizer:
     name = "bytes"
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(_check_text(text).encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+        return bytes(check_ids(ids, 256)).decode("utf-8", errors="replace")
 
     def detokenizer(self) -> Detokenizer:
         return _ByteDetokenizer()
 
     def single_id(self, text: str) -> int | None:
-        data = text.encode("utf-8")
+        data = _check_text(text).encode("utf-8")
         return data[0] if len(data) == 1 else None
 
 
@@ -100,12 +138,13 @@ class _WindowDetokenizer:
         self._read = 0
 
     def _delta(self) -> str:
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        after = self._tok.decode(self._ids[self._prefix :])
+        before = self._tok._decode_checked(self._ids[self._prefix : self._read])
+        after = self._tok._decode_checked(self._ids[self._prefix :])
         return after[len(before) :]
 
     def push(self, token: int) -> str:
-        self._ids.append(token)
+        (t,) = check_ids([token], MAX_ID)  # before it is kept: a bad id must not break the stream
+        self._ids.append(t)
         new = self._delta()
         if not new or new.endswith(REPLACEMENT):
             return ""
@@ -124,6 +163,9 @@ class HFTokenizer:
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
+        given: object = path  # checked at run time too: callers need not be type-checked
+        if not isinstance(given, (str, Path)) or not str(given):
+            raise CheckpointError(repr(given), "a tokenizer path must be a non-empty str or Path")
         p = Path(path)
         try:
             st = os.stat(p)
@@ -154,14 +196,18 @@ class HFTokenizer:
         return dict(self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+        return list(self._tok.encode(_check_text(text), add_special_tokens=True).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+        return str(self._tok.decode(check_ids(ids, MAX_ID), skip_special_tokens=True))
+
+    def _decode_checked(self, ids: list[int]) -> str:
+        """``decode`` of ids already checked (the detokenizer's window)."""
+        return str(self._tok.decode(ids, skip_special_tokens=True))
 
     def detokenizer(self) -> Detokenizer:
         return _WindowDetokenizer(self)
 
     def single_id(self, text: str) -> int | None:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(_check_text(text), add_special_tokens=False).ids
         return int(ids[0]) if len(ids) == 1 else None

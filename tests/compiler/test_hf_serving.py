@@ -202,5 +202,9 @@ def test_what_cannot_be_served_is_refused_in_one_line(tmp_path: Path, capsys: py
     safetensors.torch.save_file(tensors, str(moe / "model.safetensors"))
     (moe / "config.json").write_text(json.dumps(cfg))  # dense again: now the shape is what is wrong
     _one_line_refusal(["run", "--model", str(moe)], capsys, "tensor 'model.layers.0.mamba.out_proj.weight' has shape (64, 127), expected (64, 128)")
+    out_dir = tmp_path / "od"
+    out_dir.mkdir()
+    _one_line_refusal(["run", "--model", str(target), "--outputs", str(out_dir / "a.json"), "--json", str(out_dir / "." / "a.json")],
+                      capsys, "name the same file")
     (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": "gone.safetensors"}}))
     _one_line_refusal(["run", "--model", str(target)], capsys, "no shard named by model.safetensors.index.json")

@@ -89,7 +89,8 @@ def test_a_request_ends_at_any_of_its_stop_ids() -> None:
 
 @pytest.mark.parametrize(
     ("stop", "message"),
-    [([1, "x"], "stop"), ([1, 300], "stop must be a token id in"), ([True], "stop"), (list(range(65)), "at most 64 stop ids")],
+    [([1, "x"], "stop"), ([1, 300], "stop must be a token id in"), ([True], "stop"), (list(range(65)), "at most 64 stop ids"),
+     (["x" * 10**6], "stop")],
 )
 def test_bad_stop_ids_are_refused(stop: object, message: str) -> None:
     from typeguard import suppress_type_checks
@@ -97,9 +98,41 @@ def test_bad_stop_ids_are_refused(stop: object, message: str) -> None:
     from compiler.engine import Engine
 
     eng = Engine(tiny_model(), None, k=0, capacity=4, kv_capacity=64, max_len=32)
-    with suppress_type_checks(), pytest.raises(PreconditionError, match=message):
+    with suppress_type_checks(), pytest.raises(PreconditionError, match=message) as e:
         eng.admit(RequestId(0), [1, 2], max_new_tokens=2, stop=stop)  # type: ignore[arg-type]  # deliberately wrong
     assert len(eng.requests) == 0
+    assert len(str(e.value)) < 400  # a huge value is shown shortened
+
+
+def test_tokenizers_refuse_what_is_not_text_or_token_ids(hf_tokenizer: HFTokenizer) -> None:
+    from typeguard import suppress_type_checks
+
+    for tok in (hf_tokenizer, ByteTokenizer()):
+        with suppress_type_checks():
+            for bad in (None, 5, b"x"):
+                with pytest.raises(ValueError, match="text must be a str"):
+                    tok.encode(bad)  # type: ignore[arg-type]  # deliberately wrong
+            with pytest.raises(ValueError, match="not valid Unicode"):
+                tok.encode("\ud800")
+            for ids, message in (([True], "token id"), ([1.5], "token id"), ([-1], "token id -1 is not in"), ("ab", "must be a list")):
+                with pytest.raises(ValueError, match=message):
+                    tok.decode(ids)  # type: ignore[arg-type]  # deliberately wrong
+    with pytest.raises(ValueError, match="token id 300 is not in"):
+        ByteTokenizer().decode([300])
+    assert hf_tokenizer.decode([72, 5000, 73]) == hf_tokenizer.decode([72, 73])  # an id the tokenizer lacks decodes to nothing
+    with pytest.raises(ValueError, match="is not in"):
+        hf_tokenizer.decode([1 << 40])
+
+
+def test_a_bad_id_does_not_break_a_detokenizer(hf_tokenizer: HFTokenizer) -> None:
+    for tok in (hf_tokenizer, ByteTokenizer()):
+        detok = tok.detokenizer()
+        ids = tok.encode("def f(x): 🙂")
+        first = detok.push(ids[0])
+        with pytest.raises(ValueError):
+            detok.push(1 << 40)
+        rest = "".join(detok.push(t) for t in ids[1:]) + detok.flush()
+        assert first + rest == tok.decode(ids)
 
 
 def test_a_tokenizer_that_is_not_a_file_is_refused(tmp_path: Path) -> None:
@@ -109,3 +142,35 @@ def test_a_tokenizer_that_is_not_a_file_is_refused(tmp_path: Path) -> None:
         HFTokenizer(tmp_path / "tokenizer.json")
     with pytest.raises(CheckpointError, match="is a directory"):
         HFTokenizer(tmp_path)
+    from typeguard import suppress_type_checks
+
+    with suppress_type_checks():
+        for bad in (5, None, b"x", ""):
+            with pytest.raises(CheckpointError, match="a tokenizer path must be a non-empty str or Path"):
+                HFTokenizer(bad)  # type: ignore[arg-type]  # deliberately wrong
+
+
+def test_workload_loading_checks_its_tokenizer_and_arguments(tmp_path: Path, hf_tokenizer: HFTokenizer) -> None:
+    from typeguard import suppress_type_checks
+
+    from compiler.serve import builtin_workload, load_workload
+    from compiler.serve.load import tokenize_workload
+    from compiler.workload import WorkloadError
+
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "x"}\n')
+    with suppress_type_checks():
+        for bad in ("x", 5):
+            with pytest.raises(WorkloadError, match="load_workload: tokenizer must be a Tokenizer"):
+                load_workload(path, max_len=64, tokenizer=bad)  # type: ignore[arg-type]  # deliberately wrong
+        workload = builtin_workload(num_requests=2)
+        for kwargs, message in (
+            ({"tokenizer": None}, "tokenizer must be a Tokenizer"), ({"vocab": True}, "vocab must be an int"),
+            ({"vocab": 1.5}, "vocab must be an int"), ({"vocab": 0}, "vocab must be an int"),
+        ):
+            args = {"tokenizer": hf_tokenizer, "vocab": 400, **kwargs}
+            with pytest.raises(WorkloadError, match=message):
+                tokenize_workload(workload, args["tokenizer"], vocab=args["vocab"])  # type: ignore[arg-type]  # deliberately wrong
+        with pytest.raises(WorkloadError, match="workload must be a list of Request"):
+            tokenize_workload(None, hf_tokenizer, vocab=400)  # type: ignore[arg-type]  # deliberately wrong
+    assert [len(r.token_ids) > 0 for r in tokenize_workload(workload, hf_tokenizer, vocab=400)] == [True, True]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -151,17 +152,36 @@ HOSTILE_CONFIGS = [
     ("bamba", {"time_step_limit": [0.0]}, "field 'time_step_limit'"),
     ("nemotron_h", {"num_hidden_layers": 3, "layers_block_type": None, "hybrid_override_pattern": "M*-M-*"}, "field 'num_hidden_layers'"),
     ("bamba", {"eos_token_id": [2, "x"]}, "field 'eos_token_id'"),
+    # found by a red-team pass: each was a traceback, a hang or a silent acceptance
+    ("bamba", {"num_hidden_layers": 10**9}, "field 'num_hidden_layers': at most 256 layers"),
+    ("bamba", {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": {"__float__": "Infinity"}}}, "field 'partial_rotary_factor': must be a finite number"),
+    ("bamba", {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 1.5}}, "field 'partial_rotary_factor': must be in [0, 1]"),
+    ("bamba", {"rms_norm_eps": 10**400}, "field 'rms_norm_eps': must be a finite number, got an integer of 401 digits"),
+    ("granitemoehybrid", {"logits_scaling": 10**400}, "field 'logits_scaling': must be a finite number"),
+    ("nemotron_h", {"time_step_min": 10**400}, "field 'time_step_min': must be a finite number"),
+    ("bamba", {"time_step_limit": [0, 10**400]}, None),  # an infinite upper bound is no clamp: loads
+    ("bamba", {"time_step_limit": [10**400, 10**401]}, "field 'time_step_limit': must be [low, high]"),
+    ("bamba", {"time_step_limit": [0.5, 0.1]}, "field 'time_step_limit': must be [low, high]"),
+    ("bamba", {"attn_layer_indices": False}, "field 'attn_layer_indices': must be a list of layer indices"),
+    ("bamba", {"attn_layer_indices": {}}, "field 'attn_layer_indices': must be a list of layer indices"),
+    ("bamba", {"eos_token_id": 96}, "field 'eos_token_id': id 96 is not below the vocabulary size 96"),
+    ("bamba", {"eos_token_id": list(range(3, 70))}, "field 'eos_token_id': at most 64 ids, got 67"),
+    ("nemotron_h", {"layers_block_type": None, "hybrid_override_pattern": "M" * 300}, "field 'hybrid_override_pattern': at most 256 layers, got 300"),
 ]
 
 
 @pytest.mark.parametrize(("family", "changes", "message"), HOSTILE_CONFIGS)
 def test_a_config_batchc_cannot_serve_exactly_is_refused_in_one_line(
-    tmp_path: Path, family: str, changes: dict[str, Any], message: str,
+    tmp_path: Path, family: str, changes: dict[str, Any], message: str | None,
 ) -> None:
     save_hf_model(family, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg.update(changes)
-    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if not (v is None and k in changes and k != "model_type")}))
+    text = json.dumps({k: v for k, v in cfg.items() if not (v is None and k in changes and k != "model_type")})
+    (tmp_path / "config.json").write_text(text)
+    if message is None:
+        load_hf(tmp_path)
+        return
     with pytest.raises(CheckpointError) as e:
         load_hf(tmp_path)
     assert message in str(e.value) and "\n" not in str(e.value)
@@ -242,6 +262,11 @@ def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(tmp_path: Path) -> 
         ("config_huge", "config.json of 16777218 bytes is over the limit"),
         ("config_deep", "config.json is nested too deeply"),
         ("config_not_utf8", "cannot read config.json"),
+        ("config_long_int", "an integer of more than"),
+        ("generation_dangling", "no generation_config.json"),
+        ("no_tensors", "missing tensor"),
+        ("shard_extra", "tensor 'evil': in this shard, but model.safetensors.index.json does not list it here"),
+        ("bad_name", "shard 'a\\nb\\x1b[31m' must be a file name in the directory"),
     ],
 )
 def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: Path, setup: str, message: str) -> None:
@@ -263,6 +288,20 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: Path, setup: 
         (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     elif setup == "config_not_utf8":
         (d / "config.json").write_bytes(b'{"model_type": "\xff"}')
+    elif setup == "config_long_int":
+        (d / "config.json").write_text('{"hidden_size": ' + "9" * 5000 + "}")
+    elif setup == "generation_dangling":
+        (d / "generation_config.json").unlink()
+        (d / "generation_config.json").symlink_to(d / "gone.json")
+    elif setup == "no_tensors":
+        (d / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    elif setup == "shard_extra":
+        tensors = _tensors(d)
+        tensors["evil"] = torch.zeros(1)
+        _write(d, tensors)
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in tensors if n != "evil"}}))
+    elif setup == "bad_name":
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "a\nb\u001b[31m"}}))
     with pytest.raises(CheckpointError) as e:
         load_hf(d)
     assert message in str(e.value) and "\n" not in str(e.value)
@@ -273,5 +312,9 @@ def test_bad_arguments_are_refused() -> None:
         load_hf(3)  # type: ignore[arg-type]  # deliberately wrong: the refusal is what is tested
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_hf("x", dtype=torch.int64)
+    with suppress_type_checks(), pytest.raises(ValueError, match="dtype must be one of"):
+        load_hf("x", dtype=np.array([1, 2]))  # type: ignore[arg-type]  # deliberately wrong
+    with pytest.raises(ValueError, match="directory must be a path, got ''"):
+        load_hf("")
     with pytest.raises(ValueError, match="tpu"):
         load_hf("x", device="tpu")

@@ -117,6 +117,27 @@ def test_sharded_logits_equal_the_unsharded_model(tmp_path: Path) -> None:
         assert not bad, (rank, bad)
 
 
+def test_bad_shard_arguments_are_refused() -> None:
+    from typeguard import suppress_type_checks
+
+    from backend.tp import shard_model, shard_weights
+    from tests.helpers import tiny_model
+
+    m = tiny_model()
+    with suppress_type_checks():
+        for rank in (True, 1.0, "1", None, -1, 2):
+            with pytest.raises(ValueError, match="rank must be an int in"):
+                shard_weights(m.config, m.weights, rank, 2)  # type: ignore[arg-type]  # deliberately wrong
+        with pytest.raises(ValueError, match="collective must have all_reduce_sum"):
+            shard_model(m, 0, 2, None)  # type: ignore[arg-type]  # deliberately wrong
+        with pytest.raises(ValueError, match="model must be a HybridModel"):
+            shard_model(None, 0, 2, _NoSum())  # type: ignore[arg-type]  # deliberately wrong
+        with pytest.raises(ValueError, match="config must be a HybridConfig"):
+            check_tp(None, 2)  # type: ignore[arg-type]  # deliberately wrong
+        with pytest.raises(ValueError, match="weights do not match the config"):
+            shard_weights(m.config, {}, 0, 2)
+
+
 def test_a_tp_that_does_not_divide_is_refused() -> None:
     from tests.helpers import tiny_model
 

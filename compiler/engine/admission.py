@@ -34,9 +34,9 @@ MAX_TABLE_ENTRIES = 2**31
 MAX_POOL_BYTES = MAMBA_POOL_MAX_BYTES
 """Bound on each Mamba state pool's bytes (``backend.pool.MAX_POOL_BYTES``), checked up front."""
 MAX_RETRIES = 100
+"""Most re-executions of a failing forward."""
 MAX_STOPS = 64
 """Most stop ids of one request."""
-"""Most re-executions of a failing forward."""
 
 
 def engine_int(name: str, value: object, lo: int, hi: int | None = None) -> int:

@@ -47,7 +47,7 @@ from typing import Any
 
 import attrs
 
-from backend.hybrid.checkpoint import CheckpointError
+from backend.hybrid.checkpoint import CheckpointError, config_number
 from backend.hybrid.config import MAX_LAYERS, HybridConfig, LayerKind
 from ir.errors import short_repr
 
@@ -161,7 +161,7 @@ class _Fields:
         name = self.first(names)
         if name is None:
             return default
-        number = _number(self.raw[name])
+        number = config_number(self.raw[name])
         if number is None or not math.isfinite(number):
             raise self.fail(name, f"must be a finite number, got {_shown_number(self.raw[name])}")
         return number
@@ -200,16 +200,6 @@ class _Fields:
         if len(values) > MAX_EOS_IDS:
             raise self.fail(name, f"at most {MAX_EOS_IDS} ids, got {len(values)}")
         return tuple(dict.fromkeys(values))
-
-
-def _number(value: object) -> float | None:
-    """``value`` as a float (an int beyond the float range is infinite), or None if not a number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
 
 
 def _shown_number(value: object) -> str:
@@ -341,7 +331,7 @@ def parse_config(path: Path, raw: Mapping[str, Any]) -> HFConfig:
         eps = f.float_("rms_norm_eps", default=1e-5 if family == "bamba" else 1e-6)
         tie = f.bool_("tie_word_embeddings", default=False)
         limit = raw.get("time_step_limit", [0.0, math.inf])
-        bounds = [_number(v) for v in limit] if isinstance(limit, list) and len(limit) == 2 else [None]
+        bounds = [config_number(v) for v in limit] if isinstance(limit, list) and len(limit) == 2 else [None]
         if any(b is None or math.isnan(b) for b in bounds):
             raise f.fail("time_step_limit", f"must be a pair of numbers, got {short_repr(limit)}")
         lo, hi = bounds

@@ -87,6 +87,17 @@ def _field_kind(field: Any) -> str:
     return annotation
 
 
+def config_number(value: object) -> float | None:
+    """A JSON config value as a float (an int beyond the float range, 10**400, is infinite), or
+    None if it is not a number (``bool`` is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def config_from_json(path: str | Path, text: str) -> HybridConfig:
     """Parse and validate the ``config`` metadata of ``path`` (``CheckpointError`` naming the field)."""
     try:
@@ -129,10 +140,8 @@ def config_from_json(path: str | Path, text: str) -> HybridConfig:
                 raise CheckpointError(path, f"bad config: field {name!r} must be an integer, got {value!r}")
             kwargs[name] = value
         else:
-            try:
-                number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-            except OverflowError:  # an int beyond the float range (10**400)
-                number = math.inf
+            parsed = config_number(value)
+            number = math.nan if parsed is None else parsed
             if not math.isfinite(number):
                 shown = short_repr(value) if not isinstance(value, int) else f"an integer of {len(str(abs(value)))} digits"
                 raise CheckpointError(path, f"bad config: field {name!r} must be a finite number, got {shown}")

@@ -219,7 +219,7 @@ class HybridModel:
 
     def _reduced(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A row-parallel projection: ``_linear``, summed over the ranks of a shard."""
-        out = x @ self.weights[name].T
+        out = self._linear(x, name)
         if self.collective is not None:
             self.collective.all_reduce_sum(out)
         return out

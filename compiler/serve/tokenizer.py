@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from backend.hybrid.checkpoint import CheckpointError, file_kind
+from ir.columns import int_problem
+from ir.errors import short_repr
 
 REPLACEMENT = "\ufffd"
 MAX_ID = 1 << 32
@@ -31,9 +33,6 @@ MAX_TOKENIZER_BYTES = 256 << 20
 def check_ids(ids: object, vocab: int) -> list[int]:
     """``ids`` as a list of token ids in ``[0, vocab)`` (ints or numpy ints, never ``bool``,
     ``float`` or ``str``), or ``ValueError`` naming the first bad one."""
-    from ir.columns import int_problem
-    from ir.errors import short_repr
-
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, range)):
         raise ValueError(f"token ids must be a list or tuple of ints, got {short_repr(ids)}")
     out = []
@@ -49,8 +48,6 @@ def check_ids(ids: object, vocab: int) -> list[int]:
 
 
 def _check_text(text: object) -> str:
-    from ir.errors import short_repr
-
     if not isinstance(text, str):
         raise ValueError(f"text must be a str, got {short_repr(text)}")
     try:

@@ -40,6 +40,12 @@ other pools, and running it here would skip this pool's init ops. A ticket whose
 is returned to the ledger as outstanding. There is no path that applies an init op without
 consuming its ticket, and what is applied is the registered ticket's ops.
 
+A ``gate`` (a tensor-parallel rank's; ``backend.tp``) is told twice per plan: ``validated`` once the
+plan's checks and ticket claims passed and before anything is written (between (3) and (4); the
+ranks agree there that every rank accepted the plan), and ``applied`` once it ran, before its
+tickets count as consumed (the ranks agree there that every rank applied it). With a gate, an init
+ticket is consumed with the rest of the plan's tickets at ``applied``, never early.
+
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Generic, Never, NoReturn, TypeAlias, cast
+from typing import Any, Generic, Never, NoReturn, Protocol, TypeAlias, cast, runtime_checkable
 
 import attrs
 import numpy as np
@@ -71,6 +77,20 @@ from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Ver
 from ir.verify import VerifyLevel, verify_level_from_env
 
 Staged: TypeAlias = StagedExtend | StagedDecode | StagedWindow
+
+
+@runtime_checkable
+class Gate(Protocol):
+    """Where an executor's plan meets the other ranks of a tensor-parallel group (see the module).
+    Each is called at least once per plan, in this order; calls after the first are no-ops."""
+
+    def validated(self, plan: str) -> None:
+        """Every check of ``plan`` passed here and nothing is written yet; raises if another rank
+        refused it (then nothing runs anywhere)."""
+
+    def applied(self, plan: str) -> None:
+        """``plan`` ran here; raises if another rank did not get there (its tickets stay
+        outstanding)."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -97,12 +117,13 @@ class Executor(Generic[VerifyStateT]):
         slots: SlotAllocator | None = None,
         transactional: bool = False,
         watch: bool | None = None,
+        gate: Gate | None = None,
     ) -> None:
         """Arguments are checked before anything is kept (``IRValidationError`` naming
         ``Executor.<argument>`` and the value): ``pool`` a ``MambaStatePool``, ``ledger`` a
         ``Ledger``, ``model`` ``None`` or a ``ModelHook`` (an object with a ``forward``), ``slots``
         ``None`` or a ``SlotAllocator``, ``transactional`` a ``bool``, ``watch`` a ``bool`` or
-        ``None`` (0, 1 and ``'no'`` are not switches)."""
+        ``None`` (0, 1 and ``'no'`` are not switches), ``gate`` ``None`` or a ``Gate``."""
         from ir.columns import check_instance  # (imported here: this method's checks only)
 
         check_instance("Executor", "pool", pool, MambaStatePool)
@@ -111,6 +132,7 @@ class Executor(Generic[VerifyStateT]):
         check_instance("Executor", "slots", slots, SlotAllocator, optional=True)
         check_instance("Executor", "transactional", transactional, bool)
         check_instance("Executor", "watch", watch, bool, optional=True)
+        check_instance("Executor", "gate", gate, Gate, optional=True)
         if slots is not None and slots.capacity != pool.capacity:
             raise IRValidationError(
                 "Executor", "slots", slots, f"the slot allocator's capacity {slots.capacity} differs from the pool's {pool.capacity}"
@@ -120,6 +142,7 @@ class Executor(Generic[VerifyStateT]):
         self.watch = watch if watch is not None else verify_level_from_env() is VerifyLevel.EVERY_PASS
         self._seen: tuple[int, bytes] | None = None
         self.ledger = ledger
+        self.gate = gate
         self.model = model if model is not None else NoOpModel()
         self.slots = slots
         self._slots_ok: tuple[bytes, int] | None = None
@@ -147,12 +170,21 @@ class Executor(Generic[VerifyStateT]):
 
     def execute(self, plan: Plan) -> torch.Tensor | None:
         if not self.watch:
-            return self._execute(plan)
-        self._check_pool_untouched()
-        try:
-            return self._execute(plan)
-        finally:
-            self._seen = self._pool_stamp()
+            out = self._execute(plan)
+        else:
+            self._check_pool_untouched()
+            try:
+                out = self._execute(plan)
+            finally:
+                self._seen = self._pool_stamp()
+        if self.gate is not None:  # plans that reached neither point on their way (an idle plan)
+            self.gate.validated(type(plan).__name__)
+            self.gate.applied(type(plan).__name__)
+        return out
+
+    def _validated(self, plan: Plan) -> None:
+        if self.gate is not None:
+            self.gate.validated(type(plan).__name__)
 
     def _execute(self, plan: Plan) -> torch.Tensor | None:
         match plan:
@@ -204,25 +236,32 @@ class Executor(Generic[VerifyStateT]):
             # its requests' state undefined (the driver aborts them) and its snapshot outstanding
             with self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
                 _check_fresh_rows(plan, ext, claim.tickets)
+                self._validated(plan)
                 for t in claim.tickets:
                     if isinstance(t, InitTicket):
                         apply_init(self.pool, t.init)
-                        claim.done(t)
+                        if self.gate is None:
+                            claim.done(t)
                 out = self._forward(plan, extend, decode)
                 faults.check(faults.FaultPoint.MODEL_FORWARD)
                 self._snapshots(claim)
+                if self.gate is not None:
+                    self.gate.applied(type(plan).__name__)
             self._mixed_sampled(plan, out)
             return out
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
         # and every ticket is outstanding again, so the same plan can simply be executed again
         with restoring(self.pool, rows), self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
             _check_fresh_rows(plan, ext, claim.tickets)
+            self._validated(plan)
             for t in claim.tickets:
                 if isinstance(t, InitTicket):
                     apply_init(self.pool, t.init)
             out = self._forward(plan, extend, decode)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
             self._snapshots(claim)
+            if self.gate is not None:
+                self.gate.applied(type(plan).__name__)
         self._mixed_sampled(plan, out)
         return out
 
@@ -294,6 +333,7 @@ class Executor(Generic[VerifyStateT]):
         self._check_fresh("draft", did)
         self._check_rows(plan.batch.slots, "DraftPlan")
         staged = stage_window(plan.batch, self.pool.device)
+        self._validated(plan)
         with self._watched("the model hook's propose", plan, staged):
             out, states = self._spec_model(plan).propose(plan, staged, self.pool)
         if self._kept_draft is not None:
@@ -309,6 +349,7 @@ class Executor(Generic[VerifyStateT]):
         self._check_fresh("verify", vid)
         self._check_rows(plan.batch.slots, "VerifyPlan")
         staged = stage_window(plan.batch, self.pool.device)
+        self._validated(plan)
         with self._watched("the model hook's verify", plan, staged):
             out, states = self._spec_model(plan).verify(plan, staged, self.pool)
         self._keep("verify", vid, plan.batch.slots, plan.batch.k, states)
@@ -357,6 +398,7 @@ class Executor(Generic[VerifyStateT]):
                 f"commit of {phase} #{serial} names slots {plan.batch.slots.tolist()} with k={plan.batch.k}; "
                 f"the {phase} ran on slots {ran} with k={kept.k} on pool {self.pool.pool_id!r}"
             )
+        self._validated(plan)
         with self._unit(plan.batch.slots):
             with self._watched("the model hook's commit", plan):
                 self._spec_model(plan).commit(plan, kept.states, self.pool)
@@ -374,6 +416,7 @@ class Executor(Generic[VerifyStateT]):
         return out
 
     def _forward(self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor | None:
+        self._validated(plan)
         with self._watched("the model hook", plan, extend, decode):
             out = self.model.forward(plan, extend, decode, self.pool)
         return out

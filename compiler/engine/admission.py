@@ -67,6 +67,7 @@ def check_engine_args(
     mixed: object,
     pm: object,
     overlap: object = False,
+    tp: object = None,
 ) -> None:
     """``Engine``'s argument checks, all before anything is allocated (``PreconditionError`` naming
     the argument and the value): counts are ints (numpy
@@ -78,7 +79,8 @@ def check_engine_args(
     ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``ServedModel`` (a ``HybridModel``, or
     any model with the protocol's methods); ``draft`` a ``ServedModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
     0``); ``mixed`` and ``overlap`` ``bool``s; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
-    ``PassManager`` or ``None``."""
+    ``PassManager`` or ``None``; ``tp`` ``None`` or rank 0's ``backend.tp.TPLeader`` with no session
+    open, neither with ``overlap`` nor with ``retries`` (a rank's failed forward is fatal to the group)."""
     kk = engine_int("k", k, 0, MAX_K)
     slots = engine_int("capacity", capacity, 1, MAX_CAPACITY)
     engine_int("kv_capacity", kv_capacity, 1, MAX_KV_CAPACITY)
@@ -122,6 +124,17 @@ def check_engine_args(
         )
     if pm is not None and not isinstance(pm, PassManager):
         raise PreconditionError("Engine", f"pm must be a PassManager or None, not {type(pm).__name__} (got {short_repr(pm)})")
+    if tp is not None:
+        from backend.tp.serve import TPLeader
+
+        if not isinstance(tp, TPLeader):
+            raise PreconditionError("Engine", f"tp must be a backend.tp.TPLeader or None, not {type(tp).__name__} (got {short_repr(tp)})")
+        if overlap:
+            raise PreconditionError("Engine", "tp and overlap: a tensor-parallel rank runs its shard in its own process already")
+        if retries:
+            raise PreconditionError("Engine", f"tp with retries {retries}: a forward that fails on a rank is fatal to the group, never retried")
+        if tp.pools is not None:
+            raise PreconditionError("Engine", "tp: the leader's session is in use by another engine (close that engine first)")
 
 
 def check_request(

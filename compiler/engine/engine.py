@@ -39,6 +39,7 @@ from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.model import ServedModel, ServingModelHook
 from backend.remote import ExecutorProcess
+from backend.tp.serve import RankLedgers, TPExecutor, TPLeader
 from compiler.engine.admission import check_engine_args, check_request
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
 from compiler.engine.chunks import ChunkPlanner
@@ -75,15 +76,21 @@ class Engine:
         mixed: bool = True,
         pm: PassManager | None = None,
         overlap: bool = False,
+        tp: TPLeader | None = None,
     ) -> None:
         """Every argument is checked before anything is allocated (``check_engine_args``: types and
         bounds, ``PreconditionError`` naming the argument and the value). ``overlap``: run each
-        model's executor in its own process (see the module)."""
+        model's executor in its own process (see the module). ``tp``: rank 0 of a tensor-parallel
+        group (``backend.tp``): ``target`` and ``draft`` are rank 0's shards, every plan runs on
+        every rank, and ``close`` gathers every rank's ledger counts into ``tp_ledgers``."""
         check_engine_args(
             target, draft, k=k, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, chunk_size=chunk_size,
-            token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm, overlap=overlap,
+            token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm, overlap=overlap, tp=tp,
         )
         self.overlap = overlap
+        self.tp = tp
+        self.tp_ledgers: RankLedgers | None = None
+        """With ``tp``: every rank's ledger counts, gathered by ``close``."""
         k, capacity, kv_capacity, max_len, retries = int(k), int(capacity), int(kv_capacity), int(max_len), int(retries)
         self.k, self.vocab, self.retries, self.mixed, self.max_len = k, target.vocab, retries, mixed, max_len
         self.cache = prefix_cache
@@ -97,6 +104,9 @@ class Engine:
         pools = (TARGET_POOL, DRAFT_POOL) if k > 0 else (TARGET_POOL,)
         self.pipeline = Pipeline(self.ledger, LowerContext(pools=pools), pm)
         self._hooks: list[ServingModelHook[Any]] = []
+        if tp is not None:
+            tp.open_session(pools if draft is not None else (TARGET_POOL,), capacity=capacity, kv_capacity=kv_capacity,
+                            max_len=max_len, transactional=retries > 0)
         self.target = self._executor(target, TARGET_POOL, capacity, kv_capacity)
         self.draft: Backend | None = None
         try:
@@ -160,6 +170,8 @@ class Engine:
         pool = model.new_pool(capacity, pool_id=pool_id)
         hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=self.max_len)
         self._hooks.append(hook)
+        if self.tp is not None:
+            return TPExecutor(self.tp, Executor(pool, self.ledger, hook, slots=self.slots, gate=self.tp.gate))
         # with retries, each forward is one transactional unit that can simply run again
         return Executor(pool, self.ledger, hook, slots=self.slots, transactional=self.retries > 0)
 
@@ -172,6 +184,8 @@ class Engine:
         for ex in self._executors():
             if isinstance(ex, ExecutorProcess):
                 ex.share_prefix(src, dst, length)
+        if self.tp is not None:
+            self.tp.share_prefix(src, dst, length)
 
     @staticmethod
     def _close(ex: Backend | None) -> None:
@@ -179,9 +193,12 @@ class Engine:
             ex.close()
 
     def close(self) -> None:
-        """Stop the executor processes (``overlap``); a no-op otherwise. Later steps fail."""
+        """Stop the executor processes (``overlap``); with ``tp``, end the group's session, gathering
+        every rank's ledger counts into ``tp_ledgers`` (unless the group is broken). Later steps fail."""
         for ex in self._executors():
             self._close(ex)
+        if self.tp is not None and self.tp.pools is not None and self.tp.group.broken is None and self.tp_ledgers is None:
+            self.tp_ledgers = self.tp.close_session(self.ledger)
 
     def __enter__(self) -> Engine:
         return self

@@ -2,7 +2,8 @@
 
 With ``retries > 0`` the executors are transactional (a failed forward leaves nothing behind), so a
 forward that raises is simply executed again. A ``BatchcError`` is never retried: a plan that does
-not fit its backend is a bug, not a fault. When every attempt fails, ``StepFailed`` carries the
+not fit its backend is a bug, not a fault; nor is ``backend.tp``'s ``RankFailed``: a rank that failed
+breaks its tensor-parallel group, and the engine stops. When every attempt fails, ``StepFailed`` carries the
 plan's requests; the engine aborts them through its release path and serving goes on.
 
 ``submit`` and ``wait`` split a run in two, so the scheduler can do host work while the forward
@@ -18,6 +19,8 @@ import torch
 
 from backend.executor import AnyExecutor
 from backend.remote import ExecutorGone, ExecutorProcess, Pending
+from backend.tp.group import RankFailed
+from backend.tp.serve import TPExecutor
 from compiler.engine.report import SpecStats
 from ir.errors import BatchcError
 from ir.ids import RequestId
@@ -25,8 +28,9 @@ from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
-Backend: TypeAlias = AnyExecutor | ExecutorProcess
-"""Where the engine's plans run: an executor in this process or one in its own process."""
+Backend: TypeAlias = AnyExecutor | ExecutorProcess | TPExecutor
+"""Where the engine's plans run: an executor in this process, one in its own process, or rank 0's of
+a tensor-parallel group."""
 
 
 class StepFailed(Exception):
@@ -110,8 +114,8 @@ class ForwardRunner:
         for attempt in range(attempts):
             try:
                 return ex.execute(plan)
-            except BatchcError:
-                raise  # a plan that does not fit is a bug, not a fault to retry
+            except (BatchcError, RankFailed):
+                raise  # a plan that does not fit is a bug, and a failed rank breaks its group: neither is retried
             except Exception as exc:
                 if attempt < attempts - 1:
                     self.stats.retries += 1

@@ -1,0 +1,330 @@
+"""A tensor-parallel group's channel: rank 0's messages to the workers, the ranks' agreement on each
+plan, and how a failed rank is named. Everything travels through ``torch.distributed`` (a broadcast
+from rank 0, all-reduces, all-gathers on a gloo group) and its ``TCPStore``; nothing is pickled.
+
+Timeouts: every collective of the group fails after ``timeout_s`` without its peers (gloo's process
+group timeout); a rank that dies is noticed at once (its sockets close). The workers wait at most
+``timeout_s`` for rank 0's next message, so a rank 0 that idles longer sends ``TPLeader.ping``.
+
+When a collective fails, ``failure`` names the rank that caused it: a rank that raised left its
+cause in the store (``report_fault``) before it went; a rank that was killed is found by its process
+(a child this rank spawned, or a process of this host whose pid the rank registered); otherwise the
+group's own error is reported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import torch
+import torch.distributed as dist
+from torch.distributed import (  # type: ignore[attr-defined]  # public at run time (torch.distributed re-exports them); not listed in its __all__
+    PrefixStore,
+    Store,
+    TCPStore,
+)
+
+from ir.errors import BatchcError
+
+MAX_PAYLOAD: Final = 1 << 31
+"""Largest message the workers accept (an ``ir.wire`` message's own bound)."""
+_DETAIL_BYTES: Final = 2000
+_GRACE_S: Final = 3.0
+"""How long ``failure`` looks for the cause a failing rank reports before it settles for less."""
+
+
+class Msg(enum.IntEnum):
+    """The kinds of rank 0's messages."""
+
+    START = 1  # a serving session: pools, sizes, rank 0's serial epoch (JSON)
+    PLAN = 2  # arg: the pool's index; payload: an ir.wire plan message
+    SHARE = 3  # the token table's share_prefix (JSON [src, dst, length])
+    FORGET = 4  # arg: the pool's index; Executor.forget_verifies
+    CANCEL = 5  # cancel every outstanding ticket (JSON reason)
+    CLOSE = 6  # end the session: every rank's ledger counts are gathered
+    SHUTDOWN = 7  # the worker returns
+    PING = 8  # nothing: rank 0 is alive
+    ARM = 9  # tests: arm a fault point on one rank (JSON [rank, point, after])
+
+
+class RankFailed(RuntimeError):
+    """A rank of the group died, raised after it had accepted a plan, or stopped answering: the
+    group cannot go on. ``rank`` is the rank that failed (None when it cannot be told)."""
+
+    def __init__(self, rank: int | None, cause: str) -> None:
+        who = f"tensor-parallel rank {rank}" if rank is not None else "a tensor-parallel rank"
+        super().__init__(f"{who} failed: {cause}")
+        self.rank = rank
+        self.cause = cause
+
+
+class RankRefused(BatchcError):
+    """One or more ranks refused a plan message before anything ran (a replayed, out-of-order or
+    forged message, a plan its checks refuse): no rank ran it. ``refusals``: (rank, why)."""
+
+    def __init__(self, plan: str, refusals: Sequence[tuple[int, str]]) -> None:
+        said = "; ".join(f"rank {r}: {why}" for r, why in refusals)
+        super().__init__(f"{plan} refused by the tensor-parallel group ({said})")
+        self.refusals = tuple(refusals)
+
+
+def one_line(exc: BaseException) -> str:
+    """``Kind: first line of the message``, at most a few hundred characters."""
+    text = " ".join(str(exc).split()) or "(no message)"
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
+class TPGroup:
+    """One rank's handle on the group (``torch.distributed`` initialised over ``store``)."""
+
+    def __init__(self, *, rank: int, world: int, store: Store, timeout_s: float,
+                 procs: dict[int, subprocess.Popen[bytes]] | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised (connect first)")
+        self.rank, self.world, self.store, self.timeout_s = rank, world, store, timeout_s
+        self.procs = dict(procs or {})
+        """The workers this rank started (rank 0 under ``batchc run --tp``), by rank."""
+        # messages and agreements on a CPU (gloo) group even when the model's sums run on NCCL
+        self.cpu_group: dist.ProcessGroup | None = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.broken: RankFailed | None = None
+        self.message_s = 0.0
+        """Seconds this rank spent in message broadcasts (sending or receiving)."""
+        self.agree_s = 0.0
+        """Seconds this rank spent in the per-plan agreements."""
+        self.messages = 0
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def send(self, kind: Msg, payload: bytes = b"", arg: int = 0) -> None:
+        """Rank 0: broadcast one message to every worker (returns once they have it)."""
+        assert self.rank == 0, "only rank 0 sends"
+        t0 = time.perf_counter()
+        self._collective(lambda: dist.broadcast(torch.tensor([int(kind), len(payload), arg], dtype=torch.int64), 0, group=self.cpu_group))
+        if payload:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            self._collective(lambda: dist.broadcast(buf, 0, group=self.cpu_group))
+        self.message_s += time.perf_counter() - t0
+        self.messages += 1
+
+    def receive(self) -> tuple[Msg, int, bytes]:
+        """A worker: the next message from rank 0 (``RankFailed`` when rank 0 is gone or sent
+        nothing within the timeout)."""
+        head = torch.zeros(3, dtype=torch.int64)
+        self._collective(lambda: dist.broadcast(head, 0, group=self.cpu_group))
+        t0 = time.perf_counter()
+        kind, size, arg = (int(x) for x in head.tolist())
+        if not 0 <= size <= MAX_PAYLOAD or kind not in Msg._value2member_map_:
+            raise RankFailed(0, f"sent a message header this rank cannot read (kind {kind}, {size} bytes)")
+        data = b""
+        if size:
+            buf = torch.empty(size, dtype=torch.uint8)
+            self._collective(lambda: dist.broadcast(buf, 0, group=self.cpu_group))
+            data = buf.numpy().tobytes()
+        self.message_s += time.perf_counter() - t0
+        self.messages += 1
+        return Msg(kind), arg, data
+
+    # -- agreement -----------------------------------------------------------------------------
+
+    def agree(self, ok: bool, detail: str = "") -> list[tuple[int, str]]:
+        """Every rank says whether it accepted the current plan; returns the refusals (rank, why),
+        empty when every rank accepted. Every rank gets the same answer."""
+        t0 = time.perf_counter()
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        self._collective(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.cpu_group))
+        if int(flag.item()) == 1:
+            self.agree_s += time.perf_counter() - t0
+            return []
+        data = b"" if ok else ((detail or "refused").encode()[:_DETAIL_BYTES])
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self._collective(lambda: dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.cpu_group))
+        width = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        parts = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world)]
+        self._collective(lambda: dist.all_gather(parts, mine, group=self.cpu_group))
+        self.agree_s += time.perf_counter() - t0
+        return [
+            (r, parts[r][: int(sizes[r].item())].numpy().tobytes().decode(errors="replace"))
+            for r in range(self.world) if int(sizes[r].item())
+        ]
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        """The model's sum across ranks (``backend.hybrid.model.Collective``), on the default group."""
+        self._collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
+
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on every rank), by rank."""
+        mine = torch.tensor(list(values), dtype=torch.int64)
+        parts = [torch.zeros_like(mine) for _ in range(self.world)]
+        self._collective(lambda: dist.all_gather(parts, mine, group=self.cpu_group))
+        return [[int(x) for x in p.tolist()] for p in parts]
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _collective(self, op: Callable[[], object]) -> None:
+        if self.broken is not None:
+            raise self.broken
+        try:
+            op()
+        except RuntimeError as exc:
+            self.broken = self.failure(exc)
+            raise self.broken from None
+
+    def report_fault(self, cause: str) -> None:
+        """Leave this rank's cause of failure where the others look for it (best effort: the store
+        may be gone with rank 0)."""
+        try:
+            self.store.set(f"fault/{self.rank}", cause[:_DETAIL_BYTES])
+        except Exception:  # noqa: BLE001 - the store went with rank 0; the others learn from the closed sockets
+            pass
+
+    def failure(self, exc: BaseException) -> RankFailed:
+        """The ``RankFailed`` for a collective that raised ``exc``: the rank that reported a fault,
+        else a rank whose process is gone, else the group's own error."""
+        if isinstance(exc, RankFailed):
+            return exc
+        deadline = time.monotonic() + _GRACE_S
+        while True:
+            try:
+                for r in range(self.world):
+                    if r != self.rank and self.store.check([f"fault/{r}"]):
+                        return RankFailed(r, self.store.get(f"fault/{r}").decode(errors="replace"))
+            except Exception:  # noqa: BLE001 - the store is gone: it lived with rank 0
+                if self.rank != 0:
+                    return RankFailed(0, f"its process is gone (the group's store is unreachable; {one_line(exc)})")
+            gone = self._gone()
+            if gone is not None:
+                return RankFailed(*gone)
+            if time.monotonic() > deadline:
+                return RankFailed(None, f"no answer within {self.timeout_s:g} s or a lost connection ({one_line(exc)})")
+            time.sleep(0.05)
+
+    def _gone(self) -> tuple[int, str] | None:
+        for r, proc in sorted(self.procs.items()):
+            code = proc.poll()
+            if code is not None:
+                return r, (f"its process was killed by signal {-code}" if code < 0 else f"its process exited with status {code}")
+        host = socket.gethostname()
+        for r in range(self.world):
+            if r == self.rank or r in self.procs:
+                continue
+            try:
+                where = self.store.get(f"pid/{r}").decode() if self.store.check([f"pid/{r}"]) else ""
+            except Exception:  # noqa: BLE001 - the store is gone
+                return None
+            h, _, pid = where.rpartition(":")
+            if h == host and pid.isdigit() and not _alive(int(pid)):
+                return r, "its process is gone"
+        return None
+
+    def close(self, *, wait_s: float = 30.0) -> None:
+        """Leave the group: destroy the process group (a peer still waiting in a collective fails at
+        once) and wait for the workers this rank started, killing any still running after
+        ``wait_s``."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group: its sockets close with it anyway
+                pass
+        deadline = time.monotonic() + wait_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+# -- joining a group -----------------------------------------------------------------------------
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """``(rank, world)`` when this process was started as a rank (by ``torchrun``, or by
+    ``spawn_workers``): the ``RANK`` and ``WORLD_SIZE`` environment variables; else None."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    if not (rank.isdigit() and world.isdigit() and 0 <= int(rank) < int(world)):
+        raise ValueError(f"RANK {rank!r} and WORLD_SIZE {world!r} must be ints with 0 <= RANK < WORLD_SIZE")
+    return int(rank), int(world)
+
+
+def connect(rank: int, world: int, *, timeout_s: float, start_timeout_s: float = 600.0, backend: str = "gloo") -> TPGroup:
+    """Join the group the environment describes (``MASTER_ADDR``, ``MASTER_PORT``: ``torchrun``'s
+    or ``spawn_workers``'s). Under ``torchrun`` the agent's store is used as is."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port_text = os.environ.get("MASTER_PORT", "")
+    if not port_text.isdigit():
+        raise ValueError(f"MASTER_PORT must be a port number, got {port_text!r}")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = TCPStore(addr, int(port_text), world, is_master=rank == 0 and not agent,
+                          timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
+    return _join(PrefixStore("batchc", store), rank, world, timeout_s, backend, {})
+
+
+def _join(store: Store, rank: int, world: int, timeout_s: float, backend: str,
+          procs: dict[int, subprocess.Popen[bytes]]) -> TPGroup:
+    store.set(f"pid/{rank}", f"{socket.gethostname()}:{os.getpid()}")
+    dist.init_process_group(backend, store=PrefixStore("pg", store), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TPGroup(rank=rank, world=world, store=store, timeout_s=timeout_s, procs=procs)
+
+
+def spawn_workers(world: int, command: Sequence[str], *, timeout_s: float, start_timeout_s: float = 600.0,
+                  backend: str = "gloo", env: dict[str, str] | None = None) -> TPGroup:
+    """Rank 0 of a group on this machine: start ``world - 1`` worker processes running ``command``
+    (with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, as
+    ``torchrun`` would) and join the group with them. A worker that exits before it joins, or does
+    not join within ``start_timeout_s``, is reported as ``RankFailed`` (and every worker stopped)."""
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
+    base = dict(os.environ if env is None else env)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world))
+    base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    base.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # a worker whose rank 0 is gone says so in one line, not a C++ warning
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    try:
+        for r in range(1, world):
+            procs[r] = subprocess.Popen(list(command), env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.DEVNULL)
+        prefixed = PrefixStore("batchc", store)
+        deadline = time.monotonic() + start_timeout_s
+        waiting = set(procs)
+        while waiting:  # each worker registers its pid before it joins the process group
+            for r in sorted(waiting):
+                code = procs[r].poll()
+                if prefixed.check([f"pid/{r}"]):
+                    waiting.discard(r)
+                elif code is not None:
+                    raise RankFailed(r, f"its process exited with status {code} before joining the group")
+            if waiting and time.monotonic() > deadline:
+                raise RankFailed(min(waiting), f"did not join the group within {start_timeout_s:g} s")
+            time.sleep(0.05)
+        return _join(prefixed, 0, world, timeout_s, backend, procs)
+    except BaseException:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        raise

@@ -1,0 +1,467 @@
+"""Serving over a tensor-parallel group: one scheduler (rank 0), one authority over the tickets.
+
+Rank 0 schedules, lowers and mints serials; its engine runs each plan on its own shard through a
+``TPExecutor``, which first broadcasts the plan to the workers as an ``ir.wire`` message with the
+next step number (the format the executor processes of ``backend.remote`` read: one protocol).
+A worker (``serve_worker``) refuses a message whose step number is not the next one (numbers count
+the plans the group accepted: a replayed message carries an old one, a reordered one a later one),
+rebuilds the plan through the IR constructors, admits its tickets into its own ledger (which trusts serials of
+rank 0's epoch only: ``Ledger.trust_peer``) and runs it on its shard with its own ``Executor``.
+
+Every rank's executor meets the others twice per plan (``TPGate``, the executor's ``Gate``):
+
+1. ``validated``: every check passed and nothing is written yet. An all-reduce of an ok flag: if any
+   rank refused (a replayed, out-of-order or forged message, a plan its ledger or checks refuse),
+   every rank releases its claims and raises ``RankRefused`` naming each refusing rank and why;
+   nothing ran anywhere, and the workers serve on. This also keeps the model's collectives in
+   lockstep: no rank enters a forward that another has refused.
+2. ``applied``: the plan ran. A second all-reduce before the ledger's consuming block ends, so a
+   ticket counts as consumed on a rank only once every rank applied its op.
+
+A failure after point 1 (a rank that raises in its forward, dies, or stops answering) cannot be
+undone on the others: it is fatal for the group. The failing rank leaves its cause in the group's
+store and leaves; the others' collectives fail (at once for a closed connection, after the group's
+timeout for a silent rank), and rank 0 raises ``RankFailed`` naming the rank and the cause, then
+closes the group, so the workers it started exit too.
+
+A serving session (``TPLeader.open_session`` ... ``close_session``) is one engine's life: the workers
+build their pools and caches from rank 0's sizes, and at the end every rank's ledger counts are
+gathered (``RankLedgers``), so rank 0 can check that every rank consumed the same tickets and that
+every ledger is drained.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+import torch
+
+from backend import faults
+from backend.executor import Executor
+from backend.ledger import Ledger, PoolCounts
+from backend.model import ServedModel, ServingModelHook
+from backend.remote import plan_tickets
+from backend.tp.group import Msg, RankFailed, RankRefused, TPGroup, one_line
+from ir.errors import IRValidationError
+from ir.ids import PoolId
+from ir.init import this_epoch
+from ir.nodes import Plan
+from ir.wire import WireError, pack, unpack
+
+
+class _State(enum.Enum):
+    NEW = 0  # the plan's checks are running
+    AGREEING = 1  # in a collective of the gate
+    VALIDATED = 2  # every rank accepted it; it is being applied
+    APPLIED = 3  # every rank applied it
+    REFUSED = 4  # some rank refused it; nothing ran
+
+
+class TPGate:
+    """A rank's ``Gate`` (``backend.executor``): the two agreements of each plan (see the module)."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self.state = _State.APPLIED
+        self.step = -1
+
+    def begin(self, step: int) -> None:
+        self.state, self.step = _State.NEW, step
+
+    def validated(self, plan: str) -> None:
+        if self.state is not _State.NEW:
+            return
+        self.state = _State.AGREEING
+        refusals = self.group.agree(True)
+        if refusals:
+            self.state = _State.REFUSED
+            raise RankRefused(f"{plan} (plan message {self.step})", refusals)
+        self.state = _State.VALIDATED
+
+    def applied(self, plan: str) -> None:
+        if self.state is _State.NEW:
+            self.validated(plan)
+        if self.state is not _State.VALIDATED:
+            return
+        self.state = _State.AGREEING
+        self.group.agree(True)  # a rank that did not get here is gone: this raises RankFailed
+        self.state = _State.APPLIED
+
+    def refuse(self, detail: str) -> list[tuple[int, str]]:
+        """This rank refuses the plan before point 1 (its checks raised): tell the others."""
+        self.state = _State.REFUSED
+        return self.group.agree(False, detail)
+
+
+def _settle(group: TPGroup, gate: TPGate, exc: BaseException, plan: str) -> BaseException:
+    """What a rank's exception out of a plan means for the group: the exception to raise. A refusal
+    before point 1 is agreed on (every rank learns of it) and the group serves on; anything after
+    point 1 breaks the group, with this rank's cause left in the store."""
+    if isinstance(exc, RankFailed):
+        return exc
+    if gate.state is _State.NEW:
+        gate.refuse(f"{one_line(exc)} (plan message {gate.step})")
+        return exc
+    if gate.state is _State.REFUSED and isinstance(exc, RankRefused):
+        return exc
+    cause = f"{one_line(exc)} in {plan} (plan message {gate.step})"
+    group.report_fault(cause)
+    failed = RankFailed(group.rank, cause)
+    group.broken = failed
+    return failed
+
+
+@attrs.frozen(kw_only=True)
+class LedgerCounts:
+    """One rank's ledger on one pool at the end of a session."""
+
+    minted: PoolCounts
+    consumed: PoolCounts
+    outstanding: int
+    in_flight: int
+    cancelled: int
+
+    def to_ints(self) -> list[int]:
+        return [*attrs.astuple(self.minted), *attrs.astuple(self.consumed), self.outstanding, self.in_flight, self.cancelled]
+
+    @classmethod
+    def from_ints(cls, v: Sequence[int]) -> LedgerCounts:
+        names = [f.name for f in attrs.fields(PoolCounts)]
+        return cls(minted=PoolCounts(**dict(zip(names, v[0:4], strict=True))), consumed=PoolCounts(**dict(zip(names, v[4:8], strict=True))),
+                   outstanding=v[8], in_flight=v[9], cancelled=v[10])
+
+    @classmethod
+    def of(cls, ledger: Ledger, pool: PoolId) -> LedgerCounts:
+        return cls(
+            minted=ledger.minted(pool), consumed=ledger.counts(pool),
+            outstanding=sum(t.pool == pool for t in ledger.outstanding()), in_flight=sum(t.pool == pool for t in ledger.in_flight()),
+            cancelled=sum(p == pool for _, p in ledger.cancelled()),
+        )
+
+
+_WIDTH: Final = 11
+
+
+@attrs.frozen(kw_only=True)
+class RankLedgers:
+    """Every rank's ledger counts at the end of a session: ``ranks[r][pool]``."""
+
+    pools: tuple[PoolId, ...]
+    ranks: tuple[Mapping[PoolId, LedgerCounts], ...]
+
+    @property
+    def equal(self) -> bool:
+        """Every rank minted and consumed the same ops on every pool."""
+        return all(r == self.ranks[0] for r in self.ranks)
+
+    @property
+    def drained(self) -> bool:
+        """No rank holds a ticket that is outstanding or in flight."""
+        return all(c.outstanding == 0 and c.in_flight == 0 for r in self.ranks for c in r.values())
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "equal": self.equal, "drained": self.drained,
+            "ranks": [{p: attrs.asdict(c) for p, c in r.items()} for r in self.ranks],
+        }
+
+
+def _counts(ledger: Ledger, pools: Sequence[PoolId]) -> list[int]:
+    return [x for p in pools for x in LedgerCounts.of(ledger, p).to_ints()]
+
+
+def _rank_ledgers(pools: Sequence[PoolId], gathered: list[list[int]]) -> RankLedgers:
+    return RankLedgers(pools=tuple(pools), ranks=tuple(
+        {p: LedgerCounts.from_ints(v[i * _WIDTH : (i + 1) * _WIDTH]) for i, p in enumerate(pools)} for v in gathered
+    ))
+
+
+# -- rank 0 ------------------------------------------------------------------------------------
+
+
+class TPLeader:
+    """Rank 0's side of the group: it sends every plan and request to the workers, in order."""
+
+    def __init__(self, group: TPGroup) -> None:
+        given: object = group
+        if not isinstance(given, TPGroup) or group.rank != 0:
+            raise IRValidationError("TPLeader", "group", given, "must be rank 0's TPGroup")
+        self.group = group
+        self.gate = TPGate(group)
+        self.step = 0
+        """The step number of the next plan message."""
+        self.pools: tuple[PoolId, ...] | None = None
+        """The open session's pools (None between sessions)."""
+        self.plans = 0
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    def _check(self) -> None:
+        if self.group.broken is not None:
+            raise self.group.broken
+
+    def _fatal(self, failed: BaseException) -> BaseException:
+        if isinstance(failed, RankFailed):
+            self.group.broken = failed
+            self.group.close(wait_s=10.0)  # the workers' collectives fail at once; those started here exit
+        return failed
+
+    def open_session(self, pools: Sequence[PoolId], *, capacity: int, kv_capacity: int, max_len: int, transactional: bool) -> None:
+        """The workers build a pool and caches per pool (``RankRefused`` if one cannot)."""
+        self._check()
+        if self.pools is not None:
+            raise RuntimeError("a tensor-parallel session is already open (one engine at a time)")
+        cfg = {"pools": list(pools), "capacity": capacity, "kv_capacity": kv_capacity, "max_len": max_len,
+               "transactional": transactional, "epoch": this_epoch()}
+        try:
+            self.group.send(Msg.START, json.dumps(cfg).encode())
+            refusals = self.group.agree(True)
+        except RankFailed as exc:
+            raise self._fatal(exc) from None
+        if refusals:
+            raise RankRefused("the session start", refusals)
+        self.pools = tuple(pools)
+
+    def execute(self, pool: PoolId, ex: Executor[Any], plan: Plan) -> torch.Tensor | None:
+        """Send ``plan`` for ``pool`` and run it on rank 0's shard with ``ex``."""
+        self._check()
+        index = self._index(pool)
+        data = pack(self.step, plan)  # (a plan that cannot be packed is refused before anything is sent)
+        try:
+            self.group.send(Msg.PLAN, data, arg=index)
+        except RankFailed as exc:
+            raise self._fatal(exc) from None
+        self.gate.begin(self.step)
+        try:
+            out = ex.execute(plan)
+            self.step += 1  # (numbers count accepted plans: a refused one's number is the next plan's)
+            self.plans += 1
+            return out
+        except BaseException as exc:
+            try:
+                out = _settle(self.group, self.gate, exc, type(plan).__name__)
+            except RankFailed as failed:
+                raise self._fatal(failed) from None
+            raise self._fatal(out) from (None if out is exc else exc)
+
+    def send_raw(self, pool: PoolId, data: bytes) -> list[tuple[int, str]]:
+        """Tests: send ``data`` as a plan message for ``pool`` without running anything here or
+        advancing the step number, and return the workers' refusals. A message every worker
+        accepts would run on their shards only, out of step with this rank: the group is then
+        broken (``RankFailed``)."""
+        self._check()
+        try:
+            self.group.send(Msg.PLAN, bytes(data), arg=self._index(pool))
+            refusals = self.group.agree(True)
+        except RankFailed as exc:
+            raise self._fatal(exc) from None
+        if not refusals:
+            raise self._fatal(RankFailed(None, "the workers accepted a raw plan message that rank 0 did not run: out of step"))
+        return refusals
+
+    def _index(self, pool: PoolId) -> int:
+        if self.pools is None:
+            raise RuntimeError("no tensor-parallel session is open (TPLeader.open_session)")
+        if pool not in self.pools:
+            raise IRValidationError("TPLeader", "pool", pool, f"is not a pool of the session ({list(self.pools)})")
+        return self.pools.index(pool)
+
+    def _request(self, kind: Msg, payload: bytes = b"", arg: int = 0) -> None:
+        self._check()
+        try:
+            self.group.send(kind, payload, arg)
+        except RankFailed as exc:
+            raise self._fatal(exc) from None
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        self._request(Msg.SHARE, json.dumps([int(src), int(dst), int(length)]).encode())
+
+    def forget_verifies(self, pool: PoolId) -> None:
+        self._request(Msg.FORGET, arg=self._index(pool))
+
+    def cancel_outstanding(self, reason: str) -> None:
+        self._request(Msg.CANCEL, json.dumps(str(reason)).encode())
+
+    def ping(self) -> None:
+        """Tell the workers rank 0 is alive (they wait ``timeout_s`` for each message)."""
+        self._request(Msg.PING)
+
+    def arm_fault(self, rank: int, point: faults.FaultPoint, *, after: int = 0) -> None:
+        """Tests: arm ``point`` on ``rank`` (``backend.faults``)."""
+        if rank == 0:
+            faults.arm(faults.FaultPoint(point), after=after)
+        else:
+            self._request(Msg.ARM, json.dumps([int(rank), faults.FaultPoint(point).value, int(after)]).encode())
+
+    def close_session(self, ledger: Ledger) -> RankLedgers:
+        """End the session: every rank's ledger counts (rank 0's from ``ledger``), gathered."""
+        self._check()
+        if self.pools is None:
+            raise RuntimeError("no tensor-parallel session is open")
+        pools, self.pools = self.pools, None
+        try:
+            self.group.send(Msg.CLOSE)
+            gathered = self.group.gather_ints(_counts(ledger, pools))
+        except RankFailed as exc:
+            raise self._fatal(exc) from None
+        return _rank_ledgers(pools, gathered)
+
+    def shutdown(self) -> None:
+        """Stop the workers (they return from ``serve_worker``) and leave the group."""
+        if self.group.broken is None:
+            try:
+                self.group.send(Msg.SHUTDOWN)
+            except RankFailed:
+                pass
+        self.group.close()
+
+
+class TPExecutor:
+    """Rank 0's executor of one pool in a tensor-parallel group: each plan goes to the workers, then
+    runs on ``executor`` (rank 0's shard; its ``gate`` is the leader's)."""
+
+    def __init__(self, leader: TPLeader, executor: Executor[Any]) -> None:
+        if executor.gate is not leader.gate:
+            raise IRValidationError("TPExecutor", "executor", executor, "must be built with gate=leader.gate")
+        self.leader = leader
+        self.executor = executor
+        self.pool_id = executor.pool.pool_id
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.executor.ledger
+
+    @property
+    def pool(self) -> Any:
+        return self.executor.pool
+
+    def execute(self, plan: Plan) -> torch.Tensor | None:
+        return self.leader.execute(self.pool_id, self.executor, plan)
+
+    def forget_verifies(self) -> None:
+        self.executor.forget_verifies()
+        self.leader.forget_verifies(self.pool_id)
+
+
+# -- the workers -------------------------------------------------------------------------------
+
+
+class _Session:
+    def __init__(self, group: TPGroup, gate: TPGate, models: Mapping[PoolId, ServedModel[Any]], cfg: dict[str, Any]) -> None:
+        self.pools: tuple[PoolId, ...] = tuple(cfg["pools"])
+        self.ledger = Ledger()
+        self.ledger.trust_peer(int(cfg["epoch"]), "tensor-parallel rank 0")
+        self.hooks: list[ServingModelHook[Any]] = []
+        self.executors: list[Executor[Any]] = []
+        for pool in self.pools:
+            if pool not in models:
+                raise ValueError(f"rank {group.rank} has no model for pool {pool!r} (it has {sorted(models)})")
+            model = models[pool]
+            hook = model.serving_hook(capacity=cfg["capacity"], kv_capacity=cfg["kv_capacity"], max_len=cfg["max_len"])
+            self.hooks.append(hook)
+            self.executors.append(
+                Executor(model.new_pool(cfg["capacity"], pool_id=pool), self.ledger, hook, transactional=bool(cfg["transactional"]), gate=gate)
+            )
+
+
+class _Worker:
+    def __init__(self, group: TPGroup, models: Mapping[PoolId, ServedModel[Any]]) -> None:
+        self.group = group
+        self.models = models
+        self.gate = TPGate(group)
+        self.expected = 0
+        self.session: _Session | None = None
+        self.refused = 0
+        self.sessions: list[RankLedgers] = []
+
+    def _open(self) -> _Session:
+        if self.session is None:
+            raise RankFailed(0, "sent a request outside a session")
+        return self.session
+
+    def serve(self) -> None:
+        while True:
+            kind, arg, data = self.group.receive()
+            if kind is Msg.SHUTDOWN:
+                return
+            try:
+                self._handle(kind, arg, data)
+            except RankFailed:
+                raise
+            except BaseException as exc:  # a request that is not a plan failed here: a bug, fatal
+                cause = f"{one_line(exc)} handling {kind.name}"
+                self.group.report_fault(cause)
+                raise RankFailed(self.group.rank, cause) from exc
+
+    def _handle(self, kind: Msg, arg: int, data: bytes) -> None:
+        match kind:
+            case Msg.START:
+                try:
+                    session = _Session(self.group, self.gate, self.models, json.loads(data))
+                except Exception as exc:  # noqa: BLE001 - refused, with the reason, at the start's agreement
+                    self.group.agree(False, one_line(exc))
+                    return
+                if not self.group.agree(True):
+                    self.session = session
+            case Msg.PLAN:
+                self._plan(arg, data)
+            case Msg.SHARE:
+                src, dst, length = json.loads(data)
+                for hook in self._open().hooks:
+                    hook.share_prefix(src, dst, length)
+            case Msg.FORGET:
+                self._open().executors[arg].forget_verifies()
+            case Msg.CANCEL:
+                ledger = self._open().ledger
+                for t in ledger.outstanding():
+                    ledger.cancel(t, json.loads(data))
+            case Msg.CLOSE:
+                session = self._open()
+                self.session = None
+                self.sessions.append(_rank_ledgers(session.pools, self.group.gather_ints(_counts(session.ledger, session.pools))))
+            case Msg.ARM:
+                rank, point, after = json.loads(data)
+                if rank == self.group.rank:
+                    faults.arm(faults.FaultPoint(point), after=after)
+            case Msg.PING | Msg.SHUTDOWN:
+                pass
+
+    def _plan(self, index: int, data: bytes) -> None:
+        self.gate.begin(self.expected)
+        name = "plan"
+        try:
+            session = self._open()
+            message = unpack(data, expect_step=self.expected)
+            name = type(message.plan).__name__
+            if not 0 <= index < len(session.executors):
+                raise WireError(f"pool index {index} outside the session's {len(session.executors)} pools")
+            ex = session.executors[index]
+            session.ledger.register(plan_tickets(message.plan, ex.pool.pool_id))
+            ex.execute(message.plan)
+            self.expected += 1
+        except BaseException as exc:
+            out = _settle(self.group, self.gate, exc, name)
+            if isinstance(out, RankFailed):
+                raise out from exc
+            self.refused += 1  # refused by some rank before anything ran: serve on
+
+
+def serve_worker(group: TPGroup, models: Mapping[PoolId, ServedModel[Any]]) -> list[RankLedgers]:
+    """A worker rank: serve rank 0's sessions on ``models`` (this rank's shard of each pool's model)
+    until rank 0 shuts the group down; returns each session's gathered ledger counts. Raises
+    ``RankFailed`` when this rank fails (its cause is left for rank 0 first) or the group does."""
+    given: object = group
+    if not isinstance(given, TPGroup) or group.rank == 0:
+        raise IRValidationError("serve_worker", "group", given, "must be a worker's TPGroup (rank >= 1)")
+    worker = _Worker(group, models)
+    worker.serve()
+    return worker.sessions
+
+
+__all__ = ["LedgerCounts", "RankLedgers", "TPExecutor", "TPGate", "TPLeader", "serve_worker"]

@@ -1,0 +1,145 @@
+"""The ranks of the tensor-parallel serving tests, as a program: ``python -m tests.backend.tp.ranks
+SCENARIO OUT``. Rank 0 (started by the test) spawns one worker running this same program (which
+sees ``RANK`` set), serves a small workload on the tiny models' shards, and writes what happened
+to ``OUT`` as JSON: the outputs, the unsharded engine's outputs, every rank's ledger counts, and the
+error it stopped on. Scenarios:
+
+- ``serve``: the workload, nothing else;
+- ``replay`` / ``ahead`` / ``forged``: after a few steps, a plan message with an old step number,
+  with a step number ahead of the next one, or with a ticket whose serial no trusted process
+  minted, is sent raw (rank 0 does not run it); the refusals are recorded and serving goes on;
+- ``raise``: a fault armed in the worker's model forward;
+- ``kill``: the worker is killed mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import attrs
+
+K = 2
+PROMPTS = [[5, 17, 33, 8, 60, 3, 44, 90, 12], [7, 71, 25, 38, 2, 9], [5, 17, 33, 8, 60, 3, 11], [40, 41, 42]]
+
+
+def _models(rank: int, world: int, group: Any) -> tuple[Any, Any, Any, Any]:
+    from backend.tp import shard_model
+    from tests.helpers import tiny_models
+
+    target, draft = tiny_models()
+    return target, draft, shard_model(target, rank, world, group), shard_model(draft, rank, world, group)
+
+
+def _engine(target: Any, draft: Any, tp: Any = None) -> Any:
+    from compiler.engine import Engine
+    from compiler.prefix_cache import PrefixCache
+
+    return Engine(target, draft, k=K, capacity=8, kv_capacity=512, max_len=64, chunk_size=4,
+                  prefix_cache=PrefixCache(capacity=2, block=4), tp=tp)
+
+
+def _serve(e: Any, on_step: Any = None) -> None:
+    """One request arrives every third step (so later ones find earlier prompts in the prefix cache)."""
+    n = 0
+    while n < 3 * len(PROMPTS) or e.live:
+        if n % 3 == 0 and n // 3 < len(PROMPTS):
+            e.admit(n // 3, PROMPTS[n // 3], max_new_tokens=10)
+        e.step()
+        n += 1
+        if on_step is not None:
+            on_step(n)
+    e.drop_cache()
+
+
+def worker() -> None:
+    from backend.tp.group import RankFailed, connect, launched_rank
+    from backend.tp.serve import serve_worker
+    from ir.ids import DRAFT_POOL, TARGET_POOL
+
+    where = launched_rank()
+    assert where is not None
+    rank, world = where
+    group = connect(rank, world, timeout_s=20)
+    _, _, t, d = _models(rank, world, group)
+    try:
+        serve_worker(group, {TARGET_POOL: t, DRAFT_POOL: d})
+    except RankFailed as exc:
+        print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
+    group.close()
+
+
+def leader(scenario: str, out: str) -> None:
+    from backend import faults
+    from backend.tp.group import Msg, RankFailed, spawn_workers
+    from backend.tp.serve import TPLeader
+    from ir.ids import TARGET_POOL
+    from ir.init import SERIAL_COUNTER_BITS
+    from ir.plan import ExtendPlan, MixedPlan
+    from ir.wire import pack, unpack
+
+    result: dict[str, Any] = {"scenario": scenario}
+    group = spawn_workers(2, [sys.executable, "-m", "tests.backend.tp.ranks", scenario, out], timeout_s=20, start_timeout_s=120)
+    result["worker_pid"] = group.procs[1].pid
+    target, draft, t, d = _models(0, 2, group)
+    lead = TPLeader(group)
+    sent: list[bytes] = []
+    send = group.send
+
+    def recording(kind: Msg, payload: bytes = b"", arg: int = 0) -> None:
+        if kind is Msg.PLAN and arg == 0:
+            sent.append(payload)
+        send(kind, payload, arg)
+
+    group.send = recording  # type: ignore[method-assign]  # a test's tap on the messages rank 0 sends
+
+    def on_step(n: int) -> None:
+        if n == 4 and scenario in ("replay", "ahead", "forged"):
+            last = unpack(sent[-1]).plan
+            if scenario == "replay":
+                data = sent[-1]
+            elif scenario == "ahead":
+                data = pack(lead.step + 1, last)
+            else:
+                exts = [p if isinstance(p, ExtendPlan) else p.extend for p in map(lambda m: unpack(m).plan, sent)
+                        if isinstance(p, (ExtendPlan, MixedPlan))]
+                ext = [x for x in exts if x.tickets][-1]
+                forged = tuple(attrs.evolve(x, init=attrs.evolve(x.init, serial=x.serial ^ (1 << SERIAL_COUNTER_BITS))) for x in ext.tickets)
+                data = pack(lead.step, attrs.evolve(ext, tickets=forged, snapshots=()))
+            result["refusals"] = lead.send_raw(TARGET_POOL, data)
+        if n == 4 and scenario == "kill":
+            os.kill(group.procs[1].pid, signal.SIGKILL)
+
+    if scenario == "raise":
+        lead.arm_fault(1, faults.FaultPoint.MODEL_FORWARD, after=5)
+    t0 = time.monotonic()
+    try:
+        with _engine(t, d, tp=lead) as e:
+            _serve(e, on_step)
+        result["outputs"] = {str(k): v for k, v in sorted(e.outputs.items())}
+        result["ledgers"] = e.tp_ledgers.to_json() if e.tp_ledgers is not None else None
+        result["rank0_outstanding"] = len(e.ledger.outstanding())
+        lead.shutdown()
+    except RankFailed as exc:
+        result["error"] = str(exc)
+        result["failed_rank"] = exc.rank
+        result["seconds_to_error"] = time.monotonic() - t0
+        lead.shutdown()
+    result["worker_exit"] = group.procs[1].poll()
+    with _engine(target, draft) as plain:
+        _serve(plain)
+    result["unsharded"] = {str(k): v for k, v in sorted(plain.outputs.items())}
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    if os.environ.get("RANK") not in (None, "0"):
+        worker()
+    else:
+        leader(sys.argv[1], sys.argv[2])

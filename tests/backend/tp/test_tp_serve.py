@@ -1,0 +1,74 @@
+"""Serving over a 2-rank tensor-parallel group (gloo, two processes; ``tests/backend/tp/ranks.py`` is
+the ranks' program): the same tokens as the unsharded engine with every rank's ledger drained and
+equal; a replayed, an out-of-order and a forged plan message refused on the worker (and serving
+goes on); a worker raising in its forward and a worker killed mid-run reported by rank 0 naming
+rank 1 and the cause, in seconds, with no process left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _scenario(name: str, tmp_path: Path) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.backend.tp.ranks", name, str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    pid = result["worker_pid"]
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z", (
+        f"worker {pid} outlived its group"
+    )
+    result["stderr"] = proc.stderr
+    return result
+
+
+def _served_like_unsharded(r: dict[str, Any]) -> None:
+    assert "error" not in r, r.get("error")
+    assert r["outputs"] == r["unsharded"] and len(r["outputs"]) == 4
+    ledgers = r["ledgers"]
+    assert ledgers["equal"] and ledgers["drained"], ledgers
+    rank0, rank1 = ledgers["ranks"]
+    for pool in ("target", "draft"):
+        assert rank0[pool] == rank1[pool]
+        assert rank0[pool]["consumed"] == rank0[pool]["minted"] and rank0[pool]["consumed"]["tickets"] == 4
+    assert r["rank0_outstanding"] == 0 and r["worker_exit"] == 0
+
+
+def test_tp2_serves_the_unsharded_tokens_with_every_ledger_drained(tmp_path: Path) -> None:
+    _served_like_unsharded(_scenario("serve", tmp_path))
+
+
+@pytest.mark.parametrize(("scenario", "why"), [
+    ("replay", r"WireError: plan message: message for step 8, expected step 10 \(replayed"),
+    ("ahead", r"WireError: plan message: message for step 11, expected step 10 \(replayed, skipped or out of order\)"),
+    ("forged", r"UnknownTicketError: ticket #\d+ for pool 'target': serial \d+ was not minted by this process and no trusted peer sent it"),
+])
+def test_a_bad_plan_message_is_refused_on_the_worker_and_serving_goes_on(scenario: str, why: str, tmp_path: Path) -> None:
+    import re
+
+    r = _scenario(scenario, tmp_path)
+    [(rank, said)] = r["refusals"]
+    assert rank == 1 and re.search(why, said), said
+    _served_like_unsharded(r)  # nothing of the refused message ran anywhere
+
+
+@pytest.mark.parametrize(("scenario", "cause", "exit_code"), [
+    ("raise", "tensor-parallel rank 1 failed: InjectedFault: injected fault at model_forward in ExtendPlan (plan message 5)", 1),
+    ("kill", "tensor-parallel rank 1 failed: its process was killed by signal 9", -9),
+])
+def test_a_failed_worker_stops_rank_0_naming_the_rank_and_cause(scenario: str, cause: str, exit_code: int, tmp_path: Path) -> None:
+    r = _scenario(scenario, tmp_path)
+    assert r["error"] == cause and r["failed_rank"] == 1
+    assert r["seconds_to_error"] < 10, "noticed at once (a closed connection), not after the group's 20 s timeout"
+    assert r["worker_exit"] == exit_code
+    if scenario == "raise":  # the worker says it too, in one line
+        assert f"rank 1: {cause}" in r["stderr"].splitlines()

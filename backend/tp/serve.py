@@ -245,10 +245,13 @@ class TPLeader:
             return out
         except BaseException as exc:
             try:
-                out = _settle(self.group, self.gate, exc, type(plan).__name__)
+                raised = _settle(self.group, self.gate, exc, type(plan).__name__)
             except RankFailed as failed:
                 raise self._fatal(failed) from None
-            raise self._fatal(out) from (None if out is exc else exc)
+            self._fatal(raised)
+            if raised is exc:
+                raise
+            raise raised from exc
 
     def send_raw(self, pool: PoolId, data: bytes) -> list[tuple[int, str]]:
         """Tests: send ``data`` as a plan message for ``pool`` without running anything here or

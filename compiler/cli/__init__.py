@@ -45,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:  # pipes and CI logs: wide enough that the tables do not wrap
         console = Console(width=140)
     args = parser().parse_args(argv)  # a bad command line: one line on stderr, SystemExit(2)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # (batchc run --tp starts its other ranks with it)
     try:
         settings_from_env()  # BATCHC_VERIFY, BATCHC_DUMP_DIR: refused here, before anything runs
         if args.command in ("run", "bench", "ab"):  # every bench group takes --threads too

@@ -36,6 +36,9 @@ MAX_ITERATION_ROWS = 256
 MAX_ITERATION_K = 8
 """Largest ``k`` of ``bench iteration``."""
 MAX_REPEATS = 1000
+MAX_TP = 64
+"""Most tensor-parallel ranks ``batchc run --tp`` takes."""
+MAX_TP_TIMEOUT = 3600
 
 
 class UsageError(BatchcError):
@@ -180,6 +183,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="PATH", type=_path_arg,
                      help="also write the summary as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                      "replaced when the run ends ('-' for stdout)")
+    run.add_argument("--tp", type=_int_in(1, MAX_TP), default=None,
+                     help=f"tensor-parallel ranks, at most {MAX_TP}: this process is rank 0 and starts the others on this "
+                     "machine; under torchrun, each process is one rank and --tp, if given, must equal WORLD_SIZE "
+                     "(default 1, or WORLD_SIZE under torchrun); it must divide the models' heads (README, \"Distributed serving\")")
+    run.add_argument("--tp-timeout", type=_int_in(1, MAX_TP_TIMEOUT), default=60,
+                     help=f"seconds a rank waits on the others in any step before the group fails, at most {MAX_TP_TIMEOUT} "
+                     "(default 60; a rank that dies is noticed at once)")
     _add_threads(run)
 
     ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")

@@ -7,14 +7,21 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import attrs
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from compiler.cli.args import UsageError, shown_path
 from compiler.cli.output import OutputFile, check_output
+
+if TYPE_CHECKING:
+    from backend.hybrid.model import HybridModel
+    from backend.tp.serve import TPLeader
+    from compiler.serve.models import Served
+    from compiler.serve.tokenizer import Tokenizer
+    from compiler.workload import Request, ServeConfig
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -27,9 +34,10 @@ def _same_file(a: str, b: str) -> bool:
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    from compiler.serve import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, load_workload, run
+    from backend.tp.group import RankFailed
+    from compiler.serve import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, distributed, load_workload
     from compiler.serve.load import tokenize_workload
-    from compiler.serve.models import check_same_vocabulary, load_served, output_lines
+    from compiler.serve.models import check_same_vocabulary, load_served
 
     # every check before anything runs: options, output paths, models, memory, workload
     if args.draft is not None and args.k == 0:
@@ -59,6 +67,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if drafted is not None:
         check_same_vocabulary(target, drafted)
     draft = drafted.model if drafted is not None else None
+    rank, world, launched = distributed.placement(args.tp)
+    if world > 1:
+        for option, on in (("--overlap", args.overlap), ("--compare-mutable", args.compare_mutable)):
+            if on:
+                raise UsageError(f"--tp {world} with {option}: a tensor-parallel run serves on the group only")
+        distributed.check_splits(world, [(target.name, target.model.config)] + ([(drafted.name, drafted.model.config)] if drafted else []))
+    if rank > 0:  # a worker rank: serve rank 0's plans on this rank's shards, print nothing
+        return distributed.work(distributed.start(rank, world, launched, args.argv, args.tp_timeout), target.model, draft)
     tokenizer = target.tokenizer if target.hf else None
     check_serving(target.model.config, draft.config if draft is not None else None, cfg, compare_mutable=args.compare_mutable,
                   names=(target.name, drafted.name if drafted is not None else "draft"),
@@ -75,6 +91,28 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                     raise UsageError(f"built-in request {r.rid}: {len(r.token_ids)} prompt tokens + {r.max_new_tokens} new tokens "
                                      f"+ k + 1 = {cfg.reserve} exceed the context limit {cfg.max_len}; lower --max-new-tokens")
     target_model = target.model
+    leader: TPLeader | None = None
+    if world > 1:  # every check passed: start the group (rank 0 of batchc run --tp starts the other ranks here)
+        leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, args.tp_timeout))
+        target_model, draft = distributed.shards(leader.group, target_model, draft)
+    try:
+        return _serve_and_report(args, console, workload, target, target_model, draft, cfg, k, tokenizer, leader)
+    except RankFailed as exc:
+        print(f"batchc: run failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if leader is not None:
+            leader.shutdown()
+
+
+def _serve_and_report(
+    args: argparse.Namespace, console: Console, workload: list[Request], target: Served, target_model: HybridModel,
+    draft: HybridModel | None, cfg: ServeConfig, k: int, tokenizer: Tokenizer | None, leader: TPLeader | None,
+) -> int:
+    import attrs
+
+    from compiler.serve import run
+    from compiler.serve.models import output_lines
     from compiler.tools.timed import TimedModel
 
     # the models' forwards are timed (host time per step = wall minus model time, per step)
@@ -98,7 +136,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 workload, timed_target, timed_draft, cfg, on_finish=lambda n: progress.update(task, completed=n),
                 compare_mutable=args.compare_mutable,
                 model_clock=lambda: timed_target.seconds + (timed_draft.seconds if timed_draft is not None else 0.0),
-                tokenizer=tokenizer, eos=target.eos,
+                tokenizer=tokenizer, eos=target.eos, tp=leader,
             )
             if comparing:
                 from compiler.tools.compare_mutable import run_mutable
@@ -113,9 +151,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         table.add_column("value", justify="right")
         for key, value in summary.to_json().items():
             if key in ("samples", "pass_us_per_step", "mutable_baseline", "mutable_baseline_fixed", "lossless_ok",
-                       "tokens_per_s_vs_mutable_fixed") or value is None:
+                       "tokens_per_s_vs_mutable_fixed", "tp_ledgers") or value is None:
                 continue
             table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+        if summary.tp_ledgers is not None:
+            ranks = summary.tp_ledgers["ranks"]
+            assert isinstance(ranks, list)
+            table.add_row("tp_ledgers", f"{len(ranks)} ranks, {'equal' if summary.tp_ledgers['equal'] else 'DIFFERENT'}, "
+                          f"{'drained' if summary.tp_ledgers['drained'] else 'NOT drained'}")
         console.print(table)
         passes = Table(title="host time per pass")
         passes.add_column("pass")
@@ -156,6 +199,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         failures.append(f"{summary.outstanding_tickets} tickets never consumed")
     if summary.lossless_ok is False:
         failures.append(f"lossless check {summary.lossless_check}")
+    if summary.tp_ledgers is not None and not (summary.tp_ledgers["equal"] and summary.tp_ledgers["drained"]):
+        failures.append("the tensor-parallel ranks' ledgers differ or are not drained")
     if failures:
         print(f"batchc: run failed: {'; '.join(failures)}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from backend.hybrid.model import HybridModel
+from backend.tp.serve import TPLeader
 from compiler.engine import Engine
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
@@ -21,15 +22,16 @@ from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId
 
 def make_engine(
     target: HybridModel, draft: HybridModel | None, cfg: ServeConfig, pm: PassManager | None, cache: bool, k: int,
-    chunk_size: int | None = None, overlap: bool | None = None,
+    chunk_size: int | None = None, overlap: bool | None = None, tp: TPLeader | None = None,
 ) -> Engine:
-    """The engine ``cfg`` describes (``chunk_size`` and ``overlap`` override the config's)."""
+    """The engine ``cfg`` describes (``chunk_size`` and ``overlap`` override the config's); with
+    ``tp``, rank 0's engine of that tensor-parallel group (``target`` and ``draft`` its shards)."""
     total = cfg.max_running + (cfg.cache_entries if cache else 0) + 2
     return Engine(
         target, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
         max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,
         prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
-        overlap=cfg.overlap if overlap is None else overlap,
+        overlap=cfg.overlap if overlap is None else overlap, tp=tp,
     )
 
 
@@ -80,6 +82,7 @@ def run(
     model_clock: Callable[[], float] | None = None,
     tokenizer: Tokenizer | None = None,
     eos: Sequence[int] = (),
+    tp: TPLeader | None = None,
 ) -> ServeSummary:
     """Serve ``workload`` on the engine and summarise the run. ``compare_mutable`` only sizes the
     memory check for the baseline runs that ``compiler.tools.compare_mutable`` adds afterwards.
@@ -89,12 +92,14 @@ def run(
     after the run is not counted. With ``cfg.overlap`` the model time is the time during which an
     executor process ran a plan (``Engine.busy_seconds``), so the host time per step is the host
     time the forwards did not hide. ``tokenizer`` (default: bytes) renders the samples; ``eos``: the
-    model's end-of-sequence ids, which end every request."""
+    model's end-of-sequence ids, which end every request. ``tp``: serve on that tensor-parallel group
+    (``target`` and ``draft`` are rank 0's shards; the lossless check runs on the group too, after
+    the served run's session ended with every rank's ledger counts gathered)."""
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable,
                   vocab=None if tokenizer is None else tok.vocab_size)
     pm = PassManager.from_env()
-    with make_engine(target, draft, cfg, pm, cache=True, k=cfg.k) as driver:
+    with make_engine(target, draft, cfg, pm, cache=True, k=cfg.k, tp=tp) as driver:
         return _run(driver, workload, target, cfg, pm, on_finish=on_finish, model_clock=model_clock, tokenizer=tok, eos=eos)
 
 
@@ -126,14 +131,20 @@ def _run(
 
     target_counts = minted_consumed(TARGET_POOL)
     draft_counts: tuple[str | None, str | None, str | None] = minted_consumed(DRAFT_POOL) if cfg.k else (None, None, None)
+    tp = driver.tp
+    message_ms = agree_ms = None
+    if tp is not None:  # the session ends here: every rank's ledger counts are gathered
+        message_ms = tp.group.message_s / n_steps * 1e3 if n_steps else 0.0
+        agree_ms = tp.group.agree_s / n_steps * 1e3 if n_steps else 0.0
+        driver.close()
 
     lossless_check: str | None = None
     lossless_ok: bool | None = None
     sample = list(workload)[: cfg.lossless_sample]
     checked = [r for r in sample if r.rid not in driver.aborted_by_failure]  # an aborted request's output is cut short
     if sample:
-        plain = make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False)
-        serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running, eos=eos)
+        with make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False, tp=tp) as plain:
+            serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running, eos=eos)
         same = not plain.aborted_by_failure and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
         skipped = f" ({len(sample) - len(checked)} aborted requests not compared)" if len(checked) < len(sample) else ""
         lossless_check = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal plain greedy of the target{skipped}"
@@ -180,4 +191,8 @@ def _run(
         draft_snapshots_minted_consumed=draft_counts[2],
         lossless_check=lossless_check,
         lossless_ok=lossless_ok,
+        tp=tp.world if tp is not None else 1,
+        tp_ledgers=driver.tp_ledgers.to_json() if driver.tp_ledgers is not None else None,
+        tp_message_ms_per_step=message_ms,
+        tp_agree_ms_per_step=agree_ms,
     )

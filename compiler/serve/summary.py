@@ -42,7 +42,7 @@ class MutableRun:
 _OPTIONAL = frozenset({
     "draft_clears_minted_consumed", "draft_cows_minted_consumed", "draft_snapshots_minted_consumed", "lossless_check",
     "lossless_ok", "mutable_baseline", "mutable_baseline_fixed", "model_s", "host_ms_per_step", "host_busy_ms_per_step",
-    "host_hidden_fraction",
+    "host_hidden_fraction", "tp_ledgers", "tp_message_ms_per_step", "tp_agree_ms_per_step",
 })
 
 
@@ -99,6 +99,15 @@ class ServeSummary:
     lossless_ok: bool | None = None
     mutable_baseline: MutableRun | None = None
     mutable_baseline_fixed: MutableRun | None = None
+    tp: int = 1
+    """Tensor-parallel ranks."""
+    tp_ledgers: dict[str, object] | None = None
+    """With ``tp > 1``: every rank's ledger counts per pool at the end of the served run, and whether
+    they are equal across ranks and drained (``backend.tp.RankLedgers.to_json``)."""
+    tp_message_ms_per_step: float | None = None
+    """With ``tp > 1``: rank 0's time broadcasting plan messages (and requests), per step."""
+    tp_agree_ms_per_step: float | None = None
+    """With ``tp > 1``: rank 0's time in the ranks' two agreements per plan, per step."""
     outputs: dict[int, tuple[int, ...]] = attrs.Factory(dict)
     """Every request's generated ids (``--outputs``; not in ``to_json``)."""
     aborted: tuple[int, ...] = ()

@@ -15,11 +15,11 @@ from backend.pool import MambaStatePool
 
 
 class TimedModel(HybridModel):
-    """A ``HybridModel`` (the same config and weights) that adds the wall time of each forward
+    """A ``HybridModel`` (the same config and weights; a tensor-parallel shard stays one) that adds the wall time of each forward
     (extend, decode, verify, both proposals, commit) to ``seconds``."""
 
     def __init__(self, model: HybridModel) -> None:
-        super().__init__(model.config, model.weights)
+        super().__init__(model.config, model.weights, collective=model.collective, norm_split=model.norm_split)
         self.seconds = 0.0
 
     def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,79 @@
+"""``batchc run --tp N``: where this process stands in a tensor-parallel group, starting the group,
+and a worker rank's whole job.
+
+Launch: without ``RANK``/``WORLD_SIZE`` in the environment, ``batchc run --tp N`` is rank 0 and
+starts ranks 1..N-1 itself (the same command line, each with ``RANK`` set: ``backend.tp.group.
+spawn_workers``). Under ``torchrun --nproc-per-node N -m compiler.cli run ...`` every process is one
+rank. Either way every rank loads the models and checks the command line the same way; rank 0
+then serves and reports, and the others serve its plans on their shards (``serve_worker``) and
+print nothing but a failure, in one line on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from backend.hybrid.config import HybridConfig
+from backend.hybrid.model import HybridModel
+from backend.tp import check_tp, shard_model
+from backend.tp.group import RankFailed, TPGroup, connect, launched_rank, spawn_workers
+from backend.tp.serve import TPLeader, serve_worker
+from compiler.workload import ServeError
+from ir.ids import DRAFT_POOL, TARGET_POOL
+
+
+def placement(tp: int | None) -> tuple[int, int, bool]:
+    """``(rank, world, launched)``: ``launched`` when a launcher (torchrun, or rank 0 of
+    ``batchc run --tp``) started this process as a rank. ``ServeError`` when ``--tp`` contradicts
+    the launcher's ``WORLD_SIZE``."""
+    try:
+        where = launched_rank()
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+    if where is None:
+        return 0, tp if tp is not None else 1, False
+    rank, world = where
+    if tp is not None and tp != world:
+        raise ServeError(f"--tp {tp} in a group of WORLD_SIZE {world} (torchrun's --nproc-per-node): they must be equal")
+    return rank, world, True
+
+
+def check_splits(world: int, models: Sequence[tuple[str, HybridConfig]]) -> None:
+    """``ServeError`` in one line, naming the model, unless each splits over ``world`` ranks."""
+    for name, config in models:
+        try:
+            check_tp(config, world)
+        except ValueError as exc:
+            raise ServeError(f"--tp {world}: {name}: {exc}") from None
+
+
+def start(rank: int, world: int, launched: bool, argv: Sequence[str], timeout_s: int) -> TPGroup:
+    """Join (launched) or start (``batchc run --tp``: rank 0 starts the others with ``argv``) the group."""
+    if launched:
+        return connect(rank, world, timeout_s=timeout_s)
+    return spawn_workers(world, [sys.executable, "-m", "compiler.cli", *argv], timeout_s=timeout_s)
+
+
+def shards(group: TPGroup, target: HybridModel, draft: HybridModel | None) -> tuple[HybridModel, HybridModel | None]:
+    """This rank's shards of the models, summing through the group."""
+    t = shard_model(target, group.rank, group.world, group)
+    return t, shard_model(draft, group.rank, group.world, group) if draft is not None else None
+
+
+def work(group: TPGroup, target: HybridModel, draft: HybridModel | None) -> int:
+    """A worker rank's job: serve rank 0's plans until it shuts the group down. Exit status 0, or 1
+    (with one line on stderr) when this rank or the group failed."""
+    t, d = shards(group, target, draft)
+    models = {TARGET_POOL: t} | ({DRAFT_POOL: d} if d is not None else {})
+    try:
+        serve_worker(group, models)
+    except RankFailed as exc:
+        print(f"batchc: rank {group.rank}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)  # leave at once: the group's sockets close, and nothing waits on a broken group
+    group.close()
+    return 0
+
+
+__all__ = ["TPLeader", "check_splits", "placement", "shards", "start", "work"]

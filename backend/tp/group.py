@@ -18,6 +18,7 @@ import datetime
 import enum
 import os
 import socket
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,9 @@ from ir.errors import BatchcError
 
 MAX_PAYLOAD: Final = 1 << 31
 """Largest message the workers accept (an ``ir.wire`` message's own bound)."""
+INLINE: Final = 4096 - 24
+"""Largest payload that travels inside a message's head (most plan messages of a few requests)."""
+_HEAD_BYTES: Final = INLINE + 24
 _DETAIL_BYTES: Final = 2000
 _GRACE_S: Final = 3.0
 """How long ``failure`` looks for the cause a failing rank reports before it settles for less."""
@@ -104,11 +108,16 @@ class TPGroup:
     # -- messages ------------------------------------------------------------------------------
 
     def send(self, kind: Msg, payload: bytes = b"", arg: int = 0) -> None:
-        """Rank 0: broadcast one message to every worker (returns once they have it)."""
+        """Rank 0: broadcast one message to every worker (returns once they have it). A payload of
+        up to ``INLINE`` bytes travels inside the fixed-size head: one broadcast, not two."""
         assert self.rank == 0, "only rank 0 sends"
         t0 = time.perf_counter()
-        self._collective(lambda: dist.broadcast(torch.tensor([int(kind), len(payload), arg], dtype=torch.int64), 0, group=self.cpu_group))
-        if payload:
+        head = bytearray(_HEAD_BYTES)
+        head[:24] = struct.pack("<qqq", int(kind), len(payload), arg)
+        if len(payload) <= INLINE:
+            head[24 : 24 + len(payload)] = payload
+        self._collective(lambda: dist.broadcast(torch.frombuffer(head, dtype=torch.uint8), 0, group=self.cpu_group))
+        if len(payload) > INLINE:
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             self._collective(lambda: dist.broadcast(buf, 0, group=self.cpu_group))
         self.message_s += time.perf_counter() - t0
@@ -117,14 +126,16 @@ class TPGroup:
     def receive(self) -> tuple[Msg, int, bytes]:
         """A worker: the next message from rank 0 (``RankFailed`` when rank 0 is gone or sent
         nothing within the timeout)."""
-        head = torch.zeros(3, dtype=torch.int64)
+        head = torch.zeros(_HEAD_BYTES, dtype=torch.uint8)
         self._collective(lambda: dist.broadcast(head, 0, group=self.cpu_group))
         t0 = time.perf_counter()
-        kind, size, arg = (int(x) for x in head.tolist())
+        raw = head.numpy().tobytes()
+        kind, size, arg = struct.unpack_from("<qqq", raw)
         if not 0 <= size <= MAX_PAYLOAD or kind not in Msg._value2member_map_:
             raise RankFailed(0, f"sent a message header this rank cannot read (kind {kind}, {size} bytes)")
-        data = b""
-        if size:
+        if size <= INLINE:
+            data = raw[24 : 24 + size]
+        else:
             buf = torch.empty(size, dtype=torch.uint8)
             self._collective(lambda: dist.broadcast(buf, 0, group=self.cpu_group))
             data = buf.numpy().tobytes()

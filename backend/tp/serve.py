@@ -197,6 +197,9 @@ class TPLeader:
         self.pools: tuple[PoolId, ...] | None = None
         """The open session's pools (None between sessions)."""
         self.plans = 0
+        """Plans the group ran."""
+        self.plan_bytes = 0
+        """Bytes of the plan messages sent."""
 
     @property
     def world(self) -> int:
@@ -237,6 +240,7 @@ class TPLeader:
             self.group.send(Msg.PLAN, data, arg=index)
         except RankFailed as exc:
             raise self._fatal(exc) from None
+        self.plan_bytes += len(data)
         self.gate.begin(self.step)
         try:
             out = ex.execute(plan)
@@ -291,9 +295,10 @@ class TPLeader:
     def cancel_outstanding(self, reason: str) -> None:
         self._request(Msg.CANCEL, json.dumps(str(reason)).encode())
 
-    def ping(self) -> None:
-        """Tell the workers rank 0 is alive (they wait ``timeout_s`` for each message)."""
-        self._request(Msg.PING)
+    def ping(self, payload: bytes = b"") -> None:
+        """Tell the workers rank 0 is alive (they wait ``timeout_s`` for each message); they drop
+        ``payload`` (a benchmark of the broadcast alone sends one)."""
+        self._request(Msg.PING, bytes(payload))
 
     def arm_fault(self, rank: int, point: faults.FaultPoint, *, after: int = 0) -> None:
         """Tests: arm ``point`` on ``rank`` (``backend.faults``)."""

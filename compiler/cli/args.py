@@ -233,6 +233,9 @@ def parser() -> argparse.ArgumentParser:
                     "each bounded by the memory estimate)")
     bs.add_argument("--overlap", action="store_true",
                     help="also measure the compiled engine with each executor in its own process (rows with overlap true)")
+    bs.add_argument("--tp", type=_int_in(1, MAX_TP), default=None,
+                    help="instead of the baselines: the compiled engine on one process against a tensor-parallel group of "
+                    "this many ranks (started by the command, or torchrun's), side by side, with the plan broadcast's cost")
     bs.add_argument("--json", metavar="PATH", type=_path_arg,
                     help="also write the rows as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                     "replaced when the bench ends ('-' for stdout)")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -136,6 +137,18 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     target, draft = default_target(), default_draft()
     for case in cases:  # every engine of every case within the memory bound, before anything is allocated
         check_serving(target.config, draft.config, case.cfg, compare_mutable=True, names=("bundled target", "bundled draft"))
+    from compiler.serve import distributed
+
+    rank, world, launched = distributed.placement(args.tp)
+    if world > 1 or args.tp is not None:
+        if args.overlap:
+            raise UsageError(f"--tp {world} with --overlap: the tensor-parallel bench measures the group against one process")
+        distributed.check_splits(world, [("bundled target", target.config), ("bundled draft", draft.config)])
+        if rank > 0:
+            return distributed.work(distributed.start(rank, world, launched, args.argv, 60), target, draft)
+        if world == 1:
+            raise UsageError("--tp 1: the tensor-parallel bench compares one process with a group of 2 or more ranks")
+        return _bench_tp(args, console, cases, target, draft, world, launched, sweep)
     t0 = time.perf_counter()
     with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run; written at its end
         with console.status("warming up every engine") as status:
@@ -166,6 +179,58 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         )
         output.write(json.dumps([r.to_json() for r in rows], indent=2))
     return 0
+
+
+def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], target: Any, draft: Any, world: int, launched: bool,
+              sweep: bool) -> int:
+    import torch
+
+    from backend.tp.group import RankFailed
+    from compiler.serve import distributed
+    from compiler.tools.bench_tp import run_tp_bench
+    from compiler.workload import SWEEP_NEW_TOKENS
+
+    t0 = time.perf_counter()
+    with OutputFile("--json", args.json) as output:
+        leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, 60))
+        try:
+            shards = distributed.shards(leader.group, target, draft)
+            assert shards[1] is not None
+            with console.status("warming up") as status:
+                def progress(done: int, total: int) -> None:
+                    status.update(f"run {done + 1}/{total} (interleaved: tp=1, tp={world}, then again)")
+
+                rows, alone_us, mean_bytes = run_tp_bench(leader, (target, draft), (shards[0], shards[1]), cases, repeats=args.repeats,
+                                                          on_run=progress)
+        except RankFailed as exc:
+            print(f"batchc: bench failed: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            leader.shutdown()
+        what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
+                else f"{len(cases[0].requests)} requests of the built-in workload")
+        table = Table(title=f"bench serve --tp {world}: {what}, bundled target and draft, compiled engine",
+                      caption=f"median of {args.repeats} interleaved repeats per (k, tp, running); {torch.get_num_threads()} torch "
+                      f"thread(s) per rank")
+        for h in ("k", "tp", "running", "tokens", "steps", "tokens/s", "/ tp=1", "message ms/step", "agree ms/step", "plan bytes"):
+            table.add_column(h, justify="right")
+        for r in sorted(rows, key=lambda r: (r.running, r.k, r.tp)) if sweep else rows:
+            table.add_row(str(r.k), str(r.tp), str(r.running), str(r.tokens), str(r.steps), f"{r.tokens_per_s:.1f}", _times(r.vs_tp1),
+                          _ms(r.message_ms_per_step), _ms(r.agree_ms_per_step), f"{r.mean_plan_bytes:.0f}" if r.mean_plan_bytes else "-")
+        console.print(table)
+        console.print(
+            f"The broadcast alone: {alone_us:.0f} us per plan message of the mean size ({mean_bytes:.0f} bytes) to idle workers. "
+            "message ms/step: rank 0's time in the broadcasts of a step's messages; agree ms/step: in the two agreements per plan "
+            "(they include waiting for the slowest rank's forward). On this CPU the ranks share the cores: tensor parallelism is "
+            f"a correctness harness here, not a speed-up. {time.perf_counter() - t0:.0f} s in all.",
+            highlight=False,
+        )
+        output.write(json.dumps({"rows": [r.to_json() for r in rows], "broadcast_us": alone_us, "mean_plan_bytes": mean_bytes}, indent=2))
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _times(ratio: float | None) -> str:

@@ -71,6 +71,7 @@ from ir.columns import I64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.ids import TicketSerial
 from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
+from ir.linear import consumes
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
@@ -168,6 +169,7 @@ class Executor(Generic[VerifyStateT]):
             cast("SpecModelHook[VerifyStateT]", hook) if isinstance(hook, SpecModelHook) else None
         )
 
+    @consumes
     def execute(self, plan: Plan) -> torch.Tensor | None:
         if not self.watch:
             out = self._execute(plan)
@@ -209,6 +211,7 @@ class Executor(Generic[VerifyStateT]):
             case _:
                 _not_a_plan(plan)
 
+    @consumes
     def run_prefill(self, plan: ExtendPlan | MixedPlan) -> torch.Tensor | None:
         if not isinstance(plan, (ExtendPlan, MixedPlan)):
             _wrong_plan("run_prefill", plan, "an ExtendPlan or a MixedPlan")
@@ -284,6 +287,7 @@ class Executor(Generic[VerifyStateT]):
             if isinstance(t, SnapshotTicket):
                 apply_snapshot(self.pool, t.snapshot)
 
+    @consumes
     def run_decode(self, plan: DecodePlan) -> torch.Tensor | None:
         if not isinstance(plan, DecodePlan):
             _wrong_plan("run_decode", plan, "a DecodePlan")
@@ -324,6 +328,7 @@ class Executor(Generic[VerifyStateT]):
             for slot, token in zip(plan.slots.tolist(), logits.argmax(dim=-1).tolist(), strict=True):
                 self._samples[slot] = (plan.sample_id, int(token))
 
+    @consumes
     def run_draft(self, plan: DraftPlan) -> torch.Tensor:
         """Run the proposal; keep its per-step states for the draft commit (dropping an older
         draft's, never committed)."""
@@ -342,6 +347,7 @@ class Executor(Generic[VerifyStateT]):
         self._kept_draft = did
         return out
 
+    @consumes
     def run_verify(self, plan: VerifyPlan) -> torch.Tensor:
         if not isinstance(plan, VerifyPlan):
             _wrong_plan("run_verify", plan, "a VerifyPlan")
@@ -355,12 +361,14 @@ class Executor(Generic[VerifyStateT]):
         self._keep("verify", vid, plan.batch.slots, plan.batch.k, states)
         return out
 
+    @consumes
     def run_commit(self, plan: CommitPlan) -> None:
         """Commit the intermediate states of the verify the plan names; each verify commits once."""
         if not isinstance(plan, CommitPlan):
             _wrong_plan("run_commit", plan, "a CommitPlan")
         self._commit(plan, "verify", plan.batch.verify_id)
 
+    @consumes
     def run_draft_commit(self, plan: DraftCommitPlan) -> None:
         """Commit the states the draft the plan names kept; each draft commits once."""
         if not isinstance(plan, DraftCommitPlan):
@@ -405,6 +413,7 @@ class Executor(Generic[VerifyStateT]):
             faults.check(faults.FaultPoint.COMMIT)
         del self._intermediates[serial]
 
+    @consumes
     def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor | None:
         if not isinstance(plan, DraftExtendPlan):
             _wrong_plan("run_draft_extend", plan, "a DraftExtendPlan")

@@ -53,6 +53,7 @@ from ir.errors import (
 )
 from ir.ids import PoolId, TicketSerial
 from ir.init import EPOCH_BITS, InitTicket, SnapshotTicket, Ticket, minted_here, serial_epoch
+from ir.linear import consumes_on, keeps_linear
 
 _Key = tuple[TicketSerial, PoolId]
 
@@ -68,6 +69,7 @@ class PoolCounts:
     snapshots: int = 0
 
 
+@keeps_linear  # the tickets of one plan while it runs
 class Claim:
     """The tickets of one plan, held in flight by ``Ledger.claiming``. ``tickets`` are the registered
     tickets (the ones to execute), in the order they were claimed."""
@@ -112,6 +114,7 @@ class Claim:
         self._held.clear()
 
 
+@keeps_linear  # the one place tickets live across steps: registered, in flight, consumed
 class Ledger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -215,6 +218,7 @@ class Ledger:
                             "on that row first: execute the plan it was lowered with"
                         )
 
+    @consumes_on("pool")
     @contextmanager
     def claiming(self, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan") -> Iterator[Claim]:
         """Hold every ticket of one plan in flight on ``pool`` while the block runs (the init ops,
@@ -230,6 +234,7 @@ class Ledger:
             raise
         claim._consume_rest()
 
+    @consumes_on("pool")
     def claim(
         self, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan", *, ordered: bool = False
     ) -> Claim:
@@ -257,6 +262,7 @@ class Ledger:
                 self._in_flight[key] = t
         return Claim(self, registered)
 
+    @consumes_on("pool")
     @contextmanager
     def consuming(self, ticket: Ticket, pool: PoolId) -> Iterator[Ticket]:
         """Hold one ticket while its ops are applied to ``pool``; consumed only if the block succeeds.

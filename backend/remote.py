@@ -57,6 +57,7 @@ from ir.columns import check_instance
 from ir.errors import BatchcError, IRValidationError
 from ir.ids import PoolId, TicketSerial
 from ir.init import InitTicket, Ticket, this_epoch
+from ir.linear import consumes, keeps_linear
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
@@ -122,6 +123,7 @@ def _ticket_slots(t: Ticket) -> tuple[int, ...]:
     return (*t.snapshot.src, *t.snapshot.dst)
 
 
+@keeps_linear  # a plan in flight in the executor process, until its reply is read
 class Pending:
     """A plan submitted to an ``ExecutorProcess`` whose reply has not been read yet."""
 
@@ -218,6 +220,7 @@ class ExecutorProcess:
 
     # -- plans ---------------------------------------------------------------------------------
 
+    @consumes
     def submit(self, plan: Plan) -> Pending:
         """Check and claim ``plan`` here and send it; returns at once (``wait`` reads the reply)."""
         if not isinstance(plan, get_args(Plan)):
@@ -255,6 +258,7 @@ class ExecutorProcess:
             raise p.error
         return p.out
 
+    @consumes
     def execute(self, plan: Plan) -> torch.Tensor | None:
         """``submit`` then ``wait``: the in-process ``Executor.execute`` of this pool."""
         return self.wait(self.submit(plan))

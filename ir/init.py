@@ -35,6 +35,7 @@ import attrs
 from ir.columns import Node, check_int, check_pool, ints
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, PoolId, TicketSerial
+from ir.linear import linear
 
 SERIAL_COUNTER_BITS = 32
 """A serial is ``epoch << 32 | counter``: the high bits are this process's epoch, the low bits count."""
@@ -213,6 +214,7 @@ def _no_repeat(node: str, field: str, slots: tuple[MambaSlot, ...]) -> None:
 
 
 @final
+@linear
 @attrs.frozen(kw_only=True)
 class InitTicket(Node):
     """A ``MambaInit`` addressed to one state pool: a linear resource, consumed exactly once there.
@@ -265,6 +267,7 @@ class MambaSnapshot(Node):
 
 
 @final
+@linear
 @attrs.frozen(kw_only=True)
 class SnapshotTicket(Node):
     """A ``MambaSnapshot`` addressed to one state pool; consumed exactly once there, after the

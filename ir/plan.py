@@ -36,6 +36,7 @@ from ir.columns import (
 from ir.errors import IRValidationError
 from ir.ids import PoolId, TicketSerial
 from ir.init import InitTicket, SnapshotTicket
+from ir.linear import linear
 
 
 def _ticket_tuple(field: str, what: str, values: object) -> tuple[object, ...]:
@@ -86,6 +87,7 @@ def _check_sample(node: str, field: str, value: object) -> None:
 
 
 @final
+@linear
 @attrs.frozen(kw_only=True)
 class ExtendPlan(ColumnNode, RequestRows):
     """The columns of an ``ExtendBatch`` (declared alike) and its ops as tickets."""
@@ -157,6 +159,7 @@ class DecodePlan(ColumnNode, RequestRows):
 
 
 @final
+@linear
 @attrs.frozen(kw_only=True)
 class MixedPlan(Composite):
     """Its checks are its parts' types (``ir.verify`` re-runs the parts' own checks), and one

@@ -32,6 +32,7 @@ import numpy as np
 from ir.columns import int_problem
 from ir.errors import BatchcError
 from ir.init import InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
+from ir.linear import linear
 from ir.nodes import Plan
 
 MAGIC: Final = b"BCPL"
@@ -63,6 +64,7 @@ class WireError(BatchcError, ValueError):
         super().__init__(f"plan message: {detail}")
 
 
+@linear  # as one-shot as the plan it carries
 @attrs.frozen(kw_only=True)
 class PlanMessage:
     step: int

@@ -119,3 +119,15 @@ def test_module_level_imports_skip_type_checking_blocks_only(tmp_path: Path) -> 
         "if True:\n    import passes.lower\n"
     )
     assert _module_level_imports(path) == {"ir.ids", "passes.lower"}
+
+
+def test_only_mypy_loads_the_linear_use_plugin() -> None:
+    """``ir.mypy_linear`` imports mypy (a test extra): no library module may import it, and it is the
+    only one that imports mypy, so the library runs without mypy installed."""
+    for path in _modules():
+        tree = ast.parse(path.read_text(), str(path))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        if _name(path) != "ir.mypy_linear":
+            assert "ir.mypy_linear" not in names and not any(m.split(".")[0] == "mypy" for m in names), _name(path)
+    assert _imports(ROOT / "ir" / "mypy_linear.py") == set()  # mypy only: none of our packages

@@ -5,6 +5,9 @@
   expected line: the cases are checked twice, once as written (``warn_unused_ignores`` is on under
   strict, so an ignore that stops being needed fails), and once with the ignores stripped, where
   mypy's ``(line, code)`` pairs must equal the ones the ignores declare.
+- Every file under ``tests/typecheck_clean/`` type-checks clean: what the linear-use plugin
+  (``ir.mypy_linear``, enabled in pyproject.toml) must accept.
+- The plugin's errors name the value, the line of the first use and the README section.
 - No ``hasattr``/``getattr``/``setattr`` back doors around the node types in the library.
 """
 
@@ -19,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = sorted((ROOT / "tests" / "typecheck").glob("*.py"))
+CLEAN = sorted((ROOT / "tests" / "typecheck_clean").glob("*.py"))
 _IGNORE = re.compile(r"#\s*type:\s*ignore\[([a-z-]+)\]")
 _ERROR = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")
 
@@ -34,7 +38,8 @@ def _mypy(*paths: str | Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_packages_and_cases_type_check_as_written() -> None:
-    result = _mypy("ir", "passes", "compiler", "backend", *CASES)
+    assert CLEAN
+    result = _mypy("ir", "passes", "compiler", "backend", *CASES, *CLEAN)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -58,6 +63,27 @@ def test_case_is_rejected_with_declared_codes(case: Path, tmp_path: Path) -> Non
         if m and Path(m["file"]).name == case.name
     }
     assert found == expected, f"mypy output:\n{result.stdout}"
+
+
+def test_linear_errors_name_the_value_the_first_use_and_the_docs(tmp_path: Path) -> None:
+    case = tmp_path / "linear_message.py"
+    case.write_text(
+        "from backend.executor import Executor\n"
+        "from ir.plan import ExtendPlan\n"
+        "\n"
+        "\n"
+        "def f(ex: Executor, deferred_plan: ExtendPlan) -> None:\n"
+        "    ex.execute(deferred_plan)\n"
+        "    ex.execute(deferred_plan)\n"
+    )
+    out = _mypy(case).stdout
+    assert re.search(
+        r'linear_message\.py:7: error: "deferred_plan" \(ExtendPlan\) is consumed again by "ex": line 6 consumed it .*'
+        r"README\.md#linear-use-checked-by-mypy.*\[linear-reuse\]$",
+        out,
+        re.M,
+    ), out
+    assert "## Linear use, checked by mypy" in (ROOT / "README.md").read_text()
 
 
 def test_no_attribute_back_doors_in_the_library() -> None:

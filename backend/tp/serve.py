@@ -49,6 +49,7 @@ from backend.tp.group import Msg, RankFailed, RankRefused, TPGroup, one_line
 from ir.errors import IRValidationError
 from ir.ids import PoolId
 from ir.init import this_epoch
+from ir.linear import consumes, consumes_on
 from ir.nodes import Plan
 from ir.wire import WireError, pack, unpack
 
@@ -231,6 +232,7 @@ class TPLeader:
             raise RankRefused("the session start", refusals)
         self.pools = tuple(pools)
 
+    @consumes_on("ex")
     def execute(self, pool: PoolId, ex: Executor[Any], plan: Plan) -> torch.Tensor | None:
         """Send ``plan`` for ``pool`` and run it on rank 0's shard with ``ex``."""
         self._check()
@@ -349,6 +351,7 @@ class TPExecutor:
     def pool(self) -> Any:
         return self.executor.pool
 
+    @consumes
     def execute(self, plan: Plan) -> torch.Tensor | None:
         return self.leader.execute(self.pool_id, self.executor, plan)
 

@@ -24,6 +24,7 @@ from backend.tp.serve import TPExecutor
 from compiler.engine.report import SpecStats
 from ir.errors import BatchcError
 from ir.ids import RequestId
+from ir.linear import consumes_on, keeps_linear
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
@@ -58,6 +59,7 @@ def plan_rids(plan: Plan) -> tuple[RequestId, ...]:
     return tuple(RequestId(r) for col in cols for r in col.tolist())
 
 
+@keeps_linear  # a plan in flight, until ``wait`` reads it back (or retries it)
 class Submitted:
     """A plan handed to ``ForwardRunner.submit``: its result or failure, or the pending reply of an
     executor process."""
@@ -74,9 +76,11 @@ class ForwardRunner:
         self.retries = retries
         self.stats = stats
 
+    @consumes_on("ex")
     def run(self, ex: Backend, plan: Plan) -> torch.Tensor | None:
         return self._attempts(ex, plan, self.retries + 1)
 
+    @consumes_on("ex")
     def submit(self, ex: Backend, plan: Plan) -> Submitted:
         """Start ``plan`` on ``ex``; a refusal on this side (a ``BatchcError``) is raised here."""
         s = Submitted(ex, plan)
@@ -87,7 +91,7 @@ class ForwardRunner:
             except ExecutorGone:
                 pass  # a failed forward: run below fails it (retried, then StepFailed)
         try:
-            s.out = self.run(ex, plan)
+            s.out = self.run(ex, plan)  # type: ignore[linear-reuse]  # after ExecutorGone: the plan never reached the process
         except StepFailed as failure:
             s.failure = failure
         return s
@@ -113,7 +117,7 @@ class ForwardRunner:
     def _attempts(self, ex: Backend, plan: Plan, attempts: int) -> torch.Tensor | None:
         for attempt in range(attempts):
             try:
-                return ex.execute(plan)
+                return ex.execute(plan)  # type: ignore[linear-reuse]  # a retry: the failed attempt left its tickets outstanding
             except (BatchcError, RankFailed):
                 raise  # a plan that does not fit is a bug, and a failed rank breaks its group: neither is retried
             except Exception as exc:

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from compiler.serve.dp import ROUTINGS
 from compiler.workload import (
     ARRIVALS,
     BENCH_SERVE_NEW_TOKENS,
@@ -39,6 +40,8 @@ MAX_REPEATS = 1000
 MAX_TP = 64
 """Most tensor-parallel ranks ``batchc run --tp`` takes."""
 MAX_TP_TIMEOUT = 3600
+MAX_DP = 64
+"""Most data-parallel replicas ``batchc run --dp`` takes."""
 
 
 class UsageError(BatchcError):
@@ -187,6 +190,12 @@ def parser() -> argparse.ArgumentParser:
                      help=f"tensor-parallel ranks, at most {MAX_TP}: this process is rank 0 and starts the others on this "
                      "machine; under torchrun, each process is one rank and --tp, if given, must equal WORLD_SIZE "
                      "(default 1, or WORLD_SIZE under torchrun); it must divide the models' heads (README, \"Distributed serving\")")
+    run.add_argument("--dp", type=_int_in(1, MAX_DP), default=1,
+                     help=f"data-parallel replicas of the engine, at most {MAX_DP}: each in its own process with its own models, "
+                     "prefix cache and ledger, fed by a prefix-aware router (default 1; README, \"Distributed serving\")")
+    run.add_argument("--dp-routing", choices=ROUTINGS, default="prefix",
+                     help="with --dp: a request goes to the replica holding its first prefix-cache block (prefix, the default) "
+                     "or the requests are dealt out in turn (round-robin, for comparison)")
     run.add_argument("--tp-timeout", type=_int_in(1, MAX_TP_TIMEOUT), default=60,
                      help=f"seconds a rank waits on the others in any step before the group fails, at most {MAX_TP_TIMEOUT} "
                      "(default 60; a rank that dies is noticed at once)")

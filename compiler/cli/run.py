@@ -73,6 +73,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             if on:
                 raise UsageError(f"--tp {world} with {option}: a tensor-parallel run serves on the group only")
         distributed.check_splits(world, [(target.name, target.model.config)] + ([(drafted.name, drafted.model.config)] if drafted else []))
+    if args.dp > 1:
+        for option, on in (("--tp", world > 1), ("--overlap", args.overlap), ("--compare-mutable", args.compare_mutable)):
+            if on:
+                raise UsageError(f"--dp {args.dp} with {option}: each replica is one plain engine process")
     if rank > 0:  # a worker rank: serve rank 0's plans on this rank's shards, print nothing
         return distributed.work(distributed.start(rank, world, launched, args.argv, args.tp_timeout), target.model, draft)
     tokenizer = target.tokenizer if target.hf else None
@@ -90,6 +94,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 if len(r.token_ids) + r.max_new_tokens + cfg.reserve > cfg.max_len:
                     raise UsageError(f"built-in request {r.rid}: {len(r.token_ids)} prompt tokens + {r.max_new_tokens} new tokens "
                                      f"+ k + 1 = {cfg.reserve} exceed the context limit {cfg.max_len}; lower --max-new-tokens")
+    if args.dp > 1:
+        return _serve_replicas(args, console, workload, target, cfg, tokenizer)
     target_model = target.model
     leader: TPLeader | None = None
     if world > 1:  # every check passed: start the group (rank 0 of batchc run --tp starts the other ranks here)
@@ -103,6 +109,55 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     finally:
         if leader is not None:
             leader.shutdown()
+
+
+def _serve_replicas(
+    args: argparse.Namespace, console: Console, workload: list[Request], target: Served, cfg: ServeConfig, tokenizer: Tokenizer | None,
+) -> int:
+    """``--dp N``: route the workload, serve each part on its own replica process, report."""
+    from compiler.serve.dp import ReplicaFailed, merged, route, timed_serve
+    from compiler.serve.models import output_lines
+
+    parts = [p for p in route(workload, args.dp, block=cfg.cache_block, routing=args.dp_routing) if p]
+    with OutputFile("--json", args.json) as output, OutputFile("--outputs", args.outputs) as outputs_file:
+        with console.status(f"{len(parts)} replicas serving") as status:
+            try:
+                results, wall = timed_serve(parts, model=args.model, draft=args.draft if cfg.k else None, dtype=args.dtype, cfg=cfg,
+                                            threads=args.threads, on_done=lambda n: status.update(f"{n}/{len(parts)} replicas done"))
+            except ReplicaFailed as exc:
+                print(f"batchc: run failed: {exc}", file=sys.stderr)
+                return 1
+        total = merged(results, wall)
+        table = Table(title=f"batchc run --dp {args.dp}: {len(workload)} requests, k={cfg.k}, {target.name}, {args.dp_routing} routing")
+        for h in ("replica", "requests", "tokens", "steps", "wall s", "tokens/s", "prefix hit tokens", "tickets outstanding", "lossless"):
+            table.add_column(h, justify="right")
+        for r in results:
+            s = r.summary
+            table.add_row(str(r.index), str(s["requests"]), str(s["generated_tokens"]), str(s["steps"]), f"{s['wall_s']:.2f}",
+                          f"{s['tokens_per_s']:.1f}", str(s["prefix_cache_hit_tokens"]), str(s["outstanding_tickets"]),
+                          str(s.get("lossless_check", "-")))
+        console.print(table)
+        console.print(
+            f"{total['generated_tokens']} tokens in {total['slowest_replica_wall_s']:.2f} s (the slowest replica's serving time): "
+            f"{total['tokens_per_s']:.1f} tokens/s; {wall:.1f} s with the replicas' start-up.", highlight=False,
+        )
+        output.write(json.dumps(total, indent=2))
+        if args.outputs is not None:
+            outputs = {rid: out for r in results for rid, out in r.outputs.items()}
+            aborted = {rid for r in results for rid in r.aborted}
+            lines = output_lines(workload, outputs, aborted, target.tokenizer, target.eos)
+            outputs_file.write("\n".join(json.dumps(line, ensure_ascii=False) for line in lines))
+    failures = []
+    if total["aborted_requests"]:
+        failures.append(f"{total['aborted_requests']} requests aborted by failed forwards")
+    if total["outstanding_tickets"]:
+        failures.append(f"{total['outstanding_tickets']} tickets never consumed")
+    if not total["lossless_ok"]:
+        failures.append("a replica's lossless check failed")
+    if failures:
+        print(f"batchc: run failed: {'; '.join(failures)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _serve_and_report(
@@ -189,7 +244,7 @@ def _serve_and_report(
             console.print(f"r{sample.rid}: ...{sample.prompt!r} -> {sample.completion!r}", highlight=False)
         output.write(json.dumps(summary.to_json(), indent=2))
         if args.outputs is not None:
-            lines = output_lines(workload, summary, target.tokenizer, target.eos)
+            lines = output_lines(workload, summary.outputs, set(summary.aborted), target.tokenizer, target.eos)
             outputs_file.write("\n".join(json.dumps(line, ensure_ascii=False) for line in lines))
     failures = []
     if summary.aborted_requests:

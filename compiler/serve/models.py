@@ -4,14 +4,13 @@ batchc checkpoint file, or a Hugging Face checkpoint directory (``backend.hf``) 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 import torch
 
 from backend.hybrid.model import HybridModel
-from compiler.serve.summary import ServeSummary
 from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.workload import Request, ServeError
 
@@ -69,14 +68,16 @@ def finish_reason(r: Request, output: Sequence[int], eos: Sequence[int], aborted
     return "stop" if output and output[-1] in stops else "length"
 
 
-def output_lines(workload: Sequence[Request], summary: ServeSummary, tokenizer: Tokenizer, eos: Sequence[int]) -> list[dict[str, object]]:
+def output_lines(
+    workload: Sequence[Request], outputs: Mapping[int, Sequence[int]], aborted: Collection[int], tokenizer: Tokenizer, eos: Sequence[int],
+) -> list[dict[str, object]]:
     """One ``--outputs`` object per request, in workload order: ``rid`` (its line), ``prompt``,
     ``prompt_ids``, ``output_ids`` (an ending end-of-sequence id included), ``text`` (the output
-    decoded incrementally, special tokens left out) and ``finish_reason``."""
-    aborted = set(summary.aborted)
+    decoded incrementally, special tokens left out) and ``finish_reason``. ``outputs``: each
+    request's generated ids by rid; ``aborted``: the rids a failed forward cut short."""
     lines: list[dict[str, object]] = []
     for r in workload:
-        out = summary.outputs.get(int(r.rid), ())
+        out = outputs.get(int(r.rid), ())
         detok = tokenizer.detokenizer()
         text = "".join(detok.push(t) for t in out) + detok.flush()
         lines.append({

@@ -1,0 +1,188 @@
+"""``batchc run --dp N``: N replicas of the engine, each in its own process with its own models,
+pools, prefix cache and ledger, fed by a prefix-aware router.
+
+Routing (``route``): a request's key is its first ``block`` prompt tokens, the prefix cache's first
+block; every request of one key goes to the replica that got the key first, and a new key goes to
+the replica with the least work assigned so far (prompt plus new tokens), so requests that share a
+system prompt share one replica's prefix cache while the load stays even. ``"round-robin"`` (for
+comparison) deals the requests out in turn, ignoring prefixes.
+
+Each replica is ``python -m compiler.serve.dp``: it reads its part of the workload and the run's
+options as one JSON object on stdin, loads the models itself, serves its part with ``run`` (the
+lossless check included, on its own first requests) and writes the summary and its outputs as JSON
+on stdout. Requests travel as token ids and bytes, not pickles. The router starts every replica at
+once and reads them all; a replica that fails stops the others, and the run fails naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import attrs
+
+from compiler.workload import Request, ServeConfig, ServeError
+from ir.ids import RequestId
+
+ROUTINGS: Final = ("prefix", "round-robin")
+
+
+def route(workload: Sequence[Request], replicas: int, *, block: int, routing: str = "prefix") -> list[list[Request]]:
+    """Each replica's requests, in workload order (see the module)."""
+    if type(replicas) is not int or replicas < 1:
+        raise ServeError(f"replicas must be an int >= 1, got {replicas!r}")
+    if type(block) is not int or block < 1:
+        raise ServeError(f"block must be an int >= 1, got {block!r}")
+    if routing not in ROUTINGS:
+        raise ServeError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    parts: list[list[Request]] = [[] for _ in range(replicas)]
+    load = [0] * replicas
+    home: dict[tuple[int, ...], int] = {}
+    for n, r in enumerate(workload):
+        if routing == "round-robin":
+            i = n % replicas
+        else:
+            key = tuple(int(t) for t in r.token_ids[:block])
+            i = home.get(key, -1)
+            if i < 0:
+                i = min(range(replicas), key=lambda j: (load[j], j))
+                home[key] = i
+        parts[i].append(r)
+        load[i] += len(r.token_ids) + r.max_new_tokens
+    return parts
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaResult:
+    index: int
+    summary: dict[str, Any]
+    """The replica's ``ServeSummary.to_json()``."""
+    outputs: dict[int, tuple[int, ...]]
+    aborted: tuple[int, ...]
+
+
+class ReplicaFailed(RuntimeError):
+    """A replica process failed; the message names it and says why in one line."""
+
+
+def _request_json(r: Request) -> dict[str, object]:
+    return {"rid": int(r.rid), "prompt": r.prompt.decode("latin-1"), "max_new_tokens": r.max_new_tokens, "arrival": r.arrival,
+            "stop": r.stop, "ids": list(r.ids) if r.ids is not None else None}
+
+
+def _request(d: dict[str, Any]) -> Request:
+    return Request(rid=RequestId(d["rid"]), prompt=d["prompt"].encode("latin-1"), max_new_tokens=d["max_new_tokens"],
+                   arrival=d["arrival"], stop=d["stop"], ids=tuple(d["ids"]) if d["ids"] is not None else None)
+
+
+def serve_replicas(
+    parts: Sequence[Sequence[Request]], *, model: str | None, draft: str | None, dtype: str, cfg: ServeConfig, threads: int,
+    on_done: Callable[[int], None] | None = None,
+) -> list[ReplicaResult]:
+    """Serve each part on its own replica process, all at once; ``on_done(n)`` as replicas finish.
+    ``ReplicaFailed`` (every other replica stopped) when one fails."""
+    procs: list[subprocess.Popen[bytes]] = []
+    results: list[tuple[bytes, bytes] | None] = [None] * len(parts)
+    done = threading.Condition()
+    try:
+        for part in parts:
+            spec = {"model": model, "draft": draft, "dtype": dtype, "cfg": attrs.asdict(cfg), "threads": threads,
+                    "requests": [_request_json(r) for r in part]}
+            proc = subprocess.Popen([sys.executable, "-m", "compiler.serve.dp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+            procs.append(proc)
+
+            def talk(i: int, p: subprocess.Popen[bytes], data: bytes) -> None:
+                out, err = p.communicate(data)
+                with done:
+                    results[i] = (out, err)
+                    done.notify_all()
+
+            threading.Thread(target=talk, args=(len(procs) - 1, proc, json.dumps(spec).encode()), daemon=True).start()
+        finished = 0
+        while finished < len(parts):
+            with done:
+                done.wait(timeout=0.5)
+                ready = [i for i, r in enumerate(results) if r is not None]
+            for i in ready:
+                if procs[i].returncode not in (None, 0):
+                    err = (results[i] or (b"", b""))[1].decode(errors="replace").strip().splitlines()
+                    raise ReplicaFailed(f"replica {i} failed (exit status {procs[i].returncode}): {err[-1] if err else 'no message'}")
+            if len(ready) != finished:
+                finished = len(ready)
+                if on_done is not None:
+                    on_done(finished)
+        out: list[ReplicaResult] = []
+        for i, r in enumerate(results):
+            assert r is not None
+            d = json.loads(r[0])
+            out.append(ReplicaResult(index=i, summary=d["summary"], outputs={int(k): tuple(v) for k, v in d["outputs"].items()},
+                                     aborted=tuple(d["aborted"])))
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+
+
+def _replica_main() -> int:
+    """A replica: one JSON spec on stdin, the summary and outputs as JSON on stdout."""
+    import torch
+
+    from compiler.serve.models import load_served
+    from compiler.serve.run import run
+    from compiler.tools.timed import TimedModel
+
+    spec = json.loads(sys.stdin.buffer.read())
+    torch.set_num_threads(spec["threads"])
+    cfg = ServeConfig(**spec["cfg"])
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec["dtype"]]
+    target = load_served(spec["model"], role="target", dtype=dtype, bundled="target")
+    drafted = load_served(spec["draft"], role="draft", dtype=dtype, bundled="draft") if cfg.k > 0 else None
+    t = TimedModel(target.model)
+    d = TimedModel(drafted.model) if drafted is not None else None
+    workload = [_request(r) for r in spec["requests"]]
+    summary = run(workload, t, d, cfg, model_clock=lambda: t.seconds + (d.seconds if d is not None else 0.0),
+                  tokenizer=target.tokenizer if target.hf else None, eos=target.eos)
+    sys.stdout.write(json.dumps({"summary": summary.to_json(), "outputs": {str(k): list(v) for k, v in summary.outputs.items()},
+                                 "aborted": list(summary.aborted)}, default=_plain))
+    return 0
+
+
+def _plain(value: object) -> object:
+    if attrs.has(type(value)):
+        return attrs.asdict(value)  # type: ignore[arg-type]  # attrs.has narrows to the class, not the instance
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def merged(results: Sequence[ReplicaResult], wall_s: float) -> dict[str, object]:
+    """The run's figures over every replica: tokens, tokens/s over the router's wall time (from the
+    first replica's start to the last one's end, loading included) and over the slowest replica's
+    serving time, every ledger drained, every lossless check passed."""
+    tokens = sum(int(r.summary["generated_tokens"]) for r in results)
+    serving = max(float(r.summary["wall_s"]) for r in results)
+    return {
+        "dp": len(results), "requests": sum(int(r.summary["requests"]) for r in results), "generated_tokens": tokens,
+        "tokens_per_s": tokens / serving if serving else 0.0, "slowest_replica_wall_s": serving, "router_wall_s": wall_s,
+        "outstanding_tickets": sum(int(r.summary["outstanding_tickets"]) for r in results),
+        "aborted_requests": sum(int(r.summary["aborted_requests"]) for r in results),
+        "lossless_ok": all(r.summary.get("lossless_ok") is not False for r in results),
+        "prefix_cache_hit_tokens": sum(int(r.summary["prefix_cache_hit_tokens"]) for r in results),
+        "replicas": [r.summary for r in results],
+    }
+
+
+def timed_serve(parts: Sequence[Sequence[Request]], **kw: Any) -> tuple[list[ReplicaResult], float]:
+    t0 = time.perf_counter()
+    results = serve_replicas(parts, **kw)
+    return results, time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(_replica_main())

@@ -44,6 +44,7 @@ from backend import faults
 from backend.executor import Executor
 from backend.ledger import Ledger, PoolCounts
 from backend.model import ServedModel, ServingModelHook
+from backend.pool import MambaStatePool
 from backend.remote import plan_tickets
 from backend.tp.group import Msg, RankFailed, RankRefused, TPGroup, one_line
 from ir.errors import IRValidationError
@@ -156,8 +157,10 @@ class RankLedgers:
 
     @property
     def equal(self) -> bool:
-        """Every rank minted and consumed the same ops on every pool."""
-        return all(r == self.ranks[0] for r in self.ranks)
+        """Every rank consumed the same ops on every pool. (What they minted may differ: rank 0
+        registers a forward's tickets when it lowers it, a worker when the plan reaches it, so a
+        ticket cancelled before its plan was sent is on rank 0's books only.)"""
+        return all(r[p].consumed == self.ranks[0][p].consumed for r in self.ranks for p in self.pools)
 
     @property
     def drained(self) -> bool:
@@ -348,7 +351,7 @@ class TPExecutor:
         return self.executor.ledger
 
     @property
-    def pool(self) -> Any:
+    def pool(self) -> MambaStatePool:
         return self.executor.pool
 
     @consumes

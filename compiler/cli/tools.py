@@ -145,7 +145,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             raise UsageError(f"--tp {world} with --overlap: the tensor-parallel bench measures the group against one process")
         distributed.check_splits(world, [("bundled target", target.config), ("bundled draft", draft.config)])
         if rank > 0:
-            return distributed.work(distributed.start(rank, world, launched, args.argv, 60), target, draft)
+            return distributed.work(distributed.start(rank, world, launched, args.argv, _BENCH_TP_TIMEOUT_S), target, draft)
         if world == 1:
             raise UsageError("--tp 1: the tensor-parallel bench compares one process with a group of 2 or more ranks")
         return _bench_tp(args, console, cases, target, draft, world, launched, sweep)
@@ -181,6 +181,11 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+_BENCH_TP_TIMEOUT_S = 600
+"""The bench's group timeout: the workers wait for rank 0's next message while it measures a tp = 1
+run on its own."""
+
+
 def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], target: Any, draft: Any, world: int, launched: bool,
               sweep: bool) -> int:
     import torch
@@ -192,7 +197,7 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
 
     t0 = time.perf_counter()
     with OutputFile("--json", args.json) as output:
-        leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, 60))
+        leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, _BENCH_TP_TIMEOUT_S))
         try:
             shards = distributed.shards(leader.group, target, draft)
             assert shards[1] is not None

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from backend.remote import ExecutorProcess
+from backend.tp.serve import TPExecutor
 from compiler.engine.cache_session import CacheSession
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
@@ -182,6 +183,8 @@ class Forwards:
         for ex in (self.target, self.draft):
             if isinstance(ex, ExecutorProcess) and not ex.closed:
                 ex.cancel_outstanding(reason)
+        if isinstance(self.target, TPExecutor):  # one request cancels them on every worker, both pools
+            self.target.leader.cancel_outstanding(reason)
         self.stats.failed_steps += 1
         live = [rid for rid in failure.rids if rid in self.requests]
         self.stats.aborts += len(live)

@@ -9,7 +9,10 @@ error it stopped on. Scenarios:
   with a step number ahead of the next one, or with a ticket whose serial no trusted process
   minted, is sent raw (rank 0 does not run it); the refusals are recorded and serving goes on;
 - ``raise``: a fault armed in the worker's model forward;
-- ``kill``: the worker is killed mid-run.
+- ``kill``: the worker is killed mid-run;
+- ``refuse0``: rank 0's own checks of its third prefill with tickets raise (not a ``BatchcError``): every rank
+  refuses the plan, the engine aborts its requests and cancels their tickets on every rank, and
+  serving goes on.
 """
 
 from __future__ import annotations
@@ -117,11 +120,25 @@ def leader(scenario: str, out: str) -> None:
 
     if scenario == "raise":
         lead.arm_fault(1, faults.FaultPoint.MODEL_FORWARD, after=5)
+    if scenario == "refuse0":
+        import backend.executor
+
+        check = backend.executor._check_fresh_rows
+        calls = [0]
+
+        def failing(plan: Any, ext: Any, tickets: Any) -> None:
+            calls[0] += bool(tickets)
+            if tickets and calls[0] == 3:  # the third prefill that carries tickets
+                raise RuntimeError("rank 0's checks failed")
+            check(plan, ext, tickets)
+
+        backend.executor._check_fresh_rows = failing
     t0 = time.monotonic()
     try:
         with _engine(t, d, tp=lead) as e:
             _serve(e, on_step)
         result["outputs"] = {str(k): v for k, v in sorted(e.outputs.items())}
+        result["aborted"] = sorted(int(r) for r in e.aborted_by_failure)
         result["ledgers"] = e.tp_ledgers.to_json() if e.tp_ledgers is not None else None
         result["rank0_outstanding"] = len(e.ledger.outstanding())
         lead.shutdown()

@@ -72,3 +72,14 @@ def test_a_failed_worker_stops_rank_0_naming_the_rank_and_cause(scenario: str, c
     assert r["worker_exit"] == exit_code
     if scenario == "raise":  # the worker says it too, in one line
         assert f"rank 1: {cause}" in r["stderr"].splitlines()
+
+
+def test_a_plan_rank_0_refuses_is_refused_everywhere_and_its_tickets_cancelled_on_every_rank(tmp_path: Path) -> None:
+    r = _scenario("refuse0", tmp_path)
+    assert "error" not in r and r["aborted"] == [1]
+    assert {k: v for k, v in r["outputs"].items() if k != "1"} == {k: v for k, v in r["unsharded"].items() if k != "1"}
+    ledgers = r["ledgers"]
+    assert ledgers["equal"] and ledgers["drained"]
+    for rank in ledgers["ranks"]:  # the refused prefill's target ticket: cancelled on both ranks, run on neither
+        assert rank["target"]["cancelled"] == 1 and rank["target"]["consumed"]["tickets"] == rank["target"]["minted"]["tickets"] - 1
+    assert r["rank0_outstanding"] == 0 and r["worker_exit"] == 0

@@ -74,6 +74,16 @@ class Collective(Protocol):
 
 
 @attrs.frozen
+class ShardOrigin:
+    """Where a tensor-parallel shard was cut from: the whole model's fingerprint
+    (``backend.tp.shard.fingerprint``) and the shard's place."""
+
+    fingerprint: str
+    rank: int
+    world: int
+
+
+@attrs.frozen
 class NormSplit:
     """A tensor-parallel shard whose slice of the mixer width lies inside one gated-norm group that
     other ranks share: the group's sum of squares is summed across ranks before it normalises."""
@@ -149,15 +159,18 @@ class HybridModel:
 
     def __init__(
         self, config: HybridConfig, weights: Weights, *, collective: Collective | None = None, norm_split: NormSplit | None = None,
+        origin: ShardOrigin | None = None,
     ) -> None:
         """``collective``: this model is one tensor-parallel shard (``backend.tp.shard_model``) and
         sums its row-parallel outputs (``out_proj``, ``o_proj``, ``down_proj``) over the ranks;
-        ``norm_split``: and its gated norm's sums of squares too."""
+        ``norm_split``: and its gated norm's sums of squares too; ``origin``: the whole model it
+        was cut from (the ranks of a group check that they serve one model)."""
         check_weights(config, weights)
         self.config = config
         self.weights = weights
         self.collective = collective
         self.norm_split = norm_split
+        self.origin = origin
 
     @classmethod
     def from_seed(

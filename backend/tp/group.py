@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import enum
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -40,6 +41,10 @@ INLINE: Final = 4096 - 24
 """Largest payload that travels inside a message's head (most plan messages of a few requests)."""
 _HEAD_BYTES: Final = INLINE + 24
 _DETAIL_BYTES: Final = 2000
+MAX_WORLD: Final = 64
+"""Most ranks a group takes."""
+MAX_TIMEOUT_S: Final = 86400
+_DIGITS: Final = re.compile(r"[0-9]{1,6}")
 _GRACE_S: Final = 3.0
 """How long ``failure`` looks for the cause a failing rank reports before it settles for less."""
 
@@ -56,6 +61,25 @@ class Msg(enum.IntEnum):
     SHUTDOWN = 7  # the worker returns
     PING = 8  # nothing: rank 0 is alive
     ARM = 9  # tests: arm a fault point on one rank (JSON [rank, point, after])
+
+
+class Vote(enum.IntEnum):
+    """A rank's word on a plan at an agreement; the group's is the worst."""
+
+    REFUSED = 0  # the plan does not fit this rank (a BatchcError: a replayed, forged or bad plan): a bug
+    FAILED = 1  # something else went wrong before anything was written (a fault: out of memory, say)
+    OK = 2
+
+
+class RankFault(RuntimeError):
+    """A rank failed on a plan before anything was written anywhere (not a refusal): no rank ran
+    it, the group serves on, and the engine aborts the plan's requests as it does for any failed
+    forward. ``faults``: (rank, why)."""
+
+    def __init__(self, plan: str, faults: Sequence[tuple[int, str]]) -> None:
+        said = "; ".join(f"rank {r}: {why}" for r, why in faults)
+        super().__init__(f"{plan} failed on the tensor-parallel group before it ran ({said})")
+        self.faults = tuple(faults)
 
 
 class RankFailed(RuntimeError):
@@ -99,6 +123,7 @@ class TPGroup:
         # messages and agreements on a CPU (gloo) group even when the model's sums run on NCCL
         self.cpu_group: dist.ProcessGroup | None = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.broken: RankFailed | None = None
+        self.closed = False
         self.message_s = 0.0
         """Seconds this rank spent in message broadcasts (sending or receiving)."""
         self.agree_s = 0.0
@@ -145,16 +170,17 @@ class TPGroup:
 
     # -- agreement -----------------------------------------------------------------------------
 
-    def agree(self, ok: bool, detail: str = "") -> list[tuple[int, str]]:
-        """Every rank says whether it accepted the current plan; returns the refusals (rank, why),
-        empty when every rank accepted. Every rank gets the same answer."""
+    def agree(self, vote: Vote = Vote.OK, detail: str = "") -> tuple[Vote, list[tuple[int, str]]]:
+        """Every rank votes on the current plan; returns the worst vote and the dissent (rank, why),
+        empty when every rank said ``OK``. Every rank gets the same answer."""
         t0 = time.perf_counter()
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        flag = torch.tensor([int(vote)], dtype=torch.int64)
         self._collective(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.cpu_group))
-        if int(flag.item()) == 1:
+        worst = Vote(int(flag.item()))
+        if worst is Vote.OK:
             self.agree_s += time.perf_counter() - t0
-            return []
-        data = b"" if ok else ((detail or "refused").encode()[:_DETAIL_BYTES])
+            return worst, []
+        data = b"" if vote is Vote.OK else ((detail or vote.name.lower()).encode()[:_DETAIL_BYTES])
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         self._collective(lambda: dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.cpu_group))
         width = max(int(s.item()) for s in sizes)
@@ -163,7 +189,7 @@ class TPGroup:
         parts = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world)]
         self._collective(lambda: dist.all_gather(parts, mine, group=self.cpu_group))
         self.agree_s += time.perf_counter() - t0
-        return [
+        return worst, [
             (r, parts[r][: int(sizes[r].item())].numpy().tobytes().decode(errors="replace"))
             for r in range(self.world) if int(sizes[r].item())
         ]
@@ -184,6 +210,8 @@ class TPGroup:
     def _collective(self, op: Callable[[], object]) -> None:
         if self.broken is not None:
             raise self.broken
+        if self.closed:
+            raise RuntimeError("this tensor-parallel group is closed")
         try:
             op()
         except RuntimeError as exc:
@@ -216,7 +244,8 @@ class TPGroup:
             if gone is not None:
                 return RankFailed(*gone)
             if time.monotonic() > deadline:
-                return RankFailed(None, f"no answer within {self.timeout_s:g} s or a lost connection ({one_line(exc)})")
+                other = 1 - self.rank if self.world == 2 else None  # (in a pair, the one other rank)
+                return RankFailed(other, f"no answer within {self.timeout_s:g} s, or a lost connection ({one_line(exc)})")
             time.sleep(0.05)
 
     def _gone(self) -> tuple[int, str] | None:
@@ -238,14 +267,23 @@ class TPGroup:
         return None
 
     def close(self, *, wait_s: float = 30.0) -> None:
-        """Leave the group: destroy the process group (a peer still waiting in a collective fails at
-        once) and wait for the workers this rank started, killing any still running after
-        ``wait_s``."""
+        """Leave the group: destroy the process group and wait up to ``wait_s`` for the workers this
+        rank started, killing any still running then. When the group is broken the workers are
+        stopped at once (SIGTERM): one may still wait in a collective whose sockets this process
+        keeps open (an interrupted wait keeps its process group alive). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group: its sockets close with it anyway
                 pass
+        if self.broken is not None:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            wait_s = min(wait_s, 5.0)
         deadline = time.monotonic() + wait_s
         for proc in self.procs.values():
             try:
@@ -278,22 +316,41 @@ def launched_rank() -> tuple[int, int] | None:
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if rank is None or world is None:
         return None
-    if not (rank.isdigit() and world.isdigit() and 0 <= int(rank) < int(world)):
-        raise ValueError(f"RANK {rank!r} and WORLD_SIZE {world!r} must be ints with 0 <= RANK < WORLD_SIZE")
+    if not (_DIGITS.fullmatch(rank) and _DIGITS.fullmatch(world) and 0 <= int(rank) < int(world) <= MAX_WORLD):
+        raise ValueError(f"RANK {rank!r} and WORLD_SIZE {world!r} must be ints with 0 <= RANK < WORLD_SIZE <= {MAX_WORLD}")
     return int(rank), int(world)
+
+
+def _check_args(where: str, *, rank: object = 0, world: object, timeout_s: object, start_timeout_s: object, backend: object) -> None:
+    """``ValueError`` naming the argument unless each is what ``connect`` / ``spawn_workers`` take."""
+    if type(world) is not int or not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"{where}: world must be an int in [1, {MAX_WORLD}], got {world!r}")
+    if type(rank) is not int or not 0 <= rank < world:
+        raise ValueError(f"{where}: rank must be an int in [0, {world}), got {rank!r}")
+    for name, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= MAX_TIMEOUT_S):
+            raise ValueError(f"{where}: {name} must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {value!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"{where}: backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
 def connect(rank: int, world: int, *, timeout_s: float, start_timeout_s: float = 600.0, backend: str = "gloo") -> TPGroup:
     """Join the group the environment describes (``MASTER_ADDR``, ``MASTER_PORT``: ``torchrun``'s
     or ``spawn_workers``'s). Under ``torchrun`` the agent's store is used as is."""
+    _check_args("connect", rank=rank, world=world, timeout_s=timeout_s, start_timeout_s=start_timeout_s, backend=backend)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port_text = os.environ.get("MASTER_PORT", "")
-    if not port_text.isdigit():
-        raise ValueError(f"MASTER_PORT must be a port number, got {port_text!r}")
+    if not (_DIGITS.fullmatch(port_text) and 1 <= int(port_text) <= 65535):
+        raise ValueError(f"MASTER_PORT must be a port number in [1, 65535], got {port_text!r}")
+    if not addr or addr != addr.strip() or any(not c.isprintable() for c in addr):
+        raise ValueError(f"MASTER_ADDR must be a host name or address, got {addr!r}")
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = TCPStore(addr, int(port_text), world, is_master=rank == 0 and not agent,
-                          timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
-    return _join(PrefixStore("batchc", store), rank, world, timeout_s, backend, {})
+    try:
+        store = TCPStore(addr, int(port_text), world, is_master=rank == 0 and not agent,
+                         timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
+        return _join(PrefixStore("batchc", store), rank, world, timeout_s, backend, {})
+    except RuntimeError as exc:  # torch's DistError family: no store there, or the others never came
+        raise RankFailed(None, f"could not form the group at {addr}:{port_text} within {start_timeout_s:g} s ({one_line(exc)})") from None
 
 
 def _join(store: Store, rank: int, world: int, timeout_s: float, backend: str,
@@ -310,6 +367,9 @@ def spawn_workers(world: int, command: Sequence[str], *, timeout_s: float, start
     (with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, as
     ``torchrun`` would) and join the group with them. A worker that exits before it joins, or does
     not join within ``start_timeout_s``, is reported as ``RankFailed`` (and every worker stopped)."""
+    _check_args("spawn_workers", world=world, timeout_s=timeout_s, start_timeout_s=start_timeout_s, backend=backend)
+    if isinstance(command, str) or not command or not all(isinstance(c, str) for c in command):
+        raise ValueError(f"spawn_workers: command must be a non-empty list of strings (program and arguments), got {command!r}")
     store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
     base = dict(os.environ if env is None else env)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world))

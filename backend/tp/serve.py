@@ -42,12 +42,14 @@ import torch
 
 from backend import faults
 from backend.executor import Executor
+from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger, PoolCounts
-from backend.model import ServedModel, ServingModelHook
+from backend.model import ServingModelHook
 from backend.pool import MambaStatePool
 from backend.remote import plan_tickets
-from backend.tp.group import Msg, RankFailed, RankRefused, TPGroup, one_line
-from ir.errors import IRValidationError
+from backend.tp.group import Msg, RankFailed, RankFault, RankRefused, TPGroup, Vote, one_line
+from ir.columns import int_problem
+from ir.errors import BatchcError, IRValidationError, short_repr
 from ir.ids import PoolId
 from ir.init import this_epoch
 from ir.linear import consumes, consumes_on
@@ -78,10 +80,10 @@ class TPGate:
         if self.state is not _State.NEW:
             return
         self.state = _State.AGREEING
-        refusals = self.group.agree(True)
-        if refusals:
+        worst, dissent = self.group.agree()
+        if worst is not Vote.OK:
             self.state = _State.REFUSED
-            raise RankRefused(f"{plan} (plan message {self.step})", refusals)
+            raise _dissent(f"{plan} (plan message {self.step})", worst, dissent)
         self.state = _State.VALIDATED
 
     def applied(self, plan: str) -> None:
@@ -90,13 +92,19 @@ class TPGate:
         if self.state is not _State.VALIDATED:
             return
         self.state = _State.AGREEING
-        self.group.agree(True)  # a rank that did not get here is gone: this raises RankFailed
+        self.group.agree()  # a rank that did not get here is gone: this raises RankFailed
         self.state = _State.APPLIED
 
-    def refuse(self, detail: str) -> list[tuple[int, str]]:
-        """This rank refuses the plan before point 1 (its checks raised): tell the others."""
+    def refuse(self, exc: BaseException) -> None:
+        """This rank's checks of the plan raised ``exc`` before point 1: tell the others (a
+        ``BatchcError`` is a refusal, anything else a fault)."""
         self.state = _State.REFUSED
-        return self.group.agree(False, detail)
+        vote = Vote.REFUSED if isinstance(exc, BatchcError) else Vote.FAILED
+        self.group.agree(vote, f"{one_line(exc)} (plan message {self.step})")
+
+
+def _dissent(what: str, worst: Vote, dissent: list[tuple[int, str]]) -> RankRefused | RankFault:
+    return RankRefused(what, dissent) if worst is Vote.REFUSED else RankFault(what, dissent)
 
 
 def _settle(group: TPGroup, gate: TPGate, exc: BaseException, plan: str) -> BaseException:
@@ -106,9 +114,9 @@ def _settle(group: TPGroup, gate: TPGate, exc: BaseException, plan: str) -> Base
     if isinstance(exc, RankFailed):
         return exc
     if gate.state is _State.NEW:
-        gate.refuse(f"{one_line(exc)} (plan message {gate.step})")
+        gate.refuse(exc)
         return exc
-    if gate.state is _State.REFUSED and isinstance(exc, RankRefused):
+    if gate.state is _State.REFUSED and isinstance(exc, (RankRefused, RankFault)):
         return exc
     cause = f"{one_line(exc)} in {plan} (plan message {gate.step})"
     group.report_fault(cause)
@@ -204,6 +212,8 @@ class TPLeader:
         """Plans the group ran."""
         self.plan_bytes = 0
         """Bytes of the plan messages sent."""
+        self._sizes = (0, 0)
+        """The open session's capacity and max_len (``share_prefix``'s bounds)."""
 
     @property
     def world(self) -> int:
@@ -212,6 +222,8 @@ class TPLeader:
     def _check(self) -> None:
         if self.group.broken is not None:
             raise self.group.broken
+        if self.group.closed:
+            raise RuntimeError("the tensor-parallel group is shut down (TPLeader.shutdown)")
 
     def _fatal(self, failed: BaseException) -> BaseException:
         if isinstance(failed, RankFailed):
@@ -219,20 +231,34 @@ class TPLeader:
             self.group.close(wait_s=10.0)  # the workers' collectives fail at once; those started here exit
         return failed
 
-    def open_session(self, pools: Sequence[PoolId], *, capacity: int, kv_capacity: int, max_len: int, transactional: bool) -> None:
-        """The workers build a pool and caches per pool (``RankRefused`` if one cannot)."""
+    def open_session(
+        self, models: Mapping[PoolId, object], *, capacity: int, kv_capacity: int, max_len: int, transactional: bool,
+    ) -> None:
+        """The workers build a pool and caches per pool of ``models`` (rank 0's shards, by pool),
+        after checking that their shards were cut from the same models (``ShardOrigin``'s
+        fingerprint) for their rank; ``RankRefused`` naming the rank if one cannot or does not."""
         self._check()
         if self.pools is not None:
             raise RuntimeError("a tensor-parallel session is already open (one engine at a time)")
+        origins = {}
+        for pool, model in models.items():
+            try:
+                check_shard(model, pool, 0, self.world)
+            except ValueError as exc:
+                raise IRValidationError("TPLeader.open_session", "models", pool, str(exc)) from None
+            assert isinstance(model, HybridModel) and model.origin is not None
+            origins[pool] = model.origin.fingerprint
+        pools = tuple(models)
+        self._sizes = (capacity, max_len)
         cfg = {"pools": list(pools), "capacity": capacity, "kv_capacity": kv_capacity, "max_len": max_len,
-               "transactional": transactional, "epoch": this_epoch()}
+               "transactional": transactional, "epoch": this_epoch(), "origins": origins}
         try:
             self.group.send(Msg.START, json.dumps(cfg).encode())
-            refusals = self.group.agree(True)
+            worst, dissent = self.group.agree()
         except RankFailed as exc:
             raise self._fatal(exc) from None
-        if refusals:
-            raise RankRefused("the session start", refusals)
+        if worst is not Vote.OK:
+            raise RankRefused("the session start", dissent)
         self.pools = tuple(pools)
 
     @consumes_on("ex")
@@ -240,6 +266,9 @@ class TPLeader:
         """Send ``plan`` for ``pool`` and run it on rank 0's shard with ``ex``."""
         self._check()
         index = self._index(pool)
+        given: object = ex
+        if not isinstance(given, Executor) or ex.gate is not self.gate or ex.pool.pool_id != pool:
+            raise IRValidationError("TPLeader.execute", "ex", given, f"must be an Executor of pool {pool!r} built with gate=leader.gate")
         data = pack(self.step, plan)  # (a plan that cannot be packed is refused before anything is sent)
         try:
             self.group.send(Msg.PLAN, data, arg=index)
@@ -270,10 +299,10 @@ class TPLeader:
         self._check()
         try:
             self.group.send(Msg.PLAN, bytes(data), arg=self._index(pool))
-            refusals = self.group.agree(True)
+            worst, refusals = self.group.agree()
         except RankFailed as exc:
             raise self._fatal(exc) from None
-        if not refusals:
+        if worst is Vote.OK:
             raise self._fatal(RankFailed(None, "the workers accepted a raw plan message that rank 0 did not run: out of step"))
         return refusals
 
@@ -292,6 +321,15 @@ class TPLeader:
             raise self._fatal(exc) from None
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """The workers' token tables: slot ``dst``'s first ``length`` KV locations become ``src``'s
+        (checked here against the session's sizes: a bad one would fail on the workers only)."""
+        self._check()
+        if self.pools is None:
+            raise RuntimeError("no tensor-parallel session is open (TPLeader.open_session)")
+        capacity, max_len = self._sizes
+        for name, value, hi in (("src", src, capacity), ("dst", dst, capacity), ("length", length, max_len)):
+            if int_problem(value) is not None or not 0 <= int(value) <= hi:
+                raise IRValidationError("TPLeader.share_prefix", name, value, f"must be an int in [0, {hi}]")
         self._request(Msg.SHARE, json.dumps([int(src), int(dst), int(length)]).encode())
 
     def forget_verifies(self, pool: PoolId) -> None:
@@ -326,7 +364,10 @@ class TPLeader:
         return _rank_ledgers(pools, gathered)
 
     def shutdown(self) -> None:
-        """Stop the workers (they return from ``serve_worker``) and leave the group."""
+        """Stop the workers (they return from ``serve_worker``) and leave the group; idempotent.
+        Every later call raises."""
+        if self.group.closed:
+            return
         if self.group.broken is None:
             try:
                 self.group.send(Msg.SHUTDOWN)
@@ -366,8 +407,17 @@ class TPExecutor:
 # -- the workers -------------------------------------------------------------------------------
 
 
+def check_shard(model: object, pool: PoolId, rank: int, world: int) -> None:
+    """``ValueError`` unless ``model`` is rank ``rank``'s shard of ``world`` (``shard_model``)."""
+    if not isinstance(model, HybridModel) or model.origin is None:
+        raise ValueError(f"the {pool} model must be a shard cut by backend.tp.shard_model, got {short_repr(model)}")
+    if (model.origin.rank, model.origin.world) != (rank, world):
+        raise ValueError(f"the {pool} model is the shard of rank {model.origin.rank} of {model.origin.world}, "
+                         f"not of rank {rank} of {world}")
+
+
 class _Session:
-    def __init__(self, group: TPGroup, gate: TPGate, models: Mapping[PoolId, ServedModel[Any]], cfg: dict[str, Any]) -> None:
+    def __init__(self, group: TPGroup, gate: TPGate, models: Mapping[PoolId, HybridModel], cfg: dict[str, Any]) -> None:
         self.pools: tuple[PoolId, ...] = tuple(cfg["pools"])
         self.ledger = Ledger()
         self.ledger.trust_peer(int(cfg["epoch"]), "tensor-parallel rank 0")
@@ -377,6 +427,11 @@ class _Session:
             if pool not in models:
                 raise ValueError(f"rank {group.rank} has no model for pool {pool!r} (it has {sorted(models)})")
             model = models[pool]
+            check_shard(model, pool, group.rank, group.world)
+            assert model.origin is not None
+            if model.origin.fingerprint != cfg["origins"][pool]:
+                raise ValueError(f"rank {group.rank}'s {pool} model is not rank 0's (fingerprint {model.origin.fingerprint}, "
+                                 f"rank 0's {cfg['origins'][pool]}): another checkpoint, seed or dtype")
             hook = model.serving_hook(capacity=cfg["capacity"], kv_capacity=cfg["kv_capacity"], max_len=cfg["max_len"])
             self.hooks.append(hook)
             self.executors.append(
@@ -385,7 +440,7 @@ class _Session:
 
 
 class _Worker:
-    def __init__(self, group: TPGroup, models: Mapping[PoolId, ServedModel[Any]]) -> None:
+    def __init__(self, group: TPGroup, models: Mapping[PoolId, HybridModel]) -> None:
         self.group = group
         self.models = models
         self.gate = TPGate(group)
@@ -401,7 +456,11 @@ class _Worker:
 
     def serve(self) -> None:
         while True:
-            kind, arg, data = self.group.receive()
+            try:
+                kind, arg, data = self.group.receive()
+            except RankFailed as exc:  # rank 0 went silent or away: say so where rank 0 looks, if it still can
+                self.group.report_fault(f"gave up waiting for rank 0's next message ({exc.cause})")
+                raise
             if kind is Msg.SHUTDOWN:
                 return
             try:
@@ -419,9 +478,9 @@ class _Worker:
                 try:
                     session = _Session(self.group, self.gate, self.models, json.loads(data))
                 except Exception as exc:  # noqa: BLE001 - refused, with the reason, at the start's agreement
-                    self.group.agree(False, one_line(exc))
+                    self.group.agree(Vote.REFUSED, one_line(exc))
                     return
-                if not self.group.agree(True):
+                if self.group.agree()[0] is Vote.OK:
                     self.session = session
             case Msg.PLAN:
                 self._plan(arg, data)
@@ -466,7 +525,7 @@ class _Worker:
             self.refused += 1  # refused by some rank before anything ran: serve on
 
 
-def serve_worker(group: TPGroup, models: Mapping[PoolId, ServedModel[Any]]) -> list[RankLedgers]:
+def serve_worker(group: TPGroup, models: Mapping[PoolId, HybridModel]) -> list[RankLedgers]:
     """A worker rank: serve rank 0's sessions on ``models`` (this rank's shard of each pool's model)
     until rank 0 shuts the group down; returns each session's gathered ledger counts. Raises
     ``RankFailed`` when this rank fails (its cause is left for rank 0 first) or the group does."""
@@ -478,4 +537,4 @@ def serve_worker(group: TPGroup, models: Mapping[PoolId, ServedModel[Any]]) -> l
     return worker.sessions
 
 
-__all__ = ["LedgerCounts", "RankLedgers", "TPExecutor", "TPGate", "TPLeader", "serve_worker"]
+__all__ = ["LedgerCounts", "RankLedgers", "TPExecutor", "TPGate", "TPLeader", "check_shard", "serve_worker"]

@@ -23,11 +23,14 @@ line naming the size, a ``world`` that does not divide what must be split.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import attrs
 import torch
 
 from backend.hybrid.config import HybridConfig
-from backend.hybrid.model import Collective, HybridModel, NormSplit
+from backend.hybrid.model import Collective, HybridModel, NormSplit, ShardOrigin
 from backend.hybrid.weights import Weights, check_weights
 from ir.columns import int_problem
 from ir.errors import short_repr
@@ -133,6 +136,28 @@ def shard_weights(config: HybridConfig, weights: Weights, rank: int, world: int)
     return out
 
 
+_SAMPLE = 4096
+"""Elements of each weight that go into a fingerprint (evenly strided over the whole tensor)."""
+
+
+def fingerprint(model: HybridModel) -> str:
+    """A short digest of ``model``: its config, and every weight's name, dtype, shape and an evenly
+    strided sample of its values (a few thousand per tensor, so it costs next to nothing on any
+    size). Two ranks that loaded different checkpoints, seeds or dtypes get different ones."""
+    given: object = model
+    if not isinstance(given, HybridModel):
+        raise ValueError(f"model must be a HybridModel, got {short_repr(given)}")
+    h = hashlib.blake2b(digest_size=12)
+    h.update(json.dumps(attrs.asdict(model.config), sort_keys=True, default=str).encode())
+    for name in sorted(model.weights):
+        w = model.weights[name].detach()
+        flat = w.reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].contiguous()
+        h.update(f"{name}|{w.dtype}|{tuple(w.shape)}|".encode())
+        h.update(sample.view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def shard_model(model: HybridModel, rank: int, world: int, collective: Collective) -> HybridModel:
     """Rank ``rank``'s shard of ``model``, summing its partial outputs through ``collective``."""
     given: object = model
@@ -147,4 +172,5 @@ def shard_model(model: HybridModel, rank: int, world: int, collective: Collectiv
     if ng % world:  # this rank's slice of the mixer width lies inside one norm group, shared with other ranks
         group_width = c.d_inner // ng
         split = NormSplit(groups=ng, width=group_width, group=(rank * c.d_inner // world) // group_width)
-    return HybridModel(local, shard_weights(c, model.weights, rank, world), collective=collective, norm_split=split)
+    origin = ShardOrigin(fingerprint=fingerprint(model), rank=rank, world=world)
+    return HybridModel(local, shard_weights(c, model.weights, rank, world), collective=collective, norm_split=split, origin=origin)

@@ -193,12 +193,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--dp", type=_int_in(1, MAX_DP), default=1,
                      help=f"data-parallel replicas of the engine, at most {MAX_DP}: each in its own process with its own models, "
                      "prefix cache and ledger, fed by a prefix-aware router (default 1; README, \"Distributed serving\")")
-    run.add_argument("--dp-routing", choices=ROUTINGS, default="prefix",
+    run.add_argument("--dp-routing", choices=ROUTINGS, default=None,
                      help="with --dp: a request goes to the replica holding its first prefix-cache block (prefix, the default) "
                      "or the requests are dealt out in turn (round-robin, for comparison)")
-    run.add_argument("--tp-timeout", type=_int_in(1, MAX_TP_TIMEOUT), default=60,
-                     help=f"seconds a rank waits on the others in any step before the group fails, at most {MAX_TP_TIMEOUT} "
-                     "(default 60; a rank that dies is noticed at once)")
+    run.add_argument("--tp-timeout", type=_int_in(1, MAX_TP_TIMEOUT), default=None,
+                     help=f"with --tp: seconds a rank waits on the others in any step before the group fails, at most {MAX_TP_TIMEOUT} "
+                     "(default 60; a rank that dies is noticed at once; the ranks wait up to 600 s for each other to start)")
     _add_threads(run)
 
     ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")
@@ -245,6 +245,9 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--tp", type=_int_in(1, MAX_TP), default=None,
                     help="instead of the baselines: the compiled engine on one process against a tensor-parallel group of "
                     "this many ranks (started by the command, or torchrun's), side by side, with the plan broadcast's cost")
+    bs.add_argument("--tp-timeout", type=_int_in(1, MAX_TP_TIMEOUT), default=600,
+                    help=f"with --tp: seconds a rank waits on the others before the group fails, at most {MAX_TP_TIMEOUT} (default 600: "
+                    "the workers wait while rank 0 measures a run on one process)")
     bs.add_argument("--json", metavar="PATH", type=_path_arg,
                     help="also write the rows as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                     "replaced when the bench ends ('-' for stdout)")

@@ -68,6 +68,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         check_same_vocabulary(target, drafted)
     draft = drafted.model if drafted is not None else None
     rank, world, launched = distributed.placement(args.tp)
+    if world == 1 and args.tp_timeout is not None:
+        raise UsageError(f"--tp-timeout {args.tp_timeout} without --tp: a run on one process has no group to time out")
+    if args.dp == 1 and args.dp_routing is not None:
+        raise UsageError(f"--dp-routing {args.dp_routing} without --dp: one engine needs no router")
+    tp_timeout = args.tp_timeout if args.tp_timeout is not None else distributed.TP_TIMEOUT_S
     if world > 1:
         for option, on in (("--overlap", args.overlap), ("--compare-mutable", args.compare_mutable)):
             if on:
@@ -78,7 +83,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             if on:
                 raise UsageError(f"--dp {args.dp} with {option}: each replica is one plain engine process")
     if rank > 0:  # a worker rank: serve rank 0's plans on this rank's shards, print nothing
-        return distributed.work(distributed.start(rank, world, launched, args.argv, args.tp_timeout), target.model, draft)
+        return distributed.work(rank, world, launched, args.argv, tp_timeout, target.model, draft)
     tokenizer = target.tokenizer if target.hf else None
     check_serving(target.model.config, draft.config if draft is not None else None, cfg, compare_mutable=args.compare_mutable,
                   names=(target.name, drafted.name if drafted is not None else "draft"),
@@ -95,13 +100,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                     raise UsageError(f"built-in request {r.rid}: {len(r.token_ids)} prompt tokens + {r.max_new_tokens} new tokens "
                                      f"+ k + 1 = {cfg.reserve} exceed the context limit {cfg.max_len}; lower --max-new-tokens")
     if args.dp > 1:
-        return _serve_replicas(args, console, workload, target, cfg, tokenizer)
+        return _serve_replicas(args, console, workload, target, cfg, tokenizer, args.dp_routing or "prefix")
     target_model = target.model
     leader: TPLeader | None = None
-    if world > 1:  # every check passed: start the group (rank 0 of batchc run --tp starts the other ranks here)
-        leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, args.tp_timeout))
-        target_model, draft = distributed.shards(leader.group, target_model, draft)
     try:
+        if world > 1:  # every check passed: start the group (rank 0 of batchc run --tp starts the other ranks here)
+            leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, tp_timeout))
+            target_model, draft = distributed.shards(leader.group, target_model, draft)
         return _serve_and_report(args, console, workload, target, target_model, draft, cfg, k, tokenizer, leader)
     except RankFailed as exc:
         print(f"batchc: run failed: {exc}", file=sys.stderr)
@@ -113,12 +118,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def _serve_replicas(
     args: argparse.Namespace, console: Console, workload: list[Request], target: Served, cfg: ServeConfig, tokenizer: Tokenizer | None,
+    routing: str,
 ) -> int:
     """``--dp N``: route the workload, serve each part on its own replica process, report."""
     from compiler.serve.dp import ReplicaFailed, merged, route, timed_serve
     from compiler.serve.models import output_lines
 
-    parts = [p for p in route(workload, args.dp, block=cfg.cache_block, routing=args.dp_routing) if p]
+    parts = [p for p in route(workload, args.dp, block=cfg.cache_block, routing=routing) if p]
     with OutputFile("--json", args.json) as output, OutputFile("--outputs", args.outputs) as outputs_file:
         with console.status(f"{len(parts)} replicas serving") as status:
             try:
@@ -128,7 +134,7 @@ def _serve_replicas(
                 print(f"batchc: run failed: {exc}", file=sys.stderr)
                 return 1
         total = merged(results, wall)
-        table = Table(title=f"batchc run --dp {args.dp}: {len(workload)} requests, k={cfg.k}, {target.name}, {args.dp_routing} routing")
+        table = Table(title=f"batchc run --dp {args.dp}: {len(workload)} requests, k={cfg.k}, {target.name}, {routing} routing")
         for h in ("replica", "requests", "tokens", "steps", "wall s", "tokens/s", "prefix hit tokens", "tickets outstanding", "lossless"):
             table.add_column(h, justify="right")
         for r in results:
@@ -256,6 +262,8 @@ def _serve_and_report(
         failures.append(f"lossless check {summary.lossless_check}")
     if summary.tp_ledgers is not None and not (summary.tp_ledgers["equal"] and summary.tp_ledgers["drained"]):
         failures.append("the tensor-parallel ranks' ledgers differ or are not drained")
+    if summary.tp_lossless_ledgers_ok is False:
+        failures.append("the tensor-parallel ranks' ledgers differ or are not drained after the lossless check")
     if failures:
         print(f"batchc: run failed: {'; '.join(failures)}", file=sys.stderr)
         return 1

@@ -145,7 +145,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             raise UsageError(f"--tp {world} with --overlap: the tensor-parallel bench measures the group against one process")
         distributed.check_splits(world, [("bundled target", target.config), ("bundled draft", draft.config)])
         if rank > 0:
-            return distributed.work(distributed.start(rank, world, launched, args.argv, _BENCH_TP_TIMEOUT_S), target, draft)
+            return distributed.work(rank, world, launched, args.argv, args.tp_timeout, target, draft)
         if world == 1:
             raise UsageError("--tp 1: the tensor-parallel bench compares one process with a group of 2 or more ranks")
         return _bench_tp(args, console, cases, target, draft, world, launched, sweep)
@@ -181,11 +181,6 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-_BENCH_TP_TIMEOUT_S = 600
-"""The bench's group timeout: the workers wait for rank 0's next message while it measures a tp = 1
-run on its own."""
-
-
 def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], target: Any, draft: Any, world: int, launched: bool,
               sweep: bool) -> int:
     import torch
@@ -197,21 +192,23 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
 
     t0 = time.perf_counter()
     with OutputFile("--json", args.json) as output:
-        leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, _BENCH_TP_TIMEOUT_S))
+        leader: distributed.TPLeader | None = None
         try:
+            leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, args.tp_timeout))
             shards = distributed.shards(leader.group, target, draft)
             assert shards[1] is not None
             with console.status("warming up") as status:
                 def progress(done: int, total: int) -> None:
                     status.update(f"run {done + 1}/{total} (interleaved: tp=1, tp={world}, then again)")
 
-                rows, alone_us, mean_bytes = run_tp_bench(leader, (target, draft), (shards[0], shards[1]), cases, repeats=args.repeats,
-                                                          on_run=progress)
+                rows, alone_us, mean_bytes, problems = run_tp_bench(leader, (target, draft), (shards[0], shards[1]), cases,
+                                                                    repeats=args.repeats, on_run=progress)
         except RankFailed as exc:
             print(f"batchc: bench failed: {exc}", file=sys.stderr)
             return 1
         finally:
-            leader.shutdown()
+            if leader is not None:
+                leader.shutdown()
         what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
         table = Table(title=f"bench serve --tp {world}: {what}, bundled target and draft, compiled engine",
@@ -230,7 +227,11 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
             f"a correctness harness here, not a speed-up. {time.perf_counter() - t0:.0f} s in all.",
             highlight=False,
         )
-        output.write(json.dumps({"rows": [r.to_json() for r in rows], "broadcast_us": alone_us, "mean_plan_bytes": mean_bytes}, indent=2))
+        output.write(json.dumps({"rows": [r.to_json() for r in rows], "broadcast_us": alone_us, "mean_plan_bytes": mean_bytes,
+                                 "problems": problems}, indent=2))
+    if problems:
+        print(f"batchc: bench failed: {'; '.join(problems)}", file=sys.stderr)
+        return 1
     return 0
 
 

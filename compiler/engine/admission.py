@@ -18,7 +18,7 @@ from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from ir.columns import I64, as_i64, int_problem
 from ir.errors import IRValidationError, PreconditionError, short_repr
-from ir.ids import RequestId
+from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 
 MAX_K = 32
 """Most draft tokens per speculative iteration (the same bound as ``compiler.workload.MAX_K``, the
@@ -125,7 +125,7 @@ def check_engine_args(
     if pm is not None and not isinstance(pm, PassManager):
         raise PreconditionError("Engine", f"pm must be a PassManager or None, not {type(pm).__name__} (got {short_repr(pm)})")
     if tp is not None:
-        from backend.tp.serve import TPLeader
+        from backend.tp.serve import TPLeader, check_shard
 
         if not isinstance(tp, TPLeader):
             raise PreconditionError("Engine", f"tp must be a backend.tp.TPLeader or None, not {type(tp).__name__} (got {short_repr(tp)})")
@@ -135,6 +135,12 @@ def check_engine_args(
             raise PreconditionError("Engine", f"tp with retries {retries}: a forward that fails on a rank is fatal to the group, never retried")
         if tp.pools is not None:
             raise PreconditionError("Engine", "tp: the leader's session is in use by another engine (close that engine first)")
+        for pool, model in ((TARGET_POOL, target), (DRAFT_POOL, draft if kk > 0 else None)):
+            if model is not None:
+                try:
+                    check_shard(model, pool, 0, tp.world)
+                except ValueError as exc:
+                    raise PreconditionError("Engine", f"tp: {exc}") from None
 
 
 def check_request(

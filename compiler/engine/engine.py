@@ -105,9 +105,9 @@ class Engine:
         self.pipeline = Pipeline(self.ledger, LowerContext(pools=pools), pm)
         self._hooks: list[ServingModelHook[Any]] = []
         if tp is not None:
-            tp.open_session(pools if draft is not None else (TARGET_POOL,), capacity=capacity, kv_capacity=kv_capacity,
-                            max_len=max_len, transactional=retries > 0)
-        self.target = self._executor(target, TARGET_POOL, capacity, kv_capacity)
+            tp.open_session({TARGET_POOL: target} | ({DRAFT_POOL: draft} if k > 0 and draft is not None else {}), capacity=capacity,
+                            kv_capacity=kv_capacity, max_len=max_len, transactional=retries > 0)
+        self.target = self._executor(target, TARGET_POOL, capacity, kv_capacity) if tp is None else self._tp_target(target, capacity, kv_capacity)
         self.draft: Backend | None = None
         try:
             self.draft = self._executor(draft, DRAFT_POOL, capacity, kv_capacity) if k > 0 and draft is not None else None
@@ -117,6 +117,7 @@ class Engine:
         except BaseException:
             self._close(self.target)
             self._close(self.draft)
+            self._end_tp_session()
             raise
         self.stats = SpecStats()
         self.runner = ForwardRunner(retries, self.stats)
@@ -174,6 +175,19 @@ class Engine:
             return TPExecutor(self.tp, Executor(pool, self.ledger, hook, slots=self.slots, gate=self.tp.gate))
         # with retries, each forward is one transactional unit that can simply run again
         return Executor(pool, self.ledger, hook, slots=self.slots, transactional=self.retries > 0)
+
+    def _tp_target(self, target: ServedModel[Any], capacity: int, kv_capacity: int) -> Backend:
+        try:
+            return self._executor(target, TARGET_POOL, capacity, kv_capacity)
+        except BaseException:
+            self._end_tp_session()
+            raise
+
+    def _end_tp_session(self) -> None:
+        """An engine that could not be built ends its tensor-parallel session (nothing ran)."""
+        tp = self.tp
+        if tp is not None and tp.pools is not None and tp.group.broken is None:
+            tp.close_session(self.ledger)
 
     def _executors(self) -> list[Backend]:
         return [self.target] + ([self.draft] if self.draft is not None else [])

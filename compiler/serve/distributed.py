@@ -49,11 +49,23 @@ def check_splits(world: int, models: Sequence[tuple[str, HybridConfig]]) -> None
             raise ServeError(f"--tp {world}: {name}: {exc}") from None
 
 
+TP_TIMEOUT_S = 60
+"""``--tp-timeout``'s default: how long a rank waits on the others in any step."""
+START_TIMEOUT_S = 600
+"""How long a rank waits for the others to join (each loads its models first)."""
+
+
 def start(rank: int, world: int, launched: bool, argv: Sequence[str], timeout_s: int) -> TPGroup:
-    """Join (launched) or start (``batchc run --tp``: rank 0 starts the others with ``argv``) the group."""
-    if launched:
-        return connect(rank, world, timeout_s=timeout_s)
-    return spawn_workers(world, [sys.executable, "-m", "compiler.cli", *argv], timeout_s=timeout_s)
+    """Join (launched) or start (``batchc run --tp``: rank 0 starts the others with ``argv``) the
+    group, each rank waiting up to ``START_TIMEOUT_S`` for the others. ``ServeError`` for a launcher
+    environment that names no usable address (``MASTER_ADDR``, ``MASTER_PORT``); ``RankFailed``
+    when the group cannot form."""
+    try:
+        if launched:
+            return connect(rank, world, timeout_s=timeout_s, start_timeout_s=START_TIMEOUT_S)
+        return spawn_workers(world, [sys.executable, "-m", "compiler.cli", *argv], timeout_s=timeout_s, start_timeout_s=START_TIMEOUT_S)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def shards(group: TPGroup, target: HybridModel, draft: HybridModel | None) -> tuple[HybridModel, HybridModel | None]:
@@ -62,9 +74,14 @@ def shards(group: TPGroup, target: HybridModel, draft: HybridModel | None) -> tu
     return t, shard_model(draft, group.rank, group.world, group) if draft is not None else None
 
 
-def work(group: TPGroup, target: HybridModel, draft: HybridModel | None) -> int:
-    """A worker rank's job: serve rank 0's plans until it shuts the group down. Exit status 0, or 1
-    (with one line on stderr) when this rank or the group failed."""
+def work(rank: int, world: int, launched: bool, argv: Sequence[str], timeout_s: int, target: HybridModel, draft: HybridModel | None) -> int:
+    """A worker rank's job: join the group and serve rank 0's plans until it shuts the group down.
+    Exit status 0, or 1 (with one line on stderr) when this rank or the group failed."""
+    try:
+        group = start(rank, world, launched, argv, timeout_s)
+    except RankFailed as exc:
+        print(f"batchc: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
     t, d = shards(group, target, draft)
     models = {TARGET_POOL: t} | ({DRAFT_POOL: d} if d is not None else {})
     try:

@@ -137,7 +137,6 @@ def _replica_main() -> int:
 
     from compiler.serve.models import load_served
     from compiler.serve.run import run
-    from compiler.tools.timed import TimedModel
 
     spec = json.loads(sys.stdin.buffer.read())
     torch.set_num_threads(spec["threads"])
@@ -145,10 +144,8 @@ def _replica_main() -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec["dtype"]]
     target = load_served(spec["model"], role="target", dtype=dtype, bundled="target")
     drafted = load_served(spec["draft"], role="draft", dtype=dtype, bundled="draft") if cfg.k > 0 else None
-    t = TimedModel(target.model)
-    d = TimedModel(drafted.model) if drafted is not None else None
     workload = [_request(r) for r in spec["requests"]]
-    summary = run(workload, t, d, cfg, model_clock=lambda: t.seconds + (d.seconds if d is not None else 0.0),
+    summary = run(workload, target.model, drafted.model if drafted is not None else None, cfg,
                   tokenizer=target.tokenizer if target.hf else None, eos=target.eos)
     sys.stdout.write(json.dumps({"summary": summary.to_json(), "outputs": {str(k): list(v) for k, v in summary.outputs.items()},
                                  "aborted": list(summary.aborted)}, default=_plain))

@@ -140,11 +140,14 @@ def _run(
 
     lossless_check: str | None = None
     lossless_ok: bool | None = None
+    lossless_ledgers_ok: bool | None = None
     sample = list(workload)[: cfg.lossless_sample]
     checked = [r for r in sample if r.rid not in driver.aborted_by_failure]  # an aborted request's output is cut short
     if sample:
         with make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False, tp=tp) as plain:
             serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running, eos=eos)
+        if plain.tp_ledgers is not None:
+            lossless_ledgers_ok = plain.tp_ledgers.equal and plain.tp_ledgers.drained
         same = not plain.aborted_by_failure and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
         skipped = f" ({len(sample) - len(checked)} aborted requests not compared)" if len(checked) < len(sample) else ""
         lossless_check = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal plain greedy of the target{skipped}"
@@ -193,6 +196,7 @@ def _run(
         lossless_ok=lossless_ok,
         tp=tp.world if tp is not None else 1,
         tp_ledgers=driver.tp_ledgers.to_json() if driver.tp_ledgers is not None else None,
+        tp_lossless_ledgers_ok=lossless_ledgers_ok,
         tp_message_ms_per_step=message_ms,
         tp_agree_ms_per_step=agree_ms,
     )

@@ -42,7 +42,7 @@ class MutableRun:
 _OPTIONAL = frozenset({
     "draft_clears_minted_consumed", "draft_cows_minted_consumed", "draft_snapshots_minted_consumed", "lossless_check",
     "lossless_ok", "mutable_baseline", "mutable_baseline_fixed", "model_s", "host_ms_per_step", "host_busy_ms_per_step",
-    "host_hidden_fraction", "tp_ledgers", "tp_message_ms_per_step", "tp_agree_ms_per_step",
+    "host_hidden_fraction", "tp_ledgers", "tp_lossless_ledgers_ok", "tp_message_ms_per_step", "tp_agree_ms_per_step",
 })
 
 
@@ -104,6 +104,9 @@ class ServeSummary:
     tp_ledgers: dict[str, object] | None = None
     """With ``tp > 1``: every rank's ledger counts per pool at the end of the served run, and whether
     they are equal across ranks and drained (``backend.tp.RankLedgers.to_json``)."""
+    tp_lossless_ledgers_ok: bool | None = None
+    """With ``tp > 1`` and a lossless check: whether the check's own session ended with every rank's
+    ledger drained and the same ops consumed."""
     tp_message_ms_per_step: float | None = None
     """With ``tp > 1``: rank 0's time broadcasting plan messages (and requests), per step."""
     tp_agree_ms_per_step: float | None = None

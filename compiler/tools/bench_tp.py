@@ -36,6 +36,9 @@ class TPRun:
     agree_s: float
     plans: int
     plan_bytes: int
+    outputs: dict[int, tuple[int, ...]]
+    ledgers_ok: bool
+    """Every rank consumed the same ops and drained its ledger (always true at tp = 1)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,9 +79,13 @@ def measure(case: BenchCase, tp: TPLeader | None, target: HybridModel, draft: Hy
         before = counters()
         wall, kinds = serve(drv, case.requests, max_running=cfg.max_running)
         after = counters()
+        drv.drop_cache()
     m, a, n, b = (x - y for x, y in zip(after, before, strict=True))
+    ledgers = drv.tp_ledgers
     return TPRun(workload=case.workload, k=case.k, tp=tp.world if tp is not None else 1, tokens=sum(map(len, drv.outputs.values())),
-                 steps=sum(kinds.values()), wall_s=wall, message_s=m, agree_s=a, plans=int(n), plan_bytes=int(b))
+                 steps=sum(kinds.values()), wall_s=wall, message_s=m, agree_s=a, plans=int(n), plan_bytes=int(b),
+                 outputs={int(r): tuple(o) for r, o in drv.outputs.items()},
+                 ledgers_ok=ledgers is None or (ledgers.equal and ledgers.drained))
 
 
 def broadcast_us(tp: TPLeader, size: int, count: int = 500) -> float:
@@ -92,10 +99,11 @@ def broadcast_us(tp: TPLeader, size: int, count: int = 500) -> float:
 def run_tp_bench(
     tp: TPLeader, models: tuple[HybridModel, HybridModel], shards: tuple[HybridModel, HybridModel], cases: Sequence[BenchCase], *,
     repeats: int, on_run: Callable[[int, int], None] | None = None,
-) -> tuple[list[TPRow], float, float]:
+) -> tuple[list[TPRow], float, float, list[str]]:
     """Every case at tp = 1 (``models``) and on ``tp`` (``shards``), alternating, ``repeats`` times;
-    returns the rows (medians), the broadcast alone in microseconds per plan message, and the mean
-    plan message size it was measured at."""
+    returns the rows (medians), the broadcast alone in microseconds per plan message, the mean
+    plan message size it was measured at, and what went wrong: a group run whose tokens differ
+    from the one-process run's, or whose ranks' ledgers differ or are not drained."""
     runs: list[TPRun] = []
     total = repeats * len(cases) * 2
     for _ in range(repeats):
@@ -104,6 +112,11 @@ def run_tp_bench(
                 if on_run is not None:
                     on_run(len(runs), total)
                 runs.append(measure(case, leader, t, d))
+    problems = [
+        f"k={g.k} ({g.workload}): " + ("the group generated other tokens than one process" if g.outputs != one.outputs
+                                       else "the ranks' ledgers differ or are not drained")
+        for one, g in zip(runs[0::2], runs[1::2], strict=True) if g.outputs != one.outputs or not g.ledgers_ok
+    ]
     sent = [r for r in runs if r.tp > 1]
     mean_bytes = sum(r.plan_bytes for r in sent) / max(1, sum(r.plans for r in sent))
     alone = broadcast_us(tp, round(mean_bytes))
@@ -124,4 +137,4 @@ def run_tp_bench(
                 mean_plan_bytes=sum(r.plan_bytes for r in mine) / max(1, sum(r.plans for r in mine)) if world > 1 else None,
                 repeats=len(mine),
             ))
-    return rows, alone, mean_bytes
+    return rows, alone, mean_bytes, problems

@@ -19,7 +19,7 @@ class TimedModel(HybridModel):
     (extend, decode, verify, both proposals, commit) to ``seconds``."""
 
     def __init__(self, model: HybridModel) -> None:
-        super().__init__(model.config, model.weights, collective=model.collective, norm_split=model.norm_split)
+        super().__init__(model.config, model.weights, collective=model.collective, norm_split=model.norm_split, origin=model.origin)
         self.seconds = 0.0
 
     def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

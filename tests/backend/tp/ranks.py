@@ -10,6 +10,11 @@ error it stopped on. Scenarios:
   minted, is sent raw (rank 0 does not run it); the refusals are recorded and serving goes on;
 - ``raise``: a fault armed in the worker's model forward;
 - ``kill``: the worker is killed mid-run;
+- ``fault1``: the worker's own checks of its third prefill with tickets raise (a fault, not a
+  refusal): the same outcome as ``refuse0``, decided by the worker;
+- ``mismatch``: the worker serves a model of another seed: the session start is refused, naming
+  rank 1 and the fingerprints;
+- ``unsharded``: rank 0 hands the engine its whole models: refused before the group hears of it;
 - ``refuse0``: rank 0's own checks of its third prefill with tickets raise (not a ``BatchcError``): every rank
   refuses the plan, the engine aborts its requests and cancels their tickets on every rank, and
   serving goes on.
@@ -30,12 +35,29 @@ K = 2
 PROMPTS = [[5, 17, 33, 8, 60, 3, 44, 90, 12], [7, 71, 25, 38, 2, 9], [5, 17, 33, 8, 60, 3, 11], [40, 41, 42]]
 
 
-def _models(rank: int, world: int, group: Any) -> tuple[Any, Any, Any, Any]:
+def _models(rank: int, world: int, group: Any, seed: int = 1) -> tuple[Any, Any, Any, Any]:
     from backend.tp import shard_model
     from tests.helpers import tiny_models
 
-    target, draft = tiny_models()
+    target, draft = tiny_models(seed=seed)
     return target, draft, shard_model(target, rank, world, group), shard_model(draft, rank, world, group)
+
+
+def _fail_third_ticketed_check(message: str) -> None:
+    """Make this process's executors raise ``RuntimeError(message)`` in the checks of the third
+    prefill that carries tickets (before anything is written)."""
+    import backend.executor
+
+    check = backend.executor._check_fresh_rows
+    calls = [0]
+
+    def failing(plan: Any, ext: Any, tickets: Any) -> None:
+        calls[0] += bool(tickets)
+        if tickets and calls[0] == 3:
+            raise RuntimeError(message)
+        check(plan, ext, tickets)
+
+    backend.executor._check_fresh_rows = failing
 
 
 def _engine(target: Any, draft: Any, tp: Any = None) -> Any:
@@ -68,7 +90,10 @@ def worker() -> None:
     assert where is not None
     rank, world = where
     group = connect(rank, world, timeout_s=20)
-    _, _, t, d = _models(rank, world, group)
+    scenario = sys.argv[1]
+    _, _, t, d = _models(rank, world, group, seed=2 if scenario == "mismatch" else 1)
+    if scenario == "fault1":
+        _fail_third_ticketed_check("the worker's checks failed")
     try:
         serve_worker(group, {TARGET_POOL: t, DRAFT_POOL: d})
     except RankFailed as exc:
@@ -121,18 +146,26 @@ def leader(scenario: str, out: str) -> None:
     if scenario == "raise":
         lead.arm_fault(1, faults.FaultPoint.MODEL_FORWARD, after=5)
     if scenario == "refuse0":
-        import backend.executor
+        _fail_third_ticketed_check("rank 0's checks failed")
+    if scenario == "unsharded":
+        from ir.errors import PreconditionError
 
-        check = backend.executor._check_fresh_rows
-        calls = [0]
+        try:
+            _engine(target, draft, tp=lead)
+        except PreconditionError as exc:
+            result["refused"] = str(exc)
+    if scenario == "mismatch":
+        from backend.tp.group import RankRefused
 
-        def failing(plan: Any, ext: Any, tickets: Any) -> None:
-            calls[0] += bool(tickets)
-            if tickets and calls[0] == 3:  # the third prefill that carries tickets
-                raise RuntimeError("rank 0's checks failed")
-            check(plan, ext, tickets)
-
-        backend.executor._check_fresh_rows = failing
+        try:
+            _engine(t, d, tp=lead)
+        except RankRefused as exc:
+            result["refused"] = str(exc)
+        lead.shutdown()
+        result["worker_exit"] = group.procs[1].poll()
+        with open(out, "w") as f:
+            json.dump(result, f)
+        return
     t0 = time.monotonic()
     try:
         with _engine(t, d, tp=lead) as e:

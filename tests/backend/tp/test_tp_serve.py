@@ -7,6 +7,7 @@ rank 1 and the cause, in seconds, with no process left behind."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,8 +54,6 @@ def test_tp2_serves_the_unsharded_tokens_with_every_ledger_drained(tmp_path: Pat
     ("forged", r"UnknownTicketError: ticket #\d+ for pool 'target': serial \d+ was not minted by this process and no trusted peer sent it"),
 ])
 def test_a_bad_plan_message_is_refused_on_the_worker_and_serving_goes_on(scenario: str, why: str, tmp_path: Path) -> None:
-    import re
-
     r = _scenario(scenario, tmp_path)
     [(rank, said)] = r["refusals"]
     assert rank == 1 and re.search(why, said), said
@@ -83,3 +82,25 @@ def test_a_plan_rank_0_refuses_is_refused_everywhere_and_its_tickets_cancelled_o
     for rank in ledgers["ranks"]:  # the refused prefill's target ticket: cancelled on both ranks, run on neither
         assert rank["target"]["cancelled"] == 1 and rank["target"]["consumed"]["tickets"] == rank["target"]["minted"]["tickets"] - 1
     assert r["rank0_outstanding"] == 0 and r["worker_exit"] == 0
+
+
+def test_a_fault_on_the_worker_before_anything_ran_aborts_the_requests_and_serving_goes_on(tmp_path: Path) -> None:
+    r = _scenario("fault1", tmp_path)  # the worker's checks raise a RuntimeError: a fault, not a refusal
+    assert "error" not in r and r["aborted"] == [1]
+    assert {k: v for k, v in r["outputs"].items() if k != "1"} == {k: v for k, v in r["unsharded"].items() if k != "1"}
+    assert r["ledgers"]["equal"] and r["ledgers"]["drained"]
+    assert [rank["target"]["cancelled"] for rank in r["ledgers"]["ranks"]] == [1, 1]
+
+
+def test_ranks_serving_different_models_are_refused_at_the_session_start(tmp_path: Path) -> None:
+    r = _scenario("mismatch", tmp_path)
+    assert re.fullmatch(
+        r"the session start refused by the tensor-parallel group \(rank 1: ValueError: rank 1's draft model is not rank 0's "
+        r"\(fingerprint [0-9a-f]{24}, rank 0's [0-9a-f]{24}\): another checkpoint, seed or dtype\)", r["refused"]), r["refused"]
+    assert r["worker_exit"] == 0
+
+
+def test_an_engine_on_whole_models_is_refused_before_the_group_hears_of_it(tmp_path: Path) -> None:
+    r = _scenario("unsharded", tmp_path)
+    assert r["refused"].startswith("Engine: tp: the target model must be a shard cut by backend.tp.shard_model, got ")
+    _served_like_unsharded(r)  # and the group serves on

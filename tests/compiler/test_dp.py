@@ -88,6 +88,7 @@ def test_a_failing_replica_fails_the_run_naming_it() -> None:
     (["--dp", "2", "--tp", "2"], "batchc: error: --dp 2 with --tp: each replica is one plain engine process"),
     (["--dp", "2", "--overlap"], "batchc: error: --dp 2 with --overlap: each replica is one plain engine process"),
     (["--dp", "0"], "batchc run: error: argument --dp: expected a positive integer, got 0"),
+    (["--dp-routing", "round-robin"], "batchc: error: --dp-routing round-robin without --dp: one engine needs no router"),
     (["--dp", "2", "--dp-routing", "hash"], "batchc run: error: argument --dp-routing: invalid choice: 'hash' (choose from "),
 ])
 def test_bad_dp_is_refused_in_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

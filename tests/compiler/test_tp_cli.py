@@ -102,6 +102,9 @@ def test_torchrun_launches_the_same_run(tmp_path: Path) -> None:
     (["--tp", "true"], {}, "batchc run: error: argument --tp: expected a positive integer, got 'true'"),
     (["--tp", "65"], {}, "batchc run: error: argument --tp: expected at most 64, got 65"),
     (["--tp-timeout", "0"], {}, "batchc run: error: argument --tp-timeout: expected a positive integer, got 0"),
+    (["--tp-timeout", "5"], {}, "batchc: error: --tp-timeout 5 without --tp: a run on one process has no group to time out"),
+    (["--tp", "2"], {"MASTER_PORT": "x", "RANK": "1", "WORLD_SIZE": "2"},
+     "batchc: error: MASTER_PORT must be a port number in [1, 65535], got 'x'"),
 ])
 def test_bad_tp_is_refused_in_one_line(args: list[str], env: dict[str, str], message: str, capsys: pytest.CaptureFixture[str],
                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ error it stopped on. Scenarios:
   minted, is sent raw (rank 0 does not run it); the refusals are recorded and serving goes on;
 - ``raise``: a fault armed in the worker's model forward;
 - ``kill``: the worker is killed mid-run;
+- ``idle``: rank 0 pauses longer than the group's timeout (3 s here) between two steps;
 - ``fault1``: the worker's own checks of its third prefill with tickets raise (a fault, not a
   refusal): the same outcome as ``refuse0``, decided by the worker;
 - ``mismatch``: the worker serves a model of another seed: the session start is refused, naming
@@ -81,6 +82,10 @@ def _serve(e: Any, on_step: Any = None) -> None:
     e.drop_cache()
 
 
+def _timeout(scenario: str) -> int:
+    return 3 if scenario == "idle" else 20
+
+
 def worker() -> None:
     from backend.tp.group import RankFailed, connect, launched_rank
     from backend.tp.serve import serve_worker
@@ -89,8 +94,8 @@ def worker() -> None:
     where = launched_rank()
     assert where is not None
     rank, world = where
-    group = connect(rank, world, timeout_s=20)
     scenario = sys.argv[1]
+    group = connect(rank, world, timeout_s=_timeout(scenario))
     _, _, t, d = _models(rank, world, group, seed=2 if scenario == "mismatch" else 1)
     if scenario == "fault1":
         _fail_third_ticketed_check("the worker's checks failed")
@@ -112,7 +117,8 @@ def leader(scenario: str, out: str) -> None:
     from ir.wire import pack, unpack
 
     result: dict[str, Any] = {"scenario": scenario}
-    group = spawn_workers(2, [sys.executable, "-m", "tests.backend.tp.ranks", scenario, out], timeout_s=20, start_timeout_s=120)
+    group = spawn_workers(2, [sys.executable, "-m", "tests.backend.tp.ranks", scenario, out], timeout_s=_timeout(scenario),
+                          start_timeout_s=120)
     result["worker_pid"] = group.procs[1].pid
     target, draft, t, d = _models(0, 2, group)
     lead = TPLeader(group)
@@ -142,6 +148,8 @@ def leader(scenario: str, out: str) -> None:
             result["refusals"] = lead.send_raw(TARGET_POOL, data)
         if n == 4 and scenario == "kill":
             os.kill(group.procs[1].pid, signal.SIGKILL)
+        if n == 4 and scenario == "idle":
+            time.sleep(5)
 
     if scenario == "raise":
         lead.arm_fault(1, faults.FaultPoint.MODEL_FORWARD, after=5)

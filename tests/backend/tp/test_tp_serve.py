@@ -63,11 +63,12 @@ def test_a_bad_plan_message_is_refused_on_the_worker_and_serving_goes_on(scenari
 @pytest.mark.parametrize(("scenario", "cause", "exit_code"), [
     ("raise", "tensor-parallel rank 1 failed: InjectedFault: injected fault at model_forward in ExtendPlan (plan message 5)", 1),
     ("kill", "tensor-parallel rank 1 failed: its process was killed by signal 9", -9),
+    ("idle", "tensor-parallel rank 1 failed: gave up waiting for rank 0's next message (no answer within 3 s, or a lost connection", 1),
 ])
 def test_a_failed_worker_stops_rank_0_naming_the_rank_and_cause(scenario: str, cause: str, exit_code: int, tmp_path: Path) -> None:
     r = _scenario(scenario, tmp_path)
-    assert r["error"] == cause and r["failed_rank"] == 1
-    assert r["seconds_to_error"] < 10, "noticed at once (a closed connection), not after the group's 20 s timeout"
+    assert r["error"].startswith(cause) and r["failed_rank"] == 1, r["error"]
+    assert r["seconds_to_error"] < 10, "noticed at once (a closed connection), not after the group's 20 s timeout (3 s when idle)"
     assert r["worker_exit"] == exit_code
     if scenario == "raise":  # the worker says it too, in one line
         assert f"rank 1: {cause}" in r["stderr"].splitlines()

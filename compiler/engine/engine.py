@@ -186,7 +186,7 @@ class Engine:
     def _end_tp_session(self) -> None:
         """An engine that could not be built ends its tensor-parallel session (nothing ran)."""
         tp = self.tp
-        if tp is not None and tp.pools is not None and tp.group.broken is None:
+        if tp is not None and tp.pools is not None and tp.group.broken is None and not tp.group.closed:
             tp.close_session(self.ledger)
 
     def _executors(self) -> list[Backend]:
@@ -211,8 +211,9 @@ class Engine:
         every rank's ledger counts into ``tp_ledgers`` (unless the group is broken). Later steps fail."""
         for ex in self._executors():
             self._close(ex)
-        if self.tp is not None and self.tp.pools is not None and self.tp.group.broken is None and self.tp_ledgers is None:
-            self.tp_ledgers = self.tp.close_session(self.ledger)
+        tp = self.tp
+        if tp is not None and tp.pools is not None and tp.group.broken is None and not tp.group.closed and self.tp_ledgers is None:
+            self.tp_ledgers = tp.close_session(self.ledger)
 
     def __enter__(self) -> Engine:
         return self

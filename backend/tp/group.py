@@ -128,7 +128,6 @@ class TPGroup:
         """Seconds this rank spent in message broadcasts (sending or receiving)."""
         self.agree_s = 0.0
         """Seconds this rank spent in the per-plan agreements."""
-        self.messages = 0
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -146,7 +145,6 @@ class TPGroup:
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             self._collective(lambda: dist.broadcast(buf, 0, group=self.cpu_group))
         self.message_s += time.perf_counter() - t0
-        self.messages += 1
 
     def receive(self) -> tuple[Msg, int, bytes]:
         """A worker: the next message from rank 0 (``RankFailed`` when rank 0 is gone or sent
@@ -165,7 +163,6 @@ class TPGroup:
             self._collective(lambda: dist.broadcast(buf, 0, group=self.cpu_group))
             data = buf.numpy().tobytes()
         self.message_s += time.perf_counter() - t0
-        self.messages += 1
         return Msg(kind), arg, data
 
     # -- agreement -----------------------------------------------------------------------------

@@ -446,7 +446,6 @@ class _Worker:
         self.gate = TPGate(group)
         self.expected = 0
         self.session: _Session | None = None
-        self.refused = 0
         self.sessions: list[RankLedgers] = []
 
     def _open(self) -> _Session:
@@ -522,7 +521,7 @@ class _Worker:
             out = _settle(self.group, self.gate, exc, name)
             if isinstance(out, RankFailed):
                 raise out from exc
-            self.refused += 1  # refused by some rank before anything ran: serve on
+            # otherwise refused by some rank before anything ran: serve on
 
 
 def serve_worker(group: TPGroup, models: Mapping[PoolId, HybridModel]) -> list[RankLedgers]:

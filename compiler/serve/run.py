@@ -109,6 +109,7 @@ def _run(
     eos: Sequence[int],
 ) -> ServeSummary:
     model_before = model_clock() if model_clock is not None else 0.0
+    tp_before = (driver.tp.group.message_s, driver.tp.group.agree_s) if driver.tp is not None else (0.0, 0.0)
     start = time.perf_counter()
     wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish, eos=eos)
     model_s = model_clock() - model_before if model_clock is not None else None
@@ -134,8 +135,8 @@ def _run(
     tp = driver.tp
     message_ms = agree_ms = None
     if tp is not None:  # the session ends here: every rank's ledger counts are gathered
-        message_ms = tp.group.message_s / n_steps * 1e3 if n_steps else 0.0
-        agree_ms = tp.group.agree_s / n_steps * 1e3 if n_steps else 0.0
+        message_ms = (tp.group.message_s - tp_before[0]) / n_steps * 1e3 if n_steps else 0.0
+        agree_ms = (tp.group.agree_s - tp_before[1]) / n_steps * 1e3 if n_steps else 0.0
         driver.close()
 
     lossless_check: str | None = None

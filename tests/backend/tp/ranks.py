@@ -7,7 +7,8 @@ error it stopped on. Scenarios:
 - ``serve``: the workload, nothing else;
 - ``replay`` / ``ahead`` / ``forged``: after a few steps, a plan message with an old step number,
   with a step number ahead of the next one, or with a ticket whose serial no trusted process
-  minted, is sent raw (rank 0 does not run it); the refusals are recorded and serving goes on;
+  minted, is sent raw (rank 0 does not run it); the refusals are recorded and serving goes on
+  (``replay`` also sends a malformed message for the right step: a 5,000-digit integer for a header);
 - ``raise``: a fault armed in the worker's model forward;
 - ``kill``: the worker is killed mid-run;
 - ``idle``: rank 0 pauses longer than the group's timeout (3 s here) between two steps;
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import sys
 import time
 from typing import Any
@@ -146,6 +148,10 @@ def leader(scenario: str, out: str) -> None:
                 forged = tuple(attrs.evolve(x, init=attrs.evolve(x.init, serial=x.serial ^ (1 << SERIAL_COUNTER_BITS))) for x in ext.tickets)
                 data = pack(lead.step, attrs.evolve(ext, tickets=forged, snapshots=()))
             result["refusals"] = lead.send_raw(TARGET_POOL, data)
+            if scenario == "replay":  # and a message for the right step that no encoder writes: a 5,000-digit integer
+                header = b"[" + b"1" * 5000 + b"]"
+                header += b" " * (-(24 + len(header)) % 8)  # the columns' 8-byte alignment
+                result["malformed"] = lead.send_raw(TARGET_POOL, struct.pack("<4sHHQII", b"BCPL", 1, 0, lead.step, len(header), 0) + header)
         if n == 4 and scenario == "kill":
             os.kill(group.procs[1].pid, signal.SIGKILL)
         if n == 4 and scenario == "idle":

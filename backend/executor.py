@@ -24,6 +24,10 @@ pool). A ``DraftPlan`` leaves its proposal's per-step states the same way under 
 exactly one ``DraftCommitPlan``; they live until that commit or the next draft on this pool (an
 engine that catches its draft up with a ``DraftExtendPlan`` never commits them, and keeps at most
 one draft's states). A commit never takes a draft's states, nor a draft commit a verify's.
+A ``DraftPlan`` returns its ``Proposals`` (``ir.spec``), kept with its states: the draft commit is
+refused unless the window it commits holds exactly those proposals (a verify of other tokens would
+leave the draft's state matching no sequence). A ``VerifyPlan`` names the draft whose proposals it
+checks, and each draft's proposals are verified once on a pool (in the order drafts were minted).
 
 Per plan, in this order: (1) check that the plan fits this backend (its tickets name this pool,
 every slot, the init ops' COW sources included, is in range and, with an allocator attached, live;
@@ -74,7 +78,7 @@ from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, ser
 from ir.linear import consumes
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
+from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
 from ir.verify import VerifyLevel, verify_level_from_env
 
 Staged: TypeAlias = StagedExtend | StagedDecode | StagedWindow
@@ -94,6 +98,11 @@ class Gate(Protocol):
         outstanding)."""
 
 
+ForwardOut: TypeAlias = torch.Tensor | Proposals | None
+"""What running one plan returns: a prefill's, decode's or verify's logits or tokens, a draft's
+``Proposals``, or nothing (commits, idle)."""
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class _Kept(Generic[VerifyStateT]):
     """What a verify (or a draft proposal) left on this pool for its commit: the rows and window it
@@ -104,6 +113,8 @@ class _Kept(Generic[VerifyStateT]):
     slots: bytes
     k: int
     states: VerifyStateT
+    proposed: bytes = b""
+    """A draft's proposals (int64, row-major): the draft commit's window must hold exactly these."""
 
 
 class Executor(Generic[VerifyStateT]):
@@ -150,6 +161,9 @@ class Executor(Generic[VerifyStateT]):
         """The last slots column found in range and live, with the allocator's generation then."""
         self._intermediates: dict[TicketSerial, _Kept[VerifyStateT]] = {}
         self._verified_upto: dict[int, int] = {}
+        self._checked_drafts_upto: dict[int, int] = {}
+        """Per minting epoch, the newest draft whose proposals a verify on this pool checked: each
+        draft's proposals are verified once, in the order the drafts were minted."""
         self._kept_draft: TicketSerial | None = None
         """The draft whose states are kept (at most one: a newer draft drops them)."""
         self._samples: dict[int, tuple[TicketSerial, int]] = {}
@@ -170,7 +184,7 @@ class Executor(Generic[VerifyStateT]):
         )
 
     @consumes
-    def execute(self, plan: Plan) -> torch.Tensor | None:
+    def execute(self, plan: Plan) -> ForwardOut:
         if not self.watch:
             out = self._execute(plan)
         else:
@@ -188,7 +202,7 @@ class Executor(Generic[VerifyStateT]):
         if self.gate is not None:
             self.gate.validated(type(plan).__name__)
 
-    def _execute(self, plan: Plan) -> torch.Tensor | None:
+    def _execute(self, plan: Plan) -> ForwardOut:
         match plan:
             case ExtendPlan() | MixedPlan():
                 return self.run_prefill(plan)
@@ -329,9 +343,10 @@ class Executor(Generic[VerifyStateT]):
                 self._samples[slot] = (plan.sample_id, int(token))
 
     @consumes
-    def run_draft(self, plan: DraftPlan) -> torch.Tensor:
-        """Run the proposal; keep its per-step states for the draft commit (dropping an older
-        draft's, never committed)."""
+    def run_draft(self, plan: DraftPlan) -> Proposals:
+        """Run the proposal; keep its per-step states (and the proposed tokens) for the draft
+        commit, dropping an older draft's, never committed. Returns the ``Proposals``, which only
+        the verify of this draft may consume."""
         if not isinstance(plan, DraftPlan):
             _wrong_plan("run_draft", plan, "a DraftPlan")
         did = plan.batch.draft_id
@@ -341,24 +356,37 @@ class Executor(Generic[VerifyStateT]):
         self._validated(plan)
         with self._watched("the model hook's propose", plan, staged):
             out, states = self._spec_model(plan).propose(plan, staged, self.pool)
+        n, k = plan.batch.num_requests, plan.batch.k
+        hook_out: object = out  # a user's hook: its annotation is a promise, checked here
+        if not isinstance(hook_out, torch.Tensor) or tuple(out.shape) != (n, k) or out.dtype != torch.int64:
+            got = f"{out.dtype} {tuple(out.shape)}" if isinstance(hook_out, torch.Tensor) else type(hook_out).__name__
+            raise PlanExecutionError(f"draft #{did}: the model hook's propose returned {got}, not {n} x {k} int64 token ids")
+        proposals = Proposals(k=k, draft_id=did, tokens=out.reshape(-1).cpu().numpy())
         if self._kept_draft is not None:
             self._intermediates.pop(self._kept_draft, None)
-        self._keep("draft", did, plan.batch.slots, plan.batch.k, states)
+        self._keep("draft", did, plan.batch.slots, k, states, proposed=proposals.tokens.tobytes())
         self._kept_draft = did
-        return out
+        return proposals
 
     @consumes
     def run_verify(self, plan: VerifyPlan) -> torch.Tensor:
         if not isinstance(plan, VerifyPlan):
             _wrong_plan("run_verify", plan, "a VerifyPlan")
-        vid = plan.batch.verify_id
+        vid, did = plan.batch.verify_id, plan.batch.draft_id
         self._check_fresh("verify", vid)
+        epoch, n = serial_epoch(did), did & ((1 << SERIAL_COUNTER_BITS) - 1)
+        if n <= self._checked_drafts_upto.get(epoch, 0):
+            raise PlanExecutionError(
+                f"verify #{vid} checks the proposals of draft #{did}, which a verify on pool {self.pool.pool_id!r} already checked "
+                "(each draft's proposals are verified once, in the order the drafts were minted)"
+            )
         self._check_rows(plan.batch.slots, "VerifyPlan")
         staged = stage_window(plan.batch, self.pool.device)
         self._validated(plan)
         with self._watched("the model hook's verify", plan, staged):
             out, states = self._spec_model(plan).verify(plan, staged, self.pool)
         self._keep("verify", vid, plan.batch.slots, plan.batch.k, states)
+        self._checked_drafts_upto[epoch] = n
         return out
 
     @consumes
@@ -385,8 +413,8 @@ class Executor(Generic[VerifyStateT]):
                 f"{phase} #{serial} already ran on pool {self.pool.pool_id!r} (each {phase} runs once, in the order its id was minted)"
             )
 
-    def _keep(self, phase: str, serial: TicketSerial, slots: I64, k: int, states: VerifyStateT) -> None:
-        self._intermediates[serial] = _Kept(phase=phase, slots=slots.tobytes(), k=k, states=states)
+    def _keep(self, phase: str, serial: TicketSerial, slots: I64, k: int, states: VerifyStateT, proposed: bytes = b"") -> None:
+        self._intermediates[serial] = _Kept(phase=phase, slots=slots.tobytes(), k=k, states=states, proposed=proposed)
         self._verified_upto[serial_epoch(serial)] = serial & ((1 << SERIAL_COUNTER_BITS) - 1)
 
     def _commit(self, plan: CommitPlan | DraftCommitPlan, phase: str, serial: TicketSerial) -> None:
@@ -406,6 +434,16 @@ class Executor(Generic[VerifyStateT]):
                 f"commit of {phase} #{serial} names slots {plan.batch.slots.tolist()} with k={plan.batch.k}; "
                 f"the {phase} ran on slots {ran} with k={kept.k} on pool {self.pool.pool_id!r}"
             )
+        if phase == "draft":
+            # the states were computed by feeding the proposals: committing them after a verify of
+            # other tokens would leave the draft's state matching no sequence
+            checked = np.ascontiguousarray(plan.batch.input_ids.reshape(-1, kept.k + 1)[:, 1:])
+            if checked.tobytes() != kept.proposed:
+                proposed = np.frombuffer(kept.proposed, dtype=np.int64).tolist()
+                raise PlanExecutionError(
+                    f"commit of draft #{serial} after a verify of tokens {checked.reshape(-1).tolist()[:16]}; "
+                    f"draft #{serial} proposed {proposed[:16]} on pool {self.pool.pool_id!r}"
+                )
         self._validated(plan)
         with self._unit(plan.batch.slots):
             with self._watched("the model hook's commit", plan):

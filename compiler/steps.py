@@ -18,6 +18,7 @@ from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64
 from ir.ids import RequestId, TicketSerial
 from ir.init import InitTicket, SnapshotTicket
+from ir.linear import consumes
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
 from ir.spec import (
@@ -30,6 +31,7 @@ from ir.spec import (
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
+    Proposals,
     VerifyBatch,
     VerifyPlan,
 )
@@ -115,8 +117,10 @@ class Pipeline:
         plan: DraftPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
 
-    def verify(self, draft: DraftBatch, draft_tokens: I64) -> tuple[VerifyBatch, VerifyPlan]:
-        batch = self.pm.run(prepare_for_verify, draft, draft_tokens)
+    @consumes  # the proposals: one verify each (a second one is ``linear-reuse``)
+    def verify(self, draft: DraftBatch, proposals: Proposals) -> tuple[VerifyBatch, VerifyPlan]:
+        """The verify of ``draft``'s ``proposals`` (what the draft executor returned for its plan)."""
+        batch = self.pm.run(prepare_for_verify, draft, proposals)
         plan: VerifyPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
 

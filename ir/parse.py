@@ -381,11 +381,14 @@ def _decode_cols(p: _Parser, line: _Line, indent: int, declared: int | None = No
 
 def _window_cols(
     p: _Parser, line: _Line, indent: int, *, single: bool, accept: bool, id_key: str
-) -> tuple[int, int, dict[str, list[int]]]:
-    """A windowed node: ``k``, its phase id (``id_key``: ``verify`` or ``draft``) and its columns."""
+) -> tuple[int, list[int], dict[str, list[int]]]:
+    """A windowed node: ``k``, its ids (``id_key``: ``verify`` or ``draft``; a verify's and a
+    commit's are followed by the draft they check, ``draft=#N``) and its columns."""
     declared = line.int_key("requests")
     k = line.int_key("k")
-    serial = line.name("#", line.key(id_key))
+    serials = [line.name("#", line.key(id_key))]
+    if id_key == "verify":
+        serials.append(line.name("#", line.key("draft")))
     line.end()
     rows = p.rows(indent)
     p.header_count(line, rows, declared)
@@ -404,30 +407,30 @@ def _window_cols(
         row.end()
     if not accept:
         del cols["accept_pos"]
-    return k, serial, cols
+    return k, serials, cols
 
 
 def _draft(p: _Parser, line: _Line, indent: int) -> DraftBatch:
-    k, draft, cols = _window_cols(p, line, indent, single=True, accept=False, id_key="draft")
+    k, (draft,), cols = _window_cols(p, line, indent, single=True, accept=False, id_key="draft")
     return DraftBatch(k=k, draft_id=TicketSerial(draft), **cols)
 
 
 def _verify(p: _Parser, line: _Line, indent: int) -> VerifyBatch:
-    k, verify, cols = _window_cols(p, line, indent, single=False, accept=False, id_key="verify")
-    return VerifyBatch(k=k, verify_id=TicketSerial(verify), **cols)
+    k, (verify, draft), cols = _window_cols(p, line, indent, single=False, accept=False, id_key="verify")
+    return VerifyBatch(k=k, verify_id=TicketSerial(verify), draft_id=TicketSerial(draft), **cols)
 
 
 def _commit(p: _Parser, line: _Line, indent: int) -> CommitBatch:
-    k, verify, cols = _window_cols(p, line, indent, single=False, accept=True, id_key="verify")
+    k, (verify, draft), cols = _window_cols(p, line, indent, single=False, accept=True, id_key="verify")
     rel = p.take(indent, "released kv=...")
     rel.literal("released")
     released = rel.kv(rel.key("kv"))
     rel.end()
-    return CommitBatch(k=k, verify_id=TicketSerial(verify), released_kv=released, **cols)
+    return CommitBatch(k=k, verify_id=TicketSerial(verify), draft_id=TicketSerial(draft), released_kv=released, **cols)
 
 
 def _draft_commit(p: _Parser, line: _Line, indent: int) -> DraftCommitBatch:
-    k, draft, cols = _window_cols(p, line, indent, single=False, accept=True, id_key="draft")
+    k, (draft,), cols = _window_cols(p, line, indent, single=False, accept=True, id_key="draft")
     return DraftCommitBatch(k=k, draft_id=TicketSerial(draft), **cols)
 
 

@@ -212,11 +212,12 @@ def _dump(node: Printable, names: _Names, indent: str) -> list[str]:
                 names, node.rids, node.slots, node.seq_lens, node.input_ids, None, node.kv_locs, node.k, inner, single=True
             )
         case VerifyBatch():
-            return [f"{_head(node, indent)} k={node.k} verify={names('#', node.verify_id)}"] + _window_rows(
+            head = f"{_head(node, indent)} k={node.k} verify={names('#', node.verify_id)} draft={names('#', node.draft_id)}"
+            return [head] + _window_rows(
                 names, node.rids, node.slots, node.seq_lens, node.input_ids, None, node.kv_locs, node.k, inner, single=False
             )
         case CommitBatch():
-            lines = [f"{_head(node, indent)} k={node.k} verify={names('#', node.verify_id)}"]
+            lines = [f"{_head(node, indent)} k={node.k} verify={names('#', node.verify_id)} draft={names('#', node.draft_id)}"]
             lines += _window_rows(names, node.rids, node.slots, node.seq_lens, node.input_ids, node.accept_pos, node.kv_locs, node.k, inner, single=False)
             return lines + [f"{inner}released kv={names.kv(node.released_kv)}"]
         case DraftCommitBatch():

@@ -8,6 +8,7 @@ One iteration over the running requests, each with ``c`` committed tokens and on
    state is not modified: each step's state is kept, under the batch's ``draft_id``, for the draft
    commit. Each row owns ``k + 1`` KV locations, for the positions ``c .. c + k`` (written by the
    draft proposal and by the verify).
+   What it proposed comes back as ``Proposals`` (named by the same ``draft_id``).
 2. ``VerifyBatch``: the target model scores ``[p, d1..dk]`` at positions ``c .. c + k`` in one
    forward; its recurrent layers write every position's state to intermediate buffers, identified
    by the batch's ``verify_id``, and leave the committed state alone.
@@ -59,6 +60,7 @@ from ir.columns import (
 )
 from ir.errors import IRValidationError
 from ir.ids import TicketSerial
+from ir.linear import linear
 
 MAX_SPEC_K = 64
 """Largest ``k`` (draft tokens per speculative iteration) a node or ``SpecContext`` accepts.
@@ -118,13 +120,43 @@ class DraftBatch(ColumnNode, RequestRows):
 
 
 @final
+@linear
+@attrs.frozen(kw_only=True)
+class Proposals(ColumnNode):
+    """What a draft step proposed: ``k`` tokens per row of draft ``draft_id``, row-major. The draft
+    executor's run of a ``DraftPlan`` produces it (``backend``), and ``prepare_for_verify`` consumes
+    it: a verify checks exactly the proposals of the draft it follows, once. A linear value: a
+    second verify of the same proposals, or keeping them past the step, is a mypy error
+    (``ir.mypy_linear``); tokens from anywhere else are not ``Proposals`` (``arg-type``), and
+    proposals of another draft are refused by ``prepare_for_verify`` naming both drafts."""
+
+    k: int
+    draft_id: TicketSerial
+    tokens: I64 = column(converter=as_i64, metadata=per(ANY, min=0))
+
+    def _check_first(self) -> None:
+        _check_ids(self, self.k, "draft_id", self.draft_id)
+
+    def _check(self) -> None:
+        if self.tokens.shape[0] % self.k:
+            raise IRValidationError(type(self).__name__, "tokens", self.tokens.shape[0], f"must hold k ({self.k}) tokens per row")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0]) // self.k
+
+
+@final
 @attrs.frozen(kw_only=True)
 class VerifyBatch(ColumnNode, RequestRows):
     """Target verify over ``k + 1`` positions per row: ``[pending, d1..dk]`` from position
-    ``seq_lens[i] - 1``. ``verify_id`` names the intermediate states this forward produces."""
+    ``seq_lens[i] - 1``. ``verify_id`` names the intermediate states this forward produces;
+    ``draft_id`` the draft whose ``Proposals`` it checks (the draft commit after it must name the
+    same draft)."""
 
     k: int
     verify_id: TicketSerial
+    draft_id: TicketSerial
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
     slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
@@ -133,6 +165,7 @@ class VerifyBatch(ColumnNode, RequestRows):
 
     def _check_first(self) -> None:
         _check_ids(self, self.k, "verify_id", self.verify_id)
+        _check_ids(self, self.k, "draft_id", self.draft_id)
 
     def window(self, column: I64) -> I64:
         """A windowed column as ``[n, k + 1]`` (a read-only view)."""
@@ -153,10 +186,12 @@ class AcceptResult(ColumnNode):
 @attrs.frozen(kw_only=True)
 class CommitBatch(ColumnNode, RequestRows):
     """Per row, commit the target state at intermediate position ``accept_pos[i]`` of verify
-    ``verify_id``. ``released_kv`` are the KV locations of rejected positions, to be freed."""
+    ``verify_id``, which checked the proposals of draft ``draft_id``. ``released_kv`` are the KV
+    locations of rejected positions, to be freed."""
 
     k: int
     verify_id: TicketSerial
+    draft_id: TicketSerial
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
     slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
@@ -168,6 +203,7 @@ class CommitBatch(ColumnNode, RequestRows):
 
     def _check_first(self) -> None:
         _check_ids(self, self.k, "verify_id", self.verify_id)
+        _check_ids(self, self.k, "draft_id", self.draft_id)
 
     def _check(self) -> None:
         _check_accept_pos(self, self.accept_pos, self.k)

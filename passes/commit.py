@@ -32,6 +32,7 @@ def commit(batch: VerifyBatch, result: AcceptResult) -> CommitBatch:
         CommitBatch,
         k=k,
         verify_id=batch.verify_id,
+        draft_id=batch.draft_id,
         rids=batch.rids,
         slots=batch.slots,
         seq_lens=batch.seq_lens,

@@ -1,7 +1,8 @@
 """``prepare_for_draft_commit``: ``CommitBatch`` + the iteration's ``DraftBatch`` -> ``DraftCommitBatch`` (step 5).
 
-Pre: ``batch`` is the target's commit of the verify built from ``draft`` (same requests, slots,
-sequence lengths, ``k`` and KV window, row for row).
+Pre: ``batch`` is the target's commit of the verify built from ``draft``'s proposals
+(``batch.draft_id == draft.draft_id``; same requests, slots, sequence lengths, ``k`` and KV window,
+row for row).
 Post: each row commits the draft state its proposal kept at position ``accept_pos[i]``: the state
 after consuming ``[pending, d1..dm]``, the tokens the target accepted. The draft's proposal fed
 exactly those tokens, so this is the state a catch-up forward over them would compute, and no draft
@@ -27,6 +28,12 @@ def prepare_for_draft_commit(batch: CommitBatch, draft: DraftBatch) -> DraftComm
         raise bad_arg("prepare_for_draft_commit", "batch", batch, "a CommitBatch")
     if not isinstance(draft, DraftBatch):
         raise bad_arg("prepare_for_draft_commit", "draft", draft, "a DraftBatch")
+    if batch.draft_id != draft.draft_id:
+        raise PreconditionError(
+            "prepare_for_draft_commit",
+            f"the commit of verify #{batch.verify_id} checked the proposals of draft #{batch.draft_id}, not those of draft #{draft.draft_id}: "
+            "a draft commit pairs a commit with the draft whose proposals its verify checked",
+        )
     if batch.k != draft.k:
         raise PreconditionError("prepare_for_draft_commit", f"the commit has k={batch.k}, the draft #{draft.draft_id} k={draft.k}")
     pairs = (("rids", batch.rids, draft.rids), ("slots", batch.slots, draft.slots),

@@ -1,41 +1,52 @@
-"""``prepare_for_verify``: ``DraftBatch`` + the draft's proposals -> ``VerifyBatch`` (step 2).
+"""``prepare_for_verify``: ``DraftBatch`` + that draft's ``Proposals`` -> ``VerifyBatch`` (step 2).
 
-Pre: ``draft_tokens`` holds ``k`` proposed tokens per row, row-major: a 1-D int64 numpy array of
-non-negative token ids (a list or another dtype is refused, not converted: ``PreconditionError``).
+Pre: ``proposals`` are what the draft step of ``batch`` proposed (``Proposals.draft_id ==
+batch.draft_id``, ``k`` tokens for each of its rows): the value the draft executor returned for the
+batch's ``DraftPlan``. Tokens from anywhere else are not ``Proposals`` (a mypy ``arg-type`` error,
+``PreconditionError`` at run time), and another draft's proposals are refused naming both drafts.
 Post: each row verifies ``[pending, d1..dk]`` at positions ``seq_lens[i] - 1 ..`` over the same KV
 window; a fresh ``verify_id`` names the intermediate states this verify will produce, so a commit
-can only ever apply the states of the verify it was computed from. No init field exists here.
+can only ever apply the states of the verify it was computed from, and ``draft_id`` names the draft
+it checks, so the draft commit after it can only commit that draft's states. No init field exists here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ir.columns import I64, build_unchecked, freeze
+from ir.columns import build_unchecked, freeze
 from ir.errors import PreconditionError
 from ir.init import mint_serial
-from ir.spec import DraftBatch, VerifyBatch
+from ir.spec import DraftBatch, Proposals, VerifyBatch
 from passes._args import bad_arg
 
 
-def prepare_for_verify(batch: DraftBatch, draft_tokens: I64) -> VerifyBatch:
+def prepare_for_verify(batch: DraftBatch, proposals: Proposals) -> VerifyBatch:
     if not isinstance(batch, DraftBatch):
         raise bad_arg("prepare_for_verify", "batch", batch, "a DraftBatch")
-    if not isinstance(draft_tokens, np.ndarray):
-        raise bad_arg("prepare_for_verify", "draft_tokens", draft_tokens, "a 1-D int64 numpy array")
-    n, k = batch.num_requests, batch.k
-    if draft_tokens.shape != (n * k,) or draft_tokens.dtype != np.int64:
+    if not isinstance(proposals, Proposals):
+        raise bad_arg("prepare_for_verify", "proposals", proposals, "the Proposals the draft step returned")
+    if proposals.draft_id != batch.draft_id:
         raise PreconditionError(
             "prepare_for_verify",
-            f"expected {n * k} int64 draft tokens ({n} rows x k={k}), got {draft_tokens.dtype} {draft_tokens.shape} for draft_tokens",
+            f"the proposals of draft #{proposals.draft_id} cannot be verified against draft #{batch.draft_id}: "
+            "a verify checks the proposals of the draft it follows",
         )
-    if n and int(draft_tokens.min()) < 0:
-        raise PreconditionError("prepare_for_verify", f"negative draft token {int(draft_tokens.min())} in draft_tokens")
+    n, k = batch.num_requests, batch.k
+    draft_tokens = proposals.tokens
+    if proposals.k != k or draft_tokens.shape != (n * k,):
+        raise PreconditionError(
+            "prepare_for_verify",
+            f"the proposals of draft #{proposals.draft_id} hold {draft_tokens.shape[0]} tokens with k={proposals.k}; "
+            f"the draft has {n} rows x k={k}",
+        )
+    # (Proposals checked its tokens: int64, non-negative)
     window = np.concatenate((batch.input_ids.reshape(n, 1), draft_tokens.reshape(n, k)), axis=1).reshape(-1)
     return build_unchecked(
         VerifyBatch,
         k=k,
         verify_id=mint_serial(),
+        draft_id=batch.draft_id,
         rids=batch.rids,
         slots=batch.slots,
         seq_lens=batch.seq_lens,

@@ -39,6 +39,7 @@ from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine
 from compiler.tools.ab import DRAFT_NOISE
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.columns import I64
 from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
 from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -53,6 +54,7 @@ from ir.spec import (
     DraftExtendBatch,
     DraftExtendPlan,
     DraftPlan,
+    Proposals,
     VerifyBatch,
     VerifyPlan,
 )
@@ -101,6 +103,12 @@ def cow(rid: int, slot: int, src: int, prefix: int, tokens: Sequence[int], kv_st
 
 def cont(rid: int, slot: int, prefix: int, tokens: Sequence[int], kv_start: int, *, more: bool = False) -> AdmittedRequest:
     return request(rid, slot, tokens, kv_start, intent=Continue(prefix_len=prefix), more_chunks=more)
+
+
+def proposed(draft: DraftBatch, tokens: Sequence[int] | I64) -> Proposals:
+    """``tokens`` as the ``Proposals`` of ``draft`` (what its draft executor would return): for pass
+    tests that choose the proposals instead of running a draft model."""
+    return Proposals(k=draft.k, draft_id=draft.draft_id, tokens=tokens)
 
 
 def decode_batch(
@@ -571,7 +579,7 @@ def commit_batches(draw: Any) -> CommitBatch:
     n, k = len(cols["rids"]), cols["k"]
     accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
     released = draw(_distinct(st.integers(0, 100_000), n * k - sum(accept)))
-    return CommitBatch(**cols, verify_id=TicketSerial(draw(serial_ids)), accept_pos=accept, released_kv=released)
+    return CommitBatch(**cols, verify_id=TicketSerial(draw(serial_ids)), draft_id=TicketSerial(draw(serial_ids)), accept_pos=accept, released_kv=released)
 
 
 @st.composite
@@ -635,7 +643,7 @@ def decode_plans(draw: Any) -> DecodePlan:
         cols["input_ids"] = [0] * len(cols["input_ids"])
     return DecodePlan(**cols, sample_id=sample, inputs_from=inputs)
 draft_batches = st.builds(lambda c, d: DraftBatch(**c, draft_id=TicketSerial(d)), windows(single=True), serial_ids)
-verify_batches = st.builds(lambda c, v: VerifyBatch(**c, verify_id=TicketSerial(v)), windows(single=False), serial_ids)
+verify_batches = st.builds(lambda c, v, d: VerifyBatch(**c, verify_id=TicketSerial(v), draft_id=TicketSerial(d)), windows(single=False), serial_ids, serial_ids)
 
 NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "ExtendBatch": extend_batches(),

@@ -449,10 +449,10 @@ NODE_FIELD_CASES: list[Case] = [
     # k is bounded: the executor allocates k + 1 positions per row
     Case("draft-batch-k-huge", _build(lambda: DraftBatch(k=2**40, draft_id=mint_serial(), rids=[], slots=[], seq_lens=[], input_ids=[], kv_locs=[])), IRValidationError, rf"DraftBatch\.k: speculative steps must be at most MAX_SPEC_K \({MAX_SPEC_K}\) \(got {2**40}\)", field="k"),
     Case("draft-batch-k-past-max", _build(lambda: DraftBatch(draft_id=mint_serial(), **{**_spec_window(MAX_SPEC_K + 1), "input_ids": [3]})), IRValidationError, rf"DraftBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
-    Case("verify-batch-k-past-max", _build(lambda: VerifyBatch(verify_id=mint_serial(), **_spec_window(MAX_SPEC_K + 1))), IRValidationError, rf"VerifyBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
+    Case("verify-batch-k-past-max", _build(lambda: VerifyBatch(verify_id=mint_serial(), draft_id=mint_serial(), **_spec_window(MAX_SPEC_K + 1))), IRValidationError, rf"VerifyBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
     Case(
         "commit-batch-k-huge",
-        _build(lambda: CommitBatch(k=2**40, verify_id=mint_serial(), rids=[], slots=[], seq_lens=[], accept_pos=[], input_ids=[], kv_locs=[], released_kv=[])),
+        _build(lambda: CommitBatch(k=2**40, verify_id=mint_serial(), draft_id=mint_serial(), rids=[], slots=[], seq_lens=[], accept_pos=[], input_ids=[], kv_locs=[], released_kv=[])),
         IRValidationError,
         rf"CommitBatch\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)",
         field="k",
@@ -468,7 +468,7 @@ NODE_FIELD_CASES: list[Case] = [
     Case("draft-commit-batch-id-zero", _build(lambda: DraftCommitBatch(draft_id=TicketSerial(0), accept_pos=[0], **_spec_window(1))), IRValidationError, r"DraftCommitBatch\.draft_id: must be positive .*\(got 0\)", field="draft_id"),
     Case("draft-batch-id-negative", _build(lambda: DraftBatch(draft_id=TicketSerial(-4), **{**_spec_window(1), "input_ids": [3]})), IRValidationError, r"DraftBatch\.draft_id: must be positive .*\(got -4\)", field="draft_id"),
     Case("draft-commit-batch-window-short", _build(lambda: DraftCommitBatch(draft_id=mint_serial(), accept_pos=[0], **{**_spec_window(1), "kv_locs": [30]})), IRValidationError, r"DraftCommitBatch\.kv_locs: length must equal", field="kv_locs"),
-    Case("draft-commit-plan-batch-is-commit", _build(lambda: DraftCommitPlan(batch=CommitBatch(verify_id=mint_serial(), accept_pos=[1], released_kv=[], **_spec_window(1)))), IRValidationError, r"DraftCommitPlan\.batch: must be a DraftCommitBatch, not CommitBatch", field="batch"),  # type: ignore[arg-type]
+    Case("draft-commit-plan-batch-is-commit", _build(lambda: DraftCommitPlan(batch=CommitBatch(verify_id=mint_serial(), draft_id=mint_serial(), accept_pos=[1], released_kv=[], **_spec_window(1)))), IRValidationError, r"DraftCommitPlan\.batch: must be a DraftCommitBatch, not CommitBatch", field="batch"),  # type: ignore[arg-type]
     Case("spec-context-k-huge", _build(lambda: SpecContext(k=2**40, next_tokens=[], kv_locs=[])), IRValidationError, rf"SpecContext\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)", field="k"),
     Case("spec-context-k-none", _build(lambda: SpecContext(k=None, next_tokens=[], kv_locs=[])), IRValidationError, r"SpecContext\.k: must be an int, not NoneType \(got None\)", field="k"),  # type: ignore[arg-type]
 ]
@@ -675,7 +675,7 @@ def _untyped(fn: Callable[[World, Ctx], object]) -> Callable[[World, Ctx], objec
 
 
 def _verify_batch(**kw: Any) -> Callable[[World, Ctx], object]:
-    fields: dict[str, Any] = dict(k=1, verify_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3, 4], kv_locs=[30, 31])
+    fields: dict[str, Any] = dict(k=1, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3, 4], kv_locs=[30, 31])
     fields.update(kw)
     return _build(lambda: VerifyBatch(**fields))
 
@@ -1084,7 +1084,7 @@ def test_smallest_legal_values_are_accepted() -> None:
     """Token id 0, KV location 0 and a sequence length of 1 are legal in every windowed node."""
     d = DraftBatch(k=1, draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0], kv_locs=[0, 1])
     assert d.seq_lens.tolist() == [1] and d.input_ids.tolist() == [0] and d.kv_locs.tolist() == [0, 1]
-    v = VerifyBatch(k=1, verify_id=mint_serial(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0, 0], kv_locs=[0, 1])
+    v = VerifyBatch(k=1, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0, 0], kv_locs=[0, 1])
     assert v.input_ids.tolist() == [0, 0] and v.kv_locs.tolist() == [0, 1]
     r = AcceptResult(accepted=[0], bonus=[0])
     assert r.bonus.tolist() == [0]

@@ -17,17 +17,17 @@ from typing import TypeAlias, assert_never
 
 import torch
 
-from backend.executor import AnyExecutor
+from backend.executor import AnyExecutor, ForwardOut
 from backend.remote import ExecutorGone, ExecutorProcess, Pending
 from backend.tp.group import RankFailed
 from backend.tp.serve import TPExecutor
 from compiler.engine.report import SpecStats
-from ir.errors import BatchcError
+from ir.errors import BatchcError, PlanExecutionError
 from ir.ids import RequestId
 from ir.linear import consumes_on, keeps_linear
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
+from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
 
 Backend: TypeAlias = AnyExecutor | ExecutorProcess | TPExecutor
 """Where the engine's plans run: an executor in this process, one in its own process, or rank 0's of
@@ -41,6 +41,21 @@ class StepFailed(Exception):
         super().__init__(f"forward of requests {list(rids)} failed: {cause!r}")
         self.rids = rids
         self.cause = cause
+
+
+def logits_of(out: ForwardOut, what: str) -> torch.Tensor:
+    """A forward's logits (or a verify's tokens), or ``PlanExecutionError`` saying what came back."""
+    if not isinstance(out, torch.Tensor):
+        raise PlanExecutionError(f"{what} returned {type(out).__name__}, not a tensor")
+    return out
+
+
+def proposals_of(out: ForwardOut, plan: DraftPlan) -> Proposals:
+    """The ``Proposals`` a draft plan's run returned, or ``PlanExecutionError``."""
+    if not isinstance(out, Proposals) or out.draft_id != plan.batch.draft_id:
+        got = f"the proposals of draft #{out.draft_id}" if isinstance(out, Proposals) else type(out).__name__
+        raise PlanExecutionError(f"draft #{plan.batch.draft_id} returned {got}, not its Proposals")
+    return out
 
 
 def plan_rids(plan: Plan) -> tuple[RequestId, ...]:
@@ -67,7 +82,7 @@ class Submitted:
     def __init__(self, ex: Backend, plan: Plan) -> None:
         self.ex, self.plan = ex, plan
         self.pending: Pending | None = None
-        self.out: torch.Tensor | None = None
+        self.out: ForwardOut = None
         self.failure: StepFailed | None = None
 
 
@@ -77,7 +92,7 @@ class ForwardRunner:
         self.stats = stats
 
     @consumes_on("ex")
-    def run(self, ex: Backend, plan: Plan) -> torch.Tensor | None:
+    def run(self, ex: Backend, plan: Plan) -> ForwardOut:
         return self._attempts(ex, plan, self.retries + 1)
 
     @consumes_on("ex")
@@ -96,7 +111,7 @@ class ForwardRunner:
             s.failure = failure
         return s
 
-    def wait(self, s: Submitted) -> torch.Tensor | None:
+    def wait(self, s: Submitted) -> ForwardOut:
         """The result of a submitted plan, retried as ``run`` would; ``StepFailed`` when every
         attempt failed."""
         if s.pending is None:
@@ -114,7 +129,7 @@ class ForwardRunner:
             self.stats.retries += 1
             return self._attempts(s.ex, s.plan, self.retries)
 
-    def _attempts(self, ex: Backend, plan: Plan, attempts: int) -> torch.Tensor | None:
+    def _attempts(self, ex: Backend, plan: Plan, attempts: int) -> ForwardOut:
         for attempt in range(attempts):
             try:
                 return ex.execute(plan)  # type: ignore[linear-reuse]  # a retry: the failed attempt left its tickets outstanding

@@ -47,7 +47,7 @@ from passes.prepare_for_decode import DecodeContext, prepare_for_decode
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import ToySpecModel, World, decode_batch, extend_plan, make_world, request
+from tests.helpers import ToySpecModel, World, decode_batch, extend_plan, make_world, proposed, request
 
 
 class CountingModel(ToySpecModel):
@@ -375,7 +375,7 @@ def test_a_commit_naming_other_slots_is_refused_and_the_right_one_runs() -> None
     w, model = _world()
     running = decode_batch([1, 2], [1, 2], [4, 4], [20, 21])
     draft = prepare_for_draft(running, SpecContext(k=2, next_tokens=[3, 3], kv_locs=list(range(30, 36))))
-    v = prepare_for_verify(draft, np.full(4, 7, dtype=np.int64))
+    v = prepare_for_verify(draft, proposed(draft, np.full(4, 7, dtype=np.int64)))
     w.executor.execute(lower(v, LowerContext()))
     c = commit(v, accept(v, np.full(6, 7, dtype=np.int64)))
     swapped = CommitPlan(batch=attrs.evolve(c, slots=c.slots[::-1].copy()))
@@ -488,7 +488,7 @@ def test_forgotten_verifies_cannot_be_committed() -> None:
     w, model = _world()
     running = decode_batch([1], [1], [4], [20])
     draft = prepare_for_draft(running, SpecContext(k=1, next_tokens=[3], kv_locs=[30, 31]))
-    v = prepare_for_verify(draft, np.full(1, 7, dtype=np.int64))
+    v = prepare_for_verify(draft, proposed(draft, np.full(1, 7, dtype=np.int64)))
     w.executor.execute(lower(v, LowerContext()))
     w.executor.forget_verifies()
     c = commit(v, accept(v, np.full(2, 7, dtype=np.int64)))
@@ -514,7 +514,7 @@ def test_a_verify_and_its_commit_cannot_run_again_even_after_the_commit() -> Non
     w, model = _world()
     running = decode_batch([1, 2], [1, 2], [4, 4], [20, 21])
     draft = prepare_for_draft(running, SpecContext(k=2, next_tokens=[3, 3], kv_locs=list(range(30, 36))))
-    v = prepare_for_verify(draft, np.full(4, 7, dtype=np.int64))
+    v = prepare_for_verify(draft, proposed(draft, np.full(4, 7, dtype=np.int64)))
     vplan = lower(v, LowerContext())
     cplan = lower(commit(v, accept(v, np.full(6, 7, dtype=np.int64))), LowerContext())
     w.executor.execute(vplan)
@@ -522,7 +522,14 @@ def test_a_verify_and_its_commit_cannot_run_again_even_after_the_commit() -> Non
     for replay in (vplan, pickle.loads(pickle.dumps(vplan))):
         _refused(w, model, lambda replay=replay: w.executor.execute(replay), PlanExecutionError, rf"verify #{v.verify_id} already ran on pool 'target'")
     _refused(w, model, lambda: w.executor.execute(cplan), PlanExecutionError, rf"no intermediate states of verify #{v.verify_id}")
-    newer = prepare_for_verify(draft, np.full(4, 7, dtype=np.int64))  # minted later: it runs
+    # a second verify of the same draft's proposals (a fresh verify id) is refused naming both serials
+    again = prepare_for_verify(draft, proposed(draft, np.full(4, 7, dtype=np.int64)))
+    _refused(
+        w, model, lambda: w.executor.execute(lower(again, LowerContext())), PlanExecutionError,
+        rf"verify #{again.verify_id} checks the proposals of draft #{draft.draft_id}, which a verify on pool 'target' already checked",
+    )
+    newer_draft = prepare_for_draft(running, SpecContext(k=2, next_tokens=[3, 3], kv_locs=list(range(30, 36))))
+    newer = prepare_for_verify(newer_draft, proposed(newer_draft, np.full(4, 7, dtype=np.int64)))  # minted later: it runs
     w.executor.execute(lower(newer, LowerContext()))
     _refused(w, model, lambda: w.executor.execute(vplan), PlanExecutionError, "already ran")
 

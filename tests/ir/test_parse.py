@@ -52,9 +52,10 @@ def test_exact_dump_round_trips(kind: str) -> None:
 
 # -- goldens -----------------------------------------------------------------------------------------
 
-_CONTEXTS = re.compile(r"^(DecodeContext|SpecContext|LowerContext|tokens|rids) ")
-"""Pass arguments that are not IR nodes (``passes``' contexts, token and rid lists): the golden shows
-them in its own form, which ``ir.parse`` does not read."""
+_CONTEXTS = re.compile(r"^(DecodeContext|SpecContext|LowerContext|Proposals|tokens|rids) ")
+"""Pass arguments that are not batches or plans (``passes``' contexts, a draft executor's
+``Proposals``, token and rid lists): the golden shows them in its own form, which ``ir.parse`` does
+not read."""
 
 
 def _values(section: str) -> list[str]:

@@ -16,6 +16,7 @@ from ir.batch import DecodeBatch, IdleBatch
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
 from ir.printer import dump, dump_all
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
+from ir.spec import Proposals
 from passes import (
     DecodeContext,
     LowerContext,
@@ -34,7 +35,7 @@ from passes import (
     prepare_for_verify,
 )
 from passes.registry import PASSES
-from tests.helpers import GOLDEN
+from tests.helpers import GOLDEN, proposed
 
 PASS_GOLDEN = GOLDEN / "passes"
 
@@ -45,6 +46,8 @@ def _show(value: object) -> str:
     if isinstance(value, (DecodeContext, SpecContext)):
         k = f"k={value.k} " if isinstance(value, SpecContext) else ""
         return f"{type(value).__name__} {k}next_tokens={value.next_tokens.tolist()} kv_locs={value.kv_locs.tolist()}\n"
+    if isinstance(value, Proposals):
+        return f"Proposals k={value.k} tokens={value.tokens.tolist()}\n"  # (its draft: the DraftBatch dumped beside it)
     if isinstance(value, LowerContext):
         return f"LowerContext pools={list(value.pools)}\n"
     if isinstance(value, list):
@@ -85,7 +88,7 @@ def _cases() -> dict[str, str]:
     spec_ctx = SpecContext(k=2, next_tokens=[52, 53], kv_locs=[62, 63, 64, 65, 66, 67])
     draft = prepare_for_draft(running, spec_ctx)
     cases.append(_case("k = 2 proposals", prepare_for_draft, running, spec_ctx))
-    draft_tokens = np.array([80, 81, 82, 83], dtype=np.int64)
+    draft_tokens = proposed(draft, [80, 81, 82, 83])
     verify = prepare_for_verify(draft, draft_tokens)
     cases.append(_case("pending token then the drafts", prepare_for_verify, draft, draft_tokens))
     target_tokens = np.array([80, 90, 91, 82, 83, 92], dtype=np.int64)

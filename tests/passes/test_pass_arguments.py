@@ -5,8 +5,9 @@ expected, a node of another phase) raises exactly ``PreconditionError``, whose m
 the pass's name and names the argument and the bad type or value: never an ``AttributeError``,
 ``TypeError``, ``AssertionError`` or ``OverflowError`` from deep inside, and never a silent
 coercion (``filter_batch(b, [True])`` does not drop request 1; ``accept`` does not truncate 7.9 to
-token 7). Token arrays (``draft_tokens``, ``target_tokens``) must be 1-D int64 numpy arrays of
-non-negative ids: a list, a tensor or another dtype is refused, not converted.
+token 7). Token arrays (``target_tokens``) must be 1-D int64 numpy arrays of
+non-negative ids: a list, a tensor or another dtype is refused, not converted; a verify takes the
+draft step's ``Proposals`` and nothing else (a token array is refused like a list).
 
 The suite runs under typeguard, which would refuse these calls at the signature; production runs
 without it, so each call runs under ``suppress_type_checks`` and the pass's own check is what is
@@ -53,7 +54,7 @@ from passes import (
     prepare_for_extend,
     prepare_for_verify,
 )
-from tests.helpers import decode_batch, request
+from tests.helpers import decode_batch, proposed, request
 
 # -- inputs (valid ones; each case swaps one argument for a bad one) ---------------------------------
 
@@ -64,7 +65,8 @@ MIXED = mix_with_running(EXTEND, prepare_for_decode(RUNNING, DECODE_CTX))
 LOWER_CTX = LowerContext()
 SPEC_CTX = SpecContext(k=2, next_tokens=[3, 4], kv_locs=list(range(30, 36)))
 DRAFT = prepare_for_draft(RUNNING, SPEC_CTX)
-VERIFY = prepare_for_verify(DRAFT, frozen_i64([5, 6, 5, 6]))
+PROPOSED = proposed(DRAFT, [5, 6, 5, 6])
+VERIFY = prepare_for_verify(DRAFT, PROPOSED)
 RESULT = accept(VERIFY, frozen_i64([5, 6, 1, 5, 2, 3]))
 COMMIT = commit(VERIFY, RESULT)
 PLAN = lower(RUNNING, LOWER_CTX)
@@ -140,14 +142,13 @@ CASES: list[ArgCase] = [
     # -- prepare_for_draft ------------------------------------------------------------------------------------
     *_arg_cases("prepare_for_draft", "batch", lambda v: prepare_for_draft(v, SPEC_CTX), [*NOT_A_NODE, *_nodes(EXTEND, DRAFT)]),  # type: ignore[arg-type]
     *_arg_cases("prepare_for_draft", "ctx", lambda v: prepare_for_draft(RUNNING, v), [*NOT_A_NODE, *_nodes(DECODE_CTX)]),  # type: ignore[arg-type]
-    # -- prepare_for_verify: draft_tokens is a 1-D int64 array, nothing else ---------------------------------
-    *_arg_cases("prepare_for_verify", "batch", lambda v: prepare_for_verify(v, frozen_i64([5, 6, 5, 6])), [*NOT_A_NODE, *_nodes(VERIFY, RUNNING)]),  # type: ignore[arg-type]
-    *_arg_cases("prepare_for_verify", "draft_tokens", lambda v: prepare_for_verify(DRAFT, v), [("none", None), ("list", [7, 7, 7, 7]), ("tuple", (7, 7, 7, 7)), ("int", 7)]),  # type: ignore[arg-type]
-    ArgCase("prepare_for_verify-draft_tokens-tensor", lambda: prepare_for_verify(DRAFT, torch.tensor([7, 7, 7, 7])), "prepare_for_verify", "draft_tokens", r"got Tensor"),  # type: ignore[arg-type]
-    ArgCase("prepare_for_verify-draft_tokens-float", lambda: prepare_for_verify(DRAFT, np.full(4, 7.9)), "prepare_for_verify", "draft_tokens", r"got float64 \(4,\)"),
-    ArgCase("prepare_for_verify-draft_tokens-uint64", lambda: prepare_for_verify(DRAFT, np.array([7, 7, 7, 2**63], dtype=np.uint64)), "prepare_for_verify", "draft_tokens", r"got uint64 \(4,\)"),
-    ArgCase("prepare_for_verify-draft_tokens-bool", lambda: prepare_for_verify(DRAFT, np.ones(4, dtype=np.bool_)), "prepare_for_verify", "draft_tokens", r"got bool \(4,\)"),
-    ArgCase("prepare_for_verify-draft_tokens-negative", lambda: prepare_for_verify(DRAFT, frozen_i64([7, -2, 7, 7])), "prepare_for_verify", "draft_tokens", r"negative draft token -2"),
+    # -- prepare_for_verify: the draft's Proposals, nothing else (raw token arrays included) --------------------
+    *_arg_cases("prepare_for_verify", "batch", lambda v: prepare_for_verify(v, PROPOSED), [*NOT_A_NODE, *_nodes(VERIFY, RUNNING)]),  # type: ignore[arg-type]
+    *_arg_cases(
+        "prepare_for_verify", "proposals", lambda v: prepare_for_verify(DRAFT, v),  # type: ignore[arg-type]
+        [("none", None), ("list", [7, 7, 7, 7]), ("tuple", (7, 7, 7, 7)), ("int", 7), ("array", frozen_i64([7, 7, 7, 7])),
+         ("tensor", torch.tensor([7, 7, 7, 7])), *_nodes(DRAFT)],
+    ),
     # -- accept: target_tokens is a 1-D int64 array of token ids ---------------------------------------------
     *_arg_cases("accept", "batch", lambda v: accept(v, frozen_i64([7] * 6)), [*NOT_A_NODE, *_nodes(DRAFT, COMMIT)]),  # type: ignore[arg-type]
     *_arg_cases("accept", "target_tokens", lambda v: accept(VERIFY, v), [("none", None), ("list", [7] * 6), ("int", 7)]),  # type: ignore[arg-type]
@@ -234,7 +235,7 @@ def test_token_id_0_and_kv_location_0_are_accepted() -> None:
     decoded = prepare_for_decode(RUNNING, DecodeContext(next_tokens=[0, 0], kv_locs=[0, 1]))
     assert decoded.input_ids.tolist() == [0, 0] and decoded.kv_locs.tolist() == [0, 1]
     draft = prepare_for_draft(RUNNING, SpecContext(k=2, next_tokens=[0, 0], kv_locs=list(range(6))))
-    verified = prepare_for_verify(draft, frozen_i64([0, 0, 0, 0]))
+    verified = prepare_for_verify(draft, proposed(draft, [0, 0, 0, 0]))
     assert verified.input_ids.tolist() == [0] * 6 and verified.kv_locs.tolist() == list(range(6))
 
 
@@ -247,7 +248,7 @@ def test_prepare_for_extend_takes_a_list_or_a_tuple() -> None:
 def test_token_arrays_that_are_int64_pass_whoever_owns_them() -> None:
     """A writeable int64 array (not IR-owned) is accepted and copied into the IR, never aliased."""
     toks = np.array([5, 6, 5, 6], dtype=np.int64)
-    v = prepare_for_verify(DRAFT, toks)
+    v = prepare_for_verify(DRAFT, proposed(DRAFT, toks))
     toks[0] = 99
     assert v.input_ids.tolist() == [3, 5, 6, 4, 5, 6]
     target = np.array([5, 6, 1, 5, 2, 3], dtype=np.int64)

@@ -30,7 +30,7 @@ from passes import (
     prepare_for_draft_extend,
     prepare_for_verify,
 )
-from tests.helpers import LAYOUT, decode_batch, fresh
+from tests.helpers import LAYOUT, decode_batch, fresh, proposed
 
 K = 3
 
@@ -46,7 +46,8 @@ def _draft() -> DraftBatch:
 
 
 def _verify() -> VerifyBatch:
-    return prepare_for_verify(_draft(), frozen_i64([11, 12, 13, 21, 22, 23]))
+    d = _draft()
+    return prepare_for_verify(d, proposed(d, [11, 12, 13, 21, 22, 23]))
 
 
 def test_prepare_for_draft_feeds_pending_token_at_next_position() -> None:
@@ -72,8 +73,9 @@ def test_prepare_for_verify_windows_pending_then_drafts() -> None:
 
 
 def test_prepare_for_verify_checks_token_count() -> None:
-    with pytest.raises(PreconditionError, match="expected 6 int64 draft tokens"):
-        prepare_for_verify(_draft(), frozen_i64([1, 2, 3]))
+    d = _draft()
+    with pytest.raises(PreconditionError, match=rf"the proposals of draft #{d.draft_id} hold 3 tokens with k=3; the draft has 2 rows x k=3"):
+        prepare_for_verify(d, proposed(d, [1, 2, 3]))
 
 
 @pytest.mark.parametrize(
@@ -112,7 +114,7 @@ def test_commit_releases_rejected_kv_and_draft_extend_takes_accepted_tokens() ->
 
 def test_draft_commit_commits_the_accepted_position_and_merges_like_the_draft_extend() -> None:
     d = _draft()
-    v = prepare_for_verify(d, frozen_i64([11, 12, 13, 21, 22, 23]))
+    v = prepare_for_verify(d, proposed(d, [11, 12, 13, 21, 22, 23]))
     c = commit(v, accept(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24])))
     dc = prepare_for_draft_commit(c, d)
     assert dc.draft_id == d.draft_id != v.verify_id
@@ -123,13 +125,19 @@ def test_draft_commit_commits_the_accepted_position_and_merges_like_the_draft_ex
 
 def test_draft_commit_pairs_a_commit_with_the_draft_of_its_own_iteration() -> None:
     d = _draft()
-    v = prepare_for_verify(d, frozen_i64([11, 12, 13, 21, 22, 23]))
+    v = prepare_for_verify(d, proposed(d, [11, 12, 13, 21, 22, 23]))
     c = commit(v, accept(v, frozen_i64([0] * 8)))
     other = prepare_for_draft(
         decode_batch([1, 2], [3, 5], [5, 9], [15, 19], tokens=[50, 90]), SpecContext(k=K, next_tokens=[7, 8], kv_locs=list(range(100, 108)))
     )
-    with pytest.raises(PreconditionError, match=rf"the commit's slots \[3, 4\] are not those of draft #{other.draft_id} \(\[3, 5\]\)"):
+    with pytest.raises(
+        PreconditionError, match=rf"the commit of verify #{v.verify_id} checked the proposals of draft #{d.draft_id}, not those of draft #{other.draft_id}"
+    ):
         prepare_for_draft_commit(c, other)
+    # a commit that names the other draft (forged) is still refused on its rows
+    forged = attrs.evolve(c, draft_id=other.draft_id)
+    with pytest.raises(PreconditionError, match=rf"the commit's slots \[3, 4\] are not those of draft #{other.draft_id} \(\[3, 5\]\)"):
+        prepare_for_draft_commit(forged, other)
 
 
 def test_spec_plans_have_no_tickets() -> None:
@@ -178,9 +186,8 @@ def test_one_iteration_through_pipeline_and_executors() -> None:
     consumed = ledger.num_consumed
     for it in range(3):
         d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10 + 8 * it, 18 + 8 * it))))
-        proposals = ex_d.execute(dplan)
-        assert proposals is not None
-        v, vplan = pipe.verify(d, frozen_i64(proposals.reshape(-1).numpy()))
+        proposals = ex_d.run_draft(dplan)
+        v, vplan = pipe.verify(d, proposals)
         target_tokens = ex_t.execute(vplan)
         assert target_tokens is not None
         result, c, cplan = pipe.commit(v, frozen_i64(target_tokens.reshape(-1).numpy()))
@@ -213,9 +220,8 @@ def test_one_iteration_with_a_draft_commit() -> None:
     running = pipe.merge(decode_batch([], [], [], []), extend)
     for it in range(3):
         d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10 + 8 * it, 18 + 8 * it))))
-        proposals = ex_d.execute(dplan)
-        assert proposals is not None
-        v, vplan = pipe.verify(d, frozen_i64(proposals.reshape(-1).numpy()))
+        proposals = ex_d.run_draft(dplan)
+        v, vplan = pipe.verify(d, proposals)
         target_tokens = ex_t.execute(vplan)
         assert target_tokens is not None
         _, c, cplan = pipe.commit(v, frozen_i64(target_tokens.reshape(-1).numpy()))
@@ -243,7 +249,7 @@ def test_one_iteration_with_a_draft_commit() -> None:
 
 
 def _verify_of(d: DraftBatch) -> VerifyBatch:
-    return prepare_for_verify(d, frozen_i64([0] * (d.num_requests * d.k)))
+    return prepare_for_verify(d, proposed(d, [0] * (d.num_requests * d.k)))
 
 
 def test_a_commit_never_takes_a_drafts_states_nor_a_draft_commit_a_verifys() -> None:
@@ -281,3 +287,41 @@ def test_spec_plan_on_a_model_without_spec_phases_is_refused() -> None:
     ex = Executor(MambaStatePool(TARGET_POOL, LAYOUT, 8), Ledger())
     with pytest.raises(PlanExecutionError, match="needs a SpecModelHook"):
         ex.execute(lower(_draft(), LowerContext()))
+
+
+def test_a_verify_of_tokens_that_are_not_the_drafts_proposals_cannot_reach_the_draft_pool() -> None:
+    """The verify window must be the draft's proposals: tokens from anywhere (here: Proposals forged
+    under the right draft id) verified on the target, then the draft commit, would commit the draft
+    pool to states computed from other tokens, matching no sequence. The draft executor refuses that
+    commit naming the draft, with its pool untouched; a genuine iteration after it still runs."""
+    ledger = Ledger()
+    target, draft = MambaStatePool(TARGET_POOL, LAYOUT, 8), MambaStatePool(DRAFT_POOL, LAYOUT, 8)
+    model = _Scripted({1: 1, 2: 2})
+    ex_t, ex_d = Executor(target, ledger, model), Executor(draft, ledger, model)
+    pipe = Pipeline(ledger, LowerContext(pools=(TARGET_POOL, DRAFT_POOL)), PassManager(verify_level=2))
+    extend, plan = pipe.prefill([fresh(1, 1, [1, 2, 3], 1), fresh(2, 2, [4, 5], 4)])
+    ex_t.execute(plan)
+    ex_d.execute(plan)
+    running = pipe.merge(decode_batch([], [], [], []), extend)
+    d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10, 18))))
+    real = ex_d.run_draft(dplan)
+    assert real.draft_id == d.draft_id and real.tokens.tolist() == [10, 11, 12, 20, 21, 22]
+    forged = proposed(d, [10, 99, 12, 20, 21, 22])  # not what the draft proposed
+    v, vplan = pipe.verify(d, forged)
+    target_tokens = ex_t.execute(vplan)
+    assert target_tokens is not None
+    _, c, cplan = pipe.commit(v, frozen_i64(target_tokens.reshape(-1).numpy()))
+    ex_t.execute(cplan)
+    _, dcplan = pipe.draft_commit(c, d)
+    before = draft.copy_buffer()
+    with pytest.raises(
+        PlanExecutionError, match=rf"commit of draft #{d.draft_id} after a verify of tokens \[10, 99, 12, 20, 21, 22\]; draft #{d.draft_id} proposed \[10, 11, 12, 20, 21, 22\]"
+    ):
+        ex_d.execute(dcplan)
+    assert torch.equal(draft.buffer, before)
+    assert model.commits == [("CommitPlan", [1, 2])]  # the target's only: nothing reached the draft pool
+    # the draft's proposals were verified once already: verifying the genuine ones now is refused too
+    v2, vplan2 = pipe.verify(d, real)
+    with pytest.raises(PlanExecutionError, match=rf"verify #{v2.verify_id} checks the proposals of draft #{d.draft_id}, which a verify on pool 'target' already checked"):
+        ex_t.execute(vplan2)
+    ledger.assert_drained()

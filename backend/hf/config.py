@@ -30,10 +30,16 @@ What each family maps to (the math is transformers 5's):
 transformers 5 clamps in its multi-token (prefill) path and not in single-token decode; batchc clamps
 in decode and verify too, so its decode equals transformers' full-sequence forward at every position.
 
-Refused, with one line naming the field: an unknown ``model_type``, MoE (``num_local_experts > 0``,
-``moe`` / ``E`` layers), biases the architecture has none of (``attention_bias``, ``mlp_bias``,
-``mamba_proj_bias`` / ``use_bias``), ``rope_scaling`` or a ``rope_type`` other than ``default``,
-activations other than SiLU (and squared ReLU for Nemotron-H's MLP), sizes that do not fit.
+Attention heads are ``head_dim`` wide when the config sets it (every family, as transformers reads
+it: q/k/v then project ``hidden_size`` to ``heads * head_dim``, which need not equal ``hidden_size``),
+else ``hidden_size / num_attention_heads`` (Bamba, Granite; Nemotron-H: 128).
+
+Refused, with one line naming the config.json key as written and its value (never a
+``HybridConfig`` field: every bound it checks is checked here first, in the config's words): an
+unknown ``model_type``, MoE (``num_local_experts > 0``, ``moe`` / ``E`` layers), biases the
+architecture has none of (``attention_bias``, ``mlp_bias``, ``mamba_proj_bias`` / ``use_bias``),
+``rope_scaling`` or a ``rope_type`` other than ``default``, activations other than SiLU (and squared
+ReLU for Nemotron-H's MLP), sizes that do not fit.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from typing import Any
 import attrs
 
 from backend.hybrid.checkpoint import CheckpointError, config_number
-from backend.hybrid.config import MAX_LAYERS, HybridConfig, LayerKind
+from backend.hybrid.config import MAX_DIM, MAX_LAYERS, MAX_VOCAB, HybridConfig, LayerKind
 from ir.errors import short_repr
 
 FAMILIES = {"bamba": "Bamba", "granitemoehybrid": "Granite-4.0-H", "nemotron_h": "Nemotron-H"}
@@ -78,6 +84,13 @@ class HFConfig:
     pad_id: int | None
     conv_bias: bool
     """Whether the checkpoint holds Mamba conv biases (without them the loader uses zeros)."""
+    max_positions: int
+    """``max_position_embeddings``: the context the model was made for (transformers' default of the
+    family when the config leaves it out); the default context length of a run."""
+
+
+MAX_POSITIONS_DEFAULT = {"bamba": 262144, "granitemoehybrid": 2048, "nemotron_h": 4096}
+"""transformers 5's ``max_position_embeddings`` default per family, for a config that leaves it out."""
 
 
 def _walk_floats(value: object) -> object:
@@ -142,8 +155,13 @@ class _Fields:
         """The first of ``names`` the config sets (not null)."""
         return next((n for n in names if self.has(n)), None)
 
-    def int_(self, *names: str, default: int | None = None, low: int = 1) -> int:
-        """An integer field (the first of ``names`` set) of at least ``low`` (sizes: 1)."""
+    def key(self, *names: str) -> str:
+        """The key the config spells the field with (the first of ``names`` set; else the first
+        name, which is what transformers writes)."""
+        return self.first(names) or names[0]
+
+    def int_(self, *names: str, default: int | None = None, low: int = 1, high: int | None = None) -> int:
+        """An integer field (the first of ``names`` set) in ``[low, high]`` (sizes: at least 1)."""
         name = self.first(names)
         if name is None:
             if default is None:
@@ -153,7 +171,21 @@ class _Fields:
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(name, f"must be an integer, got {short_repr(value)}")
         if value < low:
-            raise self.fail(name, f"must be at least {low}, got {value}")
+            raise self.fail(name, f"must be at least {low}, got {_shown_number(value)}")
+        if high is not None and value > high:
+            raise self.fail(name, f"must be at most {high}, got {_shown_number(value)}")
+        return value
+
+    def size(self, *names: str, default: int | None = None) -> int:
+        """A size field: an integer in ``[1, MAX_DIM]`` (``HybridConfig``'s bound)."""
+        return self.int_(*names, default=default, high=MAX_DIM)
+
+    def positive(self, *names: str, default: float, at_most: float = math.inf) -> float:
+        """A finite number field in ``(0, at_most]``."""
+        value = self.float_(*names, default=default)
+        if not 0 < value <= at_most:
+            bound = "a finite positive number" if at_most == math.inf else f"in (0, {at_most:g}]"
+            raise self.fail(self.key(*names), f"must be {bound}, got {value:g}")
         return value
 
     def float_(self, *names: str, default: float) -> float:
@@ -245,6 +277,8 @@ def _layers(f: _Fields) -> tuple[LayerKind, ...]:
         kinds.append(kind)
     if f.has("num_hidden_layers") and source != "attn_layer_indices" and f.int_("num_hidden_layers") != len(kinds):
         raise f.fail("num_hidden_layers", f"{f.raw['num_hidden_layers']} but {source!r} lists {len(kinds)} layers")
+    if "mamba" not in kinds:
+        raise f.fail(source, f"no Mamba layer among its {len(kinds)} layers: batchc serves hybrids with at least one")
     return tuple(kinds)
 
 
@@ -256,6 +290,8 @@ def _rope(f: _Fields, *, default_partial: float) -> tuple[float, float]:
     theta_default = f.float_("rope_theta", default=10000.0)
     partial_default = f.float_("partial_rotary_factor", default=default_partial)
     if params is None:
+        if theta_default < 1:
+            raise f.fail("rope_theta", f"must be at least 1, got {theta_default:g}")
         return theta_default, partial_default
     if not isinstance(params, dict):
         raise f.fail("rope_parameters", f"must be an object, got {short_repr(params)}")
@@ -263,7 +299,10 @@ def _rope(f: _Fields, *, default_partial: float) -> tuple[float, float]:
     kind = sub.str_("rope_type", "type", default="default")
     if kind != "default":
         raise f.fail("rope_parameters", f"rope_type {kind!r} is not supported (plain rotary only)")
-    return sub.float_("rope_theta", default=theta_default), sub.float_("partial_rotary_factor", default=partial_default)
+    theta = sub.float_("rope_theta", default=theta_default)
+    if theta < 1:  # below 1 the rotary frequencies exceed a radian per position and overflow float32
+        raise f.fail("rope_parameters.rope_theta" if sub.has("rope_theta") else "rope_theta", f"must be at least 1, got {theta:g}")
+    return theta, sub.float_("partial_rotary_factor", default=partial_default)
 
 
 def _act(f: _Fields, name: str, want: str, default: str) -> None:
@@ -279,9 +318,14 @@ def parse_config(path: Path, raw: Mapping[str, Any]) -> HFConfig:
     family = f.str_("model_type", default=None)
     if family not in FAMILIES:
         raise f.fail("model_type", f"{short_repr(family)} is not supported (supported: {sorted(FAMILIES)})")
-    d_model = f.int_("hidden_size")
-    heads = f.int_("num_attention_heads")
-    kv_heads = f.int_("num_key_value_heads", default=heads)
+    # Every bound HybridConfig checks is checked here first, in the config's own keys and values:
+    # a refusal names what the user wrote (hidden_size, num_key_value_heads), never batchc's fields.
+    d_model = f.size("hidden_size")
+    heads = f.size("num_attention_heads")
+    kv_heads = f.size("num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        raise f.fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads {heads} "
+                                            "(each KV head serves a whole group of query heads)")
     layers = _layers(f)
     f.refuse_true("attention_bias", "mlp_bias", why="the architecture has no such biases")
     switches: dict[str, Any] = {}
@@ -289,46 +333,61 @@ def parse_config(path: Path, raw: Mapping[str, Any]) -> HFConfig:
         f.refuse_true("use_bias", why="Mamba projections without biases only")
         _act(f, "mlp_hidden_act", "relu2", "relu2")
         _act(f, "mamba_hidden_act", "silu", "silu")
-        nheads = f.int_("mamba_num_heads")
-        head_dim = f.int_("mamba_head_dim")
-        ngroups = f.int_("n_groups", "mamba_n_groups", default=8)
+        nheads = f.size("mamba_num_heads")
+        head_dim = f.size("mamba_head_dim")
+        groups_key = f.key("n_groups", "mamba_n_groups")
+        ngroups = f.size("n_groups", "mamba_n_groups", default=8)
         mamba: dict[str, int] = dict(
-            nheads=nheads, head_dim=head_dim, d_state=f.int_("ssm_state_size", "mamba_d_state"), ngroups=ngroups,
-            conv_width=f.int_("conv_kernel", "mamba_d_conv", default=4),
+            nheads=nheads, head_dim=head_dim, d_state=f.size("ssm_state_size", "mamba_d_state"), ngroups=ngroups,
+            conv_width=f.int_("conv_kernel", "mamba_d_conv", default=4, low=2, high=4),
         )
+        heads_key = "mamba_num_heads"
         conv_bias = f.bool_("use_conv_bias", "mamba_conv_bias", default=True)
-        attn_head_dim = f.int_("head_dim", "attention_head_dim", default=128)
-        mlp_hidden = f.int_("intermediate_size")
-        eps = f.float_("layer_norm_epsilon", default=1e-5)
+        # transformers' NemotronHAttention: head_dim as given (default 128), whatever hidden_size is
+        attn_head_dim = f.size("head_dim", "attention_head_dim", default=128)
+        mlp_hidden = f.size("intermediate_size")
+        eps = f.positive("layer_norm_epsilon", default=1e-5, at_most=1.0)
         tie = False  # transformers 5 never ties Nemotron-H's output projection
-        switches.update(
-            block="single", mlp_kind="relu2", rotary_dim=0, norm_groups=ngroups,
-            dt_min=f.float_("time_step_min", "mamba_dt_min", default=0.001),
-        )
+        dt_min = f.float_("time_step_min", "mamba_dt_min", default=0.001)
+        if dt_min < 0:
+            raise f.fail(f.key("time_step_min", "mamba_dt_min"), f"must be at least 0, got {dt_min:g}")
+        switches.update(block="single", mlp_kind="relu2", rotary_dim=0, norm_groups=ngroups, dt_min=dt_min)
         theta = 10000.0
     else:
         f.refuse_true("mamba_proj_bias", why="Mamba projections without biases only")
         _act(f, "hidden_act", "silu", "silu")
         if "mlp" in layers:
             raise f.fail("layer_types", f"{FAMILIES[family]} has no MLP-only layers")
-        nheads = f.int_("mamba_n_heads", default=128)
-        expand = f.int_("mamba_expand", default=2)
+        nheads = f.size("mamba_n_heads", default=128)
+        expand = f.size("mamba_expand", default=2)
+        width = expand * d_model  # transformers' mamba intermediate size
         head = raw.get("mamba_d_head", "auto")
         if head == "auto" or head is None:
-            if nheads <= 0 or (expand * d_model) % nheads:
-                raise f.fail("mamba_n_heads", f"{nheads} does not divide mamba_expand * hidden_size = {expand * d_model}")
-            head_dim = expand * d_model // nheads
+            if width % nheads:
+                raise f.fail("mamba_n_heads", f"{nheads} does not divide mamba_expand * hidden_size = {width}")
+            head_dim = width // nheads
+            if head_dim > MAX_DIM:
+                raise f.fail("mamba_expand", f"mamba_expand * hidden_size / mamba_n_heads = {head_dim} is over {MAX_DIM}")
         else:
-            head_dim = f.int_("mamba_d_head")
+            head_dim = f.size("mamba_d_head")
+            if head_dim * nheads != width:  # transformers' config refuses the same
+                raise f.fail("mamba_d_head", f"{head_dim} * mamba_n_heads {nheads} = {head_dim * nheads} is not "
+                                             f"mamba_expand * hidden_size = {width}")
+        groups_key, heads_key = "mamba_n_groups", "mamba_n_heads"
         mamba = dict(
-            nheads=nheads, head_dim=head_dim, d_state=f.int_("mamba_d_state", default=256),
-            ngroups=f.int_("mamba_n_groups", default=1), conv_width=f.int_("mamba_d_conv", default=4),
+            nheads=nheads, head_dim=head_dim, d_state=f.size("mamba_d_state", default=256),
+            ngroups=f.size("mamba_n_groups", default=1), conv_width=f.int_("mamba_d_conv", default=4, low=2, high=4),
         )
         conv_bias = f.bool_("mamba_conv_bias", default=True)
-        if heads <= 0 or d_model % heads:
-            raise f.fail("num_attention_heads", f"{heads} does not divide hidden_size {d_model}")
-        attn_head_dim = f.int_("head_dim", default=d_model // heads)
-        eps = f.float_("rms_norm_eps", default=1e-5 if family == "bamba" else 1e-6)
+        # transformers' attention: head_dim when the config sets one (q/k/v/o then project between
+        # hidden_size and heads * head_dim), else hidden_size // num_attention_heads
+        if f.has("head_dim"):
+            attn_head_dim = f.size("head_dim")
+        elif d_model % heads:
+            raise f.fail("num_attention_heads", f"{heads} does not divide hidden_size {d_model} (and no head_dim is set)")
+        else:
+            attn_head_dim = d_model // heads
+        eps = f.positive("rms_norm_eps", default=1e-5 if family == "bamba" else 1e-6, at_most=1.0)
         tie = f.bool_("tie_word_embeddings", default=False)
         limit = raw.get("time_step_limit", [0.0, math.inf])
         bounds = [config_number(v) for v in limit] if isinstance(limit, list) and len(limit) == 2 else [None]
@@ -340,44 +399,53 @@ def parse_config(path: Path, raw: Mapping[str, Any]) -> HFConfig:
             raise f.fail("time_step_limit", f"must be [low, high] with 0 <= low < high (high may be infinite), got {short_repr(limit)}")
         switches.update(norm_groups=1, dt_min=lo, dt_max=hi)
         if family == "bamba":
-            mlp_hidden = f.int_("intermediate_size")
+            mlp_hidden = f.size("intermediate_size")
             theta, partial = _rope(f, default_partial=0.5)
             if not 0 <= partial <= 1:
                 raise f.fail("partial_rotary_factor", f"must be in [0, 1], got {partial}")
-            switches.update(rotary_dim=int(attn_head_dim * partial))
+            rotary = int(attn_head_dim * partial)  # transformers' rotary width, rounded down as it does
+            if rotary % 2:
+                raise f.fail("partial_rotary_factor", f"{partial} of a head of {attn_head_dim} rotates {rotary} dims: "
+                                                      "rotary embeddings rotate pairs, an even number")
+            switches.update(rotary_dim=rotary)
         else:
             if f.int_("num_local_experts", default=8, low=0):
                 raise f.fail("num_local_experts", f"{raw.get('num_local_experts', 8)}: MoE variants are not supported (dense Granite-4.0-H only)")
-            mlp_hidden = f.int_("shared_intermediate_size", default=1024)
+            mlp_hidden = f.size("shared_intermediate_size", default=1024)
             position = f.str_("position_embedding_type", default=None)
             if position not in (None, "nope", "rope"):
                 raise f.fail("position_embedding_type", f"{position!r} is not supported (rope, nope or null)")
             theta, partial = _rope(f, default_partial=1.0)
             if position == "rope" and partial != 1.0:
                 raise f.fail("partial_rotary_factor", f"{partial}: Granite-4.0-H rotates whole heads")
-            logits_scaling = f.float_("logits_scaling", default=1.0)
-            if logits_scaling <= 0 or not math.isfinite(logits_scaling):
-                raise f.fail("logits_scaling", f"must be a finite positive number, got {logits_scaling}")
+            if position == "rope" and attn_head_dim % 2:
+                shown = "head_dim" if f.has("head_dim") else "hidden_size / num_attention_heads"
+                raise f.fail(f.key("head_dim"), f"{shown} = {attn_head_dim}: rotary embeddings (position_embedding_type "
+                                                "'rope') rotate pairs, an even number of dims")
+            logits_scaling = f.positive("logits_scaling", default=1.0)
             switches.update(
                 rotary_dim=None if position == "rope" else 0,
-                attn_scale=f.float_("attention_multiplier", default=1.0),
-                embed_scale=f.float_("embedding_multiplier", default=1.0),
-                residual_scale=f.float_("residual_multiplier", default=1.0),
+                attn_scale=f.positive("attention_multiplier", default=1.0),
+                embed_scale=f.positive("embedding_multiplier", default=1.0),
+                residual_scale=f.positive("residual_multiplier", default=1.0),
                 logit_scale=1.0 / logits_scaling,
             )
+    if mamba["nheads"] % mamba["ngroups"]:
+        raise f.fail(groups_key, f"{mamba['ngroups']} does not divide {heads_key} {mamba['nheads']} (Mamba heads share B and C by group)")
     if switches.get("rotary_dim") == attn_head_dim:
         switches["rotary_dim"] = None
     kv = None if kv_heads == heads else kv_heads
     try:
         config = HybridConfig(
             d_model=d_model, layers=layers, attn_heads=heads, attn_head_dim=attn_head_dim, rope_theta=theta,
-            mlp_hidden=mlp_hidden, rms_eps=eps, vocab=f.int_("vocab_size"), attn_kv_heads=kv,
+            mlp_hidden=mlp_hidden, rms_eps=eps, vocab=f.int_("vocab_size", high=MAX_VOCAB), attn_kv_heads=kv,
             tie_embeddings=tie, nheads=mamba["nheads"], head_dim=mamba["head_dim"], d_state=mamba["d_state"],
             ngroups=mamba["ngroups"], conv_width=mamba["conv_width"], **switches,
         )
-    except ValueError as e:
-        raise CheckpointError(path, f"unsupported config: {e}") from None
+    except ValueError as e:  # pragma: no cover - every bound is checked above in the config's keys
+        raise CheckpointError(path, f"unsupported config ({FAMILIES[family]}): {e}") from None
     return HFConfig(
         family=family, config=config, eos_ids=f.ids("eos_token_id"), bos_id=next(iter(f.ids("bos_token_id")), None),
         pad_id=next(iter(f.ids("pad_token_id")), None), conv_bias=conv_bias,
+        max_positions=f.int_("max_position_embeddings", default=MAX_POSITIONS_DEFAULT[family]),
     )

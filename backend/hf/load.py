@@ -6,8 +6,11 @@ A directory holds ``config.json`` and either ``model.safetensors`` or shards nam
 Tensors are read memory-mapped, one at a time, in float32, bfloat16 or float16, and converted to
 the compute dtype. Before any tensor is read, the header of every file is checked against the
 config: every tensor the family needs is there with its shape, and nothing else is (Nemotron-H's
-multi-token-prediction ``mtp.*`` tensors, which transformers also drops, excepted). Everything that
-cannot be loaded is a ``CheckpointError`` naming the file and the tensor or field.
+multi-token-prediction ``mtp.*`` tensors, which transformers also drops, excepted). Every tensor read
+is refused if it holds a NaN or an infinity, as stored or once converted to the compute dtype
+(float32 values beyond float16's range), so that no poisoned checkpoint is served. Everything that
+cannot be loaded is a ``CheckpointError`` naming the file and the tensor (the checkpoint's own
+name) or field.
 
 An embedding multiplier (Granite) is folded into an untied embedding matrix (exact: the same
 product, rounded once, as transformers' multiply after the lookup); tied, it stays a scale of the
@@ -237,6 +240,19 @@ def _check_headers(
                     raise CheckpointError(path, f"tensor {name!r} has dtype {dtype}, expected one of {sorted(_DTYPES)}")
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _check_finite(path: Path, name: str, t: torch.Tensor, overflow: str | None = None) -> None:
+    """``CheckpointError`` naming the checkpoint's tensor ``name`` if ``t`` holds a NaN or an
+    infinity (``overflow``: what made finite stored values infinite, when that is the cause)."""
+    if bool(torch.isfinite(t).all()):
+        return
+    bad = int((~torch.isfinite(t)).sum())
+    what = "non-finite values (NaN or infinity)" if overflow is None else f"values that overflow {overflow}"
+    raise CheckpointError(path, f"tensor {name!r} has {bad} {what} of {t.numel()}; a model with them computes no meaningful logits")
+
+
 def _check_eos(path: Path, ids: tuple[int, ...], vocab: int) -> None:
     beyond = [i for i in ids if i >= vocab]
     if beyond:
@@ -293,7 +309,10 @@ def load_hf(directory: str | Path, *, dtype: torch.dtype = torch.float32, device
         if src.name not in cache:
             with _open(path) as f:
                 cache = {src.name: f.get_tensor(src.name)}  # one checkpoint tensor at a time (Granite's fused MLP: two uses)
+            _check_finite(path, src.name, cache[src.name])
         weights[name] = src.take(cache[src.name]).to(device=device, dtype=dtype).contiguous()
+        if weights[name].dtype != cache[src.name].dtype:  # float32 -> float16 can overflow to infinity
+            _check_finite(path, src.name, weights[name], _DTYPE_NAMES[dtype])
     if not hf.conv_bias:
         c = hf.config
         for i in c.mamba_layers:
@@ -307,6 +326,7 @@ def load_hf(directory: str | Path, *, dtype: torch.dtype = torch.float32, device
     if c.embed_scale != 1.0 and not c.tie_embeddings:
         # exact: transformers multiplies the looked-up rows by the same number in the same dtype
         weights["embed"] = weights["embed"] * c.embed_scale
+        _check_finite(files[sources["embed"].name], sources["embed"].name, weights["embed"], f"{_DTYPE_NAMES[dtype]} once multiplied by embedding_multiplier {c.embed_scale}")
         hf = attrs.evolve(hf, config=attrs.evolve(c, embed_scale=1.0))
     try:
         model = HybridModel(hf.config, weights)

@@ -276,10 +276,17 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", dty
 
     ``device`` is ``"cpu"`` or a CUDA device this process can use (``"cuda"``, ``"cuda:1"``, or a
     ``torch.device``); ``dtype`` is ``torch.float32``, ``torch.float16`` or ``torch.bfloat16``. Both
-    are checked before the file is read (``CheckpointError`` naming the argument and the value)."""
+    are checked before the file is read (``CheckpointError`` naming the argument and the value). A
+    tensor with values beyond ``dtype``'s range (float16 overflows at 65504) is refused by name."""
     _check_load_args(path, device, dtype)
     config, weights, _ = read_checkpoint(path)
-    return HybridModel(config, {name: t.to(device=device, dtype=dtype) for name, t in weights.items()})
+    converted: Weights = {}
+    for name in sorted(weights):
+        t = converted[name] = weights[name].to(device=device, dtype=dtype)
+        if not bool(torch.isfinite(t).all()):  # read_checkpoint refused non-finite float32: these overflow the dtype
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(path, f"tensor {name!r} has {bad} values that overflow {dtype} (of {t.numel()})")
+    return HybridModel(config, converted)
 
 
 # ---- the bundled models -------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 One hook per model (target or draft) holds that model's KV cache and token table; the executor
 hands it the staged plan and the Mamba pool it owns. Outputs are greedy: the hook returns logits for
-forwards (the engine samples) and argmax tokens for the verify, whose intermediate states the
-executor keeps until the commit that names them.
+forwards (the engine samples) and argmax tokens for the verify (``NON_FINITE`` at a position whose
+logits hold a NaN or an infinity: ``backend.sampling``), whose intermediate states the executor
+keeps until the commit that names them.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import assert_never
 import torch
 
 from backend.hybrid.kv import KVCache, TokenTable
-from backend.hybrid.model import HybridModel, VerifyStates, greedy
+from backend.hybrid.model import HybridModel, VerifyStates
 from backend.model import ForwardPlan
 from backend.pool import MambaStatePool
+from backend.sampling import greedy_or_flag
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
@@ -70,7 +72,9 @@ class HybridHook:
             pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids,
             positions=staged.positions, kv_locs=staged.kv_locs,
         )
-        return greedy(out.logits), out.states
+        # a window position whose logits are not finite reads NON_FINITE: the engine ends that row
+        # there (or, past its bonus position, never reads it)
+        return greedy_or_flag(out.logits), out.states
 
     def commit(self, plan: CommitPlan | DraftCommitPlan, states: VerifyStates, pool: MambaStatePool) -> None:
         dev = pool.device

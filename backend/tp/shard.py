@@ -79,7 +79,8 @@ def _rows(t: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def shard_weights(config: HybridConfig, weights: Weights, rank: int, world: int) -> Weights:
-    """Rank ``rank``'s slice of every weight (copies; the full weights are not kept)."""
+    """Rank ``rank``'s slice of every weight (copies; the full weights are not kept). ``ValueError``
+    naming the weight if a slice holds a NaN or an infinity."""
     check_tp(config, world)
     problem = int_problem(rank)
     if problem is not None or not 0 <= rank < world:
@@ -132,6 +133,9 @@ def shard_weights(config: HybridConfig, weights: Weights, rank: int, world: int)
             s = w[:, m_rows[0] : m_rows[1]]
         else:  # norms, embeddings, the output projection: replicated
             s = w
+        if not bool(torch.isfinite(s).all()):  # every load path refuses these; a model built in memory may hold them
+            raise ValueError(f"rank {rank} of {world}: its shard of weight {name!r} has {int((~torch.isfinite(s)).sum())} "
+                             "non-finite values (NaN or infinity); a model with them computes no meaningful logits")
         out[name] = s.contiguous().clone()
     return out
 

@@ -10,7 +10,7 @@ prefill queue), KV reference counts (``kv_refs``), the prefix-cache session (``c
 null object when caching is off), prefill chunking (``chunks``), the step's forwards (``forwards``),
 the forward runner (``runner``: retries and ``StepFailed``), prefix states (``prefixes``) and
 the argument checks (``admission``). This module wires them and owns the step loop. Every request
-that leaves (finished, aborted, failed, retracted) goes through one release path, ``_release``.
+that leaves (finished, aborted, failed, errored, retracted) goes through one release path, ``_release``.
 
 With ``overlap=True`` each model's executor runs in its own process (``backend.remote``), fed
 packed plans. At ``k == 0`` (without retries, with ``mixed``) every step is pipelined: built and
@@ -22,7 +22,8 @@ commits of a speculative iteration run while the host goes on. ``close`` (or ``w
 stops the processes.
 
 A request finishes at ``max_new_tokens`` or after emitting its ``stop`` token; ``abort`` ends it at
-any time. Greedy speculative decoding is lossless: the tokens emitted at any ``k`` equal those at
+any time; a request whose next token's logits are not finite ends there, in ``errored``, its output
+cut before that token (``compiler.engine.nonfinite``; the step goes on with the others). Greedy speculative decoding is lossless: the tokens emitted at any ``k`` equal those at
 ``k = 0``, retracted requests included (they re-prefill their prompt and output so far).
 """
 
@@ -148,6 +149,9 @@ class Engine:
         """Requests aborted because a forward carrying them failed (not by ``abort``)."""
         self.first_failure: str | None = None
         """The first failed forward, in one line."""
+        self.errored: set[RequestId] = set()
+        """Requests ended because the logits for their next token were not finite (NaN or
+        infinity): their outputs stop before it (``compiler.engine.nonfinite``)."""
 
     @property
     def running(self) -> DecodeBatch:
@@ -340,7 +344,7 @@ class Engine:
         p = self.forwards.progress
         return StepReport(
             kind=kind, requests=p.requests, prefill_tokens=p.prefill_tokens, tokens=p.tokens, finished=tuple(p.finished),
-            aborted=tuple(p.aborted), seconds=time.perf_counter() - t0,
+            aborted=tuple(p.aborted), errored=tuple(p.errored), seconds=time.perf_counter() - t0,
         )
 
     def sync(self) -> None:
@@ -398,6 +402,8 @@ class Engine:
             else:
                 self.requests.remove(rid)
                 self.outputs[rid] = r.final_output()
+                if ending is Ending.ERROR:
+                    self.errored.add(rid)
 
     def drop_cache(self) -> None:
         """Evict every prefix-cache entry (all must be unpinned), returning their slots and KV."""

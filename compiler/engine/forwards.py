@@ -27,7 +27,9 @@ Pipelined (``pipelined``, ``k == 0``: the engine's ``overlap``): each step's for
 before the previous one is read back (``run_pipelined``); the step kinds are chosen as above.
 
 ``Forwards`` holds the running batch (a frozen ``DecodeBatch`` replaced each step) and emits tokens
-into the request table; requests that finish go through the engine's one release path (``release``).
+into the request table; requests that finish go through the engine's one release path (``release``),
+and so do requests whose next token's logits are not finite (``Ending.ERROR``: every sampled row and
+verify position goes through ``backend.sampling.greedy_or_flag``; ``compiler.engine.nonfinite``).
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ import numpy as np
 import torch
 
 from backend.remote import ExecutorProcess
+from backend.sampling import NON_FINITE, greedy_or_flag
 from backend.tp.serve import TPExecutor
 from compiler.engine.cache_session import CacheSession
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
+from compiler.engine.nonfinite import bonus_tokens, checkable_targets
 from compiler.engine.report import SpecStats, StepKind
 from compiler.engine.requests import Ending, Request, RequestState, RequestTable
-from compiler.engine.runner import Backend, ForwardRunner, StepFailed, Submitted
+from compiler.engine.runner import Backend, ForwardRunner, StepFailed, Submitted, logits_of, plan_rids, proposals_of
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64
@@ -63,6 +67,8 @@ class Progress:
         self.requests = self.prefill_tokens = self.tokens = 0
         self.finished: list[RequestId] = []
         self.aborted: list[RequestId] = []
+        self.errored: list[RequestId] = []
+        """Requests whose next token's logits were not finite (``_emit``); released by ``_finish``."""
 
 
 @attrs.frozen
@@ -174,7 +180,9 @@ class Forwards:
             if isinstance(ex, ExecutorProcess) and not ex.closed:
                 ex.drain()  # a plan submitted beside the failed one has settled its claim
         self._deferred.clear()  # the other commit of the failed one's iteration: its rows are aborted
-        self._inflight = None  # a decode sent after the failed one: it names tokens that were never sampled
+        # a forward sent after the failed one names tokens that were never sampled and is never read
+        # back: its requests (rows it admitted too, whose chunks count as run) go with the failed one's
+        dropped, self._inflight = self._inflight, None
         # every ticket is consumed within the step that registers it, so what is outstanding now
         # belongs to the failed forward
         reason = f"aborted: its forward failed ({failure.cause!r})"
@@ -186,7 +194,8 @@ class Forwards:
         if isinstance(self.target, TPExecutor):  # one request cancels them on every worker, both pools
             self.target.leader.cancel_outstanding(reason)
         self.stats.failed_steps += 1
-        live = [rid for rid in failure.rids if rid in self.requests]
+        rids = failure.rids + (plan_rids(dropped.submitted.plan) if dropped is not None else ())
+        live = [rid for rid in dict.fromkeys(rids) if rid in self.requests]
         self.stats.aborts += len(live)
         self.progress.aborted.extend(live)
         for ex in (self.target, self.draft):
@@ -210,8 +219,7 @@ class Forwards:
         # the draft pool's init ops (and snapshots) are consumed there, once; in executor processes
         # the two prefills run at the same time
         on_draft = self.runner.submit(self.draft, plan) if self.draft is not None else None
-        logits = self.runner.wait(on_target)
-        assert logits is not None
+        logits = logits_of(self.runner.wait(on_target), "the prefill")
         self.stats.prefills += 1
         self._wait(on_draft)
         self._after_chunks(admitted, extend, logits)
@@ -231,7 +239,7 @@ class Forwards:
         for r, slot, pos in snapshots:
             self._snapshot_taken(r, slot, pos)
         rows = {rid: i for i, rid in enumerate(extend.rid_list())}
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy_or_flag(logits).tolist()
         self._emit([r.rid for r in completed], [[int(tokens[rows[r.rid]])] for r in completed])
 
     def _chunks_ran(self, admitted: Sequence[AdmittedRequest]) -> tuple[list[Request], list[tuple[Request, MambaSlot, int]]]:
@@ -272,15 +280,14 @@ class Forwards:
             self.decode(ctx)
             return StepKind.DECODE
         mixed, plan = self.pipeline.mixed(admitted, self.running, ctx)
-        logits = self.runner.run(self.target, plan)
-        assert logits is not None
+        logits = logits_of(self.runner.run(self.target, plan), "the mixed forward")
         self.stats.prefills += 1
         self.stats.decodes += 1
         self.stats.mixed += 1
         n = mixed.extend.num_requests
         self._after_chunks(admitted, mixed.extend, logits[:n])
         self.progress.requests += len(rids)
-        self._emit(rids, [[t] for t in logits[n:].argmax(dim=-1).tolist()])
+        self._emit(rids, [[t] for t in greedy_or_flag(logits[n:]).tolist()])
         self.running = self.pipeline.merge(mixed.decode, mixed.extend)
         self._finish()
         return StepKind.MIXED
@@ -291,11 +298,10 @@ class Forwards:
         if ctx is None:
             ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
         self.running, plan = self.pipeline.decode(self.running, ctx)
-        logits = self.runner.run(self.target, plan)
-        assert logits is not None
+        logits = logits_of(self.runner.run(self.target, plan), "the decode")
         self.stats.decodes += 1
         self.progress.requests += len(rids)
-        self._emit(rids, [[t] for t in logits.argmax(dim=-1).tolist()])
+        self._emit(rids, [[t] for t in greedy_or_flag(logits).tolist()])
         self._finish()
 
     def run_pipelined(self) -> StepKind:
@@ -390,12 +396,11 @@ class Forwards:
         """Enter its snapshots into the prefix cache, emit its tokens and finish requests. A request
         retracted, aborted or finished since the plan was built (or retracted and back with a new
         record) gets nothing: its token is dropped, and its snapshot slot went back when it left."""
-        logits = self.runner.wait(prev.submitted)
-        assert logits is not None
+        logits = logits_of(self.runner.wait(prev.submitted), "the pipelined forward")
         for r, slot, pos in prev.snapshots:
             if self.requests.get(r.rid) is r:
                 self._snapshot_taken(r, slot, pos)
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy_or_flag(logits).tolist()
         live = [(i, r) for i, r in prev.rows if self.requests.get(r.rid) is r and r.state is RequestState.RUNNING]
         self.progress.requests += sum(1 for i, _ in live if i >= prev.first_decode_row)  # (extend rows counted when sent)
         self._emit([r.rid for _, r in live], [[int(tokens[i])] for i, _ in live])
@@ -409,12 +414,12 @@ class Forwards:
         k, rids = self.k, self.running.rid_list()
         window = self._alloc_for(rids, k + 1)
         draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
-        proposals = self.runner.run(self.draft, dplan)
-        assert proposals is not None
-        verify_batch, vplan = self.pipeline.verify(draft_batch, frozen_i64(proposals.reshape(-1).cpu().numpy()))
-        target_tokens = self.runner.run(self.target, vplan)
-        assert target_tokens is not None
-        result, committed, cplan = self.pipeline.commit(verify_batch, frozen_i64(target_tokens.reshape(-1).cpu().numpy()))
+        proposals = proposals_of(self.runner.run(self.draft, dplan), dplan)
+        drafts = proposals.tokens.reshape(len(rids), k).tolist()
+        verify_batch, vplan = self.pipeline.verify(draft_batch, proposals)
+        target_tokens = logits_of(self.runner.run(self.target, vplan), "the verify")
+        verified = target_tokens.reshape(-1).cpu().numpy()  # NON_FINITE where a position's logits were not finite
+        result, committed, cplan = self.pipeline.commit(verify_batch, checkable_targets(verified, proposals.tokens, k))
         on_target = self.runner.submit(self.target, cplan)
         draft_committed, dcplan = self.pipeline.draft_commit(committed, draft_batch)
         on_draft = self.runner.submit(self.draft, dcplan)
@@ -431,8 +436,8 @@ class Forwards:
                 self._deferred.append(s)
             else:
                 self.runner.wait(s)
-        drafts = proposals.reshape(len(rids), k).tolist()
-        emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(result.accepted.tolist(), result.bonus.tolist(), strict=True))]
+        bonus = bonus_tokens(verified, result.accepted.tolist(), k)  # the bonus, or NON_FINITE: _emit ends that row
+        emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(result.accepted.tolist(), bonus, strict=True))]
         self.stats.iterations += 1
         self.stats.row_iterations += len(rids)
         self.stats.proposed += k * len(rids)
@@ -457,13 +462,26 @@ class Forwards:
         return frozen_i64(pending)
 
     def _emit(self, rids: Sequence[RequestId], tokens: list[list[int]]) -> None:
+        """Each request's tokens up to the first ``NON_FINITE``; a request a flag cuts short before
+        it is done is marked errored (``_finish`` ends it)."""
         for rid, toks in zip(rids, tokens, strict=True):
             r = self.requests[rid]
+            flagged = NON_FINITE in toks
+            if flagged:
+                toks = toks[: toks.index(NON_FINITE)]
             r.output.extend(toks)
-            r.pending = toks[-1]
             self.progress.tokens += len(toks)
+            if toks:
+                r.pending = toks[-1]
+            if flagged and not r.is_done():
+                self.progress.errored.append(rid)
 
     def _finish(self) -> None:
+        """Release the errored requests, then the finished ones (after the running batch is the
+        step's new one: a release filters it)."""
+        if self.progress.errored:
+            errored = [rid for rid in dict.fromkeys(self.progress.errored) if rid in self.requests]
+            self.release(errored, Ending.ERROR)
         done = [r.rid for r in self.requests if r.state is RequestState.RUNNING and r.is_done()]
         if done:
             self.progress.finished.extend(done)

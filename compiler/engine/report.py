@@ -37,6 +37,8 @@ class StepReport:
     """Requests that finished in this step."""
     aborted: tuple[RequestId, ...]
     """Requests aborted in this step because a forward failed."""
+    errored: tuple[RequestId, ...] = ()
+    """Requests ended in this step because the logits for their next token were not finite."""
     seconds: float
     """Wall time of the step."""
 

@@ -5,7 +5,7 @@ A request moves through these states (``RequestState``)::
     admit --> WAITING --(slot + prefix source)--> PREFILLING --(last chunk)--> RUNNING
                  ^                                     |                          |
                  +------------- retract ---------------+--------------------------+
-    any live state --(finish | abort | failed forward)--> gone (its output is recorded)
+    any live state --(finish | abort | failed forward | non-finite logits)--> gone (its output is recorded)
 
 WAITING requests have no slot yet; PREFILLING ones hold a slot and have part of their prompt in
 their state; RUNNING ones decode. Retraction sends a PREFILLING or RUNNING request back to WAITING
@@ -39,6 +39,7 @@ class Ending(enum.Enum):
     FINISHED = "finished"  # max_new_tokens or its stop token
     ABORTED = "aborted"  # the user's abort
     FAILED = "failed"  # a forward carrying it failed after every retry
+    ERROR = "error"  # the logits for its next token were not finite (NaN or infinity)
     RETRACTED = "retracted"  # out of KV: back to WAITING, re-prefilled later
 
 

@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from backend.hybrid.model import HybridModel
+from compiler.engine.nonfinite import ERROR_MESSAGE
 from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.workload import Request, ServeError
 
@@ -25,6 +26,8 @@ class Served:
     name: str
     hf: bool
     """Whether it came from a Hugging Face directory (token-level serving)."""
+    max_positions: int | None = None
+    """A Hugging Face checkpoint's ``max_position_embeddings`` (``None``: batchc models record none)."""
 
 
 def load_served(path: str | None, *, role: str, dtype: torch.dtype, bundled: str) -> Served:
@@ -41,7 +44,7 @@ def load_served(path: str | None, *, role: str, dtype: torch.dtype, bundled: str
 
         loaded = load_hf(path, dtype=dtype)
         return Served(model=loaded.model, tokenizer=HFTokenizer(Path(path) / "tokenizer.json"), eos=loaded.hf.eos_ids,
-                      name=f"{role} {path} ({loaded.family})", hf=True)
+                      name=f"{role} {path} ({loaded.family})", hf=True, max_positions=loaded.hf.max_positions)
     return Served(model=load_checkpoint(path, dtype=dtype), tokenizer=ByteTokenizer(), eos=(), name=f"{role} {path}", hf=False)
 
 
@@ -59,9 +62,15 @@ def check_same_vocabulary(target: Served, draft: Served) -> None:
             raise ServeError(f"{draft.name}: its tokenizer's vocabulary differs from {target.name}'s (first difference: {diff[0]!r})")
 
 
-def finish_reason(r: Request, output: Sequence[int], eos: Sequence[int], aborted: bool) -> str:
+def finish_reason(r: Request, output: Sequence[int], eos: Sequence[int], aborted: bool, errored: bool = False) -> str:
     """``"stop"`` (it emitted an end-of-sequence id or its stop), ``"length"`` (it reached its
-    ``max_new_tokens``) or ``"abort"`` (a failed forward cut it short)."""
+    ``max_new_tokens``), ``"abort"`` (a failed forward cut it short) or ``"refused"`` (it was never
+    served: ``Request.refused`` says why) or ``"error"`` (``errored``: the logits for its next token
+    were not finite, and it ended there)."""
+    if r.refused is not None:
+        return "refused"
+    if errored:
+        return "error"
     if aborted:
         return "abort"
     stops = set(eos) | ({r.stop} if r.stop is not None else set())
@@ -70,11 +79,14 @@ def finish_reason(r: Request, output: Sequence[int], eos: Sequence[int], aborted
 
 def output_lines(
     workload: Sequence[Request], outputs: Mapping[int, Sequence[int]], aborted: Collection[int], tokenizer: Tokenizer, eos: Sequence[int],
+    errored: Collection[int] = (),
 ) -> list[dict[str, object]]:
     """One ``--outputs`` object per request, in workload order: ``rid`` (its line), ``prompt``,
     ``prompt_ids``, ``output_ids`` (an ending end-of-sequence id included), ``text`` (the output
-    decoded incrementally, special tokens left out) and ``finish_reason``. ``outputs``: each
-    request's generated ids by rid; ``aborted``: the rids a failed forward cut short."""
+    decoded incrementally, special tokens left out) and ``finish_reason``; a refused request's line
+    adds ``reason`` (``Request.refused``). ``outputs``: each request's generated ids by rid;
+    ``aborted``: the rids a failed forward cut short; ``errored``: the rids that ended at non-finite
+    logits (``finish_reason`` ``"error"``, and ``reason`` says so)."""
     lines: list[dict[str, object]] = []
     for r in workload:
         out = outputs.get(int(r.rid), ())
@@ -82,6 +94,10 @@ def output_lines(
         text = "".join(detok.push(t) for t in out) + detok.flush()
         lines.append({
             "rid": int(r.rid), "prompt": r.prompt.decode("utf-8", errors="replace"), "prompt_ids": [int(t) for t in r.token_ids],
-            "output_ids": list(out), "text": text, "finish_reason": finish_reason(r, out, eos, int(r.rid) in aborted),
+            "output_ids": list(out), "text": text, "finish_reason": finish_reason(r, out, eos, int(r.rid) in aborted, int(r.rid) in errored),
         })
+        if r.refused is not None:
+            lines[-1]["reason"] = r.refused
+        elif int(r.rid) in errored:
+            lines[-1]["reason"] = ERROR_MESSAGE
     return lines

@@ -52,9 +52,14 @@ class ServeSummary:
     optional parts left out when they did not run)."""
 
     requests: int
+    refused_requests: int = 0
+    """Requests refused on their own and not served (``Request.refused``: they do not fit the context)."""
     prompt_tokens: int
+    """Prompt tokens of the served requests."""
     generated_tokens: int
     k: int
+    max_len: int
+    """Context length (``ServeConfig.max_len``, ``--max-len``)."""
     steps: int
     steps_by_kind: str
     wall_s: float
@@ -80,6 +85,8 @@ class ServeSummary:
     retractions: int
     aborted_requests: int
     """Requests aborted because a forward carrying them failed."""
+    errored_requests: int = 0
+    """Requests ended because the logits for their next token were not finite (NaN or infinity)."""
     failed_forwards: int
     first_failure: str | None
     target_clears_minted_consumed: str
@@ -115,6 +122,8 @@ class ServeSummary:
     """Every request's generated ids (``--outputs``; not in ``to_json``)."""
     aborted: tuple[int, ...] = ()
     """Requests aborted by failed forwards (their outputs are cut short; not in ``to_json``)."""
+    errored: tuple[int, ...] = ()
+    """Requests ended by non-finite logits (their outputs stop before that token; not in ``to_json``)."""
 
     @property
     def tokens_per_s_vs_mutable_fixed(self) -> float | None:
@@ -125,7 +134,7 @@ class ServeSummary:
         return self.tokens_per_s / fixed.tokens_per_s if fixed.tokens_per_s else 0.0
 
     def to_json(self) -> dict[str, object]:
-        out = {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None) and k not in ("outputs", "aborted")}
+        out = {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None) and k not in ("outputs", "aborted", "errored")}
         ratio = self.tokens_per_s_vs_mutable_fixed
         if ratio is not None:
             out["tokens_per_s_vs_mutable_fixed"] = ratio

@@ -208,3 +208,96 @@ def test_what_cannot_be_served_is_refused_in_one_line(tmp_path: Path, capsys: py
                       capsys, "name the same file")
     (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": "gone.safetensors"}}))
     _one_line_refusal(["run", "--model", str(target)], capsys, "no shard named by model.safetensors.index.json")
+
+
+def test_a_checkpoint_holding_nan_or_inf_is_refused_before_serving(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Target or draft, NaN or Inf, one process or rank 0 of --tp 2: one line naming the checkpoint's
+    tensor, exit 2, before anything is served (it used to serve all-zero outputs and exit 0)."""
+    import safetensors.torch
+
+    target, draft = tmp_path / "t", tmp_path / "d"
+    save_hf_model("bamba", target, seed=7, vocab_size=320)
+    save_hf_model("bamba", draft, seed=7, vocab_size=320, noise=0.03)
+    for d in (target, draft):
+        save_tokenizer(d)
+
+    def poison(d: Path, name: str, value: float) -> None:
+        tensors = dict(safetensors.torch.load_file(str(d / "model.safetensors")))
+        tensors[name].view(-1)[5] = value
+        safetensors.torch.save_file(tensors, str(d / "model.safetensors"))
+
+    poison(draft, "model.layers.2.mamba.in_proj.weight", float("inf"))
+    _one_line_refusal(["run", "--model", str(target), "--draft", str(draft), "--k", "2"], capsys,
+                      "tensor 'model.layers.2.mamba.in_proj.weight' has 1 non-finite values")
+    poison(target, "model.layers.1.self_attn.v_proj.weight", float("nan"))
+    for extra in ([], ["--tp", "2"]):
+        _one_line_refusal(["run", "--model", str(target), *extra], capsys, "tensor 'model.layers.1.self_attn.v_proj.weight' has 1 non-finite values")
+
+
+def test_logits_that_are_not_finite_end_their_requests_with_error_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Finite weights whose logits are not finite for some requests: a tied Granite embedding row
+    that the embedding multiplier (10) takes past float32 (1e38 * 10 = inf) at lookup, so every
+    position from the one fed that token on has NaN logits; the final norm's weight 0 on that one
+    coordinate keeps every other token's logits finite and unchanged. The request that generates
+    the token emits it and then ends with finish_reason "error" (at k = 2 possibly earlier: see
+    compiler.engine.nonfinite); the others are served exactly as without the poison; exit 1 with
+    one line; the lossless check compares only the requests that ended normally, at k = 0,
+    pipelined (--overlap) and through the verify at k = 2."""
+    import safetensors.torch
+
+    d = tmp_path / "m"
+    save_hf_model("granitemoehybrid", d, seed=7, vocab_size=320, embedding_multiplier=10.0)
+    tok = save_tokenizer(d)
+    tensors = dict(safetensors.torch.load_file(str(d / "model.safetensors")))
+    tensors["model.norm.weight"][0] = 0.0
+    safetensors.torch.save_file(tensors, str(d / "model.safetensors"))
+    workload = _workload(tmp_path, [{"prompt": p, "max_new_tokens": 10} for p in PROMPTS])
+    prompts = [tok.encode(p).ids for p in PROMPTS]
+
+    def served(*extra: str) -> tuple[int, str, list[dict[str, Any]], dict[str, Any]]:
+        out, summary = tmp_path / "o.jsonl", tmp_path / "s.json"
+        capsys.readouterr()
+        code = _main(["run", "--model", str(d), "--workload", str(workload), "--outputs", str(out), "--json", str(summary),
+                      "--lossless-sample", str(len(PROMPTS)), *extra])
+        stdout, err = capsys.readouterr()
+        assert "Traceback" not in err, err
+        return code, stdout + err, [json.loads(x) for x in out.read_text().splitlines()], json.loads(summary.read_text())
+
+    code, _, clean, report = served()
+    assert code == 0 and report["errored_requests"] == 0
+    # a token some request generates (not first) and that appears nowhere else, prompts included
+    seen = [set(p) | set(line["output_ids"]) for p, line in zip(prompts, clean, strict=True)]
+    victim, at, poison = next(
+        (r, j, t) for r, line in enumerate(clean) for j, t in enumerate(line["output_ids"])
+        if j >= 1 and t not in line["output_ids"][:j] and t not in prompts[r] and t != 2
+        and not any(t in s for i, s in enumerate(seen) if i != r)
+    )
+    tensors["model.embed_tokens.weight"][poison, 0] = 1e38  # finite: the load accepts it
+    safetensors.torch.save_file(tensors, str(d / "model.safetensors"))
+    for extra in ([], ["--overlap"], ["--draft", str(d), "--k", "2"]):
+        code, text, lines, report = served(*extra)
+        assert code == 1, (extra, text)
+        assert text.count("batchc: run failed:") == 1
+        assert f"1 request ended in error (first: request {victim}): the model's logits for its next token were not finite" in text
+        for r, (line, want) in enumerate(zip(lines, clean, strict=True)):
+            if r == victim:
+                assert line["finish_reason"] == "error" and "not finite" in line["reason"], (extra, line)
+                if "--k" not in extra:  # up to the poisoned token, whose own logits were finite
+                    assert line["output_ids"] == want["output_ids"][: at + 1], extra
+                else:  # a verify window's later NaN may flag its earlier positions too (masked products): a prefix
+                    assert line["output_ids"] == want["output_ids"][: len(line["output_ids"])] and len(line["output_ids"]) <= at + 1
+            else:
+                assert line == want, (extra, r)
+        assert report["errored_requests"] == 1 and report["slots_live_after"] == 0 and report["outstanding_tickets"] == 0
+        assert report["lossless_check"] == (
+            f"passed: {len(PROMPTS) - 1} requests equal plain greedy of the target (1 request that ended in error not compared)"
+        )
+    # every request poisoned (the beginning-of-sequence token starts every prompt): no verdict at all
+    tensors["model.embed_tokens.weight"][1, 0] = 1e38
+    safetensors.torch.save_file(tensors, str(d / "model.safetensors"))
+    code, text, lines, report = served()
+    assert code == 1 and "passed" not in text
+    assert [line["finish_reason"] for line in lines] == ["error"] * len(PROMPTS) and all(not line["output_ids"] for line in lines)
+    assert report["lossless_check"].startswith("not run: none of the 5 sampled requests ended normally") and "lossless_ok" not in report

@@ -141,10 +141,10 @@ HOSTILE_CONFIGS = [
     ("nemotron_h", {"mlp_hidden_act": "silu"}, "field 'mlp_hidden_act': 'silu' is not supported"),
     ("bamba", {"hidden_size": "64"}, "field 'hidden_size': must be an integer"),
     ("bamba", {"hidden_size": None}, "missing field 'hidden_size'"),
-    ("bamba", {"num_key_value_heads": 3}, "attn_kv_heads must divide attn_heads"),
+    ("bamba", {"num_key_value_heads": 3}, "field 'num_key_value_heads': 3 does not divide num_attention_heads 4"),
     ("bamba", {"mamba_n_heads": 0}, "field 'mamba_n_heads': must be at least 1, got 0"),
     ("nemotron_h", {"ssm_state_size": -4}, "field 'ssm_state_size': must be at least 1, got -4"),
-    ("bamba", {"vocab_size": 10**9}, "vocab must be at most"),
+    ("bamba", {"vocab_size": 10**9}, "field 'vocab_size': must be at most 262144, got 1000000000"),
     ("bamba", {"attn_layer_indices": [1, 9]}, "field 'attn_layer_indices'"),
     ("granitemoehybrid", {"layer_types": ["mamba", "sliding_attention", "mamba", "attention"]}, "unknown layer 'sliding_attention'"),
     ("granitemoehybrid", {"position_embedding_type": "alibi"}, "field 'position_embedding_type'"),
@@ -188,6 +188,57 @@ def test_a_config_batchc_cannot_serve_exactly_is_refused_in_one_line(
     assert str(tmp_path / "config.json") in str(e.value)
 
 
+# Every bound of batchc's own config, reached through each family's keys: the refusal names the key
+# the config.json holds and its value, never batchc's field (d_model, attn_kv_heads, nheads, ...).
+USER_WORDS = [
+    ("bamba", {"hidden_size": 70000}, "field 'hidden_size': must be at most 65536, got 70000", "d_model"),
+    ("bamba", {"num_attention_heads": 6}, "field 'num_attention_heads': 6 does not divide hidden_size 64 (and no head_dim is set)", "attn_heads"),
+    ("bamba", {"num_key_value_heads": 8}, "field 'num_key_value_heads': 8 does not divide num_attention_heads 4", "attn_kv_heads"),
+    ("bamba", {"mamba_n_groups": 3}, "field 'mamba_n_groups': 3 does not divide mamba_n_heads 8", "ngroups"),
+    ("bamba", {"mamba_d_conv": 5}, "field 'mamba_d_conv': must be at most 4, got 5", "conv_width"),
+    ("bamba", {"mamba_d_state": 10**6}, "field 'mamba_d_state': must be at most 65536, got 1000000", "d_state must"),
+    ("bamba", {"mamba_d_head": 24}, "field 'mamba_d_head': 24 * mamba_n_heads 8 = 192 is not mamba_expand * hidden_size = 128", "head_dim"),
+    ("bamba", {"rms_norm_eps": 0}, "field 'rms_norm_eps': must be in (0, 1], got 0", "rms_eps"),
+    ("bamba", {"rope_parameters": {"rope_theta": 0.5}}, "field 'rope_parameters.rope_theta': must be at least 1, got 0.5", "rope_theta must"),
+    ("bamba", {"head_dim": 18, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "field 'partial_rotary_factor': 0.5 of a head of 18 rotates 9 dims", "rotary_dim"),
+    ("bamba", {"attn_layer_indices": [0, 1, 2, 3]}, "field 'attn_layer_indices': no Mamba layer among its 4 layers", "mamba layer"),
+    ("bamba", {"intermediate_size": 0}, "field 'intermediate_size': must be at least 1, got 0", "mlp_hidden"),
+    ("granitemoehybrid", {"hidden_size": 0}, "field 'hidden_size': must be at least 1, got 0", "d_model"),
+    ("granitemoehybrid", {"num_key_value_heads": 3}, "field 'num_key_value_heads': 3 does not divide num_attention_heads 4", "attn_kv_heads"),
+    ("granitemoehybrid", {"attention_multiplier": -1.0}, "field 'attention_multiplier': must be a finite positive number, got -1", "attn_scale"),
+    ("granitemoehybrid", {"embedding_multiplier": 0.0}, "field 'embedding_multiplier': must be a finite positive number, got 0", "embed_scale"),
+    ("granitemoehybrid", {"residual_multiplier": -2}, "field 'residual_multiplier': must be a finite positive number, got -2", "residual_scale"),
+    ("granitemoehybrid", {"shared_intermediate_size": 10**5}, "field 'shared_intermediate_size': must be at most 65536, got 100000", "mlp_hidden"),
+    ("granitemoehybrid", {"position_embedding_type": "rope", "head_dim": 15},
+     "field 'head_dim': head_dim = 15: rotary embeddings (position_embedding_type 'rope') rotate pairs", "attn_head_dim"),
+    ("granitemoehybrid", {"layer_types": ["attention"] * 4}, "field 'layer_types': no Mamba layer among its 4 layers", "mamba layer"),
+    ("granitemoehybrid", {"mamba_n_heads": 3, "mamba_d_head": "auto"}, "field 'mamba_n_heads': 3 does not divide mamba_expand * hidden_size = 128", "nheads"),
+    ("nemotron_h", {"num_key_value_heads": 3}, "field 'num_key_value_heads': 3 does not divide num_attention_heads 4", "attn_kv_heads"),
+    ("nemotron_h", {"n_groups": 3}, "field 'n_groups': 3 does not divide mamba_num_heads 8", "ngroups"),
+    ("nemotron_h", {"mamba_num_heads": 10**5}, "field 'mamba_num_heads': must be at most 65536, got 100000", "nheads"),
+    ("nemotron_h", {"mamba_head_dim": 0}, "field 'mamba_head_dim': must be at least 1, got 0", "head_dim must"),
+    ("nemotron_h", {"head_dim": 70000}, "field 'head_dim': must be at most 65536, got 70000", "attn_head_dim"),
+    ("nemotron_h", {"conv_kernel": 1}, "field 'conv_kernel': must be at least 2, got 1", "conv_width"),
+    ("nemotron_h", {"layer_norm_epsilon": 2.0}, "field 'layer_norm_epsilon': must be in (0, 1], got 2", "rms_eps"),
+    ("nemotron_h", {"time_step_min": -0.5}, "field 'time_step_min': must be at least 0, got -0.5", "dt bounds"),
+    ("nemotron_h", {"layers_block_type": ["full_attention", "mlp"] * 3}, "field 'layers_block_type': no Mamba layer among its 6 layers", "mamba layer"),
+]
+
+
+@pytest.mark.parametrize(("family", "changes", "message", "internal"), USER_WORDS)
+def test_a_refused_config_names_the_key_and_value_the_user_wrote(
+    tmp_path: Path, family: str, changes: dict[str, Any], message: str, internal: str,
+) -> None:
+    save_hf_model(family, tmp_path)
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(CheckpointError) as e:
+        load_hf(tmp_path)
+    text = str(e.value)
+    assert message in text and "\n" not in text, text
+    assert internal not in text and "unsupported config" not in text, text
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
@@ -222,6 +273,49 @@ def test_damaged_weights_are_refused_in_one_line(tmp_path: Path, damage: str, me
     with pytest.raises(CheckpointError) as e:
         load_hf(tmp_path)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("family", "tensor", "value"),
+    [
+        ("bamba", "model.layers.0.mamba.A_log", float("nan")),
+        ("granitemoehybrid", "model.layers.1.shared_mlp.input_linear.weight", float("inf")),  # fused [gate; up]: read once
+        ("nemotron_h", "backbone.layers.1.mixer.o_proj.weight", float("-inf")),
+        ("bamba", "lm_head.weight", float("nan")),
+    ],
+)
+def test_weights_holding_nan_or_inf_are_refused_naming_the_checkpoint_tensor(
+    tmp_path: Path, family: str, tensor: str, value: float,
+) -> None:
+    save_hf_model(family, tmp_path)
+    t = _tensors(tmp_path)
+    t[tensor].view(-1)[7] = value
+    _write(tmp_path, t)
+    with pytest.raises(CheckpointError) as e:
+        load_hf(tmp_path)
+    message = str(e.value)
+    assert f"tensor {tensor!r} has 1 non-finite values (NaN or infinity)" in message and "\n" not in message
+    assert message.startswith(str(tmp_path / "model.safetensors"))
+
+
+def test_weights_that_overflow_the_compute_dtype_are_refused_naming_the_checkpoint_tensor(tmp_path: Path) -> None:
+    """Finite as stored (float32), infinite once converted to float16, or once an untied embedding is
+    multiplied by Granite's embedding multiplier: refused in that dtype, served in float32."""
+    save_hf_model("bamba", tmp_path)
+    t = _tensors(tmp_path)
+    t["model.layers.1.self_attn.q_proj.weight"][0, 0] = 1e6
+    _write(tmp_path, t)
+    load_hf(tmp_path)
+    with pytest.raises(CheckpointError, match="tensor 'model.layers.1.self_attn.q_proj.weight' has 1 values that overflow float16"):
+        load_hf(tmp_path, dtype=torch.float16)
+    granite = tmp_path / "granite"
+    save_hf_model("granitemoehybrid", granite, tie_word_embeddings=False, embedding_multiplier=1000.0)
+    t = _tensors(granite)
+    t["model.embed_tokens.weight"][3, 3] = 100.0
+    _write(granite, t)
+    load_hf(granite)
+    with pytest.raises(CheckpointError, match="tensor 'model.embed_tokens.weight' has 1 values that overflow float16 once multiplied by embedding_multiplier 1000.0"):
+        load_hf(granite, dtype=torch.float16)
 
 
 @pytest.mark.parametrize(

@@ -191,3 +191,34 @@ def test_removing_any_one_feature_moves_the_logits_far_beyond_the_tolerance(
     want = hf_logits(hf, prompt)
     assert max_diff(reference_logits(loaded.model, prompt), want) <= TOL
     assert max_diff(reference_logits(_without(loaded.model, feature), prompt), want) > 100 * TOL
+
+
+# hidden_size 68 is not a multiple of the 8 attention heads: with head_dim 16, q/k/v project 68 -> 8 * 16
+# (or 2 * 16) and o_proj 128 -> 68, as transformers builds them for every family
+HEAD_DIM_SHAPE: dict[str, Any] = dict(hidden_size=68, num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize(
+    ("family", "changes"),
+    [("bamba", {}), ("granitemoehybrid", {}), ("granitemoehybrid", {"position_embedding_type": "rope"}), ("nemotron_h", {})],
+    ids=["bamba", "granite-nope", "granite-rope", "nemotron_h"],
+)
+def test_an_explicit_head_dim_that_does_not_divide_hidden_size_equals_transformers(
+    tmp_path: Path, family: str, changes: dict[str, Any],
+) -> None:
+    hf = save_hf_model(family, tmp_path, seed=5, **HEAD_DIM_SHAPE, **changes)
+    loaded = load_hf(tmp_path)
+    c = loaded.model.config
+    assert (c.d_model, c.attn_heads, c.kv_heads, c.attn_head_dim) == (68, 8, 2, 16) and c.attn_dim != c.d_model
+    prompt = PROMPTS[0]
+    assert max_diff(reference_logits(loaded.model, prompt), hf_logits(hf, prompt)) <= TOL
+    # greedy decoding through the serving forwards (extend, then one decode per token) equals generate
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)[0, len(prompt) :].tolist()
+    be = Backend(loaded.model)
+    token = int(be.extend([(1, prompt, 0)]).logits[0].argmax())
+    got = [token]
+    for pos in range(len(prompt), len(prompt) + 11):
+        token = int(be.decode([(1, token, pos)]).logits[0].argmax())
+        got.append(token)
+    assert got == want and len(set(want)) > 3, (got, want)

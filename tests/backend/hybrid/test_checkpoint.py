@@ -223,6 +223,18 @@ def test_non_finite(tmp_path: Path, value: float) -> None:
     _expect(_write(tmp_path / "m.safetensors", tensors, _config_meta()), "tensor 'layers.2.mlp.up_proj' has 1 non-finite")
 
 
+def test_values_that_overflow_the_compute_dtype_are_refused_by_name(tmp_path: Path) -> None:
+    """Finite in float32, infinite in float16: refused when loading in float16, served in float32."""
+    tensors = _tensors()
+    tensors["layers.1.mixer.q_proj"][0, 0] = 1e6
+    path = _write(tmp_path / "m.safetensors", tensors, _config_meta())
+    load_checkpoint(path)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, dtype=torch.float16)
+    message = str(info.value)
+    assert "tensor 'layers.1.mixer.q_proj' has 1 values that overflow torch.float16" in message and "\n" not in message
+
+
 # ---- the bundled trained models ----------------------------------------------------------------------
 
 

@@ -30,6 +30,8 @@ def _cases(root: Path) -> list[dict[str, Any]]:
         ("bamba", {}), ("granitemoehybrid", {}), ("nemotron_h", {}),
         ("granitemoehybrid", {"mamba_n_groups": 1}),  # one group, replicated on both ranks; norm over the whole width
         ("nemotron_h", {"n_groups": 1}),  # one group and one norm group: both across ranks
+        # an explicit head_dim: 8 heads of 16 over a hidden_size of 68 (q/k/v/o are not square)
+        ("bamba", {"hidden_size": 68, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}),
     ):
         d = root / f"{family}-{len(cases)}"
         save_hf_model(family, d, seed=2, **changes)
@@ -136,6 +138,24 @@ def test_bad_shard_arguments_are_refused() -> None:
             check_tp(None, 2)  # type: ignore[arg-type]  # deliberately wrong
         with pytest.raises(ValueError, match="weights do not match the config"):
             shard_weights(m.config, {}, 0, 2)
+
+
+def test_a_shard_holding_nan_or_inf_is_refused_naming_the_weight_and_the_rank() -> None:
+    """A model built in memory (no loader checked it) with an infinity in rank 1's columns of an
+    output projection: rank 1's shard is refused, rank 0's slice is finite and is cut."""
+    from backend.tp import shard_model, shard_weights
+    from tests.helpers import tiny_model
+
+    m = tiny_model()
+    m.weights["layers.0.mixer.out_proj"][0, -1] = float("inf")
+    shard_weights(m.config, m.weights, 0, 2)
+    with pytest.raises(ValueError, match="rank 1 of 2: its shard of weight 'layers.0.mixer.out_proj' has 1 non-finite values"):
+        shard_model(m, 1, 2, _NoSum())
+    m.weights["layers.0.mixer.out_proj"][0, -1] = 0.0
+    m.weights["final_norm"][3] = float("nan")  # replicated: every rank refuses it
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match=f"rank {rank} of 2: its shard of weight 'final_norm' has 1 non-finite values"):
+            shard_weights(m.config, m.weights, rank, 2)
 
 
 def test_a_tp_that_does_not_divide_is_refused() -> None:

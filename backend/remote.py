@@ -24,7 +24,12 @@ sides (a transactional executor restored its rows: the same plan can be submitte
 
 Errors come back by kind: a ``BatchcError`` raised in the child (a refused plan) is raised as
 ``ExecutorRefused`` (never retried), anything else as ``ForwardFailed`` (a fault; retried by the
-engine's runner when it has retries). A child that died raises ``ExecutorGone`` for every later call.
+engine's runner when it has retries). A child that died raises ``ExecutorGone`` for every later plan
+(``submit``, ``wait``, ``execute``), saying how it ended (``backend.children.ended``: "killed by
+signal 9"); the requests that are not plans (``share_prefix``, ``forget_verifies``,
+``cancel_outstanding``) and ``drain`` never raise it, so the engine learns of the death on the path
+that aborts the plans' requests, whichever call notices it first. The child is started by
+``backend.children.spawn``: it dies with this process.
 
 Replies arrive in order. Each carries the child's busy interval (``time.perf_counter``, the same
 monotonic clock in both processes on Linux), so a caller can tell how much of its wall time had a
@@ -33,6 +38,7 @@ forward running (``busy``).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.connection
 import os
 import pickle
@@ -48,9 +54,9 @@ from typing import Any, Final, assert_never, get_args
 import numpy as np
 import torch
 
-from backend import faults
+from backend import children, faults
 from backend.allocator import SlotAllocator
-from backend.executor import Executor
+from backend.executor import Executor, ForwardOut
 from backend.ledger import Claim, Ledger
 from backend.model import ServedModel
 from ir.columns import check_instance
@@ -60,8 +66,10 @@ from ir.init import InitTicket, Ticket, this_epoch
 from ir.linear import consumes, keeps_linear
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
+from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
 from ir.wire import pack, unpack
+
+_log = logging.getLogger("batchc.remote")
 
 _START_TIMEOUT_S: Final = 120.0
 """How long ``ExecutorProcess`` waits for its child to build the pool and report ready."""
@@ -132,7 +140,7 @@ class Pending:
         self.plan = plan
         self.claim = claim
         self.done = False
-        self.out: torch.Tensor | None = None
+        self.out: ForwardOut = None
         self.error: BaseException | None = None
 
 
@@ -175,7 +183,7 @@ class ExecutorProcess:
         # multiprocessing start methods: they re-import the caller's __main__), fed over a socket
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self._proc = subprocess.Popen(
+        self._proc = children.spawn(
             [sys.executable, "-m", "backend.remote", str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
             stdin=subprocess.DEVNULL,
         )
@@ -196,7 +204,10 @@ class ExecutorProcess:
         except Exception as exc:  # noqa: BLE001 - any pickling failure: the model cannot travel
             self.close()
             raise IRValidationError("ExecutorProcess", "model", type(model).__name__, f"must pickle to reach its process ({exc!r})") from exc
-        self._conn.send_bytes(start)
+        try:
+            self._conn.send_bytes(start)
+        except (OSError, EOFError, ValueError) as exc:  # the child died already: the first use raises ExecutorGone
+            self._mark_gone(exc)
 
     def wait_ready(self) -> None:
         """Wait until the child has built its pool (``ExecutorGone`` after ``_START_TIMEOUT_S``
@@ -208,9 +219,13 @@ class ExecutorProcess:
         """The child builds its pool while the caller goes on; the first use waits for it."""
         if self._ready:
             return
-        if not self._conn.poll(_START_TIMEOUT_S):
+        try:
+            answered = self._conn.poll(_START_TIMEOUT_S)
+        except (OSError, EOFError) as exc:
+            raise self._mark_gone(exc) from None
+        if not answered:
             self.close()
-            raise ExecutorGone(f"executor process for pool {self.pool_id!r} did not start within {_START_TIMEOUT_S:.0f} s")
+            raise ExecutorGone(f"executor process for pool {self.pool_id!r} {children.no_answer(_START_TIMEOUT_S)} (it did not start)")
         reply = self._recv()
         self.waited = 0.0  # start-up is not waiting on plans
         if reply[0] != "ready":
@@ -248,7 +263,7 @@ class ExecutorProcess:
         self._pending.append(p)
         return p
 
-    def wait(self, p: Pending) -> torch.Tensor | None:
+    def wait(self, p: Pending) -> ForwardOut:
         """The result of ``p`` (reading every earlier reply first), or its error raised (or that of
         a failed request sent before it)."""
         while not p.done:
@@ -259,15 +274,18 @@ class ExecutorProcess:
         return p.out
 
     @consumes
-    def execute(self, plan: Plan) -> torch.Tensor | None:
+    def execute(self, plan: Plan) -> ForwardOut:
         """``submit`` then ``wait``: the in-process ``Executor.execute`` of this pool."""
         return self.wait(self.submit(plan))
 
     def drain(self) -> None:
         """Read every outstanding reply (the errors of plans stay on their ``Pending``; that of a
-        failed request is raised)."""
+        failed request is raised; a dead child leaves ``ExecutorGone`` on every plan in flight)."""
         while self._pending:
-            self._read_one()
+            try:
+                self._read_one()
+            except ExecutorGone:
+                return  # (the plans in flight hold it)
         self._raise_control_error()
 
     # -- requests that are not plans (in order with the plans) ---------------------------------
@@ -295,10 +313,18 @@ class ExecutorProcess:
 
     def _control(self, *msg: object) -> None:
         """Send a request that is not a plan; it returns at once. Its error (a bug: a bad slot, say)
-        is raised by the next ``wait``, ``drain`` or request."""
+        is raised by the next ``wait``, ``drain`` or request. A dead child has no state left to
+        change: the request is dropped, and the child's death is raised by the plans (their
+        ``submit`` or ``wait``: the one path on which the engine aborts their requests), whichever
+        call happens to notice it first."""
+        if self._gone is not None and self._gone != "closed":
+            return
         self._check_open()
         self._raise_control_error()
-        self._send(msg)
+        try:
+            self._send(msg)
+        except ExecutorGone:
+            return
         self._pending.append(Pending(-1, None, None))
 
     def _raise_control_error(self) -> None:
@@ -308,36 +334,49 @@ class ExecutorProcess:
 
     # -- plumbing ------------------------------------------------------------------------------
 
+    def _gone_error(self) -> ExecutorGone:
+        if self._gone == "closed":
+            return ExecutorGone(f"executor process for pool {self.pool_id!r} is closed")
+        return ExecutorGone(f"executor process for pool {self.pool_id!r} {self._gone}")
+
     def _check_open(self) -> None:
         if self._gone is not None:
-            raise ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {self._gone}")
+            raise self._gone_error()
         self._wait_ready()
 
     def _send(self, msg: tuple[object, ...]) -> None:
         try:
             self._conn.send_bytes(_dumps(msg))
         except (OSError, EOFError, ValueError) as exc:
-            self._mark_gone(f"send failed ({exc!r})")
-            raise ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {self._gone}") from exc
+            raise self._mark_gone(exc) from None
 
     def _recv(self) -> tuple[Any, ...]:
         t0 = time.perf_counter()
         try:
             reply = pickle.loads(self._conn.recv_bytes())
         except (OSError, EOFError) as exc:
-            self._mark_gone(f"it died (exit code {self._proc.poll()})")
-            raise ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {self._gone}") from exc
+            raise self._mark_gone(exc) from None
         self.waited += time.perf_counter() - t0
         assert isinstance(reply, tuple)
         return reply
 
-    def _mark_gone(self, why: str) -> None:
-        self._gone = why
+    def _mark_gone(self, exc: BaseException) -> ExecutorGone:
+        """The child's socket failed with ``exc``: the child is gone (or going). Say how it ended in
+        the common words (``backend.children.ended``; the socket's own error goes to the debug
+        log), fail every plan in flight, and return the error to raise."""
+        _log.debug("executor process for pool %r: socket failed: %r", self.pool_id, exc)
+        try:  # a closed socket means the child is exiting: its status follows at once
+            code: int | None = self._proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._gone = children.ended(code) if code is not None else "lost its connection"
+        err = self._gone_error()
         for p in self._pending:  # claims of plans that never ran return to outstanding
             if p.claim is not None and p.claim.open:
                 p.claim.settle(())
-            p.done, p.error = True, ExecutorGone(f"executor process for pool {self.pool_id!r} is gone: {why}")
+            p.done, p.error = True, err
         self._pending.clear()
+        return err
 
     def _read_one(self) -> None:
         if not self._pending:
@@ -351,7 +390,7 @@ class ExecutorProcess:
             p.claim.settle(consumed)
         if kind == "done":
             arr = reply[1]
-            p.out = torch.from_numpy(arr) if arr is not None else None
+            p.out = torch.from_numpy(arr) if isinstance(arr, np.ndarray) else arr
         else:
             p.error = _error(reply)
             if p.plan is None and self._control_error is None:
@@ -394,8 +433,7 @@ def _shutdown(conn: multiprocessing.connection.Connection, proc: subprocess.Pope
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+        children.kill(proc)
     conn.close()
 
 
@@ -440,14 +478,14 @@ def _serve(
         t0 = time.perf_counter()
         tickets: list[Ticket] = []
         try:
-            out: np.ndarray[Any, Any] | None = None
+            out: np.ndarray[Any, Any] | Proposals | None = None
             if kind == "plan":
                 plan = unpack(msg[1], expect_step=number).plan
                 number += 1
                 tickets = plan_tickets(plan, pool_id)
                 ledger.register(tickets)
                 result = ex.execute(plan)
-                out = result.detach().cpu().numpy() if result is not None else None
+                out = result.detach().cpu().numpy() if isinstance(result, torch.Tensor) else result  # (Proposals pickle as IR nodes)
             elif kind == "share":
                 hook.share_prefix(msg[1], msg[2], msg[3])
             elif kind == "forget":

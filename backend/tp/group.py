@@ -9,13 +9,20 @@ group timeout); a rank that dies is noticed at once (its sockets close). The wor
 When a collective fails, ``failure`` names the rank that caused it: a rank that raised left its
 cause in the store (``report_fault``) before it went; a rank that was killed is found by its process
 (a child this rank spawned, or a process of this host whose pid the rank registered); otherwise the
-group's own error is reported.
+rank that did not answer within the timeout, or that lost its connection.
+
+Failures are said in the words of every mode (``backend.children``): "rank 1 killed by signal 9",
+"rank 1 exited with status 1", "rank 1 did not answer within 60 s", "rank 1 failed: <its error>".
+The transport's own text (gloo's, the store's) is never the message: it goes to the debug log.
+The workers rank 0 starts (``spawn_workers``) are ``backend.children.spawn``'s children: they die
+with rank 0, whenever and however it ends.
 """
 
 from __future__ import annotations
 
 import datetime
 import enum
+import logging
 import os
 import re
 import socket
@@ -33,7 +40,10 @@ from torch.distributed import (  # type: ignore[attr-defined]  # public at run t
     TCPStore,
 )
 
+from backend import children
 from ir.errors import BatchcError
+
+_log = logging.getLogger("batchc.tp")
 
 MAX_PAYLOAD: Final = 1 << 31
 """Largest message the workers accept (an ``ir.wire`` message's own bound)."""
@@ -84,11 +94,13 @@ class RankFault(RuntimeError):
 
 class RankFailed(RuntimeError):
     """A rank of the group died, raised after it had accepted a plan, or stopped answering: the
-    group cannot go on. ``rank`` is the rank that failed (None when it cannot be told)."""
+    group cannot go on. ``rank`` is the rank that failed (None when it cannot be told); ``cause``
+    says what it did, as a predicate ("killed by signal 9", "did not answer within 60 s", "failed:
+    <its error>"), so the message reads "rank 1 killed by signal 9". Without a rank, ``cause`` is
+    the whole message."""
 
     def __init__(self, rank: int | None, cause: str) -> None:
-        who = f"tensor-parallel rank {rank}" if rank is not None else "a tensor-parallel rank"
-        super().__init__(f"{who} failed: {cause}")
+        super().__init__(f"rank {rank} {cause}" if rank is not None else cause)
         self.rank = rank
         self.cause = cause
 
@@ -209,10 +221,11 @@ class TPGroup:
             raise self.broken
         if self.closed:
             raise RuntimeError("this tensor-parallel group is closed")
+        t0 = time.monotonic()
         try:
             op()
         except RuntimeError as exc:
-            self.broken = self.failure(exc)
+            self.broken = self.failure(exc, waited_s=time.monotonic() - t0)
             raise self.broken from None
 
     def report_fault(self, cause: str) -> None:
@@ -223,11 +236,14 @@ class TPGroup:
         except Exception:  # noqa: BLE001 - the store went with rank 0; the others learn from the closed sockets
             pass
 
-    def failure(self, exc: BaseException) -> RankFailed:
-        """The ``RankFailed`` for a collective that raised ``exc``: the rank that reported a fault,
-        else a rank whose process is gone, else the group's own error."""
+    def failure(self, exc: BaseException, waited_s: float = 0.0) -> RankFailed:
+        """The ``RankFailed`` for a collective that raised ``exc`` after ``waited_s`` seconds: the
+        rank that reported a fault, else a rank whose process is gone, else the rank that did not
+        answer within the timeout (or lost its connection, sooner). ``exc``'s text goes to the
+        debug log only."""
         if isinstance(exc, RankFailed):
             return exc
+        _log.debug("rank %d: a collective failed after %.1f s: %s", self.rank, waited_s, one_line(exc))
         deadline = time.monotonic() + _GRACE_S
         while True:
             try:
@@ -236,20 +252,22 @@ class TPGroup:
                         return RankFailed(r, self.store.get(f"fault/{r}").decode(errors="replace"))
             except Exception:  # noqa: BLE001 - the store is gone: it lived with rank 0
                 if self.rank != 0:
-                    return RankFailed(0, f"its process is gone (the group's store is unreachable; {one_line(exc)})")
+                    return RankFailed(0, "is gone (the group's store is unreachable)")
             gone = self._gone()
             if gone is not None:
                 return RankFailed(*gone)
             if time.monotonic() > deadline:
                 other = 1 - self.rank if self.world == 2 else None  # (in a pair, the one other rank)
-                return RankFailed(other, f"no answer within {self.timeout_s:g} s, or a lost connection ({one_line(exc)})")
+                timed_out = waited_s >= 0.9 * self.timeout_s
+                said = children.no_answer(self.timeout_s) if timed_out else "lost its connection"
+                return RankFailed(other, said if other is not None else f"a rank of the tensor-parallel group {said}")
             time.sleep(0.05)
 
     def _gone(self) -> tuple[int, str] | None:
         for r, proc in sorted(self.procs.items()):
             code = proc.poll()
             if code is not None:
-                return r, (f"its process was killed by signal {-code}" if code < 0 else f"its process exited with status {code}")
+                return r, children.ended(code)
         host = socket.gethostname()
         for r in range(self.world):
             if r == self.rank or r in self.procs:
@@ -260,13 +278,13 @@ class TPGroup:
                 return None
             h, _, pid = where.rpartition(":")
             if h == host and pid.isdigit() and not _alive(int(pid)):
-                return r, "its process is gone"
+                return r, "is gone (its process ended)"
         return None
 
     def close(self, *, wait_s: float = 30.0) -> None:
         """Leave the group: destroy the process group and wait up to ``wait_s`` for the workers this
         rank started, killing any still running then. When the group is broken the workers are
-        stopped at once (SIGTERM): one may still wait in a collective whose sockets this process
+        stopped at once (SIGKILL): one may still wait in a collective whose sockets this process
         keeps open (an interrupted wait keeps its process group alive). Idempotent."""
         if self.closed:
             return
@@ -278,16 +296,14 @@ class TPGroup:
                 pass
         if self.broken is not None:
             for proc in self.procs.values():
-                if proc.poll() is None:
-                    proc.terminate()
+                children.kill(proc, wait_s=0.0)
             wait_s = min(wait_s, 5.0)
         deadline = time.monotonic() + wait_s
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+                children.kill(proc)
 
 
 def _alive(pid: int) -> bool:
@@ -347,7 +363,8 @@ def connect(rank: int, world: int, *, timeout_s: float, start_timeout_s: float =
                          timeout=datetime.timedelta(seconds=start_timeout_s), wait_for_workers=False)
         return _join(PrefixStore("batchc", store), rank, world, timeout_s, backend, {})
     except RuntimeError as exc:  # torch's DistError family: no store there, or the others never came
-        raise RankFailed(None, f"could not form the group at {addr}:{port_text} within {start_timeout_s:g} s ({one_line(exc)})") from None
+        _log.debug("rank %d: could not form the group: %s", rank, one_line(exc))
+        raise RankFailed(None, f"the tensor-parallel group could not form at {addr}:{port_text} within {start_timeout_s:g} s") from None
 
 
 def _join(store: Store, rank: int, world: int, timeout_s: float, backend: str,
@@ -375,7 +392,7 @@ def spawn_workers(world: int, command: Sequence[str], *, timeout_s: float, start
     procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
         for r in range(1, world):
-            procs[r] = subprocess.Popen(list(command), env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.DEVNULL)
+            procs[r] = children.spawn(list(command), env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.DEVNULL)
         prefixed = PrefixStore("batchc", store)
         deadline = time.monotonic() + start_timeout_s
         waiting = set(procs)
@@ -385,14 +402,12 @@ def spawn_workers(world: int, command: Sequence[str], *, timeout_s: float, start
                 if prefixed.check([f"pid/{r}"]):
                     waiting.discard(r)
                 elif code is not None:
-                    raise RankFailed(r, f"its process exited with status {code} before joining the group")
+                    raise RankFailed(r, f"{children.ended(code)} before joining the group")
             if waiting and time.monotonic() > deadline:
-                raise RankFailed(min(waiting), f"did not join the group within {start_timeout_s:g} s")
+                raise RankFailed(min(waiting), f"{children.no_answer(start_timeout_s)} (it never joined the group)")
             time.sleep(0.05)
         return _join(prefixed, 0, world, timeout_s, backend, procs)
     except BaseException:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
+            children.kill(proc)
         raise

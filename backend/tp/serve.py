@@ -38,10 +38,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import attrs
-import torch
 
 from backend import faults
-from backend.executor import Executor
+from backend.executor import Executor, ForwardOut
 from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger, PoolCounts
 from backend.model import ServingModelHook
@@ -118,7 +117,7 @@ def _settle(group: TPGroup, gate: TPGate, exc: BaseException, plan: str) -> Base
         return exc
     if gate.state is _State.REFUSED and isinstance(exc, (RankRefused, RankFault)):
         return exc
-    cause = f"{one_line(exc)} in {plan} (plan message {gate.step})"
+    cause = f"failed: {one_line(exc)} in {plan} (plan message {gate.step})"
     group.report_fault(cause)
     failed = RankFailed(group.rank, cause)
     group.broken = failed
@@ -262,7 +261,7 @@ class TPLeader:
         self.pools = tuple(pools)
 
     @consumes_on("ex")
-    def execute(self, pool: PoolId, ex: Executor[Any], plan: Plan) -> torch.Tensor | None:
+    def execute(self, pool: PoolId, ex: Executor[Any], plan: Plan) -> ForwardOut:
         """Send ``plan`` for ``pool`` and run it on rank 0's shard with ``ex``."""
         self._check()
         index = self._index(pool)
@@ -303,7 +302,8 @@ class TPLeader:
         except RankFailed as exc:
             raise self._fatal(exc) from None
         if worst is Vote.OK:
-            raise self._fatal(RankFailed(None, "the workers accepted a raw plan message that rank 0 did not run: out of step"))
+            raise self._fatal(RankFailed(None, "the tensor-parallel group is out of step: the workers accepted a raw plan message "
+                                                   "that rank 0 did not run"))
         return refusals
 
     def _index(self, pool: PoolId) -> int:
@@ -396,7 +396,7 @@ class TPExecutor:
         return self.executor.pool
 
     @consumes
-    def execute(self, plan: Plan) -> torch.Tensor | None:
+    def execute(self, plan: Plan) -> ForwardOut:
         return self.leader.execute(self.pool_id, self.executor, plan)
 
     def forget_verifies(self) -> None:
@@ -458,7 +458,7 @@ class _Worker:
             try:
                 kind, arg, data = self.group.receive()
             except RankFailed as exc:  # rank 0 went silent or away: say so where rank 0 looks, if it still can
-                self.group.report_fault(f"gave up waiting for rank 0's next message ({exc.cause})")
+                self.group.report_fault(f"gave up waiting for rank 0's next message: {exc}")
                 raise
             if kind is Msg.SHUTDOWN:
                 return
@@ -467,7 +467,7 @@ class _Worker:
             except RankFailed:
                 raise
             except BaseException as exc:  # a request that is not a plan failed here: a bug, fatal
-                cause = f"{one_line(exc)} handling {kind.name}"
+                cause = f"failed: {one_line(exc)} handling {kind.name}"
                 self.group.report_fault(cause)
                 raise RankFailed(self.group.rank, cause) from exc
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from compiler.cli import main
+from compiler.launch import main
 
 sys.exit(main())

@@ -80,17 +80,23 @@ def work(rank: int, world: int, launched: bool, argv: Sequence[str], timeout_s: 
     try:
         group = start(rank, world, launched, argv, timeout_s)
     except RankFailed as exc:
-        print(f"batchc: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        print(_said_by(rank, exc), file=sys.stderr, flush=True)
         return 1
     t, d = shards(group, target, draft)
     models = {TARGET_POOL: t} | ({DRAFT_POOL: d} if d is not None else {})
     try:
         serve_worker(group, models)
     except RankFailed as exc:
-        print(f"batchc: rank {group.rank}: {exc}", file=sys.stderr, flush=True)
+        print(_said_by(group.rank, exc), file=sys.stderr, flush=True)
         os._exit(1)  # leave at once: the group's sockets close, and nothing waits on a broken group
     group.close()
     return 0
+
+
+def _said_by(rank: int, exc: RankFailed) -> str:
+    """A worker's one line: its own failure as is ("rank 1 failed: ..."), another's prefixed with
+    the speaker ("rank 1: rank 0 did not answer within 60 s")."""
+    return f"batchc: {exc}" if exc.rank == rank else f"batchc: rank {rank}: {exc}"
 
 
 __all__ = ["TPLeader", "check_splits", "placement", "shards", "start", "work"]

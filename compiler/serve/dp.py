@@ -11,7 +11,9 @@ Each replica is ``python -m compiler.serve.dp``: it reads its part of the worklo
 options as one JSON object on stdin, loads the models itself, serves its part with ``run`` (the
 lossless check included, on its own first requests) and writes the summary and its outputs as JSON
 on stdout. Requests travel as token ids and bytes, not pickles. The router starts every replica at
-once and reads them all; a replica that fails stops the others, and the run fails naming it.
+once and reads them all; a replica that fails stops the others, and the run fails naming it in the
+words of every mode ("replica 0 killed by signal 9", "replica 1 exited with status 1: <its last
+stderr line>"). Replicas are ``backend.children.spawn``'s children: they die with the router.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Final
 
 import attrs
 
+from backend import children
 from compiler.workload import Request, ServeConfig, ServeError
 from ir.ids import RequestId
 
@@ -64,6 +67,8 @@ class ReplicaResult:
     """The replica's ``ServeSummary.to_json()``."""
     outputs: dict[int, tuple[int, ...]]
     aborted: tuple[int, ...]
+    errored: tuple[int, ...] = ()
+    """Requests that ended at non-finite logits (``ServeSummary.errored``)."""
 
 
 class ReplicaFailed(RuntimeError):
@@ -93,8 +98,9 @@ def serve_replicas(
         for part in parts:
             spec = {"model": model, "draft": draft, "dtype": dtype, "cfg": attrs.asdict(cfg), "threads": threads,
                     "requests": [_request_json(r) for r in part]}
-            proc = subprocess.Popen([sys.executable, "-m", "compiler.serve.dp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE)
+            # (spawned here, on this thread: the replica dies with it, whatever ends this process)
+            proc = children.spawn([sys.executable, "-m", "compiler.serve.dp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
             procs.append(proc)
 
             def talk(i: int, p: subprocess.Popen[bytes], data: bytes) -> None:
@@ -110,9 +116,12 @@ def serve_replicas(
                 done.wait(timeout=0.5)
                 ready = [i for i, r in enumerate(results) if r is not None]
             for i in ready:
-                if procs[i].returncode not in (None, 0):
+                code = procs[i].returncode
+                if code not in (None, 0):
+                    assert code is not None
                     err = (results[i] or (b"", b""))[1].decode(errors="replace").strip().splitlines()
-                    raise ReplicaFailed(f"replica {i} failed (exit status {procs[i].returncode}): {err[-1] if err else 'no message'}")
+                    said = f": {err[-1].strip()}" if err and code > 0 else ""
+                    raise ReplicaFailed(f"replica {i} {children.ended(code)}{said}")
             if len(ready) != finished:
                 finished = len(ready)
                 if on_done is not None:
@@ -120,15 +129,16 @@ def serve_replicas(
         out: list[ReplicaResult] = []
         for i, r in enumerate(results):
             assert r is not None
-            d = json.loads(r[0])
+            try:
+                d = json.loads(r[0])
+            except ValueError:
+                raise ReplicaFailed(f"replica {i} exited with status 0 without writing its result") from None
             out.append(ReplicaResult(index=i, summary=d["summary"], outputs={int(k): tuple(v) for k, v in d["outputs"].items()},
-                                     aborted=tuple(d["aborted"])))
+                                     aborted=tuple(d["aborted"]), errored=tuple(d["errored"])))
         return out
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=30)
+            children.kill(p)
 
 
 def _replica_main() -> int:
@@ -148,7 +158,7 @@ def _replica_main() -> int:
     summary = run(workload, target.model, drafted.model if drafted is not None else None, cfg,
                   tokenizer=target.tokenizer if target.hf else None, eos=target.eos)
     sys.stdout.write(json.dumps({"summary": summary.to_json(), "outputs": {str(k): list(v) for k, v in summary.outputs.items()},
-                                 "aborted": list(summary.aborted)}, default=_plain))
+                                 "aborted": list(summary.aborted), "errored": list(summary.errored)}, default=_plain))
     return 0
 
 
@@ -169,6 +179,7 @@ def merged(results: Sequence[ReplicaResult], wall_s: float) -> dict[str, object]
         "tokens_per_s": tokens / serving if serving else 0.0, "slowest_replica_wall_s": serving, "router_wall_s": wall_s,
         "outstanding_tickets": sum(int(r.summary["outstanding_tickets"]) for r in results),
         "aborted_requests": sum(int(r.summary["aborted_requests"]) for r in results),
+        "errored_requests": sum(int(r.summary["errored_requests"]) for r in results),
         "lossless_ok": all(r.summary.get("lossless_ok") is not False for r in results),
         "prefix_cache_hit_tokens": sum(int(r.summary["prefix_cache_hit_tokens"]) for r in results),
         "replicas": [r.summary for r in results],

@@ -1,15 +1,17 @@
 """Overlap: the engine with each model's executor in its own process (``backend.remote``), fed
 packed plan messages. It serves token for token what the in-process engine serves; the
 scheduler's ledger refuses a replayed plan before a byte leaves the process; the executor process
-refuses a message out of order and a ticket whose serial the scheduler did not mint; faults in the
-executor process are retried or abort their requests exactly as in process; a dead executor process
-fails its forwards instead of hanging the engine."""
+refuses a malformed message (``WireError``: a refusal, not a fault), a message out of order and a
+ticket whose serial the scheduler did not mint; faults in the executor process are retried or
+abort their requests exactly as in process; a dead executor process fails its forwards instead of
+hanging the engine."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import struct
 from pathlib import Path
 
 import attrs
@@ -91,11 +93,23 @@ def test_the_scheduler_refuses_a_replayed_plan_before_sending_it() -> None:
         assert ex.execute(_prefill(ledger)) is not None  # type: ignore[arg-type]  # the next message still fits
 
 
-def test_the_executor_process_refuses_a_message_out_of_order_and_a_serial_it_does_not_trust() -> None:
+def _huge_integer_message(step: int) -> bytes:
+    """A plan message for ``step`` whose header is a 5,000-digit integer (``unpack`` raised ValueError)."""
+    header = b"[" + b"1" * 5000 + b"]"
+    header += b" " * (-(24 + len(header)) % 8)
+    return struct.pack("<4sHHQII", b"BCPL", 1, 0, step, len(header), 0) + header
+
+
+def test_the_executor_process_refuses_a_malformed_message_one_out_of_order_and_a_serial_it_does_not_trust() -> None:
     ledger = Ledger()
     with _process(ledger) as ex:
         plan = _prefill(ledger)
         ex.wait_ready()
+        ex._send(("plan", _huge_integer_message(0)))
+        p = Pending(0, None, None)
+        ex._pending.append(p)
+        with pytest.raises(ExecutorRefused, match=r"^WireError in the executor process: plan message: integer of 5000 characters"):
+            ex.wait(p)  # a refusal (never retried), not a ForwardFailed fault; and it did not count (step 0 is still expected)
         ex._send(("plan", pack(5, plan)))  # type: ignore[arg-type]  # a skipped message number
         p = Pending(5, None, None)
         ex._pending.append(p)

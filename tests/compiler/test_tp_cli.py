@@ -145,5 +145,5 @@ def test_a_killed_worker_fails_the_run_in_one_line(tmp_path: Path) -> None:
         watcher.join()
     assert killed, "the worker never appeared"
     assert proc.returncode == 1, err
-    assert err.splitlines()[-1] == "batchc: run failed: tensor-parallel rank 1 failed: its process was killed by signal 9", err
+    assert err.splitlines()[-1] == "batchc: run failed: rank 1 killed by signal 9", err
     assert not _alive(killed[0]) and not _children(proc.pid)

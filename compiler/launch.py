@@ -1,0 +1,36 @@
+"""The ``batchc`` console script's entry point: signals are handled from the first instruction.
+
+Importing the command line takes seconds (torch, the models). A SIGINT or SIGTERM in that window
+would otherwise end the process in Python's default way (a ``KeyboardInterrupt`` traceback, or a
+silent exit 143). Nothing has been started or written yet then (no child, no claimed path), so the
+early handler says so in one line and exits at once with 130 or 143; ``compiler.cli.main`` installs
+the real handlers (``backend.children.on_signals``) before it starts anything. This module imports
+only the standard library, so that it is loaded before the heavy imports begin.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+
+_phase = ["while starting; nothing started or written"]
+
+
+def _outside_the_command(signum: int, frame: FrameType | None) -> None:
+    print(f"batchc: interrupted by {signal.Signals(signum).name} {_phase[0]}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # nothing to unwind: no child, no output path claimed (or all of it done)
+
+
+def main() -> int:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _outside_the_command)
+    from compiler.cli import main as cli_main  # (the heavy import, under the early handler)
+
+    try:
+        return cli_main()
+    finally:
+        # (cli_main's own handlers are gone again: a signal now only cuts the interpreter's exit short)
+        _phase[0] = "while exiting, after the command ended"

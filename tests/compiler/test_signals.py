@@ -1,0 +1,153 @@
+"""SIGINT and SIGTERM end every command the same way: one stderr line saying what was interrupted
+and what was (not) written, exit status 130 or 143, no traceback, no process left; an output path
+already there stays as it was, and no temporary file is left next to it, even on SIGKILL (the
+claim is an unnamed file, linked into place only at the end)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from backend import children
+from compiler.cli import output
+from compiler.cli.output import OutputFile
+from tests.compiler.test_lifetimes import OLD, RUN, alive, descendants, kill_left, paused, wait_for
+
+
+def _claimed(tmp_path: Path, *, outputs: bool) -> tuple[list[str], list[Path]]:
+    paths = [tmp_path / "summary.json"] + ([tmp_path / "out.jsonl"] if outputs else [])
+    for p in paths:
+        p.write_text(OLD)
+    args = ["--json", str(paths[0])] + (["--outputs", str(paths[1])] if outputs else [])
+    return args, paths
+
+
+def _interrupt(tmp_path: Path, args: list[str], sig: signal.Signals) -> tuple[int, str, set[int]]:
+    """Run ``batchc ARGS`` to its third engine step, send ``sig``; its status, stderr and the
+    processes it had started."""
+    marker = tmp_path / "marker"
+    proc = paused("mid", marker, args)
+    seen: set[int] = set()
+    try:
+        wait_for(marker, proc)
+        seen = descendants(proc.pid)
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 2.0
+        while any(alive(p) for p in seen) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return proc.returncode, err, {p for p in seen if alive(p)}
+    finally:
+        kill_left(seen, proc)
+
+
+CASES = [
+    ("run", RUN, True, signal.SIGINT),
+    ("run", [*RUN, "--dp", "2"], True, signal.SIGINT),
+    # (--tp 2 and --overlap under SIGTERM: tests/compiler/test_lifetimes.py)
+    ("ab", ["ab", "--requests", "4", "--max-new-tokens", "8"], False, signal.SIGINT),
+    ("bench serve", ["bench", "serve", "--requests", "4", "--max-new-tokens", "8", "--repeats", "1"], False, signal.SIGTERM),
+]
+
+
+@pytest.mark.parametrize(("what", "args", "outputs", "sig"), CASES, ids=[" ".join(a[:1] + a[-2:]) + f" {s.name}" for _, a, _, s in CASES])
+def test_a_signal_ends_the_command_in_one_line(what: str, args: list[str], outputs: bool, sig: signal.Signals, tmp_path: Path) -> None:
+    claim, paths = _claimed(tmp_path, outputs=outputs)
+    code, err, left = _interrupt(tmp_path, [*args, *claim], sig)
+    said = ", ".join(f"{opt} {str(p)!r} not written" for opt, p in zip(("--json", "--outputs"), paths, strict=False))
+    assert err.splitlines() == [f"batchc: {what} interrupted by {sig.name}; {said}"], err
+    assert code == 128 + sig and "Traceback" not in err
+    assert not left, f"processes {left} outlived batchc"
+    assert [p.read_text() for p in paths] == [OLD] * len(paths)  # left as they were
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["marker", *(p.name for p in paths)])  # no temporary file
+
+
+def test_sigkill_leaves_the_outputs_as_they_were_and_no_temporary_file(tmp_path: Path) -> None:
+    claim, paths = _claimed(tmp_path, outputs=True)
+    code, _, left = _interrupt(tmp_path, [*RUN, *claim], signal.SIGKILL)
+    assert code == -signal.SIGKILL and not left
+    assert [p.read_text() for p in paths] == [OLD, OLD]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker", "out.jsonl", "summary.json"]
+
+
+# -- the claim itself, in process --------------------------------------------------------------
+
+
+def test_a_claimed_path_has_no_name_until_it_is_written(tmp_path: Path) -> None:
+    target = tmp_path / "run.json"
+    target.write_text(OLD)
+    target.chmod(0o640)
+    with OutputFile("--json", str(target)) as out:
+        assert sorted(os.listdir(tmp_path)) == ["run.json"]  # an unnamed file: nothing for SIGKILL to leave behind
+        assert target.read_text() == OLD
+        out.write("new")
+    assert target.read_text() == "new\n" and stat.S_IMODE(target.stat().st_mode) == 0o640 and out.written
+    fresh = tmp_path / "fresh.json"
+    with OutputFile("--json", str(fresh)) as out:
+        assert not fresh.exists()
+        out.write("{}")
+    assert fresh.read_text() == "{}\n" and sorted(os.listdir(tmp_path)) == ["fresh.json", "run.json"]
+
+
+def test_without_unnamed_files_the_named_claim_goes_on_an_interruption(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(OutputFile, "_unnamed", lambda self, parent: None)  # a filesystem without O_TMPFILE
+    target = tmp_path / "run.json"
+    target.write_text(OLD)
+    with pytest.raises(children.Interrupted):
+        with OutputFile("--json", str(target)):
+            assert len(os.listdir(tmp_path)) == 2  # .run.json.<hex>.tmp
+            raise children.Interrupted(signal.SIGTERM)
+    assert os.listdir(tmp_path) == ["run.json"] and target.read_text() == OLD
+    with OutputFile("--json", str(target)) as out:
+        out.write("new")
+    assert os.listdir(tmp_path) == ["run.json"] and target.read_text() == "new\n"
+
+
+def test_a_signal_while_the_file_is_put_in_place_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(children, "kill_all", lambda: None)  # (this test process's other children are not this test's)
+    target = tmp_path / "run.json"
+    target.write_text(OLD)
+    output.claimed.clear()
+    with children.on_signals():
+        with pytest.raises(children.Interrupted):
+            with OutputFile("--json", str(target)) as out:
+                real = out._put_in_place
+
+                def put(fd: int) -> None:
+                    os.kill(os.getpid(), signal.SIGTERM)  # arrives between the two steps of the placement
+                    real(fd)
+
+                out._put_in_place = put  # type: ignore[method-assign]  # the test's wrapper
+                out.write("new")
+        assert children.interrupted() == signal.SIGTERM
+    assert target.read_text() == "new\n" and output.claimed == [out] and out.written
+    assert os.listdir(tmp_path) == ["run.json"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_while_the_command_line_is_still_importing_ends_it_in_one_line(sig: signal.Signals, tmp_path: Path) -> None:
+    """The console script's entry (``compiler.launch``) handles signals before importing torch and
+    the models (seconds): a Ctrl-C then is one line and 130, not a ``KeyboardInterrupt`` traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "summary.json"
+    out.write_text(OLD)
+    entry = "import sys; from compiler.launch import main; sys.argv[0] = 'batchc'; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", entry, "run", "--json", str(out)], stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.3)  # importing the command line takes seconds: the signal lands while it runs
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig
+    assert err == f"batchc: interrupted by {sig.name} while starting; nothing started or written\n"
+    assert out.read_text() == OLD and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]

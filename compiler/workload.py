@@ -3,7 +3,8 @@ prefixes that many requests share (so their prefix state is cached and copied), 
 that make up the request bodies; and the limits and defaults of ``batchc run``'s and ``batchc bench
 serve``'s workloads and options (here, so that the command line can state them in ``--help``
 without importing the serving stack), with the options record (``ServeConfig``, whose defaults are
-the command line's), the request record and the errors of a run."""
+the command line's), the request record, the context rule (``context_overflow``, ``Engine.admit``'s:
+a request that breaks it is refused on its own, ``Request.refused``) and the errors of a run."""
 
 from __future__ import annotations
 
@@ -37,13 +38,25 @@ BENCH_SERVE_NEW_TOKENS = 24
 """``batchc bench serve``'s default built-in workload: requests, and most new tokens per request."""
 BENCH_SERVE_REPEATS = 3
 """``batchc bench serve``'s default interleaved repeats, as many as keep the default bench short on
-a 2-core CPU (measured: README)."""
+a 2-core CPU (measured: docs/measurements/index.md)."""
 SWEEP_RUNNING = (8, 32, 128, 256)
 """``batchc bench serve --sweep``'s default running batches."""
 SWEEP_NEW_TOKENS = 8
 """New tokens per request in ``batchc bench serve --sweep``."""
 MAX_THREADS = 1024
 """Most torch intra-op threads a run or benchmark may ask for (``ServeConfig.threads``)."""
+MAX_CONTEXT = 1 << 20
+"""Longest context (``--max-len``, ``ServeConfig.max_len``): the engine's own bound,
+``compiler.engine.admission.MAX_LEN``, stated here so that the command line need not import it."""
+DEFAULT_CONTEXT = 512
+"""Context length of the bundled models and batchc checkpoints, which record none (a Hugging Face
+checkpoint's default is its ``max_position_embeddings``)."""
+MAX_SEED = 2**63 - 1
+"""Largest seed (``--seed``): torch's generators take 64-bit seeds; seeds are 0 to this."""
+MAX_RUNNING = 1 << 16
+"""Most live requests (``--max-running``) and prefix-cache entries (``--cache-entries``) the command
+line takes: far past what the memory bound admits on any model, and their sum plus 2 (an engine's
+slots) stays under the engine's bound of 2**20."""
 
 
 SYSTEM_PREFIXES: tuple[bytes, ...] = (
@@ -88,11 +101,29 @@ class Request:
     stop: int | None = None
     """A token id that ends the request (besides the model's end-of-sequence ids)."""
     ids: tuple[int, ...] | None = None
+    refused: str | None = None
+    """Why the request is not served (its prompt and new tokens do not fit the context), naming its
+    file and line; ``None`` for a request to serve. Refused requests are never admitted: a run
+    serves the others and reports these with their reason."""
 
     @property
     def token_ids(self) -> Sequence[int]:
         """The prompt as the model sees it."""
         return self.prompt if self.ids is None else self.ids
+
+
+def context_overflow(n: int, unit: str, new: int, *, max_len: int, k: int) -> str | None:
+    """Why a prompt of ``n`` ``unit`` (``"bytes"`` or ``"tokens"``) and ``new`` new tokens does not
+    fit a context of ``max_len`` positions at ``k`` draft tokens per step, or ``None`` when it fits.
+    The rule is ``Engine.admit``'s: prompt + new tokens + k + 1 <= ``max_len`` (a decode or verify
+    step writes k + 1 positions). Positions reserved for speculation are named only when k > 0."""
+    if n + new + k + 1 <= max_len:
+        return None
+    held = "a decode step holds 1 more"
+    if k:
+        held += f" and {k} {'position is' if k == 1 else 'positions are'} reserved for speculation"
+    return (f"prompt of {n} {unit} + {new} new tokens exceeds the context limit {max_len} (prompt and new tokens may fill "
+            f"{max_len - k - 1} of its positions; {held})")
 
 
 LONGEST_BUILTIN_PROMPT = max(len(p) for p in SYSTEM_PREFIXES) + MAX_BODY_SNIPPETS * max(len(s) for s in SNIPPETS)
@@ -109,18 +140,19 @@ class ServeConfig:
     token_budget: int = 256
     cache_entries: int = 8
     cache_block: int = 16
-    max_len: int = 512
+    max_len: int = DEFAULT_CONTEXT
+    """Context length: prompt, new tokens and the k + 1 positions of a decode or verify step."""
     lossless_sample: int = 4
     threads: int = 1
     """Torch intra-op threads (``torch.set_num_threads``) that ``batchc run`` and ``batchc bench``
     set before any work; process-wide, so the library's ``run`` leaves it alone. The default is
-    measured (README, "Threads"): on a CPU shared with other processes, two threads made runs many
+    measured (docs/measurements/index.md, "Threads"): on a CPU shared with other processes, two threads made runs many
     times slower whenever another process held a core (idle OpenMP workers spin-wait for it), and
     gained little when the CPU was quiet."""
 
     overlap: bool = False
     """Run each model's executor in its own process (``Engine(overlap=True)``). Off by default:
-    measured on a 2-core CPU it is no faster yet (README, "Overlap")."""
+    measured on a 2-core CPU it is no faster yet (docs/guides/overlap.md)."""
 
     def __attrs_post_init__(self) -> None:
         if type(self.overlap) is not bool:  # noqa: E721 - 0, 1 and 'no' are not switches
@@ -137,6 +169,8 @@ class ServeConfig:
             raise ServeError(f"k must be in [0, {MAX_K}], got {self.k}")
         if self.threads > MAX_THREADS:
             raise ServeError(f"threads must be in [1, {MAX_THREADS}], got {self.threads}")
+        if self.max_len > MAX_CONTEXT:
+            raise ServeError(f"max_len must be at most {MAX_CONTEXT}, got {self.max_len}")
         if self.max_len < self.k + 3:
             raise ServeError(f"max_len {self.max_len} leaves no room for a prompt and a new token next to k + 1 = {self.k + 1}")
 

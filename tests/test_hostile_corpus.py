@@ -77,7 +77,7 @@ from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import ToySpecModel, World, decode_batch, make_world, request, tiny_models
+from tests.helpers import ToySpecModel, World, decode_batch, make_world, proposed, request, tiny_models
 
 Ctx = dict[str, Any]
 
@@ -173,8 +173,14 @@ def _draft_batch(k: int = 2) -> DraftBatch:
     return prepare_for_draft(RUNNING, SpecContext(k=k, next_tokens=[3, 4], kv_locs=list(range(30, 30 + 2 * (k + 1)))))
 
 
+def _verify_of(d: DraftBatch, tokens: Any) -> VerifyBatch:
+    """A verify of ``tokens`` as if ``d``'s draft executor had proposed them."""
+    return prepare_for_verify(d, proposed(d, tokens))
+
+
 def _verify_batch(k: int = 2) -> VerifyBatch:
-    return prepare_for_verify(_draft_batch(k), np.array([5, 6] * 2, dtype=np.int64)[: 2 * k])
+    d = _draft_batch(k)
+    return prepare_for_verify(d, proposed(d, np.array([5, 6] * 2, dtype=np.int64)[: 2 * k]))
 
 
 def _commit_batch(accepted: list[int]) -> CommitBatch:
@@ -206,21 +212,29 @@ SPEC_CASES = [
     ),
     Case(
         "verify-wrong-token-count",
-        _build(lambda: prepare_for_verify(_draft_batch(), np.array([5, 6, 7], dtype=np.int64))),
+        _build(lambda: _verify_of(_draft_batch(), [5, 6])),
         PreconditionError,
-        r"prepare_for_verify: expected 4 int64 draft tokens \(2 rows x k=2\), got int64 \(3,\)",
+        r"prepare_for_verify: the proposals of draft #\d+ hold 2 tokens with k=2; the draft has 2 rows x k=2",
     ),
     Case(
         "verify-negative-token",
-        _build(lambda: prepare_for_verify(_draft_batch(), np.array([5, -3, 6, 7], dtype=np.int64))),
-        PreconditionError,
-        r"prepare_for_verify: negative draft token -3",
+        _build(lambda: _verify_of(_draft_batch(), np.array([5, -3, 6, 7], dtype=np.int64))),
+        IRValidationError,
+        r"Proposals\.tokens: every value must be >= 0 \(got -3\)",
+        field="tokens",
     ),
     Case(
-        "verify-int32-tokens",
-        _build(lambda: prepare_for_verify(_draft_batch(), np.array([5, 6, 6, 7], dtype=np.int32))),
+        "verify-float-tokens",
+        _build(lambda: _verify_of(_draft_batch(), np.array([5, 6, 6, 7.5]))),
+        IRValidationError,
+        r"Proposals\.tokens: must be a 1-D sequence of ints, got dtype float64",
+        field="tokens",
+    ),
+    Case(
+        "verify-proposals-of-another-draft",
+        _build(lambda: prepare_for_verify(_draft_batch(), proposed(_draft_batch(), [5, 6, 6, 7]))),
         PreconditionError,
-        r"expected 4 int64 draft tokens .* got int32",
+        r"prepare_for_verify: the proposals of draft #(\d+) cannot be verified against draft #(?!\1)\d+",
     ),
     Case(
         "accept-wrong-shape",
@@ -250,7 +264,7 @@ SPEC_CASES = [
         "commit-batch-accept-pos-past-k",
         _build(
             lambda: CommitBatch(
-                k=2, verify_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[3],
+                k=2, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[3],
                 input_ids=[3, 5, 6], kv_locs=[30, 31, 32], released_kv=[],
             )
         ),
@@ -262,7 +276,7 @@ SPEC_CASES = [
         "commit-batch-released-count",
         _build(
             lambda: CommitBatch(
-                k=2, verify_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[0],
+                k=2, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[0],
                 input_ids=[3, 5, 6], kv_locs=[30, 31, 32], released_kv=[32],
             )
         ),
@@ -274,7 +288,7 @@ SPEC_CASES = [
         "commit-released-outside-window",
         lambda w, ctx: verify(
             CommitBatch(
-                k=2, verify_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[1],
+                k=2, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[1],
                 input_ids=[3, 5, 6], kv_locs=[30, 31, 32], released_kv=[44],
             )
         ),
@@ -283,7 +297,7 @@ SPEC_CASES = [
     ),
     Case(
         "verify-batch-k-zero",
-        _build(lambda: VerifyBatch(k=0, verify_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30])),
+        _build(lambda: VerifyBatch(k=0, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30])),
         IRValidationError,
         r"VerifyBatch\.k: speculative steps must be >= 1",
         field="k",
@@ -291,7 +305,7 @@ SPEC_CASES = [
     Case(
         "verify-batch-dup-slots",
         lambda w, ctx: verify(
-            VerifyBatch(k=1, verify_id=mint_serial(), rids=[1, 2], slots=[3, 3], seq_lens=[5, 5], input_ids=[3, 4, 5, 6], kv_locs=[30, 31, 32, 33])
+            VerifyBatch(k=1, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1, 2], slots=[3, 3], seq_lens=[5, 5], input_ids=[3, 4, 5, 6], kv_locs=[30, 31, 32, 33])
         ),
         IRVerificationError,
         r"VerifyBatch\.slots\[1\]: slot 3 already used at index 0",
@@ -340,7 +354,7 @@ def _spec_window(slots: list[int]) -> Callable[[World], Ctx]:
         n = len(slots)
         running = decode_batch(list(range(1, n + 1)), slots, [4] * n, list(range(20, 20 + n)))
         draft = prepare_for_draft(running, SpecContext(k=2, next_tokens=[3] * n, kv_locs=list(range(30, 30 + 3 * n))))
-        v = prepare_for_verify(draft, np.full(2 * n, 7, dtype=np.int64))
+        v = prepare_for_verify(draft, proposed(draft, np.full(2 * n, 7, dtype=np.int64)))
         c = commit(v, AcceptResult(accepted=[2] * n, bonus=[7] * n))
         return {
             "draft": _lowered(draft), "verify": _lowered(v), "commit": _lowered(c),
@@ -613,6 +627,8 @@ def _load_and_admit(w: DriverWorld, ctx: Ctx) -> object:
     """What ``batchc run`` does with a workload: load it, then admit every request."""
     drv = w.driver
     for r in load_workload(ctx["path"], max_len=drv.max_len):
+        if r.refused is not None:  # batchc run never admits it: that request alone is refused, with this reason
+            raise WorkloadError(r.refused)
         drv.admit(RequestId(100 + int(r.rid)), list(r.prompt), max_new_tokens=r.max_new_tokens, stop=r.stop)
     return None
 

@@ -4,9 +4,11 @@ line prints one line on stderr and exits with status 2."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Callable
 from typing import NoReturn
+
+import attrs
 
 from compiler.serve.dp import ROUTINGS
 from compiler.workload import (
@@ -16,8 +18,12 @@ from compiler.workload import (
     BENCH_SERVE_REQUESTS,
     BURST_EVERY,
     BURST_SIZE,
+    DEFAULT_CONTEXT,
+    MAX_CONTEXT,
     MAX_K,
     MAX_REQUESTS,
+    MAX_RUNNING,
+    MAX_SEED,
     MAX_SERVE_BYTES,
     MAX_THREADS,
     MAX_WORKLOAD_BYTES,
@@ -42,6 +48,11 @@ MAX_TP = 64
 MAX_TP_TIMEOUT = 3600
 MAX_DP = 64
 """Most data-parallel replicas ``batchc run --dp`` takes."""
+AB_CONTEXT = 512
+"""Context length of ``batchc ab``'s engines (``Engine``'s default ``max_len``)."""
+MAX_AB_RUNNING = 14
+"""Most live requests of ``batchc ab``: its engines' 16 slots (``Engine``'s default capacity) less
+the two shared system prefixes' states."""
 
 
 class UsageError(BatchcError):
@@ -73,26 +84,52 @@ def _parse_int(text: str, want: str) -> int:
         raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text)}") from None
 
 
-def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
-    below = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, f"an integer >= {lo}")
+def _shown_int(value: int) -> str:
+    """``value`` as the user may read it back: a long one cut, with its length."""
+    text = str(value)
+    digits = len(text.lstrip("-"))
+    return text if digits <= 24 else f"{text[:13]}... ({digits} digits)"
 
-    def parse(text: str) -> int:
+
+@attrs.frozen
+class IntIn:
+    """An argparse type: an integer in ``[lo, hi]``. Every integer option has one (a test walks the
+    parsers), so no value past its bound reaches torch, numpy or an allocator; argparse prefixes its
+    refusal with the option's name."""
+
+    lo: int
+    hi: int
+
+    def __call__(self, text: str) -> int:
+        below = {0: "a non-negative integer", 1: "a positive integer"}.get(self.lo, f"an integer >= {self.lo}")
         value = _parse_int(text, below)
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"expected {below}, got {value}")
-        if hi is not None and value > hi:
-            raise argparse.ArgumentTypeError(f"expected at most {hi}, got {value}")
+        if value < self.lo:
+            raise argparse.ArgumentTypeError(f"expected {below}, got {_shown_int(value)}")
+        if value > self.hi:
+            raise argparse.ArgumentTypeError(f"expected at most {self.hi}, got {_shown_int(value)}")
         return value
 
-    return parse
+
+def _int_in(lo: int, hi: int) -> IntIn:
+    return IntIn(lo, hi)
 
 
-_positive = _int_in(1)
+@attrs.frozen
+class FloatIn:
+    """An argparse type: a finite number in ``[lo, hi)`` (NaN and infinities refused)."""
 
+    lo: float
+    hi: float
 
-def _int(text: str) -> int:
-    return _parse_int(text, "an integer")
+    def __call__(self, text: str) -> float:
+        want = f"a finite number in [{self.lo:g}, {self.hi:g})"
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text)}") from None
+        if not (math.isfinite(value) and self.lo <= value < self.hi):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text) if len(text) > 24 else text}")
+        return value
 
 
 def _device(text: str) -> str:
@@ -125,7 +162,7 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
         help=f"torch intra-op threads, set before any work, at most {MAX_THREADS} (default {_SERVE.threads}: measured on "
         "a 2-core CPU shared with other processes, two threads made runs many times slower whenever another "
         "process held a core, their idle workers spinning for it, and gained little when the CPU was quiet; "
-        "figures in the README, 'Threads')",
+        "figures in the docs, measurements/index.md, 'Threads')",
     )
 
 
@@ -141,10 +178,10 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="serve a workload (default: the built-in one on the bundled trained models)",
         description=f"Serve a workload. Bounds: --k in [0, {MAX_K}]; --requests and --lossless-sample at most "
-        f"{MAX_REQUESTS}; --max-new-tokens (built-in workload) at most the context limit {_SERVE.max_len} minus its longest "
-        f"prompt minus k + 1; a workload file is a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB; the "
+        f"{MAX_REQUESTS}; --max-new-tokens (built-in workload) at most the context length (--max-len) minus its longest "
+        f"prompt minus k + 1; --seed 0 to {MAX_SEED}; a workload file is a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB; the "
         f"estimated memory of the run (state pools, KV caches, working memory, the Mamba chunk scan; grows with "
-        f"--max-running, --cache-entries, --k, --chunk-size, --token-budget and the models' sizes) at most "
+        f"--max-running, --cache-entries, --k, --chunk-size, --token-budget, --max-len and the models' sizes) at most "
         f"{MAX_SERVE_BYTES >> 30} GiB; --draft only with k > 0; an empty PATH is refused.",
     )
     run.add_argument("--model", metavar="PATH", type=_path_arg,
@@ -162,18 +199,23 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--workload", metavar="PATH", type=_path_arg,
                      help=f"JSONL workload file, a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB (default: the built-in workload)")
     run.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=64, help=f"built-in workload size, at most {MAX_REQUESTS} (default 64)")
-    run.add_argument("--max-new-tokens", type=_positive, default=32,
-                     help=f"built-in workload: max tokens per request, at most {_SERVE.max_len} - longest built-in prompt - (k + 1) (default 32)")
+    run.add_argument("--max-new-tokens", type=_int_in(1, MAX_CONTEXT), default=32,
+                     help="built-in workload: max tokens per request, at most --max-len - longest built-in prompt - (k + 1) (default 32)")
+    run.add_argument("--max-len", type=_int_in(3, MAX_CONTEXT), default=None,
+                     help=f"context length in tokens: prompt, new tokens and the k + 1 positions of a step, at most {MAX_CONTEXT} "
+                     "and at most a Hugging Face model's max_position_embeddings (default: that of a Hugging Face --model, or of "
+                     f"its --draft if smaller; {DEFAULT_CONTEXT} for batchc models; bounded by the memory estimate); a workload "
+                     "request that does not fit is refused on its own (finish_reason refused in --outputs) and the others are served")
     run.add_argument("--k", type=_int_in(0, MAX_K), default=None,
                      help=f"draft tokens per speculative iteration, 0 to {MAX_K}; 0 turns it off (default {_SERVE.k} on "
                      "batchc checkpoints; on a Hugging Face --model, 0 without --draft and 2 with one)")
-    run.add_argument("--max-running", type=_positive, default=_SERVE.max_running,
+    run.add_argument("--max-running", type=_int_in(1, MAX_RUNNING), default=_SERVE.max_running,
                      help=f"requests live at once (default {_SERVE.max_running}; bounded by the memory estimate)")
-    run.add_argument("--chunk-size", type=_positive, default=_SERVE.chunk_size, help=f"prefill chunk size in tokens (default {_SERVE.chunk_size})")
-    run.add_argument("--token-budget", type=_positive, default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
-    run.add_argument("--cache-entries", type=_positive, default=_SERVE.cache_entries,
+    run.add_argument("--chunk-size", type=_int_in(1, MAX_CONTEXT), default=_SERVE.chunk_size, help=f"prefill chunk size in tokens (default {_SERVE.chunk_size})")
+    run.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
+    run.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries,
                      help=f"prefix-cache entries (default {_SERVE.cache_entries}; bounded by the memory estimate)")
-    run.add_argument("--seed", type=_int, default=0, help="built-in workload seed (default 0)")
+    run.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help=f"built-in workload seed, 0 to {MAX_SEED} (default 0)")
     run.add_argument("--arrivals", choices=ARRIVALS, default="bursts",
                      help=f"built-in workload: {BURST_SIZE} requests every {BURST_EVERY} steps, or one at a time 0-2 steps apart (default bursts)")
     run.add_argument("--lossless-sample", type=_int_in(0, MAX_REQUESTS), default=_SERVE.lossless_sample,
@@ -182,17 +224,17 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--overlap", action="store_true",
                      help="run each model's executor in its own process, fed packed plans, so the target's and the draft's "
                      "prefills and commits run at the same time as each other and as host work (default off: on a 2-core CPU "
-                     "it is not faster yet; README, \"Overlap\")")
+                     "it is not faster yet; docs/guides/overlap.md)")
     run.add_argument("--json", metavar="PATH", type=_path_arg,
                      help="also write the summary as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                      "replaced when the run ends ('-' for stdout)")
     run.add_argument("--tp", type=_int_in(1, MAX_TP), default=None,
                      help=f"tensor-parallel ranks, at most {MAX_TP}: this process is rank 0 and starts the others on this "
                      "machine; under torchrun, each process is one rank and --tp, if given, must equal WORLD_SIZE "
-                     "(default 1, or WORLD_SIZE under torchrun); it must divide the models' heads (README, \"Distributed serving\")")
+                     "(default 1, or WORLD_SIZE under torchrun); it must divide the models' heads (docs/guides/parallelism.md)")
     run.add_argument("--dp", type=_int_in(1, MAX_DP), default=1,
                      help=f"data-parallel replicas of the engine, at most {MAX_DP}: each in its own process with its own models, "
-                     "prefix cache and ledger, fed by a prefix-aware router (default 1; README, \"Distributed serving\")")
+                     "prefix cache and ledger, fed by a prefix-aware router (default 1; docs/guides/parallelism.md)")
     run.add_argument("--dp-routing", choices=ROUTINGS, default=None,
                      help="with --dp: a request goes to the replica holding its first prefix-cache block (prefix, the default) "
                      "or the requests are dealt out in turn (round-robin, for comparison)")
@@ -204,17 +246,21 @@ def parser() -> argparse.ArgumentParser:
     ab = sub.add_parser("ab", help="the stale-init bug side by side: compiled pipeline vs. mutable baseline")
     ab.add_argument("--k", type=_int_in(1, MAX_K), default=2, help=f"draft tokens per iteration, at most {MAX_K} (default 2)")
     ab.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=12, help=f"requests, at most {MAX_REQUESTS} (default 12)")
-    ab.add_argument("--max-new-tokens", type=_positive, default=24, help="tokens per request (default 24)")
-    ab.add_argument("--max-running", type=_positive, default=4, help="requests live at once (default 4)")
-    ab.add_argument("--draft-noise", type=float, default=None, help="relative weight noise of the draft (default 0.05)")
-    ab.add_argument("--seed", type=_int, default=0, help="weights and workload seed (default 0)")
+    ab.add_argument("--max-new-tokens", type=_int_in(1, AB_CONTEXT), default=24,
+                    help=f"tokens per request, at most the context {AB_CONTEXT} minus the longest prompt minus k + 1, and all the "
+                    "running requests' contexts within the engines' KV cache (default 24)")
+    ab.add_argument("--max-running", type=_int_in(1, MAX_AB_RUNNING), default=4,
+                    help=f"requests live at once, at most {MAX_AB_RUNNING} (default 4)")
+    ab.add_argument("--draft-noise", type=FloatIn(0.0, 10.0), default=None,
+                    help="relative weight noise of the draft, a finite number in [0, 10) (default 0.05)")
+    ab.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help=f"weights and workload seed, 0 to {MAX_SEED} (default 0)")
     ab.add_argument("--json", metavar="PATH", type=_path_arg,
                     help="also write the figures as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                     "replaced when the run ends ('-' for stdout)")
     _add_threads(ab)
 
     dump = sub.add_parser("dump", help="print the IR after every pass of the built-in scenario")
-    dump.add_argument("--verify", type=int, choices=(0, 1, 2), default=2, help="verify level while dumping (default 2)")
+    dump.add_argument("--verify", type=_int_in(0, 2), default=2, help="verify level while dumping, 0, 1 or 2 (default 2)")
     dump.add_argument("--spec", action="store_true", help="the speculative-decoding scenario (tiny hybrid model, k=2)")
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -232,7 +278,7 @@ def parser() -> argparse.ArgumentParser:
     )
     bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=None,
                     help=f"built-in workload size, at most {MAX_REQUESTS} (default {BENCH_SERVE_REQUESTS}; not with --sweep)")
-    bs.add_argument("--max-new-tokens", type=_positive, default=None,
+    bs.add_argument("--max-new-tokens", type=_int_in(1, MAX_CONTEXT), default=None,
                     help=f"built-in workload: max tokens per request (default {BENCH_SERVE_NEW_TOKENS}; not with --sweep)")
     bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")

@@ -31,9 +31,40 @@ def _same_file(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _context(given: int | None, k: int, models: list[Served]) -> int:
+    """The run's context length: ``--max-len``, at most every Hugging Face model's
+    ``max_position_embeddings`` (positions past those the model was made for are refused, not
+    served); by default the smallest of those, or ``DEFAULT_CONTEXT`` for batchc models."""
+    from compiler.workload import DEFAULT_CONTEXT, MAX_CONTEXT
+
+    limits = [(m.name, m.max_positions) for m in models if m.max_positions is not None]
+    for name, limit in limits:
+        if given is not None and given > limit:
+            raise UsageError(f"--max-len {given} is over the max_position_embeddings {limit} of {name}")
+    if given is not None:
+        length = given
+    else:
+        length = min(min(limit for _, limit in limits), MAX_CONTEXT) if limits else DEFAULT_CONTEXT
+    if length < k + 3:
+        what = f"--max-len {length}" if given is not None else f"the context length {length} (max_position_embeddings)"
+        raise UsageError(f"{what} leaves no room for a prompt token and a new token next to the k + 1 = {k + 1} positions of a step")
+    return length
+
+
+def _refusals(workload: list[Request]) -> str | None:
+    """What the requests refused on their own come to (``Request.refused``), or ``None``."""
+    refused = [r.refused for r in workload if r.refused is not None]
+    if not refused:
+        return None
+    others = "nothing was served" if len(refused) == len(workload) else "the others were served"
+    return f"{len(refused)} of {len(workload)} request{'s' if len(workload) > 1 else ''} refused ({others}), first: {refused[0]}"
+
+
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
+    from backend import children
+    from backend.remote import ExecutorGone
     from backend.tp.group import RankFailed
     from compiler.serve import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, distributed, load_workload
     from compiler.serve.load import tokenize_workload
@@ -54,19 +85,26 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--k {k} with a Hugging Face --model needs --draft DIR (a smaller model with the same vocabulary)")
     if target.hf and args.compare_mutable:
         raise UsageError("--compare-mutable serves the bundled byte-level models only (the baseline has no tokenizer)")
-    cfg = ServeConfig(
-        k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
-        cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
-    )
-    if args.workload is None and args.max_new_tokens > cfg.builtin_max_new_tokens:
-        raise UsageError(
-            f"--max-new-tokens {args.max_new_tokens} is over {cfg.builtin_max_new_tokens}: the context limit {cfg.max_len} minus "
-            f"the longest built-in prompt ({LONGEST_BUILTIN_PROMPT} bytes) minus k + 1 = {cfg.reserve}"
-        )
     drafted = None if k == 0 else load_served(args.draft, role="draft", dtype=dtype, bundled="draft")
     if drafted is not None:
         check_same_vocabulary(target, drafted)
     draft = drafted.model if drafted is not None else None
+    cfg = ServeConfig(
+        k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
+        cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
+        max_len=_context(args.max_len, k, [target] + ([drafted] if drafted is not None else [])),
+    )
+    if args.workload is None and args.max_new_tokens > cfg.builtin_max_new_tokens:
+        if cfg.builtin_max_new_tokens < 1:
+            raise UsageError(
+                f"the context length {cfg.max_len} (--max-len) has no room for the built-in workload: its longest prompt "
+                f"({LONGEST_BUILTIN_PROMPT} bytes) + 1 new token + k + 1 = {cfg.reserve} need {LONGEST_BUILTIN_PROMPT + 1 + cfg.reserve}; "
+                "give a longer --max-len or a --workload FILE"
+            )
+        raise UsageError(
+            f"--max-new-tokens {args.max_new_tokens} is over {cfg.builtin_max_new_tokens}: the context limit {cfg.max_len} minus "
+            f"the longest built-in prompt ({LONGEST_BUILTIN_PROMPT} bytes) minus k + 1 = {cfg.reserve}"
+        )
     rank, world, launched = distributed.placement(args.tp)
     if world == 1 and args.tp_timeout is not None:
         raise UsageError(f"--tp-timeout {args.tp_timeout} without --tp: a run on one process has no group to time out")
@@ -108,7 +146,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, tp_timeout))
             target_model, draft = distributed.shards(leader.group, target_model, draft)
         return _serve_and_report(args, console, workload, target, target_model, draft, cfg, k, tokenizer, leader)
-    except RankFailed as exc:
+    except (RankFailed, ExecutorGone) as exc:  # a rank, or an executor process before the engine could serve
+        children.raise_if_interrupted()  # (killed by this process's own interruption: not the run's failure)
         print(f"batchc: run failed: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -121,19 +160,23 @@ def _serve_replicas(
     routing: str,
 ) -> int:
     """``--dp N``: route the workload, serve each part on its own replica process, report."""
+    from backend import children
     from compiler.serve.dp import ReplicaFailed, merged, route, timed_serve
     from compiler.serve.models import output_lines
 
-    parts = [p for p in route(workload, args.dp, block=cfg.cache_block, routing=routing) if p]
+    served = [r for r in workload if r.refused is None]
+    parts = [p for p in route(served, args.dp, block=cfg.cache_block, routing=routing) if p] or [[]]
     with OutputFile("--json", args.json) as output, OutputFile("--outputs", args.outputs) as outputs_file:
         with console.status(f"{len(parts)} replicas serving") as status:
             try:
                 results, wall = timed_serve(parts, model=args.model, draft=args.draft if cfg.k else None, dtype=args.dtype, cfg=cfg,
                                             threads=args.threads, on_done=lambda n: status.update(f"{n}/{len(parts)} replicas done"))
             except ReplicaFailed as exc:
+                children.raise_if_interrupted()  # (a replica this process's interruption killed)
                 print(f"batchc: run failed: {exc}", file=sys.stderr)
                 return 1
         total = merged(results, wall)
+        total["requests"], total["refused_requests"] = len(workload), len(workload) - len(served)  # the replicas saw the served ones
         table = Table(title=f"batchc run --dp {args.dp}: {len(workload)} requests, k={cfg.k}, {target.name}, {routing} routing")
         for h in ("replica", "requests", "tokens", "steps", "wall s", "tokens/s", "prefix hit tokens", "tickets outstanding", "lossless"):
             table.add_column(h, justify="right")
@@ -151,18 +194,32 @@ def _serve_replicas(
         if args.outputs is not None:
             outputs = {rid: out for r in results for rid, out in r.outputs.items()}
             aborted = {rid for r in results for rid in r.aborted}
-            lines = output_lines(workload, outputs, aborted, target.tokenizer, target.eos)
+            errored = {rid for r in results for rid in r.errored}
+            lines = output_lines(workload, outputs, aborted, target.tokenizer, target.eos, errored)
             outputs_file.write("\n".join(json.dumps(line, ensure_ascii=False) for line in lines))
     failures = []
     if total["aborted_requests"]:
         failures.append(f"{total['aborted_requests']} requests aborted by failed forwards")
+    if total["errored_requests"]:
+        n = total["errored_requests"]
+        failures.append(f"{n} request{'s' if n != 1 else ''} ended in error: the model's logits for the next token were not finite")
     if total["outstanding_tickets"]:
         failures.append(f"{total['outstanding_tickets']} tickets never consumed")
     if not total["lossless_ok"]:
         failures.append("a replica's lossless check failed")
+    return _exit_status(failures, _refusals(workload))
+
+
+def _exit_status(failures: list[str], refusals: str | None) -> int:
+    """1 and one line when the run failed (requests refused said there too); else 2 and one line
+    when requests were refused on their own, as bad input is (the others were served and written);
+    else 0."""
     if failures:
-        print(f"batchc: run failed: {'; '.join(failures)}", file=sys.stderr)
+        print(f"batchc: run failed: {'; '.join(failures + ([refusals] if refusals else []))}", file=sys.stderr)
         return 1
+    if refusals is not None:
+        print(f"batchc: error: {refusals}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -172,6 +229,7 @@ def _serve_and_report(
 ) -> int:
     import attrs
 
+    from compiler.engine.nonfinite import ERROR_MESSAGE
     from compiler.serve import run
     from compiler.serve.models import output_lines
     from compiler.tools.timed import TimedModel
@@ -186,7 +244,7 @@ def _serve_and_report(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=console, transient=True,
         ) as progress:
-            task = progress.add_task("serving", total=len(workload))
+            task = progress.add_task("serving", total=sum(r.refused is None for r in workload))
             if comparing:
                 from compiler.tools.compare_mutable import warm_up
 
@@ -250,12 +308,16 @@ def _serve_and_report(
             console.print(f"r{sample.rid}: ...{sample.prompt!r} -> {sample.completion!r}", highlight=False)
         output.write(json.dumps(summary.to_json(), indent=2))
         if args.outputs is not None:
-            lines = output_lines(workload, summary.outputs, set(summary.aborted), target.tokenizer, target.eos)
+            lines = output_lines(workload, summary.outputs, set(summary.aborted), target.tokenizer, target.eos, set(summary.errored))
             outputs_file.write("\n".join(json.dumps(line, ensure_ascii=False) for line in lines))
     failures = []
     if summary.aborted_requests:
         failures.append(f"{summary.aborted_requests} requests aborted by {summary.failed_forwards} failed forwards, "
                         f"first: {summary.first_failure}")
+    if summary.errored_requests:
+        first = min(summary.errored)
+        n = summary.errored_requests
+        failures.append(f"{n} request{'s' if n != 1 else ''} ended in error (first: request {first}): {ERROR_MESSAGE}")
     if summary.outstanding_tickets:
         failures.append(f"{summary.outstanding_tickets} tickets never consumed")
     if summary.lossless_ok is False:
@@ -264,9 +326,6 @@ def _serve_and_report(
         failures.append("the tensor-parallel ranks' ledgers differ or are not drained")
     if summary.tp_lossless_ledgers_ok is False:
         failures.append("the tensor-parallel ranks' ledgers differ or are not drained after the lossless check")
-    if failures:
-        print(f"batchc: run failed: {'; '.join(failures)}", file=sys.stderr)
-        return 1
-    return 0
+    return _exit_status(failures, _refusals(workload))
 
 

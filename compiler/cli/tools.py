@@ -15,7 +15,6 @@ from rich.table import Table
 from compiler.cli.args import UsageError
 from compiler.cli.output import OutputFile, check_output
 from compiler.manager import PassManager
-from ir.errors import BatchcError
 
 if TYPE_CHECKING:  # the tools are imported by the commands that run them
     from compiler.tools.ab import AbReport
@@ -51,11 +50,12 @@ def _print_ab(args: argparse.Namespace, noise: float, result: AbReport, console:
 
 
 def cmd_ab(args: argparse.Namespace, console: Console) -> int:
-    from compiler.tools.ab import DRAFT_NOISE, run_ab
+    from compiler.tools.ab import DRAFT_NOISE, ab_problem, run_ab
 
-    noise = DRAFT_NOISE if args.draft_noise is None else args.draft_noise
-    if not 0.0 <= noise < 10.0:
-        raise BatchcError(f"--draft-noise must be in [0, 10), got {noise}")
+    noise = DRAFT_NOISE if args.draft_noise is None else args.draft_noise  # finite, in [0, 10): argparse checked it
+    problem = ab_problem(k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens, max_running=args.max_running, seed=args.seed)
+    if problem is not None:
+        raise UsageError(problem)
     with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run; written at its end
         with console.status("running plain greedy, compiled, mutable baseline (pre-fix and fixed), and the guarded baseline"):
             result = run_ab(
@@ -185,6 +185,7 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
               sweep: bool) -> int:
     import torch
 
+    from backend import children
     from backend.tp.group import RankFailed
     from compiler.serve import distributed
     from compiler.tools.bench_tp import run_tp_bench
@@ -204,6 +205,7 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
                 rows, alone_us, mean_bytes, problems = run_tp_bench(leader, (target, draft), (shards[0], shards[1]), cases,
                                                                     repeats=args.repeats, on_run=progress)
         except RankFailed as exc:
+            children.raise_if_interrupted()  # (a rank this process's interruption killed)
             print(f"batchc: bench failed: {exc}", file=sys.stderr)
             return 1
         finally:

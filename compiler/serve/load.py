@@ -30,6 +30,7 @@ from compiler.workload import (
     SYSTEM_PREFIXES,
     Request,
     WorkloadError,
+    context_overflow,
 )
 from ir.columns import int_problem
 from ir.errors import short_repr
@@ -134,9 +135,10 @@ def load_workload(
     raw U+2028 or U+0085 inside a JSON string is part of the string; blank lines are skipped.
 
     Request limits, the same as ``Engine.admit``'s so that nothing loaded is refused mid-run:
-    prompt bytes + ``max_new_tokens`` + ``reserve`` <= ``max_len`` (``reserve`` = k + 1 for
-    speculative decoding with k draft tokens; the default 8 covers k <= 7), every prompt byte and
-    the stop byte below ``vocab``.
+    every prompt byte and the stop byte below ``vocab``, else ``WorkloadError``; and prompt bytes +
+    ``max_new_tokens`` + ``reserve`` <= ``max_len`` (``reserve`` = k + 1 for speculative decoding
+    with k draft tokens; the default 8 covers k <= 7), else that request alone is refused: it is
+    returned with ``Request.refused`` saying why (file, line, sizes), never to be admitted.
 
     The arguments are checked first (``WorkloadError`` naming the argument and the value): ``path``
     a ``str`` or ``os.PathLike``; ``max_len``, ``reserve``, ``vocab`` and ``default_max_new_tokens``
@@ -197,7 +199,7 @@ def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, r
         raise WorkloadError(f"{where}: 'max_new_tokens' must be a positive integer, got {new!r}")
     if tokenizer is not None:
         return _tokenized(where, obj, rid, prompt, data, new, max_len=max_len, reserve=reserve, vocab=vocab, tokenizer=tokenizer)
-    _check_fits(where, len(data), "bytes", new, max_len=max_len, reserve=reserve)
+    refused = _refusal(where, len(data), "bytes", new, max_len=max_len, reserve=reserve)
     if max(data) >= vocab:
         raise WorkloadError(f"{where}: 'prompt' holds byte {max(data)}, not below the vocabulary size {vocab}")
     arrival = _arrival(where, obj)
@@ -207,15 +209,14 @@ def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, r
     stop_byte = stop.encode("utf-8")[0] if stop is not None else None
     if stop_byte is not None and stop_byte >= vocab:
         raise WorkloadError(f"{where}: 'stop' byte {stop_byte} is not below the vocabulary size {vocab}")
-    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=arrival, stop=stop_byte)
+    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=arrival, stop=stop_byte, refused=refused)
 
 
-def _check_fits(where: str, n: int, unit: str, new: int, *, max_len: int, reserve: int) -> None:
-    if n + new + reserve > max_len:
-        raise WorkloadError(
-            f"{where}: prompt of {n} {unit} + {new} new tokens exceeds the context limit {max_len} "
-            f"(with {reserve} positions reserved for speculation)"
-        )
+def _refusal(where: str, n: int, unit: str, new: int, *, max_len: int, reserve: int) -> str | None:
+    """Why the request of line ``where`` is refused (it does not fit the context), or ``None``: a
+    request that does not fit is refused on its own, the rest of the file is served."""
+    why = context_overflow(n, unit, new, max_len=max_len, k=reserve - 1)
+    return None if why is None else f"{where}: {why}"
 
 
 def _arrival(where: str, obj: dict[str, Any]) -> int:
@@ -231,7 +232,7 @@ def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data:
     ids = tokenizer.encode(text)
     if not ids:
         raise WorkloadError(f"{where}: 'prompt' encodes to no tokens")
-    _check_fits(where, len(ids), "tokens", new, max_len=max_len, reserve=reserve)
+    refused = _refusal(where, len(ids), "tokens", new, max_len=max_len, reserve=reserve)
     if max(ids) >= vocab:
         raise WorkloadError(f"{where}: the tokenizer gave id {max(ids)}, not below the model's vocabulary size {vocab}")
     stop = obj.get("stop")
@@ -242,7 +243,8 @@ def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data:
             raise WorkloadError(f"{where}: 'stop' must be text that is one token of the tokenizer, got {stop!r}")
         if stop_id >= vocab:
             raise WorkloadError(f"{where}: 'stop' is id {stop_id}, not below the model's vocabulary size {vocab}")
-    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=_arrival(where, obj), stop=stop_id, ids=tuple(ids))
+    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=_arrival(where, obj), stop=stop_id, ids=tuple(ids),
+                   refused=refused)
 
 
 def tokenize_workload(workload: Sequence[Request], tokenizer: Tokenizer, *, vocab: int) -> list[Request]:

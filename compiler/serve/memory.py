@@ -111,8 +111,8 @@ def check_serving(
         raise ServeError(
             f"the run would need about {total / 2**30:.1f} GiB (largest part: {part}, {size / 2**30:.1f} GiB), over the "
             f"bound of {MAX_SERVE_BYTES >> 30} GiB; lower --max-running ({cfg.max_running}), --cache-entries "
-            f"({cfg.cache_entries}), --k ({cfg.k}), --chunk-size ({cfg.chunk_size}) or --token-budget "
-            f"({cfg.token_budget}), or use a smaller model"
+            f"({cfg.cache_entries}), --k ({cfg.k}), --chunk-size ({cfg.chunk_size}), --token-budget "
+            f"({cfg.token_budget}) or --max-len ({cfg.max_len}), or use a smaller model"
         )
 
 

@@ -48,8 +48,8 @@ def serve(
     each ends at its ``max_new_tokens``, its ``stop`` or any of the ``eos`` ids. ``on_finish`` gets
     the number of finished requests whenever it changes; ``on_step`` is called before each step,
     after that step's admissions (to sample ``driver.live``, say). Returns the wall seconds and the
-    steps by kind."""
-    queue = sorted(workload, key=lambda r: r.arrival)
+    steps by kind. A refused request (``Request.refused``) is never admitted."""
+    queue = sorted((r for r in workload if r.refused is None), key=lambda r: r.arrival)
     steps: dict[str, int] = {}
     step_no = 0
     t0 = time.perf_counter()
@@ -142,21 +142,31 @@ def _run(
     lossless_check: str | None = None
     lossless_ok: bool | None = None
     lossless_ledgers_ok: bool | None = None
-    sample = list(workload)[: cfg.lossless_sample]
-    checked = [r for r in sample if r.rid not in driver.aborted_by_failure]  # an aborted request's output is cut short
+    served = [r for r in workload if r.refused is None]
+    sample = served[: cfg.lossless_sample]
+    # an aborted request's output is cut short; an errored one's stops where its logits were not finite
+    checked = [r for r in sample if r.rid not in driver.aborted_by_failure and r.rid not in driver.errored]
     if sample:
         with make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False, tp=tp) as plain:
             serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running, eos=eos)
         if plain.tp_ledgers is not None:
             lossless_ledgers_ok = plain.tp_ledgers.equal and plain.tp_ledgers.drained
-        same = not plain.aborted_by_failure and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
-        skipped = f" ({len(sample) - len(checked)} aborted requests not compared)" if len(checked) < len(sample) else ""
+        same = not plain.aborted_by_failure and not plain.errored and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
+        aborted = sum(1 for r in sample if r.rid in driver.aborted_by_failure)
+        skipped = f" ({aborted} aborted requests not compared)" if aborted else ""
+        if len(checked) + aborted < len(sample):
+            errored = len(sample) - len(checked) - aborted
+            skipped += f" ({errored} request{'s' if errored != 1 else ''} that ended in error not compared)"
         lossless_check = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal plain greedy of the target{skipped}"
         lossless_ok = same
+        if not checked:  # nothing left to compare: no verdict either way
+            lossless_check, lossless_ok = f"not run: none of the {len(sample)} sampled requests ended normally{skipped}", None
     cache = driver.cache
     return ServeSummary(
         requests=len(workload),
-        prompt_tokens=sum(len(r.token_ids) for r in workload),
+        prompt_tokens=sum(len(r.token_ids) for r in served),
+        refused_requests=len(workload) - len(served),
+        max_len=cfg.max_len,
         generated_tokens=generated,
         k=cfg.k,
         steps=n_steps,
@@ -173,6 +183,7 @@ def _run(
         prefix_cache_evictions=cache.stats.evictions if cache is not None else 0,
         retractions=driver.stats.retractions,
         aborted_requests=len(driver.aborted_by_failure),
+        errored_requests=len(driver.errored),
         failed_forwards=driver.stats.failed_steps,
         first_failure=driver.first_failure,
         replays_blocked=ledger.replays_blocked,
@@ -183,10 +194,11 @@ def _run(
         samples=tuple(
             Sample(rid=int(r.rid), prompt=r.prompt.decode("utf-8", "replace")[-40:],
                    completion=tokenizer.decode(driver.outputs[r.rid]))
-            for r in list(workload)[:3]
+            for r in served[:3]
         ),
         outputs={int(rid): tuple(out) for rid, out in driver.outputs.items()},
         aborted=tuple(sorted(int(rid) for rid in driver.aborted_by_failure)),
+        errored=tuple(sorted(int(rid) for rid in driver.errored)),
         target_clears_minted_consumed=target_counts[0],
         target_cows_minted_consumed=target_counts[1],
         target_snapshots_minted_consumed=target_counts[2],

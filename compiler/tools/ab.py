@@ -53,6 +53,28 @@ def ab_prompts(n: int, seed: int) -> list[Prompt]:
     return out
 
 
+AB_KV_CAPACITY = 4096
+"""KV locations of each of ``batchc ab``'s engines (``Engine``'s and ``MutableSpecEngine``'s default)."""
+
+
+def ab_problem(*, k: int, requests: int, max_new_tokens: int, max_running: int, seed: int, max_len: int = 512) -> str | None:
+    """Why ``run_ab`` with these options would run out of context or KV locations mid-run, or
+    ``None``. Checked on the actual prompts: the longest prompt, ``max_new_tokens`` and the k + 1
+    positions of a step must fit ``max_len``, and the running requests' whole contexts, next to the
+    shared prefixes' own, the engines' KV cache (a bound: a request never holds more locations)."""
+    longest = max(len(p.tokens) for p in ab_prompts(requests, seed))
+    context = longest + max_new_tokens + k + 1
+    if context > max_len:
+        return (f"--max-new-tokens {max_new_tokens} is over {max_len - longest - k - 1}: the context limit {max_len} minus the "
+                f"longest prompt ({longest} tokens) minus k + 1 = {k + 1}")
+    running = min(max_running, requests)
+    kv = running * context + sum(len(p) for p in SYSTEM_PREFIXES)
+    if kv > AB_KV_CAPACITY:
+        return (f"--max-running {max_running} with --max-new-tokens {max_new_tokens}: {running} running requests of up to {context} "
+                f"positions each, with the shared prefixes, can need {kv} KV locations, over the engines' {AB_KV_CAPACITY}")
+    return None
+
+
 def serve(engine: ServingEngine, prompts: list[Prompt], *, max_new_tokens: int, max_running: int) -> float:
     """Continuous batching: keep at most ``max_running`` requests live; returns wall seconds."""
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ from compiler.cli import main
 from compiler.engine import Engine
 from compiler.manager import PassManager
 from compiler.serve import ServeConfig, WorkloadError, load_workload, memory_estimate
-from compiler.workload import MAX_REQUESTS, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES
+from compiler.workload import MAX_REQUESTS, MAX_RUNNING, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES
 from ir.batch import DecodeBatch
 from ir.errors import BatchcError, SettingsError
 from ir.ids import RequestId
@@ -134,11 +134,14 @@ def test_line_separators_inside_strings_are_not_line_breaks(tmp_path: Path, caps
     assert json.loads(summary.read_text())["requests"] == 2
 
 
-def test_loader_refuses_what_admission_would_refuse_mid_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_loader_refuses_what_admission_would_refuse_mid_run(tmp_path: Path) -> None:
     # 501 + 3 + 8 fits the old fixed margin of 8, but with --k 8 admission needs 501 + 3 + 9 <= 512
     path = _workload(tmp_path, GOOD + json.dumps({"prompt": "x" * 501, "max_new_tokens": 3}) + "\n")
-    _refused(["run", "--workload", str(path), "--k", "8"], tmp_path, capsys,
-             "workload.jsonl:2: prompt of 501 bytes + 3 new tokens exceeds the context limit 512 (with 9 positions reserved")
+    good, long = load_workload(path, max_len=512, reserve=9)
+    assert good.refused is None
+    assert long.refused == ("workload.jsonl:2: prompt of 501 bytes + 3 new tokens exceeds the context limit 512 (prompt and new "
+                            "tokens may fill 503 of its positions; a decode step holds 1 more and 8 positions are reserved for speculation)"
+                            ).replace("workload.jsonl", str(path))
 
 
 @pytest.mark.parametrize("k", [0, 2, 5])
@@ -147,17 +150,14 @@ def test_loader_and_admission_agree_at_the_boundary(tmp_path: Path, k: int) -> N
     max_len = 64
     for length in range(max_len - k - 6, max_len - k + 1):
         path = _workload(tmp_path, json.dumps({"prompt": "y" * length, "max_new_tokens": 4}) + "\n")
-        try:
-            loaded = load_workload(path, max_len=max_len, reserve=k + 1, vocab=model.config.vocab)
-        except WorkloadError:
-            loaded = None
+        (loaded,) = load_workload(path, max_len=max_len, reserve=k + 1, vocab=model.config.vocab)
         driver = Engine(model, model if k else None, k=k, max_len=max_len)
         try:
             driver.admit(RequestId(0), list(b"y" * length), max_new_tokens=4)
             admitted = True
         except BatchcError:
             admitted = False
-        assert (loaded is not None) == admitted, (length, k)
+        assert (loaded.refused is None) == admitted, (length, k)
 
 
 def test_loader_checks_bytes_and_stop_against_the_vocabulary(tmp_path: Path) -> None:
@@ -179,7 +179,7 @@ def test_loader_checks_bytes_and_stop_against_the_vocabulary(tmp_path: Path) -> 
         (["run", "--k", "-1"], "argument --k: expected a non-negative integer, got -1"),
         (["run", "--k", str(10**6)], "argument --k: expected at most 32, got 1000000"),
         (["run", "--lossless-sample", "-1"], "argument --lossless-sample: expected a non-negative integer, got -1"),
-        (["run", "--seed", "1" * 5000], "argument --seed: expected an integer, got '1111111111111111111111111111111111111111'... (5000 characters): more than 4300 digits"),
+        (["run", "--seed", "1" * 5000], "argument --seed: expected a non-negative integer, got '1111111111111111111111111111111111111111'... (5000 characters): more than 4300 digits"),
         (["run", "--max-running", "8x"], "argument --max-running: expected a positive integer, got '8x'"),
         (["run", "--bogus"], "unrecognized arguments: --bogus"),
         (["ab", "--requests", str(10**12)], "argument --requests: expected at most 100000"),
@@ -225,13 +225,13 @@ def test_draft_with_k_0_is_refused_not_ignored(tmp_path: Path, capsys: pytest.Ca
 
 def test_max_running_huge_is_refused_before_allocation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    _refused(["run", "--max-running", str(10**9)], tmp_path, capsys,
-             "the run would need about", "over the bound of 4 GiB", "--max-running (1000000000)")
+    _refused(["run", "--max-running", str(MAX_RUNNING)], tmp_path, capsys,
+             "the run would need about", "over the bound of 4 GiB", f"--max-running ({MAX_RUNNING})")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024  # KiB: nothing of that size was touched
 
 
 def test_cache_entries_huge_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _refused(["run", "--cache-entries", str(10**8)], tmp_path, capsys, "over the bound of 4 GiB", "--cache-entries (100000000)")
+    _refused(["run", "--cache-entries", str(MAX_RUNNING)], tmp_path, capsys, "over the bound of 4 GiB", f"--cache-entries ({MAX_RUNNING})")
 
 
 def test_max_new_tokens_past_the_builtin_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

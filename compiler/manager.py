@@ -1,6 +1,6 @@
 """The pass manager: runs passes with verification, dumps and timing.
 
-``PassManager.run(name, pass_fn, *args)`` calls the pass with its own arguments (typed through a
+``PassManager.run(pass_fn, *args)`` calls the pass with its own arguments (typed through a
 ``ParamSpec``, so mypy checks every call edge as if the pass were called directly) and then:
 
 - verifies the output (``BATCHC_VERIFY``: 0 = off, 1 = outputs of passes that end a step, 2 = every

@@ -15,7 +15,6 @@ import signal
 import sys
 from types import FrameType
 
-
 _phase = ["while starting; nothing started or written"]
 
 

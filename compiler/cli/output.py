@@ -17,6 +17,7 @@ import errno
 import os
 import secrets
 import stat
+import sys
 
 from backend import children
 from compiler.cli.args import UsageError, shown_path
@@ -54,6 +55,8 @@ def check_output(option: str, path: str) -> None:
         raise UsageError(f"{option} {shown_path(path)}: not writable")
 
 
+_O_TMPFILE: int = os.O_TMPFILE if sys.platform == "linux" else 0
+"""``open``'s flag for an unnamed file (Linux only; elsewhere every claim is a named file)."""
 _NO_TMPFILE: frozenset[int] = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT})
 """``open(dir, O_TMPFILE)``'s errors on a kernel or filesystem without unnamed files."""
 
@@ -119,7 +122,7 @@ class OutputFile:
 
     def _unnamed(self, parent: str) -> int | None:
         """An unnamed file in ``parent`` (None where the filesystem has none)."""
-        tmpfile = getattr(os, "O_TMPFILE", 0)
+        tmpfile = _O_TMPFILE
         if not tmpfile:
             return None
         try:

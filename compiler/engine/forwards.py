@@ -49,7 +49,7 @@ from compiler.engine.kv_refs import KVRefs
 from compiler.engine.nonfinite import bonus_tokens, checkable_targets
 from compiler.engine.report import SpecStats, StepKind
 from compiler.engine.requests import Ending, Request, RequestState, RequestTable
-from compiler.engine.runner import Backend, ForwardRunner, StepFailed, Submitted, logits_of, plan_rids, proposals_of
+from compiler.engine.runner import Backend, ForwardRunner, StepFailed, Submitted, cause_words, logits_of, plan_rids, proposals_of
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64
@@ -185,7 +185,7 @@ class Forwards:
         dropped, self._inflight = self._inflight, None
         # every ticket is consumed within the step that registers it, so what is outstanding now
         # belongs to the failed forward
-        reason = f"aborted: its forward failed ({failure.cause!r})"
+        reason = f"aborted: its forward failed ({cause_words(failure.cause)})"
         for t in ledger.outstanding():
             ledger.cancel(t, reason)
         for ex in (self.target, self.draft):

@@ -34,11 +34,17 @@ Backend: TypeAlias = AnyExecutor | ExecutorProcess | TPExecutor
 a tensor-parallel group."""
 
 
+def cause_words(cause: BaseException) -> str:
+    """How a failure's cause is named to a user: its kind and its own message (``ExecutorGone:
+    executor process for pool 'target' killed by signal 9``), not a repr with quotes and escapes."""
+    return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+
+
 class StepFailed(Exception):
     """A forward failed on every attempt; ``rids`` are the requests it carried."""
 
     def __init__(self, rids: tuple[RequestId, ...], cause: Exception) -> None:
-        super().__init__(f"forward of requests {list(rids)} failed: {cause!r}")
+        super().__init__(f"forward of requests {list(rids)} failed: {cause_words(cause)}")
         self.rids = rids
         self.cause = cause
 

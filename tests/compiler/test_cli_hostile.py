@@ -549,7 +549,7 @@ def test_failed_forward_aborts_are_counted_and_exit_1(tmp_path: Path, capsys: py
     assert code == 1
     assert err.count("\n") == 1 and err.startswith("batchc: run failed: ") and "Traceback" not in err
     assert "aborted by 1 failed forwards, first: forward of requests [" in err
-    assert "InjectedFault('injected fault at model_forward')" in err
+    assert "failed: InjectedFault: injected fault at model_forward" in err  # the cause's kind and its own words, not a repr
     s = json.loads(summary.read_text())
     assert s["failed_forwards"] == 1 and 1 <= s["aborted_requests"] <= 8
     assert f"{s['aborted_requests']} requests aborted" in err

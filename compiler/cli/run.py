@@ -201,11 +201,13 @@ def _serve_replicas(
     if total["aborted_requests"]:
         failures.append(f"{total['aborted_requests']} requests aborted by failed forwards")
     if total["errored_requests"]:
-        n = total["errored_requests"]
-        failures.append(f"{n} request{'s' if n != 1 else ''} ended in error: the model's logits for the next token were not finite")
+        from compiler.engine.nonfinite import ERROR_MESSAGE
+
+        n, first = total["errored_requests"], min(rid for r in results for rid in r.errored)  # worded as one engine's
+        failures.append(f"{n} request{'s' if n != 1 else ''} ended in error (first: request {first}): {ERROR_MESSAGE}")
     if total["outstanding_tickets"]:
         failures.append(f"{total['outstanding_tickets']} tickets never consumed")
-    if not total["lossless_ok"]:
+    if total.get("lossless_ok") is False:
         failures.append("a replica's lossless check failed")
     return _exit_status(failures, _refusals(workload))
 

@@ -174,13 +174,17 @@ def merged(results: Sequence[ReplicaResult], wall_s: float) -> dict[str, object]
     serving time, every ledger drained, every lossless check passed."""
     tokens = sum(int(r.summary["generated_tokens"]) for r in results)
     serving = max(float(r.summary["wall_s"]) for r in results)
+    # a replica whose check compared nothing (all its sampled requests ended in error, or none were
+    # sampled) has no lossless_ok: "true" only where some replica compared and none failed, like one engine's
+    verdicts = [r.summary["lossless_ok"] for r in results if r.summary.get("lossless_ok") is not None]
+    lossless: dict[str, object] = {"lossless_ok": all(verdicts)} if verdicts else {}
     return {
         "dp": len(results), "requests": sum(int(r.summary["requests"]) for r in results), "generated_tokens": tokens,
         "tokens_per_s": tokens / serving if serving else 0.0, "slowest_replica_wall_s": serving, "router_wall_s": wall_s,
         "outstanding_tickets": sum(int(r.summary["outstanding_tickets"]) for r in results),
         "aborted_requests": sum(int(r.summary["aborted_requests"]) for r in results),
         "errored_requests": sum(int(r.summary["errored_requests"]) for r in results),
-        "lossless_ok": all(r.summary.get("lossless_ok") is not False for r in results),
+        **lossless,
         "prefix_cache_hit_tokens": sum(int(r.summary["prefix_cache_hit_tokens"]) for r in results),
         "replicas": [r.summary for r in results],
     }

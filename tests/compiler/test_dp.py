@@ -77,6 +77,24 @@ def test_dp2_outputs_equal_one_engine(tmp_path: Path) -> None:
     assert [r["requests"] for r in total["replicas"]] != [8, 0] and all(r["outstanding_tickets"] == 0 for r in total["replicas"])
 
 
+@pytest.mark.parametrize(("verdicts", "want"), [
+    ([None, None], None), ([True, None], True), ([None, False], False), ([True, True], True), ([True, False], False),
+])
+def test_the_merged_lossless_verdict_is_true_only_where_a_replica_compared_and_none_failed(
+    verdicts: list[bool | None], want: bool | None,
+) -> None:
+    """A replica whose sampled requests all ended in error (non-finite logits) ran no comparison and
+    has no lossless_ok; the merged summary used to say true over replicas that compared nothing."""
+    from compiler.serve.dp import ReplicaResult, merged
+
+    figures = {"generated_tokens": 0, "wall_s": 1.0, "requests": 1, "outstanding_tickets": 0, "aborted_requests": 0,
+               "errored_requests": 1, "prefix_cache_hit_tokens": 0}
+    results = [ReplicaResult(index=i, summary=figures | ({} if v is None else {"lossless_ok": v}), outputs={}, aborted=())
+               for i, v in enumerate(verdicts)]
+    total = merged(results, 1.0)
+    assert total.get("lossless_ok", None) is want and ("lossless_ok" in total) == (want is not None)
+
+
 def test_a_failing_replica_fails_the_run_naming_it() -> None:
     bad = Request(rid=RequestId(0), prompt=b"x", max_new_tokens=4, ids=(10**6,))  # an id past the vocabulary: refused in the replica
     good = _req(1, b"fine prompt")

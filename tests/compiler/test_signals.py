@@ -151,3 +151,27 @@ def test_a_signal_while_the_command_line_is_still_importing_ends_it_in_one_line(
     assert proc.returncode == 128 + sig
     assert err == f"batchc: interrupted by {sig.name} while starting; nothing started or written\n"
     assert out.read_text() == OLD and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_while_the_process_exits_after_the_command_is_never_a_silent_death(sig: signal.Signals) -> None:
+    """After the command returned, Python's own exit put the default handlers back and then spent a
+    second or more tearing torch down: a signal then ended the process as killed by it, with no
+    line (status -15 where the command had succeeded). Here the signal arrives while the modules
+    are torn down (an object that a module's teardown frees sends it): the process exits with the
+    command's status, or with 128 + the signal and one line."""
+    import subprocess
+    import sys
+
+    entry = (
+        "import os, signal, sys\n"
+        "import compiler.cli, compiler.launch\n"
+        "class Late:\n"
+        f"    def __del__(self): os.kill(os.getpid(), {int(sig)})\n"
+        "compiler.cli.late = Late()\n"
+        "compiler.cli.main = lambda: 0\n"
+        "sys.exit(compiler.launch.main())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", entry], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert (proc.returncode, proc.stderr) in ((0, ""), (128 + sig, f"batchc: interrupted by {sig.name} while exiting, after the command ended\n")), proc

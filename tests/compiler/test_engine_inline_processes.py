@@ -1,0 +1,164 @@
+"""The engine's executor-process paths (``overlap``), run in this process in a second.
+
+``InlineProcess`` is an ``ExecutorProcess`` that is not one: it runs each plan on an in-process
+executor when it is submitted and hands the result (or the error) back at ``wait``. Swapped in for
+an engine's executors, the engine takes the paths it takes with real processes: commits of a
+speculative iteration deferred to the next step, and (``k = 0``) pipelined forwards whose inputs are
+named by the forward before. Real processes are covered by ``tests/compiler/test_overlap.py``; these
+check the engine's side of the protocol, fast:
+
+- the outputs equal those of the same engine with in-process executors (whose greedy parity with
+  the from-scratch reference the serving tests check): pipelined decodes, chunked and mixed
+  prefills, a stop token, the speculative iteration with deferred commits;
+- a deferred commit that failed is reported at the next step: its requests are aborted, the step
+  says ``FAILED``, and serving goes on for the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backend.executor import Executor
+from backend.remote import ExecutorProcess, Pending
+from compiler.engine import Engine, StepKind
+from ir.ids import RequestId
+from ir.nodes import Plan
+from ir.spec import CommitPlan
+from tests.helpers import engine
+
+
+class InlineProcess(ExecutorProcess):
+    """Runs each plan at ``submit`` on ``inner``; ``wait`` returns or raises what it gave.
+    ``fail`` names plan types whose next ``wait`` raises instead (the child failed it)."""
+
+    def __init__(self, inner: Executor[Any]) -> None:  # no child process
+        self.inner = inner
+        self.ledger = inner.ledger
+        self.pool_id = inner.pool.pool_id
+        self._gone: str | None = None
+        self.busy: list[tuple[float, float]] = []
+        self.waited = 0.0
+        self.fail: set[type] = set()
+        self.log: list[str] = []
+        self.cancelled: list[str] = []
+        self.drained = 0
+
+    def submit(self, plan: Plan) -> Pending:  # type: ignore[override]  # a stand-in
+        p = Pending(0, plan, None)
+        self.log.append(f"submit {type(plan).__name__}")
+        try:
+            p.out = self.inner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - handed back at wait, as a process does
+            p.error = exc
+        if type(plan) in self.fail:
+            self.fail.discard(type(plan))
+            p.error = RuntimeError(f"the child failed {type(plan).__name__}")
+        p.done = True
+        return p
+
+    def wait(self, p: Pending) -> torch.Tensor | None:
+        self.log.append(f"wait {type(p.plan).__name__}")
+        if p.error is not None:
+            raise p.error
+        return p.out
+
+    def execute(self, plan: Plan) -> torch.Tensor | None:  # type: ignore[override]  # a stand-in
+        self.log.append(f"execute {type(plan).__name__}")
+        return self.inner.execute(plan)
+
+    def drain(self) -> None:
+        self.drained += 1  # (every plan here has run already)
+
+    def cancel_outstanding(self, reason: str) -> None:
+        self.cancelled.append(reason)  # (one ledger here: the engine cancelled in it already)
+
+    def forget_verifies(self) -> None:
+        self.inner.forget_verifies()
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        pass  # the serving hooks are in this process: the engine told them already
+
+    def close(self) -> None:
+        self._gone = "closed"
+
+
+def _inline(eng: Engine) -> tuple[InlineProcess, InlineProcess | None]:
+    target = InlineProcess(eng.target)  # type: ignore[arg-type]  # the engine's in-process executor
+    draft = InlineProcess(eng.draft) if eng.draft is not None else None  # type: ignore[arg-type]  # likewise
+    eng.target = eng.forwards.target = target
+    eng.draft = eng.forwards.draft = draft
+    return target, draft
+
+
+PROMPTS = [list(range(3, 12)), [5, 9, 2], list(range(20, 33)), [7, 7, 8, 1]]
+
+
+def _served(eng: Engine, requests: dict[int, dict[str, Any]]) -> dict[RequestId, list[int]]:
+    for i, kw in requests.items():
+        eng.admit(RequestId(i), PROMPTS[i], **kw)
+    eng.run_until_done(max_steps=200)
+    eng.sync()
+    return dict(eng.outputs)
+
+
+def _plain(requests: dict[int, dict[str, Any]]) -> dict[RequestId, list[int]]:
+    """What the engine serves with in-process executors, not pipelined."""
+    return _served(engine(0), requests)
+
+
+def test_pipelined_forwards_emit_the_greedy_tokens() -> None:
+    """``k = 0`` one step behind: each forward is sent before the one in flight is read back; every
+    token is read back (landed) once, in order, including the last forward's."""
+    # the short prompt first: its decodes run beside the long one's chunks (mixed forwards)
+    requests: dict[int, dict[str, Any]] = {1: {"max_new_tokens": 4}, 0: {"max_new_tokens": 3}}
+    expected = _plain(requests)
+    requests[1]["stop"] = expected[RequestId(1)][1]  # request 1 ends at its second token
+    expected[RequestId(1)] = expected[RequestId(1)][:2]
+    eng = engine(0, chunk_size=4, token_budget=4)
+    target, _ = _inline(eng)
+    eng.forwards.pipelined = True
+    assert _served(eng, requests) == expected
+    assert "submit DecodePlan" in target.log and "submit MixedPlan" in target.log
+    assert target.log.count("wait DecodePlan") + target.log.count("wait MixedPlan") + target.log.count("wait ExtendPlan") == sum(
+        1 for e in target.log if e.startswith("submit")
+    )  # every forward sent is read back
+    eng.ledger.assert_drained()
+    assert eng.slots.num_live == 0 and eng.kv.num_live == 0
+    eng.close()
+
+
+def test_speculation_with_deferred_commits_emits_the_greedy_tokens() -> None:
+    requests: dict[int, dict[str, Any]] = {0: {"max_new_tokens": 4}, 1: {"max_new_tokens": 3}}
+    eng = engine(2)
+    target, draft = _inline(eng)
+    assert draft is not None
+    assert _served(eng, requests) == _plain(requests)
+    for ex, commit in ((target, "CommitPlan"), (draft, "DraftCommitPlan")):
+        assert ex.log.count(f"submit {commit}") == ex.log.count(f"wait {commit}") > 0  # each deferred commit is waited for
+    eng.ledger.assert_drained()
+    eng.close()
+
+
+def test_a_deferred_commit_that_failed_aborts_its_requests_at_the_next_step() -> None:
+    eng = engine(2)
+    target, draft = _inline(eng)
+    assert draft is not None
+    eng.admit(RequestId(0), PROMPTS[0], max_new_tokens=8)
+    assert eng.step().kind is StepKind.EXTEND
+    target.fail.add(CommitPlan)
+    assert eng.step().kind is StepKind.SPEC  # the commit is sent; its reply is read at the next step
+    eng.admit(RequestId(1), PROMPTS[1], max_new_tokens=2)
+    report = eng.step()
+    assert report.kind is StepKind.FAILED and report.aborted == (RequestId(0),)
+    assert eng.aborted_by_failure == {RequestId(0)} and eng.stats.failed_steps == 1
+    assert eng.first_failure is not None and "the child failed CommitPlan" in eng.first_failure
+    # each process is drained (a plan sent beside the failed one settles its claim), then told to
+    # cancel, in its own ledger, the tickets of the forward that failed
+    assert target.drained >= 1 and draft.drained >= 1
+    assert target.cancelled == draft.cancelled == ["aborted: its forward failed (RuntimeError: the child failed CommitPlan)"]
+    eng.run_until_done(max_steps=50)  # serving goes on
+    eng.sync()
+    assert eng.outputs[RequestId(1)] == _plain({1: {"max_new_tokens": 2}})[RequestId(1)]
+    eng.close()

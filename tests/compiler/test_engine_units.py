@@ -1,0 +1,411 @@
+"""Small units of the engine, each checked on its own without running a model: the forward runner's
+retries and ``StepFailed`` (``compiler.engine.runner``), the speculative figures
+(``compiler.engine.report.SpecStats``), prefill chunking (``compiler.engine.chunks``) and the
+engine's check of a tensor-parallel leader's models.
+
+The runner is driven through a stand-in executor process whose forwards fail a chosen number of
+times, so every path of ``run``, ``submit`` and ``wait`` is reached in a few milliseconds.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from backend import faults
+from backend.allocator import KVAllocator, SlotAllocator
+from backend.ledger import Ledger
+from backend.remote import ExecutorGone, ExecutorProcess, Pending
+from backend.tp.serve import TPLeader
+from compiler.engine import Engine, StepKind
+from compiler.engine.cache_session import NoCache
+from compiler.engine.chunks import ChunkPlanner
+from compiler.engine.kv_refs import KVRefs
+from compiler.engine.report import SpecStats
+from compiler.engine.requests import Request, RequestState, RequestTable
+from compiler.engine.runner import ForwardRunner, StepFailed, plan_rids
+from compiler.prefix_cache import PrefixCache
+from compiler.steps import Pipeline
+from ir.columns import frozen_i64
+from ir.errors import PlanExecutionError, PreconditionError, SlotError
+from ir.ids import MambaSlot, RequestId, TicketSerial
+from ir.plan import DecodePlan, IdlePlan, MixedPlan
+from passes.lower import LowerContext, lower
+from passes.prepare_for_decode import DecodeContext
+from tests.helpers import BODIES, SYSTEM, decode_batch, engine, extend_plan, request, tiny_models
+
+OUT = torch.zeros(2, 3)
+
+
+class FlakyProcess(ExecutorProcess):
+    """An executor process that is not one: ``execute`` and ``wait`` fail with the queued errors,
+    then succeed; ``submit`` fails with ``ExecutorGone`` when asked to (the child died before the
+    plan reached it)."""
+
+    def __init__(self, *errors: Exception, gone_on_submit: bool = False) -> None:  # no child process
+        self.errors = list(errors)
+        self.gone_on_submit = gone_on_submit
+        self.calls: list[str] = []
+
+    def _next(self, call: str) -> torch.Tensor:
+        self.calls.append(call)
+        if self.errors:
+            raise self.errors.pop(0)
+        return OUT
+
+    def submit(self, plan: object) -> Pending:  # type: ignore[override]  # a stand-in
+        self.calls.append("submit")
+        if self.gone_on_submit:
+            raise ExecutorGone("executor process for pool 'target' is gone: it died")
+        return Pending(0, None, None)
+
+    def wait(self, p: Pending) -> torch.Tensor | None:
+        return self._next("wait")
+
+    def execute(self, plan: object) -> torch.Tensor | None:  # type: ignore[override]  # a stand-in
+        return self._next("execute")
+
+
+def _plan() -> DecodePlan:
+    plan = lower(decode_batch([4, 9], [1, 2], [3, 3], [10, 11]), LowerContext())
+    assert isinstance(plan, DecodePlan)
+    return plan
+
+
+def _runner(retries: int) -> ForwardRunner:
+    return ForwardRunner(retries, SpecStats())
+
+
+def test_a_forward_that_fails_every_attempt_is_a_step_failure_naming_its_requests() -> None:
+    for retries in (0, 1, 2):
+        runner, ex = _runner(retries), FlakyProcess(*(RuntimeError(f"boom {i}") for i in range(retries + 1)))
+        with pytest.raises(StepFailed, match=r"^forward of requests \[4, 9\] failed: RuntimeError: boom " + str(retries) + r"$") as info:
+            runner.run(ex, _plan())
+        assert info.value.rids == (RequestId(4), RequestId(9))
+        assert isinstance(info.value.cause, RuntimeError)
+        assert ex.calls == ["execute"] * (retries + 1)  # every attempt, no more
+        assert runner.stats.retries == retries
+
+
+def test_a_forward_that_fails_fewer_times_than_the_retries_succeeds() -> None:
+    runner, ex = _runner(2), FlakyProcess(RuntimeError("once"), RuntimeError("twice"))
+    assert runner.run(ex, _plan()) is OUT
+    assert ex.calls == ["execute"] * 3 and runner.stats.retries == 2
+
+
+def test_a_plan_that_does_not_fit_is_never_retried() -> None:
+    runner, ex = _runner(3), FlakyProcess(PlanExecutionError("slot 9 out of range"))
+    with pytest.raises(PlanExecutionError, match="slot 9 out of range"):
+        runner.run(ex, _plan())
+    assert ex.calls == ["execute"] and runner.stats.retries == 0
+
+
+def test_wait_on_a_process_fails_the_step_or_retries_it() -> None:
+    runner, ex = _runner(0), FlakyProcess(RuntimeError("child crashed"))
+    s = runner.submit(ex, _plan())
+    with pytest.raises(StepFailed, match=r"^forward of requests \[4, 9\] failed: RuntimeError: child crashed$"):
+        runner.wait(s)
+    assert ex.calls == ["submit", "wait"] and runner.stats.retries == 0
+    # with retries, the failed wait counts one retry and the plan is executed again
+    runner, ex = _runner(1), FlakyProcess(RuntimeError("child crashed"))
+    assert runner.wait(runner.submit(ex, _plan())) is OUT
+    assert ex.calls == ["submit", "wait", "execute"] and runner.stats.retries == 1
+    # a refusal read back from the process is the plan's bug: raised as it is, not retried
+    runner, ex = _runner(2), FlakyProcess(PlanExecutionError("refused there"))
+    with pytest.raises(PlanExecutionError, match="refused there"):
+        runner.wait(runner.submit(ex, _plan()))
+    assert ex.calls == ["submit", "wait"] and runner.stats.retries == 0
+
+
+def test_a_failure_at_submit_is_kept_for_wait() -> None:
+    """A process gone before the plan reached it: the plan runs in ``submit`` as ``run`` would, and
+    its failure is raised by ``wait``, not lost."""
+    runner, ex = _runner(0), FlakyProcess(ExecutorGone("gone"), gone_on_submit=True)
+    s = runner.submit(ex, _plan())
+    assert ex.calls == ["submit", "execute"]
+    with pytest.raises(StepFailed, match=r"^forward of requests \[4, 9\] failed: ExecutorGone: gone$"):
+        runner.wait(s)
+    runner, ex = _runner(0), FlakyProcess(gone_on_submit=True)
+    assert runner.wait(runner.submit(ex, _plan())) is OUT
+
+
+def test_plan_rids_names_every_request_of_a_plan() -> None:
+    _, ext = extend_plan([request(7, 3, [1, 2], 20), request(8, 4, [3], 22)])
+    dec = _plan()
+    assert plan_rids(ext) == (7, 8)
+    assert plan_rids(dec) == (4, 9)
+    assert plan_rids(MixedPlan(extend=ext, decode=dec)) == (7, 8, 4, 9)
+    assert plan_rids(IdlePlan()) == ()
+
+
+def test_the_speculative_figures() -> None:
+    s = SpecStats()
+    assert (s.acceptance_rate, s.mean_accepted_length) == (0.0, 0.0)  # nothing proposed yet
+    # 3 rows over 2 iterations (6 row-iterations), k = 4: 24 proposed, 9 accepted; each
+    # row-iteration emits its accepted drafts plus the bonus token: (9 + 6) / 6
+    s = SpecStats(iterations=2, row_iterations=6, proposed=24, accepted=9)
+    assert s.acceptance_rate == pytest.approx(9 / 24)
+    assert s.mean_accepted_length == pytest.approx(2.5)
+    assert SpecStats(row_iterations=4, proposed=8, accepted=0).mean_accepted_length == 1.0  # only bonus tokens
+
+
+# -- prefill chunking (``compiler.engine.chunks``) ------------------------------------------------
+
+
+def _planner(kv_capacity: int, *, chunk_size: int = 64, budget: int = 64, slots: int = 4) -> tuple[ChunkPlanner, RequestTable, KVAllocator]:
+    kv = KVAllocator(kv_capacity)
+    table = RequestTable()
+    planner = ChunkPlanner(
+        requests=table, slots=SlotAllocator(slots), kv=kv, kv_refs=KVRefs(kv), session=NoCache(),
+        share_prefix=lambda src, dst, n: None, chunk_size=chunk_size, token_budget=budget,
+    )
+    return planner, table, kv
+
+
+def _waiting(rid: int, n: int) -> Request:
+    p = frozen_i64(list(range(1, n + 1)))
+    return Request(rid=RequestId(rid), prompt=p, original=p, max_new_tokens=2, stop=None)
+
+
+def test_a_prompt_that_needs_exactly_the_free_kv_is_prefilled() -> None:
+    planner, table, kv = _planner(6)
+    table.add(_waiting(1, 6))
+    [chunk] = planner.next_chunks()
+    assert (chunk.rid, chunk.input_ids.tolist(), len(set(chunk.kv_locs.tolist()))) == (1, [1, 2, 3, 4, 5, 6], 6)
+    assert kv.num_free == 0 and not chunk.more_chunks
+
+
+def test_a_prompt_waits_while_the_started_prefills_still_need_its_kv() -> None:
+    """Chunks of 4: request 1 (8 tokens) starts and owes 4 more after its first chunk; request 2
+    (5 tokens) fits the 6 free locations only if nothing is owed, so it waits."""
+    planner, table, kv = _planner(14, chunk_size=4, budget=8)
+    table.add(_waiting(1, 8))
+    table.add(_waiting(2, 5))
+    chunks = planner.next_chunks()
+    assert [(c.rid, c.input_ids.shape[0]) for c in chunks] == [(1, 4)]
+    assert table[RequestId(2)].state is RequestState.WAITING and table[RequestId(2)].slot is None
+    assert kv.num_free == 10
+
+
+def test_chunks_respect_the_chunk_size_and_the_token_budget() -> None:
+    planner, table, _ = _planner(64, chunk_size=3, budget=5)
+    table.add(_waiting(1, 7))
+    table.add(_waiting(2, 7))
+    chunks = planner.next_chunks()
+    assert [(c.rid, c.input_ids.tolist(), c.more_chunks) for c in chunks] == [(1, [1, 2, 3], True), (2, [1, 2], True)]
+
+
+# -- a tensor-parallel leader is checked before anything starts ----------------------------------
+
+
+class StandInLeader(TPLeader):
+    """A ``TPLeader`` with no group behind it: enough for the engine's argument checks."""
+
+    def __init__(self, world: int) -> None:  # no ranks are started
+        self.pools = None
+        self.group = SimpleNamespace(world=world, closed=False, broken=None)  # type: ignore[assignment]  # a stand-in
+
+
+def test_an_engine_over_tp_refuses_a_model_that_is_not_a_shard() -> None:
+    target, draft = tiny_models()
+    with pytest.raises(PreconditionError, match=r"^Engine: tp: the target model must be a shard cut by backend\.tp\.shard_model, got "):
+        Engine(target, None, k=0, tp=StandInLeader(2))
+
+
+class SharingProcess(FlakyProcess):
+    """An executor process stand-in that records the prefixes it is told to share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared: list[tuple[int, int, int]] = []
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        self.shared.append((src, dst, length))
+
+    def close(self) -> None:
+        pass
+
+
+def test_every_executor_process_hears_of_a_shared_prefix() -> None:
+    """With executor processes (``overlap``), the serving hooks live in the children: a request
+    that starts from a cached prefix must have its prefix rows shared there, for both pools."""
+    eng = engine(1)
+    target, draft = SharingProcess(), SharingProcess()
+    eng.target, eng.draft = target, draft
+    eng.planner.share_prefix(2, 5, 9)
+    assert target.shared == [(2, 5, 9)] and draft.shared == [(2, 5, 9)]
+    eng.close()
+
+
+# -- KV references and prefix states -------------------------------------------------------------
+
+
+def test_kv_refs_count_every_location_and_name_the_one_dropped_too_often() -> None:
+    refs = KVRefs(KVAllocator(16))
+    refs.ref([0, 3, 3])
+    assert (refs.count(0), refs.count(3), refs.count(1), refs.count(99), refs.count(-1)) == (1, 2, 0, 0, 0)
+    # location 3 is dropped as often as it is held (fine), 0 once more than held: 0 is named
+    with pytest.raises(SlotError, match=r"^KV location 0: a reference was dropped that nobody holds$"):
+        refs.unref([3, 0, 3, 0])
+    # and the other way round: 0 as often as held, 3 once more
+    with pytest.raises(SlotError, match=r"^KV location 3: a reference was dropped that nobody holds$"):
+        refs.unref([0, 3, 3, 3])
+    with pytest.raises(SlotError, match=r"^KV location 7: a reference was dropped that nobody holds$"):
+        refs.unref([3, 7])
+    assert refs.held() == {0: 1, 3: 2}
+
+
+def test_a_prefix_must_leave_room_for_a_request_extending_it() -> None:
+    """A prefix of n tokens needs n + 1 prompt tokens, 1 new token and k + 1 speculative positions
+    under ``max_len``: n + k + 3 <= max_len."""
+    eng = engine(2, max_len=20, capacity=3, kv_capacity=64)
+    with pytest.raises(PreconditionError, match=(
+        r"^make_prefix: tokens: a prefix of 16 tokens leaves no room under max_len 20 for a request extending it "
+        r"\(at least 16 \+ 1 prompt tokens, 1 new token and k \+ 1 = 3 speculative positions\)$"
+    )):
+        eng.make_prefix(list(range(1, 17)))
+    assert len(eng.make_prefix(list(range(1, 16))).tokens) == 15  # 15 + 2 + 3 = 20: just fits
+    eng.close()
+
+
+def test_a_prefix_needs_a_free_slot_and_its_kv_locations() -> None:
+    eng = engine(0, capacity=1, kv_capacity=8)
+    cp = eng.make_prefix([1, 2, 3, 4, 5])
+    with pytest.raises(PreconditionError, match=r"^make_prefix: no room for a 1-token prefix \(0 free slots, 3 free KV locations\)$"):
+        eng.make_prefix([1])
+    eng.release_prefix(cp)
+    with pytest.raises(PreconditionError, match=r"^make_prefix: no room for a 9-token prefix \(1 free slots, 8 free KV locations\)$"):
+        eng.make_prefix(list(range(1, 10)))
+    cp = eng.make_prefix(list(range(1, 9)))  # the last slot and every KV location
+    assert (eng.slots.num_free, eng.kv.num_free) == (0, 0)
+    eng.release_prefix(cp)
+    assert (eng.slots.num_free, eng.kv.num_free) == (1, 8)
+    eng.close()
+
+
+def test_a_snapshot_whose_forward_failed_is_planned_again() -> None:
+    """The forward that was to take a prefix-cache snapshot fails (no retries): its requests are
+    aborted, and the prefix is free to be planned and snapshotted by the next requests sharing it."""
+    pc = PrefixCache(capacity=4, block=16)
+    eng = engine(0, prefix_cache=pc, chunk_size=64)
+    for i in (0, 1):
+        eng.admit(RequestId(i), SYSTEM + list(BODIES[i]), max_new_tokens=2)
+    with faults.armed(faults.FaultPoint.MODEL_FORWARD) as fired:
+        report = eng.step()
+    assert fired == {faults.FaultPoint.MODEL_FORWARD: 1} and report.kind is StepKind.FAILED
+    assert pc.stats.snapshots == 0
+    for i in (2, 3):
+        eng.admit(RequestId(i), SYSTEM + list(BODIES[i]), max_new_tokens=2)
+    eng.run_until_done(max_steps=50)
+    assert eng.aborted_by_failure == {0, 1} and {2, 3} <= set(eng.outputs)
+    assert pc.stats.snapshots >= 1  # the shared prefix, taken by the later requests
+    eng.drop_cache()
+    eng.ledger.assert_drained()
+    assert eng.slots.num_live == 0 and eng.kv.num_live == 0
+    eng.close()
+
+
+# -- the pipeline's sample ids (``compiler.steps``) ----------------------------------------------
+
+
+@pytest.mark.parametrize(("sample", "inputs"), [(None, None), (21, None), (None, 20), (21, 20)])
+def test_the_pipeline_puts_sample_ids_on_every_part_it_lowers(sample: int | None, inputs: int | None) -> None:
+    """A pipelined step's plans keep their tokens under ``sample_id`` and (decodes) read their
+    inputs from ``inputs_from``; a mixed plan's two parts keep them under the one id. The prefill's
+    and the mixed plan's tickets are registered (outstanding until an executor consumes them)."""
+    ledger = Ledger()
+    pipe = Pipeline(ledger)
+    sid = TicketSerial(sample) if sample is not None else None
+    src = TicketSerial(inputs) if inputs is not None else None
+    running = decode_batch([7], [3], [5], [40], tokens=[0] if inputs is not None else [9])
+    ctx = DecodeContext(next_tokens=[0] if inputs is not None else [9], kv_locs=[41])
+    _, mplan = pipe.mixed([request(1, 1, [5, 6], 0)], running, ctx, sample_id=sid, inputs_from=src)
+    assert (mplan.extend.sample_id, mplan.decode.sample_id, mplan.decode.inputs_from) == (sid, sid, src)
+    _, dplan = pipe.decode(running, ctx, sample_id=sid, inputs_from=src)
+    assert (dplan.sample_id, dplan.inputs_from) == (sid, src)
+    _, eplan = pipe.prefill([request(2, 2, [8], 10)], sample_id=sid)
+    assert eplan.sample_id == sid
+    assert set(ledger.outstanding()) == {*mplan.extend.tickets, *eplan.tickets}
+
+
+def test_a_request_must_fit_max_len_with_its_new_tokens_and_the_speculative_window() -> None:
+    """prompt + max_new_tokens + k + 1 <= max_len; the engine's own max_len leaves room for at
+    least one prompt token, one new token and the k + 1 speculative positions."""
+    eng = engine(2, max_len=20)
+    eng.admit(RequestId(1), list(range(1, 12)), max_new_tokens=6)  # 11 + 6 + 2 + 1 = 20
+    with pytest.raises(PreconditionError, match=r"^admit: request 2: prompt 12 \+ 6 new tokens exceed max_len 20$"):
+        eng.admit(RequestId(2), list(range(1, 13)), max_new_tokens=6)
+    assert [r.rid for r in eng.requests] == [1]
+    eng.close()
+    target, draft = tiny_models()
+    with pytest.raises(PreconditionError, match=(
+        r"^Engine: max_len 4 leaves no room for a prompt token and a new token next to the k \+ 1 = 3 speculative positions$"
+    )):
+        Engine(target, draft, k=2, max_len=4)
+    Engine(target, draft, k=2, max_len=5).close()
+    with pytest.raises(PreconditionError, match=r"^Engine: max_len 1 leaves no room .* k \+ 1 = 1 speculative positions$"):
+        Engine(target, None, k=0, max_len=1)
+
+
+def test_a_cache_hit_whose_first_forward_failed_unpins_its_entry() -> None:
+    """A request that starts from a cached prefix pins the entry until its COW has run; when its
+    first forward fails (no retries) and it is aborted, the pin goes: the entry is evictable again."""
+    pc = PrefixCache(capacity=4, block=16)
+    eng = engine(0, prefix_cache=pc, chunk_size=64)
+    for i in (0, 1):
+        eng.admit(RequestId(i), SYSTEM + list(BODIES[i]), max_new_tokens=1)
+    eng.run_until_done(max_steps=50)
+    assert pc.stats.snapshots >= 1
+    eng.admit(RequestId(2), SYSTEM + list(BODIES[2]), max_new_tokens=1)
+    with faults.armed(faults.FaultPoint.MODEL_FORWARD):
+        report = eng.step()
+    assert report.kind is StepKind.FAILED and report.aborted == (RequestId(2),) and pc.stats.hits >= 1
+    assert [e.pins for e in pc.entries()] == [0] * len(pc)
+    eng.drop_cache()  # every entry evictable
+    assert len(pc) == 0 and eng.slots.num_live == 0 and eng.kv.num_live == 0
+    eng.ledger.assert_drained()
+    eng.close()
+
+
+def test_a_retracted_request_comes_back_and_finishes() -> None:
+    """Out of KV room, the newest running request is retracted to the head of the queue; it is
+    prefilled again (prompt and output so far) and ends with the output it would have had."""
+    prompts = {0: [3, 4, 5, 6, 7], 1: [8, 9, 10, 11, 12]}
+    tight = engine(0, capacity=2, kv_capacity=12)
+    roomy = engine(0, capacity=2)
+    for eng in (tight, roomy):
+        for i, p in prompts.items():
+            eng.admit(RequestId(i), p, max_new_tokens=4)
+        eng.run_until_done(max_steps=60)
+    assert tight.stats.retractions >= 1 and roomy.stats.retractions == 0
+    assert tight.outputs == roomy.outputs and all(len(o) == 4 for o in tight.outputs.values())
+    tight.ledger.assert_drained()
+    assert tight.slots.num_live == 0 and tight.kv.num_live == 0
+
+
+def test_a_requeued_record_replaces_the_old_one_once_in_the_queue() -> None:
+    table = RequestTable()
+    for rid in (1, 2):
+        table.add(_waiting(rid, 3))
+    table.started(table[RequestId(2)], MambaSlot(1))  # PREFILLING: still queued
+    fresh = _waiting(2, 3)
+    table.requeue(fresh)
+    assert table.queued == [2, 1] and table[RequestId(2)] is fresh
+    running = table[RequestId(1)]
+    table.started(running, MambaSlot(2))
+    running.done = 3
+    table.prefilled(running)  # RUNNING: out of the queue
+    table.requeue(_waiting(1, 3))
+    assert table.queued == [1, 2]
+
+
+def test_the_reported_output_is_cut_at_max_new_tokens_and_after_the_first_stop() -> None:
+    p = frozen_i64([1, 2])
+    r = Request(rid=RequestId(1), prompt=p, original=p, max_new_tokens=5, stop=frozenset({9}), output=[4, 9, 6, 9, 7, 8])
+    assert r.final_output() == [4, 9] and r.is_done()
+    r = Request(rid=RequestId(1), prompt=p, original=p, max_new_tokens=3, stop=frozenset({9}), output=[4, 5, 6, 9])
+    assert r.final_output() == [4, 5, 6] and r.is_done()
+    r = Request(rid=RequestId(1), prompt=p, original=p, max_new_tokens=3, stop=frozenset(), output=[4, 5])
+    assert r.final_output() == [4, 5] and not r.is_done()

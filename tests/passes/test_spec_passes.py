@@ -13,6 +13,7 @@ from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.manager import PassManager
 from compiler.steps import Pipeline
+from ir.batch import DecodeBatch
 from ir.columns import frozen_i64
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL
@@ -206,18 +207,24 @@ def test_one_iteration_through_pipeline_and_executors() -> None:
     assert model.commits == [("CommitPlan", [0, 2])] * 3
 
 
-def test_one_iteration_with_a_draft_commit() -> None:
-    """The engine's variant: the draft commits the states its proposal kept, once, at the target's
-    accepted positions; a replayed draft commit, or one of a draft a newer draft replaced, is refused."""
+def _prefilled(agree: dict[int, int]) -> tuple[Ledger, MambaStatePool, _Scripted, Executor[object], Executor[object], Pipeline, DecodeBatch]:
+    """Two requests prefilled on a target and a draft pool sharing one ledger: the ledger, the draft
+    pool, the scripted model, both executors, the pipeline and the running batch."""
     ledger = Ledger()
     target, draft = MambaStatePool(TARGET_POOL, LAYOUT, 8), MambaStatePool(DRAFT_POOL, LAYOUT, 8)
-    model = _Scripted({1: 0, 2: 2})
-    ex_t, ex_d = Executor(target, ledger, model), Executor(draft, ledger, model)
+    model = _Scripted(agree)
+    ex_t, ex_d = Executor[object](target, ledger, model), Executor[object](draft, ledger, model)
     pipe = Pipeline(ledger, LowerContext(pools=(TARGET_POOL, DRAFT_POOL)), PassManager(verify_level=2))
     extend, plan = pipe.prefill([fresh(1, 1, [1, 2, 3], 1), fresh(2, 2, [4, 5], 4)])
     ex_t.execute(plan)
     ex_d.execute(plan)
-    running = pipe.merge(decode_batch([], [], [], []), extend)
+    return ledger, draft, model, ex_t, ex_d, pipe, pipe.merge(decode_batch([], [], [], []), extend)
+
+
+def test_one_iteration_with_a_draft_commit() -> None:
+    """The engine's variant: the draft commits the states its proposal kept, once, at the target's
+    accepted positions; a replayed draft commit, or one of a draft a newer draft replaced, is refused."""
+    ledger, draft, model, ex_t, ex_d, pipe, running = _prefilled({1: 0, 2: 2})
     for it in range(3):
         d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10 + 8 * it, 18 + 8 * it))))
         proposals = ex_d.run_draft(dplan)
@@ -293,16 +300,9 @@ def test_a_verify_of_tokens_that_are_not_the_drafts_proposals_cannot_reach_the_d
     """The verify window must be the draft's proposals: tokens from anywhere (here: Proposals forged
     under the right draft id) verified on the target, then the draft commit, would commit the draft
     pool to states computed from other tokens, matching no sequence. The draft executor refuses that
-    commit naming the draft, with its pool untouched; a genuine iteration after it still runs."""
-    ledger = Ledger()
-    target, draft = MambaStatePool(TARGET_POOL, LAYOUT, 8), MambaStatePool(DRAFT_POOL, LAYOUT, 8)
-    model = _Scripted({1: 1, 2: 2})
-    ex_t, ex_d = Executor(target, ledger, model), Executor(draft, ledger, model)
-    pipe = Pipeline(ledger, LowerContext(pools=(TARGET_POOL, DRAFT_POOL)), PassManager(verify_level=2))
-    extend, plan = pipe.prefill([fresh(1, 1, [1, 2, 3], 1), fresh(2, 2, [4, 5], 4)])
-    ex_t.execute(plan)
-    ex_d.execute(plan)
-    running = pipe.merge(decode_batch([], [], [], []), extend)
+    commit naming the draft, with its pool untouched; and the draft's proposals, once verified, are
+    not verified again, even the genuine ones."""
+    ledger, draft, model, ex_t, ex_d, pipe, running = _prefilled({1: 1, 2: 2})
     d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10, 18))))
     real = ex_d.run_draft(dplan)
     assert real.draft_id == d.draft_id and real.tokens.tolist() == [10, 11, 12, 20, 21, 22]

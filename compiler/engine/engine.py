@@ -108,7 +108,7 @@ class Engine:
         if tp is not None:
             tp.open_session({TARGET_POOL: target} | ({DRAFT_POOL: draft} if k > 0 and draft is not None else {}), capacity=capacity,
                             kv_capacity=kv_capacity, max_len=max_len, transactional=retries > 0)
-        self.target = self._executor(target, TARGET_POOL, capacity, kv_capacity) if tp is None else self._tp_target(target, capacity, kv_capacity)
+        self.target = self._target_executor(target, capacity, kv_capacity)
         self.draft: Backend | None = None
         try:
             self.draft = self._executor(draft, DRAFT_POOL, capacity, kv_capacity) if k > 0 and draft is not None else None
@@ -180,7 +180,8 @@ class Engine:
         # with retries, each forward is one transactional unit that can simply run again
         return Executor(pool, self.ledger, hook, slots=self.slots, transactional=self.retries > 0)
 
-    def _tp_target(self, target: ServedModel[Any], capacity: int, kv_capacity: int) -> Backend:
+    def _target_executor(self, target: ServedModel[Any], capacity: int, kv_capacity: int) -> Backend:
+        """The target's executor; if it cannot be built, a tensor-parallel session opened for it ends."""
         try:
             return self._executor(target, TARGET_POOL, capacity, kv_capacity)
         except BaseException:

@@ -214,6 +214,46 @@ def test_an_engine_over_tp_refuses_a_model_that_is_not_a_shard() -> None:
         Engine(target, None, k=0, tp=StandInLeader(2))
 
 
+class SessionLeader(StandInLeader):
+    """A stand-in that opens and closes sessions (no group behind it) and records the closes."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__(world)
+        self.gate = None  # type: ignore[assignment]  # no executor is ever built through it here
+        self.closed_sessions = 0
+
+    def open_session(self, models: object, **sizes: object) -> None:  # type: ignore[override]  # the sizes are not used
+        self.pools = tuple(models)  # type: ignore[call-overload]  # a mapping of pools
+
+    def close_session(self, ledger: Ledger) -> object:  # type: ignore[override]  # no rank ledgers to gather
+        self.pools = None
+        self.closed_sessions += 1
+        return None
+
+
+class _NoSum:
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        pass
+
+
+def test_an_engine_whose_target_executor_cannot_be_built_ends_its_tp_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers built their pools for the session: an engine that fails before serving ends it,
+    whichever executor failed (the target's here), so the group can serve the next engine."""
+    from backend.tp import shard_model
+
+    target, _ = tiny_models()
+    shard = shard_model(target, 0, 2, _NoSum())
+
+    def no_pool(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("no memory for the pool")
+
+    monkeypatch.setattr(shard, "new_pool", no_pool)
+    leader = SessionLeader(2)
+    with pytest.raises(RuntimeError, match="no memory for the pool"):
+        Engine(shard, None, k=0, tp=leader)
+    assert leader.closed_sessions == 1 and leader.pools is None
+
+
 class SharingProcess(FlakyProcess):
     """An executor process stand-in that records the prefixes it is told to share."""
 

@@ -449,3 +449,12 @@ def test_the_reported_output_is_cut_at_max_new_tokens_and_after_the_first_stop()
     assert r.final_output() == [4, 5, 6] and r.is_done()
     r = Request(rid=RequestId(1), prompt=p, original=p, max_new_tokens=3, stop=frozenset(), output=[4, 5])
     assert r.final_output() == [4, 5] and not r.is_done()
+
+
+def test_a_stop_token_is_any_id_of_the_vocabulary_and_nothing_else() -> None:
+    """Token id 0 and the last id are stop tokens like any other; -1 and the vocabulary size are not."""
+    eng = engine(0)
+    eng.admit(RequestId(0), list(b"def f(x):"), max_new_tokens=2, stop=[0, eng.vocab - 1])
+    for rid, bad in ((1, -1), (2, eng.vocab)):
+        with pytest.raises(PreconditionError, match=rf"^admit: request {rid}: stop must be a token id in \[0, {eng.vocab}\), got {bad}$"):
+            eng.admit(RequestId(rid), list(b"def f(x):"), max_new_tokens=2, stop=[bad])

@@ -126,6 +126,11 @@ def context_overflow(n: int, unit: str, new: int, *, max_len: int, k: int) -> st
             f"{max_len - k - 1} of its positions; {held})")
 
 
+DEFAULT_PREFILL_STREAK = 4
+"""``ServeConfig.prefill_streak``'s default: measured (docs: measurements, "Scheduling")."""
+MAX_PREFILL_STREAK = 1 << 20
+"""The same bound as ``compiler.engine.policy.MAX_STREAK`` (this module imports no engine)."""
+
 LONGEST_BUILTIN_PROMPT = max(len(p) for p in SYSTEM_PREFIXES) + MAX_BODY_SNIPPETS * max(len(s) for s in SNIPPETS)
 """Longest prompt ``builtin_workload`` can build (bytes)."""
 
@@ -143,6 +148,9 @@ class ServeConfig:
     max_len: int = DEFAULT_CONTEXT
     """Context length: prompt, new tokens and the k + 1 positions of a decode or verify step."""
     lossless_sample: int = 4
+    prefill_streak: int = DEFAULT_PREFILL_STREAK
+    """With a draft: prefill steps in a row while requests run before one speculative step
+    (``compiler.engine.policy.PrefillFirst``'s ``max_streak``; 0: no bound, 1: alternate)."""
     threads: int = 1
     """Torch intra-op threads (``torch.set_num_threads``) that ``batchc run`` and ``batchc bench``
     set before any work; process-wide, so the library's ``run`` leaves it alone. The default is
@@ -162,11 +170,13 @@ class ServeConfig:
                 continue
             if type(value) is not int:  # noqa: E721 - bool, float and str are not option values
                 raise ServeError(f"{name} must be an int, got {value!r}")
-            lo = 0 if name in ("k", "lossless_sample") else 1
+            lo = 0 if name in ("k", "lossless_sample", "prefill_streak") else 1
             if value < lo:
                 raise ServeError(f"{name} must be >= {lo}, got {value}")
         if self.k > MAX_K:
             raise ServeError(f"k must be in [0, {MAX_K}], got {self.k}")
+        if self.prefill_streak > MAX_PREFILL_STREAK:
+            raise ServeError(f"prefill_streak must be in [0, {MAX_PREFILL_STREAK}], got {self.prefill_streak}")
         if self.threads > MAX_THREADS:
             raise ServeError(f"threads must be in [1, {MAX_THREADS}], got {self.threads}")
         if self.max_len > MAX_CONTEXT:

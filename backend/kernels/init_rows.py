@@ -81,6 +81,26 @@ def validate_init_rows(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch
     require(not chained, f"copy sources {chained[:8]} are also copy destinations in the same launch")
 
 
+ROW_OPS_MAX = 64
+"""Up to this many ops the torch path zeroes and copies row by row (a contiguous fill or copy per
+row: a few microseconds each); above it, one indexed fill and one indexed copy."""
+
+
+def init_rows_torch(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch.Tensor, cow_dst: torch.Tensor) -> None:
+    """``reference.init_rows_reference``'s effect without a GPU, over the widest words: the ops
+    are order-independent (``validate_init_rows`` checked it), so each runs on its own. Indexed
+    ops on uint8 rows cost about ten times as much as on int64 words, and for the handful of rows
+    of one forward a plain fill or copy per row is cheaper still."""
+    words = _word_view(buffer)
+    if clear.shape[0] + cow_dst.shape[0] <= ROW_OPS_MAX:
+        for row in clear.tolist():
+            words[row].zero_()
+        for src, dst in zip(cow_src.tolist(), cow_dst.tolist(), strict=True):
+            words[dst].copy_(words[src])
+        return
+    reference.init_rows_reference(words, clear, cow_src, cow_dst)
+
+
 def init_rows(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch.Tensor, cow_dst: torch.Tensor) -> None:
     """Zero the ``clear`` rows and copy rows ``cow_src[i]`` -> ``cow_dst[i]`` of a pool buffer, in one launch."""
     validate_init_rows(buffer, clear, cow_src, cow_dst)
@@ -88,7 +108,7 @@ def init_rows(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch.Tensor, 
     if n_ops == 0 or buffer.shape[1] == 0:
         return
     if not use_triton(buffer):
-        reference.init_rows_reference(buffer, clear, cow_src, cow_dst)
+        init_rows_torch(buffer, clear, cow_src, cow_dst)
         return
     words = _word_view(buffer)
     row_words = words.shape[1]

@@ -36,7 +36,7 @@ import torch
 
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
-from backend.reference import init_rows_reference
+from backend.kernels.init_rows import init_rows
 from ir.ids import PoolId, TicketSerial
 from ir.init import InitTicket, MambaInit, mint_serial
 
@@ -248,9 +248,9 @@ class ModelRunner:
             if not is_replay:
                 self.ledger.register((ticket,))
             with self.ledger.consuming(ticket, self.pool.pool_id):
-                init_rows_reference(self.pool.buffer, clear.to(self.pool.device), src.to(self.pool.device), dst.to(self.pool.device))
+                init_rows(self.pool.buffer, clear.to(self.pool.device), src.to(self.pool.device), dst.to(self.pool.device))
         else:
-            init_rows_reference(self.pool.buffer, clear.to(self.pool.device), src.to(self.pool.device), dst.to(self.pool.device))
+            init_rows(self.pool.buffer, clear.to(self.pool.device), src.to(self.pool.device), dst.to(self.pool.device))
         self.executed += 1
         self.replays += int(is_replay)
         self.stale_ops += int(clear.numel() + dst.numel()) if is_replay else 0

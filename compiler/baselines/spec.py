@@ -76,6 +76,7 @@ class MutableSpecEngine:
         self.stats = SpecStats()
         self._advanced = self._prefilled = self._emitted = 0
         self._finished: list[RequestId] = []
+        self._emitted_to: list[RequestId] = []
 
     def admit(
         self, rid: RequestId, prompt: Sequence[int], *, max_new_tokens: int, prefix: PrefixState | None = None,
@@ -93,10 +94,14 @@ class MutableSpecEngine:
         kv = self.kvs.alloc_many(len(tokens))
         batch = ScheduleBatch(spec_enabled=True, fixed=self.fixed)
         batch.prepare_for_extend([Req(rid=-1 - int(slot), slot=int(slot), prompt=list(tokens))], torch.from_numpy(kv.copy()))
-        for side in (self.t, self.d):
+        for side in self._sides():
             side.runner.forward(batch.get_model_worker_batch(ForwardMode.EXTEND))  # the clear of the fresh slot
             self._extend(side, [int(slot)], [0], [list(tokens)], [kv.tolist()])
         return PrefixState(slot=slot, tokens=tuple(tokens), kv_locs=tuple(int(x) for x in kv))
+
+    def _sides(self) -> tuple[_Side, ...]:
+        """The models a prefill runs on: at ``k == 0`` the target alone (nothing reads the draft)."""
+        return (self.t, self.d) if self.k > 0 else (self.t,)
 
     # -- model calls --------------------------------------------------------------------------
 
@@ -117,6 +122,7 @@ class MutableSpecEngine:
         t0 = time.perf_counter()
         self._advanced = self._prefilled = self._emitted = 0
         self._finished = []
+        self._emitted_to = []
         if self.waiting:
             self._prefill()
             kind = StepKind.EXTEND
@@ -127,7 +133,8 @@ class MutableSpecEngine:
             kind = StepKind.SPEC if self.k else StepKind.DECODE
         return StepReport(
             kind=kind, requests=self._advanced, prefill_tokens=self._prefilled, tokens=self._emitted,
-            finished=tuple(self._finished), aborted=(), seconds=time.perf_counter() - t0,
+            finished=tuple(self._finished), aborted=(), emitted=tuple(self._emitted_to),
+            seconds=time.perf_counter() - t0,
         )
 
     def _prefill(self) -> None:
@@ -137,14 +144,14 @@ class MutableSpecEngine:
             kv = self.kvs.alloc_many(len(req.prompt) - req.prefix_len).tolist()
             self.kv_of[req.rid] = kv
             if cp is not None:
-                for side in (self.t, self.d):
+                for side in self._sides():
                     side.table.copy_prefix(int(cp.slot), req.slot, req.prefix_len)
             reqs.append(req)
         self.waiting.clear()
         batch = ScheduleBatch(spec_enabled=self.k > 0, fixed=self.fixed)
         batch.prepare_for_extend(reqs, _i64([x for r in reqs for x in self.kv_of[r.rid]]))
         logits = None
-        for side in (self.t, self.d):
+        for side in self._sides():
             fb = batch.get_model_worker_batch(ForwardMode.EXTEND)
             side.runner.forward(fb)  # executes the deferred clears/COWs, then nulls fb's copies only
             out = self._extend(
@@ -157,6 +164,7 @@ class MutableSpecEngine:
         for r, tok in zip(reqs, first, strict=True):
             self.outputs[RequestId(r.rid)] = [int(tok)]
             self.committed[r.rid] = len(r.prompt)
+        self._emitted_to.extend(RequestId(r.rid) for r in reqs)
         self._advanced += len(reqs)
         self._prefilled += sum(len(r.prompt) - r.prefix_len for r in reqs)
         self._emitted += len(reqs)
@@ -186,6 +194,7 @@ class MutableSpecEngine:
             self.kv_of[r.rid].append(int(kv[i]))
             self.committed[r.rid] += 1
             self.outputs[RequestId(r.rid)].append(int(tokens[i]))
+        self._emitted_to.extend(RequestId(r.rid) for r in reqs)
         self._advanced += len(reqs)
         self._emitted += len(reqs)
         rb.output_ids = tokens
@@ -235,6 +244,7 @@ class MutableSpecEngine:
             self.committed[r.rid] += m + 1
             self.outputs[RequestId(r.rid)].extend(proposals[i, :m].tolist() + [int(bonus[i])])
             self._emitted += m + 1
+        self._emitted_to.extend(RequestId(r.rid) for r in reqs)
         self._advanced += len(reqs)
         self.stats.iterations += 1
         self.stats.row_iterations += len(reqs)

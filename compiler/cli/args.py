@@ -21,6 +21,7 @@ from compiler.workload import (
     DEFAULT_CONTEXT,
     MAX_CONTEXT,
     MAX_K,
+    MAX_PREFILL_STREAK,
     MAX_REQUESTS,
     MAX_RUNNING,
     MAX_SEED,
@@ -213,6 +214,9 @@ def parser() -> argparse.ArgumentParser:
                      help=f"requests live at once (default {_SERVE.max_running}; bounded by the memory estimate)")
     run.add_argument("--chunk-size", type=_int_in(1, MAX_CONTEXT), default=_SERVE.chunk_size, help=f"prefill chunk size in tokens (default {_SERVE.chunk_size})")
     run.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
+    run.add_argument("--prefill-streak", type=_int_in(0, MAX_PREFILL_STREAK), default=_SERVE.prefill_streak,
+                     help="with a draft: prefill steps in a row while requests run, before one speculative step; 0: no bound "
+                     f"(prefill whatever is queued first), 1: alternate (default {_SERVE.prefill_streak}, measured)")
     run.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries,
                      help=f"prefix-cache entries (default {_SERVE.cache_entries}; bounded by the memory estimate)")
     run.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help=f"built-in workload seed, 0 to {MAX_SEED} (default 0)")
@@ -274,12 +278,16 @@ def parser() -> argparse.ArgumentParser:
         "serve", help="serving workload at k=0 and k=2: compiled pipeline vs. the mutable baseline, pre-fix and fixed",
         description="Serve a workload at k = 0 and k = 2 through the compiled engine and the mutable baseline "
         "(pre-fix and with the upstream fix), every engine warmed up first, runs interleaved across engines; "
-        "report the median of the repeats per (k, engine, running batch).",
+        "report the median of the repeats per (arrivals, k, engine, running batch), their range, and every request's "
+        "time to first token and time per output token.",
     )
     bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=None,
                     help=f"built-in workload size, at most {MAX_REQUESTS} (default {BENCH_SERVE_REQUESTS}; not with --sweep)")
     bs.add_argument("--max-new-tokens", type=_int_in(1, MAX_CONTEXT), default=None,
                     help=f"built-in workload: max tokens per request (default {BENCH_SERVE_NEW_TOKENS}; not with --sweep)")
+    bs.add_argument("--arrivals", choices=ARRIVALS, nargs="+", default=None,
+                    help=f"built-in workload: the arrival patterns measured, each with every engine and k (default: {' '.join(ARRIVALS)}; "
+                    "not with --sweep)")
     bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")
     bs.add_argument("--sweep", metavar="B", type=_int_in(1, MAX_REQUESTS), nargs="*", default=None,

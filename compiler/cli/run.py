@@ -92,7 +92,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     cfg = ServeConfig(
         k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
         cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
-        max_len=_context(args.max_len, k, [target] + ([drafted] if drafted is not None else [])),
+        prefill_streak=args.prefill_streak, max_len=_context(args.max_len, k, [target] + ([drafted] if drafted is not None else [])),
     )
     if args.workload is None and args.max_new_tokens > cfg.builtin_max_new_tokens:
         if cfg.builtin_max_new_tokens < 1:

@@ -119,10 +119,11 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import default_draft, default_target
     from compiler.serve import ServeConfig, check_serving
     from compiler.tools.bench_serve import ENGINES, builtin_cases, run_serve_bench, sweep_cases
-    from compiler.workload import BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
+    from compiler.workload import ARRIVALS, BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
 
     sweep = args.sweep is not None
-    for option, value in (("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens)):
+    for option, value in (("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens),
+                          ("--arrivals", " ".join(args.arrivals) if args.arrivals else None)):
         if sweep and value is not None:  # refused, not ignored: the sweep sizes its own workload
             raise UsageError(f"{option} {value} with --sweep: the sweep serves B requests of {SWEEP_NEW_TOKENS} new tokens each")
     requests = BENCH_SERVE_REQUESTS if args.requests is None else args.requests
@@ -133,7 +134,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     if args.json is not None:
         check_output("--json", args.json)
     sizes = tuple(dict.fromkeys(args.sweep or SWEEP_RUNNING)) if sweep else ()
-    cases = sweep_cases(sizes) if sweep else builtin_cases(requests=requests, max_new_tokens=new_tokens)
+    arrivals = tuple(dict.fromkeys(args.arrivals or ARRIVALS))
+    cases = sweep_cases(sizes) if sweep else builtin_cases(requests=requests, max_new_tokens=new_tokens, arrivals=arrivals)
     target, draft = default_target(), default_draft()
     for case in cases:  # every engine of every case within the memory bound, before anything is allocated
         check_serving(target.config, draft.config, case.cfg, compare_mutable=True, names=("bundled target", "bundled draft"))
@@ -159,21 +161,25 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
         table = Table(title=f"bench serve: {what}, bundled target and draft",
-                      caption=f"median of {args.repeats} interleaved repeats per (k, engine, running)")
-        for h in ("k", "engine", "running", "tokens", "steps", "tokens/s", "/ mutable-fixed", "/ k=0", "model s", "host ms/step"):
+                      caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running), with their range")
+        for h in ("arrivals" if not sweep else "running", "k", "engine", "tokens", "steps", "tok/s", "range", "vs fixed", "vs k=0",
+                  "host ms", "TTFT", "TPOT"):
             table.add_column(h, justify="right")
-        order = sorted(rows, key=lambda r: (r.running, r.k, ENGINES.index(r.engine), r.overlap)) if sweep else rows
+        order = sorted(rows, key=lambda r: (r.max_running, r.k, ENGINES.index(r.engine), r.overlap)) if sweep else rows
         for r in order:
             table.add_row(
-                str(r.k), r.engine + (" +overlap" if r.overlap else ""), str(r.running), str(r.tokens), str(r.steps), f"{r.tokens_per_s:.1f}",
-                _times(r.vs_mutable_fixed), _times(r.vs_k0), f"{r.model_s:.2f}", f"{r.host_ms_per_step:.2f}",
+                r.arrivals if not sweep else str(r.max_running), str(r.k), r.engine + (" +overlap" if r.overlap else ""), str(r.tokens),
+                str(r.steps), f"{r.tokens_per_s:.0f}", f"{r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}", _times(r.vs_mutable_fixed),
+                _times(r.vs_k0), f"{r.host_ms_per_step:.2f}", _ms1(r.latency("ttft", 0.5)), _ms1(r.latency("tpot", 0.5)),
             )
         console.print(table)
         console.print(
-            "host ms/step = (wall - time inside model forwards) / steps (with overlap: minus the time an executor process "
-            "ran a plan). '/ mutable-fixed' and '/ k=0': the row's "
-            "tokens/s over the fixed baseline's (same k and running) and over its own engine's at k=0, measured in "
-            "this run (ratios of the medians). mutable = the pre-fix baseline (replays stale init ops); neither "
+            "tok/s: median tokens per second, range: its lowest and highest repeat. host ms = (wall - time inside model "
+            "forwards) / steps (with overlap: minus the time an executor process ran a plan). TTFT: ms from a request's "
+            "arrival step to its first token; TPOT: ms per output token after the first; both the median over every "
+            "request of every repeat (p90 in --json). 'vs fixed' and 'vs k=0': the row's "
+            "tokens/s over the fixed baseline's (same arrivals, k and running limit) and over its own engine's at k=0, "
+            "measured in this run (ratios of the medians). mutable = the pre-fix baseline (replays stale init ops); neither "
             f"baseline has a prefix cache. {time.perf_counter() - t0:.0f} s in all.",
             highlight=False,
         )
@@ -239,6 +245,10 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _ms1(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _times(ratio: float | None) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 
 from backend.model import ServedModel
 from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
+from compiler.engine.policy import SchedulePolicy
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from ir.columns import I64, as_i64, int_problem
@@ -68,6 +69,7 @@ def check_engine_args(
     pm: object,
     overlap: object = False,
     tp: object = None,
+    policy: object = None,
 ) -> None:
     """``Engine``'s argument checks, all before anything is allocated (``PreconditionError`` naming
     the argument and the value): counts are ints (numpy
@@ -79,7 +81,7 @@ def check_engine_args(
     ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``ServedModel`` (a ``HybridModel``, or
     any model with the protocol's methods); ``draft`` a ``ServedModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
     0``); ``mixed`` and ``overlap`` ``bool``s; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
-    ``PassManager`` or ``None``; ``tp`` ``None`` or rank 0's ``backend.tp.TPLeader`` with no session
+    ``PassManager`` or ``None``; ``policy`` a ``SchedulePolicy``; ``tp`` ``None`` or rank 0's ``backend.tp.TPLeader`` with no session
     open, neither with ``overlap`` nor with ``retries`` (a rank's failed forward is fatal to the group)."""
     kk = engine_int("k", k, 0, MAX_K)
     slots = engine_int("capacity", capacity, 1, MAX_CAPACITY)
@@ -124,6 +126,10 @@ def check_engine_args(
         )
     if pm is not None and not isinstance(pm, PassManager):
         raise PreconditionError("Engine", f"pm must be a PassManager or None, not {type(pm).__name__} (got {short_repr(pm)})")
+    if not isinstance(policy, SchedulePolicy):
+        raise PreconditionError(
+            "Engine", f"policy must be a SchedulePolicy (compiler.engine.policy), not {type(policy).__name__} (got {short_repr(policy)})"
+        )
     if tp is not None:
         from backend.tp.serve import TPLeader, check_shard
 

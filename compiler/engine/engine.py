@@ -46,6 +46,7 @@ from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSess
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.forwards import Forwards, Progress
 from compiler.engine.kv_refs import KVRefs
+from compiler.engine.policy import DEFAULT_POLICY, SchedulePolicy
 from compiler.engine.prefixes import PrefixStates
 from compiler.engine.report import PrefixState, SpecStats, StepKind, StepReport
 from compiler.engine.requests import Ending, Request, RequestTable
@@ -78,17 +79,22 @@ class Engine:
         pm: PassManager | None = None,
         overlap: bool = False,
         tp: TPLeader | None = None,
+        policy: SchedulePolicy = DEFAULT_POLICY,
     ) -> None:
         """Every argument is checked before anything is allocated (``check_engine_args``: types and
         bounds, ``PreconditionError`` naming the argument and the value). ``overlap``: run each
         model's executor in its own process (see the module). ``tp``: rank 0 of a tensor-parallel
         group (``backend.tp``): ``target`` and ``draft`` are rank 0's shards, every plan runs on
-        every rank, and ``close`` gathers every rank's ledger counts into ``tp_ledgers``."""
+        every rank, and ``close`` gathers every rank's ledger counts into ``tp_ledgers``. ``policy``: when
+        requests both wait for their prefill and run (with a draft, or ``mixed=False``), whether a
+        step prefills or runs the running batch (``compiler.engine.policy``)."""
         check_engine_args(
             target, draft, k=k, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, chunk_size=chunk_size,
             token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm, overlap=overlap, tp=tp,
+            policy=policy,
         )
         self.overlap = overlap
+        self.policy = policy
         self.tp = tp
         self.tp_ledgers: RankLedgers | None = None
         """With ``tp``: every rank's ledger counts, gathered by ``close``."""
@@ -131,6 +137,7 @@ class Engine:
         self.forwards = Forwards(
             k=k, pipeline=self.pipeline, runner=self.runner, target=self.target, draft=self.draft, requests=self.requests,
             kv_refs=self.kv_refs, session=self.session, planner=self.planner, stats=self.stats, release=self._release, mixed=mixed,
+            policy=policy,
         )
         # with the executors in their own processes, each step is built while the previous one runs: at
         # k = 0, without retries (a retried forward would have to replay the one sent after it) and
@@ -345,7 +352,7 @@ class Engine:
         p = self.forwards.progress
         return StepReport(
             kind=kind, requests=p.requests, prefill_tokens=p.prefill_tokens, tokens=p.tokens, finished=tuple(p.finished),
-            aborted=tuple(p.aborted), errored=tuple(p.errored), seconds=time.perf_counter() - t0,
+            aborted=tuple(p.aborted), errored=tuple(p.errored), emitted=tuple(p.emitted), seconds=time.perf_counter() - t0,
         )
 
     def sync(self) -> None:

@@ -4,9 +4,9 @@ what the step did in ``Progress``.
 
 Per engine step, one kind of forward (``StepKind``):
 
-- **extend** when requests wait for (more of) their prefill, alternating with the running batch
-  so neither starves: each gets its next chunk (at most ``chunk_size`` tokens, at most
-  ``token_budget`` in total). A first chunk starts with a clear (fresh slot) or a COW (a cached
+- **extend** when requests wait for (more of) their prefill and nothing runs, or the engine's
+  scheduling policy (``compiler.engine.policy``) says so while rows run: each gets its next chunk
+  (at most ``chunk_size`` tokens, at most ``token_budget`` in total). A first chunk starts with a clear (fresh slot) or a COW (a cached
   prefix, from a ``PrefixState`` or the prefix cache), later chunks continue. One
   ``Pipeline.prefill`` lowers the forward with one ticket per pool and both executors run the same
   ``ExtendPlan``: the draft pool's init ops run there, and only there. A chunk that ends at a prefix
@@ -14,8 +14,9 @@ Per engine step, one kind of forward (``StepKind``):
   same tickets and ledger). The target's argmax at a prompt's end is the request's first token.
 - **mixed** (``k == 0`` only, on by default, ``mixed=False`` turns it off): while requests both
   run and wait, the running batch's decode and the next prefill chunks share one MIXED forward.
-  With a draft the steps alternate instead: a speculative iteration is four forwards over two
-  models (the same choice as engines that turn mixed chunked prefill off under speculation).
+  With a draft the policy chooses between a prefill step and a speculative step instead: a
+  speculative iteration is four forwards over two models (the same choice as engines that turn
+  mixed chunked prefill off under speculation).
 - otherwise **decode** (``k == 0``: plain greedy) or **spec** (``k > 0``): draft proposal (draft
   executor), verify (target), accept + commit (target), draft extend (draft). Rejected KV
   locations go back to the allocator right after the commit.
@@ -47,6 +48,7 @@ from compiler.engine.cache_session import CacheSession
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.nonfinite import bonus_tokens, checkable_targets
+from compiler.engine.policy import QueueState, SchedulePolicy
 from compiler.engine.report import SpecStats, StepKind
 from compiler.engine.requests import Ending, Request, RequestState, RequestTable
 from compiler.engine.runner import Backend, ForwardRunner, StepFailed, Submitted, cause_words, logits_of, plan_rids, proposals_of
@@ -69,6 +71,8 @@ class Progress:
         self.aborted: list[RequestId] = []
         self.errored: list[RequestId] = []
         """Requests whose next token's logits were not finite (``_emit``); released by ``_finish``."""
+        self.emitted: list[RequestId] = []
+        """Requests given at least one token."""
 
 
 @attrs.frozen
@@ -108,13 +112,16 @@ class Forwards:
         stats: SpecStats,
         release: Callable[[Sequence[RequestId], Ending], None],
         mixed: bool,
+        policy: SchedulePolicy,
     ) -> None:
         self.k, self.pipeline, self.runner, self.target, self.draft = k, pipeline, runner, target, draft
         self.requests, self.kv_refs, self.session, self.planner, self.stats = requests, kv_refs, session, planner, stats
         self.release, self.mixed = release, mixed
         self.running = DecodeBatch.empty()
         self.progress = Progress()
-        self._last_was_prefill = False
+        self.policy = policy
+        self._streak = 0
+        """Prefill steps in a row just before this one while rows were running (``QueueState``)."""
         self.pipelined = False
         """``k == 0``: build each step's forward while the previous one runs (``run_pipelined``)."""
         self._inflight: _Inflight | None = None
@@ -146,13 +153,15 @@ class Forwards:
         self.land()
         if self.mixed and self.draft is None and self.requests.has_queued and self.running.num_requests:
             if self._reserve_kv(1):  # False only when retraction emptied the running batch
-                self._last_was_prefill = False
+                self._streak = 0
                 return self.run_mixed()
-        prefill_ready = self.requests.has_queued and (not self.running.num_requests or not self._last_was_prefill)
-        if prefill_ready and self.prefill():
-            self._last_was_prefill = True
+        running = self.running.num_requests
+        if self.requests.has_queued and (
+            not running or self.policy.prefill_now(QueueState(queued=self.requests.num_queued, running=running, prefill_streak=self._streak))
+        ) and self.prefill():
+            self._streak = self._streak + 1 if running else 0
             return StepKind.EXTEND
-        self._last_was_prefill = False
+        self._streak = 0
         if not self.running.num_requests:
             return StepKind.IDLE
         if not self._reserve_kv(self.k + 1):
@@ -473,6 +482,7 @@ class Forwards:
             self.progress.tokens += len(toks)
             if toks:
                 r.pending = toks[-1]
+                self.progress.emitted.append(rid)
             if flagged and not r.is_done():
                 self.progress.errored.append(rid)
 

@@ -39,6 +39,9 @@ class StepReport:
     """Requests aborted in this step because a forward failed."""
     errored: tuple[RequestId, ...] = ()
     """Requests ended in this step because the logits for their next token were not finite."""
+    emitted: tuple[RequestId, ...] = ()
+    """Requests that were given at least one token in this step, in the order they got them (the
+    first step that names a request is its first token's)."""
     seconds: float
     """Wall time of the step."""
 

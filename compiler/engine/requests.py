@@ -131,6 +131,10 @@ class RequestTable:
     def has_queued(self) -> bool:
         return bool(self._queue)
 
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
     def started(self, r: Request, slot: MambaSlot) -> None:
         assert r.state is RequestState.WAITING
         r.slot, r.state = slot, RequestState.PREFILLING

@@ -10,9 +10,10 @@ import attrs
 
 from backend.hybrid.model import HybridModel
 from backend.tp.serve import TPLeader
-from compiler.engine import Engine
+from compiler.engine import Engine, PrefillFirst
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
+from compiler.serve.latency import Latencies
 from compiler.serve.memory import check_serving
 from compiler.serve.summary import Sample, ServeSummary, host_ms_per_step
 from compiler.serve.tokenizer import ByteTokenizer, Tokenizer
@@ -32,6 +33,7 @@ def make_engine(
         max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,
         prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
         overlap=cfg.overlap if overlap is None else overlap, tp=tp,
+        policy=PrefillFirst(max_streak=cfg.prefill_streak or None),
     )
 
 
@@ -42,26 +44,33 @@ def stop_ids(r: Request, eos: Sequence[int]) -> list[int]:
 
 def serve(
     driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None,
-    on_step: Callable[[], None] | None = None, eos: Sequence[int] = (),
+    on_step: Callable[[], None] | None = None, eos: Sequence[int] = (), latency: Latencies | None = None,
 ) -> tuple[float, dict[str, int]]:
     """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live;
     each ends at its ``max_new_tokens``, its ``stop`` or any of the ``eos`` ids. ``on_finish`` gets
     the number of finished requests whenever it changes; ``on_step`` is called before each step,
-    after that step's admissions (to sample ``driver.live``, say). Returns the wall seconds and the
-    steps by kind. A refused request (``Request.refused``) is never admitted."""
+    after that step's admissions (to sample ``driver.live``, say); ``latency`` records each
+    request's arrival, first token and end. Returns the wall seconds and the steps by kind. A
+    refused request (``Request.refused``) is never admitted."""
     queue = sorted((r for r in workload if r.refused is None), key=lambda r: r.arrival)
     steps: dict[str, int] = {}
     step_no = 0
     t0 = time.perf_counter()
-    done = 0
+    done = arrived = 0
     while queue or driver.live:
+        if latency is not None:
+            arrived = _arrivals(latency, queue, arrived, step_no)
         while queue and queue[0].arrival <= step_no and driver.live < max_running:
             r = queue.pop(0)
+            arrived = max(arrived - 1, 0)  # (the head had arrived)
             stops = stop_ids(r, eos)
             driver.admit(r.rid, list(r.token_ids), max_new_tokens=r.max_new_tokens, stop=stops if stops else None)
         if on_step is not None:
             on_step()
-        kind = driver.step().kind.value
+        report = driver.step()
+        if latency is not None:
+            latency.step(report, time.perf_counter())
+        kind = report.kind.value
         steps[kind] = steps.get(kind, 0) + 1
         step_no += 1
         if on_finish is not None and len(driver.outputs) != done:
@@ -69,6 +78,16 @@ def serve(
             on_finish(done)
     driver.sync()  # the last commits still running in executor processes (overlap) are part of the run
     return time.perf_counter() - t0, steps
+
+
+def _arrivals(latency: Latencies, queue: Sequence[Request], arrived: int, step_no: int) -> int:
+    """Record the requests at the head of ``queue`` (sorted by arrival; its first ``arrived`` are
+    recorded already) whose arrival step has come; returns how many of its head have arrived."""
+    now = time.perf_counter()
+    while arrived < len(queue) and queue[arrived].arrival <= step_no:
+        latency.arrive((queue[arrived].rid,), now)
+        arrived += 1
+    return arrived
 
 
 def run(

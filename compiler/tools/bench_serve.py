@@ -32,10 +32,11 @@ import attrs
 
 from backend.hybrid.model import HybridModel
 from compiler.serve import Request, ServeConfig, builtin_workload, make_engine, serve
+from compiler.serve.latency import Latencies
 from compiler.serve.summary import host_ms_per_step
 from compiler.tools.compare_mutable import make_mutable, serve_mutable, warm_up
 from compiler.tools.timed import TimedModel
-from compiler.workload import SNIPPETS, SWEEP_NEW_TOKENS, SYSTEM_PREFIXES
+from compiler.workload import ARRIVALS, SNIPPETS, SWEEP_NEW_TOKENS, SYSTEM_PREFIXES
 from ir.ids import RequestId
 
 ENGINES = ("compiled", "mutable", "mutable-fixed")
@@ -51,16 +52,24 @@ class BenchCase:
 
     workload: str
     """``"builtin"`` or ``"sweep"``."""
+    arrivals: str
+    """The built-in workload's arrival pattern (``"bursts"`` or ``"trickle"``; the sweep: ``"together"``)."""
     k: int
     cfg: ServeConfig
     requests: tuple[Request, ...]
 
 
-def builtin_cases(*, requests: int, max_new_tokens: int, ks: Sequence[int] = KS) -> list[BenchCase]:
-    """The built-in workload (bursts, shared prefixes, chunked prompts) at each k, with
-    ``batchc run``'s default configuration."""
-    workload = tuple(builtin_workload(num_requests=requests, max_new_tokens=max_new_tokens))
-    return [BenchCase(workload="builtin", k=k, cfg=ServeConfig(k=k), requests=workload) for k in ks]
+def builtin_cases(
+    *, requests: int, max_new_tokens: int, ks: Sequence[int] = KS, arrivals: Sequence[str] = ARRIVALS, cfg: ServeConfig | None = None,
+) -> list[BenchCase]:
+    """The built-in workload (shared prefixes, chunked prompts) for each arrival pattern at each k,
+    with ``batchc run``'s default configuration (``cfg``: another one, its k replaced)."""
+    base = cfg if cfg is not None else ServeConfig()
+    cases = []
+    for pattern in arrivals:
+        workload = tuple(builtin_workload(num_requests=requests, max_new_tokens=max_new_tokens, arrivals=pattern))
+        cases += [BenchCase(workload="builtin", arrivals=pattern, k=k, cfg=attrs.evolve(base, k=k), requests=workload) for k in ks]
+    return cases
 
 
 def sweep_workload(running: int, *, new_tokens: int = SWEEP_NEW_TOKENS, seed: int = 0) -> list[Request]:
@@ -88,7 +97,7 @@ def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int
         max_len = -(-need // base.cache_block) * base.cache_block
         for k in ks:
             cfg = ServeConfig(k=k, max_running=b, token_budget=b * base.chunk_size, max_len=max_len, lossless_sample=0)
-            cases.append(BenchCase(workload="sweep", k=k, cfg=cfg, requests=workload))
+            cases.append(BenchCase(workload="sweep", arrivals="together", k=k, cfg=cfg, requests=workload))
     return cases
 
 
@@ -97,6 +106,7 @@ class ServeRun:
     """One measured run of one engine on one case."""
 
     workload: str
+    arrivals: str
     k: int
     engine: str
     overlap: bool
@@ -107,6 +117,12 @@ class ServeRun:
     wall_s: float
     model_s: float
     repeat: int
+    max_running: int = 0
+    """The case's ``max_running`` (what rows are grouped and compared by; ``running`` is what one run reached)."""
+    ttft_ms: tuple[float, ...] = ()
+    """Time to first token of every request (``compiler.serve.latency``)."""
+    tpot_ms: tuple[float, ...] = ()
+    """Time per output token after the first, of every request with two or more."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,6 +139,7 @@ def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel,
     cfg = case.cfg
     target.seconds = draft.seconds = 0.0
     peak = 0
+    latency = Latencies()
     if engine == "compiled":
         with make_engine(target, draft, cfg, None, cache=True, k=case.k, overlap=overlap) as drv:
             if overlap:  # warm the processes themselves: an in-process warm-up does not reach them
@@ -135,7 +152,7 @@ def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel,
                 peak = max(peak, drv.live)
 
             start = time.perf_counter()
-            wall, kinds = serve(drv, case.requests, max_running=cfg.max_running, on_step=sample)
+            wall, kinds = serve(drv, case.requests, max_running=cfg.max_running, on_step=sample, latency=latency)
             model_s = drv.busy_seconds(start, time.perf_counter()) if overlap else target.seconds + draft.seconds
             steps, outputs = sum(kinds.values()), drv.outputs
     elif engine in ("mutable", "mutable-fixed"):
@@ -147,49 +164,75 @@ def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel,
             nonlocal peak
             peak = max(peak, eng.live)
 
-        wall, steps = serve_mutable(eng, case.requests, max_running=cfg.max_running, on_step=sample)
+        wall, steps = serve_mutable(eng, case.requests, max_running=cfg.max_running, on_step=sample, latency=latency)
         outputs = eng.outputs
         model_s = target.seconds + draft.seconds
     else:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     return ServeRun(
-        workload=case.workload, k=case.k, engine=engine, overlap=overlap, running=peak, tokens=sum(map(len, outputs.values())),
-        steps=steps, wall_s=wall, model_s=model_s, repeat=repeat,
+        workload=case.workload, arrivals=case.arrivals, k=case.k, engine=engine, overlap=overlap, running=peak,
+        tokens=sum(map(len, outputs.values())), steps=steps, wall_s=wall, model_s=model_s, repeat=repeat, max_running=cfg.max_running,
+        ttft_ms=tuple(latency.ttft_ms()), tpot_ms=tuple(latency.tpot_ms(outputs)),
     )
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-quantile (0..1) of ``values`` by linear interpolation, or None when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 @attrs.frozen(kw_only=True)
 class ServeRow:
-    """The median of the repeats of one (workload, k, engine, running), and its ratios."""
+    """The median of the repeats of one (workload, arrivals, k, engine, max_running), its spread and its
+    ratios, and the latencies of every request of every repeat."""
 
     workload: str
+    arrivals: str
     k: int
     engine: str
     overlap: bool
     """Whether the engine ran its executors in their own processes (``Engine(overlap=True)``)."""
+    max_running: int
+    """The case's ``max_running``."""
     running: int
+    """Most requests live at once in any of its runs."""
     tokens: int
     steps: int
     tokens_per_s: float
+    tokens_per_s_min: float
+    tokens_per_s_max: float
     host_ms_per_step: float
     wall_s: float
     model_s: float
     vs_mutable_fixed: float | None
-    """Median tokens/s over the ``mutable-fixed`` row's at the same workload, k and running."""
+    """Median tokens/s over the ``mutable-fixed`` row's at the same workload, arrivals, k and running."""
     vs_k0: float | None
-    """Median tokens/s over the same engine's at k = 0 on the same workload and running."""
+    """Median tokens/s over the same engine's at k = 0 on the same workload, arrivals and running."""
     runs: tuple[ServeRun, ...]
 
     @property
     def repeats(self) -> int:
         return len(self.runs)
 
+    def latency(self, which: str, q: float) -> float | None:
+        """The ``q``-quantile of ``"ttft"`` or ``"tpot"`` (ms) over every request of every repeat."""
+        return percentile([x for r in self.runs for x in (r.ttft_ms if which == "ttft" else r.tpot_ms)], q)
+
     def to_json(self) -> dict[str, object]:
         return {
-            "workload": self.workload, "k": self.k, "engine": self.engine, "overlap": self.overlap, "running": self.running,
-            "tokens_per_s": self.tokens_per_s, "host_ms_per_step": self.host_ms_per_step, "steps": self.steps,
+            "workload": self.workload, "arrivals": self.arrivals, "k": self.k, "engine": self.engine, "overlap": self.overlap,
+            "max_running": self.max_running, "running": self.running, "tokens_per_s": self.tokens_per_s, "tokens_per_s_min": self.tokens_per_s_min,
+            "tokens_per_s_max": self.tokens_per_s_max, "host_ms_per_step": self.host_ms_per_step, "steps": self.steps,
             "tokens": self.tokens, "wall_s": self.wall_s, "model_s": self.model_s,
             "tokens_per_s_vs_mutable_fixed": self.vs_mutable_fixed, "tokens_per_s_vs_k0": self.vs_k0,
+            "ttft_ms_p50": self.latency("ttft", 0.5), "ttft_ms_p90": self.latency("ttft", 0.9),
+            "tpot_ms_p50": self.latency("tpot", 0.5), "tpot_ms_p90": self.latency("tpot", 0.9),
             "statistic": "median", "repeats": self.repeats,
             "runs": [
                 {"repeat": r.repeat, "tokens_per_s": r.tokens_per_s, "host_ms_per_step": r.host_ms_per_step,
@@ -204,22 +247,24 @@ def _ratio(a: float, b: float | None) -> float | None:
 
 
 def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
-    """One row per (workload, k, engine, overlap, running): the medians of its runs, in the order the
-    keys first appear."""
-    groups: dict[tuple[str, int, str, bool, int], list[ServeRun]] = {}
+    """One row per (workload, arrivals, k, engine, overlap, max_running): the medians of its runs and
+    their range, in the order the keys first appear."""
+    groups: dict[tuple[str, str, int, str, bool, int], list[ServeRun]] = {}
     for r in runs:
-        groups.setdefault((r.workload, r.k, r.engine, r.overlap, r.running), []).append(r)
+        groups.setdefault((r.workload, r.arrivals, r.k, r.engine, r.overlap, r.max_running), []).append(r)
     tps = {key: statistics.median(r.tokens_per_s for r in g) for key, g in groups.items()}
     rows = []
-    for (workload, k, engine, overlap, running), g in groups.items():
-        mine = tps[(workload, k, engine, overlap, running)]
+    for (workload, arrivals, k, engine, overlap, running), g in groups.items():
+        mine = tps[(workload, arrivals, k, engine, overlap, running)]
         rows.append(ServeRow(
-            workload=workload, k=k, engine=engine, overlap=overlap, running=running,
+            workload=workload, arrivals=arrivals, k=k, engine=engine, overlap=overlap, max_running=running,
+            running=max(r.running for r in g),
             tokens=statistics.median_low(r.tokens for r in g), steps=statistics.median_low(r.steps for r in g),
-            tokens_per_s=mine, host_ms_per_step=statistics.median(r.host_ms_per_step for r in g),
+            tokens_per_s=mine, tokens_per_s_min=min(r.tokens_per_s for r in g), tokens_per_s_max=max(r.tokens_per_s for r in g),
+            host_ms_per_step=statistics.median(r.host_ms_per_step for r in g),
             wall_s=statistics.median(r.wall_s for r in g), model_s=statistics.median(r.model_s for r in g),
-            vs_mutable_fixed=_ratio(mine, tps.get((workload, k, "mutable-fixed", False, running))),
-            vs_k0=_ratio(mine, tps.get((workload, 0, engine, overlap, running))), runs=tuple(g),
+            vs_mutable_fixed=_ratio(mine, tps.get((workload, arrivals, k, "mutable-fixed", False, running))),
+            vs_k0=_ratio(mine, tps.get((workload, arrivals, 0, engine, overlap, running))), runs=tuple(g),
         ))
     return rows
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from backend.hybrid.model import HybridModel
 from compiler.baselines.spec import MutableSpecEngine
 from compiler.serve import MutableRun, Request, ServeConfig, make_engine, serve
+from compiler.serve.latency import Latencies
 from compiler.serve.summary import host_ms_per_step
 from compiler.tools.timed import TimedModel
 from compiler.workload import SYSTEM_PREFIXES
@@ -28,24 +29,34 @@ def make_mutable(target: HybridModel, draft: HybridModel, cfg: ServeConfig, *, k
 
 
 def serve_mutable(
-    engine: MutableSpecEngine, workload: Sequence[Request], *, max_running: int, on_step: Callable[[], None] | None = None
+    engine: MutableSpecEngine, workload: Sequence[Request], *, max_running: int, on_step: Callable[[], None] | None = None,
+    latency: Latencies | None = None,
 ) -> tuple[float, int]:
     """The same admission loop for the mutable baseline; system prefixes are prefix states it COWs from
     (it has no prefix cache). The clock starts before they are built, as the compiled engine builds
     its cached prefixes within its run, so the wall time holds every forward of the run. ``on_step``
-    is called before each step, after that step's admissions. Returns wall seconds and steps."""
+    is called before each step, after that step's admissions; ``latency`` records each request's arrival,
+    first token and end. Returns wall seconds and steps."""
     queue = sorted(workload, key=lambda r: r.arrival)
     t0 = time.perf_counter()
     cps = [engine.make_prefix(list(p)) for p in SYSTEM_PREFIXES]
-    steps = 0
+    steps = arrived = 0
     while queue or engine.live:
+        if latency is not None:
+            now = time.perf_counter()
+            while arrived < len(queue) and queue[arrived].arrival <= steps:
+                latency.arrive((queue[arrived].rid,), now)
+                arrived += 1
         while queue and queue[0].arrival <= steps and engine.live < max_running:
             r = queue.pop(0)
+            arrived = max(arrived - 1, 0)  # (the head had arrived)
             cp = next((c for c in cps if r.prompt.startswith(bytes(c.tokens)) and len(r.prompt) > len(c.tokens)), None)
             engine.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, prefix=cp, stop=r.stop)
         if on_step is not None:
             on_step()
-        engine.step()
+        report = engine.step()
+        if latency is not None:
+            latency.step(report, time.perf_counter())
         steps += 1
     wall = time.perf_counter() - t0
     for cp in cps:

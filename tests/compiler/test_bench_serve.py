@@ -13,7 +13,9 @@ import pytest
 
 from compiler.cli import main
 from compiler.serve import Request, ServeConfig, make_engine, serve
-from compiler.tools.bench_serve import ENGINES, ServeRun, summarise, sweep_cases, sweep_workload
+from compiler.engine import StepKind, StepReport
+from compiler.serve.latency import Latencies
+from compiler.tools.bench_serve import ENGINES, ServeRun, percentile, summarise, sweep_cases, sweep_workload
 from compiler.tools.compare_mutable import make_mutable, serve_mutable
 from compiler.workload import SWEEP_NEW_TOKENS
 from ir.ids import RequestId
@@ -22,6 +24,7 @@ from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, tiny_models
 ROW_FIELDS = {
     "k": int, "engine": str, "overlap": bool, "running": int, "tokens_per_s": float, "host_ms_per_step": float,
     "steps": int, "tokens": int, "wall_s": float, "model_s": float, "repeats": int, "runs": list, "workload": str,
+    "arrivals": str, "max_running": int, "tokens_per_s_min": float, "tokens_per_s_max": float,
 }
 
 
@@ -38,26 +41,38 @@ def _rows(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert row["repeats"] == len(row["runs"]) and row["steps"] > 0 and row["tokens"] > 0
         for run in row["runs"]:  # every forward the model clock counts lies within the run's wall time
             assert 0.0 < run["model_s"] < run["wall_s"], run
+        assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
+        assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p90"]  # type: ignore[operator]  # JSON numbers
     return rows, out
 
 
 def test_bench_serve_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rows, out = _rows(["--requests", "2", "--max-new-tokens", "2", "--repeats", "1"], tmp_path, capsys)
-    assert [(r["k"], r["engine"]) for r in rows] == [(k, e) for k in (0, 2) for e in ENGINES]
+    assert [(r["arrivals"], r["k"], r["engine"]) for r in rows] == [(a, k, e) for a in ("bursts", "trickle") for k in (0, 2) for e in ENGINES]
     for row in rows:
-        assert row["workload"] == "builtin" and row["repeats"] == 1
-        assert row["running"] == 2  # both requests arrive in the first burst
+        assert row["workload"] == "builtin" and row["repeats"] == 1 and row["max_running"] == ServeConfig().max_running
+        if row["arrivals"] == "bursts":
+            assert row["running"] == 2  # both requests arrive in the first burst
         assert row["tokens"] == rows[0]["tokens"]  # every engine generates the same tokens
+        same = [r for r in rows if r["k"] == row["k"] and r["arrivals"] == row["arrivals"]]
         assert row["tokens_per_s_vs_mutable_fixed"] == pytest.approx(
-            row["tokens_per_s"] / next(r["tokens_per_s"] for r in rows if r["k"] == row["k"] and r["engine"] == "mutable-fixed"))
-        k0 = next(r for r in rows if r["k"] == 0 and r["engine"] == row["engine"])
+            row["tokens_per_s"] / next(r["tokens_per_s"] for r in same if r["engine"] == "mutable-fixed"))
+        k0 = next(r for r in rows if r["k"] == 0 and r["engine"] == row["engine"] and r["arrivals"] == row["arrivals"])
         assert row["tokens_per_s_vs_k0"] == pytest.approx(row["tokens_per_s"] / k0["tokens_per_s"])
-    assert "median of 1 interleaved repeats per (k, engine, running)" in out
-    assert "/ mutable-fixed" in out and "/ k=0" in out and "host ms/step" in out
+        assert row["tpot_ms_p50"] is not None  # two new tokens each: one gap per request
+    assert "median of 1 interleaved repeats per (arrivals, k, engine, running), with their range" in out
+    assert "vs fixed" in out and "vs k=0" in out and "host ms" in out and "TTFT" in out and "TPOT" in out
+
+
+def test_bench_serve_measures_the_arrival_patterns_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows, _ = _rows(["--requests", "2", "--max-new-tokens", "2", "--repeats", "1", "--arrivals", "trickle"], tmp_path, capsys)
+    assert {r["arrivals"] for r in rows} == {"trickle"} and len(rows) == 2 * len(ENGINES)
+    assert main(["bench", "serve", "--sweep", "2", "--arrivals", "bursts"]) == 2
+    assert "--arrivals bursts with --sweep" in capsys.readouterr().err
 
 
 def test_bench_serve_overlap_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rows, out = _rows(["--requests", "3", "--max-new-tokens", "2", "--repeats", "1", "--overlap"], tmp_path, capsys)
+    rows, out = _rows(["--requests", "3", "--max-new-tokens", "2", "--repeats", "1", "--overlap", "--arrivals", "bursts"], tmp_path, capsys)
     assert [(r["k"], r["engine"], r["overlap"]) for r in rows] == [
         (k, e, o) for k in (0, 2) for e in ENGINES for o in ((False, True) if e == "compiled" else (False,))
     ]
@@ -86,7 +101,8 @@ def test_sweep_cases_size_every_engine_for_the_batch() -> None:
 
 
 def _run(engine: str, k: int, tokens_per_s: float, repeat: int, running: int = 8, overlap: bool = False) -> ServeRun:
-    return ServeRun(workload="builtin", k=k, engine=engine, overlap=overlap, running=running, tokens=100, steps=10,
+    return ServeRun(workload="builtin", arrivals="bursts", k=k, engine=engine, overlap=overlap, running=running, max_running=running,
+                    tokens=100, steps=10,
                     wall_s=100 / tokens_per_s, model_s=0.5 * 100 / tokens_per_s, repeat=repeat)
 
 
@@ -97,6 +113,7 @@ def test_rows_report_the_median_of_the_repeats_and_ratios_of_the_medians() -> No
     assert len(rows) == 6
     compiled0 = rows[(0, "compiled")]
     assert compiled0.tokens_per_s == pytest.approx(400.0) and compiled0.repeats == 3
+    assert (compiled0.tokens_per_s_min, compiled0.tokens_per_s_max) == pytest.approx((200.0, 600.0))
     assert compiled0.wall_s == pytest.approx(0.25) and compiled0.host_ms_per_step == pytest.approx(12.5)
     assert compiled0.vs_mutable_fixed == pytest.approx(2.0) and compiled0.vs_k0 == pytest.approx(1.0)
     assert rows[(2, "compiled")].vs_k0 == pytest.approx(3.0)
@@ -117,6 +134,43 @@ def test_an_overlapped_engine_is_its_own_row_compared_with_the_fixed_baseline_an
 def test_a_different_running_batch_is_a_different_row() -> None:
     rows = summarise([_run("compiled", 0, 100.0, 0, running=8), _run("compiled", 0, 100.0, 1, running=4)])
     assert [(r.running, r.repeats, r.vs_mutable_fixed) for r in rows] == [(8, 1, None), (4, 1, None)]
+
+
+def test_runs_that_reached_different_peaks_under_one_limit_are_one_row() -> None:
+    # a trickle reaches fewer live requests in some runs than in others: the rows compare by the limit
+    runs = [attrs.evolve(_run("compiled", 0, 100.0 * (1 + rep), rep, running=8), running=5 + rep) for rep in range(3)]
+    runs.append(attrs.evolve(_run("mutable-fixed", 0, 100.0, 0, running=8), running=7))
+    rows = {r.engine: r for r in summarise(runs)}
+    assert rows["compiled"].repeats == 3 and rows["compiled"].running == 7 and rows["compiled"].max_running == 8
+    assert rows["compiled"].vs_mutable_fixed == pytest.approx(2.0)
+
+
+def test_latency_quantiles_pool_every_request_of_every_repeat() -> None:
+    assert percentile([], 0.5) is None
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.9) == pytest.approx(4.6)
+    runs = [attrs.evolve(_run("compiled", 0, 100.0, rep), ttft_ms=(1.0 + rep, 10.0 + rep), tpot_ms=(2.0,)) for rep in range(2)]
+    row = summarise(runs)[0]
+    assert row.latency("ttft", 0.5) == pytest.approx(6.0) and row.latency("tpot", 0.9) == pytest.approx(2.0)
+    assert row.to_json()["ttft_ms_p50"] == pytest.approx(6.0)
+
+
+def test_latencies_start_at_arrival_and_count_tokens_after_the_first() -> None:
+    lat = Latencies()
+    lat.arrive([RequestId(1), RequestId(2)], 1.0)
+    lat.arrive([RequestId(1)], 5.0)  # arriving again does not move the clock
+    lat.step(_report(emitted=(RequestId(1),)), 1.5)
+    lat.step(_report(emitted=(RequestId(1), RequestId(2))), 2.0)
+    lat.step(_report(emitted=(RequestId(1),), finished=(RequestId(1),)), 3.5)
+    lat.step(_report(emitted=(RequestId(2),), finished=(RequestId(2),)), 4.0)
+    assert lat.ttft_ms() == pytest.approx([500.0, 1000.0])
+    # request 1: 4 tokens, 2 s after its first; request 2 emitted 1 token only: no gap to measure
+    assert lat.tpot_ms({RequestId(1): [7, 7, 7, 7], RequestId(2): [7]}) == pytest.approx([2000.0 / 3])
+
+
+def _report(*, emitted: tuple[RequestId, ...], finished: tuple[RequestId, ...] = ()) -> StepReport:
+    return StepReport(kind=StepKind.DECODE, requests=0, prefill_tokens=0, tokens=0, finished=finished, aborted=(), emitted=emitted,
+                      seconds=0.0)
 
 
 def test_the_mutable_baseline_stops_where_the_compiled_engine_does() -> None:

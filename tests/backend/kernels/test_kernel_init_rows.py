@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from backend import reference
 from backend.kernels.dispatch import use_triton
-from backend.kernels.init_rows import init_rows
+from backend.kernels.init_rows import ROW_OPS_MAX, init_rows, init_rows_torch
 from tests.helpers import DEVICE, index, make_pool
 
 
@@ -146,3 +146,20 @@ def test_bad_tensors_raise_before_launch() -> None:
     with pytest.raises(ValueError, match="is on"):
         init_rows(buffer, torch.tensor([1], device="meta"), index([]), index([]))
     assert torch.equal(buffer, before)
+
+
+@pytest.mark.parametrize("row_bytes", [4096, 4099])
+@pytest.mark.parametrize("ops", [3, ROW_OPS_MAX, ROW_OPS_MAX + 1, 3 * ROW_OPS_MAX])
+def test_the_row_by_row_and_the_indexed_paths_both_equal_the_reference(ops: int, row_bytes: int) -> None:
+    """The path ``init_rows`` takes without a GPU or Triton's interpreter: a few ops run row by row
+    and many as indexed ops over words; both, on rows of whole and of odd words, leave the buffer
+    exactly as the reference does."""
+    n_clear, n_copy = ops // 2, ops - ops // 2
+    num_slots = 1 + n_clear + 2 * n_copy + 3
+    perm = (torch.randperm(num_slots - 1, generator=torch.Generator().manual_seed(ops)) + 1).tolist()
+    clear, src, dst = perm[:n_clear], perm[n_clear : n_clear + n_copy], perm[n_clear + n_copy : n_clear + 2 * n_copy]
+    buffer = _random_bytes((num_slots, row_bytes), seed=ops + row_bytes)
+    expected = buffer.clone()
+    init_rows_torch(buffer, index(clear), index(src), index(dst))
+    reference.init_rows_reference(expected, index(clear), index(src), index(dst))
+    assert torch.equal(buffer, expected)

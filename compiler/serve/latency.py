@@ -1,0 +1,44 @@
+"""Per-request latency of a served run: time to first token and time per output token.
+
+A request's clock starts when it *arrives* (its arrival step comes: queueing for a free place among
+``max_running`` counts, as a client would see it), its first token is the end of the first step that
+names it in ``StepReport.emitted``, and it ends at the end of the step that reports it finished.
+Time per output token is (end - first token) / (output tokens - 1), over requests with at least two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from compiler.engine import StepReport
+from ir.ids import RequestId
+
+
+class Latencies:
+    def __init__(self) -> None:
+        self.arrived: dict[RequestId, float] = {}
+        self.first: dict[RequestId, float] = {}
+        self.ended: dict[RequestId, float] = {}
+
+    def arrive(self, rids: Iterable[RequestId], now: float) -> None:
+        for rid in rids:
+            self.arrived.setdefault(rid, now)
+
+    def step(self, report: StepReport, now: float) -> None:
+        for rid in report.emitted:
+            self.first.setdefault(rid, now)
+        for rid in (*report.finished, *report.aborted, *report.errored):
+            self.ended[rid] = now
+
+    def ttft_ms(self) -> list[float]:
+        """Time to first token of every request that got one, in milliseconds."""
+        return [1000 * (t - self.arrived[rid]) for rid, t in self.first.items() if rid in self.arrived]
+
+    def tpot_ms(self, outputs: Mapping[RequestId, Sequence[int]]) -> list[float]:
+        """Time per output token after the first, of every ended request with two tokens or more."""
+        out = []
+        for rid, end in self.ended.items():
+            n = len(outputs.get(rid, ()))
+            if n >= 2 and rid in self.first:
+                out.append(1000 * (end - self.first[rid]) / (n - 1))
+        return out

@@ -34,9 +34,9 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from backend.kernels.init_rows import init_rows
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
-from backend.kernels.init_rows import init_rows
 from ir.ids import PoolId, TicketSerial
 from ir.init import InitTicket, MambaInit, mint_serial
 

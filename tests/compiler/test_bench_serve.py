@@ -12,8 +12,8 @@ import attrs
 import pytest
 
 from compiler.cli import main
-from compiler.serve import Request, ServeConfig, make_engine, serve
 from compiler.engine import StepKind, StepReport
+from compiler.serve import Request, ServeConfig, make_engine, serve
 from compiler.serve.latency import Latencies
 from compiler.tools.bench_serve import ENGINES, ServeRun, percentile, summarise, sweep_cases, sweep_workload
 from compiler.tools.compare_mutable import make_mutable, serve_mutable

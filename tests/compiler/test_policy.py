@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from typeguard import suppress_type_checks
 
-from compiler.engine import ALTERNATE, DEFAULT_POLICY, Engine, PrefillFirst, QueueState, StepKind
+from compiler.engine import ALTERNATE, DEFAULT_POLICY, PrefillFirst, QueueState, StepKind
 from ir.errors import PreconditionError
 from ir.ids import RequestId
 from tests.helpers import BODIES, SYSTEM, engine, greedy_reference

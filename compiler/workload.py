@@ -33,9 +33,12 @@ MAX_K = 32
 for them; each iteration runs k draft forwards)."""
 MAX_SERVE_BYTES = 4 << 30
 """Bound on the estimated memory of a run (4 GiB; ``compiler.serve.memory_estimate``)."""
-BENCH_SERVE_REQUESTS = 24
-BENCH_SERVE_NEW_TOKENS = 24
-"""``batchc bench serve``'s default built-in workload: requests, and most new tokens per request."""
+BENCH_SERVE_REQUESTS = 64
+BENCH_SERVE_NEW_TOKENS = 48
+"""``batchc bench serve``'s default built-in workload: requests, and most new tokens per request; about
+1,900 tokens, a few seconds per engine and case on a 2-core CPU, so that the machine's noise (the
+same engine's run swings by a third between repeats on a shared machine) is not as large as the
+effects measured."""
 BENCH_SERVE_REPEATS = 3
 """``batchc bench serve``'s default interleaved repeats, as many as keep the default bench short on
 a 2-core CPU (measured: docs/measurements/index.md)."""
@@ -126,7 +129,7 @@ def context_overflow(n: int, unit: str, new: int, *, max_len: int, k: int) -> st
             f"{max_len - k - 1} of its positions; {held})")
 
 
-DEFAULT_PREFILL_STREAK = 4
+DEFAULT_PREFILL_STREAK = 2
 """``ServeConfig.prefill_streak``'s default: measured (docs: measurements, "Scheduling")."""
 MAX_PREFILL_STREAK = 1 << 20
 """The same bound as ``compiler.engine.policy.MAX_STREAK`` (this module imports no engine)."""
@@ -141,9 +144,15 @@ class ServeConfig:
 
     k: int = 2
     max_running: int = 8
-    chunk_size: int = 64
-    token_budget: int = 256
-    cache_entries: int = 8
+    chunk_size: int = 512
+    """Most prompt tokens of one request a prefill step takes (measured with ``token_budget`` and
+    ``prefill_streak``: docs/measurements/index.md, "Scheduling"; every forward costs a few ms of fixed
+    work on a CPU, so fewer, larger prefill forwards win)."""
+    token_budget: int = 2048
+    """Most prompt tokens of all requests a prefill step takes (a burst of prompts in one forward)."""
+    cache_entries: int = 16
+    """Prefix-cache entries: at 8 the built-in workload evicted 32 entries a run and re-snapshotted
+    them, each snapshot cutting a prefill chunk (an extra forward); at 16 it evicts 12."""
     cache_block: int = 16
     max_len: int = DEFAULT_CONTEXT
     """Context length: prompt, new tokens and the k + 1 positions of a decode or verify step."""

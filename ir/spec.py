@@ -141,10 +141,6 @@ class Proposals(ColumnNode):
         if self.tokens.shape[0] % self.k:
             raise IRValidationError(type(self).__name__, "tokens", self.tokens.shape[0], f"must hold k ({self.k}) tokens per row")
 
-    @property
-    def num_rows(self) -> int:
-        return int(self.tokens.shape[0]) // self.k
-
 
 @final
 @attrs.frozen(kw_only=True)

@@ -642,14 +642,15 @@ def test_pool_layer_index_is_checked(layer: object) -> None:
         _refused(IRValidationError, r"^MambaStatePool\.layer: ", lambda: view(layer))  # type: ignore[arg-type]  # deliberately wrong
 
 
-@pytest.mark.parametrize("entry", ["run_prefill", "run_decode", "run_draft", "run_verify", "run_commit", "run_draft_extend"])
+@pytest.mark.parametrize("entry", ["run_prefill", "run_decode", "run_draft", "run_verify", "run_commit", "run_draft_commit", "run_draft_extend"])
 def test_executor_typed_entry_points_refuse_other_values(entry: str) -> None:
     pool = _pool()
     ex = Executor(pool, Ledger())
     before = pool.buffer.clone()
     with suppress_type_checks():
         call = {"run_prefill": ex.run_prefill, "run_decode": ex.run_decode, "run_draft": ex.run_draft,
-                "run_verify": ex.run_verify, "run_commit": ex.run_commit, "run_draft_extend": ex.run_draft_extend}[entry]
+                "run_verify": ex.run_verify, "run_commit": ex.run_commit, "run_draft_commit": ex.run_draft_commit,
+                "run_draft_extend": ex.run_draft_extend}[entry]
     from ir.errors import PlanExecutionError
 
     _refused(PlanExecutionError, rf"^Executor\.{entry}: expected .*, got a NoneType", lambda: call(None))  # type: ignore[arg-type]

@@ -288,6 +288,15 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--arrivals", choices=ARRIVALS, nargs="+", default=None,
                     help=f"built-in workload: the arrival patterns measured, each with every engine and k (default: {' '.join(ARRIVALS)}; "
                     "not with --sweep)")
+    for option, lo, hi, what, default in (
+        ("--chunk-size", 1, MAX_CONTEXT, "prefill chunk size in tokens", _SERVE.chunk_size),
+        ("--token-budget", 1, MAX_CONTEXT, "prefill tokens per step", _SERVE.token_budget),
+        ("--prefill-streak", 0, MAX_PREFILL_STREAK, "prefill steps in a row while requests run (0: no bound, 1: alternate)",
+         _SERVE.prefill_streak),
+        ("--cache-entries", 1, MAX_RUNNING, "prefix-cache entries", _SERVE.cache_entries),
+    ):
+        bs.add_argument(option, type=_int_in(lo, hi), default=None,
+                        help=f"the compiled engine's {what}, as batchc run's (default {default}; not with --sweep)")
     bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")
     bs.add_argument("--sweep", metavar="B", type=_int_in(1, MAX_REQUESTS), nargs="*", default=None,

@@ -117,15 +117,26 @@ def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import default_draft, default_target
+    from compiler.engine import PrefillFirst
     from compiler.serve import ServeConfig, check_serving
     from compiler.tools.bench_serve import ENGINES, builtin_cases, run_serve_bench, sweep_cases
     from compiler.workload import ARRIVALS, BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
 
     sweep = args.sweep is not None
+    given = {"chunk_size": args.chunk_size, "token_budget": args.token_budget, "prefill_streak": args.prefill_streak,
+             "cache_entries": args.cache_entries}
+    scheduling: dict[str, int] = {name: value for name, value in given.items() if value is not None}
+    base = ServeConfig()
+    compiled_cfg = ServeConfig(
+        chunk_size=scheduling.get("chunk_size", base.chunk_size), token_budget=scheduling.get("token_budget", base.token_budget),
+        prefill_streak=scheduling.get("prefill_streak", base.prefill_streak), cache_entries=scheduling.get("cache_entries", base.cache_entries),
+    )
     for option, value in (("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens),
-                          ("--arrivals", " ".join(args.arrivals) if args.arrivals else None)):
+                          ("--arrivals", " ".join(args.arrivals) if args.arrivals else None),
+                          *((f"--{name.replace('_', '-')}", v) for name, v in scheduling.items())):
         if sweep and value is not None:  # refused, not ignored: the sweep sizes its own workload
-            raise UsageError(f"{option} {value} with --sweep: the sweep serves B requests of {SWEEP_NEW_TOKENS} new tokens each")
+            raise UsageError(f"{option} {value} with --sweep: the sweep sizes its own workload and engines (B requests of {SWEEP_NEW_TOKENS} new "
+                             "tokens each, a prefill budget of B chunks)")
     requests = BENCH_SERVE_REQUESTS if args.requests is None else args.requests
     new_tokens = BENCH_SERVE_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2
@@ -135,7 +146,9 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         check_output("--json", args.json)
     sizes = tuple(dict.fromkeys(args.sweep or SWEEP_RUNNING)) if sweep else ()
     arrivals = tuple(dict.fromkeys(args.arrivals or ARRIVALS))
-    cases = sweep_cases(sizes) if sweep else builtin_cases(requests=requests, max_new_tokens=new_tokens, arrivals=arrivals)
+    cases = sweep_cases(sizes) if sweep else builtin_cases(
+        requests=requests, max_new_tokens=new_tokens, arrivals=arrivals, cfg=compiled_cfg,
+    )
     target, draft = default_target(), default_draft()
     for case in cases:  # every engine of every case within the memory bound, before anything is allocated
         check_serving(target.config, draft.config, case.cfg, compare_mutable=True, names=("bundled target", "bundled draft"))
@@ -160,7 +173,10 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress)
         what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
-        table = Table(title=f"bench serve: {what}, bundled target and draft",
+        c = cases[0].cfg
+        how = ("" if sweep else f"; compiled: chunks of {c.chunk_size}, {c.token_budget} prefill tokens a step, "
+               f"{PrefillFirst(max_streak=c.prefill_streak or None).describe()}, {c.cache_entries} cache entries")
+        table = Table(title=f"bench serve: {what}, bundled target and draft{how}",
                       caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running), with their range")
         for h in ("arrivals" if not sweep else "running", "k", "engine", "tokens", "steps", "tok/s", "range", "vs fixed", "vs k=0",
                   "host ms", "TTFT", "TPOT"):

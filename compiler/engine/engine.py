@@ -113,7 +113,7 @@ class Engine:
         self._hooks: list[ServingModelHook[Any]] = []
         if tp is not None:
             tp.open_session({TARGET_POOL: target} | ({DRAFT_POOL: draft} if k > 0 and draft is not None else {}), capacity=capacity,
-                            kv_capacity=kv_capacity, max_len=max_len, transactional=retries > 0)
+                            kv_capacity=kv_capacity, max_len=max_len, transactional=False)  # check_engine_args refuses tp with retries
         self.target = self._target_executor(target, capacity, kv_capacity)
         self.draft: Backend | None = None
         try:
@@ -340,10 +340,11 @@ class Engine:
         self.forwards.progress = Progress()
         self._stepping = True
         try:
-            kind = self.forwards.run()
-        except StepFailed as failure:
-            self._abort_failed(failure)
-            kind = StepKind.FAILED
+            try:
+                kind = self.forwards.run()
+            except StepFailed as failure:
+                self._abort_failed(failure)  # (what this raises is caught below: the engine stops)
+                kind = StepKind.FAILED
         except BaseException as exc:
             self.stopped_by = exc
             raise
@@ -362,9 +363,10 @@ class Engine:
         self.check_serving()
         self._stepping = True
         try:
-            self.forwards.settle()
-        except StepFailed as failure:
-            self._abort_failed(failure)
+            try:
+                self.forwards.settle()
+            except StepFailed as failure:
+                self._abort_failed(failure)
         except BaseException as exc:
             self.stopped_by = exc
             raise

@@ -113,14 +113,12 @@ class RequestTable:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._reqs.values())
 
-    def add(self, r: Request, *, first: bool = False) -> None:
-        """A new (or retracted) WAITING request, at the end of the queue (``first``: at its head)."""
+    def add(self, r: Request) -> None:
+        """A new WAITING request, at the end of the queue (a retracted one comes back through
+        ``requeue``, at its head)."""
         assert r.state is RequestState.WAITING and r.slot is None
         self._reqs[r.rid] = r
-        if first:
-            self._queue.insert(0, r.rid)
-        else:
-            self._queue.append(r.rid)
+        self._queue.append(r.rid)
 
     @property
     def queued(self) -> list[RequestId]:

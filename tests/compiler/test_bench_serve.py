@@ -69,6 +69,19 @@ def test_bench_serve_measures_the_arrival_patterns_it_is_given(tmp_path: Path, c
     assert {r["arrivals"] for r in rows} == {"trickle"} and len(rows) == 2 * len(ENGINES)
     assert main(["bench", "serve", "--sweep", "2", "--arrivals", "bursts"]) == 2
     assert "--arrivals bursts with --sweep" in capsys.readouterr().err
+    assert main(["bench", "serve", "--sweep", "2", "--prefill-streak", "1"]) == 2
+    assert "--prefill-streak 1 with --sweep" in capsys.readouterr().err
+
+
+def test_bench_serve_takes_the_compiled_engines_scheduling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows, out = _rows(["--requests", "2", "--max-new-tokens", "2", "--repeats", "1", "--arrivals", "bursts", "--chunk-size", "16",
+                       "--token-budget", "32", "--prefill-streak", "1", "--cache-entries", "2"], tmp_path, capsys)
+    assert "chunks of 16, 32 prefill tokens a step, alternate, 2 cache entries" in " ".join(out.split())
+    default = _rows(["--requests", "2", "--max-new-tokens", "2", "--repeats", "1", "--arrivals", "bursts"], tmp_path, capsys)[0]
+    by_engine = {(r["k"], r["engine"]): r for r in default}
+    for r in rows:  # small chunks take more steps on the compiled engine; the baselines do not take the options
+        steps = by_engine[(r["k"], r["engine"])]["steps"]
+        assert r["steps"] > steps if r["engine"] == "compiled" else r["steps"] == steps
 
 
 def test_bench_serve_overlap_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

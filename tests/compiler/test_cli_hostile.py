@@ -457,9 +457,13 @@ def test_small_checkpoint_asking_for_gigabytes_is_refused_before_allocation(tmp_
     stderr = err.read_text()
     assert code == 2 and out.read_text() == "", stderr
     assert stderr.count("\n") == 1
-    assert "the run would need about 9.7 GiB (largest part: target" in stderr and "over the bound of 4 GiB" in stderr
+    # 8 running + 16 cache entries + 2 spare slots + the padding row: 27 x 256 MiB = 6.75 GiB of target pool alone
+    assert "the run would need about 12.8 GiB (largest part: target, 6.8 GiB)" in stderr and "over the bound of 4 GiB" in stderr
     maxrss = int(peak.read_text())
     assert maxrss < 1024 * 1024, f"the child reached {maxrss} KiB"
+
+
+_BUDGET_256 = ["--token-budget", "256", "--cache-entries", "8"]
 
 
 def _wide_scan_config(chunk_size: int = 64) -> HybridConfig:
@@ -472,9 +476,10 @@ def _wide_scan_config(chunk_size: int = 64) -> HybridConfig:
 @pytest.mark.parametrize(
     ("args", "gib", "part"),
     [
-        (["--chunk-size", "512"], "5.4", "5.3"),
-        (["--chunk-size", "8"], "5.4", "5.3"),
-        (["--chunk-size", "512", "--lossless-sample", "0"], "5.4", "5.3"),
+        # (256 prefill tokens a step: the scan's working memory, not the packed tokens', is what is measured here)
+        (["--chunk-size", "512", *_BUDGET_256], "5.4", "5.3"),
+        (["--chunk-size", "8", *_BUDGET_256], "5.4", "5.3"),
+        (["--chunk-size", "512", "--lossless-sample", "0", *_BUDGET_256], "5.4", "5.3"),
     ],
     ids=["chunk-512", "lossless-check-chunks-by-the-context", "chunk-512-no-lossless"],
 )
@@ -500,7 +505,7 @@ def test_checkpoint_whose_chunk_scan_asks_for_gigabytes_is_refused(tmp_path: Pat
 def test_chunk_scan_estimate_follows_the_models_chunk_length() -> None:
     cfg = _wide_scan_config()
     small_chunks = attrs.evolve(cfg, chunk_size=8)
-    runs = ServeConfig(k=0, chunk_size=8, lossless_sample=0)
+    runs = ServeConfig(k=0, chunk_size=8, token_budget=256, lossless_sample=0)
     assert sum(memory_estimate(small_chunks, None, runs).values()) < MAX_SERVE_BYTES  # Q = 8: 64 MiB a tensor
     # Q = min(64, 8) for the served engine, but the lossless check prefills 256 tokens at a time
     assert sum(memory_estimate(cfg, None, attrs.evolve(runs, lossless_sample=1)).values()) > MAX_SERVE_BYTES

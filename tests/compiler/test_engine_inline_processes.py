@@ -129,6 +129,21 @@ def test_pipelined_forwards_emit_the_greedy_tokens() -> None:
     eng.close()
 
 
+def test_pipelined_forwards_overlap_and_none_runs_past_the_last_token() -> None:
+    """Pipelining sends each forward before the one in flight is read back (two in flight at once),
+    and leaves out a row whose last token (by length) is in flight: n tokens cost one prefill and
+    n - 1 decodes, as without pipelining, and every forward sent is read back."""
+    for n in (1, 2, 5):
+        eng = engine(0)
+        target, _ = _inline(eng)
+        eng.forwards.pipelined = True
+        assert _served(eng, {1: {"max_new_tokens": n}}) == _plain({1: {"max_new_tokens": n}})
+        overlapped = ["submit DecodePlan", "wait ExtendPlan"] + ["submit DecodePlan", "wait DecodePlan"] * (n - 2) + ["wait DecodePlan"]
+        assert target.log == ["submit ExtendPlan"] + (overlapped if n > 1 else ["wait ExtendPlan"])
+        assert eng.stats.decodes == n - 1
+        eng.close()
+
+
 def test_speculation_with_deferred_commits_emits_the_greedy_tokens() -> None:
     requests: dict[int, dict[str, Any]] = {0: {"max_new_tokens": 4}, 1: {"max_new_tokens": 3}}
     eng = engine(2)

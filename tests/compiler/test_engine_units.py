@@ -25,16 +25,18 @@ from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import SpecStats
 from compiler.engine.requests import Request, RequestState, RequestTable
-from compiler.engine.runner import ForwardRunner, StepFailed, plan_rids
+from compiler.engine.runner import ForwardRunner, StepFailed, plan_rids, proposals_of
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
 from ir.columns import frozen_i64
-from ir.errors import PlanExecutionError, PreconditionError, SlotError
-from ir.ids import MambaSlot, RequestId, TicketSerial
+from ir.errors import EngineStoppedError, PlanExecutionError, PreconditionError, SlotError
+from ir.ids import DRAFT_POOL, MambaSlot, RequestId, TicketSerial
 from ir.plan import DecodePlan, IdlePlan, MixedPlan
+from ir.spec import DraftPlan
 from passes.lower import LowerContext, lower
 from passes.prepare_for_decode import DecodeContext
-from tests.helpers import BODIES, SYSTEM, decode_batch, engine, extend_plan, request, tiny_models
+from passes.prepare_for_draft import SpecContext, prepare_for_draft
+from tests.helpers import BODIES, SYSTEM, decode_batch, engine, extend_plan, proposed, request, tiny_models
 
 OUT = torch.zeros(2, 3)
 
@@ -129,6 +131,23 @@ def test_a_failure_at_submit_is_kept_for_wait() -> None:
         runner.wait(s)
     runner, ex = _runner(0), FlakyProcess(gone_on_submit=True)
     assert runner.wait(runner.submit(ex, _plan())) is OUT
+
+
+def test_a_draft_run_must_return_the_proposals_of_that_draft() -> None:
+    """What a draft forward hands back is checked before the verify uses it: the ``Proposals`` of
+    another draft, or anything that is not ``Proposals``, is refused naming the draft."""
+    def draft_plan() -> DraftPlan:
+        running = decode_batch([4, 9], [1, 2], [3, 3], [10, 11])
+        return DraftPlan(batch=prepare_for_draft(running, SpecContext(k=2, next_tokens=[5, 6], kv_locs=list(range(20, 26)))))
+
+    plan, newer = draft_plan(), draft_plan()
+    own = proposed(plan.batch, [1, 2, 3, 4])
+    assert proposals_of(own, plan) is own
+    did, other = plan.batch.draft_id, newer.batch.draft_id
+    with pytest.raises(PlanExecutionError, match=rf"^draft #{did} returned the proposals of draft #{other}, not its Proposals$"):
+        proposals_of(proposed(newer.batch, [1, 2, 3, 4]), plan)
+    with pytest.raises(PlanExecutionError, match=rf"^draft #{did} returned Tensor, not its Proposals$"):
+        proposals_of(torch.zeros(2, 2, dtype=torch.int64), plan)
 
 
 def test_plan_rids_names_every_request_of_a_plan() -> None:
@@ -254,6 +273,58 @@ def test_an_engine_whose_target_executor_cannot_be_built_ends_its_tp_session(mon
     assert leader.closed_sessions == 1 and leader.pools is None
 
 
+class SharingLeader(SessionLeader):
+    """A session stand-in that records the prefixes it is told to share with the workers."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__(world)
+        self.shared: list[tuple[int, int, int]] = []
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        self.shared.append((src, dst, length))
+
+
+def test_every_tp_worker_hears_of_a_shared_prefix() -> None:
+    """With tensor parallelism the workers hold their own token tables: a request that starts from
+    a cached prefix must have its prefix rows shared there too, not only in rank 0's hook."""
+    from backend.tp import shard_model
+
+    target, _ = tiny_models()
+    leader = SharingLeader(2)
+    eng = Engine(shard_model(target, 0, 2, _NoSum()), None, k=0, tp=leader)
+    eng.planner.share_prefix(2, 5, 9)
+    assert leader.shared == [(2, 5, 9)]
+    eng.close()
+
+
+class ClosingProcess(FlakyProcess):
+    """An executor process stand-in that counts the times it is closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+def test_an_engine_whose_draft_executor_cannot_be_built_closes_the_target_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With executor processes (``overlap``) the target's child runs by the time the draft's fails
+    to start: the engine that is not built closes it, so no child outlives it."""
+    started = ClosingProcess()
+
+    def executor(self: Engine, model: object, pool_id: str, capacity: int, kv_capacity: int) -> object:
+        if pool_id == DRAFT_POOL:
+            raise RuntimeError("no memory for the draft pool")
+        return started
+
+    monkeypatch.setattr(Engine, "_executor", executor)
+    target, draft = tiny_models()
+    with pytest.raises(RuntimeError, match="^no memory for the draft pool$"):
+        Engine(target, draft, k=2, overlap=True)
+    assert started.closes == 1
+
+
 class SharingProcess(FlakyProcess):
     """An executor process stand-in that records the prefixes it is told to share."""
 
@@ -294,6 +365,9 @@ def test_kv_refs_count_every_location_and_name_the_one_dropped_too_often() -> No
         refs.unref([0, 3, 3, 3])
     with pytest.raises(SlotError, match=r"^KV location 7: a reference was dropped that nobody holds$"):
         refs.unref([3, 7])
+    # 4: the first location past the highest one ever referenced
+    with pytest.raises(SlotError, match=r"^KV location 4: a reference was dropped that nobody holds$"):
+        refs.unref([4])
     assert refs.held() == {0: 1, 3: 2}
 
 
@@ -458,3 +532,27 @@ def test_a_stop_token_is_any_id_of_the_vocabulary_and_nothing_else() -> None:
     for rid, bad in ((1, -1), (2, eng.vocab)):
         with pytest.raises(PreconditionError, match=rf"^admit: request {rid}: stop must be a token id in \[0, {eng.vocab}\), got {bad}$"):
             eng.admit(RequestId(rid), list(b"def f(x):"), max_new_tokens=2, stop=[bad])
+
+
+@pytest.mark.parametrize("where", ["step", "sync"])
+def test_an_engine_whose_abort_of_a_failed_forward_raises_stops_serving(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Aborting a failed forward's requests can itself fail (an executor process that cannot be
+    drained): the bookkeeping is then half done, so the engine stops as for any other exception
+    escaping a step, instead of serving on."""
+    eng = engine(0)
+    eng.admit(RequestId(0), SYSTEM + list(BODIES[0]), max_new_tokens=2)
+
+    def drain_fails(failure: StepFailed) -> list[RequestId]:
+        raise RuntimeError("the executor process could not be drained")
+
+    monkeypatch.setattr(eng.forwards, "abort_failed", drain_fails)
+    if where == "step":
+        with faults.armed(faults.FaultPoint.MODEL_FORWARD), pytest.raises(RuntimeError, match="could not be drained"):
+            eng.step()
+    else:
+        failure = StepFailed((RequestId(0),), RuntimeError("a commit failed"))
+        monkeypatch.setattr(eng.forwards, "settle", lambda: (_ for _ in ()).throw(failure))
+        with pytest.raises(RuntimeError, match="could not be drained"):
+            eng.sync()
+    with pytest.raises(EngineStoppedError, match="could not be drained"):
+        eng.step()

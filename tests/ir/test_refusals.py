@@ -1,9 +1,10 @@
 """Every refusal of a malformed IR node, one case each: the node is not built (or does not verify)
 and the error names the field and the value in the words a caller reads.
 
-Table-driven so that each check of ``ir.init``, ``ir.batch``, ``ir.plan`` and ``ir.verify`` has a
-case that only that check refuses (a well-formed neighbour of the bad node is accepted), and the
-pass registry's refusal of a function that is not a pass.
+Table-driven so that each check of ``ir.init``, ``ir.batch``, ``ir.plan``, ``ir.spec`` and ``ir.verify``
+has a case that only that check refuses (a well-formed neighbour of the bad node is accepted), the
+pass registry's refusal of a function that is not a pass, and the refusal of a node class whose
+column declarations cannot be checked.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import numpy as np
 import pytest
 
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
-from ir.columns import MAX_SEQ_LEN, build_unchecked
+from ir.columns import I64, MAX_SEQ_LEN, REQUEST, ColumnNode, as_i64, build_unchecked, column, length_of, per, tokens_of
 from ir.errors import IRValidationError, IRVerificationError, PreconditionError
 from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
 from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
+from ir.spec import Proposals
 from ir.verify import verify
 
 CLEAR, COW, CONT = InitIntent.CLEAR, InitIntent.COW, InitIntent.CONTINUE
@@ -113,6 +115,7 @@ VALIDATION: list[tuple[str, Callable[[], object], str]] = [
     # ir.plan
     ("tickets not a tuple", lambda: ext_plan(tickets=None), r"ExtendPlan\.tickets: must be a tuple of InitTicket \(got None\)"),
     ("snapshot in tickets", lambda: ext_plan(tickets=(SnapshotTicket(pool=TARGET_POOL, snapshot=_snap((1,), (5,))),)), r"ExtendPlan\.tickets: every entry must be an InitTicket, not SnapshotTicket"),
+    ("init ticket in snapshots", lambda: ext_plan(snapshots=(InitTicket(pool=TARGET_POOL, init=MambaInit(serial=S, clear_slots=(1, 2))),)), r"^ExtendPlan\.snapshots: every entry must be a SnapshotTicket, not InitTicket \(got InitTicket\("),
     ("two tickets for a pool", lambda: ext_plan(tickets=(InitTicket(pool=TARGET_POOL, init=MambaInit(serial=S, clear_slots=(1, 2))),) * 2), r"ExtendPlan\.tickets: two tickets for one pool \(got 'target'\)"),
     ("tickets of two serials", lambda: ext_plan(tickets=(InitTicket(pool=PoolId("a"), init=MambaInit(serial=S, clear_slots=(1, 2))), InitTicket(pool=PoolId("b"), init=MambaInit(serial=TicketSerial(13), clear_slots=(1, 2))))), r"ExtendPlan\.tickets: tickets of one plan share one serial \(got \[11, 13\]\)"),
     ("tickets of two ops", lambda: ext_plan(tickets=(InitTicket(pool=PoolId("a"), init=MambaInit(serial=S, clear_slots=(1, 2))), InitTicket(pool=PoolId("b"), init=MambaInit(serial=S, clear_slots=(1,))))), r"ExtendPlan\.tickets: tickets of one plan carry the same ops for every pool"),
@@ -123,6 +126,8 @@ VALIDATION: list[tuple[str, Callable[[], object], str]] = [
     ("inputs from itself", lambda: DecodePlan(**dec_cols(input_ids=[0, 0]), sample_id=S, inputs_from=S), r"DecodePlan\.inputs_from: names this plan's own sample_id \(got 11\)"),
     ("tokens with inputs_from", lambda: DecodePlan(**dec_cols(input_ids=[0, 7]), inputs_from=S), r"DecodePlan\.input_ids: must be placeholders \(all 0\) when inputs_from names them \(got \[0, 7\]\)"),
     ("two samples in one forward", lambda: MixedPlan(extend=ext_plan(sample_id=S), decode=DecodePlan(**dec_cols(), sample_id=TicketSerial(13))), r"MixedPlan\.decode: keeps its tokens under sample #13, the extend part under #11"),
+    # ir.spec
+    ("proposals not whole rows", lambda: Proposals(k=2, draft_id=S, tokens=[4, 5, 6]), r"^Proposals\.tokens: must hold k \(2\) tokens per row \(got 3\)$"),
 ]
 
 
@@ -243,6 +248,26 @@ def test_the_registry_refuses_a_function_that_is_not_a_pass() -> None:
     for fn in (np.sum, print, "lower", None):
         with pytest.raises(PreconditionError, match=r"^PassManager\.run: .* is not a registered pass \(passes\.registry\.PASSES\)$"):
             spec_of(fn)
+
+
+def test_a_node_class_whose_column_is_sized_by_a_column_not_declared_before_it_is_refused() -> None:
+    """A column's length is checked from columns declared before it: a node class that sizes one by
+    a later column, or by a name that is no column, is refused when the class is made (not at its
+    first construction, with a NameError from generated code)."""
+    with pytest.raises(TypeError, match=r"^Later\.ids: per tokens of 'lens', which is not a column declared before it$"):
+
+        @attrs.frozen(kw_only=True)
+        class Later(ColumnNode):
+            rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+            ids: I64 = column(converter=as_i64, metadata=per(tokens_of("lens")))
+            lens: I64 = column(converter=as_i64, metadata=per(REQUEST))
+
+    with pytest.raises(TypeError, match=r"^Nowhere\.ids: per same of 'rid', which is not a column declared before it$"):
+
+        @attrs.frozen(kw_only=True)
+        class Nowhere(ColumnNode):
+            rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
+            ids: I64 = column(converter=as_i64, metadata=per(length_of("rid")))
 
 
 # -- admitted requests and their intents (ir.request) ---------------------------------------------

@@ -123,6 +123,9 @@ def test_a_broken_header_is_refused_naming_the_problem() -> None:
         (lambda h: {**h, "f": {**h["f"], "slots": {"c": [["i8"], 16, 2]}}}, r"^plan message: ExtendPlan\.slots: bad column descriptor"),
         (lambda h: {**h, "f": {**h["f"], "slots": [1, 2]}}, r"^plan message: ExtendPlan\.slots: bad value \[1, 2\]$"),
         (lambda h: {**h, "f": {**h["f"], "slots": {"x": 1}}}, r"^plan message: ExtendPlan\.slots: bad value \{'x': 1\}$"),
+        # a long bad value is shown by its first 80 characters (a hostile header does not flood the log)
+        (lambda h: {**h, "f": {**h["f"], "slots": [7] * 100}}, r"^plan message: ExtendPlan\.slots: bad value \[" + "7, " * 26 + "7$"),
+        (lambda h: {**h, "f": {**h["f"], "slots": {"x": "y" * 100}}}, r"^plan message: ExtendPlan\.slots: bad value \{'x': '" + "y" * 73 + "$"),
         (lambda h: {"t": []}, r"holds a tuple, not a plan"),
     ]
     for edit, match in cases:

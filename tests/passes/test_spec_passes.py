@@ -16,7 +16,8 @@ from compiler.steps import Pipeline
 from ir.batch import DecodeBatch
 from ir.columns import frozen_i64
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError
-from ir.ids import DRAFT_POOL, TARGET_POOL
+from ir.ids import DRAFT_POOL, TARGET_POOL, TicketSerial
+from ir.init import SERIAL_COUNTER_BITS, serial_epoch
 from ir.spec import CommitPlan, DraftBatch, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyBatch, VerifyPlan
 from ir.verify import verify
 from passes import (
@@ -294,6 +295,19 @@ def test_spec_plan_on_a_model_without_spec_phases_is_refused() -> None:
     ex = Executor(MambaStatePool(TARGET_POOL, LAYOUT, 8), Ledger())
     with pytest.raises(PlanExecutionError, match="needs a SpecModelHook"):
         ex.execute(lower(_draft(), LowerContext()))
+
+
+def test_the_first_id_minted_in_an_epoch_runs_once() -> None:
+    """Draft and verify ids count from 1 in each minting epoch (each process, and a child after a
+    fork, mints in its own): an executor runs the draft whose id is the first of its epoch, and
+    refuses it the second time."""
+    _, _, _, _, ex_d, pipe, running = _prefilled({1: 0, 2: 2})
+    d, _ = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10, 18))))
+    first = attrs.evolve(d, draft_id=TicketSerial(serial_epoch(d.draft_id) + 1 << SERIAL_COUNTER_BITS | 1))  # another epoch's first id
+    proposals = ex_d.run_draft(lower(first, LowerContext()))
+    assert proposals.draft_id == first.draft_id and proposals.tokens.tolist() == [10, 11, 12, 20, 21, 22]
+    with pytest.raises(PlanExecutionError, match=rf"^draft #{first.draft_id} already ran on pool 'draft' \(each draft runs once"):
+        ex_d.run_draft(lower(first, LowerContext()))
 
 
 def test_a_verify_of_tokens_that_are_not_the_drafts_proposals_cannot_reach_the_draft_pool() -> None:

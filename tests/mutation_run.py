@@ -57,7 +57,7 @@ ENGINE_TESTS = [
     "tests/compiler/test_engine_stop.py", "tests/compiler/test_engine_spec.py", "tests/compiler/test_serving.py", "tests/compiler/test_faults.py",
     "tests/test_hostile_corpus.py", "tests/test_bad_input.py", "tests/compiler/test_property_lifecycle.py",
     "tests/test_api_validation.py", "tests/compiler/test_engine_parts.py", "tests/compiler/test_engine_units.py",
-    "tests/compiler/test_engine_inline_processes.py", "tests/compiler/test_prefix_cache_unit.py", "tests/compiler/test_nonfinite.py",
+    "tests/compiler/test_engine_inline_processes.py", "tests/compiler/test_prefix_cache_unit.py", "tests/compiler/test_policy.py", "tests/compiler/test_nonfinite.py",
 ]
 TARGETS: dict[str, list[str]] = {
     "ir/*.py": CORE_TESTS,

@@ -26,7 +26,7 @@ from compiler.engine import Engine, StepKind
 from ir.ids import RequestId
 from ir.nodes import Plan
 from ir.spec import CommitPlan
-from tests.helpers import engine
+from tests.helpers import engine, greedy_reference
 
 
 class InlineProcess(ExecutorProcess):
@@ -176,4 +176,26 @@ def test_a_deferred_commit_that_failed_aborts_its_requests_at_the_next_step() ->
     eng.run_until_done(max_steps=50)  # serving goes on
     eng.sync()
     assert eng.outputs[RequestId(1)] == _plain({1: {"max_new_tokens": 2}})[RequestId(1)]
+    eng.close()
+
+
+def test_a_pipelined_mixed_forward_gives_each_decoding_row_its_own_token() -> None:
+    """A pipelined mixed forward beside two running requests: the prefill chunk's rows come first in
+    its logits, then one row per decoding request, in order. Each request's tokens are the greedy
+    reference's, so none read another's row."""
+    eng = engine(0, chunk_size=4, token_budget=8)
+    target, _ = _inline(eng)
+    eng.forwards.pipelined = True
+    short = {1: 6, 3: 6}
+    for i, n in short.items():
+        eng.admit(RequestId(i), PROMPTS[i], max_new_tokens=n)
+    kinds = [eng.step().kind for _ in range(2)]
+    eng.admit(RequestId(2), PROMPTS[2], max_new_tokens=2)  # 13 tokens: chunks beside the two decodes
+    kinds += [eng.step().kind for _ in range(2)]
+    assert StepKind.MIXED in kinds[2:]
+    eng.run_until_done(max_steps=100)
+    eng.sync()
+    for i, n in {**short, 2: 2}.items():
+        assert eng.outputs[RequestId(i)] == greedy_reference(PROMPTS[i], n), i
+    eng.ledger.assert_drained()
     eng.close()

@@ -36,7 +36,7 @@ from ir.spec import DraftPlan
 from passes.lower import LowerContext, lower
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
-from tests.helpers import BODIES, SYSTEM, decode_batch, engine, extend_plan, proposed, request, tiny_models
+from tests.helpers import BODIES, SYSTEM, decode_batch, engine, extend_plan, greedy_reference, proposed, request, tiny_models
 
 OUT = torch.zeros(2, 3)
 
@@ -556,3 +556,107 @@ def test_an_engine_whose_abort_of_a_failed_forward_raises_stops_serving(where: s
             eng.sync()
     with pytest.raises(EngineStoppedError, match="could not be drained"):
         eng.step()
+
+
+class OpeningLeader(SessionLeader):
+    """A session stand-in that records the pools of every session it opens."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__(world)
+        self.opened: list[object] = []
+
+    def open_session(self, models: object, **sizes: object) -> None:
+        super().open_session(models, **sizes)
+        self.opened.append(self.pools)
+
+
+def test_a_tp_engine_without_speculation_opens_no_draft_pool_even_when_given_a_draft() -> None:
+    """At ``k = 0`` the draft model is never run: the workers must not build (and hold memory for)
+    a draft pool for it, only the target's."""
+    from backend.tp import shard_model
+    from ir.ids import TARGET_POOL
+
+    target, draft = tiny_models()
+    leader = OpeningLeader(2)
+    eng = Engine(shard_model(target, 0, 2, _NoSum()), shard_model(draft, 0, 2, _NoSum()), k=0, tp=leader)
+    assert leader.opened == [(TARGET_POOL,)] and eng.draft is None
+    eng.close()
+
+
+def test_an_engine_refuses_a_tp_leader_whose_session_another_engine_holds() -> None:
+    """One engine at a time per group: the second is refused by name before it builds anything,
+    and the first one's session stays open."""
+    from backend.tp import shard_model
+
+    target, _ = tiny_models()
+    leader = SessionLeader(2)
+    first = Engine(shard_model(target, 0, 2, _NoSum()), None, k=0, tp=leader)
+    pools = leader.pools
+    with pytest.raises(PreconditionError, match=r"^Engine: tp: the leader's session is in use by another engine \(close that engine first\)$"):
+        Engine(shard_model(target, 0, 2, _NoSum()), None, k=0, tp=leader)
+    assert leader.pools == pools and leader.closed_sessions == 0
+    first.close()
+    assert leader.pools is None and leader.closed_sessions == 1
+
+
+def test_closing_an_engine_closes_each_executor_process_once() -> None:
+    """With executor processes (``overlap``), ``close`` stops both children, the draft's too."""
+    eng = engine(1)
+    target, draft = ClosingProcess(), ClosingProcess()
+    eng.target, eng.draft = target, draft
+    eng.close()
+    assert (target.closes, draft.closes) == (1, 1)
+
+
+def test_a_request_counts_its_retractions() -> None:
+    """Each retraction (out of KV room) sends the request back to the queue with its count of
+    retractions one up; it comes back and ends with the greedy tokens."""
+    eng = engine(0)
+    rid = RequestId(0)
+    eng.admit(rid, [3, 4, 5, 6, 7], max_new_tokens=6)
+    for n in (1, 2):
+        while eng.requests[rid].state is not RequestState.RUNNING:
+            eng.step()
+        eng.step()
+        eng.forwards.retract(rid)
+        assert eng.requests[rid].state is RequestState.WAITING and eng.requests[rid].retractions == n
+    eng.run_until_done(max_steps=50)
+    assert eng.outputs[rid] == greedy_reference([3, 4, 5, 6, 7], 6) and eng.stats.retractions == 2
+    eng.ledger.assert_drained()
+    assert eng.slots.num_live == 0 and eng.kv.num_live == 0
+    eng.close()
+
+
+def test_a_step_that_retracts_a_request_still_decodes_those_left_running() -> None:
+    """Out of KV room, the newest running request is retracted and, in the same step, the ones
+    left running decode: a retraction costs the others no step."""
+    eng = engine(0, capacity=2, kv_capacity=12)
+    prompts = {0: [3, 4, 5, 6, 7], 1: [8, 9, 10, 11, 12]}
+    for i, p in prompts.items():
+        eng.admit(RequestId(i), p, max_new_tokens=4)
+    for _ in range(10):
+        report = eng.step()
+        if eng.stats.retractions:
+            break
+    assert eng.stats.retractions == 1 and report.kind is StepKind.DECODE and report.emitted == (RequestId(0),)
+    eng.run_until_done(max_steps=50)
+    assert all(eng.outputs[RequestId(i)] == greedy_reference(p, 4) for i, p in prompts.items())
+    eng.ledger.assert_drained()
+    eng.close()
+
+
+def test_an_engine_whose_draft_executor_cannot_be_built_ends_its_tp_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As for the target's: an engine whose draft pool cannot be built ends the group's session."""
+    from backend.tp import shard_model
+
+    target, draft = tiny_models()
+    draft_shard = shard_model(draft, 0, 2, _NoSum())
+
+    def no_pool(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("no memory for the draft pool")
+
+    monkeypatch.setattr(draft_shard, "new_pool", no_pool)
+    leader = SessionLeader(2)
+    with pytest.raises(RuntimeError, match="^no memory for the draft pool$"):
+        Engine(shard_model(target, 0, 2, _NoSum()), draft_shard, k=2, tp=leader)
+    assert leader.closed_sessions == 1 and leader.pools is None

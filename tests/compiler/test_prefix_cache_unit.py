@@ -107,3 +107,19 @@ def test_a_reservation_can_be_released_once() -> None:
     release: Callable[[], None] = pc.release_room
     with pytest.raises(PrefixCacheError, match=r"^release_room without a reservation$"):
         release()
+
+
+def test_an_entry_whose_pins_are_not_a_count_is_refused() -> None:
+    """``pins`` is a count (an int >= 0): an entry whose count went negative (a caller's unpin of
+    its own) or is not an int is refused by name, by ``insert`` and by ``pin``, never counted on."""
+    pc = PrefixCache(capacity=1, block=4)
+    for bad, shown in ((-1, "-1"), ("1", "'1'")):
+        with suppress_type_checks(), pytest.raises(PrefixCacheError, match=rf"^insert\(entry\): pins must be an int >= 0 \(got {shown}\)$"):
+            pc.insert(_entry(4, pins=bad))
+    assert len(pc) == 0 and pc.reserve_room()
+    entry = _entry(4)
+    pc.insert(entry)
+    entry.pins = -1  # the caller's own record, changed behind the cache's back
+    with pytest.raises(PrefixCacheError, match=r"^pin\(entry\): pins must be an int >= 0 \(got -1\)$"):
+        pc.pin(entry)
+    assert entry.pins == -1 and pc.evict_lru() is None  # not counted up to an unpinned 0

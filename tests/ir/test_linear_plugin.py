@@ -4,8 +4,8 @@
 minutes (torch); here the programs declare their own ``@linear`` classes and consumers, so mypy
 analyses only them and ``ir.linear``. Each line that must be refused ends in ``# E: <code>``; every
 other line must pass. The rules covered: a second consumption on one executor along some path
-(sequence, loop, branches, ``try``, comprehension, ``@consumes_on``), what is not one (another
-executor, a rebound name, a loop over executors), stores that outlive the step (attributes,
+(sequence, across a ``del``, loop, branches, ``try``, comprehension, ``@consumes_on``), what is not one (another
+executor, a rebound name, a loop over executors), stores that outlive the step (attributes, ``+=`` on one,
 non-local containers, fields of a class that is not ``@linear``), the hatches (``stash``,
 ``@keeps_linear``, ``None``), and markers the plugin cannot honour.
 """
@@ -68,6 +68,12 @@ def twice(ex: Ex, plan: Plan) -> None:
     ex.execute(plan)  # E: linear-reuse
 
 
+def again_after_a_del(ex: Ex, plan: Plan, scratch: list[int]) -> None:
+    ex.execute(plan)
+    del scratch[0]
+    ex.execute(plan)  # E: linear-reuse
+
+
 def in_a_loop(ex: Ex, plan: Plan) -> None:
     for _ in range(2):
         ex.run_prefill(plan)  # E: linear-reuse
@@ -120,6 +126,9 @@ class Engine:
     def keep(self, plan: Plan) -> None:
         self.last = plan  # E: linear-escape
         self.inflight.append(plan)  # E: linear-escape
+
+    def keep_more(self, plan: Plan) -> None:
+        self.inflight += [plan]  # E: linear-escape
 
 
 class Holder:

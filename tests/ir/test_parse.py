@@ -132,6 +132,8 @@ ExtendBatch requests=2 tokens=3
         ("Batch requests=0\n", 1, "Batch", "unknown node kind"),
         ("DecodeBatch requests=1\n  r0 x1 seq=3 token=1 kv=k0\n", 2, "x1", "expected a s<int> name"),
         ("DecodeBatch requests=1\n  r0 s1 seq=3 token=1 kv=k0 extra\n", 2, "extra", "unexpected word"),
+        ("AdmittedRequest r1 s2 intent=clear tokens=[5 6] kv=k0..k1 extra\n", 1, "extra", "unexpected word"),
+        ("MambaInit #1 clear[s1] cow[s3->s2] extra\n", 1, "extra", "unexpected word"),
         ("DecodeBatch requests=1\n  r0 s0 seq=3 token=1 kv=k0\n", 1, "DecodeBatch", "DecodeBatch.slots: every value must be >= 1"),
         ("DecodeBatch requests=1\n  r0 s1 seq=3 token=1 kv=k5..k2\n", 2, "k5..k2", "must not descend"),
         ("IdleBatch requests=0\nIdleBatch requests=0\n", 2, "IdleBatch", "end of the text"),

@@ -255,21 +255,22 @@ class _NoSum:
         pass
 
 
-def test_an_engine_whose_target_executor_cannot_be_built_ends_its_tp_session(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("failing", ["target", "draft"])
+def test_an_engine_whose_executor_cannot_be_built_ends_its_tp_session(failing: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The workers built their pools for the session: an engine that fails before serving ends it,
-    whichever executor failed (the target's here), so the group can serve the next engine."""
+    whichever executor failed (the target's or the draft's), so the group can serve the next engine."""
     from backend.tp import shard_model
 
-    target, _ = tiny_models()
-    shard = shard_model(target, 0, 2, _NoSum())
+    target, draft = tiny_models()
+    shards = {"target": shard_model(target, 0, 2, _NoSum()), "draft": shard_model(draft, 0, 2, _NoSum())}
 
     def no_pool(*args: object, **kwargs: object) -> object:
-        raise RuntimeError("no memory for the pool")
+        raise RuntimeError(f"no memory for the {failing} pool")
 
-    monkeypatch.setattr(shard, "new_pool", no_pool)
+    monkeypatch.setattr(shards[failing], "new_pool", no_pool)
     leader = SessionLeader(2)
-    with pytest.raises(RuntimeError, match="no memory for the pool"):
-        Engine(shard, None, k=0, tp=leader)
+    with pytest.raises(RuntimeError, match=f"^no memory for the {failing} pool$"):
+        Engine(shards["target"], shards["draft"] if failing == "draft" else None, k=2 if failing == "draft" else 0, tp=leader)
     assert leader.closed_sessions == 1 and leader.pools is None
 
 
@@ -643,20 +644,3 @@ def test_a_step_that_retracts_a_request_still_decodes_those_left_running() -> No
     assert all(eng.outputs[RequestId(i)] == greedy_reference(p, 4) for i, p in prompts.items())
     eng.ledger.assert_drained()
     eng.close()
-
-
-def test_an_engine_whose_draft_executor_cannot_be_built_ends_its_tp_session(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As for the target's: an engine whose draft pool cannot be built ends the group's session."""
-    from backend.tp import shard_model
-
-    target, draft = tiny_models()
-    draft_shard = shard_model(draft, 0, 2, _NoSum())
-
-    def no_pool(*args: object, **kwargs: object) -> object:
-        raise RuntimeError("no memory for the draft pool")
-
-    monkeypatch.setattr(draft_shard, "new_pool", no_pool)
-    leader = SessionLeader(2)
-    with pytest.raises(RuntimeError, match="^no memory for the draft pool$"):
-        Engine(shard_model(target, 0, 2, _NoSum()), draft_shard, k=2, tp=leader)
-    assert leader.closed_sessions == 1 and leader.pools is None

@@ -117,7 +117,7 @@ def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import default_draft, default_target
-    from compiler.engine import PrefillFirst
+    from compiler.engine import prefill_first
     from compiler.serve import ServeConfig, check_serving
     from compiler.tools.bench_serve import ENGINES, builtin_cases, run_serve_bench, sweep_cases
     from compiler.workload import ARRIVALS, BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
@@ -175,7 +175,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                 else f"{len(cases[0].requests)} requests of the built-in workload")
         c = cases[0].cfg
         how = ("" if sweep else f"; compiled: chunks of {c.chunk_size}, {c.token_budget} prefill tokens a step, "
-               f"{PrefillFirst(max_streak=c.prefill_streak or None).describe()}, {c.cache_entries} cache entries")
+               f"{prefill_first(c.prefill_streak).describe()}, {c.cache_entries} cache entries")
         table = Table(title=f"bench serve: {what}, bundled target and draft{how}",
                       caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running), with their range")
         for h in ("arrivals" if not sweep else "running", "k", "engine", "tokens", "steps", "tok/s", "range", "vs fixed", "vs k=0",
@@ -186,7 +186,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             table.add_row(
                 r.arrivals if not sweep else str(r.max_running), str(r.k), r.engine + (" +overlap" if r.overlap else ""), str(r.tokens),
                 str(r.steps), f"{r.tokens_per_s:.0f}", f"{r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}", _times(r.vs_mutable_fixed),
-                _times(r.vs_k0), f"{r.host_ms_per_step:.2f}", _ms1(r.latency("ttft", 0.5)), _ms1(r.latency("tpot", 0.5)),
+                _times(r.vs_k0), f"{r.host_ms_per_step:.2f}", _ms(r.latency("ttft", 0.5), 1), _ms(r.latency("tpot", 0.5), 1),
             )
         console.print(table)
         console.print(
@@ -259,12 +259,8 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
     return 0
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _ms1(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _ms(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _times(ratio: float | None) -> str:

@@ -94,6 +94,11 @@ class PrefillFirst:
         return f"prefill first, at most {self.max_streak} in a row"
 
 
+def prefill_first(streak: int) -> PrefillFirst:
+    """The policy of ``--prefill-streak`` / ``ServeConfig.prefill_streak``: ``0`` means no bound."""
+    return PrefillFirst(max_streak=streak or None)
+
+
 ALTERNATE = PrefillFirst(max_streak=1)
 """One prefill step, then one running step (the engine's policy before the measured default)."""
 DEFAULT_POLICY = PrefillFirst(max_streak=DEFAULT_PREFILL_STREAK)

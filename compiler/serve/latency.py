@@ -8,9 +8,11 @@ Time per output token is (end - first token) / (output tokens - 1), over request
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from compiler.engine import StepReport
+from compiler.workload import Request
 from ir.ids import RequestId
 
 
@@ -23,6 +25,15 @@ class Latencies:
     def arrive(self, rids: Iterable[RequestId], now: float) -> None:
         for rid in rids:
             self.arrived.setdefault(rid, now)
+
+    def arrive_due(self, queue: Sequence[Request], step: int) -> None:
+        """Every request at the head of ``queue`` (sorted by arrival step, not yet admitted) whose
+        arrival step has come arrives now, unless it arrived at an earlier step."""
+        now = time.perf_counter()
+        for r in queue:
+            if r.arrival > step:
+                break
+            self.arrived.setdefault(r.rid, now)
 
     def step(self, report: StepReport, now: float) -> None:
         for rid in report.emitted:

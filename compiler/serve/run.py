@@ -10,7 +10,7 @@ import attrs
 
 from backend.hybrid.model import HybridModel
 from backend.tp.serve import TPLeader
-from compiler.engine import Engine, PrefillFirst
+from compiler.engine import Engine, prefill_first
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.serve.latency import Latencies
@@ -33,7 +33,7 @@ def make_engine(
         max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,
         prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
         overlap=cfg.overlap if overlap is None else overlap, tp=tp,
-        policy=PrefillFirst(max_streak=cfg.prefill_streak or None),
+        policy=prefill_first(cfg.prefill_streak),
     )
 
 
@@ -56,13 +56,12 @@ def serve(
     steps: dict[str, int] = {}
     step_no = 0
     t0 = time.perf_counter()
-    done = arrived = 0
+    done = 0
     while queue or driver.live:
         if latency is not None:
-            arrived = _arrivals(latency, queue, arrived, step_no)
+            latency.arrive_due(queue, step_no)
         while queue and queue[0].arrival <= step_no and driver.live < max_running:
             r = queue.pop(0)
-            arrived = max(arrived - 1, 0)  # (the head had arrived)
             stops = stop_ids(r, eos)
             driver.admit(r.rid, list(r.token_ids), max_new_tokens=r.max_new_tokens, stop=stops if stops else None)
         if on_step is not None:
@@ -78,16 +77,6 @@ def serve(
             on_finish(done)
     driver.sync()  # the last commits still running in executor processes (overlap) are part of the run
     return time.perf_counter() - t0, steps
-
-
-def _arrivals(latency: Latencies, queue: Sequence[Request], arrived: int, step_no: int) -> int:
-    """Record the requests at the head of ``queue`` (sorted by arrival; its first ``arrived`` are
-    recorded already) whose arrival step has come; returns how many of its head have arrived."""
-    now = time.perf_counter()
-    while arrived < len(queue) and queue[arrived].arrival <= step_no:
-        latency.arrive((queue[arrived].rid,), now)
-        arrived += 1
-    return arrived
 
 
 def run(

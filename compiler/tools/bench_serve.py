@@ -117,7 +117,7 @@ class ServeRun:
     wall_s: float
     model_s: float
     repeat: int
-    max_running: int = 0
+    max_running: int
     """The case's ``max_running`` (what rows are grouped and compared by; ``running`` is what one run reached)."""
     ttft_ms: tuple[float, ...] = ()
     """Time to first token of every request (``compiler.serve.latency``)."""

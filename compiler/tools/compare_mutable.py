@@ -40,16 +40,12 @@ def serve_mutable(
     queue = sorted(workload, key=lambda r: r.arrival)
     t0 = time.perf_counter()
     cps = [engine.make_prefix(list(p)) for p in SYSTEM_PREFIXES]
-    steps = arrived = 0
+    steps = 0
     while queue or engine.live:
         if latency is not None:
-            now = time.perf_counter()
-            while arrived < len(queue) and queue[arrived].arrival <= steps:
-                latency.arrive((queue[arrived].rid,), now)
-                arrived += 1
+            latency.arrive_due(queue, steps)
         while queue and queue[0].arrival <= steps and engine.live < max_running:
             r = queue.pop(0)
-            arrived = max(arrived - 1, 0)  # (the head had arrived)
             cp = next((c for c in cps if r.prompt.startswith(bytes(c.tokens)) and len(r.prompt) > len(c.tokens)), None)
             engine.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, prefix=cp, stop=r.stop)
         if on_step is not None:

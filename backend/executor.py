@@ -66,18 +66,21 @@ import torch
 
 from backend import faults
 from backend.allocator import SlotAllocator
+from backend.boundary import Pending, plan_rids
 from backend.ledger import Claim, Ledger
 from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
 from backend.pool import MambaStatePool
+from backend.sampling import sample
 from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
 from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
 from ir.columns import I64
-from ir.errors import IRValidationError, MutationError, PlanExecutionError
-from ir.ids import TicketSerial
+from ir.errors import BatchcError, IRValidationError, MutationError, PlanExecutionError
+from ir.ids import PoolId, TicketSerial
 from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
 from ir.linear import consumes
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.results import Ran, Result, Sampled, Verified
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
 from ir.verify import VerifyLevel, verify_level_from_env
 
@@ -98,9 +101,6 @@ class Gate(Protocol):
         outstanding)."""
 
 
-ForwardOut: TypeAlias = torch.Tensor | Proposals | None
-"""What running one plan returns: a prefill's, decode's or verify's logits or tokens, a draft's
-``Proposals``, or nothing (commits, idle)."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -183,8 +183,36 @@ class Executor(Generic[VerifyStateT]):
             cast("SpecModelHook[VerifyStateT]", hook) if isinstance(hook, SpecModelHook) else None
         )
 
+    @property
+    def pool_id(self) -> PoolId:
+        return self.pool.pool_id
+
+    @property
+    def usable(self) -> bool:
+        """An in-process executor can always run plans."""
+        return True
+
     @consumes
-    def execute(self, plan: Plan) -> ForwardOut:
+    def submit(self, plan: Plan) -> Pending:
+        """``backend.boundary.Backend.submit``: runs ``plan`` now; a refusal (``BatchcError``) is
+        raised here, any other failure by ``wait``."""
+        pending = Pending(plan)
+        try:
+            pending.result = self.execute(plan)
+        except BatchcError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a fault: the caller reads it at ``wait``
+            pending.error = exc
+        pending.done = True
+        return pending
+
+    def wait(self, pending: Pending) -> Result:
+        return pending.outcome()
+
+    @consumes
+    def execute(self, plan: Plan) -> Result:
+        """Run ``plan`` and give back its result (``ir.results``; the tokens chosen by
+        ``backend.sampling``)."""
         if not self.watch:
             out = self._execute(plan)
         else:
@@ -202,31 +230,31 @@ class Executor(Generic[VerifyStateT]):
         if self.gate is not None:
             self.gate.validated(type(plan).__name__)
 
-    def _execute(self, plan: Plan) -> ForwardOut:
+    def _execute(self, plan: Plan) -> Result:
         match plan:
             case ExtendPlan() | MixedPlan():
-                return self.run_prefill(plan)
+                return Sampled(rids=plan_rids(plan), tokens=sample(self.run_prefill(plan)))
             case DecodePlan():
-                return self.run_decode(plan)
+                return Sampled(rids=plan.rids, tokens=sample(self.run_decode(plan)))
             case DraftPlan():
                 return self.run_draft(plan)
             case VerifyPlan():
-                return self.run_verify(plan)
+                return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=self.run_verify(plan).reshape(-1).cpu().numpy())
             case CommitPlan():
                 self.run_commit(plan)
-                return None
+                return Ran(rids=plan.batch.rids)
             case DraftCommitPlan():
                 self.run_draft_commit(plan)
-                return None
+                return Ran(rids=plan.batch.rids)
             case DraftExtendPlan():
-                return self.run_draft_extend(plan)
+                return Sampled(rids=plan.batch.rids, tokens=sample(self.run_draft_extend(plan)))
             case IdlePlan():
-                return None
+                return Ran(rids=plan_rids(plan))
             case _:
                 _not_a_plan(plan)
 
     @consumes
-    def run_prefill(self, plan: ExtendPlan | MixedPlan) -> torch.Tensor | None:
+    def run_prefill(self, plan: ExtendPlan | MixedPlan) -> torch.Tensor:
         if not isinstance(plan, (ExtendPlan, MixedPlan)):
             _wrong_plan("run_prefill", plan, "an ExtendPlan or a MixedPlan")
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
@@ -282,19 +310,17 @@ class Executor(Generic[VerifyStateT]):
         self._mixed_sampled(plan, out)
         return out
 
-    def _mixed_sampled(self, plan: ExtendPlan | MixedPlan, out: torch.Tensor | None) -> None:
+    def _mixed_sampled(self, plan: ExtendPlan | MixedPlan, out: torch.Tensor) -> None:
         """``_sampled`` for a prefill: the logits are the extend rows', then (mixed) the decode rows'.
         With a ``sample_id`` the extend part keeps the first token of every row it completes."""
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
         if isinstance(plan, MixedPlan):
-            self._sampled(plan.decode, out[ext.num_requests :] if out is not None else None)
+            self._sampled(plan.decode, out[ext.num_requests :])
         if ext.sample_id is not None:
-            if out is None:
-                raise PlanExecutionError(f"{type(plan).__name__} with sample #{ext.sample_id}: the model hook returned no logits to sample")
-            tokens = out[: ext.num_requests].argmax(dim=-1).tolist()
+            tokens = _inputs_of(sample(out[: ext.num_requests]))
             for slot, token, more in zip(ext.slots.tolist(), tokens, ext.more_chunks.tolist(), strict=True):
                 if not more:
-                    self._samples[slot] = (ext.sample_id, int(token))
+                    self._samples[slot] = (ext.sample_id, token)
 
     def _snapshots(self, claim: Claim) -> None:
         for t in claim.tickets:
@@ -302,7 +328,7 @@ class Executor(Generic[VerifyStateT]):
                 apply_snapshot(self.pool, t.snapshot)
 
     @consumes
-    def run_decode(self, plan: DecodePlan) -> torch.Tensor | None:
+    def run_decode(self, plan: DecodePlan) -> torch.Tensor:
         if not isinstance(plan, DecodePlan):
             _wrong_plan("run_decode", plan, "a DecodePlan")
         self._check_rows(plan.slots, "DecodePlan")
@@ -330,17 +356,15 @@ class Executor(Generic[VerifyStateT]):
             tokens.append(kept[1])
         return np.asarray(tokens, dtype=np.int64)
 
-    def _sampled(self, plan: DecodePlan, logits: torch.Tensor | None) -> None:
+    def _sampled(self, plan: DecodePlan, logits: torch.Tensor) -> None:
         """After a forward succeeded: the tokens it named are used (a replay finds none), and with a
-        ``sample_id`` its greedy tokens are kept per slot for the plan that names them."""
+        ``sample_id`` its sampled tokens are kept per slot for the plan that names them."""
         if plan.inputs_from is not None:
             for slot in plan.slots.tolist():
                 del self._samples[slot]
         if plan.sample_id is not None:
-            if logits is None:
-                raise PlanExecutionError(f"DecodePlan with sample #{plan.sample_id}: the model hook returned no logits to sample")
-            for slot, token in zip(plan.slots.tolist(), logits.argmax(dim=-1).tolist(), strict=True):
-                self._samples[slot] = (plan.sample_id, int(token))
+            for slot, token in zip(plan.slots.tolist(), _inputs_of(sample(logits)), strict=True):
+                self._samples[slot] = (plan.sample_id, token)
 
     @consumes
     def run_draft(self, plan: DraftPlan) -> Proposals:
@@ -452,7 +476,7 @@ class Executor(Generic[VerifyStateT]):
         del self._intermediates[serial]
 
     @consumes
-    def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor | None:
+    def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor:
         if not isinstance(plan, DraftExtendPlan):
             _wrong_plan("run_draft_extend", plan, "a DraftExtendPlan")
         self._check_rows(plan.batch.slots, "DraftExtendPlan")
@@ -462,10 +486,14 @@ class Executor(Generic[VerifyStateT]):
             faults.check(faults.FaultPoint.MODEL_FORWARD)
         return out
 
-    def _forward(self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor | None:
+    def _forward(self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor:
         self._validated(plan)
         with self._watched("the model hook", plan, extend, decode):
-            out = self.model.forward(plan, extend, decode, self.pool)
+            out: object = self.model.forward(plan, extend, decode, self.pool)  # a user's hook: its annotation is a promise
+        rows = (int(extend.cu_seqlens.shape[0]) - 1 if extend is not None else 0) + (int(decode.packed.shape[1]) if decode is not None else 0)
+        if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != rows:
+            got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise PlanExecutionError(f"{type(plan).__name__}: the model hook returned {got}, not logits of shape [{rows}, vocab]")
         return out
 
     def _unit(self, slots: I64) -> AbstractContextManager[None]:
@@ -615,6 +643,13 @@ def _check_fresh_rows(plan: ExtendPlan | MixedPlan, ext: ExtendPlan, tickets: Se
             f"{type(plan).__name__}: slot {missing[0]} starts at token 0 but the plan's init does not clear it "
             f"(init: {'none for this pool' if init is None else init})"
         )
+
+
+def _inputs_of(tokens: I64) -> list[int]:
+    """Sampled tokens as the inputs of the pipelined forward already built on them. A flagged row's
+    (``NON_FINITE``) is never read back (the engine ends its request when this forward lands), so
+    its input becomes 0, which keeps that forward well-formed."""
+    return [max(t, 0) for t in tokens.tolist()]
 
 
 def _wrong_plan(entry: str, value: object, expected: str) -> NoReturn:

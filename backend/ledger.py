@@ -35,8 +35,9 @@ length of a kernel.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Final
 
 import attrs
 
@@ -423,3 +424,64 @@ def _ops(ticket: Ticket) -> str:
     init = ticket.init
     cows = ", ".join(f"{s}->{d}" for s, d in zip(init.cow_src, init.cow_dst, strict=True))
     return f"clear {list(init.clear_slots)}, cow [{cows}]"
+
+
+# -- end-of-session reports (every rank of a tensor-parallel group, or one process) ------------
+
+
+@attrs.frozen(kw_only=True)
+class LedgerCounts:
+    """One rank's ledger on one pool at the end of a session."""
+
+    minted: PoolCounts
+    consumed: PoolCounts
+    outstanding: int
+    in_flight: int
+    cancelled: int
+
+    def to_ints(self) -> list[int]:
+        return [*attrs.astuple(self.minted), *attrs.astuple(self.consumed), self.outstanding, self.in_flight, self.cancelled]
+
+    @classmethod
+    def from_ints(cls, v: Sequence[int]) -> LedgerCounts:
+        names = [f.name for f in attrs.fields(PoolCounts)]
+        return cls(minted=PoolCounts(**dict(zip(names, v[0:4], strict=True))), consumed=PoolCounts(**dict(zip(names, v[4:8], strict=True))),
+                   outstanding=v[8], in_flight=v[9], cancelled=v[10])
+
+    @classmethod
+    def of(cls, ledger: Ledger, pool: PoolId) -> LedgerCounts:
+        return cls(
+            minted=ledger.minted(pool), consumed=ledger.counts(pool),
+            outstanding=sum(t.pool == pool for t in ledger.outstanding()), in_flight=sum(t.pool == pool for t in ledger.in_flight()),
+            cancelled=sum(p == pool for _, p in ledger.cancelled()),
+        )
+
+
+LEDGER_COUNTS_WIDTH: Final = 11
+"""How many ints ``LedgerCounts.to_ints`` gives."""
+
+
+@attrs.frozen(kw_only=True)
+class RankLedgers:
+    """Every rank's ledger counts at the end of a session: ``ranks[r][pool]``."""
+
+    pools: tuple[PoolId, ...]
+    ranks: tuple[Mapping[PoolId, LedgerCounts], ...]
+
+    @property
+    def equal(self) -> bool:
+        """Every rank consumed the same ops on every pool. (What they minted may differ: rank 0
+        registers a forward's tickets when it lowers it, a worker when the plan reaches it, so a
+        ticket cancelled before its plan was sent is on rank 0's books only.)"""
+        return all(r[p].consumed == self.ranks[0][p].consumed for r in self.ranks for p in self.pools)
+
+    @property
+    def drained(self) -> bool:
+        """No rank holds a ticket that is outstanding or in flight."""
+        return all(c.outstanding == 0 and c.in_flight == 0 for r in self.ranks for c in r.values())
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "equal": self.equal, "drained": self.drained,
+            "ranks": [{p: attrs.asdict(c) for p, c in r.items()} for r in self.ranks],
+        }

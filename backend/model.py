@@ -35,8 +35,10 @@ class ModelHook(Protocol):
         extend: StagedExtend | None,
         decode: StagedDecode | None,
         pool: MambaStatePool,
-    ) -> torch.Tensor | None:
-        """Run one forward. ``extend``/``decode`` are the staged parts of the plan (both for MIXED)."""
+    ) -> torch.Tensor:
+        """Run one forward and return its logits, ``[rows, vocab]``: one row per sequence of
+        ``extend`` (its last position), then one per row of ``decode``. ``extend``/``decode`` are
+        the staged parts of the plan (both for MIXED)."""
         ...
 
 
@@ -98,8 +100,15 @@ class ServedModel(Protocol[VerifyStateT]):
         ...
 
 
+def blank_logits(extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor:
+    """Logits of a model that scores one token, 0, for every row: ``[rows, 1]`` zeros."""
+    rows = (int(extend.cu_seqlens.shape[0]) - 1 if extend is not None else 0) + (int(decode.packed.shape[1]) if decode is not None else 0)
+    return torch.zeros((rows, 1))
+
+
 class NoOpModel:
-    """Runs no model: every forward returns nothing. It has no speculative phases."""
+    """Runs no model: every forward's logits are ``blank_logits`` (each row's token is 0). It has no
+    speculative phases."""
 
     def forward(
         self,
@@ -107,5 +116,5 @@ class NoOpModel:
         extend: StagedExtend | None,
         decode: StagedDecode | None,
         pool: MambaStatePool,
-    ) -> torch.Tensor | None:
-        return None
+    ) -> torch.Tensor:
+        return blank_logits(extend, decode)

@@ -48,15 +48,16 @@ import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, assert_never, get_args
 
 import numpy as np
 import torch
 
-from backend import children, faults
+from backend import boundary, children, faults
 from backend.allocator import SlotAllocator
-from backend.executor import Executor, ForwardOut
+from backend.boundary import BackendGone, ForwardFailed
+from backend.executor import Executor
 from backend.ledger import Claim, Ledger
 from backend.model import ServedModel
 from ir.columns import check_instance
@@ -66,7 +67,8 @@ from ir.init import InitTicket, Ticket, this_epoch
 from ir.linear import consumes, keeps_linear
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
+from ir.results import Result
+from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 from ir.wire import pack, unpack
 
 _log = logging.getLogger("batchc.remote")
@@ -75,13 +77,9 @@ _START_TIMEOUT_S: Final = 120.0
 """How long ``ExecutorProcess`` waits for its child to build the pool and report ready."""
 
 
-class ForwardFailed(RuntimeError):
-    """A plan raised in the executor process with something other than a ``BatchcError`` (a fault):
-    ``kind`` is the exception's class name there."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"{kind} in the executor process: {message}")
-        self.kind = kind
+def _forward_failed(kind: str, message: str) -> ForwardFailed:
+    """A plan raised in the executor process with something other than a ``BatchcError`` (a fault)."""
+    return ForwardFailed(kind, f"{message} (in the executor process)")
 
 
 class ExecutorRefused(BatchcError):
@@ -93,7 +91,7 @@ class ExecutorRefused(BatchcError):
         self.kind = kind
 
 
-class ExecutorGone(RuntimeError):
+class ExecutorGone(BackendGone):
     """The executor process is closed or died; nothing more runs on its pool."""
 
 
@@ -132,16 +130,14 @@ def _ticket_slots(t: Ticket) -> tuple[int, ...]:
 
 
 @keeps_linear  # a plan in flight in the executor process, until its reply is read
-class Pending:
-    """A plan submitted to an ``ExecutorProcess`` whose reply has not been read yet."""
+class Pending(boundary.Pending):
+    """A plan (or a request, ``plan`` None) sent to an ``ExecutorProcess`` whose reply has not been
+    read yet: its message number and the scheduler's claim on its tickets."""
 
     def __init__(self, number: int, plan: Plan | None, claim: Claim | None) -> None:
+        super().__init__(plan)
         self.number = number
-        self.plan = plan
         self.claim = claim
-        self.done = False
-        self.out: ForwardOut = None
-        self.error: BaseException | None = None
 
 
 _Key = tuple[TicketSerial, PoolId]
@@ -263,18 +259,24 @@ class ExecutorProcess:
         self._pending.append(p)
         return p
 
-    def wait(self, p: Pending) -> ForwardOut:
-        """The result of ``p`` (reading every earlier reply first), or its error raised (or that of
-        a failed request sent before it)."""
-        while not p.done:
+    def wait(self, pending: boundary.Pending) -> Result:
+        """The result of ``pending`` (reading every earlier reply first), or its error raised (or
+        that of a failed request sent before it)."""
+        if not isinstance(pending, Pending) or pending not in self._pending and not pending.done:
+            raise IRValidationError(
+                "ExecutorProcess.wait", "pending", pending, f"was not submitted to the executor process of pool {self.pool_id!r}"
+            )
+        while not pending.done:
             self._read_one()
         self._raise_control_error()
-        if p.error is not None:
-            raise p.error
-        return p.out
+        return pending.outcome()
+
+    @property
+    def usable(self) -> bool:
+        return not self.closed
 
     @consumes
-    def execute(self, plan: Plan) -> ForwardOut:
+    def execute(self, plan: Plan) -> Result:
         """``submit`` then ``wait``: the in-process ``Executor.execute`` of this pool."""
         return self.wait(self.submit(plan))
 
@@ -389,8 +391,7 @@ class ExecutorProcess:
         if p.claim is not None:
             p.claim.settle(consumed)
         if kind == "done":
-            arr = reply[1]
-            p.out = torch.from_numpy(arr) if isinstance(arr, np.ndarray) else arr
+            p.result = reply[1]  # (IR nodes unpickle through their constructors: checked)
         else:
             p.error = _error(reply)
             if p.plan is None and self._control_error is None:
@@ -422,7 +423,7 @@ class ExecutorProcess:
 
 def _error(reply: tuple[Any, ...]) -> BaseException:
     _, kind, message, refused = reply[:4]
-    return ExecutorRefused(kind, message) if refused else ForwardFailed(kind, message)
+    return ExecutorRefused(kind, message) if refused else _forward_failed(kind, message)
 
 
 def _shutdown(conn: multiprocessing.connection.Connection, proc: subprocess.Popen[bytes]) -> None:
@@ -478,14 +479,13 @@ def _serve(
         t0 = time.perf_counter()
         tickets: list[Ticket] = []
         try:
-            out: np.ndarray[Any, Any] | Proposals | None = None
+            out: Result | None = None
             if kind == "plan":
                 plan = unpack(msg[1], expect_step=number).plan
                 number += 1
                 tickets = plan_tickets(plan, pool_id)
                 ledger.register(tickets)
-                result = ex.execute(plan)
-                out = result.detach().cpu().numpy() if isinstance(result, torch.Tensor) else result  # (Proposals pickle as IR nodes)
+                out = ex.execute(plan)  # (results pickle as IR nodes: tokens, not logits)
             elif kind == "share":
                 hook.share_prefix(msg[1], msg[2], msg[3])
             elif kind == "forget":
@@ -520,8 +520,97 @@ def _failed(exc: BaseException, t0: float, consumed: list[_Key]) -> tuple[object
     return ("failed", kind, str(exc), isinstance(exc, BatchcError), t0, time.perf_counter(), consumed)
 
 
+class ProcessBackends:
+    """``backend.boundary.Backends`` with each pool's executor in its own process."""
+
+    def __init__(self, target: ExecutorProcess, draft: ExecutorProcess | None) -> None:
+        self._target, self._draft = target, draft
+
+    @property
+    def target(self) -> ExecutorProcess:
+        return self._target
+
+    @property
+    def draft(self) -> ExecutorProcess | None:
+        return self._draft
+
+    @property
+    def concurrent(self) -> bool:
+        return True
+
+    def _all(self) -> list[ExecutorProcess]:
+        return [self._target] + ([self._draft] if self._draft is not None else [])
+
+    def ready(self) -> None:
+        for ex in self._all():
+            ex.wait_ready()
+
+    def settle(self) -> None:
+        for ex in self._all():
+            if not ex.closed:
+                ex.drain()
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        for ex in self._all():
+            ex.share_prefix(src, dst, length)
+
+    def cancel_outstanding(self, reason: str) -> None:
+        for ex in self._all():
+            if not ex.closed:
+                ex.cancel_outstanding(reason)
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        return [iv for ex in self._all() for iv in ex.busy]
+
+    def waited_seconds(self) -> float:
+        return sum(ex.waited for ex in self._all())
+
+    def close(self) -> None:
+        for ex in self._all():
+            ex.close()
+
+
+class Processes:
+    """The ``backend.boundary.Transport`` that runs each pool's executor in its own process (the
+    engine's overlap on a CPU); ``threads``: torch threads per process (default: this process's)."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        if threads is not None and (type(threads) is not int or threads < 1):
+            raise IRValidationError("Processes", "threads", threads, "must be an int >= 1 or None")
+        self.threads = threads
+
+    def __repr__(self) -> str:
+        return "Processes()" if self.threads is None else f"Processes(threads={self.threads})"
+
+    def refusal(self, models: Mapping[PoolId, ServedModel[Any]], *, retries: int) -> str | None:
+        return None
+
+    def open(
+        self, models: Mapping[PoolId, ServedModel[Any]], *, ledger: Ledger, slots: SlotAllocator, capacity: int, kv_capacity: int,
+        max_len: int, retries: int,
+    ) -> ProcessBackends:
+        """The processes start side by side (the target's first); if one cannot start, those
+        started are stopped and the error is raised."""
+        threads = self.threads if self.threads is not None else torch.get_num_threads()
+        started: list[ExecutorProcess] = []
+        try:
+            for pool, model in models.items():
+                started.append(ExecutorProcess(
+                    model, pool_id=pool, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, ledger=ledger, slots=slots,
+                    transactional=retries > 0, threads=threads,
+                ))
+            backends = ProcessBackends(started[0], started[1] if len(started) > 1 else None)
+            backends.ready()
+        except BaseException:
+            for ex in started:
+                ex.close()
+            raise
+        return backends
+
+
 __all__ = [
-    "ExecutorGone", "ExecutorProcess", "ExecutorRefused", "ForwardFailed", "Pending", "plan_slots", "plan_tickets",
+    "ExecutorGone", "ExecutorProcess", "ExecutorRefused", "ForwardFailed", "Pending", "ProcessBackends", "Processes", "plan_slots",
+    "plan_tickets",
 ]
 
 

@@ -1,4 +1,10 @@
-"""Greedy tokens that say when the logits behind them were not finite.
+"""The sampler: the one place where a token is chosen from logits (today greedy).
+
+``sample`` is what every backend applies to a forward's logits (``backend.executor``, and the
+model hooks' verify and draft proposal through ``greedy_or_flag``); the engine only reads tokens
+(``ir.results``).
+
+Greedy tokens say when the logits behind them were not finite.
 
 A row of logits that holds a NaN or a positive infinity has no meaningful argmax (``torch.argmax``
 returns the NaN's or the infinity's index; a row of ``-inf`` gives 0): a token taken from it is
@@ -15,10 +21,13 @@ verify's caller) ends the requests of flagged rows instead of emitting the flag.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-NON_FINITE = -1
-"""The token ``greedy_or_flag`` gives a row whose largest logit is a NaN or an infinity."""
+from ir.columns import I64, frozen_i64
+from ir.results import NON_FINITE
+
+__all__ = ["NON_FINITE", "greedy_or_flag", "sample"]
 
 
 def greedy_or_flag(logits: torch.Tensor) -> torch.Tensor:
@@ -27,3 +36,8 @@ def greedy_or_flag(logits: torch.Tensor) -> torch.Tensor:
     without its last axis."""
     best, index = logits.max(dim=-1)
     return torch.where(torch.isfinite(best), index, NON_FINITE)
+
+
+def sample(logits: torch.Tensor) -> I64:
+    """The token of each row of ``[rows, vocab]`` logits (``greedy_or_flag``), as an IR column."""
+    return frozen_i64(greedy_or_flag(logits).cpu().numpy().astype(np.int64, copy=False))

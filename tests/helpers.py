@@ -33,7 +33,7 @@ from backend.hybrid import ForwardOut, HybridConfig, HybridModel, KVCache, Token
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
-from backend.model import ModelHook
+from backend.model import ModelHook, blank_logits
 from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine
@@ -215,8 +215,8 @@ class ToySpecModel:
     verify's or a proposal's states) by writing a marker into the committed rows (so a second commit
     would show in the pool bytes)."""
 
-    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> None:
-        return None
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
+        return blank_logits(extend, decode)
 
     def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
         return torch.full((plan.batch.num_requests, plan.batch.k), 7, dtype=torch.int64), ("states of draft", plan.batch.draft_id)

@@ -46,7 +46,7 @@ class HybridHook:
 
     def forward(
         self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Logits ``[n, vocab]`` at each row's last token (extend rows first for a MIXED forward)."""
         match plan:
             case ExtendPlan() | DraftExtendPlan():

@@ -41,6 +41,7 @@ from torch.distributed import (  # type: ignore[attr-defined]  # public at run t
 )
 
 from backend import children
+from backend.boundary import BackendBroken
 from ir.errors import BatchcError
 
 _log = logging.getLogger("batchc.tp")
@@ -92,7 +93,7 @@ class RankFault(RuntimeError):
         self.faults = tuple(faults)
 
 
-class RankFailed(RuntimeError):
+class RankFailed(BackendBroken):
     """A rank of the group died, raised after it had accepted a plan, or stopped answering: the
     group cannot go on. ``rank`` is the rank that failed (None when it cannot be told); ``cause``
     says what it did, as a predicate ("killed by signal 9", "did not answer within 60 s", "failed:

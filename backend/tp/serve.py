@@ -35,15 +35,15 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
-
-import attrs
+from typing import Any
 
 from backend import faults
-from backend.executor import Executor, ForwardOut
+from backend.allocator import SlotAllocator
+from backend.boundary import Pending
+from backend.executor import Executor
 from backend.hybrid.model import HybridModel
-from backend.ledger import Ledger, PoolCounts
-from backend.model import ServingModelHook
+from backend.ledger import LEDGER_COUNTS_WIDTH, Ledger, LedgerCounts, RankLedgers
+from backend.model import ServedModel, ServingModelHook
 from backend.pool import MambaStatePool
 from backend.remote import plan_tickets
 from backend.tp.group import Msg, RankFailed, RankFault, RankRefused, TPGroup, Vote, one_line
@@ -53,6 +53,7 @@ from ir.ids import PoolId
 from ir.init import this_epoch
 from ir.linear import consumes, consumes_on
 from ir.nodes import Plan
+from ir.results import Result
 from ir.wire import WireError, pack, unpack
 
 
@@ -124,70 +125,13 @@ def _settle(group: TPGroup, gate: TPGate, exc: BaseException, plan: str) -> Base
     return failed
 
 
-@attrs.frozen(kw_only=True)
-class LedgerCounts:
-    """One rank's ledger on one pool at the end of a session."""
-
-    minted: PoolCounts
-    consumed: PoolCounts
-    outstanding: int
-    in_flight: int
-    cancelled: int
-
-    def to_ints(self) -> list[int]:
-        return [*attrs.astuple(self.minted), *attrs.astuple(self.consumed), self.outstanding, self.in_flight, self.cancelled]
-
-    @classmethod
-    def from_ints(cls, v: Sequence[int]) -> LedgerCounts:
-        names = [f.name for f in attrs.fields(PoolCounts)]
-        return cls(minted=PoolCounts(**dict(zip(names, v[0:4], strict=True))), consumed=PoolCounts(**dict(zip(names, v[4:8], strict=True))),
-                   outstanding=v[8], in_flight=v[9], cancelled=v[10])
-
-    @classmethod
-    def of(cls, ledger: Ledger, pool: PoolId) -> LedgerCounts:
-        return cls(
-            minted=ledger.minted(pool), consumed=ledger.counts(pool),
-            outstanding=sum(t.pool == pool for t in ledger.outstanding()), in_flight=sum(t.pool == pool for t in ledger.in_flight()),
-            cancelled=sum(p == pool for _, p in ledger.cancelled()),
-        )
-
-
-_WIDTH: Final = 11
-
-
-@attrs.frozen(kw_only=True)
-class RankLedgers:
-    """Every rank's ledger counts at the end of a session: ``ranks[r][pool]``."""
-
-    pools: tuple[PoolId, ...]
-    ranks: tuple[Mapping[PoolId, LedgerCounts], ...]
-
-    @property
-    def equal(self) -> bool:
-        """Every rank consumed the same ops on every pool. (What they minted may differ: rank 0
-        registers a forward's tickets when it lowers it, a worker when the plan reaches it, so a
-        ticket cancelled before its plan was sent is on rank 0's books only.)"""
-        return all(r[p].consumed == self.ranks[0][p].consumed for r in self.ranks for p in self.pools)
-
-    @property
-    def drained(self) -> bool:
-        """No rank holds a ticket that is outstanding or in flight."""
-        return all(c.outstanding == 0 and c.in_flight == 0 for r in self.ranks for c in r.values())
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "equal": self.equal, "drained": self.drained,
-            "ranks": [{p: attrs.asdict(c) for p, c in r.items()} for r in self.ranks],
-        }
-
-
 def _counts(ledger: Ledger, pools: Sequence[PoolId]) -> list[int]:
     return [x for p in pools for x in LedgerCounts.of(ledger, p).to_ints()]
 
 
 def _rank_ledgers(pools: Sequence[PoolId], gathered: list[list[int]]) -> RankLedgers:
     return RankLedgers(pools=tuple(pools), ranks=tuple(
-        {p: LedgerCounts.from_ints(v[i * _WIDTH : (i + 1) * _WIDTH]) for i, p in enumerate(pools)} for v in gathered
+        {p: LedgerCounts.from_ints(v[i * LEDGER_COUNTS_WIDTH : (i + 1) * LEDGER_COUNTS_WIDTH]) for i, p in enumerate(pools)} for v in gathered
     ))
 
 
@@ -261,7 +205,7 @@ class TPLeader:
         self.pools = tuple(pools)
 
     @consumes_on("ex")
-    def execute(self, pool: PoolId, ex: Executor[Any], plan: Plan) -> ForwardOut:
+    def execute(self, pool: PoolId, ex: Executor[Any], plan: Plan) -> Result:
         """Send ``plan`` for ``pool`` and run it on rank 0's shard with ``ex``."""
         self._check()
         index = self._index(pool)
@@ -396,12 +340,126 @@ class TPExecutor:
         return self.executor.pool
 
     @consumes
-    def execute(self, plan: Plan) -> ForwardOut:
+    def execute(self, plan: Plan) -> Result:
         return self.leader.execute(self.pool_id, self.executor, plan)
+
+    @consumes
+    def submit(self, plan: Plan) -> Pending:
+        """``backend.boundary.Backend.submit``: runs ``plan`` on every rank now; a refusal
+        (``BatchcError``) and a failed rank (``RankFailed``) are raised here, a fault by ``wait``."""
+        pending = Pending(plan)
+        try:
+            pending.result = self.execute(plan)
+        except (BatchcError, RankFailed):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a fault: the caller reads it at ``wait``
+            pending.error = exc
+        pending.done = True
+        return pending
+
+    def wait(self, pending: Pending) -> Result:
+        return pending.outcome()
+
+    @property
+    def usable(self) -> bool:
+        return self.leader.group.broken is None and not self.leader.group.closed
 
     def forget_verifies(self) -> None:
         self.executor.forget_verifies()
         self.leader.forget_verifies(self.pool_id)
+
+
+class TPBackends:
+    """``backend.boundary.Backends`` of rank 0 of a tensor-parallel group, for one session."""
+
+    def __init__(self, leader: TPLeader, ledger: Ledger, executors: list[TPExecutor], hooks: list[ServingModelHook[Any]]) -> None:
+        self.leader, self._ledger, self._executors, self._hooks = leader, ledger, executors, hooks
+
+    @property
+    def target(self) -> TPExecutor:
+        return self._executors[0]
+
+    @property
+    def draft(self) -> TPExecutor | None:
+        return self._executors[1] if len(self._executors) > 1 else None
+
+    @property
+    def concurrent(self) -> bool:
+        return False
+
+    def ready(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        for hook in self._hooks:
+            hook.share_prefix(src, dst, length)
+        self.leader.share_prefix(src, dst, length)
+
+    def cancel_outstanding(self, reason: str) -> None:
+        self.leader.cancel_outstanding(reason)  # one request cancels them on every worker, every pool
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        return []
+
+    def waited_seconds(self) -> float:
+        return 0.0
+
+    def close(self) -> RankLedgers | None:
+        """End the session, gathering every rank's ledger counts (None if the group is broken or
+        the session was ended already)."""
+        leader = self.leader
+        if leader.pools is None or leader.group.broken is not None or leader.group.closed:
+            return None
+        return leader.close_session(self._ledger)
+
+
+class TensorParallel:
+    """The ``backend.boundary.Transport`` of rank 0 of a tensor-parallel group: every plan runs on
+    every rank (``TPLeader``); the models an engine is given are rank 0's shards."""
+
+    def __init__(self, leader: TPLeader) -> None:
+        if not isinstance(leader, TPLeader):
+            raise IRValidationError("TensorParallel", "leader", leader, "must be a backend.tp.TPLeader")
+        self.leader = leader
+
+    def __repr__(self) -> str:
+        return f"TensorParallel(world={self.leader.world})"
+
+    def refusal(self, models: Mapping[PoolId, ServedModel[Any]], *, retries: int) -> str | None:
+        if retries:
+            return f"tp with retries {retries}: a forward that fails on a rank is fatal to the group, never retried"
+        if self.leader.pools is not None:
+            return "tp: the leader's session is in use by another engine (close that engine first)"
+        for pool, model in models.items():
+            try:
+                check_shard(model, pool, 0, self.leader.world)
+            except ValueError as exc:
+                return f"tp: {exc}"
+        return None
+
+    def open(
+        self, models: Mapping[PoolId, ServedModel[Any]], *, ledger: Ledger, slots: SlotAllocator, capacity: int, kv_capacity: int,
+        max_len: int, retries: int,
+    ) -> TPBackends:
+        """Open the group's session (the workers build their pools), then rank 0's executors; if
+        those cannot be built, the session ends."""
+        leader = self.leader
+        leader.open_session(models, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, transactional=False)
+        try:
+            executors: list[TPExecutor] = []
+            hooks: list[ServingModelHook[Any]] = []
+            for pool, model in models.items():
+                hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=max_len)
+                hooks.append(hook)
+                executors.append(TPExecutor(leader, Executor(model.new_pool(capacity, pool_id=pool), ledger, hook, slots=slots, gate=leader.gate)))
+        except BaseException:
+            if leader.pools is not None and leader.group.broken is None and not leader.group.closed:
+                leader.close_session(ledger)
+            raise
+        return TPBackends(leader, ledger, executors, hooks)
 
 
 # -- the workers -------------------------------------------------------------------------------

@@ -8,10 +8,11 @@ the engine, its allocators, pools and prefix cache as they were.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence, Sized
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
+from backend.boundary import Transport
 from backend.model import ServedModel
 from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
 from compiler.engine.policy import SchedulePolicy
@@ -19,7 +20,7 @@ from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from ir.columns import I64, as_i64, int_problem
 from ir.errors import IRValidationError, PreconditionError, short_repr
-from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
+from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 
 MAX_K = 32
 """Most draft tokens per speculative iteration (the same bound as ``compiler.workload.MAX_K``, the
@@ -67,8 +68,7 @@ def check_engine_args(
     retries: object,
     mixed: object,
     pm: object,
-    overlap: object = False,
-    tp: object = None,
+    transport: object = None,
     policy: object = None,
 ) -> None:
     """``Engine``'s argument checks, all before anything is allocated (``PreconditionError`` naming
@@ -80,9 +80,11 @@ def check_engine_args(
     pool within ``MAX_POOL_BYTES``, ``chunk_size`` and ``token_budget`` ``None`` or ``>= 1``,
     ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``ServedModel`` (a ``HybridModel``, or
     any model with the protocol's methods); ``draft`` a ``ServedModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
-    0``); ``mixed`` and ``overlap`` ``bool``s; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
-    ``PassManager`` or ``None``; ``policy`` a ``SchedulePolicy``; ``tp`` ``None`` or rank 0's ``backend.tp.TPLeader`` with no session
-    open, neither with ``overlap`` nor with ``retries`` (a rank's failed forward is fatal to the group)."""
+    0``); ``mixed`` a ``bool``; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
+    ``PassManager`` or ``None``; ``policy`` a ``SchedulePolicy``; ``transport`` a
+    ``backend.boundary.Transport`` that does not refuse the models and ``retries`` (a
+    tensor-parallel group's refuses retries, shards of another rank or world, and a leader whose
+    session is in use)."""
     kk = engine_int("k", k, 0, MAX_K)
     slots = engine_int("capacity", capacity, 1, MAX_CAPACITY)
     engine_int("kv_capacity", kv_capacity, 1, MAX_KV_CAPACITY)
@@ -99,9 +101,8 @@ def check_engine_args(
         if value is not None:
             engine_int(name, value, 1)
     engine_int("retries", retries, 0, MAX_RETRIES)
-    for name, switch in (("mixed", mixed), ("overlap", overlap)):
-        if type(switch) is not bool:  # noqa: E721 - 0, 1, 'no' and None are not switches
-            raise PreconditionError("Engine", f"{name} must be a bool, not {type(switch).__name__} (got {short_repr(switch)})")
+    if type(mixed) is not bool:  # noqa: E721 - 0, 1, 'no' and None are not switches
+        raise PreconditionError("Engine", f"mixed must be a bool, not {type(mixed).__name__} (got {short_repr(mixed)})")
     if not isinstance(target, ServedModel):
         raise PreconditionError("Engine", f"target must be a ServedModel, not {type(target).__name__} (got {short_repr(target)})")
     if draft is not None and not isinstance(draft, ServedModel):
@@ -130,23 +131,14 @@ def check_engine_args(
         raise PreconditionError(
             "Engine", f"policy must be a SchedulePolicy (compiler.engine.policy), not {type(policy).__name__} (got {short_repr(policy)})"
         )
-    if tp is not None:
-        from backend.tp.serve import TPLeader, check_shard
-
-        if not isinstance(tp, TPLeader):
-            raise PreconditionError("Engine", f"tp must be a backend.tp.TPLeader or None, not {type(tp).__name__} (got {short_repr(tp)})")
-        if overlap:
-            raise PreconditionError("Engine", "tp and overlap: a tensor-parallel rank runs its shard in its own process already")
-        if retries:
-            raise PreconditionError("Engine", f"tp with retries {retries}: a forward that fails on a rank is fatal to the group, never retried")
-        if tp.pools is not None:
-            raise PreconditionError("Engine", "tp: the leader's session is in use by another engine (close that engine first)")
-        for pool, model in ((TARGET_POOL, target), (DRAFT_POOL, draft if kk > 0 else None)):
-            if model is not None:
-                try:
-                    check_shard(model, pool, 0, tp.world)
-                except ValueError as exc:
-                    raise PreconditionError("Engine", f"tp: {exc}") from None
+    if not isinstance(transport, Transport):
+        raise PreconditionError(
+            "Engine", f"transport must be a backend.boundary.Transport, not {type(transport).__name__} (got {short_repr(transport)})"
+        )
+    models: dict[PoolId, ServedModel[Any]] = {pool: model for pool, model in ((TARGET_POOL, target), (DRAFT_POOL, draft if kk > 0 else None)) if model is not None}
+    refusal = transport.refusal(models, retries=int(cast(int, retries)))
+    if refusal is not None:
+        raise PreconditionError("Engine", refusal)
 
 
 def check_request(

@@ -12,14 +12,17 @@ the forward runner (``runner``: retries and ``StepFailed``), prefix states (``pr
 the argument checks (``admission``). This module wires them and owns the step loop. Every request
 that leaves (finished, aborted, failed, errored, retracted) goes through one release path, ``_release``.
 
-With ``overlap=True`` each model's executor runs in its own process (``backend.remote``), fed
-packed plans. At ``k == 0`` (without retries, with ``mixed``) every step is pipelined: built and
-sent while the previous forward runs, its input tokens named by that forward's sample
-(``Forwards.run_pipelined``). ``step()``'s report then has the kind of the forward it sent and the
-tokens, finished requests and failures of the one it read back; ``sync`` reads back the last one.
-At ``k > 0`` the target's and the draft's prefill of an extend step run at the same time, and the
-commits of a speculative iteration run while the host goes on. ``close`` (or ``with Engine(...)``)
-stops the processes.
+The engine's plans run on ``backend.boundary.Backends`` that its ``transport`` opens (by default in
+this process, ``backend.local.IN_PROCESS``); it talks to them through that protocol only and cannot
+tell how they run. With a transport whose backends run beside the host (``concurrent``: each
+model's executor in its own process, ``backend.remote.Processes``), at ``k == 0`` (without retries,
+with ``mixed``) every step is pipelined: built and sent while the previous forward runs, its input
+tokens named by that forward's sample (``Forwards.run_pipelined``). ``step()``'s report then has the
+kind of the forward it sent and the tokens, finished requests and failures of the one it read back;
+``sync`` reads back the last one. At ``k > 0`` the target's and the draft's prefill of an extend
+step run at the same time, and the commits of a speculative iteration run while the host goes on.
+``close`` (or ``with Engine(...)``) closes the backends (stopping processes; ending a
+tensor-parallel session, whose every rank's ledger counts it keeps in ``closing_ledgers``).
 
 A request finishes at ``max_new_tokens`` or after emitting its ``stop`` token; ``abort`` ends it at
 any time; a request whose next token's logits are not finite ends there, in ``errored``, its output
@@ -33,14 +36,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from backend.allocator import KVAllocator, SlotAllocator
-from backend.executor import Executor
-from backend.ledger import Ledger
-from backend.model import ServedModel, ServingModelHook
-from backend.remote import ExecutorProcess
-from backend.tp.serve import RankLedgers, TPExecutor, TPLeader
+from backend.boundary import Backend, Backends, Transport
+from backend.ledger import Ledger, RankLedgers
+from backend.local import IN_PROCESS
+from backend.model import ServedModel
 from compiler.engine.admission import check_engine_args, check_request
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
 from compiler.engine.chunks import ChunkPlanner
@@ -50,7 +50,7 @@ from compiler.engine.policy import DEFAULT_POLICY, SchedulePolicy
 from compiler.engine.prefixes import PrefixStates
 from compiler.engine.report import PrefixState, SpecStats, StepKind, StepReport
 from compiler.engine.requests import Ending, Request, RequestTable
-from compiler.engine.runner import Backend, ForwardRunner, StepFailed
+from compiler.engine.runner import ForwardRunner, StepFailed
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
@@ -77,27 +77,25 @@ class Engine:
         retries: int = 0,
         mixed: bool = True,
         pm: PassManager | None = None,
-        overlap: bool = False,
-        tp: TPLeader | None = None,
+        transport: Transport = IN_PROCESS,
         policy: SchedulePolicy = DEFAULT_POLICY,
     ) -> None:
         """Every argument is checked before anything is allocated (``check_engine_args``: types and
-        bounds, ``PreconditionError`` naming the argument and the value). ``overlap``: run each
-        model's executor in its own process (see the module). ``tp``: rank 0 of a tensor-parallel
-        group (``backend.tp``): ``target`` and ``draft`` are rank 0's shards, every plan runs on
-        every rank, and ``close`` gathers every rank's ledger counts into ``tp_ledgers``. ``policy``: when
-        requests both wait for their prefill and run (with a draft, or ``mixed=False``), whether a
-        step prefills or runs the running batch (``compiler.engine.policy``)."""
+        bounds, ``PreconditionError`` naming the argument and the value). ``transport``: how the
+        plans run (``backend.boundary.Transport``; see the module): ``backend.remote.Processes()``
+        runs each model's executor in its own process, ``backend.tp.serve.TensorParallel(leader)`` on
+        every rank of a tensor-parallel group (``target`` and ``draft`` are then rank 0's shards).
+        ``policy``: when requests both wait for their prefill and run (with a draft, or
+        ``mixed=False``), whether a step prefills or runs the running batch (``compiler.engine.policy``)."""
         check_engine_args(
             target, draft, k=k, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, chunk_size=chunk_size,
-            token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm, overlap=overlap, tp=tp,
+            token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm, transport=transport,
             policy=policy,
         )
-        self.overlap = overlap
         self.policy = policy
-        self.tp = tp
-        self.tp_ledgers: RankLedgers | None = None
-        """With ``tp``: every rank's ledger counts, gathered by ``close``."""
+        self.transport = transport
+        self.closing_ledgers: RankLedgers | None = None
+        """Every rank's ledger counts, gathered by ``close`` when the transport is a group's."""
         k, capacity, kv_capacity, max_len, retries = int(k), int(capacity), int(kv_capacity), int(max_len), int(retries)
         self.k, self.vocab, self.retries, self.mixed, self.max_len = k, target.vocab, retries, mixed, max_len
         self.cache = prefix_cache
@@ -110,22 +108,13 @@ class Engine:
         )
         pools = (TARGET_POOL, DRAFT_POOL) if k > 0 else (TARGET_POOL,)
         self.pipeline = Pipeline(self.ledger, LowerContext(pools=pools), pm)
-        self._hooks: list[ServingModelHook[Any]] = []
-        if tp is not None:
-            tp.open_session({TARGET_POOL: target} | ({DRAFT_POOL: draft} if k > 0 and draft is not None else {}), capacity=capacity,
-                            kv_capacity=kv_capacity, max_len=max_len, transactional=False)  # check_engine_args refuses tp with retries
-        self.target = self._target_executor(target, capacity, kv_capacity)
-        self.draft: Backend | None = None
-        try:
-            self.draft = self._executor(draft, DRAFT_POOL, capacity, kv_capacity) if k > 0 and draft is not None else None
-            for ex in self._executors():  # the processes start side by side; their start-up ends here
-                if isinstance(ex, ExecutorProcess):
-                    ex.wait_ready()
-        except BaseException:
-            self._close(self.target)
-            self._close(self.draft)
-            self._end_tp_session()
-            raise
+        models: dict[PoolId, ServedModel[Any]] = {TARGET_POOL: target} | ({DRAFT_POOL: draft} if k > 0 and draft is not None else {})
+        self.backends: Backends = transport.open(
+            models, ledger=self.ledger, slots=self.slots, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, retries=retries,
+        )
+        self.target: Backend = self.backends.target
+        self.draft: Backend | None = self.backends.draft
+        self._closed = False
         self.stats = SpecStats()
         self.runner = ForwardRunner(retries, self.stats)
         self.requests = RequestTable()
@@ -135,15 +124,15 @@ class Engine:
             token_budget=int(token_budget) if token_budget is not None else max_len * capacity,
         )
         self.forwards = Forwards(
-            k=k, pipeline=self.pipeline, runner=self.runner, target=self.target, draft=self.draft, requests=self.requests,
+            k=k, pipeline=self.pipeline, runner=self.runner, backends=self.backends, ledger=self.ledger, requests=self.requests,
             kv_refs=self.kv_refs, session=self.session, planner=self.planner, stats=self.stats, release=self._release, mixed=mixed,
             policy=policy,
         )
-        # with the executors in their own processes, each step is built while the previous one runs: at
+        # with backends that run beside the host, each step is built while the previous one runs: at
         # k = 0, without retries (a retried forward would have to replay the one sent after it) and
         # with mixed forwards (every step then decodes every running row, so every row's input is the
         # token the forward before sampled)
-        self.forwards.pipelined = overlap and self.draft is None and retries == 0 and mixed
+        self.forwards.pipelined = self.backends.concurrent and self.draft is None and retries == 0 and mixed
         self.prefixes = PrefixStates(
             slots=self.slots, kv=self.kv, kv_refs=self.kv_refs, pipeline=self.pipeline, executors=self._executors,
             k=k, max_len=max_len, vocab=self.vocab,
@@ -173,59 +162,20 @@ class Engine:
     def token_budget(self) -> int:
         return self.planner.token_budget
 
-    def _executor(self, model: ServedModel[Any], pool_id: PoolId, capacity: int, kv_capacity: int) -> Backend:
-        if self.overlap:
-            return ExecutorProcess(
-                model, pool_id=pool_id, capacity=capacity, kv_capacity=kv_capacity, max_len=self.max_len, ledger=self.ledger,
-                slots=self.slots, transactional=self.retries > 0, threads=torch.get_num_threads(),
-            )
-        pool = model.new_pool(capacity, pool_id=pool_id)
-        hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=self.max_len)
-        self._hooks.append(hook)
-        if self.tp is not None:
-            return TPExecutor(self.tp, Executor(pool, self.ledger, hook, slots=self.slots, gate=self.tp.gate))
-        # with retries, each forward is one transactional unit that can simply run again
-        return Executor(pool, self.ledger, hook, slots=self.slots, transactional=self.retries > 0)
-
-    def _target_executor(self, target: ServedModel[Any], capacity: int, kv_capacity: int) -> Backend:
-        """The target's executor; if it cannot be built, a tensor-parallel session opened for it ends."""
-        try:
-            return self._executor(target, TARGET_POOL, capacity, kv_capacity)
-        except BaseException:
-            self._end_tp_session()
-            raise
-
-    def _end_tp_session(self) -> None:
-        """An engine that could not be built ends its tensor-parallel session (nothing ran)."""
-        tp = self.tp
-        if tp is not None and tp.pools is not None and tp.group.broken is None and not tp.group.closed:
-            tp.close_session(self.ledger)
-
     def _executors(self) -> list[Backend]:
         return [self.target] + ([self.draft] if self.draft is not None else [])
 
     def _share_prefix(self, src: int, dst: int, length: int) -> None:
-        for hook in self._hooks:
-            hook.share_prefix(src, dst, length)
-        for ex in self._executors():
-            if isinstance(ex, ExecutorProcess):
-                ex.share_prefix(src, dst, length)
-        if self.tp is not None:
-            self.tp.share_prefix(src, dst, length)
-
-    @staticmethod
-    def _close(ex: Backend | None) -> None:
-        if isinstance(ex, ExecutorProcess):
-            ex.close()
+        self.backends.share_prefix(src, dst, length)
 
     def close(self) -> None:
-        """Stop the executor processes (``overlap``); with ``tp``, end the group's session, gathering
-        every rank's ledger counts into ``tp_ledgers`` (unless the group is broken). Later steps fail."""
-        for ex in self._executors():
-            self._close(ex)
-        tp = self.tp
-        if tp is not None and tp.pools is not None and tp.group.broken is None and not tp.group.closed and self.tp_ledgers is None:
-            self.tp_ledgers = tp.close_session(self.ledger)
+        """Close the backends (stop executor processes; end a tensor-parallel session, gathering
+        every rank's ledger counts into ``closing_ledgers`` unless the group is broken). Later steps
+        fail. Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.closing_ledgers = self.backends.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -234,17 +184,17 @@ class Engine:
         self.close()
 
     def busy_intervals(self) -> list[tuple[float, float]]:
-        """With ``overlap``: every interval (``time.perf_counter`` seconds) during which an executor
-        process ran a plan, both pools; empty otherwise."""
-        return [iv for ex in self._executors() if isinstance(ex, ExecutorProcess) for iv in ex.busy]
+        """Every interval (``time.perf_counter`` seconds) during which a backend in another process
+        ran a plan, both pools; empty in process."""
+        return self.backends.busy_intervals()
 
     def waited_seconds(self) -> float:
-        """With ``overlap``: the seconds this process spent blocked on the executor processes'
-        replies (its host work is the rest of the wall time)."""
-        return sum(ex.waited for ex in self._executors() if isinstance(ex, ExecutorProcess))
+        """The seconds this process spent blocked on other processes' replies (its host work is the
+        rest of the wall time)."""
+        return self.backends.waited_seconds()
 
     def busy_seconds(self, start: float, end: float) -> float:
-        """With ``overlap``: the seconds of ``[start, end]`` (``time.perf_counter``) during which at
+        """With concurrent backends: the seconds of ``[start, end]`` (``time.perf_counter``) during which at
         least one executor process ran a plan (the union of ``busy_intervals``)."""
         total, reach = 0.0, start
         for a, b in sorted(self.busy_intervals()):

@@ -11,7 +11,7 @@ Per engine step, one kind of forward (``StepKind``):
   ``Pipeline.prefill`` lowers the forward with one ticket per pool and both executors run the same
   ``ExtendPlan``: the draft pool's init ops run there, and only there. A chunk that ends at a prefix
   worth caching carries a snapshot into a cache slot (a one-shot op after the forward, through the
-  same tickets and ledger). The target's argmax at a prompt's end is the request's first token.
+  same tickets and ledger). The token the target's sampler chose at a prompt's end is the request's first token.
 - **mixed** (``k == 0`` only, on by default, ``mixed=False`` turns it off): while requests both
   run and wait, the running batch's decode and the next prefill chunks share one MIXED forward.
   With a draft the policy chooses between a prefill step and a speculative step instead: a
@@ -29,8 +29,9 @@ before the previous one is read back (``run_pipelined``); the step kinds are cho
 
 ``Forwards`` holds the running batch (a frozen ``DecodeBatch`` replaced each step) and emits tokens
 into the request table; requests that finish go through the engine's one release path (``release``),
-and so do requests whose next token's logits are not finite (``Ending.ERROR``: every sampled row and
-verify position goes through ``backend.sampling.greedy_or_flag``; ``compiler.engine.nonfinite``).
+and so do requests whose next token's logits are not finite (``Ending.ERROR``: the backend's sampler
+gives such a row or verify position ``NON_FINITE``; ``compiler.engine.nonfinite``). Tokens come
+back chosen, as ``ir.results`` nodes (``backend.boundary.checked``); nothing here reads logits.
 """
 
 from __future__ import annotations
@@ -39,11 +40,9 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
-import torch
 
-from backend.remote import ExecutorProcess
-from backend.sampling import NON_FINITE, greedy_or_flag
-from backend.tp.serve import TPExecutor
+from backend.boundary import Backend, Backends, checked, checked_sampled
+from backend.ledger import Ledger
 from compiler.engine.cache_session import CacheSession
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
@@ -51,13 +50,14 @@ from compiler.engine.nonfinite import bonus_tokens, checkable_targets
 from compiler.engine.policy import QueueState, SchedulePolicy
 from compiler.engine.report import SpecStats, StepKind
 from compiler.engine.requests import Ending, Request, RequestState, RequestTable
-from compiler.engine.runner import Backend, ForwardRunner, StepFailed, Submitted, cause_words, logits_of, plan_rids, proposals_of
+from compiler.engine.runner import ForwardRunner, StepFailed, Submitted, cause_words, rids_of
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64
 from ir.ids import MambaSlot, RequestId, TicketSerial
 from ir.init import mint_serial
 from ir.request import AdmittedRequest
+from ir.results import NON_FINITE
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext
 
@@ -103,8 +103,8 @@ class Forwards:
         k: int,
         pipeline: Pipeline,
         runner: ForwardRunner,
-        target: Backend,
-        draft: Backend | None,
+        backends: Backends,
+        ledger: Ledger,
         requests: RequestTable,
         kv_refs: KVRefs,
         session: CacheSession,
@@ -114,7 +114,10 @@ class Forwards:
         mixed: bool,
         policy: SchedulePolicy,
     ) -> None:
-        self.k, self.pipeline, self.runner, self.target, self.draft = k, pipeline, runner, target, draft
+        self.k, self.pipeline, self.runner, self.backends = k, pipeline, runner, backends
+        self.ledger = ledger
+        self.target: Backend = backends.target
+        self.draft: Backend | None = backends.draft
         self.requests, self.kv_refs, self.session, self.planner, self.stats = requests, kv_refs, session, planner, stats
         self.release, self.mixed = release, mixed
         self.running = DecodeBatch.empty()
@@ -184,10 +187,7 @@ class Forwards:
 
     def abort_failed(self, failure: StepFailed) -> list[RequestId]:
         """Abort the live requests of a forward that failed after every retry; returns them."""
-        ledger = self.target.ledger
-        for ex in (self.target, self.draft):
-            if isinstance(ex, ExecutorProcess) and not ex.closed:
-                ex.drain()  # a plan submitted beside the failed one has settled its claim
+        self.backends.settle()  # a plan submitted beside the failed one has settled its claim
         self._deferred.clear()  # the other commit of the failed one's iteration: its rows are aborted
         # a forward sent after the failed one names tokens that were never sampled and is never read
         # back: its requests (rows it admitted too, whose chunks count as run) go with the failed one's
@@ -195,20 +195,16 @@ class Forwards:
         # every ticket is consumed within the step that registers it, so what is outstanding now
         # belongs to the failed forward
         reason = f"aborted: its forward failed ({cause_words(failure.cause)})"
-        for t in ledger.outstanding():
-            ledger.cancel(t, reason)
-        for ex in (self.target, self.draft):
-            if isinstance(ex, ExecutorProcess) and not ex.closed:
-                ex.cancel_outstanding(reason)
-        if isinstance(self.target, TPExecutor):  # one request cancels them on every worker, both pools
-            self.target.leader.cancel_outstanding(reason)
+        for t in self.ledger.outstanding():
+            self.ledger.cancel(t, reason)
+        self.backends.cancel_outstanding(reason)
         self.stats.failed_steps += 1
-        rids = failure.rids + (plan_rids(dropped.submitted.plan) if dropped is not None else ())
+        rids = failure.rids + (rids_of(dropped.submitted.plan) if dropped is not None else ())
         live = [rid for rid in dict.fromkeys(rids) if rid in self.requests]
         self.stats.aborts += len(live)
         self.progress.aborted.extend(live)
         for ex in (self.target, self.draft):
-            if ex is not None and not (isinstance(ex, ExecutorProcess) and ex.closed):
+            if ex is not None and ex.usable:
                 ex.forget_verifies()
         self.release(live, Ending.FAILED)
         return live
@@ -228,10 +224,10 @@ class Forwards:
         # the draft pool's init ops (and snapshots) are consumed there, once; in executor processes
         # the two prefills run at the same time
         on_draft = self.runner.submit(self.draft, plan) if self.draft is not None else None
-        logits = logits_of(self.runner.wait(on_target), "the prefill")
+        sampled = checked(plan, self.runner.wait(on_target))
         self.stats.prefills += 1
         self._wait(on_draft)
-        self._after_chunks(admitted, extend, logits)
+        self._after_chunks(admitted, extend, sampled.tokens.tolist())
         self.running = self.pipeline.merge(self.running, extend)
         self._finish()
         return True
@@ -241,14 +237,13 @@ class Forwards:
             if s is not None:
                 self.runner.wait(s)
 
-    def _after_chunks(self, admitted: Sequence[AdmittedRequest], extend: ExtendBatch, logits: torch.Tensor) -> None:
+    def _after_chunks(self, admitted: Sequence[AdmittedRequest], extend: ExtendBatch, tokens: list[int]) -> None:
         """Advance the prefilled requests, cache their snapshots, and emit the first token of each
-        whose prompt is complete (``logits``: one row per extend row, in ``extend.rids`` order)."""
+        whose prompt is complete (``tokens``: one per extend row, in ``extend.rids`` order)."""
         completed, snapshots = self._chunks_ran(admitted)
         for r, slot, pos in snapshots:
             self._snapshot_taken(r, slot, pos)
         rows = {rid: i for i, rid in enumerate(extend.rid_list())}
-        tokens = greedy_or_flag(logits).tolist()
         self._emit([r.rid for r in completed], [[int(tokens[rows[r.rid]])] for r in completed])
 
     def _chunks_ran(self, admitted: Sequence[AdmittedRequest]) -> tuple[list[Request], list[tuple[Request, MambaSlot, int]]]:
@@ -289,14 +284,14 @@ class Forwards:
             self.decode(ctx)
             return StepKind.DECODE
         mixed, plan = self.pipeline.mixed(admitted, self.running, ctx)
-        logits = logits_of(self.runner.run(self.target, plan), "the mixed forward")
+        tokens = checked(plan, self.runner.run(self.target, plan)).tokens.tolist()
         self.stats.prefills += 1
         self.stats.decodes += 1
         self.stats.mixed += 1
         n = mixed.extend.num_requests
-        self._after_chunks(admitted, mixed.extend, logits[:n])
+        self._after_chunks(admitted, mixed.extend, tokens[:n])
         self.progress.requests += len(rids)
-        self._emit(rids, [[t] for t in greedy_or_flag(logits[n:]).tolist()])
+        self._emit(rids, [[t] for t in tokens[n:]])
         self.running = self.pipeline.merge(mixed.decode, mixed.extend)
         self._finish()
         return StepKind.MIXED
@@ -307,10 +302,10 @@ class Forwards:
         if ctx is None:
             ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
         self.running, plan = self.pipeline.decode(self.running, ctx)
-        logits = logits_of(self.runner.run(self.target, plan), "the decode")
+        tokens = checked(plan, self.runner.run(self.target, plan)).tokens.tolist()
         self.stats.decodes += 1
         self.progress.requests += len(rids)
-        self._emit(rids, [[t] for t in greedy_or_flag(logits).tolist()])
+        self._emit(rids, [[t] for t in tokens])
         self._finish()
 
     def run_pipelined(self) -> StepKind:
@@ -323,7 +318,7 @@ class Forwards:
         requests when it is read back. Rows that the forward in flight finishes by length are left
         out; a row that emits its stop token there runs once more, and that token is dropped."""
         prev = self._inflight
-        if prev is not None and prev.submitted.failure is not None:  # (in process: it ran already) nothing to build on
+        if prev is not None and prev.submitted.failed:  # (in process: it ran already) nothing to build on
             self.land()
         # (the engine pipelines only with mixed forwards: every step decodes every running row, and
         # prefills whatever is queued beside them)
@@ -376,7 +371,7 @@ class Forwards:
         self._inflight = built
         if prev is not None:
             self._land(prev)
-        if built is not None and built.submitted.failure is not None:
+        if built is not None and built.submitted.failed:
             self.land()  # it failed already (in process, or the executor process is gone): say so now
         return kind
 
@@ -405,11 +400,10 @@ class Forwards:
         """Enter its snapshots into the prefix cache, emit its tokens and finish requests. A request
         retracted, aborted or finished since the plan was built (or retracted and back with a new
         record) gets nothing: its token is dropped, and its snapshot slot went back when it left."""
-        logits = logits_of(self.runner.wait(prev.submitted), "the pipelined forward")
+        tokens = checked_sampled(prev.submitted.plan, self.runner.wait(prev.submitted)).tokens.tolist()
         for r, slot, pos in prev.snapshots:
             if self.requests.get(r.rid) is r:
                 self._snapshot_taken(r, slot, pos)
-        tokens = greedy_or_flag(logits).tolist()
         live = [(i, r) for i, r in prev.rows if self.requests.get(r.rid) is r and r.state is RequestState.RUNNING]
         self.progress.requests += sum(1 for i, _ in live if i >= prev.first_decode_row)  # (extend rows counted when sent)
         self._emit([r.rid for _, r in live], [[int(tokens[i])] for i, _ in live])
@@ -423,11 +417,10 @@ class Forwards:
         k, rids = self.k, self.running.rid_list()
         window = self._alloc_for(rids, k + 1)
         draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
-        proposals = proposals_of(self.runner.run(self.draft, dplan), dplan)
+        proposals = checked(dplan, self.runner.run(self.draft, dplan))
         drafts = proposals.tokens.reshape(len(rids), k).tolist()
         verify_batch, vplan = self.pipeline.verify(draft_batch, proposals)
-        target_tokens = logits_of(self.runner.run(self.target, vplan), "the verify")
-        verified = target_tokens.reshape(-1).cpu().numpy()  # NON_FINITE where a position's logits were not finite
+        verified = checked(vplan, self.runner.run(self.target, vplan)).tokens  # NON_FINITE where a position's logits were not finite
         result, committed, cplan = self.pipeline.commit(verify_batch, checkable_targets(verified, proposals.tokens, k))
         on_target = self.runner.submit(self.target, cplan)
         draft_committed, dcplan = self.pipeline.draft_commit(committed, draft_batch)
@@ -441,7 +434,7 @@ class Forwards:
         self.kv_refs.unref(committed.released_kv)
         self.running = self.pipeline.merge(DecodeBatch.empty(), draft_committed)
         for s in (on_target, on_draft):
-            if s.pending is not None:
+            if s.in_flight:
                 self._deferred.append(s)
             else:
                 self.runner.wait(s)

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from backend.allocator import KVAllocator, SlotAllocator
+from backend.boundary import Backend
 from compiler.engine.admission import MAX_LEN, checked_prompt
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import PrefixState
 from compiler.engine.requests import Request
-from compiler.engine.runner import Backend
 from compiler.steps import Pipeline
 from ir.columns import I64, int_problem
 from ir.errors import PreconditionError, SlotError, short_repr
@@ -109,7 +109,7 @@ class PrefixStates:
         req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=arr, kv_locs=kv, intent=Clear())
         _, plan = self.pipeline.prefill([req])
         for ex in self.executors():
-            ex.execute(plan)
+            ex.wait(ex.submit(plan))  # (each pool runs the prefill's own init ops, once)
         cp = PrefixState(slot=slot, tokens=tuple(arr.tolist()), kv_locs=tuple(kv.tolist()))
         self._held[slot] = cp
         return cp

@@ -1,37 +1,28 @@
-"""Running one plan on one executor, with retries: the engine's forward runner.
+"""Running one plan on one backend, with retries: the engine's forward runner.
 
-With ``retries > 0`` the executors are transactional (a failed forward leaves nothing behind), so a
-forward that raises is simply executed again. A ``BatchcError`` is never retried: a plan that does
-not fit its backend is a bug, not a fault; nor is ``backend.tp``'s ``RankFailed``: a rank that failed
-breaks its tensor-parallel group, and the engine stops. When every attempt fails, ``StepFailed`` carries the
-plan's requests; the engine aborts them through its release path and serving goes on.
+The runner talks to a ``backend.boundary.Backend`` and cannot tell how it runs plans. With
+``retries > 0`` the backends are transactional (a failed forward leaves nothing behind), so a forward
+that raises is simply executed again. A ``BatchcError`` is never retried: a plan that does not fit
+its backend is a bug, not a fault; nor is a ``BackendBroken`` (a tensor-parallel rank that failed
+breaks its group): the engine stops. When every attempt fails, ``StepFailed`` carries the plan's
+requests; the engine aborts them through its release path and serving goes on.
 
 ``submit`` and ``wait`` split a run in two, so the scheduler can do host work while the forward
-runs: on an ``ExecutorProcess`` the plan is sent and the call returns; an in-process executor runs it
-at once (``wait`` hands back what it gave). Retries happen at ``wait``.
+runs: a backend in another process returns from ``submit`` at once; one in this process runs the
+plan there (``wait`` hands back what it gave). Retries happen at ``wait``. Results come back as
+``ir.results`` nodes; the caller narrows them with ``backend.boundary.checked``, which refuses a
+result of the wrong kind or for other rows.
 """
 
 from __future__ import annotations
 
-from typing import TypeAlias, assert_never
-
-import torch
-
-from backend.executor import AnyExecutor, ForwardOut
-from backend.remote import ExecutorGone, ExecutorProcess, Pending
-from backend.tp.group import RankFailed
-from backend.tp.serve import TPExecutor
+from backend.boundary import Backend, BackendBroken, Pending, plan_rids
 from compiler.engine.report import SpecStats
-from ir.errors import BatchcError, PlanExecutionError
+from ir.errors import BatchcError
 from ir.ids import RequestId
 from ir.linear import consumes_on, keeps_linear
 from ir.nodes import Plan
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
-
-Backend: TypeAlias = AnyExecutor | ExecutorProcess | TPExecutor
-"""Where the engine's plans run: an executor in this process, one in its own process, or rank 0's of
-a tensor-parallel group."""
+from ir.results import Result
 
 
 def cause_words(cause: BaseException) -> str:
@@ -49,47 +40,30 @@ class StepFailed(Exception):
         self.cause = cause
 
 
-def logits_of(out: ForwardOut, what: str) -> torch.Tensor:
-    """A forward's logits (or a verify's tokens), or ``PlanExecutionError`` saying what came back."""
-    if not isinstance(out, torch.Tensor):
-        raise PlanExecutionError(f"{what} returned {type(out).__name__}, not a tensor")
-    return out
-
-
-def proposals_of(out: ForwardOut, plan: DraftPlan) -> Proposals:
-    """The ``Proposals`` a draft plan's run returned, or ``PlanExecutionError``."""
-    if not isinstance(out, Proposals) or out.draft_id != plan.batch.draft_id:
-        got = f"the proposals of draft #{out.draft_id}" if isinstance(out, Proposals) else type(out).__name__
-        raise PlanExecutionError(f"draft #{plan.batch.draft_id} returned {got}, not its Proposals")
-    return out
-
-
-def plan_rids(plan: Plan) -> tuple[RequestId, ...]:
+def rids_of(plan: Plan) -> tuple[RequestId, ...]:
     """The requests a plan carries."""
-    match plan:
-        case ExtendPlan() | DecodePlan():
-            cols = [plan.rids]
-        case MixedPlan():
-            cols = [plan.extend.rids, plan.decode.rids]
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
-            cols = [plan.batch.rids]
-        case IdlePlan():
-            cols = []
-        case _:
-            assert_never(plan)
-    return tuple(RequestId(r) for col in cols for r in col.tolist())
+    return tuple(RequestId(r) for r in plan_rids(plan).tolist())
 
 
 @keeps_linear  # a plan in flight, until ``wait`` reads it back (or retries it)
 class Submitted:
-    """A plan handed to ``ForwardRunner.submit``: its result or failure, or the pending reply of an
-    executor process."""
+    """A plan handed to ``ForwardRunner.submit``: the backend's pending run, or (when submitting
+    it failed) the failure to retry or raise."""
 
-    def __init__(self, ex: Backend, plan: Plan) -> None:
-        self.ex, self.plan = ex, plan
-        self.pending: Pending | None = None
-        self.out: ForwardOut = None
-        self.failure: StepFailed | None = None
+    def __init__(self, backend: Backend, plan: Plan) -> None:
+        self.backend, self.plan = backend, plan
+        self.sent: Pending | Exception = RuntimeError("not submitted")
+        """The backend's pending run, or what failed when submitting it."""
+
+    @property
+    def failed(self) -> bool:
+        """It is known to have failed without waiting (it ran in process, or never left)."""
+        return isinstance(self.sent, Exception) or (self.sent.done and self.sent.error is not None)
+
+    @property
+    def in_flight(self) -> bool:
+        """It runs elsewhere and has not been read back."""
+        return not isinstance(self.sent, Exception) and not self.sent.done
 
 
 class ForwardRunner:
@@ -97,53 +71,42 @@ class ForwardRunner:
         self.retries = retries
         self.stats = stats
 
-    @consumes_on("ex")
-    def run(self, ex: Backend, plan: Plan) -> ForwardOut:
-        return self._attempts(ex, plan, self.retries + 1)
+    @consumes_on("backend")
+    def run(self, backend: Backend, plan: Plan) -> Result:
+        return self.wait(self.submit(backend, plan))
 
-    @consumes_on("ex")
-    def submit(self, ex: Backend, plan: Plan) -> Submitted:
-        """Start ``plan`` on ``ex``; a refusal on this side (a ``BatchcError``) is raised here."""
-        s = Submitted(ex, plan)
-        if isinstance(ex, ExecutorProcess):
-            try:
-                s.pending = ex.submit(plan)
-                return s
-            except ExecutorGone:
-                pass  # a failed forward: run below fails it (retried, then StepFailed)
+    @consumes_on("backend")
+    def submit(self, backend: Backend, plan: Plan) -> Submitted:
+        """Start ``plan`` on ``backend``; a refusal on this side (a ``BatchcError``) and a broken
+        backend are raised here."""
+        s = Submitted(backend, plan)
         try:
-            s.out = self.run(ex, plan)  # type: ignore[linear-reuse]  # after ExecutorGone: the plan never reached the process
-        except StepFailed as failure:
-            s.failure = failure
+            s.sent = backend.submit(plan)
+        except (BatchcError, BackendBroken):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a fault before the plan left (a backend gone): ``wait`` retries it
+            s.sent = exc
         return s
 
-    def wait(self, s: Submitted) -> ForwardOut:
-        """The result of a submitted plan, retried as ``run`` would; ``StepFailed`` when every
-        attempt failed."""
-        if s.pending is None:
-            if s.failure is not None:
-                raise s.failure
-            return s.out
-        assert isinstance(s.ex, ExecutorProcess)
+    def wait(self, s: Submitted) -> Result:
+        """The result of a submitted plan, retried up to ``retries`` times; ``StepFailed`` when
+        every attempt failed."""
         try:
-            return s.ex.wait(s.pending)
-        except BatchcError:
-            raise
+            if isinstance(s.sent, Exception):
+                raise s.sent
+            return s.backend.wait(s.sent)
+        except (BatchcError, BackendBroken):
+            raise  # a plan that does not fit is a bug, and a broken backend stays broken: neither is retried
         except Exception as exc:
-            if not self.retries:
-                raise StepFailed(plan_rids(s.plan), exc) from exc
-            self.stats.retries += 1
-            return self._attempts(s.ex, s.plan, self.retries)
+            return self._attempts(s.backend, s.plan, self.retries, exc)
 
-    def _attempts(self, ex: Backend, plan: Plan, attempts: int) -> ForwardOut:
-        for attempt in range(attempts):
+    def _attempts(self, backend: Backend, plan: Plan, attempts: int, failed: Exception) -> Result:
+        for _ in range(attempts):
+            self.stats.retries += 1
             try:
-                return ex.execute(plan)  # type: ignore[linear-reuse]  # a retry: the failed attempt left its tickets outstanding
-            except (BatchcError, RankFailed):
-                raise  # a plan that does not fit is a bug, and a failed rank breaks its group: neither is retried
-            except Exception as exc:
-                if attempt < attempts - 1:
-                    self.stats.retries += 1
-                    continue
-                raise StepFailed(plan_rids(plan), exc) from exc
-        raise AssertionError("unreachable")
+                return backend.wait(backend.submit(plan))  # (a retry: the failed attempt left its tickets outstanding)
+            except (BatchcError, BackendBroken):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the next attempt, or StepFailed below
+                failed = exc
+        raise StepFailed(rids_of(plan), failed) from failed

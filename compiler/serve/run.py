@@ -8,8 +8,11 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from backend.boundary import Transport
 from backend.hybrid.model import HybridModel
-from backend.tp.serve import TPLeader
+from backend.local import IN_PROCESS
+from backend.remote import Processes
+from backend.tp.serve import TensorParallel, TPLeader
 from compiler.engine import Engine, prefill_first
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
@@ -28,12 +31,16 @@ def make_engine(
     """The engine ``cfg`` describes (``chunk_size`` and ``overlap`` override the config's); with
     ``tp``, rank 0's engine of that tensor-parallel group (``target`` and ``draft`` its shards)."""
     total = cfg.max_running + (cfg.cache_entries if cache else 0) + 2
+    transport: Transport = IN_PROCESS
+    if tp is not None:
+        transport = TensorParallel(tp)
+    elif cfg.overlap if overlap is None else overlap:
+        transport = Processes()
     return Engine(
         target, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
         max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,
         prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
-        overlap=cfg.overlap if overlap is None else overlap, tp=tp,
-        policy=prefill_first(cfg.prefill_streak),
+        transport=transport, policy=prefill_first(cfg.prefill_streak),
     )
 
 
@@ -108,23 +115,23 @@ def run(
                   vocab=None if tokenizer is None else tok.vocab_size)
     pm = PassManager.from_env()
     with make_engine(target, draft, cfg, pm, cache=True, k=cfg.k, tp=tp) as driver:
-        return _run(driver, workload, target, cfg, pm, on_finish=on_finish, model_clock=model_clock, tokenizer=tok, eos=eos)
+        return _run(driver, workload, target, cfg, pm, on_finish=on_finish, model_clock=model_clock, tokenizer=tok, eos=eos, tp=tp)
 
 
 def _run(
     driver: Engine, workload: Sequence[Request], target: HybridModel, cfg: ServeConfig, pm: PassManager, *,
     on_finish: Callable[[int], None] | None, model_clock: Callable[[], float] | None, tokenizer: Tokenizer,
-    eos: Sequence[int],
+    eos: Sequence[int], tp: TPLeader | None,
 ) -> ServeSummary:
     model_before = model_clock() if model_clock is not None else 0.0
-    tp_before = (driver.tp.group.message_s, driver.tp.group.agree_s) if driver.tp is not None else (0.0, 0.0)
+    tp_before = (tp.group.message_s, tp.group.agree_s) if tp is not None else (0.0, 0.0)
     start = time.perf_counter()
     wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish, eos=eos)
     model_s = model_clock() - model_before if model_clock is not None else None
     n_steps = sum(steps.values())
     busy_ms: float | None = None
     hidden: float | None = None
-    if driver.overlap:
+    if driver.backends.concurrent:
         model_s = driver.busy_seconds(start, time.perf_counter())
         busy_ms = host_ms_per_step(wall, driver.waited_seconds(), n_steps)
         exposed = host_ms_per_step(wall, model_s, n_steps)
@@ -140,7 +147,6 @@ def _run(
 
     target_counts = minted_consumed(TARGET_POOL)
     draft_counts: tuple[str | None, str | None, str | None] = minted_consumed(DRAFT_POOL) if cfg.k else (None, None, None)
-    tp = driver.tp
     message_ms = agree_ms = None
     if tp is not None:  # the session ends here: every rank's ledger counts are gathered
         message_ms = (tp.group.message_s - tp_before[0]) / n_steps * 1e3 if n_steps else 0.0
@@ -157,8 +163,8 @@ def _run(
     if sample:
         with make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False, tp=tp) as plain:
             serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running, eos=eos)
-        if plain.tp_ledgers is not None:
-            lossless_ledgers_ok = plain.tp_ledgers.equal and plain.tp_ledgers.drained
+        if plain.closing_ledgers is not None:
+            lossless_ledgers_ok = plain.closing_ledgers.equal and plain.closing_ledgers.drained
         same = not plain.aborted_by_failure and not plain.errored and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
         aborted = sum(1 for r in sample if r.rid in driver.aborted_by_failure)
         skipped = f" ({aborted} aborted requests not compared)" if aborted else ""
@@ -183,7 +189,7 @@ def _run(
         tokens_per_s=generated / wall if wall else 0.0,
         model_s=model_s,
         host_ms_per_step=host_ms_per_step(wall, model_s, n_steps) if model_s is not None else None,
-        overlap=driver.overlap, host_busy_ms_per_step=busy_ms, host_hidden_fraction=hidden,
+        overlap=driver.backends.concurrent, host_busy_ms_per_step=busy_ms, host_hidden_fraction=hidden,
         acceptance_rate=driver.stats.acceptance_rate,
         mean_accepted_length=driver.stats.mean_accepted_length,
         prefix_cache_hit_rate=cache.stats.hit_rate if cache is not None else 0.0,
@@ -216,7 +222,7 @@ def _run(
         lossless_check=lossless_check,
         lossless_ok=lossless_ok,
         tp=tp.world if tp is not None else 1,
-        tp_ledgers=driver.tp_ledgers.to_json() if driver.tp_ledgers is not None else None,
+        tp_ledgers=driver.closing_ledgers.to_json() if driver.closing_ledgers is not None else None,
         tp_lossless_ledgers_ok=lossless_ledgers_ok,
         tp_message_ms_per_step=message_ms,
         tp_agree_ms_per_step=agree_ms,

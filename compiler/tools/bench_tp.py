@@ -81,7 +81,7 @@ def measure(case: BenchCase, tp: TPLeader | None, target: HybridModel, draft: Hy
         after = counters()
         drv.drop_cache()
     m, a, n, b = (x - y for x, y in zip(after, before, strict=True))
-    ledgers = drv.tp_ledgers
+    ledgers = drv.closing_ledgers
     return TPRun(workload=case.workload, k=case.k, tp=tp.world if tp is not None else 1, tokens=sum(map(len, drv.outputs.values())),
                  steps=sum(kinds.values()), wall_s=wall, message_s=m, agree_s=a, plans=int(n), plan_bytes=int(b),
                  outputs={int(r): tuple(o) for r, o in drv.outputs.items()},

@@ -14,6 +14,7 @@ import torch
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.executor import Executor
 from backend.ledger import Ledger, PoolCounts
+from backend.model import blank_logits
 from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, stage_decode, stage_extend
 from backend.state_init import apply_init
@@ -22,6 +23,7 @@ from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId
 from ir.init import InitTicket, MambaInit, mint_serial
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import Continue, CopyFrom
+from ir.results import Ran, Sampled
 from passes.lower import LowerContext, lower
 from passes.mix_with_running import mix_with_running
 from passes.prepare_for_extend import prepare_for_extend
@@ -358,11 +360,11 @@ class RecordingModel:
 
     def forward(
         self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         if callable(self.check):
             self.check(plan, pool)
         self.calls.append((plan, extend, decode))
-        return None
+        return blank_logits(extend, decode)
 
 
 def test_executor_runs_clears_then_copies_then_the_model() -> None:
@@ -387,7 +389,7 @@ def test_executor_runs_clears_then_copies_then_the_model() -> None:
         seen["others"] = all(torch.equal(pool.buffer[r], before[r]) for r in (0, 1, 5, 6))
 
     w.executor.model = RecordingModel(check)
-    assert w.executor.execute(plan) is None
+    assert w.executor.execute(plan) == Sampled(rids=[1, 2, 3], tokens=[0, 0, 0])  # (the blank logits: token 0 per row)
     assert seen == {"consumed": True, "cleared": True, "copied": True, "continued": True, "others": True}
     model = w.executor.model
     assert isinstance(model, RecordingModel)
@@ -402,7 +404,7 @@ def test_a_failing_model_does_not_give_the_ticket_back() -> None:
     """The init ops ran; a model error after them must not leave the ticket replayable."""
 
     class Boom:
-        def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> None:
+        def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
             raise RuntimeError("model failed")
 
     w = make_world()
@@ -446,7 +448,7 @@ def test_decode_and_idle_plans_consume_nothing() -> None:
     dplan = lower(decode_batch([4, 5], [1, 2], [3, 6], [20, 21]), LowerContext(pools=(TARGET_POOL, DRAFT_POOL)))
     assert isinstance(dplan, DecodePlan)
     w.executor.execute(dplan)
-    assert w.executor.execute(IdlePlan()) is None
+    assert w.executor.execute(IdlePlan()) == Ran(rids=[])
     assert torch.equal(w.pool.buffer, before)
     assert w.ledger.outstanding() == pending.tickets
     assert w.ledger.num_consumed == 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from backend.executor import Executor
+from backend.model import blank_logits
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from ir.ids import MambaSlot
@@ -67,8 +68,9 @@ class RecordingModel(ToySpecModel):
     def __init__(self, events: list[str]) -> None:
         self.events = events
 
-    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> None:
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
         self.events.append("forward")
+        return blank_logits(extend, decode)
 
     def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
         self.events.append("propose")

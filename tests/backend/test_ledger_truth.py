@@ -31,6 +31,7 @@ from typeguard import suppress_type_checks
 import ir.init
 from backend.executor import Executor
 from backend.ledger import Ledger
+from backend.model import blank_logits
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
 from ir.errors import IRValidationError, PlanExecutionError, ResourceLeakError, ResourceReplayError, SlotError, TicketMismatchError, UnknownTicketError
@@ -57,12 +58,13 @@ class CountingModel(ToySpecModel):
     def __init__(self) -> None:
         self.forwards = 0
 
-    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> None:
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
         self.forwards += 1
         for staged in (extend, decode):
             if staged is not None:
                 for s in staged.slots.tolist():
                     pool.buffer[s].add_(1)
+        return blank_logits(extend, decode)
 
 
 def _world(*, transactional: bool = False) -> tuple[World, CountingModel]:
@@ -334,7 +336,7 @@ def test_a_failed_forward_consumes_the_applied_init_and_returns_the_snapshot() -
     """Plain executor: the init ran and stays consumed; the snapshot never ran and is outstanding."""
 
     class Failing(CountingModel):
-        def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> None:
+        def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
             raise RuntimeError("forward failed")
 
     model = Failing()

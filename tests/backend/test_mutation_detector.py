@@ -10,6 +10,7 @@ import torch
 
 from backend.executor import Executor
 from backend.ledger import Ledger
+from backend.model import blank_logits
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
 from compiler.manager import PassManager
@@ -25,7 +26,7 @@ class _Hook:
     def __init__(self, scribble: str | None = None) -> None:
         self.scribble = scribble
 
-    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor | None:
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
         if self.scribble == "input_ids" and extend is not None:
             extend.input_ids.add_(1)
         if self.scribble == "packed" and decode is not None:
@@ -36,7 +37,7 @@ class _Hook:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch warns that the array is read-only
                 torch.from_numpy(plan.input_ids)[0] += 1
-        return None
+        return blank_logits(extend, decode)
 
 
 def _world(hook: _Hook) -> tuple[Executor, MambaStatePool, Pipeline]:

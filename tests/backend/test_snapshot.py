@@ -10,6 +10,7 @@ import torch
 
 from backend.executor import Executor
 from backend.ledger import Ledger
+from backend.model import blank_logits
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
 from compiler.manager import PassManager
@@ -36,13 +37,13 @@ class _Writer:
     def __init__(self) -> None:
         self.cache_at_forward: list[torch.Tensor] = []
 
-    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor | None:
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
         assert extend is not None
         self.cache_at_forward.append(pool.buffer[7].clone())
         for i, slot in enumerate(extend.slots.tolist()):
             lo, hi = extend.cu_seqlens[i].item(), extend.cu_seqlens[i + 1].item()
             pool.ssm_state(0)[slot].fill_(float(extend.input_ids[lo:hi].sum()))
-        return None
+        return blank_logits(extend, decode)
 
 
 def test_snapshot_is_lowered_per_pool_and_applied_after_the_forward() -> None:

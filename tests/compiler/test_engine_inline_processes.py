@@ -1,11 +1,11 @@
-"""The engine's executor-process paths (``overlap``), run in this process in a second.
+"""The engine's paths for backends that run beside it (``overlap``), run in this process in a second.
 
-``InlineProcess`` is an ``ExecutorProcess`` that is not one: it runs each plan on an in-process
-executor when it is submitted and hands the result (or the error) back at ``wait``. Swapped in for
-an engine's executors, the engine takes the paths it takes with real processes: commits of a
-speculative iteration deferred to the next step, and (``k = 0``) pipelined forwards whose inputs are
-named by the forward before. Real processes are covered by ``tests/compiler/test_overlap.py``; these
-check the engine's side of the protocol, fast:
+``InlineBackend`` is a ``backend.boundary.Backend`` that runs each plan on an in-process executor
+when it is submitted but hands the result (or the error) back only at ``wait``, as a backend in
+another process does. Swapped in for an engine's backends (``InlineBackends``), the engine takes the
+paths it takes with real processes: commits of a speculative iteration deferred to the next step,
+and (``k = 0``) pipelined forwards whose inputs are named by the forward before. Real processes are
+covered by ``tests/compiler/test_overlap.py``; these check the engine's side of the protocol, fast:
 
 - the outputs equal those of the same engine with in-process executors (whose greedy parity with
   the from-scratch reference the serving tests check): pipelined decodes, chunked and mixed
@@ -18,78 +18,110 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from backend.boundary import Pending
 from backend.executor import Executor
-from backend.remote import ExecutorProcess, Pending
+from backend.ledger import RankLedgers
 from compiler.engine import Engine, StepKind
-from ir.ids import RequestId
+from ir.ids import PoolId, RequestId
 from ir.nodes import Plan
+from ir.results import Result
 from ir.spec import CommitPlan
 from tests.helpers import engine, greedy_reference
 
 
-class InlineProcess(ExecutorProcess):
+class InlineBackend:
     """Runs each plan at ``submit`` on ``inner``; ``wait`` returns or raises what it gave.
-    ``fail`` names plan types whose next ``wait`` raises instead (the child failed it)."""
+    ``fail`` names plan types whose next ``wait`` raises instead (the other process failed it)."""
 
-    def __init__(self, inner: Executor[Any]) -> None:  # no child process
+    def __init__(self, inner: Executor[Any]) -> None:
         self.inner = inner
-        self.ledger = inner.ledger
-        self.pool_id = inner.pool.pool_id
-        self._gone: str | None = None
-        self.busy: list[tuple[float, float]] = []
-        self.waited = 0.0
         self.fail: set[type] = set()
         self.log: list[str] = []
         self.cancelled: list[str] = []
-        self.drained = 0
+        self.settled = 0
 
-    def submit(self, plan: Plan) -> Pending:  # type: ignore[override]  # a stand-in
-        p = Pending(0, plan, None)
+    @property
+    def pool_id(self) -> PoolId:
+        return self.inner.pool_id
+
+    @property
+    def usable(self) -> bool:
+        return True
+
+    def submit(self, plan: Plan) -> Pending:
+        p = Pending(plan)
         self.log.append(f"submit {type(plan).__name__}")
         try:
-            p.out = self.inner.execute(plan)
+            p.result = self.inner.execute(plan)
         except Exception as exc:  # noqa: BLE001 - handed back at wait, as a process does
             p.error = exc
         if type(plan) in self.fail:
             self.fail.discard(type(plan))
-            p.error = RuntimeError(f"the child failed {type(plan).__name__}")
-        p.done = True
-        return p
+            p.error = RuntimeError(f"the other process failed {type(plan).__name__}")
+        return p  # (not done: it is read back at wait)
 
-    def wait(self, p: Pending) -> torch.Tensor | None:
-        self.log.append(f"wait {type(p.plan).__name__}")
-        if p.error is not None:
-            raise p.error
-        return p.out
-
-    def execute(self, plan: Plan) -> torch.Tensor | None:  # type: ignore[override]  # a stand-in
-        self.log.append(f"execute {type(plan).__name__}")
-        return self.inner.execute(plan)
-
-    def drain(self) -> None:
-        self.drained += 1  # (every plan here has run already)
-
-    def cancel_outstanding(self, reason: str) -> None:
-        self.cancelled.append(reason)  # (one ledger here: the engine cancelled in it already)
+    def wait(self, pending: Pending) -> Result:
+        self.log.append(f"wait {type(pending.plan).__name__}")
+        pending.done = True
+        return pending.outcome()
 
     def forget_verifies(self) -> None:
         self.inner.forget_verifies()
 
+
+class InlineBackends:
+    """The engine's in-process backends, each behind an ``InlineBackend``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._target = InlineBackend(inner.target)
+        self._draft = InlineBackend(inner.draft) if inner.draft is not None else None
+
+    @property
+    def target(self) -> InlineBackend:
+        return self._target
+
+    @property
+    def draft(self) -> InlineBackend | None:
+        return self._draft
+
+    @property
+    def concurrent(self) -> bool:
+        return True
+
+    def _all(self) -> list[InlineBackend]:
+        return [self._target] + ([self._draft] if self._draft is not None else [])
+
+    def ready(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        for b in self._all():
+            b.settled += 1  # (every plan here has run already)
+
     def share_prefix(self, src: int, dst: int, length: int) -> None:
-        pass  # the serving hooks are in this process: the engine told them already
+        self.inner.share_prefix(src, dst, length)
 
-    def close(self) -> None:
-        self._gone = "closed"
+    def cancel_outstanding(self, reason: str) -> None:
+        for b in self._all():
+            b.cancelled.append(reason)  # (one ledger here: the engine cancelled in it already)
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        return []
+
+    def waited_seconds(self) -> float:
+        return 0.0
+
+    def close(self) -> RankLedgers | None:
+        return self.inner.close()  # type: ignore[no-any-return]  # the engine's own backends
 
 
-def _inline(eng: Engine) -> tuple[InlineProcess, InlineProcess | None]:
-    target = InlineProcess(eng.target)  # type: ignore[arg-type]  # the engine's in-process executor
-    draft = InlineProcess(eng.draft) if eng.draft is not None else None  # type: ignore[arg-type]  # likewise
-    eng.target = eng.forwards.target = target
-    eng.draft = eng.forwards.draft = draft
-    return target, draft
+def _inline(eng: Engine) -> tuple[InlineBackend, InlineBackend | None]:
+    backends = InlineBackends(eng.backends)
+    eng.backends = eng.forwards.backends = backends
+    eng.target = eng.forwards.target = backends.target
+    eng.draft = eng.forwards.draft = backends.draft
+    return backends.target, backends.draft
 
 
 PROMPTS = [list(range(3, 12)), [5, 9, 2], list(range(20, 33)), [7, 7, 8, 1]]
@@ -168,11 +200,11 @@ def test_a_deferred_commit_that_failed_aborts_its_requests_at_the_next_step() ->
     report = eng.step()
     assert report.kind is StepKind.FAILED and report.aborted == (RequestId(0),)
     assert eng.aborted_by_failure == {RequestId(0)} and eng.stats.failed_steps == 1
-    assert eng.first_failure is not None and "the child failed CommitPlan" in eng.first_failure
+    assert eng.first_failure is not None and "the other process failed CommitPlan" in eng.first_failure
     # each process is drained (a plan sent beside the failed one settles its claim), then told to
     # cancel, in its own ledger, the tickets of the forward that failed
-    assert target.drained >= 1 and draft.drained >= 1
-    assert target.cancelled == draft.cancelled == ["aborted: its forward failed (RuntimeError: the child failed CommitPlan)"]
+    assert target.settled >= 1 and draft.settled >= 1
+    assert target.cancelled == draft.cancelled == ["aborted: its forward failed (RuntimeError: the other process failed CommitPlan)"]
     eng.run_until_done(max_steps=50)  # serving goes on
     eng.sync()
     assert eng.outputs[RequestId(1)] == _plain({1: {"max_new_tokens": 2}})[RequestId(1)]

@@ -3,71 +3,85 @@ retries and ``StepFailed`` (``compiler.engine.runner``), the speculative figures
 (``compiler.engine.report.SpecStats``), prefill chunking (``compiler.engine.chunks``) and the
 engine's check of a tensor-parallel leader's models.
 
-The runner is driven through a stand-in executor process whose forwards fail a chosen number of
-times, so every path of ``run``, ``submit`` and ``wait`` is reached in a few milliseconds.
+The runner is driven through a stand-in backend (``backend.boundary.Backend``) whose forwards fail a
+chosen number of times, so every path of ``run``, ``submit`` and ``wait`` is reached in a few
+milliseconds.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from backend import faults
 from backend.allocator import KVAllocator, SlotAllocator
+from backend.boundary import Pending, checked, plan_rids
 from backend.ledger import Ledger
-from backend.remote import ExecutorGone, ExecutorProcess, Pending
-from backend.tp.serve import TPLeader
+from backend.remote import ExecutorGone, ExecutorProcess, ProcessBackends, Processes
+from backend.tp.serve import TensorParallel, TPLeader
 from compiler.engine import Engine, StepKind
 from compiler.engine.cache_session import NoCache
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import SpecStats
 from compiler.engine.requests import Request, RequestState, RequestTable
-from compiler.engine.runner import ForwardRunner, StepFailed, plan_rids, proposals_of
+from compiler.engine.runner import ForwardRunner, StepFailed
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
 from ir.columns import frozen_i64
 from ir.errors import EngineStoppedError, PlanExecutionError, PreconditionError, SlotError
-from ir.ids import DRAFT_POOL, MambaSlot, RequestId, TicketSerial
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
+from ir.nodes import Plan
 from ir.plan import DecodePlan, IdlePlan, MixedPlan
+from ir.results import Result, Sampled
 from ir.spec import DraftPlan
 from passes.lower import LowerContext, lower
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from tests.helpers import BODIES, SYSTEM, decode_batch, engine, extend_plan, greedy_reference, proposed, request, tiny_models
 
-OUT = torch.zeros(2, 3)
 
+class FlakyBackend:
+    """A backend whose plans fail with the queued errors, then succeed (every token 0); ``submit``
+    raises ``ExecutorGone`` for the first ``gone_on_submit`` plans (gone before the plan left)."""
 
-class FlakyProcess(ExecutorProcess):
-    """An executor process that is not one: ``execute`` and ``wait`` fail with the queued errors,
-    then succeed; ``submit`` fails with ``ExecutorGone`` when asked to (the child died before the
-    plan reached it)."""
-
-    def __init__(self, *errors: Exception, gone_on_submit: bool = False) -> None:  # no child process
+    def __init__(self, *errors: Exception, gone_on_submit: int = 0) -> None:
         self.errors = list(errors)
         self.gone_on_submit = gone_on_submit
         self.calls: list[str] = []
+        self.results: list[Result] = []
 
-    def _next(self, call: str) -> torch.Tensor:
-        self.calls.append(call)
-        if self.errors:
-            raise self.errors.pop(0)
-        return OUT
+    @property
+    def pool_id(self) -> PoolId:
+        return TARGET_POOL
 
-    def submit(self, plan: object) -> Pending:  # type: ignore[override]  # a stand-in
+    @property
+    def usable(self) -> bool:
+        return True
+
+    def submit(self, plan: Plan) -> Pending:
         self.calls.append("submit")
         if self.gone_on_submit:
+            self.gone_on_submit -= 1
             raise ExecutorGone("executor process for pool 'target' is gone: it died")
-        return Pending(0, None, None)
+        p = Pending(plan)
+        if self.errors:
+            p.error = self.errors.pop(0)
+        else:
+            p.result = Sampled(rids=plan_rids(plan), tokens=[0] * len(plan_rids(plan)))
+            self.results.append(p.result)
+        p.done = True
+        return p
 
-    def wait(self, p: Pending) -> torch.Tensor | None:
-        return self._next("wait")
+    def wait(self, pending: Pending) -> Result:
+        self.calls.append("wait")
+        return pending.outcome()
 
-    def execute(self, plan: object) -> torch.Tensor | None:  # type: ignore[override]  # a stand-in
-        return self._next("execute")
+    def forget_verifies(self) -> None:
+        pass
 
 
 def _plan() -> DecodePlan:
@@ -82,81 +96,87 @@ def _runner(retries: int) -> ForwardRunner:
 
 def test_a_forward_that_fails_every_attempt_is_a_step_failure_naming_its_requests() -> None:
     for retries in (0, 1, 2):
-        runner, ex = _runner(retries), FlakyProcess(*(RuntimeError(f"boom {i}") for i in range(retries + 1)))
+        runner, ex = _runner(retries), FlakyBackend(*(RuntimeError(f"boom {i}") for i in range(retries + 1)))
         with pytest.raises(StepFailed, match=r"^forward of requests \[4, 9\] failed: RuntimeError: boom " + str(retries) + r"$") as info:
             runner.run(ex, _plan())
         assert info.value.rids == (RequestId(4), RequestId(9))
         assert isinstance(info.value.cause, RuntimeError)
-        assert ex.calls == ["execute"] * (retries + 1)  # every attempt, no more
+        assert ex.calls == ["submit", "wait"] * (retries + 1)  # every attempt, no more
         assert runner.stats.retries == retries
 
 
 def test_a_forward_that_fails_fewer_times_than_the_retries_succeeds() -> None:
-    runner, ex = _runner(2), FlakyProcess(RuntimeError("once"), RuntimeError("twice"))
-    assert runner.run(ex, _plan()) is OUT
-    assert ex.calls == ["execute"] * 3 and runner.stats.retries == 2
+    runner, ex = _runner(2), FlakyBackend(RuntimeError("once"), RuntimeError("twice"))
+    assert runner.run(ex, _plan()) is ex.results[0]
+    assert ex.calls == ["submit", "wait"] * 3 and runner.stats.retries == 2
 
 
 def test_a_plan_that_does_not_fit_is_never_retried() -> None:
-    runner, ex = _runner(3), FlakyProcess(PlanExecutionError("slot 9 out of range"))
+    runner, ex = _runner(3), FlakyBackend(PlanExecutionError("slot 9 out of range"))
     with pytest.raises(PlanExecutionError, match="slot 9 out of range"):
         runner.run(ex, _plan())
-    assert ex.calls == ["execute"] and runner.stats.retries == 0
+    assert ex.calls == ["submit", "wait"] and runner.stats.retries == 0
 
 
 def test_wait_on_a_process_fails_the_step_or_retries_it() -> None:
-    runner, ex = _runner(0), FlakyProcess(RuntimeError("child crashed"))
+    runner, ex = _runner(0), FlakyBackend(RuntimeError("child crashed"))
     s = runner.submit(ex, _plan())
     with pytest.raises(StepFailed, match=r"^forward of requests \[4, 9\] failed: RuntimeError: child crashed$"):
         runner.wait(s)
     assert ex.calls == ["submit", "wait"] and runner.stats.retries == 0
-    # with retries, the failed wait counts one retry and the plan is executed again
-    runner, ex = _runner(1), FlakyProcess(RuntimeError("child crashed"))
-    assert runner.wait(runner.submit(ex, _plan())) is OUT
-    assert ex.calls == ["submit", "wait", "execute"] and runner.stats.retries == 1
+    # with retries, the failed wait counts one retry and the plan is submitted again
+    runner, ex = _runner(1), FlakyBackend(RuntimeError("child crashed"))
+    assert runner.wait(runner.submit(ex, _plan())) is ex.results[0]
+    assert ex.calls == ["submit", "wait", "submit", "wait"] and runner.stats.retries == 1
     # a refusal read back from the process is the plan's bug: raised as it is, not retried
-    runner, ex = _runner(2), FlakyProcess(PlanExecutionError("refused there"))
+    runner, ex = _runner(2), FlakyBackend(PlanExecutionError("refused there"))
     with pytest.raises(PlanExecutionError, match="refused there"):
         runner.wait(runner.submit(ex, _plan()))
     assert ex.calls == ["submit", "wait"] and runner.stats.retries == 0
 
 
 def test_a_failure_at_submit_is_kept_for_wait() -> None:
-    """A process gone before the plan reached it: the plan runs in ``submit`` as ``run`` would, and
-    its failure is raised by ``wait``, not lost."""
-    runner, ex = _runner(0), FlakyProcess(ExecutorGone("gone"), gone_on_submit=True)
+    """A backend gone before the plan reached it: the failure is kept by ``submit`` and raised by
+    ``wait`` (a failed attempt like any other: retried when there are retries), not lost."""
+    runner, ex = _runner(0), FlakyBackend(gone_on_submit=1)
     s = runner.submit(ex, _plan())
-    assert ex.calls == ["submit", "execute"]
-    with pytest.raises(StepFailed, match=r"^forward of requests \[4, 9\] failed: ExecutorGone: gone$"):
+    assert ex.calls == ["submit"]
+    with pytest.raises(StepFailed, match=r"^forward of requests \[4, 9\] failed: ExecutorGone: executor process for pool 'target' is gone: it died$"):
         runner.wait(s)
-    runner, ex = _runner(0), FlakyProcess(gone_on_submit=True)
-    assert runner.wait(runner.submit(ex, _plan())) is OUT
+    runner, ex = _runner(1), FlakyBackend(gone_on_submit=1)
+    assert runner.wait(runner.submit(ex, _plan())) is ex.results[0]
+    assert ex.calls == ["submit", "submit", "wait"] and runner.stats.retries == 1
 
 
 def test_a_draft_run_must_return_the_proposals_of_that_draft() -> None:
-    """What a draft forward hands back is checked before the verify uses it: the ``Proposals`` of
-    another draft, or anything that is not ``Proposals``, is refused naming the draft."""
+    """What a draft forward hands back is checked before the verify uses it (``checked``): the
+    ``Proposals`` of another draft, or a result of another kind, is refused naming the draft."""
     def draft_plan() -> DraftPlan:
         running = decode_batch([4, 9], [1, 2], [3, 3], [10, 11])
         return DraftPlan(batch=prepare_for_draft(running, SpecContext(k=2, next_tokens=[5, 6], kv_locs=list(range(20, 26)))))
 
     plan, newer = draft_plan(), draft_plan()
     own = proposed(plan.batch, [1, 2, 3, 4])
-    assert proposals_of(own, plan) is own
+    assert checked(plan, own) is own
     did, other = plan.batch.draft_id, newer.batch.draft_id
-    with pytest.raises(PlanExecutionError, match=rf"^draft #{did} returned the proposals of draft #{other}, not its Proposals$"):
-        proposals_of(proposed(newer.batch, [1, 2, 3, 4]), plan)
-    with pytest.raises(PlanExecutionError, match=rf"^draft #{did} returned Tensor, not its Proposals$"):
-        proposals_of(torch.zeros(2, 2, dtype=torch.int64), plan)
+    with pytest.raises(PlanExecutionError, match=rf"^draft #{did} \(2 rows, k=2\) came back as the proposals of draft #{other} \(4 tokens, k=2\)$"):
+        checked(plan, proposed(newer.batch, [1, 2, 3, 4]))
+    with pytest.raises(PlanExecutionError, match=r"^DraftPlan came back as Sampled, not Proposals$"):
+        checked(plan, Sampled(rids=[4, 9], tokens=[1, 2]))
+    # a forward's tokens must be for the plan's rows, in its order
+    dec = _plan()
+    assert checked(dec, Sampled(rids=[4, 9], tokens=[1, 2])).tokens.tolist() == [1, 2]
+    with pytest.raises(PlanExecutionError, match=r"^DecodePlan of requests \[4, 9\] came back for requests \[9, 4\]$"):
+        checked(dec, Sampled(rids=[9, 4], tokens=[1, 2]))
 
 
 def test_plan_rids_names_every_request_of_a_plan() -> None:
     _, ext = extend_plan([request(7, 3, [1, 2], 20), request(8, 4, [3], 22)])
     dec = _plan()
-    assert plan_rids(ext) == (7, 8)
-    assert plan_rids(dec) == (4, 9)
-    assert plan_rids(MixedPlan(extend=ext, decode=dec)) == (7, 8, 4, 9)
-    assert plan_rids(IdlePlan()) == ()
+    assert plan_rids(ext).tolist() == [7, 8]
+    assert plan_rids(dec).tolist() == [4, 9]
+    assert plan_rids(MixedPlan(extend=ext, decode=dec)).tolist() == [7, 8, 4, 9]
+    assert plan_rids(IdlePlan()).tolist() == []
 
 
 def test_the_speculative_figures() -> None:
@@ -230,7 +250,7 @@ class StandInLeader(TPLeader):
 def test_an_engine_over_tp_refuses_a_model_that_is_not_a_shard() -> None:
     target, draft = tiny_models()
     with pytest.raises(PreconditionError, match=r"^Engine: tp: the target model must be a shard cut by backend\.tp\.shard_model, got "):
-        Engine(target, None, k=0, tp=StandInLeader(2))
+        Engine(target, None, k=0, transport=TensorParallel(StandInLeader(2)))
 
 
 class SessionLeader(StandInLeader):
@@ -270,7 +290,7 @@ def test_an_engine_whose_executor_cannot_be_built_ends_its_tp_session(failing: s
     monkeypatch.setattr(shards[failing], "new_pool", no_pool)
     leader = SessionLeader(2)
     with pytest.raises(RuntimeError, match=f"^no memory for the {failing} pool$"):
-        Engine(shards["target"], shards["draft"] if failing == "draft" else None, k=2 if failing == "draft" else 0, tp=leader)
+        Engine(shards["target"], shards["draft"] if failing == "draft" else None, k=2 if failing == "draft" else 0, transport=TensorParallel(leader))
     assert leader.closed_sessions == 1 and leader.pools is None
 
 
@@ -292,63 +312,85 @@ def test_every_tp_worker_hears_of_a_shared_prefix() -> None:
 
     target, _ = tiny_models()
     leader = SharingLeader(2)
-    eng = Engine(shard_model(target, 0, 2, _NoSum()), None, k=0, tp=leader)
+    eng = Engine(shard_model(target, 0, 2, _NoSum()), None, k=0, transport=TensorParallel(leader))
     eng.planner.share_prefix(2, 5, 9)
     assert leader.shared == [(2, 5, 9)]
     eng.close()
 
 
-class ClosingProcess(FlakyProcess):
-    """An executor process stand-in that counts the times it is closed."""
+class StandInProcess(ExecutorProcess):
+    """An executor process that is not one (no child): it records what it is told."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, pool_id: PoolId = TARGET_POOL) -> None:  # no child process
+        self.pool_id = pool_id
+        self._gone: str | None = None
         self.closes = 0
-
-    def close(self) -> None:
-        self.closes += 1
-
-
-def test_an_engine_whose_draft_executor_cannot_be_built_closes_the_target_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With executor processes (``overlap``) the target's child runs by the time the draft's fails
-    to start: the engine that is not built closes it, so no child outlives it."""
-    started = ClosingProcess()
-
-    def executor(self: Engine, model: object, pool_id: str, capacity: int, kv_capacity: int) -> object:
-        if pool_id == DRAFT_POOL:
-            raise RuntimeError("no memory for the draft pool")
-        return started
-
-    monkeypatch.setattr(Engine, "_executor", executor)
-    target, draft = tiny_models()
-    with pytest.raises(RuntimeError, match="^no memory for the draft pool$"):
-        Engine(target, draft, k=2, overlap=True)
-    assert started.closes == 1
-
-
-class SharingProcess(FlakyProcess):
-    """An executor process stand-in that records the prefixes it is told to share."""
-
-    def __init__(self) -> None:
-        super().__init__()
         self.shared: list[tuple[int, int, int]] = []
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         self.shared.append((src, dst, length))
 
     def close(self) -> None:
-        pass
+        self.closes += 1
+        self._gone = "closed"
+
+
+def test_processes_that_cannot_all_start_are_all_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With executor processes the target's child runs by the time the draft's fails to start: the
+    transport closes it, so no child outlives an engine that was not built."""
+    import backend.remote
+
+    started: list[StandInProcess] = []
+
+    def process(model: object, *, pool_id: PoolId, **options: object) -> StandInProcess:
+        if pool_id == DRAFT_POOL:
+            raise RuntimeError("no memory for the draft pool")
+        started.append(StandInProcess(pool_id))
+        return started[-1]
+
+    monkeypatch.setattr(backend.remote, "ExecutorProcess", process)
+    target, draft = tiny_models()
+    with pytest.raises(RuntimeError, match="^no memory for the draft pool$"):
+        Engine(target, draft, k=2, transport=Processes())
+    assert [p.closes for p in started] == [1]
 
 
 def test_every_executor_process_hears_of_a_shared_prefix() -> None:
     """With executor processes (``overlap``), the serving hooks live in the children: a request
     that starts from a cached prefix must have its prefix rows shared there, for both pools."""
-    eng = engine(1)
-    target, draft = SharingProcess(), SharingProcess()
-    eng.target, eng.draft = target, draft
-    eng.planner.share_prefix(2, 5, 9)
+    target, draft = StandInProcess(), StandInProcess(DRAFT_POOL)
+    ProcessBackends(target, draft).share_prefix(2, 5, 9)
     assert target.shared == [(2, 5, 9)] and draft.shared == [(2, 5, 9)]
+
+
+class RecordingBackends:
+    """The engine's in-process backends, recording what the engine asks of the group."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.shared: list[tuple[int, int, int]] = []
+        self.closes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        self.shared.append((src, dst, length))
+        self.inner.share_prefix(src, dst, length)
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+def test_an_engine_tells_its_backends_of_a_shared_prefix_and_closes_them_once() -> None:
+    eng = engine(1)
+    backends = RecordingBackends(eng.backends)
+    eng.backends = eng.forwards.backends = backends  # type: ignore[assignment]  # a recording stand-in
+    eng.planner.share_prefix(2, 5, 9)
+    assert backends.shared == [(2, 5, 9)]
     eng.close()
+    eng.close()
+    assert backends.closes == 1
 
 
 # -- KV references and prefix states -------------------------------------------------------------
@@ -579,7 +621,7 @@ def test_a_tp_engine_without_speculation_opens_no_draft_pool_even_when_given_a_d
 
     target, draft = tiny_models()
     leader = OpeningLeader(2)
-    eng = Engine(shard_model(target, 0, 2, _NoSum()), shard_model(draft, 0, 2, _NoSum()), k=0, tp=leader)
+    eng = Engine(shard_model(target, 0, 2, _NoSum()), shard_model(draft, 0, 2, _NoSum()), k=0, transport=TensorParallel(leader))
     assert leader.opened == [(TARGET_POOL,)] and eng.draft is None
     eng.close()
 
@@ -591,21 +633,19 @@ def test_an_engine_refuses_a_tp_leader_whose_session_another_engine_holds() -> N
 
     target, _ = tiny_models()
     leader = SessionLeader(2)
-    first = Engine(shard_model(target, 0, 2, _NoSum()), None, k=0, tp=leader)
+    first = Engine(shard_model(target, 0, 2, _NoSum()), None, k=0, transport=TensorParallel(leader))
     pools = leader.pools
     with pytest.raises(PreconditionError, match=r"^Engine: tp: the leader's session is in use by another engine \(close that engine first\)$"):
-        Engine(shard_model(target, 0, 2, _NoSum()), None, k=0, tp=leader)
+        Engine(shard_model(target, 0, 2, _NoSum()), None, k=0, transport=TensorParallel(leader))
     assert leader.pools == pools and leader.closed_sessions == 0
     first.close()
     assert leader.pools is None and leader.closed_sessions == 1
 
 
-def test_closing_an_engine_closes_each_executor_process_once() -> None:
-    """With executor processes (``overlap``), ``close`` stops both children, the draft's too."""
-    eng = engine(1)
-    target, draft = ClosingProcess(), ClosingProcess()
-    eng.target, eng.draft = target, draft
-    eng.close()
+def test_closing_executor_processes_closes_each_once() -> None:
+    """``ProcessBackends.close`` stops both children, the draft's too."""
+    target, draft = StandInProcess(), StandInProcess(DRAFT_POOL)
+    ProcessBackends(target, draft).close()
     assert (target.closes, draft.closes) == (1, 1)
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from backend import children
 from backend.ledger import Ledger
-from backend.remote import ExecutorGone, ExecutorProcess
+from backend.remote import ExecutorGone, ExecutorProcess, Processes
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.serve import ServeConfig
@@ -59,7 +59,7 @@ def test_an_executor_process_killed_mid_run_aborts_its_requests_at_any_step() ->
     # share_prefix (the third prompt shares the first one's cached prefix), one before step 4 by
     # the pipelined decode's wait, whose failure drops the forward sent after it
     for at in (3, 4):
-        with engine(0, overlap=True, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32) as drv:
+        with engine(0, transport=Processes(), prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32) as drv:
             assert drv.forwards.pipelined
             for n in range(12):
                 if n < 5:

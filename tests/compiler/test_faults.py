@@ -11,6 +11,7 @@ import torch
 from backend import faults, state_init
 from backend.executor import Executor
 from backend.ledger import Ledger
+from backend.model import blank_logits
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
 from compiler.engine import Engine
@@ -25,12 +26,12 @@ from tests.helpers import LAYOUT, REVIEW_NEW, REVIEW_PROMPTS, cow, engine, fresh
 class _Writer:
     """Writes each request's token sum into its SSM rows (a stand-in model)."""
 
-    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor | None:
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
         assert extend is not None
         for i, slot in enumerate(extend.slots.tolist()):
             lo, hi = int(extend.cu_seqlens[i]), int(extend.cu_seqlens[i + 1])
             pool.ssm_state(0)[slot].add_(float(extend.input_ids[lo:hi].sum()))
-        return None
+        return blank_logits(extend, decode)
 
 
 def _prefill_world(transactional: bool) -> tuple[Ledger, MambaStatePool, Executor, object]:

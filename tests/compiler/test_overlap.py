@@ -21,7 +21,7 @@ from typeguard import suppress_type_checks
 from backend import faults
 from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger
-from backend.remote import ExecutorGone, ExecutorProcess, ExecutorRefused, Pending
+from backend.remote import ExecutorGone, ExecutorProcess, ExecutorRefused, Pending, Processes
 from compiler.cli import main
 from compiler.engine import Engine
 from compiler.engine.report import StepKind
@@ -56,7 +56,7 @@ def test_overlap_serves_what_the_in_process_engine_serves(k: int) -> None:
     options = {"prefix_cache": PrefixCache(capacity=4, block=16), "chunk_size": 32}
     plain = engine(k, **options)  # type: ignore[arg-type]  # the options are Engine's keywords
     _serve(plain, range(6))
-    with engine(k, overlap=True, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32) as drv:
+    with engine(k, transport=Processes(), prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32) as drv:
         cp = drv.make_prefix(REVIEW_PROMPTS[0][:20])
         drv.admit(RequestId(99), REVIEW_PROMPTS[1], max_new_tokens=3, prefix=cp)
         drv.run_until_done()
@@ -128,7 +128,7 @@ def test_the_executor_process_refuses_a_malformed_message_one_out_of_order_and_a
 
 @pytest.mark.parametrize("point", faults.POINTS)
 def test_a_fault_in_the_executor_process_is_retried_to_the_fault_free_output(point: faults.FaultPoint) -> None:
-    with engine(2, overlap=True, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32, retries=1) as drv:
+    with engine(2, transport=Processes(), prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32, retries=1) as drv:
         assert isinstance(drv.target, ExecutorProcess)
         drv.target.arm_fault(point)
         _serve(drv)
@@ -146,7 +146,7 @@ def test_without_retries_a_fault_in_the_executor_process_aborts_its_requests_and
     k: int, point: faults.FaultPoint, after: int
 ) -> None:
     # k = 0: the decodes are pipelined, so the failed forward has a decode in flight behind it
-    with engine(k, overlap=True, prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32) as drv:
+    with engine(k, transport=Processes(), prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32) as drv:
         assert isinstance(drv.target, ExecutorProcess)
         assert drv.forwards.pipelined == (k == 0)
         drv.target.arm_fault(point, after=after)
@@ -165,12 +165,12 @@ def test_without_retries_a_fault_in_the_executor_process_aborts_its_requests_and
 
 
 def test_a_dead_executor_process_fails_its_forwards_instead_of_hanging() -> None:
-    with engine(2, overlap=True) as drv:
+    with engine(2, transport=Processes()) as drv:
         drv.admit(RequestId(0), REVIEW_PROMPTS[0], max_new_tokens=REVIEW_NEW)
         drv.step()
         assert isinstance(drv.draft, ExecutorProcess)
         os.kill(_child(drv.draft), signal.SIGKILL)
-        drv._executors()[1]._proc.wait()  # type: ignore[union-attr]  # both are ExecutorProcess here
+        drv.draft._proc.wait()
         report = drv.step()
         assert report.kind is StepKind.FAILED and drv.live == 0
         assert drv.aborted_by_failure == {RequestId(0)}
@@ -189,8 +189,8 @@ class _Unpicklable(HybridModel):
 def test_closed_engine_and_bad_arguments() -> None:
     target, draft = tiny_models()
     with suppress_type_checks():  # a hostile caller, as an untyped one would be
-        with pytest.raises(PreconditionError, match="overlap must be a bool"):
-            Engine(target, None, k=0, overlap=1)  # type: ignore[arg-type]  # the bad value is the point
+        with pytest.raises(PreconditionError, match=r"^Engine: transport must be a backend.boundary.Transport, not int \(got 1\)$"):
+            Engine(target, None, k=0, transport=1)  # type: ignore[arg-type]  # the bad value is the point
         for name, bad in (("capacity", True), ("threads", 0), ("max_len", 2.0)):
             args = {"capacity": 4, "kv_capacity": 64, "max_len": 32, "threads": 1, name: bad}
             with pytest.raises(IRValidationError, match=f"ExecutorProcess.{name}"):
@@ -198,7 +198,7 @@ def test_closed_engine_and_bad_arguments() -> None:
     with pytest.raises(IRValidationError, match="ExecutorProcess.model: must pickle"):
         ExecutorProcess(_Unpicklable(target.config, target.weights), pool_id=TARGET_POOL, capacity=4, kv_capacity=64,
                         max_len=32, ledger=Ledger())
-    drv = Engine(target, None, k=0, overlap=True)
+    drv = Engine(target, None, k=0, transport=Processes())
     drv.close()
     drv.close()  # idempotent
     assert isinstance(drv.target, ExecutorProcess) and drv.target.closed
@@ -236,7 +236,7 @@ def test_pipelined_decodes_emit_what_plain_decodes_emit_stops_and_aborts_include
     greedy = review_greedy()
     stop = greedy[RequestId(2)][3]  # request 2 emits it before its limit: it finishes one decode late
     options: dict[str, object] = {"prefix_cache": PrefixCache(capacity=4, block=16), "chunk_size": 32}
-    drv = _pipelined(**options) if in_process else engine(0, overlap=True, **options)  # type: ignore[arg-type]
+    drv = _pipelined(**options) if in_process else engine(0, transport=Processes(), **options)  # type: ignore[arg-type]
     with drv:
         for i in range(5):
             drv.admit(RequestId(i), REVIEW_PROMPTS[i], max_new_tokens=REVIEW_NEW, stop=stop if i == 2 else None)
@@ -261,7 +261,7 @@ def test_pipelined_decodes_emit_what_plain_decodes_emit_stops_and_aborts_include
 def test_pipelined_decodes_under_kv_pressure_retract_and_complete(in_process: bool) -> None:
     # all three prompts fit (157 locations), their growth does not: the newest is retracted, its
     # decode in flight dropped, and it re-prefills its prompt and output so far
-    drv = _pipelined(kv_capacity=170) if in_process else engine(0, overlap=True, kv_capacity=170)
+    drv = _pipelined(kv_capacity=170) if in_process else engine(0, transport=Processes(), kv_capacity=170)
     with drv:
         _serve(drv, range(3))
         assert drv.stats.retractions >= 1
@@ -325,7 +325,7 @@ def test_overlap_without_mixed_forwards_or_with_retries_runs_each_step_to_the_en
     # not pipelined: an extend-only step would skip the running rows, and a retried forward would
     # have to replay the one sent after it
     for options in ({"mixed": False}, {"retries": 1}):
-        with engine(0, overlap=True, **options) as drv:  # type: ignore[arg-type]  # Engine's keywords
+        with engine(0, transport=Processes(), **options) as drv:  # type: ignore[arg-type]  # Engine's keywords
             assert not drv.forwards.pipelined
             _serve(drv, range(3))
             assert drv.outputs == {RequestId(i): review_greedy()[RequestId(i)] for i in range(3)}

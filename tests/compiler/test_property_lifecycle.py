@@ -82,7 +82,7 @@ class ToyRecurrence:
 
     def forward(
         self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         self.plans.append(plan)
         ssm = pool.ssm_state(0)
         rows: list[tuple[int, int]] = []  # (rid, context length) per output row, extend rows first

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from backend.boundary import checked
 from backend.executor import Executor
 from backend.ledger import Ledger
+from backend.model import blank_logits
 from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.manager import PassManager
@@ -155,8 +157,8 @@ class _Scripted:
         self.agree = agree
         self.commits: list[tuple[str, list[int]]] = []
 
-    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor | None:
-        return None
+    def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
+        return blank_logits(extend, decode)
 
     def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
         return torch.tensor([[10 * int(s) + j for j in range(plan.batch.k)] for s in staged.slots]), "draft states"
@@ -190,9 +192,8 @@ def test_one_iteration_through_pipeline_and_executors() -> None:
         d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10 + 8 * it, 18 + 8 * it))))
         proposals = ex_d.run_draft(dplan)
         v, vplan = pipe.verify(d, proposals)
-        target_tokens = ex_t.execute(vplan)
-        assert target_tokens is not None
-        result, c, cplan = pipe.commit(v, frozen_i64(target_tokens.reshape(-1).numpy()))
+        verified = checked(vplan, ex_t.execute(vplan))
+        result, c, cplan = pipe.commit(v, verified.tokens)
         assert result.accepted.tolist() == [0, 2]
         ex_t.execute(cplan)
         with pytest.raises(PlanExecutionError, match="already committed"):
@@ -230,9 +231,8 @@ def test_one_iteration_with_a_draft_commit() -> None:
         d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10 + 8 * it, 18 + 8 * it))))
         proposals = ex_d.run_draft(dplan)
         v, vplan = pipe.verify(d, proposals)
-        target_tokens = ex_t.execute(vplan)
-        assert target_tokens is not None
-        _, c, cplan = pipe.commit(v, frozen_i64(target_tokens.reshape(-1).numpy()))
+        verified = checked(vplan, ex_t.execute(vplan))
+        _, c, cplan = pipe.commit(v, verified.tokens)
         ex_t.execute(cplan)
         dc, dcplan = pipe.draft_commit(c, d)
         assert isinstance(dcplan, DraftCommitPlan) and dc.draft_id == d.draft_id
@@ -322,9 +322,8 @@ def test_a_verify_of_tokens_that_are_not_the_drafts_proposals_cannot_reach_the_d
     assert real.draft_id == d.draft_id and real.tokens.tolist() == [10, 11, 12, 20, 21, 22]
     forged = proposed(d, [10, 99, 12, 20, 21, 22])  # not what the draft proposed
     v, vplan = pipe.verify(d, forged)
-    target_tokens = ex_t.execute(vplan)
-    assert target_tokens is not None
-    _, c, cplan = pipe.commit(v, frozen_i64(target_tokens.reshape(-1).numpy()))
+    verified = checked(vplan, ex_t.execute(vplan))
+    _, c, cplan = pipe.commit(v, verified.tokens)
     ex_t.execute(cplan)
     _, dcplan = pipe.draft_commit(c, d)
     before = draft.copy_buffer()

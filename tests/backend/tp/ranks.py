@@ -64,11 +64,13 @@ def _fail_third_ticketed_check(message: str) -> None:
 
 
 def _engine(target: Any, draft: Any, tp: Any = None) -> Any:
+    from backend.local import IN_PROCESS
+    from backend.tp.serve import TensorParallel
     from compiler.engine import Engine
     from compiler.prefix_cache import PrefixCache
 
     return Engine(target, draft, k=K, capacity=8, kv_capacity=512, max_len=64, chunk_size=4,
-                  prefix_cache=PrefixCache(capacity=2, block=4), tp=tp)
+                  prefix_cache=PrefixCache(capacity=2, block=4), transport=TensorParallel(tp) if tp is not None else IN_PROCESS)
 
 
 def _serve(e: Any, on_step: Any = None) -> None:
@@ -186,7 +188,7 @@ def leader(scenario: str, out: str) -> None:
             _serve(e, on_step)
         result["outputs"] = {str(k): v for k, v in sorted(e.outputs.items())}
         result["aborted"] = sorted(int(r) for r in e.aborted_by_failure)
-        result["ledgers"] = e.tp_ledgers.to_json() if e.tp_ledgers is not None else None
+        result["ledgers"] = e.closing_ledgers.to_json() if e.closing_ledgers is not None else None
         result["rank0_outstanding"] = len(e.ledger.outstanding())
         lead.shutdown()
     except RankFailed as exc:

@@ -1,0 +1,84 @@
+"""The default ``backend.boundary.Transport``: every pool's ``Executor`` in this process.
+
+Each forward runs within ``submit``, on the caller's thread; there is nothing to start, settle or
+stop. The serving hooks are kept here, so that ``share_prefix`` reaches every model's token table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from backend.allocator import SlotAllocator
+from backend.executor import Executor
+from backend.ledger import Ledger
+from backend.model import ServedModel, ServingModelHook
+from ir.ids import PoolId
+
+
+class LocalBackends:
+    """``backend.boundary.Backends`` in this process."""
+
+    def __init__(self, executors: list[Executor[Any]], hooks: list[ServingModelHook[Any]]) -> None:
+        self._executors, self._hooks = executors, hooks
+
+    @property
+    def target(self) -> Executor[Any]:
+        return self._executors[0]
+
+    @property
+    def draft(self) -> Executor[Any] | None:
+        return self._executors[1] if len(self._executors) > 1 else None
+
+    @property
+    def concurrent(self) -> bool:
+        return False
+
+    def ready(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        for hook in self._hooks:
+            hook.share_prefix(src, dst, length)
+
+    def cancel_outstanding(self, reason: str) -> None:
+        pass  # (the engine's ledger is the only one)
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        return []
+
+    def waited_seconds(self) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
+class InProcess:
+    """Every pool's executor in this process (``LocalBackends``)."""
+
+    def __repr__(self) -> str:
+        return "InProcess()"
+
+    def refusal(self, models: Mapping[PoolId, ServedModel[Any]], *, retries: int) -> str | None:
+        return None
+
+    def open(
+        self, models: Mapping[PoolId, ServedModel[Any]], *, ledger: Ledger, slots: SlotAllocator, capacity: int, kv_capacity: int,
+        max_len: int, retries: int,
+    ) -> LocalBackends:
+        executors: list[Executor[Any]] = []
+        hooks: list[ServingModelHook[Any]] = []
+        for pool, model in models.items():
+            hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=max_len)
+            hooks.append(hook)
+            # with retries, each forward is one transactional unit that can simply run again
+            executors.append(Executor(model.new_pool(capacity, pool_id=pool), ledger, hook, slots=slots, transactional=retries > 0))
+        return LocalBackends(executors, hooks)
+
+
+IN_PROCESS: Final = InProcess()
+"""The engine's default transport."""

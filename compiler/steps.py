@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-import attrs
-
 from compiler.manager import PassManager
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64
@@ -65,9 +63,7 @@ class Pipeline:
     def prefill(self, requests: Sequence[AdmittedRequest], *, sample_id: TicketSerial | None = None) -> tuple[ExtendBatch, ExtendPlan]:
         """``sample_id``: a pipelined step's (``ExtendPlan.sample_id``)."""
         batch = self.pm.run(prepare_for_extend, requests)
-        plan: ExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
-        if sample_id is not None:
-            plan = attrs.evolve(plan, sample_id=sample_id)
+        plan: ExtendPlan = self.pm.run(lower, batch, self.lower_ctx, sample_id=sample_id)
         self.ledger.register((*plan.tickets, *plan.snapshots))
         return batch, plan
 
@@ -80,12 +76,7 @@ class Pipeline:
         extend = self.pm.run(prepare_for_extend, requests)
         decode = self.pm.run(prepare_for_decode, running, ctx)
         batch = self.pm.run(mix_with_running, extend, decode)
-        plan: MixedPlan = self.pm.run(lower, batch, self.lower_ctx)
-        if sample_id is not None or inputs_from is not None:
-            plan = MixedPlan(
-                extend=attrs.evolve(plan.extend, sample_id=sample_id),
-                decode=attrs.evolve(plan.decode, sample_id=sample_id, inputs_from=inputs_from),
-            )
+        plan: MixedPlan = self.pm.run(lower, batch, self.lower_ctx, sample_id=sample_id, inputs_from=inputs_from)
         self.ledger.register((*plan.extend.tickets, *plan.extend.snapshots))
         return batch, plan
 
@@ -96,9 +87,7 @@ class Pipeline:
         """``sample_id`` and ``inputs_from``: a pipelined decode's (``DecodePlan``); with
         ``inputs_from``, ``ctx.next_tokens`` are the placeholders (zeros)."""
         out = self.pm.run(prepare_for_decode, batch, ctx)
-        plan: DecodePlan = self.pm.run(lower, out, self.lower_ctx)
-        if sample_id is not None or inputs_from is not None:
-            plan = attrs.evolve(plan, sample_id=sample_id, inputs_from=inputs_from)
+        plan: DecodePlan = self.pm.run(lower, out, self.lower_ctx, sample_id=sample_id, inputs_from=inputs_from)
         return out, plan
 
     def filter_decode(self, batch: DecodeBatch, drop: Iterable[RequestId]) -> DecodeBatch:

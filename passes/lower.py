@@ -7,6 +7,13 @@ Post: ``ExtendBatch -> ExtendPlan``, ``MixedBatch -> MixedPlan``, ``DecodeBatch 
 ``CommitPlan``, ``DraftCommitPlan``, ``DraftExtendPlan``: none has a ticket field). A batch with a ``MambaInit`` yields one ``InitTicket`` per pool, all with
 the init's serial (lowering the same batch twice yields the same tickets, which the ledger then
 refuses to consume twice). Plans share the batch's immutable columns; nothing is copied.
+
+A pipelined step (``compiler.steps.Pipeline``) names the sample its forward keeps and the sample its
+decode rows read their inputs from: ``sample_id`` (extend, decode, mixed) and ``inputs_from``
+(decode, mixed: its decode part) are arguments of ``lower``, which returns the finished plan; a
+mixed plan's two parts keep their tokens under the one ``sample_id``. The overloads give them only
+to the batches whose plans have them (at run time another batch given one is refused), and a plan
+given one runs its own checks (they are the caller's serials, not the checked batch's columns).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import attrs
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import build_unchecked
 from ir.errors import IRValidationError
-from ir.ids import TARGET_POOL, PoolId
+from ir.ids import TARGET_POOL, PoolId, TicketSerial
 from ir.init import InitTicket, SnapshotTicket
 from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -60,10 +67,10 @@ class LowerContext:
     pools: tuple[PoolId, ...] = attrs.field(default=(TARGET_POOL,), converter=_pools)
 
 
-def _extend_plan(batch: ExtendBatch, ctx: LowerContext) -> ExtendPlan:
+def _extend_plan(batch: ExtendBatch, ctx: LowerContext, sample_id: TicketSerial | None) -> ExtendPlan:
     init, snap = batch.init, batch.snapshot
     # The columns are the checked batch's own read-only arrays: no copy, no re-check.
-    return build_unchecked(
+    plan = build_unchecked(
         ExtendPlan,
         rids=batch.rids,
         slots=batch.slots,
@@ -74,26 +81,39 @@ def _extend_plan(batch: ExtendBatch, ctx: LowerContext) -> ExtendPlan:
         kv_locs=batch.kv_locs,
         tickets=tuple(InitTicket(pool=p, init=init) for p in ctx.pools) if init is not None else (),
         snapshots=tuple(SnapshotTicket(pool=p, snapshot=snap) for p in ctx.pools) if snap is not None else (),
+        sample_id=sample_id,
     )
+    if sample_id is not None:  # the caller's serial: checked as the constructor would
+        plan.check_fields()
+    return plan
 
 
-def _decode_plan(batch: DecodeBatch) -> DecodePlan:
-    return build_unchecked(
+def _decode_plan(batch: DecodeBatch, sample_id: TicketSerial | None, inputs_from: TicketSerial | None) -> DecodePlan:
+    plan = build_unchecked(
         DecodePlan,
         rids=batch.rids,
         slots=batch.slots,
         seq_lens=batch.seq_lens,
         input_ids=batch.input_ids,
         kv_locs=batch.kv_locs,
+        sample_id=sample_id,
+        inputs_from=inputs_from,
     )
+    if sample_id is not None or inputs_from is not None:  # the caller's serials (and placeholder inputs)
+        plan.check_fields()
+    return plan
 
 
 @overload
-def lower(batch: ExtendBatch, ctx: LowerContext) -> ExtendPlan: ...
+def lower(batch: ExtendBatch, ctx: LowerContext, *, sample_id: TicketSerial | None = None) -> ExtendPlan: ...
 @overload
-def lower(batch: DecodeBatch, ctx: LowerContext) -> DecodePlan: ...
+def lower(
+    batch: DecodeBatch, ctx: LowerContext, *, sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None
+) -> DecodePlan: ...
 @overload
-def lower(batch: MixedBatch, ctx: LowerContext) -> MixedPlan: ...
+def lower(
+    batch: MixedBatch, ctx: LowerContext, *, sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None
+) -> MixedPlan: ...
 @overload
 def lower(batch: IdleBatch, ctx: LowerContext) -> IdlePlan: ...
 @overload
@@ -106,16 +126,20 @@ def lower(batch: CommitBatch, ctx: LowerContext) -> CommitPlan: ...
 def lower(batch: DraftCommitBatch, ctx: LowerContext) -> DraftCommitPlan: ...
 @overload
 def lower(batch: DraftExtendBatch, ctx: LowerContext) -> DraftExtendPlan: ...
-def lower(batch: Batch, ctx: LowerContext) -> Plan:
+def lower(batch: Batch, ctx: LowerContext, *, sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None) -> Plan:
     if not isinstance(ctx, LowerContext):
         raise bad_arg("lower", "ctx", ctx, "a LowerContext")
+    if inputs_from is not None and not isinstance(batch, (DecodeBatch, MixedBatch)):
+        raise bad_arg("lower", "inputs_from", inputs_from, f"None for a {type(batch).__name__} (only decode rows read a sample)")
+    if sample_id is not None and not isinstance(batch, (ExtendBatch, DecodeBatch, MixedBatch)):
+        raise bad_arg("lower", "sample_id", sample_id, f"None for a {type(batch).__name__} (only a forward keeps a sample)")
     match batch:
         case ExtendBatch():
-            return _extend_plan(batch, ctx)
+            return _extend_plan(batch, ctx, sample_id)
         case DecodeBatch():
-            return _decode_plan(batch)
+            return _decode_plan(batch, sample_id, inputs_from)
         case MixedBatch():
-            return MixedPlan(extend=_extend_plan(batch.extend, ctx), decode=_decode_plan(batch.decode))
+            return MixedPlan(extend=_extend_plan(batch.extend, ctx, sample_id), decode=_decode_plan(batch.decode, sample_id, inputs_from))
         case IdleBatch():
             return IdlePlan()
         case DraftBatch():

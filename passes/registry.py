@@ -1,6 +1,7 @@
-"""The passes, declared once: each pass function with its name, the node types it takes and
-returns, and whether it ends a step (its output is a plan for the backend, verified at the default
-level).
+"""The passes, declared once: each pass function with its name and whether it ends a step (its
+output is a plan for the backend, verified at the default level). The node types a pass takes and
+returns are its signature's, which mypy checks at every call through the pass manager; the
+declaration does not repeat them.
 
 ``compiler.manager.PassManager.run`` takes the pass function itself and reads its declaration
 here, so a pass is never named twice at a call site; a function that is not declared is refused.
@@ -10,15 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Final, get_args
+from typing import Final
 
 import attrs
 
-from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.errors import PreconditionError
-from ir.nodes import Batch, Plan
-from ir.request import AdmittedRequest
-from ir.spec import AcceptResult, CommitBatch, DraftBatch, DraftCommitBatch, DraftExtendBatch, VerifyBatch
 from passes.accept import accept
 from passes.commit import commit
 from passes.filter_batch import filter_batch
@@ -35,31 +32,27 @@ from passes.prepare_for_verify import prepare_for_verify
 
 @attrs.frozen(kw_only=True)
 class PassSpec:
-    """One pass: ``fn`` maps a node of one of ``takes`` (its first argument) to one of ``returns``."""
+    """One pass: ``fn`` under ``name`` in dumps, errors and timings; ``ends_step``: its output is a
+    plan for the backend (``compiler.manager.PassManager`` reads both)."""
 
     fn: Callable[..., object]
     name: str
-    takes: tuple[type, ...]
-    returns: tuple[type, ...]
     ends_step: bool = False
 
 
-_BATCHES: tuple[type, ...] = get_args(Batch)
-_PLANS: tuple[type, ...] = get_args(Plan)
-
 PASSES: Final[tuple[PassSpec, ...]] = (
-    PassSpec(fn=prepare_for_extend, name="prepare_for_extend", takes=(AdmittedRequest,), returns=(ExtendBatch,)),
-    PassSpec(fn=prepare_for_decode, name="prepare_for_decode", takes=(ExtendBatch, MixedBatch, DecodeBatch), returns=(DecodeBatch,)),
-    PassSpec(fn=mix_with_running, name="mix_with_running", takes=(ExtendBatch,), returns=(MixedBatch,)),
-    PassSpec(fn=filter_batch, name="filter_batch", takes=(ExtendBatch, DecodeBatch), returns=(ExtendBatch, DecodeBatch)),
-    PassSpec(fn=merge_batch, name="merge_batch", takes=(DecodeBatch,), returns=(DecodeBatch,)),
-    PassSpec(fn=prepare_for_draft, name="prepare_for_draft", takes=(DecodeBatch,), returns=(DraftBatch,)),
-    PassSpec(fn=prepare_for_verify, name="prepare_for_verify", takes=(DraftBatch,), returns=(VerifyBatch,)),
-    PassSpec(fn=accept, name="accept", takes=(VerifyBatch,), returns=(AcceptResult,)),
-    PassSpec(fn=commit, name="commit", takes=(VerifyBatch,), returns=(CommitBatch,)),
-    PassSpec(fn=prepare_for_draft_commit, name="prepare_for_draft_commit", takes=(CommitBatch,), returns=(DraftCommitBatch,)),
-    PassSpec(fn=prepare_for_draft_extend, name="prepare_for_draft_extend", takes=(CommitBatch,), returns=(DraftExtendBatch,)),
-    PassSpec(fn=lower, name="lower", takes=_BATCHES, returns=_PLANS, ends_step=True),
+    PassSpec(fn=prepare_for_extend, name="prepare_for_extend"),
+    PassSpec(fn=prepare_for_decode, name="prepare_for_decode"),
+    PassSpec(fn=mix_with_running, name="mix_with_running"),
+    PassSpec(fn=filter_batch, name="filter_batch"),
+    PassSpec(fn=merge_batch, name="merge_batch"),
+    PassSpec(fn=prepare_for_draft, name="prepare_for_draft"),
+    PassSpec(fn=prepare_for_verify, name="prepare_for_verify"),
+    PassSpec(fn=accept, name="accept"),
+    PassSpec(fn=commit, name="commit"),
+    PassSpec(fn=prepare_for_draft_commit, name="prepare_for_draft_commit"),
+    PassSpec(fn=prepare_for_draft_extend, name="prepare_for_draft_extend"),
+    PassSpec(fn=lower, name="lower", ends_step=True),
 )
 """Every pass, in lifecycle order."""
 

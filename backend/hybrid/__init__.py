@@ -7,7 +7,8 @@ the slot-major pool), ``reference`` (a cache-free full-sequence oracle for tests
 
 from backend.hybrid.config import HybridConfig, LayerKind, small, tiny
 from backend.hybrid.kv import KVCache, TokenTable
-from backend.hybrid.model import ForwardOut, HybridModel, VerifyOut, VerifyStates, greedy
+from backend.hybrid.model import HybridModel, greedy
+from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
 from backend.hybrid.weights import Weights, init_weights, perturb, weight_shapes
 
 __all__ = [

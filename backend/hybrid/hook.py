@@ -5,16 +5,20 @@ hands it the staged plan and the Mamba pool it owns. Outputs are greedy: the hoo
 forwards (the engine samples) and argmax tokens for the verify (``NON_FINITE`` at a position whose
 logits hold a NaN or an infinity: ``backend.sampling``), whose intermediate states the executor
 keeps until the commit that names them.
+
+The hook reads the model through ``HybridEntryPoints``, the entry points it calls, and never imports
+``backend.hybrid.model``: the model builds its own hook (``HybridModel.serving_hook``), so the
+dependency runs one way, model to hook, and the two form no import cycle.
 """
 
 from __future__ import annotations
 
-from typing import assert_never
+from typing import Protocol, assert_never
 
 import torch
 
 from backend.hybrid.kv import KVCache, TokenTable
-from backend.hybrid.model import HybridModel, VerifyStates
+from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
 from backend.model import ForwardPlan
 from backend.pool import MambaStatePool
 from backend.sampling import greedy_or_flag
@@ -23,8 +27,35 @@ from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
 
+class HybridEntryPoints(Protocol):
+    """The entry points of ``backend.hybrid.model.HybridModel`` that the hook calls (documented
+    there); mypy checks that the model fits where the model builds its hook."""
+
+    def extend(
+        self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+        prefix_lens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor,
+    ) -> ForwardOut: ...
+
+    def decode(
+        self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, input_ids: torch.Tensor,
+        positions: torch.Tensor, kv_locs: torch.Tensor,
+    ) -> ForwardOut: ...
+
+    def verify(
+        self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, input_ids: torch.Tensor,
+        positions: torch.Tensor, kv_locs: torch.Tensor,
+    ) -> VerifyOut: ...
+
+    def propose_keeping_states(
+        self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, input_ids: torch.Tensor,
+        positions: torch.Tensor, kv_locs: torch.Tensor, k: int,
+    ) -> tuple[torch.Tensor, VerifyStates]: ...
+
+    def commit(self, pool: MambaStatePool, states: VerifyStates, *, accept_pos: torch.Tensor, slots: torch.Tensor) -> None: ...
+
+
 class HybridHook:
-    def __init__(self, model: HybridModel, kv: KVCache, table: TokenTable) -> None:
+    def __init__(self, model: HybridEntryPoints, kv: KVCache, table: TokenTable) -> None:
         self.model = model
         self.kv = kv
         self.table = table

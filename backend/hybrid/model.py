@@ -41,14 +41,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from itertools import pairwise
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
 import torch.nn.functional as F
 
 from backend.hybrid.config import HybridConfig
+from backend.hybrid.hook import HybridHook
 from backend.hybrid.kv import KVCache, TokenTable
+from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
 from backend.hybrid.weights import Weights, check_weights, init_weights
 from backend.kernels import checks
 from backend.kernels.checks import require
@@ -58,9 +60,6 @@ from backend.kernels.conv import causal_conv1d_update, causal_conv1d_verify
 from backend.kernels.ssm import selective_state_update, selective_state_verify
 from backend.pool import MambaStatePool, PoolLayout
 from ir.ids import TARGET_POOL, PoolId
-
-if TYPE_CHECKING:
-    from backend.hybrid.hook import HybridHook
 
 # (layer index, normed input) -> mixer output, for one token layout (packed, per-row, [n, T]).
 _Mixer = Callable[[int, torch.Tensor], torch.Tensor]
@@ -94,33 +93,6 @@ class NormSplit:
     """Channels of one group (of the whole model)."""
     group: int
     """The group this rank's channels are in."""
-
-
-@attrs.frozen
-class ForwardOut:
-    """``logits [n, vocab]`` (float32) and ``hidden [n, d_model]`` at each row's last token."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor
-
-
-@attrs.frozen
-class VerifyStates:
-    """Per Mamba layer (pool layer order), every verify position's state:
-    ``conv[m] [n, T, conv_dim, width - 1]``, ``ssm[m] [n, T, nheads, head_dim, d_state]``;
-    position ``t`` holds the state after the row's token ``t``."""
-
-    conv: tuple[torch.Tensor, ...]
-    ssm: tuple[torch.Tensor, ...]
-
-
-@attrs.frozen
-class VerifyOut:
-    """``logits [n, T, vocab]`` (float32), ``hidden [n, T, d_model]``, and the states to commit from."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor
-    states: VerifyStates
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -218,8 +190,6 @@ class HybridModel:
 
     def serving_hook(self, *, capacity: int, kv_capacity: int, max_len: int) -> HybridHook:
         """This model behind the serving hook protocol, with a fresh KV cache and token table."""
-        from backend.hybrid.hook import HybridHook  # here: the hook module imports this one
-
         return HybridHook(self, self.new_kv_cache(kv_capacity), self.new_token_table(capacity, max_len))
 
     # ---- building blocks ----------------------------------------------------------------------

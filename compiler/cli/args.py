@@ -10,6 +10,7 @@ from typing import NoReturn
 
 import attrs
 
+from compiler.engine.config import MAX_PREFILL_STREAK, ServeConfig
 from compiler.serve.dp import ROUTINGS
 from compiler.workload import (
     ARRIVALS,
@@ -21,7 +22,6 @@ from compiler.workload import (
     DEFAULT_CONTEXT,
     MAX_CONTEXT,
     MAX_K,
-    MAX_PREFILL_STREAK,
     MAX_REQUESTS,
     MAX_RUNNING,
     MAX_SEED,
@@ -30,7 +30,6 @@ from compiler.workload import (
     MAX_WORKLOAD_BYTES,
     SWEEP_NEW_TOKENS,
     SWEEP_RUNNING,
-    ServeConfig,
 )
 from ir.errors import BatchcError
 

@@ -19,9 +19,10 @@ from compiler.cli.output import OutputFile, check_output
 if TYPE_CHECKING:
     from backend.hybrid.model import HybridModel
     from backend.tp.serve import TPLeader
+    from compiler.engine.config import ServeConfig
     from compiler.serve.models import Served
     from compiler.serve.tokenizer import Tokenizer
-    from compiler.workload import Request, ServeConfig
+    from compiler.workload import Request
 
 
 def _same_file(a: str, b: str) -> bool:

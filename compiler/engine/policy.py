@@ -28,7 +28,7 @@ from typing import Protocol, cast, runtime_checkable
 
 import attrs
 
-from compiler.workload import DEFAULT_PREFILL_STREAK, MAX_PREFILL_STREAK
+from compiler.engine.config import DEFAULT_PREFILL_STREAK, MAX_PREFILL_STREAK
 from ir.columns import int_problem
 from ir.errors import PreconditionError, short_repr
 

@@ -23,6 +23,7 @@ The lossless check re-runs a sample of the requests with plain greedy decoding o
 (no draft, no cache, no chunking) and compares the outputs token for token.
 """
 
+from compiler.engine.config import ServeConfig
 from compiler.serve.load import builtin_workload, load_workload
 from compiler.serve.memory import check_serving, memory_estimate
 from compiler.serve.run import make_engine, run, serve
@@ -32,7 +33,6 @@ from compiler.workload import (
     LONGEST_BUILTIN_PROMPT,
     MAX_ARRIVAL,
     Request,
-    ServeConfig,
     ServeError,
     WorkloadError,
 )

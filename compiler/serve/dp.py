@@ -29,7 +29,8 @@ from typing import Any, Final
 import attrs
 
 from backend import children
-from compiler.workload import Request, ServeConfig, ServeError
+from compiler.engine.config import ServeConfig
+from compiler.workload import Request, ServeError
 from ir.ids import RequestId
 
 ROUTINGS: Final = ("prefix", "round-robin")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from backend.hybrid.config import HybridConfig
 from backend.kernels.chunked import SCAN_GROUP_ELEMENTS
-from compiler.workload import BYTE_VOCAB, MAX_SERVE_BYTES, SYSTEM_PREFIXES, ServeConfig, ServeError
+from compiler.engine.config import ServeConfig
+from compiler.workload import BYTE_VOCAB, MAX_SERVE_BYTES, SYSTEM_PREFIXES, ServeError
 
 _F32 = 4
 _INDEX_BYTES = 48

@@ -14,13 +14,14 @@ from backend.local import IN_PROCESS
 from backend.remote import Processes
 from backend.tp.serve import TensorParallel, TPLeader
 from compiler.engine import Engine, prefill_first
+from compiler.engine.config import ServeConfig
 from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.serve.latency import Latencies
 from compiler.serve.memory import check_serving
 from compiler.serve.summary import Sample, ServeSummary, host_ms_per_step
 from compiler.serve.tokenizer import ByteTokenizer, Tokenizer
-from compiler.workload import Request, ServeConfig
+from compiler.workload import Request
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId
 
 

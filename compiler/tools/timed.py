@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from backend.hybrid.kv import KVCache, TokenTable
-from backend.hybrid.model import ForwardOut, HybridModel, VerifyOut, VerifyStates
+from backend.hybrid.model import HybridModel
+from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
 from backend.pool import MambaStatePool
 
 

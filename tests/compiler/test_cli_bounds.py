@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from compiler.cli.args import MAX_AB_RUNNING, FloatIn, IntIn, _device, _path_arg, parser
-from compiler.workload import MAX_CONTEXT, MAX_SEED, ServeConfig, ServeError
+from compiler.engine.config import ServeConfig
+from compiler.workload import MAX_CONTEXT, MAX_SEED, ServeError
 from tests.helpers import run_cli
 
 

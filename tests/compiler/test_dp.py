@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from compiler.engine.config import ServeConfig
 from compiler.serve import builtin_workload
 from compiler.serve.dp import ReplicaFailed, route, serve_replicas
-from compiler.workload import Request, ServeConfig, ServeError
+from compiler.workload import Request, ServeError
 from ir.ids import RequestId
 from tests.helpers import run_cli
 

@@ -10,7 +10,7 @@ import pytest
 
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.errors import IRValidationError, PreconditionError
-from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId, TicketSerial
 from ir.init import InitIntent
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.printer import dump
@@ -248,6 +248,43 @@ def test_lower_each_kind() -> None:
     assert isinstance(lower(MixedBatch(extend=_extend(), decode=d), LowerContext()), MixedPlan)
     assert isinstance(lower(IdleBatch(), LowerContext()), IdlePlan)
     assert IdleBatch().num_requests == lower(IdleBatch(), LowerContext()).num_requests == 0
+
+
+def test_lower_returns_a_pipelined_plan_finished() -> None:
+    """A pipelined step's serials are arguments of ``lower``: the plans come out carrying them (a
+    mixed plan's two parts under the one sample), equal to the plans built field by field."""
+    sid, src = TicketSerial(7), TicketSerial(3)
+    d = prepare_for_decode(decode_batch([1], [4], [7], [70], tokens=[5]), DecodeContext(next_tokens=[0], kv_locs=[71]))
+    e = _extend()
+    plan = lower(d, LowerContext(), sample_id=sid, inputs_from=src)
+    assert plan == DecodePlan(rids=d.rids, slots=d.slots, seq_lens=d.seq_lens, input_ids=d.input_ids, kv_locs=d.kv_locs, sample_id=sid, inputs_from=src)
+    assert lower(d, LowerContext(), inputs_from=src).sample_id is None
+    eplan = lower(e, LowerContext(), sample_id=sid)
+    assert eplan.sample_id == sid and eplan.tickets == lower(e, LowerContext()).tickets
+    mixed = lower(MixedBatch(extend=e, decode=d), LowerContext(), sample_id=sid, inputs_from=src)
+    assert (mixed.extend.sample_id, mixed.decode.sample_id, mixed.decode.inputs_from) == (sid, sid, src)
+    for p in (plan, eplan, mixed):
+        verify(p)
+    assert (lower(d, LowerContext()).sample_id, lower(d, LowerContext()).inputs_from, lower(e, LowerContext()).sample_id) == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("sample_id", "inputs_from", "tokens", "words"),
+    [
+        (0, None, [5], "positive serial"),
+        (None, -2, [0], "positive serial"),
+        (None, 3, [5], "placeholders"),
+        (3, 3, [0], "own sample_id"),
+    ],
+)
+def test_lower_checks_the_serials_it_is_given(sample_id: int | None, inputs_from: int | None, tokens: list[int], words: str) -> None:
+    """The serials are the caller's, not the checked batch's: the plan runs its own checks on them."""
+    d = prepare_for_decode(decode_batch([1], [4], [7], [70], tokens=[5]), DecodeContext(next_tokens=tokens, kv_locs=[71]))
+    with pytest.raises(IRValidationError, match=words):
+        lower(d, LowerContext(), sample_id=None if sample_id is None else TicketSerial(sample_id), inputs_from=None if inputs_from is None else TicketSerial(inputs_from))
+    if inputs_from is None:
+        with pytest.raises(IRValidationError, match=words):
+            lower(_extend(), LowerContext(), sample_id=TicketSerial(sample_id or 0))
 
 
 # -- purity -------------------------------------------------------------------------------------

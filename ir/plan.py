@@ -18,9 +18,12 @@ import attrs
 from ir.batch import PREFIX_MAX
 from ir.columns import (
     I64,
+    KV_NAMES,
     MAX_SEQ_LEN,
     MAX_SEQ_LEN_WHAT,
     REQUEST,
+    REQUEST_NAME,
+    SLOT_NAME,
     BoolArray,
     ColumnNode,
     Composite,
@@ -30,6 +33,7 @@ from ir.columns import (
     check_int,
     column,
     per,
+    shown,
     tokens_of,
     type_names,
 )
@@ -92,16 +96,16 @@ def _check_sample(node: str, field: str, value: object) -> None:
 class ExtendPlan(ColumnNode, RequestRows):
     """The columns of an ``ExtendBatch`` (declared alike) and its ops as tickets."""
 
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX))
-    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
-    more_chunks: BoolArray = column(converter=as_bool, metadata=per(REQUEST))
-    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
-    tickets: tuple[InitTicket, ...] = attrs.field(converter=_tickets)
-    snapshots: tuple[SnapshotTicket, ...] = attrs.field(default=(), converter=_snapshots)
-    sample_id: TicketSerial | None = None
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX, text="prefix"))
+    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="extend"))
+    more_chunks: BoolArray = column(converter=as_bool, metadata=per(REQUEST, text="more"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text="tokens"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text=KV_NAMES))
+    tickets: tuple[InitTicket, ...] = attrs.field(converter=_tickets, metadata=shown(line="ticket"))
+    snapshots: tuple[SnapshotTicket, ...] = attrs.field(default=(), converter=_snapshots, metadata=shown(line="snapshot ticket"))
+    sample_id: TicketSerial | None = attrs.field(default=None, metadata=shown("sample", "#"))
     """As ``DecodePlan.sample_id``, for the rows whose prompt this forward completes (``more_chunks``
     false): the backend keeps their first token per slot, for the pipelined decode that names it."""
 
@@ -138,13 +142,13 @@ class DecodePlan(ColumnNode, RequestRows):
 
     A plan never changes after it is built: the backend resolves the symbolic inputs while staging."""
 
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
-    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
-    sample_id: TicketSerial | None = None
-    inputs_from: TicketSerial | None = None
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="seq"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="token"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text=KV_NAMES))
+    sample_id: TicketSerial | None = attrs.field(default=None, metadata=shown("sample", "#"))
+    inputs_from: TicketSerial | None = attrs.field(default=None, metadata=shown("inputs", "#"))
 
     def _check(self) -> None:
         _check_sample("DecodePlan", "sample_id", self.sample_id)

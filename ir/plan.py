@@ -7,6 +7,10 @@ nothing the backend must not act on: ``ExtendPlan`` and ``MixedPlan`` carry the 
 Invariant: a plan's tickets all carry the same ``MambaInit`` (one serial) and distinct pools; so do
 its snapshot tickets (one ``MambaSnapshot``). Every field is type-checked on construction
 (``IRValidationError`` naming the field and the value).
+
+Every plan (these and the speculative ones in ``ir.spec``) exposes its rows the same way, as a
+``RequestRows``: ``rids`` and ``slots``, read-only int64 columns in row order (a mixed plan's extend
+rows, then its decode rows; none for an idle plan), and ``rid_list()``/``slot_list()`` of them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 from typing import cast, final
 
 import attrs
+import numpy as np
 
 from ir.batch import PREFIX_MAX
 from ir.columns import (
@@ -32,6 +37,8 @@ from ir.columns import (
     as_i64,
     check_int,
     column,
+    freeze,
+    frozen_i64,
     per,
     shown,
     tokens_of,
@@ -162,10 +169,18 @@ class DecodePlan(ColumnNode, RequestRows):
                 )
 
 
+def _joined(a: I64, b: I64) -> I64:
+    """``a`` then ``b``, IR-owned (either one itself when the other is empty: no copy)."""
+    return b if not a.shape[0] else a if not b.shape[0] else freeze(np.concatenate((a, b)))
+
+
+_NO_ROWS = frozen_i64([])
+
+
 @final
 @linear
 @attrs.frozen(kw_only=True)
-class MixedPlan(Composite):
+class MixedPlan(Composite, RequestRows):
     """Its checks are its parts' types (``ir.verify`` re-runs the parts' own checks), and one
     forward has one sample: when both parts keep their tokens (``sample_id``), under the same id."""
 
@@ -181,10 +196,28 @@ class MixedPlan(Composite):
     def tickets(self) -> tuple[InitTicket, ...]:
         return self.extend.tickets
 
+    @property
+    def rids(self) -> I64:
+        """The extend part's request ids, then the decode part's."""
+        return _joined(self.extend.rids, self.decode.rids)
+
+    @property
+    def slots(self) -> I64:
+        """The extend part's slots, then the decode part's."""
+        return _joined(self.extend.slots, self.decode.slots)
+
 
 @final
 @attrs.frozen(kw_only=True)
-class IdlePlan(Composite):
-    """Nothing to run (the plan of an ``IdleBatch``)."""
+class IdlePlan(Composite, RequestRows):
+    """Nothing to run (the plan of an ``IdleBatch``): no rows."""
+
+    @property
+    def rids(self) -> I64:
+        return _NO_ROWS
+
+    @property
+    def slots(self) -> I64:
+        return _NO_ROWS
 
 

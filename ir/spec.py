@@ -255,33 +255,51 @@ class DraftExtendBatch(ColumnNode, RequestRows):
 # Their checks are the batch's type (``ir.verify`` re-runs the batch's own checks).
 
 
+class _BatchPlan(Composite, RequestRows):
+    """A speculative plan: its rows are its batch's (``rids``, ``slots``)."""
+
+    __slots__ = ()
+
+    @property
+    def batch(self) -> SpecBatch:
+        raise NotImplementedError  # the plan's field
+
+    @property
+    def rids(self) -> I64:
+        return self.batch.rids
+
+    @property
+    def slots(self) -> I64:
+        return self.batch.slots
+
+
 @final
 @attrs.frozen(kw_only=True)
-class DraftPlan(Composite):
+class DraftPlan(_BatchPlan):
     batch: DraftBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
-class VerifyPlan(Composite):
+class VerifyPlan(_BatchPlan):
     batch: VerifyBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
-class CommitPlan(Composite):
+class CommitPlan(_BatchPlan):
     batch: CommitBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
-class DraftCommitPlan(Composite):
+class DraftCommitPlan(_BatchPlan):
     batch: DraftCommitBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
-class DraftExtendPlan(Composite):
+class DraftExtendPlan(_BatchPlan):
     batch: DraftExtendBatch
 
 

@@ -796,6 +796,10 @@ class Composite(Node):
 
     __slots__ = ()
 
+    def parts(self) -> tuple[Node, ...]:
+        """The nodes this one is made of (its node-typed fields that hold one), in declaration order."""
+        return tuple(v for p in self._node_parts() if (v := getattr(self, p.name)) is not None)
+
     @property
     def num_requests(self) -> int:
         return sum(

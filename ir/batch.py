@@ -29,9 +29,12 @@ import attrs
 
 from ir.columns import (
     I64,
+    KV_NAMES,
     MAX_SEQ_LEN,
     MAX_SEQ_LEN_WHAT,
     REQUEST,
+    REQUEST_NAME,
+    SLOT_NAME,
     BoolArray,
     Bound,
     ColumnNode,
@@ -41,6 +44,7 @@ from ir.columns import (
     as_i64,
     column,
     per,
+    shown,
     tokens_of,
 )
 from ir.errors import IRValidationError
@@ -73,16 +77,16 @@ class ExtendBatch(ColumnNode, RequestRows):
     chunk, so the request does not sample a token and does not join the decode batch.
     """
 
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX))
-    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
-    more_chunks: BoolArray = column(converter=as_bool, metadata=per(REQUEST))
-    intents: tuple[InitIntent, ...] = attrs.field(converter=_intents)
-    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
-    init: MambaInit | None
-    snapshot: MambaSnapshot | None = None
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX, text="prefix"))
+    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="extend"))
+    intents: tuple[InitIntent, ...] = attrs.field(converter=_intents, metadata=shown("init"))
+    more_chunks: BoolArray = column(converter=as_bool, metadata=per(REQUEST, text="more"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text="tokens"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text=KV_NAMES))
+    init: MambaInit | None = attrs.field(metadata=shown(line="init"))
+    snapshot: MambaSnapshot | None = attrs.field(default=None, metadata=shown(line="snapshot"))
 
     def _check(self) -> None:
         if len(self.intents) != self.rids.shape[0]:
@@ -107,11 +111,11 @@ class DecodeBatch(ColumnNode, RequestRows):
     ``input_ids[i]`` included; its KV goes to ``kv_locs[i]`` at position ``seq_lens[i] - 1``.
     """
 
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
-    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="seq"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="token"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text=KV_NAMES))
 
     @classmethod
     def empty(cls) -> DecodeBatch:

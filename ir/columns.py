@@ -100,9 +100,14 @@ __all__ = [
     "MAX_SEQ_LEN",
     "MAX_SEQ_LEN_WHAT",
     "Node",
+    "KV_NAMES",
     "Per",
     "REQUEST",
+    "REQUEST_NAME",
+    "SERIAL_NAME",
     "RequestRows",
+    "Shown",
+    "SLOT_NAME",
     "SMALL_COLUMN",
     "WINDOW",
     "as_bool",
@@ -117,6 +122,8 @@ __all__ = [
     "check_pool",
     "column",
     "column_key",
+    "shown",
+    "shown_of",
     "first_bad_int",
     "first_common",
     "first_missing",
@@ -493,29 +500,75 @@ class Bound:
     value: Callable[[Any], int | I64]
 
 
+@attrs.frozen
+class Shown:
+    """How a field reads in the text form (``ir.printer`` writes it, ``ir.parse`` reads it back).
+
+    ``key`` is the word before ``=`` (``prefix=4``), the word itself for a flag (``more``) and the
+    prefix of a bracket (``clear[s1 s2]``); ``""`` prints the value alone. ``name`` makes ids print
+    as names: ``"r"`` request ids, ``"s"`` slots, ``"#"`` serials, ``"k"`` KV locations (in runs,
+    ``k3..k7``); ``""`` prints data (ints, token ids). ``line``: the field prints on a line of its
+    own under the header, after this word (a tuple of nodes: a line per node). ``pair``: the tuple
+    field zipped with this one (``cow[s3->s2]``). ``tags``: for a union of nodes, the word of each
+    variant (``intent=cow``), its fields following."""
+
+    key: str = ""
+    name: str = ""
+    line: str = ""
+    pair: str = ""
+    tags: tuple[tuple[str, type], ...] = ()
+
+
+REQUEST_NAME = Shown(name="r")
+SLOT_NAME = Shown(name="s")
+SERIAL_NAME = Shown(name="#")
+KV_NAMES = Shown("kv", "k")
+
+
 @attrs.frozen(kw_only=True)
 class ColumnDecl:
-    """What ``column`` declares about one column field: its length relation, its bounds and
-    whether it holds bools (``converter=as_bool``) or int64s (``converter=as_i64``)."""
+    """What ``column`` declares about one column field: its length relation, its bounds, how it
+    reads in the text form, and whether it holds bools (``converter=as_bool``) or int64s
+    (``converter=as_i64``)."""
 
     per: Per = REQUEST
     min: int | None = None
     max: int | Bound | None = None
     max_what: str = ""
     """How the message names a constant ``max`` (``MAX_SEQ_LEN (2**31 - 1)``); the number if empty."""
+    shown: Shown | None = None
     bools: bool = False
 
 
 _DECL = "ir.columns"
+_SHOWN = "ir.text"
 
 
-def per(per: Per = REQUEST, *, min: int | None = None, max: int | Bound | None = None, max_what: str = "") -> dict[str, ColumnDecl]:
-    """A column declaration, as ``column``'s ``metadata``::
+def per(
+    per: Per = REQUEST, *, min: int | None = None, max: int | Bound | None = None, max_what: str = "", text: str | Shown | None = None
+) -> dict[str, ColumnDecl]:
+    """A column declaration, as ``column``'s ``metadata`` (``text``: its ``Shown``, a plain string
+    for data under that key)::
 
-        slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-        input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
+        slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+        input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text="tokens"))
     """
-    return {_DECL: ColumnDecl(per=per, min=min, max=max, max_what=max_what)}
+    return {_DECL: ColumnDecl(per=per, min=min, max=max, max_what=max_what, shown=Shown(text) if isinstance(text, str) else text)}
+
+
+def shown(
+    key: str = "", name: str = "", *, line: str = "", pair: str = "", tags: Mapping[str, type] | None = None
+) -> dict[str, Shown]:
+    """How a field that is not a column reads in the text form, as ``attrs.field``'s ``metadata``
+    (see ``Shown``); a field without it reads as ``<field name>=<value>``, a node-typed one as a
+    nested node."""
+    return {_SHOWN: Shown(key, name, line, pair, tuple((tags or {}).items()))}
+
+
+def shown_of(field: Any) -> tuple[ColumnDecl | None, Shown | None]:  # (attrs.Attribute: generic only for mypy)
+    """The column declaration of an attrs field (``None``: not a column) and its ``Shown``."""
+    decl = field.metadata.get(_DECL)
+    return decl, decl.shown if decl is not None else field.metadata.get(_SHOWN)
 
 
 def _column(*, converter: object, metadata: Mapping[str, object] | None = None, **kwargs: Any) -> Any:
@@ -742,6 +795,10 @@ class Composite(Node):
     ``num_requests`` is the sum over its required node-typed fields that hold columns (0 for none)."""
 
     __slots__ = ()
+
+    def parts(self) -> tuple[Node, ...]:
+        """The nodes this one is made of (its node-typed fields that hold one), in declaration order."""
+        return tuple(v for p in self._node_parts() if (v := getattr(self, p.name)) is not None)
 
     @property
     def num_requests(self) -> int:

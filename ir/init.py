@@ -32,7 +32,7 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ir.columns import Node, check_int, check_pool, ints
+from ir.columns import Node, check_int, check_pool, ints, shown
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, PoolId, TicketSerial
 from ir.linear import linear
@@ -159,9 +159,9 @@ def _check_serial(node: str, serial: object) -> None:
 class MambaInit(Node):
     """The clear and copy-on-write ops of one prefill forward. Clears run first, then copies."""
 
-    serial: TicketSerial
-    clear_slots: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_clear_slots)
-    cow_src: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_cow_src)
+    serial: TicketSerial = attrs.field(metadata=shown(name="#"))
+    clear_slots: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_clear_slots, metadata=shown("clear", "s"))
+    cow_src: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_cow_src, metadata=shown("cow", "s", pair="cow_dst"))
     cow_dst: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_cow_dst)
 
     def _check(self) -> None:
@@ -224,7 +224,7 @@ class InitTicket(Node):
     """
 
     pool: PoolId
-    init: MambaInit
+    init: MambaInit = attrs.field(metadata=shown())
 
     def _check_first(self) -> None:
         check_pool(self, "pool", self.pool)
@@ -244,8 +244,8 @@ class MambaSnapshot(Node):
     live state at the end of this forward's tokens) into cache slot ``dst[i]``. One-shot like a
     ``MambaInit``: its serial is its identity."""
 
-    serial: TicketSerial
-    src: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_src)
+    serial: TicketSerial = attrs.field(metadata=shown(name="#"))
+    src: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_src, metadata=shown(name="s", pair="dst"))
     dst: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_dst)
 
     def _check(self) -> None:
@@ -274,7 +274,7 @@ class SnapshotTicket(Node):
     forward. ``pool`` is a non-empty pool name and ``snapshot`` a ``MambaSnapshot``."""
 
     pool: PoolId
-    snapshot: MambaSnapshot
+    snapshot: MambaSnapshot = attrs.field(metadata=shown())
 
     def _check_first(self) -> None:
         check_pool(self, "pool", self.pool)

@@ -1,38 +1,20 @@
 """The closed unions of every batch and plan type, for dispatch with ``match`` + ``assert_never``.
 
-Adding a phase means adding it here; every ``match`` over these unions then fails mypy's
-exhaustiveness check until it handles the new phase.
+Adding a phase means adding it here (a speculative one: to ``SpecBatch``/``SpecPlan`` in
+``ir.spec``, which these unions include); every ``match`` over these unions then fails mypy's
+exhaustiveness check until it handles the new phase. ``NODE_TYPES`` is derived from the unions.
 """
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import Final, TypeAlias, get_args
 
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import (
-    CommitBatch,
-    CommitPlan,
-    DraftBatch,
-    DraftCommitBatch,
-    DraftCommitPlan,
-    DraftExtendBatch,
-    DraftExtendPlan,
-    DraftPlan,
-    VerifyBatch,
-    VerifyPlan,
-)
+from ir.spec import SpecBatch, SpecPlan
 
-Batch: TypeAlias = (
-    ExtendBatch | DecodeBatch | MixedBatch | IdleBatch | DraftBatch | VerifyBatch | CommitBatch | DraftCommitBatch | DraftExtendBatch
-)
-Plan: TypeAlias = (
-    ExtendPlan | DecodePlan | MixedPlan | IdlePlan | DraftPlan | VerifyPlan | CommitPlan | DraftCommitPlan | DraftExtendPlan
-)
+Batch: TypeAlias = ExtendBatch | DecodeBatch | MixedBatch | IdleBatch | SpecBatch
+Plan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | IdlePlan | SpecPlan
 
-NODE_TYPES: tuple[type[Batch | Plan], ...] = (
-    ExtendBatch, DecodeBatch, MixedBatch, IdleBatch, DraftBatch, VerifyBatch, CommitBatch, DraftCommitBatch,
-    DraftExtendBatch, ExtendPlan, DecodePlan, MixedPlan, IdlePlan, DraftPlan, VerifyPlan, CommitPlan, DraftCommitPlan,
-    DraftExtendPlan,
-)
+NODE_TYPES: Final[tuple[type[Batch | Plan], ...]] = (*get_args(Batch), *get_args(Plan))
 """Every node class, for ``isinstance`` checks on values of unknown type (dumps, error excerpts)."""

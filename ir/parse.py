@@ -15,6 +15,9 @@ indented two spaces under it; words are separated by spaces, ``[...]`` groups on
 - every node is built through its constructor, so its local checks run; a node that fails them
   is refused like a syntax error.
 
+The reader is derived from the node declarations, as the printer is (``ir.printer.layout``): it
+reads each field the way ``Shown`` says it prints, so a new node needs no code here.
+
 A hand-written batch parses like a dump (this example runs in the test suite)::
 
     >>> from ir.parse import parse
@@ -34,31 +37,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
-import numpy as np
-
-from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import Composite
 from ir.errors import BatchcError, IRValidationError
-from ir.ids import MambaSlot, PoolId, RequestId, TicketSerial
-from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.printer import Printable
-from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
-from ir.spec import (
-    AcceptResult,
-    CommitBatch,
-    CommitPlan,
-    DraftBatch,
-    DraftCommitBatch,
-    DraftCommitPlan,
-    DraftExtendBatch,
-    DraftExtendPlan,
-    DraftPlan,
-    VerifyBatch,
-    VerifyPlan,
-)
+from ir.printer import PRINTABLE, Layout, Printable, Word, layout
 
 
 class ParseError(BatchcError, ValueError):
@@ -73,10 +56,8 @@ class ParseError(BatchcError, ValueError):
 _WORD = re.compile(r'[^\s"]*"(?:[^"\\]|\\.)*"|[^\s\[]*\[[^\]]*\]\S*|\S+')
 _NAME = re.compile(r"-?\d+")
 _KV_RUN = re.compile(r"k(-?\d+)(?:\.\.k(-?\d+))?")
-_INTENTS = {i.value: i for i in InitIntent}
 
 T = TypeVar("T")
-C = TypeVar("C", bound=Composite)
 
 
 class _Line:
@@ -98,11 +79,6 @@ class _Line:
 
     def peek(self) -> str | None:
         return self.words[self.pos] if self.pos < len(self.words) else None
-
-    def literal(self, text: str) -> None:
-        w = self.word(repr(text))
-        if w != text:
-            self.fail(f"expected {text!r}", w)
 
     def key(self, key: str) -> str:
         w = self.word(f"{key}=...")
@@ -160,28 +136,42 @@ class _Line:
             self.fail(f"expected {prefix}[...]", text)
         return text[len(prefix) + 1 : -1].split()
 
-    def pairs(self, items: list[str]) -> tuple[list[int], list[int]]:
+    def pairs(self, items: list[str], kind: str) -> tuple[list[int], list[int]]:
         src: list[int] = []
         dst: list[int] = []
         for item in items:
             a, sep, b = item.partition("->")
             if not sep:
-                self.fail("expected a copy s<src>->s<dst>", item)
-            src.append(self.name("s", a))
-            dst.append(self.name("s", b))
+                self.fail(f"expected a copy {kind}<src>->{kind}<dst>", item)
+            src.append(self.name(kind, a))
+            dst.append(self.name(kind, b))
         return src, dst
 
-    def pool(self) -> PoolId:
-        w = self.key("pool")
+    def string(self, key: str) -> str:
+        """A bare word or a JSON string (``pool=target``, ``pool="a b"``)."""
+        w = self.key(key)
         if w.startswith('"'):
             try:
                 value = json.loads(w)
             except json.JSONDecodeError:
-                self.fail("expected a pool name", "pool=" + w)
+                self.fail(f"expected a {key} name", f"{key}={w}")
             if not isinstance(value, str):
-                self.fail("expected a pool name", "pool=" + w)
-            return PoolId(value)
-        return PoolId(w)
+                self.fail(f"expected a {key} name", f"{key}={w}")
+            return value
+        return w
+
+    def has(self, key: str) -> bool:
+        """Whether the next word is ``key=...``."""
+        word = self.peek()
+        return word is not None and word.startswith(key + "=")
+
+    def starts(self, label: str) -> bool:
+        """Whether the line's words begin with ``label`` (one word or several)."""
+        words = label.split()
+        return self.words[: len(words)] == words
+
+    def skip(self, label: str) -> None:
+        self.pos = len(label.split())
 
 
 class _Parser:
@@ -207,73 +197,156 @@ class _Parser:
         self.i += 1
         return line
 
-    def rows(self, indent: int) -> list[_Line]:
-        out = []
-        while (line := self.peek(indent)) is not None and line.words and re.fullmatch(r"r-?\d+", line.words[0]):
-            self.i += 1
-            out.append(line)
-        return out
-
-    # -- nodes -----------------------------------------------------------------------------------
-
     def node(self, indent: int) -> Printable:
         line = self.take(indent, "a node")
         kind = line.word("a node kind")
-        parse = _KINDS.get(kind)
-        if parse is None:
-            line.fail(f"unknown node kind (one of {', '.join(sorted(_KINDS))})", kind)
-        return _built(line, lambda: parse(self, line, indent + 2))
+        cls = PRINTABLE.get(kind)
+        if cls is None:
+            line.fail(f"unknown node kind (one of {', '.join(sorted(PRINTABLE))})", kind)
+        lay = layout(cls)
+        declared = line.int_key("requests") if lay.requests else 0
+        total = line.int_key("tokens") if lay.tokens is not None else 0
+        fields = _words(line, lay)
+        line.end()
+        for w in lay.lines:
+            fields[w.field] = self.part_lines(w, indent + 2)
+        if lay.rows:
+            fields.update(self.rows(line, lay, indent + 2, declared, total, fields))
+        for w in lay.tail:
+            tail = self.take(indent + 2, f"{w.shown.line} {w.shown.key}=...")
+            if not tail.starts(w.shown.line):
+                tail.fail(f"expected {w.shown.line} {w.shown.key}=...", tail.words[0])
+            tail.skip(w.shown.line)
+            fields[w.field] = _value(tail, w, fields)
+            tail.end()
+        for w in lay.nested:
+            fields[w.field] = self.node(indent + 2)
+        node = cast("Printable", _built(line, lambda: cls(**fields)))  # (a class of ``Printable``)
+        if isinstance(node, Composite) and node.num_requests != declared:
+            line.fail(f"requests={declared} but its parts hold {node.num_requests}", f"requests={declared}")
+        return node
 
-    def header_count(self, line: _Line, rows: list[_Line], declared: int) -> None:
+    def part_lines(self, w: Word, indent: int) -> object:
+        """A part on its line (``None`` when absent), or a tuple of parts, a line each."""
+        parts: list[object] = []
+        none = f"{w.field} none"
+        if w.required and (line := self.peek(indent)) is not None and line.starts(none):
+            self.i += 1
+            line.skip(none)
+            line.end()
+            return () if w.kind == "lines" else None
+        while (line := self.peek(indent)) is not None and line.starts(w.shown.line) and (w.kind == "lines" or not parts):
+            self.i += 1
+            line.skip(w.shown.line)
+            parts.append(_part(line, w.cls))
+            line.end()
+        if not parts and w.required:
+            self.take(indent, f"{w.shown.line} ... or {none}").fail(f"expected {w.shown.line} ... or {none}")
+        return tuple(parts) if w.kind == "lines" else (parts[0] if parts else None)
+
+    def rows(self, line: _Line, lay: Layout, indent: int, declared: int, total: int, fields: dict[str, Any]) -> dict[str, Any]:
+        """The row cells under ``line``, as the node's columns; the header counts must match them."""
+        first = lay.rows[0].shown
+        starts = (lambda word: re.fullmatch(re.escape(first.name) + r"-?\d+", word) is not None) if not first.key else (
+            lambda word: word.startswith(first.key + "="))
+        rows = []
+        while (row := self.peek(indent)) is not None and row.words and starts(row.words[0]):
+            self.i += 1
+            rows.append(row)
         if declared != len(rows):
             line.fail(f"requests={declared} but {len(rows)} rows follow", f"requests={declared}")
-
-    def extend_rows(self, line: _Line, indent: int, *, intents: bool) -> dict[str, object]:
-        declared = line.int_key("requests")
-        total = line.int_key("tokens")
-        return self._extend_rows(line, indent, declared, total, intents=intents)
-
-    def _extend_rows(self, line: _Line, indent: int, declared: int, total: int, *, intents: bool) -> dict[str, object]:
-        rows = self.rows(indent)
-        self.header_count(line, rows, declared)
-        cols: dict[str, list[object]] = {k: [] for k in ("rids", "slots", "prefix_lens", "extend_lens", "more_chunks", "intents", "input_ids", "kv_locs")}
+        cols: dict[str, list[Any]] = {w.field: [] for w in lay.rows}
         for row in rows:
-            cols["rids"].append(row.name("r"))
-            cols["slots"].append(row.name("s"))
-            cols["prefix_lens"].append(row.int_key("prefix"))
-            extend = row.int_key("extend")
-            cols["extend_lens"].append(extend)
-            if intents:
-                w = row.key("init")
-                if w not in _INTENTS:
-                    row.fail("expected init=clear, init=cow or init=continue", "init=" + w)
-                cols["intents"].append(_INTENTS[w])
-            cols["more_chunks"].append(row.optional("more"))
-            tokens = row.tokens(row.key("tokens"), "tokens=")
-            kv = row.kv(row.key("kv"))
+            cells: dict[str, Any] = {}
+            for w in lay.rows:
+                at = row.pos
+                v = _value(row, w, cells)
+                cells[w.field] = v
+                if w.one:
+                    if w.kind == "kv":
+                        if len(v) != 1:
+                            row.fail(f"a row has one KV location in {w.shown.key}=", row.words[at])
+                        v = v[0]
+                    cols[w.field].append(v)
+                    continue
+                want, by = _share(w, lay, cells, fields)
+                if want is not None and len(v) != want:
+                    row.fail(f"{by} needs {want} values in {w.shown.key}=, got {len(v)}", row.words[at])
+                cols[w.field].extend(v)
             row.end()
-            if len(tokens) != extend or len(kv) != extend:
-                row.fail(f"extend={extend} needs {extend} tokens and KV locations, got {len(tokens)} and {len(kv)}", f"extend={extend}")
-            cols["input_ids"].extend(tokens)
-            cols["kv_locs"].extend(kv)
-        if len(cols["input_ids"]) != total:
-            line.fail(f"tokens={total} but the rows hold {len(cols['input_ids'])}", f"tokens={total}")
-        out: dict[str, object] = {k: v for k, v in cols.items() if k not in ("intents", "more_chunks")}
-        out["more_chunks"] = np.array(cols["more_chunks"], dtype=np.bool_)
-        if intents:
-            out["intents"] = tuple(cols["intents"])
-        return out
+        if lay.tokens is not None and len(cols[lay.tokens]) != total:
+            line.fail(f"tokens={total} but the rows hold {len(cols[lay.tokens])}", f"tokens={total}")
+        return {w.field: tuple(cols[w.field]) if w.kind == "enum" else cols[w.field] for w in lay.rows}
 
-    def init_ops(self, line: _Line) -> MambaInit:
-        serial = line.name("#")
-        clears = [line.name("s", w) for w in line.bracket(line.word("clear[...]"), "clear")]
-        src, dst = line.pairs(line.bracket(line.word("cow[...]"), "cow"))
-        return _built(line, lambda: MambaInit(serial=TicketSerial(serial), clear_slots=clears, cow_src=src, cow_dst=dst))
 
-    def snapshot_ops(self, line: _Line) -> MambaSnapshot:
-        serial = line.name("#")
-        src, dst = line.pairs(line.bracket(line.word("[...]"), ""))
-        return _built(line, lambda: MambaSnapshot(serial=TicketSerial(serial), src=src, dst=dst))
+def _share(w: Word, lay: Layout, cells: dict[str, Any], fields: dict[str, Any]) -> tuple[int | None, str]:
+    """How many values row ``cells`` holds in multi-valued column ``w``, and what says so."""
+    assert w.per is not None  # (a row column)
+    if w.per.kind == "tokens":
+        n = cells.get(w.per.of)
+        key = next(x.shown.key for x in lay.rows if x.field == w.per.of)
+        return (n if isinstance(n, int) else None), f"{key}={n}"
+    k = fields.get("k")
+    return (k + 1 if isinstance(k, int) and k >= 0 else None), f"k={k}"
+
+
+def _one_of(key: str, words: list[str]) -> str:
+    options = [f"{key}={w}" for w in words]
+    return ", ".join(options[:-1]) + " or " + options[-1] if len(options) > 1 else options[0]
+
+
+def _value(line: _Line, w: Word, fields: dict[str, Any]) -> Any:
+    """Field ``w`` read from ``line`` (``None``/``False`` where an optional word is absent)."""
+    s = w.shown
+    if w.optional and w.kind not in ("splice", "union") and s.key and not line.has(s.key):
+        return None
+    match w.kind:
+        case "name":
+            return line.name(s.name, line.key(s.key) if s.key else None)
+        case "int":
+            return line.int_key(s.key)
+        case "flag":
+            return line.optional(s.key)
+        case "str":
+            return line.string(s.key)
+        case "enum":
+            text = line.key(s.key)
+            values = {e.value: e for e in w.cls}
+            if text not in values:
+                line.fail(f"expected {_one_of(s.key, list(values))}", f"{s.key}={text}")
+            return values[text]
+        case "names":
+            return [line.name(s.name, x) for x in line.bracket(line.word(f"{s.key}[...]"), s.key)]
+        case "pairs":
+            src, dst = line.pairs(line.bracket(line.word(f"{s.key}[...]"), s.key), s.name)
+            fields[w.other] = dst
+            return src
+        case "tokens":
+            return line.tokens(line.key(s.key), s.key + "=")
+        case "kv":
+            return line.kv(line.key(s.key))
+        case "splice":
+            return _part(line, w.cls)
+        case "union":
+            tag = line.key(s.key)
+            tags = dict(s.tags)
+            if tag not in tags:
+                line.fail(f"expected {_one_of(s.key, list(tags))}", f"{s.key}={tag}")
+            return _part(line, tags[tag])
+    raise AssertionError(w.kind)  # (every kind a field gets from ``ir.printer``)
+
+
+def _words(line: _Line, lay: Layout) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for w in lay.head:
+        fields[w.field] = _value(line, w, fields)
+    return fields
+
+
+def _part(line: _Line, cls: type) -> object:
+    """A node written as its words on ``line`` (a ticket's ops, a request's intent)."""
+    fields = _words(line, layout(cls))
+    return _built(line, lambda: cls(**fields))
 
 
 def _built(line: _Line, build: Callable[[], T]) -> T:
@@ -282,281 +355,6 @@ def _built(line: _Line, build: Callable[[], T]) -> T:
         return build()
     except IRValidationError as e:
         raise ParseError(line.no, line.words[0] if line.words else "", str(e)) from e
-
-
-def _extend_batch(p: _Parser, line: _Line, indent: int) -> ExtendBatch:
-    declared, total = line.int_key("requests"), line.int_key("tokens")
-    line.end()
-    init_line = p.take(indent, "init ... or init none")
-    init_line.literal("init")
-    init: MambaInit | None = None
-    if not init_line.optional("none"):
-        init = p.init_ops(init_line)
-    init_line.end()
-    snapshot: MambaSnapshot | None = None
-    if (snap_line := p.peek(indent)) is not None and snap_line.words[0] == "snapshot":
-        p.i += 1
-        snap_line.literal("snapshot")
-        snapshot = p.snapshot_ops(snap_line)
-        snap_line.end()
-    cols = p._extend_rows(line, indent, declared, total, intents=True)
-    return ExtendBatch(**cols, init=init, snapshot=snapshot)  # type: ignore[arg-type]  # columns checked by the constructor
-
-
-def _ticket(p: _Parser, line: _Line) -> InitTicket:
-    line.literal("ticket")
-    init = p.init_ops(line)
-    pool = line.pool()
-    line.end()
-    return _built(line, lambda: InitTicket(pool=pool, init=init))
-
-
-def _snapshot_ticket_line(p: _Parser, line: _Line) -> SnapshotTicket:
-    line.literal("snapshot")
-    line.literal("ticket")
-    snap = p.snapshot_ops(line)
-    pool = line.pool()
-    line.end()
-    return _built(line, lambda: SnapshotTicket(pool=pool, snapshot=snap))
-
-
-def _extend_plan(p: _Parser, line: _Line, indent: int) -> ExtendPlan:
-    declared, total = line.int_key("requests"), line.int_key("tokens")
-    word = line.peek()
-    sample = TicketSerial(line.name("#", line.key("sample"))) if word is not None and word.startswith("sample=") else None
-    line.end()
-    first = p.take(indent, "ticket ... or tickets none")
-    tickets: list[InitTicket] = []
-    if first.words[:2] == ["tickets", "none"]:
-        first.pos = 2
-        first.end()
-    elif first.words[0] == "ticket":
-        tickets.append(_ticket(p, first))
-        while (t := p.peek(indent)) is not None and t.words[0] == "ticket":
-            p.i += 1
-            tickets.append(_ticket(p, t))
-    else:
-        first.fail("expected ticket ... or tickets none", first.words[0])
-    snapshots: list[SnapshotTicket] = []
-    while (t := p.peek(indent)) is not None and t.words[:2] == ["snapshot", "ticket"]:
-        p.i += 1
-        snapshots.append(_snapshot_ticket_line(p, t))
-    cols = p._extend_rows(line, indent, declared, total, intents=False)
-    return ExtendPlan(**cols, tickets=tuple(tickets), snapshots=tuple(snapshots), sample_id=sample)  # type: ignore[arg-type]
-
-
-def _decode_plan(p: _Parser, line: _Line, indent: int) -> DecodePlan:
-    """A decode plan: its columns, and its optional ``sample=#N`` and ``inputs=#N``."""
-    declared = line.int_key("requests")
-    ids: list[TicketSerial | None] = []
-    for key in ("sample", "inputs"):
-        word = line.peek()
-        ids.append(TicketSerial(line.name("#", line.key(key))) if word is not None and word.startswith(key + "=") else None)
-    c = _decode_cols(p, line, indent, declared)
-    return DecodePlan(
-        rids=c["rids"], slots=c["slots"], seq_lens=c["seq_lens"], input_ids=c["input_ids"], kv_locs=c["kv_locs"],
-        sample_id=ids[0], inputs_from=ids[1],
-    )
-
-
-def _decode_cols(p: _Parser, line: _Line, indent: int, declared: int | None = None) -> dict[str, list[int]]:
-    if declared is None:
-        declared = line.int_key("requests")
-    line.end()
-    rows = p.rows(indent)
-    p.header_count(line, rows, declared)
-    cols: dict[str, list[int]] = {k: [] for k in ("rids", "slots", "seq_lens", "input_ids", "kv_locs")}
-    for row in rows:
-        cols["rids"].append(row.name("r"))
-        cols["slots"].append(row.name("s"))
-        cols["seq_lens"].append(row.int_key("seq"))
-        cols["input_ids"].append(row.int_key("token"))
-        kv = row.kv(row.key("kv"))
-        if len(kv) != 1:
-            row.fail("a decode row has one KV location", "kv=")
-        cols["kv_locs"].extend(kv)
-        row.end()
-    return cols
-
-
-def _window_cols(
-    p: _Parser, line: _Line, indent: int, *, single: bool, accept: bool, id_key: str
-) -> tuple[int, list[int], dict[str, list[int]]]:
-    """A windowed node: ``k``, its ids (``id_key``: ``verify`` or ``draft``; a verify's and a
-    commit's are followed by the draft they check, ``draft=#N``) and its columns."""
-    declared = line.int_key("requests")
-    k = line.int_key("k")
-    serials = [line.name("#", line.key(id_key))]
-    if id_key == "verify":
-        serials.append(line.name("#", line.key("draft")))
-    line.end()
-    rows = p.rows(indent)
-    p.header_count(line, rows, declared)
-    cols: dict[str, list[int]] = {c: [] for c in ("rids", "slots", "seq_lens", "accept_pos", "input_ids", "kv_locs")}
-    for row in rows:
-        cols["rids"].append(row.name("r"))
-        cols["slots"].append(row.name("s"))
-        cols["seq_lens"].append(row.int_key("seq"))
-        if accept:
-            cols["accept_pos"].append(row.int_key("accept"))
-        if single:
-            cols["input_ids"].append(row.int_key("token"))
-        else:
-            cols["input_ids"].extend(row.tokens(row.key("tokens"), "tokens="))
-        cols["kv_locs"].extend(row.kv(row.key("kv")))
-        row.end()
-    if not accept:
-        del cols["accept_pos"]
-    return k, serials, cols
-
-
-def _draft(p: _Parser, line: _Line, indent: int) -> DraftBatch:
-    k, (draft,), cols = _window_cols(p, line, indent, single=True, accept=False, id_key="draft")
-    return DraftBatch(k=k, draft_id=TicketSerial(draft), **cols)
-
-
-def _verify(p: _Parser, line: _Line, indent: int) -> VerifyBatch:
-    k, (verify, draft), cols = _window_cols(p, line, indent, single=False, accept=False, id_key="verify")
-    return VerifyBatch(k=k, verify_id=TicketSerial(verify), draft_id=TicketSerial(draft), **cols)
-
-
-def _commit(p: _Parser, line: _Line, indent: int) -> CommitBatch:
-    k, (verify, draft), cols = _window_cols(p, line, indent, single=False, accept=True, id_key="verify")
-    rel = p.take(indent, "released kv=...")
-    rel.literal("released")
-    released = rel.kv(rel.key("kv"))
-    rel.end()
-    return CommitBatch(k=k, verify_id=TicketSerial(verify), draft_id=TicketSerial(draft), released_kv=released, **cols)
-
-
-def _draft_commit(p: _Parser, line: _Line, indent: int) -> DraftCommitBatch:
-    k, (draft,), cols = _window_cols(p, line, indent, single=False, accept=True, id_key="draft")
-    return DraftCommitBatch(k=k, draft_id=TicketSerial(draft), **cols)
-
-
-def _draft_extend(p: _Parser, line: _Line, indent: int) -> DraftExtendBatch:
-    cols = p.extend_rows(line, indent, intents=False)
-    line.end()
-    if bool(np.asarray(cols.pop("more_chunks")).any()):
-        line.fail("a draft extend has no more chunks", line.words[0])
-    return DraftExtendBatch(**cols)  # type: ignore[arg-type]
-
-
-def _idle(cls: Callable[[], T]) -> Callable[[_Parser, _Line, int], T]:
-    def parse(p: _Parser, line: _Line, indent: int) -> T:
-        if line.int_key("requests") != 0:
-            line.fail("an idle node has no requests", line.words[1])
-        line.end()
-        return cls()
-
-    return parse
-
-
-def _parts(build: Callable[..., C], *names: str) -> Callable[[_Parser, _Line, int], C]:
-    def parse(p: _Parser, line: _Line, indent: int) -> C:
-        declared = line.int_key("requests")
-        line.end()
-        node = build(**{name: p.node(indent) for name in names})
-        if node.num_requests != declared:
-            line.fail(f"requests={declared} but its parts hold {node.num_requests}", f"requests={declared}")
-        return node
-
-    return parse
-
-
-def _mamba_init(p: _Parser, line: _Line, indent: int) -> MambaInit:
-    init = p.init_ops(line)
-    line.end()
-    return init
-
-
-def _mamba_snapshot(p: _Parser, line: _Line, indent: int) -> MambaSnapshot:
-    snap = p.snapshot_ops(line)
-    line.end()
-    return snap
-
-
-def _init_ticket(p: _Parser, line: _Line, indent: int) -> InitTicket:
-    init = p.init_ops(line)
-    pool = line.pool()
-    line.end()
-    return InitTicket(pool=pool, init=init)
-
-
-def _snapshot_ticket(p: _Parser, line: _Line, indent: int) -> SnapshotTicket:
-    snap = p.snapshot_ops(line)
-    pool = line.pool()
-    line.end()
-    return SnapshotTicket(pool=pool, snapshot=snap)
-
-
-def _admitted(p: _Parser, line: _Line, indent: int) -> AdmittedRequest:
-    rid, slot = line.name("r"), line.name("s")
-    kind = line.key("intent")
-    intent: Intent
-    match kind:
-        case "clear":
-            intent = Clear()
-        case "cow":
-            src = line.name("s", line.key("src"))
-            intent = _built(line, lambda: CopyFrom(src=MambaSlot(src), prefix_len=line.int_key("prefix")))
-        case "continue":
-            intent = _built(line, lambda: Continue(prefix_len=line.int_key("prefix")))
-        case _:
-            line.fail("expected intent=clear, intent=cow or intent=continue", "intent=" + kind)
-    more = line.optional("more")
-    snapshot_to = None
-    if (w := line.peek()) is not None and w.startswith("snapshot_to="):
-        snapshot_to = MambaSlot(line.name("s", line.key("snapshot_to")))
-    tokens = line.tokens(line.key("tokens"), "tokens=")
-    kv = line.kv(line.key("kv"))
-    line.end()
-    return AdmittedRequest(
-        rid=RequestId(rid), slot=MambaSlot(slot), input_ids=tokens, kv_locs=kv, intent=intent, more_chunks=more, snapshot_to=snapshot_to
-    )
-
-
-def _accept(p: _Parser, line: _Line, indent: int) -> AcceptResult:
-    declared = line.int_key("requests")
-    line.end()
-    accepted: list[int] = []
-    bonus: list[int] = []
-    while (row := p.peek(indent)) is not None and row.words[0].startswith("accepted="):
-        p.i += 1
-        accepted.append(row.int_key("accepted"))
-        bonus.append(row.int_key("bonus"))
-        row.end()
-    if len(accepted) != declared:
-        line.fail(f"requests={declared} but {len(accepted)} rows follow", f"requests={declared}")
-    return AcceptResult(accepted=accepted, bonus=bonus)
-
-
-_KINDS: dict[str, Callable[[_Parser, _Line, int], Printable]] = {
-    "ExtendBatch": _extend_batch,
-    "ExtendPlan": _extend_plan,
-    "DecodeBatch": lambda p, line, indent: DecodeBatch(**_decode_cols(p, line, indent)),
-    "DecodePlan": _decode_plan,
-    "MixedBatch": _parts(MixedBatch, "extend", "decode"),
-    "MixedPlan": _parts(MixedPlan, "extend", "decode"),
-    "IdleBatch": _idle(IdleBatch),
-    "IdlePlan": _idle(IdlePlan),
-    "DraftBatch": _draft,
-    "VerifyBatch": _verify,
-    "CommitBatch": _commit,
-    "DraftCommitBatch": _draft_commit,
-    "DraftExtendBatch": _draft_extend,
-    "DraftPlan": _parts(DraftPlan, "batch"),
-    "VerifyPlan": _parts(VerifyPlan, "batch"),
-    "CommitPlan": _parts(CommitPlan, "batch"),
-    "DraftCommitPlan": _parts(DraftCommitPlan, "batch"),
-    "DraftExtendPlan": _parts(DraftExtendPlan, "batch"),
-    "MambaInit": _mamba_init,
-    "MambaSnapshot": _mamba_snapshot,
-    "InitTicket": _init_ticket,
-    "SnapshotTicket": _snapshot_ticket,
-    "AdmittedRequest": _admitted,
-    "AcceptResult": _accept,
-}
 
 
 def parse_all(text: str) -> list[Printable]:

@@ -7,6 +7,10 @@ nothing the backend must not act on: ``ExtendPlan`` and ``MixedPlan`` carry the 
 Invariant: a plan's tickets all carry the same ``MambaInit`` (one serial) and distinct pools; so do
 its snapshot tickets (one ``MambaSnapshot``). Every field is type-checked on construction
 (``IRValidationError`` naming the field and the value).
+
+Every plan (these and the speculative ones in ``ir.spec``) exposes its rows the same way, as a
+``RequestRows``: ``rids`` and ``slots``, read-only int64 columns in row order (a mixed plan's extend
+rows, then its decode rows; none for an idle plan), and ``rid_list()``/``slot_list()`` of them.
 """
 
 from __future__ import annotations
@@ -14,13 +18,17 @@ from __future__ import annotations
 from typing import cast, final
 
 import attrs
+import numpy as np
 
 from ir.batch import PREFIX_MAX
 from ir.columns import (
     I64,
+    KV_NAMES,
     MAX_SEQ_LEN,
     MAX_SEQ_LEN_WHAT,
     REQUEST,
+    REQUEST_NAME,
+    SLOT_NAME,
     BoolArray,
     ColumnNode,
     Composite,
@@ -29,7 +37,10 @@ from ir.columns import (
     as_i64,
     check_int,
     column,
+    freeze,
+    frozen_i64,
     per,
+    shown,
     tokens_of,
     type_names,
 )
@@ -92,16 +103,16 @@ def _check_sample(node: str, field: str, value: object) -> None:
 class ExtendPlan(ColumnNode, RequestRows):
     """The columns of an ``ExtendBatch`` (declared alike) and its ops as tickets."""
 
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX))
-    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
-    more_chunks: BoolArray = column(converter=as_bool, metadata=per(REQUEST))
-    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
-    tickets: tuple[InitTicket, ...] = attrs.field(converter=_tickets)
-    snapshots: tuple[SnapshotTicket, ...] = attrs.field(default=(), converter=_snapshots)
-    sample_id: TicketSerial | None = None
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX, text="prefix"))
+    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="extend"))
+    more_chunks: BoolArray = column(converter=as_bool, metadata=per(REQUEST, text="more"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text="tokens"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text=KV_NAMES))
+    tickets: tuple[InitTicket, ...] = attrs.field(converter=_tickets, metadata=shown(line="ticket"))
+    snapshots: tuple[SnapshotTicket, ...] = attrs.field(default=(), converter=_snapshots, metadata=shown(line="snapshot ticket"))
+    sample_id: TicketSerial | None = attrs.field(default=None, metadata=shown("sample", "#"))
     """As ``DecodePlan.sample_id``, for the rows whose prompt this forward completes (``more_chunks``
     false): the backend keeps their first token per slot, for the pipelined decode that names it."""
 
@@ -138,13 +149,13 @@ class DecodePlan(ColumnNode, RequestRows):
 
     A plan never changes after it is built: the backend resolves the symbolic inputs while staging."""
 
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
-    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
-    sample_id: TicketSerial | None = None
-    inputs_from: TicketSerial | None = None
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="seq"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="token"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text=KV_NAMES))
+    sample_id: TicketSerial | None = attrs.field(default=None, metadata=shown("sample", "#"))
+    inputs_from: TicketSerial | None = attrs.field(default=None, metadata=shown("inputs", "#"))
 
     def _check(self) -> None:
         _check_sample("DecodePlan", "sample_id", self.sample_id)
@@ -158,10 +169,18 @@ class DecodePlan(ColumnNode, RequestRows):
                 )
 
 
+def _joined(a: I64, b: I64) -> I64:
+    """``a`` then ``b``, IR-owned (either one itself when the other is empty: no copy)."""
+    return b if not a.shape[0] else a if not b.shape[0] else freeze(np.concatenate((a, b)))
+
+
+_NO_ROWS = frozen_i64([])
+
+
 @final
 @linear
 @attrs.frozen(kw_only=True)
-class MixedPlan(Composite):
+class MixedPlan(Composite, RequestRows):
     """Its checks are its parts' types (``ir.verify`` re-runs the parts' own checks), and one
     forward has one sample: when both parts keep their tokens (``sample_id``), under the same id."""
 
@@ -177,10 +196,28 @@ class MixedPlan(Composite):
     def tickets(self) -> tuple[InitTicket, ...]:
         return self.extend.tickets
 
+    @property
+    def rids(self) -> I64:
+        """The extend part's request ids, then the decode part's."""
+        return _joined(self.extend.rids, self.decode.rids)
+
+    @property
+    def slots(self) -> I64:
+        """The extend part's slots, then the decode part's."""
+        return _joined(self.extend.slots, self.decode.slots)
+
 
 @final
 @attrs.frozen(kw_only=True)
-class IdlePlan(Composite):
-    """Nothing to run (the plan of an ``IdleBatch``)."""
+class IdlePlan(Composite, RequestRows):
+    """Nothing to run (the plan of an ``IdleBatch``): no rows."""
+
+    @property
+    def rids(self) -> I64:
+        return _NO_ROWS
+
+    @property
+    def slots(self) -> I64:
+        return _NO_ROWS
 
 

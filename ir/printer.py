@@ -9,42 +9,183 @@ history or addresses; ``dump(node, exact=True)`` prints the values themselves in
 ``ir.parse.parse(dump(node, exact=True)) == node``. Runs of consecutive KV locations print as
 ``k3..k7`` (``-`` for none); token ids are data and print as they are, every one of them. Pool names
 print bare when they are plain words (``pool=target``), else as a JSON string.
+
+The form of every node is derived from its declaration (``layout``), so a new node needs no code
+here: each field says how it reads (``ir.columns.Shown``: ``per(..., text=...)`` on a column,
+``shown(...)`` on any other field; a field without one reads ``<field name>=<value>``, a node-typed
+one as a nested node). A node prints as:
+
+- its header: the class name, ``requests=N`` (a node with per-request columns, or made of parts),
+  ``tokens=N`` (one with per-token columns), then its words: first those without a key (names
+  printed bare, parts spliced in), then the ``key=value`` ones, each in declaration order. A word
+  whose value is ``None`` or ``False`` is left out;
+- under it: a line per part that declares one (``init #1 clear[s1] cow[]``; a part that is absent
+  and required prints ``<field> none``), one line per request (its per-request, per-token and
+  per-window values: the same word rules), lines of the other columns that declare one
+  (``released kv=k2``), and the nested nodes.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
-from typing import Any, TypeAlias, assert_never
+import sys
+import types
+import typing
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any, Final, TypeAlias, cast
 
+import attrs
 import numpy as np
 
-from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
-from ir.columns import I64
-from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
+from ir.columns import I64, REQUEST, ColumnNode, Composite, Node, Per, Shown, shown_of
+from ir.init import InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
 from ir.nodes import Batch, Plan
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
-from ir.spec import (
-    AcceptResult,
-    CommitBatch,
-    CommitPlan,
-    DraftBatch,
-    DraftCommitBatch,
-    DraftCommitPlan,
-    DraftExtendBatch,
-    DraftExtendPlan,
-    DraftPlan,
-    VerifyBatch,
-    VerifyPlan,
-)
+from ir.request import AdmittedRequest
+from ir.spec import AcceptResult
 
 Printable: TypeAlias = Batch | Plan | MambaInit | MambaSnapshot | InitTicket | SnapshotTicket | AdmittedRequest | AcceptResult
 """Every node ``dump`` prints (and ``ir.parse.parse`` reads)."""
 
+PRINTABLE: Final[dict[str, type]] = {c.__name__: c for c in typing.get_args(Printable)}
+"""The node classes of ``Printable`` by name: the header word ``ir.parse`` looks a node up by."""
+
 _FIRST = {"r": 0, "k": 0, "s": 1, "#": 1}
 _PLAIN_POOL = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
+@attrs.frozen
+class Word:
+    """How one field reads. ``kind``: ``name``, ``int``, ``flag``, ``str``, ``enum`` (one value);
+    ``names``, ``pairs`` (a tuple of ids in brackets; ``pairs`` zips ``other``); ``tokens``,
+    ``kv`` (a column: one value per row with ``one``, else several); ``splice`` (a node's own
+    words), ``union`` (``key=<tag>`` then the variant's words); ``line``/``lines`` (a part, or a
+    tuple of parts, on lines of their own); ``nested`` (a node under the header)."""
+
+    field: str
+    kind: str
+    shown: Shown
+    optional: bool = False
+    required: bool = True
+    one: bool = True
+    per: Per | None = None
+    cls: Any = None
+    other: str = ""
+
+
+@attrs.frozen
+class Layout:
+    """The text form of one node class: header counts, header words, part lines, row cells,
+    column lines and nested parts, each in print order."""
+
+    cls: type
+    requests: bool
+    tokens: str | None
+    head: tuple[Word, ...]
+    lines: tuple[Word, ...]
+    rows: tuple[Word, ...]
+    tail: tuple[Word, ...]
+    nested: tuple[Word, ...]
+
+
+_LAYOUTS: dict[type, Layout] = {}
+
+
+def layout(cls: type) -> Layout:
+    """The text form of ``cls``, derived from its attrs fields and their ``Shown`` once."""
+    found = _LAYOUTS.get(cls)
+    if found is None:
+        found = _LAYOUTS[cls] = _derive(cls)
+    return found
+
+
+def _ints(t: object) -> bool:
+    """``int`` or a ``NewType`` of it (an id)."""
+    while isinstance(t, typing.NewType):
+        t = t.__supertype__
+    return t is int
+
+
+def _strs(t: object) -> bool:
+    while isinstance(t, typing.NewType):
+        t = t.__supertype__
+    return t is str
+
+
+def _node_type(t: object) -> bool:
+    return isinstance(t, type) and issubclass(t, Node)
+
+
+def _word(cls: type, a: Any, namespace: dict[str, Any]) -> Word:
+    decl, shown = shown_of(a)
+    where = f"{cls.__name__}.{a.name}"
+    required = a.default is attrs.NOTHING
+    if decl is not None:
+        if shown is None:
+            raise TypeError(f"{where}: a printed column needs per(..., text=...)")
+        one = decl.per == REQUEST
+        kind = "flag" if decl.bools else "kv" if shown.name == "k" else ("name" if shown.name else "int") if one else "tokens"
+        return Word(a.name, kind, shown, one=one, per=decl.per)
+    tp = eval(a.type, namespace) if isinstance(a.type, str) else a.type  # noqa: S307 (an annotation of our own module)
+    args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
+    optional = type(None) in args
+    args = tuple(t for t in args if t is not type(None))
+    if len(args) > 1:
+        if not (shown and shown.tags and all(_node_type(t) for t in args)):
+            raise TypeError(f"{where}: a union of nodes needs shown(..., tags=...)")
+        return Word(a.name, "union", shown, optional, required)
+    (t,) = args
+    if _node_type(t):
+        if shown is None:
+            return Word(a.name, "nested", Shown(), optional, required, cls=t)
+        return Word(a.name, "line" if shown.line else "splice", shown, optional, required, cls=t)
+    shown = shown or Shown(a.name)
+    if typing.get_origin(t) is tuple:
+        (item, _) = typing.get_args(t)
+        if _node_type(item):
+            if not shown.line:
+                raise TypeError(f"{where}: a tuple of nodes needs shown(line=...)")
+            return Word(a.name, "lines", shown, required=required, one=False, cls=item)
+        if isinstance(item, type) and issubclass(item, Enum):
+            return Word(a.name, "enum", shown, required=required, per=REQUEST, cls=item)  # one per request
+        if _ints(item):
+            return Word(a.name, "pairs" if shown.pair else "names", shown, required=required, one=False, other=shown.pair)
+    elif t is bool:
+        return Word(a.name, "flag", shown, optional, required)
+    elif isinstance(t, type) and issubclass(t, Enum):
+        return Word(a.name, "enum", shown, optional, required, cls=t)
+    elif _strs(t):
+        return Word(a.name, "str", shown, optional, required)
+    elif _ints(t):
+        return Word(a.name, "name" if shown.name else "int", shown, optional, required)
+    raise TypeError(f"{where}: no text form for {a.type!r}")
+
+
+def _derive(cls: type) -> Layout:
+    namespace = vars(sys.modules[cls.__module__])
+    fields = attrs.fields(cast("type[attrs.AttrsInstance]", cls))
+    paired = {shown.pair for _, shown in map(shown_of, fields) if shown is not None and shown.pair}
+    words = [_word(cls, a, namespace) for a in fields if a.name not in paired]
+    key = cls._columns.key if issubclass(cls, ColumnNode) else None
+    rows = [w for w in words if w.per is not None and w.per.kind in ("request", "tokens", "window")] if key else []
+    tail = [w for w in words if w.per is not None and w not in rows and w.shown.line]
+    head = [w for w in words if w not in rows and w not in tail and w.kind not in ("line", "lines", "nested")]
+
+    def ordered(ws: list[Word]) -> tuple[Word, ...]:
+        return tuple(sorted(ws, key=lambda w: w.shown.key != ""))  # (a stable sort: declaration order within each)
+
+    tokens = next((w.field for w in rows if w.per is not None and w.per.kind == "tokens"), None)
+    return Layout(
+        cls=cls,
+        requests=key is not None or issubclass(cls, Composite),
+        tokens=tokens,
+        head=ordered(head),
+        lines=tuple(w for w in words if w.kind in ("line", "lines")),
+        rows=ordered(rows),
+        tail=tuple(tail),
+        nested=tuple(w for w in words if w.kind == "nested"),
+    )
 
 
 class _Names:
@@ -72,168 +213,94 @@ class _Names:
         return ",".join(runs)
 
 
-def _tokens(ids: I64) -> str:
-    return "[" + " ".join(str(t) for t in ids.tolist()) + "]"
+def _keyed(shown: Shown, value: str) -> str:
+    return f"{shown.key}={value}" if shown.key else value
 
 
-def _pool(pool: str) -> str:
-    return pool if _PLAIN_POOL.fullmatch(pool) else json.dumps(pool)
+def _value(w: Word, v: Any, names: _Names, node: Any) -> list[str]:
+    """The words of field ``w`` holding ``v`` (a row's share, for a row cell)."""
+    s = w.shown
+    if v is None or (w.kind == "flag" and not v):
+        return []
+    match w.kind:
+        case "name":
+            return [_keyed(s, names(s.name, v))]
+        case "int":
+            return [_keyed(s, str(int(v)))]
+        case "flag":
+            return [s.key]
+        case "str":
+            return [_keyed(s, v if _PLAIN_POOL.fullmatch(v) else json.dumps(v))]
+        case "enum":
+            return [_keyed(s, str(v.value))]
+        case "names":
+            return [f"{s.key}[{' '.join(names(s.name, x) for x in v)}]"]
+        case "pairs":
+            pairs = zip(v, getattr(node, w.other), strict=True)
+            return [f"{s.key}[{' '.join(f'{names(s.name, a)}->{names(s.name, b)}' for a, b in pairs)}]"]
+        case "tokens":
+            return [_keyed(s, "[" + " ".join(str(t) for t in v.tolist()) + "]")]
+        case "kv":
+            return [_keyed(s, names.kv(v if v.ndim else v.reshape(1)))]
+        case "splice":
+            return _words(v, names)
+        case "union":
+            tag = next(t for t, c in s.tags if type(v) is c)
+            return [_keyed(s, tag), *_words(v, names)]
+    raise AssertionError(w.kind)  # (every kind a field gets from ``_word``)
 
 
-def _init(init: MambaInit, names: _Names) -> str:
-    clears = " ".join(names("s", s) for s in init.clear_slots)
-    cows = " ".join(f"{names('s', a)}->{names('s', b)}" for a, b in zip(init.cow_src, init.cow_dst, strict=True))
-    return f"{names('#', init.serial)} clear[{clears}] cow[{cows}]"
+def _words(node: Any, names: _Names) -> list[str]:
+    """The header words of ``node`` (without its class name and counts)."""
+    out: list[str] = []
+    for w in layout(type(node)).head:
+        out += _value(w, getattr(node, w.field), names, node)
+    return out
 
 
-def _snapshot(snap: MambaSnapshot, names: _Names) -> str:
-    pairs = " ".join(f"{names('s', a)}->{names('s', b)}" for a, b in zip(snap.src, snap.dst, strict=True))
-    return f"{names('#', snap.serial)} [{pairs}]"
+def _slices(node: Any, lay: Layout) -> dict[str, list[tuple[int, int]]]:
+    """Row ``i``'s share ``[lo, hi)`` of each multi-valued row column."""
+    n = int(node.num_requests)
+    out: dict[str, list[tuple[int, int]]] = {}
+    for w in lay.rows:
+        if w.per is not None and w.per.kind == "tokens":
+            ends = np.concatenate(([0], np.cumsum(getattr(node, w.per.of)))).tolist()
+            out[w.field] = [(ends[i], ends[i + 1]) for i in range(n)]
+        elif w.per is not None and w.per.kind == "window":
+            k = int(node.k) + 1
+            out[w.field] = [(i * k, (i + 1) * k) for i in range(n)]
+    return out
 
 
-def _extend_rows(
-    names: _Names,
-    rids: I64,
-    slots: I64,
-    prefix_lens: I64,
-    extend_lens: I64,
-    more: Sequence[bool],
-    input_ids: I64,
-    kv_locs: I64,
-    intents: Sequence[InitIntent] | None,
-    indent: str,
-) -> list[str]:
-    lines = []
-    offsets = np.concatenate(([0], np.cumsum(extend_lens)))
-    for i in range(rids.shape[0]):
-        lo, hi = int(offsets[i]), int(offsets[i + 1])
-        intent = f" init={intents[i].value}" if intents is not None else ""
-        chunk = " more" if more[i] else ""
-        lines.append(
-            f"{indent}{names('r', rids[i])} {names('s', slots[i])} prefix={int(prefix_lens[i])} "
-            f"extend={int(extend_lens[i])}{intent}{chunk} tokens={_tokens(input_ids[lo:hi])} kv={names.kv(kv_locs[lo:hi])}"
-        )
-    return lines
-
-
-def _decode_rows(names: _Names, rids: I64, slots: I64, seq_lens: I64, input_ids: I64, kv_locs: I64, indent: str) -> list[str]:
-    return [
-        f"{indent}{names('r', rids[i])} {names('s', slots[i])} seq={int(seq_lens[i])} token={int(input_ids[i])} "
-        f"kv={names.kv(kv_locs[i : i + 1])}"
-        for i in range(rids.shape[0])
-    ]
-
-
-def _window_rows(
-    names: _Names, rids: I64, slots: I64, seq_lens: I64, ids: I64, accept: I64 | None, kv: I64, k: int, indent: str, *, single: bool
-) -> list[str]:
-    """Rows of a windowed node; ``single``: one token per row (a draft feeds its pending token)."""
-    lines = []
-    w = k + 1
-    for i in range(rids.shape[0]):
-        toks = f"token={int(ids[i])}" if single else f"tokens={_tokens(ids[i * w : (i + 1) * w])}"
-        acc = f" accept={int(accept[i])}" if accept is not None else ""
-        lines.append(
-            f"{indent}{names('r', rids[i])} {names('s', slots[i])} seq={int(seq_lens[i])}{acc} {toks} "
-            f"kv={names.kv(kv[i * w : (i + 1) * w])}"
-        )
-    return lines
-
-
-def _request(r: AdmittedRequest, names: _Names) -> str:
-    ids = f"{names('r', r.rid)} {names('s', r.slot)}"
-    match r.intent:
-        case Clear():
-            intent = "intent=clear"
-        case CopyFrom(src=src, prefix_len=prefix):
-            intent = f"intent=cow src={names('s', src)} prefix={prefix}"
-        case Continue(prefix_len=prefix):
-            intent = f"intent=continue prefix={prefix}"
-        case _:
-            assert_never(r.intent)
-    more = " more" if r.more_chunks else ""
-    snap = f" snapshot_to={names('s', r.snapshot_to)}" if r.snapshot_to is not None else ""
-    return (
-        f"AdmittedRequest {ids} {intent}{more}{snap} "
-        f"tokens={_tokens(r.input_ids)} kv={names.kv(r.kv_locs)}"
-    )
-
-
-def _head(node: Batch | Plan, indent: str) -> str:
-    return f"{indent}{type(node).__name__} requests={node.num_requests}"
-
-
-def _dump(node: Printable, names: _Names, indent: str) -> list[str]:
+def _dump(node: Any, names: _Names, indent: str) -> list[str]:
+    lay = layout(type(node))
     inner = indent + "  "
-    match node:
-        case MambaInit():
-            return [f"{indent}MambaInit {_init(node, names)}"]
-        case MambaSnapshot():
-            return [f"{indent}MambaSnapshot {_snapshot(node, names)}"]
-        case InitTicket():
-            return [f"{indent}InitTicket {_init(node.init, names)} pool={_pool(node.pool)}"]
-        case SnapshotTicket():
-            return [f"{indent}SnapshotTicket {_snapshot(node.snapshot, names)} pool={_pool(node.pool)}"]
-        case AdmittedRequest():
-            return [f"{indent}{_request(node, names)}"]
-        case AcceptResult():
-            rows = [f"{inner}accepted={a} bonus={b}" for a, b in zip(node.accepted.tolist(), node.bonus.tolist(), strict=True)]
-            return [f"{indent}AcceptResult requests={node.num_requests}", *rows]
-        case ExtendBatch():
-            lines = [f"{_head(node, indent)} tokens={node.num_tokens}"]
-            lines.append(f"{inner}init {_init(node.init, names)}" if node.init is not None else f"{inner}init none")
-            if node.snapshot is not None:
-                lines.append(f"{inner}snapshot {_snapshot(node.snapshot, names)}")
-            return lines + _extend_rows(
-                names, node.rids, node.slots, node.prefix_lens, node.extend_lens, node.more_chunks.tolist(),
-                node.input_ids, node.kv_locs, node.intents, inner,
-            )
-        case ExtendPlan():
-            sample = f" sample={names('#', node.sample_id)}" if node.sample_id is not None else ""
-            lines = [f"{_head(node, indent)} tokens={node.input_ids.shape[0]}{sample}"]
-            lines += [f"{inner}ticket {_init(t.init, names)} pool={_pool(t.pool)}" for t in node.tickets] or [f"{inner}tickets none"]
-            lines += [f"{inner}snapshot ticket {_snapshot(t.snapshot, names)} pool={_pool(t.pool)}" for t in node.snapshots]
-            return lines + _extend_rows(
-                names, node.rids, node.slots, node.prefix_lens, node.extend_lens, node.more_chunks.tolist(),
-                node.input_ids, node.kv_locs, None, inner,
-            )
-        case DecodeBatch() | DecodePlan():
-            head = _head(node, indent)
-            if isinstance(node, DecodePlan):
-                head += f" sample={names('#', node.sample_id)}" if node.sample_id is not None else ""
-                head += f" inputs={names('#', node.inputs_from)}" if node.inputs_from is not None else ""
-            return [head] + _decode_rows(names, node.rids, node.slots, node.seq_lens, node.input_ids, node.kv_locs, inner)
-        case MixedBatch() | MixedPlan():
-            return [_head(node, indent)] + _dump(node.extend, names, inner) + _dump(node.decode, names, inner)
-        case IdleBatch() | IdlePlan():
-            return [_head(node, indent)]
-        case DraftBatch():
-            return [f"{_head(node, indent)} k={node.k} draft={names('#', node.draft_id)}"] + _window_rows(
-                names, node.rids, node.slots, node.seq_lens, node.input_ids, None, node.kv_locs, node.k, inner, single=True
-            )
-        case VerifyBatch():
-            head = f"{_head(node, indent)} k={node.k} verify={names('#', node.verify_id)} draft={names('#', node.draft_id)}"
-            return [head] + _window_rows(
-                names, node.rids, node.slots, node.seq_lens, node.input_ids, None, node.kv_locs, node.k, inner, single=False
-            )
-        case CommitBatch():
-            lines = [f"{_head(node, indent)} k={node.k} verify={names('#', node.verify_id)} draft={names('#', node.draft_id)}"]
-            lines += _window_rows(names, node.rids, node.slots, node.seq_lens, node.input_ids, node.accept_pos, node.kv_locs, node.k, inner, single=False)
-            return lines + [f"{inner}released kv={names.kv(node.released_kv)}"]
-        case DraftCommitBatch():
-            return [f"{_head(node, indent)} k={node.k} draft={names('#', node.draft_id)}"] + _window_rows(
-                names, node.rids, node.slots, node.seq_lens, node.input_ids, node.accept_pos, node.kv_locs, node.k, inner, single=False
-            )
-        case DraftExtendBatch():
-            n = node.num_requests
-            return [f"{_head(node, indent)} tokens={node.input_ids.shape[0]}"] + _extend_rows(
-                names, node.rids, node.slots, node.prefix_lens, node.extend_lens, [False] * n,
-                node.input_ids, node.kv_locs, None, inner,
-            )
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
-            return [_head(node, indent)] + _dump(node.batch, names, inner)
-        case _:
-            assert_never(node)
+    head = [type(node).__name__]
+    if lay.requests:
+        head.append(f"requests={node.num_requests}")
+    if lay.tokens is not None:
+        head.append(f"tokens={getattr(node, lay.tokens).shape[0]}")
+    lines = [indent + " ".join(head + _words(node, names))]
+    for w in lay.lines:
+        v = getattr(node, w.field)
+        parts = (v if v is not None else ()) if w.kind == "lines" else (() if v is None else (v,))
+        lines += [f"{inner}{w.shown.line} {' '.join(_words(part, names))}".rstrip() for part in parts]
+        if not parts and w.required:
+            lines.append(f"{inner}{w.field} none")
+    if lay.rows:
+        shares = _slices(node, lay)
+        for i in range(int(node.num_requests)):
+            cells: list[str] = []
+            for w in lay.rows:
+                col = getattr(node, w.field)
+                v = col[slice(*shares[w.field][i])] if w.field in shares else col[i]
+                cells += _value(w, v, names, node)
+            lines.append(inner + " ".join(cells))
+    for w in lay.tail:
+        lines.append(f"{inner}{w.shown.line} {' '.join(_value(w, getattr(node, w.field), names, node))}")
+    for w in lay.nested:
+        lines += _dump(getattr(node, w.field), names, inner)
+    return lines
 
 
 def dump(node: Printable, *, exact: bool = False) -> str:

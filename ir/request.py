@@ -30,7 +30,7 @@ from typing import ClassVar, TypeAlias, final
 import attrs
 import numpy as np
 
-from ir.columns import ANY, I64, MAX_SEQ_LEN, ColumnNode, Node, as_i64, check_int, check_opt_int, column, length_of, per
+from ir.columns import ANY, I64, KV_NAMES, MAX_SEQ_LEN, ColumnNode, Node, as_i64, check_int, check_opt_int, column, length_of, per, shown
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, RequestId
 from ir.init import InitIntent
@@ -63,8 +63,8 @@ class CopyFrom(Node):
     the state after the first ``prefix_len`` tokens."""
 
     kind: ClassVar[InitIntent] = InitIntent.COW
-    src: MambaSlot
-    prefix_len: int
+    src: MambaSlot = attrs.field(metadata=shown("src", "s"))
+    prefix_len: int = attrs.field(metadata=shown("prefix"))
 
     def _check(self) -> None:
         if check_int(self, "src", self.src) < 1:
@@ -79,7 +79,7 @@ class Continue(Node):
     ``prefix_len`` tokens."""
 
     kind: ClassVar[InitIntent] = InitIntent.CONTINUE
-    prefix_len: int
+    prefix_len: int = attrs.field(metadata=shown("prefix"))
 
     def _check(self) -> None:
         _check_prefix_len(self, self.prefix_len, "a continuation follows earlier chunks")
@@ -92,14 +92,14 @@ Intent: TypeAlias = Clear | CopyFrom | Continue
 @final
 @attrs.frozen(kw_only=True)
 class AdmittedRequest(ColumnNode):
-    rid: RequestId
-    slot: MambaSlot
-    input_ids: I64 = column(converter=as_i64, metadata=per(ANY))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(length_of("input_ids")))
-    intent: Intent
-    more_chunks: bool = False
-    snapshot_to: MambaSlot | None = None
+    rid: RequestId = attrs.field(metadata=shown(name="r"))
+    slot: MambaSlot = attrs.field(metadata=shown(name="s"))
+    intent: Intent = attrs.field(metadata=shown("intent", tags={c.kind.value: c for c in (Clear, CopyFrom, Continue)}))
+    more_chunks: bool = attrs.field(default=False, metadata=shown("more"))
+    snapshot_to: MambaSlot | None = attrs.field(default=None, metadata=shown("snapshot_to", "s"))
     """After this forward, copy the request's state into this prefix-cache slot."""
+    input_ids: I64 = column(converter=as_i64, metadata=per(ANY, text="tokens"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(length_of("input_ids"), text=KV_NAMES))
 
     @property
     def prefix_len(self) -> int:

@@ -43,19 +43,24 @@ from ir.batch import PREFIX_MAX
 from ir.columns import (
     ANY,
     I64,
+    KV_NAMES,
     MAX_SEQ_LEN,
     MAX_SEQ_LEN_WHAT,
     REQUEST,
+    REQUEST_NAME,
+    SLOT_NAME,
     WINDOW,
     Bound,
     ColumnNode,
     Composite,
     RequestRows,
+    Shown,
     as_i64,
     check_column,
     check_int,
     column,
     per,
+    shown,
     tokens_of,
 )
 from ir.errors import IRValidationError
@@ -108,12 +113,12 @@ class DraftBatch(ColumnNode, RequestRows):
     ``draft_id`` names the per-step states the proposal keeps for the draft commit."""
 
     k: int
-    draft_id: TicketSerial
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
-    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
+    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="token"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text=KV_NAMES))
 
     def _check_first(self) -> None:
         _check_ids(self, self.k, "draft_id", self.draft_id)  # k an int in [1, MAX_SPEC_K] before the window lengths use it
@@ -131,7 +136,7 @@ class Proposals(ColumnNode):
     proposals of another draft are refused by ``prepare_for_verify`` naming both drafts."""
 
     k: int
-    draft_id: TicketSerial
+    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
     tokens: I64 = column(converter=as_i64, metadata=per(ANY, min=0))
 
     def _check_first(self) -> None:
@@ -151,13 +156,13 @@ class VerifyBatch(ColumnNode, RequestRows):
     same draft)."""
 
     k: int
-    verify_id: TicketSerial
-    draft_id: TicketSerial
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
-    input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
+    verify_id: TicketSerial = attrs.field(metadata=shown("verify", "#"))
+    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text="tokens"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text=KV_NAMES))
 
     def _check_first(self) -> None:
         _check_ids(self, self.k, "verify_id", self.verify_id)
@@ -174,8 +179,8 @@ class AcceptResult(ColumnNode):
     """Greedy verification outcome: ``accepted[i]`` draft tokens of row ``i`` were accepted
     (``0..k``) and ``bonus[i]`` is the target's token after them."""
 
-    accepted: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
-    bonus: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    accepted: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="accepted"))
+    bonus: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="bonus"))
 
 
 @final
@@ -186,15 +191,15 @@ class CommitBatch(ColumnNode, RequestRows):
     locations of rejected positions, to be freed."""
 
     k: int
-    verify_id: TicketSerial
-    draft_id: TicketSerial
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
-    accept_pos: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
-    input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
-    released_kv: I64 = column(converter=as_i64, metadata=per(ANY))
+    verify_id: TicketSerial = attrs.field(metadata=shown("verify", "#"))
+    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))
+    accept_pos: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="accept"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text="tokens"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text=KV_NAMES))
+    released_kv: I64 = column(converter=as_i64, metadata=per(ANY, text=Shown("kv", "k", line="released")))
     """As many as the rejected positions (``len(rids) * k - sum(accept_pos)``: checked by ``_check``)."""
 
     def _check_first(self) -> None:
@@ -216,13 +221,13 @@ class DraftCommitBatch(ColumnNode, RequestRows):
     released by the target's commit, which shares them."""
 
     k: int
-    draft_id: TicketSerial
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX))
-    accept_pos: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
-    input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0))
+    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))
+    accept_pos: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="accept"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text="tokens"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text=KV_NAMES))
 
     def _check_first(self) -> None:
         _check_ids(self, self.k, "draft_id", self.draft_id)
@@ -237,12 +242,12 @@ class DraftExtendBatch(ColumnNode, RequestRows):
     """The draft model's catch-up forward over the accepted tokens ``p, d1..dm`` of each row, from
     its committed state after ``prefix_lens[i]`` tokens. Extend-shaped, without an init field."""
 
-    rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
-    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1))
-    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX))
-    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT))
-    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
-    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0))
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
+    slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
+    prefix_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=PREFIX_MAX, text="prefix"))
+    extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="extend"))
+    input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text="tokens"))
+    kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text=KV_NAMES))
 
 
 # Spec plans wrap their batch: each of these batches already holds exactly what its forward needs
@@ -250,33 +255,51 @@ class DraftExtendBatch(ColumnNode, RequestRows):
 # Their checks are the batch's type (``ir.verify`` re-runs the batch's own checks).
 
 
+class _BatchPlan(Composite, RequestRows):
+    """A speculative plan: its rows are its batch's (``rids``, ``slots``)."""
+
+    __slots__ = ()
+
+    @property
+    def batch(self) -> SpecBatch:
+        raise NotImplementedError  # the plan's field
+
+    @property
+    def rids(self) -> I64:
+        return self.batch.rids
+
+    @property
+    def slots(self) -> I64:
+        return self.batch.slots
+
+
 @final
 @attrs.frozen(kw_only=True)
-class DraftPlan(Composite):
+class DraftPlan(_BatchPlan):
     batch: DraftBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
-class VerifyPlan(Composite):
+class VerifyPlan(_BatchPlan):
     batch: VerifyBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
-class CommitPlan(Composite):
+class CommitPlan(_BatchPlan):
     batch: CommitBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
-class DraftCommitPlan(Composite):
+class DraftCommitPlan(_BatchPlan):
     batch: DraftCommitBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
-class DraftExtendPlan(Composite):
+class DraftExtendPlan(_BatchPlan):
     batch: DraftExtendBatch
 
 

@@ -25,24 +25,12 @@ from typing import assert_never
 import numpy as np
 
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
-from ir.columns import I64, first_common, first_missing, has_duplicates
+from ir.columns import I64, Composite, first_common, first_missing, has_duplicates
 from ir.errors import IRVerificationError, SettingsError
 from ir.init import InitIntent, InitTicket
 from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import (
-    CommitBatch,
-    CommitPlan,
-    DraftBatch,
-    DraftCommitBatch,
-    DraftCommitPlan,
-    DraftExtendBatch,
-    DraftExtendPlan,
-    DraftPlan,
-    SpecBatch,
-    VerifyBatch,
-    VerifyPlan,
-)
+from ir.spec import CommitBatch, SpecBatch, SpecPlan
 
 
 def _unique(path: str, arr: I64, what: str) -> None:
@@ -150,23 +138,12 @@ def verify_decode_plan(plan: DecodePlan, path: str = "DecodePlan") -> None:
 
 
 def check_fields(node: Batch | Plan) -> None:
-    """Re-run the local field checks of ``node`` and its parts (``IRValidationError``)."""
-    match node:
-        case ExtendBatch() | DecodeBatch() | ExtendPlan() | DecodePlan():
-            node.check_fields()
-        case MixedBatch() | MixedPlan():
-            node.check_fields()
-            node.extend.check_fields()
-            node.decode.check_fields()
-        case DraftBatch() | VerifyBatch() | CommitBatch() | DraftCommitBatch() | DraftExtendBatch():
-            node.check_fields()
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
-            node.check_fields()
-            node.batch.check_fields()
-        case IdleBatch() | IdlePlan():
-            pass
-        case _:
-            assert_never(node)
+    """Re-run the local field checks of ``node`` and of the nodes it is made of (a mixed node's
+    parts, a speculative plan's batch) (``IRValidationError``)."""
+    node.check_fields()
+    if isinstance(node, Composite):
+        for part in node.parts():
+            part.check_fields()
 
 
 def _verify_spec(node: SpecBatch, path: str) -> None:
@@ -181,8 +158,15 @@ def _verify_spec(node: SpecBatch, path: str) -> None:
 
 def verify(node: Batch | Plan) -> None:
     """Verify any batch or plan: its local field checks again, then the whole-node invariants.
-    Raises ``IRValidationError`` or ``IRVerificationError`` on the first violation."""
+    Raises ``IRValidationError`` or ``IRVerificationError`` on the first violation. The speculative
+    phases (``SpecBatch``, ``SpecPlan``) share their invariants: one check serves them all."""
     check_fields(node)
+    if isinstance(node, SpecBatch):
+        _verify_spec(node, type(node).__name__)
+        return
+    if isinstance(node, SpecPlan):
+        _verify_spec(node.batch, f"{type(node).__name__}.batch")
+        return
     match node:
         case ExtendBatch():
             verify_extend_batch(node)
@@ -201,10 +185,6 @@ def verify(node: Batch | Plan) -> None:
                 _cow_src_not_in(f"MixedPlan.extend.tickets[{k}].init.cow_src", t.init.cow_src, node.decode.slots, "the decode part")
             _disjoint("MixedPlan.slots", node.extend.slots, node.decode.slots, "slot")
             _disjoint("MixedPlan.kv_locs", node.extend.kv_locs, node.decode.kv_locs, "KV location")
-        case DraftBatch() | VerifyBatch() | CommitBatch() | DraftCommitBatch() | DraftExtendBatch():
-            _verify_spec(node, type(node).__name__)
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
-            _verify_spec(node.batch, f"{type(node).__name__}.batch")
         case IdleBatch() | IdlePlan():
             pass
         case _:

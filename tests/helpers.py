@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args, get_type_hints
 
 import attrs
 import numpy as np
@@ -52,9 +52,9 @@ from ir.spec import (
     DraftCommitBatch,
     DraftCommitPlan,
     DraftExtendBatch,
-    DraftExtendPlan,
     DraftPlan,
     Proposals,
+    SpecPlan,
     VerifyBatch,
     VerifyPlan,
 )
@@ -659,15 +659,15 @@ NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "CommitBatch": commit_batches(),
     "DraftCommitBatch": draft_commit_batches(),
     "DraftExtendBatch": draft_extend_batches(),
-    "DraftPlan": draft_batches.map(lambda b: DraftPlan(batch=b)),
-    "VerifyPlan": verify_batches.map(lambda b: VerifyPlan(batch=b)),
-    "CommitPlan": commit_batches().map(lambda b: CommitPlan(batch=b)),
-    "DraftCommitPlan": draft_commit_batches().map(lambda b: DraftCommitPlan(batch=b)),
-    "DraftExtendPlan": draft_extend_batches().map(lambda b: DraftExtendPlan(batch=b)),
     "MambaInit": mamba_inits(),
     "MambaSnapshot": mamba_snapshots(),
     "InitTicket": st.builds(lambda p, i: InitTicket(pool=PoolId(p), init=i), pool_names, mamba_inits()),
     "SnapshotTicket": st.builds(lambda p, s: SnapshotTicket(pool=PoolId(p), snapshot=s), pool_names, mamba_snapshots()),
     "AdmittedRequest": admitted(),
     "AcceptResult": accept_results(),
+}
+# A speculative plan wraps its batch: its strategy is its batch's, wrapped (derived from the union).
+NODE_STRATEGIES |= {
+    plan.__name__: NODE_STRATEGIES[get_type_hints(plan)["batch"].__name__].map(lambda b, plan=plan: plan(batch=b))
+    for plan in get_args(SpecPlan)
 }

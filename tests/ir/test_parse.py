@@ -24,7 +24,7 @@ from ir.batch import DecodeBatch, ExtendBatch, IdleBatch
 from ir.ids import MambaSlot, RequestId, TicketSerial
 from ir.init import MambaInit
 from ir.parse import ParseError, parse, parse_all
-from ir.printer import dump, dump_all
+from ir.printer import PRINTABLE, dump, dump_all
 from ir.request import AdmittedRequest, Clear, CopyFrom
 from tests.helpers import GOLDEN, NODE_STRATEGIES
 
@@ -33,7 +33,7 @@ FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthChe
 
 
 def test_every_kind_the_parser_reads_has_a_strategy() -> None:
-    assert set(NODE_STRATEGIES) == set(ir.parse._KINDS)
+    assert set(NODE_STRATEGIES) == set(PRINTABLE)
 
 
 @pytest.mark.parametrize("kind", sorted(NODE_STRATEGIES))
@@ -139,6 +139,14 @@ ExtendBatch requests=2 tokens=3
         ("IdleBatch requests=0\nIdleBatch requests=0\n", 2, "IdleBatch", "end of the text"),
         ("ExtendBatch requests=1 tokens=1\n  r0 s1 prefix=0 extend=1 init=clear tokens=[1] kv=k0\n", 2, "r0", "init"),
         ("", 1, "<end of text>", "expected a node"),
+        ("DecodeBatch requests=1\n  r0 s1 seq=3 token=1 kv=k0..k1\n", 2, "kv=k0..k1", "a row has one KV location in kv="),
+        ("ExtendBatch requests=1 tokens=2\n  init none\n  r0 s1 prefix=4 extend=2 init=continue tokens=[1] kv=k0..k1\n", 3, "tokens=[1]",
+         "extend=2 needs 2 values in tokens=, got 1"),
+        ("VerifyBatch requests=1 k=2 verify=#1 draft=#2\n  r0 s1 seq=3 tokens=[1 2 3] kv=k0..k1\n", 2, "kv=k0..k1", "k=2 needs 3 values in kv=, got 2"),
+        ("AdmittedRequest r1 s2 intent=copy tokens=[5] kv=k0\n", 1, "intent=copy", "expected intent=clear, intent=cow or intent=continue"),
+        ("IdleBatch requests=1\n", 1, "requests=1", "requests=1 but its parts hold 0"),
+        ("InitTicket #1 clear[s1] cow[] pool=\"x\" extra\n", 1, "extra", "unexpected word"),
+        ("CommitBatch requests=0 k=1 verify=#1 draft=#2\n  kept kv=-\n", 2, "kept", "expected released kv=..."),
     ],
 )
 def test_parse_errors_name_line_and_token(text: str, line: int, token: str, message: str) -> None:

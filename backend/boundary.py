@@ -27,12 +27,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, TypeAlias, assert_never, overload, runtime_checkable
 
-import numpy as np
-
 from backend.allocator import SlotAllocator
 from backend.ledger import Ledger, RankLedgers
 from backend.model import ServedModel
-from ir.columns import I64, frozen_i64
 from ir.errors import PlanExecutionError
 from ir.ids import PoolId
 from ir.linear import keeps_linear
@@ -179,21 +176,6 @@ QuietPlan: TypeAlias = CommitPlan | DraftCommitPlan | IdlePlan
 """The plans whose result is ``Ran``."""
 
 
-def plan_rids(plan: Plan) -> I64:
-    """The requests a plan carries, in its row order (a ``MixedPlan``: extend rows, then decode rows)."""
-    match plan:
-        case ExtendPlan() | DecodePlan():
-            return plan.rids
-        case MixedPlan():
-            return frozen_i64(np.concatenate([plan.extend.rids, plan.decode.rids]))
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
-            return plan.batch.rids
-        case IdlePlan():
-            return frozen_i64(np.zeros(0, dtype=np.int64))
-        case _:
-            assert_never(plan)
-
-
 def result_type(plan: Plan) -> type[Result]:
     """The kind of result ``plan`` gives back."""
     match plan:
@@ -233,7 +215,7 @@ def checked(plan: Plan, result: Result) -> Result:
                 f"draft #{result.draft_id} ({result.tokens.shape[0]} tokens, k={result.k})"
             )
         return result
-    rids = plan_rids(plan)
+    rids = plan.rids
     if not isinstance(result, Proposals) and result.rids.tobytes() != rids.tobytes():
         raise PlanExecutionError(f"{name} of requests {rids.tolist()[:16]} came back for requests {result.rids.tolist()[:16]}")
     return result

@@ -66,7 +66,7 @@ import torch
 
 from backend import faults
 from backend.allocator import SlotAllocator
-from backend.boundary import Pending, plan_rids
+from backend.boundary import Pending
 from backend.ledger import Claim, Ledger
 from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
 from backend.pool import MambaStatePool
@@ -233,7 +233,7 @@ class Executor(Generic[VerifyStateT]):
     def _execute(self, plan: Plan) -> Result:
         match plan:
             case ExtendPlan() | MixedPlan():
-                return Sampled(rids=plan_rids(plan), tokens=sample(self.run_prefill(plan)))
+                return Sampled(rids=plan.rids, tokens=sample(self.run_prefill(plan)))
             case DecodePlan():
                 return Sampled(rids=plan.rids, tokens=sample(self.run_decode(plan)))
             case DraftPlan():
@@ -249,7 +249,7 @@ class Executor(Generic[VerifyStateT]):
             case DraftExtendPlan():
                 return Sampled(rids=plan.batch.rids, tokens=sample(self.run_draft_extend(plan)))
             case IdlePlan():
-                return Ran(rids=plan_rids(plan))
+                return Ran(rids=plan.rids)
             case _:
                 _not_a_plan(plan)
 

@@ -49,7 +49,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, assert_never, get_args
+from typing import Any, Final, get_args
 
 import numpy as np
 import torch
@@ -66,9 +66,8 @@ from ir.ids import PoolId, TicketSerial
 from ir.init import InitTicket, Ticket, this_epoch
 from ir.linear import consumes, keeps_linear
 from ir.nodes import Plan
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.plan import ExtendPlan, MixedPlan
 from ir.results import Result
-from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 from ir.wire import pack, unpack
 
 _log = logging.getLogger("batchc.remote")
@@ -93,21 +92,6 @@ class ExecutorRefused(BatchcError):
 
 class ExecutorGone(BackendGone):
     """The executor process is closed or died; nothing more runs on its pool."""
-
-
-def plan_slots(plan: Plan) -> list[int]:
-    """The state-pool rows a plan runs on."""
-    match plan:
-        case ExtendPlan() | DecodePlan():
-            return [int(s) for s in plan.slots]
-        case MixedPlan():
-            return [int(s) for s in plan.extend.slots] + [int(s) for s in plan.decode.slots]
-        case DraftPlan() | VerifyPlan() | CommitPlan() | DraftCommitPlan() | DraftExtendPlan():
-            return [int(s) for s in plan.batch.slots]
-        case IdlePlan():
-            return []
-        case _:
-            assert_never(plan)
 
 
 def plan_tickets(plan: Plan, pool: PoolId) -> list[Ticket]:
@@ -237,7 +221,7 @@ class ExecutorProcess:
         if not isinstance(plan, get_args(Plan)):
             raise IRValidationError("ExecutorProcess.submit", "plan", plan, "must be a plan")
         self._check_open()
-        rows = plan_slots(plan)
+        rows = plan.slots.tolist()
         tickets = plan_tickets(plan, self.pool_id)
         if self.slots is not None:
             key = (np.asarray(rows, dtype=np.int64).tobytes(), self.slots.generation)
@@ -609,7 +593,7 @@ class Processes:
 
 
 __all__ = [
-    "ExecutorGone", "ExecutorProcess", "ExecutorRefused", "ForwardFailed", "Pending", "ProcessBackends", "Processes", "plan_slots",
+    "ExecutorGone", "ExecutorProcess", "ExecutorRefused", "ForwardFailed", "Pending", "ProcessBackends", "Processes",
     "plan_tickets",
 ]
 

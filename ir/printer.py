@@ -236,7 +236,7 @@ def _value(w: Word, v: Any, names: _Names, node: Any) -> list[str]:
         case "names":
             return [f"{s.key}[{' '.join(names(s.name, x) for x in v)}]"]
         case "pairs":
-            pairs = zip(v, getattr(node, w.other), strict=True)
+            pairs = zip(v, _field(node, w.other), strict=True)
             return [f"{s.key}[{' '.join(f'{names(s.name, a)}->{names(s.name, b)}' for a, b in pairs)}]"]
         case "tokens":
             return [_keyed(s, "[" + " ".join(str(t) for t in v.tolist()) + "]")]
@@ -250,11 +250,17 @@ def _value(w: Word, v: Any, names: _Names, node: Any) -> list[str]:
     raise AssertionError(w.kind)  # (every kind a field gets from ``_word``)
 
 
+def _field(node: Any, name: str) -> Any:
+    """The value of ``node``'s declared field ``name``, read through attrs (as ``ir.wire`` reads
+    nodes): the printer walks the declarations, never attributes past them."""
+    return attrs.asdict(node, recurse=False)[name]
+
+
 def _words(node: Any, names: _Names) -> list[str]:
     """The header words of ``node`` (without its class name and counts)."""
     out: list[str] = []
     for w in layout(type(node)).head:
-        out += _value(w, getattr(node, w.field), names, node)
+        out += _value(w, _field(node, w.field), names, node)
     return out
 
 
@@ -264,7 +270,7 @@ def _slices(node: Any, lay: Layout) -> dict[str, list[tuple[int, int]]]:
     out: dict[str, list[tuple[int, int]]] = {}
     for w in lay.rows:
         if w.per is not None and w.per.kind == "tokens":
-            ends = np.concatenate(([0], np.cumsum(getattr(node, w.per.of)))).tolist()
+            ends = np.concatenate(([0], np.cumsum(_field(node, w.per.of)))).tolist()
             out[w.field] = [(ends[i], ends[i + 1]) for i in range(n)]
         elif w.per is not None and w.per.kind == "window":
             k = int(node.k) + 1
@@ -274,15 +280,16 @@ def _slices(node: Any, lay: Layout) -> dict[str, list[tuple[int, int]]]:
 
 def _dump(node: Any, names: _Names, indent: str) -> list[str]:
     lay = layout(type(node))
+    fields = attrs.asdict(node, recurse=False)
     inner = indent + "  "
     head = [type(node).__name__]
     if lay.requests:
         head.append(f"requests={node.num_requests}")
     if lay.tokens is not None:
-        head.append(f"tokens={getattr(node, lay.tokens).shape[0]}")
+        head.append(f"tokens={fields[lay.tokens].shape[0]}")
     lines = [indent + " ".join(head + _words(node, names))]
     for w in lay.lines:
-        v = getattr(node, w.field)
+        v = fields[w.field]
         parts = (v if v is not None else ()) if w.kind == "lines" else (() if v is None else (v,))
         lines += [f"{inner}{w.shown.line} {' '.join(_words(part, names))}".rstrip() for part in parts]
         if not parts and w.required:
@@ -292,14 +299,14 @@ def _dump(node: Any, names: _Names, indent: str) -> list[str]:
         for i in range(int(node.num_requests)):
             cells: list[str] = []
             for w in lay.rows:
-                col = getattr(node, w.field)
+                col = fields[w.field]
                 v = col[slice(*shares[w.field][i])] if w.field in shares else col[i]
                 cells += _value(w, v, names, node)
             lines.append(inner + " ".join(cells))
     for w in lay.tail:
-        lines.append(f"{inner}{w.shown.line} {' '.join(_value(w, getattr(node, w.field), names, node))}")
+        lines.append(f"{inner}{w.shown.line} {' '.join(_value(w, fields[w.field], names, node))}")
     for w in lay.nested:
-        lines += _dump(getattr(node, w.field), names, inner)
+        lines += _dump(fields[w.field], names, inner)
     return lines
 
 

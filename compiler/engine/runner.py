@@ -16,7 +16,7 @@ result of the wrong kind or for other rows.
 
 from __future__ import annotations
 
-from backend.boundary import Backend, BackendBroken, Pending, plan_rids
+from backend.boundary import Backend, BackendBroken, Pending
 from compiler.engine.report import SpecStats
 from ir.errors import BatchcError
 from ir.ids import RequestId
@@ -42,7 +42,7 @@ class StepFailed(Exception):
 
 def rids_of(plan: Plan) -> tuple[RequestId, ...]:
     """The requests a plan carries."""
-    return tuple(RequestId(r) for r in plan_rids(plan).tolist())
+    return tuple(plan.rid_list())
 
 
 @keeps_linear  # a plan in flight, until ``wait`` reads it back (or retries it)

@@ -18,7 +18,7 @@ import torch
 
 from backend import faults
 from backend.allocator import KVAllocator, SlotAllocator
-from backend.boundary import Pending, checked, plan_rids
+from backend.boundary import Pending, checked
 from backend.ledger import Ledger
 from backend.remote import ExecutorGone, ExecutorProcess, ProcessBackends, Processes
 from backend.tp.serve import TensorParallel, TPLeader
@@ -35,13 +35,13 @@ from ir.columns import frozen_i64
 from ir.errors import EngineStoppedError, PlanExecutionError, PreconditionError, SlotError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
 from ir.nodes import Plan
-from ir.plan import DecodePlan, IdlePlan, MixedPlan
+from ir.plan import DecodePlan
 from ir.results import Result, Sampled
 from ir.spec import DraftPlan
 from passes.lower import LowerContext, lower
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
-from tests.helpers import BODIES, SYSTEM, decode_batch, engine, extend_plan, greedy_reference, proposed, request, tiny_models
+from tests.helpers import BODIES, SYSTEM, decode_batch, engine, greedy_reference, proposed, request, tiny_models
 
 
 class FlakyBackend:
@@ -71,7 +71,7 @@ class FlakyBackend:
         if self.errors:
             p.error = self.errors.pop(0)
         else:
-            p.result = Sampled(rids=plan_rids(plan), tokens=[0] * len(plan_rids(plan)))
+            p.result = Sampled(rids=plan.rids, tokens=[0] * len(plan.rids))
             self.results.append(p.result)
         p.done = True
         return p
@@ -168,15 +168,6 @@ def test_a_draft_run_must_return_the_proposals_of_that_draft() -> None:
     assert checked(dec, Sampled(rids=[4, 9], tokens=[1, 2])).tokens.tolist() == [1, 2]
     with pytest.raises(PlanExecutionError, match=r"^DecodePlan of requests \[4, 9\] came back for requests \[9, 4\]$"):
         checked(dec, Sampled(rids=[9, 4], tokens=[1, 2]))
-
-
-def test_plan_rids_names_every_request_of_a_plan() -> None:
-    _, ext = extend_plan([request(7, 3, [1, 2], 20), request(8, 4, [3], 22)])
-    dec = _plan()
-    assert plan_rids(ext).tolist() == [7, 8]
-    assert plan_rids(dec).tolist() == [4, 9]
-    assert plan_rids(MixedPlan(extend=ext, decode=dec)).tolist() == [7, 8, 4, 9]
-    assert plan_rids(IdlePlan()).tolist() == []
 
 
 def test_the_speculative_figures() -> None:

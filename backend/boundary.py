@@ -24,13 +24,13 @@ engine for good, such as a tensor-parallel rank that failed: never retried, the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, assert_never, overload, runtime_checkable
 
 from backend.allocator import SlotAllocator
 from backend.ledger import Ledger, RankLedgers
 from backend.model import ServedModel
-from ir.errors import PlanExecutionError
+from ir.errors import BatchcError, PlanExecutionError
 from ir.ids import PoolId
 from ir.linear import keeps_linear
 from ir.nodes import Plan
@@ -106,6 +106,22 @@ class Backend(Protocol):
         ...
 
 
+def run_now(execute: Callable[[Plan], Result], plan: Plan, *, raised: tuple[type[BaseException], ...] = ()) -> Pending:
+    """``Backend.submit`` for a backend that runs a plan on the caller's thread: ``execute(plan)``
+    now; a refusal (``BatchcError``, or one of ``raised``) is raised here, any other failure kept
+    for ``wait``."""
+    never: tuple[type[BaseException], ...] = (BatchcError, *raised)
+    pending = Pending(plan)
+    try:
+        pending.result = execute(plan)
+    except never:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a fault: the caller reads it at ``wait``
+        pending.error = exc
+    pending.done = True
+    return pending
+
+
 class Backends(Protocol):
     """What a ``Transport`` opens for one engine: a ``Backend`` per pool and what spans them."""
 
@@ -150,6 +166,39 @@ class Backends(Protocol):
     def close(self) -> RankLedgers | None:
         """Stop what the transport started; a group's every rank's ledger counts (else None)."""
         ...
+
+
+class InProcessGroup:
+    """What ``Backends`` in this process share: each plan runs within ``submit``, so there is
+    nothing to wait for, settle or time; ``backends[0]`` is the target's, ``backends[1]`` (if any)
+    the draft's."""
+
+    def __init__(self, backends: Sequence[Backend]) -> None:
+        self._backends = list(backends)
+
+    @property
+    def target(self) -> Backend:
+        return self._backends[0]
+
+    @property
+    def draft(self) -> Backend | None:
+        return self._backends[1] if len(self._backends) > 1 else None
+
+    @property
+    def concurrent(self) -> bool:
+        return False
+
+    def ready(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        return []
+
+    def waited_seconds(self) -> float:
+        return 0.0
 
 
 @runtime_checkable

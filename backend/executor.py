@@ -66,7 +66,7 @@ import torch
 
 from backend import faults
 from backend.allocator import SlotAllocator
-from backend.boundary import Pending
+from backend.boundary import Pending, run_now
 from backend.ledger import Claim, Ledger
 from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
 from backend.pool import MambaStatePool
@@ -74,7 +74,7 @@ from backend.sampling import sample
 from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
 from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
 from ir.columns import I64
-from ir.errors import BatchcError, IRValidationError, MutationError, PlanExecutionError
+from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.ids import PoolId, TicketSerial
 from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
 from ir.linear import consumes
@@ -196,15 +196,7 @@ class Executor(Generic[VerifyStateT]):
     def submit(self, plan: Plan) -> Pending:
         """``backend.boundary.Backend.submit``: runs ``plan`` now; a refusal (``BatchcError``) is
         raised here, any other failure by ``wait``."""
-        pending = Pending(plan)
-        try:
-            pending.result = self.execute(plan)
-        except BatchcError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a fault: the caller reads it at ``wait``
-            pending.error = exc
-        pending.done = True
-        return pending
+        return run_now(self.execute, plan)
 
     def wait(self, pending: Pending) -> Result:
         return pending.outcome()

@@ -10,35 +10,19 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from backend.allocator import SlotAllocator
+from backend.boundary import InProcessGroup
 from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.model import ServedModel, ServingModelHook
 from ir.ids import PoolId
 
 
-class LocalBackends:
+class LocalBackends(InProcessGroup):
     """``backend.boundary.Backends`` in this process."""
 
     def __init__(self, executors: list[Executor[Any]], hooks: list[ServingModelHook[Any]]) -> None:
-        self._executors, self._hooks = executors, hooks
-
-    @property
-    def target(self) -> Executor[Any]:
-        return self._executors[0]
-
-    @property
-    def draft(self) -> Executor[Any] | None:
-        return self._executors[1] if len(self._executors) > 1 else None
-
-    @property
-    def concurrent(self) -> bool:
-        return False
-
-    def ready(self) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
+        super().__init__(executors)
+        self._hooks = hooks
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         for hook in self._hooks:
@@ -46,12 +30,6 @@ class LocalBackends:
 
     def cancel_outstanding(self, reason: str) -> None:
         pass  # (the engine's ledger is the only one)
-
-    def busy_intervals(self) -> list[tuple[float, float]]:
-        return []
-
-    def waited_seconds(self) -> float:
-        return 0.0
 
     def close(self) -> None:
         pass

@@ -39,7 +39,7 @@ from typing import Any
 
 from backend import faults
 from backend.allocator import SlotAllocator
-from backend.boundary import Pending
+from backend.boundary import InProcessGroup, Pending, run_now
 from backend.executor import Executor
 from backend.hybrid.model import HybridModel
 from backend.ledger import LEDGER_COUNTS_WIDTH, Ledger, LedgerCounts, RankLedgers
@@ -347,15 +347,7 @@ class TPExecutor:
     def submit(self, plan: Plan) -> Pending:
         """``backend.boundary.Backend.submit``: runs ``plan`` on every rank now; a refusal
         (``BatchcError``) and a failed rank (``RankFailed``) are raised here, a fault by ``wait``."""
-        pending = Pending(plan)
-        try:
-            pending.result = self.execute(plan)
-        except (BatchcError, RankFailed):
-            raise
-        except Exception as exc:  # noqa: BLE001 - a fault: the caller reads it at ``wait``
-            pending.error = exc
-        pending.done = True
-        return pending
+        return run_now(self.execute, plan, raised=(RankFailed,))
 
     def wait(self, pending: Pending) -> Result:
         return pending.outcome()
@@ -369,29 +361,13 @@ class TPExecutor:
         self.leader.forget_verifies(self.pool_id)
 
 
-class TPBackends:
-    """``backend.boundary.Backends`` of rank 0 of a tensor-parallel group, for one session."""
+class TPBackends(InProcessGroup):
+    """``backend.boundary.Backends`` of rank 0 of a tensor-parallel group, for one session (rank 0's
+    executors run in this process, each plan on every rank within ``submit``)."""
 
     def __init__(self, leader: TPLeader, ledger: Ledger, executors: list[TPExecutor], hooks: list[ServingModelHook[Any]]) -> None:
-        self.leader, self._ledger, self._executors, self._hooks = leader, ledger, executors, hooks
-
-    @property
-    def target(self) -> TPExecutor:
-        return self._executors[0]
-
-    @property
-    def draft(self) -> TPExecutor | None:
-        return self._executors[1] if len(self._executors) > 1 else None
-
-    @property
-    def concurrent(self) -> bool:
-        return False
-
-    def ready(self) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
+        super().__init__(executors)
+        self.leader, self._ledger, self._hooks = leader, ledger, hooks
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         for hook in self._hooks:
@@ -400,12 +376,6 @@ class TPBackends:
 
     def cancel_outstanding(self, reason: str) -> None:
         self.leader.cancel_outstanding(reason)  # one request cancels them on every worker, every pool
-
-    def busy_intervals(self) -> list[tuple[float, float]]:
-        return []
-
-    def waited_seconds(self) -> float:
-        return 0.0
 
     def close(self) -> RankLedgers | None:
         """End the session, gathering every rank's ledger counts (None if the group is broken or

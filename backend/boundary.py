@@ -32,7 +32,7 @@ from backend.ledger import Ledger, RankLedgers
 from backend.model import ServedModel
 from ir.errors import BatchcError, PlanExecutionError
 from ir.ids import PoolId
-from ir.linear import keeps_linear
+from ir.linear import consumes, keeps_linear
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.results import Ran, Result, Sampled, Verified
@@ -87,8 +87,10 @@ class Backend(Protocol):
         """The pool this backend's plans run on."""
         ...
 
+    @consumes
     def submit(self, plan: Plan) -> Pending:
-        """Start ``plan`` (see the module: a ``BatchcError`` here means nothing ran)."""
+        """Start ``plan`` (see the module: a ``BatchcError`` here means nothing ran). Consumes the
+        plan's tickets on this backend: submitting it twice is a ``linear-reuse`` error."""
         ...
 
     def wait(self, pending: Pending) -> Result:

@@ -104,7 +104,7 @@ class ForwardRunner:
         for _ in range(attempts):
             self.stats.retries += 1
             try:
-                return backend.wait(backend.submit(plan))  # (a retry: the failed attempt left its tickets outstanding)
+                return backend.wait(backend.submit(plan))  # type: ignore[linear-reuse]  # a retry: the failed attempt left its tickets outstanding
             except (BatchcError, BackendBroken):
                 raise
             except Exception as exc:  # noqa: BLE001 - the next attempt, or StepFailed below

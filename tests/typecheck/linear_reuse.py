@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from backend.boundary import Backend
 from backend.executor import Executor
 from backend.ledger import Ledger
 from ir.ids import TARGET_POOL
@@ -48,3 +49,8 @@ def the_ledgers_claims(ledger: Ledger, plan: ExtendPlan) -> None:
         pass
     ledger.claim(tickets, TARGET_POOL)
     ledger.claim(tickets, TARGET_POOL)  # type: ignore[linear-reuse]  # claimed twice on one pool
+
+
+def twice_on_any_backend(backend: Backend, plan: ExtendPlan) -> None:
+    backend.wait(backend.submit(plan))
+    backend.submit(plan)  # type: ignore[linear-reuse]  # whatever runs it, the tickets are spent

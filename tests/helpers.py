@@ -40,7 +40,7 @@ from compiler.engine import Engine
 from compiler.tools.ab import DRAFT_NOISE
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import I64
-from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
+from ir.ids import TARGET_POOL, DraftId, MambaSlot, PoolId, RequestId, SampleId, TicketSerial, VerifyId
 from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
@@ -543,7 +543,7 @@ def extend_plans(draw: Any) -> ExtendPlan:
         **cols,
         tickets=tuple(InitTicket(pool=PoolId(p), init=init) for p in names),
         snapshots=tuple(SnapshotTicket(pool=PoolId(p), snapshot=snap) for p in snap_pools),
-        sample_id=draw(st.none() | serial_ids),
+        sample_id=draw(st.none() | serial_ids.map(SampleId)),
     )
 
 
@@ -579,7 +579,7 @@ def commit_batches(draw: Any) -> CommitBatch:
     n, k = len(cols["rids"]), cols["k"]
     accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
     released = draw(_distinct(st.integers(0, 100_000), n * k - sum(accept)))
-    return CommitBatch(**cols, verify_id=TicketSerial(draw(serial_ids)), draft_id=TicketSerial(draw(serial_ids)), accept_pos=accept, released_kv=released)
+    return CommitBatch(**cols, verify_id=VerifyId(draw(serial_ids)), draft_id=DraftId(draw(serial_ids)), accept_pos=accept, released_kv=released)
 
 
 @st.composite
@@ -587,7 +587,7 @@ def draft_commit_batches(draw: Any) -> DraftCommitBatch:
     cols = draw(windows(single=False))
     n, k = len(cols["rids"]), cols["k"]
     accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
-    return DraftCommitBatch(**cols, draft_id=TicketSerial(draw(serial_ids)), accept_pos=accept)
+    return DraftCommitBatch(**cols, draft_id=DraftId(draw(serial_ids)), accept_pos=accept)
 
 
 @st.composite
@@ -637,13 +637,13 @@ def mixed_plans(draw: Any) -> MixedPlan:
 def decode_plans(draw: Any) -> DecodePlan:
     """Decode plans, some with a sample id, some pipelined (inputs named by an earlier sample)."""
     cols = draw(decode_columns())
-    sample = draw(st.none() | serial_ids)
-    inputs = draw(st.none() | serial_ids.filter(lambda s: s != sample))
+    sample = draw(st.none() | serial_ids.map(SampleId))
+    inputs = draw(st.none() | serial_ids.filter(lambda s: s != sample).map(SampleId))
     if inputs is not None:
         cols["input_ids"] = [0] * len(cols["input_ids"])
     return DecodePlan(**cols, sample_id=sample, inputs_from=inputs)
-draft_batches = st.builds(lambda c, d: DraftBatch(**c, draft_id=TicketSerial(d)), windows(single=True), serial_ids)
-verify_batches = st.builds(lambda c, v, d: VerifyBatch(**c, verify_id=TicketSerial(v), draft_id=TicketSerial(d)), windows(single=False), serial_ids, serial_ids)
+draft_batches = st.builds(lambda c, d: DraftBatch(**c, draft_id=DraftId(d)), windows(single=True), serial_ids)
+verify_batches = st.builds(lambda c, v, d: VerifyBatch(**c, verify_id=VerifyId(v), draft_id=DraftId(d)), windows(single=False), serial_ids, serial_ids)
 
 NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "ExtendBatch": extend_batches(),

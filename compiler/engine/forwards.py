@@ -54,8 +54,8 @@ from compiler.engine.runner import ForwardRunner, StepFailed, Submitted, cause_w
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64
-from ir.ids import MambaSlot, RequestId, TicketSerial
-from ir.init import mint_serial
+from ir.ids import MambaSlot, RequestId, SampleId
+from ir.mint import mint_sample_id
 from ir.request import AdmittedRequest
 from ir.results import NON_FINITE
 from passes.prepare_for_decode import DecodeContext
@@ -83,7 +83,7 @@ class _Inflight:
     prefix cache, and the id its tokens are kept under."""
 
     submitted: Submitted
-    sample_id: TicketSerial
+    sample_id: SampleId
     rows: list[tuple[int, Request]]
     """(row of the logits, request) of every token the forward samples for a request."""
     first_decode_row: int
@@ -333,7 +333,7 @@ class Forwards:
             if ending:
                 running = self.pipeline.filter_decode(running, ending)
         rids = running.rid_list()
-        sample = mint_serial()
+        sample = mint_sample_id()
         kv = self._alloc_for(rids, 1) if rids else None
         admitted = self.planner.next_chunks() if prefill else []
         if prev is not None and rids:
@@ -376,7 +376,7 @@ class Forwards:
         return kind
 
     def _built(
-        self, submitted: Submitted, sample: TicketSerial, admitted: Sequence[AdmittedRequest], extend: ExtendBatch,
+        self, submitted: Submitted, sample: SampleId, admitted: Sequence[AdmittedRequest], extend: ExtendBatch,
         decode_rids: Sequence[RequestId],
     ) -> _Inflight:
         """The planner's side of a prefill just sent (``_chunks_ran``), and what reading it back does."""

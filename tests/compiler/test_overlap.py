@@ -31,7 +31,8 @@ from compiler.serve import ServeConfig, ServeError
 from compiler.steps import Pipeline
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError, ResourceReplayError
 from ir.ids import TARGET_POOL, RequestId
-from ir.init import SERIAL_COUNTER_BITS, InitTicket, MambaInit, mint_serial, this_epoch
+from ir.init import SERIAL_COUNTER_BITS, InitTicket, MambaInit, this_epoch
+from ir.mint import mint_sample_id
 from ir.parse import parse
 from ir.plan import DecodePlan
 from ir.printer import dump
@@ -284,11 +285,11 @@ def test_a_pipelined_decode_takes_its_inputs_once_and_only_from_a_forward_that_r
     # the token of `prev` is still kept for the decode after it; a plan naming a sample that never
     # ran, or naming `prev` twice, is refused before the model runs
     _, plan = drv.pipeline.decode(
-        running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), sample_id=mint_serial(), inputs_from=mint_serial()
+        running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), sample_id=mint_sample_id(), inputs_from=mint_sample_id()
     )
     with pytest.raises(PlanExecutionError, match="holds the token of sample"):
         ex.execute(plan)
-    kept = mint_serial()
+    kept = mint_sample_id()
     _, plan = drv.pipeline.decode(
         running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), sample_id=kept, inputs_from=prev
     )
@@ -304,7 +305,7 @@ def test_a_pipelined_decode_takes_its_inputs_once_and_only_from_a_forward_that_r
 
 def test_a_pipelined_decode_plan_checks_its_ids_and_prints_them() -> None:
     cols = {"rids": [7, 8], "slots": [1, 2], "seq_lens": [5, 9], "kv_locs": [10, 11]}
-    a, b = mint_serial(), mint_serial()
+    a, b = mint_sample_id(), mint_sample_id()
     plan = DecodePlan(**cols, input_ids=[0, 0], sample_id=b, inputs_from=a)
     text = dump(plan, exact=True)
     assert f"sample=#{b} inputs=#{a}" in text.splitlines()[0]
@@ -313,7 +314,7 @@ def test_a_pipelined_decode_plan_checks_its_ids_and_prints_them() -> None:
         for bad, match in (
             ({"input_ids": [3, 0], "inputs_from": a}, "placeholders"),
             ({"input_ids": [0, 0], "inputs_from": a, "sample_id": a}, "own sample_id"),
-            ({"input_ids": [1, 2], "sample_id": 0}, "positive serial"),
+            ({"input_ids": [1, 2], "sample_id": 0}, "positive sample id"),
             ({"input_ids": [1, 2], "sample_id": True}, "sample_id"),
             ({"input_ids": [0, 0], "inputs_from": "1"}, "inputs_from"),
         ):

@@ -193,6 +193,13 @@ class Executor(Generic[VerifyStateT]):
         """An in-process executor can always run plans."""
         return True
 
+    @property
+    def kept_states(self) -> tuple[DraftId | VerifyId, ...]:
+        """The drafts and verifies whose states this executor keeps for a commit not run yet, in
+        the order they ran (at most one draft's: a newer draft drops them; ``forget_verifies``
+        drops all). Empty between speculative iterations."""
+        return tuple(self._intermediates)
+
     @consumes
     def submit(self, plan: Plan) -> Pending:
         """``backend.boundary.Backend.submit``: runs ``plan`` now; a refusal (``BatchcError``) is

@@ -17,10 +17,13 @@ references, or the kernels under Triton's interpreter in the kernel tests).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any, NamedTuple, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_type_hints
 
 import attrs
 import numpy as np
@@ -60,6 +63,9 @@ from ir.spec import (
 )
 from passes.lower import LowerContext, lower
 from passes.prepare_for_extend import prepare_for_extend
+
+if TYPE_CHECKING:  # annotations only: most tests never start an executor process
+    from backend.remote import ExecutorProcess
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -671,3 +677,13 @@ NODE_STRATEGIES |= {
     plan.__name__: NODE_STRATEGIES[get_type_hints(plan)["batch"].__name__].map(lambda b, plan=plan: plan(batch=b))
     for plan in get_args(SpecPlan)
 }
+
+
+def kill_child(ex: ExecutorProcess, timeout_s: float = 10.0) -> None:
+    """SIGKILL an executor process's child and wait until it has ended (``exit_code`` reaps it), so
+    the next use of ``ex`` meets a dead process, not a dying one."""
+    os.kill(ex.pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while ex.exit_code is None:
+        assert time.monotonic() < deadline, f"executor process {ex.pid} still running {timeout_s} s after SIGKILL"
+        time.sleep(0.01)

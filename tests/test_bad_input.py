@@ -980,7 +980,7 @@ def _admit_state(w: AdmitWorld) -> tuple[torch.Tensor, tuple[object, ...]]:
         drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(),
         dict(drv.kv_refs.held()), tuple(drv.requests.queued), {q.rid: (q.slot, q.done, list(q.context)) for q in drv.requests},
         drv.live, drv.live_slots(), {r: list(o) for r, o in drv.outputs.items()},
-        tuple(attrs.asdict(e) for e in cache_.entries()), dict(cache_._seen),  # cache bookkeeping (private)
+        tuple(attrs.asdict(e) for e in cache_.entries()), cache_.observed(),  # cache bookkeeping
     )
 
 

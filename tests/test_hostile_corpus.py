@@ -129,7 +129,7 @@ def state_of(world: World | DriverWorld) -> tuple[list[torch.Tensor], tuple[obje
         return [world.pool.buffer.clone()], (
             _ledger_state(world.ledger),
             world.slots.num_free, world.slots.live(), world.kv.num_free, world.kv.live(),
-            tuple(world.executor._intermediates),  # pending verify states (private: no public view)
+            world.executor.kept_states,  # pending verify and draft states
         )
     drv = world.driver
     assert drv.draft is not None
@@ -140,7 +140,7 @@ def state_of(world: World | DriverWorld) -> tuple[list[torch.Tensor], tuple[obje
         drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(),
         drv.kv_refs.held(),  # KV reference counts
         drv.live, drv.live_slots(), {r: list(o) for r, o in drv.outputs.items()},
-        tuple(attrs.asdict(e) for e in cache_.entries()), cache_._reserved,  # cache bookkeeping (private)
+        tuple(attrs.asdict(e) for e in cache_.entries()), cache_.reserved,  # cache bookkeeping
     )
 
 

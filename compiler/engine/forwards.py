@@ -75,6 +75,16 @@ class Progress:
         """Requests given at least one token."""
 
 
+@attrs.frozen(kw_only=True)
+class InFlight:
+    """What a pipelined forward sent and not read back yet is for: the requests whose next token it
+    samples, in the order of its rows, and the id its tokens are kept under (``DecodePlan.sample_id``;
+    the next pipelined decode names it as ``inputs_from``). A read-only view (``Forwards.in_flight``)."""
+
+    rids: tuple[RequestId, ...]
+    sample_id: SampleId
+
+
 @attrs.frozen
 class _Inflight:
     """A pipelined forward sent and not read back yet, and what reading it back does: the rows
@@ -131,6 +141,12 @@ class Forwards:
         self._deferred: list[Submitted] = []
         """Commits sent to executor processes and not waited for yet: nothing in this step needs
         their result, and the next plan on each pool runs after them in that process."""
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The pipelined forward sent and not read back yet (``None`` when there is none)."""
+        f = self._inflight
+        return None if f is None else InFlight(rids=tuple(f.rids), sample_id=f.sample_id)
 
     def settle(self) -> None:
         """Wait for the plans still in flight in executor processes (the commits of the last

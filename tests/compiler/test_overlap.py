@@ -9,8 +9,6 @@ hanging the engine."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import struct
 from pathlib import Path
 
@@ -39,17 +37,13 @@ from ir.printer import dump
 from ir.wire import pack
 from passes import LowerContext
 from passes.prepare_for_decode import DecodeContext
-from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, engine, fresh, review_greedy, tiny_models
+from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, engine, fresh, kill_child, review_greedy, tiny_models
 
 
 def _serve(drv: Engine, ids: range = range(4)) -> None:
     for i in ids:
         drv.admit(RequestId(i), REVIEW_PROMPTS[i], max_new_tokens=REVIEW_NEW)
     drv.run_until_done()
-
-
-def _child(ex: ExecutorProcess) -> int:
-    return ex._proc.pid
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -89,7 +83,7 @@ def test_the_scheduler_refuses_a_replayed_plan_before_sending_it() -> None:
         assert ex.execute(plan) is not None  # type: ignore[arg-type]  # _prefill returns the plan untyped
         with pytest.raises(ResourceReplayError):
             ex.execute(plan)  # type: ignore[arg-type]
-        assert ex._next == 1  # nothing was sent
+        assert len(ex.busy) == 1  # one reply read: the replay was never sent
         ledger.assert_drained()
         assert ex.execute(_prefill(ledger)) is not None  # type: ignore[arg-type]  # the next message still fits
 
@@ -170,8 +164,7 @@ def test_a_dead_executor_process_fails_its_forwards_instead_of_hanging() -> None
         drv.admit(RequestId(0), REVIEW_PROMPTS[0], max_new_tokens=REVIEW_NEW)
         drv.step()
         assert isinstance(drv.draft, ExecutorProcess)
-        os.kill(_child(drv.draft), signal.SIGKILL)
-        drv.draft._proc.wait()
+        kill_child(drv.draft)
         report = drv.step()
         assert report.kind is StepKind.FAILED and drv.live == 0
         assert drv.aborted_by_failure == {RequestId(0)}
@@ -244,10 +237,10 @@ def test_pipelined_decodes_emit_what_plain_decodes_emit_stops_and_aborts_include
         while drv.live and RequestId(4) not in drv.outputs:
             drv.step()
             r3 = drv.requests[RequestId(3)] if RequestId(3) in drv.requests else None
-            if drv.forwards._inflight is not None and r3 is not None and len(r3.output) >= 3 and RequestId(3) in drv.forwards._inflight.rids:
+            if drv.in_flight is not None and r3 is not None and len(r3.output) >= 3 and RequestId(3) in drv.in_flight.rids:
                 drv.abort(RequestId(3))  # aborted while its next decode is in flight: that token is dropped
         drv.run_until_done()
-        assert drv.forwards._inflight is None
+        assert drv.in_flight is None
         expected = {RequestId(i): greedy[RequestId(i)] for i in (0, 1, 4)}
         expected[RequestId(2)] = greedy[RequestId(2)][: greedy[RequestId(2)].index(stop) + 1]
         assert {rid: out for rid, out in drv.outputs.items() if rid != RequestId(3)} == expected
@@ -277,11 +270,11 @@ def test_a_pipelined_decode_takes_its_inputs_once_and_only_from_a_forward_that_r
     drv.step()  # prefill
     drv.step()  # the first decode, sent with its input known and its sample kept
     drv.step()  # the second, naming the first one's sample: in flight
-    assert drv.forwards._inflight is not None
+    assert drv.in_flight is not None
     ex = drv.target
     assert not isinstance(ex, ExecutorProcess)
     running = drv.running
-    prev = drv.forwards._inflight.sample_id
+    prev = drv.in_flight.sample_id
     # the token of `prev` is still kept for the decode after it; a plan naming a sample that never
     # ran, or naming `prev` twice, is refused before the model runs
     _, plan = drv.pipeline.decode(
@@ -338,5 +331,5 @@ def test_closing_with_plans_in_flight_reads_their_replies_and_stops() -> None:
     ex = _process(ledger)
     pending = [ex.submit(_prefill(ledger)) for _ in range(20)]  # type: ignore[arg-type]  # untyped builder
     ex.close()
-    assert ex.closed and all(p.done for p in pending) and ex._proc.poll() is not None
+    assert ex.closed and all(p.done for p in pending) and ex.exit_code is not None
     ledger.assert_drained()

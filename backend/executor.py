@@ -75,7 +75,7 @@ from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_deco
 from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
 from ir.columns import I64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
-from ir.ids import PoolId, TicketSerial
+from ir.ids import DraftId, PoolId, SampleId, VerifyId
 from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
 from ir.linear import consumes
 from ir.nodes import Plan
@@ -159,14 +159,15 @@ class Executor(Generic[VerifyStateT]):
         self.slots = slots
         self._slots_ok: tuple[bytes, int] | None = None
         """The last slots column found in range and live, with the allocator's generation then."""
-        self._intermediates: dict[TicketSerial, _Kept[VerifyStateT]] = {}
+        self._intermediates: dict[DraftId | VerifyId, _Kept[VerifyStateT]] = {}
+        """Kept states by the id of the draft or verify that computed them (one minter: never equal)."""
         self._verified_upto: dict[int, int] = {}
         self._checked_drafts_upto: dict[int, int] = {}
         """Per minting epoch, the newest draft whose proposals a verify on this pool checked: each
         draft's proposals are verified once, in the order the drafts were minted."""
-        self._kept_draft: TicketSerial | None = None
+        self._kept_draft: DraftId | None = None
         """The draft whose states are kept (at most one: a newer draft drops them)."""
-        self._samples: dict[int, tuple[TicketSerial, int]] = {}
+        self._samples: dict[int, tuple[SampleId, int]] = {}
         """Per slot, the greedy token the last decode with a ``sample_id`` left there (and that id),
         until a pipelined decode uses it."""
 
@@ -191,6 +192,13 @@ class Executor(Generic[VerifyStateT]):
     def usable(self) -> bool:
         """An in-process executor can always run plans."""
         return True
+
+    @property
+    def kept_states(self) -> tuple[DraftId | VerifyId, ...]:
+        """The drafts and verifies whose states this executor keeps for a commit not run yet, in
+        the order they ran (at most one draft's: a newer draft drops them; ``forget_verifies``
+        drops all). Empty between speculative iterations."""
+        return tuple(self._intermediates)
 
     @consumes
     def submit(self, plan: Plan) -> Pending:
@@ -420,7 +428,7 @@ class Executor(Generic[VerifyStateT]):
         self._commit(plan, "draft", plan.batch.draft_id)
         self._kept_draft = None
 
-    def _check_fresh(self, phase: str, serial: TicketSerial) -> None:
+    def _check_fresh(self, phase: str, serial: DraftId | VerifyId) -> None:
         """Ids are minted in order and each draft or verify runs once: remembering the newest one per
         minting epoch refuses a replay (even after its commit) in constant memory."""
         epoch, n = serial_epoch(serial), serial & ((1 << SERIAL_COUNTER_BITS) - 1)
@@ -429,11 +437,11 @@ class Executor(Generic[VerifyStateT]):
                 f"{phase} #{serial} already ran on pool {self.pool.pool_id!r} (each {phase} runs once, in the order its id was minted)"
             )
 
-    def _keep(self, phase: str, serial: TicketSerial, slots: I64, k: int, states: VerifyStateT, proposed: bytes = b"") -> None:
+    def _keep(self, phase: str, serial: DraftId | VerifyId, slots: I64, k: int, states: VerifyStateT, proposed: bytes = b"") -> None:
         self._intermediates[serial] = _Kept(phase=phase, slots=slots.tobytes(), k=k, states=states, proposed=proposed)
         self._verified_upto[serial_epoch(serial)] = serial & ((1 << SERIAL_COUNTER_BITS) - 1)
 
-    def _commit(self, plan: CommitPlan | DraftCommitPlan, phase: str, serial: TicketSerial) -> None:
+    def _commit(self, plan: CommitPlan | DraftCommitPlan, phase: str, serial: DraftId | VerifyId) -> None:
         self._check_rows(plan.batch.slots, type(plan).__name__)
         kept = self._intermediates.get(serial)
         if kept is None or kept.phase != phase:

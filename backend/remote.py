@@ -398,6 +398,17 @@ class ExecutorProcess:
     def closed(self) -> bool:
         return self._gone is not None
 
+    @property
+    def pid(self) -> int:
+        """The child process's id (for a supervisor's signals and liveness checks)."""
+        return self._proc.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """The child's exit status once it has ended (negative: the signal that ended it), else
+        ``None``; never blocks (``closed`` says whether this side still uses it)."""
+        return self._proc.poll()
+
     def __enter__(self) -> ExecutorProcess:
         return self
 

@@ -88,6 +88,22 @@ class PrefixCache:
     def entries(self) -> tuple[CacheEntry, ...]:
         return tuple(self._entries.values())
 
+    def observed(self) -> dict[tuple[int, ...], int]:
+        """A copy of how many observed prompts started with each block-boundary prefix (what
+        ``plan_snapshot`` decides by)."""
+        return dict(self._seen)
+
+    def planned(self) -> frozenset[tuple[int, ...]]:
+        """The prefixes ``plan_snapshot`` promised to a request and no ``insert`` or
+        ``cancel_plan`` has settled yet."""
+        return frozenset(self._planned)
+
+    @property
+    def reserved(self) -> int:
+        """Entries promised to snapshots in flight (``reserve_room`` not yet followed by ``insert``
+        or ``release_room``): they count against ``capacity``."""
+        return self._reserved
+
     def _boundaries(self, n: int) -> range:
         """Block boundaries strictly inside a prompt of ``n`` tokens, longest first."""
         return range((n - 1) // self.block * self.block, 0, -self.block)

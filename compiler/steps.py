@@ -14,7 +14,7 @@ from typing import Protocol
 from compiler.manager import PassManager
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64
-from ir.ids import RequestId, TicketSerial
+from ir.ids import RequestId, SampleId
 from ir.init import InitTicket, SnapshotTicket
 from ir.linear import consumes
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
@@ -60,7 +60,7 @@ class Pipeline:
         self.lower_ctx = lower_ctx if lower_ctx is not None else LowerContext()
         self.pm = pm if pm is not None else PassManager.from_env()
 
-    def prefill(self, requests: Sequence[AdmittedRequest], *, sample_id: TicketSerial | None = None) -> tuple[ExtendBatch, ExtendPlan]:
+    def prefill(self, requests: Sequence[AdmittedRequest], *, sample_id: SampleId | None = None) -> tuple[ExtendBatch, ExtendPlan]:
         """``sample_id``: a pipelined step's (``ExtendPlan.sample_id``)."""
         batch = self.pm.run(prepare_for_extend, requests)
         plan: ExtendPlan = self.pm.run(lower, batch, self.lower_ctx, sample_id=sample_id)
@@ -69,7 +69,7 @@ class Pipeline:
 
     def mixed(
         self, requests: Sequence[AdmittedRequest], running: DecodeBatch, ctx: DecodeContext, *,
-        sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None,
+        sample_id: SampleId | None = None, inputs_from: SampleId | None = None,
     ) -> tuple[MixedBatch, MixedPlan]:
         """New prefills and the running decodes (advanced by ``ctx``) in one forward; ``sample_id``
         and ``inputs_from`` as in ``decode`` (both parts keep their tokens under ``sample_id``)."""
@@ -82,7 +82,7 @@ class Pipeline:
 
     def decode(
         self, batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext, *,
-        sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None,
+        sample_id: SampleId | None = None, inputs_from: SampleId | None = None,
     ) -> tuple[DecodeBatch, DecodePlan]:
         """``sample_id`` and ``inputs_from``: a pipelined decode's (``DecodePlan``); with
         ``inputs_from``, ``ctx.next_tokens`` are the placeholders (zeros)."""

@@ -1,7 +1,9 @@
 """Typed ids of the IR.
 
 Every id is a ``NewType`` over ``int`` (or ``str`` for pools), so mypy refuses a ``MambaSlot`` where a
-token count or a ``KVLoc`` is expected. Ids carry no behaviour; ranges are checked by the node
+token count or a ``KVLoc`` is expected, and a ``SampleId``, ``DraftId`` or ``VerifyId`` where a
+``TicketSerial`` or one of the others is expected: the four share one minter (``ir.mint``), but
+not one meaning. Ids carry no behaviour; ranges are checked by the node
 validators and by the backend, which knows capacities.
 
 Conventions kept here and everywhere else:
@@ -30,6 +32,20 @@ PoolId = NewType("PoolId", str)
 
 TicketSerial = NewType("TicketSerial", int)
 """Process-unique, monotonically increasing identity of an ``InitTicket``."""
+
+SampleId = NewType("SampleId", int)
+"""Names the tokens a forward samples and the backend keeps per slot (``DecodePlan.sample_id``),
+for the pipelined decode that reads them (``DecodePlan.inputs_from``). Minted by
+``ir.mint.mint_sample_id``."""
+
+DraftId = NewType("DraftId", int)
+"""Names the per-step states a speculative draft keeps and the proposals it returns
+(``DraftBatch.draft_id``); the verify and the draft commit after it name the same one. Minted by
+``ir.mint.mint_draft_id``."""
+
+VerifyId = NewType("VerifyId", int)
+"""Names the intermediate states a verify forward keeps (``VerifyBatch.verify_id``), which only the
+commit naming it applies. Minted by ``ir.mint.mint_verify_id``."""
 
 PADDING_SLOT = MambaSlot(0)
 TARGET_POOL = PoolId("target")

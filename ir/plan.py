@@ -45,7 +45,7 @@ from ir.columns import (
     type_names,
 )
 from ir.errors import IRValidationError
-from ir.ids import PoolId, TicketSerial
+from ir.ids import PoolId, SampleId
 from ir.init import InitTicket, SnapshotTicket
 from ir.linear import linear
 
@@ -94,7 +94,7 @@ def _check_tickets(field: str, tickets: tuple[object, ...], cls: type[InitTicket
 
 def _check_sample(node: str, field: str, value: object) -> None:
     if value is not None and check_int(node, field, value) <= 0:
-        raise IRValidationError(node, field, value, "must be a positive serial (ir.init.mint_serial())")
+        raise IRValidationError(node, field, value, "must be a positive sample id (ir.mint.mint_sample_id())")
 
 
 @final
@@ -112,7 +112,7 @@ class ExtendPlan(ColumnNode, RequestRows):
     kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text=KV_NAMES))
     tickets: tuple[InitTicket, ...] = attrs.field(converter=_tickets, metadata=shown(line="ticket"))
     snapshots: tuple[SnapshotTicket, ...] = attrs.field(default=(), converter=_snapshots, metadata=shown(line="snapshot ticket"))
-    sample_id: TicketSerial | None = attrs.field(default=None, metadata=shown("sample", "#"))
+    sample_id: SampleId | None = attrs.field(default=None, metadata=shown("sample", "#"))
     """As ``DecodePlan.sample_id``, for the rows whose prompt this forward completes (``more_chunks``
     false): the backend keeps their first token per slot, for the pipelined decode that names it."""
 
@@ -140,9 +140,9 @@ class DecodePlan(ColumnNode, RequestRows):
     """The columns of a ``DecodeBatch`` (declared alike), and what a pipelined decode (a plan built
     while the previous forward runs) names instead of tokens it cannot know yet:
 
-    - ``sample_id`` (a serial, or ``None``): the backend keeps this forward's greedy token of every
+    - ``sample_id`` (a ``SampleId``, or ``None``): the backend keeps this forward's greedy token of every
       row under this id, per slot;
-    - ``inputs_from`` (a serial, or ``None``): every row's input token is the one the plan with
+    - ``inputs_from`` (a ``SampleId``, or ``None``): every row's input token is the one the plan with
       ``sample_id == inputs_from`` sampled for the row's slot, resolved when the backend stages the
       plan; ``input_ids`` are then placeholders, all 0. A kept token is used once: a plan naming it
       again (a replay) finds none and is refused, and so is one naming a forward that never ran.
@@ -154,8 +154,8 @@ class DecodePlan(ColumnNode, RequestRows):
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="seq"))
     input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="token"))
     kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text=KV_NAMES))
-    sample_id: TicketSerial | None = attrs.field(default=None, metadata=shown("sample", "#"))
-    inputs_from: TicketSerial | None = attrs.field(default=None, metadata=shown("inputs", "#"))
+    sample_id: SampleId | None = attrs.field(default=None, metadata=shown("sample", "#"))
+    inputs_from: SampleId | None = attrs.field(default=None, metadata=shown("inputs", "#"))
 
     def _check(self) -> None:
         _check_sample("DecodePlan", "sample_id", self.sample_id)

@@ -64,7 +64,7 @@ from ir.columns import (
     tokens_of,
 )
 from ir.errors import IRValidationError
-from ir.ids import TicketSerial
+from ir.ids import DraftId, VerifyId
 from ir.linear import linear
 
 MAX_SPEC_K = 64
@@ -96,7 +96,7 @@ def _check_ids(node: object, k: object, id_name: str, serial: object) -> int:
     """``k`` (returned, as an int) and the phase's id (``verify_id`` or ``draft_id``)."""
     value = check_k(node, k)
     if check_int(node, id_name, serial) < 1:
-        raise IRValidationError(type(node).__name__, id_name, serial, "must be positive (use ir.init.mint_serial())")
+        raise IRValidationError(type(node).__name__, id_name, serial, f"must be positive (use ir.mint.mint_{id_name}())")
     return value
 
 
@@ -113,7 +113,7 @@ class DraftBatch(ColumnNode, RequestRows):
     ``draft_id`` names the per-step states the proposal keeps for the draft commit."""
 
     k: int
-    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
+    draft_id: DraftId = attrs.field(metadata=shown("draft", "#"))
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
     slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))
@@ -136,7 +136,7 @@ class Proposals(ColumnNode):
     proposals of another draft are refused by ``prepare_for_verify`` naming both drafts."""
 
     k: int
-    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
+    draft_id: DraftId = attrs.field(metadata=shown("draft", "#"))
     tokens: I64 = column(converter=as_i64, metadata=per(ANY, min=0))
 
     def _check_first(self) -> None:
@@ -156,8 +156,8 @@ class VerifyBatch(ColumnNode, RequestRows):
     same draft)."""
 
     k: int
-    verify_id: TicketSerial = attrs.field(metadata=shown("verify", "#"))
-    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
+    verify_id: VerifyId = attrs.field(metadata=shown("verify", "#"))
+    draft_id: DraftId = attrs.field(metadata=shown("draft", "#"))
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
     slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))
@@ -191,8 +191,8 @@ class CommitBatch(ColumnNode, RequestRows):
     locations of rejected positions, to be freed."""
 
     k: int
-    verify_id: TicketSerial = attrs.field(metadata=shown("verify", "#"))
-    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
+    verify_id: VerifyId = attrs.field(metadata=shown("verify", "#"))
+    draft_id: DraftId = attrs.field(metadata=shown("draft", "#"))
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
     slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))
@@ -221,7 +221,7 @@ class DraftCommitBatch(ColumnNode, RequestRows):
     released by the target's commit, which shares them."""
 
     k: int
-    draft_id: TicketSerial = attrs.field(metadata=shown("draft", "#"))
+    draft_id: DraftId = attrs.field(metadata=shown("draft", "#"))
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
     slots: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, text=SLOT_NAME))
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))

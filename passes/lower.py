@@ -13,7 +13,7 @@ decode rows read their inputs from: ``sample_id`` (extend, decode, mixed) and ``
 (decode, mixed: its decode part) are arguments of ``lower``, which returns the finished plan; a
 mixed plan's two parts keep their tokens under the one ``sample_id``. The overloads give them only
 to the batches whose plans have them (at run time another batch given one is refused), and a plan
-given one runs its own checks (they are the caller's serials, not the checked batch's columns).
+given one runs its own checks (they are the caller's ids, not the checked batch's columns).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import attrs
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import build_unchecked
 from ir.errors import IRValidationError
-from ir.ids import TARGET_POOL, PoolId, TicketSerial
+from ir.ids import TARGET_POOL, PoolId, SampleId
 from ir.init import InitTicket, SnapshotTicket
 from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -67,7 +67,7 @@ class LowerContext:
     pools: tuple[PoolId, ...] = attrs.field(default=(TARGET_POOL,), converter=_pools)
 
 
-def _extend_plan(batch: ExtendBatch, ctx: LowerContext, sample_id: TicketSerial | None) -> ExtendPlan:
+def _extend_plan(batch: ExtendBatch, ctx: LowerContext, sample_id: SampleId | None) -> ExtendPlan:
     init, snap = batch.init, batch.snapshot
     # The columns are the checked batch's own read-only arrays: no copy, no re-check.
     plan = build_unchecked(
@@ -83,12 +83,12 @@ def _extend_plan(batch: ExtendBatch, ctx: LowerContext, sample_id: TicketSerial 
         snapshots=tuple(SnapshotTicket(pool=p, snapshot=snap) for p in ctx.pools) if snap is not None else (),
         sample_id=sample_id,
     )
-    if sample_id is not None:  # the caller's serial: checked as the constructor would
+    if sample_id is not None:  # the caller's sample id: checked as the constructor would
         plan.check_fields()
     return plan
 
 
-def _decode_plan(batch: DecodeBatch, sample_id: TicketSerial | None, inputs_from: TicketSerial | None) -> DecodePlan:
+def _decode_plan(batch: DecodeBatch, sample_id: SampleId | None, inputs_from: SampleId | None) -> DecodePlan:
     plan = build_unchecked(
         DecodePlan,
         rids=batch.rids,
@@ -99,20 +99,20 @@ def _decode_plan(batch: DecodeBatch, sample_id: TicketSerial | None, inputs_from
         sample_id=sample_id,
         inputs_from=inputs_from,
     )
-    if sample_id is not None or inputs_from is not None:  # the caller's serials (and placeholder inputs)
+    if sample_id is not None or inputs_from is not None:  # the caller's sample ids (and placeholder inputs)
         plan.check_fields()
     return plan
 
 
 @overload
-def lower(batch: ExtendBatch, ctx: LowerContext, *, sample_id: TicketSerial | None = None) -> ExtendPlan: ...
+def lower(batch: ExtendBatch, ctx: LowerContext, *, sample_id: SampleId | None = None) -> ExtendPlan: ...
 @overload
 def lower(
-    batch: DecodeBatch, ctx: LowerContext, *, sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None
+    batch: DecodeBatch, ctx: LowerContext, *, sample_id: SampleId | None = None, inputs_from: SampleId | None = None
 ) -> DecodePlan: ...
 @overload
 def lower(
-    batch: MixedBatch, ctx: LowerContext, *, sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None
+    batch: MixedBatch, ctx: LowerContext, *, sample_id: SampleId | None = None, inputs_from: SampleId | None = None
 ) -> MixedPlan: ...
 @overload
 def lower(batch: IdleBatch, ctx: LowerContext) -> IdlePlan: ...
@@ -126,7 +126,7 @@ def lower(batch: CommitBatch, ctx: LowerContext) -> CommitPlan: ...
 def lower(batch: DraftCommitBatch, ctx: LowerContext) -> DraftCommitPlan: ...
 @overload
 def lower(batch: DraftExtendBatch, ctx: LowerContext) -> DraftExtendPlan: ...
-def lower(batch: Batch, ctx: LowerContext, *, sample_id: TicketSerial | None = None, inputs_from: TicketSerial | None = None) -> Plan:
+def lower(batch: Batch, ctx: LowerContext, *, sample_id: SampleId | None = None, inputs_from: SampleId | None = None) -> Plan:
     if not isinstance(ctx, LowerContext):
         raise bad_arg("lower", "ctx", ctx, "a LowerContext")
     if inputs_from is not None and not isinstance(batch, (DecodeBatch, MixedBatch)):

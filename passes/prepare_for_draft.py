@@ -17,7 +17,7 @@ import attrs
 from ir.batch import DecodeBatch
 from ir.columns import I64, MAX_SEQ_LEN, REQUEST, WINDOW, ColumnNode, as_i64, build_unchecked, column, freeze, per
 from ir.errors import PreconditionError
-from ir.init import mint_serial
+from ir.mint import mint_draft_id
 from ir.spec import DraftBatch, check_k
 from passes._args import bad_arg
 
@@ -50,7 +50,7 @@ def prepare_for_draft(batch: DecodeBatch, ctx: SpecContext) -> DraftBatch:
     return build_unchecked(
         DraftBatch,
         k=ctx.k,
-        draft_id=mint_serial(),
+        draft_id=mint_draft_id(),
         rids=batch.rids,
         slots=batch.slots,
         seq_lens=freeze(batch.seq_lens + 1),

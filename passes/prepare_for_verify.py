@@ -16,7 +16,7 @@ import numpy as np
 
 from ir.columns import build_unchecked, freeze
 from ir.errors import PreconditionError
-from ir.init import mint_serial
+from ir.mint import mint_verify_id
 from ir.spec import DraftBatch, Proposals, VerifyBatch
 from passes._args import bad_arg
 
@@ -45,7 +45,7 @@ def prepare_for_verify(batch: DraftBatch, proposals: Proposals) -> VerifyBatch:
     return build_unchecked(
         VerifyBatch,
         k=k,
-        verify_id=mint_serial(),
+        verify_id=mint_verify_id(),
         draft_id=batch.draft_id,
         rids=batch.rids,
         slots=batch.slots,

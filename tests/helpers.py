@@ -17,10 +17,13 @@ references, or the kernels under Triton's interpreter in the kernel tests).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any, NamedTuple, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_type_hints
 
 import attrs
 import numpy as np
@@ -40,7 +43,7 @@ from compiler.engine import Engine
 from compiler.tools.ab import DRAFT_NOISE
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import I64
-from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
+from ir.ids import TARGET_POOL, DraftId, MambaSlot, PoolId, RequestId, SampleId, TicketSerial, VerifyId
 from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
@@ -60,6 +63,9 @@ from ir.spec import (
 )
 from passes.lower import LowerContext, lower
 from passes.prepare_for_extend import prepare_for_extend
+
+if TYPE_CHECKING:  # annotations only: most tests never start an executor process
+    from backend.remote import ExecutorProcess
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -543,7 +549,7 @@ def extend_plans(draw: Any) -> ExtendPlan:
         **cols,
         tickets=tuple(InitTicket(pool=PoolId(p), init=init) for p in names),
         snapshots=tuple(SnapshotTicket(pool=PoolId(p), snapshot=snap) for p in snap_pools),
-        sample_id=draw(st.none() | serial_ids),
+        sample_id=draw(st.none() | serial_ids.map(SampleId)),
     )
 
 
@@ -579,7 +585,7 @@ def commit_batches(draw: Any) -> CommitBatch:
     n, k = len(cols["rids"]), cols["k"]
     accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
     released = draw(_distinct(st.integers(0, 100_000), n * k - sum(accept)))
-    return CommitBatch(**cols, verify_id=TicketSerial(draw(serial_ids)), draft_id=TicketSerial(draw(serial_ids)), accept_pos=accept, released_kv=released)
+    return CommitBatch(**cols, verify_id=VerifyId(draw(serial_ids)), draft_id=DraftId(draw(serial_ids)), accept_pos=accept, released_kv=released)
 
 
 @st.composite
@@ -587,7 +593,7 @@ def draft_commit_batches(draw: Any) -> DraftCommitBatch:
     cols = draw(windows(single=False))
     n, k = len(cols["rids"]), cols["k"]
     accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
-    return DraftCommitBatch(**cols, draft_id=TicketSerial(draw(serial_ids)), accept_pos=accept)
+    return DraftCommitBatch(**cols, draft_id=DraftId(draw(serial_ids)), accept_pos=accept)
 
 
 @st.composite
@@ -637,13 +643,13 @@ def mixed_plans(draw: Any) -> MixedPlan:
 def decode_plans(draw: Any) -> DecodePlan:
     """Decode plans, some with a sample id, some pipelined (inputs named by an earlier sample)."""
     cols = draw(decode_columns())
-    sample = draw(st.none() | serial_ids)
-    inputs = draw(st.none() | serial_ids.filter(lambda s: s != sample))
+    sample = draw(st.none() | serial_ids.map(SampleId))
+    inputs = draw(st.none() | serial_ids.filter(lambda s: s != sample).map(SampleId))
     if inputs is not None:
         cols["input_ids"] = [0] * len(cols["input_ids"])
     return DecodePlan(**cols, sample_id=sample, inputs_from=inputs)
-draft_batches = st.builds(lambda c, d: DraftBatch(**c, draft_id=TicketSerial(d)), windows(single=True), serial_ids)
-verify_batches = st.builds(lambda c, v, d: VerifyBatch(**c, verify_id=TicketSerial(v), draft_id=TicketSerial(d)), windows(single=False), serial_ids, serial_ids)
+draft_batches = st.builds(lambda c, d: DraftBatch(**c, draft_id=DraftId(d)), windows(single=True), serial_ids)
+verify_batches = st.builds(lambda c, v, d: VerifyBatch(**c, verify_id=VerifyId(v), draft_id=DraftId(d)), windows(single=False), serial_ids, serial_ids)
 
 NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "ExtendBatch": extend_batches(),
@@ -671,3 +677,13 @@ NODE_STRATEGIES |= {
     plan.__name__: NODE_STRATEGIES[get_type_hints(plan)["batch"].__name__].map(lambda b, plan=plan: plan(batch=b))
     for plan in get_args(SpecPlan)
 }
+
+
+def kill_child(ex: ExecutorProcess, timeout_s: float = 10.0) -> None:
+    """SIGKILL an executor process's child and wait until it has ended (``exit_code`` reaps it), so
+    the next use of ``ex`` meets a dead process, not a dying one."""
+    os.kill(ex.pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while ex.exit_code is None:
+        assert time.monotonic() < deadline, f"executor process {ex.pid} still running {timeout_s} s after SIGKILL"
+        time.sleep(0.01)

@@ -69,7 +69,7 @@ def _state(drv: Engine) -> tuple[list[torch.Tensor], tuple[object, ...]]:
         drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(), drv.ledger.outstanding(), drv.ledger.num_consumed,
         drv.kv_refs.held(), drv.prefixes.held(), drv.live, drv.live_slots(), tuple(drv.requests.queued),
         {r: list(o) for r, o in drv.outputs.items()}, drv.stopped_by,
-        tuple(attrs.asdict(e) for e in c.entries()), dict(c._seen), c._reserved, set(c._planned), attrs.asdict(c.stats),
+        tuple(attrs.asdict(e) for e in c.entries()), c.observed(), c.reserved, c.planned(), attrs.asdict(c.stats),
     )
 
 
@@ -445,7 +445,7 @@ def test_executor_accepts_its_documented_arguments() -> None:
 
 
 def _cache_state(c: PrefixCache) -> tuple[object, ...]:
-    return (tuple(attrs.asdict(e) for e in c.entries()), dict(c._seen), c._reserved, set(c._planned), attrs.asdict(c.stats))
+    return (tuple(attrs.asdict(e) for e in c.entries()), c.observed(), c.reserved, c.planned(), attrs.asdict(c.stats))
 
 
 def _cache_with_entry() -> tuple[PrefixCache, CacheEntry]:
@@ -505,7 +505,7 @@ def test_prefix_cache_takes_numpy_tokens() -> None:
         c.observe(np.arange(9, dtype=np.int32))  # type: ignore[arg-type]
         c.observe(list(range(9)))
         assert c.plan_snapshot(np.arange(9), np.int64(0)) == 8  # type: ignore[arg-type]
-    assert all(type(t) is int for key in c._seen for t in key)
+    assert all(type(t) is int for key in c.observed() for t in key)
 
 
 # -- 8. load_workload and load_checkpoint -------------------------------------------------------------
@@ -687,7 +687,7 @@ def test_prefix_cache_insert_refuses_impossible_entries(entry: CacheEntry, match
     cache = PrefixCache(capacity=2, block=4)
     assert cache.reserve_room()
     _refused(PrefixCacheError, r"^insert\(entry\): " + match, lambda: cache.insert(entry))
-    assert cache.entries() == () and cache._reserved == 1  # private: the reservation is still held
+    assert cache.entries() == () and cache.reserved == 1  # the reservation is still held
 
 
 @pytest.mark.parametrize("max_steps", [True, "x", None, 1.5, -1], ids=["bool", "str", "None", "float", "negative"])

@@ -351,7 +351,7 @@ class StackMachine(RuleBasedStateMachine):
             assert drv.ledger.counts(DRAFT_POOL) == drv.ledger.counts(TARGET_POOL)
         for ex in (drv.target, drv.draft):
             if ex is not None:
-                assert not ex._intermediates, "a verify's states were never committed"
+                assert not ex.kept_states, "a verify's states were never committed"
 
         # slots: requests, cache entries and snapshots in flight own disjoint slots, and nothing else is live
         live = drv.live_slots()
@@ -400,7 +400,7 @@ class StackMachine(RuleBasedStateMachine):
         """The tokens a running request's row holds: its prompt and its output but the last token,
         which the next decode feeds; a pipelined decode in flight has fed that one too."""
         r = self.driver.requests[rid]
-        inflight = self.driver.forwards._inflight
+        inflight = self.driver.in_flight
         fed = r.output if inflight is not None and rid in inflight.rids else r.output[:-1]
         return self.prompts[rid] + tuple(fed)
 

@@ -58,6 +58,7 @@ from ir.errors import (
 )
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId, TicketSerial
 from ir.init import InitTicket, MambaInit, MambaSnapshot, mint_serial
+from ir.mint import mint_draft_id, mint_verify_id
 from ir.plan import ExtendPlan
 from ir.request import Continue, CopyFrom
 from ir.spec import (
@@ -128,7 +129,7 @@ def state_of(world: World | DriverWorld) -> tuple[list[torch.Tensor], tuple[obje
         return [world.pool.buffer.clone()], (
             _ledger_state(world.ledger),
             world.slots.num_free, world.slots.live(), world.kv.num_free, world.kv.live(),
-            tuple(world.executor._intermediates),  # pending verify states (private: no public view)
+            world.executor.kept_states,  # pending verify and draft states
         )
     drv = world.driver
     assert drv.draft is not None
@@ -139,7 +140,7 @@ def state_of(world: World | DriverWorld) -> tuple[list[torch.Tensor], tuple[obje
         drv.slots.num_free, drv.slots.live(), drv.kv.num_free, drv.kv.live(),
         drv.kv_refs.held(),  # KV reference counts
         drv.live, drv.live_slots(), {r: list(o) for r, o in drv.outputs.items()},
-        tuple(attrs.asdict(e) for e in cache_.entries()), cache_._reserved,  # cache bookkeeping (private)
+        tuple(attrs.asdict(e) for e in cache_.entries()), cache_.reserved,  # cache bookkeeping
     )
 
 
@@ -264,7 +265,7 @@ SPEC_CASES = [
         "commit-batch-accept-pos-past-k",
         _build(
             lambda: CommitBatch(
-                k=2, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[3],
+                k=2, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[3],
                 input_ids=[3, 5, 6], kv_locs=[30, 31, 32], released_kv=[],
             )
         ),
@@ -276,7 +277,7 @@ SPEC_CASES = [
         "commit-batch-released-count",
         _build(
             lambda: CommitBatch(
-                k=2, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[0],
+                k=2, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[0],
                 input_ids=[3, 5, 6], kv_locs=[30, 31, 32], released_kv=[32],
             )
         ),
@@ -288,7 +289,7 @@ SPEC_CASES = [
         "commit-released-outside-window",
         lambda w, ctx: verify(
             CommitBatch(
-                k=2, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[1],
+                k=2, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[5], accept_pos=[1],
                 input_ids=[3, 5, 6], kv_locs=[30, 31, 32], released_kv=[44],
             )
         ),
@@ -297,7 +298,7 @@ SPEC_CASES = [
     ),
     Case(
         "verify-batch-k-zero",
-        _build(lambda: VerifyBatch(k=0, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30])),
+        _build(lambda: VerifyBatch(k=0, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30])),
         IRValidationError,
         r"VerifyBatch\.k: speculative steps must be >= 1",
         field="k",
@@ -305,14 +306,14 @@ SPEC_CASES = [
     Case(
         "verify-batch-dup-slots",
         lambda w, ctx: verify(
-            VerifyBatch(k=1, verify_id=mint_serial(), draft_id=mint_serial(), rids=[1, 2], slots=[3, 3], seq_lens=[5, 5], input_ids=[3, 4, 5, 6], kv_locs=[30, 31, 32, 33])
+            VerifyBatch(k=1, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[1, 2], slots=[3, 3], seq_lens=[5, 5], input_ids=[3, 4, 5, 6], kv_locs=[30, 31, 32, 33])
         ),
         IRVerificationError,
         r"VerifyBatch\.slots\[1\]: slot 3 already used at index 0",
     ),
     Case(
         "draft-batch-padding-slot",
-        _build(lambda: DraftBatch(k=1, draft_id=mint_serial(), rids=[1], slots=[0], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])),
+        _build(lambda: DraftBatch(k=1, draft_id=mint_draft_id(), rids=[1], slots=[0], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])),
         IRValidationError,
         r"DraftBatch\.slots",
         field="slots",

@@ -44,7 +44,7 @@ from backend.model import ServedModel
 from compiler.engine.admission import check_engine_args, check_request
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
 from compiler.engine.chunks import ChunkPlanner
-from compiler.engine.forwards import Forwards, Progress
+from compiler.engine.forwards import Forwards, InFlight, Progress
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.policy import DEFAULT_POLICY, SchedulePolicy
 from compiler.engine.prefixes import PrefixStates
@@ -153,6 +153,12 @@ class Engine:
     def running(self) -> DecodeBatch:
         """The running batch: every RUNNING request, in decode order."""
         return self.forwards.running
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The pipelined forward sent and not read back yet: its requests and sample id
+        (``None`` when none is in flight, always so unless the engine pipelines decodes)."""
+        return self.forwards.in_flight
 
     @property
     def chunk_size(self) -> int:

@@ -54,8 +54,8 @@ from compiler.engine.runner import ForwardRunner, StepFailed, Submitted, cause_w
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, frozen_i64
-from ir.ids import MambaSlot, RequestId, TicketSerial
-from ir.init import mint_serial
+from ir.ids import MambaSlot, RequestId, SampleId
+from ir.mint import mint_sample_id
 from ir.request import AdmittedRequest
 from ir.results import NON_FINITE
 from passes.prepare_for_decode import DecodeContext
@@ -75,6 +75,16 @@ class Progress:
         """Requests given at least one token."""
 
 
+@attrs.frozen(kw_only=True)
+class InFlight:
+    """What a pipelined forward sent and not read back yet is for: the requests whose next token it
+    samples, in the order of its rows, and the id its tokens are kept under (``DecodePlan.sample_id``;
+    the next pipelined decode names it as ``inputs_from``). A read-only view (``Forwards.in_flight``)."""
+
+    rids: tuple[RequestId, ...]
+    sample_id: SampleId
+
+
 @attrs.frozen
 class _Inflight:
     """A pipelined forward sent and not read back yet, and what reading it back does: the rows
@@ -83,7 +93,7 @@ class _Inflight:
     prefix cache, and the id its tokens are kept under."""
 
     submitted: Submitted
-    sample_id: TicketSerial
+    sample_id: SampleId
     rows: list[tuple[int, Request]]
     """(row of the logits, request) of every token the forward samples for a request."""
     first_decode_row: int
@@ -131,6 +141,12 @@ class Forwards:
         self._deferred: list[Submitted] = []
         """Commits sent to executor processes and not waited for yet: nothing in this step needs
         their result, and the next plan on each pool runs after them in that process."""
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The pipelined forward sent and not read back yet (``None`` when there is none)."""
+        f = self._inflight
+        return None if f is None else InFlight(rids=tuple(f.rids), sample_id=f.sample_id)
 
     def settle(self) -> None:
         """Wait for the plans still in flight in executor processes (the commits of the last
@@ -333,7 +349,7 @@ class Forwards:
             if ending:
                 running = self.pipeline.filter_decode(running, ending)
         rids = running.rid_list()
-        sample = mint_serial()
+        sample = mint_sample_id()
         kv = self._alloc_for(rids, 1) if rids else None
         admitted = self.planner.next_chunks() if prefill else []
         if prev is not None and rids:
@@ -376,7 +392,7 @@ class Forwards:
         return kind
 
     def _built(
-        self, submitted: Submitted, sample: TicketSerial, admitted: Sequence[AdmittedRequest], extend: ExtendBatch,
+        self, submitted: Submitted, sample: SampleId, admitted: Sequence[AdmittedRequest], extend: ExtendBatch,
         decode_rids: Sequence[RequestId],
     ) -> _Inflight:
         """The planner's side of a prefill just sent (``_chunks_ran``), and what reading it back does."""

@@ -71,6 +71,12 @@ class KVRefs:
         """References held on ``loc``."""
         return int(self._counts[loc]) if 0 <= loc < self._counts.shape[0] else 0
 
+    @property
+    def nbytes(self) -> int:
+        """Host memory the counts take: they grow with the highest location referenced, not with
+        the KV capacity."""
+        return int(self._counts.nbytes)
+
     def held(self) -> dict[int, int]:
         """Every referenced location and its count."""
         nz = np.flatnonzero(self._counts)

@@ -135,7 +135,7 @@ class PrefixStates:
             raise PreconditionError(
                 "release_prefix", f"cp {short_repr(cp)} is not a prefix this engine holds (forged, or released already)"
             )
-        waiting = sorted(int(r.rid) for r in requests if r.done == 0 and r.source == held)
+        waiting = sorted(r.rid for r in requests if r.done == 0 and r.source == held)
         if waiting:
             raise PreconditionError(
                 "release_prefix", f"prefix in slot {slot} is still to be copied by request(s) {waiting} (their first chunk has not run)"

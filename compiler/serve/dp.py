@@ -66,9 +66,9 @@ class ReplicaResult:
     index: int
     summary: dict[str, Any]
     """The replica's ``ServeSummary.to_json()``."""
-    outputs: dict[int, tuple[int, ...]]
-    aborted: tuple[int, ...]
-    errored: tuple[int, ...] = ()
+    outputs: dict[RequestId, tuple[int, ...]]
+    aborted: tuple[RequestId, ...]
+    errored: tuple[RequestId, ...] = ()
     """Requests that ended at non-finite logits (``ServeSummary.errored``)."""
 
 
@@ -134,8 +134,8 @@ def serve_replicas(
                 d = json.loads(r[0])
             except ValueError:
                 raise ReplicaFailed(f"replica {i} exited with status 0 without writing its result") from None
-            out.append(ReplicaResult(index=i, summary=d["summary"], outputs={int(k): tuple(v) for k, v in d["outputs"].items()},
-                                     aborted=tuple(d["aborted"]), errored=tuple(d["errored"])))
+            out.append(ReplicaResult(index=i, summary=d["summary"], outputs={RequestId(int(k)): tuple(v) for k, v in d["outputs"].items()},
+                                     aborted=tuple(map(RequestId, d["aborted"])), errored=tuple(map(RequestId, d["errored"]))))
         return out
     finally:
         for p in procs:

@@ -14,6 +14,7 @@ from backend.hybrid.model import HybridModel
 from compiler.engine.nonfinite import ERROR_MESSAGE
 from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.workload import Request, ServeError
+from ir.ids import RequestId
 
 
 @attrs.frozen(kw_only=True)
@@ -78,8 +79,8 @@ def finish_reason(r: Request, output: Sequence[int], eos: Sequence[int], aborted
 
 
 def output_lines(
-    workload: Sequence[Request], outputs: Mapping[int, Sequence[int]], aborted: Collection[int], tokenizer: Tokenizer, eos: Sequence[int],
-    errored: Collection[int] = (),
+    workload: Sequence[Request], outputs: Mapping[RequestId, Sequence[int]], aborted: Collection[RequestId], tokenizer: Tokenizer, eos: Sequence[int],
+    errored: Collection[RequestId] = (),
 ) -> list[dict[str, object]]:
     """One ``--outputs`` object per request, in workload order: ``rid`` (its line), ``prompt``,
     ``prompt_ids``, ``output_ids`` (an ending end-of-sequence id included), ``text`` (the output
@@ -89,15 +90,15 @@ def output_lines(
     logits (``finish_reason`` ``"error"``, and ``reason`` says so)."""
     lines: list[dict[str, object]] = []
     for r in workload:
-        out = outputs.get(int(r.rid), ())
+        out = outputs.get(r.rid, ())
         detok = tokenizer.detokenizer()
         text = "".join(detok.push(t) for t in out) + detok.flush()
         lines.append({
             "rid": int(r.rid), "prompt": r.prompt.decode("utf-8", errors="replace"), "prompt_ids": [int(t) for t in r.token_ids],
-            "output_ids": list(out), "text": text, "finish_reason": finish_reason(r, out, eos, int(r.rid) in aborted, int(r.rid) in errored),
+            "output_ids": list(out), "text": text, "finish_reason": finish_reason(r, out, eos, r.rid in aborted, r.rid in errored),
         })
         if r.refused is not None:
             lines[-1]["reason"] = r.refused
-        elif int(r.rid) in errored:
+        elif r.rid in errored:
             lines[-1]["reason"] = ERROR_MESSAGE
     return lines

@@ -207,13 +207,13 @@ def _run(
         kv_live_after=driver.kv.num_live,
         pass_us_per_step={name: (t.calls, t.seconds / t.calls * 1e6) for name, t in pm.timings().items()},
         samples=tuple(
-            Sample(rid=int(r.rid), prompt=r.prompt.decode("utf-8", "replace")[-40:],
+            Sample(rid=r.rid, prompt=r.prompt.decode("utf-8", "replace")[-40:],
                    completion=tokenizer.decode(driver.outputs[r.rid]))
             for r in served[:3]
         ),
-        outputs={int(rid): tuple(out) for rid, out in driver.outputs.items()},
-        aborted=tuple(sorted(int(rid) for rid in driver.aborted_by_failure)),
-        errored=tuple(sorted(int(rid) for rid in driver.errored)),
+        outputs={rid: tuple(out) for rid, out in driver.outputs.items()},
+        aborted=tuple(sorted(driver.aborted_by_failure)),
+        errored=tuple(sorted(driver.errored)),
         target_clears_minted_consumed=target_counts[0],
         target_cows_minted_consumed=target_counts[1],
         target_snapshots_minted_consumed=target_counts[2],

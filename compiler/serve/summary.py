@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import attrs
 
+from ir.ids import RequestId
+
 
 @attrs.frozen(kw_only=True)
 class Sample:
     """The end of a prompt and its completion (bytes decoded with replacement)."""
 
-    rid: int
+    rid: RequestId
     prompt: str
     completion: str
 
@@ -118,11 +120,11 @@ class ServeSummary:
     """With ``tp > 1``: rank 0's time broadcasting plan messages (and requests), per step."""
     tp_agree_ms_per_step: float | None = None
     """With ``tp > 1``: rank 0's time in the ranks' two agreements per plan, per step."""
-    outputs: dict[int, tuple[int, ...]] = attrs.Factory(dict)
+    outputs: dict[RequestId, tuple[int, ...]] = attrs.Factory(dict)
     """Every request's generated ids (``--outputs``; not in ``to_json``)."""
-    aborted: tuple[int, ...] = ()
+    aborted: tuple[RequestId, ...] = ()
     """Requests aborted by failed forwards (their outputs are cut short; not in ``to_json``)."""
-    errored: tuple[int, ...] = ()
+    errored: tuple[RequestId, ...] = ()
     """Requests ended by non-finite logits (their outputs stop before that token; not in ``to_json``)."""
 
     @property

@@ -59,7 +59,7 @@ def test_kv_refs_grow_with_the_highest_location_not_the_capacity() -> None:
     refs = KVRefs(KVAllocator(2**31))
     refs.ref([5, 1_000_000])
     assert refs.count(1_000_000) == 1 and refs.count(5) == 1 and refs.count(6) == 0
-    assert refs._counts.nbytes < 64 * 1024 * 1024  # private: the array is sized by use (about 8 MB here)
+    assert refs.nbytes < 64 * 1024 * 1024  # the counts are sized by use (about 8 MB here), not by the 2**31 capacity
 
 
 def _req(rid: int) -> Request:

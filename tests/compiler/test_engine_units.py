@@ -33,7 +33,7 @@ from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
 from ir.columns import frozen_i64
 from ir.errors import EngineStoppedError, PlanExecutionError, PreconditionError, SlotError
-from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId, SampleId
 from ir.nodes import Plan
 from ir.plan import DecodePlan
 from ir.results import Result, Sampled
@@ -465,8 +465,8 @@ def test_the_pipeline_puts_sample_ids_on_every_part_it_lowers(sample: int | None
     and the mixed plan's tickets are registered (outstanding until an executor consumes them)."""
     ledger = Ledger()
     pipe = Pipeline(ledger)
-    sid = TicketSerial(sample) if sample is not None else None
-    src = TicketSerial(inputs) if inputs is not None else None
+    sid = SampleId(sample) if sample is not None else None
+    src = SampleId(inputs) if inputs is not None else None
     running = decode_batch([7], [3], [5], [40], tokens=[0] if inputs is not None else [9])
     ctx = DecodeContext(next_tokens=[0] if inputs is not None else [9], kv_locs=[41])
     _, mplan = pipe.mixed([request(1, 1, [5, 6], 0)], running, ctx, sample_id=sid, inputs_from=src)

@@ -28,7 +28,7 @@ from compiler.workload import Request
 from ir.ids import TARGET_POOL, RequestId
 from passes import LowerContext
 from tests.compiler.test_lifetimes import RUN, alive, descendants, kill_left, paused
-from tests.helpers import REVIEW_PROMPTS, engine, fresh, tiny_models
+from tests.helpers import REVIEW_PROMPTS, engine, fresh, kill_child, tiny_models
 
 
 def test_how_a_process_ended_is_said_one_way() -> None:
@@ -42,8 +42,7 @@ def test_a_dead_executor_process_is_raised_by_its_plans_only() -> None:
     target, _ = tiny_models()
     with ExecutorProcess(target, pool_id=TARGET_POOL, capacity=4, kv_capacity=64, max_len=32, ledger=ledger) as ex:
         ex.wait_ready()
-        os.kill(ex._proc.pid, signal.SIGKILL)
-        ex._proc.wait()
+        kill_child(ex)
         # the requests that are not plans change nothing in a dead process: none raises
         ex.share_prefix(0, 1, 0)
         ex.forget_verifies()
@@ -66,8 +65,7 @@ def test_an_executor_process_killed_mid_run_aborts_its_requests_at_any_step() ->
                     drv.admit(RequestId(n), REVIEW_PROMPTS[n], max_new_tokens=4)
                 if n == at:
                     assert isinstance(drv.target, ExecutorProcess)
-                    os.kill(drv.target._proc.pid, signal.SIGKILL)
-                    drv.target._proc.wait()
+                    kill_child(drv.target)
                 drv.step()  # never raises: the engine aborts the forwards that cannot run
             assert drv.live == 0 and drv.aborted_by_failure, at
             assert drv.first_failure is not None and "executor process for pool 'target' killed by signal 9" in drv.first_failure

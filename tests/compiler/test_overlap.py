@@ -9,8 +9,6 @@ hanging the engine."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import struct
 from pathlib import Path
 
@@ -31,24 +29,21 @@ from compiler.serve import ServeConfig, ServeError
 from compiler.steps import Pipeline
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError, ResourceReplayError
 from ir.ids import TARGET_POOL, RequestId
-from ir.init import SERIAL_COUNTER_BITS, InitTicket, MambaInit, mint_serial, this_epoch
+from ir.init import SERIAL_COUNTER_BITS, InitTicket, MambaInit, this_epoch
+from ir.mint import mint_sample_id
 from ir.parse import parse
 from ir.plan import DecodePlan
 from ir.printer import dump
 from ir.wire import pack
 from passes import LowerContext
 from passes.prepare_for_decode import DecodeContext
-from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, engine, fresh, review_greedy, tiny_models
+from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, engine, fresh, kill_child, review_greedy, tiny_models
 
 
 def _serve(drv: Engine, ids: range = range(4)) -> None:
     for i in ids:
         drv.admit(RequestId(i), REVIEW_PROMPTS[i], max_new_tokens=REVIEW_NEW)
     drv.run_until_done()
-
-
-def _child(ex: ExecutorProcess) -> int:
-    return ex._proc.pid
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -88,7 +83,7 @@ def test_the_scheduler_refuses_a_replayed_plan_before_sending_it() -> None:
         assert ex.execute(plan) is not None  # type: ignore[arg-type]  # _prefill returns the plan untyped
         with pytest.raises(ResourceReplayError):
             ex.execute(plan)  # type: ignore[arg-type]
-        assert ex._next == 1  # nothing was sent
+        assert len(ex.busy) == 1  # one reply read: the replay was never sent
         ledger.assert_drained()
         assert ex.execute(_prefill(ledger)) is not None  # type: ignore[arg-type]  # the next message still fits
 
@@ -169,8 +164,7 @@ def test_a_dead_executor_process_fails_its_forwards_instead_of_hanging() -> None
         drv.admit(RequestId(0), REVIEW_PROMPTS[0], max_new_tokens=REVIEW_NEW)
         drv.step()
         assert isinstance(drv.draft, ExecutorProcess)
-        os.kill(_child(drv.draft), signal.SIGKILL)
-        drv.draft._proc.wait()
+        kill_child(drv.draft)
         report = drv.step()
         assert report.kind is StepKind.FAILED and drv.live == 0
         assert drv.aborted_by_failure == {RequestId(0)}
@@ -243,10 +237,10 @@ def test_pipelined_decodes_emit_what_plain_decodes_emit_stops_and_aborts_include
         while drv.live and RequestId(4) not in drv.outputs:
             drv.step()
             r3 = drv.requests[RequestId(3)] if RequestId(3) in drv.requests else None
-            if drv.forwards._inflight is not None and r3 is not None and len(r3.output) >= 3 and RequestId(3) in drv.forwards._inflight.rids:
+            if drv.in_flight is not None and r3 is not None and len(r3.output) >= 3 and RequestId(3) in drv.in_flight.rids:
                 drv.abort(RequestId(3))  # aborted while its next decode is in flight: that token is dropped
         drv.run_until_done()
-        assert drv.forwards._inflight is None
+        assert drv.in_flight is None
         expected = {RequestId(i): greedy[RequestId(i)] for i in (0, 1, 4)}
         expected[RequestId(2)] = greedy[RequestId(2)][: greedy[RequestId(2)].index(stop) + 1]
         assert {rid: out for rid, out in drv.outputs.items() if rid != RequestId(3)} == expected
@@ -276,19 +270,19 @@ def test_a_pipelined_decode_takes_its_inputs_once_and_only_from_a_forward_that_r
     drv.step()  # prefill
     drv.step()  # the first decode, sent with its input known and its sample kept
     drv.step()  # the second, naming the first one's sample: in flight
-    assert drv.forwards._inflight is not None
+    assert drv.in_flight is not None
     ex = drv.target
     assert not isinstance(ex, ExecutorProcess)
     running = drv.running
-    prev = drv.forwards._inflight.sample_id
+    prev = drv.in_flight.sample_id
     # the token of `prev` is still kept for the decode after it; a plan naming a sample that never
     # ran, or naming `prev` twice, is refused before the model runs
     _, plan = drv.pipeline.decode(
-        running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), sample_id=mint_serial(), inputs_from=mint_serial()
+        running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), sample_id=mint_sample_id(), inputs_from=mint_sample_id()
     )
     with pytest.raises(PlanExecutionError, match="holds the token of sample"):
         ex.execute(plan)
-    kept = mint_serial()
+    kept = mint_sample_id()
     _, plan = drv.pipeline.decode(
         running, DecodeContext(next_tokens=[0], kv_locs=drv.kv_refs.alloc(1)), sample_id=kept, inputs_from=prev
     )
@@ -304,7 +298,7 @@ def test_a_pipelined_decode_takes_its_inputs_once_and_only_from_a_forward_that_r
 
 def test_a_pipelined_decode_plan_checks_its_ids_and_prints_them() -> None:
     cols = {"rids": [7, 8], "slots": [1, 2], "seq_lens": [5, 9], "kv_locs": [10, 11]}
-    a, b = mint_serial(), mint_serial()
+    a, b = mint_sample_id(), mint_sample_id()
     plan = DecodePlan(**cols, input_ids=[0, 0], sample_id=b, inputs_from=a)
     text = dump(plan, exact=True)
     assert f"sample=#{b} inputs=#{a}" in text.splitlines()[0]
@@ -313,7 +307,7 @@ def test_a_pipelined_decode_plan_checks_its_ids_and_prints_them() -> None:
         for bad, match in (
             ({"input_ids": [3, 0], "inputs_from": a}, "placeholders"),
             ({"input_ids": [0, 0], "inputs_from": a, "sample_id": a}, "own sample_id"),
-            ({"input_ids": [1, 2], "sample_id": 0}, "positive serial"),
+            ({"input_ids": [1, 2], "sample_id": 0}, "positive sample id"),
             ({"input_ids": [1, 2], "sample_id": True}, "sample_id"),
             ({"input_ids": [0, 0], "inputs_from": "1"}, "inputs_from"),
         ):
@@ -337,5 +331,5 @@ def test_closing_with_plans_in_flight_reads_their_replies_and_stops() -> None:
     ex = _process(ledger)
     pending = [ex.submit(_prefill(ledger)) for _ in range(20)]  # type: ignore[arg-type]  # untyped builder
     ex.close()
-    assert ex.closed and all(p.done for p in pending) and ex._proc.poll() is not None
+    assert ex.closed and all(p.done for p in pending) and ex.exit_code is not None
     ledger.assert_drained()

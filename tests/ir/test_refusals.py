@@ -19,7 +19,7 @@ import pytest
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64, MAX_SEQ_LEN, REQUEST, ColumnNode, as_i64, build_unchecked, column, length_of, per, tokens_of
 from ir.errors import IRValidationError, IRVerificationError, PreconditionError
-from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
+from ir.ids import TARGET_POOL, DraftId, MambaSlot, PoolId, RequestId, SampleId, TicketSerial
 from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
@@ -28,6 +28,7 @@ from ir.verify import verify
 
 CLEAR, COW, CONT = InitIntent.CLEAR, InitIntent.COW, InitIntent.CONTINUE
 S = TicketSerial(11)
+SID = SampleId(11)
 
 
 def _ext_cols(**over: Any) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def test_the_well_formed_neighbours_are_accepted() -> None:
     verify(MixedBatch(extend=ext_batch(), decode=DecodeBatch(**dec_cols())))
     verify(ext_plan())
     verify(DecodePlan(**dec_cols()))
-    verify(MixedPlan(extend=ext_plan(sample_id=S), decode=DecodePlan(**dec_cols(), sample_id=S)))
+    verify(MixedPlan(extend=ext_plan(sample_id=SID), decode=DecodePlan(**dec_cols(), sample_id=SID)))
 
 
 VALIDATION: list[tuple[str, Callable[[], object], str]] = [
@@ -120,14 +121,14 @@ VALIDATION: list[tuple[str, Callable[[], object], str]] = [
     ("tickets of two serials", lambda: ext_plan(tickets=(InitTicket(pool=PoolId("a"), init=MambaInit(serial=S, clear_slots=(1, 2))), InitTicket(pool=PoolId("b"), init=MambaInit(serial=TicketSerial(13), clear_slots=(1, 2))))), r"ExtendPlan\.tickets: tickets of one plan share one serial \(got \[11, 13\]\)"),
     ("tickets of two ops", lambda: ext_plan(tickets=(InitTicket(pool=PoolId("a"), init=MambaInit(serial=S, clear_slots=(1, 2))), InitTicket(pool=PoolId("b"), init=MambaInit(serial=S, clear_slots=(1,))))), r"ExtendPlan\.tickets: tickets of one plan carry the same ops for every pool"),
     ("snapshots of two serials", lambda: ext_plan(snapshots=(SnapshotTicket(pool=PoolId("a"), snapshot=_snap((1,), (5,))), SnapshotTicket(pool=PoolId("b"), snapshot=_snap((1,), (5,), serial=14)))), r"ExtendPlan\.snapshots: tickets of one plan share one serial \(got \[12, 14\]\)"),
-    ("extend sample 0", lambda: ext_plan(sample_id=TicketSerial(0)), r"ExtendPlan\.sample_id: must be a positive serial"),
-    ("decode sample 0", lambda: DecodePlan(**dec_cols(), sample_id=TicketSerial(0)), r"DecodePlan\.sample_id: must be a positive serial"),
-    ("decode inputs_from 0", lambda: DecodePlan(**dec_cols(input_ids=[0, 0]), inputs_from=TicketSerial(0)), r"DecodePlan\.inputs_from: must be a positive serial"),
-    ("inputs from itself", lambda: DecodePlan(**dec_cols(input_ids=[0, 0]), sample_id=S, inputs_from=S), r"DecodePlan\.inputs_from: names this plan's own sample_id \(got 11\)"),
-    ("tokens with inputs_from", lambda: DecodePlan(**dec_cols(input_ids=[0, 7]), inputs_from=S), r"DecodePlan\.input_ids: must be placeholders \(all 0\) when inputs_from names them \(got \[0, 7\]\)"),
-    ("two samples in one forward", lambda: MixedPlan(extend=ext_plan(sample_id=S), decode=DecodePlan(**dec_cols(), sample_id=TicketSerial(13))), r"MixedPlan\.decode: keeps its tokens under sample #13, the extend part under #11"),
+    ("extend sample 0", lambda: ext_plan(sample_id=SampleId(0)), r"ExtendPlan\.sample_id: must be a positive sample id \(ir\.mint\.mint_sample_id\(\)\)"),
+    ("decode sample 0", lambda: DecodePlan(**dec_cols(), sample_id=SampleId(0)), r"DecodePlan\.sample_id: must be a positive sample id"),
+    ("decode inputs_from 0", lambda: DecodePlan(**dec_cols(input_ids=[0, 0]), inputs_from=SampleId(0)), r"DecodePlan\.inputs_from: must be a positive sample id"),
+    ("inputs from itself", lambda: DecodePlan(**dec_cols(input_ids=[0, 0]), sample_id=SID, inputs_from=SID), r"DecodePlan\.inputs_from: names this plan's own sample_id \(got 11\)"),
+    ("tokens with inputs_from", lambda: DecodePlan(**dec_cols(input_ids=[0, 7]), inputs_from=SID), r"DecodePlan\.input_ids: must be placeholders \(all 0\) when inputs_from names them \(got \[0, 7\]\)"),
+    ("two samples in one forward", lambda: MixedPlan(extend=ext_plan(sample_id=SID), decode=DecodePlan(**dec_cols(), sample_id=SampleId(13))), r"MixedPlan\.decode: keeps its tokens under sample #13, the extend part under #11"),
     # ir.spec
-    ("proposals not whole rows", lambda: Proposals(k=2, draft_id=S, tokens=[4, 5, 6]), r"^Proposals\.tokens: must hold k \(2\) tokens per row \(got 3\)$"),
+    ("proposals not whole rows", lambda: Proposals(k=2, draft_id=DraftId(11), tokens=[4, 5, 6]), r"^Proposals\.tokens: must hold k \(2\) tokens per row \(got 3\)$"),
 ]
 
 
@@ -139,14 +140,14 @@ def test_a_malformed_node_is_not_built(build: Callable[[], object], match: str) 
 
 def test_one_sample_per_forward_allows_a_part_without_one() -> None:
     """Only two *different* ids are refused: one part keeping its tokens, or both under one id, is fine."""
-    for e, d in ((S, None), (None, S), (S, S), (None, None)):
+    for e, d in ((SID, None), (None, SID), (SID, SID), (None, None)):
         plan = MixedPlan(extend=ext_plan(sample_id=e), decode=DecodePlan(**dec_cols(), sample_id=d))
         assert (plan.extend.sample_id, plan.decode.sample_id) == (e, d)
 
 
 def test_pipelined_decode_and_distinct_ids_are_accepted() -> None:
-    plan = DecodePlan(**dec_cols(input_ids=[0, 0]), sample_id=TicketSerial(13), inputs_from=S)
-    assert plan.inputs_from == S
+    plan = DecodePlan(**dec_cols(input_ids=[0, 0]), sample_id=SampleId(13), inputs_from=SID)
+    assert plan.inputs_from == SID
 
 
 def test_a_snapshot_ticket_and_a_plan_find_their_pool() -> None:
@@ -230,12 +231,12 @@ def test_verify_re_runs_the_field_checks_of_every_part() -> None:
         verify(bad)
     with pytest.raises(IRValidationError, match=r"ExtendBatch\.intents: length must equal"):
         verify(_unchecked(MixedBatch(extend=ext_batch(), decode=DecodeBatch(**dec_cols())), extend=bad))
-    good_dec = DecodePlan(**dec_cols(input_ids=[0, 0]), inputs_from=S)
+    good_dec = DecodePlan(**dec_cols(input_ids=[0, 0]), inputs_from=SID)
     bad_dec = _unchecked(good_dec, input_ids=DecodePlan(**dec_cols(input_ids=[0, 5])).input_ids)
     with pytest.raises(IRValidationError, match=r"DecodePlan\.input_ids: must be placeholders"):
         verify(_unchecked(MixedPlan(extend=ext_plan(), decode=good_dec), decode=bad_dec))
-    mixed = MixedPlan(extend=ext_plan(sample_id=S), decode=DecodePlan(**dec_cols(), sample_id=S))
-    two = _unchecked(mixed, decode=DecodePlan(**dec_cols(), sample_id=TicketSerial(13)))
+    mixed = MixedPlan(extend=ext_plan(sample_id=SID), decode=DecodePlan(**dec_cols(), sample_id=SID))
+    two = _unchecked(mixed, decode=DecodePlan(**dec_cols(), sample_id=SampleId(13)))
     with pytest.raises(IRValidationError, match=r"MixedPlan\.decode: keeps its tokens under sample #13"):
         verify(two)
 

@@ -35,7 +35,7 @@ from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import frozen_i64
 from ir.errors import PreconditionError, short_repr
-from ir.ids import RequestId, TicketSerial
+from ir.ids import RequestId, SampleId
 from ir.spec import AcceptResult, CommitBatch, DraftBatch, VerifyBatch
 from passes import (
     DecodeContext,
@@ -126,10 +126,10 @@ CASES: list[ArgCase] = [
     *_arg_cases("lower", "batch", lambda v: lower(v, LOWER_CTX), [*NOT_A_NODE, *_nodes(PLAN, REQUEST, DECODE_CTX)]),  # type: ignore[call-overload]
     *_arg_cases("lower", "ctx", lambda v: lower(RUNNING, v), [*NOT_A_NODE, ("pools", ("target",)), *_nodes(DECODE_CTX)]),  # type: ignore[call-overload]
     # a sample only for the forwards that keep one (extend, decode, mixed), inputs read only by decode rows
-    *_arg_cases("lower", "sample_id", lambda v: lower(DRAFT, LOWER_CTX, sample_id=v), [("serial", TicketSerial(5))]),  # type: ignore[call-overload]
-    *_arg_cases("lower", "sample_id", lambda v: lower(COMMIT, LOWER_CTX, sample_id=v), [("serial-commit", TicketSerial(5))]),  # type: ignore[call-overload]
-    *_arg_cases("lower", "inputs_from", lambda v: lower(EXTEND, LOWER_CTX, inputs_from=v), [("serial", TicketSerial(5))]),  # type: ignore[call-overload]
-    *_arg_cases("lower", "inputs_from", lambda v: lower(VERIFY, LOWER_CTX, inputs_from=v), [("serial-verify", TicketSerial(5))]),  # type: ignore[call-overload]
+    *_arg_cases("lower", "sample_id", lambda v: lower(DRAFT, LOWER_CTX, sample_id=v), [("sample", SampleId(5))]),  # type: ignore[call-overload]
+    *_arg_cases("lower", "sample_id", lambda v: lower(COMMIT, LOWER_CTX, sample_id=v), [("sample-commit", SampleId(5))]),  # type: ignore[call-overload]
+    *_arg_cases("lower", "inputs_from", lambda v: lower(EXTEND, LOWER_CTX, inputs_from=v), [("sample", SampleId(5))]),  # type: ignore[call-overload]
+    *_arg_cases("lower", "inputs_from", lambda v: lower(VERIFY, LOWER_CTX, inputs_from=v), [("sample-verify", SampleId(5))]),  # type: ignore[call-overload]
     # -- filter_batch: the batch, and drop (request ids, checked like IR int fields) ------------------------
     *_arg_cases("filter_batch", "batch", lambda v: filter_batch(v, [1]), [*NOT_A_NODE, *_nodes(MIXED, DRAFT)]),  # type: ignore[type-var]
     *_arg_cases("filter_batch", "drop", lambda v: filter_batch(RUNNING, v), [("none", None), ("str", "12"), ("bytes", b"\x01"), ("int", 1)]),  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ import pytest
 
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.errors import IRValidationError, PreconditionError
-from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId, TicketSerial
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId, SampleId
 from ir.init import InitIntent
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.printer import dump
@@ -251,9 +251,9 @@ def test_lower_each_kind() -> None:
 
 
 def test_lower_returns_a_pipelined_plan_finished() -> None:
-    """A pipelined step's serials are arguments of ``lower``: the plans come out carrying them (a
+    """A pipelined step's sample ids are arguments of ``lower``: the plans come out carrying them (a
     mixed plan's two parts under the one sample), equal to the plans built field by field."""
-    sid, src = TicketSerial(7), TicketSerial(3)
+    sid, src = SampleId(7), SampleId(3)
     d = prepare_for_decode(decode_batch([1], [4], [7], [70], tokens=[5]), DecodeContext(next_tokens=[0], kv_locs=[71]))
     e = _extend()
     plan = lower(d, LowerContext(), sample_id=sid, inputs_from=src)
@@ -271,20 +271,20 @@ def test_lower_returns_a_pipelined_plan_finished() -> None:
 @pytest.mark.parametrize(
     ("sample_id", "inputs_from", "tokens", "words"),
     [
-        (0, None, [5], "positive serial"),
-        (None, -2, [0], "positive serial"),
+        (0, None, [5], "positive sample id"),
+        (None, -2, [0], "positive sample id"),
         (None, 3, [5], "placeholders"),
         (3, 3, [0], "own sample_id"),
     ],
 )
-def test_lower_checks_the_serials_it_is_given(sample_id: int | None, inputs_from: int | None, tokens: list[int], words: str) -> None:
-    """The serials are the caller's, not the checked batch's: the plan runs its own checks on them."""
+def test_lower_checks_the_sample_ids_it_is_given(sample_id: int | None, inputs_from: int | None, tokens: list[int], words: str) -> None:
+    """The sample ids are the caller's, not the checked batch's: the plan runs its own checks on them."""
     d = prepare_for_decode(decode_batch([1], [4], [7], [70], tokens=[5]), DecodeContext(next_tokens=tokens, kv_locs=[71]))
     with pytest.raises(IRValidationError, match=words):
-        lower(d, LowerContext(), sample_id=None if sample_id is None else TicketSerial(sample_id), inputs_from=None if inputs_from is None else TicketSerial(inputs_from))
+        lower(d, LowerContext(), sample_id=None if sample_id is None else SampleId(sample_id), inputs_from=None if inputs_from is None else SampleId(inputs_from))
     if inputs_from is None:
         with pytest.raises(IRValidationError, match=words):
-            lower(_extend(), LowerContext(), sample_id=TicketSerial(sample_id or 0))
+            lower(_extend(), LowerContext(), sample_id=SampleId(sample_id or 0))
 
 
 # -- purity -------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from compiler.steps import Pipeline
 from ir.batch import DecodeBatch
 from ir.columns import frozen_i64
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError
-from ir.ids import DRAFT_POOL, TARGET_POOL, TicketSerial
+from ir.ids import DRAFT_POOL, TARGET_POOL, DraftId, VerifyId
 from ir.init import SERIAL_COUNTER_BITS, serial_epoch
 from ir.spec import CommitPlan, DraftBatch, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyBatch, VerifyPlan
 from ir.verify import verify
@@ -269,7 +269,7 @@ def test_a_commit_never_takes_a_drafts_states_nor_a_draft_commit_a_verifys() -> 
     v = _verify_of(d)
     ex.execute(lower(v, LowerContext()))
     c = commit(v, accept(v, frozen_i64([0] * 8)))
-    forged = attrs.evolve(c, verify_id=d.draft_id)  # a commit naming the draft's id
+    forged = attrs.evolve(c, verify_id=VerifyId(d.draft_id))  # a commit naming the draft's id (forged: mypy refuses it unwrapped)
     before = pool.copy_buffer()
     with pytest.raises(PlanExecutionError, match=rf"#{d.draft_id} names a draft's states, which only a DraftCommitPlan commits"):
         ex.execute(lower(forged, LowerContext()))
@@ -303,7 +303,7 @@ def test_the_first_id_minted_in_an_epoch_runs_once() -> None:
     refuses it the second time."""
     _, _, _, _, ex_d, pipe, running = _prefilled({1: 0, 2: 2})
     d, _ = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10, 18))))
-    first = attrs.evolve(d, draft_id=TicketSerial(serial_epoch(d.draft_id) + 1 << SERIAL_COUNTER_BITS | 1))  # another epoch's first id
+    first = attrs.evolve(d, draft_id=DraftId(serial_epoch(d.draft_id) + 1 << SERIAL_COUNTER_BITS | 1))  # another epoch's first id
     proposals = ex_d.run_draft(lower(first, LowerContext()))
     assert proposals.draft_id == first.draft_id and proposals.tokens.tolist() == [10, 11, 12, 20, 21, 22]
     with pytest.raises(PlanExecutionError, match=rf"^draft #{first.draft_id} already ran on pool 'draft' \(each draft runs once"):

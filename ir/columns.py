@@ -719,6 +719,8 @@ class _Part:
 def _node_classes(tp: object) -> tuple[tuple[type, ...], bool] | None:
     """The ``Node`` classes of a resolved annotation (``X``, ``X | None``, ``X | Y``) and whether
     ``None`` is allowed, or ``None`` when it is not (only) node classes."""
+    if isinstance(tp, TypeVar) and tp.__bound__ is not None:  # a generic node's field (``Ticket.op``): its bound
+        tp = tp.__bound__
     args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
     optional = type(None) in args
     classes = tuple(a for a in args if a is not type(None))

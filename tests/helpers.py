@@ -17,6 +17,7 @@ references, or the kernels under Triton's interpreter in the kernel tests).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
@@ -39,9 +40,9 @@ from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine
 from compiler.tools.ab import DRAFT_NOISE
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
-from ir.columns import I64
+from ir.columns import I64, type_names
 from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId, TicketSerial
-from ir.init import OP_TYPES, InitIntent, MambaInit, MambaSnapshot, Ticket
+from ir.init import OP_TYPES, InitIntent, MambaInit, MambaSnapshot, Ticket, When
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
 from ir.spec import (
@@ -664,6 +665,13 @@ NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "AdmittedRequest": admitted(),
     "AcceptResult": accept_results(),
 }
+# What a refusal names as the accepted op kinds, from the declarations (a new kind changes these
+# lists, not the tests that pin the messages around them).
+OPS_NAMED = re.escape(type_names(OP_TYPES))
+"""``a MambaInit or a MambaSnapshot``, as a pattern."""
+BEFORE_NAMED = re.escape(type_names(tuple(c for c in OP_TYPES if c.DECL.when is When.BEFORE)))
+AFTER_NAMED = re.escape(type_names(tuple(c for c in OP_TYPES if c.DECL.when is When.AFTER)))
+
 # A ticket carries any op kind: its strategy is every kind's (derived from ``ir.init.OP_TYPES``).
 NODE_STRATEGIES["Ticket"] = st.builds(
     lambda p, op: Ticket(pool=PoolId(p), op=op), pool_names, st.one_of(*(NODE_STRATEGIES[c.__name__] for c in OP_TYPES))

@@ -72,7 +72,7 @@ from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
 from passes.prepare_for_draft import SpecContext
 from passes.prepare_for_extend import prepare_for_extend
-from tests.helpers import World, decode_batch, extend_plan, make_world, random_fill, request
+from tests.helpers import AFTER_NAMED, BEFORE_NAMED, OPS_NAMED, World, decode_batch, extend_plan, make_world, random_fill, request
 
 Ctx = dict[str, Any]
 
@@ -378,9 +378,9 @@ _GARBAGE = "garbage"
 
 
 NODE_FIELD_CASES: list[Case] = [
-    Case("ticket-op-none", _build(lambda: Ticket(pool=TARGET_POOL, op=None)), IRValidationError, r"Ticket\.op: must be a MambaInit or a MambaSnapshot, not NoneType \(got None\)", field="op"),  # type: ignore[arg-type]
-    Case("ticket-op-str", _build(lambda: Ticket(pool=TARGET_POOL, op="x")), IRValidationError, r"Ticket\.op: must be a MambaInit or a MambaSnapshot, not str \(got 'x'\)", field="op"),  # type: ignore[arg-type]
-    Case("ticket-op-batch", _build(lambda: Ticket(pool=TARGET_POOL, op=_DECODE)), IRValidationError, r"Ticket\.op: must be a MambaInit or a MambaSnapshot, not DecodeBatch", field="op"),  # type: ignore[type-var]
+    Case("ticket-op-none", _build(lambda: Ticket(pool=TARGET_POOL, op=None)), IRValidationError, rf"Ticket\.op: must be {OPS_NAMED}, not NoneType \(got None\)", field="op"),  # type: ignore[arg-type]
+    Case("ticket-op-str", _build(lambda: Ticket(pool=TARGET_POOL, op="x")), IRValidationError, rf"Ticket\.op: must be {OPS_NAMED}, not str \(got 'x'\)", field="op"),  # type: ignore[arg-type]
+    Case("ticket-op-batch", _build(lambda: Ticket(pool=TARGET_POOL, op=_DECODE)), IRValidationError, rf"Ticket\.op: must be {OPS_NAMED}, not DecodeBatch", field="op"),  # type: ignore[type-var]
     Case("ticket-pool-none", _build(lambda: Ticket(pool=None, op=_ticket_init())), IRValidationError, r"Ticket\.pool: must be a pool name \(a non-empty str\), not NoneType \(got None\)", field="pool"),  # type: ignore[arg-type]
     Case("ticket-pool-int", _build(lambda: Ticket(pool=3, op=_ticket_init())), IRValidationError, r"Ticket\.pool: .*not int \(got 3\)", field="pool"),  # type: ignore[arg-type]
     Case("ticket-pool-empty", _build(lambda: Ticket(pool=PoolId(""), op=_ticket_init())), IRValidationError, r"Ticket\.pool: must be a non-empty pool name \(got ''\)", field="pool"),
@@ -390,16 +390,16 @@ NODE_FIELD_CASES: list[Case] = [
     Case("extend-batch-snapshot-str", _extend_batch(snapshot=_GARBAGE), IRValidationError, r"ExtendBatch\.snapshot: must be a MambaSnapshot or None, not str \(got 'garbage'\)", field="snapshot"),
     Case("extend-batch-snapshot-init", _extend_batch(snapshot=MambaInit(serial=mint_serial(), clear_slots=(2,))), IRValidationError, r"ExtendBatch\.snapshot: .*not MambaInit", field="snapshot"),
     Case("extend-plan-ticket-init-str", _build(lambda: attrs.evolve(extend_plan([request(1, 2, [5, 6], 10)])[1], tickets=(Ticket(pool=TARGET_POOL, op="x"),))), IRValidationError, r"Ticket\.op: .*\(got 'x'\)", field="op"),  # type: ignore[arg-type]
-    Case("extend-plan-tickets-none-entry", _extend_plan(tickets=(None,)), IRValidationError, r"ExtendPlan\.tickets: every entry must be a Ticket of a MambaInit, not NoneType \(got None\)", field="tickets"),
-    Case("extend-plan-tickets-str", _extend_plan(tickets="ab"), IRValidationError, r"ExtendPlan\.tickets: must be a tuple of a Ticket of a MambaInit \(got 'ab'\)", field="tickets"),
-    Case("extend-plan-snapshots-none-entry", _extend_plan(snapshots=(None,)), IRValidationError, r"ExtendPlan\.snapshots: every entry must be a Ticket of a MambaSnapshot, not NoneType \(got None\)", field="snapshots"),
-    Case("extend-plan-snapshots-str", _extend_plan(snapshots="ab"), IRValidationError, r"ExtendPlan\.snapshots: must be a tuple of a Ticket of a MambaSnapshot \(got 'ab'\)", field="snapshots"),
-    Case("extend-plan-snapshots-none", _extend_plan(snapshots=None), IRValidationError, r"ExtendPlan\.snapshots: must be a tuple of a Ticket of a MambaSnapshot \(got None\)", field="snapshots"),
+    Case("extend-plan-tickets-none-entry", _extend_plan(tickets=(None,)), IRValidationError, rf"ExtendPlan\.tickets: every entry must be a Ticket of {BEFORE_NAMED}, not NoneType \(got None\)", field="tickets"),
+    Case("extend-plan-tickets-str", _extend_plan(tickets="ab"), IRValidationError, rf"ExtendPlan\.tickets: must be a tuple of a Ticket of {BEFORE_NAMED} \(got 'ab'\)", field="tickets"),
+    Case("extend-plan-snapshots-none-entry", _extend_plan(snapshots=(None,)), IRValidationError, rf"ExtendPlan\.snapshots: every entry must be a Ticket of {AFTER_NAMED}, not NoneType \(got None\)", field="snapshots"),
+    Case("extend-plan-snapshots-str", _extend_plan(snapshots="ab"), IRValidationError, rf"ExtendPlan\.snapshots: must be a tuple of a Ticket of {AFTER_NAMED} \(got 'ab'\)", field="snapshots"),
+    Case("extend-plan-snapshots-none", _extend_plan(snapshots=None), IRValidationError, rf"ExtendPlan\.snapshots: must be a tuple of a Ticket of {AFTER_NAMED} \(got None\)", field="snapshots"),
     Case(
         "extend-plan-snapshots-init-ticket",
         _extend_plan(snapshots=(Ticket(pool=TARGET_POOL, op=MambaInit(serial=mint_serial(), clear_slots=(2,))),)),
         IRValidationError,
-        r"ExtendPlan\.snapshots: every entry must be a Ticket of a MambaSnapshot, not a Ticket of a MambaInit",
+        rf"ExtendPlan\.snapshots: every entry must be a Ticket of {AFTER_NAMED}, not a Ticket of a MambaInit",
         field="snapshots",
     ),
     Case(
@@ -437,7 +437,7 @@ NODE_FIELD_CASES: list[Case] = [
         "verify-rechecks-unchecked-plan-tickets",
         lambda w, ctx: verify(build_unchecked(ExtendPlan, **{**attrs.asdict(extend_plan([request(1, 2, [5, 6], 10)])[1], recurse=False), "tickets": ("x",)})),
         IRValidationError,
-        r"ExtendPlan\.tickets: every entry must be a Ticket of a MambaInit, not str \(got 'x'\)",
+        rf"ExtendPlan\.tickets: every entry must be a Ticket of {BEFORE_NAMED}, not str \(got 'x'\)",
         field="tickets",
     ),
     # pool names: non-empty str, nothing converted (None is not pool 'None')

@@ -25,6 +25,7 @@ from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 from ir.spec import Proposals
 from ir.verify import verify
+from tests.helpers import AFTER_NAMED, BEFORE_NAMED
 
 CLEAR, COW, CONT = InitIntent.CLEAR, InitIntent.COW, InitIntent.CONTINUE
 S = TicketSerial(11)
@@ -113,9 +114,9 @@ VALIDATION: list[tuple[str, Callable[[], object], str]] = [
     ("one intent short", lambda: ext_batch(intents=(CLEAR,)), r"ExtendBatch\.intents: length must equal len\(rids\) \(2\) \(got 1\)"),
     ("empty init", lambda: ext_batch(intents=(CONT, CONT), prefix_lens=[3, 3], init=MambaInit(serial=S)), r"ExtendBatch\.init: an empty MambaInit must be None"),
     # ir.plan
-    ("tickets not a tuple", lambda: ext_plan(tickets=None), r"ExtendPlan\.tickets: must be a tuple of a Ticket of a MambaInit \(got None\)"),
-    ("snapshot in tickets", lambda: ext_plan(tickets=(Ticket(pool=TARGET_POOL, op=_snap((1,), (5,))),)), r"ExtendPlan\.tickets: every entry must be a Ticket of a MambaInit, not a Ticket of a MambaSnapshot"),
-    ("init ticket in snapshots", lambda: ext_plan(snapshots=(Ticket(pool=TARGET_POOL, op=MambaInit(serial=S, clear_slots=(1, 2))),)), r"^ExtendPlan\.snapshots: every entry must be a Ticket of a MambaSnapshot, not a Ticket of a MambaInit \(got Ticket\("),
+    ("tickets not a tuple", lambda: ext_plan(tickets=None), rf"ExtendPlan\.tickets: must be a tuple of a Ticket of {BEFORE_NAMED} \(got None\)"),
+    ("snapshot in tickets", lambda: ext_plan(tickets=(Ticket(pool=TARGET_POOL, op=_snap((1,), (5,))),)), rf"ExtendPlan\.tickets: every entry must be a Ticket of {BEFORE_NAMED}, not a Ticket of a MambaSnapshot"),
+    ("init ticket in snapshots", lambda: ext_plan(snapshots=(Ticket(pool=TARGET_POOL, op=MambaInit(serial=S, clear_slots=(1, 2))),)), rf"^ExtendPlan\.snapshots: every entry must be a Ticket of {AFTER_NAMED}, not a Ticket of a MambaInit \(got Ticket\("),
     ("two tickets for a pool", lambda: ext_plan(tickets=(Ticket(pool=TARGET_POOL, op=MambaInit(serial=S, clear_slots=(1, 2))),) * 2), r"ExtendPlan\.tickets: two tickets for one pool \(got 'target'\)"),
     ("tickets of two serials", lambda: ext_plan(tickets=(Ticket(pool=PoolId("a"), op=MambaInit(serial=S, clear_slots=(1, 2))), Ticket(pool=PoolId("b"), op=MambaInit(serial=TicketSerial(13), clear_slots=(1, 2))))), r"ExtendPlan\.tickets: tickets of one plan share one serial \(got \[11, 13\]\)"),
     ("tickets of two ops", lambda: ext_plan(tickets=(Ticket(pool=PoolId("a"), op=MambaInit(serial=S, clear_slots=(1, 2))), Ticket(pool=PoolId("b"), op=MambaInit(serial=S, clear_slots=(1,))))), r"ExtendPlan\.tickets: tickets of one plan carry the same ops for every pool"),

@@ -30,14 +30,17 @@ leave the draft's state matching no sequence). A ``VerifyPlan`` names the draft 
 checks, and each draft's proposals are verified once on a pool (in the order drafts were minted).
 
 Per plan, in this order: (1) check that the plan fits this backend (its tickets name this pool,
-every slot, the init ops' COW sources included, is in range and, with an allocator attached, live;
-the init ops write only rows of the plan; snapshots read rows of the plan and write none of them),
+every slot an op names, the init ops' COW sources included, is in range and, with an allocator
+attached, live; each op's slots relate to the plan's rows as its kind declares, ``ir.init.OpDecl``:
+an init writes only rows of the plan and reads none, a snapshot reads rows of the plan and writes
+none of them),
 raising ``PlanExecutionError`` or ``SlotError`` before anything is touched; (2) stage the plan's
 columns into tensors; (3) claim every ticket of the plan (init and snapshot) through the ledger,
 which refuses a replayed, unknown or forged ticket (``ResourceReplayError``, ``UnknownTicketError``,
-``TicketMismatchError``) before the model runs; (4) apply the registered init ops: clears, then
-copies; (5) call the model hook; (6) apply the registered snapshots, copying the requests' new
-states into their cache slots.
+``TicketMismatchError``) before the model runs; (4) apply the registered ops that run before the
+forward (``backend.state_init.apply_op``; an init: clears, then copies); (5) call the model hook;
+(6) apply the registered ops that run after it (the snapshots, copying the requests' new states
+into their cache slots).
 
 A prefill plan whose tickets do not include this executor's pool is refused: it was lowered for
 other pools, and running it here would skip this pool's init ops. A ticket whose ops fail midway
@@ -72,11 +75,11 @@ from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook, Veri
 from backend.pool import MambaStatePool
 from backend.sampling import sample
 from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
-from backend.state_init import apply_init, apply_snapshot, check_init_fits, check_slots_fit, restoring
+from backend.state_init import apply_op, check_fits, restoring
 from ir.columns import I64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.ids import DraftId, PoolId, SampleId, VerifyId
-from ir.init import SERIAL_COUNTER_BITS, InitTicket, SnapshotTicket, Ticket, serial_epoch
+from ir.init import SERIAL_COUNTER_BITS, Op, Rows, Ticket, When, op_decl, op_groups, op_resets, op_slots, op_when, serial_epoch
 from ir.linear import consumes
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -264,12 +267,7 @@ class Executor(Generic[VerifyStateT]):
         if isinstance(plan, MixedPlan):
             self._check_slots(plan.decode.slots, "MixedPlan.decode")
             rows += plan.decode.slots.tolist()
-        own = frozenset(rows)
-        tickets: list[Ticket] = []
-        if (ticket := self._ticket(ext, own)) is not None:
-            tickets.append(ticket)
-        if (snapshot := self._snapshot_ticket(ext, own)) is not None:
-            tickets.append(snapshot)
+        tickets = self._own_tickets(ext, frozenset(rows))
         if isinstance(plan, MixedPlan):
             decode = stage_decode(plan.decode, self.pool.device, self._inputs(plan.decode, "MixedPlan.decode"))
         extend: StagedExtend = stage_extend(ext, self.pool.device)
@@ -283,13 +281,13 @@ class Executor(Generic[VerifyStateT]):
                 _check_fresh_rows(plan, ext, claim.tickets)
                 self._validated(plan)
                 for t in claim.tickets:
-                    if isinstance(t, InitTicket):
-                        apply_init(self.pool, t.init)
+                    if op_when(t.op) is When.BEFORE:
+                        apply_op(self.pool, t.op)
                         if self.gate is None:
                             claim.done(t)
                 out = self._forward(plan, extend, decode)
                 faults.check(faults.FaultPoint.MODEL_FORWARD)
-                self._snapshots(claim)
+                self._after(claim)
                 if self.gate is not None:
                     self.gate.applied(type(plan).__name__)
             self._mixed_sampled(plan, out)
@@ -300,11 +298,11 @@ class Executor(Generic[VerifyStateT]):
             _check_fresh_rows(plan, ext, claim.tickets)
             self._validated(plan)
             for t in claim.tickets:
-                if isinstance(t, InitTicket):
-                    apply_init(self.pool, t.init)
+                if op_when(t.op) is When.BEFORE:
+                    apply_op(self.pool, t.op)
             out = self._forward(plan, extend, decode)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
-            self._snapshots(claim)
+            self._after(claim)
             if self.gate is not None:
                 self.gate.applied(type(plan).__name__)
         self._mixed_sampled(plan, out)
@@ -322,10 +320,11 @@ class Executor(Generic[VerifyStateT]):
                 if not more:
                     self._samples[slot] = (ext.sample_id, token)
 
-    def _snapshots(self, claim: Claim) -> None:
+    def _after(self, claim: Claim) -> None:
+        """The ops that run after the forward (the prefix cache's snapshots)."""
         for t in claim.tickets:
-            if isinstance(t, SnapshotTicket):
-                apply_snapshot(self.pool, t.snapshot)
+            if op_when(t.op) is When.AFTER:
+                apply_op(self.pool, t.op)
 
     @consumes
     def run_decode(self, plan: DecodePlan) -> torch.Tensor:
@@ -556,54 +555,40 @@ class Executor(Generic[VerifyStateT]):
         # the model this executor was built with: its verify states are this executor's VerifyStateT
         return self._spec_hook
 
-    def _ticket(self, plan: ExtendPlan, own: frozenset[int]) -> InitTicket | None:
-        if not plan.tickets:
-            return None
-        ticket = plan.ticket_for(self.pool.pool_id)
-        if ticket is None:
-            pools = ", ".join(repr(t.pool) for t in plan.tickets)
-            raise PlanExecutionError(
-                f"plan with init #{plan.tickets[0].serial} was lowered for pool(s) {pools}, "
-                f"not for this executor's pool {self.pool.pool_id!r}"
-            )
-        init = ticket.init
-        check_init_fits(self.pool, init)
-        stray = init.targets() - own
-        if stray:
-            raise PlanExecutionError(
-                f"init #{init.serial} writes slot {min(stray)}, which is not a row of this plan (rows {sorted(own)})"
-            )
-        if self.slots is not None:
-            # a COW source is a checkpoint slot: reading a freed one would copy stale bytes
-            self.slots.check_live((*init.clear_slots, *init.cow_dst, *init.cow_src), f"init #{init.serial}")
-        return ticket
-
-    def _snapshot_ticket(self, plan: ExtendPlan, own: frozenset[int]) -> SnapshotTicket | None:
-        if not plan.snapshots:
-            return None
-        ticket = plan.snapshot_for(self.pool.pool_id)
-        if ticket is None:
-            pools = ", ".join(repr(t.pool) for t in plan.snapshots)
-            raise PlanExecutionError(
-                f"plan with snapshot #{plan.snapshots[0].serial} was lowered for pool(s) {pools}, "
-                f"not for this executor's pool {self.pool.pool_id!r}"
-            )
-        snap = ticket.snapshot
-        check_slots_fit(self.pool, f"snapshot #{snap.serial}", (("src", snap.src), ("dst", snap.dst)))
-        stray = frozenset(snap.src) - own
-        if stray:
-            raise PlanExecutionError(
-                f"snapshot #{snap.serial} reads slot {min(stray)}, which is not a row of this plan (rows {sorted(own)})"
-            )
-        overwritten = frozenset(snap.dst) & own
-        if overwritten:
-            raise PlanExecutionError(
-                f"snapshot #{snap.serial} writes slot {min(overwritten)}, a row of this plan (a cache slot is never a request's row)"
-            )
-        if self.slots is not None:
-            self.slots.check_live((*snap.src, *snap.dst), f"snapshot #{snap.serial}")
-        return ticket
-
+    def _own_tickets(self, plan: ExtendPlan, own: frozenset[int]) -> list[Ticket[Op]]:
+        """The plan's tickets for this pool, each checked as its op kind declares
+        (``ir.init.OpDecl``): every slot in range, ``OF_PLAN`` slots rows of the plan (``own``),
+        ``NOT_OF_PLAN`` ones not, and (with an allocator) every slot live. A kind the plan carries
+        for other pools only is refused: running it here would skip this pool's op."""
+        mine = plan.tickets_for(self.pool.pool_id)
+        kinds = {type(t.op) for t in mine}
+        for t in plan.all_tickets():
+            if type(t.op) not in kinds:
+                pools = ", ".join(repr(o.pool) for o in plan.all_tickets() if type(o.op) is type(t.op))
+                raise PlanExecutionError(
+                    f"plan with {op_decl(t.op).name} #{t.serial} was lowered for pool(s) {pools}, "
+                    f"not for this executor's pool {self.pool.pool_id!r}"
+                )
+        for t in mine:
+            op, what = t.op, f"{op_decl(t.op).name} #{t.serial}"
+            check_fits(self.pool, op)
+            groups = op_groups(op)
+            for g in sorted(groups, key=lambda g: g.rows is not Rows.OF_PLAN):  # (stable: field order within each)
+                verb = "writes" if g.writes else "reads"
+                if g.rows is Rows.OF_PLAN:
+                    stray = frozenset(g.slots) - own
+                    if stray:
+                        raise PlanExecutionError(f"{what} {verb} slot {min(stray)}, which is not a row of this plan (rows {sorted(own)})")
+                else:
+                    inside = frozenset(g.slots) & own
+                    if inside:
+                        raise PlanExecutionError(
+                            f"{what} {verb} slot {min(inside)}, a row of this plan (a cache slot is never a request's row)"
+                        )
+            if self.slots is not None:
+                # a COW source is a checkpoint slot: reading a freed one would copy stale bytes
+                self.slots.check_live(op_slots(op), what)
+        return list(mine)
 
     def _check_rows(self, slots: I64, what: str) -> None:
         """``_check_slots``, and no registered ticket still has to run on one of the rows (a plan
@@ -628,20 +613,21 @@ class Executor(Generic[VerifyStateT]):
         self._slots_ok = key
 
 
-def _check_fresh_rows(plan: ExtendPlan | MixedPlan, ext: ExtendPlan, tickets: Sequence[Ticket]) -> None:
-    """A row that starts at token 0 starts from a cleared state, and only the plan's own init (the
-    registered one, claimed) can clear it: a plan stripped of its ticket would run on whatever the
-    slot held. Runs inside the claim, before any op, so a refusal leaves the pool as it was."""
+def _check_fresh_rows(plan: ExtendPlan | MixedPlan, ext: ExtendPlan, tickets: Sequence[Ticket[Op]]) -> None:
+    """A row that starts at token 0 starts from a cleared state, and only the plan's own ops (the
+    registered ones, claimed) can clear it (``ir.init.op_resets``): a plan stripped of its ticket
+    would run on whatever the slot held. Runs inside the claim, before any op, so a refusal leaves
+    the pool as it was."""
     fresh = ext.slots[ext.prefix_lens == 0]
     if not fresh.size:
         return
-    init = next((t.init for t in tickets if isinstance(t, InitTicket)), None)
-    cleared = frozenset(init.clear_slots) if init is not None else frozenset()
+    before = [t.op for t in tickets if op_when(t.op) is When.BEFORE]
+    cleared = frozenset(s for op in before for s in op_resets(op))
     missing = [s for s in fresh.tolist() if s not in cleared]
     if missing:
         raise PlanExecutionError(
             f"{type(plan).__name__}: slot {missing[0]} starts at token 0 but the plan's init does not clear it "
-            f"(init: {'none for this pool' if init is None else init})"
+            f"(init: {'none for this pool' if not before else ', '.join(map(str, before))})"
         )
 
 

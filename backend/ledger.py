@@ -53,7 +53,7 @@ from ir.errors import (
     short_repr,
 )
 from ir.ids import PoolId, TicketSerial
-from ir.init import EPOCH_BITS, InitTicket, SnapshotTicket, Ticket, minted_here, serial_epoch
+from ir.init import EPOCH_BITS, OP_TYPES, Op, Ticket, minted_here, op_counts, op_plan_rows, op_text, serial_epoch
 from ir.linear import consumes_on, keeps_linear
 
 _Key = tuple[TicketSerial, PoolId]
@@ -61,8 +61,9 @@ _Key = tuple[TicketSerial, PoolId]
 
 @attrs.frozen(kw_only=True)
 class PoolCounts:
-    """One-shot ops consumed on one pool (``tickets`` counts init tickets; snapshots are counted
-    per copied slot)."""
+    """One-shot ops consumed on one pool: each op kind adds to the counters its declaration names
+    (``ir.init.OpDecl.counts``: ``tickets`` counts init tickets, ``clears``/``cows``/``snapshots``
+    slots)."""
 
     tickets: int = 0
     clears: int = 0
@@ -75,12 +76,12 @@ class Claim:
     """The tickets of one plan, held in flight by ``Ledger.claiming``. ``tickets`` are the registered
     tickets (the ones to execute), in the order they were claimed."""
 
-    def __init__(self, ledger: Ledger, tickets: tuple[Ticket, ...]) -> None:
+    def __init__(self, ledger: Ledger, tickets: tuple[Ticket[Op], ...]) -> None:
         self._ledger = ledger
         self.tickets = tickets
         self._held = {_key(t) for t in tickets}
 
-    def done(self, ticket: Ticket) -> None:
+    def done(self, ticket: Ticket[Op]) -> None:
         """Consume ``ticket`` now (its ops are applied), whatever happens later in the block."""
         key = _key(ticket)
         if key not in self._held:
@@ -119,19 +120,20 @@ class Claim:
 class Ledger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._outstanding: dict[_Key, Ticket] = {}
-        self._in_flight: dict[_Key, Ticket] = {}
+        self._outstanding: dict[_Key, Ticket[Op]] = {}
+        self._in_flight: dict[_Key, Ticket[Op]] = {}
         self._consumed: set[_Key] = set()
         self._cancelled: dict[_Key, str] = {}
         self._counts: dict[PoolId, PoolCounts] = {}
         self._minted: dict[PoolId, PoolCounts] = {}
         self._peers: dict[int, str] = {}
-        self._ops: dict[tuple[TicketSerial, bool], Ticket] = {}
-        """The first ticket registered under each (serial, is-a-snapshot): one serial carries the
-        same ops for every pool."""
+        self._ops: dict[tuple[TicketSerial, type], Ticket[Op]] = {}
+        """The first ticket registered under each (serial, op kind): one serial carries the same
+        ops for every pool."""
         self._rows: dict[PoolId, dict[int, set[_Key]]] = {}
-        """Per pool, the plan rows each registered, not yet consumed ticket writes (init targets)
-        or reads (snapshot sources): a plan over such a row must carry that ticket."""
+        """Per pool, the plan rows each registered, not yet consumed ticket's op requires of its
+        plan (``ir.init.op_plan_rows``: an init's targets, a snapshot's sources): a plan over such
+        a row must carry that ticket."""
         self.replays_blocked = 0
 
     def trust_peer(self, epoch: int, peer: str) -> None:
@@ -148,11 +150,11 @@ class Ledger:
         with self._lock:
             self._peers[epoch] = peer
 
-    def register(self, tickets: Iterable[Ticket]) -> None:
+    def register(self, tickets: Iterable[Ticket[Op]]) -> None:
         """Expect each ticket to be consumed exactly once; all or nothing."""
         items = _tickets_arg("register", tickets)
         with self._lock:
-            seen: dict[_Key, Ticket] = {}
+            seen: dict[_Key, Ticket[Op]] = {}
             for t in items:
                 key = _key(t)
                 if not minted_here(t.serial) and serial_epoch(t.serial) not in self._peers:
@@ -184,7 +186,7 @@ class Ledger:
                     for slot in _ticket_rows(t):
                         rows.setdefault(slot, set()).add(key)
 
-    def _forget_rows(self, key: _Key, t: Ticket) -> None:
+    def _forget_rows(self, key: _Key, t: Ticket[Op]) -> None:
         rows = self._rows.get(t.pool, {})
         for slot in _ticket_rows(t):
             keys = rows.get(slot)
@@ -194,7 +196,7 @@ class Ledger:
                     del rows[slot]
 
     def check_rows(
-        self, rows: Iterable[int], pool: PoolId, plan: str, carried: Iterable[Ticket] = (), *, ordered: bool = False
+        self, rows: Iterable[int], pool: PoolId, plan: str, carried: Iterable[Ticket[Op]] = (), *, ordered: bool = False
     ) -> None:
         """Refuse a plan over ``rows`` of ``pool`` while a registered ticket that the plan does not
         carry still has to write one of those rows (a clear or a COW into it) or read it (a
@@ -221,7 +223,7 @@ class Ledger:
 
     @consumes_on("pool")
     @contextmanager
-    def claiming(self, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan") -> Iterator[Claim]:
+    def claiming(self, tickets: Sequence[Ticket[Op]], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan") -> Iterator[Claim]:
         """Hold every ticket of one plan in flight on ``pool`` while the block runs (the init ops,
         the model, the snapshots). All are checked before any moves; the registered tickets are
         yielded; those not consumed early (``Claim.done``) are consumed if the block succeeds and
@@ -237,7 +239,7 @@ class Ledger:
 
     @consumes_on("pool")
     def claim(
-        self, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan", *, ordered: bool = False
+        self, tickets: Sequence[Ticket[Op]], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan", *, ordered: bool = False
     ) -> Claim:
         """``claiming`` without the block, for a plan that runs somewhere else (an executor
         process): the same checks, the tickets held in flight until the caller ends the claim with
@@ -246,7 +248,7 @@ class Ledger:
         return self._claim("claim", tickets, pool, rows, plan, ordered=ordered)
 
     def _claim(
-        self, method: str, tickets: Sequence[Ticket], pool: PoolId, rows: Iterable[int], plan: str, *, ordered: bool = False
+        self, method: str, tickets: Sequence[Ticket[Op]], pool: PoolId, rows: Iterable[int], plan: str, *, ordered: bool = False
     ) -> Claim:
         items = _tickets_arg(method, tickets)
         _pool_arg(method, pool)
@@ -265,13 +267,13 @@ class Ledger:
 
     @consumes_on("pool")
     @contextmanager
-    def consuming(self, ticket: Ticket, pool: PoolId) -> Iterator[Ticket]:
+    def consuming(self, ticket: Ticket[Op], pool: PoolId) -> Iterator[Ticket[Op]]:
         """Hold one ticket while its ops are applied to ``pool``; consumed only if the block succeeds.
         Yields the registered ticket: apply its ops, not the ones of the copy passed in."""
         with self.claiming(_tickets_arg("consuming", (ticket,)), pool) as claim:
             yield claim.tickets[0]
 
-    def _check_claim(self, ticket: Ticket, pool: PoolId) -> Ticket:
+    def _check_claim(self, ticket: Ticket[Op], pool: PoolId) -> Ticket[Op]:
         key = _key(ticket)
         if ticket.pool != pool:
             raise WrongPoolError(f"{ticket} handed to pool {pool!r}")
@@ -301,7 +303,7 @@ class Ledger:
             for key in keys:
                 self._outstanding[key] = self._in_flight.pop(key)
 
-    def cancel(self, ticket: Ticket, reason: str) -> None:
+    def cancel(self, ticket: Ticket[Op], reason: str) -> None:
         """Record that an outstanding ticket will never run (its requests were aborted before its
         forward). A cancellation is an event with a reason, not a silent drop; it is refused for a
         ticket that is consumed or being consumed."""
@@ -322,17 +324,17 @@ class Ledger:
         with self._lock:
             return dict(self._cancelled)
 
-    def is_consumed(self, ticket: Ticket) -> bool:
+    def is_consumed(self, ticket: Ticket[Op]) -> bool:
         key = _key(_tickets_arg("is_consumed", (ticket,))[0])
         with self._lock:
             return key in self._consumed
 
-    def outstanding(self) -> tuple[Ticket, ...]:
+    def outstanding(self) -> tuple[Ticket[Op], ...]:
         """Registered tickets not yet consumed nor in flight, oldest serial first."""
         with self._lock:
             return tuple(sorted(self._outstanding.values(), key=_key))
 
-    def in_flight(self) -> tuple[Ticket, ...]:
+    def in_flight(self) -> tuple[Ticket[Op], ...]:
         """Tickets claimed by an executor whose block has not finished, oldest serial first."""
         with self._lock:
             return tuple(sorted(self._in_flight.values(), key=_key))
@@ -364,15 +366,15 @@ class Ledger:
             return len(self._consumed)
 
 
-def _tickets_arg(method: str, tickets: object) -> list[Ticket]:
+def _tickets_arg(method: str, tickets: object) -> list[Ticket[Op]]:
     """The tickets a caller passed, checked to be tickets (a typed error naming the method and the
     value, not an ``AttributeError`` from inside)."""
     if isinstance(tickets, (str, bytes)) or not isinstance(tickets, Iterable):
-        raise IRValidationError(f"Ledger.{method}", "tickets", tickets, "must be an iterable of InitTicket or SnapshotTicket")
+        raise IRValidationError(f"Ledger.{method}", "tickets", tickets, "must be an iterable of Tickets")
     items = list(tickets)
     for t in items:
-        if not isinstance(t, (InitTicket, SnapshotTicket)):
-            raise IRValidationError(f"Ledger.{method}", "tickets", t, "every entry must be an InitTicket or a SnapshotTicket")
+        if not isinstance(t, Ticket):
+            raise IRValidationError(f"Ledger.{method}", "tickets", t, "every entry must be a Ticket")
     return items
 
 
@@ -381,49 +383,53 @@ def _pool_arg(method: str, pool: object) -> None:
         raise IRValidationError(f"Ledger.{method}", "pool", pool, "must be a pool name (a non-empty str)")
 
 
-def _key(t: Ticket) -> _Key:
+def _key(t: Ticket[Op]) -> _Key:
     return (t.serial, t.pool)
 
 
-def _add(c: PoolCounts, t: Ticket) -> PoolCounts:
-    if isinstance(t, InitTicket):
-        return attrs.evolve(c, tickets=c.tickets + 1, clears=c.clears + len(t.init.clear_slots), cows=c.cows + len(t.init.cow_dst))
-    return attrs.evolve(c, snapshots=c.snapshots + len(t.snapshot.dst))
+def _add(c: PoolCounts, t: Ticket[Op]) -> PoolCounts:
+    """``c`` with ``t``'s op counted, by the counters its kind declares (``ir.init.op_counts``)."""
+    counts = attrs.asdict(c)
+    for counter, n in op_counts(t.op).items():
+        counts[counter] += n
+    return PoolCounts(**counts)
 
 
-def _ops_key(t: Ticket) -> tuple[TicketSerial, bool]:
-    return t.serial, isinstance(t, SnapshotTicket)
+def _check_counters() -> None:
+    """Every counter an op kind declares is a ``PoolCounts`` field: checked at import, so a new
+    kind's counter fails at once rather than at its first consumption."""
+    fields = {f.name for f in attrs.fields(PoolCounts)}
+    for cls in OP_TYPES:
+        stray = [c for c, _ in cls.DECL.counts if c not in fields]
+        if stray:
+            raise TypeError(f"{cls.__name__}.DECL counts {stray}, which are not PoolCounts fields")
 
 
-def _same_ops(a: Ticket, b: Ticket) -> bool:
-    if isinstance(a, InitTicket) and isinstance(b, InitTicket):
-        return a.init == b.init
-    if isinstance(a, SnapshotTicket) and isinstance(b, SnapshotTicket):
-        return a.snapshot == b.snapshot
-    return False
+_check_counters()
 
 
-def _ticket_rows(t: Ticket) -> tuple[int, ...]:
-    """The plan rows a ticket touches: an init's targets (cleared or COW'd into), a snapshot's sources."""
-    if isinstance(t, InitTicket):
-        return (*t.init.clear_slots, *t.init.cow_dst)
-    return tuple(t.snapshot.src)
+def _ops_key(t: Ticket[Op]) -> tuple[TicketSerial, type]:
+    return t.serial, type(t.op)
 
 
-def _mismatch(registered: Ticket, other: Ticket, how: str) -> TicketMismatchError:
+def _same_ops(a: Ticket[Op], b: Ticket[Op]) -> bool:
+    return a.op == b.op  # (attrs equality: the same kind and the same fields)
+
+
+def _ticket_rows(t: Ticket[Op]) -> tuple[int, ...]:
+    """The plan rows a ticket requires of its plan (its op's ``Rows.OF_PLAN`` slots)."""
+    return op_plan_rows(t.op)
+
+
+def _mismatch(registered: Ticket[Op], other: Ticket[Op], how: str) -> TicketMismatchError:
     return TicketMismatchError(
         f"{registered} {how}: serial {registered.serial}, pool {registered.pool!r}; "
         f"registered ops {_ops(registered)}; these ops {_ops(other)}"
     )
 
 
-def _ops(ticket: Ticket) -> str:
-    if isinstance(ticket, SnapshotTicket):
-        snap = ticket.snapshot
-        return "snapshot [" + ", ".join(f"{s}->{d}" for s, d in zip(snap.src, snap.dst, strict=True)) + "]"
-    init = ticket.init
-    cows = ", ".join(f"{s}->{d}" for s, d in zip(init.cow_src, init.cow_dst, strict=True))
-    return f"clear {list(init.clear_slots)}, cow [{cows}]"
+def _ops(ticket: Ticket[Op]) -> str:
+    return op_text(ticket.op)
 
 
 # -- end-of-session reports (every rank of a tensor-parallel group, or one process) ------------
@@ -445,8 +451,9 @@ class LedgerCounts:
     @classmethod
     def from_ints(cls, v: Sequence[int]) -> LedgerCounts:
         names = [f.name for f in attrs.fields(PoolCounts)]
-        return cls(minted=PoolCounts(**dict(zip(names, v[0:4], strict=True))), consumed=PoolCounts(**dict(zip(names, v[4:8], strict=True))),
-                   outstanding=v[8], in_flight=v[9], cancelled=v[10])
+        n = len(names)
+        return cls(minted=PoolCounts(**dict(zip(names, v[0:n], strict=True))), consumed=PoolCounts(**dict(zip(names, v[n : 2 * n], strict=True))),
+                   outstanding=v[2 * n], in_flight=v[2 * n + 1], cancelled=v[2 * n + 2])
 
     @classmethod
     def of(cls, ledger: Ledger, pool: PoolId) -> LedgerCounts:
@@ -457,7 +464,7 @@ class LedgerCounts:
         )
 
 
-LEDGER_COUNTS_WIDTH: Final = 11
+LEDGER_COUNTS_WIDTH: Final = 2 * len(attrs.fields(PoolCounts)) + 3
 """How many ints ``LedgerCounts.to_ints`` gives."""
 
 

@@ -63,7 +63,7 @@ from backend.model import ServedModel
 from ir.columns import check_instance
 from ir.errors import BatchcError, IRValidationError
 from ir.ids import PoolId, TicketSerial
-from ir.init import InitTicket, Ticket, this_epoch
+from ir.init import Op, Ticket, op_slots, this_epoch
 from ir.linear import consumes, keeps_linear
 from ir.nodes import Plan
 from ir.plan import ExtendPlan, MixedPlan
@@ -94,23 +94,10 @@ class ExecutorGone(BackendGone):
     """The executor process is closed or died; nothing more runs on its pool."""
 
 
-def plan_tickets(plan: Plan, pool: PoolId) -> list[Ticket]:
-    """The one-shot tickets a plan carries for ``pool`` (its init ticket, then its snapshot ticket)."""
+def plan_tickets(plan: Plan, pool: PoolId) -> list[Ticket[Op]]:
+    """The one-shot tickets a plan carries for ``pool``, in the order their ops run."""
     ext = plan if isinstance(plan, ExtendPlan) else plan.extend if isinstance(plan, MixedPlan) else None
-    if ext is None:
-        return []
-    out: list[Ticket] = []
-    if (init := ext.ticket_for(pool)) is not None:
-        out.append(init)
-    if (snap := ext.snapshot_for(pool)) is not None:
-        out.append(snap)
-    return out
-
-
-def _ticket_slots(t: Ticket) -> tuple[int, ...]:
-    if isinstance(t, InitTicket):
-        return (*t.init.clear_slots, *t.init.cow_dst, *t.init.cow_src)
-    return (*t.snapshot.src, *t.snapshot.dst)
+    return [] if ext is None else list(ext.tickets_for(pool))
 
 
 @keeps_linear  # a plan in flight in the executor process, until its reply is read
@@ -229,7 +216,7 @@ class ExecutorProcess:
                 self.slots.check_live(rows, type(plan).__name__)
                 self._live_ok = key
             for t in tickets:
-                self.slots.check_live(_ticket_slots(t), str(t))
+                self.slots.check_live(op_slots(t.op), str(t))
         # plans run in the order they are sent: a ticket an earlier plan holds runs before this one
         claim = self.ledger.claim(tickets, self.pool_id, rows, type(plan).__name__, ordered=True)
         try:
@@ -472,7 +459,7 @@ def _serve(
         if kind == "close":
             return
         t0 = time.perf_counter()
-        tickets: list[Ticket] = []
+        tickets: list[Ticket[Op]] = []
         try:
             out: Result | None = None
             if kind == "plan":
@@ -506,7 +493,7 @@ def _dumps(msg: tuple[object, ...]) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _consumed(ledger: Ledger, tickets: Sequence[Ticket]) -> list[_Key]:
+def _consumed(ledger: Ledger, tickets: Sequence[Ticket[Op]]) -> list[_Key]:
     return [(t.serial, t.pool) for t in tickets if ledger.is_consumed(t)]
 
 

@@ -1,21 +1,26 @@
-"""Applying one ``MambaInit`` to one slot-major pool: clears, then copy-on-writes.
+"""Applying one-shot ops (``ir.init.Op``) to one slot-major pool.
 
-``apply_init`` is the only function that writes init ops into a pool, and the executor calls it
-only inside ``Ledger.consuming``. It validates every slot against the pool before touching a byte
-(``PlanExecutionError``), then runs one fused launch through ``backend.kernels.init_rows``: the
-Triton kernel when the pool is on a GPU (or under ``TRITON_INTERPRET=1``), the torch reference
-(one indexed fill and one indexed copy over whole rows) otherwise.
-Copies read their sources as they were before the launch; the IR guarantees a source is never
-cleared or written in the same forward.
+``apply_op`` is the only function that writes one-shot ops into a pool, and the executor calls it
+only on tickets the ledger let it claim. It validates every slot the op names (``ir.init.op_slots``:
+what its kind declares it reads and writes) against the pool before touching a byte
+(``PlanExecutionError``), then applies the op with the one function of its kind (the ``match`` in
+``apply_op``: mypy points at it when a kind is added). An op whose application fails midway
+restores the rows it declares it writes (``ir.init.op_writes``), so it is applied whole or not at
+all; the executor returns the ticket to outstanding in that case.
 
-Both ``apply_init`` and ``apply_snapshot`` restore the rows they write if they fail midway, so an
-op is applied whole or not at all; the executor returns the ticket to outstanding in that case.
+- ``MambaInit``: clears, then copy-on-writes, in one fused launch through
+  ``backend.kernels.init_rows`` (the Triton kernel when the pool is on a GPU or under
+  ``TRITON_INTERPRET=1``, the torch reference otherwise: one indexed fill and one indexed copy over
+  whole rows). Copies read their sources as they were before the launch; the IR guarantees a source
+  is never cleared or written in the same forward.
+- ``MambaSnapshot``: each source row into its cache row, one launch of the same kernel, copies only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import assert_never
 
 import torch
 
@@ -23,21 +28,18 @@ from backend import faults
 from backend.kernels.init_rows import init_rows
 from backend.pool import MambaStatePool
 from ir.errors import PlanExecutionError
-from ir.ids import MambaSlot
-from ir.init import MambaInit, MambaSnapshot
+from ir.init import MambaInit, MambaSnapshot, Op, op_decl, op_groups, op_writes
 
 
-def check_slots_fit(pool: MambaStatePool, what: str, groups: tuple[tuple[str, tuple[MambaSlot, ...]], ...]) -> None:
-    for name, slots in groups:
-        for s in slots:
+def check_fits(pool: MambaStatePool, op: Op) -> None:
+    """Every slot ``op`` names is in range of ``pool`` (``PlanExecutionError`` naming the first
+    one that is not, by its declared label: ``init #5: cow src slot 9 out of range``)."""
+    for g in op_groups(op):
+        for s in g.slots:
             if not 1 <= s <= pool.capacity:
-                raise PlanExecutionError(f"{what}: {name} slot {s} out of range [1, {pool.capacity}] of pool {pool.pool_id!r}")
-
-
-def check_init_fits(pool: MambaStatePool, init: MambaInit) -> None:
-    check_slots_fit(
-        pool, f"init #{init.serial}", (("clear", init.clear_slots), ("cow src", init.cow_src), ("cow dst", init.cow_dst))
-    )
+                raise PlanExecutionError(
+                    f"{op_decl(op).name} #{op.serial}: {g.label} slot {s} out of range [1, {pool.capacity}] of pool {pool.pool_id!r}"
+                )
 
 
 @contextmanager
@@ -53,26 +55,30 @@ def restoring(pool: MambaStatePool, slots: Iterable[int]) -> Iterator[None]:
         raise
 
 
-def apply_init(pool: MambaStatePool, init: MambaInit) -> None:
-    """All clears and copies of ``init`` in one launch; if anything fails, the target rows are
-    restored, so an init is either fully applied or not at all."""
-    check_init_fits(pool, init)
-    dev = pool.device
-    clear = torch.tensor(init.clear_slots, dtype=torch.int64, device=dev)
-    src = torch.tensor(init.cow_src, dtype=torch.int64, device=dev)
-    dst = torch.tensor(init.cow_dst, dtype=torch.int64, device=dev)
-    with restoring(pool, init.targets()):
-        init_rows(pool.buffer, clear, src, dst)
-        faults.check(faults.FaultPoint.INIT_LAUNCH)
+def apply_op(pool: MambaStatePool, op: Op) -> None:
+    """Apply ``op`` to ``pool`` whole or not at all (see the module)."""
+    check_fits(pool, op)
+    with restoring(pool, op_writes(op)):
+        match op:
+            case MambaInit():
+                _apply_init(pool, op)
+            case MambaSnapshot():
+                _apply_snapshot(pool, op)
+            case _:
+                assert_never(op)
 
 
-def apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot) -> None:
-    """Copy each source row into its cache row (one launch of the same fused kernel, copies only)."""
-    check_slots_fit(pool, f"snapshot #{snap.serial}", (("src", snap.src), ("dst", snap.dst)))
-    dev = pool.device
-    none = torch.empty(0, dtype=torch.int64, device=dev)
-    src = torch.tensor(snap.src, dtype=torch.int64, device=dev)
-    dst = torch.tensor(snap.dst, dtype=torch.int64, device=dev)
-    with restoring(pool, snap.dst):
-        init_rows(pool.buffer, none, src, dst)
-        faults.check(faults.FaultPoint.SNAPSHOT)
+def _slots(pool: MambaStatePool, slots: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.int64, device=pool.device)
+
+
+def _apply_init(pool: MambaStatePool, init: MambaInit) -> None:
+    """All clears and copies of ``init`` in one launch."""
+    init_rows(pool.buffer, _slots(pool, init.clear_slots), _slots(pool, init.cow_src), _slots(pool, init.cow_dst))
+    faults.check(faults.FaultPoint.INIT_LAUNCH)
+
+
+def _apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot) -> None:
+    """Each source row into its cache row (the same fused kernel, copies only)."""
+    init_rows(pool.buffer, _slots(pool, ()), _slots(pool, snap.src), _slots(pool, snap.dst))
+    faults.check(faults.FaultPoint.SNAPSHOT)

@@ -15,7 +15,7 @@ from compiler.manager import PassManager
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64
 from ir.ids import RequestId, SampleId
-from ir.init import InitTicket, SnapshotTicket
+from ir.init import Op, Ticket
 from ir.linear import consumes
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
@@ -51,7 +51,7 @@ class TicketRegistry(Protocol):
     """Where a lowered plan's one-shot tickets are registered before any backend sees them
     (``backend.ledger.Ledger`` is one): compiling a step needs no runtime object."""
 
-    def register(self, tickets: Iterable[InitTicket | SnapshotTicket]) -> None: ...
+    def register(self, tickets: Iterable[Ticket[Op]]) -> None: ...
 
 
 class Pipeline:

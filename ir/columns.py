@@ -63,7 +63,7 @@ cannot raise (they do not know the field's name): they return a one-element obje
 ``_Bad`` marker, and ``check_column`` (which every node runs on every column) raises with the name.
 
 Every other field is type-checked by its node's ``check_fields`` too: node-typed fields with
-``check_instance`` (``InitTicket(init=None)`` is refused naming ``InitTicket.init``), pool names with
+``check_instance`` (``Ticket(pool=..., op=None)`` is refused naming ``Ticket.op``), pool names with
 ``check_pool`` (a non-empty ``str``, never ``str(value)``). Nodes built by passes through
 ``build_unchecked`` skip these checks like every other local check; ``ir.verify`` re-runs them.
 """
@@ -719,6 +719,8 @@ class _Part:
 def _node_classes(tp: object) -> tuple[tuple[type, ...], bool] | None:
     """The ``Node`` classes of a resolved annotation (``X``, ``X | None``, ``X | Y``) and whether
     ``None`` is allowed, or ``None`` when it is not (only) node classes."""
+    if isinstance(tp, TypeVar) and tp.__bound__ is not None:  # a generic node's field (``Ticket.op``): its bound
+        tp = tp.__bound__
     args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
     optional = type(None) in args
     classes = tuple(a for a in args if a is not type(None))

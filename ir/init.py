@@ -8,17 +8,30 @@
   prefill batch is built: the serial is the identity of "the init ops of this forward", so lowering
   the same batch twice, or executing a deep copy or a pickled clone of its plan, yields the same
   serial and the ledger refuses the second consumption.
-- ``InitTicket`` is a ``MambaInit`` addressed to one state pool. Lowering mints one per registered
-  pool (target and each draft pool); the backend's ledger consumes each exactly once.
-- ``MambaSnapshot`` / ``SnapshotTicket``: the prefix cache's snapshot of a request's state into a
-  cache slot after the forward that reaches the prefix end; the same linear-resource rules.
+- ``MambaSnapshot``: the prefix cache's snapshot of a request's state into a cache slot after the
+  forward that reaches the prefix end; one-shot like a ``MambaInit``.
+- ``Ticket[OpT]`` is one op (of any kind) addressed to one state pool, identified by
+  ``(serial, pool)``. Lowering mints one per registered pool (target and each draft pool); the
+  backend's ledger consumes each exactly once. ``InitTicket`` (``Ticket[BeforeOp]``) and
+  ``SnapshotTicket`` (``Ticket[AfterOp]``) name the two places a prefill plan carries them.
+
+Ops declared once: every op kind (``OP_TYPES``, the members of ``Op``) declares as data next to its
+class (``DECL``, an ``OpDecl``) which slot fields it reads and writes, whether it runs before or
+after the forward, what the executor requires of those slots with respect to the plan's rows, which
+ledger counters it adds to and which written rows it leaves cleared. ``op_groups``, ``op_reads``,
+``op_writes``, ``op_slots``, ``op_plan_rows``, ``op_resets``, ``op_counts`` and ``op_text`` answer
+from it, and every consumer (the ledger, the executor's checks and ``backend.state_init``, the
+executor process's liveness check, ``ir.verify``, the text and wire forms) asks them instead of
+naming an op's fields. The declarations are checked at import (``_check_declarations``): they name
+the kind's own fields, and ``when`` agrees with ``BeforeOp``/``AfterOp``. Applying an op is one
+function per kind in ``backend.state_init.apply_op`` (a ``match`` ending in ``assert_never``).
 
 Invariants checked on construction (``IRValidationError``): slots are >= 1 (0 is the padding slot),
 ``len(cow_src) == len(cow_dst)``, no slot is cleared twice, no dst is written twice, a copy never
 copies a slot onto itself, never reads a slot cleared in the same forward (clears run first, so the
 copy would read zeros) or written by another copy of it (copies run concurrently), and clear and
-copy targets are disjoint. A ticket's ``pool`` is a non-empty ``str`` and its ``init``/``snapshot`` a
-``MambaInit``/``MambaSnapshot`` (``check_fields``; nothing is converted).
+copy targets are disjoint. A ticket's ``pool`` is a non-empty ``str`` and its ``op`` one of
+``OP_TYPES`` (``check_fields``; nothing is converted); which kinds a plan field takes, the plan checks.
 """
 
 from __future__ import annotations
@@ -28,11 +41,12 @@ import itertools
 import os
 import secrets
 import threading
-from typing import TypeAlias, final
+import typing
+from typing import ClassVar, Final, Generic, TypeAlias, TypeVar, final
 
 import attrs
 
-from ir.columns import Node, check_int, check_pool, ints, shown
+from ir.columns import Node, check_int, check_pool, ints, shown, shown_of
 from ir.errors import IRValidationError
 from ir.ids import MambaSlot, PoolId, TicketSerial
 from ir.linear import linear
@@ -119,6 +133,65 @@ class InitIntent(enum.Enum):
     """Chunked-prefill continuation: the slot already holds this request's state."""
 
 
+@final
+class When(enum.Enum):
+    """When an op runs, relative to the forward of the plan that carries it."""
+
+    BEFORE = "before"
+    """Before the model runs (the state a request's forward starts from)."""
+    AFTER = "after"
+    """After the model ran (the state the forward left)."""
+
+
+@final
+class Rows(enum.Enum):
+    """What the executor requires of a group of an op's slots with respect to its plan's rows."""
+
+    OF_PLAN = "of the plan"
+    """Every slot is a row of the plan (and a plan over that row must carry the op: ``Ledger.check_rows``)."""
+    NOT_OF_PLAN = "not of the plan"
+    """No slot is a row of the plan (a cache slot is never a request's row)."""
+
+
+@final
+@attrs.frozen(kw_only=True)
+class OpDecl:
+    """What one op kind touches, declared once next to its class (``DECL``); every consumer (the
+    ledger, the executor's checks, staging, the executor process's liveness check, the text and
+    wire forms) reads it through the ``op_*`` functions below.
+
+    ``reads``/``writes``: the op's slot fields (``tuple[MambaSlot, ...]``) it reads and writes;
+    ``reads_rows``/``writes_rows``: what the executor requires of them w.r.t. the plan's rows;
+    ``labels``: each slot field's word in messages (``clear slot 9 out of range``); ``counts``:
+    the ledger counters (``backend.ledger.PoolCounts`` fields) the op adds to, each by the length of
+    a slot field or, for ``""``, by one per ticket; ``resets``: the written fields whose rows start
+    from a cleared state (a row at token 0 must be among them); ``name``: the op in messages
+    (``init #5``) and its tag in the text form; ``ticket``: its ticket in messages."""
+
+    name: str
+    ticket: str
+    when: When
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    reads_rows: Rows
+    writes_rows: Rows
+    labels: tuple[tuple[str, str], ...]
+    counts: tuple[tuple[str, str], ...]
+    resets: tuple[str, ...] = ()
+
+
+@final
+@attrs.frozen
+class SlotGroup:
+    """One slot field of an op, with its declaration: what ``op_groups`` yields."""
+
+    field: str
+    label: str
+    writes: bool
+    rows: Rows
+    slots: tuple[MambaSlot, ...]
+
+
 def _slots(values: object, node: str, field: str) -> tuple[MambaSlot, ...]:
     """Slot tuples. ``IRValidationError`` names the field and the first entry that is not an int64
     integer (``bool``, ``float``, ``str``, ``None``, out of int64). An attrs converter is not told its
@@ -159,6 +232,15 @@ def _check_serial(node: str, serial: object) -> None:
 class MambaInit(Node):
     """The clear and copy-on-write ops of one prefill forward. Clears run first, then copies."""
 
+    DECL: ClassVar[OpDecl] = OpDecl(
+        name="init", ticket="ticket", when=When.BEFORE,
+        reads=("cow_src",), writes=("clear_slots", "cow_dst"),
+        reads_rows=Rows.NOT_OF_PLAN, writes_rows=Rows.OF_PLAN,
+        labels=(("clear_slots", "clear"), ("cow_src", "cow src"), ("cow_dst", "cow dst")),
+        counts=(("tickets", ""), ("clears", "clear_slots"), ("cows", "cow_dst")),
+        resets=("clear_slots",),
+    )
+
     serial: TicketSerial = attrs.field(metadata=shown(name="#"))
     clear_slots: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_clear_slots, metadata=shown("clear", "s"))
     cow_src: tuple[MambaSlot, ...] = attrs.field(default=(), converter=_cow_src, metadata=shown("cow", "s", pair="cow_dst"))
@@ -171,10 +253,7 @@ class MambaInit(Node):
             raise IRValidationError(
                 name, "cow_dst", self.cow_dst, f"length must equal len(cow_src) ({len(self.cow_src)})"
             )
-        for field, slots in (("clear_slots", self.clear_slots), ("cow_src", self.cow_src), ("cow_dst", self.cow_dst)):
-            for s in slots:
-                if s < 1:
-                    raise IRValidationError(name, field, s, "slot must be >= 1 (slot 0 is the padding slot)")
+        _slots_positive(self)
         _no_repeat(name, "clear_slots", self.clear_slots)
         _no_repeat(name, "cow_dst", self.cow_dst)
         cleared = frozenset(self.clear_slots)
@@ -200,10 +279,6 @@ class MambaInit(Node):
     def num_ops(self) -> int:
         return len(self.clear_slots) + len(self.cow_dst)
 
-    def targets(self) -> frozenset[MambaSlot]:
-        """Every slot this init writes."""
-        return frozenset(self.clear_slots) | frozenset(self.cow_dst)
-
 
 def _no_repeat(node: str, field: str, slots: tuple[MambaSlot, ...]) -> None:
     seen: set[int] = set()
@@ -214,35 +289,19 @@ def _no_repeat(node: str, field: str, slots: tuple[MambaSlot, ...]) -> None:
 
 
 @final
-@linear
-@attrs.frozen(kw_only=True)
-class InitTicket(Node):
-    """A ``MambaInit`` addressed to one state pool: a linear resource, consumed exactly once there.
-
-    The identity of a ticket is ``(serial, pool)``; copies of a ticket are the same ticket.
-    ``pool`` is a non-empty pool name and ``init`` a ``MambaInit`` (itself checked when built).
-    """
-
-    pool: PoolId
-    init: MambaInit = attrs.field(metadata=shown())
-
-    def _check_first(self) -> None:
-        check_pool(self, "pool", self.pool)
-
-    @property
-    def serial(self) -> TicketSerial:
-        return self.init.serial
-
-    def __str__(self) -> str:
-        return f"ticket #{self.serial} for pool {self.pool!r}"
-
-
-@final
 @attrs.frozen(kw_only=True)
 class MambaSnapshot(Node):
     """Prefix-cache snapshots of one forward: after the model runs, copy slot ``src[i]`` (a request's
     live state at the end of this forward's tokens) into cache slot ``dst[i]``. One-shot like a
     ``MambaInit``: its serial is its identity."""
+
+    DECL: ClassVar[OpDecl] = OpDecl(
+        name="snapshot", ticket="snapshot ticket", when=When.AFTER,
+        reads=("src",), writes=("dst",),
+        reads_rows=Rows.OF_PLAN, writes_rows=Rows.NOT_OF_PLAN,
+        labels=(("src", "src"), ("dst", "dst")),
+        counts=(("snapshots", "dst"),),
+    )
 
     serial: TicketSerial = attrs.field(metadata=shown(name="#"))
     src: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_src, metadata=shown(name="s", pair="dst"))
@@ -255,10 +314,7 @@ class MambaSnapshot(Node):
             raise IRValidationError(name, "dst", self.dst, "a snapshot copies at least one slot")
         if len(self.src) != len(self.dst):
             raise IRValidationError(name, "dst", self.dst, f"length must equal len(src) ({len(self.src)})")
-        for field, slots in (("src", self.src), ("dst", self.dst)):
-            for s in slots:
-                if s < 1:
-                    raise IRValidationError(name, field, s, "slot must be >= 1 (slot 0 is the padding slot)")
+        _slots_positive(self)
         _no_repeat(name, "dst", self.dst)
         both = frozenset(self.src) & frozenset(self.dst)
         if both:
@@ -266,26 +322,151 @@ class MambaSnapshot(Node):
             raise IRValidationError(name, "dst", s, f"slot {s} is both a snapshot source and a snapshot target")
 
 
+
+
+BeforeOp: TypeAlias = MambaInit
+"""Every op kind that runs before the forward (declares ``When.BEFORE``): what ``ExtendPlan.tickets`` carry."""
+AfterOp: TypeAlias = MambaSnapshot
+"""Every op kind that runs after the forward (declares ``When.AFTER``): what ``ExtendPlan.snapshots`` carry."""
+Op: TypeAlias = BeforeOp | AfterOp
+"""Every one-shot op kind. A new kind: its class with its ``DECL`` here, a member of ``BeforeOp``
+or ``AfterOp``, and its application in ``backend.state_init.apply_op``."""
+OP_TYPES: Final[tuple[type[Op], ...]] = tuple(typing.get_args(Op))
+"""The op classes (the wire and text forms know a node kind by its class name)."""
+
+
+def op_decl(op: Op) -> OpDecl:
+    """The declaration of ``op``'s kind."""
+    return type(op).DECL
+
+
+def op_groups(op: Op) -> tuple[SlotGroup, ...]:
+    """Every slot field ``op`` reads or writes, in field order, with its declaration (fields read
+    through attrs, as ``ir.wire`` reads nodes)."""
+    d = op_decl(op)
+    labels = dict(d.labels)
+    values = attrs.asdict(op, recurse=False)
+    return tuple(
+        SlotGroup(a.name, labels[a.name], a.name in d.writes, d.writes_rows if a.name in d.writes else d.reads_rows, values[a.name])
+        for a in attrs.fields(type(op))
+        if a.name in d.reads or a.name in d.writes
+    )
+
+
+def op_reads(op: Op) -> tuple[MambaSlot, ...]:
+    """Every slot ``op`` reads."""
+    return tuple(s for g in op_groups(op) if not g.writes for s in g.slots)
+
+
+def op_writes(op: Op) -> tuple[MambaSlot, ...]:
+    """Every slot ``op`` writes."""
+    return tuple(s for g in op_groups(op) if g.writes for s in g.slots)
+
+
+def op_slots(op: Op) -> tuple[MambaSlot, ...]:
+    """Every slot ``op`` names (read or written), in field order."""
+    return tuple(s for g in op_groups(op) for s in g.slots)
+
+
+def op_plan_rows(op: Op) -> tuple[MambaSlot, ...]:
+    """The slots ``op`` requires to be rows of its plan (``Rows.OF_PLAN``): a plan over one of them
+    must carry the op while it is pending (an init's targets, a snapshot's sources)."""
+    return tuple(s for g in op_groups(op) if g.rows is Rows.OF_PLAN for s in g.slots)
+
+
+def op_resets(op: Op) -> tuple[MambaSlot, ...]:
+    """The slots ``op`` leaves in the cleared state a request at token 0 starts from."""
+    d = op_decl(op)
+    return tuple(s for g in op_groups(op) if g.field in d.resets for s in g.slots)
+
+
+def op_counts(op: Op) -> dict[str, int]:
+    """What ``op``'s ticket adds to each ledger counter it declares."""
+    values = attrs.asdict(op, recurse=False)
+    return {counter: len(values[field]) if field else 1 for counter, field in op_decl(op).counts}
+
+
+def op_when(op: Op) -> When:
+    return op_decl(op).when
+
+
+def op_text(op: Op) -> str:
+    """``op``'s slots for messages: ``clear [2], cow [4->2]``, ``snapshot [1->4]`` (its printed
+    fields: a paired one as copies, words keyed by their text key or the op's name)."""
+    d = op_decl(op)
+    values = attrs.asdict(op, recurse=False)
+    parts = []
+    for a in attrs.fields(type(op)):
+        shown_ = shown_of(a)[1]
+        if shown_ is None or shown_.name != "s":
+            continue
+        key = shown_.key or d.name
+        if shown_.pair:
+            copies = ", ".join(f"{x}->{y}" for x, y in zip(values[a.name], values[shown_.pair], strict=True))
+            parts.append(f"{key} [{copies}]")
+        else:
+            parts.append(f"{key} {list(values[a.name])}")
+    return ", ".join(parts)
+
+
+def _slots_positive(op: Op) -> None:
+    for g in op_groups(op):
+        for s in g.slots:
+            if s < 1:
+                raise IRValidationError(type(op).__name__, g.field, s, "slot must be >= 1 (slot 0 is the padding slot)")
+
+
+def _check_declarations() -> None:
+    """Every op kind's ``DECL`` names its own slot fields, and its ``when`` agrees with the alias
+    (``BeforeOp``/``AfterOp``) it belongs to: checked once, at import, so a new kind that
+    contradicts itself fails at once."""
+    before = typing.get_args(BeforeOp) or (BeforeOp,)
+    for cls in OP_TYPES:
+        d = cls.DECL
+        names = {a.name for a in attrs.fields(cls)}
+        declared = (*d.reads, *d.writes, *(f for f, _ in d.labels), *(f for _, f in d.counts if f), *d.resets)
+        unknown = [f for f in declared if f not in names]
+        if unknown:
+            raise TypeError(f"{cls.__name__}.DECL names {unknown}, not fields of {cls.__name__}")
+        if {f for f, _ in d.labels} != {*d.reads, *d.writes} or set(d.reads) & set(d.writes) or not set(d.resets) <= set(d.writes):
+            raise TypeError(f"{cls.__name__}.DECL: every read or written field has one label, none is both, resets are written")
+        if (d.when is When.BEFORE) != (cls in before):
+            raise TypeError(f"{cls.__name__}.DECL.when is {d.when.value}, but it is {'not ' if cls not in before else ''}a BeforeOp")
+
+
+_check_declarations()
+
+
+OpT = TypeVar("OpT", bound=Op, covariant=True)
+
+
 @final
 @linear
 @attrs.frozen(kw_only=True)
-class SnapshotTicket(Node):
-    """A ``MambaSnapshot`` addressed to one state pool; consumed exactly once there, after the
-    forward. ``pool`` is a non-empty pool name and ``snapshot`` a ``MambaSnapshot``."""
+class Ticket(Node, Generic[OpT]):
+    """One op addressed to one state pool: a linear resource, consumed exactly once there.
 
+    The identity of a ticket is ``(serial, pool)``; copies of a ticket are the same ticket.
+    ``pool`` is a non-empty pool name and ``op`` one of ``OP_TYPES`` (itself checked when built).
+    ``Ticket[MambaInit]`` (``InitTicket``) and ``Ticket[MambaSnapshot]`` keep apart, for mypy,
+    what runs before and after the forward; at run time a plan's fields check it (``ir.plan``).
+    """
+
+    op: OpT = attrs.field(metadata=shown("op", tags={c.DECL.name: c for c in OP_TYPES}))
     pool: PoolId
-    snapshot: MambaSnapshot = attrs.field(metadata=shown())
 
     def _check_first(self) -> None:
         check_pool(self, "pool", self.pool)
 
     @property
     def serial(self) -> TicketSerial:
-        return self.snapshot.serial
+        return self.op.serial
 
     def __str__(self) -> str:
-        return f"snapshot ticket #{self.serial} for pool {self.pool!r}"
+        return f"{op_decl(self.op).ticket} #{self.serial} for pool {self.pool!r}"
 
 
-Ticket: TypeAlias = InitTicket | SnapshotTicket
-"""Every one-shot resource the ledger tracks."""
+InitTicket: TypeAlias = Ticket[BeforeOp]
+"""A ticket of an op run before the forward (``ExtendPlan.tickets``)."""
+SnapshotTicket: TypeAlias = Ticket[AfterOp]
+"""A ticket of an op run after the forward (``ExtendPlan.snapshots``)."""

@@ -5,7 +5,7 @@ step that lowered it: the ledger refuses a second consumption at run time, and t
 mypy refuse the code that would attempt one (README, "Linear use, checked by mypy").
 
 - ``@linear`` declares a class linear: a value of it (or of a type holding one: a union, a tuple,
-  a container of it) is tracked by the plugin. The IR declares ``InitTicket``, ``SnapshotTicket``,
+  a container of it) is tracked by the plugin. The IR declares ``Ticket`` (``InitTicket``, ``SnapshotTicket``),
   ``ExtendPlan`` and ``MixedPlan``; a class that holds a linear value in a field must be declared
   linear too (or ``@keeps_linear``), otherwise its field is the escape the check exists for.
 - ``@consumes`` marks a method that consumes the linear values passed to it on its receiver (an

@@ -1,11 +1,13 @@
 """Forward plans: what the backend executes. Lowered from batches by ``passes.lower``.
 
 A plan holds the same immutable columns as the batch it was lowered from (shared, not copied) and
-nothing the backend must not act on: ``ExtendPlan`` and ``MixedPlan`` carry the init ops only as
-``InitTicket``s, one per state pool; ``DecodePlan`` and ``IdlePlan`` have no ticket field at all.
+nothing the backend must not act on: ``ExtendPlan`` and ``MixedPlan`` carry their one-shot ops only
+as ``ir.init.Ticket``s, one per state pool and op kind: ``tickets`` the ops that run before the
+forward (``InitTicket``: a ``MambaInit``), ``snapshots`` those that run after it; ``DecodePlan``
+and ``IdlePlan`` have no ticket field at all.
 
-Invariant: a plan's tickets all carry the same ``MambaInit`` (one serial) and distinct pools; so do
-its snapshot tickets (one ``MambaSnapshot``). Every field is type-checked on construction
+Invariant: per op kind, a plan's tickets all carry the same op (one serial) and distinct pools, and
+each field holds only ops that run when it says (their ``DECL.when``). Every field is type-checked on construction
 (``IRValidationError`` naming the field and the value).
 
 Every plan (these and the speculative ones in ``ir.spec``) exposes its rows the same way, as a
@@ -46,50 +48,57 @@ from ir.columns import (
 )
 from ir.errors import IRValidationError
 from ir.ids import PoolId, SampleId
-from ir.init import InitTicket, SnapshotTicket
+from ir.init import OP_TYPES, InitTicket, Op, SnapshotTicket, Ticket, When, op_when
 from ir.linear import linear
 
 
-def _ticket_tuple(field: str, what: str, values: object) -> tuple[object, ...]:
+def _ticket_tuple(field: str, values: object, when: When) -> tuple[object, ...]:
     if not isinstance(values, (tuple, list)):
-        raise IRValidationError("ExtendPlan", field, values, f"must be a tuple of {what}")
-    return tuple(values)
+        raise IRValidationError("ExtendPlan", field, values, f"must be a tuple of {_ticket_names(when)}")
+    out = tuple(values)
+    _check_tickets(field, out, when)
+    return out
 
 
 def _tickets(values: object) -> tuple[InitTicket, ...]:
     """Converter of ``ExtendPlan.tickets``: a tuple of checked entries (``check_fields`` checks them
     again, for plans built by ``build_unchecked``)."""
-    out = _ticket_tuple("tickets", "InitTicket", values)
-    _check_tickets("tickets", out, InitTicket)
-    return cast("tuple[InitTicket, ...]", out)
+    return cast("tuple[InitTicket, ...]", _ticket_tuple("tickets", values, When.BEFORE))
 
 
 def _snapshots(values: object) -> tuple[SnapshotTicket, ...]:
     """Converter of ``ExtendPlan.snapshots``, like ``_tickets``."""
-    out = _ticket_tuple("snapshots", "SnapshotTicket", values)
-    _check_tickets("snapshots", out, SnapshotTicket)
-    return cast("tuple[SnapshotTicket, ...]", out)
+    return cast("tuple[SnapshotTicket, ...]", _ticket_tuple("snapshots", values, When.AFTER))
 
 
-def _check_tickets(field: str, tickets: tuple[object, ...], cls: type[InitTicket | SnapshotTicket]) -> None:
-    """Every entry a ``cls`` (itself checked when built), one per pool, all with one serial and the
-    same ops (the same ``MambaInit`` or ``MambaSnapshot``: every pool's state starts alike).
-    (``tickets`` is typed ``object`` entries: the check is for callers that are not type-checked.)"""
-    pools: set[PoolId] = set()
-    serials: set[int] = set()
-    ops: set[object] = set()
+def _ticket_names(when: When) -> str:
+    """``"a Ticket of a MambaInit"``: the tickets a field of ``when`` holds, from the declarations."""
+    return "a Ticket of " + type_names(tuple(c for c in OP_TYPES if c.DECL.when is when))
+
+
+def _check_tickets(field: str, tickets: tuple[object, ...], when: When) -> None:
+    """Every entry a ``Ticket`` (itself checked when built) of an op kind that runs ``when``; per op
+    kind, one ticket per pool, all with one serial and the same op (every pool's state starts
+    alike). (``tickets`` is typed ``object`` entries: the check is for callers that are not
+    type-checked.)"""
+    pools: dict[type, set[PoolId]] = {}
+    serials: dict[type, set[int]] = {}
+    ops: dict[type, set[object]] = {}
     for t in tickets:
-        if not isinstance(t, cls):
-            raise IRValidationError("ExtendPlan", field, t, f"every entry must be {type_names(cls)}, not {type(t).__name__}")
-        if t.pool in pools:
+        if not isinstance(t, Ticket) or op_when(t.op) is not when:
+            got = type(t).__name__ if not isinstance(t, Ticket) else f"a Ticket of a {type(t.op).__name__}"
+            raise IRValidationError("ExtendPlan", field, t, f"every entry must be {_ticket_names(when)}, not {got}")
+        kind = type(t.op)
+        if t.pool in pools.setdefault(kind, set()):
             raise IRValidationError("ExtendPlan", field, t.pool, "two tickets for one pool")
-        pools.add(t.pool)
-        serials.add(t.serial)
-        ops.add(t.init if isinstance(t, InitTicket) else t.snapshot)
-    if len(serials) > 1:
-        raise IRValidationError("ExtendPlan", field, sorted(serials), "tickets of one plan share one serial")
-    if len(ops) > 1:
-        raise IRValidationError("ExtendPlan", field, tickets, "tickets of one plan carry the same ops for every pool")
+        pools[kind].add(t.pool)
+        serials.setdefault(kind, set()).add(t.serial)
+        ops.setdefault(kind, set()).add(t.op)
+    for kind in pools:
+        if len(serials[kind]) > 1:
+            raise IRValidationError("ExtendPlan", field, sorted(serials[kind]), "tickets of one plan share one serial")
+        if len(ops[kind]) > 1:
+            raise IRValidationError("ExtendPlan", field, tickets, "tickets of one plan carry the same ops for every pool")
 
 
 def _check_sample(node: str, field: str, value: object) -> None:
@@ -117,21 +126,23 @@ class ExtendPlan(ColumnNode, RequestRows):
     false): the backend keeps their first token per slot, for the pipelined decode that names it."""
 
     def _check(self) -> None:
-        _check_tickets("tickets", self.tickets, InitTicket)
-        _check_tickets("snapshots", self.snapshots, SnapshotTicket)
+        _check_tickets("tickets", self.tickets, When.BEFORE)
+        _check_tickets("snapshots", self.snapshots, When.AFTER)
         _check_sample("ExtendPlan", "sample_id", self.sample_id)
 
+    def all_tickets(self) -> tuple[Ticket[Op], ...]:
+        """Every ticket of the plan, in the order their ops run: ``tickets``, then ``snapshots``."""
+        return (*self.tickets, *self.snapshots)
+
+    def tickets_for(self, pool: PoolId) -> tuple[Ticket[Op], ...]:
+        """The tickets addressed to ``pool``, in the order their ops run."""
+        return tuple(t for t in self.all_tickets() if t.pool == pool)
+
     def ticket_for(self, pool: PoolId) -> InitTicket | None:
-        for t in self.tickets:
-            if t.pool == pool:
-                return t
-        return None
+        return next((t for t in self.tickets if t.pool == pool), None)
 
     def snapshot_for(self, pool: PoolId) -> SnapshotTicket | None:
-        for t in self.snapshots:
-            if t.pool == pool:
-                return t
-        return None
+        return next((t for t in self.snapshots if t.pool == pool), None)
 
 
 @final

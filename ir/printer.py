@@ -40,15 +40,15 @@ import attrs
 import numpy as np
 
 from ir.columns import I64, REQUEST, ColumnNode, Composite, Node, Per, Shown, shown_of
-from ir.init import InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
+from ir.init import Op, Ticket
 from ir.nodes import Batch, Plan
 from ir.request import AdmittedRequest
 from ir.spec import AcceptResult
 
-Printable: TypeAlias = Batch | Plan | MambaInit | MambaSnapshot | InitTicket | SnapshotTicket | AdmittedRequest | AcceptResult
+Printable: TypeAlias = Batch | Plan | Op | Ticket[Any] | AdmittedRequest | AcceptResult
 """Every node ``dump`` prints (and ``ir.parse.parse`` reads)."""
 
-PRINTABLE: Final[dict[str, type]] = {c.__name__: c for c in typing.get_args(Printable)}
+PRINTABLE: Final[dict[str, type]] = {(typing.get_origin(c) or c).__name__: typing.get_origin(c) or c for c in typing.get_args(Printable)}
 """The node classes of ``Printable`` by name: the header word ``ir.parse`` looks a node up by."""
 
 _FIRST = {"r": 0, "k": 0, "s": 1, "#": 1}
@@ -128,6 +128,8 @@ def _word(cls: type, a: Any, namespace: dict[str, Any]) -> Word:
         kind = "flag" if decl.bools else "kv" if shown.name == "k" else ("name" if shown.name else "int") if one else "tokens"
         return Word(a.name, kind, shown, one=one, per=decl.per)
     tp = eval(a.type, namespace) if isinstance(a.type, str) else a.type  # noqa: S307 (an annotation of our own module)
+    if isinstance(tp, typing.TypeVar) and tp.__bound__ is not None:  # a generic node's field (``Ticket.op``) reads as its bound
+        tp = tp.__bound__
     args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
     optional = type(None) in args
     args = tuple(t for t in args if t is not type(None))
@@ -143,6 +145,7 @@ def _word(cls: type, a: Any, namespace: dict[str, Any]) -> Word:
     shown = shown or Shown(a.name)
     if typing.get_origin(t) is tuple:
         (item, _) = typing.get_args(t)
+        item = typing.get_origin(item) or item  # ``Ticket[MambaInit]``: the node class
         if _node_type(item):
             if not shown.line:
                 raise TypeError(f"{where}: a tuple of nodes needs shown(line=...)")

@@ -27,7 +27,7 @@ import numpy as np
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import I64, Composite, first_common, first_missing, has_duplicates
 from ir.errors import IRVerificationError, SettingsError
-from ir.init import InitIntent, InitTicket
+from ir.init import InitIntent, Op, Rows, Ticket, op_groups
 from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitBatch, SpecBatch, SpecPlan
@@ -109,26 +109,33 @@ def verify_mixed_batch(batch: MixedBatch, path: str = "MixedBatch") -> None:
     _disjoint(f"{path}.kv_locs", batch.extend.kv_locs, batch.decode.kv_locs, "KV location")
 
 
-def _verify_tickets(path: str, tickets: tuple[InitTicket, ...], slots: I64) -> None:
-    if not tickets:
+def _verify_tickets(path: str, plan: ExtendPlan, slots: I64, what: str, own: bool) -> None:
+    """Every ticket's slots against ``slots``, as its op kind declares (``ir.init.OpDecl``): with
+    ``own`` (the plan's own rows), an ``OF_PLAN`` slot must be one of them; whatever ``slots`` are, a
+    ``NOT_OF_PLAN`` slot must not be (a COW that read a live request's row would copy a state the
+    forward advances, not a cached one)."""
+    if not plan.tickets and not plan.snapshots:
         return
     live = frozenset(slots.tolist())
-    for k, t in enumerate(tickets):
-        for s in sorted(t.init.targets()):
-            if s not in live:
-                raise IRVerificationError(f"{path}.tickets[{k}]", f"{t} writes slot {s}, which no request of the plan owns")
-        for j, src in enumerate(t.init.cow_src):
-            if src in live:
-                raise IRVerificationError(
-                    f"{path}.tickets[{k}].init.cow_src[{j}]", f"COW src {src} is the live slot of a request in this plan"
-                )
+    fields: tuple[tuple[str, tuple[Ticket[Op], ...]], ...] = (("tickets", plan.tickets), ("snapshots", plan.snapshots))
+    for field, tickets in fields:
+        for k, t in enumerate(tickets):
+            for g in op_groups(t.op):
+                verb = "writes" if g.writes else "reads"
+                for j, s in enumerate(g.slots):
+                    if own and g.rows is Rows.OF_PLAN and s not in live:
+                        raise IRVerificationError(f"{path}.{field}[{k}]", f"{t} {verb} slot {s}, which no request of the plan owns")
+                    if g.rows is Rows.NOT_OF_PLAN and s in live:
+                        raise IRVerificationError(
+                            f"{path}.{field}[{k}].op.{g.field}[{j}]", f"{g.label} {s} is the live slot of a request in {what}"
+                        )
 
 
 def verify_extend_plan(plan: ExtendPlan, path: str = "ExtendPlan") -> None:
     _unique(f"{path}.rids", plan.rids, "request id")
     _unique(f"{path}.slots", plan.slots, "slot")
     _unique(f"{path}.kv_locs", plan.kv_locs, "KV location")
-    _verify_tickets(path, plan.tickets, plan.slots)
+    _verify_tickets(path, plan, plan.slots, "this plan", own=True)
 
 
 def verify_decode_plan(plan: DecodePlan, path: str = "DecodePlan") -> None:
@@ -181,8 +188,7 @@ def verify(node: Batch | Plan) -> None:
         case MixedPlan():
             verify_extend_plan(node.extend, "MixedPlan.extend")
             verify_decode_plan(node.decode, "MixedPlan.decode")
-            for k, t in enumerate(node.extend.tickets):
-                _cow_src_not_in(f"MixedPlan.extend.tickets[{k}].init.cow_src", t.init.cow_src, node.decode.slots, "the decode part")
+            _verify_tickets("MixedPlan.extend", node.extend, node.decode.slots, "the decode part", own=False)
             _disjoint("MixedPlan.slots", node.extend.slots, node.decode.slots, "slot")
             _disjoint("MixedPlan.kv_locs", node.extend.kv_locs, node.decode.kv_locs, "KV location")
         case IdleBatch() | IdlePlan():

@@ -52,7 +52,7 @@ import numpy as np
 
 from ir.columns import int_problem
 from ir.errors import BatchcError
-from ir.init import InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
+from ir.init import OP_TYPES, Ticket
 from ir.linear import linear
 from ir.nodes import Plan
 
@@ -64,7 +64,7 @@ MAX_MESSAGE_BYTES: Final = 1 << 31
 """Largest message ``pack`` writes and ``unpack`` reads (the length fields are 32-bit)."""
 MAX_DEPTH: Final = 16
 """Most nodes and tuples a value of a message may sit in (the deepest plan today is 6: a mixed
-plan's extend plan's tickets' init op's slots); a deeper header is refused before it is walked."""
+plan's extend plan's tickets' op's slots); a deeper header is refused before it is walked."""
 _MAX_INT_CHARS: Final = len(str(-(2**63)))  # every integer of the format is an int64: 20 characters at most
 _MAX_STEP: Final = 2**63 - 1
 
@@ -73,10 +73,10 @@ _PLAN_TYPES: Final[tuple[type, ...]] = get_args(Plan)
 
 def _registry() -> dict[str, type]:
     """Every class a message may hold: the plans, the batches inside the speculative plans, and
-    the tickets and ops of a prefill plan."""
+    the tickets of a prefill plan with every op kind (``ir.init.OP_TYPES``)."""
     from ir.nodes import NODE_TYPES
 
-    classes: list[type] = [*NODE_TYPES, InitTicket, SnapshotTicket, MambaInit, MambaSnapshot]
+    classes: list[type] = [*NODE_TYPES, Ticket, *OP_TYPES]
     return {c.__name__: c for c in classes}
 
 

@@ -26,7 +26,7 @@ from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import build_unchecked
 from ir.errors import IRValidationError
 from ir.ids import TARGET_POOL, PoolId, SampleId
-from ir.init import InitTicket, SnapshotTicket
+from ir.init import Ticket
 from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import (
@@ -79,8 +79,8 @@ def _extend_plan(batch: ExtendBatch, ctx: LowerContext, sample_id: SampleId | No
         more_chunks=batch.more_chunks,
         input_ids=batch.input_ids,
         kv_locs=batch.kv_locs,
-        tickets=tuple(InitTicket(pool=p, init=init) for p in ctx.pools) if init is not None else (),
-        snapshots=tuple(SnapshotTicket(pool=p, snapshot=snap) for p in ctx.pools) if snap is not None else (),
+        tickets=tuple(Ticket(pool=p, op=init) for p in ctx.pools) if init is not None else (),
+        snapshots=tuple(Ticket(pool=p, op=snap) for p in ctx.pools) if snap is not None else (),
         sample_id=sample_id,
     )
     if sample_id is not None:  # the caller's sample id: checked as the constructor would

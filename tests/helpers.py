@@ -18,6 +18,7 @@ references, or the kernels under Triton's interpreter in the kernel tests).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -42,9 +43,9 @@ from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine
 from compiler.tools.ab import DRAFT_NOISE
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
-from ir.columns import I64
+from ir.columns import I64, type_names
 from ir.ids import TARGET_POOL, DraftId, MambaSlot, PoolId, RequestId, SampleId, TicketSerial, VerifyId
-from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
+from ir.init import OP_TYPES, InitIntent, MambaInit, MambaSnapshot, Ticket, When
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
 from ir.spec import (
@@ -547,8 +548,8 @@ def extend_plans(draw: Any) -> ExtendPlan:
     snap_pools = draw(st.lists(pool_names, unique=True, max_size=2))
     return ExtendPlan(
         **cols,
-        tickets=tuple(InitTicket(pool=PoolId(p), init=init) for p in names),
-        snapshots=tuple(SnapshotTicket(pool=PoolId(p), snapshot=snap) for p in snap_pools),
+        tickets=tuple(Ticket(pool=PoolId(p), op=init) for p in names),
+        snapshots=tuple(Ticket(pool=PoolId(p), op=snap) for p in snap_pools),
         sample_id=draw(st.none() | serial_ids.map(SampleId)),
     )
 
@@ -667,11 +668,20 @@ NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "DraftExtendBatch": draft_extend_batches(),
     "MambaInit": mamba_inits(),
     "MambaSnapshot": mamba_snapshots(),
-    "InitTicket": st.builds(lambda p, i: InitTicket(pool=PoolId(p), init=i), pool_names, mamba_inits()),
-    "SnapshotTicket": st.builds(lambda p, s: SnapshotTicket(pool=PoolId(p), snapshot=s), pool_names, mamba_snapshots()),
     "AdmittedRequest": admitted(),
     "AcceptResult": accept_results(),
 }
+# What a refusal names as the accepted op kinds, from the declarations (a new kind changes these
+# lists, not the tests that pin the messages around them).
+OPS_NAMED = re.escape(type_names(OP_TYPES))
+"""``a MambaInit or a MambaSnapshot``, as a pattern."""
+BEFORE_NAMED = re.escape(type_names(tuple(c for c in OP_TYPES if c.DECL.when is When.BEFORE)))
+AFTER_NAMED = re.escape(type_names(tuple(c for c in OP_TYPES if c.DECL.when is When.AFTER)))
+
+# A ticket carries any op kind: its strategy is every kind's (derived from ``ir.init.OP_TYPES``).
+NODE_STRATEGIES["Ticket"] = st.builds(
+    lambda p, op: Ticket(pool=PoolId(p), op=op), pool_names, st.one_of(*(NODE_STRATEGIES[c.__name__] for c in OP_TYPES))
+)
 # A speculative plan wraps its batch: its strategy is its batch's, wrapped (derived from the union).
 NODE_STRATEGIES |= {
     plan.__name__: NODE_STRATEGIES[get_type_hints(plan)["batch"].__name__].map(lambda b, plan=plan: plan(batch=b))

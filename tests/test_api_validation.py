@@ -663,10 +663,10 @@ def test_executor_refuses_a_slot_allocator_of_another_capacity() -> None:
 
 
 def test_ledger_cancel_needs_a_reason() -> None:
-    from ir.init import InitTicket, MambaInit, mint_serial
+    from ir.init import MambaInit, Ticket, mint_serial
 
     ledger = Ledger()
-    ticket = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=mint_serial(), clear_slots=(1,)))
+    ticket = Ticket(pool=TARGET_POOL, op=MambaInit(serial=mint_serial(), clear_slots=(1,)))
     ledger.register([ticket])
     for reason in (None, "", 3):
         _refused(PreconditionError, r"^Ledger\.cancel: reason must be a non-empty str", lambda: ledger.cancel(ticket, reason))  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from backend.executor import Executor
 from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.ledger import Ledger
-from backend.state_init import apply_init
+from backend.state_init import apply_op
 from compiler.engine import Engine, PrefixState, RequestState, StepKind
 from compiler.manager import PassError, PassManager
 from compiler.prefix_cache import PrefixCache
@@ -48,7 +48,7 @@ from ir.errors import (
     WrongPoolError,
 )
 from ir.ids import DRAFT_POOL, TARGET_POOL, DraftId, MambaSlot, PoolId, RequestId
-from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket, mint_serial
+from ir.init import InitIntent, MambaInit, MambaSnapshot, Ticket, mint_serial
 from ir.mint import mint_draft_id, mint_verify_id
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
@@ -73,7 +73,7 @@ from passes.mix_with_running import mix_with_running
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
 from passes.prepare_for_draft import SpecContext
 from passes.prepare_for_extend import prepare_for_extend
-from tests.helpers import World, decode_batch, extend_plan, make_world, random_fill, request
+from tests.helpers import AFTER_NAMED, BEFORE_NAMED, OPS_NAMED, World, decode_batch, extend_plan, make_world, random_fill, request
 
 Ctx = dict[str, Any]
 
@@ -167,7 +167,7 @@ def _execute_pickled(w: World, ctx: Ctx) -> object:
 def _consume_on_wrong_pool(w: World, ctx: Ctx) -> object:
     ticket = ctx["plan"].tickets[0]
     with w.ledger.consuming(ticket, DRAFT_POOL):
-        apply_init(w.pool, ticket.init)
+        apply_op(w.pool, ticket.op)
     return None
 
 
@@ -379,42 +379,40 @@ _GARBAGE = "garbage"
 
 
 NODE_FIELD_CASES: list[Case] = [
-    Case("ticket-init-none", _build(lambda: InitTicket(pool=TARGET_POOL, init=None)), IRValidationError, r"InitTicket\.init: must be a MambaInit, not NoneType \(got None\)", field="init"),  # type: ignore[arg-type]
-    Case("ticket-init-str", _build(lambda: InitTicket(pool=TARGET_POOL, init="x")), IRValidationError, r"InitTicket\.init: must be a MambaInit, not str \(got 'x'\)", field="init"),  # type: ignore[arg-type]
-    Case("ticket-init-snapshot", _build(lambda: InitTicket(pool=TARGET_POOL, init=_snapshot())), IRValidationError, r"InitTicket\.init: must be a MambaInit, not MambaSnapshot", field="init"),  # type: ignore[arg-type]
-    Case("ticket-pool-none", _build(lambda: InitTicket(pool=None, init=_ticket_init())), IRValidationError, r"InitTicket\.pool: must be a pool name \(a non-empty str\), not NoneType \(got None\)", field="pool"),  # type: ignore[arg-type]
-    Case("ticket-pool-int", _build(lambda: InitTicket(pool=3, init=_ticket_init())), IRValidationError, r"InitTicket\.pool: .*not int \(got 3\)", field="pool"),  # type: ignore[arg-type]
-    Case("ticket-pool-empty", _build(lambda: InitTicket(pool=PoolId(""), init=_ticket_init())), IRValidationError, r"InitTicket\.pool: must be a non-empty pool name \(got ''\)", field="pool"),
-    Case("snapshot-ticket-snapshot-str", _build(lambda: SnapshotTicket(pool=TARGET_POOL, snapshot="x")), IRValidationError, r"SnapshotTicket\.snapshot: must be a MambaSnapshot, not str \(got 'x'\)", field="snapshot"),  # type: ignore[arg-type]
-    Case("snapshot-ticket-snapshot-init", _build(lambda: SnapshotTicket(pool=TARGET_POOL, snapshot=_ticket_init())), IRValidationError, r"SnapshotTicket\.snapshot: must be a MambaSnapshot, not MambaInit", field="snapshot"),  # type: ignore[arg-type]
-    Case("snapshot-ticket-pool-none", _build(lambda: SnapshotTicket(pool=None, snapshot=_snapshot())), IRValidationError, r"SnapshotTicket\.pool: .*not NoneType \(got None\)", field="pool"),  # type: ignore[arg-type]
+    Case("ticket-op-none", _build(lambda: Ticket(pool=TARGET_POOL, op=None)), IRValidationError, rf"Ticket\.op: must be {OPS_NAMED}, not NoneType \(got None\)", field="op"),  # type: ignore[arg-type]
+    Case("ticket-op-str", _build(lambda: Ticket(pool=TARGET_POOL, op="x")), IRValidationError, rf"Ticket\.op: must be {OPS_NAMED}, not str \(got 'x'\)", field="op"),  # type: ignore[arg-type]
+    Case("ticket-op-batch", _build(lambda: Ticket(pool=TARGET_POOL, op=_DECODE)), IRValidationError, rf"Ticket\.op: must be {OPS_NAMED}, not DecodeBatch", field="op"),  # type: ignore[type-var]
+    Case("ticket-pool-none", _build(lambda: Ticket(pool=None, op=_ticket_init())), IRValidationError, r"Ticket\.pool: must be a pool name \(a non-empty str\), not NoneType \(got None\)", field="pool"),  # type: ignore[arg-type]
+    Case("ticket-pool-int", _build(lambda: Ticket(pool=3, op=_ticket_init())), IRValidationError, r"Ticket\.pool: .*not int \(got 3\)", field="pool"),  # type: ignore[arg-type]
+    Case("ticket-pool-empty", _build(lambda: Ticket(pool=PoolId(""), op=_ticket_init())), IRValidationError, r"Ticket\.pool: must be a non-empty pool name \(got ''\)", field="pool"),
+    Case("snapshot-ticket-pool-none", _build(lambda: Ticket(pool=None, op=_snapshot())), IRValidationError, r"Ticket\.pool: .*not NoneType \(got None\)", field="pool"),  # type: ignore[arg-type]
     Case("extend-batch-init-str", _extend_batch(init=_GARBAGE), IRValidationError, r"ExtendBatch\.init: must be a MambaInit or None, not str \(got 'garbage'\)", field="init"),
     Case("extend-batch-init-snapshot", _extend_batch(init=MambaSnapshot(serial=mint_serial(), src=(2,), dst=(4,))), IRValidationError, r"ExtendBatch\.init: must be a MambaInit or None, not MambaSnapshot", field="init"),
     Case("extend-batch-snapshot-str", _extend_batch(snapshot=_GARBAGE), IRValidationError, r"ExtendBatch\.snapshot: must be a MambaSnapshot or None, not str \(got 'garbage'\)", field="snapshot"),
     Case("extend-batch-snapshot-init", _extend_batch(snapshot=MambaInit(serial=mint_serial(), clear_slots=(2,))), IRValidationError, r"ExtendBatch\.snapshot: .*not MambaInit", field="snapshot"),
-    Case("extend-plan-ticket-init-str", _build(lambda: attrs.evolve(extend_plan([request(1, 2, [5, 6], 10)])[1], tickets=(InitTicket(pool=TARGET_POOL, init="x"),))), IRValidationError, r"InitTicket\.init: .*\(got 'x'\)", field="init"),  # type: ignore[arg-type]
-    Case("extend-plan-tickets-none-entry", _extend_plan(tickets=(None,)), IRValidationError, r"ExtendPlan\.tickets: every entry must be an InitTicket, not NoneType \(got None\)", field="tickets"),
-    Case("extend-plan-tickets-str", _extend_plan(tickets="ab"), IRValidationError, r"ExtendPlan\.tickets: must be a tuple of InitTicket \(got 'ab'\)", field="tickets"),
-    Case("extend-plan-snapshots-none-entry", _extend_plan(snapshots=(None,)), IRValidationError, r"ExtendPlan\.snapshots: every entry must be a SnapshotTicket, not NoneType \(got None\)", field="snapshots"),
-    Case("extend-plan-snapshots-str", _extend_plan(snapshots="ab"), IRValidationError, r"ExtendPlan\.snapshots: must be a tuple of SnapshotTicket \(got 'ab'\)", field="snapshots"),
-    Case("extend-plan-snapshots-none", _extend_plan(snapshots=None), IRValidationError, r"ExtendPlan\.snapshots: must be a tuple of SnapshotTicket \(got None\)", field="snapshots"),
+    Case("extend-plan-ticket-init-str", _build(lambda: attrs.evolve(extend_plan([request(1, 2, [5, 6], 10)])[1], tickets=(Ticket(pool=TARGET_POOL, op="x"),))), IRValidationError, r"Ticket\.op: .*\(got 'x'\)", field="op"),  # type: ignore[arg-type]
+    Case("extend-plan-tickets-none-entry", _extend_plan(tickets=(None,)), IRValidationError, rf"ExtendPlan\.tickets: every entry must be a Ticket of {BEFORE_NAMED}, not NoneType \(got None\)", field="tickets"),
+    Case("extend-plan-tickets-str", _extend_plan(tickets="ab"), IRValidationError, rf"ExtendPlan\.tickets: must be a tuple of a Ticket of {BEFORE_NAMED} \(got 'ab'\)", field="tickets"),
+    Case("extend-plan-snapshots-none-entry", _extend_plan(snapshots=(None,)), IRValidationError, rf"ExtendPlan\.snapshots: every entry must be a Ticket of {AFTER_NAMED}, not NoneType \(got None\)", field="snapshots"),
+    Case("extend-plan-snapshots-str", _extend_plan(snapshots="ab"), IRValidationError, rf"ExtendPlan\.snapshots: must be a tuple of a Ticket of {AFTER_NAMED} \(got 'ab'\)", field="snapshots"),
+    Case("extend-plan-snapshots-none", _extend_plan(snapshots=None), IRValidationError, rf"ExtendPlan\.snapshots: must be a tuple of a Ticket of {AFTER_NAMED} \(got None\)", field="snapshots"),
     Case(
         "extend-plan-snapshots-init-ticket",
-        _extend_plan(snapshots=(InitTicket(pool=TARGET_POOL, init=MambaInit(serial=mint_serial(), clear_slots=(2,))),)),
+        _extend_plan(snapshots=(Ticket(pool=TARGET_POOL, op=MambaInit(serial=mint_serial(), clear_slots=(2,))),)),
         IRValidationError,
-        r"ExtendPlan\.snapshots: every entry must be a SnapshotTicket, not InitTicket",
+        rf"ExtendPlan\.snapshots: every entry must be a Ticket of {AFTER_NAMED}, not a Ticket of a MambaInit",
         field="snapshots",
     ),
     Case(
         "extend-plan-snapshots-two-for-one-pool",
-        _build(lambda: (lambda s: attrs.evolve(extend_plan([request(1, 2, [5, 6], 10)])[1], snapshots=(SnapshotTicket(pool=TARGET_POOL, snapshot=s), SnapshotTicket(pool=TARGET_POOL, snapshot=s))))(_snapshot())),
+        _build(lambda: (lambda s: attrs.evolve(extend_plan([request(1, 2, [5, 6], 10)])[1], snapshots=(Ticket(pool=TARGET_POOL, op=s), Ticket(pool=TARGET_POOL, op=s))))(_snapshot())),
         IRValidationError,
         r"ExtendPlan\.snapshots: two tickets for one pool \(got 'target'\)",
         field="snapshots",
     ),
     Case(
         "extend-plan-snapshots-two-serials",
-        _extend_plan(snapshots=(SnapshotTicket(pool=TARGET_POOL, snapshot=MambaSnapshot(serial=mint_serial(), src=(2,), dst=(4,))), SnapshotTicket(pool=DRAFT_POOL, snapshot=MambaSnapshot(serial=mint_serial(), src=(2,), dst=(4,))))),
+        _extend_plan(snapshots=(Ticket(pool=TARGET_POOL, op=MambaSnapshot(serial=mint_serial(), src=(2,), dst=(4,))), Ticket(pool=DRAFT_POOL, op=MambaSnapshot(serial=mint_serial(), src=(2,), dst=(4,))))),
         IRValidationError,
         r"ExtendPlan\.snapshots: tickets of one plan share one serial",
         field="snapshots",
@@ -440,7 +438,7 @@ NODE_FIELD_CASES: list[Case] = [
         "verify-rechecks-unchecked-plan-tickets",
         lambda w, ctx: verify(build_unchecked(ExtendPlan, **{**attrs.asdict(extend_plan([request(1, 2, [5, 6], 10)])[1], recurse=False), "tickets": ("x",)})),
         IRValidationError,
-        r"ExtendPlan\.tickets: every entry must be an InitTicket, not str \(got 'x'\)",
+        rf"ExtendPlan\.tickets: every entry must be a Ticket of {BEFORE_NAMED}, not str \(got 'x'\)",
         field="tickets",
     ),
     # pool names: non-empty str, nothing converted (None is not pool 'None')

@@ -57,7 +57,7 @@ from ir.errors import (
     UnknownTicketError,
 )
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId, TicketSerial
-from ir.init import InitTicket, MambaInit, MambaSnapshot, mint_serial
+from ir.init import InitTicket, MambaInit, MambaSnapshot, Ticket, mint_serial
 from ir.mint import mint_draft_id, mint_verify_id
 from ir.plan import ExtendPlan
 from ir.request import Continue, CopyFrom
@@ -844,7 +844,7 @@ def _prefills(w: World) -> Ctx:
 
 def _forged(init: Callable[[Ctx], MambaInit]) -> Callable[[World, Ctx], object]:
     def act(w: World, ctx: Ctx) -> object:
-        return w.executor.execute(attrs.evolve(ctx["a"], tickets=(InitTicket(pool=TARGET_POOL, init=init(ctx)),)))
+        return w.executor.execute(attrs.evolve(ctx["a"], tickets=(Ticket(pool=TARGET_POOL, op=init(ctx)),)))
 
     return act
 
@@ -877,7 +877,7 @@ def _swapped_commit(w: World, ctx: Ctx) -> object:
 LEDGER_CASES = [
     Case(
         "forged-ops-under-an-outstanding-serial",
-        _forged(lambda ctx: attrs.evolve(ctx["a"].tickets[0].init, clear_slots=(1,))),
+        _forged(lambda ctx: attrs.evolve(ctx["a"].tickets[0].op, clear_slots=(1,))),
         TicketMismatchError,
         r"ticket #<serial> for pool 'target' handed to the executor with other ops: .*registered ops clear \[1, 2\], cow \[\]; these ops clear \[1\], cow \[\]",
         setup=_prefills,
@@ -907,14 +907,14 @@ LEDGER_CASES = [
     ),
     Case(
         "register-other-ops-under-an-outstanding-key",
-        _register(lambda ctx: InitTicket(pool=TARGET_POOL, init=MambaInit(serial=ctx["serial"], clear_slots=(3,)))),
+        _register(lambda ctx: Ticket(pool=TARGET_POOL, op=MambaInit(serial=ctx["serial"], clear_slots=(3,)))),
         TicketMismatchError,
         r"ticket #<serial> for pool 'target' registered again with other ops",
         setup=_prefills,
     ),
     Case(
         "register-a-serial-never-minted",
-        _register(lambda ctx: InitTicket(pool=TARGET_POOL, init=MambaInit(serial=TicketSerial(ctx["serial"] + 10**6), clear_slots=(3,)))),
+        _register(lambda ctx: Ticket(pool=TARGET_POOL, op=MambaInit(serial=TicketSerial(ctx["serial"] + 10**6), clear_slots=(3,)))),
         UnknownTicketError,
         r"was not minted by this process and no trusted peer sent it",
         setup=_prefills,

@@ -38,7 +38,7 @@ from backend.kernels.init_rows import init_rows
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
 from ir.ids import PoolId, TicketSerial
-from ir.init import InitTicket, MambaInit, mint_serial
+from ir.init import InitTicket, MambaInit, Ticket, mint_serial
 
 
 class ForwardMode(enum.Enum):
@@ -267,4 +267,4 @@ class ModelRunner:
             cow_src=src.tolist(),
             cow_dst=dst.tolist(),
         )
-        return InitTicket(pool=PoolId(self.pool.pool_id), init=init)
+        return Ticket(pool=PoolId(self.pool.pool_id), op=init)

@@ -17,10 +17,10 @@ from backend.ledger import Ledger, PoolCounts
 from backend.model import blank_logits
 from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, stage_decode, stage_extend
-from backend.state_init import apply_init
+from backend.state_init import apply_op
 from ir.errors import PlanExecutionError, ResourceLeakError, ResourceReplayError, SlotError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId
-from ir.init import InitTicket, MambaInit, mint_serial
+from ir.init import InitTicket, MambaInit, Ticket, mint_serial
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import Continue, CopyFrom
 from ir.results import Ran, Sampled
@@ -33,7 +33,7 @@ ALLOCATORS = [SlotAllocator, KVAllocator]
 
 
 def _ticket(pool: PoolId = TARGET_POOL, *, clear: tuple[int, ...] = (1,), src: tuple[int, ...] = (), dst: tuple[int, ...] = ()) -> InitTicket:
-    return InitTicket(pool=pool, init=MambaInit(serial=mint_serial(), clear_slots=clear, cow_src=src, cow_dst=dst))
+    return Ticket(pool=pool, op=MambaInit(serial=mint_serial(), clear_slots=clear, cow_src=src, cow_dst=dst))
 
 
 # -- allocators -----------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_outstanding_and_assert_drained_name_serial_and_pool() -> None:
     ledger = Ledger()
     a = _ticket(TARGET_POOL, clear=(2,))
     b_init = MambaInit(serial=mint_serial(), cow_src=(1,), cow_dst=(3,))
-    b_target, b_draft = InitTicket(pool=TARGET_POOL, init=b_init), InitTicket(pool=DRAFT_POOL, init=b_init)
+    b_target, b_draft = Ticket(pool=TARGET_POOL, op=b_init), Ticket(pool=DRAFT_POOL, op=b_init)
     ledger.register([b_target, b_draft])
     ledger.register([a])
     assert ledger.outstanding() == (a, b_draft, b_target)  # by serial, then pool name
@@ -293,7 +293,7 @@ def test_outstanding_and_assert_drained_name_serial_and_pool() -> None:
 def test_counts_are_per_pool() -> None:
     ledger = Ledger()
     init = MambaInit(serial=mint_serial(), clear_slots=(4, 5), cow_src=(1, 1, 2), cow_dst=(3, 6, 7))
-    tt, td = InitTicket(pool=TARGET_POOL, init=init), InitTicket(pool=DRAFT_POOL, init=init)
+    tt, td = Ticket(pool=TARGET_POOL, op=init), Ticket(pool=DRAFT_POOL, op=init)
     other = _ticket(TARGET_POOL, clear=(2,))
     ledger.register([tt, td, other])
     for t in (tt, other):
@@ -319,7 +319,7 @@ def _pool(capacity: int = 7, seed: int = 3) -> MambaStatePool:
 def test_clears_zero_exactly_the_cleared_rows() -> None:
     pool = _pool()
     before = pool.buffer.clone()
-    apply_init(pool, MambaInit(serial=mint_serial(), clear_slots=(5, 2)))
+    apply_op(pool, MambaInit(serial=mint_serial(), clear_slots=(5, 2)))
     for row in range(pool.num_slots):
         if row in (2, 5):
             assert torch.count_nonzero(pool.buffer[row]) == 0
@@ -331,7 +331,7 @@ def test_cow_copies_the_source_rows_bytes() -> None:
     pool = _pool()
     before = pool.buffer.clone()
     # one checkpoint feeding two requests, a second checkpoint, and a clear, in one launch
-    apply_init(pool, MambaInit(serial=mint_serial(), clear_slots=(4,), cow_src=(1, 5, 1), cow_dst=(2, 3, 6)))
+    apply_op(pool, MambaInit(serial=mint_serial(), clear_slots=(4,), cow_src=(1, 5, 1), cow_dst=(2, 3, 6)))
     assert torch.equal(pool.buffer[2], before[1])
     assert torch.equal(pool.buffer[3], before[5])
     assert torch.equal(pool.buffer[6], before[1])
@@ -344,7 +344,7 @@ def test_apply_init_checks_every_slot_before_writing() -> None:
     pool = _pool(capacity=4)
     before = pool.buffer.clone()
     with pytest.raises(PlanExecutionError, match="cow dst slot 5 out of range"):
-        apply_init(pool, MambaInit(serial=mint_serial(), clear_slots=(1, 2), cow_src=(3,), cow_dst=(5,)))
+        apply_op(pool, MambaInit(serial=mint_serial(), clear_slots=(1, 2), cow_src=(3,), cow_dst=(5,)))
     assert torch.equal(pool.buffer, before)
 
 

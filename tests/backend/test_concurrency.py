@@ -37,7 +37,7 @@ from backend.allocator import KVAllocator, SlotAllocator
 from backend.ledger import Ledger
 from ir.errors import ResourceReplayError, SlotError
 from ir.ids import TARGET_POOL, MambaSlot, TicketSerial
-from ir.init import InitTicket, MambaInit, mint_serial
+from ir.init import InitTicket, MambaInit, Ticket, mint_serial
 
 
 @contextmanager
@@ -72,7 +72,7 @@ def _run_together(workers: list[Callable[[threading.Barrier], None]]) -> None:
 
 
 def _ticket(slot: int) -> InitTicket:
-    return InitTicket(pool=TARGET_POOL, init=MambaInit(serial=mint_serial(), clear_slots=[MambaSlot(slot)]))
+    return Ticket(pool=TARGET_POOL, op=MambaInit(serial=mint_serial(), clear_slots=[MambaSlot(slot)]))
 
 
 THREADS = 4

@@ -36,7 +36,7 @@ from backend.pool import MambaStatePool
 from backend.staging import StagedDecode, StagedExtend
 from ir.errors import IRValidationError, PlanExecutionError, ResourceLeakError, ResourceReplayError, SlotError, TicketMismatchError, UnknownTicketError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, TicketSerial
-from ir.init import InitTicket, MambaInit, MambaSnapshot, SnapshotTicket, mint_serial, minted_here, serial_epoch, this_epoch
+from ir.init import InitTicket, MambaInit, MambaSnapshot, Ticket, mint_serial, minted_here, serial_epoch, this_epoch
 from ir.plan import ExtendPlan, MixedPlan
 from ir.request import Continue, CopyFrom
 from ir.spec import AcceptResult, CommitPlan
@@ -103,7 +103,7 @@ def test_forged_ops_under_an_outstanding_serial_are_refused_and_the_registered_o
     serial = b.tickets[0].serial
     # same serial, same pool, other ops: clear the plan's own row instead of copying the checkpoint
     forged_init = MambaInit(serial=serial, clear_slots=(2,))
-    forged = attrs.evolve(b, tickets=(InitTicket(pool=TARGET_POOL, init=forged_init),))
+    forged = attrs.evolve(b, tickets=(Ticket(pool=TARGET_POOL, op=forged_init),))
     match = rf"ticket #{serial} for pool 'target' handed to the executor with other ops.*registered ops clear \[\], cow \[4->2\]; these ops clear \[2\], cow \[\]"
     _refused(w, model, lambda: w.executor.execute(forged), TicketMismatchError, match)
     # the genuine plan runs the registered COW
@@ -118,8 +118,8 @@ def test_forged_snapshot_ops_are_refused() -> None:
     r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(4))
     plan = lower(prepare_for_extend([r]), LowerContext())
     w.ledger.register(plan.snapshots)
-    snap = plan.snapshots[0].snapshot
-    forged = attrs.evolve(plan, snapshots=(SnapshotTicket(pool=TARGET_POOL, snapshot=attrs.evolve(snap, dst=(5,))),))
+    snap = plan.snapshots[0].op
+    forged = attrs.evolve(plan, snapshots=(Ticket(pool=TARGET_POOL, op=attrs.evolve(snap, dst=(5,))),))
     _refused(w, model, lambda: w.executor.execute(forged), TicketMismatchError, r"registered ops snapshot \[1->4\]; these ops snapshot \[1->5\]")
 
 
@@ -174,8 +174,8 @@ def test_a_plan_stripped_of_its_snapshot_is_refused() -> None:
 
 def test_one_serial_carries_the_same_ops_for_every_pool() -> None:
     serial = mint_serial()
-    target = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
-    draft = InitTicket(pool=DRAFT_POOL, init=MambaInit(serial=serial, clear_slots=(2,)))
+    target = Ticket(pool=TARGET_POOL, op=MambaInit(serial=serial, clear_slots=(1,)))
+    draft = Ticket(pool=DRAFT_POOL, op=MambaInit(serial=serial, clear_slots=(2,)))
     with pytest.raises(IRValidationError, match=r"ExtendPlan\.tickets: tickets of one plan carry the same ops for every pool"):
         ExtendPlan(rids=[1], slots=[1], prefix_lens=[0], extend_lens=[1], more_chunks=[False], input_ids=[5], kv_locs=[0],
                    tickets=(target, draft))
@@ -196,14 +196,14 @@ def test_a_snapshot_must_read_the_plans_rows_and_write_outside_them() -> None:
 def test_register_refuses_another_ticket_under_an_outstanding_key() -> None:
     ledger = Ledger()
     serial = mint_serial()
-    t = InitTicket(pool=DRAFT_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
+    t = Ticket(pool=DRAFT_POOL, op=MambaInit(serial=serial, clear_slots=(1,)))
     ledger.register([t])
     ledger.register([t])  # the same ticket again: a no-op
-    other = InitTicket(pool=DRAFT_POOL, init=MambaInit(serial=serial, cow_src=(3,), cow_dst=(1,)))
+    other = Ticket(pool=DRAFT_POOL, op=MambaInit(serial=serial, cow_src=(3,), cow_dst=(1,)))
     with pytest.raises(TicketMismatchError, match=rf"#{serial} for pool 'draft' registered again with other ops.*clear \[1\].*cow \[3->1\]"):
         ledger.register([other])
     with pytest.raises(TicketMismatchError):
-        ledger.register([InitTicket(pool=TARGET_POOL, init=other.init), InitTicket(pool=TARGET_POOL, init=t.init)])
+        ledger.register([Ticket(pool=TARGET_POOL, op=other.op), Ticket(pool=TARGET_POOL, op=t.op)])
     assert ledger.outstanding() == (t,)
     assert ledger.minted(DRAFT_POOL).tickets == 1 and ledger.minted(TARGET_POOL).tickets == 0
 
@@ -211,13 +211,13 @@ def test_register_refuses_another_ticket_under_an_outstanding_key() -> None:
 def test_one_serial_is_registered_with_one_set_of_ops_for_every_pool() -> None:
     ledger = Ledger()
     serial = mint_serial()
-    target = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
+    target = Ticket(pool=TARGET_POOL, op=MambaInit(serial=serial, clear_slots=(1,)))
     ledger.register([target])
-    other = InitTicket(pool=DRAFT_POOL, init=MambaInit(serial=serial, clear_slots=(2,)))
+    other = Ticket(pool=DRAFT_POOL, op=MambaInit(serial=serial, clear_slots=(2,)))
     with pytest.raises(TicketMismatchError, match=r"registered for pool 'draft' with other ops than for pool 'target'.*clear \[1\].*clear \[2\]"):
         ledger.register([other])
     assert ledger.outstanding() == (target,)
-    same = InitTicket(pool=DRAFT_POOL, init=target.init)
+    same = Ticket(pool=DRAFT_POOL, op=target.op)
     ledger.register([same])  # the same ops for the draft pool: the normal case
     assert set(ledger.outstanding()) == {target, same}
 
@@ -229,12 +229,12 @@ def test_serials_cannot_be_squatted() -> None:
     future = TicketSerial(mine + 1000)  # the right epoch, but not minted yet
     foreign = TicketSerial(((this_epoch() % (1 << 30)) + 1) << 32 | 1)  # another process's epoch
     for serial in (future, foreign):
-        t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
+        t = Ticket(pool=TARGET_POOL, op=MambaInit(serial=serial, clear_slots=(1,)))
         with pytest.raises(UnknownTicketError, match=rf"serial {serial} was not minted by this process and no trusted peer sent it"):
             ledger.register([t])
         assert ledger.outstanding() == ()
     ledger.trust_peer(serial_epoch(foreign), "rank 0")
-    t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=foreign, clear_slots=(1,)))
+    t = Ticket(pool=TARGET_POOL, op=MambaInit(serial=foreign, clear_slots=(1,)))
     ledger.register([t])
     assert ledger.outstanding() == (t,)
     with pytest.raises(IRValidationError, match=r"epoch: must be an int, not bool \(got True\)"):
@@ -352,7 +352,7 @@ def test_a_failed_forward_consumes_the_applied_init_and_returns_the_snapshot() -
 
 def test_assert_drained_reports_tickets_stuck_in_flight() -> None:
     ledger = Ledger()
-    t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=mint_serial(), clear_slots=(2,)))
+    t = Ticket(pool=TARGET_POOL, op=MambaInit(serial=mint_serial(), clear_slots=(2,)))
     ledger.register([t])
     with ledger.consuming(t, TARGET_POOL):
         with pytest.raises(ResourceLeakError, match=rf"1 ticket\(s\) stuck in flight: ticket #{t.serial} for pool 'target' \(ops clear \[2\]"):
@@ -362,7 +362,7 @@ def test_assert_drained_reports_tickets_stuck_in_flight() -> None:
 
 def test_one_plan_cannot_claim_a_ticket_twice() -> None:
     ledger = Ledger()
-    t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=mint_serial(), clear_slots=(2,)))
+    t = Ticket(pool=TARGET_POOL, op=MambaInit(serial=mint_serial(), clear_slots=(2,)))
     ledger.register([t])
     with pytest.raises(ResourceReplayError, match="claimed twice by one plan"):
         with ledger.claiming([t, t], TARGET_POOL):
@@ -394,7 +394,7 @@ def test_a_commit_naming_other_slots_is_refused_and_the_right_one_runs() -> None
 
 def _registered(*clears: int, pool: PoolId = TARGET_POOL, ledger: Ledger | None = None) -> tuple[Ledger, list[InitTicket]]:
     ledger = ledger if ledger is not None else Ledger()
-    tickets = [InitTicket(pool=pool, init=MambaInit(serial=mint_serial(), clear_slots=(c,))) for c in clears]
+    tickets = [Ticket(pool=pool, op=MambaInit(serial=mint_serial(), clear_slots=(c,))) for c in clears]
     ledger.register(tickets)
     return ledger, tickets
 
@@ -539,9 +539,9 @@ def test_a_verify_and_its_commit_cannot_run_again_even_after_the_commit() -> Non
 @pytest.mark.parametrize(
     ("call", "shown"),
     [
-        (lambda ledger: ledger.register(None), r"Ledger\.register\.tickets: must be an iterable of InitTicket or SnapshotTicket \(got None\)"),
+        (lambda ledger: ledger.register(None), r"Ledger\.register\.tickets: must be an iterable of Tickets \(got None\)"),
         (lambda ledger: ledger.register("ab"), r"Ledger\.register\.tickets: must be an iterable .*\(got 'ab'\)"),
-        (lambda ledger: ledger.register([None]), r"Ledger\.register\.tickets: every entry must be an InitTicket or a SnapshotTicket \(got None\)"),
+        (lambda ledger: ledger.register([None]), r"Ledger\.register\.tickets: every entry must be a Ticket \(got None\)"),
         (lambda ledger: ledger.claiming(None, TARGET_POOL).__enter__(), r"Ledger\.claiming\.tickets: .*\(got None\)"),
         (lambda ledger: ledger.claiming([], None).__enter__(), r"Ledger\.claiming\.pool: must be a pool name \(a non-empty str\) \(got None\)"),
         (lambda ledger: ledger.consuming(None, TARGET_POOL).__enter__(), r"Ledger\.consuming\.tickets: every entry .*\(got None\)"),
@@ -563,7 +563,7 @@ def test_trust_peer_takes_numpy_integers() -> None:
     ledger = Ledger()
     with suppress_type_checks():  # annotated int; numpy integers are accepted at run time
         ledger.trust_peer(np.int64(12345), "rank 0")
-    t = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=TicketSerial(12345 << 32 | 1), clear_slots=(1,)))
+    t = Ticket(pool=TARGET_POOL, op=MambaInit(serial=TicketSerial(12345 << 32 | 1), clear_slots=(1,)))
     ledger.register([t])
     assert ledger.outstanding() == (t,)
 
@@ -586,8 +586,8 @@ def test_a_claim_settled_by_a_remote_backend_consumes_exactly_what_it_reports() 
     to outstanding, and a key the claim does not hold is refused with nothing settled."""
     ledger = Ledger()
     serial = mint_serial()
-    init = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=serial, clear_slots=(1,)))
-    snap = SnapshotTicket(pool=TARGET_POOL, snapshot=MambaSnapshot(serial=mint_serial(), src=(1,), dst=(2,)))
+    init = Ticket(pool=TARGET_POOL, op=MambaInit(serial=serial, clear_slots=(1,)))
+    snap = Ticket(pool=TARGET_POOL, op=MambaSnapshot(serial=mint_serial(), src=(1,), dst=(2,)))
     ledger.register([init, snap])
     claim = ledger.claim([init, snap], TARGET_POOL, [1], "plan")
     assert set(ledger.in_flight()) == {init, snap} and claim.open

@@ -55,7 +55,7 @@ def test_snapshot_is_lowered_per_pool_and_applied_after_the_forward() -> None:
     batch, plan = pipe.prefill([_snapshotting(1, 1, 7, [3, 4], 1), fresh(2, 2, [5], 10)])
     assert batch.snapshot is not None and batch.snapshot.src == (1,) and batch.snapshot.dst == (7,)
     assert [t.pool for t in plan.snapshots] == [TARGET_POOL, DRAFT_POOL]
-    assert "snapshot ticket #2 [s1->s3] pool=target" in dump(plan)
+    assert "snapshot ticket op=snapshot #2 [s1->s3] pool=target" in dump(plan)
     for ex, pool in zip(execs, pools, strict=True):
         ex.execute(plan)
         assert torch.equal(pool.buffer[7], pool.buffer[1])  # the state after the forward

@@ -29,7 +29,7 @@ from compiler.serve import ServeConfig, ServeError
 from compiler.steps import Pipeline
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError, ResourceReplayError
 from ir.ids import TARGET_POOL, RequestId
-from ir.init import SERIAL_COUNTER_BITS, InitTicket, MambaInit, this_epoch
+from ir.init import SERIAL_COUNTER_BITS, MambaInit, Ticket, this_epoch
 from ir.mint import mint_sample_id
 from ir.parse import parse
 from ir.plan import DecodePlan
@@ -112,7 +112,7 @@ def test_the_executor_process_refuses_a_malformed_message_one_out_of_order_and_a
             ex.wait(p)
         # a serial minted by no process the executor trusts, sent past the scheduler's ledger
         other = (this_epoch() % (1 << 30) + 1) << SERIAL_COUNTER_BITS | 1
-        forged = InitTicket(pool=TARGET_POOL, init=MambaInit(serial=other, clear_slots=(1,)))
+        forged = Ticket(pool=TARGET_POOL, op=MambaInit(serial=other, clear_slots=(1,)))
         bad = attrs.evolve(plan, tickets=(forged,))  # type: ignore[misc]  # the plan is untyped here
         ex._send(("plan", pack(0, bad)))
         p = Pending(0, None, None)

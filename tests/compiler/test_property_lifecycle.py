@@ -39,7 +39,7 @@ from backend.pool import MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine, PrefixState, StepKind
 from ir.ids import TARGET_POOL, PoolId, RequestId
-from ir.init import InitTicket
+from ir.init import MambaInit
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftPlan, VerifyPlan
 from tests.helpers import random_fill
@@ -265,9 +265,9 @@ class Harness:
         if exp_clear or exp_dst:
             assert len(tickets) == 1
             (t,) = tickets
-            assert isinstance(t, InitTicket) and t.pool == TARGET_POOL
-            assert list(t.init.clear_slots) == exp_clear
-            assert list(t.init.cow_src) == exp_src and list(t.init.cow_dst) == exp_dst
+            assert isinstance(t.op, MambaInit) and t.pool == TARGET_POOL
+            assert list(t.op.clear_slots) == exp_clear
+            assert list(t.op.cow_src) == exp_src and list(t.op.cow_dst) == exp_dst
         else:
             assert tickets == ()
         self.tickets_minted += len(tickets)
@@ -343,7 +343,7 @@ def make_harness(chunk_size: int, seed: int) -> Harness:
     for tokens in CKPT_TOKENS:
         cp = e.make_prefix(tokens)
         (plan,) = toy.take()
-        assert isinstance(plan, ExtendPlan) and plan.tickets[0].init.clear_slots == (cp.slot,)
+        assert isinstance(plan, ExtendPlan) and plan.tickets[0].op.clear_slots == (cp.slot,)
         state = _toy(torch.zeros_like(ssm[cp.slot]), float(sum(tokens)))
         assert torch.equal(ssm[cp.slot], state)
         prefixes.append(cp)

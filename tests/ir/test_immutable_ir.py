@@ -304,7 +304,7 @@ def _cow_from_live_slot() -> ExtendBatch:
 def test_plan_verification_refuses_a_cow_from_a_live_slot() -> None:
     """``BATCHC_VERIFY=1`` verifies only the lowered plan of each step: the check must be there."""
     plan = lower(_cow_from_live_slot(), LCTX)
-    with pytest.raises(IRVerificationError, match=r"ExtendPlan\.tickets\[0\]\.init\.cow_src\[0\]: COW src 1 is the live slot"):
+    with pytest.raises(IRVerificationError, match=r"ExtendPlan\.tickets\[0\]\.op\.cow_src\[0\]: cow src 1 is the live slot"):
         verify(plan)
 
 
@@ -313,14 +313,14 @@ def test_mixed_verification_refuses_a_cow_from_a_decode_row() -> None:
     mixed = mix_with_running(extend, _running())  # the running request in slot 4 decodes in this forward
     with pytest.raises(IRVerificationError, match=r"MixedBatch\.extend\.init\.cow_src\[0\]: COW src 4 .*decode part"):
         verify(mixed)
-    with pytest.raises(IRVerificationError, match=r"MixedPlan\.extend\.tickets\[0\]\.init\.cow_src\[0\]: COW src 4 .*decode part"):
+    with pytest.raises(IRVerificationError, match=r"MixedPlan\.extend\.tickets\[0\]\.op\.cow_src\[0\]: cow src 4 .*decode part"):
         verify(lower(mixed, LCTX))
 
 
 def test_default_pipeline_refuses_a_cow_from_a_live_slot() -> None:
     ledger = Ledger()
     pipe = Pipeline(ledger, LCTX, PassManager(verify_level=1))
-    with pytest.raises(PassError, match="COW src 1 is the live slot") as info:
+    with pytest.raises(PassError, match="cow src 1 is the live slot") as info:
         pipe.prefill(
             [
                 request(1, 1, [5], 10, intent=Continue(prefix_len=3)),

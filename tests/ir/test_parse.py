@@ -145,7 +145,7 @@ ExtendBatch requests=2 tokens=3
         ("VerifyBatch requests=1 k=2 verify=#1 draft=#2\n  r0 s1 seq=3 tokens=[1 2 3] kv=k0..k1\n", 2, "kv=k0..k1", "k=2 needs 3 values in kv=, got 2"),
         ("AdmittedRequest r1 s2 intent=copy tokens=[5] kv=k0\n", 1, "intent=copy", "expected intent=clear, intent=cow or intent=continue"),
         ("IdleBatch requests=1\n", 1, "requests=1", "requests=1 but its parts hold 0"),
-        ("InitTicket #1 clear[s1] cow[] pool=\"x\" extra\n", 1, "extra", "unexpected word"),
+        ("Ticket op=init #1 clear[s1] cow[] pool=\"x\" extra\n", 1, "extra", "unexpected word"),
         ("CommitBatch requests=0 k=1 verify=#1 draft=#2\n  kept kv=-\n", 2, "kept", "expected released kv=..."),
     ],
 )

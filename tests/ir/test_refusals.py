@@ -20,11 +20,12 @@ from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64, MAX_SEQ_LEN, REQUEST, ColumnNode, as_i64, build_unchecked, column, length_of, per, tokens_of
 from ir.errors import IRValidationError, IRVerificationError, PreconditionError
 from ir.ids import TARGET_POOL, DraftId, MambaSlot, PoolId, RequestId, SampleId, TicketSerial
-from ir.init import InitIntent, InitTicket, MambaInit, MambaSnapshot, SnapshotTicket
+from ir.init import InitIntent, MambaInit, MambaSnapshot, Ticket, op_writes
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 from ir.spec import Proposals
 from ir.verify import verify
+from tests.helpers import AFTER_NAMED, BEFORE_NAMED
 
 CLEAR, COW, CONT = InitIntent.CLEAR, InitIntent.COW, InitIntent.CONTINUE
 S = TicketSerial(11)
@@ -64,7 +65,7 @@ def _four(**over: Any) -> dict[str, Any]:
 
 
 def ext_plan(init: MambaInit | None = None, **over: Any) -> ExtendPlan:
-    tickets = over.pop("tickets", (InitTicket(pool=TARGET_POOL, init=init or MambaInit(serial=S, clear_slots=(1, 2))),))
+    tickets = over.pop("tickets", (Ticket(pool=TARGET_POOL, op=init or MambaInit(serial=S, clear_slots=(1, 2))),))
     snapshots = over.pop("snapshots", ())
     sample = over.pop("sample_id", None)
     return ExtendPlan(**_ext_cols(**over), tickets=tickets, snapshots=snapshots, sample_id=sample)
@@ -106,21 +107,21 @@ VALIDATION: list[tuple[str, Callable[[], object], str]] = [
     ("snapshot into padding", lambda: _snap((1,), (0,)), r"MambaSnapshot\.dst: slot must be >= 1 .*\(got 0\)"),
     ("snapshot dst twice", lambda: _snap((1, 2), (3, 3)), r"MambaSnapshot\.dst: slot 3 appears twice"),
     ("snapshot chained", lambda: _snap((1, 2), (2, 3)), r"MambaSnapshot\.dst: slot 2 is both a snapshot source and a snapshot target"),
-    ("ticket pool empty", lambda: InitTicket(pool=PoolId(""), init=MambaInit(serial=S, clear_slots=(1,))), r"InitTicket\.pool: must be a non-empty pool name"),
-    ("snapshot ticket pool", lambda: SnapshotTicket(pool=None, snapshot=_snap((1,), (2,))), r"SnapshotTicket\.pool: must be a pool name \(a non-empty str\), not NoneType"),  # type: ignore[arg-type]  # the refusal under test
+    ("ticket pool empty", lambda: Ticket(pool=PoolId(""), op=MambaInit(serial=S, clear_slots=(1,))), r"Ticket\.pool: must be a non-empty pool name"),
+    ("snapshot ticket pool", lambda: Ticket(pool=None, op=_snap((1,), (2,))), r"Ticket\.pool: must be a pool name \(a non-empty str\), not NoneType"),  # type: ignore[arg-type]  # the refusal under test
     # ir.batch
     ("intents not a tuple", lambda: ext_batch(intents=CLEAR), r"ExtendBatch\.intents: must be a tuple of InitIntent \(got <InitIntent\.CLEAR"),
     ("intent not an InitIntent", lambda: ext_batch(intents=(CLEAR, "clear")), r"ExtendBatch\.intents: every entry must be an InitIntent \(got 'clear'\)"),
     ("one intent short", lambda: ext_batch(intents=(CLEAR,)), r"ExtendBatch\.intents: length must equal len\(rids\) \(2\) \(got 1\)"),
     ("empty init", lambda: ext_batch(intents=(CONT, CONT), prefix_lens=[3, 3], init=MambaInit(serial=S)), r"ExtendBatch\.init: an empty MambaInit must be None"),
     # ir.plan
-    ("tickets not a tuple", lambda: ext_plan(tickets=None), r"ExtendPlan\.tickets: must be a tuple of InitTicket \(got None\)"),
-    ("snapshot in tickets", lambda: ext_plan(tickets=(SnapshotTicket(pool=TARGET_POOL, snapshot=_snap((1,), (5,))),)), r"ExtendPlan\.tickets: every entry must be an InitTicket, not SnapshotTicket"),
-    ("init ticket in snapshots", lambda: ext_plan(snapshots=(InitTicket(pool=TARGET_POOL, init=MambaInit(serial=S, clear_slots=(1, 2))),)), r"^ExtendPlan\.snapshots: every entry must be a SnapshotTicket, not InitTicket \(got InitTicket\("),
-    ("two tickets for a pool", lambda: ext_plan(tickets=(InitTicket(pool=TARGET_POOL, init=MambaInit(serial=S, clear_slots=(1, 2))),) * 2), r"ExtendPlan\.tickets: two tickets for one pool \(got 'target'\)"),
-    ("tickets of two serials", lambda: ext_plan(tickets=(InitTicket(pool=PoolId("a"), init=MambaInit(serial=S, clear_slots=(1, 2))), InitTicket(pool=PoolId("b"), init=MambaInit(serial=TicketSerial(13), clear_slots=(1, 2))))), r"ExtendPlan\.tickets: tickets of one plan share one serial \(got \[11, 13\]\)"),
-    ("tickets of two ops", lambda: ext_plan(tickets=(InitTicket(pool=PoolId("a"), init=MambaInit(serial=S, clear_slots=(1, 2))), InitTicket(pool=PoolId("b"), init=MambaInit(serial=S, clear_slots=(1,))))), r"ExtendPlan\.tickets: tickets of one plan carry the same ops for every pool"),
-    ("snapshots of two serials", lambda: ext_plan(snapshots=(SnapshotTicket(pool=PoolId("a"), snapshot=_snap((1,), (5,))), SnapshotTicket(pool=PoolId("b"), snapshot=_snap((1,), (5,), serial=14)))), r"ExtendPlan\.snapshots: tickets of one plan share one serial \(got \[12, 14\]\)"),
+    ("tickets not a tuple", lambda: ext_plan(tickets=None), rf"ExtendPlan\.tickets: must be a tuple of a Ticket of {BEFORE_NAMED} \(got None\)"),
+    ("snapshot in tickets", lambda: ext_plan(tickets=(Ticket(pool=TARGET_POOL, op=_snap((1,), (5,))),)), rf"ExtendPlan\.tickets: every entry must be a Ticket of {BEFORE_NAMED}, not a Ticket of a MambaSnapshot"),
+    ("init ticket in snapshots", lambda: ext_plan(snapshots=(Ticket(pool=TARGET_POOL, op=MambaInit(serial=S, clear_slots=(1, 2))),)), rf"^ExtendPlan\.snapshots: every entry must be a Ticket of {AFTER_NAMED}, not a Ticket of a MambaInit \(got Ticket\("),
+    ("two tickets for a pool", lambda: ext_plan(tickets=(Ticket(pool=TARGET_POOL, op=MambaInit(serial=S, clear_slots=(1, 2))),) * 2), r"ExtendPlan\.tickets: two tickets for one pool \(got 'target'\)"),
+    ("tickets of two serials", lambda: ext_plan(tickets=(Ticket(pool=PoolId("a"), op=MambaInit(serial=S, clear_slots=(1, 2))), Ticket(pool=PoolId("b"), op=MambaInit(serial=TicketSerial(13), clear_slots=(1, 2))))), r"ExtendPlan\.tickets: tickets of one plan share one serial \(got \[11, 13\]\)"),
+    ("tickets of two ops", lambda: ext_plan(tickets=(Ticket(pool=PoolId("a"), op=MambaInit(serial=S, clear_slots=(1, 2))), Ticket(pool=PoolId("b"), op=MambaInit(serial=S, clear_slots=(1,))))), r"ExtendPlan\.tickets: tickets of one plan carry the same ops for every pool"),
+    ("snapshots of two serials", lambda: ext_plan(snapshots=(Ticket(pool=PoolId("a"), op=_snap((1,), (5,))), Ticket(pool=PoolId("b"), op=_snap((1,), (5,), serial=14)))), r"ExtendPlan\.snapshots: tickets of one plan share one serial \(got \[12, 14\]\)"),
     ("extend sample 0", lambda: ext_plan(sample_id=SampleId(0)), r"ExtendPlan\.sample_id: must be a positive sample id \(ir\.mint\.mint_sample_id\(\)\)"),
     ("decode sample 0", lambda: DecodePlan(**dec_cols(), sample_id=SampleId(0)), r"DecodePlan\.sample_id: must be a positive sample id"),
     ("decode inputs_from 0", lambda: DecodePlan(**dec_cols(input_ids=[0, 0]), inputs_from=SampleId(0)), r"DecodePlan\.inputs_from: must be a positive sample id"),
@@ -151,13 +152,13 @@ def test_pipelined_decode_and_distinct_ids_are_accepted() -> None:
 
 
 def test_a_snapshot_ticket_and_a_plan_find_their_pool() -> None:
-    t = InitTicket(pool=PoolId("a"), init=MambaInit(serial=S, clear_slots=(1, 2)))
-    st = SnapshotTicket(pool=PoolId("a"), snapshot=_snap((1,), (5,)))
+    t = Ticket(pool=PoolId("a"), op=MambaInit(serial=S, clear_slots=(1, 2)))
+    st = Ticket(pool=PoolId("a"), op=_snap((1,), (5,)))
     plan = ext_plan(tickets=(t,), snapshots=(st,))
     assert plan.ticket_for(PoolId("a")) == t and plan.ticket_for(TARGET_POOL) is None
     assert plan.snapshot_for(PoolId("a")) == st and plan.snapshot_for(TARGET_POOL) is None
     assert MambaInit(serial=S, clear_slots=(1, 2), cow_src=(5,), cow_dst=(3,)).num_ops == 3
-    assert MambaInit(serial=S, cow_src=(5,), cow_dst=(3,)).targets() == {3}
+    assert op_writes(MambaInit(serial=S, cow_src=(5,), cow_dst=(3,))) == (3,)
     assert not MambaInit(serial=S, cow_src=(5,), cow_dst=(3,)).is_empty and MambaInit(serial=S).is_empty
 
 
@@ -196,13 +197,13 @@ VERIFICATION: list[tuple[str, Callable[[], Any], str]] = [
     ("plan slot twice", lambda: ext_plan(MambaInit(serial=S, clear_slots=(1,)), slots=[1, 1]), r"^ExtendPlan\.slots\[1\]: slot 1 already used at index 0$"),
     ("plan KV twice", lambda: ext_plan(kv_locs=[4, 4]), r"^ExtendPlan\.kv_locs\[1\]: KV location 4 already used at index 0$"),
     ("ticket writes a stranger", lambda: ext_plan(MambaInit(serial=S, clear_slots=(1, 3))), r"^ExtendPlan\.tickets\[0\]: ticket #11 for pool 'target' writes slot 3, which no request of the plan owns$"),
-    ("ticket copies a live slot", lambda: ext_plan(MambaInit(serial=S, cow_src=(1,), cow_dst=(2,))), r"^ExtendPlan\.tickets\[0\]\.init\.cow_src\[0\]: COW src 1 is the live slot of a request in this plan$"),
+    ("ticket copies a live slot", lambda: ext_plan(MambaInit(serial=S, cow_src=(1,), cow_dst=(2,))), r"^ExtendPlan\.tickets\[0\]\.op\.cow_src\[0\]: cow src 1 is the live slot of a request in this plan$"),
     ("decode plan rid twice", lambda: DecodePlan(**dec_cols(rids=[3, 3])), r"^DecodePlan\.rids\[1\]: request id 3"),
     ("decode plan slot twice", lambda: DecodePlan(**dec_cols(slots=[3, 3])), r"^DecodePlan\.slots\[1\]: slot 3"),
     ("decode plan KV twice", lambda: DecodePlan(**dec_cols(kv_locs=[9, 9])), r"^DecodePlan\.kv_locs\[1\]: KV location 9"),
     ("mixed plan extend part", lambda: _mixed_plan(ext_plan(kv_locs=[4, 4])), r"^MixedPlan\.extend\.kv_locs\[1\]: KV location 4"),
     ("mixed plan decode part", lambda: _mixed_plan(ext_plan(), kv_locs=[9, 9]), r"^MixedPlan\.decode\.kv_locs\[1\]: KV location 9"),
-    ("mixed plan cow from a decode slot", lambda: _mixed_plan(ext_plan(MambaInit(serial=S, clear_slots=(1,), cow_src=(3,), cow_dst=(2,)))), r"^MixedPlan\.extend\.tickets\[0\]\.init\.cow_src\[0\]: COW src 3 is the live slot of a request in the decode part$"),
+    ("mixed plan cow from a decode slot", lambda: _mixed_plan(ext_plan(MambaInit(serial=S, clear_slots=(1,), cow_src=(3,), cow_dst=(2,)))), r"^MixedPlan\.extend\.tickets\[0\]\.op\.cow_src\[0\]: cow src 3 is the live slot of a request in the decode part$"),
     ("mixed plan slot in both", lambda: _mixed_plan(ext_plan(), slots=[3, 2]), r"^MixedPlan\.slots: slot 2 is in both the extend and the decode part$"),
     ("mixed plan KV in both", lambda: _mixed_plan(ext_plan(), kv_locs=[10, 0]), r"^MixedPlan\.kv_locs: KV location 0 is in both the extend and the decode part$"),
 ]

@@ -11,7 +11,7 @@ import pytest
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.errors import IRValidationError, PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId, SampleId
-from ir.init import InitIntent
+from ir.init import InitIntent, op_writes
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.printer import dump
 from ir.verify import verify
@@ -364,8 +364,8 @@ def test_prepare_for_extend_and_lower_keep_each_requests_slot_tokens_and_kv() ->
     plan = lower(b, LowerContext(pools=(TARGET_POOL, DRAFT_POOL)))
     assert _extend_rows(plan) == _EXT_ROWS
     for t in plan.tickets:  # the init ops name the raw slots of their requests
-        assert t.init.clear_slots == (MambaSlot(7),)
-        assert (t.init.cow_src, t.init.cow_dst) == ((MambaSlot(9),), (MambaSlot(3),))
+        assert t.op.clear_slots == (MambaSlot(7),)
+        assert (t.op.cow_src, t.op.cow_dst) == ((MambaSlot(9),), (MambaSlot(3),))
 
 
 def test_prepare_for_decode_keeps_each_requests_slot_by_raw_value() -> None:
@@ -454,9 +454,9 @@ def test_a_decode_derived_batch_lowers_without_tickets() -> None:
     plan = lower(m, ctx)
     assert [t.pool for t in plan.tickets] == [TARGET_POOL, DRAFT_POOL]
     for t in plan.tickets:
-        assert t.init == newcomers.init  # the newcomers' serial and ops, not the stale ones of `e`
-        assert t.init.targets() == {MambaSlot(2), MambaSlot(1)}  # the newcomers' rows, no decode row
-        assert not t.init.targets() & set(plan.decode.slots.tolist())
+        assert t.op == newcomers.init  # the newcomers' serial and ops, not the stale ones of `e`
+        assert set(op_writes(t.op)) == {MambaSlot(2), MambaSlot(1)}  # the newcomers' rows, no decode row
+        assert not set(op_writes(t.op)) & set(plan.decode.slots.tolist())
     assert _no_one_shot_ops(dump(plan.decode))
     text = dump(plan)
     assert text.count("ticket") == 2, text  # one per pool, in the extend part only

@@ -147,7 +147,7 @@ def leader(scenario: str, out: str) -> None:
                 exts = [p if isinstance(p, ExtendPlan) else p.extend for p in map(lambda m: unpack(m).plan, sent)
                         if isinstance(p, (ExtendPlan, MixedPlan))]
                 ext = [x for x in exts if x.tickets][-1]
-                forged = tuple(attrs.evolve(x, init=attrs.evolve(x.init, serial=x.serial ^ (1 << SERIAL_COUNTER_BITS))) for x in ext.tickets)
+                forged = tuple(attrs.evolve(x, op=attrs.evolve(x.op, serial=x.serial ^ (1 << SERIAL_COUNTER_BITS))) for x in ext.tickets)
                 data = pack(lead.step, attrs.evolve(ext, tickets=forged, snapshots=()))
             result["refusals"] = lead.send_raw(TARGET_POOL, data)
             if scenario == "replay":  # and a message for the right step that no encoder writes: a 5,000-digit integer

@@ -238,3 +238,41 @@ def test_k_zero_samples_the_target() -> None:
     out = rejection_sample(dist, torch.zeros((n, 0), dtype=torch.int64), OneHotDraft(), rows, start)
     assert out.accepted.tolist() == [0] * n
     assert torch.equal(out.tokens[:, 0], sample_rows(dist, rows, start))
+
+
+def test_each_decision_reads_its_documented_key() -> None:
+    """The key contract (what makes a window replayable and its noises independent): position j's
+    test reads uniform(seed, index, start + j, ACCEPT); the replacement at the first rejection m
+    is drawn from the residual at (start + m, RESIDUAL); the bonus is the target's own sample at
+    (start + k, TARGET), the token plain decoding would draw there."""
+    from backend.rng import uniform
+    from backend.sampling import _inverse_cdf
+
+    n, k, vocab = 64, 3, 12
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(n * (k + 1), vocab, generator=g)
+    params = [SamplingParams(temperature=1.0, seed=500 + i) for i in range(n)]
+    rows = RowParams.of(params, indices=[i % 4 for i in range(n)])
+    dist = distribution(logits, rows.repeat(k + 1))
+    p = dist.probs.reshape(n, k + 1, vocab)
+    q = torch.softmax(torch.randn(n, k, vocab, generator=g), dim=-1)
+    drafts = torch.randint(0, vocab, (n, k), generator=g)
+    start = torch.arange(n) * 7 + 2
+    out = rejection_sample(dist, drafts, FullDraft(q=q), rows, start)
+    p_x = p[:, :k].gather(2, drafts[:, :, None]).squeeze(2).double()
+    q_x = q.gather(2, drafts[:, :, None]).squeeze(2).double()
+    u = uniform(rows.seed[:, None], rows.index[:, None], start[:, None] + torch.arange(k), Purpose.ACCEPT)
+    ok = u < (p_x / q_x).clamp(max=1.0)
+    m = ok.long().cumprod(dim=1).sum(dim=1)
+    assert torch.equal(out.accepted, m)
+    assert 0 < int((m == k).sum()) < n and int((m < k).sum()) > 0  # both branches are exercised
+    for i in range(n):
+        mi = int(m[i])
+        key = (rows.seed[i : i + 1], rows.index[i : i + 1], start[i : i + 1] + mi)
+        if mi < k:
+            w = (p[i, mi] - q[i, mi]).clamp(min=0.0)[None]
+            expected = int(_inverse_cdf(w, uniform(*key, Purpose.RESIDUAL)))
+        else:
+            one = RowParams.of([params[i]], indices=[i % 4])
+            expected = int(sample_rows(distribution(logits[i * (k + 1) + k][None], one), one, key[2]))
+        assert int(out.tokens[i, mi]) == expected, i

@@ -1,0 +1,89 @@
+"""A counter-based random stream: numbers are a pure function of their key, not of a generator's state.
+
+A key is (``seed``, completion ``index``, output ``position``, ``purpose``): ``uniform`` hashes each
+key to one float64 in [0, 1). Nothing is drawn from a shared generator, so:
+
+- **batch invariance**: a row's numbers depend on its key only, not on the other rows of the batch,
+  their number or their order (every operation below is elementwise on int64 tensors);
+- **replayability**: a request preempted and recomputed, or run on another rank (``--tp``,
+  ``--dp``), draws the same numbers at the same positions;
+- **purposes apart**: the draft's proposal, the acceptance test, the residual and the target's own
+  sample at one position read different numbers (``Purpose``), so a proposal never shares its
+  noise with the test that judges it (the independence rejection sampling's exactness needs).
+
+The hash: the key's fields are absorbed one word at a time into splitmix64's finaliser (``_mix``, a
+bijection of 64-bit words with full avalanche), ``h = mix(mix(seed ^ C0) ^ word)`` with ``word``
+packing (purpose, index, position) into one 64-bit word, then one more ``mix`` whitens the result.
+Consequences: two keys that differ only in (purpose, index, position) never give the same 64 bits
+(every step is injective in the last word); keys with different seeds collide like a random
+function's outputs (about 2**-64 per pair). The stream passes no statistical test suite by
+construction, but the statistics it is used for are tested (``tests/backend/test_sampling_stream.py``
+and the rejection-sampling convergence test).
+
+Arithmetic: int64 tensors, where torch's multiplication wraps modulo 2**64 (two's complement, on
+CPU and CUDA alike) and ``>>`` is arithmetic, so logical shifts mask the sign extension away. A test
+checks the torch hash bit for bit against a pure-Python reference (integers modulo 2**64).
+
+Field ranges (``PreconditionError``-free: callers build keys from validated IR columns): ``seed``
+in [0, 2**63 - 1], ``index`` in [0, 2**12), ``position`` in [0, 2**44), ``purpose`` a ``Purpose``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["Purpose", "bits", "uniform"]
+
+
+class Purpose(enum.IntEnum):
+    """Which decision a number is for (the salt that keeps the decisions' noise apart)."""
+
+    TARGET = 1
+    """The target's own sample at a position: plain decoding, a prefill's first token, the bonus."""
+    DRAFT = 2
+    """The draft model's sampled proposal at a position (a full-q draft)."""
+    ACCEPT = 3
+    """The acceptance test of the proposal at a position."""
+    RESIDUAL = 4
+    """The replacement token drawn from the residual at the first rejected position."""
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+_C0 = _signed(0x9E3779B97F4A7C15)
+_C1 = _signed(0xD1B54A32D192ED03)
+_LOW30 = (1 << 34) - 1  # keeps the low 34 bits: x >>> 30
+_LOW27 = (1 << 37) - 1
+_LOW31 = (1 << 33) - 1
+_INDEX_SHIFT = 44
+_PURPOSE_SHIFT = 56
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    # splitmix64's finaliser with logical shifts spelled as arithmetic shift + mask
+    z = (z ^ ((z >> 30) & _LOW30)) * _M1
+    z = (z ^ ((z >> 27) & _LOW27)) * _M2
+    return z ^ ((z >> 31) & _LOW31)
+
+
+def bits(seed: torch.Tensor, index: torch.Tensor, position: torch.Tensor, purpose: Purpose | torch.Tensor) -> torch.Tensor:
+    """64 random bits (an int64 tensor) per key; the arguments broadcast against each other."""
+    word = position | (index << _INDEX_SHIFT) | ((purpose if isinstance(purpose, torch.Tensor) else int(purpose)) << _PURPOSE_SHIFT)
+    return _mix(_mix(_mix(seed ^ _C0) ^ word) + _C1)
+
+
+_TWO_POW_M53 = 2.0**-53
+
+
+def uniform(seed: torch.Tensor, index: torch.Tensor, position: torch.Tensor, purpose: Purpose | torch.Tensor) -> torch.Tensor:
+    """One float64 in [0, 1) per key: the top 53 bits of ``bits`` times 2**-53 (every multiple of
+    2**-53 in [0, 1) equally likely; ``u < r`` holds with probability exactly ``r`` for ``r`` a
+    multiple of 2**-53, and within 2**-53 otherwise)."""
+    top = (bits(seed, index, position, purpose) >> 11) & ((1 << 53) - 1)
+    return top.to(torch.float64) * _TWO_POW_M53

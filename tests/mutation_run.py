@@ -48,22 +48,22 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE_TESTS = [
     "tests/backend/test_backend_core.py", "tests/backend/test_ledger_truth.py", "tests/test_bad_input.py", "tests/ir/test_immutable_ir.py",
     "tests/passes/test_passes.py", "tests/passes/test_spec_passes.py", "tests/backend/test_snapshot.py", "tests/test_regression_stale_init.py",
-    "tests/ir/test_column_sets.py", "tests/compiler/test_golden.py", "tests/backend/test_mutation_detector.py", "tests/compiler/test_faults.py",
+    "tests/ir/test_column_sets.py", "tests/compiler/tools/test_golden.py", "tests/backend/test_mutation_detector.py", "tests/compiler/engine/test_faults.py",
     "tests/backend/test_concurrency.py", "tests/test_hostile_corpus.py", "tests/passes/test_pass_arguments.py",
     "tests/passes/test_pass_registry.py", "tests/ir/test_refusals.py", "tests/backend/test_executor_gate.py",
     "tests/ir/test_linear_plugin.py", "tests/ir/test_parse.py", "tests/ir/test_wire.py", "tests/passes/test_pass_preconditions.py",
 ]
 ENGINE_TESTS = [
-    "tests/compiler/test_engine_stop.py", "tests/compiler/test_engine_spec.py", "tests/compiler/test_serving.py", "tests/compiler/test_faults.py",
-    "tests/test_hostile_corpus.py", "tests/test_bad_input.py", "tests/compiler/test_property_lifecycle.py",
-    "tests/test_api_validation.py", "tests/compiler/test_engine_parts.py", "tests/compiler/test_engine_units.py",
-    "tests/compiler/test_engine_inline_processes.py", "tests/compiler/test_prefix_cache_unit.py", "tests/compiler/test_policy.py", "tests/compiler/test_nonfinite.py",
+    "tests/compiler/engine/test_engine_stop.py", "tests/compiler/engine/test_engine_spec.py", "tests/compiler/engine/test_serving.py", "tests/compiler/engine/test_faults.py",
+    "tests/test_hostile_corpus.py", "tests/test_bad_input.py", "tests/compiler/engine/test_property_lifecycle.py",
+    "tests/test_api_validation.py", "tests/compiler/engine/test_engine_parts.py", "tests/compiler/engine/test_engine_units.py",
+    "tests/compiler/engine/test_engine_inline_processes.py", "tests/compiler/test_prefix_cache_unit.py", "tests/compiler/engine/test_policy.py", "tests/compiler/engine/test_nonfinite.py",
 ]
 TARGETS: dict[str, list[str]] = {
     "ir/*.py": CORE_TESTS,
     "passes/*.py": CORE_TESTS,
     "backend/ledger.py": CORE_TESTS,
-    "backend/executor.py": CORE_TESTS + ["tests/compiler/test_engine_spec.py", "tests/test_api_validation.py"],
+    "backend/executor.py": CORE_TESTS + ["tests/compiler/engine/test_engine_spec.py", "tests/test_api_validation.py"],
     "compiler/engine/*.py": ENGINE_TESTS,
     "compiler/steps.py": ENGINE_TESTS,
     "compiler/prefix_cache.py": ENGINE_TESTS,

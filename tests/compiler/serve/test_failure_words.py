@@ -27,7 +27,7 @@ from compiler.steps import Pipeline
 from compiler.workload import Request
 from ir.ids import TARGET_POOL, RequestId
 from passes import LowerContext
-from tests.compiler.test_lifetimes import RUN, alive, descendants, kill_left, paused
+from tests.compiler.cli.test_lifetimes import RUN, alive, descendants, kill_left, paused
 from tests.helpers import REVIEW_PROMPTS, engine, fresh, kill_child, tiny_models
 
 
@@ -74,7 +74,7 @@ def test_an_executor_process_killed_mid_run_aborts_its_requests_at_any_step() ->
 
 def _one_line(tmp_path: Path, args: list[str]) -> tuple[int, str]:
     """``batchc ARGS`` with every child it started sent a signal at the engine's third step
-    (``tests/compiler/paused.py``): its status and stderr; nothing is left running."""
+    (``tests/compiler/cli/paused.py``): its status and stderr; nothing is left running."""
     marker = tmp_path / "marker"
     proc = paused(args[0], marker, args[1:])
     try:

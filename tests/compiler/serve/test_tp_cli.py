@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["--requests", "6", "--max-new-tokens", "8", "--lossless-sample", "2"]
 
 

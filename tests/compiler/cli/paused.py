@@ -1,5 +1,5 @@
 """``batchc`` paused at a chosen point, for the tests that kill it there: ``python -m
-tests.compiler.paused POINT MARKER BATCHC-ARGS...`` runs ``compiler.cli.main(BATCHC-ARGS)``; on
+tests.compiler.cli.paused POINT MARKER BATCHC-ARGS...`` runs ``compiler.cli.main(BATCHC-ARGS)``; on
 reaching ``POINT`` it writes ``MARKER`` (its pid) and sleeps, so the test kills it exactly there. The
 product code is unchanged: the points are wrappers around its functions.
 

@@ -17,7 +17,7 @@ from compiler.workload import Request, ServeError
 from ir.ids import RequestId
 from tests.helpers import run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _req(rid: int, prompt: bytes, new: int = 4) -> Request:

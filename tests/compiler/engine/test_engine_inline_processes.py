@@ -5,7 +5,7 @@ when it is submitted but hands the result (or the error) back only at ``wait``, 
 another process does. Swapped in for an engine's backends (``InlineBackends``), the engine takes the
 paths it takes with real processes: commits of a speculative iteration deferred to the next step,
 and (``k = 0``) pipelined forwards whose inputs are named by the forward before. Real processes are
-covered by ``tests/compiler/test_overlap.py``; these check the engine's side of the protocol, fast:
+covered by ``tests/compiler/engine/test_overlap.py``; these check the engine's side of the protocol, fast:
 
 - the outputs equal those of the same engine with in-process executors (whose greedy parity with
   the from-scratch reference the serving tests check): pipelined decodes, chunked and mixed

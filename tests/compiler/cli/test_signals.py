@@ -16,7 +16,7 @@ import pytest
 from backend import children
 from compiler.cli import output
 from compiler.cli.output import OutputFile
-from tests.compiler.test_lifetimes import OLD, RUN, alive, descendants, kill_left, paused, wait_for
+from tests.compiler.cli.test_lifetimes import OLD, RUN, alive, descendants, kill_left, paused, wait_for
 
 
 def _claimed(tmp_path: Path, *, outputs: bool) -> tuple[list[str], list[Path]]:
@@ -49,7 +49,7 @@ def _interrupt(tmp_path: Path, args: list[str], sig: signal.Signals) -> tuple[in
 CASES = [
     ("run", RUN, True, signal.SIGINT),
     ("run", [*RUN, "--dp", "2"], True, signal.SIGINT),
-    # (--tp 2 and --overlap under SIGTERM: tests/compiler/test_lifetimes.py)
+    # (--tp 2 and --overlap under SIGTERM: tests/compiler/cli/test_lifetimes.py)
     ("ab", ["ab", "--requests", "4", "--max-new-tokens", "8"], False, signal.SIGINT),
     ("bench serve", ["bench", "serve", "--requests", "4", "--max-new-tokens", "8", "--repeats", "1"], False, signal.SIGTERM),
 ]

@@ -3,7 +3,7 @@
 just started), mid-run (every child serving) or during shutdown (rank 0 shutting its group down, the
 engine closing its executors, the router stopping a replica after another failed). The figure: the
 time from the signal to the last child gone, at most 2 s (it bounds the time from ``batchc``'s death,
-which comes after the signal). ``tests/compiler/paused.py`` stops ``batchc`` at each point. Each run
+which comes after the signal). ``tests/compiler/cli/paused.py`` stops ``batchc`` at each point. Each run
 also claims ``--json`` and ``--outputs`` over files already there: after SIGTERM ``batchc`` says in one
 line what was interrupted and what was (not) written, exits 143, and after either signal the files
 hold what they held (or, once written, the run's output) and no temporary file is left beside them."""
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RUN = ["run", "--k", "0", "--requests", "16", "--max-new-tokens", "16", "--lossless-sample", "0"]
 MODES = {"tp": ["--tp", "2"], "dp": ["--dp", "2"], "overlap": ["--overlap"]}
 BOUND_S = 2.0
@@ -53,7 +53,7 @@ def alive(pid: int) -> bool:
 
 
 def paused(point: str, marker: Path, args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tests.compiler.paused", point, str(marker), *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "tests.compiler.cli.paused", point, str(marker), *args], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

@@ -142,7 +142,7 @@ class RowParams:
 
     def repeat(self, times: int) -> RowParams:
         """Each row ``times`` times in a row (the ``k + 1`` window positions of a verify)."""
-        return RowParams(**{f.name: getattr(self, f.name).repeat_interleave(times) for f in attrs.fields(RowParams)})
+        return RowParams(**{name: value.repeat_interleave(times) for name, value in attrs.asdict(self, recurse=False).items()})
 
 
 @final

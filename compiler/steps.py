@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from compiler.manager import PassManager
+from ir import spec
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64
 from ir.ids import RequestId, SampleId
@@ -19,20 +20,6 @@ from ir.init import Op, Ticket
 from ir.linear import consumes
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
-from ir.spec import (
-    AcceptResult,
-    CommitBatch,
-    CommitPlan,
-    DraftBatch,
-    DraftCommitBatch,
-    DraftCommitPlan,
-    DraftExtendBatch,
-    DraftExtendPlan,
-    DraftPlan,
-    Proposals,
-    VerifyBatch,
-    VerifyPlan,
-)
 from passes.accept import accept
 from passes.commit import commit
 from passes.filter_batch import filter_batch
@@ -96,35 +83,35 @@ class Pipeline:
     def filter_extend(self, batch: ExtendBatch, drop: Iterable[RequestId]) -> ExtendBatch:
         return self.pm.run(filter_batch, batch, drop)
 
-    def merge(self, running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
+    def merge(self, running: DecodeBatch, prefilled: ExtendBatch | spec.DraftCommitBatch | spec.DraftExtendBatch | DecodeBatch) -> DecodeBatch:
         return self.pm.run(merge_batch, running, prefilled)
 
     # -- speculative decoding: one iteration = draft, verify, accept + commit, draft commit --------
 
-    def draft(self, running: DecodeBatch, ctx: SpecContext) -> tuple[DraftBatch, DraftPlan]:
+    def draft(self, running: DecodeBatch, ctx: SpecContext) -> tuple[spec.DraftBatch, spec.DraftPlan]:
         batch = self.pm.run(prepare_for_draft, running, ctx)
-        plan: DraftPlan = self.pm.run(lower, batch, self.lower_ctx)
+        plan: spec.DraftPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
 
     @consumes  # the proposals: one verify each (a second one is ``linear-reuse``)
-    def verify(self, draft: DraftBatch, proposals: Proposals) -> tuple[VerifyBatch, VerifyPlan]:
+    def verify(self, draft: spec.DraftBatch, proposals: spec.Proposals) -> tuple[spec.VerifyBatch, spec.VerifyPlan]:
         """The verify of ``draft``'s ``proposals`` (what the draft executor returned for its plan)."""
         batch = self.pm.run(prepare_for_verify, draft, proposals)
-        plan: VerifyPlan = self.pm.run(lower, batch, self.lower_ctx)
+        plan: spec.VerifyPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
 
-    def commit(self, verify: VerifyBatch, target_tokens: I64) -> tuple[AcceptResult, CommitBatch, CommitPlan]:
+    def commit(self, verify: spec.VerifyBatch, target_tokens: I64) -> tuple[spec.AcceptResult, spec.CommitBatch, spec.CommitPlan]:
         result = self.pm.run(accept, verify, target_tokens)
         batch = self.pm.run(commit, verify, result)
-        plan: CommitPlan = self.pm.run(lower, batch, self.lower_ctx)
+        plan: spec.CommitPlan = self.pm.run(lower, batch, self.lower_ctx)
         return result, batch, plan
 
-    def draft_commit(self, committed: CommitBatch, draft: DraftBatch) -> tuple[DraftCommitBatch, DraftCommitPlan]:
+    def draft_commit(self, committed: spec.CommitBatch, draft: spec.DraftBatch) -> tuple[spec.DraftCommitBatch, spec.DraftCommitPlan]:
         batch = self.pm.run(prepare_for_draft_commit, committed, draft)
-        plan: DraftCommitPlan = self.pm.run(lower, batch, self.lower_ctx)
+        plan: spec.DraftCommitPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
 
-    def draft_extend(self, committed: CommitBatch) -> tuple[DraftExtendBatch, DraftExtendPlan]:
+    def draft_extend(self, committed: spec.CommitBatch) -> tuple[spec.DraftExtendBatch, spec.DraftExtendPlan]:
         batch = self.pm.run(prepare_for_draft_extend, committed)
-        plan: DraftExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
+        plan: spec.DraftExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan

@@ -157,10 +157,11 @@ class SamplingParams:
     n: int = 1
 
     def __attrs_post_init__(self) -> None:
+        given = attrs.asdict(self, recurse=False)
         for name, check in _TYPED:
             # normalise in place (the value is not yet shared): an int temperature becomes a
             # float, a numpy integer an int, so equal inputs give equal, equally hashed values
-            object.__setattr__(self, name, check(name, getattr(self, name)))
+            object.__setattr__(self, name, check(name, given[name]))
         t = self.temperature
         if not (math.isfinite(t) and t >= 0.0):
             raise _bad("temperature", t, "must be >= 0 and finite (0 is greedy)")
@@ -172,8 +173,7 @@ class SamplingParams:
             raise _bad("top_k", self.top_k, "must be >= -1 (-1 or 0: off)")
         if self.seed is not None and not (0 <= self.seed <= SEED_MAX):
             raise _bad("seed", self.seed, "must be in [0, 2**63 - 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
+        for name, v in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
             if not (-PENALTY_BOUND <= v <= PENALTY_BOUND):
                 raise _bad(name, v, "must be in [-2, 2]")
         r = self.repetition_penalty

@@ -22,6 +22,7 @@ from typing import final, overload
 
 import attrs
 
+from ir import spec
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import build_unchecked
 from ir.errors import IRValidationError
@@ -29,18 +30,6 @@ from ir.ids import TARGET_POOL, PoolId, SampleId
 from ir.init import Ticket
 from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
-from ir.spec import (
-    CommitBatch,
-    CommitPlan,
-    DraftBatch,
-    DraftCommitBatch,
-    DraftCommitPlan,
-    DraftExtendBatch,
-    DraftExtendPlan,
-    DraftPlan,
-    VerifyBatch,
-    VerifyPlan,
-)
 from passes._args import bad_arg, unexpected_arg
 
 
@@ -117,15 +106,15 @@ def lower(
 @overload
 def lower(batch: IdleBatch, ctx: LowerContext) -> IdlePlan: ...
 @overload
-def lower(batch: DraftBatch, ctx: LowerContext) -> DraftPlan: ...
+def lower(batch: spec.DraftBatch, ctx: LowerContext) -> spec.DraftPlan: ...
 @overload
-def lower(batch: VerifyBatch, ctx: LowerContext) -> VerifyPlan: ...
+def lower(batch: spec.VerifyBatch, ctx: LowerContext) -> spec.VerifyPlan: ...
 @overload
-def lower(batch: CommitBatch, ctx: LowerContext) -> CommitPlan: ...
+def lower(batch: spec.CommitBatch, ctx: LowerContext) -> spec.CommitPlan: ...
 @overload
-def lower(batch: DraftCommitBatch, ctx: LowerContext) -> DraftCommitPlan: ...
+def lower(batch: spec.DraftCommitBatch, ctx: LowerContext) -> spec.DraftCommitPlan: ...
 @overload
-def lower(batch: DraftExtendBatch, ctx: LowerContext) -> DraftExtendPlan: ...
+def lower(batch: spec.DraftExtendBatch, ctx: LowerContext) -> spec.DraftExtendPlan: ...
 def lower(batch: Batch, ctx: LowerContext, *, sample_id: SampleId | None = None, inputs_from: SampleId | None = None) -> Plan:
     if not isinstance(ctx, LowerContext):
         raise bad_arg("lower", "ctx", ctx, "a LowerContext")
@@ -142,15 +131,15 @@ def lower(batch: Batch, ctx: LowerContext, *, sample_id: SampleId | None = None,
             return MixedPlan(extend=_extend_plan(batch.extend, ctx, sample_id), decode=_decode_plan(batch.decode, sample_id, inputs_from))
         case IdleBatch():
             return IdlePlan()
-        case DraftBatch():
-            return DraftPlan(batch=batch)
-        case VerifyBatch():
-            return VerifyPlan(batch=batch)
-        case CommitBatch():
-            return CommitPlan(batch=batch)
-        case DraftCommitBatch():
-            return DraftCommitPlan(batch=batch)
-        case DraftExtendBatch():
-            return DraftExtendPlan(batch=batch)
+        case spec.DraftBatch():
+            return spec.DraftPlan(batch=batch)
+        case spec.VerifyBatch():
+            return spec.VerifyPlan(batch=batch)
+        case spec.CommitBatch():
+            return spec.CommitPlan(batch=batch)
+        case spec.DraftCommitBatch():
+            return spec.DraftCommitPlan(batch=batch)
+        case spec.DraftExtendBatch():
+            return spec.DraftExtendPlan(batch=batch)
         case _:
             unexpected_arg("lower", "batch", batch, "a batch (ir.nodes.Batch)")

@@ -42,26 +42,13 @@ from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine
 from compiler.tools.ab import DRAFT_NOISE
+from ir import spec
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import I64, type_names
 from ir.ids import TARGET_POOL, DraftId, MambaSlot, PoolId, RequestId, SampleId, TicketSerial, VerifyId
 from ir.init import OP_TYPES, InitIntent, MambaInit, MambaSnapshot, Ticket, When
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
-from ir.spec import (
-    AcceptResult,
-    CommitBatch,
-    CommitPlan,
-    DraftBatch,
-    DraftCommitBatch,
-    DraftCommitPlan,
-    DraftExtendBatch,
-    DraftPlan,
-    Proposals,
-    SpecPlan,
-    VerifyBatch,
-    VerifyPlan,
-)
 from passes.lower import LowerContext, lower
 from passes.prepare_for_extend import prepare_for_extend
 
@@ -112,10 +99,10 @@ def cont(rid: int, slot: int, prefix: int, tokens: Sequence[int], kv_start: int,
     return request(rid, slot, tokens, kv_start, intent=Continue(prefix_len=prefix), more_chunks=more)
 
 
-def proposed(draft: DraftBatch, tokens: Sequence[int] | I64) -> Proposals:
+def proposed(draft: spec.DraftBatch, tokens: Sequence[int] | I64) -> spec.Proposals:
     """``tokens`` as the ``Proposals`` of ``draft`` (what its draft executor would return): for pass
     tests that choose the proposals instead of running a draft model."""
-    return Proposals(k=draft.k, draft_id=draft.draft_id, tokens=tokens)
+    return spec.Proposals(k=draft.k, draft_id=draft.draft_id, tokens=tokens)
 
 
 def decode_batch(
@@ -225,13 +212,13 @@ class ToySpecModel:
     def forward(self, plan: object, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool) -> torch.Tensor:
         return blank_logits(extend, decode)
 
-    def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
+    def propose(self, plan: spec.DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
         return torch.full((plan.batch.num_requests, plan.batch.k), 7, dtype=torch.int64), ("states of draft", plan.batch.draft_id)
 
-    def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
+    def verify(self, plan: spec.VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, object]:
         return torch.full((plan.batch.num_requests, plan.batch.k + 1), 7, dtype=torch.int64), ("states of", plan.batch.verify_id)
 
-    def commit(self, plan: CommitPlan | DraftCommitPlan, states: object, pool: MambaStatePool) -> None:
+    def commit(self, plan: spec.CommitPlan | spec.DraftCommitPlan, states: object, pool: MambaStatePool) -> None:
         for s in plan.batch.slots.tolist():
             pool.buffer[s].fill_(0x11)
 
@@ -254,7 +241,7 @@ def make_pool(
     device: torch.device = DEVICE,
 ) -> MambaStatePool:
     """A small pool on ``device`` (the test device) whose every state holds random (finite) values."""
-    spec = MambaLayerSpec(
+    layer_spec = MambaLayerSpec(
         conv_dim=conv_dim,
         kernel_width=kernel_width,
         nheads=nheads,
@@ -263,7 +250,7 @@ def make_pool(
         conv_dtype=conv_dtype,
         ssm_dtype=ssm_dtype,
     )
-    pool = MambaStatePool(TARGET_POOL, PoolLayout(layers=(spec,) * layers), capacity, device=device)
+    pool = MambaStatePool(TARGET_POOL, PoolLayout(layers=(layer_spec,) * layers), capacity, device=device)
     gen = torch.Generator().manual_seed(seed)
     for layer in range(layers):
         for view in (pool.conv_state(layer), pool.ssm_state(layer)):
@@ -581,27 +568,27 @@ def windows(draw: Any, *, single: bool) -> dict[str, Any]:
 
 
 @st.composite
-def commit_batches(draw: Any) -> CommitBatch:
+def commit_batches(draw: Any) -> spec.CommitBatch:
     cols = draw(windows(single=False))
     n, k = len(cols["rids"]), cols["k"]
     accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
     released = draw(_distinct(st.integers(0, 100_000), n * k - sum(accept)))
-    return CommitBatch(**cols, verify_id=VerifyId(draw(serial_ids)), draft_id=DraftId(draw(serial_ids)), accept_pos=accept, released_kv=released)
+    return spec.CommitBatch(**cols, verify_id=VerifyId(draw(serial_ids)), draft_id=DraftId(draw(serial_ids)), accept_pos=accept, released_kv=released)
 
 
 @st.composite
-def draft_commit_batches(draw: Any) -> DraftCommitBatch:
+def draft_commit_batches(draw: Any) -> spec.DraftCommitBatch:
     cols = draw(windows(single=False))
     n, k = len(cols["rids"]), cols["k"]
     accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
-    return DraftCommitBatch(**cols, draft_id=DraftId(draw(serial_ids)), accept_pos=accept)
+    return spec.DraftCommitBatch(**cols, draft_id=DraftId(draw(serial_ids)), accept_pos=accept)
 
 
 @st.composite
-def draft_extend_batches(draw: Any) -> DraftExtendBatch:
+def draft_extend_batches(draw: Any) -> spec.DraftExtendBatch:
     cols = draw(extend_columns())
     del cols["more_chunks"]
-    return DraftExtendBatch(**cols)
+    return spec.DraftExtendBatch(**cols)
 
 
 @st.composite
@@ -621,9 +608,9 @@ def admitted(draw: Any) -> AdmittedRequest:
 
 
 @st.composite
-def accept_results(draw: Any) -> AcceptResult:
+def accept_results(draw: Any) -> spec.AcceptResult:
     n = draw(st.integers(0, 4))
-    return AcceptResult(accepted=draw(st.lists(st.integers(0, 64), min_size=n, max_size=n)), bonus=draw(st.lists(token_ids, min_size=n, max_size=n)))
+    return spec.AcceptResult(accepted=draw(st.lists(st.integers(0, 64), min_size=n, max_size=n)), bonus=draw(st.lists(token_ids, min_size=n, max_size=n)))
 
 
 decode_batches = decode_columns().map(lambda c: DecodeBatch(**c))
@@ -649,8 +636,8 @@ def decode_plans(draw: Any) -> DecodePlan:
     if inputs is not None:
         cols["input_ids"] = [0] * len(cols["input_ids"])
     return DecodePlan(**cols, sample_id=sample, inputs_from=inputs)
-draft_batches = st.builds(lambda c, d: DraftBatch(**c, draft_id=DraftId(d)), windows(single=True), serial_ids)
-verify_batches = st.builds(lambda c, v, d: VerifyBatch(**c, verify_id=VerifyId(v), draft_id=DraftId(d)), windows(single=False), serial_ids, serial_ids)
+draft_batches = st.builds(lambda c, d: spec.DraftBatch(**c, draft_id=DraftId(d)), windows(single=True), serial_ids)
+verify_batches = st.builds(lambda c, v, d: spec.VerifyBatch(**c, verify_id=VerifyId(v), draft_id=DraftId(d)), windows(single=False), serial_ids, serial_ids)
 
 NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "ExtendBatch": extend_batches(),
@@ -685,7 +672,7 @@ NODE_STRATEGIES["Ticket"] = st.builds(
 # A speculative plan wraps its batch: its strategy is its batch's, wrapped (derived from the union).
 NODE_STRATEGIES |= {
     plan.__name__: NODE_STRATEGIES[get_type_hints(plan)["batch"].__name__].map(lambda b, plan=plan: plan(batch=b))
-    for plan in get_args(SpecPlan)
+    for plan in get_args(spec.SpecPlan)
 }
 
 

@@ -35,6 +35,7 @@ from compiler.engine import Engine, PrefixState, RequestState, StepKind
 from compiler.manager import PassError, PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
+from ir import spec
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import build_unchecked
 from ir.errors import (
@@ -52,20 +53,6 @@ from ir.init import InitIntent, MambaInit, MambaSnapshot, Ticket, mint_serial
 from ir.mint import mint_draft_id, mint_verify_id
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
-from ir.spec import (
-    MAX_SPEC_K,
-    AcceptResult,
-    CommitBatch,
-    CommitPlan,
-    DraftBatch,
-    DraftCommitBatch,
-    DraftCommitPlan,
-    DraftExtendBatch,
-    DraftExtendPlan,
-    DraftPlan,
-    VerifyBatch,
-    VerifyPlan,
-)
 from ir.verify import verify
 from passes.lower import LowerContext, lower
 from passes.merge_batch import merge_batch
@@ -422,11 +409,11 @@ NODE_FIELD_CASES: list[Case] = [
     Case("mixed-batch-parts-swapped", _build(lambda: MixedBatch(extend=_DECODE, decode=prepare_for_extend([request(1, 2, [5, 6], 10)]))), IRValidationError, r"MixedBatch\.extend: must be an ExtendBatch, not DecodeBatch", field="extend"),  # type: ignore[arg-type]
     Case("mixed-plan-none", _build(lambda: MixedPlan(extend=None, decode=None)), IRValidationError, r"MixedPlan\.extend: must be an ExtendPlan, not NoneType \(got None\)", field="extend"),  # type: ignore[arg-type]
     Case("mixed-plan-decode-is-a-batch", _build(lambda: MixedPlan(extend=extend_plan([request(1, 2, [5, 6], 10)])[1], decode=_DECODE)), IRValidationError, r"MixedPlan\.decode: must be a DecodePlan, not DecodeBatch", field="decode"),  # type: ignore[arg-type]
-    Case("draft-plan-batch-none", _build(lambda: DraftPlan(batch=None)), IRValidationError, r"DraftPlan\.batch: must be a DraftBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
-    Case("verify-plan-batch-none", _build(lambda: VerifyPlan(batch=None)), IRValidationError, r"VerifyPlan\.batch: must be a VerifyBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
-    Case("verify-plan-batch-is-draft", _build(lambda: VerifyPlan(batch=DraftBatch(draft_id=mint_draft_id(), **{**_spec_window(1), "input_ids": [3]}))), IRValidationError, r"VerifyPlan\.batch: must be a VerifyBatch, not DraftBatch", field="batch"),  # type: ignore[arg-type]
-    Case("commit-plan-batch-str", _build(lambda: CommitPlan(batch="x")), IRValidationError, r"CommitPlan\.batch: must be a CommitBatch, not str \(got 'x'\)", field="batch"),  # type: ignore[arg-type]
-    Case("draft-extend-plan-batch-none", _build(lambda: DraftExtendPlan(batch=None)), IRValidationError, r"DraftExtendPlan\.batch: must be a DraftExtendBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
+    Case("draft-plan-batch-none", _build(lambda: spec.DraftPlan(batch=None)), IRValidationError, r"DraftPlan\.batch: must be a DraftBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
+    Case("verify-plan-batch-none", _build(lambda: spec.VerifyPlan(batch=None)), IRValidationError, r"VerifyPlan\.batch: must be a VerifyBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
+    Case("verify-plan-batch-is-draft", _build(lambda: spec.VerifyPlan(batch=spec.DraftBatch(draft_id=mint_draft_id(), **{**_spec_window(1), "input_ids": [3]}))), IRValidationError, r"VerifyPlan\.batch: must be a VerifyBatch, not DraftBatch", field="batch"),  # type: ignore[arg-type]
+    Case("commit-plan-batch-str", _build(lambda: spec.CommitPlan(batch="x")), IRValidationError, r"CommitPlan\.batch: must be a CommitBatch, not str \(got 'x'\)", field="batch"),  # type: ignore[arg-type]
+    Case("draft-extend-plan-batch-none", _build(lambda: spec.DraftExtendPlan(batch=None)), IRValidationError, r"DraftExtendPlan\.batch: must be a DraftExtendBatch, not NoneType \(got None\)", field="batch"),  # type: ignore[arg-type]
     Case(
         "verify-rechecks-unchecked-mixed-plan",
         lambda w, ctx: verify(build_unchecked(MixedPlan, extend=None, decode=_DECODE)),
@@ -446,28 +433,28 @@ NODE_FIELD_CASES: list[Case] = [
     Case("lower-pools-int-entry", _build(lambda: LowerContext(pools=("target", 1))), IRValidationError, r"LowerContext\.pools: .*not int \(got 1\)", field="pools"),
     Case("lower-pools-empty-name", _build(lambda: LowerContext(pools=("target", ""))), IRValidationError, r"LowerContext\.pools: .*not an empty str \(got ''\)", field="pools"),
     # k is bounded: the executor allocates k + 1 positions per row
-    Case("draft-batch-k-huge", _build(lambda: DraftBatch(k=2**40, draft_id=mint_draft_id(), rids=[], slots=[], seq_lens=[], input_ids=[], kv_locs=[])), IRValidationError, rf"DraftBatch\.k: speculative steps must be at most MAX_SPEC_K \({MAX_SPEC_K}\) \(got {2**40}\)", field="k"),
-    Case("draft-batch-k-past-max", _build(lambda: DraftBatch(draft_id=mint_draft_id(), **{**_spec_window(MAX_SPEC_K + 1), "input_ids": [3]})), IRValidationError, rf"DraftBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
-    Case("verify-batch-k-past-max", _build(lambda: VerifyBatch(verify_id=mint_verify_id(), draft_id=mint_draft_id(), **_spec_window(MAX_SPEC_K + 1))), IRValidationError, rf"VerifyBatch\.k: .*at most MAX_SPEC_K .*\(got {MAX_SPEC_K + 1}\)", field="k"),
+    Case("draft-batch-k-huge", _build(lambda: spec.DraftBatch(k=2**40, draft_id=mint_draft_id(), rids=[], slots=[], seq_lens=[], input_ids=[], kv_locs=[])), IRValidationError, rf"DraftBatch\.k: speculative steps must be at most MAX_SPEC_K \({spec.MAX_SPEC_K}\) \(got {2**40}\)", field="k"),
+    Case("draft-batch-k-past-max", _build(lambda: spec.DraftBatch(draft_id=mint_draft_id(), **{**_spec_window(spec.MAX_SPEC_K + 1), "input_ids": [3]})), IRValidationError, rf"DraftBatch\.k: .*at most MAX_SPEC_K .*\(got {spec.MAX_SPEC_K + 1}\)", field="k"),
+    Case("verify-batch-k-past-max", _build(lambda: spec.VerifyBatch(verify_id=mint_verify_id(), draft_id=mint_draft_id(), **_spec_window(spec.MAX_SPEC_K + 1))), IRValidationError, rf"VerifyBatch\.k: .*at most MAX_SPEC_K .*\(got {spec.MAX_SPEC_K + 1}\)", field="k"),
     Case(
         "commit-batch-k-huge",
-        _build(lambda: CommitBatch(k=2**40, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[], slots=[], seq_lens=[], accept_pos=[], input_ids=[], kv_locs=[], released_kv=[])),
+        _build(lambda: spec.CommitBatch(k=2**40, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[], slots=[], seq_lens=[], accept_pos=[], input_ids=[], kv_locs=[], released_kv=[])),
         IRValidationError,
         rf"CommitBatch\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)",
         field="k",
     ),
     Case(
         "draft-commit-batch-k-huge",
-        _build(lambda: DraftCommitBatch(k=2**40, draft_id=mint_draft_id(), rids=[], slots=[], seq_lens=[], accept_pos=[], input_ids=[], kv_locs=[])),
+        _build(lambda: spec.DraftCommitBatch(k=2**40, draft_id=mint_draft_id(), rids=[], slots=[], seq_lens=[], accept_pos=[], input_ids=[], kv_locs=[])),
         IRValidationError,
         rf"DraftCommitBatch\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)",
         field="k",
     ),
-    Case("draft-commit-batch-accept-past-k", _build(lambda: DraftCommitBatch(draft_id=mint_draft_id(), accept_pos=[2], **_spec_window(1))), IRValidationError, r"DraftCommitBatch\.accept_pos: must be .= k \(1\) \(got 2\)", field="accept_pos"),
-    Case("draft-commit-batch-id-zero", _build(lambda: DraftCommitBatch(draft_id=DraftId(0), accept_pos=[0], **_spec_window(1))), IRValidationError, r"DraftCommitBatch\.draft_id: must be positive .*\(got 0\)", field="draft_id"),
-    Case("draft-batch-id-negative", _build(lambda: DraftBatch(draft_id=DraftId(-4), **{**_spec_window(1), "input_ids": [3]})), IRValidationError, r"DraftBatch\.draft_id: must be positive .*\(got -4\)", field="draft_id"),
-    Case("draft-commit-batch-window-short", _build(lambda: DraftCommitBatch(draft_id=mint_draft_id(), accept_pos=[0], **{**_spec_window(1), "kv_locs": [30]})), IRValidationError, r"DraftCommitBatch\.kv_locs: length must equal", field="kv_locs"),
-    Case("draft-commit-plan-batch-is-commit", _build(lambda: DraftCommitPlan(batch=CommitBatch(verify_id=mint_verify_id(), draft_id=mint_draft_id(), accept_pos=[1], released_kv=[], **_spec_window(1)))), IRValidationError, r"DraftCommitPlan\.batch: must be a DraftCommitBatch, not CommitBatch", field="batch"),  # type: ignore[arg-type]
+    Case("draft-commit-batch-accept-past-k", _build(lambda: spec.DraftCommitBatch(draft_id=mint_draft_id(), accept_pos=[2], **_spec_window(1))), IRValidationError, r"DraftCommitBatch\.accept_pos: must be .= k \(1\) \(got 2\)", field="accept_pos"),
+    Case("draft-commit-batch-id-zero", _build(lambda: spec.DraftCommitBatch(draft_id=DraftId(0), accept_pos=[0], **_spec_window(1))), IRValidationError, r"DraftCommitBatch\.draft_id: must be positive .*\(got 0\)", field="draft_id"),
+    Case("draft-batch-id-negative", _build(lambda: spec.DraftBatch(draft_id=DraftId(-4), **{**_spec_window(1), "input_ids": [3]})), IRValidationError, r"DraftBatch\.draft_id: must be positive .*\(got -4\)", field="draft_id"),
+    Case("draft-commit-batch-window-short", _build(lambda: spec.DraftCommitBatch(draft_id=mint_draft_id(), accept_pos=[0], **{**_spec_window(1), "kv_locs": [30]})), IRValidationError, r"DraftCommitBatch\.kv_locs: length must equal", field="kv_locs"),
+    Case("draft-commit-plan-batch-is-commit", _build(lambda: spec.DraftCommitPlan(batch=spec.CommitBatch(verify_id=mint_verify_id(), draft_id=mint_draft_id(), accept_pos=[1], released_kv=[], **_spec_window(1)))), IRValidationError, r"DraftCommitPlan\.batch: must be a DraftCommitBatch, not CommitBatch", field="batch"),  # type: ignore[arg-type]
     Case("spec-context-k-huge", _build(lambda: SpecContext(k=2**40, next_tokens=[], kv_locs=[])), IRValidationError, rf"SpecContext\.k: .*at most MAX_SPEC_K .*\(got {2**40}\)", field="k"),
     Case("spec-context-k-none", _build(lambda: SpecContext(k=None, next_tokens=[], kv_locs=[])), IRValidationError, r"SpecContext\.k: must be an int, not NoneType \(got None\)", field="k"),  # type: ignore[arg-type]
 ]
@@ -576,8 +563,8 @@ CASES: list[Case] = [
     Case("decode-negative-kv-loc", _build(lambda: decode_batch([1], [1], [4], [-1])), IRValidationError, r"DecodeBatch\.kv_locs: every value must be >= 0 \(got -1\)", field="kv_locs"),
     Case("decode-plan-slot-0", _build(lambda: DecodePlan(rids=[1], slots=[0], seq_lens=[4], input_ids=[7], kv_locs=[20])), IRValidationError, r"DecodePlan\.slots: every value must be >= 1 \(got 0\)", field="slots"),
     Case("decode-plan-seq-lens-length", _build(lambda: DecodePlan(rids=[1, 2], slots=[1, 2], seq_lens=[4], input_ids=[7, 7], kv_locs=[20, 21])), IRValidationError, r"DecodePlan\.seq_lens: length must equal len\(rids\) \(2\) \(got 1\)", field="seq_lens"),
-    Case("draft-batch-slots-length", _build(lambda: DraftBatch(k=1, draft_id=mint_draft_id(), rids=[1], slots=[1, 2], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])), IRValidationError, r"DraftBatch\.slots: length must equal len\(rids\) \(1\) \(got 2\)", field="slots"),
-    Case("accept-result-negative-bonus", _build(lambda: AcceptResult(accepted=[0], bonus=[-1])), IRValidationError, r"AcceptResult\.bonus: every value must be >= 0 \(got -1\)", field="bonus"),
+    Case("draft-batch-slots-length", _build(lambda: spec.DraftBatch(k=1, draft_id=mint_draft_id(), rids=[1], slots=[1, 2], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])), IRValidationError, r"DraftBatch\.slots: length must equal len\(rids\) \(1\) \(got 2\)", field="slots"),
+    Case("accept-result-negative-bonus", _build(lambda: spec.AcceptResult(accepted=[0], bonus=[-1])), IRValidationError, r"AcceptResult\.bonus: every value must be >= 0 \(got -1\)", field="bonus"),
     Case("cow-src-0", _build(lambda: CopyFrom(src=MambaSlot(0), prefix_len=3)), IRValidationError, r"CopyFrom\.src: must be >= 1 .*\(got 0\)", field="src"),
     Case("decode-context-float-tokens", _build(lambda: DecodeContext(next_tokens=np.array([1.5]), kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: .*got dtype float64", field="next_tokens"),
     Case("decode-context-negative-token", _build(lambda: DecodeContext(next_tokens=[-1], kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: every value must be >= 0 \(got -1\)", field="next_tokens"),
@@ -676,13 +663,13 @@ def _untyped(fn: Callable[[World, Ctx], object]) -> Callable[[World, Ctx], objec
 def _verify_batch(**kw: Any) -> Callable[[World, Ctx], object]:
     fields: dict[str, Any] = dict(k=1, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3, 4], kv_locs=[30, 31])
     fields.update(kw)
-    return _build(lambda: VerifyBatch(**fields))
+    return _build(lambda: spec.VerifyBatch(**fields))
 
 
 def _draft_batch(**kw: Any) -> Callable[[World, Ctx], object]:
     fields: dict[str, Any] = dict(k=1, draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])
     fields.update(kw)
-    return _build(lambda: DraftBatch(**fields))
+    return _build(lambda: spec.DraftBatch(**fields))
 
 
 def _coercion_cases(kind: str, v: object) -> list[Case]:
@@ -1081,11 +1068,11 @@ def test_admit_tables_cover_every_bad_value() -> None:
 
 def test_smallest_legal_values_are_accepted() -> None:
     """Token id 0, KV location 0 and a sequence length of 1 are legal in every windowed node."""
-    d = DraftBatch(k=1, draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0], kv_locs=[0, 1])
+    d = spec.DraftBatch(k=1, draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0], kv_locs=[0, 1])
     assert d.seq_lens.tolist() == [1] and d.input_ids.tolist() == [0] and d.kv_locs.tolist() == [0, 1]
-    v = VerifyBatch(k=1, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0, 0], kv_locs=[0, 1])
+    v = spec.VerifyBatch(k=1, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0, 0], kv_locs=[0, 1])
     assert v.input_ids.tolist() == [0, 0] and v.kv_locs.tolist() == [0, 1]
-    r = AcceptResult(accepted=[0], bonus=[0])
+    r = spec.AcceptResult(accepted=[0], bonus=[0])
     assert r.bonus.tolist() == [0]
 
 
@@ -1099,7 +1086,7 @@ def test_numpy_integer_scalars_are_accepted(np_int: Callable[[int], object]) -> 
         r = AdmittedRequest(rid=np_int(1), slot=np_int(2), input_ids=[np_int(5), 6], kv_locs=np.array([10, 11], dtype=np.int32), intent=Clear())
         assert r.input_ids.tolist() == [5, 6] and r.input_ids.dtype == np.int64
         assert MambaInit(serial=mint_serial(), clear_slots=(np_int(2),)).clear_slots == (2,)
-        assert DraftBatch(k=np_int(1), draft_id=np_int(1), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31]).num_requests == 1
+        assert spec.DraftBatch(k=np_int(1), draft_id=np_int(1), rids=[1], slots=[1], seq_lens=[5], input_ids=[3], kv_locs=[30, 31]).num_requests == 1
         assert w.slots.is_live(np_int(1))
         w.slots.free(np_int(1))
         w.slots.free_many([np_int(2)])
@@ -1131,11 +1118,11 @@ def test_extend_lengths_whose_sum_would_wrap_are_refused() -> None:
     # np.repeat crashed the interpreter
     from passes.filter_batch import filter_batch  # noqa: F401 - the pass the wrapped node used to crash
 
-    for cls in (ExtendBatch, DraftExtendBatch):
+    for cls in (ExtendBatch, spec.DraftExtendBatch):
         with pytest.raises(IRValidationError, match=rf"^{cls.__name__}\.extend_lens: every value must be <= MAX_SEQ_LEN \(2\*\*31 - 1\) \(got 4611686018427387904\)"):
             cls(**_extend_cols(cls, [2**62] * 4))
     with pytest.raises(IRValidationError, match=r"^DraftExtendBatch\.prefix_lens: every value must be <= MAX_SEQ_LEN - extend_lens \(got 2147483647\)"):
-        DraftExtendBatch(**{**_extend_cols(DraftExtendBatch, [1]), "prefix_lens": [2**31 - 1], "input_ids": [5], "kv_locs": [7]})
+        spec.DraftExtendBatch(**{**_extend_cols(spec.DraftExtendBatch, [1]), "prefix_lens": [2**31 - 1], "input_ids": [5], "kv_locs": [7]})
 
 
 def test_sequences_at_the_length_bound_cannot_grow() -> None:

@@ -269,6 +269,8 @@ def checked(plan: Plan, result: Result) -> Result:
     rids = plan.rids
     if not isinstance(result, Proposals) and result.rids.tobytes() != rids.tobytes():
         raise PlanExecutionError(f"{name} of requests {rids.tolist()[:16]} came back for requests {result.rids.tolist()[:16]}")
+    if isinstance(result, Verified) and isinstance(plan, VerifyPlan) and result.k != plan.batch.k:
+        raise PlanExecutionError(f"verify #{plan.batch.verify_id} (k={plan.batch.k}) came back with a window of k={result.k}")
     return result
 
 

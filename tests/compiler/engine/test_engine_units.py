@@ -36,11 +36,12 @@ from ir.errors import EngineStoppedError, PlanExecutionError, PreconditionError,
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId, SampleId
 from ir.nodes import Plan
 from ir.plan import DecodePlan
-from ir.results import Result, Sampled
-from ir.spec import DraftPlan
+from ir.results import Result, Sampled, Verified
+from ir.spec import DraftPlan, VerifyPlan
 from passes.lower import LowerContext, lower
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
+from passes.prepare_for_verify import prepare_for_verify
 from tests.helpers import BODIES, SYSTEM, decode_batch, engine, greedy_reference, proposed, request, tiny_models
 
 
@@ -168,6 +169,12 @@ def test_a_draft_run_must_return_the_proposals_of_that_draft() -> None:
     assert checked(dec, Sampled(rids=[4, 9], tokens=[1, 2])).tokens.tolist() == [1, 2]
     with pytest.raises(PlanExecutionError, match=r"^DecodePlan of requests \[4, 9\] came back for requests \[9, 4\]$"):
         checked(dec, Sampled(rids=[9, 4], tokens=[1, 2]))
+    # a verify's tokens must cover its own window
+    vplan = VerifyPlan(batch=prepare_for_verify(plan.batch, own))
+    vid = vplan.batch.verify_id
+    assert checked(vplan, Verified(k=2, rids=[4, 9], tokens=[1, 2, 3, 4, 5, 6])).tokens.tolist() == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(PlanExecutionError, match=rf"^verify #{vid} \(k=2\) came back with a window of k=1$"):
+        checked(vplan, Verified(k=1, rids=[4, 9], tokens=[1, 2, 3, 4]))
 
 
 def test_the_speculative_figures() -> None:

@@ -50,7 +50,7 @@ RULES: tuple[Rule, ...] = (
     Rule("backend", "compiler", "the backend serves whatever engine drives it; it never reaches up into it"),
     Rule("compiler.steps", "backend", "compiling a step neither needs nor loads the backend"),
     *(Rule("compiler.engine", t, "the engine talks to its backends through backend.boundary only and cannot tell how they run; "
-           "whoever builds it picks the transport") for t in ("backend.remote", "backend.tp", "backend.executor")),
+           "whoever builds it picks the transport") for t in ("backend.local", "backend.remote", "backend.tp", "backend.executor")),
     *(Rule("", q, _TOOLS_WHY, unless=(*QUARANTINED, "compiler.cli")) for q in QUARANTINED),
 )
 

@@ -13,7 +13,7 @@ the argument checks (``admission``). This module wires them and owns the step lo
 that leaves (finished, aborted, failed, errored, retracted) goes through one release path, ``_release``.
 
 The engine's plans run on ``backend.boundary.Backends`` that its ``transport`` opens (by default in
-this process, ``backend.local.IN_PROCESS``); it talks to them through that protocol only and cannot
+this process, ``backend.transports.in_process()``); it talks to them through that protocol only and cannot
 tell how they run. With a transport whose backends run beside the host (``concurrent``: each
 model's executor in its own process, ``backend.remote.Processes``), at ``k == 0`` (without retries,
 with ``mixed``) every step is pipelined: built and sent while the previous forward runs, its input
@@ -39,8 +39,8 @@ from typing import Any
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.boundary import Backend, Backends, Transport
 from backend.ledger import Ledger, RankLedgers
-from backend.local import IN_PROCESS
 from backend.model import ServedModel
+from backend.transports import in_process
 from compiler.engine.admission import check_engine_args, check_request
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
 from compiler.engine.chunks import ChunkPlanner
@@ -77,16 +77,19 @@ class Engine:
         retries: int = 0,
         mixed: bool = True,
         pm: PassManager | None = None,
-        transport: Transport = IN_PROCESS,
+        transport: Transport | None = None,
         policy: SchedulePolicy = DEFAULT_POLICY,
     ) -> None:
         """Every argument is checked before anything is allocated (``check_engine_args``: types and
         bounds, ``PreconditionError`` naming the argument and the value). ``transport``: how the
-        plans run (``backend.boundary.Transport``; see the module): ``backend.remote.Processes()``
-        runs each model's executor in its own process, ``backend.tp.serve.TensorParallel(leader)`` on
-        every rank of a tensor-parallel group (``target`` and ``draft`` are then rank 0's shards).
+        plans run (``backend.boundary.Transport``; see the module; default ``in_process()`` of
+        ``backend.transports``): ``processes()`` runs each model's executor in its own process,
+        ``tensor_parallel(leader)`` on every rank of a tensor-parallel group (``target`` and
+        ``draft`` are then rank 0's shards).
         ``policy``: when requests both wait for their prefill and run (with a draft, or
         ``mixed=False``), whether a step prefills or runs the running batch (``compiler.engine.policy``)."""
+        if transport is None:
+            transport = in_process()
         check_engine_args(
             target, draft, k=k, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, chunk_size=chunk_size,
             token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm, transport=transport,

@@ -10,9 +10,8 @@ import attrs
 
 from backend.boundary import Transport
 from backend.hybrid.model import HybridModel
-from backend.local import IN_PROCESS
-from backend.remote import Processes
-from backend.tp.serve import TensorParallel, TPLeader
+from backend.tp.serve import TPLeader
+from backend.transports import in_process, processes, tensor_parallel
 from compiler.engine import Engine, prefill_first
 from compiler.engine.config import ServeConfig
 from compiler.manager import PassManager
@@ -32,11 +31,11 @@ def make_engine(
     """The engine ``cfg`` describes (``chunk_size`` and ``overlap`` override the config's); with
     ``tp``, rank 0's engine of that tensor-parallel group (``target`` and ``draft`` its shards)."""
     total = cfg.max_running + (cfg.cache_entries if cache else 0) + 2
-    transport: Transport = IN_PROCESS
+    transport: Transport = in_process()
     if tp is not None:
-        transport = TensorParallel(tp)
+        transport = tensor_parallel(tp)
     elif cfg.overlap if overlap is None else overlap:
-        transport = Processes()
+        transport = processes()
     return Engine(
         target, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
         max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,

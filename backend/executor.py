@@ -236,13 +236,13 @@ class Executor(Generic[VerifyStateT]):
     def _execute(self, plan: Plan) -> Result:
         match plan:
             case ExtendPlan() | MixedPlan():
-                return Sampled(rids=plan.rids, tokens=sample(self.run_prefill(plan)))
+                return self.run_prefill(plan)
             case DecodePlan():
-                return Sampled(rids=plan.rids, tokens=sample(self.run_decode(plan)))
+                return self.run_decode(plan)
             case DraftPlan():
                 return self.run_draft(plan)
             case VerifyPlan():
-                return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=self.run_verify(plan).reshape(-1).cpu().numpy())
+                return self.run_verify(plan)
             case CommitPlan():
                 self.run_commit(plan)
                 return Ran(rids=plan.batch.rids)
@@ -250,14 +250,14 @@ class Executor(Generic[VerifyStateT]):
                 self.run_draft_commit(plan)
                 return Ran(rids=plan.batch.rids)
             case DraftExtendPlan():
-                return Sampled(rids=plan.batch.rids, tokens=sample(self.run_draft_extend(plan)))
+                return self.run_draft_extend(plan)
             case IdlePlan():
                 return Ran(rids=plan.rids)
             case _:
                 _not_a_plan(plan)
 
     @consumes
-    def run_prefill(self, plan: ExtendPlan | MixedPlan) -> torch.Tensor:
+    def run_prefill(self, plan: ExtendPlan | MixedPlan) -> Sampled:
         if not isinstance(plan, (ExtendPlan, MixedPlan)):
             _wrong_plan("run_prefill", plan, "an ExtendPlan or a MixedPlan")
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
@@ -290,8 +290,7 @@ class Executor(Generic[VerifyStateT]):
                 self._after(claim)
                 if self.gate is not None:
                     self.gate.applied(type(plan).__name__)
-            self._mixed_sampled(plan, out)
-            return out
+            return self._prefill_sampled(plan, out)
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
         # and every ticket is outstanding again, so the same plan can simply be executed again
         with restoring(self.pool, rows), self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
@@ -305,20 +304,21 @@ class Executor(Generic[VerifyStateT]):
             self._after(claim)
             if self.gate is not None:
                 self.gate.applied(type(plan).__name__)
-        self._mixed_sampled(plan, out)
-        return out
+        return self._prefill_sampled(plan, out)
 
-    def _mixed_sampled(self, plan: ExtendPlan | MixedPlan, out: torch.Tensor) -> None:
-        """``_sampled`` for a prefill: the logits are the extend rows', then (mixed) the decode rows'.
+    def _prefill_sampled(self, plan: ExtendPlan | MixedPlan, logits: torch.Tensor) -> Sampled:
+        """``_sampled`` for a prefill: the tokens are the extend rows', then (mixed) the decode rows'.
         With a ``sample_id`` the extend part keeps the first token of every row it completes."""
+        tokens = sample(logits)
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
+        n = ext.num_requests
         if isinstance(plan, MixedPlan):
-            self._sampled(plan.decode, out[ext.num_requests :])
+            self._sampled(plan.decode, tokens[n:])
         if ext.sample_id is not None:
-            tokens = _inputs_of(sample(out[: ext.num_requests]))
-            for slot, token, more in zip(ext.slots.tolist(), tokens, ext.more_chunks.tolist(), strict=True):
+            for slot, token, more in zip(ext.slots.tolist(), _inputs_of(tokens[:n]), ext.more_chunks.tolist(), strict=True):
                 if not more:
                     self._samples[slot] = (ext.sample_id, token)
+        return Sampled(rids=plan.rids, tokens=tokens)
 
     def _after(self, claim: Claim) -> None:
         """The ops that run after the forward (the prefix cache's snapshots)."""
@@ -327,7 +327,7 @@ class Executor(Generic[VerifyStateT]):
                 apply_op(self.pool, t.op)
 
     @consumes
-    def run_decode(self, plan: DecodePlan) -> torch.Tensor:
+    def run_decode(self, plan: DecodePlan) -> Sampled:
         if not isinstance(plan, DecodePlan):
             _wrong_plan("run_decode", plan, "a DecodePlan")
         self._check_rows(plan.slots, "DecodePlan")
@@ -335,8 +335,9 @@ class Executor(Generic[VerifyStateT]):
         with self._unit(plan.slots):
             out = self._forward(plan, None, staged)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
-        self._sampled(plan, out)
-        return out
+        tokens = sample(out)
+        self._sampled(plan, tokens)
+        return Sampled(rids=plan.rids, tokens=tokens)
 
     def _inputs(self, plan: DecodePlan, what: str) -> npt.NDArray[np.int64] | None:
         """The input tokens a pipelined decode names (``DecodePlan.inputs_from``): each row's slot must
@@ -355,14 +356,14 @@ class Executor(Generic[VerifyStateT]):
             tokens.append(kept[1])
         return np.asarray(tokens, dtype=np.int64)
 
-    def _sampled(self, plan: DecodePlan, logits: torch.Tensor) -> None:
+    def _sampled(self, plan: DecodePlan, tokens: I64) -> None:
         """After a forward succeeded: the tokens it named are used (a replay finds none), and with a
         ``sample_id`` its sampled tokens are kept per slot for the plan that names them."""
         if plan.inputs_from is not None:
             for slot in plan.slots.tolist():
                 del self._samples[slot]
         if plan.sample_id is not None:
-            for slot, token in zip(plan.slots.tolist(), _inputs_of(sample(logits)), strict=True):
+            for slot, token in zip(plan.slots.tolist(), _inputs_of(tokens), strict=True):
                 self._samples[slot] = (plan.sample_id, token)
 
     @consumes
@@ -392,7 +393,7 @@ class Executor(Generic[VerifyStateT]):
         return proposals
 
     @consumes
-    def run_verify(self, plan: VerifyPlan) -> torch.Tensor:
+    def run_verify(self, plan: VerifyPlan) -> Verified:
         if not isinstance(plan, VerifyPlan):
             _wrong_plan("run_verify", plan, "a VerifyPlan")
         vid, did = plan.batch.verify_id, plan.batch.draft_id
@@ -410,7 +411,7 @@ class Executor(Generic[VerifyStateT]):
             out, states = self._spec_model(plan).verify(plan, staged, self.pool)
         self._keep("verify", vid, plan.batch.slots, plan.batch.k, states)
         self._checked_drafts_upto[epoch] = n
-        return out
+        return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=out.reshape(-1).cpu().numpy())
 
     @consumes
     def run_commit(self, plan: CommitPlan) -> None:
@@ -475,7 +476,7 @@ class Executor(Generic[VerifyStateT]):
         del self._intermediates[serial]
 
     @consumes
-    def run_draft_extend(self, plan: DraftExtendPlan) -> torch.Tensor:
+    def run_draft_extend(self, plan: DraftExtendPlan) -> Sampled:
         if not isinstance(plan, DraftExtendPlan):
             _wrong_plan("run_draft_extend", plan, "a DraftExtendPlan")
         self._check_rows(plan.batch.slots, "DraftExtendPlan")
@@ -483,7 +484,7 @@ class Executor(Generic[VerifyStateT]):
         with self._unit(plan.batch.slots):
             out = self._forward(plan, staged, None)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
-        return out
+        return Sampled(rids=plan.batch.rids, tokens=sample(out))
 
     def _forward(self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor:
         self._validated(plan)

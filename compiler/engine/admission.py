@@ -21,6 +21,7 @@ from compiler.prefix_cache import PrefixCache
 from ir.columns import I64, as_i64, int_problem
 from ir.errors import IRValidationError, PreconditionError, short_repr
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
+from ir.sampling import GREEDY, SEED_MAX, SamplingParams
 
 MAX_K = 32
 """Most draft tokens per speculative iteration (the same bound as ``compiler.workload.MAX_K``, the
@@ -70,6 +71,7 @@ def check_engine_args(
     pm: object,
     transport: object = None,
     policy: object = None,
+    seed: object = 0,
 ) -> None:
     """``Engine``'s argument checks, all before anything is allocated (``PreconditionError`` naming
     the argument and the value): counts are ints (numpy
@@ -81,7 +83,7 @@ def check_engine_args(
     ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``ServedModel`` (a ``HybridModel``, or
     any model with the protocol's methods); ``draft`` a ``ServedModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
     0``); ``mixed`` a ``bool``; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
-    ``PassManager`` or ``None``; ``policy`` a ``SchedulePolicy``; ``transport`` a
+    ``PassManager`` or ``None``; ``policy`` a ``SchedulePolicy``; ``seed`` an int in [0, 2**63 - 1]; ``transport`` a
     ``backend.boundary.Transport`` that does not refuse the models and ``retries`` (a
     tensor-parallel group's refuses retries, shards of another rank or world, and a leader whose
     session is in use)."""
@@ -131,6 +133,9 @@ def check_engine_args(
         raise PreconditionError(
             "Engine", f"policy must be a SchedulePolicy (compiler.engine.policy), not {type(policy).__name__} (got {short_repr(policy)})"
         )
+    problem = int_problem(seed)
+    if problem is not None or not (0 <= int(cast(int, seed)) <= SEED_MAX):
+        raise PreconditionError("Engine", f"seed must be an int in [0, 2**63 - 1] (got {short_repr(seed)})")
     if not isinstance(transport, Transport):
         raise PreconditionError(
             "Engine", f"transport must be a backend.boundary.Transport, not {type(transport).__name__} (got {short_repr(transport)})"
@@ -210,3 +215,15 @@ def checked_prompt(where: str, prompt: Sequence[int], vocab: int | None = None, 
     if vocab is not None and int(arr.max()) >= vocab:
         raise IRValidationError(where, "prompt", int(arr.max()), f"token ids must be < the vocabulary size {vocab}")
     return arr
+
+
+def check_sampling(rid: RequestId, sampling: object) -> SamplingParams:
+    """``Engine.admit``'s ``sampling``: ``None`` (``GREEDY``) or a ``SamplingParams`` (validated when
+    it was built), else ``PreconditionError`` naming the request and the value."""
+    if sampling is None:
+        return GREEDY
+    if not isinstance(sampling, SamplingParams):
+        raise PreconditionError(
+            "admit", f"request {rid}: sampling must be an ir.sampling.SamplingParams or None, not {type(sampling).__name__} (got {short_repr(sampling)})"
+        )
+    return sampling

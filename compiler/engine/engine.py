@@ -41,7 +41,7 @@ from backend.boundary import Backend, Backends, Transport
 from backend.ledger import Ledger, RankLedgers
 from backend.model import ServedModel
 from backend.transports import in_process
-from compiler.engine.admission import check_engine_args, check_request
+from compiler.engine.admission import check_engine_args, check_request, check_sampling
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.forwards import Forwards, InFlight, Progress
@@ -58,6 +58,7 @@ from ir.batch import DecodeBatch
 from ir.columns import frozen_i64, int_problem
 from ir.errors import EngineStoppedError, PreconditionError, short_repr
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
+from ir.sampling import SamplingParams
 from passes.lower import LowerContext
 
 
@@ -79,6 +80,7 @@ class Engine:
         pm: PassManager | None = None,
         transport: Transport | None = None,
         policy: SchedulePolicy = DEFAULT_POLICY,
+        seed: int = 0,
     ) -> None:
         """Every argument is checked before anything is allocated (``check_engine_args``: types and
         bounds, ``PreconditionError`` naming the argument and the value). ``transport``: how the
@@ -87,14 +89,17 @@ class Engine:
         ``tensor_parallel(leader)`` on every rank of a tensor-parallel group (``target`` and
         ``draft`` are then rank 0's shards).
         ``policy``: when requests both wait for their prefill and run (with a draft, or
-        ``mixed=False``), whether a step prefills or runs the running batch (``compiler.engine.policy``)."""
+        ``mixed=False``), whether a step prefills or runs the running batch (``compiler.engine.policy``).
+        ``seed``: the run's seed, from which a sampled request that sets no seed of its own gets one
+        (``ir.sampling.derive_seed`` of this seed and its request id), in [0, 2**63 - 1]."""
         if transport is None:
             transport = in_process()
         check_engine_args(
             target, draft, k=k, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, chunk_size=chunk_size,
             token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm, transport=transport,
-            policy=policy,
+            policy=policy, seed=seed,
         )
+        self.seed = int(seed)
         self.policy = policy
         self.transport = transport
         self.closing_ledgers: RankLedgers | None = None
@@ -221,9 +226,13 @@ class Engine:
         max_new_tokens: int,
         prefix: PrefixState | None = None,
         stop: int | Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
     ) -> None:
         """Queue a request; it ends after ``max_new_tokens`` or once it emits a ``stop`` id (one id, or
-        a list or tuple of them, such as a tokenizer's end-of-sequence ids). With ``prefix`` its slot starts as a copy of that prefix state; else,
+        a list or tuple of them, such as a tokenizer's end-of-sequence ids) or one of
+        ``sampling.stop_token_ids``. ``sampling`` (default: ``GREEDY``) chooses its tokens; a sampled
+        request without a seed gets one derived from the engine's ``seed`` and ``rid``. When both
+        are given, ``max_new_tokens`` is the request's bound (the serving layer passes the same). With ``prefix`` its slot starts as a copy of that prefix state; else,
         with a prefix cache, the longest cached prefix is used when the request is scheduled.
 
         Every argument is checked before anything changes (``PreconditionError``, or
@@ -240,7 +249,14 @@ class Engine:
             self.prefixes.check(rid, prefix, arr, self.requests)
         else:
             self.session.observe(arr)
-        self.requests.add(Request(rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stops, source=prefix))
+        params = check_sampling(rid, sampling)
+        stops = stops | frozenset(params.stop_token_ids)
+        self.requests.add(
+            Request(
+                rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stops, source=prefix,
+                sampling=params.seeded(self.seed, rid),
+            )
+        )
 
     def make_prefix(self, tokens: Sequence[int]) -> PrefixState:
         """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix state (checks:

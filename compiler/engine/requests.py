@@ -25,6 +25,7 @@ from compiler.engine.report import PrefixState
 from compiler.prefix_cache import CacheEntry
 from ir.columns import I64
 from ir.ids import MambaSlot, RequestId
+from ir.sampling import GREEDY, SamplingParams
 
 
 class RequestState(enum.Enum):
@@ -68,6 +69,10 @@ class Request:
     pending: int | None = None
     """The last emitted token: the next decode's input."""
     retractions: int = 0
+    sampling: SamplingParams = GREEDY
+    """How its tokens are chosen (seeded when sampled: ``SamplingParams.seeded``)."""
+    index: int = 0
+    """Its completion index among its prompt's ``n`` (the random stream's key has it)."""
 
     @property
     def start(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from typeguard import suppress_type_checks
 
 from backend import faults
 from backend.allocator import KVAllocator, SlotAllocator
@@ -682,3 +683,25 @@ def test_a_step_that_retracts_a_request_still_decodes_those_left_running() -> No
     assert all(eng.outputs[RequestId(i)] == greedy_reference(p, 4) for i, p in prompts.items())
     eng.ledger.assert_drained()
     eng.close()
+
+
+def test_admit_takes_sampling_params_and_seeds_a_sampled_request_from_the_engine_seed() -> None:
+    from ir.sampling import GREEDY, SamplingParams, derive_seed
+
+    eng = engine(0, seed=7)
+    eng.admit(RequestId(1), [1, 2, 3], max_new_tokens=2)
+    eng.admit(RequestId(2), [1, 2, 3], max_new_tokens=2, sampling=SamplingParams(temperature=0.5))
+    eng.admit(RequestId(3), [1, 2, 3], max_new_tokens=2, sampling=SamplingParams(temperature=0.5, seed=11, stop_token_ids=[9]))
+    assert eng.requests[RequestId(1)].sampling == GREEDY
+    assert eng.requests[RequestId(2)].sampling.seed == derive_seed(7, 2)
+    assert eng.requests[RequestId(3)].sampling.seed == 11
+    assert eng.requests[RequestId(3)].stop == frozenset({9})
+    with suppress_type_checks(), pytest.raises(PreconditionError, match=r"request 4: sampling must be an ir.sampling.SamplingParams or None, not dict"):
+        eng.admit(RequestId(4), [1, 2, 3], max_new_tokens=2, sampling={"temperature": 0.5})  # type: ignore[arg-type]  # the refusal is the point
+    assert RequestId(4) not in eng.requests
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, True, 1.0, "0"])
+def test_engine_refuses_a_seed_outside_its_range_naming_it(seed: object) -> None:
+    with suppress_type_checks(), pytest.raises(PreconditionError, match=r"seed must be an int in \[0, 2\*\*63 - 1\]"):
+        engine(0, seed=seed)

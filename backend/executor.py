@@ -72,11 +72,12 @@ from backend.allocator import SlotAllocator
 from backend.boundary import Pending, run_now
 from backend.ledger import Claim, Ledger
 from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
+from backend.plan_sampling import sample_logits, verify_tokens
 from backend.pool import MambaStatePool
 from backend.sampling import sample
 from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
 from backend.state_init import apply_op, check_fits, restoring
-from ir.columns import I64
+from ir.columns import I64, frozen_i64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.ids import DraftId, PoolId, SampleId, VerifyId
 from ir.init import SERIAL_COUNTER_BITS, Op, Rows, Ticket, When, op_decl, op_groups, op_resets, op_slots, op_when, serial_epoch
@@ -84,6 +85,7 @@ from ir.linear import consumes
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.results import Ran, Result, Sampled, Verified
+from ir.sampling import rows_joined
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
 from ir.verify import VerifyLevel, verify_level_from_env
 
@@ -309,9 +311,14 @@ class Executor(Generic[VerifyStateT]):
     def _prefill_sampled(self, plan: ExtendPlan | MixedPlan, logits: torch.Tensor) -> Sampled:
         """``_sampled`` for a prefill: the tokens are the extend rows', then (mixed) the decode rows'.
         With a ``sample_id`` the extend part keeps the first token of every row it completes."""
-        tokens = sample(logits)
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
         n = ext.num_requests
+        positions = ext.prefix_lens + ext.extend_lens  # (each row's first new token's position)
+        rows = ext.sampling
+        if isinstance(plan, MixedPlan):
+            rows = rows_joined(rows, n, plan.decode.sampling, plan.decode.num_requests)
+            positions = np.concatenate((positions, plan.decode.seq_lens))
+        tokens = sample_logits(logits, rows, frozen_i64(positions))
         if isinstance(plan, MixedPlan):
             self._sampled(plan.decode, tokens[n:])
         if ext.sample_id is not None:
@@ -335,7 +342,7 @@ class Executor(Generic[VerifyStateT]):
         with self._unit(plan.slots):
             out = self._forward(plan, None, staged)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
-        tokens = sample(out)
+        tokens = sample_logits(out, plan.sampling, plan.seq_lens)
         self._sampled(plan, tokens)
         return Sampled(rids=plan.rids, tokens=tokens)
 
@@ -409,9 +416,29 @@ class Executor(Generic[VerifyStateT]):
         self._validated(plan)
         with self._watched("the model hook's verify", plan, staged):
             out, states = self._spec_model(plan).verify(plan, staged, self.pool)
+        tokens = self._verify_tokens(plan, out)
         self._keep("verify", vid, plan.batch.slots, plan.batch.k, states)
         self._checked_drafts_upto[epoch] = n
-        return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=out.reshape(-1).cpu().numpy())
+        return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=tokens)
+
+    def _verify_tokens(self, plan: VerifyPlan, out: torch.Tensor) -> I64:
+        """The target's tokens from what the hook's verify returned: logits ``[n, k + 1, V]`` (sampled
+        through ``backend.plan_sampling.verify_tokens``) or, for a batch of greedy rows only, its
+        ``[n, k + 1]`` argmax tokens."""
+        b = plan.batch
+        n, w = b.num_requests, b.k + 1
+        hook_out: object = out  # a user's hook: its annotation is a promise, checked here
+        if isinstance(hook_out, torch.Tensor) and out.dim() == 3 and tuple(out.shape[:2]) == (n, w) and out.is_floating_point():
+            drafts = b.window(b.input_ids)[:, 1:].reshape(-1)
+            return verify_tokens(out, frozen_i64(drafts), b.sampling, b.seq_lens)
+        if isinstance(hook_out, torch.Tensor) and tuple(out.shape) == (n, w) and out.dtype == torch.int64:
+            if b.sampling is not None and b.sampling.temperature.any():
+                raise PlanExecutionError(
+                    f"verify #{b.verify_id}: the model hook's verify returned tokens, but sampled rows need its logits ({n} x {w} x vocab)"
+                )
+            return frozen_i64(out.reshape(-1).cpu().numpy())
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(hook_out, torch.Tensor) else type(hook_out).__name__
+        raise PlanExecutionError(f"verify #{b.verify_id}: the model hook's verify returned {got}, not {n} x {w} x vocab logits or {n} x {w} int64 tokens")
 
     @consumes
     def run_commit(self, plan: CommitPlan) -> None:

@@ -20,6 +20,7 @@ from ir.init import Op, Ticket
 from ir.linear import consumes
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
+from ir.sampling import SamplingRows
 from passes.accept import accept
 from passes.commit import commit
 from passes.filter_batch import filter_batch
@@ -47,20 +48,24 @@ class Pipeline:
         self.lower_ctx = lower_ctx if lower_ctx is not None else LowerContext()
         self.pm = pm if pm is not None else PassManager.from_env()
 
-    def prefill(self, requests: Sequence[AdmittedRequest], *, sample_id: SampleId | None = None) -> tuple[ExtendBatch, ExtendPlan]:
-        """``sample_id``: a pipelined step's (``ExtendPlan.sample_id``)."""
-        batch = self.pm.run(prepare_for_extend, requests)
+    def prefill(
+        self, requests: Sequence[AdmittedRequest], *, sample_id: SampleId | None = None, sampling: SamplingRows | None = None
+    ) -> tuple[ExtendBatch, ExtendPlan]:
+        """``sample_id``: a pipelined step's (``ExtendPlan.sample_id``); ``sampling``: the requests'
+        sampling rows (``None``: all greedy)."""
+        batch = self.pm.run(prepare_for_extend, requests, sampling)
         plan: ExtendPlan = self.pm.run(lower, batch, self.lower_ctx, sample_id=sample_id)
         self.ledger.register((*plan.tickets, *plan.snapshots))
         return batch, plan
 
     def mixed(
         self, requests: Sequence[AdmittedRequest], running: DecodeBatch, ctx: DecodeContext, *,
-        sample_id: SampleId | None = None, inputs_from: SampleId | None = None,
+        sample_id: SampleId | None = None, inputs_from: SampleId | None = None, sampling: SamplingRows | None = None,
     ) -> tuple[MixedBatch, MixedPlan]:
         """New prefills and the running decodes (advanced by ``ctx``) in one forward; ``sample_id``
-        and ``inputs_from`` as in ``decode`` (both parts keep their tokens under ``sample_id``)."""
-        extend = self.pm.run(prepare_for_extend, requests)
+        and ``inputs_from`` as in ``decode`` (both parts keep their tokens under ``sample_id``);
+        ``sampling`` the new requests' sampling rows, as in ``prefill``."""
+        extend = self.pm.run(prepare_for_extend, requests, sampling)
         decode = self.pm.run(prepare_for_decode, running, ctx)
         batch = self.pm.run(mix_with_running, extend, decode)
         plan: MixedPlan = self.pm.run(lower, batch, self.lower_ctx, sample_id=sample_id, inputs_from=inputs_from)

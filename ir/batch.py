@@ -49,6 +49,7 @@ from ir.columns import (
 )
 from ir.errors import IRValidationError
 from ir.init import InitIntent, MambaInit, MambaSnapshot
+from ir.sampling import SamplingRows
 
 
 def _intents(values: object) -> tuple[InitIntent, ...]:
@@ -87,6 +88,8 @@ class ExtendBatch(ColumnNode, RequestRows):
     kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text=KV_NAMES))
     init: MambaInit | None = attrs.field(metadata=shown(line="init"))
     snapshot: MambaSnapshot | None = attrs.field(default=None, metadata=shown(line="snapshot"))
+    sampling: SamplingRows | None = attrs.field(default=None)
+    """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
     def _check(self) -> None:
         if len(self.intents) != self.rids.shape[0]:
@@ -116,6 +119,8 @@ class DecodeBatch(ColumnNode, RequestRows):
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="seq"))
     input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="token"))
     kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text=KV_NAMES))
+    sampling: SamplingRows | None = attrs.field(default=None)
+    """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
     @classmethod
     def empty(cls) -> DecodeBatch:

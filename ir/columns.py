@@ -89,6 +89,8 @@ __all__ = [
     "ANY",
     "BoolArray",
     "BoolColumn",
+    "F64",
+    "FloatColumn",
     "Bound",
     "ColumnDecl",
     "ColumnNode",
@@ -111,6 +113,7 @@ __all__ = [
     "SMALL_COLUMN",
     "WINDOW",
     "as_bool",
+    "as_f64",
     "as_i64",
     "build_unchecked",
     "check_column",
@@ -146,6 +149,9 @@ BoolArray: TypeAlias = npt.NDArray[np.bool_]
 IntColumn: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
 """What an int column accepts: a list, tuple, range, ``bytes`` (byte tokens) or integer array."""
 BoolColumn: TypeAlias = Sequence[bool] | BoolArray
+F64: TypeAlias = npt.NDArray[np.float64]
+FloatColumn: TypeAlias = Sequence[float] | npt.NDArray[np.floating[Any]] | npt.NDArray[np.integer[Any]]
+"""What a float column accepts: numbers (ints too, never ``bool``), or a float or integer array."""
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -341,6 +347,29 @@ def _as_bool(value: object) -> BoolArray:
 
 _NO_BAD = object()
 
+_FLOAT64 = np.dtype(np.float64)
+
+
+def _as_f64(value: object) -> F64:
+    """Converter of float columns (same contract as ``as_i64``): ``int``, ``float`` and numpy
+    numbers, never ``bool`` (``True`` is not 1.0); float or integer arrays. NaN and infinities pass
+    the converter: a node that refuses them says so in its ``_check``."""
+    if isinstance(value, (list, tuple)):
+        bad = next(
+            (v for v in value if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating))), _NO_BAD
+        )
+        if bad is not _NO_BAD:
+            return cast(F64, _refuse(bad, f"must be a 1-D sequence of numbers, got a {type(bad).__name__} entry"))
+        return cast(F64, own(np.array(value, dtype=np.float64)))
+    arr = value if isinstance(value, np.ndarray) else _array_like(value)
+    if arr is None:
+        return cast(F64, _refuse(value, f"must be a 1-D sequence of numbers, not {type(value).__name__}"))
+    if arr.ndim != 1 or arr.dtype.kind not in "fiu":
+        return cast(F64, arr)  # rejected by check_column
+    if arr.dtype == _FLOAT64:
+        return cast(F64, arr) if is_owned(arr) else cast(F64, own(arr))
+    return cast(F64, own(arr.astype(np.float64)))
+
 
 # The converters accept anything at run time (bad input is reported by the node's check, with the
 # field's name), while mypy's attrs plugin types each constructor argument from the declared form.
@@ -348,20 +377,23 @@ if TYPE_CHECKING:
 
     def as_i64(value: IntColumn) -> I64: ...
     def as_bool(value: BoolColumn) -> BoolArray: ...
+    def as_f64(value: FloatColumn) -> F64: ...
 
 else:
     as_i64 = _as_i64
     as_bool = _as_bool
+    as_f64 = _as_f64
 
 
 def check_column(
-    node: object, name: str, arr: npt.NDArray[Any], expected: int | None, what: str = "len(rids)", *, bools: bool = False
+    node: object, name: str, arr: npt.NDArray[Any], expected: int | None, what: str = "len(rids)", *, bools: bool = False,
+    floats: bool = False,
 ) -> None:
-    """A 1-D int64 column (bool with ``bools``), of length ``expected`` when given."""
-    if arr.dtype != (np.bool_ if bools else np.int64):
+    """A 1-D int64 column (bool with ``bools``, float64 with ``floats``), of length ``expected`` when given."""
+    if arr.dtype != (np.bool_ if bools else np.float64 if floats else np.int64):
         if arr.dtype == object and arr.shape == (1,) and isinstance(arr[0], _Bad):
             raise IRValidationError(_node_name(node), name, arr[0].value, arr[0].reason)
-        kind = "bools" if bools else "ints"
+        kind = "bools" if bools else "numbers" if floats else "ints"
         raise IRValidationError(_node_name(node), name, arr, f"must be a 1-D sequence of {kind}, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise IRValidationError(_node_name(node), name, arr, f"must be 1-D, got shape {arr.shape}")
@@ -538,6 +570,7 @@ class ColumnDecl:
     """How the message names a constant ``max`` (``MAX_SEQ_LEN (2**31 - 1)``); the number if empty."""
     shown: Shown | None = None
     bools: bool = False
+    floats: bool = False
 
 
 _DECL = "ir.columns"
@@ -573,11 +606,11 @@ def shown_of(field: Any) -> tuple[ColumnDecl | None, Shown | None]:  # (attrs.At
 
 def _column(*, converter: object, metadata: Mapping[str, object] | None = None, **kwargs: Any) -> Any:
     decl = (metadata or {}).get(_DECL, ColumnDecl())
-    if converter is not _as_i64 and converter is not _as_bool:
-        raise TypeError(f"column: converter must be as_i64 or as_bool, not {converter!r}")
+    if converter is not _as_i64 and converter is not _as_bool and converter is not _as_f64:
+        raise TypeError(f"column: converter must be as_i64, as_bool or as_f64, not {converter!r}")
     if not isinstance(decl, ColumnDecl):
         raise TypeError(f"column: metadata must come from per(...), got {metadata!r}")
-    decl = attrs.evolve(decl, bools=converter is _as_bool)
+    decl = attrs.evolve(decl, bools=converter is _as_bool, floats=converter is _as_f64)
     return attrs.field(converter=converter, eq=column_key, metadata={_DECL: decl}, **kwargs)
 
 
@@ -608,6 +641,7 @@ class _Length:
 class _ColumnCheck:
     name: str
     bools: bool
+    floats: bool
     length: _Length | None
     min: int | None
     max: int | None
@@ -647,7 +681,7 @@ def _compile_columns(cls: type, fields: Sequence[Any]) -> _Columns:  # (attrs.At
         }[p.kind]
         bound = d.max if isinstance(d.max, Bound) else None
         const = d.max if isinstance(d.max, int) else None
-        (derived if p.derived else plain).append(_ColumnCheck(name, d.bools, length, d.min, const, d.max_what, bound))
+        (derived if p.derived else plain).append(_ColumnCheck(name, d.bools, d.floats, length, d.min, const, d.max_what, bound))
         seen.add(name)
     return _Columns(key, tuple(plain), tuple(derived))
 
@@ -680,7 +714,7 @@ def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Call
                     "tokens": f"int({names[c.length.of]}.sum())",
                     "window": "n * (int(node.k) + 1)",  # a window node checks ``k`` in ``_check_first``
                 }[c.length.kind]
-            lines.append(f"    check_column(node, {c.name!r}, {v}, {expected}, {what!r}, bools={c.bools})")
+            lines.append(f"    check_column(node, {c.name!r}, {v}, {expected}, {what!r}, bools={c.bools}, floats={c.floats})")
         for c in group:
             v = names[c.name]
             if c.min is not None:
@@ -692,12 +726,26 @@ def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Call
                 env[f"bound_{names[c.name]}"] = c.bound
                 b = f"bound_{names[c.name]}"
                 lines.append(f"    check_max(node, {c.name!r}, {names[c.name]}, {b}.value(node), {b}.what)")
+    aligned = [p for p in parts if isinstance(p.cls, type) and issubclass(p.cls, Node) and p.cls.ALIGNED]
+    if aligned:
+        if cols.key is None:
+            raise TypeError(f"{cls.__name__}: a field aligned with the rows needs a per-request column")
+        env["check_aligned"] = check_aligned
+        for p in aligned:
+            lines.append(f"    check_aligned(node, {p.name!r}, node.{p.name}, n, {cols.key!r})")
     if cls._check is not Node._check:
         lines.append("    node._check()")
     lines.append("    return None")
     code = compile("\n".join(lines) + "\n", f"<local checks of {cls.__name__}>", "exec")
     exec(code, env)  # our own declarations, rendered above
     return cast("Callable[[Any], None]", env["check"])
+
+
+def check_aligned(node: object, name: str, value: Any, n: int, key: str) -> None:
+    """A node-typed field aligned with ``node``'s rows (its class's ``ALIGNED``) holds one row per
+    request: ``None``, or a node of ``n`` rows."""
+    if value is not None and value.num_requests != n:
+        raise IRValidationError(_node_name(node), name, value.num_requests, f"must hold one row per request: len({key}) = {n}")
 
 
 def _first_check(node: Any) -> None:
@@ -761,6 +809,9 @@ class Node:
     check, when every annotation resolves, and installed as its ``_checker``."""
 
     __slots__ = ()
+    ALIGNED: ClassVar[bool] = False
+    """Whether a node of this class, held in another node's field, has one row per row of that
+    node (``ir.sampling.SamplingRows``): the holder's checks then compare the counts."""
     _parts: ClassVar[tuple[_Part, ...]] = ()
     _parts_of: ClassVar[type | None] = None
     _columns: ClassVar[_Columns] = _Columns(None, (), ())

@@ -90,6 +90,13 @@ class _Line:
         w = self.key(key)
         return self.to_int(w, f"{key}=")
 
+    def float_key(self, key: str) -> float:
+        w = self.key(key)
+        try:
+            return float(w)
+        except ValueError:
+            self.fail("expected a number", f"{key}={w}")
+
     def to_int(self, text: str, token: str) -> int:
         if not _NAME.fullmatch(text):
             self.fail("expected an integer", token + text if token.endswith("=") else text)
@@ -197,10 +204,10 @@ class _Parser:
         self.i += 1
         return line
 
-    def node(self, indent: int) -> Printable:
+    def node(self, indent: int, nested: type | None = None) -> Printable:
         line = self.take(indent, "a node")
         kind = line.word("a node kind")
-        cls = PRINTABLE.get(kind)
+        cls = nested if nested is not None and kind == nested.__name__ else PRINTABLE.get(kind)
         if cls is None:
             line.fail(f"unknown node kind (one of {', '.join(sorted(PRINTABLE))})", kind)
         lay = layout(cls)
@@ -220,7 +227,12 @@ class _Parser:
             fields[w.field] = _value(tail, w, fields)
             tail.end()
         for w in lay.nested:
-            fields[w.field] = self.node(indent + 2)
+            if w.optional:
+                nxt = self.peek(indent + 2)
+                if nxt is None or not nxt.words or nxt.words[0] != w.cls.__name__:
+                    fields[w.field] = None
+                    continue
+            fields[w.field] = self.node(indent + 2, w.cls)
         node = cast("Printable", _built(line, lambda: cls(**fields)))  # (a class of ``Printable``)
         if isinstance(node, Composite) and node.num_requests != declared:
             line.fail(f"requests={declared} but its parts hold {node.num_requests}", f"requests={declared}")
@@ -305,6 +317,8 @@ def _value(line: _Line, w: Word, fields: dict[str, Any]) -> Any:
             return line.name(s.name, line.key(s.key) if s.key else None)
         case "int":
             return line.int_key(s.key)
+        case "float":
+            return line.float_key(s.key)
         case "flag":
             return line.optional(s.key)
         case "str":

@@ -50,6 +50,7 @@ from ir.errors import IRValidationError
 from ir.ids import PoolId, SampleId
 from ir.init import OP_TYPES, InitTicket, Op, SnapshotTicket, Ticket, When, op_when
 from ir.linear import linear
+from ir.sampling import SamplingRows
 
 
 def _ticket_tuple(field: str, values: object, when: When) -> tuple[object, ...]:
@@ -124,6 +125,8 @@ class ExtendPlan(ColumnNode, RequestRows):
     sample_id: SampleId | None = attrs.field(default=None, metadata=shown("sample", "#"))
     """As ``DecodePlan.sample_id``, for the rows whose prompt this forward completes (``more_chunks``
     false): the backend keeps their first token per slot, for the pipelined decode that names it."""
+    sampling: SamplingRows | None = attrs.field(default=None)
+    """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
     def _check(self) -> None:
         _check_tickets("tickets", self.tickets, When.BEFORE)
@@ -167,6 +170,8 @@ class DecodePlan(ColumnNode, RequestRows):
     kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text=KV_NAMES))
     sample_id: SampleId | None = attrs.field(default=None, metadata=shown("sample", "#"))
     inputs_from: SampleId | None = attrs.field(default=None, metadata=shown("inputs", "#"))
+    sampling: SamplingRows | None = attrs.field(default=None)
+    """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
     def _check(self) -> None:
         _check_sample("DecodePlan", "sample_id", self.sample_id)

@@ -125,7 +125,7 @@ def _word(cls: type, a: Any, namespace: dict[str, Any]) -> Word:
         if shown is None:
             raise TypeError(f"{where}: a printed column needs per(..., text=...)")
         one = decl.per == REQUEST
-        kind = "flag" if decl.bools else "kv" if shown.name == "k" else ("name" if shown.name else "int") if one else "tokens"
+        kind = "flag" if decl.bools else "float" if decl.floats else "kv" if shown.name == "k" else ("name" if shown.name else "int") if one else "tokens"
         return Word(a.name, kind, shown, one=one, per=decl.per)
     tp = eval(a.type, namespace) if isinstance(a.type, str) else a.type  # noqa: S307 (an annotation of our own module)
     if isinstance(tp, typing.TypeVar) and tp.__bound__ is not None:  # a generic node's field (``Ticket.op``) reads as its bound
@@ -230,6 +230,8 @@ def _value(w: Word, v: Any, names: _Names, node: Any) -> list[str]:
             return [_keyed(s, names(s.name, v))]
         case "int":
             return [_keyed(s, str(int(v)))]
+        case "float":
+            return [_keyed(s, repr(float(v)))]  # (repr: the shortest text that reads back to the same float)
         case "flag":
             return [s.key]
         case "str":
@@ -309,7 +311,8 @@ def _dump(node: Any, names: _Names, indent: str) -> list[str]:
     for w in lay.tail:
         lines.append(f"{inner}{w.shown.line} {' '.join(_value(w, fields[w.field], names, node))}")
     for w in lay.nested:
-        lines += _dump(fields[w.field], names, inner)
+        if fields[w.field] is not None:  # (an optional nested node that is absent prints nothing)
+            lines += _dump(fields[w.field], names, inner)
     return lines
 
 

@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Final, final
+from typing import ClassVar, Final, final
 
 import attrs
 import numpy as np
 
-from ir.columns import MAX_SEQ_LEN
+from ir.columns import F64, I64, MAX_SEQ_LEN, REQUEST, BoolArray, ColumnNode, as_f64, as_i64, build_unchecked, column, own, per
 from ir.errors import IRValidationError
 
 __all__ = [
@@ -61,7 +61,10 @@ __all__ = [
     "MAX_STOP_TOKEN_IDS",
     "SEED_MAX",
     "SamplingParams",
+    "SamplingRows",
     "derive_seed",
+    "rows_joined",
+    "rows_take",
 ]
 
 MAX_N: Final = 16
@@ -239,3 +242,110 @@ def derive_seed(run_seed: int, request_id: int) -> int:
     run = _int("seed", run_seed) & _M64
     rid = _int("request_id", request_id) & _M64
     return _mix64(_mix64(run ^ 0x5EED5EED5EED5EED) ^ rid) >> 1
+
+
+@final
+@attrs.frozen(kw_only=True)
+class SamplingRows(ColumnNode):
+    """The sampling parameters of a batch's rows, one entry per row in each column: the IR columns
+    the one sampler (``backend.sampling``) reads, all rows at once. A batch or plan holds one in its
+    ``sampling`` field, aligned with its rows (``None``: every row greedy, as before sampling);
+    every pass that selects, reorders or joins rows does the same to these (``take``, ``joined``).
+
+    ``seed`` and ``index`` (the completion index among the prompt's ``n``) key the row's random
+    stream; a greedy row's (temperature 0) are 0 and never read. ``logprobs`` is -1 where the row
+    asks for none, else the alternatives per position (0 to ``MAX_LOGPROBS``).
+
+    Invariants (``IRValidationError``): the ranges of ``SamplingParams`` per entry (temperature >= 0
+    and finite, top_p in (0, 1], min_p in [0, 1], top_k >= -1, presence and frequency penalties in
+    [-2, 2], repetition penalty > 0 and finite, seed in [0, 2**63 - 1], index in [0, MAX_N),
+    logprobs in [-1, MAX_LOGPROBS]); NaN is refused everywhere."""
+
+    ALIGNED: ClassVar[bool] = True
+
+    temperature: F64 = column(converter=as_f64, metadata=per(REQUEST, text="temp"))
+    top_k: I64 = column(converter=as_i64, metadata=per(REQUEST, min=-1, text="top_k"))
+    top_p: F64 = column(converter=as_f64, metadata=per(REQUEST, text="top_p"))
+    min_p: F64 = column(converter=as_f64, metadata=per(REQUEST, text="min_p"))
+    presence_penalty: F64 = column(converter=as_f64, metadata=per(REQUEST, text="presence"))
+    frequency_penalty: F64 = column(converter=as_f64, metadata=per(REQUEST, text="frequency"))
+    repetition_penalty: F64 = column(converter=as_f64, metadata=per(REQUEST, text="repetition"))
+    seed: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="seed"))
+    index: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=MAX_N - 1, text="index"))
+    logprobs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=-1, max=MAX_LOGPROBS, text="logprobs"))
+
+    def _check(self) -> None:
+        def refuse(name: str, arr: F64, ok: BoolArray, rule: str) -> None:
+            if not ok.all():
+                raise IRValidationError("SamplingRows", name, float(arr[~ok][0]), rule)
+
+        t = self.temperature
+        refuse("temperature", t, np.isfinite(t) & (t >= 0.0), "must be >= 0 and finite (0 is greedy)")
+        refuse("top_p", self.top_p, (self.top_p > 0.0) & (self.top_p <= 1.0), "must be in (0, 1]")
+        refuse("min_p", self.min_p, (self.min_p >= 0.0) & (self.min_p <= 1.0), "must be in [0, 1]")
+        for name, v in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
+            refuse(name, v, (v >= -PENALTY_BOUND) & (v <= PENALTY_BOUND), "must be in [-2, 2]")
+        r = self.repetition_penalty
+        refuse("repetition_penalty", r, np.isfinite(r) & (r > 0.0), "must be > 0 and finite (1 is off)")
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], indices: Sequence[int] | None = None) -> SamplingRows:
+        """The rows of ``params`` (completion ``indices``, default 0 each). A sampled row must carry
+        its seed (``SamplingParams.seeded``): ``IRValidationError`` naming the row otherwise."""
+        for i, p in enumerate(params):
+            if p.seed is None and not p.greedy:
+                raise IRValidationError("SamplingRows", "seed", None, f"row {i} is sampled (temperature {p.temperature}) and has no seed (SamplingParams.seeded)")
+        return cls(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            presence_penalty=[p.presence_penalty for p in params],
+            frequency_penalty=[p.frequency_penalty for p in params],
+            repetition_penalty=[p.repetition_penalty for p in params],
+            seed=[p.seed or 0 for p in params],
+            index=list(indices) if indices is not None else [0] * len(params),
+            logprobs=[-1 if p.logprobs is None else p.logprobs for p in params],
+        )
+
+    @classmethod
+    def greedy(cls, n: int) -> SamplingRows:
+        """``n`` rows of ``GREEDY``."""
+        return _GREEDY_ROWS.take(np.zeros(n, dtype=np.int64))
+
+    @property
+    def all_greedy(self) -> bool:
+        """Every row takes its argmax (temperature 0) and asks for no logprobs: the sampler has
+        nothing to do past ``greedy_or_flag``."""
+        return not self.temperature.any() and bool((self.logprobs < 0).all())
+
+    def take(self, rows: I64 | BoolArray) -> SamplingRows:
+        """The rows ``rows`` selects (a boolean mask, or row indices in the new order)."""
+        # rows of a checked node, each entry kept whole: every local check still holds
+        cols = attrs.asdict(self, recurse=False)
+        return build_unchecked(SamplingRows, **{name: own(col[rows]) for name, col in cols.items()})
+
+    def joined(self, other: SamplingRows) -> SamplingRows:
+        """These rows, then ``other``'s."""
+        mine, theirs = attrs.asdict(self, recurse=False), attrs.asdict(other, recurse=False)
+        return build_unchecked(SamplingRows, **{name: own(np.concatenate((mine[name], theirs[name]))) for name in mine})
+
+
+_GREEDY_ROWS: Final = SamplingRows.of([GREEDY])
+
+
+def rows_take(rows: SamplingRows | None, select: I64 | BoolArray) -> SamplingRows | None:
+    """``rows.take(select)``, or ``None`` for a batch whose rows are all greedy."""
+    return None if rows is None else rows.take(select)
+
+
+def rows_joined(a: SamplingRows | None, na: int, b: SamplingRows | None, nb: int) -> SamplingRows | None:
+    """The sampling rows of ``na`` rows then ``nb`` rows: ``None`` when both are ``None`` (all
+    greedy), else both sides as columns (``greedy`` rows for a ``None`` side)."""
+    if a is None and b is None:
+        return None
+    if nb == 0 and a is not None:
+        return a
+    if na == 0 and b is not None:
+        return b
+    return (a if a is not None else SamplingRows.greedy(na)).joined(b if b is not None else SamplingRows.greedy(nb))

@@ -66,6 +66,7 @@ from ir.columns import (
 from ir.errors import IRValidationError
 from ir.ids import DraftId, VerifyId
 from ir.linear import linear
+from ir.sampling import SamplingRows
 
 MAX_SPEC_K = 64
 """Largest ``k`` (draft tokens per speculative iteration) a node or ``SpecContext`` accepts.
@@ -119,6 +120,8 @@ class DraftBatch(ColumnNode, RequestRows):
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))
     input_ids: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="token"))
     kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text=KV_NAMES))
+    sampling: SamplingRows | None = attrs.field(default=None)
+    """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
     def _check_first(self) -> None:
         _check_ids(self, self.k, "draft_id", self.draft_id)  # k an int in [1, MAX_SPEC_K] before the window lengths use it
@@ -163,6 +166,8 @@ class VerifyBatch(ColumnNode, RequestRows):
     seq_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=WINDOW_SEQ_MAX, text="seq"))
     input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text="tokens"))
     kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text=KV_NAMES))
+    sampling: SamplingRows | None = attrs.field(default=None)
+    """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
     def _check_first(self) -> None:
         _check_ids(self, self.k, "verify_id", self.verify_id)
@@ -201,6 +206,8 @@ class CommitBatch(ColumnNode, RequestRows):
     kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text=KV_NAMES))
     released_kv: I64 = column(converter=as_i64, metadata=per(ANY, text=Shown("kv", "k", line="released")))
     """As many as the rejected positions (``len(rids) * k - sum(accept_pos)``: checked by ``_check``)."""
+    sampling: SamplingRows | None = attrs.field(default=None)
+    """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
     def _check_first(self) -> None:
         _check_ids(self, self.k, "verify_id", self.verify_id)
@@ -228,6 +235,8 @@ class DraftCommitBatch(ColumnNode, RequestRows):
     accept_pos: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="accept"))
     input_ids: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text="tokens"))
     kv_locs: I64 = column(converter=as_i64, metadata=per(WINDOW, min=0, text=KV_NAMES))
+    sampling: SamplingRows | None = attrs.field(default=None)
+    """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
     def _check_first(self) -> None:
         _check_ids(self, self.k, "draft_id", self.draft_id)
@@ -248,6 +257,8 @@ class DraftExtendBatch(ColumnNode, RequestRows):
     extend_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=1, max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT, text="extend"))
     input_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text="tokens"))
     kv_locs: I64 = column(converter=as_i64, metadata=per(tokens_of("extend_lens"), min=0, text=KV_NAMES))
+    sampling: SamplingRows | None = attrs.field(default=None)
+    """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
 
 # Spec plans wrap their batch: each of these batches already holds exactly what its forward needs

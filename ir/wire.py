@@ -12,7 +12,7 @@ Layout (little-endian)::
     spaces to 8 bytes, then every column's data in field order, each zero-padded to 8 bytes
 
 Node fields are the declared attrs fields of the node classes registered below (every plan and the
-tickets and ops they carry): an int64 or bool column, an int, a string (a pool name), ``None``, a
+tickets and ops they carry, and the sampling rows of a batch or plan): an int64, float64 or bool column, an int, a string (a pool name), ``None``, a
 tuple of ints (slots of an init op) or of nodes, or a node. Columns are read-only views of the
 message's bytes, which are immutable, so they are IR-owned as they are (``ir.columns.is_owned``); a
 message handed over as a mutable buffer (``bytearray``, ``memoryview``) is copied once first.
@@ -59,7 +59,7 @@ from ir.nodes import Plan
 MAGIC: Final = b"BCPL"
 WIRE_VERSION: Final = 1
 _PREFIX = struct.Struct("<4sHHQII")
-_DTYPES: Final[dict[str, np.dtype[Any]]] = {"i8": np.dtype("<i8"), "b1": np.dtype(np.bool_)}
+_DTYPES: Final[dict[str, np.dtype[Any]]] = {"i8": np.dtype("<i8"), "b1": np.dtype(np.bool_), "f8": np.dtype("<f8")}
 MAX_MESSAGE_BYTES: Final = 1 << 31
 """Largest message ``pack`` writes and ``unpack`` reads (the length fields are 32-bit)."""
 MAX_DEPTH: Final = 16
@@ -75,8 +75,9 @@ def _registry() -> dict[str, type]:
     """Every class a message may hold: the plans, the batches inside the speculative plans, and
     the tickets of a prefill plan with every op kind (``ir.init.OP_TYPES``)."""
     from ir.nodes import NODE_TYPES
+    from ir.sampling import SamplingRows
 
-    classes: list[type] = [*NODE_TYPES, Ticket, *OP_TYPES]
+    classes: list[type] = [*NODE_TYPES, Ticket, *OP_TYPES, SamplingRows]
     return {c.__name__: c for c in classes}
 
 
@@ -105,6 +106,8 @@ class _Writer:
     def column(self, arr: np.ndarray[Any, Any]) -> dict[str, list[object]]:
         if arr.dtype == np.bool_:  # as bytes 0 and 1 whatever the array's memory holds: the reader refuses any other byte
             code, data = "b1", (np.ascontiguousarray(arr).view(np.uint8) != 0).tobytes()
+        elif arr.dtype == np.float64:
+            code, data = "f8", np.ascontiguousarray(arr, dtype=_DTYPES["f8"]).tobytes()
         else:
             code, data = "i8", np.ascontiguousarray(arr, dtype=_DTYPES["i8"]).tobytes()
         offset = self.size
@@ -115,8 +118,8 @@ class _Writer:
 
     def value(self, v: object) -> object:
         if isinstance(v, np.ndarray):
-            if v.ndim != 1 or v.dtype not in (np.dtype(np.int64), np.dtype(np.bool_)):
-                raise WireError(f"a column must be 1-D int64 or bool, got {v.dtype} of shape {v.shape}")
+            if v.ndim != 1 or v.dtype not in (np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.float64)):
+                raise WireError(f"a column must be 1-D int64, float64 or bool, got {v.dtype} of shape {v.shape}")
             return self.column(v)
         if v is None or isinstance(v, (bool, str)):
             return v

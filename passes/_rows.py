@@ -6,6 +6,7 @@ import numpy as np
 
 from ir.batch import ExtendBatch
 from ir.columns import I64, frozen_i64
+from ir.sampling import SamplingRows, rows_take
 from ir.spec import DraftCommitBatch, DraftExtendBatch
 
 
@@ -25,6 +26,13 @@ def finished_prefill_rows(batch: ExtendBatch | DraftExtendBatch) -> tuple[I64, I
         frozen_i64(batch.input_ids[last[final]]),
         frozen_i64(batch.kv_locs[last[final]]),
     )
+
+
+def finished_prefill_sampling(batch: ExtendBatch | DraftExtendBatch) -> SamplingRows | None:
+    """The sampling rows of ``finished_prefill_rows``'s requests (``None``: all greedy)."""
+    if batch.sampling is None or not isinstance(batch, ExtendBatch):
+        return batch.sampling
+    return rows_take(batch.sampling, ~batch.more_chunks)
 
 
 def committed_rows(batch: DraftCommitBatch) -> tuple[I64, I64, I64, I64, I64]:

@@ -40,4 +40,5 @@ def commit(batch: VerifyBatch, result: AcceptResult) -> CommitBatch:
         input_ids=batch.input_ids,
         kv_locs=batch.kv_locs,
         released_kv=freeze(np.ascontiguousarray(released)),
+        sampling=batch.sampling,
     )

@@ -9,7 +9,7 @@ Post: the output has the same type and keeps the order of the remaining requests
 dropped the input object itself is returned. For an ``ExtendBatch`` the dropped requests' init ops
 go with them, and the ``MambaInit`` keeps its serial (it is still "the init of this forward": if
 the unfiltered batch already ran, the filtered one's ops count as a replay), or becomes ``None``
-when no op is left.
+when no op is left. The sampling rows (when the batch has them) keep the remaining requests' rows.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ir.columns import I64, INT64_MAX, BoolArray, build_unchecked, first_bad_int
 from ir.errors import PreconditionError, short_repr
 from ir.ids import RequestId
 from ir.init import MambaInit, MambaSnapshot
+from ir.sampling import rows_take
 from passes._args import bad_arg
 
 B = TypeVar("B", ExtendBatch, DecodeBatch)
@@ -74,6 +75,7 @@ def filter_batch(batch: B, drop: Iterable[RequestId]) -> B:
                 seq_lens=frozen_i64(batch.seq_lens[keep]),
                 input_ids=frozen_i64(batch.input_ids[keep]),
                 kv_locs=frozen_i64(batch.kv_locs[keep]),
+                sampling=rows_take(batch.sampling, keep),
             )
         case ExtendBatch():
             return _filter_extend(batch, keep)
@@ -110,4 +112,5 @@ def _filter_extend(batch: ExtendBatch, keep: BoolArray) -> ExtendBatch:
         kv_locs=frozen_i64(batch.kv_locs[token_keep]),
         init=init,
         snapshot=snapshot,
+        sampling=rows_take(batch.sampling, keep),
     )

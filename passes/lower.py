@@ -71,6 +71,7 @@ def _extend_plan(batch: ExtendBatch, ctx: LowerContext, sample_id: SampleId | No
         tickets=tuple(Ticket(pool=p, op=init) for p in ctx.pools) if init is not None else (),
         snapshots=tuple(Ticket(pool=p, op=snap) for p in ctx.pools) if snap is not None else (),
         sample_id=sample_id,
+        sampling=batch.sampling,
     )
     if sample_id is not None:  # the caller's sample id: checked as the constructor would
         plan.check_fields()
@@ -87,6 +88,7 @@ def _decode_plan(batch: DecodeBatch, sample_id: SampleId | None, inputs_from: Sa
         kv_locs=batch.kv_locs,
         sample_id=sample_id,
         inputs_from=inputs_from,
+        sampling=batch.sampling,
     )
     if sample_id is not None or inputs_from is not None:  # the caller's sample ids (and placeholder inputs)
         plan.check_fields()

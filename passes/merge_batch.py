@@ -6,7 +6,8 @@ prefilled request enters in the state "its last forward has run": ``seq_len`` is
 its context and ``input_ids``/``kv_locs`` are those of its last prompt token; ``prepare_for_decode``
 then advances every row the same way. Chunked requests (``more_chunks``) are not merged. A
 ``DraftCommitBatch`` or ``DraftExtendBatch`` (the end of a speculative iteration) enters the same
-way: each row with the tokens it committed in the iteration. An empty
+way: each row with the tokens it committed in the iteration. The rows' sampling parameters come
+along in the same order. An empty
 ``prefilled`` contribution returns ``running`` itself.
 
 The output is a ``DecodeBatch``: a prefill's ``MambaInit`` has nowhere to go (in the engine this pass
@@ -20,21 +21,26 @@ import numpy as np
 from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import build_unchecked, first_common, freeze
 from ir.errors import PreconditionError
+from ir.sampling import SamplingRows, rows_joined
 from ir.spec import DraftCommitBatch, DraftExtendBatch
 from passes._args import bad_arg
-from passes._rows import committed_rows, finished_prefill_rows
+from passes._rows import committed_rows, finished_prefill_rows, finished_prefill_sampling
 
 
 def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
     if not isinstance(running, DecodeBatch):
         raise bad_arg("merge_batch", "running", running, "a DecodeBatch")
+    sampling: SamplingRows | None
     if isinstance(prefilled, (ExtendBatch, DraftExtendBatch)):
         rids, slots, seq_lens, input_ids, kv_locs = finished_prefill_rows(prefilled)
+        sampling = finished_prefill_sampling(prefilled)
     elif isinstance(prefilled, DraftCommitBatch):
         rids, slots, seq_lens, input_ids, kv_locs = committed_rows(prefilled)
+        sampling = prefilled.sampling
     elif isinstance(prefilled, DecodeBatch):
         rids, slots, seq_lens = prefilled.rids, prefilled.slots, prefilled.seq_lens
         input_ids, kv_locs = prefilled.input_ids, prefilled.kv_locs
+        sampling = prefilled.sampling
     else:
         raise bad_arg("merge_batch", "prefilled", prefilled, "an ExtendBatch, a DraftCommitBatch, a DraftExtendBatch or a DecodeBatch")
     if rids.shape[0] == 0:
@@ -52,4 +58,5 @@ def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch 
         seq_lens=freeze(np.concatenate((running.seq_lens, seq_lens))),
         input_ids=freeze(np.concatenate((running.input_ids, input_ids))),
         kv_locs=freeze(np.concatenate((running.kv_locs, kv_locs))),
+        sampling=rows_joined(running.sampling, running.num_requests, sampling, rids.shape[0]),
     )

@@ -22,8 +22,9 @@ import numpy as np
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64, MAX_SEQ_LEN, REQUEST, ColumnNode, as_i64, build_unchecked, column, freeze, per
 from ir.errors import PreconditionError
+from ir.sampling import rows_joined
 from passes._args import bad_arg, unexpected_arg
-from passes._rows import finished_prefill_rows
+from passes._rows import finished_prefill_rows, finished_prefill_sampling
 
 
 @final
@@ -42,11 +43,14 @@ def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: Decod
     match batch:
         case DecodeBatch():
             rids, slots, seq_lens = batch.rids, batch.slots, batch.seq_lens
+            sampling = batch.sampling
         case ExtendBatch():
             rids, slots, seq_lens, _, _ = finished_prefill_rows(batch)
+            sampling = finished_prefill_sampling(batch)
         case MixedBatch():
             e_rids, e_slots, e_lens, _, _ = finished_prefill_rows(batch.extend)
             d = batch.decode
+            sampling = rows_joined(finished_prefill_sampling(batch.extend), e_rids.shape[0], d.sampling, d.num_requests)
             rids = freeze(np.concatenate((e_rids, d.rids)))
             slots = freeze(np.concatenate((e_slots, d.slots)))
             seq_lens = np.concatenate((e_lens, d.seq_lens))
@@ -69,4 +73,5 @@ def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: Decod
         seq_lens=freeze(seq_lens + 1),
         input_ids=ctx.next_tokens,
         kv_locs=ctx.kv_locs,
+        sampling=sampling,
     )

@@ -56,4 +56,5 @@ def prepare_for_draft(batch: DecodeBatch, ctx: SpecContext) -> DraftBatch:
         seq_lens=freeze(batch.seq_lens + 1),
         input_ids=ctx.next_tokens,
         kv_locs=ctx.kv_locs,
+        sampling=batch.sampling,
     )

@@ -56,4 +56,5 @@ def prepare_for_draft_commit(batch: CommitBatch, draft: DraftBatch) -> DraftComm
         accept_pos=batch.accept_pos,
         input_ids=batch.input_ids,
         kv_locs=batch.kv_locs,
+        sampling=batch.sampling,
     )

@@ -32,4 +32,5 @@ def prepare_for_draft_extend(batch: CommitBatch) -> DraftExtendBatch:
         extend_lens=freeze(batch.accept_pos + 1),
         input_ids=freeze(batch.input_ids[keep]),
         kv_locs=freeze(batch.kv_locs[keep]),
+        sampling=batch.sampling,
     )

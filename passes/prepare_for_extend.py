@@ -10,6 +10,9 @@ freshly minted serial, or is ``None`` when every request is a chunked continuati
 Requests with ``snapshot_to`` contribute a ``MambaSnapshot`` (their slot -> that cache slot, after
 the forward) under its own serial.
 
+``sampling`` (optional) is the requests' sampling parameters, one row per request in their order:
+the batch carries it (its constructor refuses another row count); ``None``: every row greedy.
+
 Minting serials is the pass's one impurity: it is what makes the init ops of this forward a
 linear resource with an identity that survives copies.
 """
@@ -27,10 +30,11 @@ from ir.errors import PreconditionError
 from ir.ids import MambaSlot
 from ir.init import MambaInit, MambaSnapshot, mint_serial
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
+from ir.sampling import SamplingRows
 from passes._args import bad_arg
 
 
-def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
+def prepare_for_extend(requests: Sequence[AdmittedRequest], sampling: SamplingRows | None = None) -> ExtendBatch:
     arg: object = requests  # typed; checked because callers need not be typed
     kind = type(arg)
     if kind is not list and kind is not tuple and (isinstance(arg, (str, bytes, bytearray)) or not isinstance(arg, Sequence)):
@@ -38,6 +42,8 @@ def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
     _check_requests(requests)
     if not requests:
         raise PreconditionError("prepare_for_extend", "no admitted requests (schedule an IdleBatch instead)")
+    if sampling is not None and not isinstance(sampling, SamplingRows):
+        raise bad_arg("prepare_for_extend", "sampling", sampling, "SamplingRows (one row per request) or None")
     clears: list[MambaSlot] = []
     src: list[MambaSlot] = []
     dst: list[MambaSlot] = []
@@ -68,6 +74,7 @@ def prepare_for_extend(requests: Sequence[AdmittedRequest]) -> ExtendBatch:
         kv_locs=np.concatenate([r.kv_locs for r in requests]),
         init=init,
         snapshot=snapshot,
+        sampling=sampling,
     )
 
 

@@ -52,4 +52,5 @@ def prepare_for_verify(batch: DraftBatch, proposals: Proposals) -> VerifyBatch:
         seq_lens=batch.seq_lens,
         input_ids=freeze(window),
         kv_locs=batch.kv_locs,
+        sampling=batch.sampling,
     )

@@ -21,7 +21,6 @@ from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
 from backend.model import ForwardPlan
 from backend.pool import MambaStatePool
-from backend.sampling import greedy_or_flag
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
@@ -103,9 +102,9 @@ class HybridHook:
             pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids,
             positions=staged.positions, kv_locs=staged.kv_locs,
         )
-        # a window position whose logits are not finite reads NON_FINITE: the engine ends that row
-        # there (or, past its bonus position, never reads it)
-        return greedy_or_flag(out.logits), out.states
+        # the executor chooses the tokens (``backend.plan_sampling.verify_tokens``): a window position
+        # whose logits are not finite reads NON_FINITE there, and the engine ends that row
+        return out.logits, out.states
 
     def commit(self, plan: CommitPlan | DraftCommitPlan, states: VerifyStates, pool: MambaStatePool) -> None:
         dev = pool.device

@@ -245,11 +245,17 @@ class Engine:
             rid, prompt, max_new_tokens, stop, in_use=lambda r: r in self.requests or r in self.outputs,
             vocab=self.vocab, max_len=self.max_len, k=self.k,
         )
+        params = check_sampling(rid, sampling)
+        if params.penalised:
+            raise PreconditionError(
+                "admit", f"request {rid}: presence, frequency and repetition penalties are not supported yet (got "
+                f"presence_penalty={params.presence_penalty}, frequency_penalty={params.frequency_penalty}, "
+                f"repetition_penalty={params.repetition_penalty})"
+            )
         if prefix is not None:
             self.prefixes.check(rid, prefix, arr, self.requests)
         else:
             self.session.observe(arr)
-        params = check_sampling(rid, sampling)
         stops = stops | frozenset(params.stop_token_ids)
         self.requests.add(
             Request(
@@ -382,7 +388,7 @@ class Engine:
                 prompt = frozen_i64([*r.original.tolist(), *r.output]) if r.output else r.original
                 self.requests.requeue(
                     Request(rid=rid, prompt=prompt, original=r.original, max_new_tokens=r.max_new_tokens, stop=r.stop,
-                            output=r.output, retractions=r.retractions + 1)
+                            output=r.output, retractions=r.retractions + 1, sampling=r.sampling, index=r.index)
                 )
             else:
                 self.requests.remove(rid)

@@ -58,6 +58,7 @@ from ir.ids import MambaSlot, RequestId, SampleId
 from ir.mint import mint_sample_id
 from ir.request import AdmittedRequest
 from ir.results import NON_FINITE
+from ir.sampling import SamplingRows
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext
 
@@ -230,12 +231,20 @@ class Forwards:
         self.stats.retractions += 1
         self.release([rid], Ending.RETRACTED)
 
+    def _sampling(self, admitted: Sequence[AdmittedRequest]) -> SamplingRows | None:
+        """The sampling rows of the requests a prefill admits (``None`` when every one is greedy
+        and asks for no logprobs: the batch then carries none)."""
+        records = [self.requests[a.rid] for a in admitted]
+        if all(r.sampling.greedy and r.sampling.logprobs is None for r in records):
+            return None
+        return SamplingRows.of([r.sampling for r in records], [r.index for r in records])
+
     def prefill(self) -> bool:
         """The next prefill chunks in one EXTEND forward; False if none fits."""
         admitted = self.planner.next_chunks()
         if not admitted:
             return False
-        extend, plan = self.pipeline.prefill(admitted)
+        extend, plan = self.pipeline.prefill(admitted, sampling=self._sampling(admitted))
         on_target = self.runner.submit(self.target, plan)
         # the draft pool's init ops (and snapshots) are consumed there, once; in executor processes
         # the two prefills run at the same time
@@ -299,7 +308,7 @@ class Forwards:
         if not admitted:
             self.decode(ctx)
             return StepKind.DECODE
-        mixed, plan = self.pipeline.mixed(admitted, self.running, ctx)
+        mixed, plan = self.pipeline.mixed(admitted, self.running, ctx, sampling=self._sampling(admitted))
         tokens = checked(plan, self.runner.run(self.target, plan)).tokens.tolist()
         self.stats.prefills += 1
         self.stats.decodes += 1
@@ -363,6 +372,7 @@ class Forwards:
             assert kv is not None
             mixed, mplan = self.pipeline.mixed(
                 admitted, running, DecodeContext(next_tokens=inputs, kv_locs=kv), sample_id=sample, inputs_from=after,
+                sampling=self._sampling(admitted),
             )
             built = self._built(self.runner.submit(self.target, mplan), sample, admitted, mixed.extend, rids)
             self.running = self.pipeline.merge(mixed.decode, mixed.extend)
@@ -371,7 +381,7 @@ class Forwards:
             self.stats.mixed += 1
             kind = StepKind.MIXED
         elif admitted:
-            extend, eplan = self.pipeline.prefill(admitted, sample_id=sample)
+            extend, eplan = self.pipeline.prefill(admitted, sample_id=sample, sampling=self._sampling(admitted))
             built = self._built(self.runner.submit(self.target, eplan), sample, admitted, extend, [])
             self.running = self.pipeline.merge(running, extend)
             self.stats.prefills += 1

@@ -114,7 +114,8 @@ def test_a_broken_header_is_refused_naming_the_problem() -> None:
     cases: list[tuple[Any, str]] = [
         (lambda h: {**h, "n": "Pickle"}, r"unknown node kind 'Pickle'"),
         (lambda h: {**h, "f": {k: v for k, v in h["f"].items() if k != "slots"}}, r"ExtendPlan has fields .* the message"),
-        (lambda h: {**h, "f": {**h["f"], "slots": {"c": ["f8", 0, 2]}}}, r"bad column descriptor \['f8', 0, 2\]"),
+        (lambda h: {**h, "f": {**h["f"], "slots": {"c": ["f4", 0, 2]}}}, r"bad column descriptor \['f4', 0, 2\]"),
+        (lambda h: {**h, "f": {**h["f"], "slots": {"c": ["f8", 0, 2]}}}, r"ExtendPlan.slots: must be a 1-D sequence of ints, got dtype float64"),
         (lambda h: {**h, "f": {**h["f"], "slots": {"c": ["i8", 8000, 2]}}}, r"column \[i8, 8000, 2\] lies outside"),
         (lambda h: {**h, "f": {**h["f"], "slots": {"c": ["i8", 4, 2]}}}, r"column \[i8, 4, 2\] lies outside"),
         (lambda h: {**h, "f": {**h["f"], "slots": {"c": ["i8", 144, 2]}}}, r"^plan message: ExtendPlan\.slots: column \[i8, 144, 2\] lies outside the message's 152 column bytes$"),
@@ -427,12 +428,12 @@ def test_a_constructor_that_raises_something_else_is_a_refused_message(monkeypat
         unpack(_with_text(message, text))
 
 
-def test_pack_refuses_a_column_that_is_not_1d_int64_or_bool() -> None:
+def test_pack_refuses_a_column_that_is_not_1d_int64_float64_or_bool() -> None:
     _, plan = extend_plan([fresh(1, 1, [5], 10)])
     for bad in (np.zeros((1, 1), np.int64), np.zeros(1, np.int32)):
         odd = attrs.evolve(plan)
         object.__setattr__(odd, "rids", bad)  # past the constructor, which would convert it
-        with pytest.raises(WireError, match=rf"^plan message: a column must be 1-D int64 or bool, got {bad.dtype} of shape"):
+        with pytest.raises(WireError, match=rf"^plan message: a column must be 1-D int64, float64 or bool, got {bad.dtype} of shape"):
             pack(0, odd)
 
 

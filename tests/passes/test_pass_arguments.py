@@ -36,6 +36,7 @@ from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import frozen_i64
 from ir.errors import PreconditionError, short_repr
 from ir.ids import RequestId, SampleId
+from ir.sampling import GREEDY
 from ir.spec import AcceptResult, CommitBatch, DraftBatch, VerifyBatch
 from passes import (
     DecodeContext,
@@ -113,6 +114,10 @@ CASES: list[ArgCase] = [
     ArgCase("prepare_for_extend-int-entry", lambda: prepare_for_extend([REQUEST, 7]), "prepare_for_extend", r"requests\[1\]", _got(7)),  # type: ignore[list-item]
     ArgCase("prepare_for_extend-batch-entry", lambda: prepare_for_extend((REQUEST, EXTEND)), "prepare_for_extend", r"requests\[1\]", r"got ExtendBatch"),  # type: ignore[arg-type]
     ArgCase("prepare_for_extend-range", lambda: prepare_for_extend(range(2)), "prepare_for_extend", r"requests\[0\]", _got(0)),  # type: ignore[arg-type]
+    *_arg_cases(
+        "prepare_for_extend", "sampling", lambda v: prepare_for_extend([REQUEST], v),  # type: ignore[arg-type]
+        [("str", "greedy"), ("int", 7), ("dict", {"temperature": 1.0}), *_nodes(RUNNING, GREEDY)],
+    ),
     # -- merge_batch -----------------------------------------------------------------------------------
     *_arg_cases("merge_batch", "running", lambda v: merge_batch(v, EXTEND), [*NOT_A_NODE, *_nodes(EXTEND, PLAN)]),  # type: ignore[arg-type]
     *_arg_cases("merge_batch", "prefilled", lambda v: merge_batch(RUNNING, v), [*NOT_A_NODE, *_nodes(MIXED, DRAFT, PLAN)]),  # type: ignore[arg-type]
@@ -282,3 +287,11 @@ def test_mixed_batch_of_a_refused_part_never_exists() -> None:
         MixedBatch(extend=EXTEND, decode=EXTEND)  # type: ignore[arg-type]
     assert isinstance(MIXED, MixedBatch) and isinstance(MIXED.decode, DecodeBatch) and isinstance(MIXED.extend, ExtendBatch)
     assert isinstance(DRAFT, DraftBatch) and isinstance(VERIFY, VerifyBatch) and isinstance(COMMIT, CommitBatch) and isinstance(RESULT, AcceptResult)
+
+
+def test_prepare_for_extend_refuses_sampling_rows_of_another_row_count() -> None:
+    from ir.errors import IRValidationError
+    from ir.sampling import SamplingRows
+
+    with pytest.raises(IRValidationError, match=r"^ExtendBatch\.sampling: must hold one row per request: len\(rids\) = 1 \(got 2\)$"):
+        prepare_for_extend([REQUEST], SamplingRows.greedy(2))

@@ -1,0 +1,92 @@
+"""The sampler applied to a plan's rows: where a backend turns a forward's logits into the tokens of
+its result (``ir.results``), with the rows' ``SamplingRows`` (``ir.sampling``).
+
+- ``row_params``: a plan's ``SamplingRows`` as the sampler's per-row tensors (``RowParams``): one
+  tensor per column, no loop over rows.
+- ``sample_logits``: one token per row of ``[N, V]`` logits: ``backend.sampling.sample`` (the argmax,
+  ``NON_FINITE`` for a row whose logits are not finite) when every row is greedy, so a greedy run
+  gives the tokens it gave before sampling existed, bit for bit; else ``distribution`` and
+  ``sample_rows`` with each row's key (its seed, completion index and the position of the token
+  being chosen), so a row's token depends on its logits and its key only, never on the batch.
+- ``verify_tokens``: the target's tokens over a verify window ``[N, k + 1, V]``. Greedy rows read the
+  argmax at each position (``passes.accept`` then accepts while the proposal equals it). With a
+  sampled row, ``rejection_sample`` with a one-hot draft (the draft proposes its argmax): the tokens
+  it gives are the accepted proposals, then the replacement or bonus token; the positions after it
+  hold the argmax, which ``passes.accept`` never reads (it stops at the first token that differs
+  from the proposal, and a replacement never equals the rejected proposal: its residual has no mass
+  there). So the result keeps the ``Verified`` form, and the accept pass and the engine treat sampled
+  and greedy rows alike.
+
+Positions: the key's position is the position in its sequence of the token being chosen (prompt
+length plus output position): an extend row's first token is at ``prefix_len + extend_len``, a
+decode row's at ``seq_len``, a verify window's token ``j`` at ``seq_len + j``. For one prompt that is
+the output position shifted by a constant, the same whatever the chunking, batching, retraction or
+speculation: the ``--seed`` reproducibility the sampling module promises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backend.sampling import OneHotDraft, RowParams, distribution, greedy_or_flag, rejection_sample, sample, sample_rows
+from ir.columns import I64, frozen_i64
+from ir.sampling import SamplingRows
+
+__all__ = ["row_params", "sample_logits", "verify_tokens"]
+
+
+def _tensor(col: np.ndarray[tuple[int], np.dtype[np.generic]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # (a copy: the IR's columns are read-only memory, which torch.from_numpy would share and warn about)
+    return torch.tensor(col, dtype=dtype, device=device)
+
+
+def row_params(rows: SamplingRows, device: torch.device) -> RowParams:
+    """``rows`` as the sampler's per-row tensors on ``device``."""
+    f32 = torch.float32
+    return RowParams(
+        temperature=_tensor(rows.temperature, f32, device),
+        top_k=_tensor(rows.top_k, torch.int64, device),
+        top_p=_tensor(rows.top_p, torch.float64, device),
+        min_p=_tensor(rows.min_p, f32, device),
+        presence_penalty=_tensor(rows.presence_penalty, f32, device),
+        frequency_penalty=_tensor(rows.frequency_penalty, f32, device),
+        repetition_penalty=_tensor(rows.repetition_penalty, f32, device),
+        seed=_tensor(rows.seed, torch.int64, device),
+        index=_tensor(rows.index, torch.int64, device),
+    )
+
+
+def _greedy(rows: SamplingRows | None) -> bool:
+    return rows is None or not rows.temperature.any()
+
+
+def sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I64) -> I64:
+    """The token of each row of ``[N, V]`` logits (module docstring); ``positions`` [N]: each row's
+    position of the token chosen."""
+    if _greedy(rows):
+        return sample(logits)
+    assert rows is not None  # (``_greedy`` holds for None)
+    params = row_params(rows, logits.device)
+    dist = distribution(logits, params)
+    tokens = sample_rows(dist, params, _tensor(positions, torch.int64, logits.device))
+    return frozen_i64(tokens.cpu().numpy())
+
+
+def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, start: I64) -> I64:
+    """The target's tokens over a verify window (module docstring), row-major ``N * (k + 1)``:
+    ``logits`` [N, k + 1, V], ``drafts`` the ``N * k`` proposals (row-major), ``start`` [N] the
+    position of each row's first proposal."""
+    top = greedy_or_flag(logits)
+    if _greedy(rows):
+        return frozen_i64(top.reshape(-1).cpu().numpy())
+    assert rows is not None
+    n, w, vocab = logits.shape
+    device = logits.device
+    params = row_params(rows, device)
+    dist = distribution(logits.reshape(n * w, vocab), params.repeat(w))
+    proposed = _tensor(drafts, torch.int64, device).reshape(n, w - 1)
+    spec = rejection_sample(dist, proposed, OneHotDraft(), params, _tensor(start, torch.int64, device))
+    slots = torch.arange(w, device=device)[None, :]
+    tokens = torch.where(slots <= spec.accepted[:, None], spec.tokens, top)
+    return frozen_i64(tokens.reshape(-1).cpu().numpy())

@@ -97,22 +97,31 @@ def sample(logits: torch.Tensor) -> I64:
 
 
 @final
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, eq=False)
 class Uses:
-    """What a batch's rows ask of the sampler (``RowParams.uses``): ``distribution`` skips every
-    transform no sampled row uses. Skipping is exact, not merely close: a transform a row does not
-    use leaves its values bit for bit (a mask with nothing set), so a row's result does not depend
-    on whether another row of its batch made the sampler run that transform."""
+    """What a batch's rows ask of the sampler, read once on the host (``RowParams.uses``):
+    ``distribution`` skips every transform no sampled row uses. Skipping is exact, not merely
+    close: a transform a row does not use leaves its values bit for bit (a mask with nothing set),
+    so a row's result does not depend on whether another row of its batch made the sampler run
+    that transform. The arrays are the sampled rows' parameters (NumPy: per-row arithmetic on a
+    few values costs a microsecond there, several as torch operations)."""
 
     all_greedy: bool
     any_greedy: bool
-    min_top_k: int | None
-    """The smallest ``top_k > 0`` of a sampled row (``None``: no sampled row has top-k; a top-k at
-    or above the vocabulary keeps every token)."""
+    top_k: bool
+    """Some sampled row has ``top_k > 0`` (one at or above the vocabulary keeps every token)."""
     top_p: bool
     min_p: bool
     penalty: bool
     """Some row (greedy ones included) has a repetition, frequency or presence penalty."""
+    sampled: np.ndarray
+    """The sampled rows' indices (int64)."""
+    temperature: np.ndarray
+    top_k_of: np.ndarray
+    top_p_of: np.ndarray
+    min_p_of: np.ndarray
+    seed: np.ndarray
+    index: np.ndarray
 
 
 @final
@@ -157,25 +166,21 @@ class RowParams:
             index=col(indices if indices is not None else [0] * len(params), torch.int64),
         )
 
-    @property
+    @functools.cached_property
     def greedy(self) -> torch.Tensor:
         return self.temperature == 0
 
     @functools.cached_property
     def uses(self) -> Uses:
-        """Which transforms some row uses (read once on the host, then every call skips the rest)."""
+        """Which transforms some row uses, and the sampled rows' parameters on the host."""
         t = self.temperature.cpu().numpy()
-        sampled = t != 0
-        k = self.top_k.cpu().numpy()
-        k_on = sampled & (k > 0)
+        sampled = np.flatnonzero(t != 0)
+        k, p, m = (c.cpu().numpy()[sampled] for c in (self.top_k, self.top_p, self.min_p))
         penalty = (self.repetition_penalty != 1) | (self.frequency_penalty != 0) | (self.presence_penalty != 0)
         return Uses(
-            all_greedy=not bool(sampled.any()),
-            any_greedy=not bool(sampled.all()),
-            min_top_k=int(k[k_on].min()) if bool(k_on.any()) else None,
-            top_p=bool((sampled & (self.top_p.cpu().numpy() < 1.0)).any()),
-            min_p=bool((sampled & (self.min_p.cpu().numpy() > 0)).any()),
-            penalty=bool(penalty.any()),
+            all_greedy=sampled.size == 0, any_greedy=sampled.size < t.size, top_k=bool((k > 0).any()), top_p=bool((p < 1.0).any()),
+            min_p=bool((m > 0).any()), penalty=bool(penalty.any()), sampled=sampled, temperature=t[sampled], top_k_of=k, top_p_of=p,
+            min_p_of=m, seed=self.seed.cpu().numpy()[sampled], index=self.index.cpu().numpy()[sampled],
         )
 
     def repeat(self, times: int) -> RowParams:
@@ -257,48 +262,56 @@ def _penalised(logits: torch.Tensor, rows: RowParams, output_counts: torch.Tenso
     return torch.where(on[:, None], x, logits.float())
 
 
-def _order_desc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``z`` [N, V] float32 sorted descending along rows, equal values in increasing id order (a
-    stable descending sort), and the ids in that order. ``z`` holds no NaN and no positive value
-    (logits shifted by their row's maximum: ``-0.0`` and ``0.0`` are equal, as in the float sort).
+def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z`` [N, V] float32 sorted ascending along rows with equal values in decreasing id order
+    (a stable descending sort read backwards), and the ids in that order. ``z`` holds no NaN and
+    no positive value (logits shifted by their row's maximum; ``-0.0`` equals ``0.0``).
 
     On the CPU (``host`` None) torch's sort of many short rows is slow (1.26 ms for 128 rows of
     256, one thread), so the rows are sorted in NumPy as int64 keys ``(|z| bits << 32) | id``: for
     ``z <= 0`` a float's magnitude bits grow as it falls, so ascending keys are ``z`` descending,
-    ties by id, with no stable sort needed (0.06 ms). Both orders are the same total order, so the
-    result does not depend on which ran (tested)."""
+    ties by increasing id, with no stable sort needed (0.06 ms). Both ways give the same total
+    order, so the result does not depend on which ran (tested)."""
     if not (z.is_cpu if host is None else host):
-        return z.sort(dim=-1, descending=True, stable=True)
+        desc, order = z.sort(dim=-1, descending=True, stable=True)
+        return desc.flip(-1), order.flip(-1)
     key = z.detach().numpy().view(np.int32).astype(np.int64)
     key &= 0x7FFFFFFF
     key <<= 32
     key |= np.arange(z.shape[-1], dtype=np.int64)
     key.sort(axis=-1)
-    key &= 0xFFFFFFFF
-    order = torch.from_numpy(key)
+    order = torch.from_numpy(np.ascontiguousarray(key[:, ::-1]) & 0xFFFFFFFF)
     return z.gather(1, order), order
 
 
-def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``z`` with what top-k and then top-p remove set to ``-inf`` (transformers' rules, module
-    docstring); ``top_k <= 0`` or ``>= vocab`` and ``top_p >= 1`` remove nothing."""
-    use_k = (top_k > 0) & (top_k < vocab)
-    desc, order = _order_desc(z)
-    # read backwards: ascending, with equal logits in decreasing id order, so top-p drops the higher
-    # ids of a tie first and a tiny top_p keeps exactly the greedy token (transformers' unstable sort
-    # leaves that order unspecified)
-    asc, order = desc.flip(-1), order.flip(-1)
-    keep = torch.where(use_k, top_k, vocab)
-    # transformers' top-k: remove what is below the k-th largest (ties with it stay)
-    kth = asc.gather(1, (vocab - keep)[:, None])
-    removed = asc < kth
-    asc = asc.masked_fill(removed, -math.inf)
-    # transformers' top-p: remove the ascending prefix whose cumulative probability is at most
-    # 1 - top_p, never the largest
-    tail = asc.softmax(dim=-1).cumsum(dim=-1)
-    cut = tail <= (1.0 - top_p).to(torch.float32)[:, None]
-    cut[:, -1] = False
-    removed |= cut & (top_p < 1.0)[:, None]
+def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
+    """``z`` (the sampled rows) with what top-k and then top-p remove set to ``-inf``
+    (transformers' rules, module docstring); ``top_k <= 0`` or ``>= vocab`` and ``top_p >= 1``
+    remove nothing."""
+    # read ascending, with equal logits in decreasing id order, so top-p drops the higher ids of a
+    # tie first and a tiny top_p keeps exactly the greedy token (transformers' unstable sort leaves
+    # that order unspecified)
+    asc, order = _order_asc(z)
+    device = z.device
+    removed: torch.Tensor | None = None
+    if uses.top_k:
+        # transformers' top-k: remove what is below the k-th largest (ties with it stay); the k-th
+        # largest sits at ascending position vocab - k (0 for a row without top-k: nothing is below)
+        k = uses.top_k_of
+        kth_at = np.where((k > 0) & (k < vocab), vocab - k, 0)[:, None]
+        kth = asc.gather(1, torch.from_numpy(kth_at).to(device))
+        removed = asc < kth
+        asc = asc.masked_fill(removed, -math.inf)
+    if uses.top_p:
+        # transformers' top-p: remove the ascending prefix whose cumulative probability is at most
+        # 1 - top_p (rounded to float32 as transformers' comparison does), never the largest; a
+        # row without top-p compares with -1, which no cumulative probability is at most
+        p = uses.top_p_of
+        limit = np.where(p < 1.0, (1.0 - p).astype(np.float32), np.float32(-1.0))[:, None]
+        cut = asc.softmax(dim=-1).cumsum(dim=-1) <= torch.from_numpy(limit).to(device)
+        cut[:, -1] = False
+        removed = cut if removed is None else removed | cut
+    assert removed is not None
     return z.masked_fill(removed.scatter(1, order, removed), -math.inf)
 
 
@@ -319,35 +332,35 @@ def distribution(
     uses = rows.uses
     pen = _penalised(logits, rows, output_counts, prompt_mask)
     best, top = pen.max(dim=-1)
-    finite = torch.isfinite(best)
-    all_finite = bool(finite.all())
+    # a sum is finite only if every term is (one read; the elementwise check runs when it is not)
+    all_finite = math.isfinite(float(best.sum(dtype=torch.float32)))
+    finite: torch.Tensor | None = None
     if not all_finite:
+        finite = torch.isfinite(best)
+        all_finite = bool(finite.all())
         top = torch.where(finite, top, NON_FINITE)
     greedy = rows.greedy
     if uses.all_greedy:
         return Distribution(top=top, greedy=greedy, vocab=vocab, all_greedy=True, all_finite=all_finite)
-    if uses.any_greedy:
-        sampled: torch.Tensor | None = (~greedy).nonzero().squeeze(1)
-        pick: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.index_select(0, sampled)  # noqa: E731
-    else:
-        sampled = None
-        pick = lambda t: t  # noqa: E731
-    x, b = pick(pen), pick(best)
+    device = logits.device
+    sampled = torch.from_numpy(uses.sampled).to(device) if uses.any_greedy else None
+    x, b = (pen, best) if sampled is None else (pen.index_select(0, sampled), best.index_select(0, sampled))
     # shifting by the maximum first changes no filter (each is invariant under a shift) and keeps
     # a small temperature from overflowing to inf
     z = x - b[:, None] if x.dtype == torch.float32 else x.float() - b.float()[:, None]
-    z.div_(pick(rows.temperature)[:, None])
-    if not all_finite:
-        z.masked_fill_(~pick(finite)[:, None], 0.0)
-    if uses.top_p or (uses.min_top_k is not None and uses.min_top_k < vocab):
-        z = _top_k_top_p(z, pick(rows.top_k), pick(rows.top_p), vocab)
+    z.div_(torch.from_numpy(uses.temperature[:, None]).to(device))
+    not_finite = None if finite is None or all_finite else ~(finite if sampled is None else finite.index_select(0, sampled))[:, None]
+    if not_finite is not None:
+        z.masked_fill_(not_finite, 0.0)
+    if uses.top_p or uses.top_k:
+        z = _top_k_top_p(z, uses, vocab)
     if uses.min_p:
         # min-p (after top-p; the maximum, 0 after the shift, always survives both): a token's
         # probability over the maximum's is exp(z), so "p < min_p * p_max" is "z < log(min_p)"
-        z.masked_fill_(z < torch.log(pick(rows.min_p))[:, None], -math.inf)
+        z.masked_fill_(z < torch.log(torch.from_numpy(uses.min_p_of[:, None]).to(device)), -math.inf)
     probs = z.softmax(dim=-1)
-    if not all_finite:
-        probs.masked_fill_(~pick(finite)[:, None], 0.0)
+    if not_finite is not None:
+        probs.masked_fill_(not_finite, 0.0)
     return Distribution(top=top, greedy=greedy, sampled=sampled, sampled_probs=probs, all_greedy=False, all_finite=all_finite)
 
 
@@ -365,38 +378,35 @@ def window_counts(output_counts: torch.Tensor, drafts: torch.Tensor) -> torch.Te
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The token ``t`` of each row with ``c[t - 1] <= u * c[-1] < c[t]`` for ``c`` the row's
     cumulative weights (float64): ``t`` is drawn with probability ``weights[t] / sum`` when ``u``
-    is uniform in [0, 1), and a zero-weight token is never drawn (a rounding that would reach past
-    the last positive weight takes that weight's token)."""
-    vocab = weights.shape[-1]
+    is uniform in [0, 1), and a zero-weight token is never drawn. ``c[t] > c[t - 1]`` only where
+    ``weights[t] > 0``, so the one way to land on a zero weight is ``u * c[-1]`` rounding up to
+    ``c[-1]`` (past the end): the target is capped at the float64 just below ``c[-1]``, which
+    lands on the token where ``c`` reaches ``c[-1]``, the last weight that counted. (A row of zero
+    weights gives the last token; its caller discards it.)"""
     c = weights.cumsum(dim=-1, dtype=torch.float64)
-    t = (u * c[:, -1])[:, None]
-    idx = torch.searchsorted(c, t, right=True).squeeze(1).clamp_(max=vocab - 1)
-    zero = weights.gather(1, idx[:, None]).squeeze(1) <= 0
-    if bool(zero.any()):
-        ids = torch.arange(vocab, device=weights.device)
-        last = torch.where(weights > 0, ids, 0).amax(dim=-1)
-        idx = torch.where(zero, last, idx)
-    return idx
+    total = c[:, -1:]
+    t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(c, t, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
 
 
 def sample_rows(dist: Distribution, rows: RowParams, position: torch.Tensor, purpose: Purpose = Purpose.TARGET) -> torch.Tensor:
     """One token per row of ``dist`` (int64 [N]): ``top`` for greedy rows and ``NON_FINITE`` rows;
     a sampled row's token is drawn from ``probs`` with the uniform of its key (``rows.seed``,
     ``rows.index``, ``position`` [N], ``purpose``). Only the sampled rows' keys are hashed and only
-    their probabilities read."""
+    their probabilities read. ``rows`` are the rows ``dist`` was computed for."""
     if dist.all_greedy:
         return dist.top
     if dist.sampled_probs is None:
         u = uniform(rows.seed, rows.index, position, purpose)
         drawn = _inverse_cdf(dist.probs, u)
         return torch.where(dist.greedy | (dist.top == NON_FINITE), dist.top, drawn)
+    uses = rows.uses
+    seed, index = torch.from_numpy(uses.seed), torch.from_numpy(uses.index)
     sel = dist.sampled
+    u = uniform(seed, index, (position if sel is None else position.index_select(0, sel.to(position.device))).cpu(), purpose)
+    drawn = _inverse_cdf(dist.sampled_probs, u.to(dist.sampled_probs.device))
     if sel is None:
-        u = uniform(rows.seed, rows.index, position, purpose)
-        drawn = _inverse_cdf(dist.sampled_probs, u)
         return drawn if dist.all_finite else torch.where(dist.top == NON_FINITE, dist.top, drawn)
-    u = uniform(rows.seed.index_select(0, sel), rows.index.index_select(0, sel), position.index_select(0, sel), purpose)
-    drawn = _inverse_cdf(dist.sampled_probs, u)
     if not dist.all_finite:
         top_s = dist.top.index_select(0, sel)
         drawn = torch.where(top_s == NON_FINITE, top_s, drawn)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TypeAlias, final
 
 import attrs

@@ -47,6 +47,7 @@ Sampled rows, all rows at once (per-row parameters are tensors; no Python loop o
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import TypeAlias, final
@@ -69,6 +70,7 @@ __all__ = [
     "OneHotDraft",
     "RowParams",
     "Speculated",
+    "Uses",
     "distribution",
     "greedy_or_flag",
     "rejection_sample",
@@ -92,6 +94,34 @@ def greedy_or_flag(logits: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor) -> I64:
     """The token of each row of ``[rows, vocab]`` logits (``greedy_or_flag``), as an IR column."""
     return frozen_i64(greedy_or_flag(logits).cpu().numpy().astype(np.int64, copy=False))
+
+
+@final
+@attrs.frozen(kw_only=True, eq=False)
+class Uses:
+    """What a batch's rows ask of the sampler, read once on the host (``RowParams.uses``):
+    ``distribution`` skips every transform no sampled row uses. Skipping is exact, not merely
+    close: a transform a row does not use leaves its values bit for bit (a mask with nothing set),
+    so a row's result does not depend on whether another row of its batch made the sampler run
+    that transform. The arrays are the sampled rows' parameters (NumPy: per-row arithmetic on a
+    few values costs a microsecond there, several as torch operations)."""
+
+    all_greedy: bool
+    any_greedy: bool
+    top_k: bool
+    """Some sampled row has ``top_k > 0`` (one at or above the vocabulary keeps every token)."""
+    top_p: bool
+    min_p: bool
+    penalty: bool
+    """Some row (greedy ones included) has a repetition, frequency or presence penalty."""
+    sampled: np.ndarray
+    """The sampled rows' indices (int64)."""
+    temperature: np.ndarray
+    top_k_of: np.ndarray
+    top_p_of: np.ndarray
+    min_p_of: np.ndarray
+    seed: np.ndarray
+    index: np.ndarray
 
 
 @final
@@ -136,9 +166,22 @@ class RowParams:
             index=col(indices if indices is not None else [0] * len(params), torch.int64),
         )
 
-    @property
+    @functools.cached_property
     def greedy(self) -> torch.Tensor:
         return self.temperature == 0
+
+    @functools.cached_property
+    def uses(self) -> Uses:
+        """Which transforms some row uses, and the sampled rows' parameters on the host."""
+        t = self.temperature.cpu().numpy()
+        sampled = np.flatnonzero(t != 0)
+        k, p, m = (c.cpu().numpy()[sampled] for c in (self.top_k, self.top_p, self.min_p))
+        penalty = (self.repetition_penalty != 1) | (self.frequency_penalty != 0) | (self.presence_penalty != 0)
+        return Uses(
+            all_greedy=sampled.size == 0, any_greedy=sampled.size < t.size, top_k=bool((k > 0).any()), top_p=bool((p < 1.0).any()),
+            min_p=bool((m > 0).any()), penalty=bool(penalty.any()), sampled=sampled, temperature=t[sampled], top_k_of=k, top_p_of=p,
+            min_p_of=m, seed=self.seed.cpu().numpy()[sampled], index=self.index.cpu().numpy()[sampled],
+        )
 
     def repeat(self, times: int) -> RowParams:
         """Each row ``times`` times in a row (the ``k + 1`` window positions of a verify)."""
@@ -146,23 +189,67 @@ class RowParams:
 
 
 @final
-@attrs.frozen(kw_only=True)
 class Distribution:
     """What ``distribution`` gives: ``probs`` [N, V] float32 (a sampled row's final distribution;
     a greedy row's one-hot at ``top``; zeros where ``top`` is ``NON_FINITE``), ``top`` [N] int64
-    (``greedy_or_flag`` of the penalised logits) and ``greedy`` [N] bool."""
+    (``greedy_or_flag`` of the penalised logits) and ``greedy`` [N] bool.
 
-    probs: torch.Tensor
-    top: torch.Tensor
-    greedy: torch.Tensor
+    ``distribution`` keeps the sampled rows' probabilities apart (``sampled``: their row indices,
+    ``None`` for every row; ``sampled_probs``: theirs, zeros where ``top`` is ``NON_FINITE``) and
+    builds the dense ``probs`` only when it is read: a greedy batch is an argmax and never a
+    [N, V] tensor, and ``sample_rows`` draws from the sampled rows alone. Built from ``probs``
+    (``Distribution(probs=..., top=..., greedy=...)``), the rows where ``greedy`` is false are the
+    sampled ones."""
+
+    __slots__ = ("_probs", "all_finite", "all_greedy", "greedy", "sampled", "sampled_probs", "top", "vocab")
+
+    def __init__(
+        self, *, top: torch.Tensor, greedy: torch.Tensor, probs: torch.Tensor | None = None,
+        sampled: torch.Tensor | None = None, sampled_probs: torch.Tensor | None = None, vocab: int | None = None,
+        all_greedy: bool | None = None, all_finite: bool | None = None,
+    ) -> None:
+        """``all_greedy`` and ``all_finite`` (every row greedy; no ``top`` is ``NON_FINITE``) are
+        read from ``greedy`` and ``top`` when not given."""
+        if probs is not None:
+            vocab = int(probs.shape[-1])
+        elif sampled_probs is not None:
+            vocab = int(sampled_probs.shape[-1])
+        elif vocab is None:
+            raise ValueError("a Distribution needs probs, sampled_probs or vocab, got none of them")
+        self.vocab: int = vocab
+        self.top = top
+        self.greedy = greedy
+        self._probs = probs
+        self.sampled = sampled
+        self.sampled_probs = sampled_probs if probs is None else None
+        self.all_greedy = (probs is None and sampled_probs is None or bool(greedy.all())) if all_greedy is None else all_greedy
+        self.all_finite = bool((top != NON_FINITE).all()) if all_finite is None else all_finite
+
+    @property
+    def probs(self) -> torch.Tensor:
+        if self._probs is None:
+            self._probs = self._dense()
+        return self._probs
+
+    def _dense(self) -> torch.Tensor:
+        sp = self.sampled_probs
+        if sp is not None and self.sampled is None:
+            return sp  # every row is sampled
+        out = torch.zeros((self.top.shape[0], self.vocab), dtype=torch.float32, device=self.top.device)
+        rows = (self.greedy & (self.top != NON_FINITE)).nonzero().squeeze(1)
+        out[rows, self.top[rows]] = 1.0
+        if sp is not None:
+            assert self.sampled is not None
+            out[self.sampled] = sp
+        return out
 
 
 def _penalised(logits: torch.Tensor, rows: RowParams, output_counts: torch.Tensor | None, prompt_mask: torch.Tensor | None) -> torch.Tensor:
+    if output_counts is None and prompt_mask is None or not rows.uses.penalty:
+        return logits
     rep = rows.repetition_penalty
     freq, pres = rows.frequency_penalty, rows.presence_penalty
     on = (rep != 1) | (freq != 0) | (pres != 0)
-    if output_counts is None and prompt_mask is None or not bool(on.any()):
-        return logits
     x = logits.float()
     seen_out = output_counts > 0 if output_counts is not None else torch.zeros_like(x, dtype=torch.bool)
     seen = seen_out | prompt_mask if prompt_mask is not None else seen_out
@@ -175,6 +262,59 @@ def _penalised(logits: torch.Tensor, rows: RowParams, output_counts: torch.Tenso
     return torch.where(on[:, None], x, logits.float())
 
 
+def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z`` [N, V] float32 sorted ascending along rows with equal values in decreasing id order
+    (a stable descending sort read backwards), and the ids in that order. ``z`` holds no NaN and
+    no positive value (logits shifted by their row's maximum; ``-0.0`` equals ``0.0``).
+
+    On the CPU (``host`` None) torch's sort of many short rows is slow (1.26 ms for 128 rows of
+    256, one thread), so the rows are sorted in NumPy as int64 keys ``(|z| bits << 32) | id``: for
+    ``z <= 0`` a float's magnitude bits grow as it falls, so ascending keys are ``z`` descending,
+    ties by increasing id, with no stable sort needed (0.06 ms). Both ways give the same total
+    order, so the result does not depend on which ran (tested)."""
+    if not (z.is_cpu if host is None else host):
+        desc, order = z.sort(dim=-1, descending=True, stable=True)
+        return desc.flip(-1), order.flip(-1)
+    key = z.detach().numpy().view(np.int32).astype(np.int64)
+    key &= 0x7FFFFFFF
+    key <<= 32
+    key |= np.arange(z.shape[-1], dtype=np.int64)
+    key.sort(axis=-1)
+    order = torch.from_numpy(np.ascontiguousarray(key[:, ::-1]) & 0xFFFFFFFF)
+    return z.gather(1, order), order
+
+
+def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
+    """``z`` (the sampled rows) with what top-k and then top-p remove set to ``-inf``
+    (transformers' rules, module docstring); ``top_k <= 0`` or ``>= vocab`` and ``top_p >= 1``
+    remove nothing."""
+    # read ascending, with equal logits in decreasing id order, so top-p drops the higher ids of a
+    # tie first and a tiny top_p keeps exactly the greedy token (transformers' unstable sort leaves
+    # that order unspecified)
+    asc, order = _order_asc(z)
+    device = z.device
+    removed: torch.Tensor | None = None
+    if uses.top_k:
+        # transformers' top-k: remove what is below the k-th largest (ties with it stay); the k-th
+        # largest sits at ascending position vocab - k (0 for a row without top-k: nothing is below)
+        k = uses.top_k_of
+        kth_at = np.where((k > 0) & (k < vocab), vocab - k, 0)[:, None]
+        kth = asc.gather(1, torch.from_numpy(kth_at).to(device))
+        removed = asc < kth
+        asc = asc.masked_fill(removed, -math.inf)
+    if uses.top_p:
+        # transformers' top-p: remove the ascending prefix whose cumulative probability is at most
+        # 1 - top_p (rounded to float32 as transformers' comparison does), never the largest; a
+        # row without top-p compares with -1, which no cumulative probability is at most
+        p = uses.top_p_of
+        limit = np.where(p < 1.0, (1.0 - p).astype(np.float32), np.float32(-1.0))[:, None]
+        cut = asc.softmax(dim=-1).cumsum(dim=-1) <= torch.from_numpy(limit).to(device)
+        cut[:, -1] = False
+        removed = cut if removed is None else removed | cut
+    assert removed is not None
+    return z.masked_fill(removed.scatter(1, order, removed), -math.inf)
+
+
 def distribution(
     logits: torch.Tensor, rows: RowParams, *, output_counts: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None
 ) -> Distribution:
@@ -182,52 +322,46 @@ def distribution(
 
     ``output_counts`` [N, V]: how often each token was generated so far (frequency, presence and
     repetition penalties); ``prompt_mask`` [N, V] bool: the prompt's tokens (repetition penalty
-    only). Either may be ``None`` (no such tokens)."""
-    n, vocab = logits.shape
+    only). Either may be ``None`` (no such tokens).
+
+    Only the sampled rows' distributions are computed, and only the transforms some sampled row
+    uses are run (``RowParams.uses``): a greedy batch is one argmax; without top-k or top-p nothing
+    is sorted. Every step works row by row, so a row's result is the same bits whatever else is in
+    its batch (tested)."""
+    vocab = logits.shape[1]
+    uses = rows.uses
     pen = _penalised(logits, rows, output_counts, prompt_mask)
     best, top = pen.max(dim=-1)
-    finite = torch.isfinite(best)
-    top = torch.where(finite, top, NON_FINITE)
+    # a sum is finite only if every term is (one read; the elementwise check runs when it is not)
+    all_finite = math.isfinite(float(best.sum(dtype=torch.float32)))
+    finite: torch.Tensor | None = None
+    if not all_finite:
+        finite = torch.isfinite(best)
+        all_finite = bool(finite.all())
+        top = torch.where(finite, top, NON_FINITE)
     greedy = rows.greedy
-    rows_idx = torch.arange(n, device=logits.device)
-    onehot = torch.zeros((n, vocab), dtype=torch.float32, device=logits.device)
-    onehot[rows_idx[finite], top[finite]] = 1.0
-    if bool(greedy.all()):
-        return Distribution(probs=onehot, top=top, greedy=greedy)
-    temperature = torch.where(greedy, 1.0, rows.temperature)
+    if uses.all_greedy:
+        return Distribution(top=top, greedy=greedy, vocab=vocab, all_greedy=True, all_finite=all_finite)
+    device = logits.device
+    sampled = torch.from_numpy(uses.sampled).to(device) if uses.any_greedy else None
+    x, b = (pen, best) if sampled is None else (pen.index_select(0, sampled), best.index_select(0, sampled))
     # shifting by the maximum first changes no filter (each is invariant under a shift) and keeps
     # a small temperature from overflowing to inf
-    z = (pen.float() - best.float()[:, None]) / temperature[:, None]
-    z = torch.where(finite[:, None], z, 0.0)
-    use_k = (rows.top_k > 0) & (rows.top_k < vocab)
-    use_p = rows.top_p < 1.0
-    sampled = ~greedy
-    if bool(((use_k | use_p) & sampled).any()):
-        # a stable descending sort, read backwards: ascending, with equal logits in decreasing id
-        # order, so top-p drops the higher ids of a tie first and a tiny top_p keeps exactly the
-        # greedy token (transformers' unstable sort leaves that order unspecified)
-        desc, order = z.sort(dim=-1, descending=True, stable=True)
-        asc, order = desc.flip(-1), order.flip(-1)
-        keep = torch.where(use_k, rows.top_k, vocab)
-        # transformers' top-k: remove what is below the k-th largest (ties with it stay)
-        kth = asc.gather(1, (vocab - keep)[:, None])
-        removed = asc < kth
-        asc = asc.masked_fill(removed, -math.inf)
-        # transformers' top-p: remove the ascending prefix whose cumulative probability is at most
-        # 1 - top_p, never the largest
-        tail = asc.softmax(dim=-1).cumsum(dim=-1)
-        cut = tail <= (1.0 - rows.top_p).to(torch.float32)[:, None]
-        cut[:, -1] = False
-        removed |= cut & use_p[:, None]
-        z = z.masked_fill(removed.scatter(1, order, removed), -math.inf)
-    # min-p (after top-p; the maximum, 0 after the shift, always survives both): a token's
-    # probability over the maximum's is exp(z), so "p < min_p * p_max" is "z < log(min_p)"
-    min_p = rows.min_p
-    if bool(((min_p > 0) & sampled).any()):
-        z = z.masked_fill(z < torch.log(min_p)[:, None], -math.inf)
+    z = x - b[:, None] if x.dtype == torch.float32 else x.float() - b.float()[:, None]
+    z.div_(torch.from_numpy(uses.temperature[:, None]).to(device))
+    not_finite = None if finite is None or all_finite else ~(finite if sampled is None else finite.index_select(0, sampled))[:, None]
+    if not_finite is not None:
+        z.masked_fill_(not_finite, 0.0)
+    if uses.top_p or uses.top_k:
+        z = _top_k_top_p(z, uses, vocab)
+    if uses.min_p:
+        # min-p (after top-p; the maximum, 0 after the shift, always survives both): a token's
+        # probability over the maximum's is exp(z), so "p < min_p * p_max" is "z < log(min_p)"
+        z.masked_fill_(z < torch.log(torch.from_numpy(uses.min_p_of[:, None]).to(device)), -math.inf)
     probs = z.softmax(dim=-1)
-    probs = torch.where((greedy | ~finite)[:, None], onehot, probs)
-    return Distribution(probs=probs, top=top, greedy=greedy)
+    if not_finite is not None:
+        probs.masked_fill_(not_finite, 0.0)
+    return Distribution(top=top, greedy=greedy, sampled=sampled, sampled_probs=probs, all_greedy=False, all_finite=all_finite)
 
 
 def window_counts(output_counts: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -244,29 +378,39 @@ def window_counts(output_counts: torch.Tensor, drafts: torch.Tensor) -> torch.Te
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The token ``t`` of each row with ``c[t - 1] <= u * c[-1] < c[t]`` for ``c`` the row's
     cumulative weights (float64): ``t`` is drawn with probability ``weights[t] / sum`` when ``u``
-    is uniform in [0, 1), and a zero-weight token is never drawn (a rounding that would reach past
-    the last positive weight takes that weight's token)."""
-    vocab = weights.shape[-1]
-    c = weights.to(torch.float64).cumsum(dim=-1)
-    t = (u * c[:, -1])[:, None]
-    idx = torch.searchsorted(c, t, right=True).squeeze(1).clamp(max=vocab - 1)
-    zero = weights.gather(1, idx[:, None]).squeeze(1) <= 0
-    if bool(zero.any()):
-        ids = torch.arange(vocab, device=weights.device)
-        last = torch.where(weights > 0, ids, 0).amax(dim=-1)
-        idx = torch.where(zero, last, idx)
-    return idx
+    is uniform in [0, 1), and a zero-weight token is never drawn. ``c[t] > c[t - 1]`` only where
+    ``weights[t] > 0``, so the one way to land on a zero weight is ``u * c[-1]`` rounding up to
+    ``c[-1]`` (past the end): the target is capped at the float64 just below ``c[-1]``, which
+    lands on the token where ``c`` reaches ``c[-1]``, the last weight that counted. (A row of zero
+    weights gives the last token; its caller discards it.)"""
+    c = weights.cumsum(dim=-1, dtype=torch.float64)
+    total = c[:, -1:]
+    t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(c, t, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
 
 
 def sample_rows(dist: Distribution, rows: RowParams, position: torch.Tensor, purpose: Purpose = Purpose.TARGET) -> torch.Tensor:
     """One token per row of ``dist`` (int64 [N]): ``top`` for greedy rows and ``NON_FINITE`` rows;
     a sampled row's token is drawn from ``probs`` with the uniform of its key (``rows.seed``,
-    ``rows.index``, ``position`` [N], ``purpose``)."""
-    if bool(dist.greedy.all()):
+    ``rows.index``, ``position`` [N], ``purpose``). Only the sampled rows' keys are hashed and only
+    their probabilities read. ``rows`` are the rows ``dist`` was computed for."""
+    if dist.all_greedy:
         return dist.top
-    u = uniform(rows.seed, rows.index, position, purpose)
-    drawn = _inverse_cdf(dist.probs, u)
-    return torch.where(dist.greedy | (dist.top == NON_FINITE), dist.top, drawn)
+    if dist.sampled_probs is None:
+        u = uniform(rows.seed, rows.index, position, purpose)
+        drawn = _inverse_cdf(dist.probs, u)
+        return torch.where(dist.greedy | (dist.top == NON_FINITE), dist.top, drawn)
+    uses = rows.uses
+    seed, index = torch.from_numpy(uses.seed), torch.from_numpy(uses.index)
+    sel = dist.sampled
+    u = uniform(seed, index, (position if sel is None else position.index_select(0, sel.to(position.device))).cpu(), purpose)
+    drawn = _inverse_cdf(dist.sampled_probs, u.to(dist.sampled_probs.device))
+    if sel is None:
+        return drawn if dist.all_finite else torch.where(dist.top == NON_FINITE, dist.top, drawn)
+    if not dist.all_finite:
+        top_s = dist.top.index_select(0, sel)
+        drawn = torch.where(top_s == NON_FINITE, top_s, drawn)
+    return dist.top.index_copy(0, sel, drawn)
 
 
 @final

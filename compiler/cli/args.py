@@ -43,6 +43,8 @@ MAX_ITERATION_ROWS = 256
 MAX_ITERATION_K = 8
 """Largest ``k`` of ``bench iteration``."""
 MAX_REPEATS = 1000
+MAX_BENCH_VOCAB = 1 << 18
+"""Largest vocabulary ``bench sampler`` times (its logits are [rows, vocab] float32 in memory)."""
 MAX_TP = 64
 """Most tensor-parallel ranks ``batchc run --tp`` takes."""
 MAX_TP_TIMEOUT = 3600
@@ -327,6 +329,22 @@ def parser() -> argparse.ArgumentParser:
     bi.add_argument("--k", type=_int_in(1, MAX_ITERATION_K), default=2, help=f"draft tokens per row, at most {MAX_ITERATION_K} (default 2)")
     bi.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats, the minimum is kept, at most {MAX_REPEATS} (default 7)")
     _add_threads(bi)
+    bsm = bsub.add_parser(
+        "sampler", help="the sampler's time per call against the bundled target's decode step",
+        description="Time the sampler (distribution + sample_rows) per call for greedy, temperature 1, temperature 1 with "
+        "top_p 0.9, top_k 50 and penalties, at the bundled model's vocabulary and at --vocab, next to the bundled target's "
+        "decode step at the same rows: medians of interleaved repeats after a warm-up, with their range, and the "
+        "sampler's share of the decode step.",
+    )
+    bsm.add_argument("--rows", type=_int_in(1, MAX_ITERATION_ROWS), nargs="+", default=[8, 128],
+                     help=f"running rows, each at most {MAX_ITERATION_ROWS} (default 8 128)")
+    bsm.add_argument("--vocab", type=_int_in(2, MAX_BENCH_VOCAB), nargs="*", default=[131_072],
+                     help=f"vocabularies besides the bundled model's, each at most {MAX_BENCH_VOCAB} (default 131072; none: only the model's)")
+    bsm.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=5, help=f"interleaved repeats, at most {MAX_REPEATS} (default 5)")
+    bsm.add_argument("--json", metavar="PATH", type=_path_arg,
+                     help="also write the figures as JSON to PATH, a new or regular file (not a link, device or FIFO), "
+                     "replaced when the bench ends ('-' for stdout)")
+    _add_threads(bsm)
     return p
 
 

@@ -89,6 +89,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         return _bench_serve(args, console)
     if args.group == "iteration":
         return _bench_iteration(args, console)
+    if args.group == "sampler":
+        return _bench_sampler(args, console)
     from backend.tools.bench_kernels import run as run_kernel_bench
 
     print(run_kernel_bench(device=args.device))
@@ -112,6 +114,29 @@ def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
         f"the draft-extend iteration (verify + commit + propose k + draft extend): {report.replaced_iteration_decodes:.2f}. "
         "Speculation pays when an iteration costs fewer decodes than the tokens it emits per row."
     )
+    return 0
+
+
+def _bench_sampler(args: argparse.Namespace, console: Console) -> int:
+    from backend.hybrid.checkpoint import default_target
+    from compiler.tools.bench_sampler import run_sampler_bench
+
+    with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run
+        with console.status("timing the sampler and the bundled target's decode step"):
+            report = run_sampler_bench(default_target(), rows=args.rows, vocabs=args.vocab, repeats=args.repeats)
+        table = Table(title=f"sampler per call (distribution + sample_rows) vs the bundled target's decode step: "
+                      f"median of {report.repeats} interleaved repeats [min, max]")
+        for h in ("rows", "vocab", "case", "ms", "range ms", "share of decode"):
+            table.add_column(h, justify="right")
+        for n, t in report.decode.items():
+            table.add_row(str(n), str(report.model_vocab), "decode step", f"{t.median_s * 1e3:.3f}",
+                          f"{t.min_s * 1e3:.3f}-{t.max_s * 1e3:.3f}", "")
+            for r in report.rows:
+                if r.rows == n:
+                    table.add_row("", str(r.vocab), r.case, f"{r.time.median_s * 1e3:.3f}",
+                                  f"{r.time.min_s * 1e3:.3f}-{r.time.max_s * 1e3:.3f}", f"{r.share:.1%}")
+        console.print(table)
+        output.write(json.dumps(report.to_json(), indent=2))
     return 0
 
 

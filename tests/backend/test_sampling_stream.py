@@ -162,3 +162,19 @@ def test_non_finite_rows_sample_the_flag() -> None:
     tokens = sample_rows(distribution(logits, rows), rows, torch.zeros(4, dtype=torch.int64))
     assert tokens[1:].tolist() == [NON_FINITE] * 3
     assert int(tokens[0]) == int(logits[0].argmax())
+
+
+def test_torch_hash_equals_the_numpy_hash() -> None:
+    """``bits`` and ``uniform`` hash CPU keys in NumPy; the torch hash (every other device) gives
+    the same bits, broadcasting included (a column of seeds against a row of positions)."""
+    from backend.rng import _bits_torch
+
+    g = torch.Generator().manual_seed(8)
+    seed = torch.randint(0, 2**63 - 1, (64, 1), generator=g)
+    index = torch.randint(0, 4096, (64, 1), generator=g)
+    position = torch.randint(0, 2**44, (1, 5), generator=g)
+    for purpose in (*Purpose, torch.randint(1, 5, (64, 5), generator=g)):
+        want = _bits_torch(seed, index, position, purpose)
+        assert torch.equal(bits(seed, index, position, purpose), want)
+        top = (want >> 11) & ((1 << 53) - 1)
+        assert torch.equal(uniform(seed, index, position, purpose), top.to(torch.float64) * 2.0**-53)

@@ -1,0 +1,114 @@
+"""The sampler's fast paths change no row's result (``backend.sampling``):
+
+- a row's probabilities (bit for bit) and token are the same alone and inside batches that mix
+  greedy, temperature-only, top-k, top-p, min-p and penalised rows, non-finite rows, in any order:
+  the transforms a batch skips, the subset of sampled rows and the host-side sort are per row;
+- the NumPy sort of composite keys and torch's stable sort give the same order (ties, ``-0.0``,
+  ``-inf``);
+- the dense ``probs`` built on demand are one-hot for greedy rows and zero for non-finite ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from backend.sampling import NON_FINITE, RowParams, _order_asc, distribution, greedy_or_flag, sample_rows
+from ir.sampling import GREEDY, SamplingParams
+
+VOCAB = 3000
+
+KINDS = [
+    GREEDY,
+    SamplingParams(temperature=1.0, seed=1),
+    SamplingParams(temperature=0.7, top_p=0.9, seed=2),
+    SamplingParams(temperature=1.3, top_k=50, seed=3),
+    SamplingParams(temperature=1.0, top_k=40, top_p=0.8, min_p=0.02, seed=4),
+    SamplingParams(temperature=0.9, min_p=0.1, seed=5),
+    SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, seed=6),
+    SamplingParams(temperature=0.0, presence_penalty=2.0),
+    SamplingParams(temperature=2.0, top_k=VOCAB + 3, seed=7),
+    SamplingParams(temperature=0.5, top_p=1e-6, seed=8),
+]
+
+
+def _logits(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, VOCAB, generator=g) * 3
+    x[:, ::7] = (x[:, ::7] * 2).round() / 2  # ties
+    return x
+
+
+def _run(logits: torch.Tensor, params: list[SamplingParams], counts: torch.Tensor, prompt: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = RowParams.of(params, indices=[i % 3 for i in range(len(params))])
+    dist = distribution(logits, rows, output_counts=counts, prompt_mask=prompt)
+    return dist.probs, sample_rows(dist, rows, position)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(trial: int) -> None:
+    g = torch.Generator().manual_seed(100 + trial)
+    n = 24
+    logits = _logits(n, trial)
+    logits[5, 17] = math.nan
+    logits[11, :] = -math.inf
+    logits[19, 3] = math.inf
+    params = [KINDS[int(torch.randint(len(KINDS), (1,), generator=g))] for _ in range(n)]
+    params[5], params[11] = KINDS[2], KINDS[1]  # sampled rows with non-finite logits
+    counts = torch.randint(0, 3, (n, VOCAB), generator=g) * (torch.rand(n, VOCAB, generator=g) < 0.01)
+    prompt = torch.rand(n, VOCAB, generator=g) < 0.01
+    position = torch.randint(0, 1000, (n,), generator=g)
+    index = [i % 3 for i in range(n)]
+    rows = RowParams.of(params, indices=index)
+    dist = distribution(logits, rows, output_counts=counts, prompt_mask=prompt)
+    whole_probs, whole = dist.probs, sample_rows(dist, rows, position)
+    assert whole[[5, 11, 19]].tolist() == [NON_FINITE] * 3
+    assert float(whole_probs[[5, 11, 19]].abs().sum()) == 0.0
+    batches = [torch.tensor([i]) for i in range(n)]  # alone
+    batches += [torch.randperm(n, generator=g)[: int(m)] for m in torch.randint(2, n + 1, (6,), generator=g)]
+    for b in batches:
+        sub = RowParams.of([params[int(i)] for i in b], indices=[index[int(i)] for i in b])
+        d = distribution(logits[b], sub, output_counts=counts[b], prompt_mask=prompt[b])
+        tokens = sample_rows(d, sub, position[b])
+        assert torch.equal(tokens, whole[b]), b
+        assert torch.equal(d.probs, whole_probs[b]), b  # bit for bit
+    # greedy rows are greedy_or_flag of their (unpenalised) logits; sampled ones drew a kept token
+    for i, p in enumerate(params):
+        if p.greedy and p.presence_penalty == 0:
+            assert int(whole[i]) == int(greedy_or_flag(logits[i]))
+        elif int(whole[i]) != NON_FINITE:
+            assert float(whole_probs[i, int(whole[i])]) > 0
+
+
+def test_host_sort_is_the_stable_sort() -> None:
+    g = torch.Generator().manual_seed(5)
+    z = -(torch.randn(64, 500, generator=g).abs() * 4).round() / 4  # many ties, all <= 0
+    z[:, ::11] = -math.inf
+    z[3, :] = 0.0
+    z[4, ::2] = -0.0  # equal to 0.0: ties by id with the zeros
+    z[5] = -math.inf
+    z[5, 9] = 0.0
+    host = _order_asc(z, host=True)
+    torch_sort = _order_asc(z, host=False)
+    assert torch.equal(host[1], torch_sort[1])
+    assert torch.equal(host[0], torch_sort[0])
+    # ascending, ties in decreasing id order
+    vals, ids = host
+    assert bool((vals[:, 1:] >= vals[:, :-1]).all())
+    tie = vals[:, 1:] == vals[:, :-1]
+    assert bool((ids[:, 1:][tie] < ids[:, :-1][tie]).all())
+
+
+def test_dense_probs_of_a_greedy_batch_are_built_when_read() -> None:
+    logits = _logits(4, 9)
+    logits[2, 0] = math.nan
+    rows = RowParams.of([GREEDY] * 4)
+    dist = distribution(logits, rows)
+    assert dist.all_greedy and dist.sampled_probs is None
+    assert torch.equal(sample_rows(dist, rows, torch.zeros(4, dtype=torch.int64)), greedy_or_flag(logits))
+    expected = torch.zeros(4, VOCAB)
+    for i in (0, 1, 3):
+        expected[i, int(greedy_or_flag(logits[i]))] = 1.0
+    assert torch.equal(dist.probs, expected)

@@ -18,7 +18,7 @@ from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.serve.latency import Latencies
 from compiler.serve.memory import check_serving
-from compiler.serve.stops import StopScanner
+from compiler.serve.stops import StopScanner, scan
 from compiler.serve.summary import Sample, ServeSummary, host_ms_per_step
 from compiler.serve.tokenizer import ByteTokenizer, Tokenizer
 from compiler.workload import Request
@@ -72,6 +72,13 @@ def _cut_at_stops(driver: Engine, scanners: dict[RequestId, StopScanner]) -> lis
                     del driver.outputs[rid][cut.keep :]
             del scanners[rid]
     return finished
+
+
+def _completion(r: Request, output: Sequence[int], tokenizer: Tokenizer, driver: Engine) -> str:
+    """A served request's text, as its ``--outputs`` line has it: before the stop string that ended it."""
+    served = r.rid not in driver.aborted_by_failure and r.rid not in driver.errored
+    cut = scan(tokenizer, r.sampling.stop, output, min_tokens=r.sampling.min_tokens) if served else None
+    return cut.text if cut is not None else tokenizer.decode(output)
 
 
 def serve(
@@ -246,7 +253,7 @@ def _run(
         pass_us_per_step={name: (t.calls, t.seconds / t.calls * 1e6) for name, t in pm.timings().items()},
         samples=tuple(
             Sample(rid=r.rid, prompt=r.prompt.decode("utf-8", "replace")[-40:],
-                   completion=tokenizer.decode(driver.outputs[r.rid]))
+                   completion=_completion(r, driver.outputs[r.rid], tokenizer, driver))
             for r in served[:3]
         ),
         outputs={rid: tuple(out) for rid, out in driver.outputs.items()},

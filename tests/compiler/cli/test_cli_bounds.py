@@ -98,8 +98,8 @@ def test_float_options_refuse_nan_infinities_and_values_past_their_bounds(
     outside = ["nan", "NaN", "inf", "-inf", "1e999", "-1e999", repr(math.nextafter(bounds.lo, -math.inf)), "0x10", "1" * 5000]
     outside += [repr(bounds.lo)] if bounds.lo_open else []
     outside += [repr(math.nextafter(bounds.hi, math.inf))] if bounds.hi_closed else [repr(bounds.hi)]
-    for value in outside:
-        err = _refused_in_one_line([*command, f"{option}={value}"], option, capsys)
+    for text in outside:
+        err = _refused_in_one_line([*command, f"{option}={text}"], option, capsys)
         assert "expected a finite number in" in err
     # and each bound the interval holds is a value the option takes
     for value, held in ((bounds.lo, not bounds.lo_open), (bounds.hi, bounds.hi_closed and math.isfinite(bounds.hi))):

@@ -433,3 +433,24 @@ def test_batchc_run_writes_stop_cut_outputs(tmp_path: Path, capsys: pytest.Captu
     assert bytes(first["output_ids"]).decode() == "\n    def __init"
     assert (second["text"], second["finish_reason"], second["index"]) == ("\n    ", "length", 0)
     assert "r0: ...'import os\\n' -> '\\n    def '" in capsys.readouterr().out  # the samples show the text as cut
+
+
+def test_a_stop_string_ends_a_pipelined_request_as_it_does_in_process() -> None:
+    # --overlap: executors in their own processes, k = 0 pipelined one forward ahead (a finished
+    # request may be in the forward in flight), k = 2 with commits running beside the host
+    target, draft = _bundled()
+    sampling = attrs.evolve(GREEDY, max_new_tokens=20, stop=["def"])
+    for k in (0, 2):
+        with make_engine(target, draft, ServeConfig(k=k, lossless_sample=0), None, cache=False, k=k, overlap=True) as eng:
+            assert eng.backends.concurrent
+            serve(eng, [Request(rid=RequestId(i), prompt=PROMPT, max_new_tokens=20, sampling=sampling) for i in range(3)], max_running=8)
+            assert [bytes(eng.outputs[RequestId(i)]) for i in range(3)] == [b"\n    def"] * 3, k
+            assert eng.stats.aborts == 0 and eng.slots.num_live == 0 and eng.kv.num_live == 0
+
+
+def test_compare_mutable_refuses_what_the_baseline_cannot_serve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for line, said in (('"temperature": 0.5', "request 1 sets temperature 0.5"), ('"stop": "x"', "request 1 sets stop ('x',)")):
+        path = _workload(tmp_path, '{"prompt": "a", "max_new_tokens": 2}', '{"prompt": "b", ' + line + "}")
+        assert run_cli(["run", "--workload", str(path), "--compare-mutable"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--compare-mutable: {said}; the mutable baseline serves greedy requests" in err, err

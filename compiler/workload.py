@@ -15,6 +15,7 @@ import attrs
 
 from ir.errors import BatchcError
 from ir.ids import RequestId
+from ir.sampling import GREEDY, SamplingParams
 
 ARRIVALS = ("bursts", "trickle")
 """Arrival patterns of the built-in workload (``compiler.serve.builtin_workload``)."""
@@ -93,22 +94,37 @@ class ServeError(BatchcError, ValueError):
     """Options or models that cannot be served; the message names the option or model field."""
 
 
+def _greedy_of(r: Request) -> SamplingParams:
+    return attrs.evolve(GREEDY, max_new_tokens=r.max_new_tokens)
+
+
 @attrs.frozen(kw_only=True)
 class Request:
     """One request of a workload. ``prompt`` is its text, UTF-8; on the byte-level path the bytes
-    are the token ids, otherwise ``ids`` holds the tokenizer's ids of it."""
+    are the token ids, otherwise ``ids`` holds the tokenizer's ids of it.
+
+    Invariant: ``sampling.max_new_tokens == max_new_tokens`` (checked on construction,
+    ``ValueError``); ``sampling`` defaults to ``GREEDY`` with this ``max_new_tokens``."""
 
     rid: RequestId
     prompt: bytes
     max_new_tokens: int
     arrival: int = 0
-    stop: int | None = None
-    """A token id that ends the request (besides the model's end-of-sequence ids)."""
+    sampling: SamplingParams = attrs.field(default=attrs.Factory(_greedy_of, takes_self=True))
+    """How its tokens are chosen and when it ends (stop strings, stop token ids, ``ignore_eos``,
+    ``min_tokens``): the workload line's sampling fields over the run's defaults."""
+    index: int = 0
+    """Its completion index among its prompt's ``n`` (the ``index`` of its ``--outputs`` line)."""
     ids: tuple[int, ...] | None = None
     refused: str | None = None
     """Why the request is not served (its prompt and new tokens do not fit the context), naming its
     file and line; ``None`` for a request to serve. Refused requests are never admitted: a run
     serves the others and reports these with their reason."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.sampling.max_new_tokens != self.max_new_tokens:
+            raise ValueError(f"request {self.rid}: max_new_tokens {self.max_new_tokens} differs from its "
+                             f"sampling.max_new_tokens {self.sampling.max_new_tokens}")
 
     @property
     def token_ids(self) -> Sequence[int]:

@@ -630,7 +630,7 @@ def _load_and_admit(w: DriverWorld, ctx: Ctx) -> object:
     for r in load_workload(ctx["path"], max_len=drv.max_len):
         if r.refused is not None:  # batchc run never admits it: that request alone is refused, with this reason
             raise WorkloadError(r.refused)
-        drv.admit(RequestId(100 + int(r.rid)), list(r.prompt), max_new_tokens=r.max_new_tokens, stop=r.stop)
+        drv.admit(RequestId(100 + int(r.rid)), list(r.prompt), max_new_tokens=r.max_new_tokens, sampling=r.sampling)
     return None
 
 
@@ -650,12 +650,12 @@ WORKLOAD_CASES = [
     _wl("workload-bool-max-new-tokens", '{"prompt": "x", "max_new_tokens": true}\n', r"<path>:1: 'max_new_tokens' must be a positive integer, got True"),
     _wl("workload-float-max-new-tokens", '{"prompt": "x", "max_new_tokens": 3.0}\n', r"<path>:1: 'max_new_tokens' must be a positive integer, got 3\.0"),
     _wl("workload-nan-max-new-tokens", '{"prompt": "x", "max_new_tokens": NaN}\n', r"<path>:1: 'max_new_tokens' must be a positive integer, got nan"),
-    _wl("workload-huge-max-new-tokens", '{"prompt": "x", "max_new_tokens": 100000000000000000000000000000}\n', r"<path>:1: prompt of 1 bytes \+ 100000000000000000000000000000 new tokens exceeds the context limit 64"),
+    _wl("workload-huge-max-new-tokens", '{"prompt": "x", "max_new_tokens": 100000000000000000000000000000}\n', r"<path>:1: 'max_new_tokens': must be in \[1, 2147483647\] \(got 100000000000000000000000000000\)"),
     _wl("workload-nested-object-prompt", '{"prompt": {"text": "hi"}, "max_new_tokens": 2}\n', r"<path>:1: 'prompt' must be a non-empty string"),
     _wl("workload-token-list-prompt", '{"prompt": [104, 105], "max_new_tokens": 2}\n', r"<path>:1: 'prompt' must be a non-empty string"),
     _wl("workload-null-line", GOOD_LINE + GOOD_LINE + "null\n", r"<path>:3: expected a JSON object, got NoneType"),
-    _wl("workload-multibyte-stop", '{"prompt": "x", "stop": "\\u00e9"}\n', r"<path>:1: 'stop' must be a single one-byte character, got 'é'"),
-    _wl("workload-int-stop", '{"prompt": "x", "stop": 10}\n', r"<path>:1: 'stop' must be a single one-byte character, got 10"),
+    _wl("workload-empty-stop", '{"prompt": "x", "stop": ["\\n", ""]}\n', r"<path>:1: 'stop': a stop string must not be empty \(got ''\)"),
+    _wl("workload-int-stop", '{"prompt": "x", "stop": 10}\n', r"<path>:1: 'stop': must be a str or a list of str, not int \(got 10\)"),
     _wl("workload-utf8-bom", "\ufeff" + GOOD_LINE, r"<path>:1: bad JSON \(Unexpected UTF-8 BOM"),
     _wl("workload-two-objects-one-line", GOOD_LINE.strip() + " " + GOOD_LINE, r"<path>:1: bad JSON \(Extra data"),
     _wl("workload-multibyte-prompt-too-long", json.dumps({"prompt": "é" * 28, "max_new_tokens": 2}) + "\n", r"<path>:1: prompt of 56 bytes \+ 2 new tokens exceeds the context limit 64"),

@@ -52,6 +52,9 @@ MAX_DP = 64
 """Most data-parallel replicas ``batchc run --dp`` takes."""
 AB_CONTEXT = 512
 """Context length of ``batchc ab``'s engines (``Engine``'s default ``max_len``)."""
+MAX_TOP_K = 1 << 18
+"""Largest ``--top-k``: the models' largest vocabulary (``backend.hybrid.config.MAX_VOCAB``); a
+larger k keeps every token, as -1 does."""
 MAX_AB_RUNNING = 14
 """Most live requests of ``batchc ab``: its engines' 16 slots (``Engine``'s default capacity) less
 the two shared system prefixes' states."""
@@ -118,18 +121,23 @@ def _int_in(lo: int, hi: int) -> IntIn:
 
 @attrs.frozen
 class FloatIn:
-    """An argparse type: a finite number in ``[lo, hi)`` (NaN and infinities refused)."""
+    """An argparse type: a finite number in ``[lo, hi)`` (NaN and infinities refused);
+    ``lo_open`` leaves ``lo`` out, ``hi_closed`` takes ``hi`` in."""
 
     lo: float
     hi: float
+    lo_open: bool = False
+    hi_closed: bool = False
 
     def __call__(self, text: str) -> float:
-        want = f"a finite number in [{self.lo:g}, {self.hi:g})"
+        want = f"a finite number in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{']' if self.hi_closed else ')'}"
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text)}") from None
-        if not (math.isfinite(value) and self.lo <= value < self.hi):
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value <= self.hi if self.hi_closed else value < self.hi
+        if not (math.isfinite(value) and above and below):
             raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text) if len(text) > 24 else text}")
         return value
 
@@ -196,10 +204,15 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                      help="compute dtype of the models (weights are converted on load; default float32)")
     run.add_argument("--outputs", metavar="PATH", type=_path_arg,
-                     help="write one JSON line per request to PATH: rid, prompt, prompt_ids, output_ids, text, finish_reason "
+                     help="write one JSON line per request to PATH: rid, index, prompt, prompt_ids, output_ids, text (ending before "
+                     "a stop string that ended it), finish_reason (stop: an end-of-sequence id, a stop string or a stop token id; "
+                     "length: max_new_tokens) "
                      "(a new or regular file, replaced when the run ends; '-' for stdout)")
     run.add_argument("--workload", metavar="PATH", type=_path_arg,
-                     help=f"JSONL workload file, a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB (default: the built-in workload)")
+                     help=f"JSONL workload file, a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB: one object a line with prompt, "
+                     "optionally arrival (a scheduler step) and any sampling field under its name (temperature, top_p, top_k, min_p, "
+                     "seed, presence_penalty, frequency_penalty, repetition_penalty, stop, stop_token_ids, ignore_eos, min_tokens, "
+                     "max_new_tokens, logprobs, n) (default: the built-in workload)")
     run.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=64, help=f"built-in workload size, at most {MAX_REQUESTS} (default 64)")
     run.add_argument("--max-new-tokens", type=_int_in(1, MAX_CONTEXT), default=32,
                      help="built-in workload: max tokens per request, at most --max-len - longest built-in prompt - (k + 1) (default 32)")
@@ -220,7 +233,19 @@ def parser() -> argparse.ArgumentParser:
                      f"(prefill whatever is queued first), 1: alternate (default {_SERVE.prefill_streak}, measured)")
     run.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries,
                      help=f"prefix-cache entries (default {_SERVE.cache_entries}; bounded by the memory estimate)")
-    run.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help=f"built-in workload seed, 0 to {MAX_SEED} (default 0)")
+    run.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0,
+                     help=f"the run's seed, 0 to {MAX_SEED} (default 0): the built-in workload's, and the one a sampled request "
+                     "(temperature > 0) without a seed of its own derives its seed from, with its request id")
+    run.add_argument("--temperature", type=FloatIn(0.0, math.inf), default=None,
+                     help="sampling temperature of the requests that do not set theirs (workload lines, the built-in workload), as "
+                     "each of --top-p, --top-k and --min-p is of its own field; 0 is greedy (default 0: a request samples only "
+                     "when it or this option sets a temperature > 0, and top_p, top_k and min_p act only then)")
+    run.add_argument("--top-p", type=FloatIn(0.0, 1.0, lo_open=True, hi_closed=True), default=None,
+                     help="nucleus sampling: top_p in (0, 1] for requests that do not set theirs (default 1: off)")
+    run.add_argument("--top-k", type=_int_in(-1, MAX_TOP_K), default=None,
+                     help=f"top_k, -1 to {MAX_TOP_K}, for requests that do not set theirs (-1 or 0: off; default off)")
+    run.add_argument("--min-p", type=FloatIn(0.0, 1.0, hi_closed=True), default=None,
+                     help="min_p in [0, 1] for requests that do not set theirs (default 0: off)")
     run.add_argument("--arrivals", choices=ARRIVALS, default="bursts",
                      help=f"built-in workload: {BURST_SIZE} requests every {BURST_EVERY} steps, or one at a time 0-2 steps apart (default bursts)")
     run.add_argument("--lossless-sample", type=_int_in(0, MAX_REQUESTS), default=_SERVE.lossless_sample,

@@ -61,6 +61,37 @@ def _refusals(workload: list[Request]) -> str | None:
     return f"{len(refused)} of {len(workload)} request{'s' if len(workload) > 1 else ''} refused ({others}), first: {refused[0]}"
 
 
+def _sampling_defaults(args: argparse.Namespace) -> dict[str, object]:
+    """The sampling defaults ``--temperature``, ``--top-p``, ``--top-k`` and ``--min-p`` give (those
+    given only), checked by ``SamplingParams``' rules (``UsageError`` naming the option)."""
+    from compiler.serve.load import CLI_DEFAULTS, sampling_params
+    from ir.errors import IRValidationError
+
+    defaults = {name: getattr(args, name) for name in CLI_DEFAULTS if getattr(args, name) is not None}
+    try:
+        sampling_params({}, defaults, max_new_tokens=1)
+    except IRValidationError as exc:
+        said = str(exc).removeprefix(f"{exc.node}.{exc.field}: ")
+        raise UsageError(f"argument --{exc.field.replace('_', '-')}: {said}") from None
+    return defaults
+
+
+def _baseline_refusal(workload: list[Request]) -> str | None:
+    """Why ``--compare-mutable`` cannot serve ``workload`` (the mutable baseline decodes greedily
+    and ends requests at stop ids only), or ``None``."""
+    from ir.sampling import GREEDY
+
+    for r in workload:
+        p = r.sampling
+        odd = [(name, value) for name, value in (("temperature", p.temperature), ("stop", p.stop), ("min_tokens", p.min_tokens),
+                                                 ("ignore_eos", p.ignore_eos), ("logprobs", p.logprobs), ("n", p.n))
+               if value != getattr(GREEDY, name)]
+        if odd:
+            return (f"--compare-mutable: request {r.rid} sets {odd[0][0]} {odd[0][1]!r}; the mutable baseline serves greedy requests "
+                    "that end at max_new_tokens or a stop token id only")
+    return None
+
+
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
@@ -79,6 +110,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             check_output(option, path)
     if args.json is not None and args.outputs is not None and _same_file(args.json, args.outputs):
         raise UsageError(f"--json {shown_path(args.json)} and --outputs {shown_path(args.outputs)} name the same file")
+    defaults = _sampling_defaults(args)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     target = load_served(args.model, role="target", dtype=dtype, bundled="target")
     k = args.k if args.k is not None else (0 if target.hf and args.draft is None else ServeConfig().k)
@@ -91,7 +123,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         check_same_vocabulary(target, drafted)
     draft = drafted.model if drafted is not None else None
     cfg = ServeConfig(
-        k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
+        seed=args.seed, k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
         cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
         prefill_streak=args.prefill_streak, max_len=_context(args.max_len, k, [target] + ([drafted] if drafted is not None else [])),
     )
@@ -129,15 +161,21 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                   vocab=tokenizer.vocab_size if tokenizer is not None else None)
     vocab = target.model.config.vocab
     if args.workload is not None:
-        workload = load_workload(args.workload, max_len=cfg.max_len, reserve=cfg.reserve, vocab=vocab, tokenizer=tokenizer)
+        workload = load_workload(args.workload, max_len=cfg.max_len, reserve=cfg.reserve, vocab=vocab, tokenizer=tokenizer,
+                                 defaults=defaults)
     else:
-        workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed, arrivals=args.arrivals)
+        workload = builtin_workload(num_requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed, arrivals=args.arrivals,
+                                    defaults=defaults)
         if tokenizer is not None:
             workload = tokenize_workload(workload, tokenizer, vocab=vocab)
             for r in workload:
                 if len(r.token_ids) + r.max_new_tokens + cfg.reserve > cfg.max_len:
                     raise UsageError(f"built-in request {r.rid}: {len(r.token_ids)} prompt tokens + {r.max_new_tokens} new tokens "
                                      f"+ k + 1 = {cfg.reserve} exceed the context limit {cfg.max_len}; lower --max-new-tokens")
+    if args.compare_mutable:
+        refusal = _baseline_refusal(workload)
+        if refusal is not None:
+            raise UsageError(refusal)
     if args.dp > 1:
         return _serve_replicas(args, console, workload, target, cfg, tokenizer, args.dp_routing or "prefix")
     target_model = target.model

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import attrs
 
-from compiler.workload import DEFAULT_CONTEXT, LONGEST_BUILTIN_PROMPT, MAX_CONTEXT, MAX_K, MAX_THREADS, ServeError
+from compiler.workload import DEFAULT_CONTEXT, LONGEST_BUILTIN_PROMPT, MAX_CONTEXT, MAX_K, MAX_SEED, MAX_THREADS, ServeError
 
 DEFAULT_PREFILL_STREAK = 2
 """``ServeConfig.prefill_streak``'s default: measured (docs: measurements, "Scheduling")."""
@@ -49,6 +49,11 @@ class ServeConfig:
     times slower whenever another process held a core (idle OpenMP workers spin-wait for it), and
     gained little when the CPU was quiet."""
 
+    seed: int = 0
+    """The run's seed (``batchc run --seed``): the engine's (``Engine(seed=)``), from which a sampled
+    request that sets no seed of its own gets ``ir.sampling.derive_seed(seed, its request id)``;
+    0 to ``MAX_SEED``."""
+
     overlap: bool = False
     """Run each model's executor in its own process (``Engine(overlap=True)``). Off by default:
     measured on a 2-core CPU it is no faster yet (docs/guides/overlap.md)."""
@@ -61,13 +66,15 @@ class ServeConfig:
                 continue
             if type(value) is not int:  # noqa: E721 - bool, float and str are not option values
                 raise ServeError(f"{name} must be an int, got {value!r}")
-            lo = 0 if name in ("k", "lossless_sample", "prefill_streak") else 1
+            lo = 0 if name in ("k", "lossless_sample", "prefill_streak", "seed") else 1
             if value < lo:
                 raise ServeError(f"{name} must be >= {lo}, got {value}")
         if self.k > MAX_K:
             raise ServeError(f"k must be in [0, {MAX_K}], got {self.k}")
         if self.prefill_streak > MAX_PREFILL_STREAK:
             raise ServeError(f"prefill_streak must be in [0, {MAX_PREFILL_STREAK}], got {self.prefill_streak}")
+        if self.seed > MAX_SEED:
+            raise ServeError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
         if self.threads > MAX_THREADS:
             raise ServeError(f"threads must be in [1, {MAX_THREADS}], got {self.threads}")
         if self.max_len > MAX_CONTEXT:

@@ -295,6 +295,28 @@ class Engine:
         self.stats.aborts += 1
         self._release([rid], Ending.ABORTED)
 
+    def finish(self, rid: RequestId, *, length: int | None = None) -> None:
+        """End a live request now as finished (``Ending.FINISHED``, through the release path of a
+        request at its ``max_new_tokens`` or stop id), its output first cut to its first ``length``
+        tokens (``None``: all of them): the serving layer's stop strings end a request this way
+        (``compiler.serve.stops``). ``rid`` and ``length`` are ints (numpy integers too; never
+        ``bool``, ``float``, ``str``), ``length`` >= 0, else ``PreconditionError``; a stopped engine
+        refuses with ``EngineStoppedError``."""
+        self.check_serving()
+        problem = int_problem(rid)
+        if problem is not None:
+            raise PreconditionError("finish", f"rid {problem} (got {short_repr(rid)})")
+        rid = RequestId(int(rid))
+        if rid not in self.requests:
+            raise PreconditionError("finish", f"request {rid} is not live")
+        if length is not None:
+            problem = int_problem(length)
+            if problem is not None or int(length) < 0:
+                raise PreconditionError("finish", f"length must be an int >= 0 (got {short_repr(length)})")
+            r = self.requests[rid]
+            del r.output[int(length):]
+        self._release([rid], Ending.FINISHED)
+
     @property
     def live(self) -> int:
         return len(self.requests)

@@ -37,7 +37,7 @@ class RequestState(enum.Enum):
 class Ending(enum.Enum):
     """Why a request left the running set: the one release path is told which."""
 
-    FINISHED = "finished"  # max_new_tokens or its stop token
+    FINISHED = "finished"  # max_new_tokens, its stop token, or Engine.finish (a stop string)
     ABORTED = "aborted"  # the user's abort
     FAILED = "failed"  # a forward carrying it failed after every retry
     ERROR = "error"  # the logits for its next token were not finite (NaN or infinity)
@@ -84,15 +84,22 @@ class Request:
         """Where its next prefill chunk starts."""
         return self.done if self.done else self.start
 
+    def _first_stop(self, out: list[int]) -> int | None:
+        """Where the first stop id that ends ``out`` is: at an index >= ``sampling.min_tokens``
+        (a stop id before ``min_tokens`` tokens ends nothing), or ``None``."""
+        if not self.stop:
+            return None
+        return next((i for i in range(self.sampling.min_tokens, len(out)) if out[i] in self.stop), None)
+
     def is_done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens or not self.stop.isdisjoint(self.output)
+        return len(self.output) >= self.max_new_tokens or self._first_stop(self.output) is not None
 
     def final_output(self) -> list[int]:
-        """The output as reported: cut at ``max_new_tokens`` and after the first stop token."""
+        """The output as reported: cut at ``max_new_tokens`` and after the first stop token that
+        ends it (at an index >= ``sampling.min_tokens``)."""
         out = self.output[: self.max_new_tokens]
-        if not self.stop.isdisjoint(out):
-            out = out[: next(i for i, t in enumerate(out) if t in self.stop) + 1]
-        return out
+        at = self._first_stop(out)
+        return out if at is None else out[: at + 1]
 
 
 class RequestTable:

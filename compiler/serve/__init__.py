@@ -4,8 +4,10 @@ and a summary an engine author can judge the library by.
 
 Workloads: the built-in one (``builtin_workload``: requests built from a bundled prompt set, with
 shared system prefixes, arrivals in bursts or a trickle, and mixed lengths) or a JSONL file (``load_workload``), one
-request per line: ``{"prompt": str, "max_new_tokens": int, "arrival": int (optional, scheduler step),
-"stop": str (optional, one character)}``. A malformed file raises ``WorkloadError`` naming the line.
+request per line: ``{"prompt": str, "arrival": int (optional, scheduler step)}`` and any
+``ir.sampling.SamplingParams`` field under its name (``max_new_tokens``, ``temperature``, ``top_p``,
+..., ``stop``: a string or list of strings, the text ending before it, ``compiler.serve.stops``). A
+malformed file or a bad field raises ``WorkloadError`` naming the line (and the field and value).
 ``load_workload`` checks the same bounds as ``Engine.admit`` (context length with the k + 1
 speculative positions, token ids below the vocabulary), so a loaded workload is never refused
 mid-run; its file limits are in its docstring.

@@ -32,6 +32,7 @@ from backend import children
 from compiler.engine.config import ServeConfig
 from compiler.workload import Request, ServeError
 from ir.ids import RequestId
+from ir.sampling import SamplingParams
 
 ROUTINGS: Final = ("prefix", "round-robin")
 
@@ -77,13 +78,15 @@ class ReplicaFailed(RuntimeError):
 
 
 def _request_json(r: Request) -> dict[str, object]:
+    # the sampling fields by name (tuples become lists); the replica rebuilds and re-checks them
     return {"rid": int(r.rid), "prompt": r.prompt.decode("latin-1"), "max_new_tokens": r.max_new_tokens, "arrival": r.arrival,
-            "stop": r.stop, "ids": list(r.ids) if r.ids is not None else None}
+            "sampling": attrs.asdict(r.sampling), "index": r.index, "ids": list(r.ids) if r.ids is not None else None}
 
 
 def _request(d: dict[str, Any]) -> Request:
     return Request(rid=RequestId(d["rid"]), prompt=d["prompt"].encode("latin-1"), max_new_tokens=d["max_new_tokens"],
-                   arrival=d["arrival"], stop=d["stop"], ids=tuple(d["ids"]) if d["ids"] is not None else None)
+                   arrival=d["arrival"], sampling=SamplingParams(**d["sampling"]), index=d["index"],
+                   ids=tuple(d["ids"]) if d["ids"] is not None else None)
 
 
 def serve_replicas(

@@ -8,7 +8,7 @@ import os
 import random
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,28 @@ from compiler.workload import (
     context_overflow,
 )
 from ir.columns import int_problem
-from ir.errors import short_repr
+from ir.errors import IRValidationError, short_repr
 from ir.ids import RequestId
+from ir.sampling import FIELDS, GREEDY, SamplingParams
+
+CLI_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
+"""The sampling fields ``batchc run`` takes a default for (``--temperature``, ``--top-p``,
+``--top-k``, ``--min-p``)."""
+LINE_FIELDS = frozenset({"prompt", "arrival"}) | FIELDS
+"""The keys a workload line may hold: its prompt, its arrival step and any ``SamplingParams`` field."""
+
+
+def sampling_params(fields: Mapping[str, object], defaults: Mapping[str, object], *, max_new_tokens: int) -> SamplingParams:
+    """A request's ``SamplingParams``: each field is the request's own if it sets it, else the run's
+    default for that field (``defaults``: ``--temperature`` and the like) if there is one, else
+    ``GREEDY``'s (so ``temperature`` is 0, greedy, unless the request or the run sets it: a request
+    that sets only ``top_p`` decodes greedily). ``IRValidationError`` names the first bad field."""
+    return SamplingParams(**{**attrs.asdict(GREEDY, recurse=False), **defaults, **fields, "max_new_tokens": max_new_tokens})
 
 
 def builtin_workload(
-    *, num_requests: int = 64, max_new_tokens: int = 32, seed: int = 0, arrivals: str = "bursts"
+    *, num_requests: int = 64, max_new_tokens: int = 32, seed: int = 0, arrivals: str = "bursts",
+    defaults: Mapping[str, object] | None = None,
 ) -> list[Request]:
     """Byte prompts from the bundled snippets: about two thirds start with one of the shared system
     prefixes; bodies of 1 to 6 snippets (long ones are prefilled in chunks); generation lengths vary
@@ -50,7 +66,10 @@ def builtin_workload(
     apart. The pattern decides how far the pre-fix engine's stale-init bug reaches: its stale
     indices ride on the running batch from the moment a prefill batch becomes the running batch
     (nothing else was running) until that batch's first request finishes. Each burst opens that
-    window over all of its requests; a trickle opens it over one request at a time."""
+    window over all of its requests; a trickle opens it over one request at a time.
+
+    ``defaults``: the run's sampling defaults (``sampling_params``; ``IRValidationError`` names a bad
+    one); without them every request is greedy."""
     if arrivals not in ARRIVALS:
         raise ValueError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
     rng = random.Random(seed)
@@ -62,9 +81,9 @@ def builtin_workload(
         prompt = (SYSTEM_PREFIXES[prefix] if prefix >= 0 else b"") + body
         step = rng.choice((0, 0, 1, 2))  # drawn under both patterns: prompts and lengths stay the same
         arrival = (i // BURST_SIZE) * BURST_EVERY if arrivals == "bursts" else arrival + step
-        out.append(
-            Request(rid=RequestId(i), prompt=prompt, max_new_tokens=rng.randint(max(1, max_new_tokens // 4), max_new_tokens), arrival=arrival)
-        )
+        new = rng.randint(max(1, max_new_tokens // 4), max_new_tokens)
+        out.append(Request(rid=RequestId(i), prompt=prompt, max_new_tokens=new, arrival=arrival,
+                           sampling=sampling_params({}, defaults or {}, max_new_tokens=new)))
     return out
 
 
@@ -126,7 +145,7 @@ def _check_workload_args(path: object, *, max_len: object, reserve: object, voca
 
 def load_workload(
     path: str | Path, *, max_len: int, reserve: int = 8, vocab: int = BYTE_VOCAB, default_max_new_tokens: int = 32,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: Tokenizer | None = None, defaults: Mapping[str, object] | None = None,
 ) -> list[Request]:
     """The requests of the JSONL file ``path``, or ``WorkloadError`` naming the file and line.
 
@@ -134,8 +153,18 @@ def load_workload(
     (64 MiB), UTF-8, at most ``MAX_REQUESTS`` requests. Lines are split on ``"\\n"`` only, so a
     raw U+2028 or U+0085 inside a JSON string is part of the string; blank lines are skipped.
 
+    A line is a JSON object with ``prompt`` (a non-empty string), optionally ``arrival`` (the
+    scheduler step it arrives at) and any ``SamplingParams`` field under its name (``temperature``,
+    ``top_p``, ..., ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``max_new_tokens``
+    (default ``default_max_new_tokens``), ``logprobs``, ``n``); any other key is refused. A field the
+    line does not set takes ``defaults``' value for it (the run's ``--temperature`` and the like), else
+    ``GREEDY``'s (``sampling_params``). A value ``SamplingParams`` refuses (a wrong type, a bool for a
+    number, out of range, an empty, over-long or one-too-many stop string) is a ``WorkloadError``
+    naming the line, the field and the value; so is a ``stop_token_ids`` id not below ``vocab``.
+    ``stop`` is text (a string or a list of strings; the output ends before it, ``compiler.serve.stops``).
+
     Request limits, the same as ``Engine.admit``'s so that nothing loaded is refused mid-run:
-    every prompt byte and the stop byte below ``vocab``, else ``WorkloadError``; and prompt bytes +
+    every prompt byte below ``vocab``, else ``WorkloadError``; and prompt bytes +
     ``max_new_tokens`` + ``reserve`` <= ``max_len`` (``reserve`` = k + 1 for speculative decoding
     with k draft tokens; the default 8 covers k <= 7), else that request alone is refused: it is
     returned with ``Request.refused`` saying why (file, line, sizes), never to be admitted.
@@ -146,8 +175,8 @@ def load_workload(
     ``[reserve + 2, compiler.engine.admission.MAX_LEN]``, ``reserve >= 0``, ``vocab`` in ``[1, MAX_VOCAB]`` (the
     model config's bound) and ``default_max_new_tokens >= 1``.
 
-    With a ``tokenizer`` (a checkpoint's) the prompts are its ids (``Request.ids``), the limits count
-    them, and ``stop`` is any text that encodes to exactly one id."""
+    With a ``tokenizer`` (a checkpoint's) the prompts are its ids (``Request.ids``) and the limits
+    count them."""
     _check_workload_args(path, max_len=max_len, reserve=reserve, vocab=vocab, default_max_new_tokens=default_max_new_tokens)
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise WorkloadError(f"load_workload: tokenizer must be a Tokenizer (ByteTokenizer, HFTokenizer) or None, got {short_repr(tokenizer)}")
@@ -176,15 +205,15 @@ def load_workload(
         if len(out) == MAX_REQUESTS:
             raise WorkloadError(f"{where}: more than {MAX_REQUESTS} requests")
         out.append(_request(where, obj, RequestId(len(out)), max_len=max_len, reserve=reserve, vocab=vocab,
-                            default_max_new_tokens=default_max_new_tokens, tokenizer=tokenizer))
+                            default_max_new_tokens=default_max_new_tokens, tokenizer=tokenizer, defaults=defaults or {}))
     if not out:
         raise WorkloadError(f"{p}: no requests")
     return out
 
 
 def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, reserve: int, vocab: int,
-             default_max_new_tokens: int, tokenizer: Tokenizer | None) -> Request:
-    unknown = set(obj) - {"prompt", "max_new_tokens", "arrival", "stop"}
+             default_max_new_tokens: int, tokenizer: Tokenizer | None, defaults: Mapping[str, object]) -> Request:
+    unknown = set(obj) - LINE_FIELDS
     if unknown:
         raise WorkloadError(f"{where}: unknown field(s) {sorted(unknown)}")
     prompt = obj.get("prompt")
@@ -197,19 +226,27 @@ def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, r
     new = obj.get("max_new_tokens", default_max_new_tokens)
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         raise WorkloadError(f"{where}: 'max_new_tokens' must be a positive integer, got {new!r}")
+    sampling = _sampling(where, obj, new, vocab=vocab, defaults=defaults)
     if tokenizer is not None:
-        return _tokenized(where, obj, rid, prompt, data, new, max_len=max_len, reserve=reserve, vocab=vocab, tokenizer=tokenizer)
+        return _tokenized(where, obj, rid, prompt, data, sampling, max_len=max_len, reserve=reserve, vocab=vocab, tokenizer=tokenizer)
     refused = _refusal(where, len(data), "bytes", new, max_len=max_len, reserve=reserve)
     if max(data) >= vocab:
         raise WorkloadError(f"{where}: 'prompt' holds byte {max(data)}, not below the vocabulary size {vocab}")
-    arrival = _arrival(where, obj)
-    stop = obj.get("stop")
-    if stop is not None and (not isinstance(stop, str) or len(stop.encode("utf-8")) != 1):
-        raise WorkloadError(f"{where}: 'stop' must be a single one-byte character, got {stop!r}")
-    stop_byte = stop.encode("utf-8")[0] if stop is not None else None
-    if stop_byte is not None and stop_byte >= vocab:
-        raise WorkloadError(f"{where}: 'stop' byte {stop_byte} is not below the vocabulary size {vocab}")
-    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=arrival, stop=stop_byte, refused=refused)
+    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=_arrival(where, obj), sampling=sampling, refused=refused)
+
+
+def _sampling(where: str, obj: dict[str, Any], new: int, *, vocab: int, defaults: Mapping[str, object]) -> SamplingParams:
+    """The line's ``SamplingParams`` (``sampling_params``), or ``WorkloadError`` naming the line,
+    the field and the value."""
+    try:
+        sampling = sampling_params({k: v for k, v in obj.items() if k in FIELDS and k != "max_new_tokens"}, defaults, max_new_tokens=new)
+    except IRValidationError as exc:
+        said = str(exc).removeprefix(f"{exc.node}.{exc.field}: ")
+        raise WorkloadError(f"{where}: '{exc.field}': {said}") from None
+    past = [t for t in sampling.stop_token_ids if t >= vocab]
+    if past:
+        raise WorkloadError(f"{where}: 'stop_token_ids' holds id {past[0]}, not below the model's vocabulary size {vocab}")
+    return sampling
 
 
 def _refusal(where: str, n: int, unit: str, new: int, *, max_len: int, reserve: int) -> str | None:
@@ -226,24 +263,17 @@ def _arrival(where: str, obj: dict[str, Any]) -> int:
     return arrival
 
 
-def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data: bytes, new: int, *, max_len: int, reserve: int,
-               vocab: int, tokenizer: Tokenizer) -> Request:
-    """A workload line's request on a checkpoint's tokenizer: limits in tokens, ``stop`` one token."""
+def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data: bytes, sampling: SamplingParams, *, max_len: int,
+               reserve: int, vocab: int, tokenizer: Tokenizer) -> Request:
+    """A workload line's request on a checkpoint's tokenizer: limits in tokens."""
     ids = tokenizer.encode(text)
     if not ids:
         raise WorkloadError(f"{where}: 'prompt' encodes to no tokens")
+    new = sampling.max_new_tokens
     refused = _refusal(where, len(ids), "tokens", new, max_len=max_len, reserve=reserve)
     if max(ids) >= vocab:
         raise WorkloadError(f"{where}: the tokenizer gave id {max(ids)}, not below the model's vocabulary size {vocab}")
-    stop = obj.get("stop")
-    stop_id = None
-    if stop is not None:
-        stop_id = tokenizer.single_id(stop) if isinstance(stop, str) and stop else None
-        if stop_id is None:
-            raise WorkloadError(f"{where}: 'stop' must be text that is one token of the tokenizer, got {stop!r}")
-        if stop_id >= vocab:
-            raise WorkloadError(f"{where}: 'stop' is id {stop_id}, not below the model's vocabulary size {vocab}")
-    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=_arrival(where, obj), stop=stop_id, ids=tuple(ids),
+    return Request(rid=rid, prompt=data, max_new_tokens=new, arrival=_arrival(where, obj), sampling=sampling, ids=tuple(ids),
                    refused=refused)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from backend.hybrid.model import HybridModel
 from compiler.engine.nonfinite import ERROR_MESSAGE
+from compiler.serve.stops import scan
 from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.workload import Request, ServeError
 from ir.ids import RequestId
@@ -63,39 +64,52 @@ def check_same_vocabulary(target: Served, draft: Served) -> None:
             raise ServeError(f"{draft.name}: its tokenizer's vocabulary differs from {target.name}'s (first difference: {diff[0]!r})")
 
 
-def finish_reason(r: Request, output: Sequence[int], eos: Sequence[int], aborted: bool, errored: bool = False) -> str:
-    """``"stop"`` (it emitted an end-of-sequence id or its stop), ``"length"`` (it reached its
-    ``max_new_tokens``), ``"abort"`` (a failed forward cut it short) or ``"refused"`` (it was never
-    served: ``Request.refused`` says why) or ``"error"`` (``errored``: the logits for its next token
-    were not finite, and it ended there)."""
+def finish_reason(r: Request, output: Sequence[int], eos: Sequence[int], aborted: bool, errored: bool = False,
+                  stopped: bool = False) -> str:
+    """``"stop"`` (a stop string ended it, ``stopped``; or its last id is an end-of-sequence id, not
+    with ``sampling.ignore_eos``, or one of its ``sampling.stop_token_ids``, at an index >=
+    ``sampling.min_tokens``), ``"length"`` (it reached its ``max_new_tokens``), ``"abort"`` (a failed
+    forward cut it short) or ``"refused"`` (it was never served: ``Request.refused`` says why) or
+    ``"error"`` (``errored``: the logits for its next token were not finite, and it ended there)."""
     if r.refused is not None:
         return "refused"
     if errored:
         return "error"
     if aborted:
         return "abort"
-    stops = set(eos) | ({r.stop} if r.stop is not None else set())
-    return "stop" if output and output[-1] in stops else "length"
+    if stopped:
+        return "stop"
+    stops = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(eos))
+    return "stop" if len(output) > r.sampling.min_tokens and output[-1] in stops else "length"
 
 
 def output_lines(
     workload: Sequence[Request], outputs: Mapping[RequestId, Sequence[int]], aborted: Collection[RequestId], tokenizer: Tokenizer, eos: Sequence[int],
     errored: Collection[RequestId] = (),
 ) -> list[dict[str, object]]:
-    """One ``--outputs`` object per request, in workload order: ``rid`` (its line), ``prompt``,
-    ``prompt_ids``, ``output_ids`` (an ending end-of-sequence id included), ``text`` (the output
-    decoded incrementally, special tokens left out) and ``finish_reason``; a refused request's line
-    adds ``reason`` (``Request.refused``). ``outputs``: each request's generated ids by rid;
-    ``aborted``: the rids a failed forward cut short; ``errored``: the rids that ended at non-finite
-    logits (``finish_reason`` ``"error"``, and ``reason`` says so)."""
+    """One ``--outputs`` object per request, in workload order: ``rid`` (its line), ``index`` (its
+    completion index among its prompt's ``n``, ``Request.index``), ``prompt``, ``prompt_ids``,
+    ``output_ids`` (an ending end-of-sequence id included, and the tokens of an ending stop string),
+    ``text`` (the output decoded incrementally, special tokens left out, ending before the stop string
+    that ended it: ``compiler.serve.stops``) and ``finish_reason``; a refused request's line adds
+    ``reason`` (``Request.refused``). ``outputs``: each request's generated ids by rid, as served
+    (cut at the token that completed a stop string); ``aborted``: the rids a failed forward cut short;
+    ``errored``: the rids that ended at non-finite logits (``finish_reason`` ``"error"``, and
+    ``reason`` says so)."""
     lines: list[dict[str, object]] = []
     for r in workload:
         out = outputs.get(r.rid, ())
-        detok = tokenizer.detokenizer()
-        text = "".join(detok.push(t) for t in out) + detok.flush()
+        served = r.refused is None and r.rid not in aborted and r.rid not in errored
+        cut = scan(tokenizer, r.sampling.stop, out, min_tokens=r.sampling.min_tokens) if served else None
+        if cut is not None:
+            text = cut.text
+        else:
+            detok = tokenizer.detokenizer()
+            text = "".join(detok.push(t) for t in out) + detok.flush()
         lines.append({
-            "rid": int(r.rid), "prompt": r.prompt.decode("utf-8", errors="replace"), "prompt_ids": [int(t) for t in r.token_ids],
-            "output_ids": list(out), "text": text, "finish_reason": finish_reason(r, out, eos, r.rid in aborted, r.rid in errored),
+            "rid": int(r.rid), "index": r.index, "prompt": r.prompt.decode("utf-8", errors="replace"),
+            "prompt_ids": [int(t) for t in r.token_ids], "output_ids": list(out), "text": text,
+            "finish_reason": finish_reason(r, out, eos, r.rid in aborted, r.rid in errored, stopped=cut is not None),
         })
         if r.refused is not None:
             lines[-1]["reason"] = r.refused

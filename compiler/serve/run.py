@@ -18,10 +18,11 @@ from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.serve.latency import Latencies
 from compiler.serve.memory import check_serving
+from compiler.serve.stops import StopScanner, scan
 from compiler.serve.summary import Sample, ServeSummary, host_ms_per_step
 from compiler.serve.tokenizer import ByteTokenizer, Tokenizer
 from compiler.workload import Request
-from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId
+from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 
 
 def make_engine(
@@ -40,27 +41,65 @@ def make_engine(
         target, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
         max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,
         prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
-        transport=transport, policy=prefill_first(cfg.prefill_streak),
+        transport=transport, policy=prefill_first(cfg.prefill_streak), seed=cfg.seed,
     )
 
 
 def stop_ids(r: Request, eos: Sequence[int]) -> list[int]:
-    """The ids that end ``r``: the model's end-of-sequence ids and the request's own stop."""
-    return [*eos, *(() if r.stop is None else (r.stop,))]
+    """The ids ``serve`` passes to ``Engine.admit`` as ``r``'s ``stop``: the model's end-of-sequence
+    ids, none with ``ignore_eos`` (``sampling.stop_token_ids`` the engine adds itself)."""
+    return [] if r.sampling.ignore_eos else list(eos)
+
+
+def _cut_at_stops(driver: Engine, scanners: dict[RequestId, StopScanner]) -> list[RequestId]:
+    """Look for each watched request's stop strings in its output so far: a live request in which
+    one appeared is finished there (``Engine.finish``, its output cut); a request that finished in
+    the meantime (at its ``max_new_tokens`` or a stop id) has its recorded output cut, and is no
+    longer watched, nor is one that was aborted or errored. Returns the live requests it finished."""
+    finished = []
+    for rid, scanner in list(scanners.items()):
+        live = driver.requests.get(rid)
+        if live is not None:
+            cut = scanner.feed(live.output[: live.max_new_tokens])
+            if cut is not None:
+                driver.finish(rid, length=cut.keep)
+                finished.append(rid)
+                del scanners[rid]
+        elif rid in driver.outputs:
+            if rid not in driver.aborted_by_failure and rid not in driver.errored:
+                cut = scanner.feed(driver.outputs[rid])
+                if cut is not None:
+                    del driver.outputs[rid][cut.keep :]
+            del scanners[rid]
+    return finished
+
+
+def _completion(r: Request, output: Sequence[int], tokenizer: Tokenizer, driver: Engine) -> str:
+    """A served request's text, as its ``--outputs`` line has it: before the stop string that ended it."""
+    served = r.rid not in driver.aborted_by_failure and r.rid not in driver.errored
+    cut = scan(tokenizer, r.sampling.stop, output, min_tokens=r.sampling.min_tokens) if served else None
+    return cut.text if cut is not None else tokenizer.decode(output)
 
 
 def serve(
     driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None,
     on_step: Callable[[], None] | None = None, eos: Sequence[int] = (), latency: Latencies | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[float, dict[str, int]]:
-    """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live;
-    each ends at its ``max_new_tokens``, its ``stop`` or any of the ``eos`` ids. ``on_finish`` gets
-    the number of finished requests whenever it changes; ``on_step`` is called before each step,
+    """Admit requests as they arrive (scheduler steps) and while fewer than ``max_running`` are live,
+    each with its ``sampling``; each ends at its ``max_new_tokens``, a ``sampling.stop_token_ids`` id,
+    any of the ``eos`` ids (unless ``sampling.ignore_eos``; no stop id ends it before
+    ``sampling.min_tokens`` tokens) or its first ``sampling.stop`` string in its text as
+    ``tokenizer`` (default: bytes) decodes it, after each step (``compiler.serve.stops``: the request
+    is finished and its output cut after the token that completed the stop string). ``on_finish``
+    gets the number of finished requests whenever it changes; ``on_step`` is called before each step,
     after that step's admissions (to sample ``driver.live``, say); ``latency`` records each
     request's arrival, first token and end. Returns the wall seconds and the steps by kind. A
     refused request (``Request.refused``) is never admitted."""
+    tok = tokenizer if tokenizer is not None else ByteTokenizer()
     queue = sorted((r for r in workload if r.refused is None), key=lambda r: r.arrival)
     steps: dict[str, int] = {}
+    scanners: dict[RequestId, StopScanner] = {}
     step_no = 0
     t0 = time.perf_counter()
     done = 0
@@ -70,12 +109,17 @@ def serve(
         while queue and queue[0].arrival <= step_no and driver.live < max_running:
             r = queue.pop(0)
             stops = stop_ids(r, eos)
-            driver.admit(r.rid, list(r.token_ids), max_new_tokens=r.max_new_tokens, stop=stops if stops else None)
+            driver.admit(r.rid, list(r.token_ids), max_new_tokens=r.max_new_tokens, stop=stops if stops else None, sampling=r.sampling)
+            if r.sampling.stop:
+                scanners[r.rid] = StopScanner(tok, r.sampling.stop, min_tokens=r.sampling.min_tokens)
         if on_step is not None:
             on_step()
         report = driver.step()
+        stopped = _cut_at_stops(driver, scanners) if scanners else []
         if latency is not None:
-            latency.step(report, time.perf_counter())
+            now = time.perf_counter()
+            latency.step(report, now)
+            latency.ended.update(dict.fromkeys(stopped, now))
         kind = report.kind.value
         steps[kind] = steps.get(kind, 0) + 1
         step_no += 1
@@ -83,6 +127,8 @@ def serve(
             done = len(driver.outputs)
             on_finish(done)
     driver.sync()  # the last commits still running in executor processes (overlap) are part of the run
+    if scanners:
+        _cut_at_stops(driver, scanners)
     return time.perf_counter() - t0, steps
 
 
@@ -126,7 +172,7 @@ def _run(
     model_before = model_clock() if model_clock is not None else 0.0
     tp_before = (tp.group.message_s, tp.group.agree_s) if tp is not None else (0.0, 0.0)
     start = time.perf_counter()
-    wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish, eos=eos)
+    wall, steps = serve(driver, workload, max_running=cfg.max_running, on_finish=on_finish, eos=eos, tokenizer=tokenizer)
     model_s = model_clock() - model_before if model_clock is not None else None
     n_steps = sum(steps.values())
     busy_ms: float | None = None
@@ -162,7 +208,7 @@ def _run(
     checked = [r for r in sample if r.rid not in driver.aborted_by_failure and r.rid not in driver.errored]
     if sample:
         with make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False, tp=tp) as plain:
-            serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running, eos=eos)
+            serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running, eos=eos, tokenizer=tokenizer)
         if plain.closing_ledgers is not None:
             lossless_ledgers_ok = plain.closing_ledgers.equal and plain.closing_ledgers.drained
         same = not plain.aborted_by_failure and not plain.errored and all(plain.outputs[r.rid] == driver.outputs[r.rid] for r in checked)
@@ -207,7 +253,7 @@ def _run(
         pass_us_per_step={name: (t.calls, t.seconds / t.calls * 1e6) for name, t in pm.timings().items()},
         samples=tuple(
             Sample(rid=r.rid, prompt=r.prompt.decode("utf-8", "replace")[-40:],
-                   completion=tokenizer.decode(driver.outputs[r.rid]))
+                   completion=_completion(r, driver.outputs[r.rid], tokenizer, driver))
             for r in served[:3]
         ),
         outputs={rid: tuple(out) for rid, out in driver.outputs.items()},

@@ -47,7 +47,7 @@ def serve_mutable(
         while queue and queue[0].arrival <= steps and engine.live < max_running:
             r = queue.pop(0)
             cp = next((c for c in cps if r.prompt.startswith(bytes(c.tokens)) and len(r.prompt) > len(c.tokens)), None)
-            engine.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, prefix=cp, stop=r.stop)
+            engine.admit(r.rid, list(r.prompt), max_new_tokens=r.max_new_tokens, prefix=cp, stop=list(r.sampling.stop_token_ids) or None)
         if on_step is not None:
             on_step()
         report = engine.step()

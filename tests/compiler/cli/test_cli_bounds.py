@@ -93,14 +93,25 @@ def test_float_options_refuse_nan_infinities_and_values_past_their_bounds(
     command, option, action = v
     bounds = action.type
     assert isinstance(bounds, FloatIn)
-    for value in ("nan", "NaN", "inf", "-inf", "1e999", "-1e999", str(bounds.hi), str(bounds.lo - 1e-9), "0x10", "1" * 5000):
-        err = _refused_in_one_line([*command, f"{option}={value}"], option, capsys)
+    import math
+
+    outside = ["nan", "NaN", "inf", "-inf", "1e999", "-1e999", repr(math.nextafter(bounds.lo, -math.inf)), "0x10", "1" * 5000]
+    outside += [repr(bounds.lo)] if bounds.lo_open else []
+    outside += [repr(math.nextafter(bounds.hi, math.inf))] if bounds.hi_closed else [repr(bounds.hi)]
+    for text in outside:
+        err = _refused_in_one_line([*command, f"{option}={text}"], option, capsys)
         assert "expected a finite number in" in err
-    assert getattr(parser().parse_args([*command, option, str(bounds.lo)]), action.dest) == bounds.lo
+    # and each bound the interval holds is a value the option takes
+    for value, held in ((bounds.lo, not bounds.lo_open), (bounds.hi, bounds.hi_closed and math.isfinite(bounds.hi))):
+        if held:
+            assert getattr(parser().parse_args([*command, option, repr(value)]), action.dest) == value
+    if bounds.lo_open:
+        inside = math.nextafter(bounds.lo, math.inf)
+        assert getattr(parser().parse_args([*command, option, repr(inside)]), action.dest) == inside
 
 
 def test_float_options_exist() -> None:
-    assert [_id(v) for v in _of(FloatIn)] == ["ab --draft-noise"]
+    assert [_id(v) for v in _of(FloatIn)] == ["run --temperature", "run --top-p", "run --min-p", "ab --draft-noise"]
 
 
 def test_ab_seed_of_23_digits_is_refused_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:

@@ -160,13 +160,16 @@ def test_loader_and_admission_agree_at_the_boundary(tmp_path: Path, k: int) -> N
         assert (loaded.refused is None) == admitted, (length, k)
 
 
-def test_loader_checks_bytes_and_stop_against_the_vocabulary(tmp_path: Path) -> None:
+def test_loader_checks_bytes_and_stop_token_ids_against_the_vocabulary(tmp_path: Path) -> None:
     path = _workload(tmp_path, '{"prompt": "az", "max_new_tokens": 2}\n')
     with pytest.raises(WorkloadError, match=r"workload\.jsonl:1: 'prompt' holds byte 122, not below the vocabulary size 100"):
         load_workload(path, max_len=512, vocab=100)
-    path = _workload(tmp_path, '{"prompt": "a", "stop": "z"}\n')
-    with pytest.raises(WorkloadError, match=r"workload\.jsonl:1: 'stop' byte 122 is not below the vocabulary size 100"):
+    path = _workload(tmp_path, '{"prompt": "a", "stop_token_ids": [7, 100]}\n')
+    with pytest.raises(WorkloadError, match=r"workload\.jsonl:1: 'stop_token_ids' holds id 100, not below the model's vocabulary size 100"):
         load_workload(path, max_len=512, vocab=100)
+    path = _workload(tmp_path, '{"prompt": "a", "stop": "z", "stop_token_ids": [99]}\n')  # a stop string is text: any text
+    (r,) = load_workload(path, max_len=512, vocab=100)
+    assert r.sampling.stop == ("z",) and r.sampling.stop_token_ids == (99,)
 
 
 # ---- options ----------------------------------------------------------------------------------------

@@ -91,8 +91,8 @@ BAD_WORKLOADS = [
     ("empty-prompt", '{"prompt": "", "max_new_tokens": 3}\n', r"workload.jsonl:1: 'prompt' must be a non-empty string"),
     ("negative-max-tokens", '{"prompt": "x", "max_new_tokens": -1}\n', r"workload.jsonl:1: 'max_new_tokens' must be a positive integer, got -1"),
     ("not-an-object", "[1, 2]\n", r"workload.jsonl:1: expected a JSON object, got list"),
-    ("unknown-field", '{"prompt": "x", "temperature": 0.7}\n', r"workload.jsonl:1: unknown field\(s\) \['temperature'\]"),
-    ("long-stop", '{"prompt": "x", "stop": "ab"}\n', r"workload.jsonl:1: 'stop' must be a single one-byte character"),
+    ("unknown-field", '{"prompt": "x", "temprature": 0.7}\n', r"workload.jsonl:1: unknown field\(s\) \['temprature'\]"),
+    ("long-stop", '{"prompt": "x", "stop": "%s"}\n' % ("a" * 257), r"workload.jsonl:1: 'stop': a stop string has at most 256 characters, got 257"),
     ("empty-file", "\n\n", r"workload.jsonl: no requests"),
 ]
 

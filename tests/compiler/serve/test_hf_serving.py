@@ -136,7 +136,7 @@ def test_the_end_of_sequence_id_ends_a_request_and_is_reported(tmp_path: Path, c
     assert line["prompt_ids"] == [1, 90] and line["output_ids"] == [first] and line["finish_reason"] == "stop"
 
 
-def test_limits_count_tokens_and_a_stop_is_one_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_limits_count_tokens_and_a_stop_is_any_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     d = tmp_path / "m"
     save_hf_model("nemotron_h", d, seed=7, vocab_size=320)
     tok = save_tokenizer(d)
@@ -150,9 +150,14 @@ def test_limits_count_tokens_and_a_stop_is_one_token(tmp_path: Path, capsys: pyt
     capsys.readouterr()
     assert _main(["run", "--model", str(d), "--workload", str(over)]) == 2
     assert f"prompt of {n} tokens + {512 - n} new tokens exceeds the context limit 512" in capsys.readouterr().err
-    two = _workload(tmp_path, [{"prompt": "x", "stop": "Grüße 🙂"}])
-    assert _main(["run", "--model", str(d), "--workload", str(two)]) == 2
-    assert "'stop' must be text that is one token of the tokenizer" in capsys.readouterr().err
+    # a stop string is text, whatever number of tokens it is; an empty one is refused, naming the line
+    assert tok.encode("Grüße 🙂", add_special_tokens=False).ids[1:]  # several tokens
+    many = _workload(tmp_path, [{"prompt": "x", "max_new_tokens": 4, "stop": ["Grüße 🙂", "\n"]}])
+    assert _main(["run", "--model", str(d), "--workload", str(many)]) == 0
+    capsys.readouterr()
+    empty = _workload(tmp_path, [{"prompt": "x", "stop": ["\n", ""]}])
+    assert _main(["run", "--model", str(d), "--workload", str(empty)]) == 2
+    assert "workload.jsonl:1: 'stop': a stop string must not be empty (got '')" in capsys.readouterr().err
 
 
 def test_the_bundled_run_writes_outputs_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -163,9 +168,12 @@ def test_the_bundled_run_writes_outputs_too(tmp_path: Path, capsys: pytest.Captu
     assert [x["prompt_ids"] for x in lines] == [list(b"def f(x):"), list(b"import ")]
     assert len(lines[0]["output_ids"]) == 6 and lines[0]["finish_reason"] == "length"
     assert lines[0]["text"] == bytes(lines[0]["output_ids"]).decode("utf-8", "replace")
+    # the stop string "\n": the ids end with the newline that completed it, the text before it
     second = lines[1]
-    assert second["finish_reason"] == ("stop" if second["output_ids"][-1] == 10 else "length")
-    assert 10 not in second["output_ids"][:-1]
+    assert second["finish_reason"] == ("stop" if 10 in second["output_ids"] else "length")
+    assert 10 not in second["output_ids"][:-1] and "\n" not in second["text"]
+    assert second["text"] == bytes(second["output_ids"]).decode("utf-8", "replace").removesuffix("\n")
+    assert [x["index"] for x in lines] == [0, 0]
 
 
 def _one_line_refusal(args: list[str], capsys: pytest.CaptureFixture[str], fragment: str) -> None:

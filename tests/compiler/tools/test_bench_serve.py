@@ -187,7 +187,7 @@ def _report(*, emitted: tuple[RequestId, ...], finished: tuple[RequestId, ...] =
 
 
 def test_the_mutable_baseline_stops_where_the_compiled_engine_does() -> None:
-    # a workload file's stop byte reaches the baseline too, so both sides generate the same tokens
+    # a workload line's stop token id reaches the baseline too, so both sides generate the same tokens
     target, draft = tiny_models()
     cfg = ServeConfig(k=2, lossless_sample=0)
     prompt = bytes(REVIEW_PROMPTS[0])
@@ -195,7 +195,7 @@ def test_the_mutable_baseline_stops_where_the_compiled_engine_does() -> None:
     compiled = make_engine(target, draft, cfg, None, cache=True, k=2)
     serve(compiled, free, max_running=cfg.max_running)
     stop = compiled.outputs[RequestId(0)][1]
-    stopped = [attrs.evolve(free[0], stop=stop)]
+    stopped = [attrs.evolve(free[0], sampling=attrs.evolve(free[0].sampling, stop_token_ids=[stop]))]
     compiled = make_engine(target, draft, cfg, None, cache=True, k=2)
     serve(compiled, stopped, max_running=cfg.max_running)
     for fixed in (False, True):

@@ -327,6 +327,36 @@ def parser() -> argparse.ArgumentParser:
     bi.add_argument("--k", type=_int_in(1, MAX_ITERATION_K), default=2, help=f"draft tokens per row, at most {MAX_ITERATION_K} (default 2)")
     bi.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats, the minimum is kept, at most {MAX_REPEATS} (default 7)")
     _add_threads(bi)
+
+    sv = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server on the engine (completions, chat, streaming, metrics)",
+        description="Serve the model over HTTP with the OpenAI API (POST /v1/completions, /v1/chat/completions; GET /v1/models, "
+        "/health, /metrics). The engine runs in its own process. SIGTERM or SIGINT drains: new requests get 503, requests in "
+        "flight finish within --drain-timeout or are aborted, and the server exits 0 (docs/guides/online.md).",
+    )
+    sv.add_argument("--model", metavar="PATH", type=_path_arg, help="target, as batchc run's --model (default: the bundled byte-level model)")
+    sv.add_argument("--draft", metavar="PATH", type=_path_arg, help="draft, as batchc run's --draft")
+    sv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="compute dtype of the models (default float32)")
+    sv.add_argument("--k", type=_int_in(0, MAX_K), default=None, help="draft tokens per speculative iteration, as batchc run's --k")
+    sv.add_argument("--max-running", type=_int_in(1, MAX_RUNNING), default=_SERVE.max_running,
+                    help=f"requests live in the engine at once (default {_SERVE.max_running})")
+    sv.add_argument("--max-len", type=_int_in(3, MAX_CONTEXT), default=None, help="context length in tokens, as batchc run's --max-len")
+    sv.add_argument("--chunk-size", type=_int_in(1, MAX_CONTEXT), default=_SERVE.chunk_size, help=f"prefill chunk size in tokens (default {_SERVE.chunk_size})")
+    sv.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
+    sv.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries, help=f"prefix-cache entries (default {_SERVE.cache_entries})")
+    sv.add_argument("--overlap", action="store_true", help="run each model's executor in its own process, as batchc run's --overlap")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port to bind, 0 for any free one (the line printed at start names it; default 8000)")
+    sv.add_argument("--api-key", metavar="KEY", default=None,
+                    help="require Authorization: Bearer KEY on every route but /health (default: the BATCHC_API_KEY environment variable, if set)")
+    sv.add_argument("--served-model-name", metavar="NAME", default=None, help="the model's id in the API (default: --model, or batchc-bundled)")
+    sv.add_argument("--max-waiting", type=_int_in(0, MAX_RUNNING), default=64,
+                    help="requests in flight beyond --max-running before new ones are answered 503 with Retry-After (default 64)")
+    sv.add_argument("--drain-timeout", type=FloatIn(0.0, 86400.0), default=30.0,
+                    help="seconds requests in flight may run on after SIGTERM or SIGINT before they are aborted (default 30)")
+    sv.add_argument("--request-timeout", type=FloatIn(0.001, 86400.0), default=600.0,
+                    help="seconds a request may take before it is aborted (504, or an error event on a stream; default 600)")
+    _add_threads(sv)
     return p
 
 

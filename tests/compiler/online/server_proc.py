@@ -26,7 +26,16 @@ class ServerProc:
         self.lines: list[str] = []
         self._seen = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + start_s
+        self.start_s = start_s
+        self.started = time.monotonic()
+        self.engine_pid = -1
+        self.url = ""
+        self.children: set[int] = set()
+
+    def ready(self) -> ServerProc:
+        """Wait for the line that says it listens (started processes start together, then each is waited for)."""
+        deadline = self.started + self.start_s
+        start_s = self.start_s
         with self._seen:
             while not any(LISTENING.search(line) for line in self.lines):
                 if self.proc.poll() is not None and not self._reading:
@@ -37,6 +46,7 @@ class ServerProc:
         self.engine_pid = int(match.group(1))
         self.url = match.group(2)
         self.children = descendants(self.proc.pid)
+        return self
 
     _reading = True
 

@@ -13,15 +13,18 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from tests.compiler.cli.test_lifetimes import alive
-from tests.compiler.online.server_proc import ServerProc
+from tests.compiler.online.server_proc import ROOT, ServerProc
 
 KEY = "test-key-0123"
 MODEL = "batchc-bundled"
@@ -33,13 +36,29 @@ LONG = MAX_LEN - 3 - len(PROMPT)
 """max_tokens of a request that runs for hundreds of engine steps."""
 
 
+SERVERS = {
+    "api": OPTIONS,
+    "drain": ["--max-len", str(MAX_LEN), "--drain-timeout", "0.5"],
+    "deadline": ["--max-len", str(MAX_LEN), "--request-timeout", "0.05"],
+    "crash": ["--max-len", str(MAX_LEN)],
+}
+
+
 @pytest.fixture(scope="module")
-def served() -> Iterator[ServerProc]:
-    server = ServerProc(OPTIONS)
+def servers() -> Iterator[dict[str, ServerProc]]:
+    """Every server of the module, started at once (their start-ups overlap); the drain, deadline and
+    crash tests each end theirs."""
+    started = {name: ServerProc(args) for name, args in SERVERS.items()}
     try:
-        yield server
+        yield {name: s.ready() for name, s in started.items()}
     finally:
-        server.stop()
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture
+def served(servers: dict[str, ServerProc]) -> ServerProc:
+    return servers["api"]
 
 
 def _client(server: ServerProc, **kw: object) -> openai.OpenAI:
@@ -72,25 +91,24 @@ def _settled(server: ServerProc, limit_s: float = 30.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
-def _offline(prompt: str, max_new_tokens: int) -> str:
-    """The same request through the offline engine, as ``batchc run`` builds it with these options."""
-    import torch
+def _offline(tmp_path: Path, prompt: str, max_new_tokens: int) -> subprocess.Popen[str]:
+    """``batchc run`` of the same request with the server's model options (started now, read later:
+    it runs while the server answers)."""
+    (tmp_path / "w.jsonl").write_text(json.dumps({"prompt": prompt, "max_new_tokens": max_new_tokens}) + "\n")
+    return subprocess.Popen(
+        [sys.executable, "-m", "compiler.cli", "run", "--workload", str(tmp_path / "w.jsonl"), "--outputs", str(tmp_path / "out.jsonl"),
+         "--max-len", str(MAX_LEN), "--k", "2", "--max-running", "2", "--lossless-sample", "0"],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
 
-    from compiler.engine.config import ServeConfig
-    from compiler.serve.models import load_served
-    from compiler.serve.run import make_engine
-    from compiler.serve.tokenizer import ByteTokenizer
-    from ir.ids import RequestId
-    from ir.sampling import SamplingParams
 
-    target = load_served(None, role="target", dtype=torch.float32, bundled="target")
-    draft = load_served(None, role="draft", dtype=torch.float32, bundled="draft")
-    cfg = ServeConfig(k=2, max_running=2, max_len=MAX_LEN)
-    with make_engine(target.model, draft.model, cfg, None, cache=True, k=2) as engine:
-        engine.admit(RequestId(0), list(prompt.encode()), max_new_tokens=max_new_tokens,
-                     sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
-        engine.run_until_done()
-        return ByteTokenizer().decode(engine.outputs[RequestId(0)])
+def _offline_text(tmp_path: Path, proc: subprocess.Popen[str]) -> str:
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    (line,) = (tmp_path / "out.jsonl").read_text().splitlines()
+    out = json.loads(line)
+    assert out["finish_reason"] == "length"
+    return str(out["text"])
 
 
 def _sse(lines: Iterator[str]) -> list[object]:
@@ -103,13 +121,14 @@ def _sse(lines: Iterator[str]) -> list[object]:
     return out
 
 
-def test_completion_is_the_offline_engines_greedy_output_streaming_or_not(served: ServerProc) -> None:
+def test_completion_is_batchc_runs_greedy_output_streaming_or_not(served: ServerProc, tmp_path: Path) -> None:
+    offline = _offline(tmp_path, PROMPT, 24)
     client = _client(served)
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage is not None
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (len(PROMPT), 24, len(PROMPT) + 24)
-    assert whole.choices[0].text == _offline(PROMPT, 24)
+    assert whole.choices[0].text == _offline_text(tmp_path, offline)
     pieces, usage, reasons = [], None, []
     for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
                                            stream_options={"include_usage": True}):
@@ -245,8 +264,8 @@ def test_a_full_queue_is_503_at_once_and_disconnected_requests_are_released(serv
     assert final["batchc_time_to_first_token_seconds_count"] >= 1 and final["batchc_generation_tokens_total"] > 0
 
 
-def test_sigterm_drains_and_exits_zero_with_one_line() -> None:
-    server = ServerProc(["--max-len", str(MAX_LEN), "--drain-timeout", "0.5"])
+def test_sigterm_drains_and_exits_zero_with_one_line(servers: dict[str, ServerProc]) -> None:
+    server = servers["drain"]
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
         done = httpx.post(f"{server.url}/v1/completions", json=dict(body, stream=False, max_tokens=4), timeout=60)
@@ -272,8 +291,8 @@ def test_sigterm_drains_and_exits_zero_with_one_line() -> None:
         server.stop()
 
 
-def test_a_request_past_its_deadline_is_aborted() -> None:
-    server = ServerProc(["--max-len", str(MAX_LEN), "--request-timeout", "0.05"])
+def test_a_request_past_its_deadline_is_aborted(servers: dict[str, ServerProc]) -> None:
+    server = servers["deadline"]
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
@@ -288,8 +307,8 @@ def test_a_request_past_its_deadline_is_aborted() -> None:
         server.stop()
 
 
-def test_an_engine_crash_is_503_and_a_non_zero_exit() -> None:
-    server = ServerProc(["--max-len", str(MAX_LEN)])
+def test_an_engine_crash_is_503_and_a_non_zero_exit(servers: dict[str, ServerProc]) -> None:
+    server = servers["crash"]
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:

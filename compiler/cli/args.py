@@ -132,6 +132,25 @@ class FloatIn:
         return value
 
 
+@attrs.frozen
+class Text:
+    """An argparse type: a non-empty word of at most ``limit`` printable ASCII characters, no
+    spaces (a host name or address, an API key, a model's name in the API)."""
+
+    limit: int
+
+    def refusal(self, text: str) -> str | None:
+        if not text or len(text) > self.limit or not (text.isascii() and text.isprintable()) or any(c.isspace() for c in text):
+            return f"expected 1 to {self.limit} printable ASCII characters without spaces, got {_shown(text)}"
+        return None
+
+    def __call__(self, text: str) -> str:
+        refusal = self.refusal(text)
+        if refusal is not None:
+            raise argparse.ArgumentTypeError(refusal)
+        return text
+
+
 def _device(text: str) -> str:
     """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` naming a device this machine has."""
     import torch
@@ -345,11 +364,11 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
     sv.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries, help=f"prefix-cache entries (default {_SERVE.cache_entries})")
     sv.add_argument("--overlap", action="store_true", help="run each model's executor in its own process, as batchc run's --overlap")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--host", type=Text(253), default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port to bind, 0 for any free one (the line printed at start names it; default 8000)")
-    sv.add_argument("--api-key", metavar="KEY", default=None,
+    sv.add_argument("--api-key", metavar="KEY", type=Text(1024), default=None,
                     help="require Authorization: Bearer KEY on every route but /health (default: the BATCHC_API_KEY environment variable, if set)")
-    sv.add_argument("--served-model-name", metavar="NAME", default=None, help="the model's id in the API (default: --model, or batchc-bundled)")
+    sv.add_argument("--served-model-name", metavar="NAME", type=Text(256), default=None, help="the model's id in the API (default: --model, or batchc-bundled)")
     sv.add_argument("--max-waiting", type=_int_in(0, MAX_RUNNING), default=64,
                     help="requests in flight beyond --max-running before new ones are answered 503 with Retry-After (default 64)")
     sv.add_argument("--drain-timeout", type=FloatIn(0.0, 86400.0), default=30.0,

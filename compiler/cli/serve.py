@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from compiler.cli.args import UsageError, shown_path
+from compiler.cli.args import Text, UsageError, shown_path
 
 API_KEY_ENV = "BATCHC_API_KEY"
 
@@ -19,8 +19,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.draft is not None and args.k == 0:
         raise UsageError(f"--draft {shown_path(args.draft)} with --k 0: k = 0 turns speculative decoding off and runs no draft")
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    if key is not None and (not key.isprintable() or not key.isascii() or not key.strip() or key != key.strip()):
-        raise UsageError("--api-key: a key is printable ASCII without surrounding spaces")
+    if key is not None and Text(1024).refusal(key) is not None:
+        raise UsageError(f"{API_KEY_ENV}: {Text(1024).refusal(key)}")
     launch = Launch(model=args.model, draft=args.draft, k=args.k, dtype=args.dtype, max_running=args.max_running, max_len=args.max_len,
                     overlap=args.overlap, threads=args.threads, chunk_size=args.chunk_size, token_budget=args.token_budget,
                     cache_entries=args.cache_entries)

@@ -323,3 +323,4 @@ def test_an_engine_crash_is_503_and_a_non_zero_exit(servers: dict[str, ServerPro
         assert not any(alive(p) for p in server.children)
     finally:
         server.stop()
+

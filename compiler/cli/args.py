@@ -346,6 +346,24 @@ def parser() -> argparse.ArgumentParser:
     bi.add_argument("--k", type=_int_in(1, MAX_ITERATION_K), default=2, help=f"draft tokens per row, at most {MAX_ITERATION_K} (default 2)")
     bi.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats, the minimum is kept, at most {MAX_REPEATS} (default 7)")
     _add_threads(bi)
+    bo = bsub.add_parser(
+        "online", help="batchc serve under Poisson arrivals: throughput, TTFT, TPOT and ITL percentiles",
+        description="Start batchc serve (or use --url) and send the built-in workload's prompts as greedy streaming completions "
+        "with Poisson arrivals at each --rates value (requests/s); report request throughput, output tokens/s, and time to first "
+        "token, time per output token and inter-token latency at p50/p90/p99.",
+    )
+    bo.add_argument("--rates", type=FloatIn(0.001, 1e6), nargs="+", default=[1.0, 2.0, 4.0, 8.0],
+                    help="arrival rates in requests/s, one run each (default 1 2 4 8)")
+    bo.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=32, help=f"requests per rate, at most {MAX_REQUESTS} (default 32)")
+    bo.add_argument("--max-new-tokens", type=_int_in(1, MAX_CONTEXT), default=32, help="largest max_tokens of a request (default 32)")
+    bo.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help="workload and arrivals seed (default 0)")
+    bo.add_argument("--url", type=Text(2048), default=None, help="an running batchc serve to measure (default: start one with the options below)")
+    bo.add_argument("--k", type=_int_in(0, MAX_K), default=None, help="the started server's --k")
+    bo.add_argument("--max-running", type=_int_in(1, MAX_RUNNING), default=_SERVE.max_running, help="the started server's --max-running")
+    bo.add_argument("--max-len", type=_int_in(3, MAX_CONTEXT), default=DEFAULT_CONTEXT, help=f"the started server's --max-len (default {DEFAULT_CONTEXT})")
+    bo.add_argument("--json", metavar="PATH", type=_path_arg,
+                    help="also write the rows as JSON to PATH, a new or regular file, replaced when the bench ends ('-' for stdout)")
+    _add_threads(bo)
 
     sv = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server on the engine (completions, chat, streaming, metrics)",

@@ -96,11 +96,12 @@ def test_float_options_refuse_nan_infinities_and_values_past_their_bounds(
     for value in ("nan", "NaN", "inf", "-inf", "1e999", "-1e999", str(bounds.hi), str(bounds.lo - 1e-9), "0x10", "1" * 5000):
         err = _refused_in_one_line([*command, f"{option}={value}"], option, capsys)
         assert "expected a finite number in" in err
-    assert getattr(parser().parse_args([*command, option, str(bounds.lo)]), action.dest) == bounds.lo
+    got = getattr(parser().parse_args([*command, option, str(bounds.lo)]), action.dest)
+    assert got == ([bounds.lo] if action.nargs in ("+", "*") else bounds.lo)
 
 
 def test_float_options_exist() -> None:
-    assert [_id(v) for v in _of(FloatIn)] == ["ab --draft-noise", "serve --drain-timeout", "serve --request-timeout"]
+    assert [_id(v) for v in _of(FloatIn)] == ["ab --draft-noise", "bench online --rates", "serve --drain-timeout", "serve --request-timeout"]
 
 
 def test_ab_seed_of_23_digits_is_refused_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:

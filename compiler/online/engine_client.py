@@ -130,7 +130,10 @@ class EngineClient:
                 break
             match msg:
                 case StepOut():
-                    loop.call_soon_threadsafe(self._on_step, msg)
+                    try:
+                        loop.call_soon_threadsafe(self._on_step, msg)
+                    except RuntimeError:  # the event loop is closed: the server has stopped already
+                        return
                 case Closed():
                     self.closed = msg
                     self._closed_event.set()
@@ -143,7 +146,10 @@ class EngineClient:
                     reason = f"the engine process sent {type(msg).__name__} unexpectedly"
                     break
         self._closed_event.set()
-        loop.call_soon_threadsafe(self._on_gone, reason)
+        try:
+            loop.call_soon_threadsafe(self._on_gone, reason)
+        except RuntimeError:  # the event loop is closed: the server has stopped already
+            pass
 
     # -- on the event loop ---------------------------------------------------------------------
 

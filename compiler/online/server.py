@@ -40,6 +40,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -62,6 +63,7 @@ from compiler.online.metrics import Metrics
 from compiler.online.protocol import ApiError, GenerationRequest, Kind, bad, check_context, load_json, parse_request
 from compiler.online.text import TextStream
 from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from compiler.workload import ServeError
 
 log = logging.getLogger("batchc.online")
 
@@ -420,7 +422,7 @@ async def _drain(server: Server, uv: _Uvicorn, second: asyncio.Event) -> None:
     client.abort_all("aborted")
 
 
-async def _serve(server: Server, uv: _Uvicorn) -> int:
+async def _serve(server: Server, uv: _Uvicorn, sock: socket.socket) -> int:
     loop = asyncio.get_running_loop()
     client = server.client
     client.attach(loop)
@@ -442,19 +444,19 @@ async def _serve(server: Server, uv: _Uvicorn) -> int:
     for s in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(s, on_signal, s)
     server.metrics.engine_up.set(1)
-    web = asyncio.ensure_future(uv.serve())
+    web = asyncio.ensure_future(uv.serve(sockets=[sock]))
     while not uv.started and not web.done():
         await asyncio.sleep(0.01)
     if uv.started:
-        port = uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else server.options.port
+        port = sock.getsockname()[1]
         ready = server.ready
         print(f"batchc serve: {server.model!r} ({ready.name}, k={ready.k}, context {ready.max_len}, engine process {ready.pid}) "
               f"listening on http://{server.options.host}:{port}", file=sys.stderr, flush=True)
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({web, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if web.done():  # uvicorn could not start (the port is taken, say): it said why
+    if web.done():  # uvicorn could not start: it said why
         await client.shutdown(10.0)
-        return 2
+        return 1
     if client.gone is None:
         await _drain(server, uv, second)
     closed = await client.shutdown(10.0)
@@ -470,20 +472,39 @@ async def _serve(server: Server, uv: _Uvicorn) -> int:
     return 0 if closed is not None and closed.outstanding_tickets == 0 else 1
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything starts (a taken port is one line, at once)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def serve(options: ServerOptions) -> int:
-    """Start the engine process, serve until a signal (or the engine's death), drain, stop. Returns
-    the exit status (see the module); ``ServeError`` when the engine cannot be built."""
+    """Bind, start the engine process, serve until a signal (or the engine's death), drain, stop.
+    Returns the exit status (see the module); ``ServeError`` when the address cannot be bound or the
+    engine cannot be built."""
+    sock = listen(options.host, options.port)
     metrics = Metrics()
     client = EngineClient(options.launch, metrics)
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         ready = client.wait_ready(READY_TIMEOUT_S)
         server = Server(options, client, ready, metrics)
-        config = uvicorn.Config(server.app, host=options.host, port=options.port, http="h11", lifespan="off", log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(server.app, http="h11", lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5)
         uv = _Uvicorn(config)
-        return asyncio.run(_serve(server, uv))
+        return asyncio.run(_serve(server, uv, sock))
     finally:
         client.kill()
+        sock.close()
         for s, h in old.items():
             signal.signal(s, h)

@@ -183,3 +183,24 @@ def test_the_engine_loop_streams_tokens_aborts_and_closes_drained() -> None:
     assert (ended[2].reason, tokens[2]) == ("abort", [])
     assert ended[0].reason == ended[1].reason == "length"
     assert len(tokens[0]) == 6 and tokens[0] == tokens[1]
+
+
+def test_a_taken_port_is_refused_in_one_line_before_anything_starts() -> None:
+    import socket
+
+    from compiler.online.server import listen
+    from compiler.workload import ServeError
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(ServeError, match=r"^cannot listen on 127\.0\.0\.1:\d+: Address already in use$"):
+            listen("127.0.0.1", taken.getsockname()[1])
+    finally:
+        taken.close()
+    with pytest.raises(ServeError, match="cannot listen on no.such.host.invalid:0"):
+        listen("no.such.host.invalid", 0)
+    free = listen("127.0.0.1", 0)
+    assert free.getsockname()[0] == "127.0.0.1"
+    free.close()

@@ -6,6 +6,7 @@
   check; ``--compare-mutable`` adds the pre-fix mutable baseline on the same workload.
 - ``batchc ab``: the stale-init bug side by side: speculative decoding through the compiled
   pipeline and through the mutable baseline (pre-fix, fixed, and with a ledger) on the same models.
+- ``batchc serve``: an OpenAI-compatible HTTP server on the engine (``compiler.online``).
 - ``batchc dump``: the IR after every pass of the built-in scenario.
 - ``batchc bench pipeline``: decode-step host cost against the mutable baseline.
 - ``batchc bench iteration``: one speculative iteration's model phases in target decodes.
@@ -45,6 +46,7 @@ from backend import children
 from compiler.cli import output
 from compiler.cli.args import UsageError, parser, shown_path
 from compiler.cli.run import cmd_run
+from compiler.cli.serve import cmd_serve
 from compiler.cli.tools import cmd_ab, cmd_bench, cmd_dump
 from compiler.manager import settings_from_env
 from ir.errors import BatchcError
@@ -102,6 +104,8 @@ def _command(args: argparse.Namespace, console: Console) -> int:
                 return cmd_ab(args, console)
             case "bench":
                 return cmd_bench(args, console)
+            case "serve":
+                return cmd_serve(args)
     except BatchcError as exc:
         children.raise_if_interrupted()  # (refused while unwinding from a signal: the signal speaks)
         print(f"batchc: error: {exc}", file=sys.stderr)

@@ -142,6 +142,25 @@ class FloatIn:
         return value
 
 
+@attrs.frozen
+class Text:
+    """An argparse type: a non-empty word of at most ``limit`` printable ASCII characters, no
+    spaces (a host name or address, an API key, a model's name in the API)."""
+
+    limit: int
+
+    def refusal(self, text: str) -> str | None:
+        if not text or len(text) > self.limit or not (text.isascii() and text.isprintable()) or any(c.isspace() for c in text):
+            return f"expected 1 to {self.limit} printable ASCII characters without spaces, got {_shown(text)}"
+        return None
+
+    def __call__(self, text: str) -> str:
+        refusal = self.refusal(text)
+        if refusal is not None:
+            raise argparse.ArgumentTypeError(refusal)
+        return text
+
+
 def _device(text: str) -> str:
     """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` naming a device this machine has."""
     import torch
@@ -370,6 +389,54 @@ def parser() -> argparse.ArgumentParser:
                      help="also write the figures as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                      "replaced when the bench ends ('-' for stdout)")
     _add_threads(bsm)
+    bo = bsub.add_parser(
+        "online", help="batchc serve under Poisson arrivals: throughput, TTFT, TPOT and ITL percentiles",
+        description="Start batchc serve (or use --url) and send the built-in workload's prompts as greedy streaming completions "
+        "with Poisson arrivals at each --rates value (requests/s); report request throughput, output tokens/s, and time to first "
+        "token, time per output token and inter-token latency at p50/p90/p99.",
+    )
+    bo.add_argument("--rates", type=FloatIn(0.001, 1e6), nargs="+", default=[1.0, 2.0, 4.0, 8.0],
+                    help="arrival rates in requests/s, one run each (default 1 2 4 8)")
+    bo.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=32, help=f"requests per rate, at most {MAX_REQUESTS} (default 32)")
+    bo.add_argument("--max-new-tokens", type=_int_in(1, MAX_CONTEXT), default=32, help="largest max_tokens of a request (default 32)")
+    bo.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help="workload and arrivals seed (default 0)")
+    bo.add_argument("--url", type=Text(2048), default=None, help="an running batchc serve to measure (default: start one with the options below)")
+    bo.add_argument("--k", type=_int_in(0, MAX_K), default=None, help="the started server's --k")
+    bo.add_argument("--max-running", type=_int_in(1, MAX_RUNNING), default=_SERVE.max_running, help="the started server's --max-running")
+    bo.add_argument("--max-len", type=_int_in(3, MAX_CONTEXT), default=DEFAULT_CONTEXT, help=f"the started server's --max-len (default {DEFAULT_CONTEXT})")
+    bo.add_argument("--json", metavar="PATH", type=_path_arg,
+                    help="also write the rows as JSON to PATH, a new or regular file, replaced when the bench ends ('-' for stdout)")
+    _add_threads(bo)
+
+    sv = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server on the engine (completions, chat, streaming, metrics)",
+        description="Serve the model over HTTP with the OpenAI API (POST /v1/completions, /v1/chat/completions; GET /v1/models, "
+        "/health, /metrics). The engine runs in its own process. SIGTERM or SIGINT drains: new requests get 503, requests in "
+        "flight finish within --drain-timeout or are aborted, and the server exits 0 (docs/guides/online.md).",
+    )
+    sv.add_argument("--model", metavar="PATH", type=_path_arg, help="target, as batchc run's --model (default: the bundled byte-level model)")
+    sv.add_argument("--draft", metavar="PATH", type=_path_arg, help="draft, as batchc run's --draft")
+    sv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="compute dtype of the models (default float32)")
+    sv.add_argument("--k", type=_int_in(0, MAX_K), default=None, help="draft tokens per speculative iteration, as batchc run's --k")
+    sv.add_argument("--max-running", type=_int_in(1, MAX_RUNNING), default=_SERVE.max_running,
+                    help=f"requests live in the engine at once (default {_SERVE.max_running})")
+    sv.add_argument("--max-len", type=_int_in(3, MAX_CONTEXT), default=None, help="context length in tokens, as batchc run's --max-len")
+    sv.add_argument("--chunk-size", type=_int_in(1, MAX_CONTEXT), default=_SERVE.chunk_size, help=f"prefill chunk size in tokens (default {_SERVE.chunk_size})")
+    sv.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
+    sv.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries, help=f"prefix-cache entries (default {_SERVE.cache_entries})")
+    sv.add_argument("--overlap", action="store_true", help="run each model's executor in its own process, as batchc run's --overlap")
+    sv.add_argument("--host", type=Text(253), default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port to bind, 0 for any free one (the line printed at start names it; default 8000)")
+    sv.add_argument("--api-key", metavar="KEY", type=Text(1024), default=None,
+                    help="require Authorization: Bearer KEY on every route but /health (default: the BATCHC_API_KEY environment variable, if set)")
+    sv.add_argument("--served-model-name", metavar="NAME", type=Text(256), default=None, help="the model's id in the API (default: --model, or batchc-bundled)")
+    sv.add_argument("--max-waiting", type=_int_in(0, MAX_RUNNING), default=64,
+                    help="requests in flight beyond --max-running before new ones are answered 503 with Retry-After (default 64)")
+    sv.add_argument("--drain-timeout", type=FloatIn(0.0, 86400.0), default=30.0,
+                    help="seconds requests in flight may run on after SIGTERM or SIGINT before they are aborted (default 30)")
+    sv.add_argument("--request-timeout", type=FloatIn(0.001, 86400.0), default=600.0,
+                    help="seconds a request may take before it is aborted (504, or an error event on a stream; default 600)")
+    _add_threads(sv)
     return p
 
 

@@ -91,6 +91,10 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         return _bench_iteration(args, console)
     if args.group == "sampler":
         return _bench_sampler(args, console)
+    if args.group == "online":
+        from compiler.cli.serve import bench_online
+
+        return bench_online(args, console)
     from backend.tools.bench_kernels import run as run_kernel_bench
 
     print(run_kernel_bench(device=args.device))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from compiler.cli.args import MAX_AB_RUNNING, FloatIn, IntIn, _device, _path_arg, parser
+from compiler.cli.args import MAX_AB_RUNNING, FloatIn, IntIn, Text, _device, _path_arg, parser
 from compiler.engine.config import ServeConfig
 from compiler.workload import MAX_CONTEXT, MAX_SEED, ServeError
 from tests.helpers import run_cli
@@ -48,10 +48,10 @@ def _id(v: tuple[tuple[str, ...], str, argparse.Action]) -> str:
 
 
 def test_every_option_that_takes_a_value_has_a_known_type() -> None:
-    # numbers through IntIn or FloatIn (bounded); text through a path, a device, or a fixed set of choices
+    # numbers through IntIn or FloatIn (bounded); text through a path, a device, a bounded word (Text) or a fixed set of choices
     loose = [
         _id(v) for v in _valued()
-        if not isinstance(v[2].type, (IntIn, FloatIn)) and v[2].type not in (_path_arg, _device)
+        if not isinstance(v[2].type, (IntIn, FloatIn, Text)) and v[2].type not in (_path_arg, _device)
         and not (v[2].type is None and v[2].choices is not None and all(isinstance(c, str) for c in v[2].choices))
     ]
     assert loose == []
@@ -102,16 +102,23 @@ def test_float_options_refuse_nan_infinities_and_values_past_their_bounds(
         err = _refused_in_one_line([*command, f"{option}={text}"], option, capsys)
         assert "expected a finite number in" in err
     # and each bound the interval holds is a value the option takes
+    def taken(text: str) -> object:
+        got = getattr(parser().parse_args([*command, option, text]), action.dest)
+        return got[0] if action.nargs in ("+", "*") else got
+
     for value, held in ((bounds.lo, not bounds.lo_open), (bounds.hi, bounds.hi_closed and math.isfinite(bounds.hi))):
         if held:
-            assert getattr(parser().parse_args([*command, option, repr(value)]), action.dest) == value
+            assert taken(repr(value)) == value
     if bounds.lo_open:
         inside = math.nextafter(bounds.lo, math.inf)
-        assert getattr(parser().parse_args([*command, option, repr(inside)]), action.dest) == inside
+        assert taken(repr(inside)) == inside
 
 
 def test_float_options_exist() -> None:
-    assert [_id(v) for v in _of(FloatIn)] == ["run --temperature", "run --top-p", "run --min-p", "ab --draft-noise"]
+    assert [_id(v) for v in _of(FloatIn)] == [
+        "run --temperature", "run --top-p", "run --min-p", "ab --draft-noise", "bench online --rates", "serve --drain-timeout",
+        "serve --request-timeout",
+    ]
 
 
 def test_ab_seed_of_23_digits_is_refused_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,259 @@
+"""The HTTP process's side of the engine process: start it, talk to it, account for its requests.
+
+``EngineClient`` starts ``compiler.online.engine_process`` through ``backend.children.spawn`` (a
+fresh interpreter that dies with this process, whatever kills it) connected by a socket pair, sends
+``Launch`` and waits for ``Ready``. Then two daemon threads carry the messages: a writer (so that
+the event loop never blocks on a full socket while the engine runs a step) and a reader, which
+hands every ``StepOut`` to the event loop (``call_soon_threadsafe``). On the loop, each request's
+``Delta`` and ``Ended`` messages go to its ``Tracked`` queue, and its metrics (time to first token,
+inter-token latency, end-to-end latency, tokens, outcome) are recorded here, whether or not its
+HTTP handler is still there to read them: a client that went away still has its request counted
+when the engine's ``Ended`` arrives.
+
+If the engine process ends without ``Closed`` (a crash, a kill), ``gone`` says how, in one line,
+every tracked request gets an ``Ended`` with reason ``failed`` at once, and ``on_gone`` is called:
+the server answers 503 from then on and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing.connection
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+
+from backend import children
+from compiler.online.messages import Abort, Closed, Crashed, Delta, Ended, FromEngine, Launch, Ready, Shutdown, StartFailed, StepOut, Submit, ToEngine
+from compiler.online.metrics import Metrics
+from compiler.workload import ServeError
+
+
+class EngineGone(ServeError):
+    """The engine process ended before it was ready."""
+
+
+@attrs.define(kw_only=True)
+class Tracked:
+    """One request in flight, as the HTTP side sees it."""
+
+    rid: int
+    queue: asyncio.Queue[Delta | Ended]
+    arrived: float
+    """``time.perf_counter()`` when its HTTP request arrived."""
+    last: float | None = None
+    """When its tokens last arrived (``None``: none yet)."""
+    note: str | None = None
+    """What the HTTP side decided for it (``stop``: a stop string; ``cancelled``, ``timeout``,
+    ``aborted``: the reason it sent ``Abort``), read when its ``Ended`` arrives."""
+    done: bool = False
+
+
+class EngineClient:
+    def __init__(self, launch: Launch, metrics: Metrics) -> None:
+        self.metrics = metrics
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = children.spawn(
+            [sys.executable, "-m", "compiler.online.engine_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.conn = multiprocessing.connection.Connection(ours.detach())
+        self.conn.send(launch)
+        self.tracked: dict[int, Tracked] = {}
+        self.next_rid = 0
+        self.gone: str | None = None
+        self.closed: Closed | None = None
+        self.finished = 0
+        self.aborted = 0
+        self.on_gone: Callable[[], None] = lambda: None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
+        self._closed_event = threading.Event()
+
+    def _how_it_ended(self) -> str:
+        try:
+            code = self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return "the engine process stopped answering"
+        return f"the engine process {children.ended(code)}"
+
+    def wait_ready(self, timeout_s: float) -> Ready:
+        """Block until the engine is built: ``Ready``, or ``ServeError`` (its one line) / ``EngineGone``."""
+        try:
+            if not self.conn.poll(timeout_s):
+                children.kill(self.proc)
+                raise EngineGone(f"the engine process {children.no_answer(timeout_s)} (loading the models)")
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            raise EngineGone(f"{self._how_it_ended()} while loading the models") from None
+        if isinstance(msg, StartFailed):
+            raise ServeError(msg.message)
+        if not isinstance(msg, Ready):
+            raise EngineGone(f"the engine process answered {type(msg).__name__} instead of Ready")
+        return msg
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the reader and writer threads, delivering to ``loop``."""
+        self._loop = loop
+        threading.Thread(target=self._reader, name="batchc-engine-reader", daemon=True).start()
+        threading.Thread(target=self._writer, name="batchc-engine-writer", daemon=True).start()
+
+    # -- threads -------------------------------------------------------------------------------
+
+    def _writer(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):
+                return  # the engine is gone: the reader says so
+
+    def _reader(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        while True:
+            try:
+                msg: FromEngine = self.conn.recv()
+            except (EOFError, OSError):
+                reason = self._how_it_ended()
+                break
+            match msg:
+                case StepOut():
+                    try:
+                        loop.call_soon_threadsafe(self._on_step, msg)
+                    except RuntimeError:  # the event loop is closed: the server has stopped already
+                        return
+                case Closed():
+                    self.closed = msg
+                    self._closed_event.set()
+                    return
+                case Crashed(message=message):
+                    reason = f"the engine process failed: {message}"
+                    self._how_it_ended()
+                    break
+                case _:
+                    reason = f"the engine process sent {type(msg).__name__} unexpectedly"
+                    break
+        self._closed_event.set()
+        try:
+            loop.call_soon_threadsafe(self._on_gone, reason)
+        except RuntimeError:  # the event loop is closed: the server has stopped already
+            pass
+
+    # -- on the event loop ---------------------------------------------------------------------
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.tracked)
+
+    def submit(self, sub: Submit, arrived: float) -> Tracked:
+        t = Tracked(rid=sub.rid, queue=asyncio.Queue(), arrived=arrived)
+        self.tracked[sub.rid] = t
+        self.metrics.prompt_tokens.inc(len(sub.prompt))
+        self.metrics.in_flight.set(len(self.tracked))
+        self._outbox.put(sub)
+        return t
+
+    def new_rid(self) -> int:
+        self.next_rid += 1
+        return self.next_rid - 1
+
+    def abort(self, t: Tracked, note: str) -> None:
+        """Ask the engine to end ``t`` now (``note``: why, for its outcome); once only."""
+        if t.note is None and not t.done:
+            t.note = note
+            if self.gone is None:
+                self._outbox.put(Abort(t.rid))
+
+    def abort_all(self, note: str) -> None:
+        for t in list(self.tracked.values()):
+            self.abort(t, note)
+
+    def _on_step(self, out: StepOut) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        m.engine(out.stats)
+        for d in out.deltas:
+            t = self.tracked.get(d.rid)
+            if t is not None:
+                self._tokens(t, len(d.ids), now)
+                t.queue.put_nowait(d)
+        for e in out.ended:
+            t = self.tracked.pop(e.rid, None)
+            if t is not None:
+                self._tokens(t, len(e.ids), now)
+                self._end(t, e, now)
+        m.in_flight.set(len(self.tracked))
+
+    def _tokens(self, t: Tracked, n: int, now: float) -> None:
+        if not n:
+            return
+        self.metrics.generation_tokens.inc(n)
+        if t.last is None:
+            self.metrics.ttft.observe(now - t.arrived)
+        else:
+            self.metrics.itl.observe(now - t.last)
+        t.last = now
+
+    def _end(self, t: Tracked, e: Ended, now: float) -> None:
+        t.done = True
+        if t.note == "stop" or (t.note is None and e.reason in ("stop", "length")):
+            outcome = "finished"
+        elif t.note is not None:
+            outcome = t.note
+        elif e.reason == "abort":
+            outcome = "aborted"
+        elif e.reason == "refused":
+            outcome = "refused"
+        else:
+            outcome = "error"
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.e2e.observe(now - t.arrived)
+        if outcome == "finished":
+            self.finished += 1
+        else:
+            self.aborted += 1
+        t.queue.put_nowait(e)
+
+    def _on_gone(self, reason: str) -> None:
+        if self.closed is not None or self.gone is not None:
+            return
+        self.gone = reason
+        self.metrics.engine_up.set(0)
+        now = time.perf_counter()
+        for t in list(self.tracked.values()):
+            self._end(t, Ended(rid=t.rid, ids=(), reason="failed", message=reason), now)
+        self.tracked.clear()
+        self.metrics.in_flight.set(0)
+        self.on_gone()
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    async def shutdown(self, timeout_s: float) -> Closed | None:
+        """Ask the engine process to close (it aborts whatever is live) and wait for ``Closed`` and
+        its exit; a process that does not close in time is killed. ``None`` when it was gone or killed."""
+        if self.gone is None:
+            self._outbox.put(Shutdown())
+            await asyncio.to_thread(self._closed_event.wait, timeout_s)
+        self._outbox.put(None)
+        try:
+            await asyncio.to_thread(self.proc.wait, timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        children.kill(self.proc)
+        self.conn.close()
+        return self.closed
+
+    def kill(self) -> None:
+        children.kill(self.proc)

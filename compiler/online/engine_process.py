@@ -1,0 +1,270 @@
+"""``batchc serve``'s engine process: the one place the online server runs forwards.
+
+``python -m compiler.online.engine_process FD`` is started by the HTTP process
+(``compiler.online.engine_client``) through ``backend.children.spawn`` (it dies with the server,
+whatever kills the server) and talks over the connection on file descriptor ``FD`` in the
+messages of ``compiler.online.messages``. It reads ``Launch``, loads the models and builds the
+engine as ``batchc run`` does (``compiler.serve.models.load_served``, ``make_engine`` with the
+prefix cache), answers ``Ready`` or ``StartFailed``, then loops:
+
+1. read every message waiting (blocking only when nothing is live): ``Submit`` joins a FIFO,
+   ``Abort`` ends its request now (queued or live, through ``Engine.abort``, the engine's one
+   release path), ``Shutdown`` aborts everything, drops the prefix cache, answers ``Closed`` and
+   ends the loop;
+2. admit from the FIFO while fewer than ``max_running`` requests are live (as ``batchc run``'s
+   ``serve`` does: waiting requests hold no slot, no KV and no ticket);
+3. run one ``Engine.step`` and send one ``StepOut``: each request's new tokens (``Delta``), the
+   requests that ended (``Ended``, with their last tokens and why) and the engine's ``Stats``.
+
+So an ``Abort`` takes effect before the next step: a request is released within one engine step
+of the HTTP side asking. SIGINT is ignored here (the server speaks for Ctrl-C and stops this
+process itself); an exception escaping the loop is sent as ``Crashed`` and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+from collections import deque
+from typing import Final
+
+from compiler.engine import Engine, RequestState
+from compiler.engine.config import ServeConfig
+from compiler.online.messages import (
+    Abort,
+    Closed,
+    Crashed,
+    Delta,
+    Ended,
+    EndReason,
+    Launch,
+    Ready,
+    Shutdown,
+    StartFailed,
+    Stats,
+    StepOut,
+    Submit,
+    ToEngine,
+)
+from ir.errors import BatchcError
+from ir.ids import RequestId
+
+IDLE_TICK_S: Final = 0.5
+"""How long an idle engine waits for a message before it sends its stats again."""
+
+
+def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig]:
+    """The engine ``launch`` describes, with ``batchc run``'s checks (``ServeError`` / ``BatchcError``, one line)."""
+    import torch
+
+    from compiler.serve.memory import check_serving
+    from compiler.serve.models import check_same_vocabulary, load_served
+    from compiler.serve.run import make_engine
+    from compiler.workload import DEFAULT_CONTEXT, MAX_CONTEXT, ServeError
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[launch.dtype]
+    target = load_served(launch.model, role="target", dtype=dtype, bundled="target")
+    k = launch.k if launch.k is not None else (0 if target.hf and launch.draft is None else ServeConfig().k)
+    if launch.draft is not None and k == 0:
+        raise ServeError(f"--draft {launch.draft!r} with --k 0: k = 0 turns speculative decoding off and runs no draft")
+    if target.hf and k > 0 and launch.draft is None:
+        raise ServeError(f"--k {k} with a Hugging Face --model needs --draft DIR (a smaller model with the same vocabulary)")
+    drafted = None if k == 0 else load_served(launch.draft, role="draft", dtype=dtype, bundled="draft")
+    if drafted is not None:
+        check_same_vocabulary(target, drafted)
+    limits = [(m.name, m.max_positions) for m in (target, drafted) if m is not None and m.max_positions is not None]
+    for name, limit in limits:
+        if launch.max_len is not None and launch.max_len > limit:
+            raise ServeError(f"--max-len {launch.max_len} is over the max_position_embeddings {limit} of {name}")
+    max_len = launch.max_len if launch.max_len is not None else (min(min(lim for _, lim in limits), MAX_CONTEXT) if limits else DEFAULT_CONTEXT)
+    if max_len < k + 3:
+        raise ServeError(f"--max-len {max_len} leaves no room for a prompt token and a new token next to the k + 1 = {k + 1} positions of a step")
+    cfg = ServeConfig(k=k, max_running=launch.max_running, max_len=max_len, overlap=launch.overlap, chunk_size=launch.chunk_size,
+                      token_budget=launch.token_budget, cache_entries=launch.cache_entries)
+    tokenizer = target.tokenizer if target.hf else None
+    check_serving(target.model.config, drafted.model.config if drafted is not None else None, cfg,
+                  names=(target.name, drafted.name if drafted is not None else "draft"),
+                  vocab=tokenizer.vocab_size if tokenizer is not None else None)
+    engine = make_engine(target.model, drafted.model if drafted is not None else None, cfg, None, cache=True, k=k)
+    ready = Ready(name=target.name, vocab=target.model.config.vocab, eos=tuple(target.eos), max_len=max_len, k=k, reserve=cfg.reserve,
+                  hf_dir=launch.model if target.hf else None, pid=os.getpid())
+    return engine, ready, cfg
+
+
+class Loop:
+    """The engine loop (see the module); ``run`` returns after ``Shutdown``."""
+
+    def __init__(self, engine: Engine, conn: multiprocessing.connection.Connection, max_running: int) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.max_running = max_running
+        self.queued: deque[Submit] = deque()
+        self.sent: dict[int, int] = {}
+        """Tokens already sent, by every submitted request not yet ended."""
+        self.stops: dict[int, frozenset[int]] = {}
+        self.deltas: list[Delta] = []
+        self.ended: list[Ended] = []
+        self.steps = 0
+        self.last_stats: Stats | None = None
+        self.last_sent = 0.0
+
+    def run(self) -> None:
+        while True:
+            busy = bool(self.queued) or self.engine.live > 0
+            if self.conn.poll(0 if busy else IDLE_TICK_S):
+                while True:
+                    if self._handle(self.conn.recv()):
+                        return
+                    if not self.conn.poll(0):
+                        break
+            self._admit()
+            if self.engine.live:
+                self.engine.step()
+                self.steps += 1
+                if not self.engine.live:
+                    self.engine.sync()  # (overlap: the last pipelined forward's tokens)
+            self._collect()
+            self._send()
+
+    def _handle(self, msg: ToEngine) -> bool:
+        """Act on one message; True on ``Shutdown``."""
+        match msg:
+            case Submit():
+                self.queued.append(msg)
+                self.sent[msg.rid] = 0
+                self.stops[msg.rid] = frozenset(msg.stop)
+            case Abort(rid=rid):
+                self._abort(rid)
+            case Shutdown():
+                for rid in list(self.sent):
+                    self._abort(rid)
+                self.engine.sync()
+                self._collect()
+                self.engine.drop_cache()
+                self._send(force=True)
+                closed = Closed(outstanding_tickets=len(self.engine.ledger.outstanding()), slots_live=self.engine.slots.num_live,
+                                kv_live=self.engine.kv.num_live)
+                self.engine.close()
+                self.conn.send(closed)
+                return True
+            case _:
+                raise TypeError(f"unexpected message {type(msg).__name__}")
+        return False
+
+    def _abort(self, rid: int) -> None:
+        for i, sub in enumerate(self.queued):
+            if sub.rid == rid:
+                del self.queued[i]
+                self._end(rid, (), "abort")
+                return
+        if RequestId(rid) in self.engine.requests:
+            self.engine.abort(RequestId(rid))
+            self._collect_one(rid, reason="abort")
+        # else: it ended already (its Ended is sent or on its way)
+
+    def _admit(self) -> None:
+        while self.queued and self.engine.live < self.max_running:
+            sub = self.queued.popleft()
+            try:
+                self.engine.admit(RequestId(sub.rid), list(sub.prompt), max_new_tokens=sub.max_new_tokens, stop=list(sub.stop) or None,
+                                  sampling=sub.sampling)
+            except BatchcError as exc:  # checked on the HTTP side first: a refusal here is that check's bug, said per request
+                self._end(sub.rid, (), "refused", " ".join(str(exc).split()))
+
+    def _end(self, rid: int, ids: tuple[int, ...], reason: EndReason, message: str | None = None) -> None:
+        self.sent.pop(rid, None)
+        self.stops.pop(rid, None)
+        self.ended.append(Ended(rid=rid, ids=ids, reason=reason, message=message))
+
+    def _collect_one(self, rid: int, reason: EndReason | None = None) -> None:
+        """Send what ``rid`` emitted since last time; end it if it left the engine."""
+        engine, key, sent = self.engine, RequestId(rid), self.sent[rid]
+        live = engine.requests.get(key)
+        if live is not None:
+            new = live.output[sent : live.max_new_tokens]
+            if new:
+                self.deltas.append(Delta(rid, tuple(int(t) for t in new)))
+                self.sent[rid] = sent + len(new)
+            return
+        if key not in engine.outputs:
+            return  # still queued here
+        out = engine.outputs.pop(key)  # (a long-running server keeps no record of ended requests)
+        message: str | None = None
+        if reason is None:
+            if key in engine.aborted_by_failure:
+                reason, message = "failed", engine.first_failure
+            elif key in engine.errored:
+                from compiler.engine.nonfinite import ERROR_MESSAGE
+
+                reason, message = "error", ERROR_MESSAGE
+            elif out and out[-1] in self.stops[rid]:
+                reason = "stop"
+            else:
+                reason = "length"
+        engine.aborted_by_failure.discard(key)
+        engine.errored.discard(key)
+        self._end(rid, tuple(int(t) for t in out[sent:]), reason, message)
+
+    def _collect(self) -> None:
+        for rid in list(self.sent):
+            self._collect_one(rid)
+
+    def stats(self) -> Stats:
+        engine = self.engine
+        running = sum(1 for r in engine.requests if r.state is RequestState.RUNNING)
+        return Stats(
+            running=running, waiting=len(self.queued) + engine.live - running, slots_live=engine.slots.num_live,
+            slots_capacity=engine.slots.capacity, request_slots=len(engine.live_slots()), kv_live=engine.kv.num_live,
+            kv_capacity=engine.kv.capacity, cache_entries=len(engine.cache) if engine.cache is not None else 0,
+            outstanding_tickets=len(engine.ledger.outstanding()), proposed=engine.stats.proposed, accepted=engine.stats.accepted,
+            steps=self.steps,
+        )
+
+    def _send(self, force: bool = False) -> None:
+        stats = self.stats()
+        now = time.monotonic()
+        if not (force or self.deltas or self.ended or stats != self.last_stats or now - self.last_sent >= IDLE_TICK_S):
+            return
+        self.conn.send(StepOut(deltas=tuple(self.deltas), ended=tuple(self.ended), stats=stats))
+        self.deltas.clear()
+        self.ended.clear()
+        self.last_stats, self.last_sent = stats, now
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server speaks for Ctrl-C and stops this process itself
+    conn = multiprocessing.connection.Connection(int(argv[0]))
+    try:
+        launch = conn.recv()
+    except (EOFError, OSError):
+        return 1  # the server is gone
+    if not isinstance(launch, Launch):
+        conn.send(StartFailed(f"expected Launch first, got {type(launch).__name__}"))
+        return 2
+    import torch
+
+    torch.set_num_threads(launch.threads)
+    try:
+        engine, ready, cfg = build(launch)
+    except (BatchcError, OSError, ValueError) as exc:
+        conn.send(StartFailed(" ".join(str(exc).split())))
+        return 2
+    conn.send(ready)
+    try:
+        Loop(engine, conn, cfg.max_running).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 1  # the server is gone (the parent-death signal ends this process too)
+    except BaseException as exc:  # noqa: BLE001 - said to the server in one line, then this process exits
+        try:
+            conn.send(Crashed(f"{type(exc).__name__}: {' '.join(str(exc).split())}"))
+        except OSError:
+            pass
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,154 @@
+"""The typed messages between ``batchc serve``'s HTTP process and its engine process.
+
+The HTTP side sends ``Launch`` once, then ``Submit``, ``Abort`` and finally ``Shutdown``; the
+engine side answers ``Ready`` (or ``StartFailed``) once, then one ``StepOut`` per engine step that
+had something to say (new tokens, ended requests) or per idle tick (its ``Stats`` only), and
+``Closed`` as its last word. Each message is an attrs frozen value; they travel pickled over one
+``multiprocessing.connection.Connection`` between these two processes of one server, never across
+a network.
+
+Invariants: a request id (``rid``) is submitted once; the engine sends exactly one ``Ended`` per
+submitted id (finished, aborted, refused or failed), after every ``Delta`` of it; the ids of a
+``Delta`` and of an ``Ended`` are the request's new output tokens, in order, never repeated.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import attrs
+
+from ir.sampling import SamplingParams
+
+EndReason = Literal["stop", "length", "abort", "refused", "error", "failed"]
+"""How a request ended in the engine: ``stop`` (an end-of-sequence or stop token id), ``length``
+(``max_new_tokens``), ``abort`` (the HTTP side's ``Abort``), ``refused`` (``Engine.admit`` refused
+it), ``error`` (non-finite logits), ``failed`` (a forward carrying it failed)."""
+
+END_REASONS: Final = ("stop", "length", "abort", "refused", "error", "failed")
+
+
+@attrs.frozen(kw_only=True)
+class Launch:
+    """The engine process's options (``batchc serve``'s model options)."""
+
+    model: str | None
+    draft: str | None
+    k: int | None
+    dtype: str
+    max_running: int
+    max_len: int | None
+    overlap: bool
+    threads: int
+    chunk_size: int
+    token_budget: int
+    cache_entries: int
+
+
+@attrs.frozen(kw_only=True)
+class Ready:
+    """The engine is built: what the HTTP side needs to tokenise and check requests."""
+
+    name: str
+    vocab: int
+    eos: tuple[int, ...]
+    max_len: int
+    k: int
+    reserve: int
+    """Context positions a request keeps free after its prompt and new tokens (k + 1)."""
+    hf_dir: str | None
+    """The Hugging Face checkpoint directory (its tokenizer and chat template), or ``None`` (bytes)."""
+    pid: int
+
+
+@attrs.frozen
+class StartFailed:
+    """The engine could not be built (bad options, models, memory bound): one line."""
+
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class Submit:
+    rid: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    stop: tuple[int, ...]
+    """Token ids that end it (the model's end-of-sequence ids unless ``ignore_eos``)."""
+    sampling: SamplingParams
+
+
+@attrs.frozen
+class Abort:
+    rid: int
+
+
+@attrs.frozen
+class Shutdown:
+    """Abort whatever is live, close the engine, answer ``Closed`` and exit."""
+
+
+@attrs.frozen
+class Delta:
+    rid: int
+    ids: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Ended:
+    rid: int
+    ids: tuple[int, ...]
+    """Its last new tokens (those no ``Delta`` carried)."""
+    reason: EndReason
+    message: str | None = None
+    """Why, for ``refused``, ``error`` and ``failed``."""
+
+
+@attrs.frozen(kw_only=True)
+class Stats:
+    """The engine's gauges and counters, sent with every ``StepOut``."""
+
+    running: int
+    """Requests decoding (RUNNING)."""
+    waiting: int
+    """Requests submitted and not yet decoding (queued in the engine process or prefilling)."""
+    slots_live: int
+    slots_capacity: int
+    request_slots: int
+    """Slots held by live requests (the rest of ``slots_live`` is the prefix cache's)."""
+    kv_live: int
+    kv_capacity: int
+    cache_entries: int
+    outstanding_tickets: int
+    """The ledger's registered one-shot tickets not yet consumed."""
+    proposed: int
+    accepted: int
+    steps: int
+
+
+@attrs.frozen(kw_only=True)
+class StepOut:
+    deltas: tuple[Delta, ...]
+    ended: tuple[Ended, ...]
+    stats: Stats
+
+
+@attrs.frozen(kw_only=True)
+class Closed:
+    """The engine process's last message: the ledger and allocators after every request left and
+    the prefix cache was dropped."""
+
+    outstanding_tickets: int
+    slots_live: int
+    kv_live: int
+
+
+@attrs.frozen
+class Crashed:
+    """The engine loop raised: one line; the process exits non-zero after sending it."""
+
+    message: str
+
+
+ToEngine = Launch | Submit | Abort | Shutdown
+FromEngine = Ready | StartFailed | StepOut | Closed | Crashed

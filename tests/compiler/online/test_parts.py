@@ -1,0 +1,206 @@
+"""The online server's parts without a server: request checks (``protocol``), stop strings on
+detokenised text (``text``), chat templates in the sandbox (``chat``), and the engine loop's
+messages (``engine_process.Loop`` on a real engine, through a pipe)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+from pathlib import Path
+
+import pytest
+
+from compiler.online.chat import ChatTemplate
+from compiler.online.protocol import ApiError, ChatMessage, check_context, load_json, parse_request
+from compiler.online.text import TextStream
+from compiler.serve.tokenizer import ByteTokenizer
+
+
+def _parse(body: dict[str, object], kind: str = "completion") -> object:
+    return parse_request(body, kind, model="m")  # type: ignore[arg-type]  # (kind: a Literal)
+
+
+def _refused(body: dict[str, object], kind: str = "completion") -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        _parse(body, kind)
+    return caught.value
+
+
+def test_openai_names_become_sampling_params() -> None:
+    req = parse_request({"model": "m", "prompt": "hi", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1,
+                         "seed": 11, "presence_penalty": 1, "frequency_penalty": -1, "repetition_penalty": 1.2, "stop": "x",
+                         "stop_token_ids": [3], "ignore_eos": True, "min_tokens": 2, "n": 1, "stream": True,
+                         "stream_options": {"include_usage": True}, "user": "u", "logprobs": None}, "completion", model="m")
+    s = req.sampling
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (7, 0.5, 0.9, 3, 0.1, 11)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.stop, s.stop_token_ids) == (1.0, -1.0, 1.2, ("x",), (3,))
+    assert (s.ignore_eos, s.min_tokens, req.stream, req.include_usage, req.prompt) == (True, 2, True, True, "hi")
+
+
+@pytest.mark.parametrize(("body", "param", "status"), [
+    ({"model": "m", "prompt": "a", "temperature": True}, "temperature", 400),
+    ({"model": "m", "prompt": "a", "top_k": 2.0}, "top_k", 400),
+    ({"model": "m", "prompt": "a", "seed": -1}, "seed", 400),
+    ({"model": "m", "prompt": "a", "presence_penalty": 3}, "presence_penalty", 400),
+    ({"model": "m", "prompt": "a", "min_tokens": 99}, "min_tokens", 400),
+    ({"model": "m", "prompt": "a", "stop": ["a"] * 17}, "stop", 400),
+    ({"model": "m", "prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", 400),
+    ({"model": "m", "prompt": "a", "echo": True}, "echo", 400),
+    ({"model": "m", "prompt": "a", "logit_bias": {"1": 2}}, "logit_bias", 400),
+    ({"model": "m", "prompt": "a", "n": 0}, "n", 400),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt", 400),
+    ({"model": "m", "prompt": [True]}, "prompt", 400),
+    ({"model": "m", "prompt": []}, "prompt", 400),
+    ({"model": "n", "prompt": "a"}, "model", 404),
+])
+def test_bad_fields_are_named(body: dict[str, object], param: str, status: int) -> None:
+    error = _refused(body)
+    assert (error.status, error.param) == (status, param)
+    assert error.body()["error"]["param"] == param  # type: ignore[index]  # (a dict of dicts)
+
+
+def test_chat_bodies() -> None:
+    req = parse_request({"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                        {"type": "text", "text": "b"}]}], "max_completion_tokens": 5}, "chat", model="m")
+    assert req.messages == (ChatMessage(role="system", content="s"), ChatMessage(role="user", content="ab"))
+    assert req.sampling.max_new_tokens == 5 and req.max_tokens_given
+    assert _refused({"model": "m", "messages": []}, "chat").param == "messages"
+    assert _refused({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "chat").param == "messages[0].role"
+    assert _refused({"model": "m", "messages": [{"role": "user", "content": 3}]}, "chat").param == "messages[0].content"
+    assert _refused({"model": "m", "prompt": "a", "messages": []}, "completion").param == "messages"  # (an unknown field there)
+
+
+def test_the_context_bounds_the_new_tokens() -> None:
+    req = parse_request({"model": "m", "prompt": "a"}, "completion", model="m")
+    assert check_context(req, 10, max_len=20, reserve=3).max_new_tokens == 7  # (the default 16, cut to the room)
+    chat = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "chat", model="m")
+    assert check_context(chat, 10, max_len=64, reserve=3).max_new_tokens == 51  # (no limit given: the room)
+    given = parse_request({"model": "m", "prompt": "a", "max_tokens": 8}, "completion", model="m")
+    with pytest.raises(ApiError) as caught:
+        check_context(given, 10, max_len=20, reserve=3)
+    assert (caught.value.param, caught.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(ApiError) as caught:
+        check_context(given, 17, max_len=20, reserve=3)
+    assert caught.value.param == "prompt"
+
+
+@pytest.mark.parametrize("body", [b"\xff", b"{", b"NaN", b'{"a": Infinity}', b"[]", b'"x"', b"[" * 100_000])
+def test_json_that_is_not_an_object_is_400(body: bytes) -> None:
+    with pytest.raises(ApiError) as caught:
+        load_json(body)
+    assert caught.value.status == 400
+
+
+def _stream(text: str, stops: list[str], split: int) -> tuple[list[str], TextStream]:
+    """``text``'s bytes pushed ``split`` at a time."""
+    ts = TextStream(ByteTokenizer().detokenizer(), stops)
+    ids = list(text.encode())
+    pieces = [ts.push(ids[i : i + split]) for i in range(0, len(ids), split)]
+    return pieces + [ts.finish()], ts
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 7])
+def test_a_stop_string_split_across_tokens_ends_the_text_before_it(split: int) -> None:
+    pieces, ts = _stream("hello wor|ld and more", ["|ld", "zzz"], split)
+    assert "".join(pieces) == "hello wor" and ts.stopped
+    assert ts.tokens <= len("hello wor|ld") + split - 1 and ts.tokens >= len("hello wor|ld")
+    assert not any("|" in p for p in pieces)
+    pieces, ts = _stream("héllo wörld", ["zz"], split)  # no stop: everything, multi-byte characters whole
+    assert "".join(pieces) == "héllo wörld" and not ts.stopped and ts.tokens == len("héllo wörld".encode())
+    pieces, ts = _stream("abcabc", ["ca", "b"], split)  # the first stop in the text wins
+    assert "".join(pieces) == "a"
+
+
+def _template(tmp_path: Path, template: object, **extra: object) -> ChatTemplate | None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, **extra}))
+    return ChatTemplate.load(str(tmp_path))
+
+
+def test_chat_templates_render_in_the_sandbox(tmp_path: Path) -> None:
+    t = _template(tmp_path, "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}", bos_token={"content": "<s>"}, eos_token="</s>")
+    assert t is not None
+    msgs = [ChatMessage(role="user", content="hi")]
+    assert t.render(msgs, add_generation_prompt=True) == "<s><user>hi\n<assistant>"
+    assert t.render(msgs, add_generation_prompt=False) == "<s><user>hi\n"
+    refusing = _template(tmp_path, "{{ raise_exception('only user turns') }}")
+    assert refusing is not None
+    with pytest.raises(ApiError) as caught:
+        refusing.render(msgs, add_generation_prompt=True)
+    assert "only user turns" in caught.value.message
+    escaping = _template(tmp_path, "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    assert escaping is not None
+    with pytest.raises(ApiError):
+        escaping.render(msgs, add_generation_prompt=True)
+    mutating = _template(tmp_path, "{{ messages.append(1) }}")
+    assert mutating is not None
+    with pytest.raises(ApiError):
+        mutating.render(msgs, add_generation_prompt=True)
+    named = _template(tmp_path, [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}])
+    assert named is not None and named.render(msgs, add_generation_prompt=True) == "D"
+    assert _template(tmp_path, None) is None
+    assert ChatTemplate.load(None) is None and ChatTemplate.load(str(tmp_path / "nowhere")) is None
+
+
+def test_the_engine_loop_streams_tokens_aborts_and_closes_drained() -> None:
+    from compiler.engine.config import ServeConfig
+    from compiler.online import engine_process
+    from compiler.online.messages import Abort, Closed, Ended, Launch, Shutdown, StepOut, Submit
+    from ir.sampling import SamplingParams
+
+    launch = Launch(model=None, draft=None, k=0, dtype="float32", max_running=2, max_len=64, overlap=False, threads=1,
+                    chunk_size=ServeConfig().chunk_size, token_budget=ServeConfig().token_budget, cache_entries=2)
+    engine, ready, cfg = engine_process.build(launch)
+    assert (ready.vocab, ready.k, ready.reserve, ready.max_len, ready.hf_dir) == (256, 0, 1, 64, None)
+    ours, theirs = multiprocessing.Pipe()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    for rid in (0, 1, 2):
+        ours.send(Submit(rid=rid, prompt=tuple(b"abc"), max_new_tokens=6, stop=(), sampling=greedy))
+    ours.send(Abort(2))  # read in the same batch as its Submit: still queued behind the two running
+    loop = engine_process.Loop(engine, theirs, cfg.max_running)
+    runner = threading.Thread(target=loop.run)
+    runner.start()
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    ended: dict[int, Ended] = {}
+    while len(ended) < 3:
+        assert ours.poll(60), "the engine loop went quiet"
+        out = ours.recv()
+        assert isinstance(out, StepOut)
+        for d in out.deltas:
+            assert d.rid not in ended
+            tokens[d.rid] += d.ids
+        for e in out.ended:
+            tokens[e.rid] += e.ids
+            ended[e.rid] = e
+    ours.send(Shutdown())
+    runner.join(60)
+    while True:
+        last = ours.recv()
+        if not isinstance(last, StepOut):
+            break
+    assert isinstance(last, Closed) and (last.outstanding_tickets, last.slots_live, last.kv_live) == (0, 0, 0)
+    assert (ended[2].reason, tokens[2]) == ("abort", [])
+    assert ended[0].reason == ended[1].reason == "length"
+    assert len(tokens[0]) == 6 and tokens[0] == tokens[1]
+
+
+def test_a_taken_port_is_refused_in_one_line_before_anything_starts() -> None:
+    import socket
+
+    from compiler.online.server import listen
+    from compiler.workload import ServeError
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(ServeError, match=r"^cannot listen on 127\.0\.0\.1:\d+: Address already in use$"):
+            listen("127.0.0.1", taken.getsockname()[1])
+    finally:
+        taken.close()
+    with pytest.raises(ServeError, match="cannot listen on no.such.host.invalid:0"):
+        listen("no.such.host.invalid", 0)
+    free = listen("127.0.0.1", 0)
+    assert free.getsockname()[0] == "127.0.0.1"
+    free.close()

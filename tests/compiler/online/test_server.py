@@ -1,0 +1,326 @@
+"""``batchc serve`` end to end, as its users reach it: the real ``openai`` client and raw httpx
+against a server this module starts on a free loopback port (``server_proc``), on the bundled
+byte-level models at a small context.
+
+One server (``served``, with an API key, two requests running and one waiting at most) takes the
+API tests; the drain on SIGTERM, the engine process's crash and the request deadline each get their
+own server, since each ends it or needs other options."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.compiler.cli.test_lifetimes import alive
+from tests.compiler.online.server_proc import ROOT, ServerProc
+
+KEY = "test-key-0123"
+MODEL = "batchc-bundled"
+MAX_LEN = 256
+PROMPT = "The history of the "
+OPTIONS = ["--max-len", str(MAX_LEN), "--k", "2", "--max-running", "2", "--max-waiting", "1", "--api-key", KEY]
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = MAX_LEN - 3 - len(PROMPT)
+"""max_tokens of a request that runs for hundreds of engine steps."""
+
+
+SERVERS = {
+    "api": OPTIONS,
+    "drain": ["--max-len", str(MAX_LEN), "--drain-timeout", "0.5"],
+    "deadline": ["--max-len", str(MAX_LEN), "--request-timeout", "0.05"],
+    "crash": ["--max-len", str(MAX_LEN)],
+}
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, ServerProc]]:
+    """Every server of the module, started at once (their start-ups overlap); the drain, deadline and
+    crash tests each end theirs."""
+    started = {name: ServerProc(args) for name, args in SERVERS.items()}
+    try:
+        yield {name: s.ready() for name, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture
+def served(servers: dict[str, ServerProc]) -> ServerProc:
+    return servers["api"]
+
+
+def _client(server: ServerProc, **kw: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, **kw)  # type: ignore[arg-type]  # (timeout)
+
+
+def _post(server: ServerProc, path: str, body: object, headers: dict[str, str] | None = None) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=data, headers=AUTH if headers is None else headers, timeout=60)
+
+
+def metrics(server: ServerProc) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"(batchc_[a-z_]+(?:\{[^}]*\})?) (\S+)", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def _settled(server: ServerProc, limit_s: float = 30.0) -> dict[str, float]:
+    """The metrics once nothing is in flight or live in the engine."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        m = metrics(server)
+        if m["batchc_requests_in_flight"] == m["batchc_requests_running"] == m["batchc_requests_waiting"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"requests still in flight after {limit_s} s: {m}"
+        time.sleep(0.05)
+
+
+def _offline(tmp_path: Path, prompt: str, max_new_tokens: int) -> subprocess.Popen[str]:
+    """``batchc run`` of the same request with the server's model options (started now, read later:
+    it runs while the server answers)."""
+    (tmp_path / "w.jsonl").write_text(json.dumps({"prompt": prompt, "max_new_tokens": max_new_tokens}) + "\n")
+    return subprocess.Popen(
+        [sys.executable, "-m", "compiler.cli", "run", "--workload", str(tmp_path / "w.jsonl"), "--outputs", str(tmp_path / "out.jsonl"),
+         "--max-len", str(MAX_LEN), "--k", "2", "--max-running", "2", "--lossless-sample", "0"],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _offline_text(tmp_path: Path, proc: subprocess.Popen[str]) -> str:
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    (line,) = (tmp_path / "out.jsonl").read_text().splitlines()
+    out = json.loads(line)
+    assert out["finish_reason"] == "length"
+    return str(out["text"])
+
+
+def _sse(lines: Iterator[str]) -> list[object]:
+    """The data events of a stream, ``"[DONE]"`` as itself."""
+    out: list[object] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_completion_is_batchc_runs_greedy_output_streaming_or_not(served: ServerProc, tmp_path: Path) -> None:
+    offline = _offline(tmp_path, PROMPT, 24)
+    client = _client(served)
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (len(PROMPT), 24, len(PROMPT) + 24)
+    assert whole.choices[0].text == _offline_text(tmp_path, offline)
+    pieces, usage, reasons = [], None, []
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            reasons.append(chunk.choices[0].finish_reason)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == whole.choices[0].text
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT), 24)
+
+
+def test_a_stream_is_server_sent_events_ending_with_done(served: ServerProc) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse(r.iter_lines())
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    assert all(isinstance(c, dict) and c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert len({c["id"] for c in chunks if isinstance(c, dict)}) == 1
+
+
+def test_stop_strings_end_the_text_before_them(served: ServerProc) -> None:
+    client = _client(served)
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    stop = text[12:15]
+    cut = text.find(stop)
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop, "\x00never"])
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (text[:cut], "stop")
+    assert whole.usage is not None and whole.usage.completion_tokens == len((text[:cut] + stop).encode())
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=stop, stream=True)
+    chunks = [c.choices[0] for c in streamed]
+    assert "".join(c.text for c in chunks) == text[:cut] and chunks[-1].finish_reason == "stop"
+
+
+def test_chat_without_a_template_is_refused_naming_it(served: ServerProc) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(served).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "messages" and error["code"] == "no_chat_template"
+    assert "chat template" in error["message"]
+
+
+def test_models_and_health(served: ServerProc) -> None:
+    models = _client(served).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{served.url}/health", timeout=30).status_code == 200  # (no key needed)
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"model": "batchc-bundled", "prompt": "a", "temperature": NaN}', 400, None),
+    ({"model": "batchc-bundled", "prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": "batchc-bundled", "prompt": "a", "max_tokens": 2.0}, 400, "max_tokens"),
+    ({"model": "batchc-bundled", "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "batchc-bundled", "prompt": "a", "temperature": -1}, 400, "temperature"),
+    ({"model": "batchc-bundled", "prompt": "a", "top_p": 0}, 400, "top_p"),
+    ({"model": "batchc-bundled", "prompt": "a", "stream": "yes"}, 400, "stream"),
+    ({"model": "batchc-bundled", "prompt": "a", "stop": [""]}, 400, "stop"),
+    ({"model": "batchc-bundled", "prompt": "a", "n": 2}, 400, "n"),
+    ({"model": "batchc-bundled", "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "batchc-bundled", "prompt": "a", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": "batchc-bundled", "prompt": 5}, 400, "prompt"),
+    ({"model": "batchc-bundled", "prompt": [1, 300]}, 400, "prompt"),
+    ({"model": "batchc-bundled", "prompt": "x" * MAX_LEN}, 400, "prompt"),
+    ({"model": "batchc-bundled", "prompt": "a", "max_tokens": MAX_LEN}, 400, "max_tokens"),
+    ({"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    ({"prompt": "a"}, 400, "model"),
+]
+
+
+def test_bad_requests_get_the_openai_error_naming_the_field(served: ServerProc) -> None:
+    for body, status, param in BAD:
+        r = _post(served, "/v1/completions", body)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (body, error)
+        assert "Traceback" not in r.text
+    assert _post(served, "/v1/completions", {"model": MODEL, "prompt": "x" * MAX_LEN}).json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.get(f"{served.url}/v1/completions", headers=AUTH, timeout=30)
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.get(f"{served.url}/v2/nothing", headers=AUTH, timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
+    with pytest.raises(openai.NotFoundError):
+        _client(served).completions.create(model="other", prompt="a")
+
+
+def test_an_api_key_guards_every_route_but_health(served: ServerProc) -> None:
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
+        r = _post(served, "/v1/completions", body, headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        assert httpx.get(f"{served.url}/metrics", headers=headers, timeout=30).status_code == 401
+        assert httpx.get(f"{served.url}/v1/models", headers=headers, timeout=30).status_code == 401
+    assert httpx.get(f"{served.url}/health", timeout=30).status_code == 200
+    assert _post(served, "/v1/completions", body).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{served.url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_a_full_queue_is_503_at_once_and_disconnected_requests_are_released(served: ServerProc) -> None:
+    before = _settled(served)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
+    with contextlib.ExitStack() as stack:
+        streams = []
+        for _ in range(3):  # --max-running 2 + --max-waiting 1
+            c = stack.enter_context(httpx.Client(timeout=60))
+            streams.append(stack.enter_context(c.stream("POST", f"{served.url}/v1/completions", json=body, headers=AUTH)))
+        assert [s.status_code for s in streams] == [200] * 3
+        lines = streams[0].iter_lines()  # (kept: an abandoned iterator closes the response)
+        assert next(lines).startswith("data: ")  # (decoding: the requests are in the engine)
+        t0 = time.monotonic()
+        r = _post(served, "/v1/completions", body)
+        assert r.status_code == 503 and time.monotonic() - t0 < 5.0
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "service_unavailable"
+        m = metrics(served)
+        assert m["batchc_requests_in_flight"] == 3, m
+    # the three clients went away mid-stream (one still waiting for a place): each is aborted and released
+    after = _settled(served)
+    assert after['batchc_requests_total{outcome="cancelled"}'] == before['batchc_requests_total{outcome="cancelled"}'] + 3
+    assert after["batchc_ledger_outstanding_tickets"] == 0
+    assert after["batchc_request_slots_live"] == 0
+    assert after['batchc_rejected_requests_total{status="503"}'] >= 1
+    # a client that stops waiting for a whole (non-streamed) answer is released too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json=dict(body, stream=False), headers=AUTH, timeout=httpx.Timeout(60, read=0.5))
+    final = _settled(served)
+    assert final['batchc_requests_total{outcome="cancelled"}'] == after['batchc_requests_total{outcome="cancelled"}'] + 1
+    assert final["batchc_ledger_outstanding_tickets"] == 0 and final["batchc_request_slots_live"] == 0
+    assert final["batchc_time_to_first_token_seconds_count"] >= 1 and final["batchc_generation_tokens_total"] > 0
+
+
+def test_sigterm_drains_and_exits_zero_with_one_line(servers: dict[str, ServerProc]) -> None:
+    server = servers["drain"]
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
+        done = httpx.post(f"{server.url}/v1/completions", json=dict(body, stream=False, max_tokens=4), timeout=60)
+        assert done.status_code == 200
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            server.proc.send_signal(signal.SIGTERM)
+            health = httpx.get(f"{server.url}/health", timeout=30)
+            refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+            events = _sse(iter([first, *lines]))
+        assert health.status_code == 503 and refused.status_code == 503
+        assert refused.json()["error"]["message"] == "the server is shutting down"
+        assert events[-1] == "[DONE]"
+        last = events[-2]
+        assert isinstance(last, dict) and last["choices"][0]["finish_reason"] in ("abort", "length")
+        assert server.wait() == 0
+        aborted = 1 if last["choices"][0]["finish_reason"] == "abort" else 0
+        assert server.lines[-1] == (f"batchc serve: stopped by SIGTERM: {2 - aborted} requests finished, {aborted} aborted; "
+                                    "0 outstanding tickets"), server.lines[-3:]
+        assert not any(alive(p) for p in server.children)
+    finally:
+        server.stop()
+
+
+def test_a_request_past_its_deadline_is_aborted(servers: dict[str, ServerProc]) -> None:
+    server = servers["deadline"]
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=dict(body, stream=True), timeout=60) as s:
+            events = _sse(s.iter_lines())
+        assert events[-1] == "[DONE]"
+        assert isinstance(events[-2], dict) and events[-2]["error"]["code"] == "request_timeout"
+        m = _settled(server)
+        assert m['batchc_requests_total{outcome="timeout"}'] == 2 and m["batchc_ledger_outstanding_tickets"] == 0
+    finally:
+        server.stop()
+
+
+def test_an_engine_crash_is_503_and_a_non_zero_exit(servers: dict[str, ServerProc]) -> None:
+    server = servers["crash"]
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            os.kill(server.engine_pid, signal.SIGKILL)
+            events = _sse(iter([first, *lines]))
+        assert events[-1] == "[DONE]"
+        assert isinstance(events[-2], dict) and events[-2]["error"]["code"] == "service_unavailable"
+        assert server.wait() == 1
+        assert "the engine process killed by signal 9" in server.lines[-1], server.lines[-3:]
+        assert not any(alive(p) for p in server.children)
+    finally:
+        server.stop()
+

@@ -203,7 +203,10 @@ def _run(
     lossless_ok: bool | None = None
     lossless_ledgers_ok: bool | None = None
     served = [r for r in workload if r.refused is None]
-    sample = served[: cfg.lossless_sample]
+    # a sampled request's tokens are a function of its seed at k = 0 only: speculation keeps their
+    # distribution (rejection sampling), not the tokens themselves, so at k > 0 only greedy ones compare
+    comparable = served if not cfg.k else [r for r in served if r.sampling.greedy]
+    sample = comparable[: cfg.lossless_sample]
     # an aborted request's output is cut short; an errored one's stops where its logits were not finite
     checked = [r for r in sample if r.rid not in driver.aborted_by_failure and r.rid not in driver.errored]
     if sample:
@@ -217,10 +220,13 @@ def _run(
         if len(checked) + aborted < len(sample):
             errored = len(sample) - len(checked) - aborted
             skipped += f" ({errored} request{'s' if errored != 1 else ''} that ended in error not compared)"
-        lossless_check = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal plain greedy of the target{skipped}"
+        what = "plain greedy of the target" if all(r.sampling.greedy for r in checked) else "the target alone at k = 0 with their seeds"
+        lossless_check = f"{'passed' if same else 'FAILED'}: {len(checked)} requests equal {what}{skipped}"
         lossless_ok = same
         if not checked:  # nothing left to compare: no verdict either way
             lossless_check, lossless_ok = f"not run: none of the {len(sample)} sampled requests ended normally{skipped}", None
+    elif served and cfg.k:
+        lossless_check = "not run: every request samples, and at k > 0 only greedy ones have the target's own tokens to compare"
     cache = driver.cache
     return ServeSummary(
         requests=len(workload),

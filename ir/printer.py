@@ -43,9 +43,10 @@ from ir.columns import I64, REQUEST, ColumnNode, Composite, Node, Per, Shown, sh
 from ir.init import Op, Ticket
 from ir.nodes import Batch, Plan
 from ir.request import AdmittedRequest
+from ir.sampling import SamplingRows
 from ir.spec import AcceptResult
 
-Printable: TypeAlias = Batch | Plan | Op | Ticket[Any] | AdmittedRequest | AcceptResult
+Printable: TypeAlias = Batch | Plan | Op | Ticket[Any] | AdmittedRequest | AcceptResult | SamplingRows
 """Every node ``dump`` prints (and ``ir.parse.parse`` reads)."""
 
 PRINTABLE: Final[dict[str, type]] = {(typing.get_origin(c) or c).__name__: typing.get_origin(c) or c for c in typing.get_args(Printable)}

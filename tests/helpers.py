@@ -49,6 +49,7 @@ from ir.ids import TARGET_POOL, DraftId, MambaSlot, PoolId, RequestId, SampleId,
 from ir.init import OP_TYPES, InitIntent, MambaInit, MambaSnapshot, Ticket, When
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
+from ir.sampling import SamplingRows
 from passes.lower import LowerContext, lower
 from passes.prepare_for_extend import prepare_for_extend
 
@@ -499,6 +500,23 @@ pool_names = st.sampled_from(["target", "draft", "a pool", 'q"uote', "ümlaut"])
 
 
 @st.composite
+def sampling_rows(draw: Any, n: int) -> SamplingRows:
+    """``n`` rows of sampling parameters, each within ``SamplingRows``'s ranges."""
+
+    def floats(lo: float, hi: float) -> list[float]:
+        return draw(st.lists(st.floats(lo, hi, allow_nan=False, allow_infinity=False), min_size=n, max_size=n))
+
+    def ints(lo: int, hi: int) -> list[int]:
+        return draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))
+
+    return SamplingRows(
+        temperature=floats(0.0, 4.0), top_k=ints(-1, 100), top_p=floats(0.01, 1.0), min_p=floats(0.0, 1.0),
+        presence_penalty=floats(-2.0, 2.0), frequency_penalty=floats(-2.0, 2.0), repetition_penalty=floats(0.1, 4.0),
+        seed=ints(0, 2**63 - 1), index=ints(0, 15), logprobs=ints(-1, 20),
+    )
+
+
+@st.composite
 def extend_columns(draw: Any, *, min_rows: int = 1) -> dict[str, Any]:
     n = draw(st.integers(min_rows, 4))
     ext = draw(st.lists(row_lengths, min_size=n, max_size=n))
@@ -511,6 +529,7 @@ def extend_columns(draw: Any, *, min_rows: int = 1) -> dict[str, Any]:
         "input_ids": draw(st.lists(token_ids, min_size=total, max_size=total)),
         "kv_locs": draw(_distinct(st.integers(0, 100_000), total)),
         "more_chunks": draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+        "sampling": draw(st.none() | sampling_rows(n)),
     }
 
 
@@ -550,6 +569,7 @@ def decode_columns(draw: Any) -> dict[str, Any]:
         "seq_lens": draw(st.lists(st.integers(1, 2**31 - 1), min_size=n, max_size=n)),
         "input_ids": draw(st.lists(token_ids, min_size=n, max_size=n)),
         "kv_locs": draw(_distinct(st.integers(0, 100_000), n)),
+        "sampling": draw(st.none() | sampling_rows(n)),
     }
 
 
@@ -564,6 +584,7 @@ def windows(draw: Any, *, single: bool) -> dict[str, Any]:
         "seq_lens": draw(st.lists(st.integers(1, 100_000), min_size=n, max_size=n)),
         "input_ids": draw(st.lists(token_ids, min_size=n if single else w, max_size=n if single else w)),
         "kv_locs": draw(_distinct(st.integers(0, 100_000), w)),
+        "sampling": draw(st.none() | sampling_rows(n)),
     }
 
 
@@ -657,6 +678,7 @@ NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     "MambaSnapshot": mamba_snapshots(),
     "AdmittedRequest": admitted(),
     "AcceptResult": accept_results(),
+    "SamplingRows": st.integers(0, 4).flatmap(sampling_rows),
 }
 # What a refusal names as the accepted op kinds, from the declarations (a new kind changes these
 # lists, not the tests that pin the messages around them).

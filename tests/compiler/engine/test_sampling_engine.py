@@ -1,0 +1,108 @@
+"""Sampling through the engine: seeded requests are batch-invariant, greedy stays greedy, and
+speculative decoding with sampling keeps the target's distribution.
+
+The distribution test is a chi-square test of homogeneity between the tokens that plain sampling
+(k = 0) and speculative sampling (k = 2, rejection sampling of the draft's argmax proposals) emit
+at the same output positions over a few hundred seeded requests. Its threshold, p < 1e-3, is its
+false-failure rate: were the seeds drawn at random, a correct sampler would fail it once in a
+thousand choices. The seeds are fixed (the run's seed and the request ids), so the test's outcome
+is the same on every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from backend.remote import Processes
+from compiler.engine import Engine
+from ir.ids import RequestId
+from ir.sampling import GREEDY, SamplingParams
+from tests.helpers import SYSTEM, engine, greedy_reference
+
+PROMPTS = [SYSTEM[: 10 + 5 * i] + [ord(c) for c in f"case {i}:"] for i in range(6)]
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9)
+
+
+def _serve(eng: Engine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams | None], *, new: int, order: Sequence[int] | None = None) -> dict[int, list[int]]:
+    with eng:
+        for i in order if order is not None else range(len(prompts)):
+            eng.admit(RequestId(i + 1), prompts[i], max_new_tokens=new, sampling=params[i])
+        while eng.live:
+            eng.step()
+        return {int(r): list(v) for r, v in eng.outputs.items()}
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_seeded_request_gives_the_same_tokens_whatever_it_is_batched_with(k: int) -> None:
+    params: list[SamplingParams | None] = [SAMPLED, SamplingParams(temperature=0.8, top_k=20, seed=77), None, SAMPLED, SAMPLED, None]
+    base = _serve(engine(k, seed=5, capacity=8), PROMPTS, params, new=8)
+    assert base == _serve(engine(k, seed=5, capacity=1), PROMPTS, params, new=8)
+    assert base == _serve(engine(k, seed=5, capacity=3, chunk_size=7), PROMPTS, params, new=8, order=[5, 3, 1, 0, 2, 4])
+    assert base == _serve(engine(k, seed=5, capacity=8, transport=Processes()), PROMPTS, params, new=8)
+    # the greedy rows are plain greedy decoding, sampled rows beside them or not
+    for i in (2, 5):
+        assert base[i + 1] == greedy_reference(PROMPTS[i], 8)
+    if k == 0:  # and the sampled rows do sample: another run seed gives other tokens
+        other = _serve(engine(k, seed=6, capacity=8), PROMPTS, params, new=8)
+        assert other[1] != base[1] and other[2] == base[2]  # request 2 brought its own seed
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_temperature_zero_and_top_k_one_are_greedy(k: int) -> None:
+    greedy = [greedy_reference(p, 8) for p in PROMPTS[:3]]
+    cases = [SamplingParams(temperature=0.0, top_p=0.5, seed=3), SamplingParams(temperature=1.5, top_k=1)]
+    for params in [GREEDY, *cases] if k == 0 else cases:  # (GREEDY at k = 2: the lossless tests)
+        out = _serve(engine(k, seed=1), PROMPTS[:3], [params] * 3, new=8)
+        assert [out[i + 1] for i in range(3)] == greedy, params
+
+
+def _positions(k: int, n: int) -> np.ndarray:
+    """The first three output tokens of ``n`` seeded requests on one prompt, [n, 3]."""
+    params = SamplingParams(temperature=1.0, top_k=6)
+    out = _serve(engine(k, seed=11, capacity=64, max_len=64), [PROMPTS[0]] * n, [params] * n, new=3)
+    return np.array([out[i + 1] for i in range(n)], dtype=np.int64)
+
+
+def _homogeneous(a: np.ndarray, b: np.ndarray) -> float:
+    """The chi-square p-value that ``a`` and ``b`` come from one distribution (tokens seen fewer than
+    five times in both together pooled into one bin)."""
+    tokens, counts = np.unique(np.concatenate((a, b)), return_counts=True)
+    big = set(tokens[counts >= 5].tolist())
+    bins = sorted(big) + [-1]
+
+    def hist(x: np.ndarray) -> list[int]:
+        return [int(np.sum(x == t)) for t in bins[:-1]] + [int(sum(1 for v in x.tolist() if v not in big))]
+
+    table = np.array([hist(a), hist(b)])
+    table = table[:, table.sum(axis=0) > 0]
+    return float(chi2_contingency(table).pvalue)
+
+
+def test_speculative_sampling_emits_the_distribution_plain_sampling_does() -> None:
+    n = 300
+    plain, spec = _positions(0, n), _positions(2, n)
+    # the first token comes from the prefill with the same key in both: equal token for token
+    assert (plain[:, 0] == spec[:, 0]).all()
+    # the later ones come through rejection sampling at k = 2: equal in distribution, not per seed
+    assert (plain[:, 1:] != spec[:, 1:]).any()
+    for pos in (1, 2):
+        p = _homogeneous(plain[:, pos], spec[:, pos])
+        assert p > 1e-3, f"output position {pos}: chi-square p = {p:.2e}"
+    # the joint of positions 1 and 2 too
+    pairs_plain, pairs_spec = plain[:, 1] * 1000 + plain[:, 2], spec[:, 1] * 1000 + spec[:, 2]
+    assert _homogeneous(pairs_plain, pairs_spec) > 1e-3
+
+
+def test_the_chi_square_test_can_tell_distributions_apart() -> None:
+    # the same test rejects a sampler that differs from the target's: here, plain sampling at another
+    # temperature (a sharper top-k 6 distribution) on the same prompt and seeds
+    n = 300
+    plain = _positions(0, n)
+    params = SamplingParams(temperature=0.5, top_k=6)
+    out = _serve(engine(0, seed=11, capacity=64, max_len=64), [PROMPTS[0]] * n, [params] * n, new=3)
+    sharper = np.array([out[i + 1] for i in range(n)], dtype=np.int64)
+    assert _homogeneous(plain[:, 1], sharper[:, 1]) < 1e-3

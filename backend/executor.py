@@ -71,6 +71,7 @@ from backend import faults
 from backend.allocator import SlotAllocator
 from backend.boundary import Pending, run_now
 from backend.ledger import Claim, Ledger
+from backend.logprobs import logprobs_of
 from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
 from backend.plan_sampling import sample_logits, verify_tokens
 from backend.pool import MambaStatePool
@@ -319,13 +320,14 @@ class Executor(Generic[VerifyStateT]):
             rows = rows_joined(rows, n, plan.decode.sampling, plan.decode.num_requests)
             positions = np.concatenate((positions, plan.decode.seq_lens))
         tokens = sample_logits(logits, rows, frozen_i64(positions))
+        logprobs = logprobs_of(logits, tokens, rows)
         if isinstance(plan, MixedPlan):
             self._sampled(plan.decode, tokens[n:])
         if ext.sample_id is not None:
             for slot, token, more in zip(ext.slots.tolist(), _inputs_of(tokens[:n]), ext.more_chunks.tolist(), strict=True):
                 if not more:
                     self._samples[slot] = (ext.sample_id, token)
-        return Sampled(rids=plan.rids, tokens=tokens)
+        return Sampled(rids=plan.rids, tokens=tokens, logprobs=logprobs)
 
     def _after(self, claim: Claim) -> None:
         """The ops that run after the forward (the prefix cache's snapshots)."""
@@ -344,7 +346,7 @@ class Executor(Generic[VerifyStateT]):
             faults.check(faults.FaultPoint.MODEL_FORWARD)
         tokens = sample_logits(out, plan.sampling, plan.seq_lens)
         self._sampled(plan, tokens)
-        return Sampled(rids=plan.rids, tokens=tokens)
+        return Sampled(rids=plan.rids, tokens=tokens, logprobs=logprobs_of(out, tokens, plan.sampling))
 
     def _inputs(self, plan: DecodePlan, what: str) -> npt.NDArray[np.int64] | None:
         """The input tokens a pipelined decode names (``DecodePlan.inputs_from``): each row's slot must
@@ -417,9 +419,15 @@ class Executor(Generic[VerifyStateT]):
         with self._watched("the model hook's verify", plan, staged):
             out, states = self._spec_model(plan).verify(plan, staged, self.pool)
         tokens = self._verify_tokens(plan, out)
+        logprobs = None
+        if plan.batch.sampling is not None and (plan.batch.sampling.logprobs >= 0).any():
+            if out.dim() != 3:
+                raise PlanExecutionError(f"verify #{vid}: rows ask for logprobs, and the model hook's verify returned tokens, not logits")
+            w = plan.batch.k + 1
+            logprobs = logprobs_of(out.reshape(-1, out.shape[-1]), tokens, plan.batch.sampling, per_row=w)
         self._keep("verify", vid, plan.batch.slots, plan.batch.k, states)
         self._checked_drafts_upto[epoch] = n
-        return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=tokens)
+        return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=tokens, logprobs=logprobs)
 
     def _verify_tokens(self, plan: VerifyPlan, out: torch.Tensor) -> I64:
         """The target's tokens from what the hook's verify returned: logits ``[n, k + 1, V]`` (sampled

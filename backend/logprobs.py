@@ -28,10 +28,11 @@ from typing import Any, final
 import attrs
 import torch
 
-from ir.results import NON_FINITE
-from ir.sampling import MAX_LOGPROBS
+from ir.columns import I64
+from ir.results import NON_FINITE, Logprobs
+from ir.sampling import MAX_LOGPROBS, SamplingRows
 
-__all__ = ["PAD", "LogprobRows", "token_logprobs"]
+__all__ = ["PAD", "LogprobRows", "logprobs_of", "token_logprobs"]
 
 PAD = -2
 """A ``top_ids`` entry past the row's own ``n`` (never a token id nor ``NON_FINITE``)."""
@@ -102,3 +103,23 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int | torch.Te
     top_ids = torch.where(flagged[:, None], NON_FINITE, torch.where(past, PAD, top_ids))
     top_lps = torch.where(flagged[:, None] | past, nan, top_lps)
     return LogprobRows(token=tokens, logprob=logprob, top_ids=top_ids, top_logprobs=top_lps, n=per_row)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: I64, rows: SamplingRows | None, per_row: int = 1) -> Logprobs | None:
+    """The ``Logprobs`` of a result's ``tokens`` (one per row of ``[N, V]`` ``logits``), or ``None``
+    when no row asks (``rows`` ``None``, or every ``rows.logprobs`` -1). ``per_row``: the entries of
+    each of ``rows``' rows (``k + 1`` for a verify window, whose logits are row-major). A row that
+    asks for none gets a NaN log-probability and no alternatives."""
+    if rows is None or not (rows.logprobs >= 0).any():
+        return None
+    asked = torch.tensor(rows.logprobs, dtype=torch.int64).repeat_interleave(per_row).to(logits.device)
+    out = token_logprobs(logits, torch.tensor(tokens, dtype=torch.int64, device=logits.device), asked.clamp(min=0))
+    none = asked < 0
+    logprob = torch.where(none, torch.nan, out.logprob.double())
+    keep = torch.arange(out.top_ids.shape[1], device=logits.device)[None, :] < asked[:, None]
+    return Logprobs(
+        logprob=logprob.cpu().numpy(),
+        top_lens=asked.clamp(min=0).cpu().numpy(),
+        top_ids=out.top_ids[keep].cpu().numpy(),
+        top_logprobs=out.top_logprobs[keep].double().cpu().numpy(),
+    )

@@ -15,19 +15,63 @@ is never missing or of another kind):
 
 A token is ``NON_FINITE`` (``-1``, never a token id) where the logits behind it held a NaN or an
 infinity: whoever reads it ends that request instead of emitting it.
+
+``Sampled`` and ``Verified`` carry ``logprobs`` (a ``Logprobs``, one entry per token: per row, or per
+window position) when a row of the plan asked for them (``SamplingRows.logprobs >= 0``), else ``None``.
 """
 
 from __future__ import annotations
 
-from typing import TypeAlias, final
+import math
+from typing import Any, TypeAlias, final
 
 import attrs
 
-from ir.columns import I64, REQUEST, WINDOW, ColumnNode, RequestRows, as_i64, column, per
+from ir.columns import F64, I64, REQUEST, WINDOW, ColumnNode, RequestRows, as_f64, as_i64, column, per, tokens_of
+from ir.errors import IRValidationError
+from ir.sampling import MAX_LOGPROBS
 from ir.spec import Proposals, check_k
 
 NON_FINITE = -1
 """The token a sampler gives a row whose logits were not finite (a NaN or an infinity)."""
+
+
+@final
+@attrs.frozen(kw_only=True)
+class Logprobs(ColumnNode):
+    """Log-probabilities of a result's tokens, one entry per token (``backend.logprobs``: the target's
+    distribution before any sampling transform): ``logprob`` of the token (NaN where its row asked
+    for none, or its logits were not finite) and its row's ``top_lens`` best alternatives, packed
+    (``top_ids``, best first; ``top_logprobs``). Invariants: ``top_lens`` in [0, MAX_LOGPROBS];
+    the packed columns hold ``sum(top_lens)`` entries; ids are >= ``NON_FINITE``."""
+
+    logprob: F64 = column(converter=as_f64, metadata=per(REQUEST))
+    top_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=MAX_LOGPROBS))
+    top_ids: I64 = column(converter=as_i64, metadata=per(tokens_of("top_lens"), min=NON_FINITE))
+    top_logprobs: F64 = column(converter=as_f64, metadata=per(tokens_of("top_lens")))
+
+    def entry(self, i: int) -> dict[str, Any]:
+        """Entry ``i`` as an output line writes it: ``{"id", "logprob", "top": [{"id", "logprob"}]}``
+        without the ``id`` (the caller knows the token); NaN becomes ``None``."""
+        start = int(self.top_lens[:i].sum())
+        end = start + int(self.top_lens[i])
+        return {
+            "logprob": _num(float(self.logprob[i])),
+            "top": [{"id": int(t), "logprob": _num(float(v))} for t, v in zip(self.top_ids[start:end].tolist(), self.top_logprobs[start:end].tolist(), strict=True)],
+        }
+
+
+def _num(v: float) -> float | None:
+    return None if math.isnan(v) else v
+
+
+def _check_logprobs(node: ColumnNode, logprobs: object, n: int) -> None:
+    if logprobs is None:
+        return
+    if not isinstance(logprobs, Logprobs):
+        raise IRValidationError(type(node).__name__, "logprobs", logprobs, "must be a Logprobs or None")
+    if logprobs.num_requests != n:
+        raise IRValidationError(type(node).__name__, "logprobs", logprobs.num_requests, f"must hold one entry per token ({n})")
 
 
 @final
@@ -37,6 +81,10 @@ class Sampled(ColumnNode, RequestRows):
 
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
     tokens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=NON_FINITE))
+    logprobs: Logprobs | None = attrs.field(default=None)
+
+    def _check(self) -> None:
+        _check_logprobs(self, self.logprobs, int(self.tokens.shape[0]))
 
 
 @final
@@ -47,9 +95,14 @@ class Verified(ColumnNode, RequestRows):
     k: int
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
     tokens: I64 = column(converter=as_i64, metadata=per(WINDOW, min=NON_FINITE))
+    logprobs: Logprobs | None = attrs.field(default=None)
+    """One entry per window position (row-major), as ``tokens``."""
 
     def _check_first(self) -> None:
         check_k(self, self.k)
+
+    def _check(self) -> None:
+        _check_logprobs(self, self.logprobs, int(self.tokens.shape[0]))
 
 
 @final

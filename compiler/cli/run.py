@@ -234,7 +234,8 @@ def _serve_replicas(
             outputs = {rid: out for r in results for rid, out in r.outputs.items()}
             aborted = {rid for r in results for rid in r.aborted}
             errored = {rid for r in results for rid in r.errored}
-            lines = output_lines(workload, outputs, aborted, target.tokenizer, target.eos, errored)
+            logprobs = {rid: lp for r in results for rid, lp in r.logprobs.items()}
+            lines = output_lines(workload, outputs, aborted, target.tokenizer, target.eos, errored, logprobs)
             outputs_file.write("\n".join(json.dumps(line, ensure_ascii=False) for line in lines))
     failures = []
     if total["aborted_requests"]:
@@ -349,7 +350,9 @@ def _serve_and_report(
             console.print(f"r{sample.rid}: ...{sample.prompt!r} -> {sample.completion!r}", highlight=False)
         output.write(json.dumps(summary.to_json(), indent=2))
         if args.outputs is not None:
-            lines = output_lines(workload, summary.outputs, set(summary.aborted), target.tokenizer, target.eos, set(summary.errored))
+            lines = output_lines(
+                workload, summary.outputs, set(summary.aborted), target.tokenizer, target.eos, set(summary.errored), summary.logprobs
+            )
             outputs_file.write("\n".join(json.dumps(line, ensure_ascii=False) for line in lines))
     failures = []
     if summary.aborted_requests:

@@ -146,6 +146,10 @@ class Engine:
             k=k, max_len=max_len, vocab=self.vocab,
         )
         self.outputs: dict[RequestId, list[int]] = {}
+        self.logprobs: dict[RequestId, list[dict[str, Any]]] = {}
+        """Of each ended request that asked for logprobs (``SamplingParams.logprobs``): one entry per
+        token of its ``outputs``: ``{"id", "logprob", "top": [{"id", "logprob"}, ...]}``, from the
+        target's distribution before any sampling transform (``backend.logprobs``)."""
         self.stopped_by: BaseException | None = None
         self._stepping = False
         """True while ``step`` runs: a model hook calling back into the engine is refused."""
@@ -260,7 +264,7 @@ class Engine:
         self.requests.add(
             Request(
                 rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stops, source=prefix,
-                sampling=params.seeded(self.seed, rid),
+                sampling=params.seeded(self.seed, rid), logprobs=[] if params.logprobs is not None else None,
             )
         )
 
@@ -409,12 +413,14 @@ class Engine:
             if ending is Ending.RETRACTED:
                 prompt = frozen_i64([*r.original.tolist(), *r.output]) if r.output else r.original
                 self.requests.requeue(
-                    Request(rid=rid, prompt=prompt, original=r.original, max_new_tokens=r.max_new_tokens, stop=r.stop,
+                    Request(rid=rid, prompt=prompt, original=r.original, max_new_tokens=r.max_new_tokens, stop=r.stop, logprobs=r.logprobs,
                             output=r.output, retractions=r.retractions + 1, sampling=r.sampling, index=r.index)
                 )
             else:
                 self.requests.remove(rid)
                 self.outputs[rid] = r.final_output()
+                if r.logprobs is not None:
+                    self.logprobs[rid] = r.logprobs[: len(self.outputs[rid])]
                 if ending is Ending.ERROR:
                     self.errored.add(rid)
 

@@ -57,7 +57,7 @@ from ir.columns import I64, frozen_i64
 from ir.ids import MambaSlot, RequestId, SampleId
 from ir.mint import mint_sample_id
 from ir.request import AdmittedRequest
-from ir.results import NON_FINITE
+from ir.results import NON_FINITE, Logprobs
 from ir.sampling import SamplingRows
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext
@@ -252,7 +252,7 @@ class Forwards:
         sampled = checked(plan, self.runner.wait(on_target))
         self.stats.prefills += 1
         self._wait(on_draft)
-        self._after_chunks(admitted, extend, sampled.tokens.tolist())
+        self._after_chunks(admitted, extend, sampled.tokens.tolist(), sampled.logprobs)
         self.running = self.pipeline.merge(self.running, extend)
         self._finish()
         return True
@@ -262,14 +262,16 @@ class Forwards:
             if s is not None:
                 self.runner.wait(s)
 
-    def _after_chunks(self, admitted: Sequence[AdmittedRequest], extend: ExtendBatch, tokens: list[int]) -> None:
+    def _after_chunks(self, admitted: Sequence[AdmittedRequest], extend: ExtendBatch, tokens: list[int], lp: Logprobs | None) -> None:
         """Advance the prefilled requests, cache their snapshots, and emit the first token of each
-        whose prompt is complete (``tokens``: one per extend row, in ``extend.rids`` order)."""
+        whose prompt is complete (``tokens``: one per extend row, in ``extend.rids`` order; ``lp``
+        their logprobs, entries in the same order, or ``None``)."""
         completed, snapshots = self._chunks_ran(admitted)
         for r, slot, pos in snapshots:
             self._snapshot_taken(r, slot, pos)
         rows = {rid: i for i, rid in enumerate(extend.rid_list())}
-        self._emit([r.rid for r in completed], [[int(tokens[rows[r.rid]])] for r in completed])
+        at = [[rows[r.rid]] for r in completed]
+        self._emit([r.rid for r in completed], [[int(tokens[i[0]])] for i in at], lp, at)
 
     def _chunks_ran(self, admitted: Sequence[AdmittedRequest]) -> tuple[list[Request], list[tuple[Request, MambaSlot, int]]]:
         """The planner's bookkeeping of prefill chunks that are sent: positions advance, a first
@@ -309,14 +311,15 @@ class Forwards:
             self.decode(ctx)
             return StepKind.DECODE
         mixed, plan = self.pipeline.mixed(admitted, self.running, ctx, sampling=self._sampling(admitted))
-        tokens = checked(plan, self.runner.run(self.target, plan)).tokens.tolist()
+        result = checked(plan, self.runner.run(self.target, plan))
+        tokens = result.tokens.tolist()
         self.stats.prefills += 1
         self.stats.decodes += 1
         self.stats.mixed += 1
         n = mixed.extend.num_requests
-        self._after_chunks(admitted, mixed.extend, tokens[:n])
+        self._after_chunks(admitted, mixed.extend, tokens[:n], result.logprobs)
         self.progress.requests += len(rids)
-        self._emit(rids, [[t] for t in tokens[n:]])
+        self._emit(rids, [[t] for t in tokens[n:]], result.logprobs, [[n + i] for i in range(len(rids))])
         self.running = self.pipeline.merge(mixed.decode, mixed.extend)
         self._finish()
         return StepKind.MIXED
@@ -327,10 +330,10 @@ class Forwards:
         if ctx is None:
             ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
         self.running, plan = self.pipeline.decode(self.running, ctx)
-        tokens = checked(plan, self.runner.run(self.target, plan)).tokens.tolist()
+        result = checked(plan, self.runner.run(self.target, plan))
         self.stats.decodes += 1
         self.progress.requests += len(rids)
-        self._emit(rids, [[t] for t in tokens])
+        self._emit(rids, [[t] for t in result.tokens.tolist()], result.logprobs, [[i] for i in range(len(rids))])
         self._finish()
 
     def run_pipelined(self) -> StepKind:
@@ -426,13 +429,14 @@ class Forwards:
         """Enter its snapshots into the prefix cache, emit its tokens and finish requests. A request
         retracted, aborted or finished since the plan was built (or retracted and back with a new
         record) gets nothing: its token is dropped, and its snapshot slot went back when it left."""
-        tokens = checked_sampled(prev.submitted.plan, self.runner.wait(prev.submitted)).tokens.tolist()
+        result = checked_sampled(prev.submitted.plan, self.runner.wait(prev.submitted))
+        tokens = result.tokens.tolist()
         for r, slot, pos in prev.snapshots:
             if self.requests.get(r.rid) is r:
                 self._snapshot_taken(r, slot, pos)
         live = [(i, r) for i, r in prev.rows if self.requests.get(r.rid) is r and r.state is RequestState.RUNNING]
         self.progress.requests += sum(1 for i, _ in live if i >= prev.first_decode_row)  # (extend rows counted when sent)
-        self._emit([r.rid for _, r in live], [[int(tokens[i])] for i, _ in live])
+        self._emit([r.rid for _, r in live], [[int(tokens[i])] for i, _ in live], result.logprobs, [[i] for i, _ in live])
         self._finish()
 
     def speculate(self) -> None:
@@ -446,7 +450,8 @@ class Forwards:
         proposals = checked(dplan, self.runner.run(self.draft, dplan))
         drafts = proposals.tokens.reshape(len(rids), k).tolist()
         verify_batch, vplan = self.pipeline.verify(draft_batch, proposals)
-        verified = checked(vplan, self.runner.run(self.target, vplan)).tokens  # NON_FINITE where a position's logits were not finite
+        verified_result = checked(vplan, self.runner.run(self.target, vplan))
+        verified = verified_result.tokens  # NON_FINITE where a position's logits were not finite
         result, committed, cplan = self.pipeline.commit(verify_batch, checkable_targets(verified, proposals.tokens, k))
         on_target = self.runner.submit(self.target, cplan)
         draft_committed, dcplan = self.pipeline.draft_commit(committed, draft_batch)
@@ -471,7 +476,8 @@ class Forwards:
         self.stats.proposed += k * len(rids)
         self.stats.accepted += int(result.accepted.sum())
         self.progress.requests += len(rids)
-        self._emit(rids, emitted)
+        at = [[i * (k + 1) + j for j in range(len(toks))] for i, toks in enumerate(emitted)]  # (window position j's entry)
+        self._emit(rids, emitted, verified_result.logprobs, at)
         self._finish()
 
     def _alloc_for(self, rids: Sequence[RequestId], per_row: int) -> I64:
@@ -489,14 +495,19 @@ class Forwards:
             pending.append(token)
         return frozen_i64(pending)
 
-    def _emit(self, rids: Sequence[RequestId], tokens: list[list[int]]) -> None:
+    def _emit(self, rids: Sequence[RequestId], tokens: list[list[int]], lp: Logprobs | None = None, at: list[list[int]] | None = None) -> None:
         """Each request's tokens up to the first ``NON_FINITE``; a request a flag cuts short before
-        it is done is marked errored (``_finish`` ends it)."""
-        for rid, toks in zip(rids, tokens, strict=True):
+        it is done is marked errored (``_finish`` ends it). With ``lp``, a request that asked for
+        logprobs records the entry ``at[i][j]`` of ``lp`` for its ``j``-th token."""
+        for i, (rid, toks) in enumerate(zip(rids, tokens, strict=True)):
             r = self.requests[rid]
             flagged = NON_FINITE in toks
             if flagged:
                 toks = toks[: toks.index(NON_FINITE)]
+            if r.logprobs is not None:
+                if lp is None or at is None:
+                    raise AssertionError(f"request {rid} asked for logprobs and its forward gave none")  # (a sampling row asks: the backend answers)
+                r.logprobs.extend({"id": t, **lp.entry(e)} for t, e in zip(toks, at[i], strict=False))
             r.output.extend(toks)
             self.progress.tokens += len(toks)
             if toks:

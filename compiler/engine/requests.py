@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 
@@ -73,6 +74,9 @@ class Request:
     """How its tokens are chosen (seeded when sampled: ``SamplingParams.seeded``)."""
     index: int = 0
     """Its completion index among its prompt's ``n`` (the random stream's key has it)."""
+    logprobs: list[dict[str, Any]] | None = None
+    """With ``sampling.logprobs`` set: one entry per output token (``ir.results.Logprobs.entry``
+    with the token's ``id``), kept in step with ``output``."""
 
     @property
     def start(self) -> int:

@@ -71,6 +71,8 @@ class ReplicaResult:
     aborted: tuple[RequestId, ...]
     errored: tuple[RequestId, ...] = ()
     """Requests that ended at non-finite logits (``ServeSummary.errored``)."""
+    logprobs: dict[RequestId, list[dict[str, Any]]] = attrs.Factory(dict)
+    """``ServeSummary.logprobs``."""
 
 
 class ReplicaFailed(RuntimeError):
@@ -138,7 +140,8 @@ def serve_replicas(
             except ValueError:
                 raise ReplicaFailed(f"replica {i} exited with status 0 without writing its result") from None
             out.append(ReplicaResult(index=i, summary=d["summary"], outputs={RequestId(int(k)): tuple(v) for k, v in d["outputs"].items()},
-                                     aborted=tuple(map(RequestId, d["aborted"])), errored=tuple(map(RequestId, d["errored"]))))
+                                     aborted=tuple(map(RequestId, d["aborted"])), errored=tuple(map(RequestId, d["errored"])),
+                                     logprobs={RequestId(int(k)): v for k, v in d["logprobs"].items()}))
         return out
     finally:
         for p in procs:
@@ -162,7 +165,8 @@ def _replica_main() -> int:
     summary = run(workload, target.model, drafted.model if drafted is not None else None, cfg,
                   tokenizer=target.tokenizer if target.hf else None, eos=target.eos)
     sys.stdout.write(json.dumps({"summary": summary.to_json(), "outputs": {str(k): list(v) for k, v in summary.outputs.items()},
-                                 "aborted": list(summary.aborted), "errored": list(summary.errored)}, default=_plain))
+                                 "aborted": list(summary.aborted), "errored": list(summary.errored),
+                                 "logprobs": {str(k): v for k, v in summary.logprobs.items()}}, default=_plain))
     return 0
 
 

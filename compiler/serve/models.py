@@ -85,7 +85,7 @@ def finish_reason(r: Request, output: Sequence[int], eos: Sequence[int], aborted
 
 def output_lines(
     workload: Sequence[Request], outputs: Mapping[RequestId, Sequence[int]], aborted: Collection[RequestId], tokenizer: Tokenizer, eos: Sequence[int],
-    errored: Collection[RequestId] = (),
+    errored: Collection[RequestId] = (), logprobs: Mapping[RequestId, Sequence[Mapping[str, object]]] | None = None,
 ) -> list[dict[str, object]]:
     """One ``--outputs`` object per request, in workload order: ``rid`` (its line), ``index`` (its
     completion index among its prompt's ``n``, ``Request.index``), ``prompt``, ``prompt_ids``,
@@ -95,7 +95,10 @@ def output_lines(
     ``reason`` (``Request.refused``). ``outputs``: each request's generated ids by rid, as served
     (cut at the token that completed a stop string); ``aborted``: the rids a failed forward cut short;
     ``errored``: the rids that ended at non-finite logits (``finish_reason`` ``"error"``, and
-    ``reason`` says so)."""
+    ``reason`` says so). A request that asked for logprobs (``SamplingParams.logprobs``) has
+    ``logprobs``: one entry per output id, ``{"id", "logprob", "top": [{"id", "logprob"}, ...]}``,
+    ``top`` sorted by logprob, from the target's distribution before any sampling transform
+    (``logprobs``: ``Engine.logprobs`` by rid)."""
     lines: list[dict[str, object]] = []
     for r in workload:
         out = outputs.get(r.rid, ())
@@ -111,6 +114,8 @@ def output_lines(
             "prompt_ids": [int(t) for t in r.token_ids], "output_ids": list(out), "text": text,
             "finish_reason": finish_reason(r, out, eos, r.rid in aborted, r.rid in errored, stopped=cut is not None),
         })
+        if logprobs is not None and r.sampling.logprobs is not None and r.refused is None:
+            lines[-1]["logprobs"] = list(logprobs.get(r.rid, ()))[: len(out)]
         if r.refused is not None:
             lines[-1]["reason"] = r.refused
         elif r.rid in errored:

@@ -70,6 +70,8 @@ def _cut_at_stops(driver: Engine, scanners: dict[RequestId, StopScanner]) -> lis
                 cut = scanner.feed(driver.outputs[rid])
                 if cut is not None:
                     del driver.outputs[rid][cut.keep :]
+                    if rid in driver.logprobs:
+                        del driver.logprobs[rid][cut.keep :]
             del scanners[rid]
     return finished
 
@@ -263,6 +265,7 @@ def _run(
             for r in served[:3]
         ),
         outputs={rid: tuple(out) for rid, out in driver.outputs.items()},
+        logprobs=dict(driver.logprobs),
         aborted=tuple(sorted(driver.aborted_by_failure)),
         errored=tuple(sorted(driver.errored)),
         target_clears_minted_consumed=target_counts[0],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from ir.ids import RequestId
@@ -122,6 +124,9 @@ class ServeSummary:
     """With ``tp > 1``: rank 0's time in the ranks' two agreements per plan, per step."""
     outputs: dict[RequestId, tuple[int, ...]] = attrs.Factory(dict)
     """Every request's generated ids (``--outputs``; not in ``to_json``)."""
+    logprobs: dict[RequestId, list[dict[str, Any]]] = attrs.Factory(dict)
+    """The logprobs of each request that asked for them, an entry per output id (``Engine.logprobs``;
+    ``--outputs``; not in ``to_json``)."""
     aborted: tuple[RequestId, ...] = ()
     """Requests aborted by failed forwards (their outputs are cut short; not in ``to_json``)."""
     errored: tuple[RequestId, ...] = ()
@@ -136,7 +141,7 @@ class ServeSummary:
         return self.tokens_per_s / fixed.tokens_per_s if fixed.tokens_per_s else 0.0
 
     def to_json(self) -> dict[str, object]:
-        out = {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None) and k not in ("outputs", "aborted", "errored")}
+        out = {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None) and k not in ("outputs", "logprobs", "aborted", "errored")}
         ratio = self.tokens_per_s_vs_mutable_fixed
         if ratio is not None:
             out["tokens_per_s_vs_mutable_fixed"] = ratio

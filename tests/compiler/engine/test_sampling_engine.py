@@ -106,3 +106,33 @@ def test_the_chi_square_test_can_tell_distributions_apart() -> None:
     out = _serve(engine(0, seed=11, capacity=64, max_len=64), [PROMPTS[0]] * n, [params] * n, new=3)
     sharper = np.array([out[i + 1] for i in range(n)], dtype=np.int64)
     assert _homogeneous(plain[:, 1], sharper[:, 1]) < 1e-3
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_logprobs_are_the_targets_own_before_any_transform(k: int) -> None:
+    import torch
+
+    from backend.hybrid.reference import reference_logits
+    from tests.helpers import tiny_models
+
+    target = tiny_models()[0]
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.7, top_k=5, logprobs=0), None]
+    eng = engine(k, seed=2)
+    with eng:
+        for i, p in enumerate(params):
+            eng.admit(RequestId(i + 1), PROMPTS[i], max_new_tokens=6, sampling=p)
+        while eng.live:
+            eng.step()
+        outputs, logprobs = dict(eng.outputs), dict(eng.logprobs)
+    assert set(logprobs) == {1, 2}  # the request that asked for none has none
+    for rid, n in ((1, 3), (2, 0)):
+        seq = list(PROMPTS[rid - 1])
+        assert [e["id"] for e in logprobs[rid]] == outputs[rid]
+        for e in logprobs[rid]:
+            ref = torch.log_softmax(reference_logits(target, seq)[-1].double(), dim=-1)
+            assert e["logprob"] == pytest.approx(float(ref[e["id"]]), abs=1e-4)
+            top = [t["id"] for t in e["top"]]
+            assert len(top) == n and top == ref.argsort(descending=True, stable=True)[:n].tolist()
+            assert [t["logprob"] for t in e["top"]] == pytest.approx(ref[top].tolist(), abs=1e-4)
+            seq.append(e["id"])
+    assert logprobs[1][0]["top"][0]["id"] == outputs[1][0]  # greedy: its token is its best alternative

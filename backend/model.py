@@ -43,6 +43,18 @@ class ModelHook(Protocol):
 
 
 @runtime_checkable
+class CapturingModelHook(ModelHook, Protocol):
+    """A hook whose extend forwards honour ``StagedExtend.captures``: the Mamba state of each named
+    row after its first ``at`` tokens goes to the capture pool, so a prefix-cache snapshot can be
+    taken inside a chunk. The executor refuses such a snapshot for a hook that is not one (it
+    would copy a capture row nobody wrote)."""
+
+    def captures_inner_states(self) -> bool:
+        """True when ``forward`` fills ``extend.captures`` (a wrapper may answer for what it wraps)."""
+        ...
+
+
+@runtime_checkable
 class SpecModelHook(ModelHook, Protocol[VerifyStateT]):
     """A model hook that also runs the speculative phases (draft proposal, verify, commit)."""
 

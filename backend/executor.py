@@ -72,7 +72,7 @@ from backend import faults
 from backend.allocator import SlotAllocator
 from backend.boundary import Pending, run_now
 from backend.ledger import Claim, Ledger
-from backend.model import CapturingModelHook, ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
+from backend.model import CapturesInnerStates, ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
 from backend.pool import MambaStatePool
 from backend.sampling import sample
 from backend.staging import Captures, StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
@@ -351,7 +351,7 @@ class Executor(Generic[VerifyStateT]):
         if not inner:
             return None
         model = self.model
-        if not (isinstance(model, CapturingModelHook) and model.captures_inner_states()):
+        if not (isinstance(model, CapturesInnerStates) and model.captures_inner_states()):
             raise PlanExecutionError(
                 f"{type(plan).__name__}: snapshot #{op.serial} is taken inside a chunk, and the model hook {type(model).__name__} captures no inner states"
             )

@@ -189,6 +189,10 @@ class HybridModel:
     def new_token_table(self, max_slots: int, max_len: int) -> TokenTable:
         return TokenTable(max_slots, max_len, device=self.device)
 
+    def captures_inner_states(self) -> bool:
+        """Its hooks' extend forwards capture states inside a chunk (``backend.model.CapturesInnerStates``)."""
+        return True
+
     def serving_hook(self, *, capacity: int, kv_capacity: int, max_len: int) -> HybridHook:
         """This model behind the serving hook protocol, with a fresh KV cache and token table."""
         return HybridHook(self, self.new_kv_cache(kv_capacity), self.new_token_table(capacity, max_len))

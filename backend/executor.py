@@ -40,7 +40,8 @@ which refuses a replayed, unknown or forged ticket (``ResourceReplayError``, ``U
 ``TicketMismatchError``) before the model runs; (4) apply the registered ops that run before the
 forward (``backend.state_init.apply_op``; an init: clears, then copies); (5) call the model hook;
 (6) apply the registered ops that run after it (the snapshots, copying the requests' new states
-into their cache slots).
+into their cache slots; a snapshot inside a chunk copies the state the hook captured there, into a
+scratch pool the executor keeps: ``backend.staging.Captures``).
 
 A prefill plan whose tickets do not include this executor's pool is refused: it was lowered for
 other pools, and running it here would skip this pool's init ops. A ticket whose ops fail midway
@@ -72,11 +73,11 @@ from backend.allocator import SlotAllocator
 from backend.boundary import Pending, run_now
 from backend.ledger import Claim, Ledger
 from backend.logprobs import logprobs_of
-from backend.model import ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
+from backend.model import CapturesInnerStates, ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
 from backend.plan_sampling import sample_logits, verify_tokens
 from backend.pool import MambaStatePool
 from backend.sampling import sample
-from backend.staging import StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
+from backend.staging import Captures, StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
 from backend.state_init import apply_op, check_fits, restoring
 from ir.columns import I64, frozen_i64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
@@ -173,6 +174,8 @@ class Executor(Generic[VerifyStateT]):
         draft's proposals are verified once, in the order the drafts were minted."""
         self._kept_draft: DraftId | None = None
         """The draft whose states are kept (at most one: a newer draft drops them)."""
+        self._capture_pool: MambaStatePool | None = None
+        """Scratch rows for the states a forward captures inside its chunks (``_captures``)."""
         self._samples: dict[int, tuple[SampleId, int]] = {}
         """Per slot, the greedy token the last decode with a ``sample_id`` left there (and that id),
         until a pipelined decode uses it."""
@@ -274,6 +277,9 @@ class Executor(Generic[VerifyStateT]):
         if isinstance(plan, MixedPlan):
             decode = stage_decode(plan.decode, self.pool.device, self._inputs(plan.decode, "MixedPlan.decode"))
         extend: StagedExtend = stage_extend(ext, self.pool.device)
+        captures = self._captures(plan, ext)
+        if captures is not None:
+            extend = attrs.evolve(extend, captures=captures)
         # Every ticket of the plan is claimed before the model runs, so a replayed plan (whatever
         # tickets it carries: init, snapshot or both) is refused with the pool untouched; what runs
         # are the registered tickets' ops (the claim checked that the plan's copies equal them).
@@ -290,7 +296,7 @@ class Executor(Generic[VerifyStateT]):
                             claim.done(t)
                 out = self._forward(plan, extend, decode)
                 faults.check(faults.FaultPoint.MODEL_FORWARD)
-                self._after(claim)
+                self._after(claim, captures)
                 if self.gate is not None:
                     self.gate.applied(type(plan).__name__)
             return self._prefill_sampled(plan, out)
@@ -304,7 +310,7 @@ class Executor(Generic[VerifyStateT]):
                     apply_op(self.pool, t.op)
             out = self._forward(plan, extend, decode)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
-            self._after(claim)
+            self._after(claim, captures)
             if self.gate is not None:
                 self.gate.applied(type(plan).__name__)
         return self._prefill_sampled(plan, out)
@@ -329,11 +335,40 @@ class Executor(Generic[VerifyStateT]):
                     self._samples[slot] = (ext.sample_id, token)
         return Sampled(rids=plan.rids, tokens=tokens, logprobs=logprobs)
 
-    def _after(self, claim: Claim) -> None:
+    def _after(self, claim: Claim, captures: Captures | None = None) -> None:
         """The ops that run after the forward (the prefix cache's snapshots)."""
         for t in claim.tickets:
             if op_when(t.op) is When.AFTER:
-                apply_op(self.pool, t.op)
+                apply_op(self.pool, t.op, captures)
+
+    def _captures(self, plan: ExtendPlan | MixedPlan, ext: ExtendPlan) -> Captures | None:
+        """The states this pool's snapshot takes inside a chunk (``MambaSnapshot.at`` below its
+        request's ``extend_len``), for the hook to capture into a scratch pool; ``None`` if none."""
+        t = ext.snapshot_for(self.pool.pool_id)
+        if t is None or not t.op.at:
+            return None
+        op = t.op
+        rows = {slot: i for i, slot in enumerate(ext.slots.tolist())}
+        lens = ext.extend_lens.tolist()
+        inner: list[int] = []
+        for j, (src, at) in enumerate(zip(op.src, op.at, strict=True)):
+            row = rows.get(src)
+            if row is not None and at > lens[row]:
+                raise PlanExecutionError(f"{type(plan).__name__}: snapshot #{op.serial} at {at} past the {lens[row]} tokens of slot {src}'s chunk")
+            if row is not None and at < lens[row]:
+                inner.append(j)  # (a source that is no row of the plan: the ledger's claim refuses it)
+        if not inner:
+            return None
+        model = self.model
+        if not (isinstance(model, CapturesInnerStates) and model.captures_inner_states()):
+            raise PlanExecutionError(
+                f"{type(plan).__name__}: snapshot #{op.serial} is taken inside a chunk, and the model hook {type(model).__name__} captures no inner states"
+            )
+        if self._capture_pool is None or self._capture_pool.capacity < len(inner):
+            self._capture_pool = MambaStatePool(self.pool.pool_id, self.pool.layout, max(len(inner), 8), device=self.pool.device)
+        return Captures(
+            seq=tuple(rows[op.src[j]] for j in inner), at=tuple(op.at[j] for j in inner), entries=tuple(inner), into=self._capture_pool,
+        )
 
     @consumes
     def run_decode(self, plan: DecodePlan) -> Sampled:

@@ -43,6 +43,19 @@ class ModelHook(Protocol):
 
 
 @runtime_checkable
+class CapturesInnerStates(Protocol):
+    """A model hook whose extend forwards honour ``StagedExtend.captures`` (the Mamba state of each
+    named row after its first ``at`` tokens goes to the capture pool), or a served model whose
+    hooks do: a prefix-cache snapshot can then be taken inside a chunk. The executor refuses such a
+    snapshot for a hook that is not one (it would copy a capture row nobody wrote), and the engine
+    asks for one only when every model it serves is one."""
+
+    def captures_inner_states(self) -> bool:
+        """True when extend forwards fill ``extend.captures`` (a wrapper answers for what it wraps)."""
+        ...
+
+
+@runtime_checkable
 class SpecModelHook(ModelHook, Protocol[VerifyStateT]):
     """A model hook that also runs the speculative phases (draft proposal, verify, commit)."""
 

@@ -14,8 +14,23 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from backend.pool import MambaStatePool
 from ir.plan import DecodePlan, ExtendPlan
 from ir.spec import DraftBatch, DraftExtendBatch, VerifyBatch
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Captures:
+    """The prefix-cache snapshots of an extend taken inside a request's chunk
+    (``MambaSnapshot.at`` below the request's ``extend_len``): the model hook stores the state of
+    extend row ``seq[j]`` after its first ``at[j]`` tokens (every Mamba layer's conv and SSM state)
+    in row ``j + 1`` of ``into``, a scratch pool of the executor pool's layout (row 0 is its
+    padding row), and the snapshot copies that row for its entry ``entries[j]``."""
+
+    seq: tuple[int, ...]
+    at: tuple[int, ...]
+    entries: tuple[int, ...]
+    into: MambaStatePool
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -26,6 +41,8 @@ class StagedExtend:
     kv_locs: torch.Tensor
     cu_seqlens: torch.Tensor
     prefix_lens: torch.Tensor
+    captures: Captures | None = None
+    """States the hook must capture inside the chunks (``None``: none)."""
 
 
 @attrs.frozen(eq=False)

@@ -13,7 +13,10 @@ all; the executor returns the ticket to outstanding in that case.
   ``TRITON_INTERPRET=1``, the torch reference otherwise: one indexed fill and one indexed copy over
   whole rows). Copies read their sources as they were before the launch; the IR guarantees a source
   is never cleared or written in the same forward.
-- ``MambaSnapshot``: each source row into its cache row, one launch of the same kernel, copies only.
+- ``MambaSnapshot``: each source row into its cache row, one launch of the same kernel, copies only;
+  an entry taken inside its request's chunk (``at`` below its ``extend_len``) copies the state the
+  forward captured there instead (``backend.staging.Captures``: a row of a capture pool, moved by
+  ``copy_rows``, the same kernel between two buffers).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from typing import assert_never
 import torch
 
 from backend import faults
-from backend.kernels.init_rows import init_rows
+from backend.kernels.init_rows import copy_rows, init_rows
 from backend.pool import MambaStatePool
+from backend.staging import Captures
 from ir.errors import PlanExecutionError
 from ir.init import MambaInit, MambaSnapshot, Op, op_decl, op_groups, op_writes
 
@@ -55,15 +59,16 @@ def restoring(pool: MambaStatePool, slots: Iterable[int]) -> Iterator[None]:
         raise
 
 
-def apply_op(pool: MambaStatePool, op: Op) -> None:
-    """Apply ``op`` to ``pool`` whole or not at all (see the module)."""
+def apply_op(pool: MambaStatePool, op: Op, captures: Captures | None = None) -> None:
+    """Apply ``op`` to ``pool`` whole or not at all (see the module). ``captures``: the states the
+    forward captured inside its chunks, which the snapshot entries they name copy."""
     check_fits(pool, op)
     with restoring(pool, op_writes(op)):
         match op:
             case MambaInit():
                 _apply_init(pool, op)
             case MambaSnapshot():
-                _apply_snapshot(pool, op)
+                _apply_snapshot(pool, op, captures)
             case _:
                 assert_never(op)
 
@@ -78,7 +83,15 @@ def _apply_init(pool: MambaStatePool, init: MambaInit) -> None:
     faults.check(faults.FaultPoint.INIT_LAUNCH)
 
 
-def _apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot) -> None:
-    """Each source row into its cache row (the same fused kernel, copies only)."""
-    init_rows(pool.buffer, _slots(pool, ()), _slots(pool, snap.src), _slots(pool, snap.dst))
+def _apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot, captures: Captures | None) -> None:
+    """Each source row into its cache row (the same fused kernel, copies only); an entry taken
+    inside its chunk copies the captured row instead (``copy_rows``, one more launch)."""
+    inner = frozenset(captures.entries) if captures is not None else frozenset()
+    whole = [j for j in range(len(snap.dst)) if j not in inner]
+    init_rows(pool.buffer, _slots(pool, ()), _slots(pool, tuple(snap.src[j] for j in whole)), _slots(pool, tuple(snap.dst[j] for j in whole)))
+    if captures is not None and captures.entries:
+        if captures.into.layout != pool.layout:
+            raise PlanExecutionError(f"snapshot #{snap.serial}: the capture pool's layout is not pool {pool.pool_id!r}'s")
+        rows = tuple(range(1, len(captures.entries) + 1))
+        copy_rows(pool.buffer, captures.into.buffer, _slots(pool, rows), _slots(pool, tuple(snap.dst[j] for j in captures.entries)))
     faults.check(faults.FaultPoint.SNAPSHOT)

@@ -9,7 +9,8 @@
   the same batch twice, or executing a deep copy or a pickled clone of its plan, yields the same
   serial and the ledger refuses the second consumption.
 - ``MambaSnapshot``: the prefix cache's snapshot of a request's state into a cache slot after the
-  forward that reaches the prefix end; one-shot like a ``MambaInit``.
+  forward that reaches the prefix end (at the end of the request's chunk or, with ``at``, inside
+  it); one-shot like a ``MambaInit``.
 - ``Ticket[OpT]`` is one op (of any kind) addressed to one state pool, identified by
   ``(serial, pool)``. Lowering mints one per registered pool (target and each draft pool); the
   backend's ledger consumes each exactly once. ``InitTicket`` (``Ticket[BeforeOp]``) and
@@ -221,6 +222,12 @@ def _snapshot_dst(values: object) -> tuple[MambaSlot, ...]:
     return _slots(values, "MambaSnapshot", "dst")
 
 
+def _snapshot_at(values: object) -> tuple[int, ...]:
+    if not isinstance(values, (tuple, list, range)):
+        raise IRValidationError("MambaSnapshot", "at", values, "must be a tuple or list of ints")
+    return tuple(ints(values, "MambaSnapshot", "at"))
+
+
 def _check_serial(node: str, serial: object) -> None:
     value = check_int(node, "serial", serial)
     if value <= 0:
@@ -291,9 +298,14 @@ def _no_repeat(node: str, field: str, slots: tuple[MambaSlot, ...]) -> None:
 @final
 @attrs.frozen(kw_only=True)
 class MambaSnapshot(Node):
-    """Prefix-cache snapshots of one forward: after the model runs, copy slot ``src[i]`` (a request's
-    live state at the end of this forward's tokens) into cache slot ``dst[i]``. One-shot like a
-    ``MambaInit``: its serial is its identity."""
+    """Prefix-cache snapshots of one forward: after the model runs, copy slot ``src[i]``'s state
+    (a request's state after its first ``at[i]`` tokens of this forward) into cache slot ``dst[i]``.
+    One-shot like a ``MambaInit``: its serial is its identity.
+
+    ``at`` is empty when every snapshot is at the end of its request's chunk (the state the forward
+    leaves in ``src[i]``; the text form then omits it), else one token count per entry, each in
+    ``[1, extend_len]`` of its request (``ir.verify``); below ``extend_len`` the forward captures
+    the state inside the chunk and the snapshot copies that capture (``backend.state_init``)."""
 
     DECL: ClassVar[OpDecl] = OpDecl(
         name="snapshot", ticket="snapshot ticket", when=When.AFTER,
@@ -306,6 +318,7 @@ class MambaSnapshot(Node):
     serial: TicketSerial = attrs.field(metadata=shown(name="#"))
     src: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_src, metadata=shown(name="s", pair="dst"))
     dst: tuple[MambaSlot, ...] = attrs.field(converter=_snapshot_dst)
+    at: tuple[int, ...] = attrs.field(default=(), converter=_snapshot_at, metadata=shown("at"))
 
     def _check(self) -> None:
         name = "MambaSnapshot"
@@ -314,6 +327,11 @@ class MambaSnapshot(Node):
             raise IRValidationError(name, "dst", self.dst, "a snapshot copies at least one slot")
         if len(self.src) != len(self.dst):
             raise IRValidationError(name, "dst", self.dst, f"length must equal len(src) ({len(self.src)})")
+        if self.at and len(self.at) != len(self.src):
+            raise IRValidationError(name, "at", self.at, f"length must be 0 (every snapshot at its chunk's end) or len(src) ({len(self.src)})")
+        for a in self.at:
+            if a < 1:
+                raise IRValidationError(name, "at", a, "a snapshot is taken after at least one token of its chunk")
         _slots_positive(self)
         _no_repeat(name, "dst", self.dst)
         both = frozenset(self.src) & frozenset(self.dst)

@@ -330,7 +330,8 @@ def _value(line: _Line, w: Word, fields: dict[str, Any]) -> Any:
                 line.fail(f"expected {_one_of(s.key, list(values))}", f"{s.key}={text}")
             return values[text]
         case "names":
-            return [line.name(s.name, x) for x in line.bracket(line.word(f"{s.key}[...]"), s.key)]
+            items = line.bracket(line.word(f"{s.key}[...]"), s.key)
+            return [line.to_int(x, x) for x in items] if not s.name else [line.name(s.name, x) for x in items]
         case "pairs":
             src, dst = line.pairs(line.bracket(line.word(f"{s.key}[...]"), s.key), s.name)
             fields[w.other] = dst
@@ -353,6 +354,8 @@ def _value(line: _Line, w: Word, fields: dict[str, Any]) -> Any:
 def _words(line: _Line, lay: Layout) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for w in lay.head:
+        if w.kind == "names" and not w.shown.name and not w.required and not (line.peek() or "").startswith(w.shown.key + "["):
+            continue  # an empty, defaulted tuple of data ints is not printed: its default
         fields[w.field] = _value(line, w, fields)
     return fields
 

@@ -18,7 +18,8 @@ one as a nested node). A node prints as:
 - its header: the class name, ``requests=N`` (a node with per-request columns, or made of parts),
   ``tokens=N`` (one with per-token columns), then its words: first those without a key (names
   printed bare, parts spliced in), then the ``key=value`` ones, each in declaration order. A word
-  whose value is ``None`` or ``False`` is left out;
+  whose value is ``None`` or ``False`` is left out, and so is a tuple of data ints (not ids:
+  ``at[5 9]``) that is empty and has a default;
 - under it: a line per part that declares one (``init #1 clear[s1] cow[]``; a part that is absent
   and required prints ``<field> none``), one line per request (its per-request, per-token and
   per-window values: the same word rules), lines of the other columns that declare one
@@ -240,6 +241,8 @@ def _value(w: Word, v: Any, names: _Names, node: Any) -> list[str]:
         case "enum":
             return [_keyed(s, str(v.value))]
         case "names":
+            if not s.name:  # data ints (``MambaSnapshot.at``); empty and defaulted: omitted
+                return [f"{s.key}[{' '.join(str(int(x)) for x in v)}]"] if v or w.required else []
             return [f"{s.key}[{' '.join(names(s.name, x) for x in v)}]"]
         case "pairs":
             pairs = zip(v, _field(node, w.other), strict=True)

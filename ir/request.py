@@ -18,7 +18,8 @@ callers dispatch with ``match request.intent: case Clear(): ... case CopyFrom(sr
 Invariants (``IRValidationError``):
 
 - ``len(kv_locs) == len(input_ids) >= 1``; ``prefix_len + len(input_ids) <= MAX_SEQ_LEN``;
-- ``rid``, ``slot``, ``snapshot_to`` and the intents' ``src``/``prefix_len`` are ints (Python or
+- ``snapshot_at`` only with ``snapshot_to``, in ``[1, len(input_ids)]``;
+- ``rid``, ``slot``, ``snapshot_to``, ``snapshot_at`` and the intents' ``src``/``prefix_len`` are ints (Python or
   numpy integers within int64: not ``bool``, ``float``, ``str`` or ``None`` where an id is
   required), ``intent`` is a ``Clear``, ``CopyFrom`` or ``Continue`` and ``more_chunks`` a ``bool``.
 """
@@ -98,8 +99,16 @@ class AdmittedRequest(ColumnNode):
     more_chunks: bool = attrs.field(default=False, metadata=shown("more"))
     snapshot_to: MambaSlot | None = attrs.field(default=None, metadata=shown("snapshot_to", "s"))
     """After this forward, copy the request's state into this prefix-cache slot."""
+    snapshot_at: int | None = attrs.field(default=None, metadata=shown("snapshot_at"))
+    """With ``snapshot_to``: the state copied is the one after this many of the chunk's tokens
+    (``1`` to ``len(input_ids)``; ``None``: all of them, the state the forward leaves)."""
     input_ids: I64 = column(converter=as_i64, metadata=per(ANY, text="tokens"))
     kv_locs: I64 = column(converter=as_i64, metadata=per(length_of("input_ids"), text=KV_NAMES))
+
+    @property
+    def snapshot_len(self) -> int:
+        """Tokens of this chunk before the snapshot's state (the whole chunk unless ``snapshot_at``)."""
+        return int(self.input_ids.shape[0]) if self.snapshot_at is None else self.snapshot_at
 
     @property
     def prefix_len(self) -> int:
@@ -111,6 +120,7 @@ class AdmittedRequest(ColumnNode):
         check_int(self, "rid", self.rid)
         check_int(self, "slot", self.slot)
         check_opt_int(self, "snapshot_to", self.snapshot_to)
+        check_opt_int(self, "snapshot_at", self.snapshot_at)
         more: object = self.more_chunks
         if not isinstance(more, (bool, np.bool_)):
             raise IRValidationError(name, "more_chunks", more, f"must be a bool, not {type(more).__name__}")
@@ -127,5 +137,9 @@ class AdmittedRequest(ColumnNode):
             )
         if self.snapshot_to is not None and (self.snapshot_to < 1 or self.snapshot_to == self.slot):
             raise IRValidationError(name, "snapshot_to", self.snapshot_to, "must be a cache slot >= 1 other than the request's own")
+        if self.snapshot_at is not None and (self.snapshot_to is None or not 1 <= self.snapshot_at <= self.input_ids.shape[0]):
+            raise IRValidationError(
+                name, "snapshot_at", self.snapshot_at, f"must come with snapshot_to and lie in [1, len(input_ids)] ([1, {self.input_ids.shape[0]}])"
+            )
         if isinstance(self.intent, CopyFrom) and self.intent.src == self.slot:
             raise IRValidationError(name, "intent", self.intent.src, "COW src equals the request's own slot")

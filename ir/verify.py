@@ -59,6 +59,13 @@ def verify_extend_batch(batch: ExtendBatch, path: str = "ExtendBatch") -> None:
                 raise IRVerificationError(f"{path}.snapshot.src[{j}]", f"slot {src} is not a request of this batch")
             if dst in live:
                 raise IRVerificationError(f"{path}.snapshot.dst[{j}]", f"cache slot {dst} is the live slot of a request")
+        if snap.at:
+            lens = dict(zip(batch.slots.tolist(), batch.extend_lens.tolist(), strict=True))
+            for j, (src, at) in enumerate(zip(snap.src, snap.at, strict=True)):
+                if not 0 < at <= lens[src]:
+                    raise IRVerificationError(
+                        f"{path}.snapshot.at[{j}]", f"{at} is not a position in slot {src}'s chunk (1 to its extend_len {lens[src]})"
+                    )
     init = batch.init
     if init is None:
         if clears or dsts:

@@ -99,8 +99,12 @@ def _filter_extend(batch: ExtendBatch, keep: BoolArray) -> ExtendBatch:
     snapshot = batch.snapshot
     if snapshot is not None:
         kept = frozenset(int(s) for s in batch.slots[keep])
-        pairs = [(a, b) for a, b in zip(snapshot.src, snapshot.dst, strict=True) if a in kept]
-        snapshot = MambaSnapshot(serial=snapshot.serial, src=[a for a, _ in pairs], dst=[b for _, b in pairs]) if pairs else None
+        at = snapshot.at or (0,) * len(snapshot.src)  # kept aligned with the pairs (none when all at the end)
+        triples = [(a, b, t) for a, b, t in zip(snapshot.src, snapshot.dst, at, strict=True) if a in kept]
+        snapshot = MambaSnapshot(
+            serial=snapshot.serial, src=[a for a, _, _ in triples], dst=[b for _, b, _ in triples],
+            at=[t for _, _, t in triples] if snapshot.at else (),
+        ) if triples else None
     return ExtendBatch(
         rids=frozen_i64(batch.rids[keep]),
         slots=frozen_i64(batch.slots[keep]),

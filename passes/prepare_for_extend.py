@@ -8,7 +8,8 @@ request and one COW ``src -> slot`` per ``CopyFrom(src=...)`` request, in reques
 freshly minted serial, or is ``None`` when every request is a chunked continuation (``Continue``).
 
 Requests with ``snapshot_to`` contribute a ``MambaSnapshot`` (their slot -> that cache slot, after
-the forward) under its own serial.
+the forward) under its own serial; its ``at`` is empty when every snapshot is at its chunk's end,
+else every request's ``snapshot_len``.
 
 ``sampling`` (optional) is the requests' sampling parameters, one row per request in their order:
 the batch carries it (its constructor refuses another row count); ``None``: every row greedy.
@@ -59,9 +60,15 @@ def prepare_for_extend(requests: Sequence[AdmittedRequest], sampling: SamplingRo
             case _:
                 assert_never(r.intent)
     init = MambaInit(serial=mint_serial(), clear_slots=clears, cow_src=src, cow_dst=dst) if clears or dst else None
-    snap = [(r.slot, r.snapshot_to) for r in requests if r.snapshot_to is not None]
+    snap = [r for r in requests if r.snapshot_to is not None]
+    inner = any(r.snapshot_len != r.input_ids.shape[0] for r in snap)
     snapshot = (
-        MambaSnapshot(serial=mint_serial(), src=[a for a, _ in snap], dst=[b for _, b in snap]) if snap else None
+        MambaSnapshot(
+            serial=mint_serial(), src=[r.slot for r in snap], dst=[r.snapshot_to for r in snap if r.snapshot_to is not None],
+            at=[r.snapshot_len for r in snap] if inner else (),
+        )
+        if snap
+        else None
     )
     return ExtendBatch(
         rids=frozen_i64([r.rid for r in requests]),

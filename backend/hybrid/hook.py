@@ -21,7 +21,7 @@ from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
 from backend.model import ForwardPlan
 from backend.pool import MambaStatePool
-from backend.staging import StagedDecode, StagedExtend, StagedWindow
+from backend.staging import Captures, StagedDecode, StagedExtend, StagedWindow
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
@@ -33,6 +33,7 @@ class HybridEntryPoints(Protocol):
     def extend(
         self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, cu_seqlens: torch.Tensor,
         prefix_lens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor,
+        captures: Captures | None = None,
     ) -> ForwardOut: ...
 
     def decode(
@@ -59,6 +60,10 @@ class HybridHook:
         self.kv = kv
         self.table = table
 
+    def captures_inner_states(self) -> bool:
+        """Extend forwards store the states ``StagedExtend.captures`` asks for."""
+        return True
+
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         """Slot ``dst``'s first ``length`` KV locations become slot ``src``'s (the token table's rows)."""
         self.table.copy_prefix(src, dst, length)
@@ -66,7 +71,7 @@ class HybridHook:
     def _extend(self, s: StagedExtend, pool: MambaStatePool) -> torch.Tensor:
         return self.model.extend(
             pool, self.kv, self.table, slots=s.slots, cu_seqlens=s.cu_seqlens, prefix_lens=s.prefix_lens,
-            input_ids=s.input_ids, positions=s.positions, kv_locs=s.kv_locs,
+            input_ids=s.input_ids, positions=s.positions, kv_locs=s.kv_locs, captures=s.captures,
         ).logits
 
     def _decode(self, s: StagedDecode, pool: MambaStatePool) -> torch.Tensor:

@@ -54,11 +54,12 @@ from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
 from backend.hybrid.weights import Weights, check_weights, init_weights
 from backend.kernels import checks
 from backend.kernels.checks import require
-from backend.kernels.chunked import causal_conv1d_prefill, ssd_prefill
+from backend.kernels.chunked import Capture, causal_conv1d_prefill, ssd_prefill
 from backend.kernels.commit import commit_accepted
 from backend.kernels.conv import causal_conv1d_update, causal_conv1d_verify
 from backend.kernels.ssm import selective_state_update, selective_state_verify
 from backend.pool import MambaStatePool, PoolLayout
+from backend.staging import Captures
 from ir.ids import TARGET_POOL, PoolId
 
 # (layer index, normed input) -> mixer output, for one token layout (packed, per-row, [n, T]).
@@ -187,6 +188,10 @@ class HybridModel:
 
     def new_token_table(self, max_slots: int, max_len: int) -> TokenTable:
         return TokenTable(max_slots, max_len, device=self.device)
+
+    def captures_inner_states(self) -> bool:
+        """Its hooks' extend forwards capture states inside a chunk (``backend.model.CapturesInnerStates``)."""
+        return True
 
     def serving_hook(self, *, capacity: int, kv_capacity: int, max_len: int) -> HybridHook:
         """This model behind the serving hook protocol, with a fresh KV cache and token table."""
@@ -350,12 +355,16 @@ class HybridModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_locs: torch.Tensor,
+        captures: Captures | None = None,
     ) -> ForwardOut:
         """Prefill / chunked continuation of ``n`` packed sequences (each at least one token).
 
         Sequence ``i`` is ``input_ids[cu_seqlens[i]:cu_seqlens[i+1]]`` at positions
         ``prefix_lens[i] + 0, 1, ...``; it starts from the Mamba state in ``slots[i]`` and leaves
         its final state there; attention sees positions ``< prefix_lens[i]`` through the table.
+        ``captures``: also the Mamba state of sequence ``seq[j]`` after its first ``at[j]`` tokens,
+        into row ``j + 1`` of ``captures.into`` (attention keeps no per-slot state: the KV of those
+        tokens is in the cache as for every token).
         """
         device = pool.device
         self._check_rows(pool, kv, table, slots)
@@ -380,6 +389,16 @@ class HybridModel:
         ctx = int((prefix_lens + lens_t).max())
         require(ctx <= table.max_len, f"context {ctx} exceeds the token table's max_len {table.max_len}")
 
+        capture: Capture | None = None
+        into: MambaStatePool | None = None
+        if captures is not None and captures.seq:
+            capture, into = Capture(seq=captures.seq, at=captures.at), captures.into
+            require(into.layout == pool.layout, "the capture pool's layout differs from the pool's")
+            require(into.capacity >= len(captures.seq), f"{len(captures.seq)} captures, {into.capacity} capture rows")
+            bad = [(q, a) for q, a in zip(captures.seq, captures.at, strict=True) if not (0 <= q < n and 1 <= a <= lens[q])]
+            require(not bad, f"captures (sequence, tokens) {bad[:4]} are not inside their sequences")
+        rows = slice(1, 1 + len(capture.seq) if capture is not None else 1)  # capture j goes to row j + 1 of `into`
+
         live = slots[seq_of] >= 0
         locs = torch.where(live, kv_locs, 0)
         table.write(slots[seq_of], positions, locs)
@@ -394,6 +413,7 @@ class HybridModel:
             xbc = causal_conv1d_prefill(
                 xbc, pool.conv_state(m), self._w(f"{p}.conv_weight"), self._w(f"{p}.conv_bias"),
                 silu=True, cu_seqlens=cu_seqlens, slot_idx=slots, check_slots=False,
+                capture=capture, capture_state=into.conv_state(m)[rows] if into is not None else None,
             )
             xs, B, C = self._split_xbc(xbc)
             A, D = self._ssm_params(i)
@@ -402,6 +422,7 @@ class HybridModel:
                 pool.ssm_state(m), xs, dt, A, B, C, D,
                 z=z.reshape(total, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=dt_softplus,
                 cu_seqlens=cu_seqlens, slot_idx=slots, chunk_size=c.chunk_size, check_slots=False,
+                capture=capture, capture_state=into.ssm_state(m)[rows] if into is not None else None,
             )
             return self._mamba_out(i, y)
 

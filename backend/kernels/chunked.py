@@ -66,13 +66,46 @@ def _check_varlen(cu_seqlens: torch.Tensor, slot_idx: torch.Tensor, total: int, 
 
 
 @attrs.frozen
+class Capture:
+    """States at inner positions of a varlen batch: the state of sequence ``seq[j]`` after its
+    first ``at[j]`` tokens (``1 <= at[j] <=`` its length) is stored in entry ``j`` of the kernel's
+    capture tensor, besides the final state the slot receives. Host ints: the kernels do their
+    index arithmetic on the host. Each sequence is captured at most once and must be live."""
+
+    seq: tuple[int, ...]
+    at: tuple[int, ...]
+
+    def __attrs_post_init__(self) -> None:
+        require(len(self.seq) == len(self.at), f"Capture: {len(self.seq)} sequences but {len(self.at)} positions")
+        require(len(set(self.seq)) == len(self.seq), f"Capture: a sequence is captured twice: {list(self.seq)[:8]}")
+
+
+def _check_capture(capture: Capture | None, bounds: list[int], slot_idx: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    """``capture`` names live sequences at positions inside them and ``out`` holds one state per entry."""
+    if capture is None:
+        require(out is None, "capture_state given without a capture")
+        return
+    require(out is not None, "a capture needs capture_state")
+    assert out is not None
+    checks.check_tensor("capture_state", out, shape=(len(capture.seq), *shape), device=slot_idx.device, dtypes=checks.STATE_DTYPES)
+    slots = slot_idx.tolist()
+    for s, a in zip(capture.seq, capture.at, strict=True):
+        require(0 <= s < len(slots), f"capture sequence {s} out of range [0, {len(slots)})")
+        length = bounds[s + 1] - bounds[s]
+        require(slots[s] >= 0, f"capture sequence {s} is skipped (slot -1)")
+        require(1 <= a <= length, f"capture position {a} of sequence {s} outside [1, {length}]")
+
+
+@attrs.frozen
 class _Live:
     """The live sequences of a varlen batch (slot not -1, at least one token) as rows
     ``0..rows-1``, longest first (ties in batch order), and where their tokens are.
 
     ``rank[j]`` and ``offset[j]`` (host arrays) are the row and the position within it of live
     token ``j``, in packed order; ``tokens`` are the packed indices of the live tokens, ``None`` when
-    every token is live; ``slots`` and ``lengths`` are per row."""
+    every token is live; ``slots`` and ``lengths`` are per row; ``row_of[i]`` is sequence ``i``'s
+    row (-1 when it is not live). With padding inserted (``_live``'s ``pads``) a row's length and
+    its tokens' offsets count the padding."""
 
     rows: int
     lengths: list[int]
@@ -80,6 +113,7 @@ class _Live:
     rank: np.ndarray
     offset: np.ndarray
     tokens: torch.Tensor | None
+    row_of: np.ndarray
 
     def gather(self, packed: torch.Tensor) -> torch.Tensor:
         """The live tokens of a packed ``[total, ...]`` tensor, in float32."""
@@ -94,8 +128,10 @@ class _Live:
         return out
 
 
-def _live(bounds: list[int], slot_idx: torch.Tensor) -> _Live | None:
-    """The live sequences, ``None`` when there are none (index arithmetic on the host)."""
+def _live(bounds: list[int], slot_idx: torch.Tensor, pads: dict[int, tuple[int, int]] | None = None) -> _Live | None:
+    """The live sequences, ``None`` when there are none (index arithmetic on the host). ``pads``:
+    sequence ``i`` -> ``(at, n)``, ``n`` padding positions inserted before its token ``at`` (they
+    hold no token: the scan's table leaves them zero)."""
     cu = np.asarray(bounds, dtype=np.int64)
     lengths = np.diff(cu)
     slots = np.asarray(slot_idx.tolist(), dtype=np.int64)
@@ -103,18 +139,30 @@ def _live(bounds: list[int], slot_idx: torch.Tensor) -> _Live | None:
     if not live.any():
         return None
     lens = lengths[live]  # batch order
-    order = np.argsort(-lens, kind="stable")  # row -> live sequence
+    offset = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    tokens = np.repeat(cu[:-1][live], lens) + offset
+    padded = lens.copy()
+    if pads:
+        which = np.cumsum(live) - 1  # sequence -> live index
+        for i, (at, n) in pads.items():
+            k = int(which[i])
+            padded[k] += n
+            first = int(np.sum(lens[:k]))
+            offset[first + at : first + int(lens[k])] += n
+    order = np.argsort(-padded, kind="stable")  # row -> live sequence
     rank = np.empty_like(order)  # live sequence -> row
     rank[order] = np.arange(order.shape[0])
-    offset = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    row_of = np.full(slots.shape[0], -1, dtype=np.int64)
+    row_of[live] = rank
     every_token = int(lens.sum()) == bounds[-1]
     return _Live(
         rows=int(order.shape[0]),
-        lengths=lens[order].tolist(),
+        lengths=padded[order].tolist(),
         slots=torch.as_tensor(slots[live][order], device=slot_idx.device),
         rank=np.repeat(rank, lens),
         offset=offset,
-        tokens=None if every_token else torch.as_tensor(np.repeat(cu[:-1][live], lens) + offset, device=slot_idx.device),
+        tokens=None if every_token else torch.as_tensor(tokens, device=slot_idx.device),
+        row_of=row_of,
     )
 
 
@@ -128,8 +176,13 @@ def causal_conv1d_prefill(
     cu_seqlens: torch.Tensor,
     slot_idx: torch.Tensor,
     check_slots: bool = True,
+    capture: Capture | None = None,
+    capture_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Packed ``x [total, dim]`` -> ``out [total, dim]``; each slot's conv state is used and replaced."""
+    """Packed ``x [total, dim]`` -> ``out [total, dim]``; each slot's conv state is used and replaced.
+    ``capture``: also store each named sequence's conv state after its first ``at`` tokens (the
+    last ``width - 1`` inputs before that position) in ``capture_state [len(capture.seq), dim,
+    width - 1]``."""
     require(x.dim() == 2, f"x must be [total_tokens, dim], got {tuple(x.shape)}")
     require(weight.dim() == 2, f"weight must be [dim, width], got shape {tuple(weight.shape)}")
     total, dim = x.shape
@@ -142,6 +195,7 @@ def causal_conv1d_prefill(
         "conv_state", conv_state, shape=(conv_state.shape[0], dim, width - 1), device=x.device, dtypes=checks.STATE_DTYPES
     )
     bounds = _check_varlen(cu_seqlens, slot_idx, total, conv_state.shape[0], check_slots)
+    _check_capture(capture, bounds, slot_idx, capture_state, (dim, width - 1))
     live = _live(bounds, slot_idx)
     if live is None:
         return torch.zeros_like(x)
@@ -170,6 +224,13 @@ def causal_conv1d_prefill(
     # a row of length L leaves its stream entries L .. L + keep - 1
     final = stream[index(base[:, None] + lengths[:, None] + np.arange(keep))]  # [rows, keep, dim]
     conv_state[live.slots] = final.transpose(1, 2).to(conv_state.dtype)
+    if capture is not None and capture.seq:
+        assert capture_state is not None
+        # after `at` tokens a row's state is its stream entries at .. at + keep - 1, as its final
+        # state is after L tokens
+        starts = base[live.row_of[np.asarray(capture.seq)]] + np.asarray(capture.at)
+        inner = stream[index(starts[:, None] + np.arange(keep))]  # [captures, keep, dim]
+        capture_state.copy_(inner.transpose(1, 2))
     return live.scatter(F.silu(y_live) if silu else y_live, x)
 
 
@@ -216,9 +277,14 @@ def ssd_prefill(
     slot_idx: torch.Tensor,
     chunk_size: int = 64,
     check_slots: bool = True,
+    capture: Capture | None = None,
+    capture_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed ``x [total, H, P]``, ``dt [total, H]``, ``B, C [total, G, N]`` -> ``y [total, H, P]``;
-    each slot's SSM state is the initial state and receives the final one."""
+    each slot's SSM state is the initial state and receives the final one. ``capture``: also store
+    each named sequence's state after its first ``at`` tokens in ``capture_state [len(capture.seq),
+    H, P, N]``: the sequence's chunks restart at ``at`` (padding fills the chunk that ends there),
+    so that state is a chunk-end state, computed as a scan that stopped at ``at`` computes it."""
     require(chunk_size > 0, f"chunk_size must be positive, got {chunk_size}")
     require(state.dim() == 4, f"state must be [num_slots, nheads, head_dim, d_state], got {tuple(state.shape)}")
     num_slots, nheads, head_dim, d_state = state.shape
@@ -238,14 +304,27 @@ def ssd_prefill(
     checks.check_optional("z", z, shape=(total, nheads, head_dim), device=device, dtypes=floats)
     checks.check_optional("dt_bias", dt_bias, shape=(nheads,), device=device, dtypes=floats)
     bounds = _check_varlen(cu_seqlens, slot_idx, total, num_slots, check_slots)
+    _check_capture(capture, bounds, slot_idx, capture_state, (nheads, head_dim, d_state))
     live = _live(bounds, slot_idx)
     if live is None:
         return torch.zeros_like(x)
+    q = min(chunk_size, live.lengths[0])
+    captured: dict[int, list[tuple[int, int]]] = {}  # chunk index -> (capture entry, sequence)
+    if capture is not None and capture.seq:
+        # pad each captured sequence so that its position `at` ends a chunk (a chunk then never
+        # straddles it); at its own end nothing follows, so nothing is padded
+        pads = {
+            s: (a, -a % q) for s, a in zip(capture.seq, capture.at, strict=True) if a < bounds[s + 1] - bounds[s] and a % q
+        }
+        if pads:
+            live = _live(bounds, slot_idx, pads)
+            assert live is not None
+        for j, (s, a) in enumerate(zip(capture.seq, capture.at, strict=True)):
+            captured.setdefault(-(-a // q) - 1, []).append((j, s))
 
     # The chunk table: block c holds chunk c (tokens c * q .. c * q + q - 1) of every row that has
     # one; the rows are longest first, so those are rows 0 .. running[c] - 1. A chunk runs past its
-    # row's end only in the row's last chunk (padding, with dt = 0 there).
-    q = min(chunk_size, live.lengths[0])
+    # row's end only in the row's last chunk, or before a captured position (padding, dt = 0 there).
     chunks = -(-np.asarray(live.lengths) // q)  # per row
     running = (chunks[:, None] > np.arange(int(chunks[0]))).sum(axis=0)  # per chunk index
     begin = np.cumsum(running) - running
@@ -282,11 +361,14 @@ def ssd_prefill(
     # rows per step: the [rows, Q, Q, nheads] tensors stay within SCAN_GROUP_ELEMENTS (or one row)
     per_step = max(1, SCAN_GROUP_ELEMENTS // (q * q * nheads))
     y_tab = torch.empty_like(x_tab)
-    for b0, n in zip(begin.tolist(), running.tolist(), strict=True):  # over chunk indices, never over sequences
+    for c, (b0, n) in enumerate(zip(begin.tolist(), running.tolist(), strict=True)):  # over chunk indices, never over sequences
         for r0 in range(0, n, per_step):
             r1 = min(r0 + per_step, n)
             rows = slice(b0 + r0, b0 + r1)
             y_tab[rows] = _ssd_chunk(carried[r0:r1], x_tab[rows], dt_tab[rows], A_g, B_tab[rows], C_tab[rows])
+        for j, s in captured.get(c, ()):
+            assert capture_state is not None
+            capture_state[j] = carried[int(live.row_of[s])].reshape(nheads, head_dim, d_state)
     y_live = y_tab[entry].reshape(-1, nheads, head_dim)  # [live, H, P]
     if D is not None:
         y_live = y_live + D.float()[:, None] * x_live

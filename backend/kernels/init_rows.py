@@ -14,6 +14,9 @@ Invariants checked before any launch (``ValueError``):
 - clears unique; copy dsts unique; no dst cleared; no src cleared; no src == dst; no src also a dst;
 - ``cow_src`` and ``cow_dst`` have equal length.
 
+``copy_rows`` moves rows of another buffer (a capture pool's: the states a forward captured inside
+a chunk, ``backend.staging.Captures``) into a pool's rows with the same kernel, copies only.
+
 Bandwidth: bytes move as the widest word (8/4/2/1 bytes) that divides the row length, the row
 stride and the base address; with the pool's 256-byte alignment that is always int64, and Triton
 then sees 16-byte-divisible strides and emits 128-bit accesses. Each program moves
@@ -127,6 +130,55 @@ def init_rows(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch.Tensor, 
         clear.shape[0],
         row_words,
         words.stride(0),
+        words,
+        words.stride(0),
+        BLOCK=BLOCK,
+        BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
+    )
+
+
+def copy_rows(buffer: torch.Tensor, source: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy rows ``src[i]`` of another buffer ``source`` (a capture pool's, of the same row length)
+    to rows ``dst[i]`` of a pool buffer, in one launch of the same kernel (copies only). The
+    buffers are distinct, so the copies are order-free whenever the targets are unique."""
+    for name, b in (("pool buffer", buffer), ("source buffer", source)):
+        require(b.dtype == torch.uint8 and b.dim() == 2, f"{name} must be 2-D uint8, got {b.dtype} of shape {tuple(b.shape)}")
+        require(b.stride(1) == 1, f"{name} rows must be contiguous, got strides {b.stride()}")
+    require(source is not buffer and source.data_ptr() != buffer.data_ptr(), "copy_rows copies between two buffers")
+    require(source.shape[1] == buffer.shape[1], f"rows of {source.shape[1]} bytes copied into rows of {buffer.shape[1]}")
+    for name, t in (("src", src), ("dst", dst)):
+        require(t.dtype == torch.int64 and t.dim() == 1, f"{name} must be 1-D int64, got {t.dtype} of shape {tuple(t.shape)}")
+        require(t.device == buffer.device and source.device == buffer.device, f"{name} and both buffers must share {buffer.device}")
+    require(src.shape == dst.shape, f"src and dst differ in length: {src.shape[0]} vs {dst.shape[0]}")
+    srcs, dsts = [int(v) for v in src.tolist()], [int(v) for v in dst.tolist()]
+    bad = [v for v in srcs if not 1 <= v < source.shape[0]] + [v for v in dsts if not 1 <= v < buffer.shape[0]]
+    require(not bad, f"copy_rows slots out of range (row 0 is padding): {bad[:8]}")
+    require(not _duplicates(dsts), f"dst repeats slots {_duplicates(dsts)[:8]}")
+    if not dsts or buffer.shape[1] == 0:
+        return
+    words, source_words = _word_view(buffer), _word_view(source)
+    if words.dtype != source_words.dtype:  # (pool rows are 256-byte aligned: never in practice)
+        words, source_words = buffer, source
+    if not use_triton(buffer):
+        if len(dsts) <= ROW_OPS_MAX:
+            for s, d in zip(srcs, dsts, strict=True):
+                words[d].copy_(source_words[s])
+        else:
+            words[dst] = source_words[src]
+        return
+    row_words = words.shape[1]
+    per_program = BLOCK * BLOCKS_PER_PROGRAM
+    grid = ((row_words + per_program - 1) // per_program, len(dsts))
+    jit_module("init_rows").init_rows_kernel[grid](
+        words,
+        dst,  # never read: there are no clears
+        src,
+        dst,
+        0,
+        row_words,
+        words.stride(0),
+        source_words,
+        source_words.stride(0),
         BLOCK=BLOCK,
         BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
     )

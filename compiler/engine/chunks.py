@@ -4,8 +4,10 @@ Requests are served in queue order. A WAITING request first gets its slot and it
 prefix it was admitted with, or the longest prefix the cache holds), and only if the KV for its
 whole prompt fits next to what the started prefills still need, so a started prefill can always
 finish (no deadlock of half-prefilled requests). Each chunk is at most ``chunk_size`` tokens, all of
-them together at most ``token_budget``, and a chunk stops at the prefix boundary the cache wants a
-snapshot of.
+them together at most ``token_budget``. A chunk that reaches the prefix boundary the cache wants a
+snapshot of carries the snapshot: at that position inside the chunk (``AdmittedRequest.snapshot_at``)
+when every served model captures states inside a chunk (``inner_snapshots``), so the boundary costs
+no forward; else the chunk stops at the boundary and the snapshot is the state it leaves.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ class ChunkPlanner:
         share_prefix: Callable[[int, int, int], None],
         chunk_size: int,
         token_budget: int,
+        inner_snapshots: bool = False,
     ) -> None:
         self.requests, self.slots, self.kv, self.kv_refs, self.session = requests, slots, kv, kv_refs, session
         self.share_prefix = share_prefix
         self.chunk_size, self.token_budget = chunk_size, token_budget
+        self.inner_snapshots = inner_snapshots
 
     def start(self, r: Request, owed: int) -> bool:
         """Give a request its slot and prefix source before its first chunk; False if none is free,
@@ -73,15 +77,17 @@ class ChunkPlanner:
             assert r.slot is not None
             pos = r.next_pos
             n = min(self.chunk_size, budget, int(r.prompt.shape[0]) - pos)
-            if r.snapshot_at is not None and pos < r.snapshot_at:
+            if r.snapshot_at is not None and pos < r.snapshot_at and not self.inner_snapshots:
                 n = min(n, r.snapshot_at - pos)
             if n > self.kv.num_free:
                 break
-            snap_to = None
-            if r.snapshot_at is not None and pos + n == r.snapshot_at:
+            snap_to = snap_at = None
+            if r.snapshot_at is not None and pos < r.snapshot_at <= pos + n:
                 snap_to = r.snapshot_slot = self.session.snapshot_slot(r.prompt, r.snapshot_at)
                 if snap_to is None:
                     r.snapshot_at = None  # no room: skip this snapshot
+                elif r.snapshot_at < pos + n:
+                    snap_at = r.snapshot_at - pos
             kv = self.kv_refs.alloc(n)
             r.context.extend(kv.tolist())
             intent: Intent
@@ -94,7 +100,7 @@ class ChunkPlanner:
             admitted.append(
                 AdmittedRequest(
                     rid=rid, slot=r.slot, input_ids=r.prompt[pos : pos + n], kv_locs=kv, intent=intent,
-                    more_chunks=pos + n < r.prompt.shape[0], snapshot_to=snap_to,
+                    more_chunks=pos + n < r.prompt.shape[0], snapshot_to=snap_to, snapshot_at=snap_at,
                 )
             )
             budget -= n

@@ -34,7 +34,8 @@ class ServeConfig:
     """Most prompt tokens of all requests a prefill step takes (a burst of prompts in one forward)."""
     cache_entries: int = 16
     """Prefix-cache entries: at 8 the built-in workload evicted 32 entries a run and re-snapshotted
-    them, each snapshot cutting a prefill chunk (an extra forward); at 16 it evicts 12."""
+    them (each snapshot then cut a prefill chunk, an extra forward; now it is taken inside the
+    chunk); at 16 it evicts 12."""
     cache_block: int = 16
     max_len: int = DEFAULT_CONTEXT
     """Context length: prompt, new tokens and the k + 1 positions of a decode or verify step."""

@@ -39,7 +39,7 @@ from typing import Any
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.boundary import Backend, Backends, Transport
 from backend.ledger import Ledger, RankLedgers
-from backend.model import ServedModel
+from backend.model import CapturesInnerStates, ServedModel
 from backend.transports import in_process
 from compiler.engine.admission import check_engine_args, check_request, check_sampling
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
@@ -130,6 +130,7 @@ class Engine:
             requests=self.requests, slots=self.slots, kv=self.kv, kv_refs=self.kv_refs, session=self.session,
             share_prefix=self._share_prefix, chunk_size=int(chunk_size) if chunk_size is not None else max_len,
             token_budget=int(token_budget) if token_budget is not None else max_len * capacity,
+            inner_snapshots=all(isinstance(m, CapturesInnerStates) and m.captures_inner_states() for m in models.values()),
         )
         self.forwards = Forwards(
             k=k, pipeline=self.pipeline, runner=self.runner, backends=self.backends, ledger=self.ledger, requests=self.requests,

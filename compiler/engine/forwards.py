@@ -288,7 +288,7 @@ class Forwards:
             self.progress.requests += 1
             self.progress.prefill_tokens += int(a.input_ids.shape[0])
             if a.snapshot_to is not None:
-                snapshots.append((r, a.snapshot_to, pos))
+                snapshots.append((r, a.snapshot_to, a.prefix_len + a.snapshot_len))
             if not a.more_chunks:
                 completed.append(r)
                 self.requests.prefilled(r)

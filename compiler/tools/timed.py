@@ -30,7 +30,7 @@ class TimedModel(HybridModel):
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def extend(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: torch.Tensor) -> ForwardOut:
+    def extend(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: Any) -> ForwardOut:  # tensors and the captures
         out: ForwardOut = self._timed(super().extend, pool, kv, table, **kw)
         return out
 

@@ -2,7 +2,8 @@
 
 The buffer arrives as a 2-D tensor of words (int64 when the 256-byte pool alignment allows, which
 it always does for a real pool). Grid: axis 0 = column chunk of a row, axis 1 = row op. Ops
-``0 .. n_clear-1`` clear ``clear[op]``; ops ``n_clear ..`` copy ``cow_src[i]`` -> ``cow_dst[i]``.
+``0 .. n_clear-1`` clear ``clear[op]``; ops ``n_clear ..`` copy row ``cow_src[i]`` of the source
+buffer (the pool itself for an init; a capture pool for ``copy_rows``) to row ``cow_dst[i]``.
 The wrapper guarantees no op reads or writes a row another op writes, so ops need no ordering.
 Column chunks go on axis 0 because CUDA limits grid axes 1 and 2 to 65535 and a real row has
 tens of thousands of chunks.
@@ -24,6 +25,8 @@ def init_rows_kernel(
     n_clear,
     row_words,
     row_stride,
+    src_buf_ptr,
+    src_row_stride,
     BLOCK: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
@@ -42,7 +45,7 @@ def init_rows_kernel(
     else:
         src = tl.load(src_ptr + (op - n_clear))
         dst = tl.load(dst_ptr + (op - n_clear))
-        src_row = buf_ptr + src * row_stride
+        src_row = src_buf_ptr + src * src_row_stride
         dst_row = buf_ptr + dst * row_stride
         for i in tl.static_range(BLOCKS_PER_PROGRAM):
             offs = first + i * BLOCK + cols

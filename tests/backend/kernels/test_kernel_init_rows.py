@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from backend import reference
 from backend.kernels.dispatch import use_triton
-from backend.kernels.init_rows import ROW_OPS_MAX, init_rows, init_rows_torch
+from backend.kernels.init_rows import ROW_OPS_MAX, copy_rows, init_rows, init_rows_torch
 from tests.helpers import DEVICE, index, make_pool
 
 
@@ -163,3 +163,31 @@ def test_the_row_by_row_and_the_indexed_paths_both_equal_the_reference(ops: int,
     init_rows_torch(buffer, index(clear), index(src), index(dst))
     reference.init_rows_reference(expected, index(clear), index(src), index(dst))
     assert torch.equal(buffer, expected)
+
+
+@pytest.mark.parametrize("triton_path", [True, False])
+def test_copy_rows_moves_rows_of_another_buffer(triton_path: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture pool's rows into a pool's rows: the Triton kernel and the torch path alike; the
+    source and every other row of the pool keep their bytes."""
+    if not triton_path:
+        monkeypatch.delenv("BATCHC_TRITON_ON_CPU", raising=False)
+    pool, capture = make_pool(capacity=8, seed=1), make_pool(capacity=3, seed=2)
+    assert use_triton(pool.buffer) == (triton_path or pool.buffer.is_cuda)
+    before, source = pool.copy_buffer(), capture.copy_buffer()
+    copy_rows(pool.buffer, capture.buffer, index([2, 1]), index([5, 7]))
+    expected = before.clone()
+    expected[5], expected[7] = source[2], source[1]
+    assert torch.equal(pool.buffer, expected)
+    assert torch.equal(capture.buffer, source)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "message"),
+    [([1], [9], "out of range"), ([0], [2], "out of range"), ([1, 2], [3, 3], "repeats"), ([1], [2, 3], "differ in length")],
+)
+def test_copy_rows_refuses_a_bad_launch(src: list[int], dst: list[int], message: str) -> None:
+    pool, capture = make_pool(capacity=8, seed=1), make_pool(capacity=3, seed=2)
+    before = pool.copy_buffer()
+    with pytest.raises(ValueError, match=message):
+        copy_rows(pool.buffer, capture.buffer, index(src), index(dst))
+    assert torch.equal(pool.buffer, before)

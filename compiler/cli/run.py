@@ -271,7 +271,7 @@ def _serve_and_report(
     import attrs
 
     from compiler.engine.nonfinite import ERROR_MESSAGE
-    from compiler.serve import run
+    from compiler.serve.run import run
     from compiler.serve.models import output_lines
     from compiler.tools.timed import TimedModel
 

@@ -204,3 +204,21 @@ def test_a_taken_port_is_refused_in_one_line_before_anything_starts() -> None:
     free = listen("127.0.0.1", 0)
     assert free.getsockname()[0] == "127.0.0.1"
     free.close()
+
+
+def test_the_http_side_imports_no_torch() -> None:
+    """``batchc serve``'s HTTP process (the command line, the server module, its tokenizer and stop
+    strings) loads without torch: only the engine process pays for it."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    code = ("import sys, compiler.cli, compiler.cli.serve, compiler.online.server, compiler.online.engine_client; "
+            "import compiler.serve.stops, compiler.serve.tokenizer, compiler.engine.config; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('backend.', 'compiler.')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # and the names the packages export still load on first use
+    code = "import compiler.engine as e, compiler.serve as s; print(e.Engine.__name__, s.ServeConfig is e.ServeConfig, s.serve.__module__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.split()) == (0, ["Engine", "True", "compiler.serve.run"]), done.stderr[-2000:]

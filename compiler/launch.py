@@ -1,8 +1,8 @@
 """The ``batchc`` console script's entry point: signals are handled from the first instruction.
 
-Importing the command line takes seconds (torch, the models). A SIGINT or SIGTERM in that window
-would otherwise end the process in Python's default way (a ``KeyboardInterrupt`` traceback, or a
-silent exit 143). Nothing has been started or written yet then (no child, no claimed path), so the
+Starting a command takes seconds (importing torch, loading the models; the command line itself
+imports neither). A SIGINT or SIGTERM in that window would otherwise end the process in Python's
+default way (a ``KeyboardInterrupt`` traceback, or a silent exit 143). Nothing has been started or written yet then (no child, no claimed path), so the
 early handler says so in one line and exits at once with 130 or 143; ``compiler.cli.main`` installs
 the real handlers (``backend.children.on_signals``) before it starts anything. This module imports
 only the standard library, so that it is loaded before the heavy imports begin. When the command

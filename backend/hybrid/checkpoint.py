@@ -32,11 +32,13 @@ import safetensors
 import safetensors.torch
 import torch
 
+from backend.files import CheckpointError as CheckpointError  # (re-exported: defined torch-free)
+from backend.files import file_kind as file_kind
 from backend.hybrid.config import ARCHITECTURE_SWITCHES, BLOCK_KINDS, LAYER_KINDS, MLP_KINDS, HybridConfig
 from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import Weights, check_weights, weight_shapes
 from backend.pool import device_problem
-from ir.errors import BatchcError, short_repr
+from ir.errors import short_repr
 
 FORMAT = "batchc.hybrid/1"
 _RESERVED = ("format", "config")
@@ -45,16 +47,6 @@ TARGET_FILE = "target.safetensors"
 DRAFT_FILE = "draft.safetensors"
 MAX_CHECKPOINT_BYTES = 4 << 30
 """Largest checkpoint file ``read_checkpoint`` opens (4 GiB; the bundled ones are 2.3 MB and 0.6 MB)."""
-
-
-class CheckpointError(BatchcError, ValueError):
-    """A checkpoint file cannot be loaded; ``path`` is the file, the message says what is wrong."""
-
-    def __init__(self, path: str | Path, detail: str) -> None:
-        self.path = str(path)
-        self.detail = " ".join(detail.split())  # one line, whatever the cause said
-        shown = self.path if self.path.isprintable() else repr(self.path)  # a newline or escape in a name stays quoted
-        super().__init__(f"{shown}: {self.detail}")
 
 
 # ---- config <-> JSON ------------------------------------------------------------------------------
@@ -191,15 +183,6 @@ def _regular_size(p: Path) -> int:
     if st.st_size > MAX_CHECKPOINT_BYTES:
         raise CheckpointError(p, f"file of {st.st_size} bytes is over the limit of {MAX_CHECKPOINT_BYTES} (4 GiB)")
     return st.st_size
-
-
-def file_kind(mode: int) -> str:
-    """What a ``stat`` mode that is not a regular file names, for messages ("a FIFO")."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "a special file"
 
 
 def read_checkpoint(path: str | Path) -> tuple[HybridConfig, Weights, dict[str, str]]:

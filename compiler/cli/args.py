@@ -195,6 +195,37 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_sampling_defaults(p: argparse.ArgumentParser) -> None:
+    """``--temperature``, ``--top-p``, ``--top-k`` and ``--min-p``: the sampling defaults of
+    ``batchc run`` and ``batchc serve`` (read back by ``sampling_defaults``)."""
+    p.add_argument("--temperature", type=FloatIn(0.0, math.inf), default=None,
+                   help="sampling temperature of the requests that do not set theirs (workload lines, the built-in workload, request "
+                   "bodies), as each of --top-p, --top-k and --min-p is of its own field; 0 is greedy (default 0: a request samples "
+                   "only when it or this option sets a temperature > 0, and top_p, top_k and min_p act only then)")
+    p.add_argument("--top-p", type=FloatIn(0.0, 1.0, lo_open=True, hi_closed=True), default=None,
+                   help="nucleus sampling: top_p in (0, 1] for requests that do not set theirs (default 1: off)")
+    p.add_argument("--top-k", type=_int_in(-1, MAX_TOP_K), default=None,
+                   help=f"top_k, -1 to {MAX_TOP_K}, for requests that do not set theirs (-1 or 0: off; default off)")
+    p.add_argument("--min-p", type=FloatIn(0.0, 1.0, hi_closed=True), default=None,
+                   help="min_p in [0, 1] for requests that do not set theirs (default 0: off)")
+
+
+def sampling_defaults(args: argparse.Namespace) -> dict[str, object]:
+    """The sampling defaults ``add_sampling_defaults``' options give (those given only), checked by
+    ``SamplingParams``' rules (``UsageError`` naming the option); a request's own fields override
+    them (``compiler.serve.load.sampling_params``)."""
+    from compiler.serve.load import CLI_DEFAULTS, sampling_params
+    from ir.errors import IRValidationError
+
+    defaults = {name: getattr(args, name) for name in CLI_DEFAULTS if getattr(args, name) is not None}
+    try:
+        sampling_params({}, defaults, max_new_tokens=1)
+    except IRValidationError as exc:
+        said = str(exc).removeprefix(f"{exc.node}.{exc.field}: ")
+        raise UsageError(f"argument --{exc.field.replace('_', '-')}: {said}") from None
+    return defaults
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line; option defaults of ``batchc run`` are ``ServeConfig``'s."""
     p = _Parser(
@@ -255,16 +286,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0,
                      help=f"the run's seed, 0 to {MAX_SEED} (default 0): the built-in workload's, and the one a sampled request "
                      "(temperature > 0) without a seed of its own derives its seed from, with its request id")
-    run.add_argument("--temperature", type=FloatIn(0.0, math.inf), default=None,
-                     help="sampling temperature of the requests that do not set theirs (workload lines, the built-in workload), as "
-                     "each of --top-p, --top-k and --min-p is of its own field; 0 is greedy (default 0: a request samples only "
-                     "when it or this option sets a temperature > 0, and top_p, top_k and min_p act only then)")
-    run.add_argument("--top-p", type=FloatIn(0.0, 1.0, lo_open=True, hi_closed=True), default=None,
-                     help="nucleus sampling: top_p in (0, 1] for requests that do not set theirs (default 1: off)")
-    run.add_argument("--top-k", type=_int_in(-1, MAX_TOP_K), default=None,
-                     help=f"top_k, -1 to {MAX_TOP_K}, for requests that do not set theirs (-1 or 0: off; default off)")
-    run.add_argument("--min-p", type=FloatIn(0.0, 1.0, hi_closed=True), default=None,
-                     help="min_p in [0, 1] for requests that do not set theirs (default 0: off)")
+    add_sampling_defaults(run)
     run.add_argument("--arrivals", choices=ARRIVALS, default="bursts",
                      help=f"built-in workload: {BURST_SIZE} requests every {BURST_EVERY} steps, or one at a time 0-2 steps apart (default bursts)")
     run.add_argument("--lossless-sample", type=_int_in(0, MAX_REQUESTS), default=_SERVE.lossless_sample,
@@ -412,7 +434,7 @@ def parser() -> argparse.ArgumentParser:
         "serve", help="an OpenAI-compatible HTTP server on the engine (completions, chat, streaming, metrics)",
         description="Serve the model over HTTP with the OpenAI API (POST /v1/completions, /v1/chat/completions; GET /v1/models, "
         "/health, /metrics). The engine runs in its own process. SIGTERM or SIGINT drains: new requests get 503, requests in "
-        "flight finish within --drain-timeout or are aborted, and the server exits 0 (docs/guides/online.md).",
+        "flight finish within --drain-timeout or are aborted, and the server exits 0 (docs/guides/online-server.md).",
     )
     sv.add_argument("--model", metavar="PATH", type=_path_arg, help="target, as batchc run's --model (default: the bundled byte-level model)")
     sv.add_argument("--draft", metavar="PATH", type=_path_arg, help="draft, as batchc run's --draft")
@@ -425,6 +447,12 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
     sv.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries, help=f"prefix-cache entries (default {_SERVE.cache_entries})")
     sv.add_argument("--overlap", action="store_true", help="run each model's executor in its own process, as batchc run's --overlap")
+    sv.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0,
+                    help=f"the engine's seed, 0 to {MAX_SEED} (default 0): a sampled request (temperature > 0) without a seed of its own "
+                    "derives its seed from it and its request id, the request's number in the order the server accepted them (0 "
+                    "first), as batchc run --seed does with a workload line's number; under concurrent clients that order is a race, so "
+                    "a request that must be reproducible sets its own seed")
+    add_sampling_defaults(sv)
     sv.add_argument("--host", type=Text(253), default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port to bind, 0 for any free one (the line printed at start names it; default 8000)")
     sv.add_argument("--api-key", metavar="KEY", type=Text(1024), default=None,

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from compiler.cli.args import UsageError, shown_path
+from compiler.cli.args import UsageError, sampling_defaults, shown_path
 from compiler.cli.output import OutputFile, check_output
 
 if TYPE_CHECKING:
@@ -61,21 +61,6 @@ def _refusals(workload: list[Request]) -> str | None:
     return f"{len(refused)} of {len(workload)} request{'s' if len(workload) > 1 else ''} refused ({others}), first: {refused[0]}"
 
 
-def _sampling_defaults(args: argparse.Namespace) -> dict[str, object]:
-    """The sampling defaults ``--temperature``, ``--top-p``, ``--top-k`` and ``--min-p`` give (those
-    given only), checked by ``SamplingParams``' rules (``UsageError`` naming the option)."""
-    from compiler.serve.load import CLI_DEFAULTS, sampling_params
-    from ir.errors import IRValidationError
-
-    defaults = {name: getattr(args, name) for name in CLI_DEFAULTS if getattr(args, name) is not None}
-    try:
-        sampling_params({}, defaults, max_new_tokens=1)
-    except IRValidationError as exc:
-        said = str(exc).removeprefix(f"{exc.node}.{exc.field}: ")
-        raise UsageError(f"argument --{exc.field.replace('_', '-')}: {said}") from None
-    return defaults
-
-
 def _baseline_refusal(workload: list[Request]) -> str | None:
     """Why ``--compare-mutable`` cannot serve ``workload`` (the mutable baseline decodes greedily
     and ends requests at stop ids only), or ``None``."""
@@ -110,7 +95,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             check_output(option, path)
     if args.json is not None and args.outputs is not None and _same_file(args.json, args.outputs):
         raise UsageError(f"--json {shown_path(args.json)} and --outputs {shown_path(args.outputs)} name the same file")
-    defaults = _sampling_defaults(args)
+    defaults = sampling_defaults(args)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     target = load_served(args.model, role="target", dtype=dtype, bundled="target")
     k = args.k if args.k is not None else (0 if target.hf and args.draft is None else ServeConfig().k)
@@ -272,8 +257,8 @@ def _serve_and_report(
     import attrs
 
     from compiler.engine.nonfinite import ERROR_MESSAGE
-    from compiler.serve import run
     from compiler.serve.models import output_lines
+    from compiler.serve.run import run
     from compiler.tools.timed import TimedModel
 
     # the models' forwards are timed (host time per step = wall minus model time, per step)

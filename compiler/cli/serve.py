@@ -1,5 +1,6 @@
 """``batchc serve``: the command line's side of the online server (``compiler.online.server``):
-options to ``ServerOptions``, the API key from ``--api-key`` or ``BATCHC_API_KEY``. Bad options the
+options to ``ServerOptions`` (the sampling defaults as ``batchc run``'s: ``compiler.cli.args.sampling_defaults``),
+the API key from ``--api-key`` or ``BATCHC_API_KEY``. Bad options the
 parser cannot see are refused in one line (``UsageError``, exit 2) before anything starts. And
 ``batchc bench online`` (``compiler.tools.bench_online``): its table and ``--json``."""
 
@@ -13,7 +14,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from compiler.cli.args import Text, UsageError, shown_path
+from compiler.cli.args import Text, UsageError, sampling_defaults, shown_path
 from compiler.cli.output import OutputFile, check_output
 
 API_KEY_ENV = "BATCHC_API_KEY"
@@ -28,11 +29,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and Text(1024).refusal(key) is not None:
         raise UsageError(f"{API_KEY_ENV}: {Text(1024).refusal(key)}")
+    defaults = sampling_defaults(args)
     launch = Launch(model=args.model, draft=args.draft, k=args.k, dtype=args.dtype, max_running=args.max_running, max_len=args.max_len,
                     overlap=args.overlap, threads=args.threads, chunk_size=args.chunk_size, token_budget=args.token_budget,
-                    cache_entries=args.cache_entries)
+                    cache_entries=args.cache_entries, seed=args.seed)
     return serve(ServerOptions(launch=launch, host=args.host, port=args.port, api_key=key, model_name=args.served_model_name,
-                               max_waiting=args.max_waiting, drain_timeout=args.drain_timeout, request_timeout=args.request_timeout))
+                               max_waiting=args.max_waiting, drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
+                               defaults=defaults))
 
 
 def bench_online(args: argparse.Namespace, console: Console) -> int:

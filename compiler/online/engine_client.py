@@ -31,7 +31,22 @@ from collections.abc import Callable
 import attrs
 
 from backend import children
-from compiler.online.messages import Abort, Closed, Crashed, Delta, Ended, FromEngine, Launch, Ready, Shutdown, StartFailed, StepOut, Submit, ToEngine
+from compiler.online.messages import (
+    Abort,
+    Closed,
+    Crashed,
+    Delta,
+    Ended,
+    Finish,
+    FromEngine,
+    Launch,
+    Ready,
+    Shutdown,
+    StartFailed,
+    StepOut,
+    Submit,
+    ToEngine,
+)
 from compiler.online.metrics import Metrics
 from compiler.workload import ServeError
 
@@ -51,8 +66,8 @@ class Tracked:
     last: float | None = None
     """When its tokens last arrived (``None``: none yet)."""
     note: str | None = None
-    """What the HTTP side decided for it (``stop``: a stop string; ``cancelled``, ``timeout``,
-    ``aborted``: the reason it sent ``Abort``), read when its ``Ended`` arrives."""
+    """What the HTTP side decided for it (``stop``: a stop string, ``Finish`` sent; ``cancelled``,
+    ``timeout``, ``aborted``: the reason it sent ``Abort``), read when its ``Ended`` arrives."""
     done: bool = False
 
 
@@ -175,6 +190,13 @@ class EngineClient:
             t.note = note
             if self.gone is None:
                 self._outbox.put(Abort(t.rid))
+
+    def finish(self, t: Tracked, keep: int) -> None:
+        """Ask the engine to end ``t`` as finished with its first ``keep`` ids (a stop string); once only."""
+        if t.note is None and not t.done:
+            t.note = "stop"
+            if self.gone is None:
+                self._outbox.put(Finish(t.rid, keep))
 
     def abort_all(self, note: str) -> None:
         for t in list(self.tracked.values()):

@@ -9,7 +9,9 @@ prefix cache), answers ``Ready`` or ``StartFailed``, then loops:
 
 1. read every message waiting (blocking only when nothing is live): ``Submit`` joins a FIFO,
    ``Abort`` ends its request now (queued or live, through ``Engine.abort``, the engine's one
-   release path), ``Shutdown`` aborts everything, drops the prefix cache, answers ``Closed`` and
+   release path), ``Finish`` ends a live request as finished at a stop string the HTTP side found
+   (``Engine.finish``, its output cut to the ids the text kept: counted as finished, not aborted,
+   as ``batchc run`` ends it), ``Shutdown`` aborts everything, drops the prefix cache, answers ``Closed`` and
    ends the loop;
 2. admit from the FIFO while fewer than ``max_running`` requests are live (as ``batchc run``'s
    ``serve`` does: waiting requests hold no slot, no KV and no ticket);
@@ -40,6 +42,7 @@ from compiler.online.messages import (
     Delta,
     Ended,
     EndReason,
+    Finish,
     Launch,
     Ready,
     Shutdown,
@@ -82,7 +85,7 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig]:
     max_len = launch.max_len if launch.max_len is not None else (min(min(lim for _, lim in limits), MAX_CONTEXT) if limits else DEFAULT_CONTEXT)
     if max_len < k + 3:
         raise ServeError(f"--max-len {max_len} leaves no room for a prompt token and a new token next to the k + 1 = {k + 1} positions of a step")
-    cfg = ServeConfig(k=k, max_running=launch.max_running, max_len=max_len, overlap=launch.overlap, chunk_size=launch.chunk_size,
+    cfg = ServeConfig(seed=launch.seed, k=k, max_running=launch.max_running, max_len=max_len, overlap=launch.overlap, chunk_size=launch.chunk_size,
                       token_budget=launch.token_budget, cache_entries=launch.cache_entries)
     tokenizer = target.tokenizer if target.hf else None
     check_serving(target.model.config, drafted.model.config if drafted is not None else None, cfg,
@@ -138,6 +141,11 @@ class Loop:
                 self.stops[msg.rid] = frozenset(msg.stop)
             case Abort(rid=rid):
                 self._abort(rid)
+            case Finish(rid=rid, keep=keep):
+                if RequestId(rid) in self.engine.requests:
+                    self.engine.finish(RequestId(rid), length=keep)
+                    self._collect_one(rid, reason="stop")
+                # else: it ended already (its Ended is sent or on its way); a Finish follows tokens, so never a queued one
             case Shutdown():
                 for rid in list(self.sent):
                     self._abort(rid)

@@ -1,6 +1,6 @@
 """The typed messages between ``batchc serve``'s HTTP process and its engine process.
 
-The HTTP side sends ``Launch`` once, then ``Submit``, ``Abort`` and finally ``Shutdown``; the
+The HTTP side sends ``Launch`` once, then ``Submit``, ``Abort``, ``Finish`` and finally ``Shutdown``; the
 engine side answers ``Ready`` (or ``StartFailed``) once, then one ``StepOut`` per engine step that
 had something to say (new tokens, ended requests) or per idle tick (its ``Stats`` only), and
 ``Closed`` as its last word. Each message is an attrs frozen value; they travel pickled over one
@@ -21,7 +21,8 @@ import attrs
 from ir.sampling import SamplingParams
 
 EndReason = Literal["stop", "length", "abort", "refused", "error", "failed"]
-"""How a request ended in the engine: ``stop`` (an end-of-sequence or stop token id), ``length``
+"""How a request ended in the engine: ``stop`` (an end-of-sequence or stop token id, or the HTTP
+side's ``Finish`` at a stop string), ``length``
 (``max_new_tokens``), ``abort`` (the HTTP side's ``Abort``), ``refused`` (``Engine.admit`` refused
 it), ``error`` (non-finite logits), ``failed`` (a forward carrying it failed)."""
 
@@ -43,6 +44,9 @@ class Launch:
     chunk_size: int
     token_budget: int
     cache_entries: int
+    seed: int = 0
+    """The engine's seed (``Engine(seed=)``): a sampled request without a seed gets
+    ``ir.sampling.derive_seed(seed, its rid)``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -81,6 +85,16 @@ class Submit:
 @attrs.frozen
 class Abort:
     rid: int
+
+
+@attrs.frozen
+class Finish:
+    """End ``rid`` as finished, its output cut to its first ``keep`` ids (``Engine.finish``): the
+    HTTP side found a stop string in its text (``compiler.online.text``). A request that has ended
+    already (or ends in the same step) is left as it ended; the HTTP side keeps ``keep`` ids of it."""
+
+    rid: int
+    keep: int
 
 
 @attrs.frozen
@@ -150,5 +164,5 @@ class Crashed:
     message: str
 
 
-ToEngine = Launch | Submit | Abort | Shutdown
+ToEngine = Launch | Submit | Abort | Finish | Shutdown
 FromEngine = Ready | StartFailed | StepOut | Closed | Crashed

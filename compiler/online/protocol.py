@@ -23,6 +23,7 @@ from typing import Final, Literal
 
 import attrs
 
+from compiler.serve.load import sampling_params
 from ir.errors import IRValidationError
 from ir.sampling import SamplingParams
 
@@ -184,9 +185,11 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
-def parse_request(body: Mapping[str, object], kind: Kind, *, model: str) -> GenerationRequest:
+def parse_request(body: Mapping[str, object], kind: Kind, *, model: str, defaults: Mapping[str, object] | None = None) -> GenerationRequest:
     """``body`` (a JSON object) checked against the endpoint ``kind`` and the served ``model``
-    (see the module), or ``ApiError``."""
+    (see the module), or ``ApiError``. A sampling field the body does not set takes its value from
+    ``defaults`` (``batchc serve --temperature`` and the like) if there is one, as a workload line
+    does in ``batchc run`` (``compiler.serve.load.sampling_params``)."""
     unknown = sorted(set(body) - _FIELDS[kind])
     if unknown:
         raise bad(unknown[0], f"unknown field {unknown[0]!r}"[:300])
@@ -244,7 +247,7 @@ def parse_request(body: Mapping[str, object], kind: Kind, *, model: str) -> Gene
     fields = {_SAMPLING[api]: value for api, value in given.items()}
     max_new = limit if limit is not None else DEFAULT_COMPLETION_TOKENS
     try:
-        sampling = SamplingParams(max_new_tokens=max_new, **fields)  # type: ignore[arg-type]  # JSON values: SamplingParams checks every type itself
+        sampling = sampling_params(fields, defaults or {}, max_new_tokens=max_new)
     except IRValidationError as exc:
         field = limit_name if exc.field == "max_new_tokens" else exc.field
         raise bad(field, str(exc).replace("SamplingParams.max_new_tokens", limit_name)) from None

@@ -21,7 +21,9 @@ the same JSON; an unexpected exception is a 500 without a traceback (it is logge
 Cancellation: a client that disconnects (streaming or not) has its request aborted (``Abort`` to
 the engine, which releases it before its next step); so does a request past its deadline
 (``request_timeout``: a 504, or an error event on a stream). Stop strings end a request on the
-detokenised text (``compiler.online.text``) and abort it in the engine, ``finish_reason`` ``stop``.
+detokenised text (``compiler.online.text``, ``batchc run``'s ``StopScanner``) and finish it in the
+engine (``Finish``: its output cut where the text was, counted as finished), ``finish_reason``
+``stop``.
 
 Stopping: SIGTERM or SIGINT (``serve``) starts the drain: ``/health`` and new requests answer 503,
 requests in flight run on for up to ``drain_timeout`` seconds, then the rest are aborted; the engine
@@ -44,7 +46,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Final
 
 import attrs
@@ -85,6 +87,9 @@ class ServerOptions:
     drain_timeout: float = 30.0
     request_timeout: float = 600.0
     max_body_bytes: int = MAX_BODY_BYTES
+    defaults: Mapping[str, object] = attrs.field(factory=dict)
+    """The sampling defaults (``--temperature``, ``--top-p``, ``--top-k``, ``--min-p``) of the
+    requests that do not set those fields (``compiler.serve.load.sampling_params``, as ``batchc run``)."""
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -235,7 +240,7 @@ class Server:
                 body = await self._body(request)
             except ClientDisconnect:
                 return Response(status_code=499)
-            req = parse_request(load_json(body), kind, model=self.model)
+            req = parse_request(load_json(body), kind, model=self.model, defaults=self.options.defaults)
             ids = self._prompt_ids(req)
             sampling = check_context(req, len(ids), max_len=self.ready.max_len, reserve=self.ready.reserve)
         except ApiError as exc:
@@ -244,7 +249,7 @@ class Server:
         sub = Submit(rid=self.client.new_rid(), prompt=tuple(ids), max_new_tokens=sampling.max_new_tokens,
                      stop=() if sampling.ignore_eos else self.ready.eos, sampling=sampling)
         tracked = self.client.submit(sub, arrived)
-        text = TextStream(self.tokenizer.detokenizer(), sampling.stop)
+        text = TextStream(self.tokenizer, sampling.stop, min_tokens=sampling.min_tokens)
         answer = _Answer(kind=kind, model=self.model, prompt_tokens=len(ids), include_usage=req.include_usage)
         if req.stream:
             return StreamingResponse(self._sse(tracked, text, answer), media_type="text/event-stream",
@@ -266,7 +271,7 @@ class Server:
             piece = text.push(msg.ids)
             if isinstance(msg, Delta):
                 if text.stopped:
-                    self.client.abort(t, "stop")
+                    self.client.finish(t, text.tokens)
                     if piece:
                         yield piece
                     yield ("stop", None)

@@ -1,63 +1,68 @@
-"""A request's output as text: incremental detokenisation and stop strings.
+"""A request's output as text for ``batchc serve``: incremental detokenisation and stop strings,
+through the offline runner's ``compiler.serve.stops.StopScanner`` (one implementation: a request
+is cut at the same token, with the same text, online and in ``batchc run``'s ``--outputs``).
 
 ``TextStream`` takes the generated ids as they arrive and returns the text that may be shown now.
-Stop strings are matched on the detokenised text, as the OpenAI API defines them: the text ends
-before the first stop string, and the stream reports ``stopped``. So that a stop string split
-across tokens (or across the deltas of a speculative window) is never shown in part, the last
-``longest stop - 1`` characters are held back until more text or the end decides them.
+Stop strings are matched on the detokenised text, as the OpenAI API defines them (and with
+``min_tokens`` as vLLM's stop checker: an occurrence before the output holds ``min_tokens`` tokens
+is passed over): the text ends before the first stop string, and the stream reports ``stopped``. So
+that a stop string split across tokens (or across the deltas of a speculative window) is never
+shown in part, the last ``longest stop - 1`` characters are held back until more text or the end
+decides them.
 
-Invariant: the pieces ``push`` and ``finish`` return, joined, equal the whole output's decoded text
-cut before the first stop string (all of it when none occurs); ``tokens`` counts the ids taken up
-to and including the one whose text completed the stop string.
+Invariants: the pieces ``push`` and ``finish`` return, joined, equal the text ``batchc run`` writes
+for the same output ids (``compiler.serve.run``: the text before the stop string, ``StopCut.text``,
+or, when none occurs, ``Tokenizer.decode`` of all of them); ``tokens`` counts the ids kept
+(``StopCut.keep``: up to and including the one whose text completed the stop string; all of them
+when none occurs), which the engine is asked to keep (``Engine.finish``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from compiler.serve.tokenizer import Detokenizer
+from compiler.serve.stops import StopScanner
+from compiler.serve.tokenizer import Tokenizer
 
 
 class TextStream:
-    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str]) -> None:
-        self._detok = detokenizer
-        self._stops = tuple(stops)
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._buf = ""
-        self.stopped = False
-        self.tokens = 0
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], *, min_tokens: int = 0) -> None:
+        self._tokenizer = tokenizer
+        self._scanner = StopScanner(tokenizer, stops, min_tokens=min_tokens)
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._ids: list[int] = []
         self.text = ""
         """Everything returned so far."""
 
-    def _scan(self) -> None:
-        """Cut ``_buf`` at the first stop string in it, if any."""
-        cut = min((i for i in (self._buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self._buf = self._buf[:cut]
-            self.stopped = True
+    @property
+    def stopped(self) -> bool:
+        return self._scanner.cut is not None
 
-    def _take(self, upto: int) -> str:
-        out, self._buf = self._buf[:upto], self._buf[upto:]
-        self.text += out
-        return out
+    @property
+    def tokens(self) -> int:
+        cut = self._scanner.cut
+        return cut.keep if cut is not None else len(self._ids)
+
+    def _show(self, upto: str) -> str:
+        """The text past what was shown, up to ``upto`` (which extends it: held-back characters
+        cover any stop string that could still begin in it)."""
+        assert upto.startswith(self.text), "shown text was cut back"
+        new, self.text = upto[len(self.text):], upto
+        return new
 
     def push(self, ids: Iterable[int]) -> str:
         """The text ``ids`` make showable (ids after a stop string are not taken)."""
-        for t in ids:
-            if self.stopped:
-                break
-            self.tokens += 1
-            self._buf += self._detok.push(t)
-            if self._stops:
-                self._scan()
         if self.stopped:
-            return self._take(len(self._buf))
-        return self._take(max(0, len(self._buf) - self._hold))
+            return ""
+        self._ids.extend(int(t) for t in ids)
+        cut = self._scanner.feed(self._ids)
+        if cut is not None:
+            return self._show(cut.text)
+        full = self._scanner.text
+        return self._show(full[: max(len(self.text), len(full) - self._hold)])
 
     def finish(self) -> str:
         """The rest of the text, at the end of the output."""
-        if not self.stopped:
-            self._buf += self._detok.flush()
-            if self._stops:
-                self._scan()
-        return self._take(len(self._buf))
+        if self.stopped:
+            return ""  # (``push`` showed all of the text before the stop string)
+        return self._show(self._tokenizer.decode(self._ids))

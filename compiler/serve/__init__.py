@@ -23,24 +23,52 @@ them.
 
 The lossless check re-runs a sample of the requests with plain greedy decoding of the target alone
 (no draft, no cache, no chunking) and compares the outputs token for token.
+
+The names below load on first use (PEP 562): ``batchc serve``'s HTTP process imports torch-free
+submodules (``compiler.serve.tokenizer``, ``compiler.serve.stops``) without loading the models and
+torch through ``compiler.serve.load`` and ``compiler.serve.run``. The whole ``batchc run`` job is
+``compiler.serve.run.run`` (not a name here: loaded lazily, it would be shadowed by its submodule).
 """
 
-from compiler.engine.config import ServeConfig
-from compiler.serve.load import builtin_workload, load_workload
-from compiler.serve.memory import check_serving, memory_estimate
-from compiler.serve.run import make_engine, run, serve
-from compiler.serve.summary import MutableRun, Sample, ServeSummary
-from compiler.workload import (
-    BYTE_VOCAB,
-    LONGEST_BUILTIN_PROMPT,
-    MAX_ARRIVAL,
-    Request,
-    ServeError,
-    WorkloadError,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from compiler.engine.config import ServeConfig
+    from compiler.serve.load import builtin_workload, load_workload
+    from compiler.serve.memory import check_serving, memory_estimate
+    from compiler.serve.run import make_engine, serve
+    from compiler.serve.summary import MutableRun, Sample, ServeSummary
+    from compiler.workload import (
+        BYTE_VOCAB,
+        LONGEST_BUILTIN_PROMPT,
+        MAX_ARRIVAL,
+        Request,
+        ServeError,
+        WorkloadError,
+    )
+
+_WHERE = {
+    "ServeConfig": "compiler.engine.config", "builtin_workload": "compiler.serve.load", "load_workload": "compiler.serve.load",
+    "check_serving": "compiler.serve.memory", "memory_estimate": "compiler.serve.memory", "make_engine": "compiler.serve.run",
+    "serve": "compiler.serve.run", "MutableRun": "compiler.serve.summary", "Sample": "compiler.serve.summary",
+    "ServeSummary": "compiler.serve.summary", "BYTE_VOCAB": "compiler.workload", "LONGEST_BUILTIN_PROMPT": "compiler.workload",
+    "MAX_ARRIVAL": "compiler.workload", "Request": "compiler.workload", "ServeError": "compiler.workload", "WorkloadError": "compiler.workload",
+}
 
 __all__ = [
     "BYTE_VOCAB", "LONGEST_BUILTIN_PROMPT", "MAX_ARRIVAL", "MutableRun", "Request", "Sample", "ServeConfig", "ServeError",
     "ServeSummary", "WorkloadError", "builtin_workload", "check_serving", "load_workload", "make_engine", "memory_estimate",
-    "run", "serve",
+    "serve",
 ]
+
+
+def __getattr__(name: str) -> object:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'compiler.serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # (looked up once)
+    return value

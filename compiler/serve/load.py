@@ -14,8 +14,7 @@ from typing import Any
 
 import attrs
 
-from backend.hybrid.checkpoint import file_kind
-from backend.hybrid.config import MAX_VOCAB
+from backend.files import file_kind
 from compiler.serve.tokenizer import Tokenizer
 from compiler.workload import (
     ARRIVALS,
@@ -279,6 +278,8 @@ def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data:
 
 def tokenize_workload(workload: Sequence[Request], tokenizer: Tokenizer, *, vocab: int) -> list[Request]:
     """The built-in workload's requests on a checkpoint's tokenizer (their text is UTF-8)."""
+    from backend.hybrid.config import MAX_VOCAB  # (here: ``sampling_params`` is read by batchc serve's torch-free HTTP side)
+
     if not isinstance(tokenizer, Tokenizer):
         raise WorkloadError(f"tokenize_workload: tokenizer must be a Tokenizer, got {short_repr(tokenizer)}")
     problem = int_problem(vocab)

@@ -58,6 +58,13 @@ class StopScanner:
         """Output ids pushed so far."""
         return self._fed
 
+    @property
+    def text(self) -> str:
+        """The text of the ids pushed so far (the detokenizer's pieces joined: the bytes of a
+        character not complete yet are not in it; nor is anything after a cut's stop string's
+        completing id). ``batchc serve`` streams it (``compiler.online.text``)."""
+        return self._text
+
     def feed(self, output: Sequence[int]) -> StopCut | None:
         """Push the ids of ``output`` (the request's whole output so far; the ids pushed before
         must be its prefix) not pushed yet; the cut once a stop string appears, else ``None``.

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from backend.hybrid.checkpoint import CheckpointError, file_kind
+from backend.files import CheckpointError, file_kind
 from ir.columns import int_problem
 from ir.errors import short_repr
 

@@ -1,4 +1,4 @@
-"""The bounded load test of ``batchc serve``: 200 concurrent greedy streams, a quarter of them
+"""The bounded load test of ``batchc serve``: 200 concurrent streams (greedy and seeded sampled), a quarter of them
 dropped by their clients at random points, mixed with malformed requests: no 5xx, every stream that
 ran to its end equal to the same prompt's answer alone, and every slot and ticket back at the end
 (its own server, in its own module: it takes about 20 s)."""
@@ -19,10 +19,22 @@ LOAD_STREAMS = 200
 LOAD_BAD = 24
 
 
-async def _load(url: str, expected: dict[str, str]) -> tuple[int, int, list[str]]:
-    """``LOAD_STREAMS`` greedy streams at once, every fourth one dropped after a random number of
-    chunks, mixed with malformed requests. Returns (streams that ran to [DONE], streams dropped,
-    problems)."""
+def _sampled(i: int) -> bool:
+    return (i // len(LOAD_PROMPTS)) % 2 == 1
+
+
+def _sampling(i: int) -> dict[str, object]:
+    """Request ``i``'s fields: every prompt comes greedy and seeded sampled (a seed of its prompt's)
+    in turn."""
+    if not _sampled(i):
+        return {"temperature": 0}
+    return {"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i % len(LOAD_PROMPTS)}
+
+
+async def _load(url: str, expected: dict[tuple[str, bool], str]) -> tuple[int, int, list[str]]:
+    """``LOAD_STREAMS`` streams at once (greedy and seeded sampled ones, ``_sampling``), every fourth
+    one dropped after a random number of chunks, mixed with malformed requests. Returns (streams
+    that ran to [DONE], streams dropped, problems)."""
     rng = random.Random(30)
     problems: list[str] = []
     completed = dropped = 0
@@ -31,7 +43,8 @@ async def _load(url: str, expected: dict[str, str]) -> tuple[int, int, list[str]
         nonlocal completed, dropped
         prompt = LOAD_PROMPTS[i % len(LOAD_PROMPTS)]
         drop_after = rng.randrange(0, 4) if i % 4 == 3 else None
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": True, **_sampling(i)}
+        want = expected[prompt, _sampled(i)]
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 problems.append(f"stream {i}: {r.status_code} {(await r.aread())[:200]!r}")
@@ -42,8 +55,8 @@ async def _load(url: str, expected: dict[str, str]) -> tuple[int, int, list[str]
                     continue
                 if line == "data: [DONE]":
                     completed += 1
-                    if text != expected[prompt]:
-                        problems.append(f"stream {i}: {text!r} != {expected[prompt]!r}")
+                    if text != want:
+                        problems.append(f"stream {i}: {text!r} != {want!r}")
                     return
                 text += json.loads(line[6:])["choices"][0]["text"]
                 chunks += 1
@@ -74,7 +87,13 @@ def test_load_200_streams_a_quarter_dropped_with_malformed_requests() -> None:
 
 def _check_load(server: ServerProc) -> None:
     client = _client(server)
-    expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in LOAD_PROMPTS}
+    # each request's answer alone (the server's own, equal to batchc run's: test_server); under load, batched with
+    # up to 7 others and with streams dropped around it, every surviving stream must give the same tokens
+    expected = {}
+    for i in range(2 * len(LOAD_PROMPTS)):
+        p = LOAD_PROMPTS[i % len(LOAD_PROMPTS)]
+        expected[p, _sampled(i)] = client.completions.create(model=MODEL, prompt=p, max_tokens=8, **_sampling(i)).choices[0].text  # type: ignore[call-overload]  # (the test's fields)
+    assert expected[LOAD_PROMPTS[1], True] != expected[LOAD_PROMPTS[1], False]  # (the sampled ones sample)
     before = _settled(server)
     completed, dropped, problems = asyncio.run(_load(server.url, expected))
     assert problems == []

@@ -92,9 +92,9 @@ def test_json_that_is_not_an_object_is_400(body: bytes) -> None:
     assert caught.value.status == 400
 
 
-def _stream(text: str, stops: list[str], split: int) -> tuple[list[str], TextStream]:
+def _stream(text: str, stops: list[str], split: int, min_tokens: int = 0) -> tuple[list[str], TextStream]:
     """``text``'s bytes pushed ``split`` at a time."""
-    ts = TextStream(ByteTokenizer().detokenizer(), stops)
+    ts = TextStream(ByteTokenizer(), stops, min_tokens=min_tokens)
     ids = list(text.encode())
     pieces = [ts.push(ids[i : i + split]) for i in range(0, len(ids), split)]
     return pieces + [ts.finish()], ts
@@ -110,6 +110,24 @@ def test_a_stop_string_split_across_tokens_ends_the_text_before_it(split: int) -
     assert "".join(pieces) == "héllo wörld" and not ts.stopped and ts.tokens == len("héllo wörld".encode())
     pieces, ts = _stream("abcabc", ["ca", "b"], split)  # the first stop in the text wins
     assert "".join(pieces) == "a"
+    pieces, ts = _stream("ab|cd|ef", ["|"], split, min_tokens=4)  # as vLLM: a stop string counts from min_tokens tokens on
+    assert "".join(pieces) == "ab|cd" and ts.tokens == len("ab|cd|")
+
+
+@pytest.mark.parametrize("split", [1, 2, 5])
+@pytest.mark.parametrize(("text", "stops", "min_tokens"), [
+    ("hello wor|ld and more", ["|ld", "zzz"], 0), ("hé|llo wö|rld", ["ö|", "|"], 3), ("no stop here", ["x"], 0), ("aaaa", ["aa"], 3),
+])
+def test_the_stream_cuts_where_the_offline_runner_cuts(text: str, stops: list[str], min_tokens: int, split: int) -> None:
+    """Online and ``batchc run`` (``compiler.serve.stops.scan``, its ``--outputs`` text) keep the
+    same ids and show the same text, however the ids arrive."""
+    from compiler.serve.stops import scan
+
+    ids = list(text.encode())
+    cut = scan(ByteTokenizer(), stops, ids, min_tokens=min_tokens)
+    pieces, ts = _stream(text, stops, split, min_tokens)
+    assert "".join(pieces) == (cut.text if cut is not None else text)
+    assert (ts.stopped, ts.tokens) == ((True, cut.keep) if cut is not None else (False, len(ids)))
 
 
 def _template(tmp_path: Path, template: object, **extra: object) -> ChatTemplate | None:
@@ -146,7 +164,7 @@ def test_chat_templates_render_in_the_sandbox(tmp_path: Path) -> None:
 def test_the_engine_loop_streams_tokens_aborts_and_closes_drained() -> None:
     from compiler.engine.config import ServeConfig
     from compiler.online import engine_process
-    from compiler.online.messages import Abort, Closed, Ended, Launch, Shutdown, StepOut, Submit
+    from compiler.online.messages import Abort, Closed, Ended, Finish, Launch, Shutdown, StepOut, Submit
     from ir.sampling import SamplingParams
 
     launch = Launch(model=None, draft=None, k=0, dtype="float32", max_running=2, max_len=64, overlap=False, threads=1,
@@ -158,17 +176,20 @@ def test_the_engine_loop_streams_tokens_aborts_and_closes_drained() -> None:
     for rid in (0, 1, 2):
         ours.send(Submit(rid=rid, prompt=tuple(b"abc"), max_new_tokens=6, stop=(), sampling=greedy))
     ours.send(Abort(2))  # read in the same batch as its Submit: still queued behind the two running
+    ours.send(Submit(rid=3, prompt=tuple(b"abc"), max_new_tokens=40, stop=(), sampling=greedy))
     loop = engine_process.Loop(engine, theirs, cfg.max_running)
     runner = threading.Thread(target=loop.run)
     runner.start()
-    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: [], 3: []}
     ended: dict[int, Ended] = {}
-    while len(ended) < 3:
+    while len(ended) < 4:
         assert ours.poll(60), "the engine loop went quiet"
         out = ours.recv()
         assert isinstance(out, StepOut)
         for d in out.deltas:
             assert d.rid not in ended
+            if d.rid == 3 and not tokens[3]:
+                ours.send(Finish(3, 1))  # a stop string in its first token's text: finished there, not aborted
             tokens[d.rid] += d.ids
         for e in out.ended:
             tokens[e.rid] += e.ids
@@ -183,6 +204,8 @@ def test_the_engine_loop_streams_tokens_aborts_and_closes_drained() -> None:
     assert (ended[2].reason, tokens[2]) == ("abort", [])
     assert ended[0].reason == ended[1].reason == "length"
     assert len(tokens[0]) == 6 and tokens[0] == tokens[1]
+    assert ended[3].reason == "stop" and 1 <= len(tokens[3]) < 40 and tokens[3] == tokens[0][: len(tokens[3])]
+    assert engine.stats.aborts == 0  # rid 2 was taken from the loop's queue, never admitted; rid 3 was finished
 
 
 def test_a_taken_port_is_refused_in_one_line_before_anything_starts() -> None:
@@ -204,3 +227,21 @@ def test_a_taken_port_is_refused_in_one_line_before_anything_starts() -> None:
     free = listen("127.0.0.1", 0)
     assert free.getsockname()[0] == "127.0.0.1"
     free.close()
+
+
+def test_the_http_side_imports_no_torch() -> None:
+    """``batchc serve``'s HTTP process (the command line, the server module, its tokenizer and stop
+    strings) loads without torch: only the engine process pays for it."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    code = ("import sys, compiler.cli, compiler.cli.serve, compiler.online.server, compiler.online.engine_client; "
+            "import compiler.serve.stops, compiler.serve.tokenizer, compiler.engine.config; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('backend.', 'compiler.')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # and the names the packages export still load on first use
+    code = "import compiler.engine as e, compiler.serve as s; print(e.Engine.__name__, s.ServeConfig is e.ServeConfig, s.serve.__module__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.split()) == (0, ["Engine", "True", "compiler.serve.run"]), done.stderr[-2000:]

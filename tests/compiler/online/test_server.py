@@ -36,11 +36,15 @@ LONG = MAX_LEN - 3 - len(PROMPT)
 """max_tokens of a request that runs for hundreds of engine steps."""
 
 
+SAMPLED_OPTIONS = ("--seed", "7", "--temperature", "1", "--top-p", "0.9")
+"""The sampling defaults of the ``sampled`` server and of the ``batchc run`` it is compared with."""
+
 SERVERS = {
     "api": OPTIONS,
     "drain": ["--max-len", str(MAX_LEN), "--drain-timeout", "0.5"],
     "deadline": ["--max-len", str(MAX_LEN), "--request-timeout", "0.05"],
     "crash": ["--max-len", str(MAX_LEN)],
+    "sampled": ["--max-len", str(MAX_LEN), "--k", "2", *SAMPLED_OPTIONS],
 }
 
 
@@ -91,24 +95,44 @@ def _settled(server: ServerProc, limit_s: float = 30.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
-def _offline(tmp_path: Path, prompt: str, max_new_tokens: int) -> subprocess.Popen[str]:
-    """``batchc run`` of the same request with the server's model options (started now, read later:
-    it runs while the server answers)."""
-    (tmp_path / "w.jsonl").write_text(json.dumps({"prompt": prompt, "max_new_tokens": max_new_tokens}) + "\n")
+def _offline(tmp_path: Path, prompt: str, max_new_tokens: int, *, lines: list[dict[str, object]] | None = None,
+             options: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    """``batchc run`` of the same request (or of the workload ``lines``) with the server's model
+    options and ``options`` (started now, read later: it runs while the server answers)."""
+    lines = lines if lines is not None else [{"prompt": prompt, "max_new_tokens": max_new_tokens}]
+    (tmp_path / "w.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return subprocess.Popen(
         [sys.executable, "-m", "compiler.cli", "run", "--workload", str(tmp_path / "w.jsonl"), "--outputs", str(tmp_path / "out.jsonl"),
-         "--max-len", str(MAX_LEN), "--k", "2", "--max-running", "2", "--lossless-sample", "0"],
+         "--max-len", str(MAX_LEN), "--k", "2", "--max-running", "2", "--lossless-sample", "0", *options],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
 
 
-def _offline_text(tmp_path: Path, proc: subprocess.Popen[str]) -> str:
+def _offline_lines(tmp_path: Path, proc: subprocess.Popen[str]) -> list[dict[str, object]]:
+    """The ``--outputs`` lines of the run, by request id."""
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
-    (line,) = (tmp_path / "out.jsonl").read_text().splitlines()
-    out = json.loads(line)
+    outs = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    return sorted(outs, key=lambda o: int(o["rid"]))
+
+
+def _offline_text(tmp_path: Path, proc: subprocess.Popen[str]) -> str:
+    (out,) = _offline_lines(tmp_path, proc)
     assert out["finish_reason"] == "length"
     return str(out["text"])
+
+
+def _streamed(client: openai.OpenAI, **body: object) -> tuple[str, str | None, int]:
+    """A streamed completion's text, last finish_reason and usage's completion tokens."""
+    pieces, reasons, tokens = [], [], -1
+    for chunk in client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **body):  # type: ignore[call-overload]  # (body: the test's fields)
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            reasons.append(chunk.choices[0].finish_reason)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    assert set(reasons[:-1]) <= {None}
+    return "".join(pieces), reasons[-1], tokens
 
 
 def _sse(lines: Iterator[str]) -> list[object]:
@@ -164,6 +188,62 @@ def test_stop_strings_end_the_text_before_them(served: ServerProc) -> None:
     streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=stop, stream=True)
     chunks = [c.choices[0] for c in streamed]
     assert "".join(c.text for c in chunks) == text[:cut] and chunks[-1].finish_reason == "stop"
+
+
+def test_a_stop_string_cuts_as_batchc_run_cuts_and_counts_as_finished(served: ServerProc, tmp_path: Path) -> None:
+    """Online and offline cut at the same token with the same text (one ``StopScanner``); the engine
+    finishes the request there (not aborted), and /metrics counts it finished."""
+    client = _client(served)
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    stop = text[10:13]
+    offline = _offline(tmp_path, PROMPT, 30, lines=[{"prompt": PROMPT, "max_new_tokens": 30, "stop": [stop, "\x00never"]}])
+    before = _settled(served)
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop, "\x00never"])
+    streamed = _streamed(client, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop, "\x00never"])
+    after = _settled(served)
+    (out,) = _offline_lines(tmp_path, offline)
+    assert out["finish_reason"] == "stop" and isinstance(out["output_ids"], list) and len(out["output_ids"]) < 30
+    assert whole.usage is not None
+    assert (whole.choices[0].text, whole.choices[0].finish_reason, whole.usage.completion_tokens) == (
+        out["text"], "stop", len(out["output_ids"]))
+    assert streamed == (out["text"], "stop", len(out["output_ids"]))
+    outcomes = {o: after[f'batchc_requests_total{{outcome="{o}"}}'] - before[f'batchc_requests_total{{outcome="{o}"}}']
+                for o in ("finished", "cancelled", "aborted")}
+    assert outcomes == {"finished": 2, "cancelled": 0, "aborted": 0}
+    assert after["batchc_ledger_outstanding_tickets"] == 0 and after["batchc_request_slots_live"] == 0
+
+
+SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
+"""The seeded sampled request of issue 30's item 7 (``whole`` below spells it out, for the client's types)."""
+
+
+def test_a_seeded_sampled_request_is_batchc_runs_output_streaming_or_not(served: ServerProc, tmp_path: Path) -> None:
+    """Issue 30 item 7: the same tokens as ``batchc run --workload`` with the same line and model options."""
+    offline = _offline(tmp_path, PROMPT, 24, lines=[{"prompt": PROMPT, "max_new_tokens": 24, **SAMPLED}])
+    client = _client(served)
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.9, seed=1234)
+    streamed = _streamed(client, prompt=PROMPT, max_tokens=24, **SAMPLED)
+    (out,) = _offline_lines(tmp_path, offline)
+    assert whole.usage is not None
+    assert (whole.choices[0].text, whole.choices[0].finish_reason, whole.usage.completion_tokens) == (
+        out["text"], out["finish_reason"], len(out["output_ids"]))  # type: ignore[arg-type]  # (a JSON list)
+    assert streamed == (whole.choices[0].text, whole.choices[0].finish_reason, whole.usage.completion_tokens)
+    assert whole.choices[0].text != greedy  # (it sampled: this seed's tokens are not the greedy ones)
+
+
+def test_unseeded_requests_derive_their_seeds_from_the_servers_seed_in_arrival_order(servers: dict[str, ServerProc],
+                                                                                  tmp_path: Path) -> None:
+    """``--seed`` and the sampling defaults as ``batchc run``'s: the server's n-th accepted request
+    (0 first) samples as the workload's n-th line, without a seed or a temperature of its own."""
+    server = servers["sampled"]
+    lines: list[dict[str, object]] = [{"prompt": PROMPT, "max_new_tokens": 16}, {"prompt": PROMPT, "max_new_tokens": 16}]
+    offline = _offline(tmp_path, PROMPT, 16, lines=lines, options=SAMPLED_OPTIONS)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    online = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16).choices[0].text for _ in lines]
+    outs = _offline_lines(tmp_path, offline)
+    assert online == [o["text"] for o in outs]
+    assert online[0] != online[1]  # (two seeds: request ids 0 and 1)
 
 
 def test_chat_without_a_template_is_refused_naming_it(served: ServerProc) -> None:

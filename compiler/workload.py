@@ -98,6 +98,16 @@ def _greedy_of(r: Request) -> SamplingParams:
     return attrs.evolve(GREEDY, max_new_tokens=r.max_new_tokens)
 
 
+FORK_SHIFT = 40
+"""Completion ``i > 0`` of request ``rid`` is served under engine id ``rid + (i << FORK_SHIFT)``
+(``completion_rid``): above every workload line's id (at most ``MAX_REQUESTS``)."""
+
+
+def completion_rid(rid: RequestId, index: int) -> RequestId:
+    """The engine's id of completion ``index`` of request ``rid`` (``rid`` itself for completion 0)."""
+    return rid if index == 0 else RequestId(int(rid) + (index << FORK_SHIFT))
+
+
 @attrs.frozen(kw_only=True)
 class Request:
     """One request of a workload. ``prompt`` is its text, UTF-8; on the byte-level path the bytes
@@ -113,8 +123,9 @@ class Request:
     sampling: SamplingParams = attrs.field(default=attrs.Factory(_greedy_of, takes_self=True))
     """How its tokens are chosen and when it ends (stop strings, stop token ids, ``ignore_eos``,
     ``min_tokens``): the workload line's sampling fields over the run's defaults."""
-    index: int = 0
-    """Its completion index among its prompt's ``n`` (the ``index`` of its ``--outputs`` line)."""
+    def completions(self) -> list[RequestId]:
+        """The engine ids of its ``sampling.n`` completions, in index order (``completion_rid``)."""
+        return [completion_rid(self.rid, i) for i in range(self.sampling.n)]
     ids: tuple[int, ...] | None = None
     refused: str | None = None
     """Why the request is not served (its prompt and new tokens do not fit the context), naming its

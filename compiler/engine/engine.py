@@ -55,7 +55,7 @@ from compiler.manager import PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch
-from ir.columns import frozen_i64, int_problem
+from ir.columns import I64, frozen_i64, int_problem
 from ir.errors import EngineStoppedError, PreconditionError, short_repr
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.sampling import SamplingParams
@@ -147,6 +147,8 @@ class Engine:
             k=k, max_len=max_len, vocab=self.vocab,
         )
         self.outputs: dict[RequestId, list[int]] = {}
+        self._fork_prefixes: list[PrefixState] = []
+        """The shared prompt states of ``n > 1`` requests not yet copied by all their completions."""
         self.logprobs: dict[RequestId, list[dict[str, Any]]] = {}
         """Of each ended request that asked for logprobs (``SamplingParams.logprobs``): one entry per
         token of its ``outputs``: ``{"id", "logprob", "top": [{"id", "logprob"}, ...]}``, from the
@@ -232,6 +234,7 @@ class Engine:
         prefix: PrefixState | None = None,
         stop: int | Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
+        forks: Sequence[RequestId] = (),
     ) -> None:
         """Queue a request; it ends after ``max_new_tokens`` or once it emits a ``stop`` id (one id, or
         a list or tuple of them, such as a tokenizer's end-of-sequence ids) or one of
@@ -239,6 +242,15 @@ class Engine:
         request without a seed gets one derived from the engine's ``seed`` and ``rid``. When both
         are given, ``max_new_tokens`` is the request's bound (the serving layer passes the same). With ``prefix`` its slot starts as a copy of that prefix state; else,
         with a prefix cache, the longest cached prefix is used when the request is scheduled.
+
+        ``sampling.n > 1``: ``n`` completions of the prompt, under ``rid`` (completion 0) and the
+        ``n - 1`` ids in ``forks`` (completions 1 to n - 1, in order), each with its own output.
+        The prompt but its last token is prefilled once, now, into a prefix state
+        (``make_prefix``); every completion starts as a copy-on-write copy of that state and shares
+        its KV locations (the prefix state's one-shot ops and tickets: a clear, then one COW per
+        completion), prefills the last prompt token in its own slot and samples from there with its
+        completion index in its random stream's key (one seed for all). The prefix state is
+        released once every completion has copied it. ``n > 1`` with ``prefix`` is refused.
 
         Every argument is checked before anything changes (``PreconditionError``, or
         ``IRValidationError`` for the prompt's tokens), so a refused admission leaves the engine, its
@@ -257,17 +269,58 @@ class Engine:
                 f"presence_penalty={params.presence_penalty}, frequency_penalty={params.frequency_penalty}, "
                 f"repetition_penalty={params.repetition_penalty})"
             )
+        group = self._check_forks(rid, forks, params, prefix, arr)
         if prefix is not None:
             self.prefixes.check(rid, prefix, arr, self.requests)
-        else:
+        elif not forks:
             self.session.observe(arr)
         stops = stops | frozenset(params.stop_token_ids)
-        self.requests.add(
-            Request(
-                rid=rid, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stops, source=prefix,
-                sampling=params.seeded(self.seed, rid), logprobs=[] if params.logprobs is not None else None,
+        seeded = params.seeded(self.seed, rid)  # (completions share the seed; their index keeps their streams apart)
+        if len(group) > 1 and arr.shape[0] > 1:
+            prefix = self.make_prefix(arr[:-1].tolist())
+            self._fork_prefixes.append(prefix)
+        for index, member in enumerate(group):
+            self.requests.add(
+                Request(
+                    rid=member, prompt=arr, original=arr, max_new_tokens=max_new_tokens, stop=stops, source=prefix,
+                    sampling=seeded, index=index, logprobs=[] if params.logprobs is not None else None,
+                )
             )
-        )
+
+    def _check_forks(
+        self, rid: RequestId, forks: object, params: SamplingParams, prefix: PrefixState | None, arr: I64
+    ) -> list[RequestId]:
+        """``admit``'s checks of ``forks`` against ``sampling.n``; the completions' ids, ``rid`` first."""
+        if not isinstance(forks, (list, tuple)):
+            raise PreconditionError("admit", f"request {rid}: forks must be a list or tuple of request ids (got {short_repr(forks)})")
+        if len(forks) != params.n - 1:
+            raise PreconditionError("admit", f"request {rid}: sampling.n = {params.n} needs {params.n - 1} fork ids, got {len(forks)}")
+        group = [rid]
+        for f in forks:
+            problem = int_problem(f)
+            if problem is not None:
+                raise PreconditionError("admit", f"request {rid}: fork id {problem} (got {short_repr(f)})")
+            fid = RequestId(int(f))
+            if fid in group or fid in self.requests or fid in self.outputs:
+                raise PreconditionError("admit", f"request {rid}: fork id {fid} is already in use")
+            group.append(fid)
+        if len(group) > 1:
+            if prefix is not None:
+                raise PreconditionError("admit", f"request {rid}: sampling.n = {params.n} with a prefix (the completions share a prefix of their own)")
+            need = int(arr.shape[0]) - 1
+            if need and (self.slots.num_free < 1 or self.kv.num_free < need):
+                raise PreconditionError(
+                    "admit", f"request {rid}: no room for its completions' shared prompt state now ({self.slots.num_free} free slots, "
+                    f"{self.kv.num_free} free KV locations; it needs 1 and {need})"
+                )
+        return group
+
+    def _release_fork_prefixes(self) -> None:
+        """Release the shared prompt states of ``n > 1`` requests that every completion has copied."""
+        for cp in list(self._fork_prefixes):
+            if not any(r.done == 0 and r.source == cp for r in self.requests):
+                self._fork_prefixes.remove(cp)
+                self.prefixes.release(cp, self.requests)
 
     def make_prefix(self, tokens: Sequence[int]) -> PrefixState:
         """Prefill ``tokens`` into a fresh slot of both models and keep it as a prefix state (checks:
@@ -358,6 +411,8 @@ class Engine:
             raise
         finally:
             self._stepping = False
+        if self._fork_prefixes:
+            self._release_fork_prefixes()
         p = self.forwards.progress
         return StepReport(
             kind=kind, requests=p.requests, prefill_tokens=p.prefill_tokens, tokens=p.tokens, finished=tuple(p.finished),

@@ -82,12 +82,12 @@ class ReplicaFailed(RuntimeError):
 def _request_json(r: Request) -> dict[str, object]:
     # the sampling fields by name (tuples become lists); the replica rebuilds and re-checks them
     return {"rid": int(r.rid), "prompt": r.prompt.decode("latin-1"), "max_new_tokens": r.max_new_tokens, "arrival": r.arrival,
-            "sampling": attrs.asdict(r.sampling), "index": r.index, "ids": list(r.ids) if r.ids is not None else None}
+            "sampling": attrs.asdict(r.sampling), "ids": list(r.ids) if r.ids is not None else None}
 
 
 def _request(d: dict[str, Any]) -> Request:
     return Request(rid=RequestId(d["rid"]), prompt=d["prompt"].encode("latin-1"), max_new_tokens=d["max_new_tokens"],
-                   arrival=d["arrival"], sampling=SamplingParams(**d["sampling"]), index=d["index"],
+                   arrival=d["arrival"], sampling=SamplingParams(**d["sampling"]),
                    ids=tuple(d["ids"]) if d["ids"] is not None else None)
 
 

@@ -87,8 +87,9 @@ def output_lines(
     workload: Sequence[Request], outputs: Mapping[RequestId, Sequence[int]], aborted: Collection[RequestId], tokenizer: Tokenizer, eos: Sequence[int],
     errored: Collection[RequestId] = (), logprobs: Mapping[RequestId, Sequence[Mapping[str, object]]] | None = None,
 ) -> list[dict[str, object]]:
-    """One ``--outputs`` object per request, in workload order: ``rid`` (its line), ``index`` (its
-    completion index among its prompt's ``n``, ``Request.index``), ``prompt``, ``prompt_ids``,
+    """One ``--outputs`` object per completion of each request, in workload order: ``rid`` (its
+    line), ``index`` (the completion, 0 to ``sampling.n - 1``; each under its engine id
+    ``Request.completions()`` in ``outputs``, ``aborted``, ``errored`` and ``logprobs``), ``prompt``, ``prompt_ids``,
     ``output_ids`` (an ending end-of-sequence id included, and the tokens of an ending stop string),
     ``text`` (the output decoded incrementally, special tokens left out, ending before the stop string
     that ended it: ``compiler.serve.stops``) and ``finish_reason``; a refused request's line adds
@@ -100,9 +101,9 @@ def output_lines(
     ``top`` sorted by logprob, from the target's distribution before any sampling transform
     (``logprobs``: ``Engine.logprobs`` by rid)."""
     lines: list[dict[str, object]] = []
-    for r in workload:
-        out = outputs.get(r.rid, ())
-        served = r.refused is None and r.rid not in aborted and r.rid not in errored
+    for r, index, rid in ((req, i, member) for req in workload for i, member in enumerate(req.completions())):
+        out = outputs.get(rid, ())
+        served = r.refused is None and rid not in aborted and rid not in errored
         cut = scan(tokenizer, r.sampling.stop, out, min_tokens=r.sampling.min_tokens) if served else None
         if cut is not None:
             text = cut.text
@@ -110,14 +111,14 @@ def output_lines(
             detok = tokenizer.detokenizer()
             text = "".join(detok.push(t) for t in out) + detok.flush()
         lines.append({
-            "rid": int(r.rid), "index": r.index, "prompt": r.prompt.decode("utf-8", errors="replace"),
+            "rid": int(r.rid), "index": index, "prompt": r.prompt.decode("utf-8", errors="replace"),
             "prompt_ids": [int(t) for t in r.token_ids], "output_ids": list(out), "text": text,
-            "finish_reason": finish_reason(r, out, eos, r.rid in aborted, r.rid in errored, stopped=cut is not None),
+            "finish_reason": finish_reason(r, out, eos, rid in aborted, rid in errored, stopped=cut is not None),
         })
         if logprobs is not None and r.sampling.logprobs is not None and r.refused is None:
-            lines[-1]["logprobs"] = list(logprobs.get(r.rid, ()))[: len(out)]
+            lines[-1]["logprobs"] = list(logprobs.get(rid, ()))[: len(out)]
         if r.refused is not None:
             lines[-1]["reason"] = r.refused
-        elif r.rid in errored:
+        elif rid in errored:
             lines[-1]["reason"] = ERROR_MESSAGE
     return lines

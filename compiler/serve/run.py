@@ -83,6 +83,14 @@ def _completion(r: Request, output: Sequence[int], tokenizer: Tokenizer, driver:
     return cut.text if cut is not None else tokenizer.decode(output)
 
 
+def _room_for(driver: Engine, r: Request) -> bool:
+    """Whether ``r`` can be admitted now: a request of ``n > 1`` completions prefills its shared
+    prompt state at admission (``Engine.admit``), which needs a free slot and KV locations now."""
+    if r.sampling.n == 1 or len(r.token_ids) < 2:
+        return True
+    return driver.slots.num_free >= 1 and driver.kv.num_free >= len(r.token_ids) - 1
+
+
 def serve(
     driver: Engine, workload: Sequence[Request], *, max_running: int, on_finish: Callable[[int], None] | None = None,
     on_step: Callable[[], None] | None = None, eos: Sequence[int] = (), latency: Latencies | None = None,
@@ -108,12 +116,17 @@ def serve(
     while queue or driver.live:
         if latency is not None:
             latency.arrive_due(queue, step_no)
-        while queue and queue[0].arrival <= step_no and driver.live < max_running:
+        while queue and queue[0].arrival <= step_no and driver.live < max_running and _room_for(driver, queue[0]):
             r = queue.pop(0)
             stops = stop_ids(r, eos)
-            driver.admit(r.rid, list(r.token_ids), max_new_tokens=r.max_new_tokens, stop=stops if stops else None, sampling=r.sampling)
+            members = r.completions()
+            driver.admit(
+                r.rid, list(r.token_ids), max_new_tokens=r.max_new_tokens, stop=stops if stops else None, sampling=r.sampling,
+                forks=members[1:],
+            )
             if r.sampling.stop:
-                scanners[r.rid] = StopScanner(tok, r.sampling.stop, min_tokens=r.sampling.min_tokens)
+                for member in members:
+                    scanners[member] = StopScanner(tok, r.sampling.stop, min_tokens=r.sampling.min_tokens)
         if on_step is not None:
             on_step()
         report = driver.step()

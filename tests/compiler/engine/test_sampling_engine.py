@@ -136,3 +136,50 @@ def test_logprobs_are_the_targets_own_before_any_transform(k: int) -> None:
             assert [t["logprob"] for t in e["top"]] == pytest.approx(ref[top].tolist(), abs=1e-4)
             seq.append(e["id"])
     assert logprobs[1][0]["top"][0]["id"] == outputs[1][0]  # greedy: its token is its best alternative
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_n_completions_share_one_prefill_of_the_prompt_and_sample_apart(k: int) -> None:
+    prompt = PROMPTS[3]
+    hot = SamplingParams(temperature=2.0, n=3, seed=21)
+    eng = engine(k, seed=2)
+    steps = []
+    with eng:
+        eng.admit(RequestId(1), prompt, max_new_tokens=6, sampling=hot, forks=[RequestId(11), RequestId(12)])
+        eng.admit(RequestId(2), prompt, max_new_tokens=6, sampling=SamplingParams(temperature=0.0, n=2), forks=[RequestId(21)])
+        assert len(eng.prefixes.held()) == 2  # the two prompts' shared states, prefilled at admission
+        while eng.live:
+            steps.append(eng.step())
+        outputs = dict(eng.outputs)
+        assert eng.prefixes.held() == {} and eng.slots.num_live == 0  # every shared state released, every slot back
+    # one prefill of the prompt but its last token (the shared state); each completion prefills that last token only
+    assert sum(r.prefill_tokens for r in steps) == 5
+    samples = [outputs[RequestId(r)] for r in (1, 11, 12)]
+    assert len({tuple(s) for s in samples}) == 3  # each completion its own stream
+    assert outputs[RequestId(2)] == outputs[RequestId(21)] == greedy_reference(prompt, 6)  # greedy completions agree
+    # completion 0 is the request a plain n = 1 admission with the same seed gives
+    alone = _serve(engine(k, seed=2), [prompt], [SamplingParams(temperature=2.0, seed=21)], new=6)
+    assert alone[1] == samples[0]
+
+
+def test_n_completions_are_checked_before_anything_changes() -> None:
+    from typeguard import suppress_type_checks
+
+    from ir.errors import PreconditionError
+
+    eng = engine(0)
+    with eng:
+        three = SamplingParams(n=3, temperature=1.0)
+        cases: list[tuple[object, str]] = [
+            ([RequestId(5)], r"sampling.n = 3 needs 2 fork ids, got 1"),
+            ([RequestId(5), RequestId(5)], r"fork id 5 is already in use"),
+            ([RequestId(5), True], r"fork id must be an int"),
+            ("ab", r"forks must be a list or tuple of request ids"),
+        ]
+        for forks, message in cases:
+            with suppress_type_checks(), pytest.raises(PreconditionError, match=message):
+                eng.admit(RequestId(1), PROMPTS[0], max_new_tokens=4, sampling=three, forks=forks)  # type: ignore[arg-type]  # the bad value is the point
+        cp = eng.make_prefix(PROMPTS[0][:4])
+        with pytest.raises(PreconditionError, match=r"sampling.n = 3 with a prefix"):
+            eng.admit(RequestId(1), PROMPTS[0], max_new_tokens=4, sampling=three, forks=[RequestId(2), RequestId(3)], prefix=cp)
+        assert eng.live == 0 and list(eng.prefixes.held()) == [cp.slot]

@@ -1,6 +1,7 @@
 """``batchc run`` with sampled requests: a seeded workload gives the same outputs (tokens and
 logprobs) whatever the serving layout: ``--max-running 1`` and 8, ``--overlap``, ``--tp 2`` and
-``--dp 2``; ``--outputs`` lines carry ``logprobs`` as the issue specifies them."""
+``--dp 2``; ``--outputs`` lines carry ``logprobs`` as the issue specifies them, and a line with
+``n = 3`` gives three lines (``index`` 0 to 2)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ LINES = [
     {"prompt": "import os\n", "max_new_tokens": 6, "temperature": 3.0, "top_k": 40, "seed": 99},
     {"prompt": "class Slot:", "max_new_tokens": 6, "logprobs": 0},
     {"prompt": "for x in y:", "max_new_tokens": 6, "temperature": 3.0, "min_p": 0.01},
+    {"prompt": "while True:", "max_new_tokens": 5, "temperature": 3.0, "n": 3, "seed": 5, "logprobs": 1},
 ]
 
 
@@ -42,6 +44,8 @@ def _logprobs(lines: list[dict[str, Any]]) -> list[float]:
 def test_a_seeded_sampled_workload_gives_the_same_outputs_in_every_layout(tmp_path: Path) -> None:
     base = _run(tmp_path, "base", "--max-running", "8")
     assert len({tuple(line["output_ids"]) for line in base}) == len(base)  # (sampled at high temperatures: no two alike)
+    # n = 3: three lines for the last prompt, completions 0 to 2, each its own sample
+    assert [(line["rid"], line["index"]) for line in base] == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (4, 2)]
     for name, extra in (("one", ("--max-running", "1")), ("overlap", ("--overlap",)), ("tp", ("--tp", "2")), ("dp", ("--dp", "2"))):
         got = _run(tmp_path, name, *extra)
         # the tokens are a function of the seeds; the logprobs of the logits, whose last bits depend on
@@ -53,8 +57,8 @@ def test_a_seeded_sampled_workload_gives_the_same_outputs_in_every_layout(tmp_pa
         ], name
         assert _logprobs(got) == pytest.approx(_logprobs(base), abs=1e-4), name
     # the line format: logprobs where asked, an entry per output id, `top` sorted by logprob
-    assert [("logprobs" in line) for line in base] == [True, False, True, False]
-    for line, n in ((base[0], 2), (base[2], 0)):
+    assert [("logprobs" in line) for line in base] == [True, False, True, False, True, True, True]
+    for line, n in ((base[0], 2), (base[2], 0), (base[4], 1), (base[6], 1)):
         entries = line["logprobs"]
         assert isinstance(entries, list) and [e["id"] for e in entries] == line["output_ids"]
         for e in entries:

@@ -59,7 +59,7 @@ def test_every_sampling_field_of_a_line_is_read(tmp_path: Path) -> None:
     assert set(fields) == {a.name for a in attrs.fields(SamplingParams)}  # every field, no more
     (r,) = _load(tmp_path, json.dumps({"prompt": "x", "arrival": 4, **fields}))
     assert r.sampling == SamplingParams(**fields)  # type: ignore[arg-type]  # the dict's values are the fields' types
-    assert r.max_new_tokens == 12 and r.arrival == 4 and r.index == 0
+    assert r.max_new_tokens == 12 and r.arrival == 4 and r.completions() == [r.rid, r.rid + (1 << 40)]  # n = 2: two completions
     # one string is a list of one; a line that sets nothing is GREEDY with the file's default length
     one, bare = _load(tmp_path, '{"prompt": "x", "stop": "ab"}', '{"prompt": "y"}', default_max_new_tokens=5)
     assert one.sampling.stop == ("ab",) and one.sampling.greedy
@@ -207,9 +207,9 @@ def test_the_config_seed_makes_the_engine_seed() -> None:
         ServeConfig(seed=-1)
 
 
-def test_a_replica_gets_each_request_s_sampling_and_index() -> None:
+def test_a_replica_gets_each_request_s_sampling() -> None:
     p = SamplingParams(temperature=0.5, stop=["a", "bc"], stop_token_ids=[3], seed=9, max_new_tokens=6, logprobs=2, n=3, ignore_eos=True)
-    r = Request(rid=RequestId(4), prompt=b"xy", max_new_tokens=6, arrival=2, sampling=p, index=1, ids=(5, 6))
+    r = Request(rid=RequestId(4), prompt=b"xy", max_new_tokens=6, arrival=2, sampling=p, ids=(5, 6))
     assert _request(json.loads(json.dumps(_request_json(r)))) == r
 
 
@@ -415,11 +415,13 @@ def test_finish_reasons(sampling: dict[str, Any], output: list[int], reason: str
 
 def test_outputs_lines_carry_index_and_cut_text() -> None:
     a = _req(stop=["\n"])
-    b = attrs.evolve(_req(), rid=RequestId(1), index=2)
-    lines = output_lines([a, b], {a.rid: list(b"ab\n"), b.rid: list(b"cd")}, (), ByteTokenizer(), ())
-    assert [list(x) for x in lines] == [["rid", "index", "prompt", "prompt_ids", "output_ids", "text", "finish_reason"]] * 2
+    b = attrs.evolve(_req(), rid=RequestId(1), sampling=attrs.evolve(_req().sampling, n=2, temperature=1.0))
+    fork = b.completions()[1]
+    assert fork != b.rid and b.completions()[0] == b.rid
+    lines = output_lines([a, b], {a.rid: list(b"ab\n"), b.rid: list(b"cd"), fork: list(b"ef")}, (), ByteTokenizer(), ())
+    assert [list(x) for x in lines] == [["rid", "index", "prompt", "prompt_ids", "output_ids", "text", "finish_reason"]] * 3
     assert [(x["rid"], x["index"], x["output_ids"], x["text"], x["finish_reason"]) for x in lines] == [
-        (0, 0, list(b"ab\n"), "ab", "stop"), (1, 2, list(b"cd"), "cd", "length"),
+        (0, 0, list(b"ab\n"), "ab", "stop"), (1, 0, list(b"cd"), "cd", "length"), (1, 1, list(b"ef"), "ef", "length"),
     ]
 
 

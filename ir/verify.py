@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import assert_never
+from typing import assert_never, cast
 
+import attrs
 import numpy as np
 
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
-from ir.columns import I64, Composite, first_common, first_missing, has_duplicates
+from ir.columns import I64, Composite, Node, first_common, first_missing, has_duplicates
 from ir.errors import IRVerificationError, SettingsError
 from ir.init import InitIntent, Op, Rows, Ticket, op_groups
 from ir.nodes import Batch, Plan
@@ -153,11 +154,14 @@ def verify_decode_plan(plan: DecodePlan, path: str = "DecodePlan") -> None:
 
 def check_fields(node: Batch | Plan) -> None:
     """Re-run the local field checks of ``node`` and of the nodes it is made of (a mixed node's
-    parts, a speculative plan's batch) (``IRValidationError``)."""
-    node.check_fields()
-    if isinstance(node, Composite):
-        for part in node.parts():
-            part.check_fields()
+    parts, a speculative plan's batch) and of the rows aligned with theirs (``sampling``, which
+    passes build without checks too) (``IRValidationError``)."""
+    nodes: list[Node] = [node, *(node.parts() if isinstance(node, Composite) else ())]
+    for n in nodes:
+        n.check_fields()
+        for value in attrs.asdict(cast("attrs.AttrsInstance", n), recurse=False).values():
+            if isinstance(value, Node) and type(value).ALIGNED:
+                value.check_fields()
 
 
 def _verify_spec(node: SpecBatch, path: str) -> None:

@@ -134,3 +134,15 @@ def test_rows_joined_fills_a_greedy_side() -> None:
     both = rows_joined(None, 2, a, 1)
     assert both is not None and [_row(both, i)[0] for i in range(3)] == [0.0, 0.0, 1.0]
     assert rows_joined(a, 1, None, 0) is a
+
+
+def test_verify_rechecks_sampling_rows_a_pass_built_without_checks() -> None:
+    from ir.columns import build_unchecked
+    from ir.verify import verify
+
+    rows = attrs.asdict(SamplingRows.greedy(2), recurse=False)
+    bad = build_unchecked(SamplingRows, **{**rows, "top_p": np.array([1.0, 7.0])})
+    batch = attrs.evolve(decode_batch([1, 2], [1, 2], [5, 5], [0, 1]), sampling=None)
+    object.__setattr__(batch, "sampling", bad)  # (as a pass that skipped the checks would have left it)
+    with pytest.raises(IRValidationError, match=r"SamplingRows\.top_p.*must be in \(0, 1\]"):
+        verify(batch)

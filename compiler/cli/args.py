@@ -345,8 +345,9 @@ def parser() -> argparse.ArgumentParser:
         "serve", help="serving workload at k=0 and k=2: compiled pipeline vs. the mutable baseline, pre-fix and fixed",
         description="Serve a workload at k = 0 and k = 2 through the compiled engine and the mutable baseline "
         "(pre-fix and with the upstream fix), every engine warmed up first, runs interleaved across engines; "
-        "report the median of the repeats per (arrivals, k, engine, running batch), their range, and every request's "
-        "time to first token and time per output token.",
+        "report the median of the repeats per (arrivals, k, engine, running batch, sampling), their range, acceptance at k = 2, "
+        "the share of the compiled engine's sampler, and every request's time to first token and time per output token. With "
+        "--temperature > 0, every workload is also served with each request sampled, on the compiled engine only.",
     )
     bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=None,
                     help=f"built-in workload size, at most {MAX_REQUESTS} (default {BENCH_SERVE_REQUESTS}; not with --sweep)")
@@ -364,6 +365,12 @@ def parser() -> argparse.ArgumentParser:
     ):
         bs.add_argument(option, type=_int_in(lo, hi), default=None,
                         help=f"the compiled engine's {what}, as batchc run's (default {default}; not with --sweep)")
+    bs.add_argument("--temperature", type=FloatIn(0.0, math.inf), default=None,
+                    help="also measure every workload with each request sampled at this temperature, on the compiled engine "
+                    "only (the baselines decode greedily), interleaved with the greedy runs; each request's seed derives from "
+                    "seed 0 and its id, as batchc run's (default 0: greedy only)")
+    bs.add_argument("--top-p", type=FloatIn(0.0, 1.0, lo_open=True, hi_closed=True), default=None,
+                    help="with --temperature > 0: the sampled requests' top_p in (0, 1] (default 1: off)")
     bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")
     bs.add_argument("--sweep", metavar="B", type=_int_in(1, MAX_REQUESTS), nargs="*", default=None,

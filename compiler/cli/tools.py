@@ -9,6 +9,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -18,6 +19,7 @@ from compiler.manager import PassManager
 
 if TYPE_CHECKING:  # the tools are imported by the commands that run them
     from compiler.tools.ab import AbReport
+    from compiler.tools.bench_serve import Sampling
 
 
 def cmd_dump(args: argparse.Namespace, console: Console) -> int:
@@ -166,6 +168,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         if sweep and value is not None:  # refused, not ignored: the sweep sizes its own workload
             raise UsageError(f"{option} {value} with --sweep: the sweep sizes its own workload and engines (B requests of {SWEEP_NEW_TOKENS} new "
                              "tokens each, a prefill budget of B chunks)")
+    sampled = _bench_sampling(args)
     requests = BENCH_SERVE_REQUESTS if args.requests is None else args.requests
     new_tokens = BENCH_SERVE_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2
@@ -175,8 +178,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         check_output("--json", args.json)
     sizes = tuple(dict.fromkeys(args.sweep or SWEEP_RUNNING)) if sweep else ()
     arrivals = tuple(dict.fromkeys(args.arrivals or ARRIVALS))
-    cases = sweep_cases(sizes) if sweep else builtin_cases(
-        requests=requests, max_new_tokens=new_tokens, arrivals=arrivals, cfg=compiled_cfg,
+    cases = sweep_cases(sizes, sampled=sampled) if sweep else builtin_cases(
+        requests=requests, max_new_tokens=new_tokens, arrivals=arrivals, cfg=compiled_cfg, sampled=sampled,
     )
     target, draft = default_target(), default_draft()
     for case in cases:  # every engine of every case within the memory bound, before anything is allocated
@@ -187,6 +190,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     if world > 1 or args.tp is not None:
         if args.overlap:
             raise UsageError(f"--tp {world} with --overlap: the tensor-parallel bench measures the group against one process")
+        if sampled is not None:
+            raise UsageError(f"--temperature {sampled.temperature:g} with --tp {world}: the tensor-parallel bench measures greedy decoding only")
         distributed.check_splits(world, [("bundled target", target.config), ("bundled draft", draft.config)])
         if rank > 0:
             return distributed.work(rank, world, launched, args.argv, args.tp_timeout, target, draft)
@@ -197,7 +202,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run; written at its end
         with console.status("warming up every engine") as status:
             def progress(done: int, total: int, run: object) -> None:
-                status.update(f"run {done + 1 if done < total else total}/{total} (interleaved: {', '.join(ENGINES)}, then again)")
+                status.update(f"run {done + 1 if done < total else total}/{total} (interleaved: {', '.join(ENGINES)}"
+                              f"{', compiled sampled' if sampled is not None else ''}, then again)")
 
             rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress)
         what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
@@ -206,16 +212,19 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         how = ("" if sweep else f"; compiled: chunks of {c.chunk_size}, {c.token_budget} prefill tokens a step, "
                f"{prefill_first(c.prefill_streak).describe()}, {c.cache_entries} cache entries")
         table = Table(title=f"bench serve: {what}, bundled target and draft{how}",
-                      caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running), with their range")
-        for h in ("arrivals" if not sweep else "running", "k", "engine", "tokens", "steps", "tok/s", "range", "vs fixed", "vs k=0",
-                  "host ms", "TTFT", "TPOT"):
+                      caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running, sampling), with their range",
+                      box=box.SIMPLE_HEAD, padding=0)  # (one space between columns: its 16 fit the 140 characters of a pipe)
+        for h in ("arrivals" if not sweep else "running", "k", "engine", "sampling", "tokens", "steps", "tok/s", "range", "vs fixed",
+                  "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "sampler", "host ms", "TTFT", "TPOT"):
             table.add_column(h, justify="right")
-        order = sorted(rows, key=lambda r: (r.max_running, r.k, ENGINES.index(r.engine), r.overlap)) if sweep else rows
+        order = sorted(rows, key=lambda r: (r.max_running, r.sampling.sampled, r.k, ENGINES.index(r.engine), r.overlap)) if sweep else rows
         for r in order:
             table.add_row(
-                r.arrivals if not sweep else str(r.max_running), str(r.k), r.engine + (" +overlap" if r.overlap else ""), str(r.tokens),
-                str(r.steps), f"{r.tokens_per_s:.0f}", f"{r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}", _times(r.vs_mutable_fixed),
-                _times(r.vs_k0), f"{r.host_ms_per_step:.2f}", _ms(r.latency("ttft", 0.5), 1), _ms(r.latency("tpot", 0.5), 1),
+                r.arrivals if not sweep else str(r.max_running), str(r.k), r.engine + (" +overlap" if r.overlap else ""), r.sampling.label,
+                str(r.tokens), str(r.steps), f"{r.tokens_per_s:.0f}", f"{r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}",
+                _times(r.vs_mutable_fixed), _times(r.vs_k0), *((_times(r.vs_greedy),) if sampled is not None else ()),
+                _ms(r.acceptance, 3), _percent(r.sampler_share), f"{r.host_ms_per_step:.2f}", _ms(r.latency("ttft", 0.5), 1),
+                _ms(r.latency("tpot", 0.5), 1),
             )
         console.print(table)
         console.print(
@@ -224,8 +233,14 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             "arrival step to its first token; TPOT: ms per output token after the first; both the median over every "
             "request of every repeat (p90 in --json). 'vs fixed' and 'vs k=0': the row's "
             "tokens/s over the fixed baseline's (same arrivals, k and running limit) and over its own engine's at k=0, "
-            "measured in this run (ratios of the medians). mutable = the pre-fix baseline (replays stale init ops); neither "
-            f"baseline has a prefix cache. {time.perf_counter() - t0:.0f} s in all.",
+            "measured in this run (ratios of the medians)"
+            + (f"; 'vs greedy': a sampled row's ({sampled.label}: temperature {sampled.temperature:g}, top_p {sampled.top_p:g}, "
+               "each request's seed derived from seed 0 and its id; the compiled engine only, the baselines decode greedily) "
+               "over the compiled greedy row's" if sampled is not None else "")
+            + ". accept: accepted draft tokens / proposed at k > 0. sampler: the time in the executor's sampler calls over "
+            "the time inside model forwards, median of the repeats (the compiled engine in one process only; the sampler alone "
+            "against a decode step at 8 and 128 rows: batchc bench sampler). mutable = the pre-fix baseline (replays stale init "
+            f"ops); neither baseline has a prefix cache. {time.perf_counter() - t0:.0f} s in all.",
             highlight=False,
         )
         output.write(json.dumps([r.to_json() for r in rows], indent=2))
@@ -286,6 +301,30 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
         print(f"batchc: bench failed: {'; '.join(problems)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _bench_sampling(args: argparse.Namespace) -> Sampling | None:
+    """``bench serve``'s sampled settings (``compiler.tools.bench_serve.Sampling``), or ``None`` when
+    it measures greedy decoding only (no ``--temperature``, or 0); ``--top-p`` needs a temperature > 0."""
+    from compiler.serve.load import sampling_params
+    from compiler.tools.bench_serve import Sampling
+    from ir.errors import IRValidationError
+
+    temperature = 0.0 if args.temperature is None else args.temperature
+    if temperature == 0:
+        if args.top_p is not None:
+            raise UsageError(f"--top-p {args.top_p:g} without --temperature > 0: the bench samples only at a temperature above 0")
+        return None
+    top_p = 1.0 if args.top_p is None else args.top_p
+    try:  # the rules batchc run's --temperature and --top-p are held to
+        sampling_params({}, {"temperature": temperature, "top_p": top_p}, max_new_tokens=1)
+    except IRValidationError as exc:
+        raise UsageError(f"argument --{exc.field.replace('_', '-')}: {str(exc).removeprefix(f'{exc.node}.{exc.field}: ')}") from None
+    return Sampling(temperature=temperature, top_p=top_p)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
 
 
 def _ms(value: float | None, digits: int = 2) -> str:

@@ -19,6 +19,18 @@ the fixed baseline's and over its own at k = 0 (ratios of the medians).
 
 Workloads: the built-in one (``builtin_cases``), or the running-batch sweep (``sweep_cases``): B
 short requests arriving together at step 0, for each B, with the engines sized for B.
+
+Sampling: every case is greedy unless it is given a temperature > 0 (``--temperature``,
+``--top-p``): then each workload is measured twice at each k, greedy and with every request sampled
+(the same prompts, lengths and arrivals; each request's seed derived from the run's seed and its
+request id, as ``batchc run`` does). The mutable baselines decode greedily only: a sampled case runs
+on the compiled engine alone (its rows compare with the compiled greedy row of the same workload, k
+and running limit: ``vs_greedy``), in the same warm-up and the same interleaved repeats as the
+greedy cases. Acceptance at k > 0 is accepted proposals over proposed ones in the measured runs
+(the engine's ``SpecStats``, warm-up excluded). The sampler's time is the wall time of the
+in-process executor's sampler calls (``compiler.tools.timed.timing_sampler``), reported over the
+run's model time; it is not known for the baselines (they pick the argmax inside their own loop)
+nor with overlap (the executors are other processes).
 """
 
 from __future__ import annotations
@@ -31,11 +43,13 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from backend.hybrid.model import HybridModel
+from compiler.engine import SpecStats
 from compiler.serve import Request, ServeConfig, builtin_workload, make_engine, serve
 from compiler.serve.latency import Latencies
+from compiler.serve.load import sampling_params
 from compiler.serve.summary import host_ms_per_step
-from compiler.tools.compare_mutable import make_mutable, serve_mutable, warm_up
-from compiler.tools.timed import TimedModel
+from compiler.tools.compare_mutable import WARM_UP_REQUESTS, make_mutable, serve_mutable, warm_up
+from compiler.tools.timed import SamplerClock, TimedModel, timing_sampler
 from compiler.workload import ARRIVALS, SNIPPETS, SWEEP_NEW_TOKENS, SYSTEM_PREFIXES
 from ir.ids import RequestId
 
@@ -44,6 +58,43 @@ ENGINES = ("compiled", "mutable", "mutable-fixed")
 KS = (0, 2)
 WARM_REQUESTS = 2
 """Requests of its case an overlapped engine serves, unmeasured, before its measured run."""
+GREEDY_LABEL = "greedy"
+
+
+@attrs.frozen
+class Sampling:
+    """A case's sampling settings: every request of a sampled case has this temperature and top_p
+    (the greedy case: temperature 0)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    @property
+    def label(self) -> str:
+        """``"greedy"`` or ``"t=1 p=0.9"`` (``p`` left out at 1)."""
+        if not self.sampled:
+            return GREEDY_LABEL
+        return f"t={self.temperature:g}" + (f" p={self.top_p:g}" if self.top_p < 1 else "")
+
+    def of(self, r: Request) -> Request:
+        """``r`` sampled with these settings (its seed left to the engine: derived from the run's seed
+        and ``r``'s id); ``r`` itself when greedy."""
+        if not self.sampled:
+            return r
+        given = {"temperature": self.temperature, "top_p": self.top_p}
+        return attrs.evolve(r, sampling=sampling_params({}, given, max_new_tokens=r.max_new_tokens))
+
+
+GREEDY_SAMPLING = Sampling()
+
+
+def samplings(sampled: Sampling | None) -> tuple[Sampling, ...]:
+    """The settings every workload is measured with: greedy, then ``sampled`` if it samples."""
+    return (GREEDY_SAMPLING, sampled) if sampled is not None and sampled.sampled else (GREEDY_SAMPLING,)
 
 
 @attrs.frozen(kw_only=True)
@@ -57,18 +108,28 @@ class BenchCase:
     k: int
     cfg: ServeConfig
     requests: tuple[Request, ...]
+    sampling: Sampling = GREEDY_SAMPLING
+    """How every request of the case chooses its tokens (``requests`` carry it)."""
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The engines that can serve the case: all of them greedy, the compiled one sampled."""
+        return ("compiled",) if self.sampling.sampled else ENGINES
 
 
 def builtin_cases(
     *, requests: int, max_new_tokens: int, ks: Sequence[int] = KS, arrivals: Sequence[str] = ARRIVALS, cfg: ServeConfig | None = None,
+    sampled: Sampling | None = None,
 ) -> list[BenchCase]:
     """The built-in workload (shared prefixes, chunked prompts) for each arrival pattern at each k,
-    with ``batchc run``'s default configuration (``cfg``: another one, its k replaced)."""
+    with ``batchc run``'s default configuration (``cfg``: another one, its k replaced); with a
+    ``sampled`` temperature > 0, each pattern again at each k with every request sampled."""
     base = cfg if cfg is not None else ServeConfig()
     cases = []
     for pattern in arrivals:
-        workload = tuple(builtin_workload(num_requests=requests, max_new_tokens=max_new_tokens, arrivals=pattern))
-        cases += [BenchCase(workload="builtin", arrivals=pattern, k=k, cfg=attrs.evolve(base, k=k), requests=workload) for k in ks]
+        workload = builtin_workload(num_requests=requests, max_new_tokens=max_new_tokens, arrivals=pattern, seed=base.seed)
+        cases += [BenchCase(workload="builtin", arrivals=pattern, k=k, cfg=attrs.evolve(base, k=k), requests=tuple(map(s.of, workload)),
+                            sampling=s) for s in samplings(sampled) for k in ks]
     return cases
 
 
@@ -84,8 +145,10 @@ def sweep_workload(running: int, *, new_tokens: int = SWEEP_NEW_TOKENS, seed: in
     return out
 
 
-def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int = SWEEP_NEW_TOKENS) -> list[BenchCase]:
-    """The sweep workload for each running batch ``B`` in ``sizes`` at each k. Every engine is sized
+def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int = SWEEP_NEW_TOKENS,
+                sampled: Sampling | None = None) -> list[BenchCase]:
+    """The sweep workload for each running batch ``B`` in ``sizes`` at each k (with a ``sampled``
+    temperature > 0, again sampled). Every engine is sized
     for ``B`` requests at once (``max_running = B``, the context limit cut to what the short prompts
     need, so the KV caches hold ``B`` contexts), and the compiled engine's prefill budget is ``B``
     chunks, so the whole batch prefills in its first steps as the baseline's does in one forward."""
@@ -95,9 +158,10 @@ def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int
         workload = tuple(sweep_workload(b, new_tokens=new_tokens))
         need = max(len(r.prompt) for r in workload) + new_tokens + max(ks) + 1
         max_len = -(-need // base.cache_block) * base.cache_block
-        for k in ks:
-            cfg = ServeConfig(k=k, max_running=b, token_budget=b * base.chunk_size, max_len=max_len, lossless_sample=0)
-            cases.append(BenchCase(workload="sweep", arrivals="together", k=k, cfg=cfg, requests=workload))
+        for s in samplings(sampled):
+            for k in ks:
+                cfg = ServeConfig(k=k, max_running=b, token_budget=b * base.chunk_size, max_len=max_len, lossless_sample=0)
+                cases.append(BenchCase(workload="sweep", arrivals="together", k=k, cfg=cfg, requests=tuple(map(s.of, workload)), sampling=s))
     return cases
 
 
@@ -123,23 +187,45 @@ class ServeRun:
     """Time to first token of every request (``compiler.serve.latency``)."""
     tpot_ms: tuple[float, ...] = ()
     """Time per output token after the first, of every request with two or more."""
+    sampling: Sampling = GREEDY_SAMPLING
+    proposed: int = 0
+    """Draft tokens proposed in the run (0 at k = 0)."""
+    accepted: int = 0
+    """Of them, accepted by the target."""
+    sampler_s: float | None = None
+    """Wall time of the run's sampler calls; ``None`` where not measured (the baselines, overlap)."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
     @property
+    def sampler_share(self) -> float | None:
+        """The sampler's time over the time inside the models' forwards."""
+        return self.sampler_s / self.model_s if self.sampler_s is not None and self.model_s else None
+
+    @property
     def host_ms_per_step(self) -> float:
         return host_ms_per_step(self.wall_s, self.model_s, self.steps)
 
 
-def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel, *, repeat: int = 0, overlap: bool = False) -> ServeRun:
-    """Serve ``case`` once on ``engine`` (one of ``ENGINES``), timing the models' forwards;
-    ``overlap`` (compiled only): with its executors in their own processes."""
+def measure(
+    case: BenchCase, engine: str, target: TimedModel, draft: TimedModel, *, repeat: int = 0, overlap: bool = False,
+    sampler: SamplerClock | None = None,
+) -> ServeRun:
+    """Serve ``case`` once on ``engine`` (one of ``ENGINES``; a sampled case: the compiled one only),
+    timing the models' forwards and, with ``sampler`` (the clock of an open ``timing_sampler``), the
+    compiled engine's sampler calls; ``overlap`` (compiled only): with its executors in their own
+    processes (the sampler is not timed there)."""
     cfg = case.cfg
+    if engine not in case.engines:
+        raise ValueError(f"engine must be one of {case.engines} for a {case.sampling.label} case, got {engine!r}")
     target.seconds = draft.seconds = 0.0
     peak = 0
     latency = Latencies()
+    stats: SpecStats
+    before: tuple[int, int]
+    sampler_s: float | None = None
     if engine == "compiled":
         with make_engine(target, draft, cfg, None, cache=True, k=case.k, overlap=overlap) as drv:
             if overlap:  # warm the processes themselves: an in-process warm-up does not reach them
@@ -151,11 +237,17 @@ def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel,
                 nonlocal peak
                 peak = max(peak, drv.live)
 
+            stats = drv.stats
+            before = (stats.proposed, stats.accepted)
+            if sampler is not None:
+                sampler.seconds = 0.0
             start = time.perf_counter()
             wall, kinds = serve(drv, case.requests, max_running=cfg.max_running, on_step=sample, latency=latency)
             model_s = drv.busy_seconds(start, time.perf_counter()) if overlap else target.seconds + draft.seconds
             steps, outputs = sum(kinds.values()), drv.outputs
-    elif engine in ("mutable", "mutable-fixed"):
+            if sampler is not None and not overlap:
+                sampler_s = sampler.seconds
+    else:
         if overlap:
             raise ValueError("only the compiled engine runs with overlap")
         eng = make_mutable(target, draft, cfg, k=case.k, fixed=engine == "mutable-fixed")
@@ -164,15 +256,16 @@ def measure(case: BenchCase, engine: str, target: TimedModel, draft: TimedModel,
             nonlocal peak
             peak = max(peak, eng.live)
 
+        stats = eng.stats
+        before = (stats.proposed, stats.accepted)
         wall, steps = serve_mutable(eng, case.requests, max_running=cfg.max_running, on_step=sample, latency=latency)
         outputs = eng.outputs
         model_s = target.seconds + draft.seconds
-    else:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     return ServeRun(
         workload=case.workload, arrivals=case.arrivals, k=case.k, engine=engine, overlap=overlap, running=peak,
         tokens=sum(map(len, outputs.values())), steps=steps, wall_s=wall, model_s=model_s, repeat=repeat, max_running=cfg.max_running,
-        ttft_ms=tuple(latency.ttft_ms()), tpot_ms=tuple(latency.tpot_ms(outputs)),
+        ttft_ms=tuple(latency.ttft_ms()), tpot_ms=tuple(latency.tpot_ms(outputs)), sampling=case.sampling,
+        proposed=stats.proposed - before[0], accepted=stats.accepted - before[1], sampler_s=sampler_s,
     )
 
 
@@ -189,8 +282,9 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 @attrs.frozen(kw_only=True)
 class ServeRow:
-    """The median of the repeats of one (workload, arrivals, k, engine, max_running), its spread and its
-    ratios, and the latencies of every request of every repeat."""
+    """The median of the repeats of one (workload, arrivals, k, engine, max_running, sampling), its
+    spread and its ratios, its acceptance and sampler share, and the latencies of every request of
+    every repeat."""
 
     workload: str
     arrivals: str
@@ -213,8 +307,25 @@ class ServeRow:
     vs_mutable_fixed: float | None
     """Median tokens/s over the ``mutable-fixed`` row's at the same workload, arrivals, k and running."""
     vs_k0: float | None
-    """Median tokens/s over the same engine's at k = 0 on the same workload, arrivals and running."""
+    """Median tokens/s over the same engine's at k = 0 on the same workload, arrivals, running and sampling."""
     runs: tuple[ServeRun, ...]
+    sampling: Sampling = GREEDY_SAMPLING
+    vs_greedy: float | None = None
+    """A sampled row: its median tokens/s over the greedy row's of the same engine, workload,
+    arrivals, k and running (``None`` for a greedy row)."""
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted proposals over proposed ones in all its runs; ``None`` at k = 0."""
+        proposed = sum(r.proposed for r in self.runs)
+        return sum(r.accepted for r in self.runs) / proposed if self.k and proposed else None
+
+    @property
+    def sampler_share(self) -> float | None:
+        """The median over its runs of the sampler's time over the model time, where it was measured."""
+        shares = [r.sampler_share for r in self.runs]
+        known = [x for x in shares if x is not None]
+        return statistics.median(known) if known and len(known) == len(shares) else None
 
     @property
     def repeats(self) -> int:
@@ -231,12 +342,17 @@ class ServeRow:
             "tokens_per_s_max": self.tokens_per_s_max, "host_ms_per_step": self.host_ms_per_step, "steps": self.steps,
             "tokens": self.tokens, "wall_s": self.wall_s, "model_s": self.model_s,
             "tokens_per_s_vs_mutable_fixed": self.vs_mutable_fixed, "tokens_per_s_vs_k0": self.vs_k0,
+            "sampling": self.sampling.label, "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
+            "tokens_per_s_vs_greedy": self.vs_greedy, "acceptance": self.acceptance,
+            "proposed": sum(r.proposed for r in self.runs), "accepted": sum(r.accepted for r in self.runs),
+            "sampler_share": self.sampler_share,
             "ttft_ms_p50": self.latency("ttft", 0.5), "ttft_ms_p90": self.latency("ttft", 0.9),
             "tpot_ms_p50": self.latency("tpot", 0.5), "tpot_ms_p90": self.latency("tpot", 0.9),
             "statistic": "median", "repeats": self.repeats,
             "runs": [
                 {"repeat": r.repeat, "tokens_per_s": r.tokens_per_s, "host_ms_per_step": r.host_ms_per_step,
-                 "wall_s": r.wall_s, "model_s": r.model_s, "steps": r.steps, "tokens": r.tokens}
+                 "wall_s": r.wall_s, "model_s": r.model_s, "steps": r.steps, "tokens": r.tokens, "proposed": r.proposed,
+                 "accepted": r.accepted, "sampler_s": r.sampler_s}
                 for r in self.runs
             ],
         }
@@ -247,15 +363,15 @@ def _ratio(a: float, b: float | None) -> float | None:
 
 
 def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
-    """One row per (workload, arrivals, k, engine, overlap, max_running): the medians of its runs and
-    their range, in the order the keys first appear."""
-    groups: dict[tuple[str, str, int, str, bool, int], list[ServeRun]] = {}
+    """One row per (workload, arrivals, k, engine, overlap, max_running, sampling): the medians of its
+    runs and their range, in the order the keys first appear."""
+    groups: dict[tuple[str, str, int, str, bool, int, Sampling], list[ServeRun]] = {}
     for r in runs:
-        groups.setdefault((r.workload, r.arrivals, r.k, r.engine, r.overlap, r.max_running), []).append(r)
+        groups.setdefault((r.workload, r.arrivals, r.k, r.engine, r.overlap, r.max_running, r.sampling), []).append(r)
     tps = {key: statistics.median(r.tokens_per_s for r in g) for key, g in groups.items()}
     rows = []
-    for (workload, arrivals, k, engine, overlap, running), g in groups.items():
-        mine = tps[(workload, arrivals, k, engine, overlap, running)]
+    for (workload, arrivals, k, engine, overlap, running, sampling), g in groups.items():
+        mine = tps[(workload, arrivals, k, engine, overlap, running, sampling)]
         rows.append(ServeRow(
             workload=workload, arrivals=arrivals, k=k, engine=engine, overlap=overlap, max_running=running,
             running=max(r.running for r in g),
@@ -263,8 +379,9 @@ def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
             tokens_per_s=mine, tokens_per_s_min=min(r.tokens_per_s for r in g), tokens_per_s_max=max(r.tokens_per_s for r in g),
             host_ms_per_step=statistics.median(r.host_ms_per_step for r in g),
             wall_s=statistics.median(r.wall_s for r in g), model_s=statistics.median(r.model_s for r in g),
-            vs_mutable_fixed=_ratio(mine, tps.get((workload, arrivals, k, "mutable-fixed", False, running))),
-            vs_k0=_ratio(mine, tps.get((workload, arrivals, 0, engine, overlap, running))), runs=tuple(g),
+            vs_mutable_fixed=_ratio(mine, tps.get((workload, arrivals, k, "mutable-fixed", False, running, sampling))),
+            vs_k0=_ratio(mine, tps.get((workload, arrivals, 0, engine, overlap, running, sampling))), runs=tuple(g), sampling=sampling,
+            vs_greedy=_ratio(mine, tps.get((workload, arrivals, k, engine, overlap, running, GREEDY_SAMPLING))) if sampling.sampled else None,
         ))
     return rows
 
@@ -281,22 +398,31 @@ def run_serve_bench(
 ) -> list[ServeRow]:
     """Warm every engine up on every case, then serve every case on every engine ``repeats`` times,
     interleaved (each repeat runs every case's engines in turn; with ``overlap``, the compiled
-    engine with overlap right after it), and summarise the medians. ``on_run(done, total, run)``
-    reports progress (``run`` is None before the first)."""
+    engine with overlap right after it; a sampled case, the compiled engine only), timing the
+    sampler calls of the in-process compiled runs, and summarise the medians.
+    ``on_run(done, total, run)`` reports progress (``run`` is None before the first)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     t, d = TimedModel(target), TimedModel(draft)
     for case in cases:
-        warm_up(case.requests, t, d, case.cfg)
-    kinds = [(e, o) for e in engines for o in ((False, True) if overlap and e == "compiled" else (False,))]
-    total = repeats * len(cases) * len(kinds)
+        if case.sampling.sampled:  # the baselines do not serve it
+            serve(make_engine(t, d, case.cfg, None, cache=True, k=case.k, overlap=False), case.requests[:WARM_UP_REQUESTS],
+                  max_running=case.cfg.max_running)
+        else:
+            warm_up(case.requests, t, d, case.cfg)
+
+    def kinds(case: BenchCase) -> list[tuple[str, bool]]:
+        return [(e, o) for e in engines if e in case.engines for o in ((False, True) if overlap and e == "compiled" else (False,))]
+
+    total = repeats * sum(len(kinds(case)) for case in cases)
     if on_run is not None:
         on_run(0, total, None)
     runs = []
-    for repeat in range(repeats):
-        for case in cases:
-            for engine, over in kinds:
-                runs.append(measure(case, engine, t, d, repeat=repeat, overlap=over))
-                if on_run is not None:
-                    on_run(len(runs), total, runs[-1])
+    with timing_sampler() as sampler:
+        for repeat in range(repeats):
+            for case in cases:
+                for engine, over in kinds(case):
+                    runs.append(measure(case, engine, t, d, repeat=repeat, overlap=over, sampler=sampler))
+                    if on_run is not None:
+                        on_run(len(runs), total, runs[-1])
     return summarise(runs)

@@ -1,12 +1,22 @@
 """Model time of a serving run: ``TimedModel`` adds the wall time of every forward to a running
 total, so a run's host time (wall minus model time) can be told apart from the model's work. The
-benchmarks and ``batchc run`` measure every engine, compiled and mutable, through it."""
+benchmarks and ``batchc run`` measure every engine, compiled and mutable, through it.
+
+Sampler time: within ``timing_sampler()``, every call an in-process executor (``backend.executor``)
+makes to the sampler (``backend.plan_sampling``'s ``sample_logits`` after a prefill or decode,
+``verify_tokens`` after a verify) adds its wall time to the clock it yields. Those calls are made
+by the executor after the forward, outside ``TimedModel``'s timer, so model and sampler time never
+overlap. Executors in other processes (``--overlap``) are not timed. On leaving, the executor's
+own functions are back in place, whatever happened."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import torch
 
 from backend.hybrid.kv import KVCache, TokenTable
@@ -57,3 +67,47 @@ class TimedModel(HybridModel):
 def timed(model: HybridModel) -> TimedModel:
     """``model`` itself when it is already timed, else a ``TimedModel`` of it."""
     return model if isinstance(model, TimedModel) else TimedModel(model)
+
+
+SAMPLER_CALLS = ("sample_logits", "verify_tokens")
+"""The sampler functions ``backend.executor`` calls by these names, as ``backend.plan_sampling`` defines them."""
+
+
+@attrs.define
+class SamplerClock:
+    """Wall seconds spent in the sampler calls of in-process executors (``timing_sampler``)."""
+
+    seconds: float = 0.0
+
+
+def _timed_call(fn: Callable[..., Any], clock: SamplerClock) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock.seconds += time.perf_counter() - t0
+
+    return call
+
+
+@contextlib.contextmanager
+def timing_sampler() -> Iterator[SamplerClock]:
+    """A clock of the sampler calls in-process executors make while the block runs (module
+    docstring). Refused (``RuntimeError``) inside another one, or if the executor no longer calls
+    ``backend.plan_sampling``'s functions under these names (the clock would read 0)."""
+    import backend.executor as executor
+    import backend.plan_sampling as plan_sampling
+
+    originals = {name: getattr(plan_sampling, name) for name in SAMPLER_CALLS}
+    for name, fn in originals.items():
+        if getattr(executor, name, None) is not fn:
+            raise RuntimeError(f"backend.executor.{name} is not backend.plan_sampling.{name} (already timed, or no longer called so)")
+    clock = SamplerClock()
+    try:
+        for name, fn in originals.items():
+            setattr(executor, name, _timed_call(fn, clock))
+        yield clock
+    finally:
+        for name, fn in originals.items():
+            setattr(executor, name, fn)

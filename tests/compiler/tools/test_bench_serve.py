@@ -1,7 +1,8 @@
 """``batchc bench serve``: the JSON rows of the bench (built-in workload and the running-batch
-sweep), their medians and ratios, and the mutable baseline's serving loop the bench shares with
-``run --compare-mutable``. Tiny workloads; performance is measured by the bench, never asserted
-here."""
+sweep), their medians and ratios, the sampled rows (``--temperature``, ``--top-p``: the compiled
+engine only, with acceptance and the sampler's time), and the mutable baseline's serving loop the
+bench shares with ``run --compare-mutable``. Tiny workloads; performance is measured by the bench,
+never asserted here."""
 
 from __future__ import annotations
 
@@ -15,8 +16,20 @@ from compiler.cli import main
 from compiler.engine import StepKind, StepReport
 from compiler.serve import Request, ServeConfig, make_engine, serve
 from compiler.serve.latency import Latencies
-from compiler.tools.bench_serve import ENGINES, ServeRun, percentile, summarise, sweep_cases, sweep_workload
+from compiler.tools.bench_serve import (
+    ENGINES,
+    GREEDY_SAMPLING,
+    Sampling,
+    ServeRun,
+    builtin_cases,
+    measure,
+    percentile,
+    summarise,
+    sweep_cases,
+    sweep_workload,
+)
 from compiler.tools.compare_mutable import make_mutable, serve_mutable
+from compiler.tools.timed import TimedModel, timing_sampler
 from compiler.workload import SWEEP_NEW_TOKENS
 from ir.ids import RequestId
 from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, tiny_models
@@ -24,7 +37,8 @@ from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, tiny_models
 ROW_FIELDS = {
     "k": int, "engine": str, "overlap": bool, "running": int, "tokens_per_s": float, "host_ms_per_step": float,
     "steps": int, "tokens": int, "wall_s": float, "model_s": float, "repeats": int, "runs": list, "workload": str,
-    "arrivals": str, "max_running": int, "tokens_per_s_min": float, "tokens_per_s_max": float,
+    "arrivals": str, "max_running": int, "tokens_per_s_min": float, "tokens_per_s_max": float, "sampling": str, "temperature": float,
+    "top_p": float, "proposed": int, "accepted": int,
 }
 
 
@@ -43,6 +57,25 @@ def _rows(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             assert 0.0 < run["model_s"] < run["wall_s"], run
         assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
         assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p90"]  # type: ignore[operator]  # JSON numbers
+        sampled = row["temperature"] > 0  # type: ignore[operator]  # a JSON number
+        assert row["sampling"] == ("greedy" if not sampled else f"t={row['temperature']:g}" + (f" p={row['top_p']:g}" if row["top_p"] != 1 else ""))
+        assert row["engine"] == "compiled" or not sampled  # the baselines decode greedily only
+        assert (row["tokens_per_s_vs_greedy"] is None) == (not sampled)
+        assert sampled or row["tokens_per_s_vs_mutable_fixed"] is not None or row["engine"] != "mutable-fixed"
+        assert not sampled or row["tokens_per_s_vs_mutable_fixed"] is None
+        # acceptance at k > 0 for every engine (the engine's counts, warm-up excluded); none at k = 0
+        if row["k"] == 0:
+            assert row["acceptance"] is None and row["proposed"] == 0
+        else:
+            assert row["proposed"] > 0 and row["acceptance"] == pytest.approx(row["accepted"] / row["proposed"])  # type: ignore[operator]
+            assert row["proposed"] == sum(run["proposed"] for run in row["runs"])  # type: ignore[attr-defined]  # JSON lists
+        # the sampler's time: the compiled engine in one process only, always some, never more than the run's host time
+        if row["engine"] == "compiled" and not row["overlap"]:
+            assert row["sampler_share"] > 0  # type: ignore[operator]  # a JSON number
+            for run in row["runs"]:  # type: ignore[attr-defined]  # JSON lists
+                assert 0.0 < run["sampler_s"] < run["wall_s"] - run["model_s"], run
+        else:
+            assert row["sampler_share"] is None and all(run["sampler_s"] is None for run in row["runs"])  # type: ignore[attr-defined]
     return rows, out
 
 
@@ -60,8 +93,92 @@ def test_bench_serve_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
         k0 = next(r for r in rows if r["k"] == 0 and r["engine"] == row["engine"] and r["arrivals"] == row["arrivals"])
         assert row["tokens_per_s_vs_k0"] == pytest.approx(row["tokens_per_s"] / k0["tokens_per_s"])
         assert row["tpot_ms_p50"] is not None  # two new tokens each: one gap per request
-    assert "median of 1 interleaved repeats per (arrivals, k, engine, running), with their range" in out
+    assert "median of 1 interleaved repeats per (arrivals, k, engine, running, sampling), with their range" in out
     assert "vs fixed" in out and "vs k=0" in out and "host ms" in out and "TTFT" in out and "TPOT" in out
+    assert "sampling" in out and "accept" in out and "sampler" in out and "batchc bench sampler" in out
+    assert "vs greedy" not in out and {r["sampling"] for r in rows} == {"greedy"}
+
+
+def test_bench_serve_samples_on_the_compiled_engine_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--requests", "3", "--max-new-tokens", "4", "--repeats", "2", "--arrivals", "bursts"]
+    rows, out = _rows([*args, "--temperature", "1", "--top-p", "0.9"], tmp_path, capsys)
+    greedy = [(r["k"], r["engine"], r["sampling"]) for r in rows if r["sampling"] == "greedy"]
+    assert greedy == [(k, e, "greedy") for k in (0, 2) for e in ENGINES]  # the greedy rows as without --temperature
+    sampled = [r for r in rows if r["sampling"] != "greedy"]
+    assert [(r["k"], r["engine"], r["sampling"], r["temperature"], r["top_p"]) for r in sampled] == [
+        (k, "compiled", "t=1 p=0.9", 1.0, 0.9) for k in (0, 2)
+    ]
+    for r in sampled:
+        assert r["repeats"] == 2 and r["tokens_per_s_vs_mutable_fixed"] is None
+        base = next(g for g in rows if g["sampling"] == "greedy" and g["engine"] == "compiled" and g["k"] == r["k"])
+        assert r["tokens_per_s_vs_greedy"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])  # type: ignore[operator]
+        k0 = next(s for s in sampled if s["k"] == 0)
+        assert r["tokens_per_s_vs_k0"] == pytest.approx(r["tokens_per_s"] / k0["tokens_per_s"])  # type: ignore[operator]
+        assert len({run["tokens"] for run in r["runs"]}) == 1  # type: ignore[attr-defined]  # seeded: every repeat samples the same tokens
+    assert next(r for r in sampled if r["k"] == 2)["acceptance"] is not None
+    assert "vs greedy" in out and "t=1 p=0.9" in out and "temperature 1, top_p 0.9" in " ".join(out.split())
+    # --temperature 0 is greedy: no sampled rows
+    zero, out = _rows([*args, "--temperature", "0"], tmp_path, capsys)
+    assert [(r["k"], r["engine"], r["sampling"]) for r in zero] == greedy and "vs greedy" not in out
+
+
+def test_bench_serve_sweep_samples_each_running_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows, _ = _rows(["--sweep", "2", "--repeats", "1", "--temperature", "0.7"], tmp_path, capsys)
+    assert [(r["running"], r["k"], r["engine"], r["sampling"]) for r in rows if r["sampling"] != "greedy"] == [
+        (2, k, "compiled", "t=0.7") for k in (0, 2)
+    ]
+    assert len(rows) == 2 * len(ENGINES) + 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--top-p", "0.9"], "--top-p 0.9 without --temperature > 0"),
+    (["--temperature", "0", "--top-p", "0.5"], "--top-p 0.5 without --temperature > 0"),
+    (["--temperature", "1", "--tp", "2"], "--temperature 1 with --tp 2"),
+    (["--temperature", "-1"], "argument --temperature: expected a finite number in [0, inf), got -1"),
+    (["--temperature", "nan"], "argument --temperature: expected a finite number"),
+    (["--top-p", "0", "--temperature", "1"], "argument --top-p: expected a finite number in (0, 1], got 0"),
+    (["--top-p", "1.5", "--temperature", "1"], "argument --top-p: expected a finite number in (0, 1], got 1.5"),
+])
+def test_bench_serve_refuses_bad_sampling_in_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(["bench", "serve", "--requests", "1", "--max-new-tokens", "1", "--repeats", "1", *argv])
+    except SystemExit as exc:  # argparse's refusals
+        code = exc.code  # type: ignore[assignment]  # an int here
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_sampled_cases_are_the_greedy_workload_sampled() -> None:
+    t1 = Sampling(temperature=1.0, top_p=0.9)
+    cases = builtin_cases(requests=5, max_new_tokens=6, arrivals=("trickle",), sampled=t1)
+    assert [(c.k, c.sampling) for c in cases] == [(0, GREEDY_SAMPLING), (2, GREEDY_SAMPLING), (0, t1), (2, t1)]
+    greedy, sampled = cases[0].requests, cases[2].requests
+    for g, s in zip(greedy, sampled, strict=True):  # the same prompts, lengths and arrivals; the seed left to the engine
+        assert (g.rid, g.prompt, g.max_new_tokens, g.arrival) == (s.rid, s.prompt, s.max_new_tokens, s.arrival)
+        assert g.sampling.temperature == 0 and (s.sampling.temperature, s.sampling.top_p, s.sampling.seed) == (1.0, 0.9, None)
+    assert cases[2].engines == ("compiled",) and cases[0].engines == ENGINES
+    assert builtin_cases(requests=5, max_new_tokens=6, arrivals=("trickle",), sampled=Sampling()) == cases[:2]
+    assert (Sampling().label, Sampling(temperature=0.5).label, t1.label) == ("greedy", "t=0.5", "t=1 p=0.9")
+    target, draft = tiny_models()
+    with pytest.raises(ValueError, match="for a t=1 p=0.9 case, got 'mutable-fixed'"):
+        measure(cases[2], "mutable-fixed", TimedModel(target), TimedModel(draft))
+
+
+def test_the_sampler_clock_times_the_executors_sampler_calls_and_restores_them() -> None:
+    import backend.executor as executor
+    import backend.plan_sampling as plan_sampling
+
+    target, draft = tiny_models()
+    case = builtin_cases(requests=2, max_new_tokens=4, arrivals=("bursts",), sampled=Sampling(temperature=1.0))[3]
+    with timing_sampler() as clock:
+        assert executor.sample_logits is not plan_sampling.sample_logits
+        with pytest.raises(RuntimeError, match="already timed"), timing_sampler():
+            pass
+        run = measure(case, "compiled", TimedModel(target), TimedModel(draft), sampler=clock)
+        assert run.sampler_s is not None and run.sampler_s == clock.seconds > 0 and run.proposed > 0
+        untimed = measure(case, "compiled", TimedModel(target), TimedModel(draft))
+        assert untimed.sampler_s is None and untimed.sampler_share is None
+    assert executor.sample_logits is plan_sampling.sample_logits and executor.verify_tokens is plan_sampling.verify_tokens
 
 
 def test_bench_serve_measures_the_arrival_patterns_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -113,10 +230,30 @@ def test_sweep_cases_size_every_engine_for_the_batch() -> None:
         assert max(len(r.prompt) for r in case.requests) + SWEEP_NEW_TOKENS + cfg.reserve <= cfg.max_len
 
 
-def _run(engine: str, k: int, tokens_per_s: float, repeat: int, running: int = 8, overlap: bool = False) -> ServeRun:
+def _run(engine: str, k: int, tokens_per_s: float, repeat: int, running: int = 8, overlap: bool = False,
+         sampling: Sampling = GREEDY_SAMPLING) -> ServeRun:
     return ServeRun(workload="builtin", arrivals="bursts", k=k, engine=engine, overlap=overlap, running=running, max_running=running,
                     tokens=100, steps=10,
-                    wall_s=100 / tokens_per_s, model_s=0.5 * 100 / tokens_per_s, repeat=repeat)
+                    wall_s=100 / tokens_per_s, model_s=0.5 * 100 / tokens_per_s, repeat=repeat, sampling=sampling)
+
+
+def test_sampled_rows_compare_with_the_greedy_row_and_pool_their_acceptance() -> None:
+    t1 = Sampling(temperature=1.0, top_p=0.9)
+    runs = [_run(e, k, 100.0 * (1 + k), 0) for k in (0, 2) for e in ENGINES]
+    runs += [attrs.evolve(_run("compiled", k, 50.0 * (1 + k) * (1 + rep), rep, sampling=t1), proposed=10 * k * (1 + rep),
+                          accepted=k * (1 + 3 * rep), sampler_s=0.01 * (1 + rep)) for k in (0, 2) for rep in range(3)]
+    rows = {(r.k, r.engine, r.sampling): r for r in summarise(runs)}
+    assert len(rows) == 2 * len(ENGINES) + 2
+    s2 = rows[(2, "compiled", t1)]
+    assert s2.repeats == 3 and s2.tokens_per_s == pytest.approx(300.0)
+    assert s2.vs_greedy == pytest.approx(1.0) and s2.vs_mutable_fixed is None and s2.vs_k0 == pytest.approx(3.0)
+    assert s2.acceptance == pytest.approx((2 + 8 + 14) / (20 + 40 + 60))  # pooled over the repeats, not a median of rates
+    # each run's sampler time over its model time (0.01 / (1/3), 0.02 / (1/6), 0.03 / (1/9)): their median
+    assert s2.sampler_share == pytest.approx(0.12)
+    assert rows[(0, "compiled", t1)].acceptance is None and rows[(0, "compiled", t1)].vs_greedy == pytest.approx(1.0)
+    assert summarise([*runs, attrs.evolve(runs[-1], repeat=3, sampler_s=None)])[-1].sampler_share is None  # not measured in every run
+    assert rows[(2, "compiled", GREEDY_SAMPLING)].vs_greedy is None and rows[(2, "mutable", GREEDY_SAMPLING)].sampler_share is None
+    assert s2.to_json()["sampling"] == "t=1 p=0.9" and s2.to_json()["temperature"] == 1.0 and s2.to_json()["top_p"] == 0.9
 
 
 def test_rows_report_the_median_of_the_repeats_and_ratios_of_the_medians() -> None:

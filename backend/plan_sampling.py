@@ -57,6 +57,26 @@ def row_params(rows: SamplingRows, device: torch.device) -> RowParams:
     )
 
 
+_CACHE_SIZE = 4
+_cache: dict[tuple[int, torch.device], tuple[SamplingRows, RowParams]] = {}
+
+
+def _params(rows: SamplingRows, device: torch.device) -> RowParams:
+    """``row_params`` of ``rows``, kept for the few most recent rows objects: a running batch's
+    rows are one object from step to step until a request joins or leaves it, and the sampler's
+    per-batch summary of them (``RowParams.uses``) is then worked out once, not at every decode.
+    (Keyed by identity; the entry holds the rows, so the id cannot be reused while it is kept.)"""
+    key = (id(rows), device)
+    hit = _cache.get(key)
+    if hit is not None and hit[0] is rows:
+        return hit[1]
+    params = row_params(rows, device)
+    if len(_cache) >= _CACHE_SIZE:
+        del _cache[next(iter(_cache))]
+    _cache[key] = (rows, params)
+    return params
+
+
 def _greedy(rows: SamplingRows | None) -> bool:
     return rows is None or not rows.temperature.any()
 
@@ -67,7 +87,7 @@ def sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I6
     if _greedy(rows):
         return sample(logits)
     assert rows is not None  # (``_greedy`` holds for None)
-    params = row_params(rows, logits.device)
+    params = _params(rows, logits.device)
     dist = distribution(logits, params)
     tokens = sample_rows(dist, params, _tensor(positions, torch.int64, logits.device))
     return frozen_i64(tokens.cpu().numpy())
@@ -83,7 +103,7 @@ def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, 
     assert rows is not None
     n, w, vocab = logits.shape
     device = logits.device
-    params = row_params(rows, device)
+    params = _params(rows, device)
     dist = distribution(logits.reshape(n * w, vocab), params.repeat(w))
     proposed = _tensor(drafts, torch.int64, device).reshape(n, w - 1)
     spec = rejection_sample(dist, proposed, OneHotDraft(), params, _tensor(start, torch.int64, device))

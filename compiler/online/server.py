@@ -13,7 +13,8 @@ engine process does: ``compiler.online.engine_process``). Routes:
 Limits, all answered before the engine sees the request, with the OpenAI error JSON
 (``compiler.online.protocol``): a body over ``max_body_bytes`` is a 413; bad JSON, types or values a
 400 naming the field; another model a 404; a prompt that does not fit the context a 400; when
-``max_running + max_waiting`` requests are already in flight, a 503 with ``Retry-After``, at once.
+a request's ``n`` completions would put more than ``max_running + max_waiting`` completions in
+flight, a 503 with ``Retry-After``, at once (a 400 naming ``n`` when ``n`` alone is over that).
 With an API key every route but ``/health`` needs ``Authorization: Bearer <key>``, compared in
 constant time (``hmac.compare_digest``), else 401. Unknown routes are 404 and wrong methods 405, in
 the same JSON; an unexpected exception is a 500 without a traceback (it is logged here).
@@ -24,6 +25,14 @@ the engine, which releases it before its next step); so does a request past its 
 detokenised text (``compiler.online.text``, ``batchc run``'s ``StopScanner``) and finish it in the
 engine (``Finish``: its output cut where the text was, counted as finished), ``finish_reason``
 ``stop``.
+
+``n`` completions are ``n`` choices (``index`` 0 to n - 1), each with its own text, stop string,
+``finish_reason`` and logprobs; ``usage`` counts the prompt once and every choice's tokens. A stream
+carries each choice's chunks under its index as its tokens come (interleaved), then one
+``[DONE]``; a disconnect or a deadline aborts all of them. Logprobs (the engine's, of the target's
+distribution before sampling transforms) are written in the endpoint's format (a completion's
+legacy ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``, a chat's ``content`` entries
+with ``bytes``), each chunk with its tokens' entries, none past a stop string.
 
 Stopping: SIGTERM or SIGINT (``serve``) starts the drain: ``/health`` and new requests answer 503,
 requests in flight run on for up to ``drain_timeout`` seconds, then the rest are aborted; the engine

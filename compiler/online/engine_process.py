@@ -249,7 +249,7 @@ class Loop:
         engine = self.engine
         running = sum(1 for r in engine.requests if r.state is RequestState.RUNNING)
         return Stats(
-            running=running, waiting=len(self.queued) + engine.live - running, slots_live=engine.slots.num_live,
+            running=running, waiting=sum(len(s.completions) for s in self.queued) + engine.live - running, slots_live=engine.slots.num_live,
             slots_capacity=engine.slots.capacity, request_slots=len(engine.live_slots()), kv_live=engine.kv.num_live,
             kv_capacity=engine.kv.capacity, cache_entries=len(engine.cache) if engine.cache is not None else 0,
             outstanding_tickets=len(engine.ledger.outstanding()), proposed=engine.stats.proposed, accepted=engine.stats.accepted,

@@ -155,9 +155,10 @@ class Stats:
     """The engine's gauges and counters, sent with every ``StepOut``."""
 
     running: int
-    """Requests decoding (RUNNING)."""
+    """Requests decoding (RUNNING), a request of ``n`` completions counting ``n``."""
     waiting: int
-    """Requests submitted and not yet decoding (queued in the engine process or prefilling)."""
+    """Requests submitted and not yet decoding (queued in the engine process or prefilling), a
+    request of ``n`` completions counting ``n``."""
     slots_live: int
     slots_capacity: int
     request_slots: int

@@ -4,11 +4,12 @@
 fresh interpreter that dies with this process, whatever kills it) connected by a socket pair, sends
 ``Launch`` and waits for ``Ready``. Then two daemon threads carry the messages: a writer (so that
 the event loop never blocks on a full socket while the engine runs a step) and a reader, which
-hands every ``StepOut`` to the event loop (``call_soon_threadsafe``). On the loop, each request's
-``Delta`` and ``Ended`` messages go to its ``Tracked`` queue, and its metrics (time to first token,
-inter-token latency, end-to-end latency, tokens, outcome) are recorded here, whether or not its
-HTTP handler is still there to read them: a client that went away still has its request counted
-when the engine's ``Ended`` arrives.
+hands every ``StepOut`` to the event loop (``call_soon_threadsafe``). On the loop, the ``Delta``
+and ``Ended`` messages of each request's completions (one, or ``n``: ids ``completion_ids``) go to
+its ``Tracked`` queue, and its metrics (time to first token, inter-token latency, end-to-end
+latency, tokens of all its completions, outcome) are recorded here, whether or not its HTTP handler
+is still there to read them: a client that went away still has its request counted when the
+engine's last ``Ended`` of it arrives.
 
 If the engine process ends without ``Closed`` (a crash, a kill), ``gone`` says how, in one line,
 every tracked request gets an ``Ended`` with reason ``failed`` at once, and ``on_gone`` is called:
@@ -48,11 +49,19 @@ from compiler.online.messages import (
     ToEngine,
 )
 from compiler.online.metrics import Metrics
-from compiler.workload import ServeError
+from compiler.workload import ServeError, completion_rid
+from ir.ids import RequestId
 
 
 class EngineGone(ServeError):
     """The engine process ended before it was ready."""
+
+
+def completion_ids(rid: int, n: int) -> tuple[int, ...]:
+    """The engine ids of request ``rid``'s ``n`` completions, in index order: ``rid`` itself, then
+    the offline runner's fork ids (``compiler.workload.completion_rid``: above every request id the
+    server hands out, so never another request's)."""
+    return tuple(int(completion_rid(RequestId(rid), i)) for i in range(n))
 
 
 @attrs.define(kw_only=True)
@@ -60,15 +69,26 @@ class Tracked:
     """One request in flight, as the HTTP side sees it."""
 
     rid: int
+    completions: tuple[int, ...]
+    """Its completions' engine ids, in index order (``rid`` first)."""
     queue: asyncio.Queue[Delta | Ended]
     arrived: float
     """``time.perf_counter()`` when its HTTP request arrived."""
     last: float | None = None
     """When its tokens last arrived (``None``: none yet)."""
     note: str | None = None
-    """What the HTTP side decided for it (``stop``: a stop string, ``Finish`` sent; ``cancelled``,
-    ``timeout``, ``aborted``: the reason it sent ``Abort``), read when its ``Ended`` arrives."""
+    """Why the HTTP side sent ``Abort`` (``cancelled``, ``timeout``, ``aborted``, ``error``), read
+    when its last ``Ended`` arrives."""
+    finishing: set[int] = attrs.Factory(set)
+    """Its completions the HTTP side finished at a stop string (``Finish`` sent)."""
+    ended: dict[int, Ended] = attrs.Factory(dict)
+    """Its completions' ``Ended``, by id, as they arrive."""
     done: bool = False
+    """Every completion ended."""
+
+    def index(self, rid: int) -> int:
+        """The choice index of completion ``rid``."""
+        return self.completions.index(rid)
 
 
 class EngineClient:
@@ -84,6 +104,9 @@ class EngineClient:
         self.conn = multiprocessing.connection.Connection(ours.detach())
         self.conn.send(launch)
         self.tracked: dict[int, Tracked] = {}
+        """The requests in flight, by the id of each of their completions not yet ended."""
+        self.requests = 0
+        """Requests in flight (each with one or more entries in ``tracked``)."""
         self.next_rid = 0
         self.gone: str | None = None
         self.closed: Closed | None = None
@@ -170,13 +193,16 @@ class EngineClient:
 
     @property
     def outstanding(self) -> int:
+        """Completions in flight (a request of ``n`` counts ``n``)."""
         return len(self.tracked)
 
     def submit(self, sub: Submit, arrived: float) -> Tracked:
-        t = Tracked(rid=sub.rid, queue=asyncio.Queue(), arrived=arrived)
-        self.tracked[sub.rid] = t
+        t = Tracked(rid=sub.rid, completions=sub.completions, queue=asyncio.Queue(), arrived=arrived)
+        for member in sub.completions:
+            self.tracked[member] = t
+        self.requests += 1
         self.metrics.prompt_tokens.inc(len(sub.prompt))
-        self.metrics.in_flight.set(len(self.tracked))
+        self.metrics.in_flight.set(self.requests)
         self._outbox.put(sub)
         return t
 
@@ -185,43 +211,49 @@ class EngineClient:
         return self.next_rid - 1
 
     def abort(self, t: Tracked, note: str) -> None:
-        """Ask the engine to end ``t`` now (``note``: why, for its outcome); once only."""
-        if t.note is None and not t.done:
+        """Ask the engine to end ``t`` now, every completion of it (``note``: why, for its
+        outcome); once only, and not once every completion ended or was finished."""
+        if t.note is None and not t.done and set(t.completions) - t.finishing - set(t.ended):
             t.note = note
             if self.gone is None:
                 self._outbox.put(Abort(t.rid))
 
-    def finish(self, t: Tracked, keep: int) -> None:
-        """Ask the engine to end ``t`` as finished with its first ``keep`` ids (a stop string); once only."""
-        if t.note is None and not t.done:
-            t.note = "stop"
+    def finish(self, t: Tracked, rid: int, keep: int) -> None:
+        """Ask the engine to end ``t``'s completion ``rid`` as finished with its first ``keep`` ids
+        (a stop string); once only, and not after an ``Abort``."""
+        if t.note is None and rid not in t.finishing and rid not in t.ended:
+            t.finishing.add(rid)
             if self.gone is None:
-                self._outbox.put(Finish(t.rid, keep))
+                self._outbox.put(Finish(rid, keep))
 
     def abort_all(self, note: str) -> None:
-        for t in list(self.tracked.values()):
+        for t in {id(t): t for t in self.tracked.values()}.values():
             self.abort(t, note)
 
     def _on_step(self, out: StepOut) -> None:
         now = time.perf_counter()
         m = self.metrics
         m.engine(out.stats)
+        delivered: set[int] = set()  # (requests given tokens in this step: one latency each, however many completions)
         for d in out.deltas:
             t = self.tracked.get(d.rid)
             if t is not None:
-                self._tokens(t, len(d.ids), now)
+                self._tokens(t, len(d.ids), now, delivered)
                 t.queue.put_nowait(d)
         for e in out.ended:
             t = self.tracked.pop(e.rid, None)
             if t is not None:
-                self._tokens(t, len(e.ids), now)
+                self._tokens(t, len(e.ids), now, delivered)
                 self._end(t, e, now)
-        m.in_flight.set(len(self.tracked))
+        m.in_flight.set(self.requests)
 
-    def _tokens(self, t: Tracked, n: int, now: float) -> None:
+    def _tokens(self, t: Tracked, n: int, now: float, delivered: set[int]) -> None:
         if not n:
             return
         self.metrics.generation_tokens.inc(n)
+        if t.rid in delivered:
+            return
+        delivered.add(t.rid)
         if t.last is None:
             self.metrics.ttft.observe(now - t.arrived)
         else:
@@ -229,14 +261,21 @@ class EngineClient:
         t.last = now
 
     def _end(self, t: Tracked, e: Ended, now: float) -> None:
+        """Completion ``e.rid`` of ``t`` ended; with the last of them, ``t`` is counted."""
+        t.ended[e.rid] = e
+        t.queue.put_nowait(e)
+        if len(t.ended) < len(t.completions):
+            return
         t.done = True
-        if t.note == "stop" or (t.note is None and e.reason in ("stop", "length")):
-            outcome = "finished"
-        elif t.note is not None:
+        self.requests -= 1
+        reasons = {r: x.reason for r, x in t.ended.items()}
+        if t.note is not None:
             outcome = t.note
-        elif e.reason == "abort":
+        elif all(r in t.finishing or reason in ("stop", "length") for r, reason in reasons.items()):
+            outcome = "finished"
+        elif "abort" in reasons.values():
             outcome = "aborted"
-        elif e.reason == "refused":
+        elif "refused" in reasons.values():
             outcome = "refused"
         else:
             outcome = "error"
@@ -246,7 +285,6 @@ class EngineClient:
             self.finished += 1
         else:
             self.aborted += 1
-        t.queue.put_nowait(e)
 
     def _on_gone(self, reason: str) -> None:
         if self.closed is not None or self.gone is not None:
@@ -254,8 +292,8 @@ class EngineClient:
         self.gone = reason
         self.metrics.engine_up.set(0)
         now = time.perf_counter()
-        for t in list(self.tracked.values()):
-            self._end(t, Ended(rid=t.rid, ids=(), reason="failed", message=reason), now)
+        for rid, t in list(self.tracked.items()):
+            self._end(t, Ended(rid=rid, ids=(), reason="failed", message=reason), now)
         self.tracked.clear()
         self.metrics.in_flight.set(0)
         self.on_gone()

@@ -8,15 +8,17 @@ engine as ``batchc run`` does (``compiler.serve.models.load_served``, ``make_eng
 prefix cache), answers ``Ready`` or ``StartFailed``, then loops:
 
 1. read every message waiting (blocking only when nothing is live): ``Submit`` joins a FIFO,
-   ``Abort`` ends its request now (queued or live, through ``Engine.abort``, the engine's one
-   release path), ``Finish`` ends a live request as finished at a stop string the HTTP side found
-   (``Engine.finish``, its output cut to the ids the text kept: counted as finished, not aborted,
-   as ``batchc run`` ends it), ``Shutdown`` aborts everything, drops the prefix cache, answers ``Closed`` and
-   ends the loop;
-2. admit from the FIFO while fewer than ``max_running`` requests are live (as ``batchc run``'s
-   ``serve`` does: waiting requests hold no slot, no KV and no ticket);
-3. run one ``Engine.step`` and send one ``StepOut``: each request's new tokens (``Delta``), the
-   requests that ended (``Ended``, with their last tokens and why) and the engine's ``Stats``.
+   ``Abort`` ends its request now, every completion of it (queued or live, through
+   ``Engine.abort``, the engine's one release path), ``Finish`` ends a live completion as finished
+   at a stop string the HTTP side found (``Engine.finish``, its output and logprobs cut to the ids
+   the text kept: counted as finished, not aborted, as ``batchc run`` ends it), ``Shutdown`` aborts
+   everything, drops the prefix cache, answers ``Closed`` and ends the loop;
+2. admit from the FIFO while fewer than ``max_running`` requests are live and, for a request of
+   ``n > 1`` completions, its shared prompt state has room now (as ``batchc run``'s ``serve`` does:
+   waiting requests hold no slot, no KV and no ticket);
+3. run one ``Engine.step`` and send one ``StepOut``: each completion's new tokens and their logprobs
+   (``Delta``), the completions that ended (``Ended``, with their last tokens and why) and the
+   engine's ``Stats``.
 
 So an ``Abort`` takes effect before the next step: a request is released within one engine step
 of the HTTP side asking. SIGINT is ignored here (the server speaks for Ctrl-C and stops this
@@ -31,7 +33,7 @@ import signal
 import sys
 import time
 from collections import deque
-from typing import Final
+from typing import Any, Final
 
 from compiler.engine import Engine, RequestState
 from compiler.engine.config import ServeConfig
@@ -51,6 +53,7 @@ from compiler.online.messages import (
     StepOut,
     Submit,
     ToEngine,
+    TokenLogprob,
 )
 from ir.errors import BatchcError
 from ir.ids import RequestId
@@ -106,8 +109,10 @@ class Loop:
         self.max_running = max_running
         self.queued: deque[Submit] = deque()
         self.sent: dict[int, int] = {}
-        """Tokens already sent, by every submitted request not yet ended."""
+        """Tokens already sent, by every submitted completion not yet ended."""
         self.stops: dict[int, frozenset[int]] = {}
+        self.groups: dict[int, tuple[int, ...]] = {}
+        """The completions' ids of every submitted request with one not yet ended, by request id."""
         self.deltas: list[Delta] = []
         self.ended: list[Ended] = []
         self.steps = 0
@@ -137,8 +142,10 @@ class Loop:
         match msg:
             case Submit():
                 self.queued.append(msg)
-                self.sent[msg.rid] = 0
-                self.stops[msg.rid] = frozenset(msg.stop)
+                self.groups[msg.rid] = msg.completions
+                for member in msg.completions:
+                    self.sent[member] = 0
+                    self.stops[member] = frozenset(msg.stop)
             case Abort(rid=rid):
                 self._abort(rid)
             case Finish(rid=rid, keep=keep):
@@ -147,7 +154,7 @@ class Loop:
                     self._collect_one(rid, reason="stop")
                 # else: it ended already (its Ended is sent or on its way); a Finish follows tokens, so never a queued one
             case Shutdown():
-                for rid in list(self.sent):
+                for rid in list(self.groups):
                     self._abort(rid)
                 self.engine.sync()
                 self._collect()
@@ -163,43 +170,61 @@ class Loop:
         return False
 
     def _abort(self, rid: int) -> None:
+        """End request ``rid``: every completion of it still queued here or live in the engine."""
         for i, sub in enumerate(self.queued):
             if sub.rid == rid:
                 del self.queued[i]
-                self._end(rid, (), "abort")
+                for member in sub.completions:
+                    self._end(member, (), "abort")
                 return
-        if RequestId(rid) in self.engine.requests:
-            self.engine.abort(RequestId(rid))
-            self._collect_one(rid, reason="abort")
-        # else: it ended already (its Ended is sent or on its way)
+        for member in self.groups.get(rid, ()):
+            if RequestId(member) in self.engine.requests:
+                self.engine.abort(RequestId(member))
+                self._collect_one(member, reason="abort")
+            # else: it ended already (its Ended is sent or on its way)
+
+    def _room_for(self, sub: Submit) -> bool:
+        """Whether ``sub`` can be admitted now: ``n > 1`` completions prefill their shared prompt
+        state at admission (``Engine.admit``), which needs a free slot and KV locations now."""
+        if not sub.forks or len(sub.prompt) < 2:
+            return True
+        return self.engine.slots.num_free >= 1 and self.engine.kv.num_free >= len(sub.prompt) - 1
 
     def _admit(self) -> None:
-        while self.queued and self.engine.live < self.max_running:
+        while self.queued and self.engine.live < self.max_running and self._room_for(self.queued[0]):
             sub = self.queued.popleft()
             try:
                 self.engine.admit(RequestId(sub.rid), list(sub.prompt), max_new_tokens=sub.max_new_tokens, stop=list(sub.stop) or None,
-                                  sampling=sub.sampling)
+                                  sampling=sub.sampling, forks=[RequestId(f) for f in sub.forks])
             except BatchcError as exc:  # checked on the HTTP side first: a refusal here is that check's bug, said per request
-                self._end(sub.rid, (), "refused", " ".join(str(exc).split()))
+                for member in sub.completions:
+                    self._end(member, (), "refused", " ".join(str(exc).split()))
 
-    def _end(self, rid: int, ids: tuple[int, ...], reason: EndReason, message: str | None = None) -> None:
+    def _end(self, rid: int, ids: tuple[int, ...], reason: EndReason, message: str | None = None,
+             logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         self.sent.pop(rid, None)
         self.stops.pop(rid, None)
-        self.ended.append(Ended(rid=rid, ids=ids, reason=reason, message=message))
+        for group, members in list(self.groups.items()):
+            if rid in members and not any(m in self.sent for m in members):
+                del self.groups[group]
+        self.ended.append(Ended(rid=rid, ids=ids, reason=reason, message=message, logprobs=logprobs))
 
     def _collect_one(self, rid: int, reason: EndReason | None = None) -> None:
-        """Send what ``rid`` emitted since last time; end it if it left the engine."""
+        """Send what completion ``rid`` emitted since last time (and its logprobs); end it if it left the engine."""
         engine, key, sent = self.engine, RequestId(rid), self.sent[rid]
         live = engine.requests.get(key)
         if live is not None:
             new = live.output[sent : live.max_new_tokens]
             if new:
-                self.deltas.append(Delta(rid, tuple(int(t) for t in new)))
+                entries = None if live.logprobs is None else _logprobs(live.logprobs[sent : sent + len(new)], len(new))
+                self.deltas.append(Delta(rid, tuple(int(t) for t in new), entries))
                 self.sent[rid] = sent + len(new)
             return
         if key not in engine.outputs:
             return  # still queued here
         out = engine.outputs.pop(key)  # (a long-running server keeps no record of ended requests)
+        recorded = engine.logprobs.pop(key, None)
+        last = None if recorded is None else _logprobs(recorded[sent : len(out)], max(0, len(out) - sent))
         message: str | None = None
         if reason is None:
             if key in engine.aborted_by_failure:
@@ -214,7 +239,7 @@ class Loop:
                 reason = "length"
         engine.aborted_by_failure.discard(key)
         engine.errored.discard(key)
-        self._end(rid, tuple(int(t) for t in out[sent:]), reason, message)
+        self._end(rid, tuple(int(t) for t in out[sent:]), reason, message, last)
 
     def _collect(self) -> None:
         for rid in list(self.sent):
@@ -224,7 +249,7 @@ class Loop:
         engine = self.engine
         running = sum(1 for r in engine.requests if r.state is RequestState.RUNNING)
         return Stats(
-            running=running, waiting=len(self.queued) + engine.live - running, slots_live=engine.slots.num_live,
+            running=running, waiting=sum(len(s.completions) for s in self.queued) + engine.live - running, slots_live=engine.slots.num_live,
             slots_capacity=engine.slots.capacity, request_slots=len(engine.live_slots()), kv_live=engine.kv.num_live,
             kv_capacity=engine.kv.capacity, cache_entries=len(engine.cache) if engine.cache is not None else 0,
             outstanding_tickets=len(engine.ledger.outstanding()), proposed=engine.stats.proposed, accepted=engine.stats.accepted,
@@ -240,6 +265,13 @@ class Loop:
         self.deltas.clear()
         self.ended.clear()
         self.last_stats, self.last_sent = stats, now
+
+
+def _logprobs(entries: list[dict[str, Any]], n: int) -> tuple[TokenLogprob, ...]:
+    """``Engine.logprobs`` entries as messages; ``n`` of them (the ids they go with)."""
+    if len(entries) != n:
+        raise AssertionError(f"{n} new tokens but {len(entries)} logprob entries")  # (the engine keeps them in step with the output)
+    return tuple(TokenLogprob(int(e["id"]), e["logprob"], tuple((int(x["id"]), x["logprob"]) for x in e["top"])) for e in entries)
 
 
 def main(argv: list[str]) -> int:

@@ -7,9 +7,17 @@ had something to say (new tokens, ended requests) or per idle tick (its ``Stats`
 ``multiprocessing.connection.Connection`` between these two processes of one server, never across
 a network.
 
-Invariants: a request id (``rid``) is submitted once; the engine sends exactly one ``Ended`` per
-submitted id (finished, aborted, refused or failed), after every ``Delta`` of it; the ids of a
-``Delta`` and of an ``Ended`` are the request's new output tokens, in order, never repeated.
+A request of ``n`` completions (``SamplingParams.n``) is submitted once under its id ``rid``
+(completion 0) with ``n - 1`` fork ids (completions 1 to n - 1, ``Engine.admit``'s ``forks``);
+from then on each completion is a request of its own in these messages: its ``Delta`` and
+``Ended`` carry its own id, and ``Finish`` names it. ``Abort`` names the request (``rid``) and
+ends all of its completions.
+
+Invariants: every id (a request's and its forks') is submitted once and is distinct from every other;
+the engine sends exactly one ``Ended`` per completion id (finished, aborted, refused or failed),
+after every ``Delta`` of it; the ids of a ``Delta`` and of an ``Ended`` are the completion's new
+output tokens, in order, never repeated, and their ``logprobs`` (for a request that asked for them:
+``SamplingParams.logprobs``; else ``None``) hold one entry per one of those ids, in the same order.
 """
 
 from __future__ import annotations
@@ -80,16 +88,25 @@ class Submit:
     stop: tuple[int, ...]
     """Token ids that end it (the model's end-of-sequence ids unless ``ignore_eos``)."""
     sampling: SamplingParams
+    forks: tuple[int, ...] = ()
+    """The ids of completions 1 to ``sampling.n - 1`` (``Engine.admit``'s ``forks``)."""
+
+    @property
+    def completions(self) -> tuple[int, ...]:
+        """Its completions' ids, in index order."""
+        return (self.rid, *self.forks)
 
 
 @attrs.frozen
 class Abort:
+    """End request ``rid`` (every completion of it that has not ended) now."""
+
     rid: int
 
 
 @attrs.frozen
 class Finish:
-    """End ``rid`` as finished, its output cut to its first ``keep`` ids (``Engine.finish``): the
+    """End completion ``rid`` as finished, its output cut to its first ``keep`` ids (``Engine.finish``): the
     HTTP side found a stop string in its text (``compiler.online.text``). A request that has ended
     already (or ends in the same step) is left as it ended; the HTTP side keeps ``keep`` ids of it."""
 
@@ -103,16 +120,31 @@ class Shutdown:
 
 
 @attrs.frozen
+class TokenLogprob:
+    """An output token's log-probability under the target's distribution before any sampling
+    transform, and its ``top`` alternatives as ``(id, logprob)``, most likely first (an entry of
+    ``Engine.logprobs``; a logprob the engine could not give is ``None``)."""
+
+    id: int
+    logprob: float | None
+    top: tuple[tuple[int, float | None], ...]
+
+
+@attrs.frozen
 class Delta:
     rid: int
+    """The completion's id."""
     ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
 class Ended:
     rid: int
+    """The completion's id."""
     ids: tuple[int, ...]
     """Its last new tokens (those no ``Delta`` carried)."""
+    logprobs: tuple[TokenLogprob, ...] | None = None
     reason: EndReason
     message: str | None = None
     """Why, for ``refused``, ``error`` and ``failed``."""
@@ -123,9 +155,10 @@ class Stats:
     """The engine's gauges and counters, sent with every ``StepOut``."""
 
     running: int
-    """Requests decoding (RUNNING)."""
+    """Requests decoding (RUNNING), a request of ``n`` completions counting ``n``."""
     waiting: int
-    """Requests submitted and not yet decoding (queued in the engine process or prefilling)."""
+    """Requests submitted and not yet decoding (queued in the engine process or prefilling), a
+    request of ``n`` completions counting ``n``."""
     slots_live: int
     slots_capacity: int
     request_slots: int

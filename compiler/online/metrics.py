@@ -4,6 +4,10 @@ Counters and histograms are fed by the HTTP process as requests come and go
 (``compiler.online.engine_client``); the engine's gauges (running and waiting requests, slots, KV,
 the prefix cache, the ledger's outstanding tickets, speculative acceptance) are the last ``Stats``
 the engine process sent, at most one engine step or idle tick old.
+
+A request of ``n`` completions is one request (its outcome, latencies and time to first token: its
+first token of any completion; an inter-token latency per delivery of its tokens, whichever
+completions they are of) and its generated tokens are those of all its completions.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ class Metrics:
         self.rejected = Counter("batchc_rejected_requests", "Requests answered with an error before the engine, by HTTP status",
                                 ["status"], registry=r)
         self.prompt_tokens = Counter("batchc_prompt_tokens", "Prompt tokens of the requests submitted", registry=r)
-        self.generation_tokens = Counter("batchc_generation_tokens", "Tokens generated", registry=r)
+        self.generation_tokens = Counter("batchc_generation_tokens", "Tokens generated (of every completion)", registry=r)
         self.ttft = Histogram("batchc_time_to_first_token_seconds", "From the request's arrival to its first token", buckets=_LATENCY, registry=r)
         self.itl = Histogram("batchc_inter_token_latency_seconds", "Between two deliveries of a request's tokens", buckets=_LATENCY, registry=r)
         self.e2e = Histogram("batchc_e2e_request_latency_seconds", "From the request's arrival to its end", buckets=_LATENCY, registry=r)

@@ -8,8 +8,11 @@ the body is an object, every field is known and of its type (a bool is not a num
 an integer), the model is the one served (404 otherwise), and the sampling parameters' values
 (through ``ir.sampling.SamplingParams``, whose ``IRValidationError`` names the field: it is
 answered under the OpenAI name, ``max_tokens`` for ``max_new_tokens``). ``null`` means "not given",
-as in the OpenAI API. Fields the server cannot honour yet (``n`` > 1, ``logprobs``, ``echo``,
-``suffix``, ``logit_bias``, tools) are refused with a 400 saying so, never ignored.
+as in the OpenAI API. ``n`` (1 to ``MAX_N`` completions) and logprobs (a completion's ``logprobs``,
+an integer: the alternatives per token, 0 to ``MAX_LOGPROBS``; a chat's ``logprobs: true`` with
+``top_logprobs``, 0 to ``MAX_LOGPROBS``) become ``SamplingParams.n`` and ``.logprobs``. Fields the
+server cannot honour yet (``echo``, ``suffix``, ``logit_bias``, tools, ``best_of`` other than ``n``)
+are refused with a 400 saying so, never ignored.
 
 The prompt's length against the context is checked by the caller once it is tokenised
 (``check_context``).
@@ -25,7 +28,7 @@ import attrs
 
 from compiler.serve.load import sampling_params
 from ir.errors import IRValidationError
-from ir.sampling import SamplingParams
+from ir.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 
 Kind = Literal["completion", "chat"]
 
@@ -185,6 +188,22 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
+def _logprobs(body: Mapping[str, object], kind: Kind) -> int | None:
+    """The alternatives per token a request's logprobs ask for (``None``: no logprobs)."""
+    if kind == "completion":
+        k = _int(body, "logprobs")
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {k}")
+        return k
+    wanted = _bool(body, "logprobs", False)
+    k = _int(body, "top_logprobs")
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {k}")
+    if k is not None and not wanted:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    return (k or 0) if wanted else None
+
+
 def parse_request(body: Mapping[str, object], kind: Kind, *, model: str, defaults: Mapping[str, object] | None = None) -> GenerationRequest:
     """``body`` (a JSON object) checked against the endpoint ``kind`` and the served ``model``
     (see the module), or ``ApiError``. A sampling field the body does not set takes its value from
@@ -207,20 +226,14 @@ def parse_request(body: Mapping[str, object], kind: Kind, *, model: str, default
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
             raise bad("stream_options", "stream_options must be an object with include_usage")
         include_usage = _bool(options, "include_usage", False)
+    n = _int(body, "n")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise bad("n", f"n must be in [1, {MAX_N}], got {n}")
+    logprobs = _logprobs(body, kind)
     # what this server cannot do yet is refused, never silently ignored
-    logprobs = body.get("logprobs")
-    if logprobs is not None and logprobs is not False:
-        raise bad("logprobs", "logprobs are not supported yet")
-    if body.get("top_logprobs") is not None:
-        raise bad("top_logprobs", "logprobs are not supported yet")
-    n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n != 1:
-        if n < 1 or n > 16:
-            raise bad("n", f"n must be in [1, 16], got {n}")
-        raise bad("n", f"n = {n}: more than one completion per request is not supported yet")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise bad("best_of", "best_of other than 1 is not supported")
+    if best_of is not None and best_of != (n or 1):
+        raise bad("best_of", f"best_of other than n ({n or 1}) is not supported")
     if _bool(body, "echo", False):
         raise bad("echo", "echo is not supported")
     for field in ("suffix", "tools", "response_format"):
@@ -245,6 +258,8 @@ def parse_request(body: Mapping[str, object], kind: Kind, *, model: str, default
         limit = _int(body, limit_name)
     given = {api: body[api] for api in _SAMPLING if body.get(api) is not None}
     fields = {_SAMPLING[api]: value for api, value in given.items()}
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
     max_new = limit if limit is not None else DEFAULT_COMPLETION_TOKENS
     try:
         sampling = sampling_params(fields, defaults or {}, max_new_tokens=max_new)

@@ -13,7 +13,8 @@ engine process does: ``compiler.online.engine_process``). Routes:
 Limits, all answered before the engine sees the request, with the OpenAI error JSON
 (``compiler.online.protocol``): a body over ``max_body_bytes`` is a 413; bad JSON, types or values a
 400 naming the field; another model a 404; a prompt that does not fit the context a 400; when
-``max_running + max_waiting`` requests are already in flight, a 503 with ``Retry-After``, at once.
+a request's ``n`` completions would put more than ``max_running + max_waiting`` completions in
+flight, a 503 with ``Retry-After``, at once (a 400 naming ``n`` when ``n`` alone is over that).
 With an API key every route but ``/health`` needs ``Authorization: Bearer <key>``, compared in
 constant time (``hmac.compare_digest``), else 401. Unknown routes are 404 and wrong methods 405, in
 the same JSON; an unexpected exception is a 500 without a traceback (it is logged here).
@@ -24,6 +25,14 @@ the engine, which releases it before its next step); so does a request past its 
 detokenised text (``compiler.online.text``, ``batchc run``'s ``StopScanner``) and finish it in the
 engine (``Finish``: its output cut where the text was, counted as finished), ``finish_reason``
 ``stop``.
+
+``n`` completions are ``n`` choices (``index`` 0 to n - 1), each with its own text, stop string,
+``finish_reason`` and logprobs; ``usage`` counts the prompt once and every choice's tokens. A stream
+carries each choice's chunks under its index as its tokens come (interleaved), then one
+``[DONE]``; a disconnect or a deadline aborts all of them. Logprobs (the engine's, of the target's
+distribution before sampling transforms) are written in the endpoint's format (a completion's
+legacy ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``, a chat's ``content`` entries
+with ``bytes``), each chunk with its tokens' entries, none past a stop string.
 
 Stopping: SIGTERM or SIGINT (``serve``) starts the drain: ``/health`` and new requests answer 503,
 requests in flight run on for up to ``drain_timeout`` seconds, then the rest are aborted; the engine
@@ -46,7 +55,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -59,11 +68,11 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from compiler.online.chat import ChatTemplate
-from compiler.online.engine_client import EngineClient, Tracked
-from compiler.online.messages import Delta, Ended, Launch, Ready, Submit
+from compiler.online.engine_client import EngineClient, Tracked, completion_ids
+from compiler.online.messages import Delta, Ended, Launch, Ready, Submit, TokenLogprob
 from compiler.online.metrics import Metrics
 from compiler.online.protocol import ApiError, GenerationRequest, Kind, bad, check_context, load_json, parse_request
-from compiler.online.text import TextStream
+from compiler.online.text import TextStream, token_text
 from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.workload import ServeError
 
@@ -140,6 +149,7 @@ class Server:
             from tokenizers import Tokenizer as RawTokenizer
 
             self._plain = RawTokenizer.from_file(f"{ready.hf_dir}/tokenizer.json")  # a rendered chat holds its own special tokens
+        self._token_texts: dict[int, tuple[str, list[int]]] = {}
         self.draining = False
         self.signal_name: str | None = None
         self.created = int(time.time())
@@ -230,68 +240,95 @@ class Server:
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
         arrived = time.perf_counter()
+        capacity = self.options.launch.max_running + self.options.max_waiting
         try:
             refusal = self.refusal()
             if refusal is not None:
                 raise refusal
-            if self.client.outstanding >= self.options.launch.max_running + self.options.max_waiting:
-                raise unavailable(f"the server is at capacity ({self.client.outstanding} requests in flight); retry later")
+            if self.client.outstanding >= capacity:
+                raise unavailable(f"the server is at capacity ({self.client.outstanding} completions in flight); retry later")
             try:
                 body = await self._body(request)
             except ClientDisconnect:
                 return Response(status_code=499)
             req = parse_request(load_json(body), kind, model=self.model, defaults=self.options.defaults)
+            n = req.sampling.n
+            if n > capacity:
+                raise bad("n", f"n = {n} is over the {capacity} completions this server keeps in flight (--max-running + --max-waiting)")
+            if self.client.outstanding + n > capacity:
+                raise unavailable(f"the server is at capacity ({self.client.outstanding} completions in flight, {n} more asked); retry later")
             ids = self._prompt_ids(req)
             sampling = check_context(req, len(ids), max_len=self.ready.max_len, reserve=self.ready.reserve)
         except ApiError as exc:
             self.metrics.rejected.labels(str(exc.status)).inc()
             return _error(exc)
-        sub = Submit(rid=self.client.new_rid(), prompt=tuple(ids), max_new_tokens=sampling.max_new_tokens,
-                     stop=() if sampling.ignore_eos else self.ready.eos, sampling=sampling)
+        rid = self.client.new_rid()
+        sub = Submit(rid=rid, prompt=tuple(ids), max_new_tokens=sampling.max_new_tokens,
+                     stop=() if sampling.ignore_eos else self.ready.eos, sampling=sampling, forks=completion_ids(rid, sampling.n)[1:])
         tracked = self.client.submit(sub, arrived)
-        text = TextStream(self.tokenizer, sampling.stop, min_tokens=sampling.min_tokens)
-        answer = _Answer(kind=kind, model=self.model, prompt_tokens=len(ids), include_usage=req.include_usage)
+        choices = [_Choice(index=i, text=TextStream(self.tokenizer, sampling.stop, min_tokens=sampling.min_tokens))
+                   for i in range(sampling.n)]
+        answer = _Answer(kind=kind, model=self.model, prompt_tokens=len(ids), include_usage=req.include_usage,
+                         logprobs=sampling.logprobs is not None, token_text=self._token_text)
         if req.stream:
-            return StreamingResponse(self._sse(tracked, text, answer), media_type="text/event-stream",
+            return StreamingResponse(self._sse(tracked, choices, answer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._whole(request, tracked, text, answer)
+        return await self._whole(request, tracked, choices, answer)
 
-    async def _events(self, t: Tracked, text: TextStream) -> AsyncIterator[str | tuple[str, Ended | None]]:
-        """The request's text pieces, then ``(finish_reason, its Ended or None)``: ``stop`` (a stop
-        string here, or a stop token), ``length``, ``abort`` (drained), ``timeout`` (its deadline),
-        ``error`` (the engine failed it)."""
+    def _token_text(self, token: int) -> tuple[str, list[int]]:
+        """``text.token_text``, remembered (a vocabulary's tokens are few and asked for often)."""
+        known = self._token_texts.get(token)
+        if known is None:
+            known = self._token_texts[token] = token_text(self.tokenizer, token)
+        return known
+
+    async def _events(self, t: Tracked, choices: list[_Choice]) -> AsyncIterator[_Piece | _Done | _Stop]:
+        """The request's choices' text pieces (with their tokens' logprobs) as they come, each
+        choice's ``_Done`` (``stop``: a stop string here, or a stop token; ``length``; ``abort``:
+        drained), until every choice is done; or a ``_Stop`` for the whole request (``timeout``: its
+        deadline, ``error``: the engine failed a completion), after which the rest is aborted."""
         deadline = t.arrived + self.options.request_timeout
-        while True:
+        while any(c.reason is None for c in choices):
             try:
                 msg = await asyncio.wait_for(t.queue.get(), max(0.0, deadline - time.perf_counter()))
             except TimeoutError:
                 self.client.abort(t, "timeout")
-                yield ("timeout", None)
+                yield _Stop("timeout", None)
                 return
-            piece = text.push(msg.ids)
+            c = choices[t.index(msg.rid)]
+            if c.reason is not None:
+                continue  # (a choice ended here at a stop string: what the engine ran on with is not shown)
+            piece = c.text.push(msg.ids)
+            if msg.logprobs is not None:
+                c.logprobs.extend(msg.logprobs)
             if isinstance(msg, Delta):
-                if text.stopped:
-                    self.client.finish(t, text.tokens)
-                    if piece:
-                        yield piece
-                    yield ("stop", None)
-                    return
-                if piece:
-                    yield piece
+                if c.text.stopped:
+                    self.client.finish(t, msg.rid, c.text.tokens)
+                    c.reason = "stop"
+                pending = c.take()
+                if piece or pending:
+                    yield _Piece(c.index, piece, pending)
+                if c.reason is not None:
+                    yield _Done(c.index, c.reason)
                 continue
-            piece += text.finish()
-            if piece:
-                yield piece
+            piece += c.text.finish()
+            pending = c.take()
+            if piece or pending:
+                yield _Piece(c.index, piece, pending)
             reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(msg.reason, "error")
-            yield ("stop" if text.stopped else reason, msg)
-            return
+            if reason == "error":
+                self.client.abort(t, "error")
+                yield _Stop("error", msg)
+                return
+            c.reason = "stop" if c.text.stopped else reason
+            yield _Done(c.index, c.reason)
 
-    async def _whole(self, request: Request, t: Tracked, text: TextStream, answer: _Answer) -> Response:
-        async def collect() -> tuple[str, Ended | None]:
-            async for event in self._events(t, text):
-                if isinstance(event, tuple):
+    async def _whole(self, request: Request, t: Tracked, choices: list[_Choice], answer: _Answer) -> Response:
+        async def collect() -> _Stop | None:
+            async for event in self._events(t, choices):
+                if isinstance(event, _Stop):
                     return event
-            raise AssertionError("the events end with a finish reason")
+            return None
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -308,43 +345,42 @@ class Server:
                 self.client.abort(t, "cancelled")
         if not result.done() or result.cancelled():
             return Response(status_code=499)
-        reason, ended = result.result()
-        failure = self._failure(reason, ended)
-        if failure is not None:
-            return _error(failure)
-        return JSONResponse(answer.whole(text.text, reason, text.tokens))
+        stop = result.result()
+        if stop is not None:
+            return _error(self._failure(stop))
+        return JSONResponse(answer.whole(choices))
 
-    def _failure(self, reason: str, ended: Ended | None) -> ApiError | None:
-        if reason == "timeout":
+    def _failure(self, stop: _Stop) -> ApiError:
+        if stop.reason == "timeout":
             return ApiError(504, f"the request did not finish within its deadline of {self.options.request_timeout:g} s; it was aborted",
                             type="timeout_error", code="request_timeout")
-        if reason == "error":
-            assert ended is not None
-            if self.client.gone is not None:
-                return unavailable(f"the engine is gone ({self.client.gone}); the server is stopping")
-            return ApiError(500, f"the engine could not finish the request: {ended.message or ended.reason}", type="server_error",
-                            code=f"engine_{ended.reason}")
-        return None
+        ended = stop.ended
+        assert ended is not None
+        if self.client.gone is not None:
+            return unavailable(f"the engine is gone ({self.client.gone}); the server is stopping")
+        return ApiError(500, f"the engine could not finish the request: {ended.message or ended.reason}", type="server_error",
+                        code=f"engine_{ended.reason}")
 
-    async def _sse(self, t: Tracked, text: TextStream, answer: _Answer) -> AsyncIterator[str]:
+    async def _sse(self, t: Tracked, choices: list[_Choice], answer: _Answer) -> AsyncIterator[str]:
         finished = False
         try:
-            for chunk in answer.opening():
+            for chunk in answer.opening(len(choices)):
                 yield _event(chunk)
-            async for event in self._events(t, text):
-                if isinstance(event, str):
-                    yield _event(answer.piece(event))
-                    continue
-                reason, ended = event
-                finished = True
-                failure = self._failure(reason, ended)
-                if failure is not None:
-                    yield _event(failure.body())
-                else:
-                    yield _event(answer.closing(reason))
-                    if answer.include_usage:
-                        yield _event(answer.usage_chunk(text.tokens))
-                yield "data: [DONE]\n\n"
+            async for event in self._events(t, choices):
+                match event:
+                    case _Piece():
+                        yield _event(answer.piece(choices[event.index], event))
+                    case _Done():
+                        yield _event(answer.closing(event.index, event.reason))
+                    case _Stop():
+                        finished = True
+                        yield _event(self._failure(event).body())
+                        yield "data: [DONE]\n\n"
+                        return
+            finished = True
+            if answer.include_usage:
+                yield _event(answer.usage_chunk(choices))
+            yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream (Starlette cancelled this generator)
                 self.client.abort(t, "cancelled")
@@ -355,13 +391,66 @@ def _event(obj: object) -> str:
 
 
 @attrs.define(kw_only=True)
+class _Choice:
+    """One choice of a request (completion ``index``) as it is answered."""
+
+    index: int
+    text: TextStream
+    logprobs: list[TokenLogprob] = attrs.Factory(list)
+    """The logprobs of its tokens received so far."""
+    reported: int = 0
+    """Entries of ``logprobs`` already given out (``take``)."""
+    offset: int = 0
+    """The characters of the token texts reported so far (the next ``text_offset``)."""
+    reason: str | None = None
+    """Its ``finish_reason`` once it is done."""
+
+    def take(self) -> tuple[TokenLogprob, ...]:
+        """The logprobs received and not given out yet, of the tokens the text keeps (none past a stop string)."""
+        new = self.logprobs[self.reported : self.text.tokens]
+        self.reported = max(self.reported, self.text.tokens)
+        return tuple(new)
+
+    def kept(self) -> list[TokenLogprob]:
+        return self.logprobs[: self.text.tokens]
+
+
+@attrs.frozen
+class _Piece:
+    index: int
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+
+
+@attrs.frozen
+class _Done:
+    index: int
+    reason: str
+
+
+@attrs.frozen
+class _Stop:
+    reason: str
+    ended: Ended | None
+
+
+def _logprob(value: float | None) -> float | None:
+    """A logprob as JSON has it: -inf (a token the distribution rules out) as -9999.0, as vLLM writes it."""
+    return None if value is None else max(value, -9999.0)
+
+
+@attrs.define(kw_only=True)
 class _Answer:
-    """The OpenAI response objects of one request (completion or chat, whole or chunked)."""
+    """The OpenAI response objects of one request (completion or chat, whole or chunked, one choice
+    per completion)."""
 
     kind: Kind
     model: str
     prompt_tokens: int
     include_usage: bool
+    logprobs: bool
+    """Whether the request asked for logprobs."""
+    token_text: Callable[[int], tuple[str, list[int]]]
     id: str = attrs.Factory(lambda: uuid.uuid4().hex)
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -371,42 +460,74 @@ class _Answer:
         return {"id": f"chatcmpl-{self.id}", "object": "chat.completion.chunk" if chunk else "chat.completion", "created": self.created,
                 "model": self.model}
 
-    def usage(self, tokens: int) -> dict[str, int]:
+    def usage(self, choices: list[_Choice]) -> dict[str, int]:
+        tokens = sum(c.text.tokens for c in choices)  # (every choice's tokens; the prompt once, as the OpenAI API counts)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens, "total_tokens": self.prompt_tokens + tokens}
 
-    def whole(self, text: str, reason: str, tokens: int) -> dict[str, object]:
-        choice: dict[str, object]
-        if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
-        return self._head(False) | {"choices": [choice], "usage": self.usage(tokens)}
+    def _logprobs(self, entries: Sequence[TokenLogprob], offset: int) -> dict[str, object] | None:
+        """``entries`` in the endpoint's format: a completion's (``tokens``, ``token_logprobs``,
+        ``top_logprobs`` as ``{text: logprob}``, ``text_offset`` from ``offset``) or a chat's
+        (``content``: ``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            def one(token: int, logprob: float | None) -> dict[str, object]:
+                text, raw = self.token_text(token)
+                return {"token": text, "logprob": _logprob(logprob), "bytes": raw}
 
-    def _chunk(self, delta: str | None, reason: str | None) -> dict[str, object]:
+            return {"content": [one(e.id, e.logprob) | {"top_logprobs": [one(i, lp) for i, lp in e.top]} for e in entries]}
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            text = self.token_text(e.id)[0]
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            top: dict[str, float | None] = {}
+            for i, lp in e.top:
+                top.setdefault(self.token_text(i)[0], _logprob(lp))  # (two ids of one text: the likelier one's)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries], "top_logprobs": tops, "text_offset": offsets}
+
+    def whole(self, choices: list[_Choice]) -> dict[str, object]:
+        out: list[dict[str, object]] = []
+        for c in choices:
+            assert c.reason is not None
+            logprobs = self._logprobs(c.kept(), 0)
+            if self.kind == "completion":
+                out.append({"index": c.index, "text": c.text.text, "logprobs": logprobs, "finish_reason": c.reason})
+            else:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text}, "logprobs": logprobs,
+                            "finish_reason": c.reason})
+        return self._head(False) | {"choices": out, "usage": self.usage(choices)}
+
+    def _chunk(self, index: int, delta: str | None, reason: str | None, logprobs: dict[str, object] | None = None) -> dict[str, object]:
         choice: dict[str, object]
         if self.kind == "completion":
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": {} if delta is None else {"content": delta}, "logprobs": logprobs, "finish_reason": reason}
         out = self._head(True) | {"choices": [choice]}
         if self.include_usage:
             out["usage"] = None
         return out
 
-    def opening(self) -> Iterator[dict[str, object]]:
+    def opening(self, n: int) -> Iterator[dict[str, object]]:
         if self.kind == "chat":
-            first = self._chunk("", None)
-            first["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-            yield first
+            for index in range(n):
+                first = self._chunk(index, "", None)
+                first["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+                yield first
 
-    def piece(self, text: str) -> dict[str, object]:
-        return self._chunk(text, None)
+    def piece(self, c: _Choice, piece: _Piece) -> dict[str, object]:
+        logprobs = self._logprobs(piece.logprobs, c.offset)
+        c.offset += sum(len(self.token_text(e.id)[0]) for e in piece.logprobs)
+        return self._chunk(piece.index, piece.text, None, logprobs)
 
-    def closing(self, reason: str) -> dict[str, object]:
-        return self._chunk(None, reason)
+    def closing(self, index: int, reason: str) -> dict[str, object]:
+        return self._chunk(index, None, reason)
 
-    def usage_chunk(self, tokens: int) -> dict[str, object]:
-        return self._head(True) | {"choices": [], "usage": self.usage(tokens)}
+    def usage_chunk(self, choices: list[_Choice]) -> dict[str, object]:
+        return self._head(True) | {"choices": [], "usage": self.usage(choices)}
 
 
 class _Uvicorn(uvicorn.Server):

@@ -15,6 +15,8 @@ for the same output ids (``compiler.serve.run``: the text before the stop string
 or, when none occurs, ``Tokenizer.decode`` of all of them); ``tokens`` counts the ids kept
 (``StopCut.keep``: up to and including the one whose text completed the stop string; all of them
 when none occurs), which the engine is asked to keep (``Engine.finish``).
+
+``token_text`` gives a token's text and bytes for logprobs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from compiler.serve.stops import StopScanner
-from compiler.serve.tokenizer import Tokenizer
+from compiler.serve.tokenizer import ByteTokenizer, Tokenizer
 
 
 class TextStream:
@@ -66,3 +68,14 @@ class TextStream:
         if self.stopped:
             return ""  # (``push`` showed all of the text before the stop string)
         return self._show(self._tokenizer.decode(self._ids))
+
+
+def token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
+    """One token's text and bytes, as logprobs report them: on the byte-level path the token's byte
+    (text: that byte decoded, U+FFFD for a byte that is not a whole character), else the
+    tokenizer's decoding of the token alone and its UTF-8 bytes."""
+    if isinstance(tokenizer, ByteTokenizer):
+        raw = bytes((token,))
+        return raw.decode("utf-8", errors="replace"), list(raw)
+    text = tokenizer.decode([token])
+    return text, list(text.encode("utf-8"))

@@ -245,3 +245,102 @@ def test_the_http_side_imports_no_torch() -> None:
     code = "import compiler.engine as e, compiler.serve as s; print(e.Engine.__name__, s.ServeConfig is e.ServeConfig, s.serve.__module__)"
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout.split()) == (0, ["Engine", "True", "compiler.serve.run"]), done.stderr[-2000:]
+
+
+def _answer(kind: str) -> object:
+    from compiler.online.server import _Answer
+    from compiler.online.text import token_text
+
+    tok = ByteTokenizer()
+    return _Answer(kind=kind, model="m", prompt_tokens=4, include_usage=False, logprobs=True,  # type: ignore[arg-type]  # (kind: a Literal)
+                   token_text=lambda t: token_text(tok, t))
+
+
+def test_logprobs_in_both_endpoints_formats() -> None:
+    """The engine's entries (``TokenLogprob``) as /v1/completions (legacy: texts, ``{text: logprob}``
+    keeping a text's likelier id, ``text_offset`` running on across chunks) and as
+    /v1/chat/completions (``content``: ``token``, ``logprob``, ``bytes``, ``top_logprobs``) write
+    them; a byte that is not a whole character is U+FFFD with its byte; -inf is -9999.0."""
+    from compiler.online.messages import TokenLogprob
+    from compiler.online.server import _Choice, _Piece
+
+    entries = (TokenLogprob(104, -0.5, ((104, -0.5), (0xE2, -1.0), (0xE3, -2.0))), TokenLogprob(0xE2, float("-inf"), ()),
+               TokenLogprob(105, -0.25, ((105, -0.25),)))
+    chat = _answer("chat")
+    choice = _Choice(index=1, text=TextStream(ByteTokenizer(), ()))
+    choice.text.push([104, 0xE2, 105])
+    choice.logprobs.extend(entries)
+    choice.reason = "length"
+    whole = chat.whole([choice])  # type: ignore[attr-defined]  # (_Answer)
+    assert whole["choices"][0]["logprobs"] == {"content": [
+        {"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": [
+            {"token": "h", "logprob": -0.5, "bytes": [104]}, {"token": "\ufffd", "logprob": -1.0, "bytes": [0xE2]},
+            {"token": "\ufffd", "logprob": -2.0, "bytes": [0xE3]}]},
+        {"token": "\ufffd", "logprob": -9999.0, "bytes": [0xE2], "top_logprobs": []},
+        {"token": "i", "logprob": -0.25, "bytes": [105], "top_logprobs": [{"token": "i", "logprob": -0.25, "bytes": [105]}]},
+    ]}
+    assert whole["choices"][0]["index"] == 1 and whole["usage"]["completion_tokens"] == 3
+    completion = _answer("completion")
+    streamed = _Choice(index=0, text=TextStream(ByteTokenizer(), ()))
+    first = completion.piece(streamed, _Piece(0, "h", entries[:2]))  # type: ignore[attr-defined]  # (_Answer)
+    second = completion.piece(streamed, _Piece(0, "\ufffdi", entries[2:]))  # type: ignore[attr-defined]  # (_Answer)
+    assert first["choices"][0]["logprobs"] == {"tokens": ["h", "\ufffd"], "token_logprobs": [-0.5, -9999.0],
+                                               "top_logprobs": [{"h": -0.5, "\ufffd": -1.0}, {}], "text_offset": [0, 1]}
+    assert second["choices"][0]["logprobs"] == {"tokens": ["i"], "token_logprobs": [-0.25], "top_logprobs": [{"i": -0.25}],
+                                                "text_offset": [2]}
+
+
+def test_the_engine_loop_serves_n_completions_with_logprobs() -> None:
+    """A request of ``n = 2`` sampled completions with logprobs: each completion's ``Delta`` and
+    ``Ended`` under its own id, one logprob entry per id (of that id); ``Finish`` ends one
+    completion alone; ``Abort`` of a request ends both of its completions; nothing is left."""
+    from compiler.engine.config import ServeConfig
+    from compiler.online import engine_process
+    from compiler.online.engine_client import completion_ids
+    from compiler.online.messages import Abort, Closed, Delta, Ended, Finish, Launch, Shutdown, StepOut, Submit
+    from ir.sampling import SamplingParams
+
+    launch = Launch(model=None, draft=None, k=2, dtype="float32", max_running=4, max_len=64, overlap=False, threads=1,
+                    chunk_size=ServeConfig().chunk_size, token_budget=ServeConfig().token_budget, cache_entries=2)
+    engine, _, cfg = engine_process.build(launch)
+    ours, theirs = multiprocessing.Pipe()
+    sampled = SamplingParams(temperature=1.0, seed=3, max_new_tokens=12, n=2, logprobs=2)
+    first, second = completion_ids(0, 2), completion_ids(1, 2)
+    assert first[0] == 0 and len(set(first) | set(second)) == 4
+    ours.send(Submit(rid=0, prompt=tuple(b"abcd"), max_new_tokens=12, stop=(), sampling=sampled, forks=first[1:]))
+    ours.send(Submit(rid=1, prompt=tuple(b"abcd"), max_new_tokens=40, stop=(), sampling=sampled, forks=second[1:]))
+    loop = engine_process.Loop(engine, theirs, cfg.max_running)
+    runner = threading.Thread(target=loop.run)
+    runner.start()
+    tokens: dict[int, list[int]] = {rid: [] for rid in first + second}
+    logprobs: dict[int, list[int]] = {rid: [] for rid in first + second}
+    ended: dict[int, Ended] = {}
+    finished = aborted = False
+    while len(ended) < 4:
+        assert ours.poll(60), "the engine loop went quiet"
+        out = ours.recv()
+        assert isinstance(out, StepOut)
+        messages: list[Delta | Ended] = [*out.deltas, *out.ended]
+        for msg in messages:
+            assert msg.logprobs is not None and len(msg.logprobs) == len(msg.ids)
+            tokens[msg.rid] += msg.ids
+            logprobs[msg.rid] += [e.id for e in msg.logprobs]
+            assert all(len(e.top) == 2 for e in msg.logprobs)
+        ended |= {e.rid: e for e in out.ended}
+        if not finished and len(tokens[first[1]]) >= 2:
+            ours.send(Finish(first[1], 2))
+            finished = True
+        if not aborted and tokens[second[0]] and tokens[second[1]]:
+            ours.send(Abort(1))
+            aborted = True
+    ours.send(Shutdown())
+    runner.join(60)
+    while True:
+        last = ours.recv()
+        if not isinstance(last, StepOut):
+            break
+    assert isinstance(last, Closed) and (last.outstanding_tickets, last.slots_live, last.kv_live) == (0, 0, 0)
+    assert tokens == logprobs
+    assert (ended[first[0]].reason, len(tokens[first[0]])) == ("length", 12)
+    assert ended[first[1]].reason == "stop" and len(tokens[first[1]]) >= 2
+    assert ended[second[0]].reason == ended[second[1]].reason == "abort"

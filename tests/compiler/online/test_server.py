@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -232,6 +233,158 @@ def test_a_seeded_sampled_request_is_batchc_runs_output_streaming_or_not(served:
     assert whole.choices[0].text != greedy  # (it sampled: this seed's tokens are not the greedy ones)
 
 
+N_LINE: dict[str, object] = {"prompt": PROMPT, "max_new_tokens": 24, "n": 3, "stop": ["\n"], **SAMPLED}
+"""A seeded line of three completions whose stop string ends some of them and not the others."""
+
+
+def _n_streamed(server: ServerProc, body: dict[str, object]) -> tuple[list[str], list[str | None], int, list[int]]:
+    """A streamed request of ``n`` completions through the openai client: each choice's text and
+    finish_reason, by index; usage's completion tokens; the choice index of every chunk, in order."""
+    n = int(body["n"])  # type: ignore[call-overload]  # (an int, from the test)
+    texts: list[str] = [""] * n
+    reasons: list[str | None] = [None] * n
+    order: list[int] = []
+    tokens = -1
+    for chunk in _client(server).completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **body):  # type: ignore[call-overload]  # (body: the test's fields)
+        for choice in chunk.choices:
+            assert reasons[choice.index] is None, "a chunk after its choice's finish_reason"
+            texts[choice.index] += choice.text
+            reasons[choice.index] = choice.finish_reason
+            order.append(choice.index)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return texts, reasons, tokens, order
+
+
+def test_n_seeded_completions_are_batchc_runs_lines_streaming_or_not(served: ServerProc, tmp_path: Path) -> None:
+    """``n = 3``: the choices (index 0 to 2) are ``batchc run``'s three ``--outputs`` lines of the same
+    workload line, each cut at its own stop string; usage counts every choice's tokens and the prompt
+    once; a stream interleaves the choices' chunks as their tokens come and ends with one [DONE]."""
+    offline = _offline(tmp_path, PROMPT, 24, lines=[N_LINE])
+    body = {k: v for k, v in N_LINE.items() if k != "max_new_tokens"} | {"max_tokens": 24}
+    _settled(served)  # (the api server keeps three completions in flight at most)
+    whole = _post(served, "/v1/completions", {"model": MODEL, **body})
+    assert whole.status_code == 200, whole.text
+    streamed = _n_streamed(served, body)
+    outs = _offline_lines(tmp_path, offline)
+    assert [o["index"] for o in outs] == [0, 1, 2]
+    want = [(o["text"], o["finish_reason"]) for o in outs]
+    assert {r for _, r in want} == {"length", "stop"}  # (the stop string ends some choices, not all)
+    answer = whole.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert [(c["text"], c["finish_reason"]) for c in answer["choices"]] == want
+    tokens = sum(len(o["output_ids"]) for o in outs)  # type: ignore[arg-type,misc]  # (JSON lists)
+    assert answer["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": tokens, "total_tokens": len(PROMPT) + tokens}
+    texts, reasons, streamed_tokens, order = streamed
+    assert list(zip(texts, reasons, strict=True)) == want and streamed_tokens == tokens
+    first = {i: order.index(i) for i in range(3)}
+    last = {i: len(order) - 1 - order[::-1].index(i) for i in range(3)}
+    assert max(first.values()) < min(last.values()), order  # (interleaved: every choice began before any ended)
+    with httpx.stream("POST", f"{served.url}/v1/completions", json={"model": MODEL, **body, "stream": True}, headers=AUTH, timeout=60) as r:
+        events = _sse(r.iter_lines())
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert sorted(c["choices"][0]["index"] for c in events[:-1] if isinstance(c, dict) and c["choices"][0]["finish_reason"]) == [0, 1, 2]
+
+
+def test_n_completions_count_against_the_queue_and_are_all_released_on_a_disconnect(served: ServerProc) -> None:
+    before = _settled(served)
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 1.0, "seed": 5, "n": 3, "stream": True}
+    r = _post(served, "/v1/completions", dict(long, n=4))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # (over --max-running 2 + --max-waiting 1: never servable)
+    with httpx.Client(timeout=60) as c, c.stream("POST", f"{served.url}/v1/completions", json=dict(long, n=2), headers=AUTH) as s:
+        lines = s.iter_lines()
+        assert next(lines).startswith("data: ")
+        r = _post(served, "/v1/completions", long)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"  # (2 in flight + 3 > 3)
+        assert metrics(served)["batchc_requests_running"] == 2
+    after = _settled(served)
+    assert after['batchc_requests_total{outcome="cancelled"}'] == before['batchc_requests_total{outcome="cancelled"}'] + 1
+    assert after["batchc_ledger_outstanding_tickets"] == 0 and after["batchc_request_slots_live"] == 0
+
+
+LOGPROBS_LINE: dict[str, object] = {"prompt": PROMPT, "max_new_tokens": 24, "logprobs": 3, "stop": ["."], **SAMPLED}
+"""A seeded line with logprobs (three alternatives) whose stop string cuts it."""
+
+
+def _byte_text(token: int) -> str:
+    return bytes((token,)).decode("utf-8", errors="replace")
+
+
+def _legacy(entries: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """``batchc run``'s logprob entries in /v1/completions' format (``top_logprobs``: a text's likelier id)."""
+    tokens = [_byte_text(int(e["id"])) for e in entries]
+    tops = []
+    for e in entries:
+        top: dict[str, object] = {}
+        for alt in e["top"]:
+            top.setdefault(_byte_text(alt["id"]), alt["logprob"])
+        tops.append(top)
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops, "text_offset": offsets}
+
+
+def _close(got: object, want: object) -> bool:
+    """Equal, floats to 1e-4 (a logprob's last bits depend on the batch it was computed in)."""
+    if isinstance(want, float) and isinstance(got, float):
+        return abs(got - want) <= 1e-4
+    if isinstance(want, list) and isinstance(got, list):
+        return len(got) == len(want) and all(_close(g, w) for g, w in zip(got, want, strict=True))
+    if isinstance(want, dict) and isinstance(got, dict):
+        return list(got) == list(want) and all(_close(got[k], w) for k, w in want.items())
+    return got == want
+
+
+def test_logprobs_are_batchc_runs_cut_at_the_stop_string_streaming_or_not(served: ServerProc, tmp_path: Path) -> None:
+    """/v1/completions' ``logprobs: 3``: the tokens' texts, logprobs and top three alternatives of
+    ``batchc run --outputs``, up to the token that completed the stop string, whole and streamed
+    (the chunks' pieces joined, ``text_offset`` running on)."""
+    offline = _offline(tmp_path, PROMPT, 24, lines=[LOGPROBS_LINE])
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "logprobs": 3, "stop": ["."], **SAMPLED}
+    whole = _post(served, "/v1/completions", body)
+    assert whole.status_code == 200, whole.text
+    merged: dict[str, list[object]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    pieces = []
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=dict(body, stream=True), headers=AUTH, timeout=60) as r:
+        for event in _sse(r.iter_lines()):
+            if isinstance(event, dict) and event["choices"]:
+                choice = event["choices"][0]
+                pieces.append(choice["text"])
+                for key, values in (choice["logprobs"] or {}).items():
+                    merged[key] += values
+    (out,) = _offline_lines(tmp_path, offline)
+    entries = out["logprobs"]
+    assert isinstance(entries, list) and out["finish_reason"] == "stop" and len(entries) == len(out["output_ids"]) < 24  # type: ignore[arg-type]  # (JSON)
+    assert [e["id"] for e in entries] == out["output_ids"]
+    want = _legacy(entries)
+    choice = whole.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (out["text"], "stop")
+    assert choice["logprobs"]["tokens"] == want["tokens"] and _close(choice["logprobs"], want), (choice["logprobs"], want)
+    assert "".join(pieces) == out["text"]
+    assert merged["tokens"] == want["tokens"] and _close(merged, want), (merged, want)
+    # through the openai client's types
+    typed = _client(served).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, logprobs=3, stop=["."], temperature=1.0,
+                                               top_p=0.9, seed=1234).choices[0].logprobs
+    assert typed is not None and typed.tokens == want["tokens"] and typed.text_offset == want["text_offset"]
+    assert _close(typed.token_logprobs, want["token_logprobs"]) and _close(typed.top_logprobs, want["top_logprobs"])
+
+
+def test_logprobs_and_n_out_of_range_are_400_naming_the_field(served: ServerProc) -> None:
+    completion = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+    for extra, param in (({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2.0}, "n"), ({"n": True}, "n"), ({"logprobs": 21}, "logprobs"),
+                         ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"), ({"logprobs": 1.5}, "logprobs"),
+                         ({"best_of": 2}, "best_of")):
+        r = _post(served, "/v1/completions", completion | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for extra, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+                         ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 2}, "logprobs"), ({"n": 17}, "n")):
+        r = _post(served, "/v1/chat/completions", chat | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    # in range, a chat body is taken (and refused only for the bundled model's missing chat template)
+    r = _post(served, "/v1/chat/completions", chat | {"logprobs": True, "top_logprobs": 20, "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
+
+
 def test_unseeded_requests_derive_their_seeds_from_the_servers_seed_in_arrival_order(servers: dict[str, ServerProc],
                                                                                   tmp_path: Path) -> None:
     """``--seed`` and the sampling defaults as ``batchc run``'s: the server's n-th accepted request
@@ -271,8 +424,8 @@ BAD = [
     ({"model": "batchc-bundled", "prompt": "a", "top_p": 0}, 400, "top_p"),
     ({"model": "batchc-bundled", "prompt": "a", "stream": "yes"}, 400, "stream"),
     ({"model": "batchc-bundled", "prompt": "a", "stop": [""]}, 400, "stop"),
-    ({"model": "batchc-bundled", "prompt": "a", "n": 2}, 400, "n"),
-    ({"model": "batchc-bundled", "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "batchc-bundled", "prompt": "a", "n": 17}, 400, "n"),
+    ({"model": "batchc-bundled", "prompt": "a", "logprobs": 21}, 400, "logprobs"),
     ({"model": "batchc-bundled", "prompt": "a", "frobnicate": 1}, 400, "frobnicate"),
     ({"model": "batchc-bundled", "prompt": 5}, 400, "prompt"),
     ({"model": "batchc-bundled", "prompt": [1, 300]}, 400, "prompt"),

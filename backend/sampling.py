@@ -284,35 +284,107 @@ def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tens
     return z.gather(1, order), order
 
 
+FULL_SORT = False
+"""Force the full sort for every top-k and top-p row (``_top_k_top_p``): the tests set it to check
+that the candidate path gives the same bits."""
+
+TOP_P_CANDIDATES: tuple[int, ...] = (1024, 16384)
+"""The candidate counts a top-p row tries in turn before the full sort (``_top_k_top_p``)."""
+
+
+def _desc_order(values: torch.Tensor, ids: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """The permutation sorting each row's ``inside`` entries by value descending, ties by increasing
+    id, then the others: ``values`` float32 ``<= 0`` without NaN, ``ids`` their distinct token ids.
+    The key ``(|value| bits << 32) | id`` grows as the value falls, then with the id (``_order_asc``),
+    and distinct keys need no stable sort."""
+    key = ((values.view(torch.int32).to(torch.int64) & 0x7FFFFFFF) << 32) | ids
+    key = key.masked_fill(~inside, torch.iinfo(torch.int64).max)
+    if not key.is_cpu:
+        return key.argsort(dim=-1)
+    return torch.from_numpy(key.numpy().argsort(axis=-1))
+
+
+def _top_p_kept(e_desc: torch.Tensor, total: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p on rows in descending order (``e_desc`` float32 ``exp(z)``, ``total`` float64 [R] the
+    sum of the whole row's, ``limit`` float64 [R, 1]): which entries stay (the probability above an
+    entry is below ``limit``; the first always stays) and whether the entries given reach ``limit``
+    (then every entry after them goes). The cumulative sum is float64 and sequential, so its value
+    at an entry depends only on the entries before it: a prefix of the order gives the bits the whole
+    order gives there."""
+    cum = (e_desc.to(torch.float64) / total[:, None]).cumsum(dim=-1)
+    kept = torch.cat([torch.ones_like(cum[:, :1], dtype=torch.bool), cum[:, :-1] < limit], dim=1)
+    return kept, cum[:, -1:] >= limit
+
+
 def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
-    """``z`` (the sampled rows) with what top-k and then top-p remove set to ``-inf``
-    (transformers' rules, module docstring); ``top_k <= 0`` or ``>= vocab`` and ``top_p >= 1``
-    remove nothing."""
-    # read ascending, with equal logits in decreasing id order, so top-p drops the higher ids of a
-    # tie first and a tiny top_p keeps exactly the greedy token (transformers' unstable sort leaves
-    # that order unspecified)
-    asc, order = _order_asc(z)
+    """``z`` (the sampled rows, shifted so each row's maximum is 0) with what top-k and then top-p
+    remove set to ``-inf`` (transformers' rules, module docstring); ``top_k <= 0`` or ``>= vocab``
+    and ``top_p >= 1`` remove nothing.
+
+    Top-k removes the values below the row's k-th largest (ties with it stay): a threshold, read
+    from ``torch.topk`` (the k-th largest value is the same number however the sort breaks ties),
+    or from the full sort under ``FULL_SORT``.
+
+    Top-p reads the row (after top-k) in descending order, equal values by increasing id, and keeps
+    an entry while the probability above it, ``sum(exp(z) before it) / sum(exp(z))`` in float64, is
+    below ``1 - float32(1 - top_p)`` (transformers removes the ascending prefix whose float32
+    cumulative probability is at most ``float32(1 - top_p)``: the same cut in exact arithmetic;
+    where it falls inside a tie the lower ids stay). A row first tries its ``C`` largest values for
+    each ``C`` of ``TOP_P_CANDIDATES``: the candidates are the values strictly above the ``C + 1``-th
+    largest (so no tie crosses the cut), in the full order's first places; when their cumulative
+    probability reaches the limit, or the ``C + 1``-th is ``-inf`` (top-k removed the rest), every
+    other entry goes, and the candidates' decisions are the full order's, bit for bit (the sum and
+    the float64 prefix sums are the same numbers). Otherwise the row takes the next ``C``, then the
+    full sort. On a GPU the full sort runs (its scans need not give a prefix the whole row's bits)."""
     device = z.device
-    removed: torch.Tensor | None = None
-    if uses.top_k:
-        # transformers' top-k: remove what is below the k-th largest (ties with it stay); the k-th
-        # largest sits at ascending position vocab - k (0 for a row without top-k: nothing is below)
-        k = uses.top_k_of
-        kth_at = np.where((k > 0) & (k < vocab), vocab - k, 0)[:, None]
-        kth = asc.gather(1, torch.from_numpy(kth_at).to(device))
-        removed = asc < kth
-        asc = asc.masked_fill(removed, -math.inf)
-    if uses.top_p:
-        # transformers' top-p: remove the ascending prefix whose cumulative probability is at most
-        # 1 - top_p (rounded to float32 as transformers' comparison does), never the largest; a
-        # row without top-p compares with -1, which no cumulative probability is at most
-        p = uses.top_p_of
-        limit = np.where(p < 1.0, (1.0 - p).astype(np.float32), np.float32(-1.0))[:, None]
-        cut = asc.softmax(dim=-1).cumsum(dim=-1) <= torch.from_numpy(limit).to(device)
-        cut[:, -1] = False
-        removed = cut if removed is None else removed | cut
-    assert removed is not None
-    return z.masked_fill(removed.scatter(1, order, removed), -math.inf)
+    fast = z.is_cpu and not FULL_SORT
+    k = uses.top_k_of
+    k_on = (k > 0) & (k < vocab)
+    if k_on.any():
+        krows = np.flatnonzero(k_on)
+        zk = z if krows.size == z.shape[0] else z.index_select(0, torch.from_numpy(krows).to(device))
+        if fast:
+            at = torch.from_numpy(k[krows] - 1)[:, None].to(device)
+            kth = zk.topk(int(k[krows].max()), dim=-1).values.gather(1, at)
+        else:
+            at = torch.from_numpy(vocab - k[krows])[:, None].to(device)
+            kth = _order_asc(zk)[0].gather(1, at)
+        zk = zk.masked_fill(zk < kth, -math.inf)
+        z = zk if krows.size == z.shape[0] else z.index_copy(0, torch.from_numpy(krows).to(device), zk)
+    p = uses.top_p_of
+    if not (p < 1.0).any():
+        return z
+    prows = np.flatnonzero(p < 1.0)
+    whole = prows.size == z.shape[0]
+    zp = z if whole else z.index_select(0, torch.from_numpy(prows).to(device))
+    e = zp.exp()
+    total = e.sum(dim=-1, dtype=torch.float64)
+    limit = torch.from_numpy(1.0 - (1.0 - p[prows]).astype(np.float32).astype(np.float64))[:, None].to(device)
+    kept = torch.zeros_like(zp, dtype=torch.bool)
+    pending = torch.arange(prows.size, device=device)
+    for c in TOP_P_CANDIDATES if fast else ():
+        if c + 1 >= vocab or pending.numel() == 0:
+            break
+        zs = zp.index_select(0, pending)
+        vals, ids = zs.topk(c + 1, dim=-1, sorted=False)
+        floor = vals.min(dim=-1, keepdim=True).values
+        inside = vals > floor
+        order = _desc_order(vals, ids, inside)
+        ids, inside = ids.gather(1, order), inside.gather(1, order)
+        es = e.index_select(0, pending).gather(1, ids).masked_fill_(~inside, 0.0)
+        keep, reached = _top_p_kept(es, total.index_select(0, pending), limit.index_select(0, pending))
+        done = (reached | (floor == -math.inf)).squeeze(1)
+        rows = pending[done]
+        sub = torch.zeros((rows.numel(), vocab), dtype=torch.bool, device=device)
+        kept.index_copy_(0, rows, sub.scatter_(1, ids[done], keep[done] & inside[done]))
+        pending = pending[~done]
+    if pending.numel():
+        order = _order_asc(zp.index_select(0, pending))[1]
+        order = order.flip(-1)
+        keep, _ = _top_p_kept(e.index_select(0, pending).gather(1, order), total.index_select(0, pending), limit.index_select(0, pending))
+        kept.index_copy_(0, pending, torch.zeros_like(keep).scatter_(1, order, keep))
+    zp = zp.masked_fill(~kept, -math.inf)
+    return zp if whole else z.index_copy(0, torch.from_numpy(prows).to(device), zp)
 
 
 def distribution(

@@ -31,7 +31,8 @@ Sampled rows, all rows at once (per-row parameters are tensors; no Python loop o
    argmax, bit for bit ``greedy_or_flag(logits)`` when the row has no penalty (the penalty
    arithmetic is skipped for such rows, not merely neutral). A row whose ``top`` is ``NON_FINITE``
    samples ``NON_FINITE`` whatever its temperature.
-2. ``sample_rows``: one token per row by inverse CDF (float64 cumulative sums) at one uniform of the
+2. ``sample_rows``: one token per row by inverse CDF (float64 cumulative sums; past ``CDF_BLOCK``
+   tokens in two levels, block then token, ``_inverse_cdf``) at one uniform of the
    row's counter-based stream (``backend.rng``): the token is a function of the row's probabilities
    and its key only, so a seeded row gets the same token whatever else is in the batch. A
    zero-probability token is never chosen.
@@ -305,13 +306,13 @@ def _desc_order(values: torch.Tensor, ids: torch.Tensor, inside: torch.Tensor) -
 
 
 def _top_p_kept(e_desc: torch.Tensor, total: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p on rows in descending order (``e_desc`` float32 ``exp(z)``, ``total`` float64 [R] the
-    sum of the whole row's, ``limit`` float64 [R, 1]): which entries stay (the probability above an
+    """Top-p on rows in descending order (``e_desc`` float32 ``exp(z)``, ``total`` float64 [R, 1]
+    the sum of the whole row's, ``limit`` float64 [R, 1]): which entries stay (the probability above an
     entry is below ``limit``; the first always stays) and whether the entries given reach ``limit``
     (then every entry after them goes). The cumulative sum is float64 and sequential, so its value
     at an entry depends only on the entries before it: a prefix of the order gives the bits the whole
     order gives there."""
-    cum = (e_desc.to(torch.float64) / total[:, None]).cumsum(dim=-1)
+    cum = (e_desc.to(torch.float64) / total).cumsum(dim=-1)
     kept = torch.cat([torch.ones_like(cum[:, :1], dtype=torch.bool), cum[:, :-1] < limit], dim=1)
     return kept, cum[:, -1:] >= limit
 
@@ -326,7 +327,7 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
     or from the full sort under ``FULL_SORT``.
 
     Top-p reads the row (after top-k) in descending order, equal values by increasing id, and keeps
-    an entry while the probability above it, ``sum(exp(z) before it) / sum(exp(z))`` in float64, is
+    an entry while the probability above it, the float64 running sum of ``exp(z) / sum(exp(z))`` over the entries before it, is
     below ``1 - float32(1 - top_p)`` (transformers removes the ascending prefix whose float32
     cumulative probability is at most ``float32(1 - top_p)``: the same cut in exact arithmetic;
     where it falls inside a tie the lower ids stay). A row first tries its ``C`` largest values for
@@ -358,31 +359,34 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
     whole = prows.size == z.shape[0]
     zp = z if whole else z.index_select(0, torch.from_numpy(prows).to(device))
     e = zp.exp()
-    total = e.sum(dim=-1, dtype=torch.float64)
+    # (a float32 sum: any deterministic sum serves, both paths divide by the same one)
+    total = e.sum(dim=-1).to(torch.float64)[:, None]
     limit = torch.from_numpy(1.0 - (1.0 - p[prows]).astype(np.float32).astype(np.float64))[:, None].to(device)
     kept = torch.zeros_like(zp, dtype=torch.bool)
     pending = torch.arange(prows.size, device=device)
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:
+        return t if pending.numel() == t.shape[0] else t.index_select(0, pending)
+
     for c in TOP_P_CANDIDATES if fast else ():
         if c + 1 >= vocab or pending.numel() == 0:
             break
-        zs = zp.index_select(0, pending)
-        vals, ids = zs.topk(c + 1, dim=-1, sorted=False)
+        vals, ids = rows_of(zp).topk(c + 1, dim=-1, sorted=False)
         floor = vals.min(dim=-1, keepdim=True).values
         inside = vals > floor
         order = _desc_order(vals, ids, inside)
         ids, inside = ids.gather(1, order), inside.gather(1, order)
-        es = e.index_select(0, pending).gather(1, ids).masked_fill_(~inside, 0.0)
-        keep, reached = _top_p_kept(es, total.index_select(0, pending), limit.index_select(0, pending))
+        es = e[pending[:, None], ids].masked_fill_(~inside, 0.0)
+        keep, reached = _top_p_kept(es, rows_of(total), rows_of(limit))
         done = (reached | (floor == -math.inf)).squeeze(1)
-        rows = pending[done]
-        sub = torch.zeros((rows.numel(), vocab), dtype=torch.bool, device=device)
-        kept.index_copy_(0, rows, sub.scatter_(1, ids[done], keep[done] & inside[done]))
+        sub = torch.zeros((int(done.sum()), vocab), dtype=torch.bool, device=device)
+        kept.index_copy_(0, pending[done], sub.scatter_(1, ids[done], keep[done] & inside[done]))
         pending = pending[~done]
     if pending.numel():
-        order = _order_asc(zp.index_select(0, pending))[1]
-        order = order.flip(-1)
-        keep, _ = _top_p_kept(e.index_select(0, pending).gather(1, order), total.index_select(0, pending), limit.index_select(0, pending))
-        kept.index_copy_(0, pending, torch.zeros_like(keep).scatter_(1, order, keep))
+        order = _order_asc(rows_of(zp))[1].flip(-1)
+        keep, _ = _top_p_kept(e[pending[:, None], order], rows_of(total), rows_of(limit))
+        full = torch.zeros_like(keep).scatter_(1, order, keep)
+        kept = full if pending.numel() == kept.shape[0] else kept.index_copy_(0, pending, full)
     zp = zp.masked_fill(~kept, -math.inf)
     return zp if whole else z.index_copy(0, torch.from_numpy(prows).to(device), zp)
 
@@ -447,6 +451,10 @@ def window_counts(output_counts: torch.Tensor, drafts: torch.Tensor) -> torch.Te
     return (output_counts[:, None, :] + added.cumsum(dim=1)).reshape(n * (k + 1), vocab)
 
 
+CDF_BLOCK = 256
+"""Above this vocabulary ``_inverse_cdf`` searches in two levels, blocks of this many tokens."""
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The token ``t`` of each row with ``c[t - 1] <= u * c[-1] < c[t]`` for ``c`` the row's
     cumulative weights (float64): ``t`` is drawn with probability ``weights[t] / sum`` when ``u``
@@ -454,11 +462,39 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ``weights[t] > 0``, so the one way to land on a zero weight is ``u * c[-1]`` rounding up to
     ``c[-1]`` (past the end): the target is capped at the float64 just below ``c[-1]``, which
     lands on the token where ``c`` reaches ``c[-1]``, the last weight that counted. (A row of zero
-    weights gives the last token; its caller discards it.)"""
-    c = weights.cumsum(dim=-1, dtype=torch.float64)
+    weights gives the last token; its caller discards it.)
+
+    Past ``CDF_BLOCK`` tokens a whole float64 cumulative sum is the sampler's largest cost (128
+    rows of 131,072: about 200 ms, where float32 sums of blocks take 3 ms), so the search takes
+    two levels: ``c`` over the blocks' float32 sums picks the block, then the same rule inside
+    that one block (its float64 cumulative sum) picks the token, at ``u``'s place within the
+    block's share rescaled to the block's own total. A token's chance is its block's share times
+    its share of the block: the law above up to the rounding of a float32 sum of 256 weights
+    (relative 1e-7, the rounding the float32 probabilities have anyway), still with no zero-weight
+    token drawn. Every step is per row, so the token stays a function of the row and ``u``."""
+    n, vocab = weights.shape
+    if vocab <= CDF_BLOCK:
+        return _search(weights.cumsum(dim=-1, dtype=torch.float64), u[:, None]).squeeze(1)
+    pad = -vocab % CDF_BLOCK
+    w = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
+    blocks = w.reshape(n, -1, CDF_BLOCK)
+    ends = blocks.sum(dim=-1).to(torch.float64).cumsum(dim=-1)
+    b = _search(ends, u[:, None])  # [n, 1]: the first block whose end passes the target
+    start = torch.where(b > 0, ends.gather(1, (b - 1).clamp(min=0)), 0.0)
+    width = ends.gather(1, b) - start  # > 0 (the block's end passed the target, its start did not) unless the row is all zero
+    inner = blocks[torch.arange(n, device=w.device), b.squeeze(1)].cumsum(dim=-1, dtype=torch.float64)
+    total = ends[:, -1:]
+    at = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    j = _search(inner, (at - start) / torch.where(width > 0, width, 1.0))
+    return (b * CDF_BLOCK + j).squeeze(1).clamp_(max=vocab - 1)
+
+
+def _search(c: torch.Tensor, fraction: torch.Tensor) -> torch.Tensor:
+    """The first index of each row of cumulative sums ``c`` [N, M] past ``fraction`` [N, 1] of the
+    row's total (capped below the total: ``_inverse_cdf``), clamped to ``M - 1``; [N, 1]."""
     total = c[:, -1:]
-    t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(c, t, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
+    t = torch.minimum(fraction * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(c, t, right=True).clamp_(max=c.shape[1] - 1)
 
 
 def sample_rows(dist: Distribution, rows: RowParams, position: torch.Tensor, purpose: Purpose = Purpose.TARGET) -> torch.Tensor:

@@ -251,16 +251,24 @@ def _penalised(logits: torch.Tensor, rows: RowParams, output_counts: torch.Tenso
     rep = rows.repetition_penalty
     freq, pres = rows.frequency_penalty, rows.presence_penalty
     on = (rep != 1) | (freq != 0) | (pres != 0)
-    x = logits.float()
-    seen_out = output_counts > 0 if output_counts is not None else torch.zeros_like(x, dtype=torch.bool)
-    seen = seen_out | prompt_mask if prompt_mask is not None else seen_out
-    r = rep[:, None]
-    x = torch.where(seen, torch.where(x < 0, x * r, x / r), x)
+    seen_out = output_counts > 0 if output_counts is not None else None
+    seen = seen_out if prompt_mask is None else prompt_mask if seen_out is None else seen_out | prompt_mask
+    assert seen is not None
+    # only the penalised rows' seen tokens change (a few per row): work on those entries alone
+    # instead of the whole [N, V] (an unseen token's "x - 0 * freq - 0 * presence" is x, up to the
+    # sign of a zero, which no later step reads). Rows without a penalty keep their logits bit for
+    # bit (float32 holds every float16 and bfloat16 value exactly, so their argmax stays
+    # greedy_or_flag's).
+    r, c = (seen & on[:, None]).nonzero(as_tuple=True)
+    x = logits.to(torch.float32, copy=True)
+    v = x[r, c]
+    rr = rep[r]
+    v = torch.where(v < 0, v * rr, v / rr)
     if output_counts is not None:
-        x = x - output_counts.to(x.dtype) * freq[:, None] - seen_out.to(x.dtype) * pres[:, None]
-    # rows without a penalty keep their logits bit for bit (float32 holds every float16 and bfloat16
-    # value exactly, so their argmax stays greedy_or_flag's)
-    return torch.where(on[:, None], x, logits.float())
+        assert seen_out is not None
+        v = v - output_counts[r, c].to(v.dtype) * freq[r] - seen_out[r, c].to(v.dtype) * pres[r]
+    x[r, c] = v
+    return x
 
 
 def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -174,3 +174,35 @@ def test_candidate_path_gives_the_full_sorts_bits_at_a_large_vocabulary(monkeypa
     for i in range(10):
         probs, token = _run(logits[i : i + 1], params[i : i + 1], None, None, position[i : i + 1], [i % 3])
         assert torch.equal(token, fast[i : i + 1]) and torch.equal(probs, fast_probs[i : i + 1]), i
+
+
+def test_penalties_on_the_seen_entries_equal_the_dense_formula() -> None:
+    """``_penalised`` changes only the penalised rows' seen tokens; its values equal the dense
+    formula (repetition on prompt and output tokens, then frequency and presence) on every entry
+    (a float32, a bfloat16 input; negative penalties; ``-inf`` logits)."""
+    g = torch.Generator().manual_seed(12)
+    n, vocab = 6, 5000
+    counts = torch.randint(0, 4, (n, vocab), generator=g) * (torch.rand(n, vocab, generator=g) < 0.02)
+    prompt = torch.rand(n, vocab, generator=g) < 0.02
+    params = [
+        SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.7, seed=1),
+        GREEDY,
+        SamplingParams(temperature=0.0, presence_penalty=-2.0),
+        SamplingParams(temperature=1.0, seed=2),
+        SamplingParams(temperature=1.0, repetition_penalty=0.8, seed=3),
+        SamplingParams(temperature=1.0, frequency_penalty=2.0, seed=4),
+    ]
+    rows = RowParams.of(params)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
+        logits[0, :50] = -math.inf
+        got = sampling._penalised(logits, rows, counts, prompt)
+        x = logits.float()
+        seen_out = counts > 0
+        r = rows.repetition_penalty[:, None]
+        want = torch.where(seen_out | prompt, torch.where(x < 0, x * r, x / r), x)
+        want = want - counts.float() * rows.frequency_penalty[:, None] - seen_out.float() * rows.presence_penalty[:, None]
+        on = torch.tensor([p.penalised for p in params])[:, None]
+        want = torch.where(on, want, x)
+        assert torch.equal(got, want), dtype
+        assert not torch.equal(got[0], x[0]) and torch.equal(got[1], x[1]) and torch.equal(got[3], x[3])

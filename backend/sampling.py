@@ -271,10 +271,10 @@ def _penalised(logits: torch.Tensor, rows: RowParams, output_counts: torch.Tenso
     return x
 
 
-def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``z`` [N, V] float32 sorted ascending along rows with equal values in decreasing id order
-    (a stable descending sort read backwards), and the ids in that order. ``z`` holds no NaN and
-    no positive value (logits shifted by their row's maximum; ``-0.0`` equals ``0.0``).
+def _order_desc(z: torch.Tensor, *, host: bool | None = None) -> torch.Tensor:
+    """The ids of each row of ``z`` [N, V] float32 by value descending, equal values by increasing
+    id (a stable descending sort). ``z`` holds no NaN and no positive value (logits shifted by their
+    row's maximum; ``-0.0`` equals ``0.0``).
 
     On the CPU (``host`` None) torch's sort of many short rows is slow (1.26 ms for 128 rows of
     256, one thread), so the rows are sorted in NumPy as int64 keys ``(|z| bits << 32) | id``: for
@@ -282,14 +282,20 @@ def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tens
     ties by increasing id, with no stable sort needed (0.06 ms). Both ways give the same total
     order, so the result does not depend on which ran (tested)."""
     if not (z.is_cpu if host is None else host):
-        desc, order = z.sort(dim=-1, descending=True, stable=True)
-        return desc.flip(-1), order.flip(-1)
+        return z.sort(dim=-1, descending=True, stable=True)[1]
     key = z.detach().numpy().view(np.int32).astype(np.int64)
     key &= 0x7FFFFFFF
     key <<= 32
     key |= np.arange(z.shape[-1], dtype=np.int64)
     key.sort(axis=-1)
-    order = torch.from_numpy(np.ascontiguousarray(key[:, ::-1]) & 0xFFFFFFFF)
+    key &= 0xFFFFFFFF
+    return torch.from_numpy(key)
+
+
+def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z`` sorted ascending along rows with equal values in decreasing id order (``_order_desc``
+    read backwards), and the ids in that order."""
+    order = _order_desc(z, host=host).flip(-1)
     return z.gather(1, order), order
 
 
@@ -313,15 +319,15 @@ def _desc_order(values: torch.Tensor, ids: torch.Tensor, inside: torch.Tensor) -
     return torch.from_numpy(key.numpy().argsort(axis=-1))
 
 
-def _top_p_kept(e_desc: torch.Tensor, total: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p on rows in descending order (``e_desc`` float32 ``exp(z)``, ``total`` float64 [R, 1]
-    the sum of the whole row's, ``limit`` float64 [R, 1]): which entries stay (the probability above an
-    entry is below ``limit``; the first always stays) and whether the entries given reach ``limit``
-    (then every entry after them goes). The cumulative sum is float64 and sequential, so its value
-    at an entry depends only on the entries before it: a prefix of the order gives the bits the whole
-    order gives there."""
-    cum = (e_desc.to(torch.float64) / total).cumsum(dim=-1)
-    kept = torch.cat([torch.ones_like(cum[:, :1], dtype=torch.bool), cum[:, :-1] < limit], dim=1)
+def _top_p_kept(probs_desc: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p on rows in descending order (``probs_desc`` float32, the rows' softmax; ``limit``
+    float64 [R, 1]): which entries stay (the probability above an entry is below ``limit``; the
+    first always stays) and whether the entries given reach ``limit`` (then every entry after them
+    goes). The cumulative sum is float64 and sequential, so its value at an entry depends only on
+    the entries before it: a prefix of the order gives the bits the whole order gives there."""
+    cum = probs_desc.cumsum(dim=-1, dtype=torch.float64)
+    kept = torch.ones_like(cum, dtype=torch.bool)
+    torch.lt(cum[:, :-1], limit, out=kept[:, 1:])
     return kept, cum[:, -1:] >= limit
 
 
@@ -335,15 +341,17 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
     or from the full sort under ``FULL_SORT``.
 
     Top-p reads the row (after top-k) in descending order, equal values by increasing id, and keeps
-    an entry while the probability above it, the float64 running sum of ``exp(z) / sum(exp(z))`` over the entries before it, is
-    below ``1 - float32(1 - top_p)`` (transformers removes the ascending prefix whose float32
-    cumulative probability is at most ``float32(1 - top_p)``: the same cut in exact arithmetic;
-    where it falls inside a tie the lower ids stay). A row first tries its ``C`` largest values for
-    each ``C`` of ``TOP_P_CANDIDATES``: the candidates are the values strictly above the ``C + 1``-th
-    largest (so no tie crosses the cut), in the full order's first places; when their cumulative
-    probability reaches the limit, or the ``C + 1``-th is ``-inf`` (top-k removed the rest), every
-    other entry goes, and the candidates' decisions are the full order's, bit for bit (the sum and
-    the float64 prefix sums are the same numbers). Otherwise the row takes the next ``C``, then the
+    an entry while the probability above it (the float64 running sum of the row's float32 softmax
+    over the entries before it) is below ``1 - float32(1 - top_p)``; transformers removes the
+    ascending prefix whose float32 cumulative probability is at most ``float32(1 - top_p)``: the
+    same cut in exact arithmetic. Where it falls inside a tie the lower ids stay.
+
+    A row first tries its ``C`` largest values for each ``C`` of ``TOP_P_CANDIDATES``: the
+    candidates are the values strictly above the ``C + 1``-th largest (so no tie crosses the cut),
+    the full order's first places. When their cumulative probability reaches the limit, or the
+    ``C + 1``-th is ``-inf`` (top-k removed the rest), every other entry goes, and the candidates'
+    decisions are the full order's, bit for bit (the probabilities and the float64 prefix sums are
+    the same numbers). Otherwise the row takes the next ``C``, then the
     full sort. On a GPU the full sort runs (its scans need not give a prefix the whole row's bits)."""
     device = z.device
     fast = z.is_cpu and not FULL_SORT
@@ -358,45 +366,54 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
         else:
             at = torch.from_numpy(vocab - k[krows])[:, None].to(device)
             kth = _order_asc(zk)[0].gather(1, at)
-        zk = zk.masked_fill(zk < kth, -math.inf)
-        z = zk if krows.size == z.shape[0] else z.index_copy(0, torch.from_numpy(krows).to(device), zk)
+        z = _put(z, krows, zk.masked_fill(zk < kth, -math.inf))
     p = uses.top_p_of
-    if not (p < 1.0).any():
-        return z
     prows = np.flatnonzero(p < 1.0)
-    whole = prows.size == z.shape[0]
-    zp = z if whole else z.index_select(0, torch.from_numpy(prows).to(device))
-    e = zp.exp()
-    # (a float32 sum: any deterministic sum serves, both paths divide by the same one)
-    total = e.sum(dim=-1).to(torch.float64)[:, None]
-    limit = torch.from_numpy(1.0 - (1.0 - p[prows]).astype(np.float32).astype(np.float64))[:, None].to(device)
+    if prows.size == 0:
+        return z
+    zp = z if prows.size == z.shape[0] else z.index_select(0, torch.from_numpy(prows).to(device))
+    e = zp.softmax(dim=-1)  # (per row and per entry: a candidate's probability is the full row's, bit for bit)
+    limit = torch.from_numpy(1.0 - (1.0 - p[prows, None]).astype(np.float32).astype(np.float64)).to(device)
+    stages = [c for c in TOP_P_CANDIDATES if c + 1 < vocab] if fast else []
+    if not stages:  # (a small vocabulary, or FULL_SORT: every row sorted, the fewest steps)
+        order = _order_desc(zp)
+        keep, _ = _top_p_kept(e.gather(1, order), limit)
+        return _put(z, prows, zp.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), -math.inf))
     kept = torch.zeros_like(zp, dtype=torch.bool)
     pending = torch.arange(prows.size, device=device)
 
     def rows_of(t: torch.Tensor) -> torch.Tensor:
         return t if pending.numel() == t.shape[0] else t.index_select(0, pending)
 
-    for c in TOP_P_CANDIDATES if fast else ():
-        if c + 1 >= vocab or pending.numel() == 0:
+    def picked(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # (the pending rows' entries ``ids`` without copying their whole rows first)
+        return t.gather(1, ids) if pending.numel() == t.shape[0] else t[pending[:, None], ids]
+
+    for c in stages:
+        if pending.numel() == 0:
             break
         vals, ids = rows_of(zp).topk(c + 1, dim=-1, sorted=False)
         floor = vals.min(dim=-1, keepdim=True).values
         inside = vals > floor
         order = _desc_order(vals, ids, inside)
         ids, inside = ids.gather(1, order), inside.gather(1, order)
-        es = e[pending[:, None], ids].masked_fill_(~inside, 0.0)
-        keep, reached = _top_p_kept(es, rows_of(total), rows_of(limit))
+        es = picked(e, ids).masked_fill_(~inside, 0.0)
+        keep, reached = _top_p_kept(es, rows_of(limit))
         done = (reached | (floor == -math.inf)).squeeze(1)
         sub = torch.zeros((int(done.sum()), vocab), dtype=torch.bool, device=device)
         kept.index_copy_(0, pending[done], sub.scatter_(1, ids[done], keep[done] & inside[done]))
         pending = pending[~done]
     if pending.numel():
-        order = _order_asc(rows_of(zp))[1].flip(-1)
-        keep, _ = _top_p_kept(e[pending[:, None], order], rows_of(total), rows_of(limit))
+        order = _order_desc(rows_of(zp))
+        keep, _ = _top_p_kept(picked(e, order), rows_of(limit))
         full = torch.zeros_like(keep).scatter_(1, order, keep)
         kept = full if pending.numel() == kept.shape[0] else kept.index_copy_(0, pending, full)
-    zp = zp.masked_fill(~kept, -math.inf)
-    return zp if whole else z.index_copy(0, torch.from_numpy(prows).to(device), zp)
+    return _put(z, prows, zp.masked_fill(~kept, -math.inf))
+
+
+def _put(z: torch.Tensor, rows: np.ndarray[tuple[int], np.dtype[np.int64]], values: torch.Tensor) -> torch.Tensor:
+    """``z`` with its rows ``rows`` (host indices) replaced by ``values``."""
+    return values if rows.size == z.shape[0] else z.index_copy(0, torch.from_numpy(rows).to(z.device), values)
 
 
 def distribution(

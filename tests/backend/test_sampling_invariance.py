@@ -151,13 +151,13 @@ def test_candidate_path_gives_the_full_sorts_bits_at_a_large_vocabulary(monkeypa
     ]
     position = torch.arange(10) * 13
     sorted_rows: list[int] = []
-    real = sampling._order_asc
+    real = sampling._order_desc
 
-    def spy(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def spy(z: torch.Tensor, *, host: bool | None = None) -> torch.Tensor:
         sorted_rows.append(int(z.shape[0]))
         return real(z, host=host)
 
-    monkeypatch.setattr(sampling, "_order_asc", spy)
+    monkeypatch.setattr(sampling, "_order_desc", spy)
     fast_probs, fast = _run(logits, params, None, None, position)
     assert sum(sorted_rows) == 2, sorted_rows  # the flat row and the non-finite one
     monkeypatch.setattr(sampling, "FULL_SORT", True)

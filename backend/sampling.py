@@ -400,8 +400,10 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
         es = picked(e, ids).masked_fill_(~inside, 0.0)
         keep, reached = _top_p_kept(es, rows_of(limit))
         done = (reached | (floor == -math.inf)).squeeze(1)
-        sub = torch.zeros((int(done.sum()), vocab), dtype=torch.bool, device=device)
-        kept.index_copy_(0, pending[done], sub.scatter_(1, ids[done], keep[done] & inside[done]))
+        at = done.nonzero().squeeze(1)
+        ids, keep = (ids, keep & inside) if at.numel() == done.numel() else (ids.index_select(0, at), (keep & inside).index_select(0, at))
+        sub = torch.zeros((at.numel(), vocab), dtype=torch.bool, device=device)
+        kept.index_copy_(0, pending.index_select(0, at), sub.scatter_(1, ids, keep))
         pending = pending[~done]
     if pending.numel():
         order = _order_desc(rows_of(zp))

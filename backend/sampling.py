@@ -26,7 +26,11 @@ Sampled rows, all rows at once (per-row parameters are tensors; no Python loop o
    top-k, top-p, min-p, in transformers' order (``RepetitionPenaltyLogitsProcessor``,
    ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, ``MinPLogitsWarper``,
    each with ``min_tokens_to_keep=1``; top-k keeps every token tied with the k-th; where top-p's
-   cut falls inside a tie, the lower ids stay, as greedy's argmax), then softmax.
+   cut falls inside a tie, the lower ids stay, as greedy's argmax), then softmax. Nothing sorts a
+   whole large row unless it must: top-k is a threshold read from ``torch.topk``, top-p first
+   tries the row's largest values as candidates and sorts the row only where they cannot decide
+   (``_top_k_top_p``); both ways give the same bits (``FULL_SORT`` forces the sort; tested at
+   131,072 tokens). Penalties touch only the seen tokens' entries.
    Its ``top`` is ``greedy_or_flag`` of the penalised logits: a greedy row (temperature 0) is that
    argmax, bit for bit ``greedy_or_flag(logits)`` when the row has no penalty (the penalty
    arithmetic is skipped for such rows, not merely neutral). A row whose ``top`` is ``NON_FINITE``

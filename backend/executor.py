@@ -475,9 +475,10 @@ class Executor(Generic[VerifyStateT]):
             drafts = b.window(b.input_ids)[:, 1:].reshape(-1)
             return verify_tokens(out, frozen_i64(drafts), b.sampling, b.seq_lens)
         if isinstance(hook_out, torch.Tensor) and tuple(out.shape) == (n, w) and out.dtype == torch.int64:
-            if b.sampling is not None and b.sampling.temperature.any():
+            if b.sampling is not None and (b.sampling.temperature.any() or b.sampling.bans_any):
                 raise PlanExecutionError(
-                    f"verify #{b.verify_id}: the model hook's verify returned tokens, but sampled rows need its logits ({n} x {w} x vocab)"
+                    f"verify #{b.verify_id}: the model hook's verify returned tokens, but sampled rows and rows with min_tokens "
+                    f"need its logits ({n} x {w} x vocab)"
                 )
             return frozen_i64(out.reshape(-1).cpu().numpy())
         got = f"{out.dtype} {tuple(out.shape)}" if isinstance(hook_out, torch.Tensor) else type(hook_out).__name__

@@ -17,6 +17,13 @@ its result (``ir.results``), with the rows' ``SamplingRows`` (``ir.sampling``).
   there). So the result keeps the ``Verified`` form, and the accept pass and the engine treat sampled
   and greedy rows alike.
 
+Bans (``min_tokens``): before any of the above, a row whose token being chosen sits at a position
+below its ``ban_until`` has its ``banned`` ids' logits set to ``-inf`` (``_banned``; a verify window
+per position), greedy rows too: a greedy row with ``min_tokens`` takes the argmax of the other ids.
+Rows without an active ban keep their logits bit for bit, and a plan whose rows are ``None`` or ban
+nothing never copies its logits, so a greedy run without ``min_tokens`` is the argmax it was.
+Banned ids at or past the vocabulary are ignored (no logit to mask; the model cannot emit them).
+
 Positions: the key's position is the position in its sequence of the token being chosen (prompt
 length plus output position): an extend row's first token is at ``prefix_len + extend_len``, a
 decode row's at ``seq_len``, a verify window's token ``j`` at ``seq_len + j``. For one prompt that is
@@ -25,6 +32,8 @@ speculation: the ``--seed`` reproducibility the sampling module promises.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -81,9 +90,30 @@ def _greedy(rows: SamplingRows | None) -> bool:
     return rows is None or not rows.temperature.any()
 
 
+def _banned(logits: torch.Tensor, rows: SamplingRows, positions: np.ndarray[tuple[int, int], np.dtype[np.int64]]) -> torch.Tensor:
+    """``logits`` [N, W, V] with each row's banned ids at ``-inf`` at the window positions whose
+    ``positions`` [N, W] are below the row's ``ban_until`` (module docstring); ``logits`` itself
+    when no ban is active there."""
+    n, w, vocab = logits.shape
+    lens = rows.banned_lens
+    owner = np.repeat(np.arange(n, dtype=np.int64), lens)  # the row of each packed banned id
+    ok = rows.banned < vocab
+    owner, ids = owner[ok], rows.banned[ok]
+    active = positions[owner] < rows.ban_until[owner][:, None]  # [banned ids, W]
+    which, slot = np.nonzero(active)
+    if which.size == 0:
+        return logits
+    out = logits.clone()
+    device = logits.device
+    out[torch.from_numpy(owner[which]).to(device), torch.from_numpy(slot).to(device), torch.from_numpy(ids[which]).to(device)] = -math.inf
+    return out
+
+
 def sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I64) -> I64:
     """The token of each row of ``[N, V]`` logits (module docstring); ``positions`` [N]: each row's
     position of the token chosen."""
+    if rows is not None and rows.bans_any:
+        logits = _banned(logits[:, None], rows, np.asarray(positions, dtype=np.int64)[:, None])[:, 0]
     if _greedy(rows):
         return sample(logits)
     assert rows is not None  # (``_greedy`` holds for None)
@@ -97,6 +127,8 @@ def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, 
     """The target's tokens over a verify window (module docstring), row-major ``N * (k + 1)``:
     ``logits`` [N, k + 1, V], ``drafts`` the ``N * k`` proposals (row-major), ``start`` [N] the
     position of each row's first proposal."""
+    if rows is not None and rows.bans_any:
+        logits = _banned(logits, rows, np.asarray(start, dtype=np.int64)[:, None] + np.arange(logits.shape[1], dtype=np.int64))
     top = greedy_or_flag(logits)
     if _greedy(rows):
         return frozen_i64(top.reshape(-1).cpu().numpy())

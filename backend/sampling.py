@@ -26,12 +26,17 @@ Sampled rows, all rows at once (per-row parameters are tensors; no Python loop o
    top-k, top-p, min-p, in transformers' order (``RepetitionPenaltyLogitsProcessor``,
    ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, ``MinPLogitsWarper``,
    each with ``min_tokens_to_keep=1``; top-k keeps every token tied with the k-th; where top-p's
-   cut falls inside a tie, the lower ids stay, as greedy's argmax), then softmax.
+   cut falls inside a tie, the lower ids stay, as greedy's argmax), then softmax. Nothing sorts a
+   whole large row unless it must: top-k is a threshold read from ``torch.topk``, top-p first
+   tries the row's largest values as candidates and sorts the row only where they cannot decide
+   (``_top_k_top_p``); both ways give the same bits (``FULL_SORT`` forces the sort; tested at
+   131,072 tokens). Penalties touch only the seen tokens' entries.
    Its ``top`` is ``greedy_or_flag`` of the penalised logits: a greedy row (temperature 0) is that
    argmax, bit for bit ``greedy_or_flag(logits)`` when the row has no penalty (the penalty
    arithmetic is skipped for such rows, not merely neutral). A row whose ``top`` is ``NON_FINITE``
    samples ``NON_FINITE`` whatever its temperature.
-2. ``sample_rows``: one token per row by inverse CDF (float64 cumulative sums) at one uniform of the
+2. ``sample_rows``: one token per row by inverse CDF (float64 cumulative sums; past ``CDF_BLOCK``
+   tokens in two levels, block then token, ``_inverse_cdf``) at one uniform of the
    row's counter-based stream (``backend.rng``): the token is a function of the row's probabilities
    and its key only, so a seeded row gets the same token whatever else is in the batch. A
    zero-probability token is never chosen.
@@ -250,22 +255,30 @@ def _penalised(logits: torch.Tensor, rows: RowParams, output_counts: torch.Tenso
     rep = rows.repetition_penalty
     freq, pres = rows.frequency_penalty, rows.presence_penalty
     on = (rep != 1) | (freq != 0) | (pres != 0)
-    x = logits.float()
-    seen_out = output_counts > 0 if output_counts is not None else torch.zeros_like(x, dtype=torch.bool)
-    seen = seen_out | prompt_mask if prompt_mask is not None else seen_out
-    r = rep[:, None]
-    x = torch.where(seen, torch.where(x < 0, x * r, x / r), x)
+    seen_out = output_counts > 0 if output_counts is not None else None
+    seen = seen_out if prompt_mask is None else prompt_mask if seen_out is None else seen_out | prompt_mask
+    assert seen is not None
+    # only the penalised rows' seen tokens change (a few per row): work on those entries alone
+    # instead of the whole [N, V] (an unseen token's "x - 0 * freq - 0 * presence" is x, up to the
+    # sign of a zero, which no later step reads). Rows without a penalty keep their logits bit for
+    # bit (float32 holds every float16 and bfloat16 value exactly, so their argmax stays
+    # greedy_or_flag's).
+    r, c = (seen & on[:, None]).nonzero(as_tuple=True)
+    x = logits.to(torch.float32, copy=True)
+    v = x[r, c]
+    rr = rep[r]
+    v = torch.where(v < 0, v * rr, v / rr)
     if output_counts is not None:
-        x = x - output_counts.to(x.dtype) * freq[:, None] - seen_out.to(x.dtype) * pres[:, None]
-    # rows without a penalty keep their logits bit for bit (float32 holds every float16 and bfloat16
-    # value exactly, so their argmax stays greedy_or_flag's)
-    return torch.where(on[:, None], x, logits.float())
+        assert seen_out is not None
+        v = v - output_counts[r, c].to(v.dtype) * freq[r] - seen_out[r, c].to(v.dtype) * pres[r]
+    x[r, c] = v
+    return x
 
 
-def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``z`` [N, V] float32 sorted ascending along rows with equal values in decreasing id order
-    (a stable descending sort read backwards), and the ids in that order. ``z`` holds no NaN and
-    no positive value (logits shifted by their row's maximum; ``-0.0`` equals ``0.0``).
+def _order_desc(z: torch.Tensor, *, host: bool | None = None) -> torch.Tensor:
+    """The ids of each row of ``z`` [N, V] float32 by value descending, equal values by increasing
+    id (a stable descending sort). ``z`` holds no NaN and no positive value (logits shifted by their
+    row's maximum; ``-0.0`` equals ``0.0``).
 
     On the CPU (``host`` None) torch's sort of many short rows is slow (1.26 ms for 128 rows of
     256, one thread), so the rows are sorted in NumPy as int64 keys ``(|z| bits << 32) | id``: for
@@ -273,46 +286,140 @@ def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tens
     ties by increasing id, with no stable sort needed (0.06 ms). Both ways give the same total
     order, so the result does not depend on which ran (tested)."""
     if not (z.is_cpu if host is None else host):
-        desc, order = z.sort(dim=-1, descending=True, stable=True)
-        return desc.flip(-1), order.flip(-1)
+        return z.sort(dim=-1, descending=True, stable=True)[1]
     key = z.detach().numpy().view(np.int32).astype(np.int64)
     key &= 0x7FFFFFFF
     key <<= 32
     key |= np.arange(z.shape[-1], dtype=np.int64)
     key.sort(axis=-1)
-    order = torch.from_numpy(np.ascontiguousarray(key[:, ::-1]) & 0xFFFFFFFF)
+    key &= 0xFFFFFFFF
+    return torch.from_numpy(key)
+
+
+def _order_asc(z: torch.Tensor, *, host: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z`` sorted ascending along rows with equal values in decreasing id order (``_order_desc``
+    read backwards), and the ids in that order."""
+    order = _order_desc(z, host=host).flip(-1)
     return z.gather(1, order), order
 
 
+FULL_SORT = False
+"""Force the full sort for every top-k and top-p row (``_top_k_top_p``): the tests set it to check
+that the candidate path gives the same bits."""
+
+TOP_P_CANDIDATES: tuple[int, ...] = (1024, 16384)
+"""The candidate counts a top-p row tries in turn before the full sort (``_top_k_top_p``)."""
+
+
+def _desc_order(values: torch.Tensor, ids: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """The permutation sorting each row's ``inside`` entries by value descending, ties by increasing
+    id, then the others: ``values`` float32 ``<= 0`` without NaN, ``ids`` their distinct token ids.
+    The key ``(|value| bits << 32) | id`` grows as the value falls, then with the id (``_order_asc``),
+    and distinct keys need no stable sort."""
+    key = ((values.view(torch.int32).to(torch.int64) & 0x7FFFFFFF) << 32) | ids
+    key = key.masked_fill(~inside, torch.iinfo(torch.int64).max)
+    if not key.is_cpu:
+        return key.argsort(dim=-1)
+    return torch.from_numpy(key.numpy().argsort(axis=-1))
+
+
+def _top_p_kept(probs_desc: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p on rows in descending order (``probs_desc`` float32, the rows' softmax; ``limit``
+    float64 [R, 1]): which entries stay (the probability above an entry is below ``limit``; the
+    first always stays) and whether the entries given reach ``limit`` (then every entry after them
+    goes). The cumulative sum is float64 and sequential, so its value at an entry depends only on
+    the entries before it: a prefix of the order gives the bits the whole order gives there."""
+    cum = probs_desc.cumsum(dim=-1, dtype=torch.float64)
+    kept = torch.ones_like(cum, dtype=torch.bool)
+    torch.lt(cum[:, :-1], limit, out=kept[:, 1:])
+    return kept, cum[:, -1:] >= limit
+
+
 def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
-    """``z`` (the sampled rows) with what top-k and then top-p remove set to ``-inf``
-    (transformers' rules, module docstring); ``top_k <= 0`` or ``>= vocab`` and ``top_p >= 1``
-    remove nothing."""
-    # read ascending, with equal logits in decreasing id order, so top-p drops the higher ids of a
-    # tie first and a tiny top_p keeps exactly the greedy token (transformers' unstable sort leaves
-    # that order unspecified)
-    asc, order = _order_asc(z)
+    """``z`` (the sampled rows, shifted so each row's maximum is 0) with what top-k and then top-p
+    remove set to ``-inf`` (transformers' rules, module docstring); ``top_k <= 0`` or ``>= vocab``
+    and ``top_p >= 1`` remove nothing.
+
+    Top-k removes the values below the row's k-th largest (ties with it stay): a threshold, read
+    from ``torch.topk`` (the k-th largest value is the same number however the sort breaks ties),
+    or from the full sort under ``FULL_SORT``.
+
+    Top-p reads the row (after top-k) in descending order, equal values by increasing id, and keeps
+    an entry while the probability above it (the float64 running sum of the row's float32 softmax
+    over the entries before it) is below ``1 - float32(1 - top_p)``; transformers removes the
+    ascending prefix whose float32 cumulative probability is at most ``float32(1 - top_p)``: the
+    same cut in exact arithmetic. Where it falls inside a tie the lower ids stay.
+
+    A row first tries its ``C`` largest values for each ``C`` of ``TOP_P_CANDIDATES``: the
+    candidates are the values strictly above the ``C + 1``-th largest (so no tie crosses the cut),
+    the full order's first places. When their cumulative probability reaches the limit, or the
+    ``C + 1``-th is ``-inf`` (top-k removed the rest), every other entry goes, and the candidates'
+    decisions are the full order's, bit for bit (the probabilities and the float64 prefix sums are
+    the same numbers). Otherwise the row takes the next ``C``, then the
+    full sort. On a GPU the full sort runs (its scans need not give a prefix the whole row's bits)."""
     device = z.device
-    removed: torch.Tensor | None = None
-    if uses.top_k:
-        # transformers' top-k: remove what is below the k-th largest (ties with it stay); the k-th
-        # largest sits at ascending position vocab - k (0 for a row without top-k: nothing is below)
-        k = uses.top_k_of
-        kth_at = np.where((k > 0) & (k < vocab), vocab - k, 0)[:, None]
-        kth = asc.gather(1, torch.from_numpy(kth_at).to(device))
-        removed = asc < kth
-        asc = asc.masked_fill(removed, -math.inf)
-    if uses.top_p:
-        # transformers' top-p: remove the ascending prefix whose cumulative probability is at most
-        # 1 - top_p (rounded to float32 as transformers' comparison does), never the largest; a
-        # row without top-p compares with -1, which no cumulative probability is at most
-        p = uses.top_p_of
-        limit = np.where(p < 1.0, (1.0 - p).astype(np.float32), np.float32(-1.0))[:, None]
-        cut = asc.softmax(dim=-1).cumsum(dim=-1) <= torch.from_numpy(limit).to(device)
-        cut[:, -1] = False
-        removed = cut if removed is None else removed | cut
-    assert removed is not None
-    return z.masked_fill(removed.scatter(1, order, removed), -math.inf)
+    fast = z.is_cpu and not FULL_SORT
+    k = uses.top_k_of
+    k_on = (k > 0) & (k < vocab)
+    if k_on.any():
+        krows = np.flatnonzero(k_on)
+        zk = z if krows.size == z.shape[0] else z.index_select(0, torch.from_numpy(krows).to(device))
+        if fast:
+            at = torch.from_numpy(k[krows] - 1)[:, None].to(device)
+            kth = zk.topk(int(k[krows].max()), dim=-1).values.gather(1, at)
+        else:
+            at = torch.from_numpy(vocab - k[krows])[:, None].to(device)
+            kth = _order_asc(zk)[0].gather(1, at)
+        z = _put(z, krows, zk.masked_fill(zk < kth, -math.inf))
+    p = uses.top_p_of
+    prows = np.flatnonzero(p < 1.0)
+    if prows.size == 0:
+        return z
+    zp = z if prows.size == z.shape[0] else z.index_select(0, torch.from_numpy(prows).to(device))
+    e = zp.softmax(dim=-1)  # (per row and per entry: a candidate's probability is the full row's, bit for bit)
+    limit = torch.from_numpy(1.0 - (1.0 - p[prows, None]).astype(np.float32).astype(np.float64)).to(device)
+    stages = [c for c in TOP_P_CANDIDATES if c + 1 < vocab] if fast else []
+    if not stages:  # (a small vocabulary, or FULL_SORT: every row sorted, the fewest steps)
+        order = _order_desc(zp)
+        keep, _ = _top_p_kept(e.gather(1, order), limit)
+        return _put(z, prows, zp.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), -math.inf))
+    kept = torch.zeros_like(zp, dtype=torch.bool)
+    pending = torch.arange(prows.size, device=device)
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:
+        return t if pending.numel() == t.shape[0] else t.index_select(0, pending)
+
+    def picked(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # (the pending rows' entries ``ids`` without copying their whole rows first)
+        return t.gather(1, ids) if pending.numel() == t.shape[0] else t[pending[:, None], ids]
+
+    for c in stages:
+        if pending.numel() == 0:
+            break
+        vals, ids = rows_of(zp).topk(c + 1, dim=-1, sorted=False)
+        floor = vals.min(dim=-1, keepdim=True).values
+        inside = vals > floor
+        order = _desc_order(vals, ids, inside)
+        ids, inside = ids.gather(1, order), inside.gather(1, order)
+        es = picked(e, ids).masked_fill_(~inside, 0.0)
+        keep, reached = _top_p_kept(es, rows_of(limit))
+        done = (reached | (floor == -math.inf)).squeeze(1)
+        at = done.nonzero().squeeze(1)
+        ids, keep = (ids, keep & inside) if at.numel() == done.numel() else (ids.index_select(0, at), (keep & inside).index_select(0, at))
+        sub = torch.zeros((at.numel(), vocab), dtype=torch.bool, device=device)
+        kept.index_copy_(0, pending.index_select(0, at), sub.scatter_(1, ids, keep))
+        pending = pending[~done]
+    if pending.numel():
+        order = _order_desc(rows_of(zp))
+        keep, _ = _top_p_kept(picked(e, order), rows_of(limit))
+        full = torch.zeros_like(keep).scatter_(1, order, keep)
+        kept = full if pending.numel() == kept.shape[0] else kept.index_copy_(0, pending, full)
+    return _put(z, prows, zp.masked_fill(~kept, -math.inf))
+
+
+def _put(z: torch.Tensor, rows: np.ndarray[tuple[int], np.dtype[np.int64]], values: torch.Tensor) -> torch.Tensor:
+    """``z`` with its rows ``rows`` (host indices) replaced by ``values``."""
+    return values if rows.size == z.shape[0] else z.index_copy(0, torch.from_numpy(rows).to(z.device), values)
 
 
 def distribution(
@@ -375,6 +482,10 @@ def window_counts(output_counts: torch.Tensor, drafts: torch.Tensor) -> torch.Te
     return (output_counts[:, None, :] + added.cumsum(dim=1)).reshape(n * (k + 1), vocab)
 
 
+CDF_BLOCK = 256
+"""Above this vocabulary ``_inverse_cdf`` searches in two levels, blocks of this many tokens."""
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The token ``t`` of each row with ``c[t - 1] <= u * c[-1] < c[t]`` for ``c`` the row's
     cumulative weights (float64): ``t`` is drawn with probability ``weights[t] / sum`` when ``u``
@@ -382,11 +493,39 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ``weights[t] > 0``, so the one way to land on a zero weight is ``u * c[-1]`` rounding up to
     ``c[-1]`` (past the end): the target is capped at the float64 just below ``c[-1]``, which
     lands on the token where ``c`` reaches ``c[-1]``, the last weight that counted. (A row of zero
-    weights gives the last token; its caller discards it.)"""
-    c = weights.cumsum(dim=-1, dtype=torch.float64)
+    weights gives the last token; its caller discards it.)
+
+    Past ``CDF_BLOCK`` tokens a whole float64 cumulative sum is the sampler's largest cost (128
+    rows of 131,072: about 200 ms, where float32 sums of blocks take 3 ms), so the search takes
+    two levels: ``c`` over the blocks' float32 sums picks the block, then the same rule inside
+    that one block (its float64 cumulative sum) picks the token, at ``u``'s place within the
+    block's share rescaled to the block's own total. A token's chance is its block's share times
+    its share of the block: the law above up to the rounding of a float32 sum of 256 weights
+    (relative 1e-7, the rounding the float32 probabilities have anyway), still with no zero-weight
+    token drawn. Every step is per row, so the token stays a function of the row and ``u``."""
+    n, vocab = weights.shape
+    if vocab <= CDF_BLOCK:
+        return _search(weights.cumsum(dim=-1, dtype=torch.float64), u[:, None]).squeeze(1)
+    pad = -vocab % CDF_BLOCK
+    w = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
+    blocks = w.reshape(n, -1, CDF_BLOCK)
+    ends = blocks.sum(dim=-1).to(torch.float64).cumsum(dim=-1)
+    b = _search(ends, u[:, None])  # [n, 1]: the first block whose end passes the target
+    start = torch.where(b > 0, ends.gather(1, (b - 1).clamp(min=0)), 0.0)
+    width = ends.gather(1, b) - start  # > 0 (the block's end passed the target, its start did not) unless the row is all zero
+    inner = blocks[torch.arange(n, device=w.device), b.squeeze(1)].cumsum(dim=-1, dtype=torch.float64)
+    total = ends[:, -1:]
+    at = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    j = _search(inner, (at - start) / torch.where(width > 0, width, 1.0))
+    return (b * CDF_BLOCK + j).squeeze(1).clamp_(max=vocab - 1)
+
+
+def _search(c: torch.Tensor, fraction: torch.Tensor) -> torch.Tensor:
+    """The first index of each row of cumulative sums ``c`` [N, M] past ``fraction`` [N, 1] of the
+    row's total (capped below the total: ``_inverse_cdf``), clamped to ``M - 1``; [N, 1]."""
     total = c[:, -1:]
-    t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(c, t, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
+    t = torch.minimum(fraction * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(c, t, right=True).clamp_(max=c.shape[1] - 1)
 
 
 def sample_rows(dist: Distribution, rows: RowParams, position: torch.Tensor, purpose: Purpose = Purpose.TARGET) -> torch.Tensor:

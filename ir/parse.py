@@ -204,7 +204,12 @@ class _Parser:
         self.i += 1
         return line
 
-    def node(self, indent: int, nested: type | None = None) -> Printable:
+    def node(self, indent: int) -> Printable:
+        return cast("Printable", self.any_node(indent))  # (a top-level kind is looked up in ``PRINTABLE``)
+
+    def any_node(self, indent: int, nested: type | None = None) -> object:
+        """A node of a ``PRINTABLE`` kind, or of the class ``nested`` (a node-typed field's, such as
+        a batch's ``SamplingRows``, which is not printable alone)."""
         line = self.take(indent, "a node")
         kind = line.word("a node kind")
         cls = nested if nested is not None and kind == nested.__name__ else PRINTABLE.get(kind)
@@ -232,8 +237,8 @@ class _Parser:
                 if nxt is None or not nxt.words or nxt.words[0] != w.cls.__name__:
                     fields[w.field] = None
                     continue
-            fields[w.field] = self.node(indent + 2, w.cls)
-        node = cast("Printable", _built(line, lambda: cls(**fields)))  # (a class of ``Printable``)
+            fields[w.field] = self.any_node(indent + 2, w.cls)
+        node = _built(line, lambda: cls(**fields))
         if isinstance(node, Composite) and node.num_requests != declared:
             line.fail(f"requests={declared} but its parts hold {node.num_requests}", f"requests={declared}")
         return node

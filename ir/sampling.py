@@ -48,7 +48,7 @@ from typing import ClassVar, Final, final
 import attrs
 import numpy as np
 
-from ir.columns import F64, I64, MAX_SEQ_LEN, REQUEST, BoolArray, ColumnNode, as_f64, as_i64, build_unchecked, column, own, per
+from ir.columns import F64, I64, MAX_SEQ_LEN, REQUEST, BoolArray, ColumnNode, as_f64, as_i64, build_unchecked, column, own, per, tokens_of
 from ir.errors import IRValidationError
 
 __all__ = [
@@ -256,10 +256,18 @@ class SamplingRows(ColumnNode):
     stream; a greedy row's (temperature 0) are 0 and never read. ``logprobs`` is -1 where the row
     asks for none, else the alternatives per position (0 to ``MAX_LOGPROBS``).
 
+    ``min_tokens`` (transformers' ``MinNewTokensLengthLogitsProcessor``, vLLM): the row's ids
+    ``banned`` (packed, ``banned_lens[i]`` of them for row ``i``: its stop ids, end-of-sequence
+    included) get logit ``-inf`` while the token being chosen sits at an absolute position below
+    ``ban_until[i]`` (prompt length + ``min_tokens``; 0: no ban), greedy rows too, so they cannot
+    be emitted early. An absolute position keeps the ban right through chunking, decoding,
+    speculation and retraction (a retracted prompt grows by the output, the position does not move).
+
     Invariants (``IRValidationError``): the ranges of ``SamplingParams`` per entry (temperature >= 0
     and finite, top_p in (0, 1], min_p in [0, 1], top_k >= -1, presence and frequency penalties in
     [-2, 2], repetition penalty > 0 and finite, seed in [0, 2**63 - 1], index in [0, MAX_N),
-    logprobs in [-1, MAX_LOGPROBS]); NaN is refused everywhere."""
+    logprobs in [-1, MAX_LOGPROBS]); NaN is refused everywhere; ``ban_until`` in [0, MAX_SEQ_LEN],
+    ``banned_lens`` >= 0, ``banned`` ids >= 0 and ``sum(banned_lens)`` of them."""
 
     ALIGNED: ClassVar[bool] = True
 
@@ -273,6 +281,9 @@ class SamplingRows(ColumnNode):
     seed: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="seed"))
     index: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=MAX_N - 1, text="index"))
     logprobs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=-1, max=MAX_LOGPROBS, text="logprobs"))
+    ban_until: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, max=MAX_SEQ_LEN, text="ban_until"))
+    banned_lens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="bans"))
+    banned: I64 = column(converter=as_i64, metadata=per(tokens_of("banned_lens"), min=0, text="banned"))
 
     def _check(self) -> None:
         def refuse(name: str, arr: F64, ok: BoolArray, rule: str) -> None:
@@ -289,12 +300,15 @@ class SamplingRows(ColumnNode):
         refuse("repetition_penalty", r, np.isfinite(r) & (r > 0.0), "must be > 0 and finite (1 is off)")
 
     @classmethod
-    def of(cls, params: Sequence[SamplingParams], indices: Sequence[int] | None = None) -> SamplingRows:
-        """The rows of ``params`` (completion ``indices``, default 0 each). A sampled row must carry
-        its seed (``SamplingParams.seeded``): ``IRValidationError`` naming the row otherwise."""
+    def of(cls, params: Sequence[SamplingParams], indices: Sequence[int] | None = None,
+           bans: Sequence[tuple[int, Sequence[int]]] | None = None) -> SamplingRows:
+        """The rows of ``params`` (completion ``indices``, default 0 each; ``bans``: each row's
+        ``ban_until`` and banned ids, default none). A sampled row must carry its seed
+        (``SamplingParams.seeded``): ``IRValidationError`` naming the row otherwise."""
         for i, p in enumerate(params):
             if p.seed is None and not p.greedy:
                 raise IRValidationError("SamplingRows", "seed", None, f"row {i} is sampled (temperature {p.temperature}) and has no seed (SamplingParams.seeded)")
+        ban = list(bans) if bans is not None else [(0, ())] * len(params)
         return cls(
             temperature=[p.temperature for p in params],
             top_k=[p.top_k for p in params],
@@ -306,6 +320,9 @@ class SamplingRows(ColumnNode):
             seed=[p.seed or 0 for p in params],
             index=list(indices) if indices is not None else [0] * len(params),
             logprobs=[-1 if p.logprobs is None else p.logprobs for p in params],
+            ban_until=[until for until, _ in ban],
+            banned_lens=[len(ids) for _, ids in ban],
+            banned=[t for _, ids in ban for t in ids],
         )
 
     @classmethod
@@ -315,18 +332,31 @@ class SamplingRows(ColumnNode):
 
     @property
     def all_greedy(self) -> bool:
-        """Every row takes its argmax (temperature 0) and asks for no logprobs: the sampler has
-        nothing to do past ``greedy_or_flag``."""
-        return not self.temperature.any() and bool((self.logprobs < 0).all())
+        """Every row takes its argmax (temperature 0), asks for no logprobs and bans nothing: the
+        sampler has nothing to do past ``greedy_or_flag``."""
+        return not self.temperature.any() and bool((self.logprobs < 0).all()) and not self.bans_any
+
+    @property
+    def bans_any(self) -> bool:
+        """Some row bans ids before some position (``min_tokens``)."""
+        return bool(((self.ban_until > 0) & (self.banned_lens > 0)).any())
 
     def take(self, rows: I64 | BoolArray) -> SamplingRows:
-        """The rows ``rows`` selects (a boolean mask, or row indices in the new order)."""
+        """The rows ``rows`` selects (a boolean mask, or row indices in the new order); each row's
+        packed ``banned`` ids go with it."""
         # rows of a checked node, each entry kept whole: every local check still holds
-        cols = attrs.asdict(self, recurse=False)
-        return build_unchecked(SamplingRows, **{name: own(col[rows]) for name, col in cols.items()})
+        cols = {name: col[rows] for name, col in attrs.asdict(self, recurse=False).items() if name != "banned"}
+        lens = self.banned_lens
+        starts = (np.cumsum(lens) - lens)[rows]
+        new_lens = cols["banned_lens"]
+        # entry j of the result is the old entry j - (its row's new start) + (its row's old start)
+        shift = np.repeat(starts - (np.cumsum(new_lens) - new_lens), new_lens)
+        cols["banned"] = self.banned[np.arange(int(new_lens.sum()), dtype=np.int64) + shift]
+        return build_unchecked(SamplingRows, **{name: own(col) for name, col in cols.items()})
 
     def joined(self, other: SamplingRows) -> SamplingRows:
-        """These rows, then ``other``'s."""
+        """These rows, then ``other``'s (every column concatenates, the packed ``banned`` too: its
+        rows keep their order)."""
         mine, theirs = attrs.asdict(self, recurse=False), attrs.asdict(other, recurse=False)
         return build_unchecked(SamplingRows, **{name: own(np.concatenate((mine[name], theirs[name]))) for name in mine})
 

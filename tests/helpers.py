@@ -509,10 +509,12 @@ def sampling_rows(draw: Any, n: int) -> SamplingRows:
     def ints(lo: int, hi: int) -> list[int]:
         return draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))
 
+    lens = ints(0, 3)
     return SamplingRows(
         temperature=floats(0.0, 4.0), top_k=ints(-1, 100), top_p=floats(0.01, 1.0), min_p=floats(0.0, 1.0),
         presence_penalty=floats(-2.0, 2.0), frequency_penalty=floats(-2.0, 2.0), repetition_penalty=floats(0.1, 4.0),
-        seed=ints(0, 2**63 - 1), index=ints(0, 15), logprobs=ints(-1, 20),
+        seed=ints(0, 2**63 - 1), index=ints(0, 15), logprobs=ints(-1, 20), ban_until=ints(0, 5000), banned_lens=lens,
+        banned=draw(st.lists(st.integers(0, 2**31), min_size=sum(lens), max_size=sum(lens))),
     )
 
 

@@ -90,7 +90,10 @@ class Request:
 
     def _first_stop(self, out: list[int]) -> int | None:
         """Where the first stop id that ends ``out`` is: at an index >= ``sampling.min_tokens``
-        (a stop id before ``min_tokens`` tokens ends nothing), or ``None``."""
+        (a stop id before ``min_tokens`` tokens ends nothing), or ``None``. The sampler bans the
+        stop ids before ``min_tokens`` (``Forwards._sampling``), so with the bundled models none
+        comes there; this keeps the rule for a model hook whose verify returns tokens instead of
+        logits, which no ban reaches."""
         if not self.stop:
             return None
         return next((i for i in range(self.sampling.min_tokens, len(out)) if out[i] in self.stop), None)

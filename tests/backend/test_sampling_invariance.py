@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from backend import sampling
 from backend.sampling import NON_FINITE, RowParams, _order_asc, distribution, greedy_or_flag, sample_rows
 from ir.sampling import GREEDY, SamplingParams
 
@@ -41,8 +42,9 @@ def _logits(n: int, seed: int) -> torch.Tensor:
     return x
 
 
-def _run(logits: torch.Tensor, params: list[SamplingParams], counts: torch.Tensor, prompt: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = RowParams.of(params, indices=[i % 3 for i in range(len(params))])
+def _run(logits: torch.Tensor, params: list[SamplingParams], counts: torch.Tensor | None, prompt: torch.Tensor | None, position: torch.Tensor,
+         indices: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = RowParams.of(params, indices=indices if indices is not None else [i % 3 for i in range(len(params))])
     dist = distribution(logits, rows, output_counts=counts, prompt_mask=prompt)
     return dist.probs, sample_rows(dist, rows, position)
 
@@ -112,3 +114,95 @@ def test_dense_probs_of_a_greedy_batch_are_built_when_read() -> None:
     for i in (0, 1, 3):
         expected[i, int(greedy_or_flag(logits[i]))] = 1.0
     assert torch.equal(dist.probs, expected)
+
+
+LARGE = 131_072
+
+
+def test_candidate_path_gives_the_full_sorts_bits_at_a_large_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a 131,072 vocabulary, top-k and top-p rows take ``torch.topk`` candidates and sort the
+    whole row only where the candidates cannot decide: the probabilities and tokens equal those of
+    ``FULL_SORT`` (every row sorted) bit for bit, and only the rows expected to fall back are sorted."""
+    g = torch.Generator().manual_seed(77)
+    logits = torch.randn(10, LARGE, generator=g) * 3
+    logits[3, :] = (logits[3, :] * 4).round() / 4  # many ties, at every cut
+    logits[4, :] = 0.0
+    logits[4, :10] = 1.0  # flat: top-p 0.9 needs most of the vocabulary (falls back to the full sort)
+    logits[5, :40] = 20.0  # a 40-way tie at the top crosses top_k 30's cut
+    logits[8, 7] = math.nan
+    # top-p's cut inside a tie that straddles the first candidate count: 1,000 tokens at 5, then
+    # 3,000 tied at 0 (the cut keeps 21 of them: the lowest ids), the rest negligible
+    ids = torch.randperm(LARGE, generator=g)
+    logits[9, :] = -30.0
+    logits[9, ids[:1000]] = 5.0
+    logits[9, ids[1000:4000]] = 0.0
+    big = 1000 * math.exp(5.0)
+    params = [
+        SamplingParams(temperature=1.0, top_k=50, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=2),  # needs ~5,600 tokens: the second candidate count
+        SamplingParams(temperature=0.3, top_p=0.9, seed=3),  # peaked: the first
+        SamplingParams(temperature=1.0, top_k=2000, top_p=0.95, seed=4),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=5),
+        SamplingParams(temperature=1.0, top_k=30, top_p=0.99, seed=6),
+        SamplingParams(temperature=0.7, top_p=0.5, min_p=0.01, seed=7),
+        GREEDY,
+        SamplingParams(temperature=1.0, top_p=0.9, seed=8),
+        SamplingParams(temperature=1.0, top_p=(big + 20.5) / (big + 3000), seed=9),
+    ]
+    position = torch.arange(10) * 13
+    sorted_rows: list[int] = []
+    real = sampling._order_desc
+
+    def spy(z: torch.Tensor, *, host: bool | None = None) -> torch.Tensor:
+        sorted_rows.append(int(z.shape[0]))
+        return real(z, host=host)
+
+    monkeypatch.setattr(sampling, "_order_desc", spy)
+    fast_probs, fast = _run(logits, params, None, None, position)
+    assert sum(sorted_rows) == 2, sorted_rows  # the flat row and the non-finite one
+    monkeypatch.setattr(sampling, "FULL_SORT", True)
+    full_probs, full = _run(logits, params, None, None, position)
+    assert torch.equal(fast, full)
+    assert torch.equal(fast_probs, full_probs)
+    kept = (fast_probs > 0).sum(dim=1).tolist()
+    assert kept[0] == 50 and kept[5] == 40 and kept[7] == 1 and kept[8] == 0
+    assert 1000 < kept[1] < 16_384 and kept[2] < 1000 and kept[4] > 16_384, kept
+    tied = ids[1000:4000].sort().values
+    assert torch.equal((fast_probs[9] > 0).nonzero().squeeze(1), torch.cat([ids[:1000], tied[:21]]).sort().values)
+    # alone, each row gets the same bits
+    monkeypatch.setattr(sampling, "FULL_SORT", False)
+    for i in range(10):
+        probs, token = _run(logits[i : i + 1], params[i : i + 1], None, None, position[i : i + 1], [i % 3])
+        assert torch.equal(token, fast[i : i + 1]) and torch.equal(probs, fast_probs[i : i + 1]), i
+
+
+def test_penalties_on_the_seen_entries_equal_the_dense_formula() -> None:
+    """``_penalised`` changes only the penalised rows' seen tokens; its values equal the dense
+    formula (repetition on prompt and output tokens, then frequency and presence) on every entry
+    (a float32, a bfloat16 input; negative penalties; ``-inf`` logits)."""
+    g = torch.Generator().manual_seed(12)
+    n, vocab = 6, 5000
+    counts = torch.randint(0, 4, (n, vocab), generator=g) * (torch.rand(n, vocab, generator=g) < 0.02)
+    prompt = torch.rand(n, vocab, generator=g) < 0.02
+    params = [
+        SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.7, seed=1),
+        GREEDY,
+        SamplingParams(temperature=0.0, presence_penalty=-2.0),
+        SamplingParams(temperature=1.0, seed=2),
+        SamplingParams(temperature=1.0, repetition_penalty=0.8, seed=3),
+        SamplingParams(temperature=1.0, frequency_penalty=2.0, seed=4),
+    ]
+    rows = RowParams.of(params)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
+        logits[0, :50] = -math.inf
+        got = sampling._penalised(logits, rows, counts, prompt)
+        x = logits.float()
+        seen_out = counts > 0
+        r = rows.repetition_penalty[:, None]
+        want = torch.where(seen_out | prompt, torch.where(x < 0, x * r, x / r), x)
+        want = want - counts.float() * rows.frequency_penalty[:, None] - seen_out.float() * rows.presence_penalty[:, None]
+        on = torch.tensor([p.penalised for p in params])[:, None]
+        want = torch.where(on, want, x)
+        assert torch.equal(got, want), dtype
+        assert not torch.equal(got[0], x[0]) and torch.equal(got[1], x[1]) and torch.equal(got[3], x[3])

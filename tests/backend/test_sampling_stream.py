@@ -111,6 +111,33 @@ def test_inverse_cdf_draws_each_token_with_its_probability() -> None:
     assert int(_inverse_cdf(tiny, torch.tensor([0.999999999999], dtype=torch.float64))) == 1
 
 
+
+def test_two_level_inverse_cdf_draws_each_token_with_its_probability() -> None:
+    """Past ``CDF_BLOCK`` tokens (here 1,000: three blocks of 256 and a padded one) the block, then
+    the token within it: over the grid each token's share is within 2**-16 (+ float32 block-sum
+    rounding) of its weight's; zero weights (a whole zero block, zeros at block edges, the padding)
+    are never chosen, even at u = 1 - 2**-53; the draw agrees with the one-level search on all but
+    a rounding sliver of the grid; an all-zero row gives the last token."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(1, 1000, generator=g) * (torch.rand(1, 1000, generator=g) < 0.3)
+    w[0, 256:512] = 0.0  # a zero block
+    w[0, 255] = w[0, 512] = 0.0
+    w[0, 511] = 0.0
+    w[0, 700] = 5.0  # a heavy token
+    w[0, 999] = 0.0
+    grid = torch.arange(2**16, dtype=torch.float64) / 2**16
+    picks = _inverse_cdf(w.expand(grid.numel(), -1), grid)
+    freq = torch.bincount(picks, minlength=1000).double() / grid.numel()
+    assert torch.allclose(freq, w[0].double() / w.sum(), atol=2**-16 + 1e-6)
+    assert bool((w[0, picks] > 0).all())
+    last = int(w[0].nonzero().max())
+    assert int(_inverse_cdf(w, torch.tensor([1 - 2**-53], dtype=torch.float64))) == last
+    c = w.cumsum(dim=-1, dtype=torch.float64)
+    one_level = torch.searchsorted(c.expand(grid.numel(), -1).contiguous(), (grid * c[0, -1])[:, None], right=True).squeeze(1)
+    assert int((one_level != picks).sum()) <= 4
+    assert int(_inverse_cdf(torch.zeros(2, 1000), torch.tensor([0.0, 0.5], dtype=torch.float64))[1]) == 999
+
+
 def _batch(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, list[SamplingParams]]:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, vocab, generator=g) * 3

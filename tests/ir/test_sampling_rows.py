@@ -28,10 +28,14 @@ from tests.helpers import decode_batch, fresh, proposed, sampling_rows
 
 
 def _row(rows: SamplingRows | None, i: int) -> tuple[Any, ...]:
-    """Row ``i`` of ``rows`` as a tuple of its values (a ``None`` batch's rows are ``GREEDY``'s)."""
+    """Row ``i`` of ``rows`` as a tuple of its values, its banned ids last (a ``None`` batch's rows
+    are ``GREEDY``'s)."""
     if rows is None:
         rows = SamplingRows.greedy(i + 1)
-    return tuple(col[i].item() for col in attrs.asdict(rows, recurse=False).values())
+    cols = attrs.asdict(rows, recurse=False)
+    end = int(rows.banned_lens[: i + 1].sum())
+    banned = tuple(rows.banned[end - int(rows.banned_lens[i]) : end].tolist())
+    return (*(col[i].item() for name, col in cols.items() if name != "banned"), banned)
 
 
 def _by_rid(rids: Any, rows: SamplingRows | None) -> dict[int, tuple[Any, ...]]:
@@ -57,7 +61,7 @@ def _by_rid(rids: Any, rows: SamplingRows | None) -> dict[int, tuple[Any, ...]]:
 )
 def test_rows_refuse_values_outside_the_ranges_naming_the_field(field: str, value: object, message: str) -> None:
     cols = attrs.asdict(SamplingRows.greedy(2), recurse=False)
-    cols[field] = np.array([cols[field][0], value], dtype=cols[field].dtype)
+    cols[field] = np.array([cols[field][0], value], dtype=cols[field].dtype)  # (a per-request column)
     with pytest.raises(IRValidationError, match=rf"^SamplingRows\.{field}.*{message}"):
         SamplingRows(**cols)
 
@@ -73,8 +77,8 @@ def test_a_bool_is_not_a_number_and_a_sampled_row_needs_a_seed() -> None:
 def test_of_reads_each_field_and_greedy_rows_ask_for_nothing() -> None:
     p = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=42, logprobs=3)
     rows = SamplingRows.of([GREEDY, p], [0, 2])
-    assert _row(rows, 1) == (0.7, 5, 0.9, 0.1, 0.0, 0.0, 1.0, 42, 2, 3)
-    assert _row(rows, 0) == (0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, 0, 0, -1)
+    assert _row(rows, 1) == (0.7, 5, 0.9, 0.1, 0.0, 0.0, 1.0, 42, 2, 3, 0, 0, ())
+    assert _row(rows, 0) == (0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, 0, 0, -1, 0, 0, ())
     assert not rows.all_greedy and SamplingRows.greedy(3).all_greedy
 
 

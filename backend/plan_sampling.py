@@ -17,6 +17,13 @@ its result (``ir.results``), with the rows' ``SamplingRows`` (``ir.sampling``).
   there). So the result keeps the ``Verified`` form, and the accept pass and the engine treat sampled
   and greedy rows alike.
 
+Penalties: ``sample_logits`` and ``verify_tokens`` take the rows' token counts as a keyword
+(``counts``: ``output_counts`` and ``prompt_mask`` rows of the plan's slots, ``backend.counts``), and
+pass them to ``distribution`` when some row has a penalty (``penalised``); a greedy row with a
+penalty then takes the argmax of its penalised logits. A verify window's position ``j`` counts the
+``j`` proposals before it (``window_counts``). Without ``counts`` the penalties are not applied
+(the engine refuses penalised requests unless it keeps counts).
+
 Positions: the key's position is the position in its sequence of the token being chosen (prompt
 length plus output position): an extend row's first token is at ``prefix_len + extend_len``, a
 decode row's at ``seq_len``, a verify window's token ``j`` at ``seq_len + j``. For one prompt that is
@@ -29,11 +36,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backend.sampling import OneHotDraft, RowParams, distribution, greedy_or_flag, rejection_sample, sample, sample_rows
+from backend.sampling import OneHotDraft, RowParams, distribution, greedy_or_flag, rejection_sample, sample, sample_rows, window_counts
 from ir.columns import I64, frozen_i64
 from ir.sampling import SamplingRows
 
-__all__ = ["row_params", "sample_logits", "verify_tokens"]
+__all__ = ["Counts", "penalised", "row_params", "sample_logits", "verify_tokens"]
+
+Counts = tuple[torch.Tensor, torch.Tensor]
+"""A plan's rows' ``output_counts`` [N, V] and ``prompt_mask`` [N, V] (``backend.counts``)."""
 
 
 def _tensor(col: np.ndarray[tuple[int], np.dtype[np.generic]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -61,32 +71,51 @@ def _greedy(rows: SamplingRows | None) -> bool:
     return rows is None or not rows.temperature.any()
 
 
-def sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I64) -> I64:
+def penalised(rows: SamplingRows | None) -> bool:
+    """Whether some row has a presence, frequency or repetition penalty (it reads the counts)."""
+    return rows is not None and bool(
+        (rows.presence_penalty != 0).any() or (rows.frequency_penalty != 0).any() or (rows.repetition_penalty != 1).any()
+    )
+
+
+def sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I64, *, counts: Counts | None = None) -> I64:
     """The token of each row of ``[N, V]`` logits (module docstring); ``positions`` [N]: each row's
-    position of the token chosen."""
-    if _greedy(rows):
+    position of the token chosen; ``counts``: the rows' token counts (penalties)."""
+    pen = counts is not None and penalised(rows)
+    if _greedy(rows) and not pen:
         return sample(logits)
     assert rows is not None  # (``_greedy`` holds for None)
     params = row_params(rows, logits.device)
-    dist = distribution(logits, params)
+    dist = distribution(logits, params, **_counts_of(counts if pen else None))
     tokens = sample_rows(dist, params, _tensor(positions, torch.int64, logits.device))
     return frozen_i64(tokens.cpu().numpy())
 
 
-def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, start: I64) -> I64:
+def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, start: I64, *, counts: Counts | None = None) -> I64:
     """The target's tokens over a verify window (module docstring), row-major ``N * (k + 1)``:
     ``logits`` [N, k + 1, V], ``drafts`` the ``N * k`` proposals (row-major), ``start`` [N] the
-    position of each row's first proposal."""
+    position of each row's first proposal; ``counts``: the rows' token counts at the window's
+    first position (its input ``0`` counted; penalties)."""
+    pen = counts is not None and penalised(rows)
     top = greedy_or_flag(logits)
-    if _greedy(rows):
+    if _greedy(rows) and not pen:
         return frozen_i64(top.reshape(-1).cpu().numpy())
     assert rows is not None
     n, w, vocab = logits.shape
     device = logits.device
     params = row_params(rows, device)
-    dist = distribution(logits.reshape(n * w, vocab), params.repeat(w))
     proposed = _tensor(drafts, torch.int64, device).reshape(n, w - 1)
+    windowed: Counts | None = None
+    if pen:
+        assert counts is not None
+        windowed = (window_counts(counts[0], proposed), counts[1].repeat_interleave(w, dim=0))
+    dist = distribution(logits.reshape(n * w, vocab), params.repeat(w), **_counts_of(windowed))
     spec = rejection_sample(dist, proposed, OneHotDraft(), params, _tensor(start, torch.int64, device))
     slots = torch.arange(w, device=device)[None, :]
-    tokens = torch.where(slots <= spec.accepted[:, None], spec.tokens, top)
+    after = dist.top.reshape(n, w) if pen else top  # (a penalised greedy row's argmax is of its penalised logits)
+    tokens = torch.where(slots <= spec.accepted[:, None], spec.tokens, after)
     return frozen_i64(tokens.reshape(-1).cpu().numpy())
+
+
+def _counts_of(counts: Counts | None) -> dict[str, torch.Tensor | None]:
+    return {"output_counts": counts[0], "prompt_mask": counts[1]} if counts is not None else {}

@@ -14,6 +14,12 @@ all; the executor returns the ticket to outstanding in that case.
   whole rows). Copies read their sources as they were before the launch; the IR guarantees a source
   is never cleared or written in the same forward.
 - ``MambaSnapshot``: each source row into its cache row, one launch of the same kernel, copies only.
+
+``apply_counts_op`` applies the same op to an executor's token counts (``backend.counts``: the
+penalties' per-slot state, which starts as the slot's Mamba state does, on the same ticket): a clear
+zeroes the rows, a copy (COW or snapshot) copies them. It runs before ``apply_op`` on the same claimed
+ticket; both are idempotent for a given op (clears and copies whose sources the op never writes), so
+when ``apply_op`` fails and the ticket goes back to outstanding, applying both again later is exact.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import assert_never
 import torch
 
 from backend import faults
+from backend.counts import TokenCounts
 from backend.kernels.init_rows import init_rows
 from backend.pool import MambaStatePool
 from ir.errors import PlanExecutionError
@@ -82,3 +89,20 @@ def _apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot) -> None:
     """Each source row into its cache row (the same fused kernel, copies only)."""
     init_rows(pool.buffer, _slots(pool, ()), _slots(pool, snap.src), _slots(pool, snap.dst))
     faults.check(faults.FaultPoint.SNAPSHOT)
+
+
+def apply_counts_op(counts: TokenCounts, op: Op) -> None:
+    """Apply ``op`` to ``counts`` as ``apply_op`` applies it to the pool (the module; its slots
+    were checked against the pool, whose capacity the counts share)."""
+    match op:
+        case MambaInit():
+            if op.clear_slots:
+                counts.clear(op.clear_slots)
+            if op.cow_dst:
+                counts.copy(op.cow_src, op.cow_dst)
+        case MambaSnapshot():
+            # (the counts of the request's row after this forward: its tokens up to the forward's
+            # end, where today's snapshot takes the Mamba state too)
+            counts.copy(op.src, op.dst)
+        case _:
+            assert_never(op)

@@ -233,9 +233,9 @@ class Forwards:
 
     def _sampling(self, admitted: Sequence[AdmittedRequest]) -> SamplingRows | None:
         """The sampling rows of the requests a prefill admits (``None`` when every one is greedy
-        and asks for no logprobs: the batch then carries none)."""
+        and asks for no logprobs and no penalty: the batch then carries none)."""
         records = [self.requests[a.rid] for a in admitted]
-        if all(r.sampling.greedy and r.sampling.logprobs is None for r in records):
+        if all(r.sampling.greedy and r.sampling.logprobs is None and not r.sampling.penalised for r in records):
             return None
         return SamplingRows.of([r.sampling for r in records], [r.index for r in records])
 

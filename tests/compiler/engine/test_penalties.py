@@ -22,6 +22,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 from typeguard import suppress_type_checks
 
+from backend import faults
 from backend.counts import TokenCounts
 from backend.executor import Executor
 from backend.hybrid.reference import reference_logits
@@ -104,6 +105,33 @@ def test_an_engine_with_penalties_gives_the_reference_tokens(k: int, options: di
             assert eng.stats.proposed > 0 and 0 < eng.stats.accepted < eng.stats.proposed  # verifies ran and rejected some
 
 
+def _counts(eng: Engine) -> TokenCounts:
+    counts = eng.backends.target.counts  # type: ignore[attr-defined]  # (in process: the Executor itself)
+    assert isinstance(counts, TokenCounts)
+    return counts
+
+
+@pytest.mark.parametrize(("point", "after"), [(p, 0) for p in faults.POINTS] + [(faults.FaultPoint.MODEL_FORWARD, 5), (faults.FaultPoint.COMMIT, 2)])
+def test_a_retried_step_restores_the_counts_it_changed(point: faults.FaultPoint, after: int) -> None:
+    # with retries each forward is one transactional unit: the counts it changed (a clear, a COW, a
+    # prompt's tokens, a decode's or a commit's fed tokens) are restored with the pool's rows, so
+    # after the run every slot's counts (a freed slot keeps its last request's until it is reused)
+    # are those of the run without the fault (served together: each request in a slot of its own)
+    def run(armed: bool) -> tuple[list[list[int]], TokenCounts]:
+        with engine(2, penalties=True, prefix_cache=PrefixCache(capacity=4, block=4), chunk_size=3, retries=1) as eng:
+            if not armed:
+                return _serve(eng, CASES), _counts(eng)
+            with faults.armed(point, after=after) as fired:
+                got = _serve(eng, CASES)
+            assert fired == {point: 1} and eng.stats.retries == 1
+            return got, _counts(eng)
+
+    (plain, expected), (got, counts) = run(False), run(True)
+    assert got == plain == [reference(tuple(p), s) for p, s in CASES]
+    assert torch.equal(counts.output_counts, expected.output_counts) and torch.equal(counts.prompt_mask, expected.prompt_mask)
+    assert counts.output_counts.sum() > 0
+
+
 def test_greedy_requests_without_a_penalty_are_unchanged_beside_penalised_ones() -> None:
     cases = [(SHARED, PLAIN), *CASES[:2], ([5, 6, 7], PLAIN)]
     with engine(2, penalties=True) as eng:
@@ -129,8 +157,7 @@ def test_a_slot_reused_after_another_request_starts_with_cleared_counts() -> Non
         first = _serve(eng, [(prompt, params)])
         eng.admit(RequestId(7), prompt, max_new_tokens=NEW, sampling=params)
         eng.step()  # the prefill: the slot's counts are this prompt's tokens and nothing else
-        counts = eng.backends.target.counts  # type: ignore[attr-defined]  # (in process: the Executor itself)
-        assert isinstance(counts, TokenCounts)
+        counts = _counts(eng)
         assert counts.prompt_mask[1].nonzero().flatten().tolist() == sorted(set(prompt))
         assert not counts.output_counts[1].any()
         while eng.live:

@@ -50,9 +50,11 @@ CASES = [(SHARED + [1, 2, 3], ALL), ([9, 9, 9, 9, 10, 11], FREQ), (SHARED + [40,
 
 
 @cache
-def reference(prompt: tuple[int, ...], params: SamplingParams, n: int = NEW) -> list[int]:
+def reference(prompt: tuple[int, ...], params: SamplingParams, n: int = NEW, retracted_after: int = 0) -> list[int]:
     """``n`` tokens of the tiny target after ``prompt``, penalised as transformers and the OpenAI API
-    define it, from the from-scratch reference model."""
+    define it, from the from-scratch reference model. ``retracted_after``: the output tokens before
+    it became prompt tokens (a retraction then, ``backend.counts``): frequency and presence count
+    the output after them only."""
     target = tiny_models()[0]
     seq, out = list(prompt), list[int]()
     repetition = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
@@ -60,7 +62,8 @@ def reference(prompt: tuple[int, ...], params: SamplingParams, n: int = NEW) -> 
         logits = reference_logits(target, seq)[-1:].clone()
         if params.repetition_penalty != 1.0:
             logits = repetition(torch.tensor([seq]), logits)
-        counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=logits.shape[1]).float()
+        counted = out[retracted_after:] if len(out) >= retracted_after else out
+        counts = torch.bincount(torch.tensor(counted, dtype=torch.int64), minlength=logits.shape[1]).float()
         x = logits[0] - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
         token = int(x.argmax())
         seq.append(token)
@@ -101,6 +104,8 @@ def test_an_engine_with_penalties_gives_the_reference_tokens(k: int, options: di
         assert got == [reference(tuple(p), s) for p, s in CASES]
         if "prefix_cache" in options:
             assert eng.cache is not None and eng.cache.stats.hit_tokens >= len(SHARED)  # a COW started a slot's counts
+        if options.get("chunk_size") and not k:
+            assert eng.stats.mixed > 0  # decode rows fed beside a prefill's prompt rows
         if k:
             assert eng.stats.proposed > 0 and 0 < eng.stats.accepted < eng.stats.proposed  # verifies ran and rejected some
 
@@ -163,6 +168,24 @@ def test_a_slot_reused_after_another_request_starts_with_cleared_counts() -> Non
         while eng.live:
             eng.step()
         assert first == [eng.outputs[RequestId(7)]] == [reference(tuple(prompt), params)]
+
+
+def test_a_retracted_request_counts_its_earlier_output_as_prompt() -> None:
+    # a retracted request re-prefills its prompt and output so far: the repetition penalty reads both
+    # either way (its tokens equal the reference's); frequency and presence stop counting that output
+    for prompt, params in (CASES[2], CASES[1]):
+        with engine(0, penalties=True) as eng:
+            rid = RequestId(0)
+            eng.admit(rid, prompt, max_new_tokens=NEW, sampling=params)
+            while len(eng.requests[rid].output) < 4:
+                eng.step()
+            kept = len(eng.requests[rid].output)
+            eng.forwards.retract(rid)
+            while eng.live:
+                eng.step()
+            assert eng.stats.retractions == 1
+            assert eng.outputs[rid] == reference(tuple(prompt), params, retracted_after=kept if params.frequency_penalty else 0)
+    assert reference(tuple(CASES[1][0]), CASES[1][1], retracted_after=4) != reference(tuple(CASES[1][0]), CASES[1][1])
 
 
 def test_admit_refuses_a_penalised_request_unless_the_engine_keeps_counts() -> None:

@@ -214,10 +214,11 @@ class Transport(Protocol):
 
     def open(
         self, models: Mapping[PoolId, ServedModel[Any]], *, ledger: Ledger, slots: SlotAllocator, capacity: int, kv_capacity: int,
-        max_len: int, retries: int,
+        max_len: int, retries: int, penalties: bool = False,
     ) -> Backends:
         """One backend per pool of ``models`` (the engine's ``ledger`` and slot allocator; with
-        ``retries`` each forward is one transactional unit that can run again)."""
+        ``retries`` each forward is one transactional unit that can run again; with ``penalties``
+        the target's executor keeps token counts, ``backend.counts``, where it runs)."""
         ...
 
 

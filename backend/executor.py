@@ -54,6 +54,13 @@ ranks agree there that every rank accepted the plan), and ``applied`` once it ra
 tickets count as consumed (the ranks agree there that every rank applied it). With a gate, an init
 ticket is consumed with the rest of the plan's tickets at ``applied``, never early.
 
+Token counts (``counts``, a ``backend.counts.TokenCounts``; the target's executor of an engine that
+serves penalties): every op applied to the pool is applied to the counts too, on the same claimed
+ticket (``backend.state_init.apply_counts_op``); an extend forward marks its input tokens as the
+prompt's, a decode forward counts its input (the token generated at ``P - 1``) before sampling at
+``P``, a verify reads the counts plus its window's input ``0`` and proposals
+(``backend.sampling.window_counts``) and changes nothing, and its commit counts the window inputs it
+commits. The rows a forward restores on failure (transactional) include their counts.
 """
 
 from __future__ import annotations
@@ -71,14 +78,15 @@ import torch
 from backend import faults
 from backend.allocator import SlotAllocator
 from backend.boundary import Pending, run_now
+from backend.counts import TokenCounts
 from backend.ledger import Claim, Ledger
 from backend.logprobs import logprobs_of
 from backend.model import CapturesInnerStates, ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
-from backend.plan_sampling import sample_logits, verify_tokens
+from backend.plan_sampling import Counts, penalised, sample_logits, verify_tokens
 from backend.pool import MambaStatePool
 from backend.sampling import sample
 from backend.staging import Captures, StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
-from backend.state_init import apply_op, check_fits, restoring
+from backend.state_init import apply_counts_op, apply_op, check_fits, restoring
 from ir.columns import I64, frozen_i64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.ids import DraftId, PoolId, SampleId, VerifyId
@@ -87,7 +95,7 @@ from ir.linear import consumes
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.results import Ran, Result, Sampled, Verified
-from ir.sampling import rows_joined
+from ir.sampling import SamplingRows, rows_joined
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
 from ir.verify import VerifyLevel, verify_level_from_env
 
@@ -137,12 +145,14 @@ class Executor(Generic[VerifyStateT]):
         transactional: bool = False,
         watch: bool | None = None,
         gate: Gate | None = None,
+        counts: TokenCounts | None = None,
     ) -> None:
         """Arguments are checked before anything is kept (``IRValidationError`` naming
         ``Executor.<argument>`` and the value): ``pool`` a ``MambaStatePool``, ``ledger`` a
         ``Ledger``, ``model`` ``None`` or a ``ModelHook`` (an object with a ``forward``), ``slots``
         ``None`` or a ``SlotAllocator``, ``transactional`` a ``bool``, ``watch`` a ``bool`` or
-        ``None`` (0, 1 and ``'no'`` are not switches), ``gate`` ``None`` or a ``Gate``."""
+        ``None`` (0, 1 and ``'no'`` are not switches), ``gate`` ``None`` or a ``Gate``, ``counts``
+        ``None`` or a ``TokenCounts`` of the pool's capacity (the penalties' state, module)."""
         from ir.columns import check_instance  # (imported here: this method's checks only)
 
         check_instance("Executor", "pool", pool, MambaStatePool)
@@ -152,11 +162,17 @@ class Executor(Generic[VerifyStateT]):
         check_instance("Executor", "transactional", transactional, bool)
         check_instance("Executor", "watch", watch, bool, optional=True)
         check_instance("Executor", "gate", gate, Gate, optional=True)
+        check_instance("Executor", "counts", counts, TokenCounts, optional=True)
+        if counts is not None and counts.capacity != pool.capacity:
+            raise IRValidationError(
+                "Executor", "counts", counts, f"the token counts' capacity {counts.capacity} differs from the pool's {pool.capacity}"
+            )
         if slots is not None and slots.capacity != pool.capacity:
             raise IRValidationError(
                 "Executor", "slots", slots, f"the slot allocator's capacity {slots.capacity} differs from the pool's {pool.capacity}"
             )
         self.pool = pool
+        self.counts = counts
         self.transactional = transactional
         self.watch = watch if watch is not None else verify_level_from_env() is VerifyLevel.EVERY_PASS
         self._seen: tuple[int, bytes] | None = None
@@ -291,9 +307,10 @@ class Executor(Generic[VerifyStateT]):
                 self._validated(plan)
                 for t in claim.tickets:
                     if op_when(t.op) is When.BEFORE:
-                        apply_op(self.pool, t.op)
+                        self._apply(t.op)
                         if self.gate is None:
                             claim.done(t)
+                self._count_inputs(extend, decode)
                 out = self._forward(plan, extend, decode)
                 faults.check(faults.FaultPoint.MODEL_FORWARD)
                 self._after(claim, captures)
@@ -302,12 +319,13 @@ class Executor(Generic[VerifyStateT]):
             return self._prefill_sampled(plan, out)
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
         # and every ticket is outstanding again, so the same plan can simply be executed again
-        with restoring(self.pool, rows), self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
+        with self._restoring(rows), self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
             _check_fresh_rows(plan, ext, claim.tickets)
             self._validated(plan)
             for t in claim.tickets:
                 if op_when(t.op) is When.BEFORE:
-                    apply_op(self.pool, t.op)
+                    self._apply(t.op)
+            self._count_inputs(extend, decode)
             out = self._forward(plan, extend, decode)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
             self._after(claim, captures)
@@ -325,7 +343,8 @@ class Executor(Generic[VerifyStateT]):
         if isinstance(plan, MixedPlan):
             rows = rows_joined(rows, n, plan.decode.sampling, plan.decode.num_requests)
             positions = np.concatenate((positions, plan.decode.seq_lens))
-        tokens = sample_logits(logits, rows, frozen_i64(positions))
+        slots = ext.slots if not isinstance(plan, MixedPlan) else np.concatenate((ext.slots, plan.decode.slots))
+        tokens = sample_logits(logits, rows, frozen_i64(positions), counts=self._count_rows(rows, slots))
         logprobs = logprobs_of(logits, tokens, rows)
         if isinstance(plan, MixedPlan):
             self._sampled(plan.decode, tokens[n:])
@@ -339,7 +358,7 @@ class Executor(Generic[VerifyStateT]):
         """The ops that run after the forward (the prefix cache's snapshots)."""
         for t in claim.tickets:
             if op_when(t.op) is When.AFTER:
-                apply_op(self.pool, t.op, captures)
+                self._apply(t.op, captures)
 
     def _captures(self, plan: ExtendPlan | MixedPlan, ext: ExtendPlan) -> Captures | None:
         """The states this pool's snapshot takes inside a chunk (``MambaSnapshot.at`` below its
@@ -370,6 +389,28 @@ class Executor(Generic[VerifyStateT]):
             seq=tuple(rows[op.src[j]] for j in inner), at=tuple(op.at[j] for j in inner), entries=tuple(inner), into=self._capture_pool,
         )
 
+    def _apply(self, op: Op, captures: Captures | None = None) -> None:
+        """``op`` on the counts (idempotent: see ``backend.state_init``), then on the pool."""
+        if self.counts is not None:
+            apply_counts_op(self.counts, op)
+        apply_op(self.pool, op, captures)
+
+    def _count_inputs(self, extend: StagedExtend | None, decode: StagedDecode | None) -> None:
+        """An extend's inputs are prompt tokens; a decode's input is the token generated before the
+        one it samples (module docstring)."""
+        if self.counts is None:
+            return
+        if extend is not None:
+            self.counts.prompt(extend.slots, extend.cu_seqlens.diff(), extend.input_ids)
+        if decode is not None:
+            self.counts.feed(decode.slots, decode.input_ids)
+
+    def _count_rows(self, rows: SamplingRows | None, slots: npt.NDArray[np.int64]) -> Counts | None:
+        """The counts of ``slots`` when some row has a penalty (else the sampler needs none)."""
+        if self.counts is None or not penalised(rows):
+            return None
+        return self.counts.rows(torch.from_numpy(np.array(slots, dtype=np.int64)))  # (a copy: IR columns are read-only)
+
     @consumes
     def run_decode(self, plan: DecodePlan) -> Sampled:
         if not isinstance(plan, DecodePlan):
@@ -377,9 +418,10 @@ class Executor(Generic[VerifyStateT]):
         self._check_rows(plan.slots, "DecodePlan")
         staged = stage_decode(plan, self.pool.device, self._inputs(plan, "DecodePlan"))
         with self._unit(plan.slots):
+            self._count_inputs(None, staged)
             out = self._forward(plan, None, staged)
             faults.check(faults.FaultPoint.MODEL_FORWARD)
-        tokens = sample_logits(out, plan.sampling, plan.seq_lens)
+        tokens = sample_logits(out, plan.sampling, plan.seq_lens, counts=self._count_rows(plan.sampling, plan.slots))
         self._sampled(plan, tokens)
         return Sampled(rids=plan.rids, tokens=tokens, logprobs=logprobs_of(out, tokens, plan.sampling))
 
@@ -473,12 +515,19 @@ class Executor(Generic[VerifyStateT]):
         hook_out: object = out  # a user's hook: its annotation is a promise, checked here
         if isinstance(hook_out, torch.Tensor) and out.dim() == 3 and tuple(out.shape[:2]) == (n, w) and out.is_floating_point():
             drafts = b.window(b.input_ids)[:, 1:].reshape(-1)
-            return verify_tokens(out, frozen_i64(drafts), b.sampling, b.seq_lens)
+            counts = self._count_rows(b.sampling, b.slots)
+            if counts is not None:
+                # the window's input 0 (the last generated token) is fed here, before position 0
+                pending = torch.from_numpy(b.window(b.input_ids)[:, 0].copy()).to(counts[0].device)
+                fed = counts[0].clone()
+                fed[torch.arange(n, device=fed.device), pending] += 1
+                counts = (fed, counts[1])
+            return verify_tokens(out, frozen_i64(drafts), b.sampling, b.seq_lens, counts=counts)
         if isinstance(hook_out, torch.Tensor) and tuple(out.shape) == (n, w) and out.dtype == torch.int64:
-            if b.sampling is not None and (b.sampling.temperature.any() or b.sampling.bans_any):
+            if b.sampling is not None and (b.sampling.temperature.any() or b.sampling.bans_any) or self.counts is not None and penalised(b.sampling):
                 raise PlanExecutionError(
-                    f"verify #{b.verify_id}: the model hook's verify returned tokens, but sampled rows and rows with min_tokens "
-                    f"need its logits ({n} x {w} x vocab)"
+                    f"verify #{b.verify_id}: the model hook's verify returned tokens, but sampled or penalised rows and rows with "
+                    f"min_tokens need its logits ({n} x {w} x vocab)"
                 )
             return frozen_i64(out.reshape(-1).cpu().numpy())
         got = f"{out.dtype} {tuple(out.shape)}" if isinstance(hook_out, torch.Tensor) else type(hook_out).__name__
@@ -543,6 +592,12 @@ class Executor(Generic[VerifyStateT]):
         with self._unit(plan.batch.slots):
             with self._watched("the model hook's commit", plan):
                 self._spec_model(plan).commit(plan, kept.states, self.pool)
+            if phase == "verify" and self.counts is not None:
+                # the window inputs it commits (0 to accept_pos) were generated and are now fed
+                b = plan.batch
+                window = b.input_ids.reshape(-1, b.k + 1)
+                fed = window[np.arange(b.k + 1)[None, :] <= b.accept_pos[:, None]]  # (row-major: each row's in order)
+                self.counts.feed(torch.from_numpy(b.slots.copy()), torch.from_numpy(fed), torch.from_numpy(b.accept_pos + 1))
             faults.check(faults.FaultPoint.COMMIT)
         del self._intermediates[serial]
 
@@ -569,7 +624,13 @@ class Executor(Generic[VerifyStateT]):
 
     def _unit(self, slots: I64) -> AbstractContextManager[None]:
         """A transactional executor restores the rows a failing forward wrote."""
-        return restoring(self.pool, slots.tolist()) if self.transactional else nullcontext()
+        return self._restoring(slots.tolist()) if self.transactional else nullcontext()
+
+    @contextmanager
+    def _restoring(self, rows: list[int]) -> Iterator[None]:
+        """The pool's rows and (with counts) their counts, restored if the block raises."""
+        with restoring(self.pool, rows), self.counts.restoring(rows) if self.counts is not None else nullcontext():
+            yield
 
     # -- the in-place mutation detector (``watch``: on at BATCHC_VERIFY=2) -------------------
 

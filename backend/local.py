@@ -11,6 +11,7 @@ from typing import Any, Final
 
 from backend.allocator import SlotAllocator
 from backend.boundary import InProcessGroup
+from backend.counts import token_counts
 from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.model import ServedModel, ServingModelHook
@@ -46,7 +47,7 @@ class InProcess:
 
     def open(
         self, models: Mapping[PoolId, ServedModel[Any]], *, ledger: Ledger, slots: SlotAllocator, capacity: int, kv_capacity: int,
-        max_len: int, retries: int,
+        max_len: int, retries: int, penalties: bool = False,
     ) -> LocalBackends:
         executors: list[Executor[Any]] = []
         hooks: list[ServingModelHook[Any]] = []
@@ -54,7 +55,10 @@ class InProcess:
             hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=max_len)
             hooks.append(hook)
             # with retries, each forward is one transactional unit that can simply run again
-            executors.append(Executor(model.new_pool(capacity, pool_id=pool), ledger, hook, slots=slots, transactional=retries > 0))
+            state = model.new_pool(capacity, pool_id=pool)
+            executors.append(Executor(
+                state, ledger, hook, slots=slots, transactional=retries > 0, counts=token_counts(state, model.vocab) if penalties else None,
+            ))
         return LocalBackends(executors, hooks)
 
 

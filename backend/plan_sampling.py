@@ -24,6 +24,13 @@ Rows without an active ban keep their logits bit for bit, and a plan whose rows 
 nothing never copies its logits, so a greedy run without ``min_tokens`` is the argmax it was.
 Banned ids at or past the vocabulary are ignored (no logit to mask; the model cannot emit them).
 
+Penalties: ``sample_logits`` and ``verify_tokens`` take the rows' token counts as a keyword
+(``counts``: ``output_counts`` and ``prompt_mask`` rows of the plan's slots, ``backend.counts``), and
+pass them to ``distribution`` when some row has a penalty (``penalised``); a greedy row with a
+penalty then takes the argmax of its penalised logits. A verify window's position ``j`` counts the
+``j`` proposals before it (``window_counts``). Without ``counts`` the penalties are not applied
+(the engine refuses penalised requests unless it keeps counts).
+
 Positions: the key's position is the position in its sequence of the token being chosen (prompt
 length plus output position): an extend row's first token is at ``prefix_len + extend_len``, a
 decode row's at ``seq_len``, a verify window's token ``j`` at ``seq_len + j``. For one prompt that is
@@ -38,11 +45,14 @@ import math
 import numpy as np
 import torch
 
-from backend.sampling import OneHotDraft, RowParams, distribution, greedy_or_flag, rejection_sample, sample, sample_rows
+from backend.sampling import OneHotDraft, RowParams, distribution, greedy_or_flag, rejection_sample, sample, sample_rows, window_counts
 from ir.columns import I64, frozen_i64
 from ir.sampling import SamplingRows
 
-__all__ = ["row_params", "sample_logits", "verify_tokens"]
+__all__ = ["Counts", "penalised", "row_params", "sample_logits", "verify_tokens"]
+
+Counts = tuple[torch.Tensor, torch.Tensor]
+"""A plan's rows' ``output_counts`` [N, V] and ``prompt_mask`` [N, V] (``backend.counts``)."""
 
 
 def _tensor(col: np.ndarray[tuple[int], np.dtype[np.generic]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -90,6 +100,13 @@ def _greedy(rows: SamplingRows | None) -> bool:
     return rows is None or not rows.temperature.any()
 
 
+def penalised(rows: SamplingRows | None) -> bool:
+    """Whether some row has a presence, frequency or repetition penalty (it reads the counts)."""
+    return rows is not None and bool(
+        (rows.presence_penalty != 0).any() or (rows.frequency_penalty != 0).any() or (rows.repetition_penalty != 1).any()
+    )
+
+
 def _banned(logits: torch.Tensor, rows: SamplingRows, positions: np.ndarray[tuple[int, int], np.dtype[np.int64]]) -> torch.Tensor:
     """``logits`` [N, W, V] with each row's banned ids at ``-inf`` at the window positions whose
     ``positions`` [N, W] are below the row's ``ban_until`` (module docstring); ``logits`` itself
@@ -109,36 +126,48 @@ def _banned(logits: torch.Tensor, rows: SamplingRows, positions: np.ndarray[tupl
     return out
 
 
-def sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I64) -> I64:
+def sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I64, *, counts: Counts | None = None) -> I64:
     """The token of each row of ``[N, V]`` logits (module docstring); ``positions`` [N]: each row's
-    position of the token chosen."""
+    position of the token chosen; ``counts``: the rows' token counts (penalties)."""
     if rows is not None and rows.bans_any:
         logits = _banned(logits[:, None], rows, np.asarray(positions, dtype=np.int64)[:, None])[:, 0]
-    if _greedy(rows):
+    pen = counts is not None and penalised(rows)
+    if _greedy(rows) and not pen:
         return sample(logits)
     assert rows is not None  # (``_greedy`` holds for None)
     params = _params(rows, logits.device)
-    dist = distribution(logits, params)
+    dist = distribution(logits, params, **_counts_of(counts if pen else None))
     tokens = sample_rows(dist, params, _tensor(positions, torch.int64, logits.device))
     return frozen_i64(tokens.cpu().numpy())
 
 
-def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, start: I64) -> I64:
+def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, start: I64, *, counts: Counts | None = None) -> I64:
     """The target's tokens over a verify window (module docstring), row-major ``N * (k + 1)``:
     ``logits`` [N, k + 1, V], ``drafts`` the ``N * k`` proposals (row-major), ``start`` [N] the
-    position of each row's first proposal."""
+    position of each row's first proposal; ``counts``: the rows' token counts at the window's
+    first position (its input ``0`` counted; penalties)."""
     if rows is not None and rows.bans_any:
         logits = _banned(logits, rows, np.asarray(start, dtype=np.int64)[:, None] + np.arange(logits.shape[1], dtype=np.int64))
+    pen = counts is not None and penalised(rows)
     top = greedy_or_flag(logits)
-    if _greedy(rows):
+    if _greedy(rows) and not pen:
         return frozen_i64(top.reshape(-1).cpu().numpy())
     assert rows is not None
     n, w, vocab = logits.shape
     device = logits.device
     params = _params(rows, device)
-    dist = distribution(logits.reshape(n * w, vocab), params.repeat(w))
     proposed = _tensor(drafts, torch.int64, device).reshape(n, w - 1)
+    windowed: Counts | None = None
+    if pen:
+        assert counts is not None
+        windowed = (window_counts(counts[0], proposed), counts[1].repeat_interleave(w, dim=0))
+    dist = distribution(logits.reshape(n * w, vocab), params.repeat(w), **_counts_of(windowed))
     spec = rejection_sample(dist, proposed, OneHotDraft(), params, _tensor(start, torch.int64, device))
     slots = torch.arange(w, device=device)[None, :]
-    tokens = torch.where(slots <= spec.accepted[:, None], spec.tokens, top)
+    after = dist.top.reshape(n, w) if pen else top  # (a penalised greedy row's argmax is of its penalised logits)
+    tokens = torch.where(slots <= spec.accepted[:, None], spec.tokens, after)
     return frozen_i64(tokens.reshape(-1).cpu().numpy())
+
+
+def _counts_of(counts: Counts | None) -> dict[str, torch.Tensor | None]:
+    return {"output_counts": counts[0], "prompt_mask": counts[1]} if counts is not None else {}

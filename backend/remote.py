@@ -57,6 +57,7 @@ import torch
 from backend import boundary, children, faults
 from backend.allocator import SlotAllocator
 from backend.boundary import BackendGone, ForwardFailed
+from backend.counts import token_counts
 from backend.executor import Executor
 from backend.ledger import Claim, Ledger
 from backend.model import ServedModel
@@ -129,14 +130,17 @@ class ExecutorProcess:
         slots: SlotAllocator | None = None,
         transactional: bool = False,
         threads: int = 1,
+        penalties: bool = False,
     ) -> None:
         """Arguments are checked here (``IRValidationError`` naming ``ExecutorProcess.<argument>``);
-        the model is pickled to the child, which builds the pool and serving hook and reports ready
+        the model is pickled to the child, which builds the pool, the serving hook and (with
+        ``penalties``, for the target) the token counts (``backend.counts``) and reports ready
         (an error there is raised here, as ``ExecutorRefused`` or ``ForwardFailed``)."""
         check_instance("ExecutorProcess", "model", model, ServedModel)
         check_instance("ExecutorProcess", "ledger", ledger, Ledger)
         check_instance("ExecutorProcess", "slots", slots, SlotAllocator, optional=True)
         check_instance("ExecutorProcess", "transactional", transactional, bool)
+        check_instance("ExecutorProcess", "penalties", penalties, bool)
         for name, value in (("capacity", capacity), ("kv_capacity", kv_capacity), ("max_len", max_len), ("threads", threads)):
             if type(value) is not int or value < 1:
                 raise IRValidationError("ExecutorProcess", name, value, "must be an int >= 1")
@@ -167,7 +171,7 @@ class ExecutorProcess:
         """Seconds the caller spent blocked on this process's replies."""
         self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._proc)
         try:
-            start = _dumps(("start", model, pool_id, capacity, kv_capacity, max_len, transactional, threads, this_epoch()))
+            start = _dumps(("start", model, pool_id, capacity, kv_capacity, max_len, transactional, threads, this_epoch(), penalties))
         except Exception as exc:  # noqa: BLE001 - any pickling failure: the model cannot travel
             self.close()
             raise IRValidationError("ExecutorProcess", "model", type(model).__name__, f"must pickle to reach its process ({exc!r})") from exc
@@ -435,7 +439,7 @@ def _main(fd: int) -> None:
 
 def _serve(
     conn: multiprocessing.connection.Connection, model: ServedModel[Any], pool_id: PoolId, capacity: int, kv_capacity: int,
-    max_len: int, transactional: bool, threads: int, parent_epoch: int,
+    max_len: int, transactional: bool, threads: int, parent_epoch: int, penalties: bool,
 ) -> None:
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -444,7 +448,8 @@ def _serve(
         hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=max_len)
         ledger = Ledger()
         ledger.trust_peer(parent_epoch, "scheduler")
-        ex: Executor[Any] = Executor(pool, ledger, hook, transactional=transactional)
+        counts = token_counts(pool, model.vocab) if penalties else None
+        ex: Executor[Any] = Executor(pool, ledger, hook, transactional=transactional, counts=counts)
     except BaseException as exc:  # noqa: BLE001 (reported to the scheduler, which raises it)
         conn.send_bytes(_dumps(_failed(exc, t0, [])))
         return
@@ -569,7 +574,7 @@ class Processes:
 
     def open(
         self, models: Mapping[PoolId, ServedModel[Any]], *, ledger: Ledger, slots: SlotAllocator, capacity: int, kv_capacity: int,
-        max_len: int, retries: int,
+        max_len: int, retries: int, penalties: bool = False,
     ) -> ProcessBackends:
         """The processes start side by side (the target's first); if one cannot start, those
         started are stopped and the error is raised."""
@@ -579,7 +584,7 @@ class Processes:
             for pool, model in models.items():
                 started.append(ExecutorProcess(
                     model, pool_id=pool, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, ledger=ledger, slots=slots,
-                    transactional=retries > 0, threads=threads,
+                    transactional=retries > 0, threads=threads, penalties=penalties,
                 ))
             backends = ProcessBackends(started[0], started[1] if len(started) > 1 else None)
             backends.ready()

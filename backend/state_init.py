@@ -17,6 +17,14 @@ all; the executor returns the ticket to outstanding in that case.
   an entry taken inside its request's chunk (``at`` below its ``extend_len``) copies the state the
   forward captured there instead (``backend.staging.Captures``: a row of a capture pool, moved by
   ``copy_rows``, the same kernel between two buffers).
+
+- ``MambaSnapshot``: each source row into its cache row, one launch of the same kernel, copies only.
+
+``apply_counts_op`` applies the same op to an executor's token counts (``backend.counts``: the
+penalties' per-slot state, which starts as the slot's Mamba state does, on the same ticket): a clear
+zeroes the rows, a copy (COW or snapshot) copies them. It runs before ``apply_op`` on the same claimed
+ticket; both are idempotent for a given op (clears and copies whose sources the op never writes), so
+when ``apply_op`` fails and the ticket goes back to outstanding, applying both again later is exact.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import assert_never
 import torch
 
 from backend import faults
+from backend.counts import TokenCounts
 from backend.kernels.init_rows import copy_rows, init_rows
 from backend.pool import MambaStatePool
 from backend.staging import Captures
@@ -95,3 +104,26 @@ def _apply_snapshot(pool: MambaStatePool, snap: MambaSnapshot, captures: Capture
         rows = tuple(range(1, len(captures.entries) + 1))
         copy_rows(pool.buffer, captures.into.buffer, _slots(pool, rows), _slots(pool, tuple(snap.dst[j] for j in captures.entries)))
     faults.check(faults.FaultPoint.SNAPSHOT)
+
+
+def apply_counts_op(counts: TokenCounts, op: Op) -> None:
+    """Apply ``op`` to ``counts`` as ``apply_op`` applies it to the pool (the module; its slots
+    were checked against the pool, whose capacity the counts share)."""
+    match op:
+        case MambaInit():
+            if op.clear_slots:
+                counts.clear(op.clear_slots)
+            if op.cow_dst:
+                counts.copy(op.cow_src, op.cow_dst)
+        case MambaSnapshot():
+            # the counts of the request's row after this forward: its tokens up to the forward's end.
+            # A snapshot inside a chunk (``at``) would need them at that position, which the counts
+            # do not keep: an engine with penalties ends its chunks at snapshot points instead
+            # (``compiler.engine.chunks``), and anything else is refused here.
+            if op.at:
+                raise PlanExecutionError(
+                    f"snapshot #{op.serial} is taken inside a chunk (at {list(op.at)}), which the token counts of penalties cannot follow"
+                )
+            counts.copy(op.src, op.dst)
+        case _:
+            assert_never(op)

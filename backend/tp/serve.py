@@ -40,6 +40,7 @@ from typing import Any
 from backend import faults
 from backend.allocator import SlotAllocator
 from backend.boundary import InProcessGroup, Pending, run_now
+from backend.counts import token_counts
 from backend.executor import Executor
 from backend.hybrid.model import HybridModel
 from backend.ledger import LEDGER_COUNTS_WIDTH, Ledger, LedgerCounts, RankLedgers
@@ -176,6 +177,7 @@ class TPLeader:
 
     def open_session(
         self, models: Mapping[PoolId, object], *, capacity: int, kv_capacity: int, max_len: int, transactional: bool,
+        penalties: bool = False,
     ) -> None:
         """The workers build a pool and caches per pool of ``models`` (rank 0's shards, by pool),
         after checking that their shards were cut from the same models (``ShardOrigin``'s
@@ -194,7 +196,7 @@ class TPLeader:
         pools = tuple(models)
         self._sizes = (capacity, max_len)
         cfg = {"pools": list(pools), "capacity": capacity, "kv_capacity": kv_capacity, "max_len": max_len,
-               "transactional": transactional, "epoch": this_epoch(), "origins": origins}
+               "transactional": transactional, "epoch": this_epoch(), "origins": origins, "penalties": penalties}
         try:
             self.group.send(Msg.START, json.dumps(cfg).encode())
             worst, dissent = self.group.agree()
@@ -412,19 +414,23 @@ class TensorParallel:
 
     def open(
         self, models: Mapping[PoolId, ServedModel[Any]], *, ledger: Ledger, slots: SlotAllocator, capacity: int, kv_capacity: int,
-        max_len: int, retries: int,
+        max_len: int, retries: int, penalties: bool = False,
     ) -> TPBackends:
         """Open the group's session (the workers build their pools), then rank 0's executors; if
         those cannot be built, the session ends."""
         leader = self.leader
-        leader.open_session(models, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, transactional=False)
+        leader.open_session(models, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, transactional=False, penalties=penalties)
         try:
             executors: list[TPExecutor] = []
             hooks: list[ServingModelHook[Any]] = []
             for pool, model in models.items():
                 hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=max_len)
                 hooks.append(hook)
-                executors.append(TPExecutor(leader, Executor(model.new_pool(capacity, pool_id=pool), ledger, hook, slots=slots, gate=leader.gate)))
+                # (every rank keeps the target's token counts and updates them alike: the logits it
+                # samples from are the whole vocabulary's on every rank)
+                state = model.new_pool(capacity, pool_id=pool)
+                counts = token_counts(state, model.vocab) if penalties else None
+                executors.append(TPExecutor(leader, Executor(state, ledger, hook, slots=slots, gate=leader.gate, counts=counts)))
         except BaseException:
             if leader.pools is not None and leader.group.broken is None and not leader.group.closed:
                 leader.close_session(ledger)
@@ -462,9 +468,9 @@ class _Session:
                                  f"rank 0's {cfg['origins'][pool]}): another checkpoint, seed or dtype")
             hook = model.serving_hook(capacity=cfg["capacity"], kv_capacity=cfg["kv_capacity"], max_len=cfg["max_len"])
             self.hooks.append(hook)
-            self.executors.append(
-                Executor(model.new_pool(cfg["capacity"], pool_id=pool), self.ledger, hook, transactional=bool(cfg["transactional"]), gate=gate)
-            )
+            state = model.new_pool(cfg["capacity"], pool_id=pool)
+            counts = token_counts(state, model.vocab) if cfg.get("penalties") else None
+            self.executors.append(Executor(state, self.ledger, hook, transactional=bool(cfg["transactional"]), gate=gate, counts=counts))
 
 
 class _Worker:

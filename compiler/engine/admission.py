@@ -13,6 +13,7 @@ from typing import Any, cast
 import numpy as np
 
 from backend.boundary import Transport
+from backend.counts import TokenCounts
 from backend.model import ServedModel
 from backend.pool import MAX_POOL_BYTES as MAMBA_POOL_MAX_BYTES
 from compiler.engine.policy import SchedulePolicy
@@ -72,6 +73,7 @@ def check_engine_args(
     transport: object = None,
     policy: object = None,
     seed: object = 0,
+    penalties: object = False,
 ) -> None:
     """``Engine``'s argument checks, all before anything is allocated (``PreconditionError`` naming
     the argument and the value): counts are ints (numpy
@@ -83,7 +85,8 @@ def check_engine_args(
     ``retries`` in ``[0, MAX_RETRIES]``; ``target`` a ``ServedModel`` (a ``HybridModel``, or
     any model with the protocol's methods); ``draft`` a ``ServedModel`` of the target's vocabulary when ``k > 0`` (``None`` or unused when ``k ==
     0``); ``mixed`` a ``bool``; ``prefix_cache`` a ``PrefixCache`` or ``None``; ``pm`` a
-    ``PassManager`` or ``None``; ``policy`` a ``SchedulePolicy``; ``seed`` an int in [0, 2**63 - 1]; ``transport`` a
+    ``PassManager`` or ``None``; ``policy`` a ``SchedulePolicy``; ``seed`` an int in [0, 2**63 - 1]; ``penalties`` a ``bool``
+    (with it, the target's token counts, ``backend.counts``, within ``MAX_POOL_BYTES``); ``transport`` a
     ``backend.boundary.Transport`` that does not refuse the models and ``retries`` (a
     tensor-parallel group's refuses retries, shards of another rank or world, and a leader whose
     session is in use)."""
@@ -123,6 +126,13 @@ def check_engine_args(
                     "Engine",
                     f"capacity {slots}: the {name}'s state pool would take {(slots + 1) * row_bytes} bytes, over the bound {MAX_POOL_BYTES}",
                 )
+    if type(penalties) is not bool:  # noqa: E721 - 0, 1, 'no' and None are not switches
+        raise PreconditionError("Engine", f"penalties must be a bool, not {type(penalties).__name__} (got {short_repr(penalties)})")
+    if penalties and TokenCounts.nbytes(slots, target.vocab) > MAX_POOL_BYTES:
+        raise PreconditionError(
+            "Engine", f"capacity {slots}: the penalties' token counts would take {TokenCounts.nbytes(slots, target.vocab)} bytes, "
+            f"over the bound {MAX_POOL_BYTES}",
+        )
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise PreconditionError(
             "Engine", f"prefix_cache must be a PrefixCache or None, not {type(prefix_cache).__name__} (got {short_repr(prefix_cache)})"

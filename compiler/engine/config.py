@@ -59,11 +59,17 @@ class ServeConfig:
     """Run each model's executor in its own process (``Engine(overlap=True)``). Off by default:
     measured on a 2-core CPU it is no faster yet (docs/guides/overlap.md)."""
 
+    penalties: bool = False
+    """Serve presence, frequency and repetition penalties (``Engine(penalties=True)``: the target keeps
+    per-slot token counts, counted by ``check_serving``). ``batchc run`` turns it on when a workload
+    line asks for a penalty."""
+
     def __attrs_post_init__(self) -> None:
-        if type(self.overlap) is not bool:  # noqa: E721 - 0, 1 and 'no' are not switches
-            raise ServeError(f"overlap must be a bool, got {self.overlap!r}")
+        for switch in ("overlap", "penalties"):
+            if type(getattr(self, switch)) is not bool:  # noqa: E721 - 0, 1 and 'no' are not switches
+                raise ServeError(f"{switch} must be a bool, got {getattr(self, switch)!r}")
         for name, value in attrs.asdict(self).items():
-            if name == "overlap":
+            if name in ("overlap", "penalties"):
                 continue
             if type(value) is not int:  # noqa: E721 - bool, float and str are not option values
                 raise ServeError(f"{name} must be an int, got {value!r}")

@@ -81,6 +81,7 @@ class Engine:
         transport: Transport | None = None,
         policy: SchedulePolicy = DEFAULT_POLICY,
         seed: int = 0,
+        penalties: bool = False,
     ) -> None:
         """Every argument is checked before anything is allocated (``check_engine_args``: types and
         bounds, ``PreconditionError`` naming the argument and the value). ``transport``: how the
@@ -91,14 +92,18 @@ class Engine:
         ``policy``: when requests both wait for their prefill and run (with a draft, or
         ``mixed=False``), whether a step prefills or runs the running batch (``compiler.engine.policy``).
         ``seed``: the run's seed, from which a sampled request that sets no seed of its own gets one
-        (``ir.sampling.derive_seed`` of this seed and its request id), in [0, 2**63 - 1]."""
+        (``ir.sampling.derive_seed`` of this seed and its request id), in [0, 2**63 - 1].
+        ``penalties``: serve presence, frequency and repetition penalties; the target's executor then
+        keeps per-slot token counts (``backend.counts``: ``(capacity + 1) * vocab * 5`` bytes) where it
+        runs. Without it ``admit`` refuses a penalised request."""
         if transport is None:
             transport = in_process()
         check_engine_args(
             target, draft, k=k, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, chunk_size=chunk_size,
             token_budget=token_budget, prefix_cache=prefix_cache, retries=retries, mixed=mixed, pm=pm, transport=transport,
-            policy=policy, seed=seed,
+            policy=policy, seed=seed, penalties=penalties,
         )
+        self.penalties = penalties
         self.seed = int(seed)
         self.policy = policy
         self.transport = transport
@@ -119,6 +124,7 @@ class Engine:
         models: dict[PoolId, ServedModel[Any]] = {TARGET_POOL: target} | ({DRAFT_POOL: draft} if k > 0 and draft is not None else {})
         self.backends: Backends = transport.open(
             models, ledger=self.ledger, slots=self.slots, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, retries=retries,
+            penalties=penalties,
         )
         self.target: Backend = self.backends.target
         self.draft: Backend | None = self.backends.draft
@@ -130,7 +136,9 @@ class Engine:
             requests=self.requests, slots=self.slots, kv=self.kv, kv_refs=self.kv_refs, session=self.session,
             share_prefix=self._share_prefix, chunk_size=int(chunk_size) if chunk_size is not None else max_len,
             token_budget=int(token_budget) if token_budget is not None else max_len * capacity,
-            inner_snapshots=all(isinstance(m, CapturesInnerStates) and m.captures_inner_states() for m in models.values()),
+            # (with penalties, a snapshot takes the slot's token counts as of the forward's end, so it must
+            # sit there: backend.state_init.apply_counts_op)
+            inner_snapshots=not penalties and all(isinstance(m, CapturesInnerStates) and m.captures_inner_states() for m in models.values()),
         )
         self.forwards = Forwards(
             k=k, pipeline=self.pipeline, runner=self.runner, backends=self.backends, ledger=self.ledger, requests=self.requests,
@@ -263,11 +271,10 @@ class Engine:
             vocab=self.vocab, max_len=self.max_len, k=self.k,
         )
         params = check_sampling(rid, sampling)
-        if params.penalised:
+        if params.penalised and not self.penalties:
             raise PreconditionError(
-                "admit", f"request {rid}: presence, frequency and repetition penalties are not supported yet (got "
-                f"presence_penalty={params.presence_penalty}, frequency_penalty={params.frequency_penalty}, "
-                f"repetition_penalty={params.repetition_penalty})"
+                "admit", f"request {rid}: presence_penalty={params.presence_penalty}, frequency_penalty={params.frequency_penalty}, "
+                f"repetition_penalty={params.repetition_penalty} need an engine built with penalties=True (it keeps the token counts)"
             )
         group = self._check_forks(rid, forks, params, prefix, arr)
         if prefix is not None:

@@ -233,9 +233,9 @@ class Forwards:
 
     def _sampling(self, admitted: Sequence[AdmittedRequest]) -> SamplingRows | None:
         """The sampling rows of the requests a prefill admits (``None`` when every one is greedy,
-        asks for no logprobs and bans nothing: the batch then carries none). A request with
-        ``min_tokens`` and stop ids (its end-of-sequence ids included) bans them below the absolute
-        position ``len(original prompt) + min_tokens``, where its output token at index
+        asks for no logprobs and no penalty and bans nothing: the batch then carries none). A request
+        with ``min_tokens`` and stop ids (its end-of-sequence ids included) bans them below the
+        absolute position ``len(original prompt) + min_tokens``, where its output token at index
         ``min_tokens`` goes, whatever its prompt has grown to by retraction (capped at its
         ``max_new_tokens``: it ends there anyway)."""
         records = [self.requests[a.rid] for a in admitted]
@@ -243,7 +243,9 @@ class Forwards:
             (len(r.original) + min(r.sampling.min_tokens, r.max_new_tokens), sorted(r.stop)) if r.sampling.min_tokens and r.stop else (0, [])
             for r in records
         ]
-        if all(r.sampling.greedy and r.sampling.logprobs is None for r in records) and not any(until for until, _ in bans):
+        if all(r.sampling.greedy and r.sampling.logprobs is None and not r.sampling.penalised for r in records) and not any(
+            until for until, _ in bans
+        ):
             return None
         return SamplingRows.of([r.sampling for r in records], [r.index for r in records], bans)
 

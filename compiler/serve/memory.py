@@ -4,6 +4,7 @@ allocated."""
 
 from __future__ import annotations
 
+from backend.counts import TokenCounts
 from backend.hybrid.config import HybridConfig
 from backend.kernels.chunked import SCAN_GROUP_ELEMENTS
 from compiler.engine.config import ServeConfig
@@ -68,6 +69,10 @@ def memory_estimate(
         mutable = {"capacity": cfg.max_running + len(SYSTEM_PREFIXES) + 2,
                    "kv_capacity": cfg.max_running * cfg.max_len + 1024, "max_len": cfg.max_len}
         parts["mutable baseline"] = _engine_bytes(target, **mutable) + _engine_bytes(draft, **mutable)
+    if cfg.penalties:  # the target's token counts (backend.counts), in the served engine and the lossless check's
+        parts["token counts"] = TokenCounts.nbytes(capacity, target.vocab)
+        if cfg.lossless_sample:
+            parts["token counts"] += TokenCounts.nbytes(cfg.max_running + 2, target.vocab)
     parts["allocators"] = indices * _INDEX_BYTES
     # prefill sequence length and packed tokens of one forward: the served engines chunk prompts by
     # --chunk-size within --token-budget; the lossless check's plain engine by the context limit

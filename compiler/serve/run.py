@@ -41,7 +41,7 @@ def make_engine(
         target, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
         max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,
         prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
-        transport=transport, policy=prefill_first(cfg.prefill_streak), seed=cfg.seed,
+        transport=transport, policy=prefill_first(cfg.prefill_streak), seed=cfg.seed, penalties=cfg.penalties,
     )
 
 
@@ -172,6 +172,8 @@ def run(
     (``target`` and ``draft`` are rank 0's shards; the lossless check runs on the group too, after
     the served run's session ended with every rank's ledger counts gathered)."""
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    if not cfg.penalties and any(r.sampling.penalised for r in workload if r.refused is None):
+        cfg = attrs.evolve(cfg, penalties=True)  # (the engines keep token counts; the memory check counts them)
     check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable,
                   vocab=None if tokenizer is None else tok.vocab_size)
     pm = PassManager.from_env()

@@ -89,7 +89,9 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig]:
     if max_len < k + 3:
         raise ServeError(f"--max-len {max_len} leaves no room for a prompt token and a new token next to the k + 1 = {k + 1} positions of a step")
     cfg = ServeConfig(seed=launch.seed, k=k, max_running=launch.max_running, max_len=max_len, overlap=launch.overlap, chunk_size=launch.chunk_size,
-                      token_budget=launch.token_budget, cache_entries=launch.cache_entries)
+                      token_budget=launch.token_budget, cache_entries=launch.cache_entries, penalties=True)
+    # (penalties on: any request may carry presence, frequency or repetition penalties, and the
+    # target's per-slot token counts cost slots x vocab x 5 bytes, counted by check_serving)
     tokenizer = target.tokenizer if target.hf else None
     check_serving(target.model.config, drafted.model.config if drafted is not None else None, cfg,
                   names=(target.name, drafted.name if drafted is not None else "draft"),

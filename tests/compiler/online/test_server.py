@@ -233,6 +233,18 @@ def test_a_seeded_sampled_request_is_batchc_runs_output_streaming_or_not(served:
     assert whole.choices[0].text != greedy  # (it sampled: this seed's tokens are not the greedy ones)
 
 
+def test_a_penalised_request_is_batchc_runs_output(served: ServerProc, tmp_path: Path) -> None:
+    """The server keeps token counts: presence and frequency penalties change the tokens as they do
+    in ``batchc run``."""
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0}
+    offline = _offline(tmp_path, PROMPT, 24, lines=[{"prompt": PROMPT, "max_new_tokens": 24, "temperature": 0, **penalties}])
+    client = _client(served)
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, **penalties)  # type: ignore[call-overload]  # (the test's fields)
+    (out,) = _offline_lines(tmp_path, offline)
+    assert whole.choices[0].text == out["text"] and whole.choices[0].text != greedy
+
+
 N_LINE: dict[str, object] = {"prompt": PROMPT, "max_new_tokens": 24, "n": 3, "stop": ["\n"], **SAMPLED}
 """A seeded line of three completions whose stop string ends some of them and not the others."""
 

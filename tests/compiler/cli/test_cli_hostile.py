@@ -551,7 +551,9 @@ def test_target_vocabulary_other_than_bytes(tmp_path: Path, capsys: pytest.Captu
 def test_failed_forward_aborts_are_counted_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     summary = tmp_path / "summary.json"
     with faults.armed(faults.FaultPoint.MODEL_FORWARD, after=2) as fired:
-        code = main(["run", "--requests", "8", "--max-new-tokens", "6", "--lossless-sample", "8", "--json", str(summary)])
+        # (a prefill budget that splits the eight prompts over several forwards: the third model
+        # forward is then one of the served run's, and it carries some requests, not all)
+        code = main(["run", "--requests", "8", "--max-new-tokens", "6", "--lossless-sample", "8", "--token-budget", "160", "--json", str(summary)])
     out, err = capsys.readouterr()
     assert fired == {faults.FaultPoint.MODEL_FORWARD: 1}
     assert code == 1

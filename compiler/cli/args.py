@@ -217,7 +217,8 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, object]:
     from compiler.serve.load import CLI_DEFAULTS, sampling_params
     from ir.errors import IRValidationError
 
-    defaults = {name: getattr(args, name) for name in CLI_DEFAULTS if getattr(args, name) is not None}
+    given = vars(args)  # (argparse's namespace: its options by name)
+    defaults = {name: given[name] for name in CLI_DEFAULTS if given.get(name) is not None}
     try:
         sampling_params({}, defaults, max_new_tokens=1)
     except IRValidationError as exc:

@@ -64,13 +64,16 @@ def _refusals(workload: list[Request]) -> str | None:
 def _baseline_refusal(workload: list[Request]) -> str | None:
     """Why ``--compare-mutable`` cannot serve ``workload`` (the mutable baseline decodes greedily
     and ends requests at stop ids only), or ``None``."""
+    import attrs
+
     from ir.sampling import GREEDY
 
+    greedy = attrs.asdict(GREEDY, recurse=False)
     for r in workload:
         p = r.sampling
         odd = [(name, value) for name, value in (("temperature", p.temperature), ("stop", p.stop), ("min_tokens", p.min_tokens),
                                                  ("ignore_eos", p.ignore_eos), ("logprobs", p.logprobs), ("n", p.n))
-               if value != getattr(GREEDY, name)]
+               if value != greedy[name]]
         if odd:
             return (f"--compare-mutable: request {r.rid} sets {odd[0][0]} {odd[0][1]!r}; the mutable baseline serves greedy requests "
                     "that end at max_new_tokens or a stop token id only")

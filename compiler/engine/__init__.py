@@ -34,6 +34,6 @@ def __getattr__(name: str) -> object:
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'compiler.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"compiler.engine.{where}"), name)
+    value = vars(importlib.import_module(f"compiler.engine.{where}"))[name]
     globals()[name] = value  # (looked up once)
     return value

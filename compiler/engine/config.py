@@ -65,9 +65,10 @@ class ServeConfig:
     line asks for a penalty."""
 
     def __attrs_post_init__(self) -> None:
+        given = attrs.asdict(self, recurse=False)
         for switch in ("overlap", "penalties"):
-            if type(getattr(self, switch)) is not bool:  # noqa: E721 - 0, 1 and 'no' are not switches
-                raise ServeError(f"{switch} must be a bool, got {getattr(self, switch)!r}")
+            if type(given[switch]) is not bool:  # noqa: E721 - 0, 1 and 'no' are not switches
+                raise ServeError(f"{switch} must be a bool, got {given[switch]!r}")
         for name, value in attrs.asdict(self).items():
             if name in ("overlap", "penalties"):
                 continue

@@ -69,6 +69,6 @@ def __getattr__(name: str) -> object:
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'compiler.serve' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
+    value = vars(importlib.import_module(where))[name]
     globals()[name] = value  # (looked up once)
     return value

@@ -99,15 +99,17 @@ def timing_sampler() -> Iterator[SamplerClock]:
     import backend.executor as executor
     import backend.plan_sampling as plan_sampling
 
-    originals = {name: getattr(plan_sampling, name) for name in SAMPLER_CALLS}
+    # (module namespaces, read and swapped by name: the executor's module-level names of the sampler)
+    calls, names = vars(plan_sampling), vars(executor)
+    originals = {name: calls[name] for name in SAMPLER_CALLS}
     for name, fn in originals.items():
-        if getattr(executor, name, None) is not fn:
+        if names.get(name) is not fn:
             raise RuntimeError(f"backend.executor.{name} is not backend.plan_sampling.{name} (already timed, or no longer called so)")
     clock = SamplerClock()
     try:
         for name, fn in originals.items():
-            setattr(executor, name, _timed_call(fn, clock))
+            names[name] = _timed_call(fn, clock)
         yield clock
     finally:
         for name, fn in originals.items():
-            setattr(executor, name, fn)
+            names[name] = fn

@@ -186,8 +186,17 @@ def load_workload(
     except UnicodeDecodeError as exc:
         at = data[: exc.start].count(b"\n") + 1
         raise WorkloadError(f"{p}: cannot read workload file ({exc}, line {at})") from None
+    lines = text.split("\n")
+    # the request count first: a file over the bound is refused before any line is parsed (at the
+    # line that goes over it)
+    count = 0
+    for n, line in enumerate(lines, 1):
+        if line.strip(" \t\r"):
+            count += 1
+            if count > MAX_REQUESTS:
+                raise WorkloadError(f"{p}:{n}: more than {MAX_REQUESTS} requests")
     out: list[Request] = []
-    for n, line in enumerate(text.split("\n"), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip(" \t\r"):
             continue
         where = f"{p}:{n}"
@@ -201,8 +210,6 @@ def load_workload(
             raise WorkloadError(f"{where}: bad JSON (an integer of more than {sys.get_int_max_str_digits()} digits)") from None
         if not isinstance(obj, dict):
             raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        if len(out) == MAX_REQUESTS:
-            raise WorkloadError(f"{where}: more than {MAX_REQUESTS} requests")
         out.append(_request(where, obj, RequestId(len(out)), max_len=max_len, reserve=reserve, vocab=vocab,
                             default_max_new_tokens=default_max_new_tokens, tokenizer=tokenizer, defaults=defaults or {}))
     if not out:

@@ -46,7 +46,8 @@ def test_a_seeded_sampled_workload_gives_the_same_outputs_in_every_layout(tmp_pa
     assert len({tuple(line["output_ids"]) for line in base}) == len(base)  # (sampled at high temperatures: no two alike)
     # n = 3: three lines for the last prompt, completions 0 to 2, each its own sample
     assert [(line["rid"], line["index"]) for line in base] == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (4, 2)]
-    for name, extra in (("one", ("--max-running", "1")), ("overlap", ("--overlap",)), ("tp", ("--tp", "2")), ("dp", ("--dp", "2"))):
+    # (one request at a time with executor processes: both layouts in one run)
+    for name, extra in (("one-overlap", ("--max-running", "1", "--overlap")), ("tp", ("--tp", "2")), ("dp", ("--dp", "2"))):
         got = _run(tmp_path, name, *extra)
         # the tokens are a function of the seeds; the logprobs of the logits, whose last bits depend on
         # what a forward batches together (and on the tensor-parallel split): equal to a tolerance

@@ -9,6 +9,7 @@ engine, in ``compiler.engine.config``."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import attrs
@@ -95,7 +96,14 @@ class ServeError(BatchcError, ValueError):
 
 
 def _greedy_of(r: Request) -> SamplingParams:
-    return attrs.evolve(GREEDY, max_new_tokens=r.max_new_tokens)
+    return _greedy_with(r.max_new_tokens)
+
+
+@functools.lru_cache(maxsize=1024)
+def _greedy_with(max_new_tokens: int) -> SamplingParams:
+    """``GREEDY`` with this ``max_new_tokens`` (a frozen value: one per length serves every request;
+    building and validating one per request made a 100,000-request sweep take seconds)."""
+    return attrs.evolve(GREEDY, max_new_tokens=max_new_tokens)
 
 
 FORK_SHIFT = 40
@@ -123,6 +131,7 @@ class Request:
     sampling: SamplingParams = attrs.field(default=attrs.Factory(_greedy_of, takes_self=True))
     """How its tokens are chosen and when it ends (stop strings, stop token ids, ``ignore_eos``,
     ``min_tokens``): the workload line's sampling fields over the run's defaults."""
+
     def completions(self) -> list[RequestId]:
         """The engine ids of its ``sampling.n`` completions, in index order (``completion_rid``)."""
         return [completion_rid(self.rid, i) for i in range(self.sampling.n)]

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing.connection
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -87,6 +89,23 @@ def spawn(
     with _lock:
         _live.add(proc)
     return proc
+
+
+def spawn_module(module: str) -> tuple[subprocess.Popen[bytes], multiprocessing.connection.Connection]:
+    """``python -m module FD`` as a child that dies with this process, and this side of a socket pair
+    whose other end is the child's ``FD``: a fresh interpreter (not fork: the caller's threads and
+    locks stay behind; not the multiprocessing start methods: they re-import the caller's
+    ``__main__``), on this process's ``sys.path``, its stdin closed."""
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        proc = spawn([sys.executable, "-m", module, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, multiprocessing.connection.Connection(ours.detach())
 
 
 _requests: queue.SimpleQueue[tuple[Callable[[], subprocess.Popen[bytes]], queue.SimpleQueue[object]]] = queue.SimpleQueue()

@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
-import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -150,16 +148,7 @@ class ExecutorProcess:
         self.ledger = ledger
         self.slots = slots
         self._live_ok: tuple[bytes, int] | None = None
-        # a fresh interpreter (not fork: the scheduler's threads and locks stay behind; not the
-        # multiprocessing start methods: they re-import the caller's __main__), fed over a socket
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self._proc = children.spawn(
-            [sys.executable, "-m", "backend.remote", str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        theirs.close()
-        self._conn = multiprocessing.connection.Connection(ours.detach())
+        self._proc, self._conn = children.spawn_module("backend.remote")
         self._next = 0
         self._pending: deque[Pending] = deque()
         self._gone: str | None = None

@@ -195,14 +195,20 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
     )
 
 
+TEMPERATURES = FloatIn(0.0, math.inf)
+"""The values ``--temperature`` takes (``batchc run``, ``batchc serve``, ``batchc bench serve``)."""
+TOP_PS = FloatIn(0.0, 1.0, lo_open=True, hi_closed=True)
+"""The values ``--top-p`` takes: (0, 1]."""
+
+
 def add_sampling_defaults(p: argparse.ArgumentParser) -> None:
     """``--temperature``, ``--top-p``, ``--top-k`` and ``--min-p``: the sampling defaults of
     ``batchc run`` and ``batchc serve`` (read back by ``sampling_defaults``)."""
-    p.add_argument("--temperature", type=FloatIn(0.0, math.inf), default=None,
+    p.add_argument("--temperature", type=TEMPERATURES, default=None,
                    help="sampling temperature of the requests that do not set theirs (workload lines, the built-in workload, request "
                    "bodies), as each of --top-p, --top-k and --min-p is of its own field; 0 is greedy (default 0: a request samples "
                    "only when it or this option sets a temperature > 0, and top_p, top_k and min_p act only then)")
-    p.add_argument("--top-p", type=FloatIn(0.0, 1.0, lo_open=True, hi_closed=True), default=None,
+    p.add_argument("--top-p", type=TOP_PS, default=None,
                    help="nucleus sampling: top_p in (0, 1] for requests that do not set theirs (default 1: off)")
     p.add_argument("--top-k", type=_int_in(-1, MAX_TOP_K), default=None,
                    help=f"top_k, -1 to {MAX_TOP_K}, for requests that do not set theirs (-1 or 0: off; default off)")
@@ -366,11 +372,11 @@ def parser() -> argparse.ArgumentParser:
     ):
         bs.add_argument(option, type=_int_in(lo, hi), default=None,
                         help=f"the compiled engine's {what}, as batchc run's (default {default}; not with --sweep)")
-    bs.add_argument("--temperature", type=FloatIn(0.0, math.inf), default=None,
+    bs.add_argument("--temperature", type=TEMPERATURES, default=None,
                     help="also measure every workload with each request sampled at this temperature, on the compiled engine "
                     "only (the baselines decode greedily), interleaved with the greedy runs; each request's seed derives from "
                     "seed 0 and its id, as batchc run's (default 0: greedy only)")
-    bs.add_argument("--top-p", type=FloatIn(0.0, 1.0, lo_open=True, hi_closed=True), default=None,
+    bs.add_argument("--top-p", type=TOP_PS, default=None,
                     help="with --temperature > 0: the sampled requests' top_p in (0, 1] (default 1: off)")
     bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.boundary import Backend, Backends, Transport
@@ -346,17 +346,22 @@ class Engine:
         self.check_serving()
         self.prefixes.release(cp, self.requests)
 
+    def _live_rid(self, call: str, rid: object) -> RequestId:
+        """``rid`` as the id of a live request, else ``PreconditionError`` naming ``call``."""
+        problem = int_problem(rid)
+        if problem is not None:
+            raise PreconditionError(call, f"rid {problem} (got {short_repr(rid)})")
+        live = RequestId(int(cast(int, rid)))
+        if live not in self.requests:
+            raise PreconditionError(call, f"request {live} is not live")
+        return live
+
     def abort(self, rid: RequestId) -> None:
         """End a live request now (its output so far goes to ``outputs``). ``rid`` is an int (numpy
         integers too; never ``bool``, ``float``, ``str`` or ``None``), else ``PreconditionError``.
         A stopped engine refuses with ``EngineStoppedError``."""
         self.check_serving()
-        problem = int_problem(rid)
-        if problem is not None:
-            raise PreconditionError("abort", f"rid {problem} (got {short_repr(rid)})")
-        rid = RequestId(int(rid))
-        if rid not in self.requests:
-            raise PreconditionError("abort", f"request {rid} is not live")
+        rid = self._live_rid("abort", rid)
         self.stats.aborts += 1
         self._release([rid], Ending.ABORTED)
 
@@ -368,12 +373,7 @@ class Engine:
         ``bool``, ``float``, ``str``), ``length`` >= 0, else ``PreconditionError``; a stopped engine
         refuses with ``EngineStoppedError``."""
         self.check_serving()
-        problem = int_problem(rid)
-        if problem is not None:
-            raise PreconditionError("finish", f"rid {problem} (got {short_repr(rid)})")
-        rid = RequestId(int(rid))
-        if rid not in self.requests:
-            raise PreconditionError("finish", f"request {rid} is not live")
+        rid = self._live_rid("finish", rid)
         if length is not None:
             problem = int_problem(length)
             if problem is not None or int(length) < 0:

@@ -19,12 +19,8 @@ the server answers 503 from then on and exits non-zero.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing.connection
-import os
 import queue
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -94,14 +90,7 @@ class Tracked:
 class EngineClient:
     def __init__(self, launch: Launch, metrics: Metrics) -> None:
         self.metrics = metrics
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = children.spawn(
-            [sys.executable, "-m", "compiler.online.engine_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        theirs.close()
-        self.conn = multiprocessing.connection.Connection(ours.detach())
+        self.proc, self.conn = children.spawn_module("compiler.online.engine_process")
         self.conn.send(launch)
         self.tracked: dict[int, Tracked] = {}
         """The requests in flight, by the id of each of their completions not yet ended."""

@@ -1,7 +1,7 @@
 """Errors about the files the backend reads (checkpoints, tokenizers), torch-free.
 
 ``backend.hybrid.checkpoint`` re-exports both names; they live here so that modules which only
-read files or say what is wrong with one (``compiler.serve.tokenizer``, which ``batchc serve``'s
+read files or say what is wrong with one (``compiler.offline.tokenizer``, which ``batchc serve``'s
 HTTP process loads) do not import torch through ``backend.hybrid``."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from ir.ids import RequestId
 from ir.sampling import GREEDY, SamplingParams
 
 ARRIVALS = ("bursts", "trickle")
-"""Arrival patterns of the built-in workload (``compiler.serve.builtin_workload``)."""
+"""Arrival patterns of the built-in workload (``compiler.offline.builtin_workload``)."""
 
 BURST_SIZE = 8
 BURST_EVERY = 20
@@ -28,14 +28,14 @@ MAX_BODY_SNIPPETS = 6
 
 MAX_WORKLOAD_BYTES = 64 << 20
 """Largest workload file (64 MiB), checked with ``stat`` before reading and by reading at most one
-byte more (``compiler.serve.load_workload``)."""
+byte more (``compiler.offline.load_workload``)."""
 MAX_REQUESTS = 100_000
 """Most requests in one workload, built-in or from a file (about 100 MB of requests in memory)."""
 MAX_K = 32
 """Most draft tokens per speculative iteration (k + 1 positions of every request's context are kept
 for them; each iteration runs k draft forwards)."""
 MAX_SERVE_BYTES = 4 << 30
-"""Bound on the estimated memory of a run (4 GiB; ``compiler.serve.memory_estimate``)."""
+"""Bound on the estimated memory of a run (4 GiB; ``compiler.offline.memory_estimate``)."""
 BENCH_SERVE_REQUESTS = 64
 BENCH_SERVE_NEW_TOKENS = 48
 """``batchc bench serve``'s default built-in workload: requests, and most new tokens per request; about

@@ -75,7 +75,7 @@ MAX_STOP_TOKEN_IDS: Final = 256
 SEED_MAX: Final = 2**63 - 1
 PENALTY_BOUND: Final = 2.0
 DEFAULT_MAX_NEW_TOKENS: Final = 32
-"""The workload file's default (``compiler.serve.load``)."""
+"""The workload file's default (``compiler.offline.load``)."""
 
 _NAME = "SamplingParams"
 

@@ -31,8 +31,8 @@ from backend.ledger import Ledger
 from backend.pool import MAX_POOL_BYTES, MambaLayerSpec, MambaStatePool, PoolLayout
 from compiler.engine import Engine, PrefixState
 from compiler.engine import admission as sd
+from compiler.offline import WorkloadError, load_workload
 from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
-from compiler.serve import WorkloadError, load_workload
 from compiler.workload import MAX_K as CLI_MAX_K
 from ir.errors import BatchcError, EngineStoppedError, IRValidationError, PreconditionError, SlotError
 from ir.ids import TARGET_POOL, MambaSlot, RequestId

@@ -3,7 +3,7 @@
 Complements ``tests/test_bad_input.py`` (which covers the prefill/decode IR, the ledger and the
 allocators) with what it does not: the speculative phases (contexts, passes, nodes, the executor's
 verify/commit protocol), prefix-cache snapshots (node, verifier, executor), prefix-cache misuse,
-``Engine`` admission and prefix states, JSONL workload files (``compiler.serve.load_workload``,
+``Engine`` admission and prefix states, JSONL workload files (``compiler.offline.load_workload``,
 then admission of what it returns) and checkpoint files (``load_checkpoint``).
 
 Each row names the exact exception type and a message fragment. Two worlds:
@@ -44,8 +44,8 @@ from backend.hybrid.config import tiny
 from backend.hybrid.weights import init_weights
 from backend.pool import MambaStatePool
 from compiler.engine import Engine, PrefixState
+from compiler.offline import WorkloadError, load_workload
 from compiler.prefix_cache import CacheEntry, PrefixCache, PrefixCacheError
-from compiler.serve import WorkloadError, load_workload
 from ir.errors import (
     IRValidationError,
     IRVerificationError,

@@ -244,7 +244,7 @@ def test_the_command_line_imports_the_tools_only_when_a_command_runs(path: Path)
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.importer or '*'}-{r.forbidden}")
 def test_each_rule_refuses_an_import(rule: Rule) -> None:
-    importer = f"{rule.importer}.m" if rule.importer else "compiler.serve.m"
+    importer = f"{rule.importer}.m" if rule.importer else "compiler.offline.m"
     assert rule in _broken(importer, f"{rule.forbidden}.m")
     assert rule in _broken(importer, rule.forbidden)
     # a prefix matches whole names only: ``backend`` is not ``backendx``
@@ -257,13 +257,13 @@ def test_the_rules_catch_a_wrong_import() -> None:
     assert not _allowed("ir.batch", "passes.lower")
     assert not _allowed("passes.lower", "backend.ledger")
     assert not _allowed("backend.executor", "compiler.steps")
-    assert not _allowed("compiler.serve", "compiler.baselines.spec")
+    assert not _allowed("compiler.offline", "compiler.baselines.spec")
     assert not _allowed("compiler.engine.engine", "compiler.tools.ab")
     assert not _allowed("compiler.steps", "backend.ledger")
     assert _allowed("compiler.cli.tools", "compiler.tools.ab") and _allowed("compiler.tools.ab", "compiler.baselines.spec")
     assert not _allowed("backend.executor", "backend.tools.bench_kernels")
     assert not _allowed("backend.hybrid.presets", "backend.tools.train")
-    assert not _allowed("compiler.serve", "backend.tools.train")
+    assert not _allowed("compiler.offline", "backend.tools.train")
     assert _allowed("compiler.cli", "backend.tools.bench_kernels") and _allowed("backend.tools.train", "backend.hybrid.checkpoint")
 
 

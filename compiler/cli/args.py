@@ -11,7 +11,7 @@ from typing import NoReturn
 import attrs
 
 from compiler.engine.config import MAX_PREFILL_STREAK, ServeConfig
-from compiler.serve.dp import ROUTINGS
+from compiler.offline.dp import ROUTINGS
 from compiler.workload import (
     ARRIVALS,
     BENCH_SERVE_NEW_TOKENS,
@@ -219,8 +219,8 @@ def add_sampling_defaults(p: argparse.ArgumentParser) -> None:
 def sampling_defaults(args: argparse.Namespace) -> dict[str, object]:
     """The sampling defaults ``add_sampling_defaults``' options give (those given only), checked by
     ``SamplingParams``' rules (``UsageError`` naming the option); a request's own fields override
-    them (``compiler.serve.load.sampling_params``)."""
-    from compiler.serve.load import CLI_DEFAULTS, sampling_params
+    them (``compiler.offline.load.sampling_params``)."""
+    from compiler.offline.load import CLI_DEFAULTS, sampling_params
     from ir.errors import IRValidationError
 
     given = vars(args)  # (argparse's namespace: its options by name)

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from backend.hybrid.model import HybridModel
     from backend.tp.serve import TPLeader
     from compiler.engine.config import ServeConfig
-    from compiler.serve.models import Served
-    from compiler.serve.tokenizer import Tokenizer
+    from compiler.offline.models import Served
+    from compiler.offline.tokenizer import Tokenizer
     from compiler.workload import Request
 
 
@@ -86,9 +86,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from backend import children
     from backend.remote import ExecutorGone
     from backend.tp.group import RankFailed
-    from compiler.serve import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, distributed, load_workload
-    from compiler.serve.load import tokenize_workload
-    from compiler.serve.models import check_same_vocabulary, load_served
+    from compiler.offline import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, distributed, load_workload
+    from compiler.offline.load import tokenize_workload
+    from compiler.offline.models import check_same_vocabulary, load_served
 
     # every check before anything runs: options, output paths, models, memory, workload
     if args.draft is not None and args.k == 0:
@@ -188,8 +188,8 @@ def _serve_replicas(
 ) -> int:
     """``--dp N``: route the workload, serve each part on its own replica process, report."""
     from backend import children
-    from compiler.serve.dp import ReplicaFailed, merged, route, timed_serve
-    from compiler.serve.models import output_lines
+    from compiler.offline.dp import ReplicaFailed, merged, route, timed_serve
+    from compiler.offline.models import output_lines
 
     served = [r for r in workload if r.refused is None]
     parts = [p for p in route(served, args.dp, block=cfg.cache_block, routing=routing) if p] or [[]]
@@ -260,8 +260,8 @@ def _serve_and_report(
     import attrs
 
     from compiler.engine.nonfinite import ERROR_MESSAGE
-    from compiler.serve.models import output_lines
-    from compiler.serve.run import run
+    from compiler.offline.models import output_lines
+    from compiler.offline.run import run
     from compiler.tools.timed import TimedModel
 
     # the models' forwards are timed (host time per step = wall minus model time, per step)

@@ -149,7 +149,7 @@ def _bench_sampler(args: argparse.Namespace, console: Console) -> int:
 def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import default_draft, default_target
     from compiler.engine import prefill_first
-    from compiler.serve import ServeConfig, check_serving
+    from compiler.offline import ServeConfig, check_serving
     from compiler.tools.bench_serve import ENGINES, builtin_cases, run_serve_bench, sweep_cases
     from compiler.workload import ARRIVALS, BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
 
@@ -184,7 +184,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     target, draft = default_target(), default_draft()
     for case in cases:  # every engine of every case within the memory bound, before anything is allocated
         check_serving(target.config, draft.config, case.cfg, compare_mutable=True, names=("bundled target", "bundled draft"))
-    from compiler.serve import distributed
+    from compiler.offline import distributed
 
     rank, world, launched = distributed.placement(args.tp)
     if world > 1 or args.tp is not None:
@@ -253,7 +253,7 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
 
     from backend import children
     from backend.tp.group import RankFailed
-    from compiler.serve import distributed
+    from compiler.offline import distributed
     from compiler.tools.bench_tp import run_tp_bench
     from compiler.workload import SWEEP_NEW_TOKENS
 
@@ -306,7 +306,7 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
 def _bench_sampling(args: argparse.Namespace) -> Sampling | None:
     """``bench serve``'s sampled settings (``compiler.tools.bench_serve.Sampling``), or ``None`` when
     it measures greedy decoding only (no ``--temperature``, or 0); ``--top-p`` needs a temperature > 0."""
-    from compiler.serve.load import sampling_params
+    from compiler.offline.load import sampling_params
     from compiler.tools.bench_serve import Sampling
     from ir.errors import IRValidationError
 

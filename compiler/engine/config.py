@@ -1,7 +1,7 @@
 """The serving options record (``ServeConfig``): what ``batchc run``, ``batchc bench serve`` and the
 serving layer build an engine with. Its defaults are the command line's (``compiler.cli.args``), and
 it is checked on construction: a bad value raises ``ServeError`` naming the option (the memory
-bound of a whole run is ``compiler.serve.check_serving``'s).
+bound of a whole run is ``compiler.offline.check_serving``'s).
 
 The limits it shares with the workloads and the command line (``MAX_K``, ``MAX_CONTEXT``, ...) stay
 in ``compiler.workload``; the prefill streak's default and bound are the scheduling policy's

@@ -369,7 +369,7 @@ class Engine:
         """End a live request now as finished (``Ending.FINISHED``, through the release path of a
         request at its ``max_new_tokens`` or stop id), its output first cut to its first ``length``
         tokens (``None``: all of them): the serving layer's stop strings end a request this way
-        (``compiler.serve.stops``). ``rid`` and ``length`` are ints (numpy integers too; never
+        (``compiler.offline.stops``). ``rid`` and ``length`` are ints (numpy integers too; never
         ``bool``, ``float``, ``str``), ``length`` >= 0, else ``PreconditionError``; a stopped engine
         refuses with ``EngineStoppedError``."""
         self.check_serving()

@@ -4,7 +4,7 @@
 (``compiler.online.engine_client``) through ``backend.children.spawn`` (it dies with the server,
 whatever kills the server) and talks over the connection on file descriptor ``FD`` in the
 messages of ``compiler.online.messages``. It reads ``Launch``, loads the models and builds the
-engine as ``batchc run`` does (``compiler.serve.models.load_served``, ``make_engine`` with the
+engine as ``batchc run`` does (``compiler.offline.models.load_served``, ``make_engine`` with the
 prefix cache), answers ``Ready`` or ``StartFailed``, then loops:
 
 1. read every message waiting (blocking only when nothing is live): ``Submit`` joins a FIFO,
@@ -66,9 +66,9 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig]:
     """The engine ``launch`` describes, with ``batchc run``'s checks (``ServeError`` / ``BatchcError``, one line)."""
     import torch
 
-    from compiler.serve.memory import check_serving
-    from compiler.serve.models import check_same_vocabulary, load_served
-    from compiler.serve.run import make_engine
+    from compiler.offline.memory import check_serving
+    from compiler.offline.models import check_same_vocabulary, load_served
+    from compiler.offline.run import make_engine
     from compiler.workload import DEFAULT_CONTEXT, MAX_CONTEXT, ServeError
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[launch.dtype]

@@ -26,7 +26,7 @@ from typing import Final, Literal
 
 import attrs
 
-from compiler.serve.load import sampling_params
+from compiler.offline.load import sampling_params
 from ir.errors import IRValidationError
 from ir.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -208,7 +208,7 @@ def parse_request(body: Mapping[str, object], kind: Kind, *, model: str, default
     """``body`` (a JSON object) checked against the endpoint ``kind`` and the served ``model``
     (see the module), or ``ApiError``. A sampling field the body does not set takes its value from
     ``defaults`` (``batchc serve --temperature`` and the like) if there is one, as a workload line
-    does in ``batchc run`` (``compiler.serve.load.sampling_params``)."""
+    does in ``batchc run`` (``compiler.offline.load.sampling_params``)."""
     unknown = sorted(set(body) - _FIELDS[kind])
     if unknown:
         raise bad(unknown[0], f"unknown field {unknown[0]!r}"[:300])

@@ -67,13 +67,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from compiler.offline.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.online.chat import ChatTemplate
 from compiler.online.engine_client import EngineClient, Tracked, completion_ids
 from compiler.online.messages import Delta, Ended, Launch, Ready, Submit, TokenLogprob
 from compiler.online.metrics import Metrics
 from compiler.online.protocol import ApiError, GenerationRequest, Kind, bad, check_context, load_json, parse_request
 from compiler.online.text import TextStream, token_text
-from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.workload import ServeError
 
 log = logging.getLogger("batchc.online")
@@ -98,7 +98,7 @@ class ServerOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     defaults: Mapping[str, object] = attrs.field(factory=dict)
     """The sampling defaults (``--temperature``, ``--top-p``, ``--top-k``, ``--min-p``) of the
-    requests that do not set those fields (``compiler.serve.load.sampling_params``, as ``batchc run``)."""
+    requests that do not set those fields (``compiler.offline.load.sampling_params``, as ``batchc run``)."""
 
 
 def _error(exc: ApiError) -> JSONResponse:

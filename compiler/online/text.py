@@ -1,5 +1,5 @@
 """A request's output as text for ``batchc serve``: incremental detokenisation and stop strings,
-through the offline runner's ``compiler.serve.stops.StopScanner`` (one implementation: a request
+through the offline runner's ``compiler.offline.stops.StopScanner`` (one implementation: a request
 is cut at the same token, with the same text, online and in ``batchc run``'s ``--outputs``).
 
 ``TextStream`` takes the generated ids as they arrive and returns the text that may be shown now.
@@ -11,7 +11,7 @@ shown in part, the last ``longest stop - 1`` characters are held back until more
 decides them.
 
 Invariants: the pieces ``push`` and ``finish`` return, joined, equal the text ``batchc run`` writes
-for the same output ids (``compiler.serve.run``: the text before the stop string, ``StopCut.text``,
+for the same output ids (``compiler.offline.run``: the text before the stop string, ``StopCut.text``,
 or, when none occurs, ``Tokenizer.decode`` of all of them); ``tokens`` counts the ids kept
 (``StopCut.keep``: up to and including the one whose text completed the stop string; all of them
 when none occurs), which the engine is asked to keep (``Engine.finish``).
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from compiler.serve.stops import StopScanner
-from compiler.serve.tokenizer import ByteTokenizer, Tokenizer
+from compiler.offline.stops import StopScanner
+from compiler.offline.tokenizer import ByteTokenizer, Tokenizer
 
 
 class TextStream:

@@ -2,7 +2,7 @@
 ``benchmark_serving``.
 
 It starts a server (``batchc serve --port 0`` with the given model options; or uses ``--url``),
-then, for each rate, sends the built-in workload's prompts (``compiler.serve.load.builtin_workload``,
+then, for each rate, sends the built-in workload's prompts (``compiler.offline.load.builtin_workload``,
 with its prefixes and mixed lengths) as streaming completions with Poisson arrivals (exponential
 gaps of mean 1 / rate, from a seeded generator) over loopback, greedy
 (``temperature 0``) and with ``ignore_eos``, so that every request runs to its ``max_tokens``. Per
@@ -142,7 +142,7 @@ RESERVE = 16
 
 def bench_prompts(*, requests: int, max_new_tokens: int, seed: int) -> list[tuple[str, int]]:
     """The built-in workload's prompts and lengths (byte prompts: one token per byte on the bundled models)."""
-    from compiler.serve.load import builtin_workload
+    from compiler.offline.load import builtin_workload
 
     workload = builtin_workload(num_requests=requests, max_new_tokens=max_new_tokens, seed=seed)
     return [(r.prompt.decode("utf-8", "replace"), r.max_new_tokens) for r in workload]

@@ -44,10 +44,10 @@ import attrs
 
 from backend.hybrid.model import HybridModel
 from compiler.engine import SpecStats
-from compiler.serve import Request, ServeConfig, builtin_workload, make_engine, serve
-from compiler.serve.latency import Latencies
-from compiler.serve.load import sampling_params
-from compiler.serve.summary import host_ms_per_step
+from compiler.offline import Request, ServeConfig, builtin_workload, make_engine, serve
+from compiler.offline.latency import Latencies
+from compiler.offline.load import sampling_params
+from compiler.offline.summary import host_ms_per_step
 from compiler.tools.compare_mutable import WARM_UP_REQUESTS, make_mutable, serve_mutable, warm_up
 from compiler.tools.timed import SamplerClock, TimedModel, timing_sampler
 from compiler.workload import ARRIVALS, SNIPPETS, SWEEP_NEW_TOKENS, SYSTEM_PREFIXES
@@ -184,7 +184,7 @@ class ServeRun:
     max_running: int
     """The case's ``max_running`` (what rows are grouped and compared by; ``running`` is what one run reached)."""
     ttft_ms: tuple[float, ...] = ()
-    """Time to first token of every request (``compiler.serve.latency``)."""
+    """Time to first token of every request (``compiler.offline.latency``)."""
     tpot_ms: tuple[float, ...] = ()
     """Time per output token after the first, of every request with two or more."""
     sampling: Sampling = GREEDY_SAMPLING

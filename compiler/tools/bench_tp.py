@@ -20,7 +20,7 @@ import attrs
 
 from backend.hybrid.model import HybridModel
 from backend.tp.serve import TPLeader
-from compiler.serve import make_engine, serve
+from compiler.offline import make_engine, serve
 from compiler.tools.bench_serve import WARM_REQUESTS, BenchCase
 
 

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 
 from backend.hybrid.model import HybridModel
 from compiler.baselines.spec import MutableSpecEngine
-from compiler.serve import MutableRun, Request, ServeConfig, make_engine, serve
-from compiler.serve.latency import Latencies
-from compiler.serve.summary import host_ms_per_step
+from compiler.offline import MutableRun, Request, ServeConfig, make_engine, serve
+from compiler.offline.latency import Latencies
+from compiler.offline.summary import host_ms_per_step
 from compiler.tools.timed import TimedModel
 from compiler.workload import SYSTEM_PREFIXES
 

@@ -9,7 +9,7 @@ import pytest
 import typeguard
 
 from backend.tp.group import connect, launched_rank, spawn_workers
-from compiler.serve.distributed import placement
+from compiler.offline.distributed import placement
 from compiler.workload import ServeError
 
 

@@ -11,7 +11,7 @@ import torch
 
 import compiler.cli
 from compiler.cli import main, parser
-from compiler.serve import ServeConfig
+from compiler.offline import ServeConfig
 
 
 def test_console_script_help() -> None:

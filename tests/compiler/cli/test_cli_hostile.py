@@ -25,7 +25,7 @@ from backend.hybrid.weights import init_weights
 from compiler.cli import main
 from compiler.engine import Engine
 from compiler.manager import PassManager
-from compiler.serve import ServeConfig, WorkloadError, load_workload, memory_estimate
+from compiler.offline import ServeConfig, WorkloadError, load_workload, memory_estimate
 from compiler.workload import MAX_REQUESTS, MAX_RUNNING, MAX_SERVE_BYTES, MAX_WORKLOAD_BYTES
 from ir.batch import DecodeBatch
 from ir.errors import BatchcError, SettingsError

@@ -66,7 +66,7 @@ def test_compare_mutable_shows_the_replays_and_the_acceptance_they_cost(tmp_path
 
 
 def test_builtin_workload_arrival_patterns() -> None:
-    from compiler.serve import builtin_workload
+    from compiler.offline import builtin_workload
     from compiler.workload import BURST_EVERY, BURST_SIZE
 
     bursts, trickle = builtin_workload(num_requests=20), builtin_workload(num_requests=20, arrivals="trickle")

@@ -24,8 +24,8 @@ from compiler.cli import main
 from compiler.engine import Engine
 from compiler.engine.report import StepKind
 from compiler.manager import PassManager
+from compiler.offline import ServeConfig, ServeError
 from compiler.prefix_cache import PrefixCache
-from compiler.serve import ServeConfig, ServeError
 from compiler.steps import Pipeline
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError, ResourceReplayError
 from ir.ids import TARGET_POOL, RequestId

@@ -30,8 +30,8 @@ from backend.ledger import Ledger
 from backend.transports import processes
 from compiler.engine import Engine
 from compiler.engine.config import ServeConfig
+from compiler.offline.memory import memory_estimate
 from compiler.prefix_cache import PrefixCache
-from compiler.serve.memory import memory_estimate
 from ir.errors import IRValidationError, PreconditionError
 from ir.ids import TARGET_POOL, RequestId
 from ir.sampling import SamplingParams

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from compiler.offline.tokenizer import ByteTokenizer
 from compiler.online.chat import ChatTemplate
 from compiler.online.protocol import ApiError, ChatMessage, check_context, load_json, parse_request
 from compiler.online.text import TextStream
-from compiler.serve.tokenizer import ByteTokenizer
 
 
 def _parse(body: dict[str, object], kind: str = "completion") -> object:
@@ -119,9 +119,9 @@ def test_a_stop_string_split_across_tokens_ends_the_text_before_it(split: int) -
     ("hello wor|ld and more", ["|ld", "zzz"], 0), ("hé|llo wö|rld", ["ö|", "|"], 3), ("no stop here", ["x"], 0), ("aaaa", ["aa"], 3),
 ])
 def test_the_stream_cuts_where_the_offline_runner_cuts(text: str, stops: list[str], min_tokens: int, split: int) -> None:
-    """Online and ``batchc run`` (``compiler.serve.stops.scan``, its ``--outputs`` text) keep the
+    """Online and ``batchc run`` (``compiler.offline.stops.scan``, its ``--outputs`` text) keep the
     same ids and show the same text, however the ids arrive."""
-    from compiler.serve.stops import scan
+    from compiler.offline.stops import scan
 
     ids = list(text.encode())
     cut = scan(ByteTokenizer(), stops, ids, min_tokens=min_tokens)
@@ -237,14 +237,14 @@ def test_the_http_side_imports_no_torch() -> None:
 
     root = Path(__file__).resolve().parents[3]
     code = ("import sys, compiler.cli, compiler.cli.serve, compiler.online.server, compiler.online.engine_client; "
-            "import compiler.serve.stops, compiler.serve.tokenizer, compiler.engine.config; "
+            "import compiler.offline.stops, compiler.offline.tokenizer, compiler.engine.config; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('backend.', 'compiler.')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     # and the names the packages export still load on first use
-    code = "import compiler.engine as e, compiler.serve as s; print(e.Engine.__name__, s.ServeConfig is e.ServeConfig, s.serve.__module__)"
+    code = "import compiler.engine as e, compiler.offline as s; print(e.Engine.__name__, s.ServeConfig is e.ServeConfig, s.serve.__module__)"
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stdout.split()) == (0, ["Engine", "True", "compiler.serve.run"]), done.stderr[-2000:]
+    assert (done.returncode, done.stdout.split()) == (0, ["Engine", "True", "compiler.offline.run"]), done.stderr[-2000:]
 
 
 def _answer(kind: str) -> object:

@@ -14,8 +14,8 @@ import pytest
 
 from compiler.cli import main
 from compiler.engine import StepKind, StepReport
-from compiler.serve import Request, ServeConfig, make_engine, serve
-from compiler.serve.latency import Latencies
+from compiler.offline import Request, ServeConfig, make_engine, serve
+from compiler.offline.latency import Latencies
 from compiler.tools.bench_serve import (
     ENGINES,
     GREEDY_SAMPLING,

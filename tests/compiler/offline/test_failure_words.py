@@ -20,9 +20,9 @@ from backend import children
 from backend.ledger import Ledger
 from backend.remote import ExecutorGone, ExecutorProcess, Processes
 from compiler.manager import PassManager
+from compiler.offline import ServeConfig
+from compiler.offline.dp import ReplicaFailed, serve_replicas
 from compiler.prefix_cache import PrefixCache
-from compiler.serve import ServeConfig
-from compiler.serve.dp import ReplicaFailed, serve_replicas
 from compiler.steps import Pipeline
 from compiler.workload import Request
 from ir.ids import TARGET_POOL, RequestId

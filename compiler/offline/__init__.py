@@ -6,7 +6,7 @@ Workloads: the built-in one (``builtin_workload``: requests built from a bundled
 shared system prefixes, arrivals in bursts or a trickle, and mixed lengths) or a JSONL file (``load_workload``), one
 request per line: ``{"prompt": str, "arrival": int (optional, scheduler step)}`` and any
 ``ir.sampling.SamplingParams`` field under its name (``max_new_tokens``, ``temperature``, ``top_p``,
-..., ``stop``: a string or list of strings, the text ending before it, ``compiler.serve.stops``). A
+..., ``stop``: a string or list of strings, the text ending before it, ``compiler.offline.stops``). A
 malformed file or a bad field raises ``WorkloadError`` naming the line (and the field and value).
 ``load_workload`` checks the same bounds as ``Engine.admit`` (context length with the k + 1
 speculative positions, token ids below the vocabulary), so a loaded workload is never refused
@@ -25,9 +25,9 @@ The lossless check re-runs a sample of the requests with plain greedy decoding o
 (no draft, no cache, no chunking) and compares the outputs token for token.
 
 The names below load on first use (PEP 562): ``batchc serve``'s HTTP process imports torch-free
-submodules (``compiler.serve.tokenizer``, ``compiler.serve.stops``) without loading the models and
-torch through ``compiler.serve.load`` and ``compiler.serve.run``. The whole ``batchc run`` job is
-``compiler.serve.run.run`` (not a name here: loaded lazily, it would be shadowed by its submodule).
+submodules (``compiler.offline.tokenizer``, ``compiler.offline.stops``) without loading the models and
+torch through ``compiler.offline.load`` and ``compiler.offline.run``. The whole ``batchc run`` job is
+``compiler.offline.run.run`` (not a name here: loaded lazily, it would be shadowed by its submodule).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from compiler.engine.config import ServeConfig
-    from compiler.serve.load import builtin_workload, load_workload
-    from compiler.serve.memory import check_serving, memory_estimate
-    from compiler.serve.run import make_engine, serve
-    from compiler.serve.summary import MutableRun, Sample, ServeSummary
+    from compiler.offline.load import builtin_workload, load_workload
+    from compiler.offline.memory import check_serving, memory_estimate
+    from compiler.offline.run import make_engine, serve
+    from compiler.offline.summary import MutableRun, Sample, ServeSummary
     from compiler.workload import (
         BYTE_VOCAB,
         LONGEST_BUILTIN_PROMPT,
@@ -51,10 +51,10 @@ if TYPE_CHECKING:
     )
 
 _WHERE = {
-    "ServeConfig": "compiler.engine.config", "builtin_workload": "compiler.serve.load", "load_workload": "compiler.serve.load",
-    "check_serving": "compiler.serve.memory", "memory_estimate": "compiler.serve.memory", "make_engine": "compiler.serve.run",
-    "serve": "compiler.serve.run", "MutableRun": "compiler.serve.summary", "Sample": "compiler.serve.summary",
-    "ServeSummary": "compiler.serve.summary", "BYTE_VOCAB": "compiler.workload", "LONGEST_BUILTIN_PROMPT": "compiler.workload",
+    "ServeConfig": "compiler.engine.config", "builtin_workload": "compiler.offline.load", "load_workload": "compiler.offline.load",
+    "check_serving": "compiler.offline.memory", "memory_estimate": "compiler.offline.memory", "make_engine": "compiler.offline.run",
+    "serve": "compiler.offline.run", "MutableRun": "compiler.offline.summary", "Sample": "compiler.offline.summary",
+    "ServeSummary": "compiler.offline.summary", "BYTE_VOCAB": "compiler.workload", "LONGEST_BUILTIN_PROMPT": "compiler.workload",
     "MAX_ARRIVAL": "compiler.workload", "Request": "compiler.workload", "ServeError": "compiler.workload", "WorkloadError": "compiler.workload",
 }
 
@@ -68,7 +68,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     where = _WHERE.get(name)
     if where is None:
-        raise AttributeError(f"module 'compiler.serve' has no attribute {name!r}")
+        raise AttributeError(f"module 'compiler.offline' has no attribute {name!r}")
     value = vars(importlib.import_module(where))[name]
     globals()[name] = value  # (looked up once)
     return value

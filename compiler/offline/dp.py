@@ -7,7 +7,7 @@ the replica with the least work assigned so far (prompt plus new tokens), so req
 system prompt share one replica's prefix cache while the load stays even. ``"round-robin"`` (for
 comparison) deals the requests out in turn, ignoring prefixes.
 
-Each replica is ``python -m compiler.serve.dp``: it reads its part of the workload and the run's
+Each replica is ``python -m compiler.offline.dp``: it reads its part of the workload and the run's
 options as one JSON object on stdin, loads the models itself, serves its part with ``run`` (the
 lossless check included, on its own first requests) and writes the summary and its outputs as JSON
 on stdout. Requests travel as token ids and bytes, not pickles. The router starts every replica at
@@ -105,7 +105,7 @@ def serve_replicas(
             spec = {"model": model, "draft": draft, "dtype": dtype, "cfg": attrs.asdict(cfg), "threads": threads,
                     "requests": [_request_json(r) for r in part]}
             # (spawned here, on this thread: the replica dies with it, whatever ends this process)
-            proc = children.spawn([sys.executable, "-m", "compiler.serve.dp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            proc = children.spawn([sys.executable, "-m", "compiler.offline.dp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE)
             procs.append(proc)
 
@@ -152,8 +152,8 @@ def _replica_main() -> int:
     """A replica: one JSON spec on stdin, the summary and outputs as JSON on stdout."""
     import torch
 
-    from compiler.serve.models import load_served
-    from compiler.serve.run import run
+    from compiler.offline.models import load_served
+    from compiler.offline.run import run
 
     spec = json.loads(sys.stdin.buffer.read())
     torch.set_num_threads(spec["threads"])

@@ -23,12 +23,12 @@ from backend.hybrid.checkpoint import default_draft, default_target
 from backend.hybrid.model import HybridModel
 from compiler.engine import Engine
 from compiler.engine.requests import Request as EngineRequest
-from compiler.serve import Request, ServeConfig, WorkloadError, builtin_workload, load_workload, make_engine, serve
-from compiler.serve.dp import _request, _request_json
-from compiler.serve.models import finish_reason, output_lines
-from compiler.serve.run import stop_ids
-from compiler.serve.stops import StopScanner, scan
-from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer
+from compiler.offline import Request, ServeConfig, WorkloadError, builtin_workload, load_workload, make_engine, serve
+from compiler.offline.dp import _request, _request_json
+from compiler.offline.models import finish_reason, output_lines
+from compiler.offline.run import stop_ids
+from compiler.offline.stops import StopScanner, scan
+from compiler.offline.tokenizer import ByteTokenizer, HFTokenizer
 from ir.columns import frozen_i64
 from ir.errors import PreconditionError
 from ir.ids import RequestId

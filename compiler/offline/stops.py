@@ -2,7 +2,7 @@
 strings that appears in its detokenized output, and its text ends before that stop string.
 
 ``StopScanner`` pushes a request's output ids through the tokenizer's incremental detokenizer
-(``compiler.serve.tokenizer``) one id at a time and looks for the stop strings in the text each id
+(``compiler.offline.tokenizer``) one id at a time and looks for the stop strings in the text each id
 completes. So a stop string split over several tokens is found at the token that completes it, and
 several tokens emitted in one step (a speculative window) are looked at one by one: the first
 stop string to appear wins, whatever step brought the tokens.
@@ -19,8 +19,8 @@ Invariants:
   tokens (the completing one included); an earlier occurrence is passed over, as vLLM's stop checker
   does.
 - Scanning is prefix-consistent: feeding the ids of one output in any number of calls finds the same
-  cut, so the ``--outputs`` writer (``compiler.serve.models.output_lines``) finds again, from the kept
-  ids alone, the cut the serving loop made (``compiler.serve.run.serve``).
+  cut, so the ``--outputs`` writer (``compiler.offline.models.output_lines``) finds again, from the kept
+  ids alone, the cut the serving loop made (``compiler.offline.run.serve``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from compiler.serve.tokenizer import Tokenizer
+from compiler.offline.tokenizer import Tokenizer
 
 
 @attrs.frozen(kw_only=True)

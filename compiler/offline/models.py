@@ -12,8 +12,8 @@ import torch
 
 from backend.hybrid.model import HybridModel
 from compiler.engine.nonfinite import ERROR_MESSAGE
-from compiler.serve.stops import scan
-from compiler.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from compiler.offline.stops import scan
+from compiler.offline.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.workload import Request, ServeError
 from ir.ids import RequestId
 
@@ -92,7 +92,7 @@ def output_lines(
     ``Request.completions()`` in ``outputs``, ``aborted``, ``errored`` and ``logprobs``), ``prompt``, ``prompt_ids``,
     ``output_ids`` (an ending end-of-sequence id included, and the tokens of an ending stop string),
     ``text`` (the output decoded incrementally, special tokens left out, ending before the stop string
-    that ended it: ``compiler.serve.stops``) and ``finish_reason``; a refused request's line adds
+    that ended it: ``compiler.offline.stops``) and ``finish_reason``; a refused request's line adds
     ``reason`` (``Request.refused``). ``outputs``: each request's generated ids by rid, as served
     (cut at the token that completed a stop string); ``aborted``: the rids a failed forward cut short;
     ``errored``: the rids that ended at non-finite logits (``finish_reason`` ``"error"``, and

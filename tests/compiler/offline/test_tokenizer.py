@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiler.serve.tokenizer import REPLACEMENT, ByteTokenizer, HFTokenizer
+from compiler.offline.tokenizer import REPLACEMENT, ByteTokenizer, HFTokenizer
 from ir.errors import PreconditionError
 from ir.ids import RequestId
 from tests.backend.hf.builders import save_tokenizer
@@ -153,8 +153,8 @@ def test_a_tokenizer_that_is_not_a_file_is_refused(tmp_path: Path) -> None:
 def test_workload_loading_checks_its_tokenizer_and_arguments(tmp_path: Path, hf_tokenizer: HFTokenizer) -> None:
     from typeguard import suppress_type_checks
 
-    from compiler.serve import builtin_workload, load_workload
-    from compiler.serve.load import tokenize_workload
+    from compiler.offline import builtin_workload, load_workload
+    from compiler.offline.load import tokenize_workload
     from compiler.workload import WorkloadError
 
     path = tmp_path / "w.jsonl"

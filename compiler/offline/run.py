@@ -15,12 +15,12 @@ from backend.transports import in_process, processes, tensor_parallel
 from compiler.engine import Engine, prefill_first
 from compiler.engine.config import ServeConfig
 from compiler.manager import PassManager
+from compiler.offline.latency import Latencies
+from compiler.offline.memory import check_serving
+from compiler.offline.stops import StopScanner, scan
+from compiler.offline.summary import Sample, ServeSummary, host_ms_per_step
+from compiler.offline.tokenizer import ByteTokenizer, Tokenizer
 from compiler.prefix_cache import PrefixCache
-from compiler.serve.latency import Latencies
-from compiler.serve.memory import check_serving
-from compiler.serve.stops import StopScanner, scan
-from compiler.serve.summary import Sample, ServeSummary, host_ms_per_step
-from compiler.serve.tokenizer import ByteTokenizer, Tokenizer
 from compiler.workload import Request
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 
@@ -100,7 +100,7 @@ def serve(
     each with its ``sampling``; each ends at its ``max_new_tokens``, a ``sampling.stop_token_ids`` id,
     any of the ``eos`` ids (unless ``sampling.ignore_eos``; no stop id ends it before
     ``sampling.min_tokens`` tokens) or its first ``sampling.stop`` string in its text as
-    ``tokenizer`` (default: bytes) decodes it, after each step (``compiler.serve.stops``: the request
+    ``tokenizer`` (default: bytes) decodes it, after each step (``compiler.offline.stops``: the request
     is finished and its output cut after the token that completed the stop string). ``on_finish``
     gets the number of finished requests whenever it changes; ``on_step`` is called before each step,
     after that step's admissions (to sample ``driver.live``, say); ``latency`` records each

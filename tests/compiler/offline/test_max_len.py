@@ -16,7 +16,7 @@ import pytest
 
 from backend import faults
 from backend.hf.config import parse_config, read_json
-from compiler.serve import load_workload
+from compiler.offline import load_workload
 from compiler.workload import MAX_CONTEXT
 from tests.backend.hf.builders import save_hf_model, save_tokenizer
 from tests.helpers import run_cli
@@ -63,7 +63,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_hugging_face_models_context_is_its_max_position_embeddings(
     hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from compiler.serve.tokenizer import HFTokenizer
+    from compiler.offline.tokenizer import HFTokenizer
 
     text = "ab " * 280
     n = len(HFTokenizer(hf_dir / "tokenizer.json").encode(text))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from compiler.engine.config import ServeConfig
-from compiler.serve import builtin_workload
-from compiler.serve.dp import ReplicaFailed, route, serve_replicas
+from compiler.offline import builtin_workload
+from compiler.offline.dp import ReplicaFailed, route, serve_replicas
 from compiler.workload import Request, ServeError
 from ir.ids import RequestId
 from tests.helpers import run_cli
@@ -86,7 +86,7 @@ def test_the_merged_lossless_verdict_is_true_only_where_a_replica_compared_and_n
 ) -> None:
     """A replica whose sampled requests all ended in error (non-finite logits) ran no comparison and
     has no lossless_ok; the merged summary used to say true over replicas that compared nothing."""
-    from compiler.serve.dp import ReplicaResult, merged
+    from compiler.offline.dp import ReplicaResult, merged
 
     figures = {"generated_tokens": 0, "wall_s": 1.0, "requests": 1, "outstanding_tickets": 0, "aborted_requests": 0,
                "errored_requests": 1, "prefix_cache_hit_tokens": 0}

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from backend.files import file_kind
-from compiler.serve.tokenizer import Tokenizer
+from compiler.offline.tokenizer import Tokenizer
 from compiler.workload import (
     ARRIVALS,
     BURST_EVERY,
@@ -160,7 +160,7 @@ def load_workload(
     ``GREEDY``'s (``sampling_params``). A value ``SamplingParams`` refuses (a wrong type, a bool for a
     number, out of range, an empty, over-long or one-too-many stop string) is a ``WorkloadError``
     naming the line, the field and the value; so is a ``stop_token_ids`` id not below ``vocab``.
-    ``stop`` is text (a string or a list of strings; the output ends before it, ``compiler.serve.stops``).
+    ``stop`` is text (a string or a list of strings; the output ends before it, ``compiler.offline.stops``).
 
     Request limits, the same as ``Engine.admit``'s so that nothing loaded is refused mid-run:
     every prompt byte below ``vocab``, else ``WorkloadError``; and prompt bytes +

@@ -15,6 +15,11 @@ Invariants:
 - ``row_bytes`` and every sub-state offset are multiples of ``align`` (256 by default, at least 16),
   so every view has an aligned base for any dtype and the init-op kernel can move 16-byte words.
 - The buffer is allocated once; views never reallocate, so a view taken before an op sees the op.
+- A layout may also carry one hidden vector per row (``PoolLayout.carried_hidden`` elements of
+  ``carried_dtype``, after the last layer's SSM state, aligned like the others): a draft head's
+  target hidden state at the slot's last committed position (``backend.hybrid.head``). It is part
+  of the row, so a clear zeroes it and a copy-on-write or snapshot copies it with no op of its own.
+  With ``carried_hidden == 0`` (every model but a head) the layout is exactly what it was without it.
 """
 
 from __future__ import annotations
@@ -130,12 +135,18 @@ def _round_up(x: int, to: int) -> int:
 
 @attrs.frozen(kw_only=True)
 class PoolLayout:
-    """Byte layout of one slot-major row: per layer, conv state then SSM state, each aligned."""
+    """Byte layout of one slot-major row: per layer, conv state then SSM state, each aligned; then
+    the carried hidden vector when ``carried_hidden > 0`` (a layout needs a Mamba layer or one)."""
 
     layers: tuple[MambaLayerSpec, ...] = attrs.field(converter=_layer_tuple)
     align: int = 256
+    carried_hidden: int = 0
+    """Elements of the carried hidden vector per row (0: none)."""
+    carried_dtype: torch.dtype = torch.float32
     conv_offsets: tuple[int, ...] = attrs.field(init=False)
     ssm_offsets: tuple[int, ...] = attrs.field(init=False)
+    carried_offset: int = attrs.field(init=False)
+    """Byte offset of the carried hidden vector (``row_bytes`` when there is none)."""
     row_bytes: int = attrs.field(init=False)
 
     @conv_offsets.default
@@ -146,13 +157,29 @@ class PoolLayout:
     def _ssm_offsets(self) -> tuple[int, ...]:
         return self._offsets()[1]
 
-    @row_bytes.default
-    def _row_bytes(self) -> int:
+    @carried_offset.default
+    def _carried_offset(self) -> int:
         return self._offsets()[2]
 
-    def _offsets(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        if not self.layers:
-            raise IRValidationError("PoolLayout", "layers", self.layers, "a pool layout needs at least one Mamba layer")
+    @row_bytes.default
+    def _row_bytes(self) -> int:
+        return self._offsets()[3]
+
+    @property
+    def carried_bytes(self) -> int:
+        return self.carried_hidden * self.carried_dtype.itemsize
+
+    def _offsets(self) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+        carried = check_int(self, "carried_hidden", self.carried_hidden)
+        if not 0 <= carried <= MAX_LAYER_DIM:
+            raise IRValidationError("PoolLayout", "carried_hidden", self.carried_hidden, f"must be in [0, {MAX_LAYER_DIM}]")
+        dtype: object = self.carried_dtype  # typed torch.dtype; checked because callers need not be typed
+        if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+            raise IRValidationError("PoolLayout", "carried_dtype", dtype, "must be torch.float32, torch.float16 or torch.bfloat16")
+        if not self.layers and not carried:
+            raise IRValidationError(
+                "PoolLayout", "layers", self.layers, "a pool layout needs at least one Mamba layer or a carried hidden state"
+            )
         for i, spec in enumerate(self.layers):
             check_instance(self, f"layers[{i}]", spec, MambaLayerSpec)
         align = check_int(self, "align", self.align)
@@ -166,7 +193,9 @@ class PoolLayout:
             off = _round_up(off + spec.conv_bytes, self.align)
             ssm.append(off)
             off = _round_up(off + spec.ssm_bytes, self.align)
-        return tuple(conv), tuple(ssm), off
+        carried_at = off
+        off = _round_up(off + carried * self.carried_dtype.itemsize, self.align)
+        return tuple(conv), tuple(ssm), carried_at, off
 
 
 class MambaStatePool:
@@ -238,6 +267,14 @@ class MambaStatePool:
         layer = self._layer(layer)
         spec = self.layout.layers[layer]
         return self._view(self.layout.ssm_offsets[layer], spec.ssm_bytes, spec.ssm_dtype, spec.ssm_shape)
+
+    def carried_hidden(self) -> torch.Tensor:
+        """``[num_slots, carried_hidden]`` strided view of the carried hidden vectors (``ValueError``
+        for a layout without one)."""
+        lay = self.layout
+        if not lay.carried_hidden:
+            raise ValueError(f"pool {self.pool_id!r} carries no hidden state (its layout has carried_hidden=0)")
+        return self._view(lay.carried_offset, lay.carried_bytes, lay.carried_dtype, (lay.carried_hidden,))
 
     def copy_buffer(self) -> torch.Tensor:
         """A copy of the whole buffer, for tests and fault checks (not a prefix-cache snapshot)."""

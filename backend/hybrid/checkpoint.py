@@ -41,6 +41,9 @@ from backend.pool import device_problem
 from ir.errors import short_repr
 
 FORMAT = "batchc.hybrid/1"
+HEAD_FORMAT = "batchc.head/1"
+"""The ``format`` of a draft head's checkpoint (``backend.hybrid.head``): not a model on its own,
+so ``load_checkpoint`` refuses it by name, and the head's loader refuses a full model."""
 _RESERVED = ("format", "config")
 _LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TARGET_FILE = "target.safetensors"
@@ -209,6 +212,8 @@ def read_checkpoint(path: str | Path) -> tuple[HybridConfig, Weights, dict[str, 
 
 
 def _read(p: Path, f: Any, meta: dict[str, str]) -> tuple[HybridConfig, Weights, dict[str, str]]:
+    if meta.get("format") == HEAD_FORMAT:
+        raise CheckpointError(p, f"is a draft head checkpoint (format {HEAD_FORMAT!r}), not a full model: load it as a draft head bound to a target")
     if meta.get("format", FORMAT) != FORMAT:
         raise CheckpointError(p, f"unsupported format {meta['format']!r}, expected {FORMAT!r}")
     if "config" not in meta:

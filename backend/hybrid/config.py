@@ -39,7 +39,7 @@ layers); attention layer ``i`` owns KV layer ``attn_index(i)``.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import attrs
 import torch
@@ -74,6 +74,10 @@ def _kinds(value: tuple[LayerKind, ...]) -> tuple[LayerKind, ...]:
 @attrs.frozen(kw_only=True)
 class HybridConfig:
     """A hybrid model: Mamba2 mixers, attention, MLPs (see the module doc for the switches)."""
+
+    needs_mamba: ClassVar[bool] = True
+    """Whether the pattern must hold a Mamba layer (a draft head's layers need not: its pool
+    carries the target's hidden state, ``backend.hybrid.head``)."""
 
     d_model: int
     layers: tuple[LayerKind, ...] = attrs.field(converter=_kinds)
@@ -130,7 +134,7 @@ class HybridConfig:
         bad = [k for k in self.layers if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"layer kinds must be one of {LAYER_KINDS}, got {bad!r}")
-        if "mamba" not in self.layers:
+        if self.needs_mamba and "mamba" not in self.layers:
             raise ValueError(f"the layer pattern needs at least one mamba layer, got {self.layers!r}")
         if self.nheads % self.ngroups:
             raise ValueError(f"nheads {self.nheads} is not a multiple of ngroups {self.ngroups}")

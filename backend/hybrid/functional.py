@@ -144,9 +144,17 @@ def forward_hidden(config: HybridConfig, weights: Weights, tokens: torch.Tensor,
     c = config
     if c.switched():
         raise ValueError(f"the training forward implements the bundled architecture only; this config sets {list(c.switched())}")
+    return forward_layers(c, weights, F.embedding(tokens, weights["embed"].float()), chunk=chunk)
+
+
+def forward_layers(config: HybridConfig, weights: Weights, h: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
+    """The layer stack of ``config`` (bundled architecture: ``mixer_mlp`` blocks, SwiGLU, full
+    rotary; the caller checks that) on the residual stream ``h [batch, L, d_model]`` (float32,
+    positions ``0..L-1``) -> the residual stream after the last layer. Only the ``layers.*``
+    weights are read (a draft head runs its own layers on its own input through this)."""
+    c = config
     q = c.chunk_size if chunk is None else chunk
-    w = {name: t.float() for name, t in weights.items()}  # a no-op (grad kept) for float32
-    h = F.embedding(tokens, w["embed"])
+    w = {name: t.float() for name, t in weights.items() if name.startswith("layers.")}  # a no-op (grad kept) for float32
     for i, kind in enumerate(c.layers):
         x = _rms(h, c.rms_eps) * w[f"layers.{i}.norm"]
         h = h + (_mamba(c, w, i, x, q) if kind == "mamba" else _attention(c, w, i, x))

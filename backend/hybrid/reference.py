@@ -96,7 +96,13 @@ def reference_hidden(model: HybridModel, tokens: list[int]) -> torch.Tensor:
     if not tokens:
         raise ValueError("reference_hidden needs at least one token")
     c = model.config
-    h = model.weights["embed"].float()[torch.tensor(tokens, dtype=torch.int64, device=model.device)] * c.embed_scale
+    return reference_layers(model, model.weights["embed"].float()[torch.tensor(tokens, dtype=torch.int64, device=model.device)] * c.embed_scale)
+
+
+def reference_layers(model: HybridModel, h: torch.Tensor) -> torch.Tensor:
+    """The layer stack of ``model`` on the float32 residual stream ``h [L, d_model]`` (positions
+    ``0..L-1``) -> the stream after the last layer (a draft head feeds its own input through this)."""
+    c = model.config
     for i, kind in enumerate(c.layers):
         x = _norm(h, model.weights[f"layers.{i}.norm"].float(), c.rms_eps)
         if kind == "mlp":

@@ -113,6 +113,35 @@ class ServedModel(Protocol[VerifyStateT]):
         ...
 
 
+@runtime_checkable
+class HeadHook(CapturesInnerStates, Protocol):
+    """A draft head's serving hook (``backend.hybrid.head.DraftHeadHook``): the head reads the
+    target's hidden states, so its phases take them beside the staged plan. Its pool (the head
+    pool) carries each slot's last target hidden state in the row, so the executor runs the same
+    init ops on it as on the target's pool (clear, COW, snapshot) and nothing else.
+
+    - after a target prefill chunk: ``extend(the chunk's StagedExtend, the target's hidden at every
+      token of the chunk [total, d_model], head pool)``, with the chunk's captures;
+    - proposal: ``propose(the draft window, k, head pool) -> [n, k]`` tokens; the pool is untouched;
+    - after a verify: ``extend(the StagedExtend of the window tokens p, d1..dm of each row, the
+      verify's hidden at window positions 0..m packed (backend.hybrid.head.pack_accepted), head
+      pool)``: the head commit, no init ops.
+    """
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst``'s first ``length`` context positions become those of slot ``src``."""
+        ...
+
+    def extend(self, staged: StagedExtend, hidden: torch.Tensor, pool: MambaStatePool) -> torch.Tensor:
+        """The head over the staged tokens given the target's hidden there; logits ``[n, vocab]`` at
+        each sequence's last token."""
+        ...
+
+    def propose(self, staged: StagedWindow, k: int, pool: MambaStatePool) -> torch.Tensor:
+        """``k`` greedy proposals per row, ``[n, k]``, from the committed head state."""
+        ...
+
+
 def blank_logits(extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor:
     """Logits of a model that scores one token, 0, for every row: ``[rows, 1]`` zeros."""
     rows = (int(extend.cu_seqlens.shape[0]) - 1 if extend is not None else 0) + (int(decode.packed.shape[1]) if decode is not None else 0)

@@ -52,9 +52,15 @@ from backend.files import CheckpointError
 from backend.hybrid import functional, reference
 from backend.hybrid.checkpoint import FORMAT, HEAD_FORMAT, _regular_size, config_number
 from backend.hybrid.config import LAYER_KINDS, MAX_LAYERS, HybridConfig, LayerKind
-from backend.hybrid.model import HybridModel, rms_norm
+from backend.hybrid.kv import KVCache, TokenTable
+from backend.hybrid.model import HybridModel, greedy, rms_norm
+from backend.hybrid.outputs import ForwardOut
 from backend.hybrid.weights import Weights, _init_one, weight_shapes
+from backend.kernels import checks
+from backend.kernels.checks import require
+from backend.model import HeadHook
 from backend.pool import MambaStatePool, PoolLayout
+from backend.staging import Captures, StagedExtend, StagedWindow
 from ir.errors import short_repr
 from ir.ids import DRAFT_POOL, PoolId
 
@@ -302,6 +308,38 @@ class HeadModel:
         out = tw["embed" if c.tie_embeddings else "lm_head"].float()
         return (reference._norm(o, tw["final_norm"].float(), c.rms_eps) @ out.T) * c.logit_scale
 
+    def reference_outputs(self, hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``reference``'s logits and the head's own output hidden states ``o [T, d]`` (float32),
+        which a proposal step feeds in place of the target's hidden (``reference_propose``)."""
+        if ids.dim() != 1 or ids.dtype != torch.int64 or ids.shape[0] == 0:
+            raise ValueError(f"ids must be an int64 [length] tensor with length >= 1, got {ids.dtype} {tuple(ids.shape)}")
+        d = self.config.d_model
+        if tuple(hidden.shape) != (ids.shape[0], d):
+            raise ValueError(f"hidden must be [length, {d}] = {(ids.shape[0], d)}, got {tuple(hidden.shape)}")
+        c = self.layers_config
+        w = {n: t.float() for n, t in self.weights.items()}
+        tw = self.target.weights
+        emb = tw["embed"].float()[ids.to(self.device)] * c.embed_scale
+        prev = torch.cat((torch.zeros_like(hidden[:1]), hidden[:-1])).float().to(self.device)
+        u = torch.cat((reference._norm(emb, w["norm_embed"], c.rms_eps), reference._norm(prev, w["norm_hidden"], c.rms_eps)), dim=-1) @ w["fc"].T
+        o = reference.reference_layers(self.body, u)
+        out = tw["embed" if c.tie_embeddings else "lm_head"].float()
+        return (reference._norm(o, tw["final_norm"].float(), c.rms_eps) @ out.T) * c.logit_scale, o
+
+    def reference_propose(self, hidden: torch.Tensor, ids: torch.Tensor, pending: int, k: int) -> list[int]:
+        """The cache-free proposal: ``k`` greedy tokens after the committed ``ids [L]`` (target
+        hidden ``hidden [L, d]``) and the pending token, step ``i > 1`` pairing the head's own
+        output at the previous position with the previous proposal, all recomputed from scratch."""
+        seq_h, seq_ids = hidden.float(), torch.cat((ids, torch.tensor([pending], dtype=torch.int64, device=ids.device)))
+        out: list[int] = []
+        for _ in range(k):
+            logits, o = self.reference_outputs(torch.cat((seq_h, torch.zeros_like(seq_h[:1]))), seq_ids)
+            token = int(logits[-1].argmax())
+            out.append(token)
+            seq_h = torch.cat((seq_h, o[-1:].to(seq_h.device)))
+            seq_ids = torch.cat((seq_ids, torch.tensor([token], dtype=torch.int64, device=ids.device)))
+        return out
+
     # ---- backend state ----------------------------------------------------------------------------
 
     def pool_layout(self) -> PoolLayout:
@@ -311,6 +349,173 @@ class HeadModel:
         self, capacity: int, *, pool_id: PoolId = DRAFT_POOL, conv_dtype: torch.dtype = torch.float32, ssm_dtype: torch.dtype = torch.float32
     ) -> MambaStatePool:
         return MambaStatePool(pool_id, self.config.pool_layout(conv_dtype, ssm_dtype), capacity, device=self.device)
+
+    def new_kv_cache(self, capacity: int) -> KVCache:
+        """The head's own KV cache (its attention layers), addressed by the target's KV locations."""
+        return KVCache.for_config(self.layers_config, capacity, dtype=self.dtype, device=self.device)
+
+    def new_token_table(self, max_slots: int, max_len: int) -> TokenTable:
+        return TokenTable(max_slots, max_len, device=self.device)
+
+    def captures_inner_states(self) -> bool:
+        """Its extends capture states inside a chunk, the carried hidden included."""
+        return True
+
+    def serving_hook(self, *, capacity: int, kv_capacity: int, max_len: int) -> DraftHeadHook:
+        """This head behind ``backend.model.HeadHook``, with a fresh KV cache and token table."""
+        hook = DraftHeadHook(self, self.new_kv_cache(kv_capacity), self.new_token_table(capacity, max_len))
+        _fits: HeadHook = hook  # mypy checks here that the hook fits the protocol the executor holds
+        return hook
+
+    def _check_pool(self, pool: MambaStatePool) -> None:
+        lay = pool.layout
+        specs_ok = len(lay.layers) == self.config.n_mamba and all(s == self.layers_config.mamba_spec(s.conv_dtype, s.ssm_dtype) for s in lay.layers)
+        require(specs_ok and lay.carried_hidden == self.config.d_model,
+                f"the pool's layout is not this head's (its Mamba layers and a carried hidden of {self.config.d_model})")
+
+    # ---- serving entry points -------------------------------------------------------------------
+
+    def extend(
+        self,
+        pool: MambaStatePool,
+        kv: KVCache,
+        table: TokenTable,
+        *,
+        slots: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+        hidden: torch.Tensor,
+        captures: Captures | None = None,
+    ) -> ForwardOut:
+        """The head over ``n`` packed sequences (``HybridModel.extend``'s arguments, same meaning),
+        given the target's hidden states at the same tokens, ``hidden [total, d_model]``.
+
+        Sequence ``i``'s token ``j`` (position ``s + j``, ``s = prefix_lens[i]``) pairs with the
+        target hidden at position ``s + j - 1``: ``hidden`` of the previous token for ``j > 0``, the
+        row's carried hidden for ``j = 0`` (zeros after a clear); afterwards the row carries the
+        hidden of the sequence's last token. Used for both the head extend after a target prefill
+        chunk and the head commit after a verify (window tokens ``p, d1..dm`` with the verify's
+        hidden at window positions ``0..m``: ``pack_accepted``). ``captures``: the Mamba states and
+        the carried hidden (that of the ``at[j]``-th token) after the first ``at[j]`` tokens.
+        Returns the logits and the head's output hidden at each sequence's last token.
+        """
+        self._check_pool(pool)
+        total = input_ids.shape[0] if input_ids.dim() == 1 else -1
+        checks.check_tensor("hidden", hidden, shape=(total, self.config.d_model), device=pool.device)
+        n = slots.shape[0] if slots.dim() == 1 else -1
+        checks.check_index("slots", slots, length=None, device=pool.device)
+        require(cu_seqlens.shape == (n + 1,), f"cu_seqlens has shape {tuple(cu_seqlens.shape)}, expected {(n + 1,)}")
+        carried = pool.carried_hidden()
+        rows = slots.clamp(min=0)
+        prev = torch.empty((total, self.config.d_model), dtype=carried.dtype, device=pool.device)
+        if total:
+            prev[1:] = hidden[:-1].to(carried.dtype)
+            prev[cu_seqlens[:-1]] = carried[rows]  # the first token of each sequence: the carried hidden
+        out = self.body.extend(
+            pool, kv, table, slots=slots, cu_seqlens=cu_seqlens, prefix_lens=prefix_lens, input_ids=input_ids,
+            positions=positions, kv_locs=kv_locs, captures=captures, embeds=self._inputs(prev, input_ids),
+        )
+        if captures is not None and captures.seq:
+            at = torch.tensor([int(cu_seqlens[q]) + a - 1 for q, a in zip(captures.seq, captures.at, strict=True)], device=pool.device)
+            captures.into.carried_hidden()[1 : 1 + len(captures.seq)] = hidden[at].to(carried.dtype)
+        if n:
+            live = slots >= 0
+            carried[slots[live]] = hidden[cu_seqlens[1:] - 1][live].to(carried.dtype)
+        return out
+
+    def propose(
+        self,
+        pool: MambaStatePool,
+        kv: KVCache,
+        table: TokenTable,
+        *,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+        k: int,
+    ) -> torch.Tensor:
+        """``k`` greedy proposals per row, ``[n, k]``, after the committed length ``c = positions``
+        with the pending token ``input_ids [n]``: step 1 pairs the carried hidden ``h_{c-1}`` with the
+        pending token, step ``i > 1`` the head's own output hidden of step ``i - 1`` with proposal
+        ``i - 1``. The pool is not written (the rows are copied to a scratch pool); step ``j`` writes
+        the head's KV at ``kv_locs[:, j]`` (``kv_locs [n, W]``, ``W >= k``: a window's locations,
+        overwritten by the commit) and the table entry ``positions + j``."""
+        self._check_pool(pool)
+        device = pool.device
+        checks.check_index("slots", slots, length=None, device=device)
+        n = slots.shape[0]
+        require(k >= 1, f"k must be positive, got {k}")
+        for name, t, shape in (("input_ids", input_ids, (n,)), ("positions", positions, (n,))):
+            require(t.dtype == torch.int64, f"{name} must be int64, got {t.dtype}")
+            checks.check_tensor(name, t, shape=shape, device=device)
+        require(kv_locs.dtype == torch.int64 and kv_locs.dim() == 2 and kv_locs.shape[0] == n and kv_locs.shape[1] >= k,
+                f"kv_locs must be int64 [{n}, >= {k}], got {kv_locs.dtype} {tuple(kv_locs.shape)}")
+        self.body._check_rows(pool, kv, table, slots)
+        tokens = torch.zeros((n, k), dtype=torch.int64, device=device)
+        if n == 0:
+            return tokens
+        scratch = MambaStatePool(pool.pool_id, pool.layout, n, device=device)
+        scratch.buffer[1:] = pool.buffer[slots.clamp(min=0)]
+        rows = torch.where(slots >= 0, torch.arange(1, n + 1, device=device), -1)
+        prev: torch.Tensor = scratch.carried_hidden()[1:]
+        fed = input_ids
+        for j in range(k):
+            out = self.body._decode(
+                scratch, rows, kv, table, slots, fed, positions + j, kv_locs[:, j].contiguous(), embeds=self._inputs(prev, fed)
+            )
+            fed = greedy(out.logits)
+            tokens[:, j] = fed
+            prev = out.hidden
+        return tokens
+
+
+def pack_accepted(hidden: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The head commit's ``hidden``: row ``i``'s first ``lens[i]`` positions of a verify's hidden
+    ``[n, W, d]`` (``lens = accepted + 1``, the commit's extend lengths, rows in the commit's
+    order), packed ``[sum(lens), d]``."""
+    require(hidden.dim() == 3 and lens.dim() == 1 and lens.shape[0] == hidden.shape[0], f"hidden [n, W, d] and lens [n], got {tuple(hidden.shape)} and {tuple(lens.shape)}")
+    if lens.numel():
+        require(int(lens.min()) >= 1 and int(lens.max()) <= hidden.shape[1], f"lens must lie in [1, {hidden.shape[1]}], got {lens.tolist()[:8]}")
+    keep = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lens.to(hidden.device)[:, None]
+    return hidden[keep]
+
+
+class DraftHeadHook:
+    """A head behind ``backend.model.HeadHook``: the head, its KV cache and token table. Row order
+    and staging as the target's hook (``backend.hybrid.hook.HybridHook``)."""
+
+    def __init__(self, head: HeadModel, kv: KVCache, table: TokenTable) -> None:
+        self.head = head
+        self.kv = kv
+        self.table = table
+
+    def captures_inner_states(self) -> bool:
+        return True
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst``'s first ``length`` KV locations become slot ``src``'s (the token table's rows)."""
+        self.table.copy_prefix(src, dst, length)
+
+    def extend(self, staged: StagedExtend, hidden: torch.Tensor, pool: MambaStatePool) -> torch.Tensor:
+        """Head extend (after a prefill chunk: ``staged`` is the chunk's, ``hidden`` the target's
+        ``ForwardOut.all_hidden``) or head commit (``staged`` from the ``DraftExtendBatch`` of the
+        window tokens ``p, d1..dm``, ``hidden = pack_accepted(verify hidden, accepted + 1)``).
+        Returns the logits at each sequence's last token."""
+        return self.head.extend(
+            pool, self.kv, self.table, slots=staged.slots, cu_seqlens=staged.cu_seqlens, prefix_lens=staged.prefix_lens,
+            input_ids=staged.input_ids, positions=staged.positions, kv_locs=staged.kv_locs, hidden=hidden, captures=staged.captures,
+        ).logits
+
+    def propose(self, staged: StagedWindow, k: int, pool: MambaStatePool) -> torch.Tensor:
+        """``[n, k]`` proposals from a draft window (pending token, window positions and KV locations)."""
+        return self.head.propose(
+            pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids,
+            positions=staged.positions[:, 0].contiguous(), kv_locs=staged.kv_locs, k=k,
+        )
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

@@ -356,6 +356,8 @@ class HybridModel:
         positions: torch.Tensor,
         kv_locs: torch.Tensor,
         captures: Captures | None = None,
+        embeds: torch.Tensor | None = None,
+        keep_hidden: bool = False,
     ) -> ForwardOut:
         """Prefill / chunked continuation of ``n`` packed sequences (each at least one token).
 
@@ -365,6 +367,9 @@ class HybridModel:
         ``captures``: also the Mamba state of sequence ``seq[j]`` after its first ``at[j]`` tokens,
         into row ``j + 1`` of ``captures.into`` (attention keeps no per-slot state: the KV of those
         tokens is in the cache as for every token).
+        ``embeds``: the first layer's input ``[total, d_model]`` in place of the tokens' embeddings (a
+        draft head feeds its projected pairs, ``backend.hybrid.head``); ``keep_hidden``: also return
+        every token's hidden state (``ForwardOut.all_hidden``, packed like ``input_ids``).
         """
         device = pool.device
         self._check_rows(pool, kv, table, slots)
@@ -375,13 +380,16 @@ class HybridModel:
         _check_index("input_ids", input_ids, (total,), device)
         _check_index("positions", positions, (total,), device)
         _check_index("kv_locs", kv_locs, (total,), device)
+        if embeds is not None:
+            checks.check_tensor("embeds", embeds, shape=(total, self.config.d_model), device=device)
         bounds = [int(b) for b in cu_seqlens.tolist()]
         lens = [b - a for a, b in pairwise(bounds)]
         require(bounds[0] == 0 and bounds[-1] == total, f"cu_seqlens must run from 0 to {total}")
         require(all(length >= 1 for length in lens), f"every sequence needs at least one token, got lengths {lens[:8]}")
         c = self.config
         if n == 0:
-            return ForwardOut(torch.zeros((0, c.vocab), device=device), torch.zeros((0, c.d_model), dtype=self.dtype, device=device))
+            empty = torch.zeros((0, c.d_model), dtype=self.dtype, device=device)
+            return ForwardOut(torch.zeros((0, c.vocab), device=device), empty, empty if keep_hidden else None)
         lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
         seq_of = torch.repeat_interleave(torch.arange(n, device=device), lens_t)  # [total]
         offset = torch.arange(total, device=device) - cu_seqlens[seq_of]  # token index within its sequence
@@ -434,9 +442,9 @@ class HybridModel:
             out = self._attend(i, q_pad, qpos, kv, table, slots, ctx)
             return out[seq_of, offset]
 
-        h = self._layers(self._embed(input_ids), mamba, attn)
+        h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), mamba, attn)
         last = h[cu_seqlens[1:] - 1]
-        return ForwardOut(self._logits(last), last)
+        return ForwardOut(self._logits(last), last, h if keep_hidden else None)
 
     def decode(
         self,
@@ -466,9 +474,11 @@ class HybridModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_locs: torch.Tensor,
+        embeds: torch.Tensor | None = None,
     ) -> ForwardOut:
         """Decode with the Mamba state in ``pool[pool_rows]`` and the context in ``table[table_rows]``
-        (different for ``propose``, which runs on a scratch pool). Inputs validated by the caller."""
+        (different for ``propose``, which runs on a scratch pool). Inputs validated by the caller;
+        ``embeds [n, d_model]``: the first layer's input in place of the embeddings (as ``extend``)."""
         c = self.config
         device = pool.device
         n = input_ids.shape[0]
@@ -502,7 +512,7 @@ class HybridModel:
             kv.write(c.attn_index(i), locs, k, v)
             return self._attend(i, q[:, None], positions[:, None], kv, table, table_rows, ctx)[:, 0]
 
-        h = self._layers(self._embed(input_ids), mamba, attn)
+        h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), mamba, attn)
         return ForwardOut(self._logits(h), h)
 
     def verify(

@@ -17,6 +17,9 @@ class ForwardOut:
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    all_hidden: torch.Tensor | None = None
+    """Every token's hidden state, packed ``[total, d_model]`` like the extend's tokens, when the
+    extend was asked for it (``keep_hidden``; a draft head's extend reads them); else ``None``."""
 
 
 @attrs.frozen

@@ -10,6 +10,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from backend.hybrid.head import HeadModel
 from backend.hybrid.model import HybridModel
 from compiler.engine.nonfinite import ERROR_MESSAGE
 from compiler.offline.stops import scan
@@ -48,6 +49,33 @@ def load_served(path: str | None, *, role: str, dtype: torch.dtype, bundled: str
         return Served(model=loaded.model, tokenizer=HFTokenizer(Path(path) / "tokenizer.json"), eos=loaded.hf.eos_ids,
                       name=f"{role} {path} ({loaded.family})", hf=True, max_positions=loaded.hf.max_positions)
     return Served(model=load_checkpoint(path, dtype=dtype), tokenizer=ByteTokenizer(), eos=(), name=f"{role} {path}", hf=False)
+
+
+@attrs.frozen(kw_only=True)
+class ServedHead:
+    """A draft head to serve beside its target (``--draft PATH`` naming a head checkpoint): the head,
+    bound to the target's model, and how to name it. It speaks the target's tokenizer."""
+
+    head: HeadModel
+    name: str
+
+
+def load_draft(path: str | None, *, target: Served, dtype: torch.dtype) -> Served | ServedHead:
+    """``--draft PATH``: a draft head checkpoint (``backend.hybrid.head``, format
+    ``batchc.head/1``) gives a ``ServedHead`` bound to ``target.model`` (in its dtype; ``ServeError``
+    when the head's ``d_model`` or ``vocab`` differ from the target's); anything else is a separate
+    draft model, as ``load_served(path, role="draft", ...)`` loads it (the bundled draft for
+    ``None``). A bad file raises ``CheckpointError`` naming it."""
+    from backend.hybrid.head import is_head_checkpoint, read_head
+
+    if path is None or Path(path).is_dir() or not is_head_checkpoint(path):
+        return load_served(path, role="draft", dtype=dtype, bundled="draft")
+    config, weights, _ = read_head(path)
+    try:
+        head = HeadModel(config, weights, target.model)
+    except ValueError as e:
+        raise ServeError(f"draft {path}: {e} ({target.name})") from None
+    return ServedHead(head=head, name=f"draft head {path}")
 
 
 def check_same_vocabulary(target: Served, draft: Served) -> None:

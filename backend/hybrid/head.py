@@ -403,11 +403,15 @@ class HeadModel:
         Returns the logits and the head's output hidden at each sequence's last token.
         """
         self._check_pool(pool)
+        self.body._check_rows(pool, kv, table, slots)
+        n = slots.shape[0]
         total = input_ids.shape[0] if input_ids.dim() == 1 else -1
         checks.check_tensor("hidden", hidden, shape=(total, self.config.d_model), device=pool.device)
-        n = slots.shape[0] if slots.dim() == 1 else -1
-        checks.check_index("slots", slots, length=None, device=pool.device)
-        require(cu_seqlens.shape == (n + 1,), f"cu_seqlens has shape {tuple(cu_seqlens.shape)}, expected {(n + 1,)}")
+        require(cu_seqlens.dtype == torch.int64, f"cu_seqlens must be int64, got {cu_seqlens.dtype}")
+        checks.check_tensor("cu_seqlens", cu_seqlens, shape=(n + 1,), device=pool.device)
+        bounds = cu_seqlens.tolist()
+        require(bounds[0] == 0 and bounds[-1] == total and all(a < b for a, b in zip(bounds, bounds[1:], strict=False)),
+                f"cu_seqlens must rise from 0 to {total} by at least one per sequence, got {bounds[:8]}")
         carried = pool.carried_hidden()
         rows = slots.clamp(min=0)
         prev = torch.empty((total, self.config.d_model), dtype=carried.dtype, device=pool.device)

@@ -169,6 +169,19 @@ def test_the_hook_fits_the_protocol_and_refuses_a_foreign_pool() -> None:
     target, head = _models()
     hook = head.serving_hook(capacity=2, kv_capacity=8, max_len=8)
     assert isinstance(hook, DraftHeadHook) and isinstance(hook, HeadHook)
-    t = torch.tensor
+
+    def t(v: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.int64, device=DEVICE)
+
     with pytest.raises(ValueError, match="not this head's"):
         head.propose(target.new_pool(2), hook.kv, hook.table, slots=t([1]), input_ids=t([0]), positions=t([0]), kv_locs=t([[1]]), k=1)
+    pool = head.new_pool(2)
+
+    def extend(hidden: torch.Tensor, cu: list[int]) -> None:
+        head.extend(pool, hook.kv, hook.table, slots=t([1]), cu_seqlens=t(cu), prefix_lens=t([0]), input_ids=t([1, 2]),
+                    positions=t([0, 1]), kv_locs=t([1, 2]), hidden=hidden)
+
+    with pytest.raises(ValueError, match=r"hidden has shape \(2, 16\), expected \(2, 32\)"):
+        extend(torch.zeros(2, 16, device=DEVICE), [0, 2])
+    with pytest.raises(ValueError, match=r"cu_seqlens must rise from 0 to 2 by at least one per sequence, got \[0, 3\]"):
+        extend(torch.zeros(2, 32, device=DEVICE), [0, 3])

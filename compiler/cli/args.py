@@ -461,6 +461,14 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
     sv.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries, help=f"prefix-cache entries (default {_SERVE.cache_entries})")
     sv.add_argument("--overlap", action="store_true", help="run each model's executor in its own process, as batchc run's --overlap")
+    sv.add_argument("--tp", type=_int_in(1, MAX_TP), default=1,
+                    help=f"tensor-parallel ranks, at most {MAX_TP}: the engine process is rank 0 and starts the others on this machine "
+                    "(default 1); it must divide the models' heads (docs/guides/parallelism.md)")
+    sv.add_argument("--tp-timeout", type=_int_in(1, MAX_TP_TIMEOUT), default=None,
+                    help=f"with --tp: seconds a rank waits on the others in any step before the group fails, at most {MAX_TP_TIMEOUT} (default 60)")
+    sv.add_argument("--dp", type=_int_in(1, MAX_DP), default=1,
+                    help=f"data-parallel replicas of the engine, at most {MAX_DP}: each its own engine process with its own models, prefix "
+                    "cache and ledger; a request goes to the replica with the fewest in flight (default 1; --max-running is per replica)")
     sv.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0,
                     help=f"the engine's seed, 0 to {MAX_SEED} (default 0): a sampled request (temperature > 0) without a seed of its own "
                     "derives its seed from it and its request id, the request's number in the order the server accepted them (0 "

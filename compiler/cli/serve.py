@@ -1,6 +1,7 @@
 """``batchc serve``: the command line's side of the online server (``compiler.online.server``):
 options to ``ServerOptions`` (the sampling defaults as ``batchc run``'s: ``compiler.cli.args.sampling_defaults``),
-the API key from ``--api-key`` or ``BATCHC_API_KEY``. Bad options the
+the API key from ``--api-key`` or ``BATCHC_API_KEY``; ``--tp`` and ``--dp`` refused together and with
+``--overlap``, as ``batchc run`` refuses them. Bad options the
 parser cannot see are refused in one line (``UsageError``, exit 2) before anything starts. And
 ``batchc bench online`` (``compiler.tools.bench_online``): its table and ``--json``."""
 
@@ -26,16 +27,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.draft is not None and args.k == 0:
         raise UsageError(f"--draft {shown_path(args.draft)} with --k 0: k = 0 turns speculative decoding off and runs no draft")
+    if args.tp == 1 and args.tp_timeout is not None:
+        raise UsageError(f"--tp-timeout {args.tp_timeout} without --tp: an engine on one process has no group to time out")
+    if args.tp > 1 and args.overlap:
+        raise UsageError(f"--tp {args.tp} with --overlap: a tensor-parallel engine serves on the group only")
+    if args.dp > 1:
+        for option, on in (("--tp", args.tp > 1), ("--overlap", args.overlap)):
+            if on:
+                raise UsageError(f"--dp {args.dp} with {option}: each replica is one plain engine process")
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and Text(1024).refusal(key) is not None:
         raise UsageError(f"{API_KEY_ENV}: {Text(1024).refusal(key)}")
     defaults = sampling_defaults(args)
     launch = Launch(model=args.model, draft=args.draft, k=args.k, dtype=args.dtype, max_running=args.max_running, max_len=args.max_len,
                     overlap=args.overlap, threads=args.threads, chunk_size=args.chunk_size, token_budget=args.token_budget,
-                    cache_entries=args.cache_entries, seed=args.seed)
+                    cache_entries=args.cache_entries, seed=args.seed, tp=args.tp,
+                    **({"tp_timeout": args.tp_timeout} if args.tp_timeout is not None else {}))
     return serve(ServerOptions(launch=launch, host=args.host, port=args.port, api_key=key, model_name=args.served_model_name,
                                max_waiting=args.max_waiting, drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
-                               defaults=defaults))
+                               defaults=defaults, dp=args.dp))
 
 
 def bench_online(args: argparse.Namespace, console: Console) -> int:

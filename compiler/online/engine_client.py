@@ -40,6 +40,7 @@ from compiler.online.messages import (
     Ready,
     Shutdown,
     StartFailed,
+    Stats,
     StepOut,
     Submit,
     ToEngine,
@@ -81,6 +82,8 @@ class Tracked:
     """Its completions' ``Ended``, by id, as they arrive."""
     done: bool = False
     """Every completion ended."""
+    replica: int = 0
+    """The engine process (``compiler.online.router``'s replica) it was submitted to."""
 
     def index(self, rid: int) -> int:
         """The choice index of completion ``rid``."""
@@ -88,8 +91,14 @@ class Tracked:
 
 
 class EngineClient:
-    def __init__(self, launch: Launch, metrics: Metrics) -> None:
+    def __init__(self, launch: Launch, metrics: Metrics, *, replica: int = 0, report: Callable[[], None] | None = None) -> None:
         self.metrics = metrics
+        self.replica = replica
+        self.report = report if report is not None else self._report
+        """Called on the event loop when this engine's ``stats`` or ``requests`` changed (the
+        router's, which sums its replicas into the metrics; by default this one's own, as is)."""
+        self.stats: Stats | None = None
+        """The last ``Stats`` the engine process sent."""
         self.proc, self.conn = children.spawn_module("compiler.online.engine_process")
         self.conn.send(launch)
         self.tracked: dict[int, Tracked] = {}
@@ -105,6 +114,11 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
         self._closed_event = threading.Event()
+
+    def _report(self) -> None:
+        if self.stats is not None:
+            self.metrics.engine(self.stats)
+        self.metrics.in_flight.set(self.requests)
 
     def _how_it_ended(self) -> str:
         try:
@@ -186,12 +200,12 @@ class EngineClient:
         return len(self.tracked)
 
     def submit(self, sub: Submit, arrived: float) -> Tracked:
-        t = Tracked(rid=sub.rid, completions=sub.completions, queue=asyncio.Queue(), arrived=arrived)
+        t = Tracked(rid=sub.rid, completions=sub.completions, queue=asyncio.Queue(), arrived=arrived, replica=self.replica)
         for member in sub.completions:
             self.tracked[member] = t
         self.requests += 1
         self.metrics.prompt_tokens.inc(len(sub.prompt))
-        self.metrics.in_flight.set(self.requests)
+        self.report()
         self._outbox.put(sub)
         return t
 
@@ -221,8 +235,7 @@ class EngineClient:
 
     def _on_step(self, out: StepOut) -> None:
         now = time.perf_counter()
-        m = self.metrics
-        m.engine(out.stats)
+        self.stats = out.stats
         delivered: set[int] = set()  # (requests given tokens in this step: one latency each, however many completions)
         for d in out.deltas:
             t = self.tracked.get(d.rid)
@@ -234,7 +247,7 @@ class EngineClient:
             if t is not None:
                 self._tokens(t, len(e.ids), now, delivered)
                 self._end(t, e, now)
-        m.in_flight.set(self.requests)
+        self.report()
 
     def _tokens(self, t: Tracked, n: int, now: float, delivered: set[int]) -> None:
         if not n:
@@ -284,7 +297,7 @@ class EngineClient:
         for rid, t in list(self.tracked.items()):
             self._end(t, Ended(rid=rid, ids=(), reason="failed", message=reason), now)
         self.tracked.clear()
-        self.metrics.in_flight.set(0)
+        self.report()
         self.on_gone()
 
     # -- stopping ------------------------------------------------------------------------------

@@ -20,6 +20,14 @@ prefix cache), answers ``Ready`` or ``StartFailed``, then loops:
    (``Delta``), the completions that ended (``Ended``, with their last tokens and why) and the
    engine's ``Stats``.
 
+With ``Launch.tp > 1`` this process is rank 0 of a tensor-parallel group: once every check passed
+it starts the other ranks (``backend.tp.group.spawn_workers``: this module with ``--tp-worker`` and
+the ``Launch`` as JSON; children of this process, dying with it), each of which loads the models as
+rank 0 did and serves its plans on its shard (``compiler.offline.distributed.work``), and the engine
+runs on rank 0's shards through the ``tensor_parallel`` transport, as ``batchc run --tp`` does. The
+loop pings the workers between steps (``Loop.ping``), since an idle engine sends them no plans;
+``Closed`` counts every rank's outstanding tickets, and the group is shut down after it.
+
 So an ``Abort`` takes effect before the next step: a request is released within one engine step
 of the HTTP side asking. SIGINT is ignored here (the server speaks for Ctrl-C and stops this
 process itself); an exception escaping the loop is sent as ``Crashed`` and the process exits 1.
@@ -27,14 +35,20 @@ process itself); an exception escaping the loop is sent as ``Crashed`` and the p
 
 from __future__ import annotations
 
+import json
 import multiprocessing.connection
 import os
 import signal
 import sys
 import time
 from collections import deque
-from typing import Any, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
 
+import attrs
+
+from backend.tp.group import RankFailed, spawn_workers
+from backend.tp.serve import TPLeader
 from compiler.engine import Engine, RequestState
 from compiler.engine.config import ServeConfig
 from compiler.online.messages import (
@@ -58,18 +72,26 @@ from compiler.online.messages import (
 from ir.errors import BatchcError
 from ir.ids import RequestId
 
+if TYPE_CHECKING:
+    from compiler.offline.models import Served
+
 IDLE_TICK_S: Final = 0.5
 """How long an idle engine waits for a message before it sends its stats again."""
+PING_S: Final = 5.0
+"""How often, at most, rank 0 of a tensor-parallel group tells its workers it is alive (a worker
+gives up on a rank 0 silent for ``--tp-timeout`` seconds: the pings come 4 times as often as that,
+and an idle server sends no plans)."""
+TP_WORKER: Final = "--tp-worker"
+"""The first argument of a tensor-parallel worker rank's command line (then its ``Launch`` as JSON)."""
 
 
-def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig]:
-    """The engine ``launch`` describes, with ``batchc run``'s checks (``ServeError`` / ``BatchcError``, one line)."""
+def load(launch: Launch) -> tuple[Served, Served | None, int]:
+    """The target, the draft (``None`` at k = 0) and k, as ``batchc run`` resolves them (every rank
+    of a tensor-parallel group loads the same way); ``ServeError`` / ``BatchcError`` in one line."""
     import torch
 
-    from compiler.offline.memory import check_serving
     from compiler.offline.models import check_same_vocabulary, load_served
-    from compiler.offline.run import make_engine
-    from compiler.workload import DEFAULT_CONTEXT, MAX_CONTEXT, ServeError
+    from compiler.workload import ServeError
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[launch.dtype]
     target = load_served(launch.model, role="target", dtype=dtype, bundled="target")
@@ -81,6 +103,19 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig]:
     drafted = None if k == 0 else load_served(launch.draft, role="draft", dtype=dtype, bundled="draft")
     if drafted is not None:
         check_same_vocabulary(target, drafted)
+    return target, drafted, k
+
+
+def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
+    """The engine ``launch`` describes, with ``batchc run``'s checks (``ServeError`` / ``BatchcError``,
+    one line); with ``launch.tp > 1``, on the tensor-parallel group this process leads (its workers
+    started here, ``tp_worker``), whose leader is returned for the caller to shut down."""
+    from compiler.offline import distributed
+    from compiler.offline.memory import check_serving
+    from compiler.offline.run import make_engine
+    from compiler.workload import DEFAULT_CONTEXT, MAX_CONTEXT, ServeError
+
+    target, drafted, k = load(launch)
     limits = [(m.name, m.max_positions) for m in (target, drafted) if m is not None and m.max_positions is not None]
     for name, limit in limits:
         if launch.max_len is not None and launch.max_len > limit:
@@ -96,19 +131,45 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig]:
     check_serving(target.model.config, drafted.model.config if drafted is not None else None, cfg,
                   names=(target.name, drafted.name if drafted is not None else "draft"),
                   vocab=tokenizer.vocab_size if tokenizer is not None else None)
-    engine = make_engine(target.model, drafted.model if drafted is not None else None, cfg, None, cache=True, k=k)
+    target_model, draft_model = target.model, drafted.model if drafted is not None else None
+    leader: TPLeader | None = None
+    if launch.tp > 1:  # every check passed: start the group (the workers load the models as this process did)
+        distributed.check_splits(launch.tp, [(target.name, target.model.config)] + ([(drafted.name, drafted.model.config)] if drafted else []))
+        try:
+            group = spawn_workers(launch.tp, [sys.executable, "-m", "compiler.online.engine_process", TP_WORKER, json.dumps(attrs.asdict(launch))],
+                                  timeout_s=launch.tp_timeout, start_timeout_s=distributed.START_TIMEOUT_S)
+        except ValueError as exc:
+            raise ServeError(str(exc)) from None
+        leader = TPLeader(group)
+        try:
+            target_model, draft_model = distributed.shards(group, target_model, draft_model)
+        except BaseException:
+            leader.shutdown()
+            raise
+    try:
+        engine = make_engine(target_model, draft_model, cfg, None, cache=True, k=k, tp=leader)
+    except BaseException:
+        if leader is not None:
+            leader.shutdown()
+        raise
     ready = Ready(name=target.name, vocab=target.model.config.vocab, eos=tuple(target.eos), max_len=max_len, k=k, reserve=cfg.reserve,
                   hf_dir=launch.model if target.hf else None, pid=os.getpid())
-    return engine, ready, cfg
+    return engine, ready, cfg, leader
 
 
 class Loop:
     """The engine loop (see the module); ``run`` returns after ``Shutdown``."""
 
-    def __init__(self, engine: Engine, conn: multiprocessing.connection.Connection, max_running: int) -> None:
+    def __init__(self, engine: Engine, conn: multiprocessing.connection.Connection, max_running: int,
+                 ping: Callable[[], None] | None = None, ping_s: float = PING_S) -> None:
         self.engine = engine
         self.conn = conn
         self.max_running = max_running
+        self.ping = ping
+        """Called between steps every ``ping_s`` seconds or so, busy or idle (a tensor-parallel
+        group's ``TPLeader.ping``)."""
+        self.ping_s = ping_s
+        self.last_ping = time.monotonic()
         self.queued: deque[Submit] = deque()
         self.sent: dict[int, int] = {}
         """Tokens already sent, by every submitted completion not yet ended."""
@@ -138,6 +199,9 @@ class Loop:
                     self.engine.sync()  # (overlap: the last pipelined forward's tokens)
             self._collect()
             self._send()
+            if self.ping is not None and time.monotonic() - self.last_ping >= self.ping_s:
+                self.ping()
+                self.last_ping = time.monotonic()
 
     def _handle(self, msg: ToEngine) -> bool:
         """Act on one message; True on ``Shutdown``."""
@@ -162,10 +226,13 @@ class Loop:
                 self._collect()
                 self.engine.drop_cache()
                 self._send(force=True)
-                closed = Closed(outstanding_tickets=len(self.engine.ledger.outstanding()), slots_live=self.engine.slots.num_live,
-                                kv_live=self.engine.kv.num_live)
-                self.engine.close()
-                self.conn.send(closed)
+                self.engine.close()  # (a tensor-parallel session ends here: every rank's ledger counts gathered)
+                outstanding = len(self.engine.ledger.outstanding())
+                ranks = self.engine.closing_ledgers
+                if ranks is not None:
+                    outstanding += sum(c.outstanding + c.in_flight for counts in ranks.ranks[1:] for c in counts.values())
+                self.conn.send(Closed(outstanding_tickets=outstanding, slots_live=self.engine.slots.num_live, kv_live=self.engine.kv.num_live,
+                                      ranks_equal=ranks is None or ranks.equal))
                 return True
             case _:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
@@ -290,13 +357,14 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(launch.threads)
     try:
-        engine, ready, cfg = build(launch)
-    except (BatchcError, OSError, ValueError) as exc:
+        engine, ready, cfg, leader = build(launch)
+    except (BatchcError, OSError, ValueError, RankFailed) as exc:
         conn.send(StartFailed(" ".join(str(exc).split())))
         return 2
-    conn.send(ready)
     try:
-        Loop(engine, conn, cfg.max_running).run()
+        conn.send(ready)
+        Loop(engine, conn, cfg.max_running, ping=leader.ping if leader is not None else None,
+             ping_s=min(PING_S, launch.tp_timeout / 4)).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return 1  # the server is gone (the parent-death signal ends this process too)
     except BaseException as exc:  # noqa: BLE001 - said to the server in one line, then this process exits
@@ -305,8 +373,31 @@ def main(argv: list[str]) -> int:
         except OSError:
             pass
         return 1
+    finally:
+        if leader is not None:
+            leader.shutdown()  # (the workers return; a broken group's are left to the parent-death signal)
     return 0
 
 
+def tp_worker(spec: str) -> int:
+    """A tensor-parallel worker rank of the engine process (started by ``build`` with ``RANK`` and
+    ``WORLD_SIZE`` set): load the models as rank 0 did, join the group, serve rank 0's plans on this
+    rank's shards until it shuts the group down (``compiler.offline.distributed.work``)."""
+    from compiler.offline import distributed
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (as rank 0: the server stops the group)
+    launch = Launch(**json.loads(spec))
+    import torch
+
+    torch.set_num_threads(launch.threads)
+    rank, world, launched = distributed.placement(launch.tp)
+    try:
+        target, drafted, _ = load(launch)
+    except (BatchcError, OSError, ValueError) as exc:  # (rank 0 loaded the same models first: said once, here too)
+        print(f"batchc: rank {rank}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 2
+    return distributed.work(rank, world, launched, (), launch.tp_timeout, target.model, drafted.model if drafted is not None else None)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(tp_worker(sys.argv[2]) if sys.argv[1:2] == [TP_WORKER] else main(sys.argv[1:]))

@@ -55,6 +55,11 @@ class Launch:
     seed: int = 0
     """The engine's seed (``Engine(seed=)``): a sampled request without a seed gets
     ``ir.sampling.derive_seed(seed, its rid)``."""
+    tp: int = 1
+    """Tensor-parallel ranks: the engine process is rank 0 and starts the others (``--tp``)."""
+    tp_timeout: int = 60
+    """Seconds a rank waits on the others in any step (``--tp-timeout``; its default is ``batchc
+    run``'s, ``compiler.offline.distributed.TP_TIMEOUT_S``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -186,8 +191,12 @@ class Closed:
     the prefix cache was dropped."""
 
     outstanding_tickets: int
+    """Tickets registered and not consumed, on every rank of a tensor-parallel group (rank 0's ledger
+    otherwise)."""
     slots_live: int
     kv_live: int
+    ranks_equal: bool = True
+    """Every tensor-parallel rank consumed the same tickets (always true on one process)."""
 
 
 @attrs.frozen

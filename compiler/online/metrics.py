@@ -3,7 +3,9 @@
 Counters and histograms are fed by the HTTP process as requests come and go
 (``compiler.online.engine_client``); the engine's gauges (running and waiting requests, slots, KV,
 the prefix cache, the ledger's outstanding tickets, speculative acceptance) are the last ``Stats``
-the engine process sent, at most one engine step or idle tick old.
+the engine process sent, at most one engine step or idle tick old. With several engine processes
+(``batchc serve --dp``) they are the sums over the replicas, and the ``batchc_replica_*`` gauges,
+labelled ``replica``, give each replica's own.
 
 A request of ``n`` completions is one request (its outcome, latencies and time to first token: its
 first token of any completion; an inter-token latency per delivery of its tokens, whichever
@@ -55,6 +57,14 @@ class Metrics:
         self.acceptance = Gauge("batchc_spec_acceptance_rate", "Accepted over proposed draft tokens since the start", registry=r)
         self.steps = Gauge("batchc_engine_steps", "Engine steps since the start", registry=r)
         self.engine_up = Gauge("batchc_engine_up", "1 while the engine process can take work", registry=r)
+        # each replica's own (batchc serve --dp: the gauges above are their sums)
+        self.replica_up = Gauge("batchc_replica_up", "1 while the replica's engine process can take work", ["replica"], registry=r)
+        self.replica_requests = Counter("batchc_replica_requests", "Requests submitted to the replica", ["replica"], registry=r)
+        self.replica_in_flight = Gauge("batchc_replica_requests_in_flight", "Requests submitted to the replica and not ended", ["replica"],
+                                       registry=r)
+        self.replica_running = Gauge("batchc_replica_requests_running", "Requests decoding in the replica", ["replica"], registry=r)
+        self.replica_outstanding = Gauge("batchc_replica_ledger_outstanding_tickets", "The replica's one-shot tickets not yet consumed",
+                                         ["replica"], registry=r)
 
     def engine(self, s: Stats) -> None:
         self.running.set(s.running)

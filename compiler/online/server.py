@@ -2,7 +2,8 @@
 engine process.
 
 This process parses, checks, tokenises, detokenises and streams; it never runs a forward (the
-engine process does: ``compiler.online.engine_process``). Routes:
+engine process does: ``compiler.online.engine_process``; with ``--dp``, one engine process per
+replica behind ``compiler.online.router``). Routes:
 
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``: server-sent
   events ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with the
@@ -13,7 +14,7 @@ engine process does: ``compiler.online.engine_process``). Routes:
 Limits, all answered before the engine sees the request, with the OpenAI error JSON
 (``compiler.online.protocol``): a body over ``max_body_bytes`` is a 413; bad JSON, types or values a
 400 naming the field; another model a 404; a prompt that does not fit the context a 400; when
-a request's ``n`` completions would put more than ``max_running + max_waiting`` completions in
+a request's ``n`` completions would put more than ``dp x max_running + max_waiting`` completions in
 flight, a 503 with ``Retry-After``, at once (a 400 naming ``n`` when ``n`` alone is over that).
 With an API key every route but ``/health`` needs ``Authorization: Bearer <key>``, compared in
 constant time (``hmac.compare_digest``), else 401. Unknown routes are 404 and wrong methods 405, in
@@ -69,10 +70,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from compiler.offline.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.online.chat import ChatTemplate
-from compiler.online.engine_client import EngineClient, Tracked, completion_ids
+from compiler.online.engine_client import Tracked, completion_ids
 from compiler.online.messages import Delta, Ended, Launch, Ready, Submit, TokenLogprob
 from compiler.online.metrics import Metrics
 from compiler.online.protocol import ApiError, GenerationRequest, Kind, bad, check_context, load_json, parse_request
+from compiler.online.router import EngineRouter
 from compiler.online.text import TextStream, token_text
 from compiler.workload import ServeError
 
@@ -99,6 +101,13 @@ class ServerOptions:
     defaults: Mapping[str, object] = attrs.field(factory=dict)
     """The sampling defaults (``--temperature``, ``--top-p``, ``--top-k``, ``--min-p``) of the
     requests that do not set those fields (``compiler.offline.load.sampling_params``, as ``batchc run``)."""
+    dp: int = 1
+    """Engine processes (replicas) behind the router (``compiler.online.router``)."""
+
+    @property
+    def capacity(self) -> int:
+        """Completions in flight before new requests get a 503: every replica's ``max_running`` and ``max_waiting``."""
+        return self.dp * self.launch.max_running + self.max_waiting
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -136,7 +145,7 @@ class _Auth:
 
 
 class Server:
-    def __init__(self, options: ServerOptions, client: EngineClient, ready: Ready, metrics: Metrics) -> None:
+    def __init__(self, options: ServerOptions, client: EngineRouter, ready: Ready, metrics: Metrics) -> None:
         self.options = options
         self.client = client
         self.ready = ready
@@ -240,7 +249,7 @@ class Server:
 
     async def _generate(self, request: Request, kind: Kind) -> Response:
         arrived = time.perf_counter()
-        capacity = self.options.launch.max_running + self.options.max_waiting
+        capacity = self.options.capacity
         try:
             refusal = self.refusal()
             if refusal is not None:
@@ -254,7 +263,7 @@ class Server:
             req = parse_request(load_json(body), kind, model=self.model, defaults=self.options.defaults)
             n = req.sampling.n
             if n > capacity:
-                raise bad("n", f"n = {n} is over the {capacity} completions this server keeps in flight (--max-running + --max-waiting)")
+                raise bad("n", f"n = {n} is over the {capacity} completions this server keeps in flight (--dp x --max-running + --max-waiting)")
             if self.client.outstanding + n > capacity:
                 raise unavailable(f"the server is at capacity ({self.client.outstanding} completions in flight, {n} more asked); retry later")
             ids = self._prompt_ids(req)
@@ -576,7 +585,10 @@ async def _serve(server: Server, uv: _Uvicorn, sock: socket.socket) -> int:
     if uv.started:
         port = sock.getsockname()[1]
         ready = server.ready
-        print(f"batchc serve: {server.model!r} ({ready.name}, k={ready.k}, context {ready.max_len}, engine process {ready.pid}) "
+        launch = server.options.launch
+        parallel = "".join(f", {name} {n}" for name, n in (("tp", launch.tp), ("dp", server.options.dp)) if n > 1)
+        pids = f"engine process {client.pids[0]}" if len(client.pids) == 1 else f"engine processes {', '.join(map(str, client.pids))}"
+        print(f"batchc serve: {server.model!r} ({ready.name}, k={ready.k}, context {ready.max_len}{parallel}, {pids}) "
               f"listening on http://{server.options.host}:{port}", file=sys.stderr, flush=True)
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({web, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -593,9 +605,11 @@ async def _serve(server: Server, uv: _Uvicorn, sock: socket.socket) -> int:
               flush=True)
         return 1
     ledger = f"{closed.outstanding_tickets} outstanding tickets" if closed is not None else "the engine did not report its ledger"
+    if closed is not None and not closed.ranks_equal:
+        ledger += ", the tensor-parallel ranks' ledgers differ"
     print(f"batchc serve: stopped by {server.signal_name}: {client.finished} requests finished, {client.aborted} aborted; {ledger}",
           file=sys.stderr, flush=True)
-    return 0 if closed is not None and closed.outstanding_tickets == 0 else 1
+    return 0 if closed is not None and closed.outstanding_tickets == 0 and closed.ranks_equal else 1
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -621,7 +635,7 @@ def serve(options: ServerOptions) -> int:
     engine cannot be built."""
     sock = listen(options.host, options.port)
     metrics = Metrics()
-    client = EngineClient(options.launch, metrics)
+    client = EngineRouter(options.launch, metrics, options.dp)
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         ready = client.wait_ready(READY_TIMEOUT_S)

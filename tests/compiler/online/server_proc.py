@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.compiler.cli.test_lifetimes import alive, descendants
 
 ROOT = Path(__file__).resolve().parents[3]
-LISTENING = re.compile(r"engine process (\d+)\) listening on (http://127\.0\.0\.1:\d+)")
+LISTENING = re.compile(r"engine process(?:es)? ([\d, ]+)\) listening on (http://127\.0\.0\.1:\d+)")
 
 
 class ServerProc:
@@ -29,6 +29,7 @@ class ServerProc:
         self.start_s = start_s
         self.started = time.monotonic()
         self.engine_pid = -1
+        self.engine_pids: list[int] = []
         self.url = ""
         self.children: set[int] = set()
 
@@ -43,7 +44,8 @@ class ServerProc:
                 assert time.monotonic() < deadline, f"batchc serve did not start within {start_s} s: {self.lines[-5:]}"
                 self._seen.wait(0.1)
         match = next(m for m in map(LISTENING.search, self.lines) if m)
-        self.engine_pid = int(match.group(1))
+        self.engine_pids = [int(p) for p in match.group(1).split(", ")]
+        self.engine_pid = self.engine_pids[0]
         self.url = match.group(2)
         self.children = descendants(self.proc.pid)
         return self

@@ -169,7 +169,7 @@ def test_the_engine_loop_streams_tokens_aborts_and_closes_drained() -> None:
 
     launch = Launch(model=None, draft=None, k=0, dtype="float32", max_running=2, max_len=64, overlap=False, threads=1,
                     chunk_size=ServeConfig().chunk_size, token_budget=ServeConfig().token_budget, cache_entries=2)
-    engine, ready, cfg = engine_process.build(launch)
+    engine, ready, cfg, _ = engine_process.build(launch)
     assert (ready.vocab, ready.k, ready.reserve, ready.max_len, ready.hf_dir) == (256, 0, 1, 64, None)
     ours, theirs = multiprocessing.Pipe()
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
@@ -236,7 +236,7 @@ def test_the_http_side_imports_no_torch() -> None:
     import sys
 
     root = Path(__file__).resolve().parents[3]
-    code = ("import sys, compiler.cli, compiler.cli.serve, compiler.online.server, compiler.online.engine_client; "
+    code = ("import sys, compiler.cli, compiler.cli.serve, compiler.online.server, compiler.online.engine_client, compiler.online.router; "
             "import compiler.offline.stops, compiler.offline.tokenizer, compiler.engine.config; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('backend.', 'compiler.')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
@@ -302,7 +302,7 @@ def test_the_engine_loop_serves_n_completions_with_logprobs() -> None:
 
     launch = Launch(model=None, draft=None, k=2, dtype="float32", max_running=4, max_len=64, overlap=False, threads=1,
                     chunk_size=ServeConfig().chunk_size, token_budget=ServeConfig().token_budget, cache_entries=2)
-    engine, _, cfg = engine_process.build(launch)
+    engine, _, cfg, _ = engine_process.build(launch)
     ours, theirs = multiprocessing.Pipe()
     sampled = SamplingParams(temperature=1.0, seed=3, max_new_tokens=12, n=2, logprobs=2)
     first, second = completion_ids(0, 2), completion_ids(1, 2)

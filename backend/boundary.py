@@ -31,6 +31,8 @@ from backend.allocator import SlotAllocator
 from backend.ledger import Ledger, RankLedgers
 from backend.model import ServedModel
 from ir.errors import BatchcError, PlanExecutionError
+from ir.head import HeadCommitPlan, HeadExtendPlan
+from ir.hidden import asked_hidden
 from ir.ids import PoolId
 from ir.linear import consumes, keeps_linear
 from ir.nodes import Plan
@@ -224,7 +226,7 @@ class Transport(Protocol):
 
 SampledPlan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | DraftExtendPlan
 """The plans whose result is ``Sampled``."""
-QuietPlan: TypeAlias = CommitPlan | DraftCommitPlan | IdlePlan
+QuietPlan: TypeAlias = CommitPlan | DraftCommitPlan | IdlePlan | HeadExtendPlan | HeadCommitPlan
 """The plans whose result is ``Ran``."""
 
 
@@ -237,7 +239,7 @@ def result_type(plan: Plan) -> type[Result]:
             return Proposals
         case VerifyPlan():
             return Verified
-        case CommitPlan() | DraftCommitPlan() | IdlePlan():
+        case CommitPlan() | DraftCommitPlan() | IdlePlan() | HeadExtendPlan() | HeadCommitPlan():
             return Ran
         case _:
             assert_never(plan)
@@ -255,7 +257,8 @@ def checked(plan: QuietPlan, result: Result) -> Ran: ...
 def checked(plan: Plan, result: Result) -> Result: ...
 def checked(plan: Plan, result: Result) -> Result:
     """``result`` if it is what ``plan`` gives back (its kind, its rows in the plan's order; a
-    draft's proposals are its own), else ``PlanExecutionError`` saying what came back."""
+    draft's proposals are its own; the hidden-state handle the plan asked for, ``keep_hidden``, and
+    none otherwise: ``ir.hidden.asked_hidden``), else ``PlanExecutionError`` saying what came back."""
     expected = result_type(plan)
     name = type(plan).__name__
     if type(result) is not expected:
@@ -272,6 +275,14 @@ def checked(plan: Plan, result: Result) -> Result:
         raise PlanExecutionError(f"{name} of requests {rids.tolist()[:16]} came back for requests {result.rids.tolist()[:16]}")
     if isinstance(result, Verified) and isinstance(plan, VerifyPlan) and result.k != plan.batch.k:
         raise PlanExecutionError(f"verify #{plan.batch.verify_id} (k={plan.batch.k}) came back with a window of k={result.k}")
+    if isinstance(result, (Sampled, Verified)):
+        asked = asked_hidden(plan) if isinstance(plan, (ExtendPlan, MixedPlan, VerifyPlan)) else None
+        got = result.hidden
+        if got != asked:
+            raise PlanExecutionError(
+                f"{name} asked for {asked.described() if asked is not None else 'no hidden states'}, and came back with "
+                f"{got.described() if got is not None else 'none'}"
+            )
     return result
 
 

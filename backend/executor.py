@@ -89,6 +89,7 @@ from backend.staging import Captures, StagedDecode, StagedExtend, StagedWindow, 
 from backend.state_init import apply_counts_op, apply_op, check_fits, restoring
 from ir.columns import I64, frozen_i64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
+from ir.head import HeadCommitPlan, HeadExtendPlan
 from ir.ids import DraftId, PoolId, SampleId, VerifyId
 from ir.init import SERIAL_COUNTER_BITS, Op, Rows, Ticket, When, op_decl, op_groups, op_resets, op_slots, op_when, serial_epoch
 from ir.linear import consumes
@@ -275,6 +276,8 @@ class Executor(Generic[VerifyStateT]):
                 return self.run_draft_extend(plan)
             case IdlePlan():
                 return Ran(rids=plan.rids)
+            case HeadExtendPlan() | HeadCommitPlan():  # TEMPORARY placeholder (issue 29): the lead wires the head's executor
+                raise PlanExecutionError(f"Executor.execute: {type(plan).__name__} (a draft head's phase) is not wired yet")
             case _:
                 _not_a_plan(plan)
 

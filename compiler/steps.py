@@ -4,6 +4,22 @@
 Each method calls the passes through the manager with their own types, so mypy checks every edge of
 the lifecycle, and registers the tickets of each lowered prefill plan with the ledger: a ticket the
 backend never consumes is then reported by the ledger (``backend.ledger.Ledger.assert_drained``).
+
+With a draft head (MTP/EAGLE, ``ir.head``; its pools in ``LowerContext.head_pools``), one step's
+phases are::
+
+    batch, plan = pipe.prefill(requests, keep_hidden=True)       # plan.keep_hidden: a fresh HiddenId
+    sampled = checked(plan, <run plan on the target>)            # sampled.hidden: the handle
+    head_batch, head_plan = pipe.head_extend(batch, sampled.hidden)  # the head pool's tickets registered
+    <run head_plan on the head's backend>
+    ...
+    verify, vplan = pipe.verify(draft, proposals, keep_hidden=True)
+    verified = checked(vplan, <run vplan on the target>)
+    result, committed, cplan = pipe.commit(verify, verified.tokens)
+    head_commit, hcplan = pipe.head_commit(committed, verified.hidden)
+
+``head_extend`` and ``head_commit`` are ``@consumes``: giving one handle to two of them is a
+``linear-reuse`` error, and the handle may not be kept past the step (``linear-escape``).
 """
 
 from __future__ import annotations
@@ -15,9 +31,12 @@ from compiler.manager import PassManager
 from ir import spec
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64
-from ir.ids import RequestId, SampleId
+from ir.head import HeadCommitBatch, HeadCommitPlan, HeadExtendBatch, HeadExtendPlan
+from ir.hidden import HiddenStates
+from ir.ids import HiddenId, RequestId, SampleId
 from ir.init import Op, Ticket
 from ir.linear import consumes
+from ir.mint import mint_hidden_id
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
 from ir.sampling import SamplingRows
@@ -32,6 +51,8 @@ from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
+from passes.prepare_for_head_commit import prepare_for_head_commit
+from passes.prepare_for_head_extend import prepare_for_head_extend
 from passes.prepare_for_verify import prepare_for_verify
 
 
@@ -49,26 +70,32 @@ class Pipeline:
         self.pm = pm if pm is not None else PassManager.from_env()
 
     def prefill(
-        self, requests: Sequence[AdmittedRequest], *, sample_id: SampleId | None = None, sampling: SamplingRows | None = None
+        self, requests: Sequence[AdmittedRequest], *, sample_id: SampleId | None = None, sampling: SamplingRows | None = None,
+        keep_hidden: bool = False,
     ) -> tuple[ExtendBatch, ExtendPlan]:
         """``sample_id``: a pipelined step's (``ExtendPlan.sample_id``); ``sampling``: the requests'
-        sampling rows (``None``: all greedy)."""
+        sampling rows (``None``: all greedy); ``keep_hidden``: the forward keeps the target's hidden
+        states for the draft head's extend (``ExtendPlan.keep_hidden``, a fresh ``HiddenId``)."""
         batch = self.pm.run(prepare_for_extend, requests, sampling)
-        plan: ExtendPlan = self.pm.run(lower, batch, self.lower_ctx, sample_id=sample_id)
+        plan: ExtendPlan = self.pm.run(lower, batch, self.lower_ctx, sample_id=sample_id, keep_hidden=_hidden_id(keep_hidden))
         self.ledger.register((*plan.tickets, *plan.snapshots))
         return batch, plan
 
     def mixed(
         self, requests: Sequence[AdmittedRequest], running: DecodeBatch, ctx: DecodeContext, *,
         sample_id: SampleId | None = None, inputs_from: SampleId | None = None, sampling: SamplingRows | None = None,
+        keep_hidden: bool = False,
     ) -> tuple[MixedBatch, MixedPlan]:
         """New prefills and the running decodes (advanced by ``ctx``) in one forward; ``sample_id``
         and ``inputs_from`` as in ``decode`` (both parts keep their tokens under ``sample_id``);
-        ``sampling`` the new requests' sampling rows, as in ``prefill``."""
+        ``sampling`` the new requests' sampling rows and ``keep_hidden`` (for the extend part's
+        rows), as in ``prefill``."""
         extend = self.pm.run(prepare_for_extend, requests, sampling)
         decode = self.pm.run(prepare_for_decode, running, ctx)
         batch = self.pm.run(mix_with_running, extend, decode)
-        plan: MixedPlan = self.pm.run(lower, batch, self.lower_ctx, sample_id=sample_id, inputs_from=inputs_from)
+        plan: MixedPlan = self.pm.run(
+            lower, batch, self.lower_ctx, sample_id=sample_id, inputs_from=inputs_from, keep_hidden=_hidden_id(keep_hidden)
+        )
         self.ledger.register((*plan.extend.tickets, *plan.extend.snapshots))
         return batch, plan
 
@@ -99,10 +126,14 @@ class Pipeline:
         return batch, plan
 
     @consumes  # the proposals: one verify each (a second one is ``linear-reuse``)
-    def verify(self, draft: spec.DraftBatch, proposals: spec.Proposals) -> tuple[spec.VerifyBatch, spec.VerifyPlan]:
-        """The verify of ``draft``'s ``proposals`` (what the draft executor returned for its plan)."""
+    def verify(
+        self, draft: spec.DraftBatch, proposals: spec.Proposals, *, keep_hidden: bool = False
+    ) -> tuple[spec.VerifyBatch, spec.VerifyPlan]:
+        """The verify of ``draft``'s ``proposals`` (what the draft executor returned for its plan);
+        ``keep_hidden``: the forward keeps the target's hidden states at the window positions for
+        the draft head's commit (``VerifyPlan.keep_hidden``, a fresh ``HiddenId``)."""
         batch = self.pm.run(prepare_for_verify, draft, proposals)
-        plan: spec.VerifyPlan = self.pm.run(lower, batch, self.lower_ctx)
+        plan: spec.VerifyPlan = self.pm.run(lower, batch, self.lower_ctx, keep_hidden=_hidden_id(keep_hidden))
         return batch, plan
 
     def commit(self, verify: spec.VerifyBatch, target_tokens: I64) -> tuple[spec.AcceptResult, spec.CommitBatch, spec.CommitPlan]:
@@ -120,3 +151,29 @@ class Pipeline:
         batch = self.pm.run(prepare_for_draft_extend, committed)
         plan: spec.DraftExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
+
+    # -- a draft head (MTP/EAGLE): its extend after each prefill chunk, its commit after each verify --
+
+    @consumes  # the hidden states: one head phase each (a second one is ``linear-reuse``)
+    def head_extend(self, prefill: ExtendBatch, hidden: HiddenStates) -> tuple[HeadExtendBatch, HeadExtendPlan]:
+        """The head's extend over ``prefill`` (the ``ExtendBatch`` of a prefill lowered with
+        ``keep_hidden``; a mixed step's extend part) with the ``hidden`` states its result handed
+        back. The plan carries the prefill's init ops as tickets for ``LowerContext.head_pools``,
+        registered here with the ledger."""
+        batch = self.pm.run(prepare_for_head_extend, prefill, hidden)
+        plan: HeadExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
+        self.ledger.register((*plan.tickets, *plan.snapshots))
+        return batch, plan
+
+    @consumes  # the hidden states: one head phase each (a second one is ``linear-reuse``)
+    def head_commit(self, committed: spec.CommitBatch, hidden: HiddenStates) -> tuple[HeadCommitBatch, HeadCommitPlan]:
+        """The head's commit over the tokens ``committed`` accepted, with the ``hidden`` states of
+        the verify it was computed from (that verify's result, lowered with ``keep_hidden``)."""
+        batch = self.pm.run(prepare_for_head_commit, committed, hidden)
+        plan: HeadCommitPlan = self.pm.run(lower, batch, self.lower_ctx)
+        return batch, plan
+
+
+def _hidden_id(keep: bool) -> HiddenId | None:
+    """A fresh ``HiddenId`` when the forward keeps hidden states for a head, else ``None``."""
+    return mint_hidden_id() if keep else None

@@ -1,8 +1,8 @@
 """Typed ids of the IR.
 
 Every id is a ``NewType`` over ``int`` (or ``str`` for pools), so mypy refuses a ``MambaSlot`` where a
-token count or a ``KVLoc`` is expected, and a ``SampleId``, ``DraftId`` or ``VerifyId`` where a
-``TicketSerial`` or one of the others is expected: the four share one minter (``ir.mint``), but
+token count or a ``KVLoc`` is expected, and a ``SampleId``, ``DraftId``, ``VerifyId`` or ``HiddenId`` where a
+``TicketSerial`` or one of the others is expected: they share one minter (``ir.mint``), but
 not one meaning. Ids carry no behaviour; ranges are checked by the node
 validators and by the backend, which knows capacities.
 
@@ -46,6 +46,11 @@ DraftId = NewType("DraftId", int)
 VerifyId = NewType("VerifyId", int)
 """Names the intermediate states a verify forward keeps (``VerifyBatch.verify_id``), which only the
 commit naming it applies. Minted by ``ir.mint.mint_verify_id``."""
+
+HiddenId = NewType("HiddenId", int)
+"""Names the target hidden states a forward keeps for the draft head (``ExtendPlan.keep_hidden``,
+``VerifyPlan.keep_hidden``), which one head phase reads, once (``ir.hidden``). Minted by
+``ir.mint.mint_hidden_id``."""
 
 PADDING_SLOT = MambaSlot(0)
 TARGET_POOL = PoolId("target")

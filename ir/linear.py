@@ -6,7 +6,8 @@ mypy refuse the code that would attempt one (README, "Linear use, checked by myp
 
 - ``@linear`` declares a class linear: a value of it (or of a type holding one: a union, a tuple,
   a container of it) is tracked by the plugin. The IR declares ``Ticket`` (``InitTicket``, ``SnapshotTicket``),
-  ``ExtendPlan`` and ``MixedPlan``; a class that holds a linear value in a field must be declared
+  ``ExtendPlan`` and ``MixedPlan``, ``Proposals``, and a draft head's ``HiddenStates``, its plans and the
+  results that hold one (``ir.hidden``); a class that holds a linear value in a field must be declared
   linear too (or ``@keeps_linear``), otherwise its field is the escape the check exists for.
 - ``@consumes`` marks a method that consumes the linear values passed to it on its receiver (an
   executor's entry points); ``@consumes_on("pool")`` one that consumes them on the executor or pool

@@ -1,4 +1,4 @@
-"""Minting the ids that name a forward's kept results: samples, drafts, verifies.
+"""Minting the ids that name a forward's kept results: samples, drafts, verifies, hidden states.
 
 They share ``ir.init``'s process-unique serial counter underneath, so every id here is positive,
 unique across processes and increasing within one epoch: the backend's freshness check (each draft
@@ -10,7 +10,7 @@ id or a verify id is expected.
 
 from __future__ import annotations
 
-from ir.ids import DraftId, SampleId, VerifyId
+from ir.ids import DraftId, HiddenId, SampleId, VerifyId
 from ir.init import mint_serial
 
 
@@ -27,3 +27,8 @@ def mint_draft_id() -> DraftId:
 def mint_verify_id() -> VerifyId:
     """A fresh id for one verify forward's intermediate states (``VerifyBatch.verify_id``)."""
     return VerifyId(mint_serial())
+
+
+def mint_hidden_id() -> HiddenId:
+    """A fresh id for the target hidden states one forward keeps for the draft head (``ir.hidden``)."""
+    return HiddenId(mint_serial())

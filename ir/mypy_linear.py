@@ -3,7 +3,8 @@
 The ledger refuses a replayed ticket at run time; this plugin refuses, at type-check time, the two
 shapes of code that lead there (README, "Linear use, checked by mypy"):
 
-- ``linear-reuse``: within one function body, a linear value bound to a name flows to two consuming
+- ``linear-reuse``: within one function body, a linear value bound to a name (or read from a field
+  of one: ``result.hidden``, the same field path of the same binding) flows to two consuming
   calls on the same executor along one path (flow-sensitive over ``if``/``else``, ``try``/``except``,
   ``return``, ``break``/``continue``, loops and comprehensions), or to one consuming call in a loop
   that does not rebind the name. Rebinding the name starts a new value. The executor of a call is its
@@ -192,6 +193,18 @@ def _value(e: Expression, typ: str) -> str:
     return f'A value of type "{typ}"'
 
 
+def _tracked(e: Expression) -> tuple[Var, str] | None:
+    """The variable a consumed argument is read from, and the argument as text: a name (``plan``),
+    or a field path from one (``result.hidden``: a linear field of a value bound to a name, which
+    rebinding the name replaces); anything else (a call's result) is not tracked."""
+    base = e
+    while isinstance(base, MemberExpr):
+        base = base.expr
+    if isinstance(base, NameExpr) and isinstance(base.node, Var):
+        return base.node, _text(e)
+    return None
+
+
 def _is_stash(e: Expression | None) -> bool:
     return isinstance(e, CallExpr) and isinstance(e.callee, RefExpr) and e.callee.fullname == STASH
 
@@ -297,8 +310,9 @@ class Flow:
         self.stores: dict[int, Expression | None] = {}
         """id of an assignment target (a ``MemberExpr`` or ``NameExpr``) -> the value stored (``None``
         for a declaration without one)."""
-        self.events: list[tuple[CallExpr, Var, str, Var | None]] = []
-        """Consumptions seen so far: (call, variable, executor as text, the executor's root variable)."""
+        self.events: list[tuple[CallExpr, Var, str, str, Var | None]] = []
+        """Consumptions seen so far: (call, variable, the value as text (the variable, or a field path
+        from it), executor as text, the executor's root variable)."""
         self.entry = self._block(body, _EXIT, (_EXIT, _EXIT, ()))
 
     # -- building
@@ -586,18 +600,21 @@ class LinearPlugin(Plugin):
         flow = self._flow(checker)
         for i, (exprs, types) in enumerate(zip(ctx.args, ctx.arg_types, strict=True)):
             for e, t in zip(exprs, types, strict=True):
-                if i == skip or not isinstance(e, NameExpr) or not isinstance(e.node, Var):
+                tracked = _tracked(e)
+                if i == skip or tracked is None:
                     continue
                 what = linear_in(t)
                 if what is None:
                     continue
-                self._check_reuse(checker, flow, call, e.node, _type_text(t, what, checker), executor, root)
+                self._check_reuse(checker, flow, call, tracked, _type_text(t, what, checker), executor, root)
         return ctx.default_return_type
 
-    def _check_reuse(self, checker: TypeChecker, flow: Flow, call: CallExpr, var: Var, typ: str, executor: str, root: Var | None) -> None:
-        name = var.name
-        for first, v, ex, _ in flow.events:
-            if v is var and ex == executor and first is not call and (first.line, first.column) < (call.line, call.column):
+    def _check_reuse(
+        self, checker: TypeChecker, flow: Flow, call: CallExpr, tracked: tuple[Var, str], typ: str, executor: str, root: Var | None
+    ) -> None:
+        var, name = tracked
+        for first, v, text, ex, _ in flow.events:
+            if v is var and text == name and ex == executor and first is not call and (first.line, first.column) < (call.line, call.column):
                 if flow.reaches(first, call, var, root):
                     line = first.line
                     checker.fail(
@@ -614,8 +631,8 @@ class LinearPlugin(Plugin):
                 call,
                 code=LINEAR_REUSE,
             )
-        if not any(c is call and v is var and ex == executor for c, v, ex, _ in flow.events):
-            flow.events.append((call, var, executor, root))
+        if not any(c is call and v is var and text == name and ex == executor for c, v, text, ex, _ in flow.events):
+            flow.events.append((call, var, name, executor, root))
 
     def _attribute_store(self, ctx: AttributeContext, owner: TypeInfo, name: str) -> Type:
         checker, target = ctx.api, ctx.context

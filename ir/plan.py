@@ -47,29 +47,30 @@ from ir.columns import (
     type_names,
 )
 from ir.errors import IRValidationError
-from ir.ids import PoolId, SampleId
+from ir.ids import HiddenId, PoolId, SampleId
 from ir.init import OP_TYPES, InitTicket, Op, SnapshotTicket, Ticket, When, op_when
 from ir.linear import linear
 from ir.sampling import SamplingRows
 
 
-def _ticket_tuple(field: str, values: object, when: When) -> tuple[object, ...]:
+def ticket_tuple(node: str, field: str, values: object, when: When) -> tuple[object, ...]:
+    """A ticket field's converter (``node.field``, holding ops that run ``when``): a tuple of checked
+    entries (``check_fields`` checks them again, for plans built by ``build_unchecked``)."""
     if not isinstance(values, (tuple, list)):
-        raise IRValidationError("ExtendPlan", field, values, f"must be a tuple of {_ticket_names(when)}")
+        raise IRValidationError(node, field, values, f"must be a tuple of {_ticket_names(when)}")
     out = tuple(values)
-    _check_tickets(field, out, when)
+    check_tickets(node, field, out, when)
     return out
 
 
 def _tickets(values: object) -> tuple[InitTicket, ...]:
-    """Converter of ``ExtendPlan.tickets``: a tuple of checked entries (``check_fields`` checks them
-    again, for plans built by ``build_unchecked``)."""
-    return cast("tuple[InitTicket, ...]", _ticket_tuple("tickets", values, When.BEFORE))
+    """Converter of ``ExtendPlan.tickets`` (``ticket_tuple``)."""
+    return cast("tuple[InitTicket, ...]", ticket_tuple("ExtendPlan", "tickets", values, When.BEFORE))
 
 
 def _snapshots(values: object) -> tuple[SnapshotTicket, ...]:
     """Converter of ``ExtendPlan.snapshots``, like ``_tickets``."""
-    return cast("tuple[SnapshotTicket, ...]", _ticket_tuple("snapshots", values, When.AFTER))
+    return cast("tuple[SnapshotTicket, ...]", ticket_tuple("ExtendPlan", "snapshots", values, When.AFTER))
 
 
 def _ticket_names(when: When) -> str:
@@ -77,7 +78,7 @@ def _ticket_names(when: When) -> str:
     return "a Ticket of " + type_names(tuple(c for c in OP_TYPES if c.DECL.when is when))
 
 
-def _check_tickets(field: str, tickets: tuple[object, ...], when: When) -> None:
+def check_tickets(node: str, field: str, tickets: tuple[object, ...], when: When) -> None:
     """Every entry a ``Ticket`` (itself checked when built) of an op kind that runs ``when``; per op
     kind, one ticket per pool, all with one serial and the same op (every pool's state starts
     alike). (``tickets`` is typed ``object`` entries: the check is for callers that are not
@@ -88,18 +89,24 @@ def _check_tickets(field: str, tickets: tuple[object, ...], when: When) -> None:
     for t in tickets:
         if not isinstance(t, Ticket) or op_when(t.op) is not when:
             got = type(t).__name__ if not isinstance(t, Ticket) else f"a Ticket of a {type(t.op).__name__}"
-            raise IRValidationError("ExtendPlan", field, t, f"every entry must be {_ticket_names(when)}, not {got}")
+            raise IRValidationError(node, field, t, f"every entry must be {_ticket_names(when)}, not {got}")
         kind = type(t.op)
         if t.pool in pools.setdefault(kind, set()):
-            raise IRValidationError("ExtendPlan", field, t.pool, "two tickets for one pool")
+            raise IRValidationError(node, field, t.pool, "two tickets for one pool")
         pools[kind].add(t.pool)
         serials.setdefault(kind, set()).add(t.serial)
         ops.setdefault(kind, set()).add(t.op)
     for kind in pools:
         if len(serials[kind]) > 1:
-            raise IRValidationError("ExtendPlan", field, sorted(serials[kind]), "tickets of one plan share one serial")
+            raise IRValidationError(node, field, sorted(serials[kind]), "tickets of one plan share one serial")
         if len(ops[kind]) > 1:
-            raise IRValidationError("ExtendPlan", field, tickets, "tickets of one plan carry the same ops for every pool")
+            raise IRValidationError(node, field, tickets, "tickets of one plan carry the same ops for every pool")
+
+
+def check_hidden_id(node: str, field: str, value: object) -> None:
+    """An optional ``HiddenId``: ``None`` or a positive int."""
+    if value is not None and check_int(node, field, value) <= 0:
+        raise IRValidationError(node, field, value, "must be a positive hidden id (ir.mint.mint_hidden_id())")
 
 
 def _check_sample(node: str, field: str, value: object) -> None:
@@ -107,10 +114,38 @@ def _check_sample(node: str, field: str, value: object) -> None:
         raise IRValidationError(node, field, value, "must be a positive sample id (ir.mint.mint_sample_id())")
 
 
+class Ticketed:
+    """Ticket access of the plans that carry one-shot ops (``ExtendPlan``, ``ir.head.HeadExtendPlan``)."""
+
+    __slots__ = ()
+
+    @property
+    def tickets(self) -> tuple[InitTicket, ...]:
+        raise NotImplementedError  # the plan's field
+
+    @property
+    def snapshots(self) -> tuple[SnapshotTicket, ...]:
+        raise NotImplementedError  # the plan's field
+
+    def all_tickets(self) -> tuple[Ticket[Op], ...]:
+        """Every ticket of the plan, in the order their ops run: ``tickets``, then ``snapshots``."""
+        return (*self.tickets, *self.snapshots)
+
+    def tickets_for(self, pool: PoolId) -> tuple[Ticket[Op], ...]:
+        """The tickets addressed to ``pool``, in the order their ops run."""
+        return tuple(t for t in self.all_tickets() if t.pool == pool)
+
+    def ticket_for(self, pool: PoolId) -> InitTicket | None:
+        return next((t for t in self.tickets if t.pool == pool), None)
+
+    def snapshot_for(self, pool: PoolId) -> SnapshotTicket | None:
+        return next((t for t in self.snapshots if t.pool == pool), None)
+
+
 @final
 @linear
 @attrs.frozen(kw_only=True)
-class ExtendPlan(ColumnNode, RequestRows):
+class ExtendPlan(ColumnNode, RequestRows, Ticketed):
     """The columns of an ``ExtendBatch`` (declared alike) and its ops as tickets."""
 
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
@@ -127,25 +162,16 @@ class ExtendPlan(ColumnNode, RequestRows):
     false): the backend keeps their first token per slot, for the pipelined decode that names it."""
     sampling: SamplingRows | None = attrs.field(default=None)
     """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
+    keep_hidden: HiddenId | None = attrs.field(default=None, metadata=shown("hidden", "#"))
+    """The target's hidden states at every position of the chunk are kept under this id for the
+    draft head's extend, and the result hands back their handle (``ir.hidden``); ``None``: none kept."""
 
     def _check(self) -> None:
-        _check_tickets("tickets", self.tickets, When.BEFORE)
-        _check_tickets("snapshots", self.snapshots, When.AFTER)
+        check_tickets("ExtendPlan", "tickets", self.tickets, When.BEFORE)
+        check_tickets("ExtendPlan", "snapshots", self.snapshots, When.AFTER)
         _check_sample("ExtendPlan", "sample_id", self.sample_id)
+        check_hidden_id("ExtendPlan", "keep_hidden", self.keep_hidden)
 
-    def all_tickets(self) -> tuple[Ticket[Op], ...]:
-        """Every ticket of the plan, in the order their ops run: ``tickets``, then ``snapshots``."""
-        return (*self.tickets, *self.snapshots)
-
-    def tickets_for(self, pool: PoolId) -> tuple[Ticket[Op], ...]:
-        """The tickets addressed to ``pool``, in the order their ops run."""
-        return tuple(t for t in self.all_tickets() if t.pool == pool)
-
-    def ticket_for(self, pool: PoolId) -> InitTicket | None:
-        return next((t for t in self.tickets if t.pool == pool), None)
-
-    def snapshot_for(self, pool: PoolId) -> SnapshotTicket | None:
-        return next((t for t in self.snapshots if t.pool == pool), None)
 
 
 @final

@@ -18,6 +18,13 @@ infinity: whoever reads it ends that request instead of emitting it.
 
 ``Sampled`` and ``Verified`` carry ``logprobs`` (a ``Logprobs``, one entry per token: per row, or per
 window position) when a row of the plan asked for them (``SamplingRows.logprobs >= 0``), else ``None``.
+
+They also carry ``hidden``: the handle on the target hidden states the plan asked the forward to
+keep (``ExtendPlan.keep_hidden``, ``VerifyPlan.keep_hidden``), equal to ``ir.hidden.asked_hidden(plan)``,
+else ``None``. The handle is linear (one head phase consumes it), so ``Sampled`` and ``Verified``
+are declared ``@linear`` too: a result holding one must not outlive the step either
+(``ir.mypy_linear``'s ``linear-escape``), and handing the same result's handle to two head phases
+is ``linear-reuse``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import attrs
 
 from ir.columns import F64, I64, REQUEST, WINDOW, ColumnNode, RequestRows, as_f64, as_i64, column, per, tokens_of
 from ir.errors import IRValidationError
+from ir.hidden import HiddenStates
+from ir.linear import linear
 from ir.sampling import MAX_LOGPROBS
 from ir.spec import Proposals, check_k
 
@@ -75,6 +84,7 @@ def _check_logprobs(node: ColumnNode, logprobs: object, n: int) -> None:
 
 
 @final
+@linear  # its ``hidden`` handle is one-shot
 @attrs.frozen(kw_only=True)
 class Sampled(ColumnNode, RequestRows):
     """One chosen token per row of a forward, in the plan's row order."""
@@ -82,12 +92,15 @@ class Sampled(ColumnNode, RequestRows):
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
     tokens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=NON_FINITE))
     logprobs: Logprobs | None = attrs.field(default=None)
+    hidden: HiddenStates | None = attrs.field(default=None)
+    """The kept hidden states of a prefill that asked for them (its extend rows), else ``None``."""
 
     def _check(self) -> None:
         _check_logprobs(self, self.logprobs, int(self.tokens.shape[0]))
 
 
 @final
+@linear  # its ``hidden`` handle is one-shot
 @attrs.frozen(kw_only=True)
 class Verified(ColumnNode, RequestRows):
     """The target's token at every window position of a verify (``k + 1`` per row, row-major)."""
@@ -97,6 +110,8 @@ class Verified(ColumnNode, RequestRows):
     tokens: I64 = column(converter=as_i64, metadata=per(WINDOW, min=NON_FINITE))
     logprobs: Logprobs | None = attrs.field(default=None)
     """One entry per window position (row-major), as ``tokens``."""
+    hidden: HiddenStates | None = attrs.field(default=None)
+    """The kept hidden states of a verify that asked for them, else ``None``."""
 
     def _check_first(self) -> None:
         check_k(self, self.k)

@@ -11,7 +11,9 @@ One iteration over the running requests, each with ``c`` committed tokens and on
    What it proposed comes back as ``Proposals`` (named by the same ``draft_id``).
 2. ``VerifyBatch``: the target model scores ``[p, d1..dk]`` at positions ``c .. c + k`` in one
    forward; its recurrent layers write every position's state to intermediate buffers, identified
-   by the batch's ``verify_id``, and leave the committed state alone.
+   by the batch's ``verify_id``, and leave the committed state alone. A ``VerifyPlan`` with
+   ``keep_hidden`` also keeps the target's hidden states at those positions for a draft head's
+   commit (``ir.hidden``; the head's phases are in ``ir.head``).
 3. ``AcceptResult`` (from ``passes.accept``): per row, the number ``m`` of accepted draft tokens
    (longest prefix equal to the target's argmax) and the bonus token (the target's argmax after
    them).
@@ -64,8 +66,9 @@ from ir.columns import (
     tokens_of,
 )
 from ir.errors import IRValidationError
-from ir.ids import DraftId, VerifyId
+from ir.ids import DraftId, HiddenId, VerifyId
 from ir.linear import linear
+from ir.plan import check_hidden_id
 from ir.sampling import SamplingRows
 
 MAX_SPEC_K = 64
@@ -294,6 +297,12 @@ class DraftPlan(_BatchPlan):
 @attrs.frozen(kw_only=True)
 class VerifyPlan(_BatchPlan):
     batch: VerifyBatch
+    keep_hidden: HiddenId | None = attrs.field(default=None, metadata=shown("hidden", "#"))
+    """The target's hidden states at every window position are kept under this id for the draft
+    head's commit, and the result hands back their handle (``ir.hidden``); ``None``: none kept."""
+
+    def _check(self) -> None:
+        check_hidden_id("VerifyPlan", "keep_hidden", self.keep_hidden)
 
 
 @final

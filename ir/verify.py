@@ -13,6 +13,10 @@ Checked here (local field checks live in the node validators):
   only at level 2;
 - a plan's tickets write only slots of its own requests.
 
+A draft head's extend (``HeadExtendBatch``/``HeadExtendPlan``, ``ir.head``) is checked as the
+prefill it follows (its init ops against its intents, its tickets against its rows); a head commit
+as the speculative phases (unique rows, slots and KV locations).
+
 ``verify(node)`` dispatches over every batch and plan type.
 """
 
@@ -28,6 +32,7 @@ import numpy as np
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import I64, Composite, Node, first_common, first_missing, has_duplicates
 from ir.errors import IRVerificationError, SettingsError
+from ir.head import HeadCommitBatch, HeadCommitPlan, HeadExtendBatch, HeadExtendPlan
 from ir.init import InitIntent, Op, Rows, Ticket, op_groups
 from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -46,7 +51,7 @@ def _unique(path: str, arr: I64, what: str) -> None:
         raise IRVerificationError(f"{path}[{second}]", f"{what} {value} already used at index {first}")
 
 
-def verify_extend_batch(batch: ExtendBatch, path: str = "ExtendBatch") -> None:
+def verify_extend_batch(batch: ExtendBatch | HeadExtendBatch, path: str = "ExtendBatch") -> None:
     _unique(f"{path}.rids", batch.rids, "request id")
     _unique(f"{path}.slots", batch.slots, "slot")
     _unique(f"{path}.kv_locs", batch.kv_locs, "KV location")
@@ -117,7 +122,7 @@ def verify_mixed_batch(batch: MixedBatch, path: str = "MixedBatch") -> None:
     _disjoint(f"{path}.kv_locs", batch.extend.kv_locs, batch.decode.kv_locs, "KV location")
 
 
-def _verify_tickets(path: str, plan: ExtendPlan, slots: I64, what: str, own: bool) -> None:
+def _verify_tickets(path: str, plan: ExtendPlan | HeadExtendPlan, slots: I64, what: str, own: bool) -> None:
     """Every ticket's slots against ``slots``, as its op kind declares (``ir.init.OpDecl``): with
     ``own`` (the plan's own rows), an ``OF_PLAN`` slot must be one of them; whatever ``slots`` are, a
     ``NOT_OF_PLAN`` slot must not be (a COW that read a live request's row would copy a state the
@@ -139,7 +144,7 @@ def _verify_tickets(path: str, plan: ExtendPlan, slots: I64, what: str, own: boo
                         )
 
 
-def verify_extend_plan(plan: ExtendPlan, path: str = "ExtendPlan") -> None:
+def verify_extend_plan(plan: ExtendPlan | HeadExtendPlan, path: str = "ExtendPlan") -> None:
     _unique(f"{path}.rids", plan.rids, "request id")
     _unique(f"{path}.slots", plan.slots, "slot")
     _unique(f"{path}.kv_locs", plan.kv_locs, "KV location")
@@ -164,7 +169,7 @@ def check_fields(node: Batch | Plan) -> None:
                 value.check_fields()
 
 
-def _verify_spec(node: SpecBatch, path: str) -> None:
+def _verify_spec(node: SpecBatch | HeadCommitBatch, path: str) -> None:
     _unique(f"{path}.rids", node.rids, "request id")
     _unique(f"{path}.slots", node.slots, "slot")
     _unique(f"{path}.kv_locs", node.kv_locs, "KV location")
@@ -202,6 +207,14 @@ def verify(node: Batch | Plan) -> None:
             _verify_tickets("MixedPlan.extend", node.extend, node.decode.slots, "the decode part", own=False)
             _disjoint("MixedPlan.slots", node.extend.slots, node.decode.slots, "slot")
             _disjoint("MixedPlan.kv_locs", node.extend.kv_locs, node.decode.kv_locs, "KV location")
+        case HeadExtendBatch():
+            verify_extend_batch(node, "HeadExtendBatch")
+        case HeadExtendPlan():
+            verify_extend_plan(node, "HeadExtendPlan")
+        case HeadCommitBatch():
+            _verify_spec(node, "HeadCommitBatch")
+        case HeadCommitPlan():
+            _verify_spec(node.batch, "HeadCommitPlan.batch")
         case IdleBatch() | IdlePlan():
             pass
         case _:

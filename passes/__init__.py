@@ -19,6 +19,8 @@ from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
+from passes.prepare_for_head_commit import prepare_for_head_commit
+from passes.prepare_for_head_extend import prepare_for_head_extend
 from passes.prepare_for_verify import prepare_for_verify
 
 __all__ = [
@@ -30,6 +32,8 @@ __all__ = [
     "prepare_for_draft",
     "prepare_for_draft_commit",
     "prepare_for_draft_extend",
+    "prepare_for_head_commit",
+    "prepare_for_head_extend",
     "prepare_for_verify",
     "filter_batch",
     "lower",

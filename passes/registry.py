@@ -27,6 +27,8 @@ from passes.prepare_for_draft import prepare_for_draft
 from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
+from passes.prepare_for_head_commit import prepare_for_head_commit
+from passes.prepare_for_head_extend import prepare_for_head_extend
 from passes.prepare_for_verify import prepare_for_verify
 
 
@@ -52,6 +54,8 @@ PASSES: Final[tuple[PassSpec, ...]] = (
     PassSpec(fn=commit, name="commit"),
     PassSpec(fn=prepare_for_draft_commit, name="prepare_for_draft_commit"),
     PassSpec(fn=prepare_for_draft_extend, name="prepare_for_draft_extend"),
+    PassSpec(fn=prepare_for_head_extend, name="prepare_for_head_extend"),
+    PassSpec(fn=prepare_for_head_commit, name="prepare_for_head_commit"),
     PassSpec(fn=lower, name="lower", ends_step=True),
 )
 """Every pass, in lifecycle order."""

@@ -45,7 +45,8 @@ from compiler.tools.ab import DRAFT_NOISE
 from ir import spec
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import I64, type_names
-from ir.ids import TARGET_POOL, DraftId, MambaSlot, PoolId, RequestId, SampleId, TicketSerial, VerifyId
+from ir.head import HeadCommitBatch, HeadCommitPlan, HeadExtendBatch, HeadExtendPlan
+from ir.ids import TARGET_POOL, DraftId, HiddenId, MambaSlot, PoolId, RequestId, SampleId, TicketSerial, VerifyId
 from ir.init import OP_TYPES, InitIntent, MambaInit, MambaSnapshot, Ticket, When
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
@@ -559,6 +560,52 @@ def extend_plans(draw: Any) -> ExtendPlan:
         tickets=tuple(Ticket(pool=PoolId(p), op=init) for p in names),
         snapshots=tuple(Ticket(pool=PoolId(p), op=snap) for p in snap_pools),
         sample_id=draw(st.none() | serial_ids.map(SampleId)),
+        keep_hidden=draw(st.none() | serial_ids.map(HiddenId)),
+    )
+
+
+@st.composite
+def head_extend_batches(draw: Any) -> HeadExtendBatch:
+    cols = draw(extend_columns())
+    del cols["more_chunks"], cols["sampling"]
+    n = len(cols["rids"])
+    return HeadExtendBatch(
+        **cols,
+        hidden_id=HiddenId(draw(serial_ids)),
+        intents=tuple(draw(st.lists(st.sampled_from(list(InitIntent)), min_size=n, max_size=n))),
+        init=draw(st.none() | mamba_inits()),
+        snapshot=draw(st.none() | mamba_snapshots()),
+    )
+
+
+@st.composite
+def head_extend_plans(draw: Any) -> HeadExtendPlan:
+    cols = draw(extend_columns())
+    del cols["more_chunks"], cols["sampling"]
+    init, snap = draw(mamba_inits()), draw(mamba_snapshots())
+    return HeadExtendPlan(
+        **cols,
+        hidden_id=HiddenId(draw(serial_ids)),
+        tickets=tuple(Ticket(pool=PoolId(p), op=init) for p in draw(st.lists(pool_names, unique=True, max_size=2))),
+        snapshots=tuple(Ticket(pool=PoolId(p), op=snap) for p in draw(st.lists(pool_names, unique=True, max_size=2))),
+    )
+
+
+@st.composite
+def head_commit_batches(draw: Any) -> HeadCommitBatch:
+    k, n = draw(st.integers(1, 4)), draw(st.integers(0, 3))
+    accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
+    total = sum(accept) + n
+    return HeadCommitBatch(
+        k=k,
+        hidden_id=HiddenId(draw(serial_ids)),
+        rids=draw(_distinct(rid_values, n)),
+        slots=draw(_distinct(st.integers(1, 10_000), n)),
+        prefix_lens=draw(st.lists(st.integers(0, 100_000), min_size=n, max_size=n)),
+        accept_pos=accept,
+        extend_lens=[a + 1 for a in accept],
+        input_ids=draw(st.lists(token_ids, min_size=total, max_size=total)),
+        kv_locs=draw(_distinct(st.integers(0, 100_000), total)),
     )
 
 
@@ -697,6 +744,15 @@ NODE_STRATEGIES["Ticket"] = st.builds(
 NODE_STRATEGIES |= {
     plan.__name__: NODE_STRATEGIES[get_type_hints(plan)["batch"].__name__].map(lambda b, plan=plan: plan(batch=b))
     for plan in get_args(spec.SpecPlan)
+}
+NODE_STRATEGIES["VerifyPlan"] = st.builds(
+    lambda b, h: spec.VerifyPlan(batch=b, keep_hidden=h), verify_batches, st.none() | serial_ids.map(HiddenId)
+)
+NODE_STRATEGIES |= {
+    "HeadExtendBatch": head_extend_batches(),
+    "HeadExtendPlan": head_extend_plans(),
+    "HeadCommitBatch": head_commit_batches(),
+    "HeadCommitPlan": head_commit_batches().map(lambda b: HeadCommitPlan(batch=b)),
 }
 
 

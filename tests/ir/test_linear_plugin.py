@@ -4,8 +4,8 @@
 minutes (torch); here the programs declare their own ``@linear`` classes and consumers, so mypy
 analyses only them and ``ir.linear``. Each line that must be refused ends in ``# E: <code>``; every
 other line must pass. The rules covered: a second consumption on one executor along some path
-(sequence, across a ``del``, loop, branches, ``try``, comprehension, ``@consumes_on``), what is not one (another
-executor, a rebound name, a loop over executors), stores that outlive the step (attributes, ``+=`` on one,
+(sequence, across a ``del``, loop, branches, ``try``, comprehension, ``@consumes_on``, a field read twice from one
+binding), what is not one (another executor, a rebound name, a loop over executors, the fields of two values), stores that outlive the step (attributes, ``+=`` on one,
 non-local containers, fields of a class that is not ``@linear``), the hatches (``stash``,
 ``@keeps_linear``, ``None``), and markers the plugin cannot honour.
 """
@@ -156,6 +156,18 @@ class Keeper:
         self.plans[key] = plan
 
 
+def a_field_twice(ex: Ex, bundle: Bundle) -> None:
+    ex.execute(bundle.plan)
+    ex.execute(bundle.plan)  # E: linear-reuse
+
+
+def fine_fields_of_two_values(ex: Ex, a: Bundle, b: Bundle, make: Callable[[], Bundle]) -> None:
+    ex.execute(a.plan)
+    ex.execute(b.plan)
+    a = make()
+    ex.execute(a.plan)
+
+
 @consumes  # E: linear-mark
 def module_level(plan: Plan) -> None: ...
 
@@ -243,6 +255,7 @@ def test_the_messages_name_the_value_and_the_first_use(checked: tuple[Path, str]
         re.M,
     ), out
     assert re.search(r'"plan" \(Plan\) is consumed by "ex" in a loop without being rebound', out), out
+    assert re.search(r'"bundle\.plan" \(Plan\) is consumed again by "ex": line \d+ consumed it on a path to here', out), out
     assert re.search(r'"plan" \(Plan\) is stored in attribute "self\.plan" of "Holder", which outlives the step', out), out
     assert re.search(r'"plan" \(Plan\) is stored in "PENDING", a container that outlives this function', out), out
     assert re.search(r'Field "plan" of "Step" holds Plan, a linear value, but "Step" is not declared @linear', out), out

@@ -52,10 +52,10 @@ def test_exact_dump_round_trips(kind: str) -> None:
 
 # -- goldens -----------------------------------------------------------------------------------------
 
-_CONTEXTS = re.compile(r"^(DecodeContext|SpecContext|LowerContext|Proposals|tokens|rids) ")
+_CONTEXTS = re.compile(r"^(DecodeContext|SpecContext|LowerContext|Proposals|HiddenStates|tokens|rids|keep_hidden) ")
 """Pass arguments that are not batches or plans (``passes``' contexts, a draft executor's
-``Proposals``, token and rid lists): the golden shows them in its own form, which ``ir.parse`` does
-not read."""
+``Proposals``, a target's ``HiddenStates``, token and rid lists, a keyword argument): the golden
+shows them in its own form, which ``ir.parse`` does not read."""
 
 
 def _values(section: str) -> list[str]:

@@ -4,7 +4,7 @@
   read-only IR-owned int64 columns, one entry per request, in row order: the rows of the plan's
   column-holding parts in field order (a mixed plan's extend rows, then its decode rows; an idle plan
   none), and ``rid_list()``/``slot_list()`` are their values.
-- ``NODE_TYPES`` holds every batch and plan class of ``ir.batch``, ``ir.plan`` and ``ir.spec`` once
+- ``NODE_TYPES`` holds every batch and plan class of ``ir.batch``, ``ir.plan``, ``ir.spec`` and ``ir.head`` once
   (a phase class left out of the unions would be missing from it).
 """
 
@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import ir.batch
+import ir.head
 import ir.plan
 import ir.spec
 from ir.columns import ColumnNode, Composite, RequestRows, is_owned
@@ -32,7 +33,8 @@ def _rows(node: Any, column: str) -> list[int]:
     """``column`` of ``node``'s rows, walking its node-typed fields in declaration order."""
     if isinstance(node, ColumnNode):
         return list(getattr(node, column).tolist())
-    return [v for f in attrs.fields(type(node)) for v in _rows(getattr(node, f.name), column)]
+    parts = (getattr(node, f.name) for f in attrs.fields(type(node)))
+    return [v for part in parts if isinstance(part, (ColumnNode, Composite)) for v in _rows(part, column)]  # (not an id field)
 
 
 @pytest.mark.parametrize("kind", PLAN_KINDS)
@@ -60,7 +62,7 @@ def test_an_idle_plan_has_no_rows() -> None:
 def test_node_types_are_every_phase_class_once() -> None:
     phases = {
         cls
-        for module in (ir.batch, ir.plan, ir.spec)
+        for module in (ir.batch, ir.plan, ir.spec, ir.head)
         for _, cls in inspect.getmembers(module, inspect.isclass)
         if cls.__module__ == module.__name__ and "__attrs_attrs__" in cls.__dict__
         and (issubclass(cls, Composite) or issubclass(cls, RequestRows))

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from ir.batch import DecodeBatch, IdleBatch
-from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
+from ir.hidden import HiddenStates, asked_hidden
+from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
+from ir.mint import mint_hidden_id
 from ir.printer import dump, dump_all
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 from ir.spec import Proposals
@@ -32,6 +34,8 @@ from passes import (
     prepare_for_draft_commit,
     prepare_for_draft_extend,
     prepare_for_extend,
+    prepare_for_head_commit,
+    prepare_for_head_extend,
     prepare_for_verify,
 )
 from passes.registry import PASSES
@@ -49,7 +53,10 @@ def _show(value: object) -> str:
     if isinstance(value, Proposals):
         return f"Proposals k={value.k} tokens={value.tokens.tolist()}\n"  # (its draft: the DraftBatch dumped beside it)
     if isinstance(value, LowerContext):
-        return f"LowerContext pools={list(value.pools)}\n"
+        heads = f" head_pools={list(value.head_pools)}" if value.head_pools else ""
+        return f"LowerContext pools={list(value.pools)}{heads}\n"
+    if isinstance(value, HiddenStates):  # (its id and rows: those of the batch dumped beside it)
+        return f"HiddenStates source={value.source.value} starts={value.starts.tolist()} lens={value.lens.tolist()}\n"
     if isinstance(value, list):
         if value and isinstance(value[0], AdmittedRequest):
             return dump_all(value)  # one naming across the requests of one call
@@ -106,6 +113,23 @@ def _cases() -> dict[str, str]:
                          ("draft extend", prepare_for_draft_extend(committed)),
                          ("idle", IdleBatch())):
         cases.append(_case(f"lower: {label}", lower, batch, both))
+    head = LowerContext(pools=(TARGET_POOL,), head_pools=(PoolId("head"),))
+    extend_plan = lower(extend, head, keep_hidden=mint_hidden_id())
+    cases.append(("lower", "-- lower: a prefill keeping its hidden states for the head --\n== input ==\n" + _show(extend) + _show(head)
+                  + "keep_hidden (a fresh HiddenId)\n== output ==\n" + _show(extend_plan)))
+    prefill_hidden = asked_hidden(extend_plan)
+    assert prefill_hidden is not None
+    head_extend = prepare_for_head_extend(extend, prefill_hidden)
+    cases.append(_case("the head extends over the chunk, with the prefill's init ops", prepare_for_head_extend, extend, prefill_hidden))
+    cases.append(_case("lower: head extend, the head pool's tickets", lower, head_extend, head))
+    verify_plan = lower(verify, head, keep_hidden=mint_hidden_id())
+    cases.append(("lower", "-- lower: a verify keeping its hidden states for the head --\n== input ==\n" + _show(verify) + _show(head)
+                  + "keep_hidden (a fresh HiddenId)\n== output ==\n" + _show(verify_plan)))
+    verify_hidden = asked_hidden(verify_plan)
+    assert verify_hidden is not None
+    head_commit = prepare_for_head_commit(committed, verify_hidden)
+    cases.append(_case("the head commits the accepted tokens with the verify's hidden states", prepare_for_head_commit, committed, verify_hidden))
+    cases.append(_case("lower: head commit", lower, head_commit, head))
     by_pass: dict[str, str] = {}
     for name, text in cases:
         by_pass[name] = by_pass.get(name, "") + text

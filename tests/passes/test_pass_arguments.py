@@ -35,7 +35,9 @@ from compiler.steps import Pipeline
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import frozen_i64
 from ir.errors import PreconditionError, short_repr
-from ir.ids import RequestId, SampleId
+from ir.hidden import asked_hidden
+from ir.ids import HiddenId, RequestId, SampleId
+from ir.mint import mint_hidden_id
 from ir.sampling import GREEDY
 from ir.spec import AcceptResult, CommitBatch, DraftBatch, VerifyBatch
 from passes import (
@@ -53,6 +55,8 @@ from passes import (
     prepare_for_draft_commit,
     prepare_for_draft_extend,
     prepare_for_extend,
+    prepare_for_head_commit,
+    prepare_for_head_extend,
     prepare_for_verify,
 )
 from tests.helpers import decode_batch, proposed, request
@@ -73,7 +77,13 @@ COMMIT = commit(VERIFY, RESULT)
 PLAN = lower(RUNNING, LOWER_CTX)
 REQUEST = request(7, 2, [5, 6], 10)
 
-INPUTS: tuple[object, ...] = (RUNNING, EXTEND, DECODE_CTX, MIXED, LOWER_CTX, SPEC_CTX, DRAFT, VERIFY, RESULT, COMMIT, PLAN, REQUEST)
+PREFILL_HIDDEN = asked_hidden(lower(EXTEND, LOWER_CTX, keep_hidden=mint_hidden_id()))
+VERIFY_HIDDEN = asked_hidden(lower(VERIFY, LOWER_CTX, keep_hidden=mint_hidden_id()))
+assert PREFILL_HIDDEN is not None and VERIFY_HIDDEN is not None
+
+INPUTS: tuple[object, ...] = (
+    RUNNING, EXTEND, DECODE_CTX, MIXED, LOWER_CTX, SPEC_CTX, DRAFT, VERIFY, RESULT, COMMIT, PLAN, REQUEST, PREFILL_HIDDEN, VERIFY_HIDDEN,
+)
 
 
 @attrs.frozen
@@ -135,6 +145,10 @@ CASES: list[ArgCase] = [
     *_arg_cases("lower", "sample_id", lambda v: lower(COMMIT, LOWER_CTX, sample_id=v), [("sample-commit", SampleId(5))]),  # type: ignore[call-overload]
     *_arg_cases("lower", "inputs_from", lambda v: lower(EXTEND, LOWER_CTX, inputs_from=v), [("sample", SampleId(5))]),  # type: ignore[call-overload]
     *_arg_cases("lower", "inputs_from", lambda v: lower(VERIFY, LOWER_CTX, inputs_from=v), [("sample-verify", SampleId(5))]),  # type: ignore[call-overload]
+    # hidden states kept only by the forwards a head reads (a prefill, a verify)
+    *_arg_cases("lower", "keep_hidden", lambda v: lower(DRAFT, LOWER_CTX, keep_hidden=v), [("hidden-draft", HiddenId(5))]),  # type: ignore[call-overload]
+    *_arg_cases("lower", "keep_hidden", lambda v: lower(RUNNING, LOWER_CTX, keep_hidden=v), [("hidden-decode", HiddenId(5))]),  # type: ignore[call-overload]
+    *_arg_cases("lower", "keep_hidden", lambda v: lower(COMMIT, LOWER_CTX, keep_hidden=v), [("hidden-commit", HiddenId(5))]),  # type: ignore[call-overload]
     # -- filter_batch: the batch, and drop (request ids, checked like IR int fields) ------------------------
     *_arg_cases("filter_batch", "batch", lambda v: filter_batch(v, [1]), [*NOT_A_NODE, *_nodes(MIXED, DRAFT)]),  # type: ignore[type-var]
     *_arg_cases("filter_batch", "drop", lambda v: filter_batch(RUNNING, v), [("none", None), ("str", "12"), ("bytes", b"\x01"), ("int", 1)]),  # type: ignore[arg-type]
@@ -176,6 +190,17 @@ CASES: list[ArgCase] = [
     *_arg_cases("prepare_for_draft_commit", "draft", lambda v: prepare_for_draft_commit(COMMIT, v), [*NOT_A_NODE, *_nodes(VERIFY, lower(DRAFT, LOWER_CTX), COMMIT)]),  # type: ignore[arg-type]
     # -- prepare_for_draft_extend ---------------------------------------------------------------------------------
     *_arg_cases("prepare_for_draft_extend", "batch", prepare_for_draft_extend, [*NOT_A_NODE, *_nodes(VERIFY, lower(COMMIT, LOWER_CTX), EXTEND)]),  # type: ignore[arg-type]
+    # -- the draft head's phases: a prefill's batch and its hidden states; a commit and its verify's ----------------
+    *_arg_cases("prepare_for_head_extend", "batch", lambda v: prepare_for_head_extend(v, PREFILL_HIDDEN), [*NOT_A_NODE, *_nodes(MIXED, COMMIT, RUNNING)]),  # type: ignore[arg-type]
+    *_arg_cases(
+        "prepare_for_head_extend", "hidden", lambda v: prepare_for_head_extend(EXTEND, v),  # type: ignore[arg-type]
+        [("none", None), ("int", 7), ("array", frozen_i64([1, 2])), *_nodes(PROPOSED, EXTEND)],
+    ),
+    *_arg_cases("prepare_for_head_commit", "batch", lambda v: prepare_for_head_commit(v, VERIFY_HIDDEN), [*NOT_A_NODE, *_nodes(EXTEND, VERIFY, lower(COMMIT, LOWER_CTX))]),  # type: ignore[arg-type]
+    *_arg_cases(
+        "prepare_for_head_commit", "hidden", lambda v: prepare_for_head_commit(COMMIT, v),  # type: ignore[arg-type]
+        [("none", None), ("int", 7), ("array", frozen_i64([1, 2])), *_nodes(PROPOSED, COMMIT)],
+    ),
 ]
 
 

@@ -66,7 +66,7 @@ commits. The rows a forward restores on failure (transactional) include their co
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Generic, Never, NoReturn, Protocol, TypeAlias, cast, runtime_checkable
 
@@ -79,9 +79,10 @@ from backend import faults
 from backend.allocator import SlotAllocator
 from backend.boundary import Pending, run_now
 from backend.counts import TokenCounts
+from backend.hidden_store import HiddenStore
 from backend.ledger import Claim, Ledger
 from backend.logprobs import logprobs_of
-from backend.model import CapturesInnerStates, ForwardPlan, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
+from backend.model import CapturesInnerStates, ForwardPlan, HeadHook, KeepsHidden, ModelHook, NoOpModel, SpecModelHook, VerifyStateT
 from backend.plan_sampling import Counts, penalised, sample_logits, verify_tokens
 from backend.pool import MambaStatePool
 from backend.sampling import sample
@@ -90,6 +91,7 @@ from backend.state_init import apply_counts_op, apply_op, check_fits, restoring
 from ir.columns import I64, frozen_i64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.head import HeadCommitPlan, HeadExtendPlan
+from ir.hidden import asked_hidden
 from ir.ids import DraftId, PoolId, SampleId, VerifyId
 from ir.init import SERIAL_COUNTER_BITS, Op, Rows, Ticket, When, op_decl, op_groups, op_resets, op_slots, op_when, serial_epoch
 from ir.linear import consumes
@@ -140,30 +142,34 @@ class Executor(Generic[VerifyStateT]):
         self,
         pool: MambaStatePool,
         ledger: Ledger,
-        model: ModelHook | SpecModelHook[VerifyStateT] | None = None,
+        model: ModelHook | SpecModelHook[VerifyStateT] | HeadHook | None = None,
         *,
         slots: SlotAllocator | None = None,
         transactional: bool = False,
         watch: bool | None = None,
         gate: Gate | None = None,
         counts: TokenCounts | None = None,
+        hidden: HiddenStore | None = None,
     ) -> None:
         """Arguments are checked before anything is kept (``IRValidationError`` naming
         ``Executor.<argument>`` and the value): ``pool`` a ``MambaStatePool``, ``ledger`` a
         ``Ledger``, ``model`` ``None`` or a ``ModelHook`` (an object with a ``forward``), ``slots``
         ``None`` or a ``SlotAllocator``, ``transactional`` a ``bool``, ``watch`` a ``bool`` or
         ``None`` (0, 1 and ``'no'`` are not switches), ``gate`` ``None`` or a ``Gate``, ``counts``
-        ``None`` or a ``TokenCounts`` of the pool's capacity (the penalties' state, module)."""
+        ``None`` or a ``TokenCounts`` of the pool's capacity (the penalties' state, module), ``hidden``
+        ``None`` or the ``HiddenStore`` the target's executor and a draft head's share (module)."""
         from ir.columns import check_instance  # (imported here: this method's checks only)
 
         check_instance("Executor", "pool", pool, MambaStatePool)
         check_instance("Executor", "ledger", ledger, Ledger)
-        check_instance("Executor", "model", model, ModelHook, optional=True)  # the protocol check, once
+        if not isinstance(model, HeadHook):
+            check_instance("Executor", "model", model, ModelHook, optional=True)  # the protocol check, once
         check_instance("Executor", "slots", slots, SlotAllocator, optional=True)
         check_instance("Executor", "transactional", transactional, bool)
         check_instance("Executor", "watch", watch, bool, optional=True)
         check_instance("Executor", "gate", gate, Gate, optional=True)
         check_instance("Executor", "counts", counts, TokenCounts, optional=True)
+        check_instance("Executor", "hidden", hidden, HiddenStore, optional=True)
         if counts is not None and counts.capacity != pool.capacity:
             raise IRValidationError(
                 "Executor", "counts", counts, f"the token counts' capacity {counts.capacity} differs from the pool's {pool.capacity}"
@@ -174,6 +180,7 @@ class Executor(Generic[VerifyStateT]):
             )
         self.pool = pool
         self.counts = counts
+        self.hidden = hidden
         self.transactional = transactional
         self.watch = watch if watch is not None else verify_level_from_env() is VerifyLevel.EVERY_PASS
         self._seen: tuple[int, bytes] | None = None
@@ -198,13 +205,14 @@ class Executor(Generic[VerifyStateT]):
         until a pipelined decode uses it."""
 
     @property
-    def model(self) -> ModelHook:
+    def model(self) -> ModelHook | HeadHook:
         """The model hook (``NoOpModel`` when none was given); replacing it re-checks its kind."""
         return self._model
 
     @model.setter
-    def model(self, hook: ModelHook) -> None:
+    def model(self, hook: ModelHook | HeadHook) -> None:
         self._model = hook
+        self._head: HeadHook | None = hook if isinstance(hook, HeadHook) else None
         # the runtime-protocol check, once per hook rather than once per speculative plan
         self._spec_hook: SpecModelHook[VerifyStateT] | None = (
             cast("SpecModelHook[VerifyStateT]", hook) if isinstance(hook, SpecModelHook) else None
@@ -276,8 +284,12 @@ class Executor(Generic[VerifyStateT]):
                 return self.run_draft_extend(plan)
             case IdlePlan():
                 return Ran(rids=plan.rids)
-            case HeadExtendPlan() | HeadCommitPlan():  # TEMPORARY placeholder (issue 29): the lead wires the head's executor
-                raise PlanExecutionError(f"Executor.execute: {type(plan).__name__} (a draft head's phase) is not wired yet")
+            case HeadExtendPlan():
+                self.run_head_extend(plan)
+                return Ran(rids=plan.rids)
+            case HeadCommitPlan():
+                self.run_head_commit(plan)
+                return Ran(rids=plan.batch.rids)
             case _:
                 _not_a_plan(plan)
 
@@ -299,6 +311,28 @@ class Executor(Generic[VerifyStateT]):
         captures = self._captures(plan, ext)
         if captures is not None:
             extend = attrs.evolve(extend, captures=captures)
+        keeps = asked_hidden(plan)
+        hidden: list[torch.Tensor] = []
+
+        def forward() -> torch.Tensor:
+            self._count_inputs(extend, decode)
+            if keeps is None:
+                return self._forward(plan, extend, decode)
+            logits, states = self._keeping_hidden(plan).forward_keeping_hidden(plan, extend, decode, self.pool)
+            hidden.append(states)
+            return self._checked_logits(plan, logits, extend, decode)
+
+        out = self._extend_unit(plan, ext, rows, tickets, captures, forward)
+        if keeps is not None:
+            self._store(plan).keep(keeps, hidden[-1])  # (after the whole unit: a failed forward keeps nothing)
+        return self._prefill_sampled(plan, out)
+
+    def _extend_unit(
+        self, plan: ExtendPlan | MixedPlan | HeadExtendPlan, ext: ExtendPlan | HeadExtendPlan, rows: list[int], tickets: list[Ticket[Op]],
+        captures: Captures | None, forward: Callable[[], torch.Tensor],
+    ) -> torch.Tensor:
+        """Claim the plan's tickets, apply its init ops, run ``forward``, apply its snapshots: one
+        unit (module, steps 3 to 6)."""
         # Every ticket of the plan is claimed before the model runs, so a replayed plan (whatever
         # tickets it carries: init, snapshot or both) is refused with the pool untouched; what runs
         # are the registered tickets' ops (the claim checked that the plan's copies equal them).
@@ -313,13 +347,12 @@ class Executor(Generic[VerifyStateT]):
                         self._apply(t.op)
                         if self.gate is None:
                             claim.done(t)
-                self._count_inputs(extend, decode)
-                out = self._forward(plan, extend, decode)
+                out = forward()
                 faults.check(faults.FaultPoint.MODEL_FORWARD)
                 self._after(claim, captures)
                 if self.gate is not None:
                     self.gate.applied(type(plan).__name__)
-            return self._prefill_sampled(plan, out)
+            return out
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
         # and every ticket is outstanding again, so the same plan can simply be executed again
         with self._restoring(rows), self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
@@ -328,13 +361,78 @@ class Executor(Generic[VerifyStateT]):
             for t in claim.tickets:
                 if op_when(t.op) is When.BEFORE:
                     self._apply(t.op)
-            self._count_inputs(extend, decode)
-            out = self._forward(plan, extend, decode)
+            out = forward()
             faults.check(faults.FaultPoint.MODEL_FORWARD)
             self._after(claim, captures)
             if self.gate is not None:
                 self.gate.applied(type(plan).__name__)
-        return self._prefill_sampled(plan, out)
+        return out
+
+    # -- a draft head's phases (``ir.head``): they read the target's hidden states ----------------
+
+    def _head_hook(self, plan: Plan) -> HeadHook:
+        if self._head is None:
+            raise PlanExecutionError(f"{type(plan).__name__} is a draft head's phase; this executor's model hook {type(self.model).__name__} is no HeadHook")
+        return self._head
+
+    def _store(self, plan: Plan) -> HiddenStore:
+        if self.hidden is None:
+            raise PlanExecutionError(
+                f"{type(plan).__name__} keeps or reads hidden states, and the executor of pool {self.pool.pool_id!r} shares no hidden store "
+                "(no draft head is served beside it in this process)"
+            )
+        return self.hidden
+
+    def _keeping_hidden(self, plan: Plan) -> KeepsHidden:
+        model = self.model
+        if not isinstance(model, KeepsHidden):
+            raise PlanExecutionError(f"{type(plan).__name__} asks for hidden states; the model hook {type(model).__name__} hands back none")
+        return model
+
+    @consumes
+    def run_head_extend(self, plan: HeadExtendPlan) -> None:
+        """The head's extend over a target prefill chunk: its init ops and snapshots for this pool, as
+        a prefill's (claimed through the ledger, applied once), and the head over the chunk's tokens
+        with the target's hidden states there, taken from the store (once)."""
+        if not isinstance(plan, HeadExtendPlan):
+            _wrong_plan("run_head_extend", plan, "a HeadExtendPlan")
+        head = self._head_hook(plan)
+        store = self._store(plan)
+        self._check_slots(plan.slots, "HeadExtendPlan")
+        rows = plan.slots.tolist()
+        tickets = self._own_tickets(plan, frozenset(rows))
+        extend: StagedExtend = stage_extend(plan, self.pool.device)
+        captures = self._captures(plan, plan)
+        if captures is not None:
+            extend = attrs.evolve(extend, captures=captures)
+        hidden = store.read_extend(plan)  # (refused before any ticket is claimed: nothing written)
+
+        def forward() -> torch.Tensor:
+            with self._watched("the head hook's extend", plan, extend):
+                return self._checked_logits(plan, head.extend(extend, hidden, self.pool), extend, None)
+
+        self._extend_unit(plan, plan, rows, tickets, captures, forward)
+        store.taken(plan.hidden_id)
+
+    @consumes
+    def run_head_commit(self, plan: HeadCommitPlan) -> None:
+        """The head's catch-up over a speculative iteration's committed tokens, with the verify's
+        hidden states at those window positions (taken from the store, once); no init ops."""
+        if not isinstance(plan, HeadCommitPlan):
+            _wrong_plan("run_head_commit", plan, "a HeadCommitPlan")
+        head = self._head_hook(plan)
+        store = self._store(plan)
+        self._check_rows(plan.batch.slots, "HeadCommitPlan")
+        staged = stage_extend(plan.batch, self.pool.device)
+        hidden = store.read_commit(plan)
+        self._validated(plan)
+        with self._unit(plan.batch.slots):
+            with self._watched("the head hook's extend", plan, staged):
+                self._checked_logits(plan, head.extend(staged, hidden, self.pool), staged, None)
+            faults.check(faults.FaultPoint.MODEL_FORWARD)
+        store.taken(plan.batch.hidden_id)
+        if self.gate is not None:
+            self.gate.applied(type(plan).__name__)
 
     def _prefill_sampled(self, plan: ExtendPlan | MixedPlan, logits: torch.Tensor) -> Sampled:
         """``_sampled`` for a prefill: the tokens are the extend rows', then (mixed) the decode rows'.
@@ -355,7 +453,7 @@ class Executor(Generic[VerifyStateT]):
             for slot, token, more in zip(ext.slots.tolist(), _inputs_of(tokens[:n]), ext.more_chunks.tolist(), strict=True):
                 if not more:
                     self._samples[slot] = (ext.sample_id, token)
-        return Sampled(rids=plan.rids, tokens=tokens, logprobs=logprobs)
+        return Sampled(rids=plan.rids, tokens=tokens, logprobs=logprobs, hidden=asked_hidden(plan))
 
     def _after(self, claim: Claim, captures: Captures | None = None) -> None:
         """The ops that run after the forward (the prefix cache's snapshots)."""
@@ -363,7 +461,7 @@ class Executor(Generic[VerifyStateT]):
             if op_when(t.op) is When.AFTER:
                 self._apply(t.op, captures)
 
-    def _captures(self, plan: ExtendPlan | MixedPlan, ext: ExtendPlan) -> Captures | None:
+    def _captures(self, plan: ExtendPlan | MixedPlan | HeadExtendPlan, ext: ExtendPlan | HeadExtendPlan) -> Captures | None:
         """The states this pool's snapshot takes inside a chunk (``MambaSnapshot.at`` below its
         request's ``extend_len``), for the hook to capture into a scratch pool; ``None`` if none."""
         t = ext.snapshot_for(self.pool.pool_id)
@@ -467,19 +565,30 @@ class Executor(Generic[VerifyStateT]):
         self._check_rows(plan.batch.slots, "DraftPlan")
         staged = stage_window(plan.batch, self.pool.device)
         self._validated(plan)
+        n, k = plan.batch.num_requests, plan.batch.k
+        if self._head is not None:
+            # a head proposes from its carried state and keeps nothing: its commit is a forward
+            # over the verified tokens with the verify's hidden states (``run_head_commit``)
+            with self._watched("the head hook's propose", plan, staged):
+                out = self._head.propose(staged, k, self.pool)
+            self._check_proposed(did, out, n, k)
+            self._verified_upto[serial_epoch(did)] = did & ((1 << SERIAL_COUNTER_BITS) - 1)
+            return Proposals(k=k, draft_id=did, tokens=out.reshape(-1).cpu().numpy())
         with self._watched("the model hook's propose", plan, staged):
             out, states = self._spec_model(plan).propose(plan, staged, self.pool)
-        n, k = plan.batch.num_requests, plan.batch.k
-        hook_out: object = out  # a user's hook: its annotation is a promise, checked here
-        if not isinstance(hook_out, torch.Tensor) or tuple(out.shape) != (n, k) or out.dtype != torch.int64:
-            got = f"{out.dtype} {tuple(out.shape)}" if isinstance(hook_out, torch.Tensor) else type(hook_out).__name__
-            raise PlanExecutionError(f"draft #{did}: the model hook's propose returned {got}, not {n} x {k} int64 token ids")
+        self._check_proposed(did, out, n, k)
         proposals = Proposals(k=k, draft_id=did, tokens=out.reshape(-1).cpu().numpy())
         if self._kept_draft is not None:
             self._intermediates.pop(self._kept_draft, None)
         self._keep("draft", did, plan.batch.slots, k, states, proposed=proposals.tokens.tobytes())
         self._kept_draft = did
         return proposals
+
+    def _check_proposed(self, did: DraftId, out: object, n: int, k: int) -> None:
+        """A proposal hook's tokens are ``[n, k]`` int64 (a user's hook: its annotation is a promise)."""
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, k) or out.dtype != torch.int64:
+            got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise PlanExecutionError(f"draft #{did}: the model hook's propose returned {got}, not {n} x {k} int64 token ids")
 
     @consumes
     def run_verify(self, plan: VerifyPlan) -> Verified:
@@ -496,8 +605,14 @@ class Executor(Generic[VerifyStateT]):
         self._check_rows(plan.batch.slots, "VerifyPlan")
         staged = stage_window(plan.batch, self.pool.device)
         self._validated(plan)
+        keeps = asked_hidden(plan)
+        hidden: torch.Tensor | None = None
         with self._watched("the model hook's verify", plan, staged):
-            out, states = self._spec_model(plan).verify(plan, staged, self.pool)
+            if keeps is None:
+                out, states = self._spec_model(plan).verify(plan, staged, self.pool)
+            else:
+                out, kept, hidden = self._keeping_hidden(plan).verify_keeping_hidden(plan, staged, self.pool)
+                states = cast("VerifyStateT", kept)  # (the same hook's verify states, as ``verify`` returns them)
         tokens = self._verify_tokens(plan, out)
         logprobs = None
         if plan.batch.sampling is not None and (plan.batch.sampling.logprobs >= 0).any():
@@ -505,9 +620,12 @@ class Executor(Generic[VerifyStateT]):
                 raise PlanExecutionError(f"verify #{vid}: rows ask for logprobs, and the model hook's verify returned tokens, not logits")
             w = plan.batch.k + 1
             logprobs = logprobs_of(out.reshape(-1, out.shape[-1]), tokens, plan.batch.sampling, per_row=w)
+        if keeps is not None:
+            assert hidden is not None
+            self._store(plan).keep(keeps, hidden)
         self._keep("verify", vid, plan.batch.slots, plan.batch.k, states)
         self._checked_drafts_upto[epoch] = n
-        return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=tokens, logprobs=logprobs)
+        return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=tokens, logprobs=logprobs, hidden=keeps)
 
     def _verify_tokens(self, plan: VerifyPlan, out: torch.Tensor) -> I64:
         """The target's tokens from what the hook's verify returned: logits ``[n, k + 1, V]`` (sampled
@@ -617,8 +735,17 @@ class Executor(Generic[VerifyStateT]):
 
     def _forward(self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor:
         self._validated(plan)
+        model = self.model
+        if isinstance(model, HeadHook) and not isinstance(model, ModelHook):
+            raise PlanExecutionError(
+                f"{type(plan).__name__} on pool {self.pool.pool_id!r}: a draft head runs its own phases (HeadExtendPlan, HeadCommitPlan), not the target's plans"
+            )
         with self._watched("the model hook", plan, extend, decode):
-            out: object = self.model.forward(plan, extend, decode, self.pool)  # a user's hook: its annotation is a promise
+            out: object = model.forward(plan, extend, decode, self.pool)  # a user's hook: its annotation is a promise
+        return self._checked_logits(plan, out, extend, decode)
+
+    def _checked_logits(self, plan: Plan, out: object, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor:
+        """``out`` if it is logits ``[rows, vocab]`` for the staged rows, else ``PlanExecutionError``."""
         rows = (int(extend.cu_seqlens.shape[0]) - 1 if extend is not None else 0) + (int(decode.packed.shape[1]) if decode is not None else 0)
         if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != rows:
             got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
@@ -684,6 +811,8 @@ class Executor(Generic[VerifyStateT]):
         self._intermediates.clear()
         self._kept_draft = None
         self._samples.clear()
+        if self.hidden is not None:
+            self.hidden.forget()
 
     def _spec_model(self, plan: DraftPlan | VerifyPlan | CommitPlan | DraftCommitPlan) -> SpecModelHook[VerifyStateT]:
         if self._spec_hook is None:
@@ -691,7 +820,7 @@ class Executor(Generic[VerifyStateT]):
         # the model this executor was built with: its verify states are this executor's VerifyStateT
         return self._spec_hook
 
-    def _own_tickets(self, plan: ExtendPlan, own: frozenset[int]) -> list[Ticket[Op]]:
+    def _own_tickets(self, plan: ExtendPlan | HeadExtendPlan, own: frozenset[int]) -> list[Ticket[Op]]:
         """The plan's tickets for this pool, each checked as its op kind declares
         (``ir.init.OpDecl``): every slot in range, ``OF_PLAN`` slots rows of the plan (``own``),
         ``NOT_OF_PLAN`` ones not, and (with an allocator) every slot live. A kind the plan carries
@@ -749,7 +878,7 @@ class Executor(Generic[VerifyStateT]):
         self._slots_ok = key
 
 
-def _check_fresh_rows(plan: ExtendPlan | MixedPlan, ext: ExtendPlan, tickets: Sequence[Ticket[Op]]) -> None:
+def _check_fresh_rows(plan: ExtendPlan | MixedPlan | HeadExtendPlan, ext: ExtendPlan | HeadExtendPlan, tickets: Sequence[Ticket[Op]]) -> None:
     """A row that starts at token 0 starts from a cleared state, and only the plan's own ops (the
     registered ones, claimed) can clear it (``ir.init.op_resets``): a plan stripped of its ticket
     would run on whatever the slot held. Runs inside the claim, before any op, so a refusal leaves

@@ -13,15 +13,16 @@ from backend.allocator import SlotAllocator
 from backend.boundary import InProcessGroup
 from backend.counts import token_counts
 from backend.executor import Executor
+from backend.hidden_store import HiddenStore
 from backend.ledger import Ledger
-from backend.model import ServedModel, ServingModelHook
+from backend.model import HeadHook, ReadsTargetHidden, ServedModel, ServingModelHook
 from ir.ids import PoolId
 
 
 class LocalBackends(InProcessGroup):
     """``backend.boundary.Backends`` in this process."""
 
-    def __init__(self, executors: list[Executor[Any]], hooks: list[ServingModelHook[Any]]) -> None:
+    def __init__(self, executors: list[Executor[Any]], hooks: list[ServingModelHook[Any] | HeadHook]) -> None:
         super().__init__(executors)
         self._hooks = hooks
 
@@ -50,7 +51,10 @@ class InProcess:
         max_len: int, retries: int, penalties: bool = False,
     ) -> LocalBackends:
         executors: list[Executor[Any]] = []
-        hooks: list[ServingModelHook[Any]] = []
+        hooks: list[ServingModelHook[Any] | HeadHook] = []
+        # a draft head reads the target's hidden states: both executors share one store
+        heads = any(isinstance(m, ReadsTargetHidden) and m.reads_target_hidden() for m in models.values())
+        hidden = HiddenStore() if heads else None
         for pool, model in models.items():
             hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=max_len)
             hooks.append(hook)
@@ -58,6 +62,7 @@ class InProcess:
             state = model.new_pool(capacity, pool_id=pool)
             executors.append(Executor(
                 state, ledger, hook, slots=slots, transactional=retries > 0, counts=token_counts(state, model.vocab) if penalties else None,
+                hidden=hidden,
             ))
         return LocalBackends(executors, hooks)
 

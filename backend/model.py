@@ -107,9 +107,9 @@ class ServedModel(Protocol[VerifyStateT]):
         """A state pool of ``capacity`` slots (plus the padding row)."""
         ...
 
-    def serving_hook(self, *, capacity: int, kv_capacity: int, max_len: int) -> ServingModelHook[VerifyStateT]:
+    def serving_hook(self, *, capacity: int, kv_capacity: int, max_len: int) -> ServingModelHook[VerifyStateT] | HeadHook:
         """A hook with fresh caches for ``capacity`` slots of up to ``max_len`` positions and
-        ``kv_capacity`` KV locations."""
+        ``kv_capacity`` KV locations (a draft head's is a ``HeadHook``: ``ReadsTargetHidden``)."""
         ...
 
 
@@ -139,6 +139,36 @@ class HeadHook(CapturesInnerStates, Protocol):
 
     def propose(self, staged: StagedWindow, k: int, pool: MambaStatePool) -> torch.Tensor:
         """``k`` greedy proposals per row, ``[n, k]``, from the committed head state."""
+        ...
+
+
+@runtime_checkable
+class KeepsHidden(Protocol):
+    """A target model hook that can also hand back its hidden states (the residual stream after the
+    last layer, before the final norm), for a draft head beside it (``backend.hidden_store``)."""
+
+    def forward_keeping_hidden(
+        self, plan: ExtendPlan | MixedPlan, extend: StagedExtend, decode: StagedDecode | None, pool: MambaStatePool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits, and the hidden state of every token of ``extend``, packed
+        ``[total, d_model]`` like its tokens."""
+        ...
+
+    def verify_keeping_hidden(
+        self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool
+    ) -> tuple[torch.Tensor, object, torch.Tensor]:
+        """``verify``'s logits and states, and the hidden state at every window position ``[n, k + 1, d_model]``."""
+        ...
+
+
+@runtime_checkable
+class ReadsTargetHidden(Protocol):
+    """A served model that is a draft head (``backend.hybrid.head.HeadModel``): its serving hook is a
+    ``HeadHook``, and its phases read the target's hidden states, so an engine serving it lowers the
+    head's own phases (``ir.head``) instead of running the target's plans on its pool."""
+
+    def reads_target_hidden(self) -> bool:
+        """True for a draft head."""
         ...
 
 

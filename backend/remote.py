@@ -58,7 +58,7 @@ from backend.boundary import BackendGone, ForwardFailed
 from backend.counts import token_counts
 from backend.executor import Executor
 from backend.ledger import Claim, Ledger
-from backend.model import ServedModel
+from backend.model import ReadsTargetHidden, ServedModel
 from ir.columns import check_instance
 from ir.errors import BatchcError, IRValidationError
 from ir.ids import PoolId, TicketSerial
@@ -559,6 +559,9 @@ class Processes:
         return "Processes()" if self.threads is None else f"Processes(threads={self.threads})"
 
     def refusal(self, models: Mapping[PoolId, ServedModel[Any]], *, retries: int) -> str | None:
+        heads = [pool for pool, model in models.items() if isinstance(model, ReadsTargetHidden) and model.reads_target_hidden()]
+        if heads:
+            return f"executor processes: the draft head of pool {heads[0]!r} reads the target's hidden states where they are computed, so it runs in process (for now)"
         return None
 
     def open(

@@ -15,6 +15,7 @@ import numpy.typing as npt
 import torch
 
 from backend.pool import MambaStatePool
+from ir.head import HeadCommitBatch, HeadExtendPlan
 from ir.plan import DecodePlan, ExtendPlan
 from ir.spec import DraftBatch, DraftExtendBatch, VerifyBatch
 
@@ -83,7 +84,7 @@ def stage_decode(plan: DecodePlan, device: torch.device, input_ids: npt.NDArray[
     return StagedDecode(_to_device(packed, device))
 
 
-def stage_extend(plan: ExtendPlan | DraftExtendBatch, device: torch.device) -> StagedExtend:
+def stage_extend(plan: ExtendPlan | DraftExtendBatch | HeadExtendPlan | HeadCommitBatch, device: torch.device) -> StagedExtend:
     n, tokens = plan.num_requests, plan.input_ids.shape[0]
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(plan.extend_lens, out=cu[1:])

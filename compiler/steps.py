@@ -115,7 +115,9 @@ class Pipeline:
     def filter_extend(self, batch: ExtendBatch, drop: Iterable[RequestId]) -> ExtendBatch:
         return self.pm.run(filter_batch, batch, drop)
 
-    def merge(self, running: DecodeBatch, prefilled: ExtendBatch | spec.DraftCommitBatch | spec.DraftExtendBatch | DecodeBatch) -> DecodeBatch:
+    def merge(
+        self, running: DecodeBatch, prefilled: ExtendBatch | spec.DraftCommitBatch | spec.CommitBatch | spec.DraftExtendBatch | DecodeBatch
+    ) -> DecodeBatch:
         return self.pm.run(merge_batch, running, prefilled)
 
     # -- speculative decoding: one iteration = draft, verify, accept + commit, draft commit --------

@@ -7,7 +7,7 @@ import numpy as np
 from ir.batch import ExtendBatch
 from ir.columns import I64, frozen_i64
 from ir.sampling import SamplingRows, rows_take
-from ir.spec import DraftCommitBatch, DraftExtendBatch
+from ir.spec import CommitBatch, DraftCommitBatch, DraftExtendBatch
 
 
 def finished_prefill_rows(batch: ExtendBatch | DraftExtendBatch) -> tuple[I64, I64, I64, I64, I64]:
@@ -35,7 +35,7 @@ def finished_prefill_sampling(batch: ExtendBatch | DraftExtendBatch) -> Sampling
     return rows_take(batch.sampling, ~batch.more_chunks)
 
 
-def committed_rows(batch: DraftCommitBatch) -> tuple[I64, I64, I64, I64, I64]:
+def committed_rows(batch: DraftCommitBatch | CommitBatch) -> tuple[I64, I64, I64, I64, I64]:
     """Decode-form columns after a speculative iteration: row ``i`` has committed its window's
     tokens ``0 .. accept_pos[i]``, so its context holds ``seq_lens[i] + accept_pos[i]`` tokens and
     its last fed token and KV location are the window's at ``accept_pos[i]``."""

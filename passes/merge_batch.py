@@ -5,7 +5,8 @@ Post: the running requests, then the prefilled requests whose prompt is complete
 prefilled request enters in the state "its last forward has run": ``seq_len`` is the tokens now in
 its context and ``input_ids``/``kv_locs`` are those of its last prompt token; ``prepare_for_decode``
 then advances every row the same way. Chunked requests (``more_chunks``) are not merged. A
-``DraftCommitBatch`` or ``DraftExtendBatch`` (the end of a speculative iteration) enters the same
+``DraftCommitBatch``, ``DraftExtendBatch`` or (with a draft head, whose commit is its own phase)
+the target's ``CommitBatch`` (the end of a speculative iteration) enters the same
 way: each row with the tokens it committed in the iteration. The rows' sampling parameters come
 along in the same order. An empty
 ``prefilled`` contribution returns ``running`` itself.
@@ -22,19 +23,19 @@ from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import build_unchecked, first_common, freeze
 from ir.errors import PreconditionError
 from ir.sampling import SamplingRows, rows_joined
-from ir.spec import DraftCommitBatch, DraftExtendBatch
+from ir.spec import CommitBatch, DraftCommitBatch, DraftExtendBatch
 from passes._args import bad_arg
 from passes._rows import committed_rows, finished_prefill_rows, finished_prefill_sampling
 
 
-def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
+def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch | CommitBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
     if not isinstance(running, DecodeBatch):
         raise bad_arg("merge_batch", "running", running, "a DecodeBatch")
     sampling: SamplingRows | None
     if isinstance(prefilled, (ExtendBatch, DraftExtendBatch)):
         rids, slots, seq_lens, input_ids, kv_locs = finished_prefill_rows(prefilled)
         sampling = finished_prefill_sampling(prefilled)
-    elif isinstance(prefilled, DraftCommitBatch):
+    elif isinstance(prefilled, (DraftCommitBatch, CommitBatch)):
         rids, slots, seq_lens, input_ids, kv_locs = committed_rows(prefilled)
         sampling = prefilled.sampling
     elif isinstance(prefilled, DecodeBatch):
@@ -42,7 +43,7 @@ def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch 
         input_ids, kv_locs = prefilled.input_ids, prefilled.kv_locs
         sampling = prefilled.sampling
     else:
-        raise bad_arg("merge_batch", "prefilled", prefilled, "an ExtendBatch, a DraftCommitBatch, a DraftExtendBatch or a DecodeBatch")
+        raise bad_arg("merge_batch", "prefilled", prefilled, "an ExtendBatch, a DraftCommitBatch, a CommitBatch, a DraftExtendBatch or a DecodeBatch")
     if rids.shape[0] == 0:
         return running
     for name, a, b in (("request id", running.rids, rids), ("slot", running.slots, slots)):

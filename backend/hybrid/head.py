@@ -357,6 +357,10 @@ class HeadModel:
     def new_token_table(self, max_slots: int, max_len: int) -> TokenTable:
         return TokenTable(max_slots, max_len, device=self.device)
 
+    def reads_target_hidden(self) -> bool:
+        """A draft head (``backend.model.ReadsTargetHidden``): its phases read the target's hidden states."""
+        return True
+
     def captures_inner_states(self) -> bool:
         """Its extends capture states inside a chunk, the carried hidden included."""
         return True

@@ -33,7 +33,7 @@ class HybridEntryPoints(Protocol):
     def extend(
         self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, cu_seqlens: torch.Tensor,
         prefix_lens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor,
-        captures: Captures | None = None,
+        captures: Captures | None = None, keep_hidden: bool = False,
     ) -> ForwardOut: ...
 
     def decode(
@@ -73,6 +73,25 @@ class HybridHook:
             pool, self.kv, self.table, slots=s.slots, cu_seqlens=s.cu_seqlens, prefix_lens=s.prefix_lens,
             input_ids=s.input_ids, positions=s.positions, kv_locs=s.kv_locs, captures=s.captures,
         ).logits
+
+    def forward_keeping_hidden(
+        self, plan: ExtendPlan | MixedPlan, extend: StagedExtend, decode: StagedDecode | None, pool: MambaStatePool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``, and the hidden state of every extend token (``backend.model.KeepsHidden``)."""
+        out = self.model.extend(
+            pool, self.kv, self.table, slots=extend.slots, cu_seqlens=extend.cu_seqlens, prefix_lens=extend.prefix_lens,
+            input_ids=extend.input_ids, positions=extend.positions, kv_locs=extend.kv_locs, captures=extend.captures, keep_hidden=True,
+        )
+        assert out.all_hidden is not None  # (keep_hidden=True)
+        logits = out.logits if decode is None else torch.cat((out.logits, self._decode(decode, pool)))
+        return logits, out.all_hidden
+
+    def verify_keeping_hidden(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStates, torch.Tensor]:
+        """``verify``, and the hidden state at every window position ``[n, k + 1, d_model]``."""
+        out = self.model.verify(
+            pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids, positions=staged.positions, kv_locs=staged.kv_locs,
+        )
+        return out.logits, out.states, out.hidden
 
     def _decode(self, s: StagedDecode, pool: MambaStatePool) -> torch.Tensor:
         return self.model.decode(

@@ -44,7 +44,7 @@ from backend.counts import token_counts
 from backend.executor import Executor
 from backend.hybrid.model import HybridModel
 from backend.ledger import LEDGER_COUNTS_WIDTH, Ledger, LedgerCounts, RankLedgers
-from backend.model import ServedModel, ServingModelHook
+from backend.model import HeadHook, ReadsTargetHidden, ServedModel, ServingModelHook
 from backend.pool import MambaStatePool
 from backend.remote import plan_tickets
 from backend.tp.group import Msg, RankFailed, RankFault, RankRefused, TPGroup, Vote, one_line
@@ -405,6 +405,8 @@ class TensorParallel:
             return f"tp with retries {retries}: a forward that fails on a rank is fatal to the group, never retried"
         if self.leader.pools is not None:
             return "tp: the leader's session is in use by another engine (close that engine first)"
+        if any(isinstance(model, ReadsTargetHidden) and model.reads_target_hidden() for model in models.values()):
+            return "tp: a draft head under tensor parallelism is not built yet (serve it with --tp 1)"
         for pool, model in models.items():
             try:
                 check_shard(model, pool, 0, self.leader.world)
@@ -425,6 +427,8 @@ class TensorParallel:
             hooks: list[ServingModelHook[Any]] = []
             for pool, model in models.items():
                 hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=max_len)
+                if isinstance(hook, HeadHook):  # (refused by ``refusal``: a head is served in process for now)
+                    raise ValueError(f"tp: pool {pool!r} is a draft head's, which tensor parallelism does not serve yet")
                 hooks.append(hook)
                 # (every rank keeps the target's token counts and updates them alike: the logits it
                 # samples from are the whole vocabulary's on every rank)

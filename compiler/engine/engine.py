@@ -39,7 +39,7 @@ from typing import Any, cast
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.boundary import Backend, Backends, Transport
 from backend.ledger import Ledger, RankLedgers
-from backend.model import CapturesInnerStates, ServedModel
+from backend.model import CapturesInnerStates, ReadsTargetHidden, ServedModel
 from backend.transports import in_process
 from compiler.engine.admission import check_engine_args, check_request, check_sampling
 from compiler.engine.cache_session import CacheSession, NoCache, PrefixCacheSession
@@ -119,8 +119,15 @@ class Engine:
         self.session: CacheSession = (
             PrefixCacheSession(prefix_cache, self.slots, self.kv_refs) if prefix_cache is not None else NoCache()
         )
-        pools = (TARGET_POOL, DRAFT_POOL) if k > 0 else (TARGET_POOL,)
-        self.pipeline = Pipeline(self.ledger, LowerContext(pools=pools), pm)
+        # a draft head (MTP/EAGLE) reads the target's hidden states and runs its own phases, so its
+        # pool gets the prefill's init ops through the head extend's tickets (``ir.head``)
+        drafting: object = draft  # (a ServedModel, which a head also is)
+        self.head = k > 0 and isinstance(drafting, ReadsTargetHidden) and drafting.reads_target_hidden()
+        if self.head:
+            ctx = LowerContext(pools=(TARGET_POOL,), head_pools=(DRAFT_POOL,))
+        else:
+            ctx = LowerContext(pools=(TARGET_POOL, DRAFT_POOL) if k > 0 else (TARGET_POOL,))
+        self.pipeline = Pipeline(self.ledger, ctx, pm)
         models: dict[PoolId, ServedModel[Any]] = {TARGET_POOL: target} | ({DRAFT_POOL: draft} if k > 0 and draft is not None else {})
         self.backends: Backends = transport.open(
             models, ledger=self.ledger, slots=self.slots, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, retries=retries,
@@ -143,7 +150,7 @@ class Engine:
         self.forwards = Forwards(
             k=k, pipeline=self.pipeline, runner=self.runner, backends=self.backends, ledger=self.ledger, requests=self.requests,
             kv_refs=self.kv_refs, session=self.session, planner=self.planner, stats=self.stats, release=self._release, mixed=mixed,
-            policy=policy,
+            policy=policy, head=self.head,
         )
         # with backends that run beside the host, each step is built while the previous one runs: at
         # k = 0, without retries (a retried forward would have to replay the one sent after it) and
@@ -152,7 +159,7 @@ class Engine:
         self.forwards.pipelined = self.backends.concurrent and self.draft is None and retries == 0 and mixed
         self.prefixes = PrefixStates(
             slots=self.slots, kv=self.kv, kv_refs=self.kv_refs, pipeline=self.pipeline, executors=self._executors,
-            k=k, max_len=max_len, vocab=self.vocab,
+            k=k, max_len=max_len, vocab=self.vocab, head=self.head,
         )
         self.outputs: dict[RequestId, list[int]] = {}
         self._fork_prefixes: list[PrefixState] = []

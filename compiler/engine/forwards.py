@@ -124,8 +124,12 @@ class Forwards:
         release: Callable[[Sequence[RequestId], Ending], None],
         mixed: bool,
         policy: SchedulePolicy,
+        head: bool = False,
     ) -> None:
         self.k, self.pipeline, self.runner, self.backends = k, pipeline, runner, backends
+        self.head = head
+        """The draft is a head (MTP/EAGLE) that reads the target's hidden states: it runs its own
+        phases (``ir.head``) after each target prefill and each speculative commit."""
         self.ledger = ledger
         self.target: Backend = backends.target
         self.draft: Backend | None = backends.draft
@@ -254,6 +258,9 @@ class Forwards:
         admitted = self.planner.next_chunks()
         if not admitted:
             return False
+        if self.head:
+            self._prefill_with_head(admitted)
+            return True
         extend, plan = self.pipeline.prefill(admitted, sampling=self._sampling(admitted))
         on_target = self.runner.submit(self.target, plan)
         # the draft pool's init ops (and snapshots) are consumed there, once; in executor processes
@@ -266,6 +273,21 @@ class Forwards:
         self.running = self.pipeline.merge(self.running, extend)
         self._finish()
         return True
+
+    def _prefill_with_head(self, admitted: Sequence[AdmittedRequest]) -> None:
+        """The target's prefill, keeping its hidden states, then the head's extend over the same
+        chunks with them: the head pool's init ops and snapshots run there, once."""
+        assert self.draft is not None
+        extend, plan = self.pipeline.prefill(admitted, sampling=self._sampling(admitted), keep_hidden=True)
+        sampled = checked(plan, self.runner.run(self.target, plan))
+        self.stats.prefills += 1
+        hidden = sampled.hidden
+        assert hidden is not None  # (``checked``: the plan asked for them)
+        _, hplan = self.pipeline.head_extend(extend, hidden)
+        self.runner.run(self.draft, hplan)
+        self._after_chunks(admitted, extend, sampled.tokens.tolist(), sampled.logprobs)
+        self.running = self.pipeline.merge(self.running, extend)
+        self._finish()
 
     def _wait(self, *submitted: Submitted | None) -> None:
         for s in submitted:
@@ -454,6 +476,9 @@ class Forwards:
         each), the target verifies them, the accepted prefix and a bonus token are committed on the
         target, and the draft commits its own state at the accepted position (no draft forward)."""
         assert self.draft is not None
+        if self.head:
+            self._speculate_with_head()
+            return
         k, rids = self.k, self.running.rid_list()
         window = self._alloc_for(rids, k + 1)
         draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
@@ -481,14 +506,49 @@ class Forwards:
                 self.runner.wait(s)
         bonus = bonus_tokens(verified, result.accepted.tolist(), k)  # the bonus, or NON_FINITE: _emit ends that row
         emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(result.accepted.tolist(), bonus, strict=True))]
-        self.stats.iterations += 1
-        self.stats.row_iterations += len(rids)
-        self.stats.proposed += k * len(rids)
-        self.stats.accepted += int(result.accepted.sum())
-        self.progress.requests += len(rids)
+        self._count_iteration(rids, k, result.accepted)
         at = [[i * (k + 1) + j for j in range(len(toks))] for i, toks in enumerate(emitted)]  # (window position j's entry)
         self._emit(rids, emitted, verified_result.logprobs, at)
         self._finish()
+
+    def _speculate_with_head(self) -> None:
+        """One speculative iteration with a draft head: the head proposes k tokens per row from its
+        carried state, the target verifies them keeping its hidden states, the accepted prefix and
+        a bonus token are committed on the target, and the head catches up over the committed
+        tokens with the verify's hidden states there (a forward: its proposal kept nothing)."""
+        assert self.draft is not None
+        k, rids = self.k, self.running.rid_list()
+        window = self._alloc_for(rids, k + 1)
+        draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
+        proposals = checked(dplan, self.runner.run(self.draft, dplan))
+        drafts = proposals.tokens.reshape(len(rids), k).tolist()
+        verify_batch, vplan = self.pipeline.verify(draft_batch, proposals, keep_hidden=True)
+        verified_result = checked(vplan, self.runner.run(self.target, vplan))
+        verified = verified_result.tokens  # NON_FINITE where a position's logits were not finite
+        result, committed, cplan = self.pipeline.commit(verify_batch, checkable_targets(verified, proposals.tokens, k))
+        self.runner.run(self.target, cplan)
+        hidden = verified_result.hidden
+        assert hidden is not None  # (``checked``: the verify asked for them)
+        _, hplan = self.pipeline.head_commit(committed, hidden)
+        self.runner.run(self.draft, hplan)
+        for rid, m in zip(rids, committed.accept_pos.tolist(), strict=True):
+            if m < k:
+                del self.requests[rid].context[m - k :]
+        self.kv_refs.unref(committed.released_kv)
+        self.running = self.pipeline.merge(DecodeBatch.empty(), committed)
+        bonus = bonus_tokens(verified, result.accepted.tolist(), k)  # the bonus, or NON_FINITE: _emit ends that row
+        emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(result.accepted.tolist(), bonus, strict=True))]
+        self._count_iteration(rids, k, result.accepted)
+        at = [[i * (k + 1) + j for j in range(len(toks))] for i, toks in enumerate(emitted)]  # (window position j's entry)
+        self._emit(rids, emitted, verified_result.logprobs, at)
+        self._finish()
+
+    def _count_iteration(self, rids: Sequence[RequestId], k: int, accepted: I64) -> None:
+        self.stats.iterations += 1
+        self.stats.row_iterations += len(rids)
+        self.stats.proposed += k * len(rids)
+        self.stats.accepted += int(accepted.sum())
+        self.progress.requests += len(rids)
 
     def _alloc_for(self, rids: Sequence[RequestId], per_row: int) -> I64:
         kv = self.kv_refs.alloc(len(rids) * per_row)

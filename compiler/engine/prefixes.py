@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from backend.allocator import KVAllocator, SlotAllocator
-from backend.boundary import Backend
+from backend.boundary import Backend, checked
 from compiler.engine.admission import MAX_LEN, checked_prompt
 from compiler.engine.kv_refs import KVRefs
 from compiler.engine.report import PrefixState
@@ -35,7 +35,10 @@ class PrefixStates:
         k: int,
         max_len: int,
         vocab: int,
+        head: bool = False,
     ) -> None:
+        self.head = head
+        """The draft is a head: it builds its state from the target prefill's hidden states."""
         self.slots, self.kv, self.kv_refs, self.pipeline = slots, kv, kv_refs, pipeline
         self.executors = executors
         self.k, self.max_len, self.vocab = k, max_len, vocab
@@ -107,9 +110,18 @@ class PrefixStates:
         slot = self.slots.alloc()
         kv = self.kv_refs.alloc(n)
         req = AdmittedRequest(rid=RequestId(-1 - int(slot)), slot=slot, input_ids=arr, kv_locs=kv, intent=Clear())
-        _, plan = self.pipeline.prefill([req])
-        for ex in self.executors():
-            ex.wait(ex.submit(plan))  # (each pool runs the prefill's own init ops, once)
+        if self.head:
+            target, head = self.executors()
+            extend, plan = self.pipeline.prefill([req], keep_hidden=True)
+            sampled = checked(plan, target.wait(target.submit(plan)))
+            hidden = sampled.hidden
+            assert hidden is not None  # (``checked``: the plan asked for them)
+            _, hplan = self.pipeline.head_extend(extend, hidden)
+            head.wait(head.submit(hplan))  # (the head pool runs the prefill's init ops here, once)
+        else:
+            _, plan = self.pipeline.prefill([req])
+            for ex in self.executors():
+                ex.wait(ex.submit(plan))  # (each pool runs the prefill's own init ops, once)
         cp = PrefixState(slot=slot, tokens=tuple(arr.tolist()), kv_locs=tuple(kv.tolist()))
         self._held[slot] = cp
         return cp

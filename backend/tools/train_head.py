@@ -38,7 +38,27 @@ is the fraction of starts whose first ``i`` proposals all equal the target's gre
 ``k``, acceptance per proposal is ``sum(chain[:k]) / k`` (accepted / proposed, the engine's
 figure) and a verify emits ``1 + sum(chain[:k])`` tokens.
 
-The bundled head, ``backend/hybrid/weights/mtp.safetensors``: see ``BUNDLED`` below.
+The bundled head, ``backend/hybrid/weights/mtp.safetensors`` (0.6 MB, float32), is ``BUNDLED``'s
+run for the bundled target: one Mamba2 layer with the target's sizes (d_model 96, 6 heads x 32,
+d_state 32, SwiGLU 256; 156,050 parameters), 300 steps of 16 rollouts of 256 tokens (64 corpus,
+192 greedy) from 384 training rollouts, seed 0, feature weight 1::
+
+    python -m compiler.cli train-draft --out backend/hybrid/weights/mtp.safetensors --minutes 10
+
+    6 min 8 s wall on this 2-core CPU while other jobs held it (load average 10; the process got
+    27% of a core: 94 s of CPU): 117 s of target rollouts (384 + 64), 196 s of training, 46 s of
+    held-out acceptance. Last-50-step loss 0.223 nats/token.
+
+    held-out (64 rollouts of held-out prompts, a start every 8 tokens of the greedy part: 1,536
+    chains), chained greedy proposals against the target's greedy continuation:
+    k                          1      2      3      4
+    chain (first k all match)  0.950  0.884  0.837  0.792
+    acceptance per proposal    0.950  0.917  0.890  0.866
+    tokens per verify          1.95   2.83   3.67   4.46
+
+One Mamba layer is the cheapest head to serve and already passes the 0.77 per proposal at k = 2
+that the issue's arithmetic asks for (0.844 after only 100 steps on 256 rollouts, 32 held out), so
+the bundled head has no attention layer (``--layers mamba,attn`` trains one that has).
 """
 
 from __future__ import annotations
@@ -344,6 +364,9 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> Path:
     tmp = path.with_name(f".{path.name[:64]}.{secrets.token_hex(6)}.tmp")
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # (the writer's file may be private; the checkpoint is an ordinary file)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -37,10 +37,15 @@ SETTINGS = HeadTrainSettings(steps=24, layers="mamba", batch=4, prompt_len=8, se
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> TokenCorpus:
-    root = tmp_path_factory.mktemp("stdlib")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("stdlib")
     for i in range(10):  # the 10th file is held out
-        (root / f"m{i:02d}.py").write_text(SOURCE.replace("10", str(i)) * 3)
+        (path / f"m{i:02d}.py").write_text(SOURCE.replace("10", str(i)) * 3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(root: Path) -> TokenCorpus:
     return token_corpus(None, 256, root)
 
 
@@ -128,18 +133,18 @@ class _Stop(Exception):
 
 
 def test_resume_continues_to_the_uninterrupted_result(target: HybridModel, corpus: TokenCorpus, tmp_path: Path) -> None:
-    settings = attrs.evolve(SETTINGS, steps=14)
+    settings = attrs.evolve(SETTINGS, steps=8, checkpoint_every=3)
     whole = train_head(target, corpus, settings, tmp_path / "whole.safetensors", log=_silent)
 
     out = tmp_path / "cut.safetensors"
 
-    def stop_at_12(phase: str, done: int, total: int) -> None:
-        if phase == "train" and done == 12:
-            raise _Stop  # as SIGINT would, between two checkpoints (written at 5 and 10)
+    def stop_at_7(phase: str, done: int, total: int) -> None:
+        if phase == "train" and done == 7:
+            raise _Stop  # as SIGINT would, between two checkpoints (written at 3 and 6)
 
     with pytest.raises(_Stop):
-        train_head(target, corpus, settings, out, log=_silent, progress=stop_at_12)
-    assert '"steps_done": 10' in read_head(out)[2]["training"]
+        train_head(target, corpus, settings, out, log=_silent, progress=stop_at_7)
+    assert '"steps_done": 6' in read_head(out)[2]["training"]
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left
     resumed = train_head(target, corpus, settings, out, resume=True, log=_silent)
     assert resumed.losses == whole.losses
@@ -148,6 +153,27 @@ def test_resume_continues_to_the_uninterrupted_result(target: HybridModel, corpu
 
     with pytest.raises(TrainError, match="seed"):  # a resume state from other settings is refused by name
         train_head(target, corpus, attrs.evolve(settings, seed=1), out, resume=True, log=_silent)
+
+
+def test_a_hugging_face_target_directory(root: Path, tmp_path: Path) -> None:
+    """The corpus through the checkpoint's tokenizer.json, the hidden states from its own forward."""
+    from backend.hybrid.head import load_head
+    from backend.tools.hf_random import save_hf_model, save_tokenizer
+    from compiler.offline.models import load_served
+
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    save_hf_model("granitemoehybrid", directory, vocab_size=320)
+    save_tokenizer(directory, vocab_size=320)
+    served = load_served(str(directory), role="target", dtype=torch.float32, bundled="target")
+    corpus = token_corpus(served.tokenizer.encode, served.model.config.vocab, root)
+    assert corpus.train.numel() < len(SOURCE) * 27  # BPE tokens, not bytes
+    out = tmp_path / "head.safetensors"
+    result = train_head(served.model, corpus, attrs.evolve(SETTINGS, steps=8, layers="mamba,attn"), out, log=_silent)
+    assert sum(result.losses[-3:]) < sum(result.losses[:3])
+    head = load_head(out, served.model)
+    assert head.config.d_model == served.model.config.d_model == 64 and head.config.vocab == 320
+    assert result.acceptance is not None and set(result.acceptance) == {"chain", "per_proposal", "tokens_per_verify"}
 
 
 @pytest.mark.parametrize(

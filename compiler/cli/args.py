@@ -371,8 +371,8 @@ def parser() -> argparse.ArgumentParser:
     td.add_argument("--target", metavar="PATH", type=_path_arg,
                     help="the target: a batchc checkpoint (.safetensors) or a Hugging Face checkpoint directory (config.json, "
                     "safetensors weights, tokenizer.json; the corpus is tokenised with its tokenizer) (default: the bundled byte-level model)")
-    td.add_argument("--out", metavar="FILE", type=_path_arg, required=True,
-                    help="the head checkpoint to write, a new or regular file (FILE.resume is written beside it)")
+    td.add_argument("--out", metavar="FILE", type=_path_arg, default=None,
+                    help="the head checkpoint to write, a new or regular file (FILE.resume is written beside it); required")
     td.add_argument("--steps", type=_int_in(1, MAX_TRAIN_STEPS), default=None,
                     help=f"training steps, at most {MAX_TRAIN_STEPS} (default: the bundled head's)")
     td.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help=f"data and weights seed, 0 to {MAX_SEED} (default 0)")

@@ -42,6 +42,8 @@ def cmd_train_draft(args: argparse.Namespace, console: Console) -> int:
     from compiler.offline.models import load_served
 
     saved.clear()
+    if args.out is None:  # (not required by argparse, so that every other option parses on its own)
+        raise UsageError("--out FILE is required: the head checkpoint to write")
     if args.out == "-":
         raise UsageError("--out '-': a checkpoint is a file, not stdout")
     check_output("--out", args.out)

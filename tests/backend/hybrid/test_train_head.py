@@ -118,7 +118,8 @@ def test_chain_matches_feed_the_heads_output_back(target: HybridModel) -> None:
 
 def test_a_tiny_run_learns(target: HybridModel, corpus: TokenCorpus, tmp_path: Path) -> None:
     out = tmp_path / "head.safetensors"
-    result = train_head(target, corpus, SETTINGS, out, log=_silent)
+    result = train_head(target, corpus, attrs.evolve(SETTINGS, eval_every=12), out, log=_silent)
+    assert [step for step, _ in result.evals] == [12]  # and the final figure, below
     first, last = sum(result.losses[:4]) / 4, sum(result.losses[-4:]) / 4
     assert last < 0.8 * first, (first, last)
     config, weights, meta = read_head(out)
@@ -194,7 +195,25 @@ def test_cli_refuses_bad_input_in_one_line(argv: list[str], said: str, tmp_path:
     assert not (tmp_path / "h.safetensors").exists()
 
 
+def test_an_interruption_names_the_last_checkpoint() -> None:
+    import argparse
+
+    from compiler.cli import _interrupted_line
+    from compiler.cli import train as cli_train
+
+    args = argparse.Namespace(command="train-draft")
+    cli_train.saved.clear()
+    assert _interrupted_line(args, 2) == "batchc: train-draft interrupted by SIGINT; no checkpoint written yet"
+    cli_train.saved.extend([("h.safetensors", 50, 300), ("h.safetensors", 100, 300)])
+    assert _interrupted_line(args, 15) == (
+        "batchc: train-draft interrupted by SIGTERM; --out 'h.safetensors' holds step 100 of 300 (continue with --resume)"
+    )
+    cli_train.saved.clear()
+
+
 def test_cli_refuses_a_bad_out_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["train-draft", "--steps", "5"]) == 2
+    assert capsys.readouterr().err == "batchc: error: --out FILE is required: the head checkpoint to write\n"
     for out, said in ((str(tmp_path), "is a directory"), ("-", "a checkpoint is a file"), (str(tmp_path / "no" / "h"), "no such directory")):
         assert run_cli(["train-draft", "--out", out]) == 2
         err = capsys.readouterr().err

@@ -380,6 +380,10 @@ def parser() -> argparse.ArgumentParser:
                     help=f"the head's layers: mamba and attn separated by commas, at most {MAX_HEAD_LAYERS} (default: the bundled head's)")
     td.add_argument("--sequences", type=_int_in(1, MAX_TRAIN_SEQUENCES), default=None,
                     help="training rollouts of the target (default: the bundled head's)")
+    td.add_argument("--seq-len", type=_int_in(1, MAX_CONTEXT), default=None,
+                    help="tokens per rollout: 64 of corpus prompt, the rest the target's greedy continuation; more than 68 (default 256)")
+    td.add_argument("--held-out", type=_int_in(1, MAX_TRAIN_SEQUENCES), default=None,
+                    help="held-out rollouts the acceptance is measured on (default 64)")
     td.add_argument("--checkpoint-every", type=_int_in(1, MAX_TRAIN_STEPS), default=None,
                     help="steps between checkpoints (default 50)")
     td.add_argument("--eval-every", type=_int_in(0, MAX_TRAIN_STEPS), default=0,

@@ -26,6 +26,9 @@ from compiler.cli.output import check_output
 saved: list[tuple[str, int, int]] = []
 """``(path, step, steps)`` of the last checkpoint this process put in place."""
 
+MAX_ROLLOUT_BYTES = 8 << 30
+"""Most memory the rollouts (the target's hidden states, ids and labels) may take."""
+
 _PHASES = {"data": "target rollouts", "train": "training", "eval": "held-out acceptance"}
 
 
@@ -55,13 +58,23 @@ def cmd_train_draft(args: argparse.Namespace, console: Console) -> int:
 
     torch.set_num_threads(args.threads)
     target = load_served(args.target, role="target", dtype=torch.float32, bundled="target")
+    if args.seq_len is not None and args.seq_len <= BUNDLED.prompt_len + 4:
+        raise UsageError(f"--seq-len {args.seq_len}: a rollout needs more than the {BUNDLED.prompt_len}-token prompt and k = 4 proposals "
+                         f"(at least {BUNDLED.prompt_len + 5})")
     settings = attrs.evolve(
         BUNDLED, seed=args.seed, eval_every=args.eval_every,
         steps=BUNDLED.steps if args.steps is None else args.steps,
         layers=BUNDLED.layers if args.layers is None else args.layers,
         sequences=BUNDLED.sequences if args.sequences is None else args.sequences,
+        seq_len=BUNDLED.seq_len if args.seq_len is None else args.seq_len,
+        held_out_sequences=BUNDLED.held_out_sequences if args.held_out is None else args.held_out,
         checkpoint_every=BUNDLED.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every,
     )
+    rows = settings.sequences + settings.held_out_sequences
+    held = rows * settings.seq_len * (4 * target.model.config.d_model + 16)  # hidden float32, ids and labels int64
+    if held > MAX_ROLLOUT_BYTES:
+        raise UsageError(f"--sequences {settings.sequences}, --held-out {settings.held_out_sequences} and --seq-len {settings.seq_len}: "
+                         f"the rollouts would hold {held >> 20} MiB in memory, over the bound of {MAX_ROLLOUT_BYTES >> 20} MiB")
     encode = None if not target.hf else target.tokenizer.encode
     corpus = token_corpus(encode, target.model.config.vocab)
     console.print(f"{target.name}; {corpus.description}", highlight=False)

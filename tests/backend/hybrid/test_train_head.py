@@ -186,6 +186,8 @@ def test_a_hugging_face_target_directory(root: Path, tmp_path: Path) -> None:
         (["--minutes", "0"], "argument --minutes: expected a finite number in (0, 10080), got 0"),
         (["--target", "/nonexistent/t.safetensors"], "/nonexistent/t.safetensors: no such checkpoint file"),
         (["--resume"], "--resume: no resume state"),
+        (["--sequences", "60000", "--seq-len", "4096"], "the rollouts would hold 93850 MiB in memory, over the bound of 8192 MiB"),
+        (["--seq-len", "68"], "--seq-len 68: a rollout needs more than the 64-token prompt and k = 4 proposals (at least 69)"),
     ],
 )
 def test_cli_refuses_bad_input_in_one_line(argv: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

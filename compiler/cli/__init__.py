@@ -7,6 +7,8 @@
 - ``batchc ab``: the stale-init bug side by side: speculative decoding through the compiled
   pipeline and through the mutable baseline (pre-fix, fixed, and with a ledger) on the same models.
 - ``batchc serve``: an OpenAI-compatible HTTP server on the engine (``compiler.online``).
+- ``batchc train-draft``: train an MTP/EAGLE draft head for a target on its own greedy
+  continuations (``compiler.cli.train``, ``backend.tools.train_head``).
 - ``batchc dump``: the IR after every pass of the built-in scenario.
 - ``batchc bench pipeline``: decode-step host cost against the mutable baseline.
 - ``batchc bench iteration``: one speculative iteration's model phases in target decodes.
@@ -48,6 +50,7 @@ from compiler.cli.args import UsageError, parser, shown_path
 from compiler.cli.run import cmd_run
 from compiler.cli.serve import cmd_serve
 from compiler.cli.tools import cmd_ab, cmd_bench, cmd_dump
+from compiler.cli.train import cmd_train_draft, interrupted_note
 from compiler.manager import settings_from_env
 from ir.errors import BatchcError
 
@@ -81,6 +84,8 @@ def _interrupted_line(args: argparse.Namespace, signum: int) -> str:
     """One line: the command, the signal, and what became of each output path it claimed."""
     what = args.command + (f" {args.group}" if args.command == "bench" else "")
     name = signal.Signals(signum).name
+    if args.command == "train-draft":
+        return f"batchc: {what} interrupted by {name}; {interrupted_note() or 'no checkpoint written yet'}"
     paths = [(o.option, "to stdout" if o.path == "-" else shown_path(o.path or ""), o.written) for o in output.claimed]
     if not paths:
         return f"batchc: {what} interrupted by {name}; nothing written"
@@ -106,6 +111,8 @@ def _command(args: argparse.Namespace, console: Console) -> int:
                 return cmd_bench(args, console)
             case "serve":
                 return cmd_serve(args)
+            case "train-draft":
+                return cmd_train_draft(args, console)
     except BatchcError as exc:
         children.raise_if_interrupted()  # (refused while unwinding from a signal: the signal speaks)
         print(f"batchc: error: {exc}", file=sys.stderr)

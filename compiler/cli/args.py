@@ -55,6 +55,12 @@ AB_CONTEXT = 512
 MAX_TOP_K = 1 << 18
 """Largest ``--top-k``: the models' largest vocabulary (``backend.hybrid.config.MAX_VOCAB``); a
 larger k keeps every token, as -1 does."""
+MAX_TRAIN_STEPS = 1_000_000
+"""Most ``train-draft`` steps."""
+MAX_TRAIN_SEQUENCES = 1 << 16
+"""Most ``train-draft`` rollouts (each holds its tokens' hidden states in memory)."""
+MAX_HEAD_LAYERS = 8
+"""Most layers of a head ``train-draft`` builds."""
 MAX_AB_RUNNING = 14
 """Most live requests of ``batchc ab``: its engines' 16 slots (``Engine``'s default capacity) less
 the two shared system prefixes' states."""
@@ -183,6 +189,24 @@ def _path_arg(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("expected a path, got ''")
     return text
+
+
+@attrs.frozen
+class LayerPattern(Text):
+    """An argparse type: a draft head's layer pattern, 1 to ``MAX_HEAD_LAYERS`` of ``mamba`` and
+    ``attn`` separated by commas, no spaces (``mamba``, ``mamba,attn``)."""
+
+    def refusal(self, text: str) -> str | None:
+        refused = super().refusal(text)
+        if refused is not None:
+            return refused
+        kinds = text.split(",")
+        bad = next((k for k in kinds if k not in ("mamba", "attn")), None)
+        if bad is not None:
+            return f"expected layer kinds mamba or attn separated by commas, got {_shown(text)} (the kind {_shown(bad)})"
+        if len(kinds) > MAX_HEAD_LAYERS:
+            return f"expected at most {MAX_HEAD_LAYERS} layers, got {len(kinds)} in {_shown(text)}"
+        return None
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
@@ -336,6 +360,39 @@ def parser() -> argparse.ArgumentParser:
                     help="also write the figures as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                     "replaced when the run ends ('-' for stdout)")
     _add_threads(ab)
+
+    td = sub.add_parser(
+        "train-draft", help="train an MTP/EAGLE draft head for a target on its own greedy continuations (self-distillation)",
+        description="Train a draft head (backend.hybrid.head) for --target on the target's own greedy continuations of the "
+        "stdlib-source corpus (nothing downloaded), with a progress bar, a resumable checkpoint (--out FILE and FILE.resume, "
+        "written every --checkpoint-every steps, atomically) and the held-out acceptance of chained proposals at k = 1..4 "
+        "(stored in the checkpoint's metadata). SIGINT keeps the last checkpoint written; --resume continues it exactly.",
+    )
+    td.add_argument("--target", metavar="PATH", type=_path_arg,
+                    help="the target: a batchc checkpoint (.safetensors) or a Hugging Face checkpoint directory (config.json, "
+                    "safetensors weights, tokenizer.json; the corpus is tokenised with its tokenizer) (default: the bundled byte-level model)")
+    td.add_argument("--out", metavar="FILE", type=_path_arg, default=None,
+                    help="the head checkpoint to write, a new or regular file (FILE.resume is written beside it); required")
+    td.add_argument("--steps", type=_int_in(1, MAX_TRAIN_STEPS), default=None,
+                    help=f"training steps, at most {MAX_TRAIN_STEPS} (default: the bundled head's)")
+    td.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help=f"data and weights seed, 0 to {MAX_SEED} (default 0)")
+    td.add_argument("--layers", metavar="PATTERN", type=LayerPattern(8 * MAX_HEAD_LAYERS), default=None,
+                    help=f"the head's layers: mamba and attn separated by commas, at most {MAX_HEAD_LAYERS} (default: the bundled head's)")
+    td.add_argument("--sequences", type=_int_in(1, MAX_TRAIN_SEQUENCES), default=None,
+                    help="training rollouts of the target (default: the bundled head's)")
+    td.add_argument("--seq-len", type=_int_in(1, MAX_CONTEXT), default=None,
+                    help="tokens per rollout: 64 of corpus prompt, the rest the target's greedy continuation; more than 68 (default 256)")
+    td.add_argument("--held-out", type=_int_in(1, MAX_TRAIN_SEQUENCES), default=None,
+                    help="held-out rollouts the acceptance is measured on (default 64)")
+    td.add_argument("--checkpoint-every", type=_int_in(1, MAX_TRAIN_STEPS), default=None,
+                    help="steps between checkpoints (default 50)")
+    td.add_argument("--eval-every", type=_int_in(0, MAX_TRAIN_STEPS), default=0,
+                    help="also measure held-out acceptance every this many steps (default 0: at the end only)")
+    td.add_argument("--resume", action="store_true",
+                    help="continue from FILE.resume (the same target, seed and settings), to the same result as an uninterrupted run")
+    td.add_argument("--minutes", type=FloatIn(0.0, 10080.0, lo_open=True), default=None,
+                    help="a cap on the run's time: past it, training stops with the head written at the step reached and exit status 1")
+    _add_threads(td)
 
     dump = sub.add_parser("dump", help="print the IR after every pass of the built-in scenario")
     dump.add_argument("--verify", type=_int_in(0, 2), default=2, help="verify level while dumping, 0, 1 or 2 (default 2)")

@@ -296,6 +296,10 @@ def default_target(*, device: torch.device | str = "cpu", dtype: torch.dtype = t
     return _bundled(TARGET_FILE, device, dtype)
 
 
+HEAD_FILE = "mtp.safetensors"
+"""The bundled target's trained draft head (``backend.hybrid.head``; ``--draft mtp``)."""
+
+
 def default_draft(*, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
     """The trained draft model shipped in ``backend/hybrid/weights/draft.safetensors``."""
     return _bundled(DRAFT_FILE, device, dtype)

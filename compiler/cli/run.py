@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from backend.hybrid.model import HybridModel
     from backend.tp.serve import TPLeader
     from compiler.engine.config import ServeConfig
-    from compiler.offline.models import Served
+    from compiler.offline.models import DraftModel, Served
     from compiler.offline.tokenizer import Tokenizer
     from compiler.workload import Request
 
@@ -88,7 +88,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from backend.tp.group import RankFailed
     from compiler.offline import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, distributed, load_workload
     from compiler.offline.load import tokenize_workload
-    from compiler.offline.models import check_same_vocabulary, load_served
+    from backend.hybrid.head import HeadModel
+    from compiler.offline.models import DraftModel, Served, check_same_vocabulary, draft_config, load_draft, load_served
 
     # every check before anything runs: options, output paths, models, memory, workload
     if args.draft is not None and args.k == 0:
@@ -106,14 +107,20 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--k {k} with a Hugging Face --model needs --draft DIR (a smaller model with the same vocabulary)")
     if target.hf and args.compare_mutable:
         raise UsageError("--compare-mutable serves the bundled byte-level models only (the baseline has no tokenizer)")
-    drafted = None if k == 0 else load_served(args.draft, role="draft", dtype=dtype, bundled="draft")
-    if drafted is not None:
+    drafted = None if k == 0 else load_draft(args.draft, target=target, dtype=dtype)
+    if isinstance(drafted, Served):
         check_same_vocabulary(target, drafted)
-    draft = drafted.model if drafted is not None else None
+        draft: DraftModel | None = drafted.model
+    else:
+        draft = drafted.head if drafted is not None else None
+        # a head reads the target's hidden states where the target runs: in this process, for now
+        for option, on in (("--tp", (args.tp or 1) > 1), ("--overlap", args.overlap), ("--compare-mutable", args.compare_mutable)):
+            if drafted is not None and on:
+                raise UsageError(f"--draft {shown_path(args.draft)} (a draft head) with {option}: not built yet (a head runs in the target's process)")
     cfg = ServeConfig(
         seed=args.seed, k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
         cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
-        prefill_streak=args.prefill_streak, max_len=_context(args.max_len, k, [target] + ([drafted] if drafted is not None else [])),
+        prefill_streak=args.prefill_streak, max_len=_context(args.max_len, k, [target] + ([drafted] if isinstance(drafted, Served) else [])),
     )
     if args.workload is None and args.max_new_tokens > cfg.builtin_max_new_tokens:
         if cfg.builtin_max_new_tokens < 1:
@@ -136,15 +143,16 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         for option, on in (("--overlap", args.overlap), ("--compare-mutable", args.compare_mutable)):
             if on:
                 raise UsageError(f"--tp {world} with {option}: a tensor-parallel run serves on the group only")
-        distributed.check_splits(world, [(target.name, target.model.config)] + ([(drafted.name, drafted.model.config)] if drafted else []))
+        distributed.check_splits(world, [(target.name, target.model.config)] + ([(drafted.name, drafted.model.config)] if isinstance(drafted, Served) else []))
     if args.dp > 1:
         for option, on in (("--tp", world > 1), ("--overlap", args.overlap), ("--compare-mutable", args.compare_mutable)):
             if on:
                 raise UsageError(f"--dp {args.dp} with {option}: each replica is one plain engine process")
     if rank > 0:  # a worker rank: serve rank 0's plans on this rank's shards, print nothing
+        assert not isinstance(draft, HeadModel)  # (refused above)
         return distributed.work(rank, world, launched, args.argv, tp_timeout, target.model, draft)
     tokenizer = target.tokenizer if target.hf else None
-    check_serving(target.model.config, draft.config if draft is not None else None, cfg, compare_mutable=args.compare_mutable,
+    check_serving(target.model.config, draft_config(draft) if draft is not None else None, cfg, compare_mutable=args.compare_mutable,
                   names=(target.name, drafted.name if drafted is not None else "draft"),
                   vocab=tokenizer.vocab_size if tokenizer is not None else None)
     vocab = target.model.config.vocab
@@ -171,6 +179,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     try:
         if world > 1:  # every check passed: start the group (rank 0 of batchc run --tp starts the other ranks here)
             leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, tp_timeout))
+            assert not isinstance(draft, HeadModel)  # (refused above)
             target_model, draft = distributed.shards(leader.group, target_model, draft)
         return _serve_and_report(args, console, workload, target, target_model, draft, cfg, k, tokenizer, leader)
     except (RankFailed, ExecutorGone) as exc:  # a rank, or an executor process before the engine could serve
@@ -255,19 +264,20 @@ def _exit_status(failures: list[str], refusals: str | None) -> int:
 
 def _serve_and_report(
     args: argparse.Namespace, console: Console, workload: list[Request], target: Served, target_model: HybridModel,
-    draft: HybridModel | None, cfg: ServeConfig, k: int, tokenizer: Tokenizer | None, leader: TPLeader | None,
+    draft: DraftModel | None, cfg: ServeConfig, k: int, tokenizer: Tokenizer | None, leader: TPLeader | None,
 ) -> int:
     import attrs
 
     from compiler.engine.nonfinite import ERROR_MESSAGE
     from compiler.offline.models import output_lines
     from compiler.offline.run import run
-    from compiler.tools.timed import TimedModel
+    from backend.hybrid.model import HybridModel
+    from compiler.tools.timed import TimedModel, timed_draft
 
     # the models' forwards are timed (host time per step = wall minus model time, per step)
     timed_target = TimedModel(target_model)
-    timed_draft = TimedModel(draft) if draft is not None else None
-    comparing = args.compare_mutable and draft is not None and cfg.k > 0
+    timed_drafts = timed_draft(draft) if draft is not None else None
+    comparing = args.compare_mutable and isinstance(draft, HybridModel) and cfg.k > 0
     # both claimed (and refused) here, before the run; written at its end
     with OutputFile("--json", args.json) as output, OutputFile("--outputs", args.outputs) as outputs_file:
         with Progress(
@@ -279,18 +289,19 @@ def _serve_and_report(
                 from compiler.tools.compare_mutable import warm_up
 
                 progress.update(task, description="warming up every engine")
+                assert isinstance(draft, HybridModel)
                 warm_up(workload, target_model, draft, cfg)  # so that no measured run of the comparison pays first-call costs
                 progress.update(task, description="serving")
             summary = run(
-                workload, timed_target, timed_draft, cfg, on_finish=lambda n: progress.update(task, completed=n),
+                workload, timed_target, timed_drafts, cfg, on_finish=lambda n: progress.update(task, completed=n),
                 compare_mutable=args.compare_mutable,
-                model_clock=lambda: timed_target.seconds + (timed_draft.seconds if timed_draft is not None else 0.0),
+                model_clock=lambda: timed_target.seconds + (timed_drafts.seconds if timed_drafts is not None else 0.0),
                 tokenizer=tokenizer, eos=target.eos, tp=leader,
             )
             if comparing:
                 from compiler.tools.compare_mutable import run_mutable
 
-                assert draft is not None
+                assert isinstance(draft, HybridModel)
                 progress.update(task, description="mutable baseline")
                 summary = attrs.evolve(summary, mutable_baseline=run_mutable(workload, target_model, draft, cfg, fixed=False),
                                        mutable_baseline_fixed=run_mutable(workload, target_model, draft, cfg, fixed=True))

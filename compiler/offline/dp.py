@@ -152,7 +152,7 @@ def _replica_main() -> int:
     """A replica: one JSON spec on stdin, the summary and outputs as JSON on stdout."""
     import torch
 
-    from compiler.offline.models import load_served
+    from compiler.offline.models import Served, load_draft, load_served
     from compiler.offline.run import run
 
     spec = json.loads(sys.stdin.buffer.read())
@@ -160,9 +160,9 @@ def _replica_main() -> int:
     cfg = ServeConfig(**spec["cfg"])
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec["dtype"]]
     target = load_served(spec["model"], role="target", dtype=dtype, bundled="target")
-    drafted = load_served(spec["draft"], role="draft", dtype=dtype, bundled="draft") if cfg.k > 0 else None
+    drafted = load_draft(spec["draft"], target=target, dtype=dtype) if cfg.k > 0 else None
     workload = [_request(r) for r in spec["requests"]]
-    summary = run(workload, target.model, drafted.model if drafted is not None else None, cfg,
+    summary = run(workload, target.model, (drafted.model if isinstance(drafted, Served) else drafted.head) if drafted is not None else None, cfg,
                   tokenizer=target.tokenizer if target.hf else None, eos=target.eos)
     sys.stdout.write(json.dumps({"summary": summary.to_json(), "outputs": {str(k): list(v) for k, v in summary.outputs.items()},
                                  "aborted": list(summary.aborted), "errored": list(summary.errored),

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
+from typing import TypeAlias
 
 import attrs
 import torch
 
+from backend.hybrid.config import HybridConfig
 from backend.hybrid.head import HeadModel
 from backend.hybrid.model import HybridModel
 from compiler.engine.nonfinite import ERROR_MESSAGE
@@ -60,14 +62,46 @@ class ServedHead:
     name: str
 
 
+MTP_DRAFT = "mtp"
+"""``--draft mtp``: the bundled target's trained draft head (``backend/hybrid/weights/mtp.safetensors``)."""
+
+DraftModel: TypeAlias = HybridModel | HeadModel
+"""What an engine drafts with: a separate model or a head bound to the target."""
+
+
+def draft_path(given: str | None, *, target: Served) -> str | None:
+    """``--draft``'s path: ``mtp`` names the bundled target's head (``ServeError`` for another
+    target: a head is trained for one target), anything else is itself."""
+    if given != MTP_DRAFT:
+        return given
+    if target.hf or target.name != "bundled target":
+        raise ServeError(f"--draft {MTP_DRAFT} is the bundled target's trained head; for {target.name} give --draft HEAD_FILE "
+                         "(batchc train-draft --target ... --out HEAD_FILE trains one)")
+    from backend.hybrid.checkpoint import HEAD_FILE, bundled_path
+
+    return str(bundled_path(HEAD_FILE))
+
+
+def draft_config(draft: DraftModel) -> HybridConfig:
+    """The layer configuration a memory estimate counts for ``draft`` (a head's own layers)."""
+    return draft.layers_config if isinstance(draft, HeadModel) else draft.config
+
+
+def draft_kind(drafted: Served | ServedHead | None) -> str:
+    """``"none"``, ``"model"`` or ``"mtp"``: the draft kind a benchmark row or a summary names."""
+    return "none" if drafted is None else "mtp" if isinstance(drafted, ServedHead) else "model"
+
+
 def load_draft(path: str | None, *, target: Served, dtype: torch.dtype) -> Served | ServedHead:
     """``--draft PATH``: a draft head checkpoint (``backend.hybrid.head``, format
     ``batchc.head/1``) gives a ``ServedHead`` bound to ``target.model`` (in its dtype; ``ServeError``
     when the head's ``d_model`` or ``vocab`` differ from the target's); anything else is a separate
-    draft model, as ``load_served(path, role="draft", ...)`` loads it (the bundled draft for
+    draft model, as ``load_served(path, role="draft", ...)`` loads it; ``mtp`` is the bundled head
+    (``draft_path``) (the bundled draft for
     ``None``). A bad file raises ``CheckpointError`` naming it."""
     from backend.hybrid.head import is_head_checkpoint, read_head
 
+    path = draft_path(path, target=target)
     if path is None or Path(path).is_dir() or not is_head_checkpoint(path):
         return load_served(path, role="draft", dtype=dtype, bundled="draft")
     config, weights, _ = read_head(path)

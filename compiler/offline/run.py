@@ -18,6 +18,7 @@ from compiler.manager import PassManager
 from compiler.offline.latency import Latencies
 from compiler.offline.memory import check_serving
 from compiler.offline.stops import StopScanner, scan
+from compiler.offline.models import DraftModel, draft_config
 from compiler.offline.summary import Sample, ServeSummary, host_ms_per_step
 from compiler.offline.tokenizer import ByteTokenizer, Tokenizer
 from compiler.prefix_cache import PrefixCache
@@ -26,7 +27,7 @@ from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 
 
 def make_engine(
-    target: HybridModel, draft: HybridModel | None, cfg: ServeConfig, pm: PassManager | None, cache: bool, k: int,
+    target: HybridModel, draft: DraftModel | None, cfg: ServeConfig, pm: PassManager | None, cache: bool, k: int,
     chunk_size: int | None = None, overlap: bool | None = None, tp: TPLeader | None = None,
 ) -> Engine:
     """The engine ``cfg`` describes (``chunk_size`` and ``overlap`` override the config's); with
@@ -150,7 +151,7 @@ def serve(
 def run(
     workload: Sequence[Request],
     target: HybridModel,
-    draft: HybridModel | None,
+    draft: DraftModel | None,
     cfg: ServeConfig,
     *,
     on_finish: Callable[[int], None] | None = None,
@@ -174,7 +175,7 @@ def run(
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     if not cfg.penalties and any(r.sampling.penalised for r in workload if r.refused is None):
         cfg = attrs.evolve(cfg, penalties=True)  # (the engines keep token counts; the memory check counts them)
-    check_serving(target.config, draft.config if draft is not None else None, cfg, compare_mutable=compare_mutable,
+    check_serving(target.config, draft_config(draft) if draft is not None else None, cfg, compare_mutable=compare_mutable,
                   vocab=None if tokenizer is None else tok.vocab_size)
     pm = PassManager.from_env()
     with make_engine(target, draft, cfg, pm, cache=True, k=cfg.k, tp=tp) as driver:

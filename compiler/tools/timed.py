@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import torch
 
+from backend.hybrid.head import HeadModel
 from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.model import HybridModel
 from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
@@ -67,6 +68,37 @@ class TimedModel(HybridModel):
 def timed(model: HybridModel) -> TimedModel:
     """``model`` itself when it is already timed, else a ``TimedModel`` of it."""
     return model if isinstance(model, TimedModel) else TimedModel(model)
+
+
+class TimedHead(HeadModel):
+    """A draft head (the same config and weights, bound to the same target) that adds the wall time
+    of each of its forwards (extend, which is also its commit, and propose) to ``seconds``."""
+
+    def __init__(self, head: HeadModel) -> None:
+        super().__init__(head.config, head.weights, head.target)
+        self.seconds = 0.0
+
+    def extend(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: Any) -> ForwardOut:  # tensors and the captures
+        t0 = time.perf_counter()
+        try:
+            return super().extend(pool, kv, table, **kw)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def propose(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: Any) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return super().propose(pool, kv, table, **kw)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def timed_draft(model: HybridModel | HeadModel) -> TimedModel | TimedHead:
+    """A timed copy of a draft of either kind (a separate model or a head), or the draft itself if
+    it is timed already."""
+    if isinstance(model, (TimedModel, TimedHead)):
+        return model
+    return TimedHead(model) if isinstance(model, HeadModel) else TimedModel(model)
 
 
 SAMPLER_CALLS = ("sample_logits", "verify_tokens")

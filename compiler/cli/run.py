@@ -84,12 +84,12 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     from backend import children
+    from backend.hybrid.head import HeadModel
     from backend.remote import ExecutorGone
     from backend.tp.group import RankFailed
     from compiler.offline import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, distributed, load_workload
     from compiler.offline.load import tokenize_workload
-    from backend.hybrid.head import HeadModel
-    from compiler.offline.models import DraftModel, Served, check_same_vocabulary, draft_config, load_draft, load_served
+    from compiler.offline.models import Served, check_same_vocabulary, draft_config, load_draft, load_served
 
     # every check before anything runs: options, output paths, models, memory, workload
     if args.draft is not None and args.k == 0:
@@ -268,10 +268,10 @@ def _serve_and_report(
 ) -> int:
     import attrs
 
+    from backend.hybrid.model import HybridModel
     from compiler.engine.nonfinite import ERROR_MESSAGE
     from compiler.offline.models import output_lines
     from compiler.offline.run import run
-    from backend.hybrid.model import HybridModel
     from compiler.tools.timed import TimedModel, timed_draft
 
     # the models' forwards are timed (host time per step = wall minus model time, per step)

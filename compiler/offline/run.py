@@ -17,8 +17,8 @@ from compiler.engine.config import ServeConfig
 from compiler.manager import PassManager
 from compiler.offline.latency import Latencies
 from compiler.offline.memory import check_serving
-from compiler.offline.stops import StopScanner, scan
 from compiler.offline.models import DraftModel, draft_config
+from compiler.offline.stops import StopScanner, scan
 from compiler.offline.summary import Sample, ServeSummary, host_ms_per_step
 from compiler.offline.tokenizer import ByteTokenizer, Tokenizer
 from compiler.prefix_cache import PrefixCache

@@ -636,14 +636,19 @@ def residual(p_m: torch.Tensor, drafts: torch.Tensor, draft: DraftDistribution, 
     the proposal's mass removed for a one-hot draft, ``max(0, p - q)`` for a full one (every
     token's ``q`` subtracted, not only the proposal's). Where it is all zero (only by rounding:
     rejection means ``p(x) < q(x)``, so ``p > q`` somewhere) it is ``p_m`` itself."""
-    n = p_m.shape[0]
-    rows_idx = torch.arange(n, device=p_m.device)
     match draft:
         case OneHotDraft():
-            r = p_m.scatter(1, drafts[rows_idx, m][:, None], 0.0)
+            r = p_m.scatter(1, drafts.gather(1, m[:, None]), 0.0)
         case FullDraft(q=q):
-            r = (p_m - q[rows_idx, m]).clamp(min=0.0)
+            r = (p_m - q[torch.arange(p_m.shape[0], device=p_m.device), m]).clamp(min=0.0)
     return torch.where((r.sum(dim=-1) > 0)[:, None], r, p_m)
+
+
+@functools.cache
+def _window_purposes(k: int) -> np.ndarray:
+    """The purpose of each number ``rejection_sample`` draws for a row with ``k`` proposals
+    ([1, 2k + 1]: the tests, the residuals, the bonus)."""
+    return np.array([[Purpose.ACCEPT] * k + [Purpose.RESIDUAL] * k + [Purpose.TARGET]], dtype=np.int64)
 
 
 @final
@@ -677,11 +682,13 @@ def rejection_sample(target: Distribution, drafts: torch.Tensor, draft: DraftDis
     greedy = rows.greedy.cpu().numpy()
     first = start.cpu().numpy()
     proposals = drafts.cpu().numpy()
-    keys = rows.keys
+    # every number a row may read, in one draw: the tests at positions 0 to k - 1, the residual's
+    # draw at each of them, the bonus's at k (which of the last two it reads depends on the tests)
+    steps = np.arange(k + 1)
+    u = rows.keys.uniform(first[:, None] + np.concatenate((steps[:k], steps)), _window_purposes(k))
     if k:
         p_x = p[:, :k].gather(2, drafts[:, :, None]).squeeze(2)
-        u = keys.uniform(first[:, None] + np.arange(k), Purpose.ACCEPT)
-        ok = (u < acceptance(p_x, drafts, draft).cpu().numpy()) & (top[:, :k] != NON_FINITE)
+        ok = (u[:, :k] < acceptance(p_x, drafts, draft).cpu().numpy()) & (top[:, :k] != NON_FINITE)
         ok = np.where(greedy[:, None], proposals == top[:, :k], ok)
         m = ok.astype(np.int64).cumprod(axis=1).sum(axis=1)
     else:
@@ -692,10 +699,9 @@ def rejection_sample(target: Distribution, drafts: torch.Tensor, draft: DraftDis
     else:
         rejected = m < k
         at = torch.from_numpy(m).to(device)
-        p_m = p[torch.arange(n, device=device), at]
+        p_m = p.reshape(n * (k + 1), vocab).index_select(0, torch.from_numpy(np.arange(n) * (k + 1) + m).to(device))
         weights = torch.where(torch.from_numpy(rejected).to(device)[:, None], residual(p_m, drafts, draft, at.clamp(max=k - 1)), p_m) if k else p_m
-        purpose = np.where(rejected, int(Purpose.RESIDUAL), int(Purpose.TARGET))
-        drawn = _inverse_cdf(weights, torch.from_numpy(keys.uniform(first + m, purpose)).to(device)).cpu().numpy()
+        drawn = _inverse_cdf(weights, torch.from_numpy(u[np.arange(n), k + m]).to(device)).cpu().numpy()
         final = np.where(greedy | (top_m == NON_FINITE), top_m, drawn)
     slots = np.arange(k + 1)[None, :]
     padded = np.concatenate([proposals, np.full((n, 1), PAD, dtype=np.int64)], axis=1)

@@ -448,14 +448,21 @@ def _top_p_sorted_host(zp: torch.Tensor, e: torch.Tensor, limit: torch.Tensor) -
     key = zp.detach().numpy().view(np.int32).astype(np.int64)
     key &= 0x7FFFFFFF
     key <<= 32
-    key |= np.arange(zp.shape[-1], dtype=np.int64)
+    key |= _ids(zp.shape[-1])
     ordered = np.sort(key, axis=-1)
     ids = ordered & 0xFFFFFFFF
     cum = e.gather(1, torch.from_numpy(ids)).cumsum(dim=-1, dtype=torch.float64)
-    # the entries kept: the first, then one per running sum (before the last) below the limit
-    kept = torch.searchsorted(cum, limit).clamp_(max=zp.shape[-1] - 1).numpy()
-    last = ordered[np.arange(ordered.shape[0]), kept[:, 0]]
-    return zp.masked_fill(torch.from_numpy(key > last[:, None]), -math.inf)
+    # the last entry kept: the first, then one per running sum (before the last) below the limit
+    last = torch.searchsorted(cum, limit).clamp_(max=zp.shape[-1] - 1).numpy()[:, 0]
+    return zp.masked_fill(torch.from_numpy(key > ordered[np.arange(ordered.shape[0]), last][:, None]), -math.inf)
+
+
+@functools.cache
+def _ids(vocab: int) -> np.ndarray:
+    """``0`` to ``vocab - 1`` (int64; read only, shared)."""
+    ids = np.arange(vocab, dtype=np.int64)
+    ids.flags.writeable = False
+    return ids
 
 
 def _put(z: torch.Tensor, rows: np.ndarray[tuple[int], np.dtype[np.int64]], values: torch.Tensor) -> torch.Tensor:

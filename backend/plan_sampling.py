@@ -41,8 +41,11 @@ speculation: the ``--seed`` reproducibility the sampling module promises.
 from __future__ import annotations
 
 import math
+from typing import TypeVar, final
 
+import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from backend.sampling import OneHotDraft, RowParams, distribution, greedy_or_flag, rejection_sample, sample, sample_rows, window_counts
@@ -51,6 +54,9 @@ from ir.sampling import SamplingRows
 
 __all__ = ["Counts", "penalised", "row_params", "sample_logits", "verify_tokens"]
 
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
 Counts = tuple[torch.Tensor, torch.Tensor]
 """A plan's rows' ``output_counts`` [N, V] and ``prompt_mask`` [N, V] (``backend.counts``)."""
 
@@ -58,6 +64,13 @@ Counts = tuple[torch.Tensor, torch.Tensor]
 def _tensor(col: np.ndarray[tuple[int], np.dtype[np.generic]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # (a copy: the IR's columns are read-only memory, which torch.from_numpy would share and warn about)
     return torch.tensor(col, dtype=dtype, device=device)
+
+
+def _i64(col: npt.ArrayLike, device: torch.device) -> torch.Tensor:
+    """``col`` as an int64 tensor on ``device`` (a NumPy copy shared with torch: ``torch.tensor`` of
+    an array costs several times more for a handful of entries)."""
+    t = torch.from_numpy(np.array(col, dtype=np.int64))
+    return t if device.type == "cpu" else t.to(device)
 
 
 def row_params(rows: SamplingRows, device: torch.device) -> RowParams:
@@ -76,35 +89,82 @@ def row_params(rows: SamplingRows, device: torch.device) -> RowParams:
     )
 
 
-_CACHE_SIZE = 4
-_cache: dict[tuple[int, torch.device], tuple[SamplingRows, RowParams]] = {}
+_CACHE_SIZE = 8
+
+
+@final
+class _Prepared:
+    """What the sampler needs of one batch's rows, worked out once: whether every row is greedy,
+    whether some row has a penalty or an active ban, and (built on first use) the rows as the
+    sampler's tensors (``RowParams``, whose ``uses`` summary is then computed once) and their
+    repeats over a verify window."""
+
+    __slots__ = ("_params", "_windows", "bans", "device", "greedy", "penalised", "rows")
+
+    def __init__(self, rows: SamplingRows, device: torch.device) -> None:
+        self.rows = rows
+        self.device = device
+        self.greedy = not rows.temperature.any()
+        self.penalised = _any_penalty(rows)
+        self.bans = rows.bans_any
+        self._params: RowParams | None = None
+        self._windows: dict[int, RowParams] = {}
+
+    @property
+    def params(self) -> RowParams:
+        if self._params is None:
+            self._params = row_params(self.rows, self.device)
+        return self._params
+
+    def window(self, w: int) -> RowParams:
+        """``params.repeat(w)``: the rows at each of a verify window's ``w`` positions."""
+        got = self._windows.get(w)
+        if got is None:
+            got = self._windows[w] = self.params.repeat(w)
+        return got
+
+
+_by_id: dict[tuple[int, torch.device], tuple[SamplingRows, _Prepared]] = {}
+_by_value: dict[tuple[torch.device, tuple[bytes, ...]], _Prepared] = {}
+
+
+def _remember(cache: dict[_K, _V], key: _K, value: _V) -> None:
+    if len(cache) >= _CACHE_SIZE:
+        del cache[next(iter(cache))]
+    cache[key] = value
+
+
+def _prepared(rows: SamplingRows, device: torch.device) -> _Prepared:
+    """The ``_Prepared`` of ``rows``, kept for the few most recent rows: a running batch's rows are
+    one object from step to step until a request joins or leaves it, and a prefill's rows, the
+    decodes' and the verifies' that follow hold the same values in new objects. Looked up by
+    identity first (the entry holds the rows, so the id cannot be reused while it is kept), then by
+    value (every column's bytes: the rows are immutable, and equal rows give equal tensors)."""
+    key = (id(rows), device)
+    hit = _by_id.get(key)
+    if hit is not None and hit[0] is rows:
+        return hit[1]
+    value = (device, tuple(col.tobytes() for col in attrs.astuple(rows, recurse=False)))
+    prep = _by_value.get(value)
+    if prep is None:
+        prep = _Prepared(rows, device)
+        _remember(_by_value, value, prep)
+    _remember(_by_id, key, (rows, prep))
+    return prep
 
 
 def _params(rows: SamplingRows, device: torch.device) -> RowParams:
-    """``row_params`` of ``rows``, kept for the few most recent rows objects: a running batch's
-    rows are one object from step to step until a request joins or leaves it, and the sampler's
-    per-batch summary of them (``RowParams.uses``) is then worked out once, not at every decode.
-    (Keyed by identity; the entry holds the rows, so the id cannot be reused while it is kept.)"""
-    key = (id(rows), device)
-    hit = _cache.get(key)
-    if hit is not None and hit[0] is rows:
-        return hit[1]
-    params = row_params(rows, device)
-    if len(_cache) >= _CACHE_SIZE:
-        del _cache[next(iter(_cache))]
-    _cache[key] = (rows, params)
-    return params
+    """``row_params`` of ``rows``, built once for equal rows (``_prepared``)."""
+    return _prepared(rows, device).params
 
 
-def _greedy(rows: SamplingRows | None) -> bool:
-    return rows is None or not rows.temperature.any()
+def _any_penalty(rows: SamplingRows) -> bool:
+    return bool((rows.presence_penalty != 0).any() or (rows.frequency_penalty != 0).any() or (rows.repetition_penalty != 1).any())
 
 
 def penalised(rows: SamplingRows | None) -> bool:
     """Whether some row has a presence, frequency or repetition penalty (it reads the counts)."""
-    return rows is not None and bool(
-        (rows.presence_penalty != 0).any() or (rows.frequency_penalty != 0).any() or (rows.repetition_penalty != 1).any()
-    )
+    return rows is not None and _prepared(rows, torch.device("cpu")).penalised
 
 
 def _banned(logits: torch.Tensor, rows: SamplingRows, positions: np.ndarray[tuple[int, int], np.dtype[np.int64]]) -> torch.Tensor:
@@ -129,15 +189,22 @@ def _banned(logits: torch.Tensor, rows: SamplingRows, positions: np.ndarray[tupl
 def sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I64, *, counts: Counts | None = None) -> I64:
     """The token of each row of ``[N, V]`` logits (module docstring); ``positions`` [N]: each row's
     position of the token chosen; ``counts``: the rows' token counts (penalties)."""
-    if rows is not None and rows.bans_any:
-        logits = _banned(logits[:, None], rows, np.asarray(positions, dtype=np.int64)[:, None])[:, 0]
-    pen = counts is not None and penalised(rows)
-    if _greedy(rows) and not pen:
+    with torch.inference_mode():  # (no autograd bookkeeping: every torch op costs less)
+        return _sample_logits(logits, rows, positions, counts)
+
+
+def _sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I64, counts: Counts | None) -> I64:
+    if rows is None:
         return sample(logits)
-    assert rows is not None  # (``_greedy`` holds for None)
-    params = _params(rows, logits.device)
+    prep = _prepared(rows, logits.device)
+    if prep.bans:
+        logits = _banned(logits[:, None], rows, np.asarray(positions, dtype=np.int64)[:, None])[:, 0]
+    pen = counts is not None and prep.penalised
+    if prep.greedy and not pen:
+        return sample(logits)
+    params = prep.params
     dist = distribution(logits, params, **_counts_of(counts if pen else None))
-    tokens = sample_rows(dist, params, _tensor(positions, torch.int64, logits.device))
+    tokens = sample_rows(dist, params, _i64(positions, logits.device))
     return frozen_i64(tokens.cpu().numpy())
 
 
@@ -146,27 +213,32 @@ def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, 
     ``logits`` [N, k + 1, V], ``drafts`` the ``N * k`` proposals (row-major), ``start`` [N] the
     position of each row's first proposal; ``counts``: the rows' token counts at the window's
     first position (its input ``0`` counted; penalties)."""
-    if rows is not None and rows.bans_any:
-        logits = _banned(logits, rows, np.asarray(start, dtype=np.int64)[:, None] + np.arange(logits.shape[1], dtype=np.int64))
-    pen = counts is not None and penalised(rows)
-    top = greedy_or_flag(logits)
-    if _greedy(rows) and not pen:
-        return frozen_i64(top.reshape(-1).cpu().numpy())
-    assert rows is not None
+    with torch.inference_mode():  # (as ``sample_logits``)
+        return _verify_tokens(logits, drafts, rows, start, counts)
+
+
+def _verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, start: I64, counts: Counts | None) -> I64:
+    prep = None if rows is None else _prepared(rows, logits.device)
+    if prep is not None and prep.bans:
+        logits = _banned(logits, prep.rows, np.asarray(start, dtype=np.int64)[:, None] + np.arange(logits.shape[1], dtype=np.int64))
+    pen = counts is not None and prep is not None and prep.penalised
+    if prep is None or prep.greedy and not pen:
+        return frozen_i64(greedy_or_flag(logits).reshape(-1).cpu().numpy())
     n, w, vocab = logits.shape
     device = logits.device
-    params = _params(rows, device)
-    proposed = _tensor(drafts, torch.int64, device).reshape(n, w - 1)
+    params = prep.params
+    proposed = _i64(drafts, device).reshape(n, w - 1)
     windowed: Counts | None = None
     if pen:
         assert counts is not None
         windowed = (window_counts(counts[0], proposed), counts[1].repeat_interleave(w, dim=0))
-    dist = distribution(logits.reshape(n * w, vocab), params.repeat(w), **_counts_of(windowed))
-    spec = rejection_sample(dist, proposed, OneHotDraft(), params, _tensor(start, torch.int64, device))
-    slots = torch.arange(w, device=device)[None, :]
-    after = dist.top.reshape(n, w) if pen else top  # (a penalised greedy row's argmax is of its penalised logits)
-    tokens = torch.where(slots <= spec.accepted[:, None], spec.tokens, after)
-    return frozen_i64(tokens.reshape(-1).cpu().numpy())
+    dist = distribution(logits.reshape(n * w, vocab), prep.window(w), **_counts_of(windowed))
+    spec = rejection_sample(dist, proposed, OneHotDraft(), params, _i64(start, device))
+    # (``dist.top`` is ``greedy_or_flag`` of the logits, penalised where a row has a penalty: a
+    # penalised greedy row's argmax is of its penalised logits)
+    after = dist.top.reshape(n, w).cpu().numpy()
+    tokens = np.where(np.arange(w)[None, :] <= spec.accepted.cpu().numpy()[:, None], spec.tokens.cpu().numpy(), after)
+    return frozen_i64(tokens.reshape(-1))
 
 
 def _counts_of(counts: Counts | None) -> dict[str, torch.Tensor | None]:

@@ -61,7 +61,7 @@ import attrs
 import numpy as np
 import torch
 
-from backend.rng import Purpose, uniform
+from backend.rng import Keys, Purpose, uniform
 from ir.columns import I64, frozen_i64
 from ir.results import NON_FINITE
 from ir.sampling import SamplingParams
@@ -127,6 +127,14 @@ class Uses:
     min_p_of: np.ndarray
     seed: np.ndarray
     index: np.ndarray
+    top_p_rows: np.ndarray
+    """The indices (among the sampled rows) of the rows with ``top_p < 1``."""
+    top_p_limit: np.ndarray
+    """Their top-p limits, ``1 - float32(1 - top_p)`` (float64 [R, 1], ``_top_k_top_p``)."""
+    unit_temperature: bool
+    """Every sampled row's temperature is 1 (dividing by it would change no bit: it is skipped)."""
+    keys: Keys
+    """The sampled rows' random streams with their seeds and indices absorbed (``backend.rng``)."""
 
 
 @final
@@ -176,16 +184,25 @@ class RowParams:
         return self.temperature == 0
 
     @functools.cached_property
+    def keys(self) -> Keys:
+        """Every row's random stream, its seed and index absorbed (``backend.rng.Keys``; a greedy
+        row's is never read)."""
+        return Keys.of(self.seed.cpu().numpy(), self.index.cpu().numpy())
+
+    @functools.cached_property
     def uses(self) -> Uses:
         """Which transforms some row uses, and the sampled rows' parameters on the host."""
         t = self.temperature.cpu().numpy()
         sampled = np.flatnonzero(t != 0)
         k, p, m = (c.cpu().numpy()[sampled] for c in (self.top_k, self.top_p, self.min_p))
         penalty = (self.repetition_penalty != 1) | (self.frequency_penalty != 0) | (self.presence_penalty != 0)
+        temperature, seed, index = t[sampled], self.seed.cpu().numpy()[sampled], self.index.cpu().numpy()[sampled]
+        prows = np.flatnonzero(p < 1.0)
         return Uses(
             all_greedy=sampled.size == 0, any_greedy=sampled.size < t.size, top_k=bool((k > 0).any()), top_p=bool((p < 1.0).any()),
-            min_p=bool((m > 0).any()), penalty=bool(penalty.any()), sampled=sampled, temperature=t[sampled], top_k_of=k, top_p_of=p,
-            min_p_of=m, seed=self.seed.cpu().numpy()[sampled], index=self.index.cpu().numpy()[sampled],
+            min_p=bool((m > 0).any()), penalty=bool(penalty.any()), sampled=sampled, temperature=temperature, top_k_of=k, top_p_of=p,
+            min_p_of=m, seed=seed, index=index, top_p_rows=prows,
+            top_p_limit=1.0 - (1.0 - p[prows, None]).astype(np.float32).astype(np.float64), unit_temperature=bool((temperature == 1).all()), keys=self.keys.take(sampled) if sampled.size < t.size else self.keys,
         )
 
     def repeat(self, times: int) -> RowParams:
@@ -360,8 +377,8 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
     device = z.device
     fast = z.is_cpu and not FULL_SORT
     k = uses.top_k_of
-    k_on = (k > 0) & (k < vocab)
-    if k_on.any():
+    k_on = (k > 0) & (k < vocab) if uses.top_k else None
+    if k_on is not None and k_on.any():
         krows = np.flatnonzero(k_on)
         zk = z if krows.size == z.shape[0] else z.index_select(0, torch.from_numpy(krows).to(device))
         if fast:
@@ -371,18 +388,15 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
             at = torch.from_numpy(vocab - k[krows])[:, None].to(device)
             kth = _order_asc(zk)[0].gather(1, at)
         z = _put(z, krows, zk.masked_fill(zk < kth, -math.inf))
-    p = uses.top_p_of
-    prows = np.flatnonzero(p < 1.0)
+    prows = uses.top_p_rows
     if prows.size == 0:
         return z
     zp = z if prows.size == z.shape[0] else z.index_select(0, torch.from_numpy(prows).to(device))
     e = zp.softmax(dim=-1)  # (per row and per entry: a candidate's probability is the full row's, bit for bit)
-    limit = torch.from_numpy(1.0 - (1.0 - p[prows, None]).astype(np.float32).astype(np.float64)).to(device)
+    limit = torch.from_numpy(uses.top_p_limit).to(device)
     stages = [c for c in TOP_P_CANDIDATES if c + 1 < vocab] if fast else []
     if not stages:  # (a small vocabulary, or FULL_SORT: every row sorted, the fewest steps)
-        order = _order_desc(zp)
-        keep, _ = _top_p_kept(e.gather(1, order), limit)
-        return _put(z, prows, zp.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), -math.inf))
+        return _put(z, prows, (_top_p_sorted_host if z.is_cpu else _top_p_sorted)(zp, e, limit))
     kept = torch.zeros_like(zp, dtype=torch.bool)
     pending = torch.arange(prows.size, device=device)
 
@@ -415,6 +429,40 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
         full = torch.zeros_like(keep).scatter_(1, order, keep)
         kept = full if pending.numel() == kept.shape[0] else kept.index_copy_(0, pending, full)
     return _put(z, prows, zp.masked_fill(~kept, -math.inf))
+
+
+def _top_p_sorted(zp: torch.Tensor, e: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Top-p by the full sort: ``zp`` with what top-p removes at ``-inf`` (``e`` its softmax,
+    ``limit`` [R, 1] float64, as ``_top_k_top_p``'s)."""
+    order = _order_desc(zp)
+    keep, _ = _top_p_kept(e.gather(1, order), limit)
+    return zp.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), -math.inf)
+
+
+def _top_p_sorted_host(zp: torch.Tensor, e: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """``_top_p_sorted`` on the host, bit for bit (tested) in fewer operations: the rows are sorted as
+    ``_order_desc``'s keys; the entries kept are a prefix of that order (the float64 running sum
+    never falls, so once it reaches the limit it stays there), so a row keeps exactly the entries
+    whose key is at most the last kept entry's: no scatter back to token order is needed, and the
+    kept set is ``_top_p_kept``'s over the same order, bit for bit."""
+    key = zp.detach().numpy().view(np.int32).astype(np.int64)
+    key &= 0x7FFFFFFF
+    key <<= 32
+    key |= _ids(zp.shape[-1])
+    ordered = np.sort(key, axis=-1)
+    ids = ordered & 0xFFFFFFFF
+    cum = e.gather(1, torch.from_numpy(ids)).cumsum(dim=-1, dtype=torch.float64)
+    # the last entry kept: the first, then one per running sum (before the last) below the limit
+    last = torch.searchsorted(cum, limit).clamp_(max=zp.shape[-1] - 1).numpy()[:, 0]
+    return zp.masked_fill(torch.from_numpy(key > ordered[np.arange(ordered.shape[0]), last][:, None]), -math.inf)
+
+
+@functools.cache
+def _ids(vocab: int) -> np.ndarray:
+    """``0`` to ``vocab - 1`` (int64; read only, shared)."""
+    ids = np.arange(vocab, dtype=np.int64)
+    ids.flags.writeable = False
+    return ids
 
 
 def _put(z: torch.Tensor, rows: np.ndarray[tuple[int], np.dtype[np.int64]], values: torch.Tensor) -> torch.Tensor:
@@ -455,7 +503,8 @@ def distribution(
     # shifting by the maximum first changes no filter (each is invariant under a shift) and keeps
     # a small temperature from overflowing to inf
     z = x - b[:, None] if x.dtype == torch.float32 else x.float() - b.float()[:, None]
-    z.div_(torch.from_numpy(uses.temperature[:, None]).to(device))
+    if not uses.unit_temperature:  # (x / 1 is x, bit for bit)
+        z.div_(torch.from_numpy(uses.temperature[:, None]).to(device))
     not_finite = None if finite is None or all_finite else ~(finite if sampled is None else finite.index_select(0, sampled))[:, None]
     if not_finite is not None:
         z.masked_fill_(not_finite, 0.0)
@@ -523,6 +572,10 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _search(c: torch.Tensor, fraction: torch.Tensor) -> torch.Tensor:
     """The first index of each row of cumulative sums ``c`` [N, M] past ``fraction`` [N, 1] of the
     row's total (capped below the total: ``_inverse_cdf``), clamped to ``M - 1``; [N, 1]."""
+    if c.is_cpu:  # (the same arithmetic on a few host numbers in NumPy: a torch op costs microseconds each)
+        total_np = c.detach().numpy()[:, -1:]
+        t_np = np.minimum(fraction.detach().numpy() * total_np, np.nextafter(total_np, 0.0))
+        return torch.searchsorted(c, torch.from_numpy(t_np), right=True).clamp_(max=c.shape[1] - 1)
     total = c[:, -1:]
     t = torch.minimum(fraction * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(c, t, right=True).clamp_(max=c.shape[1] - 1)
@@ -540,9 +593,9 @@ def sample_rows(dist: Distribution, rows: RowParams, position: torch.Tensor, pur
         drawn = _inverse_cdf(dist.probs, u)
         return torch.where(dist.greedy | (dist.top == NON_FINITE), dist.top, drawn)
     uses = rows.uses
-    seed, index = torch.from_numpy(uses.seed), torch.from_numpy(uses.index)
     sel = dist.sampled
-    u = uniform(seed, index, (position if sel is None else position.index_select(0, sel.to(position.device))).cpu(), purpose)
+    at = position.cpu().numpy()
+    u = torch.from_numpy(uses.keys.uniform(at if sel is None else at[uses.sampled], purpose))
     drawn = _inverse_cdf(dist.sampled_probs, u.to(dist.sampled_probs.device))
     if sel is None:
         return drawn if dist.all_finite else torch.where(dist.top == NON_FINITE, dist.top, drawn)
@@ -590,14 +643,19 @@ def residual(p_m: torch.Tensor, drafts: torch.Tensor, draft: DraftDistribution, 
     the proposal's mass removed for a one-hot draft, ``max(0, p - q)`` for a full one (every
     token's ``q`` subtracted, not only the proposal's). Where it is all zero (only by rounding:
     rejection means ``p(x) < q(x)``, so ``p > q`` somewhere) it is ``p_m`` itself."""
-    n = p_m.shape[0]
-    rows_idx = torch.arange(n, device=p_m.device)
     match draft:
         case OneHotDraft():
-            r = p_m.scatter(1, drafts[rows_idx, m][:, None], 0.0)
+            r = p_m.scatter(1, drafts.gather(1, m[:, None]), 0.0)
         case FullDraft(q=q):
-            r = (p_m - q[rows_idx, m]).clamp(min=0.0)
+            r = (p_m - q[torch.arange(p_m.shape[0], device=p_m.device), m]).clamp(min=0.0)
     return torch.where((r.sum(dim=-1) > 0)[:, None], r, p_m)
+
+
+@functools.cache
+def _window_purposes(k: int) -> np.ndarray:
+    """The purpose of each number ``rejection_sample`` draws for a row with ``k`` proposals
+    ([1, 2k + 1]: the tests, the residuals, the bonus)."""
+    return np.array([[Purpose.ACCEPT] * k + [Purpose.RESIDUAL] * k + [Purpose.TARGET]], dtype=np.int64)
 
 
 @final
@@ -622,33 +680,38 @@ def rejection_sample(target: Distribution, drafts: torch.Tensor, draft: DraftDis
     reads (``start + k``, ``TARGET``), the key plain decoding would use there. A position whose
     target logits were not finite rejects, and the row emits ``NON_FINITE`` there."""
     n, k = drafts.shape
-    vocab = target.probs.shape[-1]
+    vocab = target.vocab
     p = target.probs.reshape(n, k + 1, vocab)
-    top = target.top.reshape(n, k + 1)
-    greedy = rows.greedy
     device = drafts.device
-    rows_idx = torch.arange(n, device=device)
+    # the per-row decisions ([N, k] numbers) on the host, in NumPy: a torch operation costs
+    # microseconds whatever its size; only the [N, V] distributions stay tensors
+    top = target.top.reshape(n, k + 1).cpu().numpy()
+    greedy = rows.greedy.cpu().numpy()
+    first = start.cpu().numpy()
+    proposals = drafts.cpu().numpy()
+    # every number a row may read, in one draw: the tests at positions 0 to k - 1, the residual's
+    # draw at each of them, the bonus's at k (which of the last two it reads depends on the tests)
+    steps = np.arange(k + 1)
+    u = rows.keys.uniform(first[:, None] + np.concatenate((steps[:k], steps)), _window_purposes(k))
     if k:
         p_x = p[:, :k].gather(2, drafts[:, :, None]).squeeze(2)
-        steps = torch.arange(k, device=device)
-        u = uniform(rows.seed[:, None], rows.index[:, None], start[:, None] + steps, Purpose.ACCEPT)
-        ok = (u < acceptance(p_x, drafts, draft)) & (top[:, :k] != NON_FINITE)
-        ok = torch.where(greedy[:, None], drafts == top[:, :k], ok)
-        m = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        ok = (u[:, :k] < acceptance(p_x, drafts, draft).cpu().numpy()) & (top[:, :k] != NON_FINITE)
+        ok = np.where(greedy[:, None], proposals == top[:, :k], ok)
+        m = ok.astype(np.int64).cumprod(axis=1).sum(axis=1)
     else:
-        m = torch.zeros(n, dtype=torch.int64, device=device)
-    p_m = p[rows_idx, m]
-    rejected = m < k
-    weights = torch.where(rejected[:, None], residual(p_m, drafts, draft, m.clamp(max=k - 1)), p_m) if k else p_m
-    purpose = torch.where(rejected, int(Purpose.RESIDUAL), int(Purpose.TARGET))
-    top_m = top[rows_idx, m]
-    if bool(greedy.all()):
+        m = np.zeros(n, dtype=np.int64)
+    top_m = top[np.arange(n), m]
+    if greedy.all():
         final = top_m
     else:
-        drawn = _inverse_cdf(weights, uniform(rows.seed, rows.index, start + m, purpose))
-        final = torch.where(greedy | (top_m == NON_FINITE), top_m, drawn)
-    slots = torch.arange(k + 1, device=device)[None, :]
-    padded = torch.cat([drafts, torch.full((n, 1), PAD, dtype=torch.int64, device=device)], dim=1)
-    tokens = torch.where(slots < m[:, None], padded, PAD)
-    tokens = torch.where(slots == m[:, None], final[:, None], tokens)
-    return Speculated(accepted=m, tokens=tokens)
+        rejected = m < k
+        at = torch.from_numpy(m).to(device)
+        p_m = p.reshape(n * (k + 1), vocab).index_select(0, torch.from_numpy(np.arange(n) * (k + 1) + m).to(device))
+        weights = torch.where(torch.from_numpy(rejected).to(device)[:, None], residual(p_m, drafts, draft, at.clamp(max=k - 1)), p_m) if k else p_m
+        drawn = _inverse_cdf(weights, torch.from_numpy(u[np.arange(n), k + m]).to(device)).cpu().numpy()
+        final = np.where(greedy | (top_m == NON_FINITE), top_m, drawn)
+    slots = np.arange(k + 1)[None, :]
+    padded = np.concatenate([proposals, np.full((n, 1), PAD, dtype=np.int64)], axis=1)
+    tokens = np.where(slots < m[:, None], padded, PAD)
+    tokens = np.where(slots == m[:, None], final[:, None], tokens)
+    return Speculated(accepted=torch.from_numpy(m).to(device), tokens=torch.from_numpy(tokens).to(device))

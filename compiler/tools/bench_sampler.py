@@ -9,8 +9,10 @@ each row count this benchmark times:
   many rows, for each case in ``CASES`` (greedy; temperature 1; temperature 1 with top_p 0.9;
   top_k 50; temperature 1 with repetition, frequency and presence penalties over a row's counts),
   at the bundled model's vocabulary and at each vocabulary of ``vocabs`` (131,072 by default, a
-  large production vocabulary). Each call starts from a fresh ``RowParams`` (its host-side summary
-  is recomputed, as it is for every step) built from prepared columns.
+  large production vocabulary). Each call starts from a fresh ``RowParams`` built from prepared
+  columns, so its host-side summary (``RowParams.uses``) is recomputed at every call: the cost of
+  a batch whose rows are new. Serving works the summary out once for equal rows
+  (``backend.plan_sampling``) and skips that part of the cost.
 
 Every timed item is called once to warm up; then ``repeats`` rounds take one sample of each
 item (``MIN_SAMPLE_S``), in declaration order on even rounds and reversed on odd ones

@@ -73,9 +73,16 @@ def test_the_rows_of_a_running_batch_are_summarised_once() -> None:
     device = torch.device("cpu")
     first = plan_sampling._params(rows, device)
     assert plan_sampling._params(rows, device) is first  # the same rows object: the same tensors
+    # equal rows in a new object (a prefill's rows, then its decodes'): found by value
     equal = SamplingRows.of([SamplingParams(temperature=1.0, top_p=0.9, seed=3)] * 2)
-    assert plan_sampling._params(equal, device) is not first  # keyed by identity, not by value
+    assert plan_sampling._params(equal, device) is first
+    other = SamplingRows.of([SamplingParams(temperature=1.0, top_p=0.9, seed=4)] * 2)
+    assert plan_sampling._params(other, device) is not first
+    np.testing.assert_array_equal(plan_sampling._params(other, device).seed.numpy(), other.seed)
+    # a verify window's repeated rows: built once per window width
+    prep = plan_sampling._prepared(rows, device)
+    assert prep.window(3) is prep.window(3) and prep.window(3).seed.tolist() == [3] * 6
     for i in range(plan_sampling._CACHE_SIZE + 1):
         plan_sampling._params(SamplingRows.greedy(i + 1), device)
-    assert len(plan_sampling._cache) == plan_sampling._CACHE_SIZE
+    assert len(plan_sampling._by_id) == len(plan_sampling._by_value) == plan_sampling._CACHE_SIZE
     np.testing.assert_array_equal(plan_sampling._params(rows, device).seed.numpy(), rows.seed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,6 +102,34 @@ def test_host_sort_is_the_stable_sort() -> None:
     assert bool((vals[:, 1:] >= vals[:, :-1]).all())
     tie = vals[:, 1:] == vals[:, :-1]
     assert bool((ids[:, 1:][tie] < ids[:, :-1][tie]).all())
+
+
+@pytest.mark.parametrize("sort_on_host", [True, False])
+def test_host_top_p_is_the_sorted_scatter_bit_for_bit(sort_on_host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_top_p_sorted_host`` (the kept entries as a threshold on the sort keys) keeps what
+    ``_top_p_sorted`` (the kept prefix scattered back to token order) keeps, with the host's sort and
+    with torch's: at ties crossing the cut, zeros of both signs, ``-inf`` tails, a limit reached at
+    the first entry and never reached (float64 limits 1 - float32(1 - top_p))."""
+    g = torch.Generator().manual_seed(11)
+    z = -(torch.randn(48, 300, generator=g).abs() * 3).round() / 4  # many ties, all <= 0
+    z[:, ::7] = -math.inf
+    z[3] = 0.0  # flat: the cut falls inside one tie
+    z[4, ::2] = -0.0
+    z[5] = -math.inf
+    z[5, 9] = 0.0  # one token: kept whatever the limit
+    top_p = torch.rand(48, generator=g, dtype=torch.float64).numpy() * 0.999 + 0.001
+    top_p[:4] = (0.999999, 0.5, 0.9, 0.1)
+    limit = torch.from_numpy(1.0 - (1.0 - top_p[:, None]).astype(np.float32).astype(np.float64))
+    e = z.softmax(dim=-1)
+    order = sampling._order_desc
+
+    def sort(x: torch.Tensor, *, host: bool | None = None) -> torch.Tensor:
+        return order(x, host=sort_on_host)
+
+    monkeypatch.setattr(sampling, "_order_desc", sort)
+    scattered = sampling._top_p_sorted(z, e, limit)
+    assert torch.equal(sampling._top_p_sorted_host(z, e, limit), scattered)
+    assert 1 < int(torch.isfinite(scattered[3]).sum()) < 300  # the flat row's cut is inside its tie
 
 
 def test_dense_probs_of_a_greedy_batch_are_built_when_read() -> None:

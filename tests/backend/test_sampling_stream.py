@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from backend.rng import Purpose, bits, uniform
+from backend.rng import Keys, Purpose, bits, uniform
 from backend.sampling import NON_FINITE, RowParams, _inverse_cdf, distribution, sample_rows
 from ir.sampling import SamplingParams
 
@@ -51,6 +51,25 @@ def test_torch_hash_equals_the_integer_reference() -> None:
     for i, key in enumerate(keys):
         assert float(u[i]) == (_bits_ref(*key) >> 11) * 2.0**-53
     assert bool(((u >= 0) & (u < 1)).all())
+
+
+def test_absorbed_keys_draw_the_streams_numbers() -> None:
+    """``Keys`` (seed and index hashed once per batch) gives ``uniform``'s numbers bit for bit: per
+    row, over a window of positions per row, with one purpose or one per entry, and after ``take``."""
+    g = torch.Generator().manual_seed(3)
+    seed = torch.cat([torch.randint(0, 2**62, (30,), generator=g), _t([0, 2**63 - 1])])
+    index = torch.randint(0, 16, (32,), generator=g)
+    position = torch.randint(0, 2**44, (32,), generator=g)
+    keys = Keys.of(seed.numpy(), index.numpy())
+    for purpose in Purpose:
+        assert torch.equal(torch.from_numpy(keys.uniform(position.numpy(), purpose)), uniform(seed, index, position, purpose))
+    purposes = torch.randint(1, 5, (32,), generator=g)
+    assert torch.equal(torch.from_numpy(keys.uniform(position.numpy(), purposes.numpy())), uniform(seed, index, position, purposes))
+    window = position[:, None] % 1000 + torch.arange(3)
+    assert torch.equal(torch.from_numpy(keys.uniform(window.numpy(), Purpose.ACCEPT)), uniform(seed[:, None], index[:, None], window, Purpose.ACCEPT))
+    some = torch.tensor([5, 0, 31])
+    assert torch.equal(torch.from_numpy(keys.take(some.numpy()).uniform(position[some].numpy(), Purpose.TARGET)),
+                       uniform(seed[some], index[some], position[some], Purpose.TARGET))
 
 
 def test_uniform_is_batch_invariant() -> None:

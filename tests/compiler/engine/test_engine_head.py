@@ -34,7 +34,7 @@ from compiler.steps import Pipeline
 from ir.columns import frozen_i64
 from ir.errors import BatchcError, PlanExecutionError
 from ir.hidden import HiddenSource, HiddenStates
-from ir.ids import DRAFT_POOL, TARGET_POOL, HiddenId, MambaSlot, RequestId
+from ir.ids import DRAFT_POOL, TARGET_POOL, HiddenId, RequestId
 from ir.mint import mint_hidden_id
 from ir.request import AdmittedRequest, Clear
 from passes.lower import LowerContext

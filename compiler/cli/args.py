@@ -435,6 +435,11 @@ def parser() -> argparse.ArgumentParser:
                     "seed 0 and its id, as batchc run's (default 0: greedy only)")
     bs.add_argument("--top-p", type=TOP_PS, default=None,
                     help="with --temperature > 0: the sampled requests' top_p in (0, 1] (default 1: off)")
+    bs.add_argument("--k", dest="ks", metavar="K", type=_int_in(0, MAX_K), nargs="+", default=None,
+                    help=f"the k measured, each with every engine (default: 0 2; at most {MAX_K})")
+    bs.add_argument("--draft", dest="drafts", choices=("model", "mtp"), nargs="+", default=None,
+                    help="the draft kinds measured at k > 0: model, the bundled separate draft (every engine); mtp, the bundled "
+                    "target's trained draft head (the compiled engine only: the baselines have no head yet) (default: model)")
     bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")
     bs.add_argument("--sweep", metavar="B", type=_int_in(1, MAX_REQUESTS), nargs="*", default=None,
@@ -459,12 +464,14 @@ def parser() -> argparse.ArgumentParser:
     bi = bsub.add_parser(
         "iteration", help="one speculative iteration's model phases in target decodes (bundled target and draft)",
         description="Time each model phase of a speculative iteration (verify, commit, the draft's proposal and commit; "
-        "and the draft-extend iteration it replaced) on the bundled models and divide by one target decode of the same rows: "
+        "the bundled draft head's proposal and commit; and the draft-extend iteration it replaced) on the bundled models and divide by one target decode of the same rows: "
         "speculation pays when an iteration costs fewer decodes than the tokens it emits per row.",
     )
     bi.add_argument("--rows", type=_int_in(1, MAX_ITERATION_ROWS), default=8, help=f"running requests, at most {MAX_ITERATION_ROWS} (default 8)")
     bi.add_argument("--k", type=_int_in(1, MAX_ITERATION_K), default=2, help=f"draft tokens per row, at most {MAX_ITERATION_K} (default 2)")
     bi.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats, the minimum is kept, at most {MAX_REPEATS} (default 7)")
+    bi.add_argument("--json", metavar="PATH", type=_path_arg,
+                    help="also write the phases and the iteration per draft kind as JSON to PATH ('-' for stdout)")
     _add_threads(bi)
     bsm = bsub.add_parser(
         "sampler", help="the sampler's time per call against the bundled target's decode step",

@@ -104,22 +104,30 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
-    from backend.hybrid.checkpoint import default_draft, default_target
+    from backend.hybrid.checkpoint import HEAD_FILE, bundled_path, default_draft, default_target
+    from backend.hybrid.head import load_head
     from compiler.tools.bench_iteration import run_iteration_bench
 
-    with console.status("timing the phases of a speculative iteration"):
-        report = run_iteration_bench(default_target(), default_draft(), rows=args.rows, k=args.k, repeats=args.repeats)
-    table = Table(title=f"one speculative iteration, {report.rows} rows, k={report.k}: min of {report.repeats} interleaved repeats")
-    for h in ("phase", "ms", "target decodes"):
-        table.add_column(h, justify="right")
-    for p in report.phases:
-        table.add_row(p.phase, f"{p.seconds * 1e3:.2f}", f"{p.decodes:.2f}")
-    console.print(table)
-    console.print(
-        f"iteration (verify + commit + propose + draft commit): {report.iteration_decodes:.2f} target decodes; "
-        f"the draft-extend iteration (verify + commit + propose k + draft extend): {report.replaced_iteration_decodes:.2f}. "
-        "Speculation pays when an iteration costs fewer decodes than the tokens it emits per row."
-    )
+    with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run
+        with console.status("timing the phases of a speculative iteration"):
+            target = default_target()
+            head = load_head(bundled_path(HEAD_FILE), target)
+            report = run_iteration_bench(target, default_draft(), rows=args.rows, k=args.k, repeats=args.repeats, head=head)
+        table = Table(title=f"one speculative iteration, {report.rows} rows, k={report.k}: min of {report.repeats} interleaved repeats")
+        for h in ("phase", "ms", "target decodes"):
+            table.add_column(h, justify="right")
+        for p in report.phases:
+            table.add_row(p.phase, f"{p.seconds * 1e3:.2f}", f"{p.decodes:.2f}")
+        console.print(table)
+        per = dict(report.iterations)
+        console.print(
+            f"iteration with the separate draft (verify + commit + propose + draft commit): {per['model']:.2f} target decodes; "
+            f"with the draft head, --draft mtp (verify + commit + head propose + head commit): {per['mtp']:.2f}; "
+            f"the draft-extend iteration the engine replaced (verify + commit + propose k + draft extend): {report.replaced_iteration_decodes:.2f}. "
+            "Speculation pays when an iteration costs fewer decodes than the tokens it emits per row.",
+            highlight=False,
+        )
+        output.write(json.dumps(report.to_json(), indent=2))
     return 0
 
 
@@ -150,7 +158,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import default_draft, default_target
     from compiler.engine import prefill_first
     from compiler.offline import ServeConfig, check_serving
-    from compiler.tools.bench_serve import ENGINES, builtin_cases, run_serve_bench, sweep_cases
+    from compiler.tools.bench_serve import ENGINES, KS, builtin_cases, run_serve_bench, sweep_cases
     from compiler.workload import ARRIVALS, BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
 
     sweep = args.sweep is not None
@@ -178,16 +186,30 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         check_output("--json", args.json)
     sizes = tuple(dict.fromkeys(args.sweep or SWEEP_RUNNING)) if sweep else ()
     arrivals = tuple(dict.fromkeys(args.arrivals or ARRIVALS))
-    cases = sweep_cases(sizes, sampled=sampled) if sweep else builtin_cases(
-        requests=requests, max_new_tokens=new_tokens, arrivals=arrivals, cfg=compiled_cfg, sampled=sampled,
+    ks = tuple(dict.fromkeys(args.ks)) if args.ks else KS
+    drafts = tuple(dict.fromkeys(args.drafts)) if args.drafts else ("model",)
+    if not sweep and max(ks) > 2:
+        bound = ServeConfig(k=max(ks)).builtin_max_new_tokens
+        if new_tokens > bound:
+            raise UsageError(f"--max-new-tokens {new_tokens} is over {bound} at k = {max(ks)}: the longest built-in prompt plus k + 1 must fit 512")
+    cases = sweep_cases(sizes, sampled=sampled, ks=ks, drafts=drafts) if sweep else builtin_cases(
+        requests=requests, max_new_tokens=new_tokens, arrivals=arrivals, cfg=compiled_cfg, sampled=sampled, ks=ks, drafts=drafts,
     )
     target, draft = default_target(), default_draft()
+    head = None
+    if "mtp" in drafts:
+        from backend.hybrid.checkpoint import HEAD_FILE, bundled_path
+        from backend.hybrid.head import load_head
+
+        head = load_head(bundled_path(HEAD_FILE), target)
     for case in cases:  # every engine of every case within the memory bound, before anything is allocated
         check_serving(target.config, draft.config, case.cfg, compare_mutable=True, names=("bundled target", "bundled draft"))
     from compiler.offline import distributed
 
     rank, world, launched = distributed.placement(args.tp)
     if world > 1 or args.tp is not None:
+        if head is not None:
+            raise UsageError("--draft mtp with --tp: a draft head under tensor parallelism is not built yet")
         if args.overlap:
             raise UsageError(f"--tp {world} with --overlap: the tensor-parallel bench measures the group against one process")
         if sampled is not None:
@@ -205,7 +227,9 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                 status.update(f"run {done + 1 if done < total else total}/{total} (interleaved: {', '.join(ENGINES)}"
                               f"{', compiled sampled' if sampled is not None else ''}, then again)")
 
-            rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress)
+            if head is not None and args.overlap:
+                raise UsageError("--draft mtp with --overlap: a draft head runs in the target's process (for now)")
+            rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress, head=head)
         what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
         c = cases[0].cfg
@@ -214,16 +238,16 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         table = Table(title=f"bench serve: {what}, bundled target and draft{how}",
                       caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running, sampling), with their range",
                       box=box.SIMPLE_HEAD, padding=0)  # (one space between columns: its 16 fit the 140 characters of a pipe)
-        for h in ("arrivals" if not sweep else "running", "k", "engine", "sampling", "tokens", "steps", "tok/s", "range", "vs fixed",
-                  "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "sampler", "host ms", "TTFT", "TPOT"):
+        for h in ("arrivals" if not sweep else "running", "k", "engine", "draft", "sampling", "tokens", "steps", "tok/s", "range", "vs fixed",
+                  "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "acc len", "sampler", "host ms", "TTFT", "TPOT"):
             table.add_column(h, justify="right")
         order = sorted(rows, key=lambda r: (r.max_running, r.sampling.sampled, r.k, ENGINES.index(r.engine), r.overlap)) if sweep else rows
         for r in order:
             table.add_row(
-                r.arrivals if not sweep else str(r.max_running), str(r.k), r.engine + (" +overlap" if r.overlap else ""), r.sampling.label,
+                r.arrivals if not sweep else str(r.max_running), str(r.k), r.engine + (" +overlap" if r.overlap else ""), r.draft, r.sampling.label,
                 str(r.tokens), str(r.steps), f"{r.tokens_per_s:.0f}", f"{r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}",
                 _times(r.vs_mutable_fixed), _times(r.vs_k0), *((_times(r.vs_greedy),) if sampled is not None else ()),
-                _ms(r.acceptance, 3), _percent(r.sampler_share), f"{r.host_ms_per_step:.2f}", _ms(r.latency("ttft", 0.5), 1),
+                _ms(r.acceptance, 3), _ms(r.accepted_length, 2), _percent(r.sampler_share), f"{r.host_ms_per_step:.2f}", _ms(r.latency("ttft", 0.5), 1),
                 _ms(r.latency("tpot", 0.5), 1),
             )
         console.print(table)
@@ -237,7 +261,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             + (f"; 'vs greedy': a sampled row's ({sampled.label}: temperature {sampled.temperature:g}, top_p {sampled.top_p:g}, "
                "each request's seed derived from seed 0 and its id; the compiled engine only, the baselines decode greedily) "
                "over the compiled greedy row's" if sampled is not None else "")
-            + ". accept: accepted draft tokens / proposed at k > 0. sampler: the time in the executor's sampler calls over "
+            + ". accept: accepted draft tokens / proposed at k > 0; acc len: tokens a row emits per speculative iteration "
+            "(accepted + the bonus). draft: model = the bundled separate draft, mtp = the bundled draft head (compiled only). sampler: the time in the executor's sampler calls over "
             "the time inside model forwards, median of the repeats (the compiled engine in one process only; the sampler alone "
             "against a decode step at 8 and 128 rows: batchc bench sampler). mutable = the pre-fix baseline (replays stale init "
             f"ops); neither baseline has a prefix cache. {time.perf_counter() - t0:.0f} s in all.",

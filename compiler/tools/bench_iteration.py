@@ -12,6 +12,12 @@ and divides by one target decode of the same rows:
 - ``draft commit``: the draft's kept state at the accepted position (what the engine runs).
 - ``propose k`` and ``draft extend``: the alternative the engine replaced, ``k`` proposal steps and
   a catch-up forward over the accepted tokens (accepted lengths cycle over ``0..k`` by row).
+- with a draft head (``backend.hybrid.head``, the bundled target's trained one): ``head propose``,
+  its ``k`` steps from its carried state, and ``head commit``, its catch-up forward over the
+  accepted tokens with the verify's hidden states (what the engine runs with ``--draft mtp``).
+
+Per draft kind (``iterations``): ``model`` = verify + commit + propose + draft commit, ``mtp`` =
+verify + commit + head propose + head commit, in target decodes.
 
 Each phase is one call of the model entry point (the kernels and the model's own checks included,
 no scheduler). Timings are the minimum over interleaved repeats after a warm-up round, with the
@@ -26,6 +32,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from backend.hybrid.head import HeadModel, pack_accepted
 from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.model import HybridModel
 from backend.pool import MambaStatePool
@@ -52,24 +59,38 @@ class IterationReport:
     """verify + commit + propose + draft commit, in target decodes (what the engine runs)."""
     replaced_iteration_decodes: float
     """verify + commit + propose k + draft extend, in target decodes (the draft-extend iteration)."""
+    iterations: tuple[tuple[str, float], ...] = ()
+    """Per draft kind (``"model"``, and ``"mtp"`` with a head), the iteration the engine runs, in target decodes."""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rows": self.rows, "k": self.k, "repeats": self.repeats, "statistic": "min",
+            "phases": [{"phase": p.phase, "seconds": p.seconds, "decodes": p.decodes} for p in self.phases],
+            "iterations": [{"draft": kind, "decodes": d} for kind, d in self.iterations],
+        }
 
 
 class _Side:
     """One model's backend state with ``rows`` requests prefilled to ``PROMPT_LEN`` tokens."""
 
-    def __init__(self, model: HybridModel, rows: int, k: int) -> None:
-        self.model = model
+    def __init__(self, model: HybridModel | HeadModel, rows: int, k: int, target: _Side | None = None) -> None:
         self.pool: MambaStatePool = model.new_pool(rows)
         self.kv: KVCache = model.new_kv_cache(rows * (PROMPT_LEN + 4 * (k + 1)) + 8)
         self.table: TokenTable = model.new_token_table(rows, PROMPT_LEN + 4 * (k + 1))
         self.slots = torch.arange(1, rows + 1)
         gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, model.config.vocab, (rows * PROMPT_LEN,), generator=gen)
-        model.extend(
-            self.pool, self.kv, self.table, slots=self.slots, cu_seqlens=torch.arange(rows + 1) * PROMPT_LEN,
-            prefix_lens=torch.zeros(rows, dtype=torch.int64), input_ids=tokens,
-            positions=torch.arange(PROMPT_LEN).repeat(rows), kv_locs=torch.arange(1, rows * PROMPT_LEN + 1),
-        )
+        tokens = torch.randint(0, model.vocab, (rows * PROMPT_LEN,), generator=gen)
+        cu, prefix = torch.arange(rows + 1) * PROMPT_LEN, torch.zeros(rows, dtype=torch.int64)
+        positions, locs = torch.arange(PROMPT_LEN).repeat(rows), torch.arange(1, rows * PROMPT_LEN + 1)
+        self.hidden: torch.Tensor | None = None
+        """A target's hidden states over the prompts (a head's extend reads them)."""
+        if isinstance(model, HeadModel):  # a head over the target's prompt: the target's hidden states there
+            assert target is not None and target.hidden is not None
+            model.extend(self.pool, self.kv, self.table, slots=self.slots, cu_seqlens=cu, prefix_lens=prefix, input_ids=tokens,
+                         positions=positions, kv_locs=locs, hidden=target.hidden)
+        else:
+            self.hidden = model.extend(self.pool, self.kv, self.table, slots=self.slots, cu_seqlens=cu, prefix_lens=prefix, input_ids=tokens,
+                                       positions=positions, kv_locs=locs, keep_hidden=True).all_hidden
         self.next_loc = rows * PROMPT_LEN + 1
 
     def locs(self, rows: int, width: int) -> torch.Tensor:
@@ -77,15 +98,19 @@ class _Side:
         return torch.arange(self.next_loc, self.next_loc + rows * width).reshape(rows, width)
 
 
-def run_iteration_bench(target: HybridModel, draft: HybridModel, *, rows: int = 8, k: int = 2, repeats: int = 7) -> IterationReport:
+def run_iteration_bench(
+    target: HybridModel, draft: HybridModel, *, rows: int = 8, k: int = 2, repeats: int = 7, head: HeadModel | None = None,
+) -> IterationReport:
     t, d = _Side(target, rows, k), _Side(draft, rows, k)
+    h = _Side(head, rows, k, target=t) if head is not None else None
     n, w = rows, k + 1
     gen = torch.Generator().manual_seed(1)
     window = torch.randint(0, target.config.vocab, (n, w), generator=gen)
     pos = torch.full((n,), PROMPT_LEN, dtype=torch.int64)
     wpos = pos[:, None] + torch.arange(w)[None, :]
     accept = torch.arange(n) % w  # accepted drafts per row, cycling over 0..k
-    verify_states = target.verify(t.pool, t.kv, t.table, slots=t.slots, input_ids=window, positions=wpos, kv_locs=t.locs(n, w)).states
+    verified = target.verify(t.pool, t.kv, t.table, slots=t.slots, input_ids=window, positions=wpos, kv_locs=t.locs(n, w))
+    verify_states = verified.states
     _, draft_states = draft.propose_keeping_states(
         d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w), k=k
     )
@@ -112,6 +137,15 @@ def run_iteration_bench(target: HybridModel, draft: HybridModel, *, rows: int = 
             d.pool, d.kv, d.table, slots=d.slots, cu_seqlens=ext_cu, prefix_lens=pos, input_ids=ext_ids, positions=ext_pos, kv_locs=ext_locs
         ),
     }
+    if head is not None and h is not None:
+        head_hidden = pack_accepted(verified.hidden, ext_lens)
+        phases["head propose"] = lambda: head.propose(
+            h.pool, h.kv, h.table, slots=h.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=h.locs(n, w), k=k
+        )
+        phases["head commit"] = lambda: head.extend(
+            h.pool, h.kv, h.table, slots=h.slots, cu_seqlens=ext_cu, prefix_lens=pos, input_ids=ext_ids, positions=ext_pos,
+            kv_locs=ext_locs, hidden=head_hidden,
+        )
     best = dict.fromkeys(phases, float("inf"))
     with torch.inference_mode():
         for fn in phases.values():  # warm-up
@@ -125,8 +159,11 @@ def run_iteration_bench(target: HybridModel, draft: HybridModel, *, rows: int = 
     unit = best["decode"]
     times = tuple(PhaseTime(phase=name, seconds=s, decodes=s / unit) for name, s in best.items())
     per = {p.phase: p.decodes for p in times}
+    model = per["verify"] + per["commit"] + per["propose"] + per["draft commit"]
+    kinds = [("model", model)]
+    if head is not None:
+        kinds.append(("mtp", per["verify"] + per["commit"] + per["head propose"] + per["head commit"]))
     return IterationReport(
-        rows=rows, k=k, repeats=repeats, phases=times,
-        iteration_decodes=per["verify"] + per["commit"] + per["propose"] + per["draft commit"],
-        replaced_iteration_decodes=per["verify"] + per["commit"] + per["propose k"] + per["draft extend"],
+        rows=rows, k=k, repeats=repeats, phases=times, iteration_decodes=model,
+        replaced_iteration_decodes=per["verify"] + per["commit"] + per["propose k"] + per["draft extend"], iterations=tuple(kinds),
     )

@@ -20,6 +20,12 @@ the fixed baseline's and over its own at k = 0 (ratios of the medians).
 Workloads: the built-in one (``builtin_cases``), or the running-batch sweep (``sweep_cases``): B
 short requests arriving together at step 0, for each B, with the engines sized for B.
 
+Drafts: at k > 0 each case is served with each draft kind asked for (``--draft``): ``model``, the
+bundled separate draft (every engine), and ``mtp``, the bundled target's trained draft head
+(``backend.hybrid.head``; the compiled engine only: the baselines have no head yet); k = 0 runs no
+draft (``none``). Rows name their kind (``draft``); ``vs k=0`` compares with the same engine's k = 0
+row.
+
 Sampling: every case is greedy unless it is given a temperature > 0 (``--temperature``,
 ``--top-p``): then each workload is measured twice at each k, greedy and with every request sampled
 (the same prompts, lengths and arrivals; each request's seed derived from the run's seed and its
@@ -42,6 +48,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from backend.hybrid.head import HeadModel
 from backend.hybrid.model import HybridModel
 from compiler.engine import SpecStats
 from compiler.offline import Request, ServeConfig, builtin_workload, make_engine, serve
@@ -49,13 +56,15 @@ from compiler.offline.latency import Latencies
 from compiler.offline.load import sampling_params
 from compiler.offline.summary import host_ms_per_step
 from compiler.tools.compare_mutable import WARM_UP_REQUESTS, make_mutable, serve_mutable, warm_up
-from compiler.tools.timed import SamplerClock, TimedModel, timing_sampler
+from compiler.tools.timed import SamplerClock, TimedHead, TimedModel, timing_sampler
 from compiler.workload import ARRIVALS, SNIPPETS, SWEEP_NEW_TOKENS, SYSTEM_PREFIXES
 from ir.ids import RequestId
 
 ENGINES = ("compiled", "mutable", "mutable-fixed")
 """The engines of every case, in the order each repeat runs them."""
 KS = (0, 2)
+DRAFT_KINDS = ("model", "mtp")
+"""The draft kinds a case at k > 0 can be served with (k = 0: ``"none"``)."""
 WARM_REQUESTS = 2
 """Requests of its case an overlapped engine serves, unmeasured, before its measured run."""
 GREEDY_LABEL = "greedy"
@@ -110,16 +119,24 @@ class BenchCase:
     requests: tuple[Request, ...]
     sampling: Sampling = GREEDY_SAMPLING
     """How every request of the case chooses its tokens (``requests`` carry it)."""
+    draft: str = "model"
+    """``"none"`` (k = 0), ``"model"`` (the separate draft) or ``"mtp"`` (the draft head)."""
 
     @property
     def engines(self) -> tuple[str, ...]:
-        """The engines that can serve the case: all of them greedy, the compiled one sampled."""
-        return ("compiled",) if self.sampling.sampled else ENGINES
+        """The engines that can serve the case: all of them greedy with a separate draft (or none),
+        the compiled one sampled or with a head."""
+        return ("compiled",) if self.sampling.sampled or self.draft == "mtp" else ENGINES
+
+
+def _drafts(k: int, drafts: Sequence[str]) -> tuple[str, ...]:
+    """The draft kinds a case at ``k`` is served with."""
+    return ("none",) if k == 0 else tuple(drafts)
 
 
 def builtin_cases(
     *, requests: int, max_new_tokens: int, ks: Sequence[int] = KS, arrivals: Sequence[str] = ARRIVALS, cfg: ServeConfig | None = None,
-    sampled: Sampling | None = None,
+    sampled: Sampling | None = None, drafts: Sequence[str] = ("model",),
 ) -> list[BenchCase]:
     """The built-in workload (shared prefixes, chunked prompts) for each arrival pattern at each k,
     with ``batchc run``'s default configuration (``cfg``: another one, its k replaced); with a
@@ -129,7 +146,7 @@ def builtin_cases(
     for pattern in arrivals:
         workload = builtin_workload(num_requests=requests, max_new_tokens=max_new_tokens, arrivals=pattern, seed=base.seed)
         cases += [BenchCase(workload="builtin", arrivals=pattern, k=k, cfg=attrs.evolve(base, k=k), requests=tuple(map(s.of, workload)),
-                            sampling=s) for s in samplings(sampled) for k in ks]
+                            sampling=s, draft=d) for s in samplings(sampled) for k in ks for d in _drafts(k, drafts)]
     return cases
 
 
@@ -146,7 +163,7 @@ def sweep_workload(running: int, *, new_tokens: int = SWEEP_NEW_TOKENS, seed: in
 
 
 def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int = SWEEP_NEW_TOKENS,
-                sampled: Sampling | None = None) -> list[BenchCase]:
+                sampled: Sampling | None = None, drafts: Sequence[str] = ("model",)) -> list[BenchCase]:
     """The sweep workload for each running batch ``B`` in ``sizes`` at each k (with a ``sampled``
     temperature > 0, again sampled). Every engine is sized
     for ``B`` requests at once (``max_running = B``, the context limit cut to what the short prompts
@@ -161,7 +178,8 @@ def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int
         for s in samplings(sampled):
             for k in ks:
                 cfg = ServeConfig(k=k, max_running=b, token_budget=b * base.chunk_size, max_len=max_len, lossless_sample=0)
-                cases.append(BenchCase(workload="sweep", arrivals="together", k=k, cfg=cfg, requests=tuple(map(s.of, workload)), sampling=s))
+                cases += [BenchCase(workload="sweep", arrivals="together", k=k, cfg=cfg, requests=tuple(map(s.of, workload)), sampling=s,
+                                    draft=d) for d in _drafts(k, drafts)]
     return cases
 
 
@@ -194,6 +212,10 @@ class ServeRun:
     """Of them, accepted by the target."""
     sampler_s: float | None = None
     """Wall time of the run's sampler calls; ``None`` where not measured (the baselines, overlap)."""
+    draft: str = "model"
+    """The case's draft kind (``BenchCase.draft``)."""
+    iterations: int = 0
+    """Speculative iterations' rows (one per running request per iteration) in the run."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -211,7 +233,7 @@ class ServeRun:
 
 def measure(
     case: BenchCase, engine: str, target: TimedModel, draft: TimedModel, *, repeat: int = 0, overlap: bool = False,
-    sampler: SamplerClock | None = None,
+    sampler: SamplerClock | None = None, head: TimedHead | None = None,
 ) -> ServeRun:
     """Serve ``case`` once on ``engine`` (one of ``ENGINES``; a sampled case: the compiled one only),
     timing the models' forwards and, with ``sampler`` (the clock of an open ``timing_sampler``), the
@@ -220,14 +242,19 @@ def measure(
     cfg = case.cfg
     if engine not in case.engines:
         raise ValueError(f"engine must be one of {case.engines} for a {case.sampling.label} case, got {engine!r}")
+    if case.draft == "mtp" and head is None:
+        raise ValueError("a case with the draft head (draft 'mtp') needs the head")
+    drafting: TimedModel | TimedHead = head if case.draft == "mtp" and head is not None else draft
     target.seconds = draft.seconds = 0.0
+    if head is not None:
+        head.seconds = 0.0
     peak = 0
     latency = Latencies()
     stats: SpecStats
-    before: tuple[int, int]
+    before: tuple[int, int, int]
     sampler_s: float | None = None
     if engine == "compiled":
-        with make_engine(target, draft, cfg, None, cache=True, k=case.k, overlap=overlap) as drv:
+        with make_engine(target, drafting, cfg, None, cache=True, k=case.k, overlap=overlap) as drv:
             if overlap:  # warm the processes themselves: an in-process warm-up does not reach them
                 serve(drv, case.requests[:WARM_REQUESTS], max_running=cfg.max_running)
                 drv.drop_cache()
@@ -238,12 +265,12 @@ def measure(
                 peak = max(peak, drv.live)
 
             stats = drv.stats
-            before = (stats.proposed, stats.accepted)
+            before = (stats.proposed, stats.accepted, stats.row_iterations)
             if sampler is not None:
                 sampler.seconds = 0.0
             start = time.perf_counter()
             wall, kinds = serve(drv, case.requests, max_running=cfg.max_running, on_step=sample, latency=latency)
-            model_s = drv.busy_seconds(start, time.perf_counter()) if overlap else target.seconds + draft.seconds
+            model_s = drv.busy_seconds(start, time.perf_counter()) if overlap else target.seconds + drafting.seconds
             steps, outputs = sum(kinds.values()), drv.outputs
             if sampler is not None and not overlap:
                 sampler_s = sampler.seconds
@@ -257,7 +284,7 @@ def measure(
             peak = max(peak, eng.live)
 
         stats = eng.stats
-        before = (stats.proposed, stats.accepted)
+        before = (stats.proposed, stats.accepted, stats.row_iterations)
         wall, steps = serve_mutable(eng, case.requests, max_running=cfg.max_running, on_step=sample, latency=latency)
         outputs = eng.outputs
         model_s = target.seconds + draft.seconds
@@ -265,7 +292,8 @@ def measure(
         workload=case.workload, arrivals=case.arrivals, k=case.k, engine=engine, overlap=overlap, running=peak,
         tokens=sum(map(len, outputs.values())), steps=steps, wall_s=wall, model_s=model_s, repeat=repeat, max_running=cfg.max_running,
         ttft_ms=tuple(latency.ttft_ms()), tpot_ms=tuple(latency.tpot_ms(outputs)), sampling=case.sampling,
-        proposed=stats.proposed - before[0], accepted=stats.accepted - before[1], sampler_s=sampler_s,
+        proposed=stats.proposed - before[0], accepted=stats.accepted - before[1], sampler_s=sampler_s, draft=case.draft,
+        iterations=stats.row_iterations - before[2],
     )
 
 
@@ -310,6 +338,8 @@ class ServeRow:
     """Median tokens/s over the same engine's at k = 0 on the same workload, arrivals, running and sampling."""
     runs: tuple[ServeRun, ...]
     sampling: Sampling = GREEDY_SAMPLING
+    draft: str = "model"
+    """``"none"`` (k = 0), ``"model"`` or ``"mtp"``."""
     vs_greedy: float | None = None
     """A sampled row: its median tokens/s over the greedy row's of the same engine, workload,
     arrivals, k and running (``None`` for a greedy row)."""
@@ -319,6 +349,13 @@ class ServeRow:
         """Accepted proposals over proposed ones in all its runs; ``None`` at k = 0."""
         proposed = sum(r.proposed for r in self.runs)
         return sum(r.accepted for r in self.runs) / proposed if self.k and proposed else None
+
+    @property
+    def accepted_length(self) -> float | None:
+        """Tokens each row emitted per speculative iteration (accepted proposals + the bonus), over
+        all its runs; ``None`` at k = 0."""
+        rows = sum(r.iterations for r in self.runs)
+        return (sum(r.accepted for r in self.runs) + rows) / rows if self.k and rows else None
 
     @property
     def sampler_share(self) -> float | None:
@@ -337,13 +374,13 @@ class ServeRow:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "workload": self.workload, "arrivals": self.arrivals, "k": self.k, "engine": self.engine, "overlap": self.overlap,
+            "workload": self.workload, "arrivals": self.arrivals, "k": self.k, "engine": self.engine, "draft": self.draft, "overlap": self.overlap,
             "max_running": self.max_running, "running": self.running, "tokens_per_s": self.tokens_per_s, "tokens_per_s_min": self.tokens_per_s_min,
             "tokens_per_s_max": self.tokens_per_s_max, "host_ms_per_step": self.host_ms_per_step, "steps": self.steps,
             "tokens": self.tokens, "wall_s": self.wall_s, "model_s": self.model_s,
             "tokens_per_s_vs_mutable_fixed": self.vs_mutable_fixed, "tokens_per_s_vs_k0": self.vs_k0,
             "sampling": self.sampling.label, "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
-            "tokens_per_s_vs_greedy": self.vs_greedy, "acceptance": self.acceptance,
+            "tokens_per_s_vs_greedy": self.vs_greedy, "acceptance": self.acceptance, "accepted_length": self.accepted_length,
             "proposed": sum(r.proposed for r in self.runs), "accepted": sum(r.accepted for r in self.runs),
             "sampler_share": self.sampler_share,
             "ttft_ms_p50": self.latency("ttft", 0.5), "ttft_ms_p90": self.latency("ttft", 0.9),
@@ -365,13 +402,13 @@ def _ratio(a: float, b: float | None) -> float | None:
 def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
     """One row per (workload, arrivals, k, engine, overlap, max_running, sampling): the medians of its
     runs and their range, in the order the keys first appear."""
-    groups: dict[tuple[str, str, int, str, bool, int, Sampling], list[ServeRun]] = {}
+    groups: dict[tuple[str, str, int, str, bool, int, Sampling, str], list[ServeRun]] = {}
     for r in runs:
-        groups.setdefault((r.workload, r.arrivals, r.k, r.engine, r.overlap, r.max_running, r.sampling), []).append(r)
+        groups.setdefault((r.workload, r.arrivals, r.k, r.engine, r.overlap, r.max_running, r.sampling, r.draft), []).append(r)
     tps = {key: statistics.median(r.tokens_per_s for r in g) for key, g in groups.items()}
     rows = []
-    for (workload, arrivals, k, engine, overlap, running, sampling), g in groups.items():
-        mine = tps[(workload, arrivals, k, engine, overlap, running, sampling)]
+    for (workload, arrivals, k, engine, overlap, running, sampling, drafted), g in groups.items():
+        mine = tps[(workload, arrivals, k, engine, overlap, running, sampling, drafted)]
         rows.append(ServeRow(
             workload=workload, arrivals=arrivals, k=k, engine=engine, overlap=overlap, max_running=running,
             running=max(r.running for r in g),
@@ -379,9 +416,10 @@ def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
             tokens_per_s=mine, tokens_per_s_min=min(r.tokens_per_s for r in g), tokens_per_s_max=max(r.tokens_per_s for r in g),
             host_ms_per_step=statistics.median(r.host_ms_per_step for r in g),
             wall_s=statistics.median(r.wall_s for r in g), model_s=statistics.median(r.model_s for r in g),
-            vs_mutable_fixed=_ratio(mine, tps.get((workload, arrivals, k, "mutable-fixed", False, running, sampling))),
-            vs_k0=_ratio(mine, tps.get((workload, arrivals, 0, engine, overlap, running, sampling))), runs=tuple(g), sampling=sampling,
-            vs_greedy=_ratio(mine, tps.get((workload, arrivals, k, engine, overlap, running, GREEDY_SAMPLING))) if sampling.sampled else None,
+            vs_mutable_fixed=_ratio(mine, tps.get((workload, arrivals, k, "mutable-fixed", False, running, sampling, drafted))),
+            vs_k0=_ratio(mine, tps.get((workload, arrivals, 0, engine, overlap, running, sampling, "none"))), runs=tuple(g), sampling=sampling,
+            vs_greedy=_ratio(mine, tps.get((workload, arrivals, k, engine, overlap, running, GREEDY_SAMPLING, drafted))) if sampling.sampled else None,
+            draft=drafted,
         ))
     return rows
 
@@ -395,6 +433,7 @@ def run_serve_bench(
     engines: Sequence[str] = ENGINES,
     overlap: bool = False,
     on_run: Callable[[int, int, ServeRun | None], None] | None = None,
+    head: HeadModel | None = None,
 ) -> list[ServeRow]:
     """Warm every engine up on every case, then serve every case on every engine ``repeats`` times,
     interleaved (each repeat runs every case's engines in turn; with ``overlap``, the compiled
@@ -404,10 +443,13 @@ def run_serve_bench(
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     t, d = TimedModel(target), TimedModel(draft)
+    h = TimedHead(head) if head is not None else None
     for case in cases:
-        if case.sampling.sampled:  # the baselines do not serve it
-            serve(make_engine(t, d, case.cfg, None, cache=True, k=case.k, overlap=False), case.requests[:WARM_UP_REQUESTS],
-                  max_running=case.cfg.max_running)
+        if case.draft == "mtp" and h is None:
+            raise ValueError("a case with the draft head (draft 'mtp') needs head=")
+        if case.sampling.sampled or case.draft == "mtp":  # the baselines do not serve it
+            serve(make_engine(t, h if case.draft == "mtp" and h is not None else d, case.cfg, None, cache=True, k=case.k, overlap=False),
+                  case.requests[:WARM_UP_REQUESTS], max_running=case.cfg.max_running)
         else:
             warm_up(case.requests, t, d, case.cfg)
 
@@ -422,7 +464,7 @@ def run_serve_bench(
         for repeat in range(repeats):
             for case in cases:
                 for engine, over in kinds(case):
-                    runs.append(measure(case, engine, t, d, repeat=repeat, overlap=over, sampler=sampler))
+                    runs.append(measure(case, engine, t, d, repeat=repeat, overlap=over, sampler=sampler, head=h))
                     if on_run is not None:
                         on_run(len(runs), total, runs[-1])
     return summarise(runs)

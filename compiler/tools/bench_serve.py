@@ -403,8 +403,8 @@ def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
     """One row per (workload, arrivals, k, engine, overlap, max_running, sampling): the medians of its
     runs and their range, in the order the keys first appear."""
     groups: dict[tuple[str, str, int, str, bool, int, Sampling, str], list[ServeRun]] = {}
-    for r in runs:
-        groups.setdefault((r.workload, r.arrivals, r.k, r.engine, r.overlap, r.max_running, r.sampling, r.draft), []).append(r)
+    for r in runs:  # (k = 0 runs no draft, whatever the run was labelled)
+        groups.setdefault((r.workload, r.arrivals, r.k, r.engine, r.overlap, r.max_running, r.sampling, r.draft if r.k else "none"), []).append(r)
     tps = {key: statistics.median(r.tokens_per_s for r in g) for key, g in groups.items()}
     rows = []
     for (workload, arrivals, k, engine, overlap, running, sampling, drafted), g in groups.items():

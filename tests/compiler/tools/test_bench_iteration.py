@@ -19,3 +19,17 @@ def test_every_phase_is_timed_in_decode_units() -> None:
         per["verify"].decodes + per["commit"].decodes + per["propose k"].decodes + per["draft extend"].decodes
     )
     assert (report.rows, report.k, report.repeats) == (3, 2, 1)
+
+
+def test_a_head_adds_its_phases_and_its_iteration() -> None:
+    from backend.hybrid.head import HeadConfig, HeadModel
+
+    target, draft = tiny_models()
+    head = HeadModel.from_seed(HeadConfig.for_target(target.config, ("mamba", "attn")), target, 0)
+    report = run_iteration_bench(target, draft, rows=3, k=2, repeats=1, head=head)
+    per = {p.phase: p.decodes for p in report.phases}
+    assert list(per)[-2:] == ["head propose", "head commit"] and per["head propose"] > 0 and per["head commit"] > 0
+    assert dict(report.iterations) == {
+        "model": report.iteration_decodes, "mtp": per["verify"] + per["commit"] + per["head propose"] + per["head commit"],
+    }
+    assert [i["draft"] for i in report.to_json()["iterations"]] == ["model", "mtp"]  # type: ignore[union-attr]

@@ -340,3 +340,23 @@ def test_the_mutable_baseline_stops_where_the_compiled_engine_does() -> None:
         serve_mutable(mutable, stopped, max_running=cfg.max_running)
         assert mutable.outputs[RequestId(0)] == compiled.outputs[RequestId(0)]
         assert mutable.outputs[RequestId(0)][-1] == stop and len(mutable.outputs[RequestId(0)]) < REVIEW_NEW
+
+
+def test_each_draft_kind_is_a_row_of_its_own_with_its_accepted_length() -> None:
+    runs = [_run(e, k, 100.0 * (1 + k), 0) for k in (0, 2) for e in ENGINES]  # the separate draft ("model") at k = 2
+    runs += [attrs.evolve(_run("compiled", 2, 450.0, rep), draft="mtp", proposed=20, accepted=15 + rep, iterations=10) for rep in range(3)]
+    rows = {(r.k, r.engine, r.draft): r for r in summarise(runs)}
+    assert set(rows) == {(0, e, "none") for e in ENGINES} | {(2, e, "model") for e in ENGINES} | {(2, "compiled", "mtp")}
+    head = rows[(2, "compiled", "mtp")]
+    assert head.vs_k0 == pytest.approx(4.5)  # over the compiled engine's k = 0 row, which runs no draft
+    assert head.vs_mutable_fixed is None  # no baseline serves a head
+    assert head.acceptance == pytest.approx(48 / 60) and head.accepted_length == pytest.approx((48 + 30) / 30)
+    assert head.to_json()["draft"] == "mtp" and rows[(0, "compiled", "none")].to_json()["draft"] == "none"
+    assert rows[(2, "compiled", "model")].accepted_length is None  # (those runs recorded no iteration)
+
+
+def test_builtin_cases_serve_each_draft_kind_at_each_k_above_0() -> None:
+    cases = builtin_cases(requests=2, max_new_tokens=2, ks=(0, 1, 3), arrivals=("bursts",), drafts=("model", "mtp"))
+    assert [(c.k, c.draft, c.engines) for c in cases] == [
+        (0, "none", ENGINES), (1, "model", ENGINES), (1, "mtp", ("compiled",)), (3, "model", ENGINES), (3, "mtp", ("compiled",)),
+    ]

@@ -11,6 +11,13 @@ keeps the output equal to greedy.
 
 With ``ledger=`` both runners consume the init ops through tickets and the first replay raises
 ``ResourceReplayError``.
+
+With a draft head (``backend.hybrid.head.HeadModel``, the upstream setting itself) the draft side is
+the head: after each target prefill it extends over the prompt with the target's hidden states;
+its proposal runs from its own state; its DRAFT_EXTEND after the verify is the head's catch-up over
+the accepted tokens with the verify's hidden states, built from the same long-lived batch, so the
+pre-fix baseline replays the stale clears and COWs on the head's live pool there, as the engine
+the bug was found in did.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from backend.allocator import KVAllocator, SlotAllocator
+from backend.hybrid.head import HeadModel, pack_accepted
 from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.model import HybridModel, greedy
 from backend.ledger import Ledger
@@ -33,7 +41,9 @@ from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 class _Side:
     """One model with its pool, KV cache, token table and init-op runner."""
 
-    def __init__(self, model: HybridModel, pool_id: PoolId, capacity: int, kv_capacity: int, max_len: int, ledger: Ledger | None) -> None:
+    def __init__(
+        self, model: HybridModel | HeadModel, pool_id: PoolId, capacity: int, kv_capacity: int, max_len: int, ledger: Ledger | None,
+    ) -> None:
         self.model = model
         self.pool: MambaStatePool = model.new_pool(capacity, pool_id=pool_id)
         self.kv: KVCache = model.new_kv_cache(kv_capacity)
@@ -49,7 +59,7 @@ class MutableSpecEngine:
     def __init__(
         self,
         target: HybridModel,
-        draft: HybridModel,
+        draft: HybridModel | HeadModel,
         *,
         k: int,
         capacity: int = 16,
@@ -64,6 +74,7 @@ class MutableSpecEngine:
         self.fixed = fixed
         self.slots = SlotAllocator(capacity)
         self.kvs = KVAllocator(kv_capacity)
+        self.target = target
         self.t = _Side(target, TARGET_POOL, capacity, kv_capacity, max_len, ledger)
         self.d = _Side(draft, DRAFT_POOL, capacity, kv_capacity, max_len, ledger)
         self.running: ScheduleBatch | None = None
@@ -94,9 +105,11 @@ class MutableSpecEngine:
         kv = self.kvs.alloc_many(len(tokens))
         batch = ScheduleBatch(spec_enabled=True, fixed=self.fixed)
         batch.prepare_for_extend([Req(rid=-1 - int(slot), slot=int(slot), prompt=list(tokens))], torch.from_numpy(kv.copy()))
+        hidden = None
         for side in self._sides():
             side.runner.forward(batch.get_model_worker_batch(ForwardMode.EXTEND))  # the clear of the fresh slot
-            self._extend(side, [int(slot)], [0], [list(tokens)], [kv.tolist()])
+            _, kept = self._extend(side, [int(slot)], [0], [list(tokens)], [kv.tolist()], hidden)
+            hidden = kept if side is self.t else hidden
         return PrefixState(slot=slot, tokens=tuple(tokens), kv_locs=tuple(int(x) for x in kv))
 
     def _sides(self) -> tuple[_Side, ...]:
@@ -105,16 +118,28 @@ class MutableSpecEngine:
 
     # -- model calls --------------------------------------------------------------------------
 
-    @staticmethod
-    def _extend(side: _Side, slots: list[int], prefix: list[int], tokens: list[list[int]], kv: list[list[int]]) -> torch.Tensor:
+    def _extend(
+        self, side: _Side, slots: list[int], prefix: list[int], tokens: list[list[int]], kv: list[list[int]], hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The side's model over the tokens: its logits, and (the target's, with a head beside it)
+        every token's hidden state; a head reads ``hidden``, the target's at the same tokens."""
         lens = [len(t) for t in tokens]
         cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(_i64(lens), 0)
         positions = _i64([p + j for p, n in zip(prefix, lens, strict=True) for j in range(n)])
-        return side.model.extend(
-            side.pool, side.kv, side.table, slots=_i64(slots), cu_seqlens=cu, prefix_lens=_i64(prefix),
-            input_ids=_i64([t for row in tokens for t in row]), positions=positions, kv_locs=_i64([x for row in kv for x in row]),
-        ).logits
+        ids, locs, model = _i64([t for row in tokens for t in row]), _i64([x for row in kv for x in row]), side.model
+        if isinstance(model, HeadModel):
+            assert hidden is not None
+            return model.extend(side.pool, side.kv, side.table, slots=_i64(slots), cu_seqlens=cu, prefix_lens=_i64(prefix), input_ids=ids,
+                                positions=positions, kv_locs=locs, hidden=hidden).logits, None
+        out = model.extend(side.pool, side.kv, side.table, slots=_i64(slots), cu_seqlens=cu, prefix_lens=_i64(prefix), input_ids=ids,
+                           positions=positions, kv_locs=locs, keep_hidden=self.head)
+        return out.logits, out.all_hidden
+
+    @property
+    def head(self) -> bool:
+        """The draft is a head that reads the target's hidden states."""
+        return isinstance(self.d.model, HeadModel)
 
     # -- the engine loop ----------------------------------------------------------------------
 
@@ -150,15 +175,15 @@ class MutableSpecEngine:
         self.waiting.clear()
         batch = ScheduleBatch(spec_enabled=self.k > 0, fixed=self.fixed)
         batch.prepare_for_extend(reqs, _i64([x for r in reqs for x in self.kv_of[r.rid]]))
-        logits = None
+        logits = hidden = None
         for side in self._sides():
             fb = batch.get_model_worker_batch(ForwardMode.EXTEND)
             side.runner.forward(fb)  # executes the deferred clears/COWs, then nulls fb's copies only
-            out = self._extend(
+            out, kept = self._extend(
                 side, [r.slot for r in reqs], [r.prefix_len for r in reqs], [r.prompt[r.prefix_len :] for r in reqs],
-                [self.kv_of[r.rid] for r in reqs],
+                [self.kv_of[r.rid] for r in reqs], hidden,
             )
-            logits = out if side is self.t else logits
+            logits, hidden = (out, kept) if side is self.t else (logits, hidden)
         assert logits is not None
         first = greedy(logits).tolist()
         for r, tok in zip(reqs, first, strict=True):
@@ -185,6 +210,7 @@ class MutableSpecEngine:
         rb.prepare_for_decode(torch.from_numpy(kv.copy()))
         fb = rb.get_model_worker_batch()
         self.t.runner.forward(fb)
+        assert isinstance(self.t.model, HybridModel)
         out = self.t.model.decode(
             self.t.pool, self.t.kv, self.t.table, slots=fb.req_pool_indices, input_ids=fb.input_ids,
             positions=fb.positions, kv_locs=fb.out_cache_loc,
@@ -224,18 +250,20 @@ class MutableSpecEngine:
         # target verify (the upstream fix of the earlier variant keeps init ops out of it)
         self.t.runner.forward(rb.get_model_worker_batch(ForwardMode.TARGET_VERIFY))
         ids = torch.cat((_i64(pending)[:, None], proposals), dim=1)
+        assert isinstance(self.t.model, HybridModel)
         out = self.t.model.verify(self.t.pool, self.t.kv, self.t.table, slots=_i64(slots), input_ids=ids, positions=positions, kv_locs=wt)
         predicted = greedy(out.logits)
         matches = (proposals == predicted[:, :k]).to(torch.int64)
         accepted = matches.cumprod(dim=1).sum(dim=1)
         bonus = predicted[torch.arange(len(reqs)), accepted]
         self.t.model.commit(self.t.pool, out.states, accept_pos=accepted, slots=_i64(slots))
-        # draft extend over the accepted tokens: built from the same long-lived batch
+        # draft extend over the accepted tokens: built from the same long-lived batch (a head's reads
+        # the verify's hidden states at those positions)
         self.d.runner.forward(rb.get_model_worker_batch(ForwardMode.DRAFT_EXTEND))
         acc = accepted.tolist()
         self._extend(
             self.d, slots, c, [ids[i, : acc[i] + 1].tolist() for i in range(len(reqs))],
-            [window[i, : acc[i] + 1].tolist() for i in range(len(reqs))],
+            [window[i, : acc[i] + 1].tolist() for i in range(len(reqs))], pack_accepted(out.hidden, accepted + 1) if self.head else None,
         )
         for i, r in enumerate(reqs):
             m = acc[i]

@@ -353,6 +353,9 @@ def parser() -> argparse.ArgumentParser:
                     "running requests' contexts within the engines' KV cache (default 24)")
     ab.add_argument("--max-running", type=_int_in(1, MAX_AB_RUNNING), default=4,
                     help=f"requests live at once, at most {MAX_AB_RUNNING} (default 4)")
+    ab.add_argument("--draft", choices=("model", "mtp"), default="model",
+                    help="model: a tiny target and a noisy copy of it as the separate draft (default); mtp: the upstream setting, "
+                    "the bundled target and its trained draft head, whose own pool the pre-fix baseline replays stale init ops on")
     ab.add_argument("--draft-noise", type=FloatIn(0.0, 10.0), default=None,
                     help="relative weight noise of the draft, a finite number in [0, 10) (default 0.05)")
     ab.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help=f"weights and workload seed, 0 to {MAX_SEED} (default 0)")

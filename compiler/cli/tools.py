@@ -38,7 +38,8 @@ def cmd_dump(args: argparse.Namespace, console: Console) -> int:
 
 
 def _print_ab(args: argparse.Namespace, noise: float, result: AbReport, console: Console) -> None:
-    table = Table(title=f"speculative decoding, k={args.k}, {args.requests} requests (fresh + cached-prefix COW), draft noise {noise}")
+    drafting = f"draft noise {noise}" if result.draft == "model" else "the bundled target and its draft head (--draft mtp)"
+    table = Table(title=f"speculative decoding, k={args.k}, {args.requests} requests (fresh + cached-prefix COW), {drafting}")
     table.add_column("run")
     for h in ("acceptance", "mean accepted len", "init ops target", "init ops draft", "replays", "output == greedy", "wall s"):
         table.add_column(h, justify="right")
@@ -54,6 +55,8 @@ def _print_ab(args: argparse.Namespace, noise: float, result: AbReport, console:
 def cmd_ab(args: argparse.Namespace, console: Console) -> int:
     from compiler.tools.ab import DRAFT_NOISE, ab_problem, run_ab
 
+    if args.draft == "mtp" and args.draft_noise is not None:
+        raise UsageError(f"--draft-noise {args.draft_noise} with --draft mtp: the draft head is a trained model, not a noisy copy")
     noise = DRAFT_NOISE if args.draft_noise is None else args.draft_noise  # finite, in [0, 10): argparse checked it
     problem = ab_problem(k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens, max_running=args.max_running, seed=args.seed)
     if problem is not None:
@@ -62,7 +65,7 @@ def cmd_ab(args: argparse.Namespace, console: Console) -> int:
         with console.status("running plain greedy, compiled, mutable baseline (pre-fix and fixed), and the guarded baseline"):
             result = run_ab(
                 k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens, max_running=args.max_running,
-                draft_noise=noise, seed=args.seed,
+                draft_noise=noise, seed=args.seed, draft_kind=args.draft,
             )
         _print_ab(args, noise, result, console)
         output.write(json.dumps(result.to_json(), indent=2))

@@ -11,7 +11,10 @@ finish), go through:
 5. the pre-fix baseline once more with a ledger on its runners, which refuses the first replay.
 
 Reported per run: acceptance rate, init ops executed per pool, replays, and whether the output
-equals plain greedy. The draft model is the target plus Gaussian weight noise (``draft_noise``).
+equals plain greedy. The draft (``draft="model"``) is a tiny target's copy plus Gaussian weight
+noise (``draft_noise``); with ``draft="mtp"`` it is the upstream setting itself: the bundled target
+and its trained draft head (``backend.hybrid.head``), whose pool the pre-fix baseline's draft extend
+replays the stale init ops on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import attrs
 
 from backend.hybrid.config import tiny
+from backend.hybrid.head import HeadModel
 from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
@@ -116,7 +120,8 @@ class AbReport:
     k: int
     requests: int
     max_new_tokens: int
-    draft_noise: float
+    draft_noise: float | None
+    """The separate draft's weight noise (``None`` with the draft head)."""
     runs: dict[str, AbRun]
     """By run: ``compiled``, ``mutable_baseline`` (pre-fix), ``mutable_baseline_fixed``."""
     ledger_on_baseline: str
@@ -126,15 +131,29 @@ class AbReport:
     def compiled(self) -> AbRun:
         return self.runs["compiled"]
 
+    draft: str = "model"
+    """``"model"`` (a noisy copy of a tiny target) or ``"mtp"`` (the bundled target's draft head)."""
+
     def to_json(self) -> dict[str, object]:
         return attrs.asdict(self)
 
 
 def run_ab(
-    *, k: int = 2, requests: int = 12, max_new_tokens: int = 24, max_running: int = 4, draft_noise: float = DRAFT_NOISE, seed: int = 0
+    *, k: int = 2, requests: int = 12, max_new_tokens: int = 24, max_running: int = 4, draft_noise: float = DRAFT_NOISE, seed: int = 0,
+    draft_kind: str = "model",
 ) -> AbReport:
-    target = HybridModel.from_seed(tiny(), seed=seed)
-    draft = HybridModel(target.config, perturb(target.weights, draft_noise, seed=seed + 1))
+    draft: HybridModel | HeadModel
+    if draft_kind == "mtp":
+        from backend.hybrid.checkpoint import HEAD_FILE, bundled_path, default_target
+        from backend.hybrid.head import load_head
+
+        target = default_target()
+        draft = load_head(bundled_path(HEAD_FILE), target)
+    elif draft_kind == "model":
+        target = HybridModel.from_seed(tiny(), seed=seed)
+        draft = HybridModel(target.config, perturb(target.weights, draft_noise, seed=seed + 1))
+    else:
+        raise ValueError(f"draft_kind must be 'model' or 'mtp', got {draft_kind!r}")
     prompts = ab_prompts(requests, seed)
     kw = {"max_new_tokens": max_new_tokens, "max_running": max_running}
 
@@ -166,7 +185,8 @@ def run_ab(
         refusal = "no replay happened"
     except ResourceReplayError as exc:
         refusal = f"ResourceReplayError: {exc}"
-    return AbReport(k=k, requests=requests, max_new_tokens=max_new_tokens, draft_noise=draft_noise, runs=runs, ledger_on_baseline=refusal)
+    return AbReport(k=k, requests=requests, max_new_tokens=max_new_tokens, draft_noise=draft_noise if draft_kind == "model" else None,
+                    runs=runs, ledger_on_baseline=refusal, draft=draft_kind)
 
 
 _ENGINES: tuple[type[ServingEngine], ...] = (Engine, MutableSpecEngine)

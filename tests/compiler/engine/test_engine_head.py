@@ -227,3 +227,19 @@ def test_every_proposal_equals_the_head_recomputed_over_the_whole_prefix() -> No
             assert pending == seq[c]
             hidden = reference_hidden(target, seq[:c])
             assert proposed == head.reference_propose(hidden, torch.tensor(seq[:c]), pending, k), (c, pending)
+
+
+def test_ab_with_the_head_replays_stale_ops_on_the_head_pool_in_the_baseline_only() -> None:
+    """The upstream setting: the pre-fix baseline's draft extend after each verify replays the stale
+    clears/COWs on the head's live pool; the compiled pipeline runs each once; both stay lossless."""
+    from compiler.tools.ab import run_ab
+
+    r = run_ab(k=2, requests=6, max_new_tokens=16, max_running=3, draft_kind="mtp")
+    compiled, base, fixed = r.runs["compiled"], r.runs["mutable_baseline"], r.runs["mutable_baseline_fixed"]
+    assert r.draft == "mtp" and r.draft_noise is None
+    assert compiled.equals_greedy and base.equals_greedy and fixed.equals_greedy
+    assert compiled.replays == 0 and compiled.outstanding_tickets == 0
+    assert compiled.init_ops_target == compiled.init_ops_draft == fixed.init_ops_draft
+    assert base.replays > 0 and base.init_ops_draft > compiled.init_ops_draft
+    assert compiled.acceptance_rate == fixed.acceptance_rate  # the same head, the same states: the same proposals
+    assert "for pool 'draft'" in r.ledger_on_baseline and r.ledger_on_baseline.startswith("ResourceReplayError")

@@ -243,3 +243,35 @@ def test_ab_with_the_head_replays_stale_ops_on_the_head_pool_in_the_baseline_onl
     assert base.replays > 0 and base.init_ops_draft > compiled.init_ops_draft
     assert compiled.acceptance_rate == fixed.acceptance_rate  # the same head, the same states: the same proposals
     assert "for pool 'draft'" in r.ledger_on_baseline and r.ledger_on_baseline.startswith("ResourceReplayError")
+
+
+def test_sampling_with_a_head_emits_the_distribution_plain_sampling_does() -> None:
+    """Rejection sampling of the head's argmax proposals (a one-hot draft) keeps the target's
+    distribution: the chi-square test of ``test_sampling_engine`` (false-failure rate 1e-3, fixed
+    seeds) between plain sampling and speculative sampling with the head, at output positions 1, 2."""
+    from ir.sampling import SamplingParams
+    from tests.compiler.engine.test_sampling_engine import PROMPTS as SAMPLED_PROMPTS
+    from tests.compiler.engine.test_sampling_engine import _homogeneous, _positions, _serve
+
+    n = 300
+    plain = _positions(0, n)
+    target, _ = tiny_models()
+    params = SamplingParams(temperature=1.0, top_k=6)
+    out = _serve(Engine(target, _head(), k=2, seed=11, capacity=64, max_len=64), [SAMPLED_PROMPTS[0]] * n, [params] * n, new=3)
+    spec = np.array([out[i + 1] for i in range(n)], dtype=np.int64)
+    assert (plain[:, 0] == spec[:, 0]).all()  # the prefill's token: the same key, the same token
+    for pos in (1, 2):
+        assert _homogeneous(plain[:, pos], spec[:, pos]) > 1e-3, pos
+
+
+def test_a_seeded_request_with_a_head_gives_the_same_tokens_however_it_is_batched() -> None:
+    from ir.sampling import SamplingParams
+    from tests.compiler.engine.test_sampling_engine import PROMPTS as SAMPLED_PROMPTS
+    from tests.compiler.engine.test_sampling_engine import _serve
+
+    target, _ = tiny_models()
+    params: list[SamplingParams | None] = [SamplingParams(temperature=1.0, top_p=0.9), None, SamplingParams(temperature=0.8, seed=77)]
+    prompts = SAMPLED_PROMPTS[:3]
+    base = _serve(Engine(target, _head(), k=2, seed=5, capacity=8), prompts, params, new=8)
+    alone = _serve(Engine(target, _head(), k=2, seed=5, capacity=1, chunk_size=7), prompts, params, new=8, order=[2, 0, 1])
+    assert base == alone

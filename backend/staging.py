@@ -4,7 +4,8 @@ Each plan's columns are packed into one host int64 array and moved in one copy (
 on a GPU). A staged decode keeps that one ``[5, n]`` tensor and hands out per-field rows as views
 on access (making five tensor views up front costs more than the rest of the decode step's host
 work). On the CPU the staged tensors alias a fresh array, so a staged plan stays valid after the
-next one is staged.
+next one is staged; the fields of a staged extend or window are cut from that array in numpy, one
+tensor each (torch's own slicing costs several times more per field on the host).
 """
 
 from __future__ import annotations
@@ -91,8 +92,14 @@ def stage_extend(plan: ExtendPlan | DraftExtendBatch | HeadExtendPlan | HeadComm
     # position of token j of request i is prefix_lens[i] + j
     positions = np.arange(tokens, dtype=np.int64) - np.repeat(cu[:-1] - plan.prefix_lens, plan.extend_lens)
     packed = np.concatenate((plan.slots, plan.prefix_lens, cu, plan.input_ids, positions, plan.kv_locs))
-    t = _to_device(packed, device)
     o = 2 * n + n + 1
+    if device.type == "cpu":  # views cut in numpy, each wrapped once: a torch slice costs several times more
+        f = torch.from_numpy
+        return StagedExtend(
+            slots=f(packed[0:n]), prefix_lens=f(packed[n : 2 * n]), cu_seqlens=f(packed[2 * n : o]), input_ids=f(packed[o : o + tokens]),
+            positions=f(packed[o + tokens : o + 2 * tokens]), kv_locs=f(packed[o + 2 * tokens :]),
+        )
+    t = _to_device(packed, device)
     return StagedExtend(
         slots=t[0:n],
         prefix_lens=t[n : 2 * n],
@@ -122,8 +129,14 @@ def stage_window(batch: DraftBatch | VerifyBatch, device: torch.device) -> Stage
     positions = (batch.seq_lens - 1)[:, None] + np.arange(w, dtype=np.int64)[None, :]
     ids = batch.input_ids if isinstance(batch, DraftBatch) else batch.input_ids.reshape(n, w)
     packed = np.concatenate((batch.slots, ids.reshape(-1), positions.reshape(-1), batch.kv_locs))
-    t = _to_device(packed, device)
     m = ids.size
+    if device.type == "cpu":  # (as ``stage_extend``)
+        f = torch.from_numpy
+        return StagedWindow(
+            slots=f(packed[:n]), input_ids=f(packed[n : n + m].reshape(ids.shape)), positions=f(packed[n + m : n + m + n * w].reshape(n, w)),
+            kv_locs=f(packed[n + m + n * w :].reshape(n, w)),
+        )
+    t = _to_device(packed, device)
     return StagedWindow(
         slots=t[:n],
         input_ids=t[n : n + m].view(ids.shape),

@@ -125,6 +125,7 @@ __all__ = [
     "check_pool",
     "column",
     "column_key",
+    "column_total",
     "shown",
     "shown_of",
     "first_bad_int",
@@ -442,17 +443,33 @@ MAX_SEQ_LEN_WHAT = "MAX_SEQ_LEN (2**31 - 1)"
 """How a message names ``MAX_SEQ_LEN`` as a bound (``per(..., max=MAX_SEQ_LEN, max_what=MAX_SEQ_LEN_WHAT)``)."""
 
 
+def _small_ints(arr: npt.NDArray[Any]) -> list[int] | None:
+    """``arr``'s values as Python ints when it is a 1-D int64 column of at most ``SMALL_COLUMN``
+    entries (a bound check on them is then two C loops, ``tolist`` and ``min``/``max``, where a
+    numpy reduction's fixed cost is several times larger at scheduler batch sizes), else ``None``."""
+    return cast("list[int]", arr.tolist()) if arr.dtype is _INT64 and arr.ndim == 1 and arr.shape[0] <= SMALL_COLUMN else None
+
+
 def check_max(node: object, name: str, arr: I64, maximum: int | I64, what: str = "") -> None:
     """Every value of ``arr`` is ``<= maximum`` (a bound, or one per entry; ``what`` names it in
     the message)."""
     if arr.size:
+        if not isinstance(maximum, np.ndarray):
+            small = _small_ints(arr)
+            if small is not None and max(small) <= maximum:
+                return  # (a violation is located below, in numpy, for its message)
         over = arr > maximum
         if over.any():
             raise IRValidationError(_node_name(node), name, int(arr[over][0]), f"every value must be <= {what or maximum}")
 
 
 def check_min(node: object, name: str, arr: I64, minimum: int) -> None:
-    if arr.size and int(arr.min()) < minimum:
+    if not arr.size:
+        return
+    small = _small_ints(arr)
+    if small is not None and min(small) >= minimum:
+        return
+    if int(arr.min()) < minimum:
         bad = int(arr[arr < minimum][0])
         raise IRValidationError(_node_name(node), name, bad, f"every value must be >= {minimum}")
 
@@ -693,7 +710,9 @@ def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Call
     with no per-column interpretation of the declarations."""
     lines = ["def check(node):"]
     names = {c.name: f"c{i}" for i, c in enumerate((*cols.plain, *cols.derived))}
-    env: dict[str, object] = {"check_column": check_column, "check_min": check_min, "check_max": check_max, "check_instance": check_instance}
+    env: dict[str, object] = {
+        "check_column": check_column, "check_min": check_min, "check_max": check_max, "check_instance": check_instance, "column_total": column_total,
+    }
     if cls._check_first is not Node._check_first:
         lines.append("    node._check_first()")
     for i, part in enumerate(parts):
@@ -711,7 +730,7 @@ def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Call
                 expected = {
                     "request": "n",
                     "same": f"{names[c.length.of]}.shape[0]",
-                    "tokens": f"int({names[c.length.of]}.sum())",
+                    "tokens": f"column_total({names[c.length.of]})",
                     "window": "n * (int(node.k) + 1)",  # a window node checks ``k`` in ``_check_first``
                 }[c.length.kind]
             lines.append(f"    check_column(node, {c.name!r}, {v}, {expected}, {what!r}, bools={c.bools}, floats={c.floats})")
@@ -739,6 +758,15 @@ def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Call
     code = compile("\n".join(lines) + "\n", f"<local checks of {cls.__name__}>", "exec")
     exec(code, env)  # our own declarations, rendered above
     return cast("Callable[[Any], None]", env["check"])
+
+
+def column_total(arr: I64) -> int:
+    """The sum of a lengths column (the entries a per-token column must have): a Python sum of a
+    small column (``SMALL_COLUMN``), numpy's otherwise. Its bounds are checked before (``_Columns``
+    runs the derived lengths last), so the sum fits int64 and both give the same number."""
+    if arr.shape[0] <= SMALL_COLUMN and arr.dtype is _INT64:
+        return sum(cast("list[int]", arr.tolist()))
+    return int(arr.sum())
 
 
 def check_aligned(node: object, name: str, value: Any, n: int, key: str) -> None:

@@ -23,7 +23,9 @@ as the speculative phases (unique rows, slots and KV locations).
 from __future__ import annotations
 
 import enum
+import operator
 import os
+from collections.abc import Callable
 from typing import assert_never, cast
 
 import attrs
@@ -164,9 +166,31 @@ def check_fields(node: Batch | Plan) -> None:
     nodes: list[Node] = [node, *(node.parts() if isinstance(node, Composite) else ())]
     for n in nodes:
         n.check_fields()
-        for value in attrs.asdict(cast("attrs.AttrsInstance", n), recurse=False).values():
+        for value in _field_values(type(n))(n):
             if isinstance(value, Node) and type(value).ALIGNED:
                 value.check_fields()
+
+
+_FIELD_VALUES: dict[type, Callable[[object], tuple[object, ...]]] = {}
+
+
+def _field_values(cls: type) -> Callable[[object], tuple[object, ...]]:
+    """A getter of every attrs field's value of a ``cls`` node, in field order (one ``attrgetter``
+    per class, made once: ``attrs.asdict`` built a dict per node per verify)."""
+    getter = _FIELD_VALUES.get(cls)
+    if getter is None:
+        names = [a.name for a in attrs.fields(cast("type[attrs.AttrsInstance]", cls))]
+        if not names:
+            getter = _no_fields
+        else:
+            get = operator.attrgetter(*names)
+            getter = (lambda n: (get(n),)) if len(names) == 1 else get
+        _FIELD_VALUES[cls] = getter
+    return getter
+
+
+def _no_fields(node: object) -> tuple[object, ...]:
+    return ()
 
 
 def _verify_spec(node: SpecBatch | HeadCommitBatch, path: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir.columns import I64, build_unchecked, freeze
+from ir.columns import I64, SMALL_COLUMN, build_unchecked, freeze, frozen_i64
 from ir.errors import PreconditionError
 from ir.spec import AcceptResult, VerifyBatch
 from passes._args import bad_arg
@@ -31,6 +31,8 @@ def accept(batch: VerifyBatch, target_tokens: I64) -> AcceptResult:
         raise PreconditionError("accept", f"target_tokens must hold int64 token ids, got dtype {target_tokens.dtype}")
     if n and int(target_tokens.min()) < 0:
         raise PreconditionError("accept", f"negative target token {int(target_tokens.min())} in target_tokens")
+    if n <= SMALL_COLUMN:
+        return _accept_rows(batch.input_ids.tolist(), target_tokens.tolist(), n, k)
     predicted = target_tokens.reshape(n, k + 1)
     drafts = batch.window(batch.input_ids)[:, 1:]
     matches = drafts == predicted[:, :k]
@@ -40,3 +42,19 @@ def accept(batch: VerifyBatch, target_tokens: I64) -> AcceptResult:
     # accepted is in [0, k] and bonus a subset of the checked (non-negative) target tokens, both
     # IR-owned: the local checks hold by construction
     return build_unchecked(AcceptResult, accepted=freeze(accepted), bonus=freeze(bonus))
+
+
+def _accept_rows(window: list[int], targets: list[int], n: int, k: int) -> AcceptResult:
+    """``accept`` of a few rows in Python (numpy's dozen calls cost more than the loop there), the
+    same result: row ``i``'s window is ``window[i * (k + 1) :]`` (``[pending, d1..dk]``) and its
+    predictions ``targets[i * (k + 1) :]``; draft ``j + 1`` is accepted while it equals prediction ``j``."""
+    w = k + 1
+    accepted: list[int] = []
+    bonus: list[int] = []
+    for base in range(0, n * w, w):
+        m = 0
+        while m < k and window[base + 1 + m] == targets[base + m]:
+            m += 1
+        accepted.append(m)
+        bonus.append(targets[base + m])
+    return build_unchecked(AcceptResult, accepted=frozen_i64(accepted), bonus=frozen_i64(bonus))

@@ -50,6 +50,9 @@ def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch 
         both = first_common(a, b)
         if both is not None:
             raise PreconditionError("merge_batch", f"{name} {both} is in both the running and the prefilled batch")
+    joined = rows_joined(running.sampling, running.num_requests, sampling, rids.shape[0])
+    if running.num_requests == 0:  # (a speculative step's new running batch): the rows themselves, IR-owned already
+        return build_unchecked(DecodeBatch, rids=rids, slots=slots, seq_lens=seq_lens, input_ids=input_ids, kv_locs=kv_locs, sampling=joined)
     # rows of checked nodes, with no request id or slot in both (checked above): every local check
     # of the output holds, so it is built without re-running them (``ir.verify`` still does)
     return build_unchecked(
@@ -59,5 +62,5 @@ def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch 
         seq_lens=freeze(np.concatenate((running.seq_lens, seq_lens))),
         input_ids=freeze(np.concatenate((running.input_ids, input_ids))),
         kv_locs=freeze(np.concatenate((running.kv_locs, kv_locs))),
-        sampling=rows_joined(running.sampling, running.num_requests, sampling, rids.shape[0]),
+        sampling=joined,
     )

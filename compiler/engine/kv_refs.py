@@ -19,6 +19,10 @@ from backend.allocator import KVAllocator
 from ir.columns import I64
 from ir.errors import SlotError
 
+_SMALL = 64
+"""Up to this many locations, ``ref`` and ``unref`` loop in Python: numpy's ``add.at`` and
+``unique`` have a fixed cost larger than the loop at a decode or speculative step's sizes."""
+
 
 class KVRefs:
     def __init__(self, kv: KVAllocator) -> None:
@@ -39,9 +43,17 @@ class KVRefs:
 
     def ref(self, locs: Iterable[int] | I64) -> None:
         arr = self._array(locs)
-        if arr.size:
-            self._grow(int(arr.max()) + 1)
-            np.add.at(self._counts, arr, 1)
+        if not arr.size:
+            return
+        if arr.shape[0] <= _SMALL:
+            items = arr.tolist()
+            self._grow(max(items) + 1)
+            counts = self._counts
+            for loc in items:  # (repeats count once each, as np.add.at does)
+                counts[loc] += 1
+            return
+        self._grow(int(arr.max()) + 1)
+        np.add.at(self._counts, arr, 1)
 
     def unref(self, locs: Iterable[int] | I64) -> None:
         """Drop one reference per entry; locations left with none go back to the allocator (in the
@@ -49,6 +61,9 @@ class KVRefs:
         ``SlotError`` naming the location, and nothing changes."""
         arr = self._array(locs)
         if not arr.size:
+            return
+        if arr.shape[0] <= _SMALL and int(arr.min()) >= 0:
+            self._unref_small(arr.tolist())
             return
         uniq, first, times = np.unique(arr, return_index=True, return_counts=True)
         held = self._counts[uniq] if int(uniq[-1]) < self._counts.shape[0] else None
@@ -60,6 +75,29 @@ class KVRefs:
         if freed.size:
             order = np.argsort(first[self._counts[uniq] == 0], kind="stable")
             self.kv.free_many(freed[order].tolist())
+
+    def _unref_small(self, items: list[int]) -> None:
+        """``unref`` of a few non-negative locations (a speculative step's rejected window tail) in
+        Python: ``np.unique``'s sort costs more than the whole loop there. The same checks, the same
+        error and the same order of the freed locations (first appearance in ``items``)."""
+        times: dict[int, int] = {}
+        for loc in items:  # (a dict keeps first-appearance order)
+            times[loc] = times.get(loc, 0) + 1
+        counts = self._counts
+        top = max(times)
+        if top >= counts.shape[0]:
+            raise SlotError(f"KV location {top}: a reference was dropped that nobody holds")
+        short = [loc for loc, t in times.items() if counts.item(loc) < t]
+        if short:
+            raise SlotError(f"KV location {min(short)}: a reference was dropped that nobody holds")
+        freed = []
+        for loc, t in times.items():
+            left = counts.item(loc) - t
+            counts[loc] = left
+            if not left:
+                freed.append(loc)
+        if freed:
+            self.kv.free_many(freed)
 
     def alloc(self, n: int) -> I64:
         """``n`` fresh locations, one reference each."""

@@ -121,6 +121,37 @@ def test_presence_and_frequency_penalties_follow_openai() -> None:
         assert torch.allclose(dist.probs[i], ref, atol=1e-6, rtol=0), i
 
 
+def _torch_greedy_or_flag(logits: torch.Tensor) -> torch.Tensor:
+    best, index = logits.max(dim=-1)
+    return torch.where(torch.isfinite(best), index, NON_FINITE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 5), (9, 300), (3, 4, 257), (0, 7)])
+def test_greedy_or_flag_on_the_host_is_torchs_max_bit_for_bit(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A CPU tensor of float32/float64 takes the numpy path (bfloat16, which numpy lacks, and a
+    tensor that needs grad take torch's): every path gives ``torch.max``'s token or the flag, for
+    rows with a NaN, a +inf, only -inf, ties (the lower id) and a -inf beside a finite maximum."""
+    g = torch.Generator().manual_seed(sum(shape))
+    logits = torch.randn(*shape, generator=g).to(dtype)
+    rows = logits.reshape(-1, shape[-1])
+    for i, fill in enumerate(("nan", "inf", "-inf row", "tie", "-inf")):
+        if i >= rows.shape[0]:
+            break
+        if fill == "-inf row":
+            rows[i] = -math.inf
+        elif fill == "tie":
+            rows[i, -1] = rows[i, 0] = 50.0
+        else:
+            rows[i, shape[-1] // 2] = float(fill)
+    expected = _torch_greedy_or_flag(logits)
+    for x in (logits, logits.clone().requires_grad_(dtype is not torch.bfloat16)):
+        got = greedy_or_flag(x)
+        assert got.dtype == torch.int64 and torch.equal(got, expected)
+    if len(shape) == 2:
+        assert sample(logits).tolist() == expected.tolist()
+
+
 def test_greedy_rows_are_greedy_or_flag_bit_for_bit() -> None:
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(16, 300, generator=g)

@@ -1,13 +1,19 @@
 """The set checks behind verification and the merge/mix preconditions agree with numpy's sort-based
-set operations on both sides of the small-column threshold (Python sets below it, numpy above)."""
+set operations on both sides of the small-column threshold (Python sets below it, numpy above); so
+do the bound checks and the lengths sum of the nodes' local checks (Python ``min``/``max``/``sum``
+below it)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ir.columns import SMALL_COLUMN, first_common, first_missing, frozen_i64, has_duplicates
+from ir.columns import SMALL_COLUMN, check_max, check_min, column_total, first_common, first_missing, frozen_i64, has_duplicates
+from ir.errors import IRValidationError
 
 _sizes = st.sampled_from([0, 1, 2, 7, SMALL_COLUMN // 2, SMALL_COLUMN - 1, SMALL_COLUMN, SMALL_COLUMN + 1, 3 * SMALL_COLUMN])
 
@@ -30,3 +36,23 @@ def test_first_common_and_first_missing_match_numpy(a: np.ndarray, b: np.ndarray
     common, missing = np.intersect1d(a, b), np.setdiff1d(a, b)
     assert first_common(a, b) == (int(common[0]) if common.size else None)
     assert first_missing(a, b) == (int(missing[0]) if missing.size else None)
+
+
+@given(_column(), st.data())
+def test_bound_checks_match_numpy(a: np.ndarray, data: st.DataObject) -> None:
+    """``check_min``/``check_max`` refuse exactly when numpy finds a value past the bound (one next
+    to the column's extremes, mostly), naming the first such value; ``column_total`` is numpy's sum."""
+    near = [int(v) + d for v in (a.min(), a.max()) for d in (-1, 0, 1)] if a.size else [0]
+    bound = data.draw(st.sampled_from(near) | st.integers(-(2**41), 2**41))
+    assert column_total(a) == int(a.sum())
+    below, above = a[a < bound], a[a > bound]
+    if below.size:
+        with pytest.raises(IRValidationError, match=re.escape(f"(got {int(below[0])})")):
+            check_min("Node", "col", a, bound)
+    else:
+        check_min("Node", "col", a, bound)
+    if above.size:
+        with pytest.raises(IRValidationError, match=re.escape(f"(got {int(above[0])})")):
+            check_max("Node", "col", a, bound)
+    else:
+        check_max("Node", "col", a, bound)

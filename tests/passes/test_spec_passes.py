@@ -16,7 +16,7 @@ from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.manager import PassManager
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch
-from ir.columns import frozen_i64
+from ir.columns import SMALL_COLUMN, frozen_i64
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL, DraftId, VerifyId
 from ir.init import SERIAL_COUNTER_BITS, serial_epoch
@@ -95,6 +95,25 @@ def test_accept_longest_matching_prefix_plus_bonus(target: list[list[int]], acce
     r = accept(_verify(), frozen_i64(np.array(target).reshape(-1)))
     assert r.accepted.tolist() == accepted
     assert r.bonus.tolist() == bonus
+
+
+@pytest.mark.parametrize("n", [1, 5, SMALL_COLUMN, SMALL_COLUMN + 1, 3 * SMALL_COLUMN])
+def test_accept_agrees_with_the_definition_on_both_sides_of_the_small_path(n: int) -> None:
+    """Up to ``SMALL_COLUMN`` rows ``accept`` loops in Python, above it numpy: both give each row's
+    longest prefix of drafts equal to the target's predictions and the prediction after it."""
+    rng = np.random.default_rng(n)
+    k = 3
+    running = decode_batch(list(range(1, n + 1)), list(range(1, n + 1)), [5] * n, list(range(1000, 1000 + n)), tokens=[1] * n)
+    d = prepare_for_draft(running, SpecContext(k=k, next_tokens=[7] * n, kv_locs=list(range(2000, 2000 + n * (k + 1)))))
+    drafts = rng.integers(0, 3, size=(n, k))
+    v = prepare_for_verify(d, proposed(d, drafts.reshape(-1).tolist()))
+    targets = rng.integers(0, 3, size=(n, k + 1))
+    targets[: n // 2, :k] = drafts[: n // 2]  # (half the rows match everywhere)
+    r = accept(v, frozen_i64(targets.reshape(-1)))
+    want = [next((j for j in range(k) if drafts[i, j] != targets[i, j]), k) for i in range(n)]
+    assert r.accepted.tolist() == want
+    assert r.bonus.tolist() == [int(targets[i, m]) for i, m in enumerate(want)]
+    r.check_fields()  # (built unchecked: its local checks hold)
 
 
 def test_commit_releases_rejected_kv_and_draft_extend_takes_accepted_tokens() -> None:

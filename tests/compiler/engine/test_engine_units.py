@@ -13,6 +13,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from typeguard import suppress_type_checks
@@ -411,6 +412,49 @@ def test_kv_refs_count_every_location_and_name_the_one_dropped_too_often() -> No
     with pytest.raises(SlotError, match=r"^KV location 4: a reference was dropped that nobody holds$"):
         refs.unref([4])
     assert refs.held() == {0: 1, 3: 2}
+
+
+@pytest.mark.parametrize("size", [3, 64, 65, 150])
+def test_kv_refs_agree_on_both_sides_of_the_small_path(size: int) -> None:
+    """``ref``/``unref`` of up to 64 locations loop in Python, larger ones run in numpy: random
+    rounds of both (repeats included) keep the same counts as a plain count, free exactly the
+    locations whose last reference went, in first-appearance order, and refuse a drop of a
+    reference nobody holds naming the same location, changing nothing."""
+    rng = np.random.default_rng(size)
+    kv = KVAllocator(512)
+    refs = KVRefs(kv)
+    held: dict[int, int] = {}
+    locs = kv.alloc_many(256).tolist()
+    refs.ref(locs)
+    for loc in locs:
+        held[loc] = 1
+    for _ in range(20):
+        extra = rng.choice(locs, size=size).tolist()
+        refs.ref(extra)
+        for loc in extra:
+            held[loc] += 1
+        live = [loc for loc in locs if held.get(loc)]
+        drop = rng.choice(live, size=min(size, len(live))).tolist()
+        want = dict(held)
+        for loc in drop:
+            want[loc] -= 1
+        short = sorted({loc for loc in drop if want[loc] < 0})
+        free_before = kv.num_free
+        if short:
+            with pytest.raises(SlotError, match=rf"^KV location {short[0]}: a reference was dropped that nobody holds$"):
+                refs.unref(drop)
+            assert kv.num_free == free_before
+        else:
+            refs.unref(drop)
+            freed = [loc for loc in dict.fromkeys(drop) if want[loc] == 0]
+            assert kv.num_free == free_before + len(freed)
+            if freed:  # the last freed is handed out first
+                assert kv.alloc_many(len(freed)).tolist() == freed[::-1]
+                refs.ref(freed)
+                for loc in freed:
+                    want[loc] = 1
+            held = want
+        assert refs.held() == {loc: n for loc, n in held.items() if n}
 
 
 def test_a_prefix_must_leave_room_for_a_request_extending_it() -> None:

@@ -73,7 +73,7 @@ from ir.errors import BatchcError
 from ir.ids import RequestId
 
 if TYPE_CHECKING:
-    from compiler.offline.models import Served
+    from compiler.offline.models import Served, ServedHead
 
 IDLE_TICK_S: Final = 0.5
 """How long an idle engine waits for a message before it sends its stats again."""
@@ -85,12 +85,12 @@ TP_WORKER: Final = "--tp-worker"
 """The first argument of a tensor-parallel worker rank's command line (then its ``Launch`` as JSON)."""
 
 
-def load(launch: Launch) -> tuple[Served, Served | None, int]:
+def load(launch: Launch) -> tuple[Served, Served | ServedHead | None, int]:
     """The target, the draft (``None`` at k = 0) and k, as ``batchc run`` resolves them (every rank
     of a tensor-parallel group loads the same way); ``ServeError`` / ``BatchcError`` in one line."""
     import torch
 
-    from compiler.offline.models import check_same_vocabulary, load_served
+    from compiler.offline.models import Served, check_same_vocabulary, load_draft, load_served
     from compiler.workload import ServeError
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[launch.dtype]
@@ -100,9 +100,12 @@ def load(launch: Launch) -> tuple[Served, Served | None, int]:
         raise ServeError(f"--draft {launch.draft!r} with --k 0: k = 0 turns speculative decoding off and runs no draft")
     if target.hf and k > 0 and launch.draft is None:
         raise ServeError(f"--k {k} with a Hugging Face --model needs --draft DIR (a smaller model with the same vocabulary)")
-    drafted = None if k == 0 else load_served(launch.draft, role="draft", dtype=dtype, bundled="draft")
-    if drafted is not None:
+    drafted = None if k == 0 else load_draft(launch.draft, target=target, dtype=dtype)
+    if isinstance(drafted, Served):
         check_same_vocabulary(target, drafted)
+    elif drafted is not None and (launch.tp > 1 or launch.overlap):
+        option = f"--tp {launch.tp}" if launch.tp > 1 else "--overlap"
+        raise ServeError(f"--draft {launch.draft} (a draft head) with {option}: not built yet (a head runs in the target's process)")
     return target, drafted, k
 
 
@@ -110,13 +113,15 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
     """The engine ``launch`` describes, with ``batchc run``'s checks (``ServeError`` / ``BatchcError``,
     one line); with ``launch.tp > 1``, on the tensor-parallel group this process leads (its workers
     started here, ``tp_worker``), whose leader is returned for the caller to shut down."""
+    from backend.hybrid.head import HeadModel
     from compiler.offline import distributed
     from compiler.offline.memory import check_serving
+    from compiler.offline.models import Served, ServedHead, draft_config
     from compiler.offline.run import make_engine
     from compiler.workload import DEFAULT_CONTEXT, MAX_CONTEXT, ServeError
 
     target, drafted, k = load(launch)
-    limits = [(m.name, m.max_positions) for m in (target, drafted) if m is not None and m.max_positions is not None]
+    limits = [(m.name, m.max_positions) for m in (target, drafted) if isinstance(m, Served) and m.max_positions is not None]
     for name, limit in limits:
         if launch.max_len is not None and launch.max_len > limit:
             raise ServeError(f"--max-len {launch.max_len} is over the max_position_embeddings {limit} of {name}")
@@ -128,12 +133,14 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
     # (penalties on: any request may carry presence, frequency or repetition penalties, and the
     # target's per-slot token counts cost slots x vocab x 5 bytes, counted by check_serving)
     tokenizer = target.tokenizer if target.hf else None
-    check_serving(target.model.config, drafted.model.config if drafted is not None else None, cfg,
+    draft_model = (drafted.model if isinstance(drafted, Served) else drafted.head) if drafted is not None else None
+    check_serving(target.model.config, draft_config(draft_model) if draft_model is not None else None, cfg,
                   names=(target.name, drafted.name if drafted is not None else "draft"),
                   vocab=tokenizer.vocab_size if tokenizer is not None else None)
-    target_model, draft_model = target.model, drafted.model if drafted is not None else None
+    target_model = target.model
     leader: TPLeader | None = None
     if launch.tp > 1:  # every check passed: start the group (the workers load the models as this process did)
+        assert not isinstance(drafted, ServedHead)  # (refused by ``load``)
         distributed.check_splits(launch.tp, [(target.name, target.model.config)] + ([(drafted.name, drafted.model.config)] if drafted else []))
         try:
             group = spawn_workers(launch.tp, [sys.executable, "-m", "compiler.online.engine_process", TP_WORKER, json.dumps(attrs.asdict(launch))],
@@ -142,6 +149,7 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
             raise ServeError(str(exc)) from None
         leader = TPLeader(group)
         try:
+            assert not isinstance(draft_model, HeadModel)
             target_model, draft_model = distributed.shards(group, target_model, draft_model)
         except BaseException:
             leader.shutdown()
@@ -384,6 +392,7 @@ def tp_worker(spec: str) -> int:
     ``WORLD_SIZE`` set): load the models as rank 0 did, join the group, serve rank 0's plans on this
     rank's shards until it shuts the group down (``compiler.offline.distributed.work``)."""
     from compiler.offline import distributed
+    from compiler.offline.models import ServedHead
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (as rank 0: the server stops the group)
     launch = Launch(**json.loads(spec))
@@ -396,6 +405,7 @@ def tp_worker(spec: str) -> int:
     except (BatchcError, OSError, ValueError) as exc:  # (rank 0 loaded the same models first: said once, here too)
         print(f"batchc: rank {rank}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
         return 2
+    assert not isinstance(drafted, ServedHead)  # (refused by ``load``)
     return distributed.work(rank, world, launched, (), launch.tp_timeout, target.model, drafted.model if drafted is not None else None)
 
 

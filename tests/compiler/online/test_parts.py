@@ -344,3 +344,23 @@ def test_the_engine_loop_serves_n_completions_with_logprobs() -> None:
     assert (ended[first[0]].reason, len(tokens[first[0]])) == ("length", 12)
     assert ended[first[1]].reason == "stop" and len(tokens[first[1]]) >= 2
     assert ended[second[0]].reason == ended[second[1]].reason == "abort"
+
+
+def test_the_engine_process_builds_a_draft_head_engine_and_refuses_it_with_tp_or_overlap() -> None:
+    import attrs
+
+    from compiler.engine.config import ServeConfig
+    from compiler.online import engine_process
+    from compiler.online.messages import Launch
+    from compiler.workload import ServeError
+
+    launch = Launch(model=None, draft="mtp", k=2, dtype="float32", max_running=2, max_len=64, overlap=False, threads=1,
+                    chunk_size=ServeConfig().chunk_size, token_budget=ServeConfig().token_budget, cache_entries=2)
+    engine, ready, _, _ = engine_process.build(launch)
+    try:
+        assert engine.head and ready.k == 2
+    finally:
+        engine.close()
+    for option in ({"overlap": True}, {"tp": 2}):
+        with pytest.raises(ServeError, match=r"--draft mtp \(a draft head\) with --(overlap|tp 2): not built yet"):
+            engine_process.load(attrs.evolve(launch, **option))

@@ -69,9 +69,19 @@ def test_route_refuses_bad_arguments(kwargs: dict[str, object], message: str) ->
 def test_dp2_outputs_equal_one_engine(tmp_path: Path) -> None:
     small = ["--requests", "8", "--max-new-tokens", "8", "--lossless-sample", "2"]
     one, two, summary = tmp_path / "one.jsonl", tmp_path / "two.jsonl", tmp_path / "dp.json"
-    for args in ([*small, "--outputs", str(one)], [*small, "--dp", "2", "--outputs", str(two), "--json", str(summary)]):
-        proc = subprocess.run([sys.executable, "-m", "compiler.cli", "run", *args], cwd=ROOT, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    # (independent runs: started together, they share the machine's cores)
+    procs = [subprocess.Popen([sys.executable, "-m", "compiler.cli", "run", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for args in ([*small, "--outputs", str(one)], [*small, "--dp", "2", "--outputs", str(two), "--json", str(summary)])]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-2000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert two.read_text() == one.read_text()
     total = json.loads(summary.read_text())
     assert total["dp"] == 2 and total["requests"] == 8 and total["outstanding_tickets"] == 0 and total["lossless_ok"] is True

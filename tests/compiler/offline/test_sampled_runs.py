@@ -25,15 +25,26 @@ LINES = [
 ]
 
 
-def _run(tmp_path: Path, name: str, *extra: str) -> list[dict[str, Any]]:
-    workload = tmp_path / "w.jsonl"
+def _start(tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.Popen[str], Path]:
+    workload = tmp_path / f"{name}.w.jsonl"  # (one each: the runs read theirs while the next is written)
     workload.write_text("\n".join(json.dumps(line) for line in LINES) + "\n")
     out = tmp_path / f"{name}.jsonl"
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "compiler.cli", "run", "--workload", str(workload), "--seed", "4", "--outputs", str(out), *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, out
+
+
+def _lines(started: tuple[subprocess.Popen[str], Path]) -> list[dict[str, Any]]:
+    proc, out = started
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -42,13 +53,23 @@ def _logprobs(lines: list[dict[str, Any]]) -> list[float]:
 
 
 def test_a_seeded_sampled_workload_gives_the_same_outputs_in_every_layout(tmp_path: Path) -> None:
-    base = _run(tmp_path, "base", "--max-running", "8")
+    # the runs are independent processes: started together, they share the machine's cores
+    layouts = (("one-overlap", ("--max-running", "1", "--overlap")), ("tp", ("--tp", "2")), ("dp", ("--dp", "2")))
+    started = {name: _start(tmp_path, name, *extra) for name, extra in (("base", ("--max-running", "8")), *layouts)}
+    try:
+        runs = {name: _lines(s) for name, s in started.items()}
+    finally:
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    base = runs["base"]
     assert len({tuple(line["output_ids"]) for line in base}) == len(base)  # (sampled at high temperatures: no two alike)
     # n = 3: three lines for the last prompt, completions 0 to 2, each its own sample
     assert [(line["rid"], line["index"]) for line in base] == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (4, 2)]
     # (one request at a time with executor processes: both layouts in one run)
-    for name, extra in (("one-overlap", ("--max-running", "1", "--overlap")), ("tp", ("--tp", "2")), ("dp", ("--dp", "2"))):
-        got = _run(tmp_path, name, *extra)
+    for name, _ in layouts:
+        got = runs[name]
         # the tokens are a function of the seeds; the logprobs of the logits, whose last bits depend on
         # what a forward batches together (and on the tensor-parallel split): equal to a tolerance
         strip = [{k: v for k, v in line.items() if k != "logprobs"} for line in got]

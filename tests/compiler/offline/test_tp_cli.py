@@ -68,11 +68,15 @@ def _check_ledgers(summary: dict[str, object]) -> None:
         assert counts["consumed"] == counts["minted"] and counts["consumed"]["tickets"] > 0 and counts["outstanding"] == 0
 
 
-def test_tp2_generates_the_tp1_tokens_with_every_rank_drained(tmp_path: Path) -> None:
-    (tmp_path / "tp1").mkdir()
-    (tmp_path / "tp2").mkdir()
-    base, one = _tp_run(tmp_path / "tp1", tp=None)
-    lines, summary = _tp_run(tmp_path / "tp2")
+@pytest.fixture(scope="module")
+def tp1(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict[str, object]]:
+    """The run on one process (no ``--tp``) that both ``--tp 2`` runs must equal: run once for the module."""
+    return _tp_run(tmp_path_factory.mktemp("tp1"), tp=None)
+
+
+def test_tp2_generates_the_tp1_tokens_with_every_rank_drained(tmp_path: Path, tp1: tuple[list[str], dict[str, object]]) -> None:
+    base, one = tp1
+    lines, summary = _tp_run(tmp_path)
     assert lines == base and len(lines) == 6
     _check_ledgers(summary)
     assert one["tp"] == 1 and "tp_ledgers" not in one
@@ -82,12 +86,10 @@ def test_tp2_generates_the_tp1_tokens_with_every_rank_drained(tmp_path: Path) ->
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun is not installed")
-def test_torchrun_launches_the_same_run(tmp_path: Path) -> None:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    base, _ = _tp_run(tmp_path / "a", tp=None)
+def test_torchrun_launches_the_same_run(tmp_path: Path, tp1: tuple[list[str], dict[str, object]]) -> None:
+    base, _ = tp1
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    lines, summary = _tp_run(tmp_path / "b", torchrun, "--nproc-per-node", "2", tp=None)  # --tp defaults to WORLD_SIZE
+    lines, summary = _tp_run(tmp_path, torchrun, "--nproc-per-node", "2", tp=None)  # --tp defaults to WORLD_SIZE
     assert lines == base
     _check_ledgers(summary)
 

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +117,30 @@ def _offline_lines(tmp_path: Path, proc: subprocess.Popen[str]) -> list[dict[str
     return sorted(outs, key=lambda o: int(o["rid"]))
 
 
-def _offline_text(tmp_path: Path, proc: subprocess.Popen[str]) -> str:
-    (out,) = _offline_lines(tmp_path, proc)
-    assert out["finish_reason"] == "length"
-    return str(out["text"])
+@pytest.fixture(scope="module")
+def offline_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], list[dict[str, object]]]]:
+    """One ``batchc run`` of every fixed workload line the API tests compare the server with (each a
+    request of its own, with its own seed where it samples), started when the first of them asks:
+    ``offline_runs(name)`` is that line's ``--outputs`` lines (one per completion)."""
+    lines = {"greedy": {"prompt": PROMPT, "max_new_tokens": 24}, "sampled": {"prompt": PROMPT, "max_new_tokens": 24, **SAMPLED},
+             "penalised": {"prompt": PROMPT, "max_new_tokens": 24, "temperature": 0, **PENALTIES}, "n": N_LINE,
+             "logprobs": LOGPROBS_LINE}
+    tmp = tmp_path_factory.mktemp("offline")
+    proc = _offline(tmp, PROMPT, 24, lines=list(lines.values()))
+    outs: list[dict[str, object]] = []
+
+    def read(name: str) -> list[dict[str, object]]:
+        if not outs:
+            outs.extend(_offline_lines(tmp, proc))
+        rid = list(lines).index(name)
+        return [o for o in outs if int(o["rid"]) == rid]  # type: ignore[call-overload]  # (a JSON number)
+
+    try:
+        yield read
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def _streamed(client: openai.OpenAI, **body: object) -> tuple[str, str | None, int]:
@@ -146,14 +166,14 @@ def _sse(lines: Iterator[str]) -> list[object]:
     return out
 
 
-def test_completion_is_batchc_runs_greedy_output_streaming_or_not(served: ServerProc, tmp_path: Path) -> None:
-    offline = _offline(tmp_path, PROMPT, 24)
+def test_completion_is_batchc_runs_greedy_output_streaming_or_not(served: ServerProc, offline_runs: Callable[[str], list[dict[str, object]]]) -> None:
     client = _client(served)
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage is not None
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (len(PROMPT), 24, len(PROMPT) + 24)
-    assert whole.choices[0].text == _offline_text(tmp_path, offline)
+    (out,) = offline_runs("greedy")
+    assert out["finish_reason"] == "length" and whole.choices[0].text == out["text"]
     pieces, usage, reasons = [], None, []
     for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
                                            stream_options={"include_usage": True}):
@@ -218,14 +238,14 @@ SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
 """The seeded sampled request of issue 30's item 7 (``whole`` below spells it out, for the client's types)."""
 
 
-def test_a_seeded_sampled_request_is_batchc_runs_output_streaming_or_not(served: ServerProc, tmp_path: Path) -> None:
+def test_a_seeded_sampled_request_is_batchc_runs_output_streaming_or_not(served: ServerProc,
+                                                                         offline_runs: Callable[[str], list[dict[str, object]]]) -> None:
     """Issue 30 item 7: the same tokens as ``batchc run --workload`` with the same line and model options."""
-    offline = _offline(tmp_path, PROMPT, 24, lines=[{"prompt": PROMPT, "max_new_tokens": 24, **SAMPLED}])
     client = _client(served)
     greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.9, seed=1234)
     streamed = _streamed(client, prompt=PROMPT, max_tokens=24, **SAMPLED)
-    (out,) = _offline_lines(tmp_path, offline)
+    (out,) = offline_runs("sampled")
     assert whole.usage is not None
     assert (whole.choices[0].text, whole.choices[0].finish_reason, whole.usage.completion_tokens) == (
         out["text"], out["finish_reason"], len(out["output_ids"]))  # type: ignore[arg-type]  # (a JSON list)
@@ -233,15 +253,17 @@ def test_a_seeded_sampled_request_is_batchc_runs_output_streaming_or_not(served:
     assert whole.choices[0].text != greedy  # (it sampled: this seed's tokens are not the greedy ones)
 
 
-def test_a_penalised_request_is_batchc_runs_output(served: ServerProc, tmp_path: Path) -> None:
+PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 1.0}
+
+
+def test_a_penalised_request_is_batchc_runs_output(served: ServerProc, offline_runs: Callable[[str], list[dict[str, object]]]) -> None:
     """The server keeps token counts: presence and frequency penalties change the tokens as they do
     in ``batchc run``."""
-    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0}
-    offline = _offline(tmp_path, PROMPT, 24, lines=[{"prompt": PROMPT, "max_new_tokens": 24, "temperature": 0, **penalties}])
+    penalties = PENALTIES
     client = _client(served)
     greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, **penalties)  # type: ignore[call-overload]  # (the test's fields)
-    (out,) = _offline_lines(tmp_path, offline)
+    (out,) = offline_runs("penalised")
     assert whole.choices[0].text == out["text"] and whole.choices[0].text != greedy
 
 
@@ -268,17 +290,17 @@ def _n_streamed(server: ServerProc, body: dict[str, object]) -> tuple[list[str],
     return texts, reasons, tokens, order
 
 
-def test_n_seeded_completions_are_batchc_runs_lines_streaming_or_not(served: ServerProc, tmp_path: Path) -> None:
+def test_n_seeded_completions_are_batchc_runs_lines_streaming_or_not(served: ServerProc,
+                                                                     offline_runs: Callable[[str], list[dict[str, object]]]) -> None:
     """``n = 3``: the choices (index 0 to 2) are ``batchc run``'s three ``--outputs`` lines of the same
     workload line, each cut at its own stop string; usage counts every choice's tokens and the prompt
     once; a stream interleaves the choices' chunks as their tokens come and ends with one [DONE]."""
-    offline = _offline(tmp_path, PROMPT, 24, lines=[N_LINE])
     body = {k: v for k, v in N_LINE.items() if k != "max_new_tokens"} | {"max_tokens": 24}
     _settled(served)  # (the api server keeps three completions in flight at most)
     whole = _post(served, "/v1/completions", {"model": MODEL, **body})
     assert whole.status_code == 200, whole.text
     streamed = _n_streamed(served, body)
-    outs = _offline_lines(tmp_path, offline)
+    outs = offline_runs("n")
     assert [o["index"] for o in outs] == [0, 1, 2]
     want = [(o["text"], o["finish_reason"]) for o in outs]
     assert {r for _, r in want} == {"length", "stop"}  # (the stop string ends some choices, not all)
@@ -346,11 +368,11 @@ def _close(got: object, want: object) -> bool:
     return got == want
 
 
-def test_logprobs_are_batchc_runs_cut_at_the_stop_string_streaming_or_not(served: ServerProc, tmp_path: Path) -> None:
+def test_logprobs_are_batchc_runs_cut_at_the_stop_string_streaming_or_not(served: ServerProc,
+                                                                          offline_runs: Callable[[str], list[dict[str, object]]]) -> None:
     """/v1/completions' ``logprobs: 3``: the tokens' texts, logprobs and top three alternatives of
     ``batchc run --outputs``, up to the token that completed the stop string, whole and streamed
     (the chunks' pieces joined, ``text_offset`` running on)."""
-    offline = _offline(tmp_path, PROMPT, 24, lines=[LOGPROBS_LINE])
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "logprobs": 3, "stop": ["."], **SAMPLED}
     whole = _post(served, "/v1/completions", body)
     assert whole.status_code == 200, whole.text
@@ -363,7 +385,7 @@ def test_logprobs_are_batchc_runs_cut_at_the_stop_string_streaming_or_not(served
                 pieces.append(choice["text"])
                 for key, values in (choice["logprobs"] or {}).items():
                     merged[key] += values
-    (out,) = _offline_lines(tmp_path, offline)
+    (out,) = offline_runs("logprobs")
     entries = out["logprobs"]
     assert isinstance(entries, list) and out["finish_reason"] == "stop" and len(entries) == len(out["output_ids"]) < 24  # type: ignore[arg-type]  # (JSON)
     assert [e["id"] for e in entries] == out["output_ids"]

@@ -112,8 +112,9 @@ class HeadConfig:
     mlp_hidden: int
 
     def __attrs_post_init__(self) -> None:
+        values = attrs.asdict(self, recurse=False)  # (read by name through attrs: no reflection)
         for name in _INT_FIELDS:
-            value = getattr(self, name)
+            value = values[name]
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {short_repr(value)}")
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)):

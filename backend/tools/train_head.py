@@ -142,10 +142,11 @@ class HeadTrainSettings:
     """Also measure held-out acceptance every this many steps (0: only at the end)."""
 
     def __attrs_post_init__(self) -> None:
+        values = attrs.asdict(self, recurse=False)  # (read by name through attrs: no reflection)
         for name in ("steps", "batch", "prompt_len", "seq_len", "sequences", "held_out_sequences", "gen_batch", "checkpoint_every",
                      "eval_stride"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            if values[name] <= 0:
+                raise ValueError(f"{name} must be positive, got {values[name]}")
         if self.seq_len <= self.prompt_len + MAX_K:
             raise ValueError(f"seq_len {self.seq_len} must exceed prompt_len {self.prompt_len} + {MAX_K}")
         if self.eval_every < 0:

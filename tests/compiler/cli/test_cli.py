@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,12 +46,17 @@ def test_bench_kernels_on_cpu_says_gpu_figures_need_a_gpu(capsys: pytest.Capture
     assert "bundled target decode" in out and "bundled target verify" in out  # the torch path against the per-row one
 
 
-def test_bench_iteration_prints_every_phase_in_decodes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "iteration", "--rows", "2", "--repeats", "1"]) == 0
-    out = capsys.readouterr().out
-    for phase in ("decode", "verify", "commit", "propose", "draft commit", "propose k", "draft extend"):
+def test_bench_iteration_prints_every_phase_in_decodes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    report = tmp_path / "iteration.json"
+    assert main(["bench", "iteration", "--rows", "2", "--repeats", "1", "--json", str(report)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (rich wraps the closing sentence)
+    phases = ("decode", "verify", "commit", "propose", "draft commit", "propose k", "draft extend", "head propose", "head commit")
+    for phase in phases:
         assert f" {phase} " in out
-    assert "iteration (verify + commit + propose + draft commit):" in out and "target decodes" in out
+    assert "iteration with the separate draft (verify + commit + propose + draft commit):" in out and "target decodes" in out
+    assert "with the draft head, --draft mtp (verify + commit + head propose + head commit):" in out
+    data = json.loads(report.read_text())
+    assert [p["phase"] for p in data["phases"]] == list(phases) and [i["draft"] for i in data["iterations"]] == ["model", "mtp"]
 
 
 def test_bad_option_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:

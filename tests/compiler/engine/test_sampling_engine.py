@@ -12,6 +12,7 @@ is the same on every run.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import numpy as np
 import pytest
@@ -60,11 +61,15 @@ def test_temperature_zero_and_top_k_one_are_greedy(k: int) -> None:
         assert [out[i + 1] for i in range(3)] == greedy, params
 
 
+@cache
 def _positions(k: int, n: int) -> np.ndarray:
-    """The first three output tokens of ``n`` seeded requests on one prompt, [n, 3]."""
+    """The first three output tokens of ``n`` seeded requests on one prompt, [n, 3] (served once per
+    (k, n): the seeds are fixed, so every test reading it reads the same tokens)."""
     params = SamplingParams(temperature=1.0, top_k=6)
     out = _serve(engine(k, seed=11, capacity=64, max_len=64), [PROMPTS[0]] * n, [params] * n, new=3)
-    return np.array([out[i + 1] for i in range(n)], dtype=np.int64)
+    tokens = np.array([out[i + 1] for i in range(n)], dtype=np.int64)
+    tokens.setflags(write=False)  # (shared by the tests that read it)
+    return tokens
 
 
 def _homogeneous(a: np.ndarray, b: np.ndarray) -> float:

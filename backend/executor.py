@@ -91,7 +91,7 @@ from backend.state_init import apply_counts_op, apply_op, check_fits, restoring
 from ir.columns import I64, frozen_i64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.head import HeadCommitPlan, HeadExtendPlan
-from ir.hidden import asked_hidden
+from ir.hidden import HiddenStates, asked_hidden
 from ir.ids import DraftId, PoolId, SampleId, VerifyId
 from ir.init import SERIAL_COUNTER_BITS, Op, Rows, Ticket, When, op_decl, op_groups, op_resets, op_slots, op_when, serial_epoch
 from ir.linear import consumes
@@ -325,7 +325,7 @@ class Executor(Generic[VerifyStateT]):
         out = self._extend_unit(plan, ext, rows, tickets, captures, forward)
         if keeps is not None:
             self._store(plan).keep(keeps, hidden[-1])  # (after the whole unit: a failed forward keeps nothing)
-        return self._prefill_sampled(plan, out)
+        return self._prefill_sampled(plan, out, keeps)
 
     def _extend_unit(
         self, plan: ExtendPlan | MixedPlan | HeadExtendPlan, ext: ExtendPlan | HeadExtendPlan, rows: list[int], tickets: list[Ticket[Op]],
@@ -434,7 +434,7 @@ class Executor(Generic[VerifyStateT]):
         if self.gate is not None:
             self.gate.applied(type(plan).__name__)
 
-    def _prefill_sampled(self, plan: ExtendPlan | MixedPlan, logits: torch.Tensor) -> Sampled:
+    def _prefill_sampled(self, plan: ExtendPlan | MixedPlan, logits: torch.Tensor, hidden: HiddenStates | None) -> Sampled:
         """``_sampled`` for a prefill: the tokens are the extend rows', then (mixed) the decode rows'.
         With a ``sample_id`` the extend part keeps the first token of every row it completes."""
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
@@ -453,7 +453,7 @@ class Executor(Generic[VerifyStateT]):
             for slot, token, more in zip(ext.slots.tolist(), _inputs_of(tokens[:n]), ext.more_chunks.tolist(), strict=True):
                 if not more:
                     self._samples[slot] = (ext.sample_id, token)
-        return Sampled(rids=plan.rids, tokens=tokens, logprobs=logprobs, hidden=asked_hidden(plan))
+        return Sampled(rids=plan.rids, tokens=tokens, logprobs=logprobs, hidden=hidden)
 
     def _after(self, claim: Claim, captures: Captures | None = None) -> None:
         """The ops that run after the forward (the prefix cache's snapshots)."""

@@ -52,14 +52,27 @@ from ir.init import InitIntent, MambaInit, MambaSnapshot
 from ir.sampling import SamplingRows
 
 
-def _intents(values: object) -> tuple[InitIntent, ...]:
+def intents_tuple(node: str, values: object) -> tuple[InitIntent, ...]:
+    """Converter of a prefill-shaped node's ``intents``: a tuple of ``InitIntent`` (errors name ``node``)."""
     if not isinstance(values, (tuple, list)):
-        raise IRValidationError("ExtendBatch", "intents", values, "must be a tuple of InitIntent")
+        raise IRValidationError(node, "intents", values, "must be a tuple of InitIntent")
     out = tuple(values)
     for v in out:
         if not isinstance(v, InitIntent):
-            raise IRValidationError("ExtendBatch", "intents", v, "every entry must be an InitIntent")
+            raise IRValidationError(node, "intents", v, "every entry must be an InitIntent")
     return out
+
+
+def _intents(values: object) -> tuple[InitIntent, ...]:
+    return intents_tuple("ExtendBatch", values)
+
+
+def check_intents_and_init(node: str, intents: tuple[InitIntent, ...], rows: int, init: MambaInit | None) -> None:
+    """A prefill-shaped node's local checks: one intent per row, and an empty ``MambaInit`` is ``None``."""
+    if len(intents) != rows:
+        raise IRValidationError(node, "intents", len(intents), f"length must equal len(rids) ({rows})")
+    if init is not None and init.is_empty:
+        raise IRValidationError(node, "init", init, "an empty MambaInit must be None")
 
 
 PREFIX_MAX = Bound("MAX_SEQ_LEN - extend_lens", lambda node: MAX_SEQ_LEN - node.extend_lens)
@@ -92,12 +105,7 @@ class ExtendBatch(ColumnNode, RequestRows):
     """Its rows' sampling parameters, aligned with them (``None``: every row greedy)."""
 
     def _check(self) -> None:
-        if len(self.intents) != self.rids.shape[0]:
-            raise IRValidationError(
-                "ExtendBatch", "intents", len(self.intents), f"length must equal len(rids) ({self.rids.shape[0]})"
-            )
-        if self.init is not None and self.init.is_empty:
-            raise IRValidationError("ExtendBatch", "init", self.init, "an empty MambaInit must be None")
+        check_intents_and_init("ExtendBatch", self.intents, int(self.rids.shape[0]), self.init)
 
     @property
     def num_tokens(self) -> int:

@@ -40,7 +40,7 @@ from typing import TypeAlias, cast, final
 
 import attrs
 
-from ir.batch import PREFIX_MAX
+from ir.batch import PREFIX_MAX, check_intents_and_init, intents_tuple
 from ir.columns import (
     I64,
     KV_NAMES,
@@ -73,13 +73,7 @@ def _check_hidden(node: str, value: object) -> None:
 
 
 def _intents(values: object) -> tuple[InitIntent, ...]:
-    if not isinstance(values, (tuple, list)):
-        raise IRValidationError("HeadExtendBatch", "intents", values, "must be a tuple of InitIntent")
-    out = tuple(values)
-    for v in out:
-        if not isinstance(v, InitIntent):
-            raise IRValidationError("HeadExtendBatch", "intents", v, "every entry must be an InitIntent")
-    return out
+    return intents_tuple("HeadExtendBatch", values)
 
 
 def _tickets(values: object) -> tuple[InitTicket, ...]:
@@ -112,12 +106,7 @@ class HeadExtendBatch(ColumnNode, RequestRows):
         _check_hidden("HeadExtendBatch", self.hidden_id)
 
     def _check(self) -> None:
-        if len(self.intents) != self.rids.shape[0]:
-            raise IRValidationError(
-                "HeadExtendBatch", "intents", len(self.intents), f"length must equal len(rids) ({self.rids.shape[0]})"
-            )
-        if self.init is not None and self.init.is_empty:
-            raise IRValidationError("HeadExtendBatch", "init", self.init, "an empty MambaInit must be None")
+        check_intents_and_init("HeadExtendBatch", self.intents, int(self.rids.shape[0]), self.init)
 
     @property
     def num_tokens(self) -> int:

@@ -22,10 +22,10 @@ import json
 import math
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import safetensors
@@ -39,6 +39,8 @@ from backend.hybrid.model import HybridModel
 from backend.hybrid.weights import Weights, check_weights, weight_shapes
 from backend.pool import device_problem
 from ir.errors import short_repr
+
+T = TypeVar("T")
 
 FORMAT = "batchc.hybrid/1"
 HEAD_FORMAT = "batchc.head/1"
@@ -69,16 +71,16 @@ def config_to_json(config: HybridConfig) -> str:
     return json.dumps({k: v for k, v in fields.items() if k not in ARCHITECTURE_SWITCHES or k in switched}, sort_keys=True)
 
 
-def _field_kind(field: Any) -> str:
+def _field_kind(cls: type[Any], field: Any) -> str:
     """``"int"``, ``"float"``, ``"int | None"``, ``"float | None"``, ``"bool"``, ``"choice"`` or
-    ``"layers"`` for a ``HybridConfig`` attribute."""
+    ``"layers"`` for an attribute of the config class ``cls``."""
     if field.name == "layers":
         return "layers"
     if field.name in _CHOICES:
         return "choice"
     annotation = str(field.type)
     if annotation not in ("int", "float", "int | None", "float | None", "bool"):  # pragma: no cover - a new field kind needs a rule here
-        raise TypeError(f"HybridConfig.{field.name}: no JSON rule for type {annotation!r}")
+        raise TypeError(f"{cls.__name__}.{field.name}: no JSON rule for type {annotation!r}")
     return annotation
 
 
@@ -93,26 +95,28 @@ def config_number(value: object) -> float | None:
         return math.inf if value > 0 else -math.inf
 
 
-def config_from_json(path: str | Path, text: str) -> HybridConfig:
-    """Parse and validate the ``config`` metadata of ``path`` (``CheckpointError`` naming the field)."""
+def config_kwargs(path: str | Path, text: str, cls: type[Any], what: str) -> dict[str, Any]:
+    """The constructor arguments of the attrs class ``cls`` (a model's or a head's config) from its
+    JSON ``config`` metadata, each field checked by its kind (``_field_kind``); ``CheckpointError``
+    naming ``what`` and the field."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CheckpointError(path, f"bad config metadata: not JSON ({e})") from None
+        raise CheckpointError(path, f"bad {what} metadata: not JSON ({e})") from None
     if not isinstance(raw, dict):
-        raise CheckpointError(path, f"bad config metadata: expected a JSON object, got {type(raw).__name__}")
-    fields = {f.name: f for f in attrs.fields(HybridConfig)}
+        raise CheckpointError(path, f"bad {what} metadata: expected a JSON object, got {type(raw).__name__}")
+    fields = {f.name: f for f in attrs.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise CheckpointError(path, f"bad config: unknown field {unknown[0]!r}")
+        raise CheckpointError(path, f"bad {what}: unknown field {unknown[0]!r}")
     kwargs: dict[str, Any] = {}
     for name, field in fields.items():
         if name not in raw:
             if field.default is attrs.NOTHING:
-                raise CheckpointError(path, f"bad config: missing field {name!r}")
+                raise CheckpointError(path, f"bad {what}: missing field {name!r}")
             continue
         value = raw[name]
-        kind = _field_kind(field)
+        kind = _field_kind(cls, field)
         if kind.endswith(" | None"):
             if value is None:
                 kwargs[name] = None
@@ -120,27 +124,33 @@ def config_from_json(path: str | Path, text: str) -> HybridConfig:
             kind = kind.removesuffix(" | None")
         if kind == "choice":
             if value not in _CHOICES[name]:
-                raise CheckpointError(path, f"bad config: field {name!r} must be one of {list(_CHOICES[name])}, got {short_repr(value)}")
+                raise CheckpointError(path, f"bad {what}: field {name!r} must be one of {list(_CHOICES[name])}, got {short_repr(value)}")
             kwargs[name] = value
         elif kind == "bool":
             if not isinstance(value, bool):
-                raise CheckpointError(path, f"bad config: field {name!r} must be true or false, got {short_repr(value)}")
+                raise CheckpointError(path, f"bad {what}: field {name!r} must be true or false, got {short_repr(value)}")
             kwargs[name] = value
         elif kind == "layers":
             if not isinstance(value, list) or not all(isinstance(k, str) and k in LAYER_KINDS for k in value):
-                raise CheckpointError(path, f"bad config: field 'layers' must be a list of {list(LAYER_KINDS)}, got {value!r}")
+                raise CheckpointError(path, f"bad {what}: field 'layers' must be a list of {list(LAYER_KINDS)}, got {value!r}")
             kwargs[name] = tuple(value)
         elif kind == "int":
             if isinstance(value, bool) or not isinstance(value, int):
-                raise CheckpointError(path, f"bad config: field {name!r} must be an integer, got {value!r}")
+                raise CheckpointError(path, f"bad {what}: field {name!r} must be an integer, got {value!r}")
             kwargs[name] = value
         else:
             parsed = config_number(value)
             number = math.nan if parsed is None else parsed
             if not math.isfinite(number):
                 shown = short_repr(value) if not isinstance(value, int) else f"an integer of {len(str(abs(value)))} digits"
-                raise CheckpointError(path, f"bad config: field {name!r} must be a finite number, got {shown}")
+                raise CheckpointError(path, f"bad {what}: field {name!r} must be a finite number, got {shown}")
             kwargs[name] = number
+    return kwargs
+
+
+def config_from_json(path: str | Path, text: str) -> HybridConfig:
+    """Parse and validate the ``config`` metadata of ``path`` (``CheckpointError`` naming the field)."""
+    kwargs = config_kwargs(path, text, HybridConfig, "config")
     try:
         return HybridConfig(**kwargs)
     except ValueError as e:
@@ -197,12 +207,22 @@ def read_checkpoint(path: str | Path) -> tuple[HybridConfig, Weights, dict[str, 
     against it from the header before any tensor is read, one at a time."""
     p = Path(path)
     _regular_size(p)
+
+    def read(f: Any) -> tuple[HybridConfig, Weights, dict[str, str]]:
+        meta = f.metadata()
+        if meta is None:
+            raise CheckpointError(p, "missing config metadata (the safetensors header has no __metadata__)")
+        return _read(p, f, dict(meta))
+
+    return read_safetensors(p, read)
+
+
+def read_safetensors(p: Path, read: Callable[[Any], T]) -> T:
+    """``read(f)`` of the opened safetensors file ``p`` (its header and offsets validated on open); a
+    file that cannot be read or is not safetensors is a ``CheckpointError`` in one line."""
     try:
-        with safetensors.safe_open(str(p), framework="pt") as f:  # validates the header and offsets
-            meta = f.metadata()
-            if meta is None:
-                raise CheckpointError(p, "missing config metadata (the safetensors header has no __metadata__)")
-            return _read(p, f, dict(meta))
+        with safetensors.safe_open(str(p), framework="pt") as f:
+            return read(f)
     except CheckpointError:
         raise
     except OSError as e:

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from backend.files import CheckpointError
 from backend.hybrid import functional, reference
-from backend.hybrid.checkpoint import FORMAT, HEAD_FORMAT, _regular_size, config_number
+from backend.hybrid.checkpoint import FORMAT, HEAD_FORMAT, _regular_size, config_kwargs, read_safetensors
 from backend.hybrid.config import LAYER_KINDS, MAX_LAYERS, HybridConfig, LayerKind
 from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.model import HybridModel, greedy, rms_norm
@@ -294,20 +294,7 @@ class HeadModel:
         ``h_{-1} = 0``, given the target's hidden states ``hidden [T, d]`` of the same tokens
         ``ids [T]`` (e.g. from ``backend.hybrid.reference.reference_hidden``). Written with the
         token-loop reference's layers (``backend.hybrid.reference``), independent of the kernels."""
-        if ids.dim() != 1 or ids.dtype != torch.int64 or ids.shape[0] == 0:
-            raise ValueError(f"ids must be an int64 [length] tensor with length >= 1, got {ids.dtype} {tuple(ids.shape)}")
-        d = self.config.d_model
-        if tuple(hidden.shape) != (ids.shape[0], d):
-            raise ValueError(f"hidden must be [length, {d}] = {(ids.shape[0], d)}, got {tuple(hidden.shape)}")
-        c = self.layers_config
-        w = {n: t.float() for n, t in self.weights.items()}
-        tw = self.target.weights
-        emb = tw["embed"].float()[ids.to(self.device)] * c.embed_scale
-        prev = torch.cat((torch.zeros_like(hidden[:1]), hidden[:-1])).float().to(self.device)
-        u = torch.cat((reference._norm(emb, w["norm_embed"], c.rms_eps), reference._norm(prev, w["norm_hidden"], c.rms_eps)), dim=-1) @ w["fc"].T
-        o = reference.reference_layers(self.body, u)
-        out = tw["embed" if c.tie_embeddings else "lm_head"].float()
-        return (reference._norm(o, tw["final_norm"].float(), c.rms_eps) @ out.T) * c.logit_scale
+        return self.reference_outputs(hidden, ids)[0]
 
     def reference_outputs(self, hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``reference``'s logits and the head's own output hidden states ``o [T, d]`` (float32),
@@ -353,10 +340,10 @@ class HeadModel:
 
     def new_kv_cache(self, capacity: int) -> KVCache:
         """The head's own KV cache (its attention layers), addressed by the target's KV locations."""
-        return KVCache.for_config(self.layers_config, capacity, dtype=self.dtype, device=self.device)
+        return self.body.new_kv_cache(capacity)
 
     def new_token_table(self, max_slots: int, max_len: int) -> TokenTable:
-        return TokenTable(max_slots, max_len, device=self.device)
+        return self.body.new_token_table(max_slots, max_len)
 
     def reads_target_hidden(self) -> bool:
         """A draft head (``backend.model.ReadsTargetHidden``): its phases read the target's hidden states."""
@@ -567,36 +554,7 @@ def is_head_checkpoint(path: str | Path) -> bool:
 
 def head_config_from_json(path: str | Path, text: str) -> HeadConfig:
     """Parse and validate a head's ``config`` metadata (``CheckpointError`` naming the field)."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(path, f"bad head config metadata: not JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(path, f"bad head config metadata: expected a JSON object, got {type(raw).__name__}")
-    fields = {f.name: f for f in attrs.fields(HeadConfig)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise CheckpointError(path, f"bad head config: unknown field {unknown[0]!r}")
-    kwargs: dict[str, Any] = {}
-    for name, field in fields.items():
-        if name not in raw:
-            if field.default is attrs.NOTHING:
-                raise CheckpointError(path, f"bad head config: missing field {name!r}")
-            continue
-        value = raw[name]
-        if name == "layers":
-            if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
-                raise CheckpointError(path, f"bad head config: field 'layers' must be a list of strings, got {short_repr(value)}")
-            kwargs[name] = tuple(value)
-        elif name == "rope_theta":
-            number = config_number(value)
-            if number is None or not math.isfinite(number):
-                raise CheckpointError(path, f"bad head config: field 'rope_theta' must be a finite number, got {short_repr(value)}")
-            kwargs[name] = number
-        else:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise CheckpointError(path, f"bad head config: field {name!r} must be an integer, got {short_repr(value)}")
-            kwargs[name] = value
+    kwargs = config_kwargs(path, text, HeadConfig, "head config")
     try:
         return HeadConfig(**kwargs)
     except ValueError as e:
@@ -609,16 +567,7 @@ def read_head(path: str | Path) -> tuple[HeadConfig, Weights, dict[str, str]]:
     name). Names and shapes are checked from the header before any tensor is read."""
     p = Path(path)
     _regular_size(p)  # a regular file within MAX_CHECKPOINT_BYTES
-    try:
-        with safetensors.safe_open(str(p), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            return _read_head(p, f, meta)
-    except CheckpointError:
-        raise
-    except OSError as e:
-        raise CheckpointError(p, f"cannot read the file ({e.strerror})") from None
-    except Exception as e:  # the Rust reader raises SafetensorError, odd bytes may raise others
-        raise CheckpointError(p, f"not a safetensors file or corrupt ({e})") from None
+    return read_safetensors(p, lambda f: _read_head(p, f, dict(f.metadata() or {})))
 
 
 def _read_head(p: Path, f: Any, meta: dict[str, str]) -> tuple[HeadConfig, Weights, dict[str, str]]:

@@ -57,8 +57,9 @@ from ir.columns import I64, frozen_i64
 from ir.ids import MambaSlot, RequestId, SampleId
 from ir.mint import mint_sample_id
 from ir.request import AdmittedRequest
-from ir.results import NON_FINITE, Logprobs
+from ir.results import NON_FINITE, Logprobs, Verified
 from ir.sampling import SamplingRows
+from ir.spec import AcceptResult, CommitBatch
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext
 
@@ -493,23 +494,14 @@ class Forwards:
         on_draft = self.runner.submit(self.draft, dcplan)
         # in executor processes both commits run while the host does the rest of the iteration
         # and the next step's passes; a commit that failed fails the next step (``settle``)
-        # each row's rejected positions are the tail of its window, the last entries of its context
-        for rid, m in zip(rids, committed.accept_pos.tolist(), strict=True):
-            if m < k:
-                del self.requests[rid].context[m - k :]
-        self.kv_refs.unref(committed.released_kv)
+        self._drop_rejected(rids, committed)
         self.running = self.pipeline.merge(DecodeBatch.empty(), draft_committed)
         for s in (on_target, on_draft):
             if s.in_flight:
                 self._deferred.append(s)
             else:
                 self.runner.wait(s)
-        bonus = bonus_tokens(verified, result.accepted.tolist(), k)  # the bonus, or NON_FINITE: _emit ends that row
-        emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(result.accepted.tolist(), bonus, strict=True))]
-        self._count_iteration(rids, k, result.accepted)
-        at = [[i * (k + 1) + j for j in range(len(toks))] for i, toks in enumerate(emitted)]  # (window position j's entry)
-        self._emit(rids, emitted, verified_result.logprobs, at)
-        self._finish()
+        self._emit_iteration(rids, drafts, verified_result, result)
 
     def _speculate_with_head(self) -> None:
         """One speculative iteration with a draft head: the head proposes k tokens per row from its
@@ -531,24 +523,33 @@ class Forwards:
         assert hidden is not None  # (``checked``: the verify asked for them)
         _, hplan = self.pipeline.head_commit(committed, hidden)
         self.runner.run(self.draft, hplan)
+        self._drop_rejected(rids, committed)
+        self.running = self.pipeline.merge(DecodeBatch.empty(), committed)
+        self._emit_iteration(rids, drafts, verified_result, result)
+
+    def _drop_rejected(self, rids: Sequence[RequestId], committed: CommitBatch) -> None:
+        """Each row's rejected positions are the tail of its window, the last entries of its
+        context: dropped there, and their KV locations released."""
+        k = committed.k
         for rid, m in zip(rids, committed.accept_pos.tolist(), strict=True):
             if m < k:
                 del self.requests[rid].context[m - k :]
         self.kv_refs.unref(committed.released_kv)
-        self.running = self.pipeline.merge(DecodeBatch.empty(), committed)
-        bonus = bonus_tokens(verified, result.accepted.tolist(), k)  # the bonus, or NON_FINITE: _emit ends that row
-        emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(result.accepted.tolist(), bonus, strict=True))]
-        self._count_iteration(rids, k, result.accepted)
-        at = [[i * (k + 1) + j for j in range(len(toks))] for i, toks in enumerate(emitted)]  # (window position j's entry)
-        self._emit(rids, emitted, verified_result.logprobs, at)
-        self._finish()
 
-    def _count_iteration(self, rids: Sequence[RequestId], k: int, accepted: I64) -> None:
+    def _emit_iteration(self, rids: Sequence[RequestId], drafts: list[list[int]], verified: Verified, result: AcceptResult) -> None:
+        """Emit each row's accepted proposals and its bonus token (``NON_FINITE``: ``_emit`` ends
+        that row), count the iteration, and finish the requests that ended."""
+        k, accepted = verified.k, result.accepted
+        bonus = bonus_tokens(verified.tokens, accepted.tolist(), k)
+        emitted = [drafts[i][:m] + [b] for i, (m, b) in enumerate(zip(accepted.tolist(), bonus, strict=True))]
         self.stats.iterations += 1
         self.stats.row_iterations += len(rids)
         self.stats.proposed += k * len(rids)
         self.stats.accepted += int(accepted.sum())
         self.progress.requests += len(rids)
+        at = [[i * (k + 1) + j for j in range(len(toks))] for i, toks in enumerate(emitted)]  # (window position j's entry)
+        self._emit(rids, emitted, verified.logprobs, at)
+        self._finish()
 
     def _alloc_for(self, rids: Sequence[RequestId], per_row: int) -> I64:
         kv = self.kv_refs.alloc(len(rids) * per_row)

@@ -440,9 +440,15 @@ def parser() -> argparse.ArgumentParser:
                     help="with --temperature > 0: the sampled requests' top_p in (0, 1] (default 1: off)")
     bs.add_argument("--k", dest="ks", metavar="K", type=_int_in(0, MAX_K), nargs="+", default=None,
                     help=f"the k measured, each with every engine (default: 0 2; at most {MAX_K})")
-    bs.add_argument("--draft", dest="drafts", choices=("model", "mtp"), nargs="+", default=None,
-                    help="the draft kinds measured at k > 0: model, the bundled separate draft (every engine); mtp, the bundled "
-                    "target's trained draft head (the compiled engine only: the baselines have no head yet) (default: model)")
+    bs.add_argument("--model", metavar="PATH", type=_path_arg,
+                    help="the target, as batchc run's --model: a batchc checkpoint or a Hugging Face checkpoint directory, whose "
+                    "tokenizer then encodes the built-in prompts and which the compiled engine alone serves (the baselines speak "
+                    "bytes) (default: the bundled byte-level model)")
+    bs.add_argument("--draft", dest="drafts", metavar="DRAFT", type=_path_arg, nargs="+", default=None,
+                    help="the drafts measured at k > 0, at most one of each kind: model, the bundled separate draft (every "
+                    "engine); mtp, the bundled target's trained draft head (the compiled engine only: the baselines have no head "
+                    "yet); or a PATH, a draft head file (batchc train-draft; kind mtp) or a draft model with the target's "
+                    "vocabulary (kind model) (default: model, for the bundled target)")
     bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")
     bs.add_argument("--sweep", metavar="B", type=_int_in(1, MAX_REQUESTS), nargs="*", default=None,

@@ -18,6 +18,7 @@ from compiler.cli.output import OutputFile, check_output
 from compiler.manager import PassManager
 
 if TYPE_CHECKING:  # the tools are imported by the commands that run them
+    from compiler.offline.models import Served, ServedHead
     from compiler.tools.ab import AbReport
     from compiler.tools.bench_serve import Sampling
 
@@ -158,10 +159,13 @@ def _bench_sampler(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_serve(args: argparse.Namespace, console: Console) -> int:
-    from backend.hybrid.checkpoint import default_draft, default_target
+    import torch
+
+    from backend.hybrid.checkpoint import default_draft
     from compiler.engine import prefill_first
-    from compiler.offline import ServeConfig, check_serving
-    from compiler.tools.bench_serve import ENGINES, KS, builtin_cases, run_serve_bench, sweep_cases
+    from compiler.offline import ServeConfig, WorkloadError, check_serving
+    from compiler.offline.models import Served, ServedHead, draft_config, load_served
+    from compiler.tools.bench_serve import ENGINES, KS, Tokens, builtin_cases, run_serve_bench, sweep_cases
     from compiler.workload import ARRIVALS, BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
 
     sweep = args.sweep is not None
@@ -190,29 +194,53 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     sizes = tuple(dict.fromkeys(args.sweep or SWEEP_RUNNING)) if sweep else ()
     arrivals = tuple(dict.fromkeys(args.arrivals or ARRIVALS))
     ks = tuple(dict.fromkeys(args.ks)) if args.ks else KS
-    drafts = tuple(dict.fromkeys(args.drafts)) if args.drafts else ("model",)
+    served = load_served(args.model, role="target", dtype=torch.float32, bundled="target")
+    if args.drafts is None and served.name != "bundled target" and max(ks) > 0:
+        raise UsageError(f"--model {args.model} at k = {max(ks)}: give --draft (a head file from batchc train-draft, or a draft "
+                         "model with its vocabulary); the bundled drafts draft for the bundled target")
+    if args.drafts is not None and max(ks) == 0:
+        raise UsageError(f"--draft {' '.join(args.drafts)} with --k 0 only: k = 0 runs no draft")
+    drafted = _bench_drafts(args.drafts or ["model"], served) if max(ks) > 0 else {}
+    drafts = tuple(drafted)
     if not sweep and max(ks) > 2:
         bound = ServeConfig(k=max(ks)).builtin_max_new_tokens
         if new_tokens > bound:
             raise UsageError(f"--max-new-tokens {new_tokens} is over {bound} at k = {max(ks)}: the longest built-in prompt plus k + 1 must fit 512")
-    cases = sweep_cases(sizes, sampled=sampled, ks=ks, drafts=drafts) if sweep else builtin_cases(
-        requests=requests, max_new_tokens=new_tokens, arrivals=arrivals, cfg=compiled_cfg, sampled=sampled, ks=ks, drafts=drafts,
-    )
-    target, draft = default_target(), default_draft()
-    head = None
-    if "mtp" in drafts:
-        from backend.hybrid.checkpoint import HEAD_FILE, bundled_path
-        from backend.hybrid.head import load_head
-
-        head = load_head(bundled_path(HEAD_FILE), target)
+    tokens = Tokens(served.tokenizer, served.model.config.vocab) if served.hf else None
+    try:
+        cases = sweep_cases(sizes, sampled=sampled, ks=ks, drafts=drafts, tokens=tokens) if sweep else builtin_cases(
+            requests=requests, max_new_tokens=new_tokens, arrivals=arrivals, cfg=compiled_cfg, sampled=sampled, ks=ks, drafts=drafts,
+            tokens=tokens,
+        )
+    except WorkloadError as exc:
+        raise UsageError(f"--model {args.model}: {exc}") from None
+    for case in cases:
+        too_long = [q for q in case.requests if len(q.token_ids) + q.max_new_tokens + case.cfg.reserve > case.cfg.max_len]
+        if too_long:
+            q = too_long[0]
+            raise UsageError(f"built-in request {q.rid}: {len(q.token_ids)} prompt tokens + {q.max_new_tokens} new tokens + k + 1 = "
+                             f"{case.cfg.reserve} exceed the context limit {case.cfg.max_len}; lower --max-new-tokens")
+    target = served.model
+    separate = drafted.get("model")
+    # the baselines' k = 0 runs hold a draft too: the bundled one beside the bundled byte-level target
+    draft = separate.model if isinstance(separate, Served) else None if served.hf else default_draft()
+    helper = drafted.get("mtp")
+    head = helper.head if isinstance(helper, ServedHead) else None
+    names = {"none": "draft", **{kind: d.name for kind, d in drafted.items()}}
     for case in cases:  # every engine of every case within the memory bound, before anything is allocated
-        check_serving(target.config, draft.config, case.cfg, compare_mutable=True, names=("bundled target", "bundled draft"))
+        drafting = head if case.draft == "mtp" else draft
+        check_serving(target.config, draft_config(drafting) if drafting is not None and case.k else None, case.cfg,
+                      compare_mutable=case.baselines, names=(served.name, names[case.draft]),
+                      vocab=tokens.tokenizer.vocab_size if tokens is not None else None)
     from compiler.offline import distributed
 
     rank, world, launched = distributed.placement(args.tp)
     if world > 1 or args.tp is not None:
         if head is not None:
-            raise UsageError("--draft mtp with --tp: a draft head under tensor parallelism is not built yet")
+            raise UsageError(f"--draft {_head_given(args.drafts)} with --tp: a draft head under tensor parallelism is not built yet")
+        if args.model is not None:
+            raise UsageError(f"--model {args.model} with --tp: the tensor-parallel bench serves the bundled models")
+        assert draft is not None  # (the bundled target's: a separate draft, or the bundled one)
         if args.overlap:
             raise UsageError(f"--tp {world} with --overlap: the tensor-parallel bench measures the group against one process")
         if sampled is not None:
@@ -231,14 +259,16 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                               f"{', compiled sampled' if sampled is not None else ''}, then again)")
 
             if head is not None and args.overlap:
-                raise UsageError("--draft mtp with --overlap: a draft head runs in the target's process (for now)")
+                raise UsageError(f"--draft {_head_given(args.drafts)} with --overlap: a draft head runs in the target's process (for now)")
             rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress, head=head)
         what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
         c = cases[0].cfg
         how = ("" if sweep else f"; compiled: chunks of {c.chunk_size}, {c.token_budget} prefill tokens a step, "
                f"{prefill_first(c.prefill_streak).describe()}, {c.cache_entries} cache entries")
-        table = Table(title=f"bench serve: {what}, bundled target and draft{how}",
+        models = "bundled target and draft" if served.name == "bundled target" and set(names.values()) <= _BUNDLED_DRAFTS else (
+            f"{served.name}" + "".join(f", {kind} = {name}" for kind, name in names.items() if kind != "none"))
+        table = Table(title=f"bench serve: {what}, {models}{how}",
                       caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running, sampling), with their range",
                       box=box.SIMPLE_HEAD, padding=0)  # (one space between columns: its 16 fit the 140 characters of a pipe)
         for h in ("arrivals" if not sweep else "running", "k", "engine", "draft", "sampling", "tokens", "steps", "tok/s", "range", "vs fixed",
@@ -265,7 +295,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                "each request's seed derived from seed 0 and its id; the compiled engine only, the baselines decode greedily) "
                "over the compiled greedy row's" if sampled is not None else "")
             + ". accept: accepted draft tokens / proposed at k > 0; acc len: tokens a row emits per speculative iteration "
-            "(accepted + the bonus). draft: model = the bundled separate draft, mtp = the bundled draft head (compiled only). sampler: the time in the executor's sampler calls over "
+            "(accepted + the bonus). draft: model = a separate draft model, mtp = a draft head (compiled only). sampler: the time in the executor's sampler calls over "
             "the time inside model forwards, median of the repeats (the compiled engine in one process only; the sampler alone "
             "against a decode step at 8 and 128 rows: batchc bench sampler). mutable = the pre-fix baseline (replays stale init "
             f"ops); neither baseline has a prefix cache. {time.perf_counter() - t0:.0f} s in all.",
@@ -273,6 +303,40 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         )
         output.write(json.dumps([r.to_json() for r in rows], indent=2))
     return 0
+
+
+def _head_given(drafts: list[str] | None) -> str:
+    """The ``--draft`` value that named the head (``mtp`` or a head file; the first not ``model``)."""
+    return next((d for d in drafts or () if d != "model"), "mtp")
+
+
+_BUNDLED_DRAFTS = frozenset({"draft", "bundled draft", "bundled draft head"})
+"""Draft names that leave a ``bench serve`` title at "bundled target and draft"."""
+
+
+def _bench_drafts(given: list[str], served: Served) -> dict[str, Served | ServedHead]:
+    """``bench serve --draft``'s drafts by kind (``"model"``, ``"mtp"``), in the order given: ``model``
+    is the bundled separate draft, ``mtp`` the bundled head, anything else a path to a head or a
+    draft model (``compiler.offline.models.load_draft``), each checked against the target."""
+    import attrs
+    import torch
+
+    from compiler.offline.models import Served, check_same_vocabulary, draft_kind, load_draft
+
+    out: dict[str, Served | ServedHead] = {}
+    for d in dict.fromkeys(given):
+        drafted = load_draft(None if d == "model" else d, target=served, dtype=torch.float32)
+        if isinstance(drafted, Served):
+            if d == "model":
+                drafted = attrs.evolve(drafted, name="bundled draft")
+            check_same_vocabulary(served, drafted)
+        elif d == "mtp":
+            drafted = attrs.evolve(drafted, name="bundled draft head")
+        kind = draft_kind(drafted)
+        if kind in out:
+            raise UsageError(f"--draft {d}: a second draft of kind {kind} (after {out[kind].name}); rows are named by kind, so give one of each")
+        out[kind] = drafted
+    return out
 
 
 def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], target: Any, draft: Any, world: int, launched: bool,

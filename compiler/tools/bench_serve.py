@@ -20,11 +20,15 @@ the fixed baseline's and over its own at k = 0 (ratios of the medians).
 Workloads: the built-in one (``builtin_cases``), or the running-batch sweep (``sweep_cases``): B
 short requests arriving together at step 0, for each B, with the engines sized for B.
 
-Drafts: at k > 0 each case is served with each draft kind asked for (``--draft``): ``model``, the
-bundled separate draft (every engine), and ``mtp``, the bundled target's trained draft head
-(``backend.hybrid.head``; the compiled engine only: the baselines have no head yet); k = 0 runs no
-draft (``none``). Rows name their kind (``draft``); ``vs k=0`` compares with the same engine's k = 0
-row.
+Drafts: at k > 0 each case is served with each draft kind asked for (``--draft``): ``model``, a
+separate draft model (the bundled one by default; every engine), and ``mtp``, a draft head
+(``backend.hybrid.head``: the bundled target's trained one, or a head file; the compiled engine
+only: the baselines have no head yet); k = 0 runs no draft (``none``). Rows name their kind
+(``draft``); ``vs k=0`` compares with the same engine's k = 0 row.
+
+Targets: the bundled byte-level model by default; with ``Tokens`` (a Hugging Face checkpoint's
+tokenizer, ``--model DIR``) the built-in prompts are served as its token ids, on the compiled
+engine only (the baselines speak bytes).
 
 Sampling: every case is greedy unless it is given a temperature > 0 (``--temperature``,
 ``--top-p``): then each workload is measured twice at each k, greedy and with every request sampled
@@ -53,8 +57,9 @@ from backend.hybrid.model import HybridModel
 from compiler.engine import SpecStats
 from compiler.offline import Request, ServeConfig, builtin_workload, make_engine, serve
 from compiler.offline.latency import Latencies
-from compiler.offline.load import sampling_params
+from compiler.offline.load import sampling_params, tokenize_workload
 from compiler.offline.summary import host_ms_per_step
+from compiler.offline.tokenizer import Tokenizer
 from compiler.tools.compare_mutable import WARM_UP_REQUESTS, make_mutable, serve_mutable, warm_up
 from compiler.tools.timed import SamplerClock, TimedHead, TimedModel, timing_sampler
 from compiler.workload import ARRIVALS, SNIPPETS, SWEEP_NEW_TOKENS, SYSTEM_PREFIXES
@@ -121,12 +126,16 @@ class BenchCase:
     """How every request of the case chooses its tokens (``requests`` carry it)."""
     draft: str = "model"
     """``"none"`` (k = 0), ``"model"`` (the separate draft) or ``"mtp"`` (the draft head)."""
+    baselines: bool = True
+    """Whether the mutable baselines can serve its requests: they speak bytes, so a target with a
+    tokenizer of its own (a Hugging Face checkpoint: ``requests`` carry its token ids) is served by
+    the compiled engine only."""
 
     @property
     def engines(self) -> tuple[str, ...]:
-        """The engines that can serve the case: all of them greedy with a separate draft (or none),
-        the compiled one sampled or with a head."""
-        return ("compiled",) if self.sampling.sampled or self.draft == "mtp" else ENGINES
+        """The engines that can serve the case: all of them greedy with a separate draft (or none)
+        on byte prompts, the compiled one sampled, with a head or on a tokenizer's ids."""
+        return ("compiled",) if self.sampling.sampled or self.draft == "mtp" or not self.baselines else ENGINES
 
 
 def _drafts(k: int, drafts: Sequence[str]) -> tuple[str, ...]:
@@ -134,19 +143,34 @@ def _drafts(k: int, drafts: Sequence[str]) -> tuple[str, ...]:
     return ("none",) if k == 0 else tuple(drafts)
 
 
+@attrs.frozen
+class Tokens:
+    """A target's own tokenizer (a Hugging Face checkpoint's) and its model's vocabulary size: the
+    built-in prompts (UTF-8 text) are served as its token ids."""
+
+    tokenizer: Tokenizer
+    vocab: int
+
+
+def _tokenized(workload: list[Request], tokens: Tokens | None) -> list[Request]:
+    """``workload`` on ``tokens``' tokenizer (``tokenize_workload``), or as it is (byte prompts)."""
+    return workload if tokens is None else tokenize_workload(workload, tokens.tokenizer, vocab=tokens.vocab)
+
+
 def builtin_cases(
     *, requests: int, max_new_tokens: int, ks: Sequence[int] = KS, arrivals: Sequence[str] = ARRIVALS, cfg: ServeConfig | None = None,
-    sampled: Sampling | None = None, drafts: Sequence[str] = ("model",),
+    sampled: Sampling | None = None, drafts: Sequence[str] = ("model",), tokens: Tokens | None = None,
 ) -> list[BenchCase]:
     """The built-in workload (shared prefixes, chunked prompts) for each arrival pattern at each k,
     with ``batchc run``'s default configuration (``cfg``: another one, its k replaced); with a
-    ``sampled`` temperature > 0, each pattern again at each k with every request sampled."""
+    ``sampled`` temperature > 0, each pattern again at each k with every request sampled; with
+    ``tokens``, the prompts as that tokenizer's ids (the compiled engine only)."""
     base = cfg if cfg is not None else ServeConfig()
     cases = []
     for pattern in arrivals:
-        workload = builtin_workload(num_requests=requests, max_new_tokens=max_new_tokens, arrivals=pattern, seed=base.seed)
+        workload = _tokenized(builtin_workload(num_requests=requests, max_new_tokens=max_new_tokens, arrivals=pattern, seed=base.seed), tokens)
         cases += [BenchCase(workload="builtin", arrivals=pattern, k=k, cfg=attrs.evolve(base, k=k), requests=tuple(map(s.of, workload)),
-                            sampling=s, draft=d) for s in samplings(sampled) for k in ks for d in _drafts(k, drafts)]
+                            sampling=s, draft=d, baselines=tokens is None) for s in samplings(sampled) for k in ks for d in _drafts(k, drafts)]
     return cases
 
 
@@ -163,23 +187,23 @@ def sweep_workload(running: int, *, new_tokens: int = SWEEP_NEW_TOKENS, seed: in
 
 
 def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int = SWEEP_NEW_TOKENS,
-                sampled: Sampling | None = None, drafts: Sequence[str] = ("model",)) -> list[BenchCase]:
+                sampled: Sampling | None = None, drafts: Sequence[str] = ("model",), tokens: Tokens | None = None) -> list[BenchCase]:
     """The sweep workload for each running batch ``B`` in ``sizes`` at each k (with a ``sampled``
-    temperature > 0, again sampled). Every engine is sized
+    temperature > 0, again sampled; with ``tokens``, as that tokenizer's ids). Every engine is sized
     for ``B`` requests at once (``max_running = B``, the context limit cut to what the short prompts
     need, so the KV caches hold ``B`` contexts), and the compiled engine's prefill budget is ``B``
     chunks, so the whole batch prefills in its first steps as the baseline's does in one forward."""
     base = ServeConfig()
     cases = []
     for b in sizes:
-        workload = tuple(sweep_workload(b, new_tokens=new_tokens))
-        need = max(len(r.prompt) for r in workload) + new_tokens + max(ks) + 1
+        workload = tuple(_tokenized(sweep_workload(b, new_tokens=new_tokens), tokens))
+        need = max(len(r.token_ids) for r in workload) + new_tokens + max(ks) + 1
         max_len = -(-need // base.cache_block) * base.cache_block
         for s in samplings(sampled):
             for k in ks:
                 cfg = ServeConfig(k=k, max_running=b, token_budget=b * base.chunk_size, max_len=max_len, lossless_sample=0)
                 cases += [BenchCase(workload="sweep", arrivals="together", k=k, cfg=cfg, requests=tuple(map(s.of, workload)), sampling=s,
-                                    draft=d) for d in _drafts(k, drafts)]
+                                    draft=d, baselines=tokens is None) for d in _drafts(k, drafts)]
     return cases
 
 
@@ -232,7 +256,7 @@ class ServeRun:
 
 
 def measure(
-    case: BenchCase, engine: str, target: TimedModel, draft: TimedModel, *, repeat: int = 0, overlap: bool = False,
+    case: BenchCase, engine: str, target: TimedModel, draft: TimedModel | None, *, repeat: int = 0, overlap: bool = False,
     sampler: SamplerClock | None = None, head: TimedHead | None = None,
 ) -> ServeRun:
     """Serve ``case`` once on ``engine`` (one of ``ENGINES``; a sampled case: the compiled one only),
@@ -244,10 +268,13 @@ def measure(
         raise ValueError(f"engine must be one of {case.engines} for a {case.sampling.label} case, got {engine!r}")
     if case.draft == "mtp" and head is None:
         raise ValueError("a case with the draft head (draft 'mtp') needs the head")
-    drafting: TimedModel | TimedHead = head if case.draft == "mtp" and head is not None else draft
-    target.seconds = draft.seconds = 0.0
-    if head is not None:
-        head.seconds = 0.0
+    if draft is None and (engine != "compiled" or (case.k and case.draft == "model")):
+        raise ValueError(f"a case of draft kind {case.draft!r} at k = {case.k} on engine {engine!r} needs the separate draft")
+    drafting: TimedModel | TimedHead | None = head if case.draft == "mtp" and head is not None else draft
+    target.seconds = 0.0
+    for timed_draft in (draft, head):
+        if timed_draft is not None:
+            timed_draft.seconds = 0.0
     peak = 0
     latency = Latencies()
     stats: SpecStats
@@ -270,13 +297,14 @@ def measure(
                 sampler.seconds = 0.0
             start = time.perf_counter()
             wall, kinds = serve(drv, case.requests, max_running=cfg.max_running, on_step=sample, latency=latency)
-            model_s = drv.busy_seconds(start, time.perf_counter()) if overlap else target.seconds + drafting.seconds
+            model_s = drv.busy_seconds(start, time.perf_counter()) if overlap else target.seconds + (drafting.seconds if drafting else 0.0)
             steps, outputs = sum(kinds.values()), drv.outputs
             if sampler is not None and not overlap:
                 sampler_s = sampler.seconds
     else:
         if overlap:
             raise ValueError("only the compiled engine runs with overlap")
+        assert draft is not None  # (checked above)
         eng = make_mutable(target, draft, cfg, k=case.k, fixed=engine == "mutable-fixed")
 
         def sample() -> None:
@@ -426,7 +454,7 @@ def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
 
 def run_serve_bench(
     target: HybridModel,
-    draft: HybridModel,
+    draft: HybridModel | None,
     cases: Sequence[BenchCase],
     *,
     repeats: int,
@@ -438,16 +466,20 @@ def run_serve_bench(
     """Warm every engine up on every case, then serve every case on every engine ``repeats`` times,
     interleaved (each repeat runs every case's engines in turn; with ``overlap``, the compiled
     engine with overlap right after it; a sampled case, the compiled engine only), timing the
-    sampler calls of the in-process compiled runs, and summarise the medians.
+    sampler calls of the in-process compiled runs, and summarise the medians. ``draft``: the
+    separate draft (``None`` when no case drafts with one and no baseline runs: the baselines'
+    k = 0 runs hold a draft too).
     ``on_run(done, total, run)`` reports progress (``run`` is None before the first)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    t, d = TimedModel(target), TimedModel(draft)
+    t, d = TimedModel(target), (TimedModel(draft) if draft is not None else None)
     h = TimedHead(head) if head is not None else None
     for case in cases:
         if case.draft == "mtp" and h is None:
             raise ValueError("a case with the draft head (draft 'mtp') needs head=")
-        if case.sampling.sampled or case.draft == "mtp":  # the baselines do not serve it
+        if d is None and (case.engines != ("compiled",) or (case.k and case.draft == "model")):
+            raise ValueError(f"a case of draft kind {case.draft!r} at k = {case.k} needs draft= (a separate draft)")
+        if case.engines == ("compiled",):  # the baselines do not serve it
             serve(make_engine(t, h if case.draft == "mtp" and h is not None else d, case.cfg, None, cache=True, k=case.k, overlap=False),
                   case.requests[:WARM_UP_REQUESTS], max_running=case.cfg.max_running)
         else:

@@ -95,7 +95,8 @@ def test_bench_serve_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert row["tpot_ms_p50"] is not None  # two new tokens each: one gap per request
     assert "median of 1 interleaved repeats per (arrivals, k, engine, running, sampling), with their range" in out
     assert "vs fixed" in out and "vs k=0" in out and "host ms" in out and "TTFT" in out and "TPOT" in out
-    assert "sampling" in out and "accept" in out and "sampler" in out and "batchc bench sampler" in out
+    flat = " ".join(out.split())  # (the console wraps the caption where the terminal width falls)
+    assert "sampling" in out and "accept" in out and "sampler" in out and "batchc bench sampler" in flat
     assert "vs greedy" not in out and {r["sampling"] for r in rows} == {"greedy"}
 
 
@@ -360,3 +361,77 @@ def test_builtin_cases_serve_each_draft_kind_at_each_k_above_0() -> None:
     assert [(c.k, c.draft, c.engines) for c in cases] == [
         (0, "none", ENGINES), (1, "model", ENGINES), (1, "mtp", ("compiled",)), (3, "model", ENGINES), (3, "mtp", ("compiled",)),
     ]
+
+
+@pytest.fixture(scope="module")
+def hf_target_and_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Hugging Face Granite-4.0-H directory (its own BPE tokenizer) and an untrained draft
+    head file for it: ``bench serve --model DIR --draft HEAD`` reads them as an operator's would."""
+    import torch
+
+    from backend.hybrid.head import HeadConfig, init_head_weights, save_head
+    from backend.tools.hf_random import save_hf_model, save_tokenizer
+    from compiler.offline.models import load_served
+
+    root = tmp_path_factory.mktemp("hf_bench")
+    directory = root / "granite"
+    directory.mkdir()
+    save_hf_model("granitemoehybrid", directory, vocab_size=320)
+    save_tokenizer(directory, vocab_size=320)
+    served = load_served(str(directory), role="target", dtype=torch.float32, bundled="target")
+    config = HeadConfig.for_target(served.model.config, ("mamba",))
+    save_head(root / "head.safetensors", config, init_head_weights(config, 0))
+    return directory, root / "head.safetensors"
+
+
+def test_bench_serve_a_hugging_face_target_with_its_head(hf_target_and_head: tuple[Path, Path], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The built-in prompts on the checkpoint's tokenizer, k = 0 and the head at k = 2, the compiled
+    engine only (the baselines speak bytes); the title names the models."""
+    directory, head = hf_target_and_head
+    rows, out = _rows(["--model", str(directory), "--draft", str(head), "--requests", "3", "--max-new-tokens", "3", "--repeats", "1",
+                       "--arrivals", "bursts"], tmp_path, capsys)
+    assert [(r["k"], r["engine"], r["draft"]) for r in rows] == [(0, "compiled", "none"), (2, "compiled", "mtp")]
+    asked = sum(r.max_new_tokens for r in builtin_cases(requests=3, max_new_tokens=3, ks=(0,), arrivals=("bursts",))[0].requests)
+    assert rows[0]["tokens"] == rows[1]["tokens"] == asked and rows[1]["accepted_length"] is not None  # no end-of-sequence id: all of them
+    assert f"target {directory} (Granite-4.0-H), mtp = draft head {head}" in " ".join(out.split())
+
+
+def test_bench_cases_on_a_tokenizer_are_served_by_the_compiled_engine_only(hf_target_and_head: tuple[Path, Path]) -> None:
+    import torch
+
+    from compiler.offline.models import load_served
+    from compiler.tools.bench_serve import Tokens
+
+    served = load_served(str(hf_target_and_head[0]), role="target", dtype=torch.float32, bundled="target")
+    tokens = Tokens(served.tokenizer, served.model.config.vocab)
+    for cases in (builtin_cases(requests=3, max_new_tokens=2, ks=(0, 2), arrivals=("bursts",), drafts=("mtp",), tokens=tokens),
+                  sweep_cases([2], ks=(0, 2), drafts=("mtp",), tokens=tokens)):
+        assert [c.engines for c in cases] == [("compiled",), ("compiled",)]
+        for c in cases:  # the prompts' own text, as the checkpoint's tokenizer encodes it
+            assert all(r.ids == tuple(served.tokenizer.encode(r.prompt.decode())) for r in c.requests)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--model", "{dir}"], "--model {dir} at k = 2: give --draft (a head file from batchc train-draft, or a draft model with its vocabulary)"),
+        (["--model", "{dir}", "--draft", "model"], "bundled draft: its vocabulary is not the one of target {dir} (Granite-4.0-H)"),
+        (["--model", "{dir}", "--draft", "mtp"], "--draft mtp is the bundled target's trained head; for target {dir} (Granite-4.0-H) give --draft HEAD_FILE"),
+        (["--draft", "{head}"], "draft {head}: head d_model 64 does not match the target's d_model 96 (bundled target)"),
+        (["--draft", "mtp", "backend/hybrid/weights/mtp.safetensors"],
+         "--draft backend/hybrid/weights/mtp.safetensors: a second draft of kind mtp (after bundled draft head)"),
+        (["--k", "0", "--draft", "mtp"], "--draft mtp with --k 0 only: k = 0 runs no draft"),
+        (["--model", "{dir}", "--draft", "{head}", "--overlap"], "--draft {head} with --overlap: a draft head runs in the target's process"),
+        (["--draft", ""], "argument --draft: expected a path, got ''"),
+    ],
+)
+def test_bench_serve_refuses_mismatched_models_in_one_line(argv: list[str], said: str, hf_target_and_head: tuple[Path, Path],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    directory, head = hf_target_and_head
+    try:
+        code = main(["bench", "serve", *(a.format(dir=directory, head=head) for a in argv), "--requests", "2", "--max-new-tokens", "2"])
+    except SystemExit as exc:  # (argparse's own refusals exit from the parser)
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and said.format(dir=directory, head=head) in err, err

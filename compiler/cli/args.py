@@ -446,8 +446,8 @@ def parser() -> argparse.ArgumentParser:
                     "bytes) (default: the bundled byte-level model)")
     bs.add_argument("--draft", dest="drafts", metavar="DRAFT", type=_path_arg, nargs="+", default=None,
                     help="the drafts measured at k > 0, at most one of each kind: model, the bundled separate draft (every "
-                    "engine); mtp, the bundled target's trained draft head (the compiled engine only: the baselines have no head "
-                    "yet); or a PATH, a draft head file (batchc train-draft; kind mtp) or a draft model with the target's "
+                    "engine); mtp, the bundled target's trained draft head (every engine: the baselines get the same head); "
+                    "or a PATH, a draft head file (batchc train-draft; kind mtp) or a draft model with the target's "
                     "vocabulary (kind model) (default: model, for the bundled target)")
     bs.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=BENCH_SERVE_REPEATS,
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")

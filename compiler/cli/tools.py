@@ -295,7 +295,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                "each request's seed derived from seed 0 and its id; the compiled engine only, the baselines decode greedily) "
                "over the compiled greedy row's" if sampled is not None else "")
             + ". accept: accepted draft tokens / proposed at k > 0; acc len: tokens a row emits per speculative iteration "
-            "(accepted + the bonus). draft: model = a separate draft model, mtp = a draft head (compiled only). sampler: the time in the executor's sampler calls over "
+            "(accepted + the bonus). draft: model = a separate draft model, mtp = a draft head (the baselines get the same one). sampler: the time in the executor's sampler calls over "
             "the time inside model forwards, median of the repeats (the compiled engine in one process only; the sampler alone "
             "against a decode step at 8 and 128 rows: batchc bench sampler). mutable = the pre-fix baseline (replays stale init "
             f"ops); neither baseline has a prefix cache. {time.perf_counter() - t0:.0f} s in all.",

@@ -21,9 +21,11 @@ Workloads: the built-in one (``builtin_cases``), or the running-batch sweep (``s
 short requests arriving together at step 0, for each B, with the engines sized for B.
 
 Drafts: at k > 0 each case is served with each draft kind asked for (``--draft``): ``model``, a
-separate draft model (the bundled one by default; every engine), and ``mtp``, a draft head
-(``backend.hybrid.head``: the bundled target's trained one, or a head file; the compiled engine
-only: the baselines have no head yet); k = 0 runs no draft (``none``). Rows name their kind
+separate draft model (the bundled one by default), and ``mtp``, a draft head
+(``backend.hybrid.head``: the bundled target's trained one, or a head file), every engine with the
+same draft (the mutable baselines run a head as upstream does: a draft extend after each target
+prefill and after each verify, the pre-fix one replaying stale init ops on the head's pool); k = 0
+runs no draft (``none``). Rows name their kind
 (``draft``); ``vs k=0`` compares with the same engine's k = 0 row.
 
 Targets: the bundled byte-level model by default; with ``Tokens`` (a Hugging Face checkpoint's
@@ -135,7 +137,7 @@ class BenchCase:
     def engines(self) -> tuple[str, ...]:
         """The engines that can serve the case: all of them greedy with a separate draft (or none)
         on byte prompts, the compiled one sampled, with a head or on a tokenizer's ids."""
-        return ("compiled",) if self.sampling.sampled or self.draft == "mtp" or not self.baselines else ENGINES
+        return ("compiled",) if self.sampling.sampled or not self.baselines else ENGINES
 
 
 def _drafts(k: int, drafts: Sequence[str]) -> tuple[str, ...]:
@@ -304,8 +306,8 @@ def measure(
     else:
         if overlap:
             raise ValueError("only the compiled engine runs with overlap")
-        assert draft is not None  # (checked above)
-        eng = make_mutable(target, draft, cfg, k=case.k, fixed=engine == "mutable-fixed")
+        assert drafting is not None  # (checked above)
+        eng = make_mutable(target, drafting, cfg, k=case.k, fixed=engine == "mutable-fixed")
 
         def sample() -> None:
             nonlocal peak
@@ -315,7 +317,7 @@ def measure(
         before = (stats.proposed, stats.accepted, stats.row_iterations)
         wall, steps = serve_mutable(eng, case.requests, max_running=cfg.max_running, on_step=sample, latency=latency)
         outputs = eng.outputs
-        model_s = target.seconds + draft.seconds
+        model_s = target.seconds + drafting.seconds
     return ServeRun(
         workload=case.workload, arrivals=case.arrivals, k=case.k, engine=engine, overlap=overlap, running=peak,
         tokens=sum(map(len, outputs.values())), steps=steps, wall_s=wall, model_s=model_s, repeat=repeat, max_running=cfg.max_running,
@@ -483,7 +485,7 @@ def run_serve_bench(
             serve(make_engine(t, h if case.draft == "mtp" and h is not None else d, case.cfg, None, cache=True, k=case.k, overlap=False),
                   case.requests[:WARM_UP_REQUESTS], max_running=case.cfg.max_running)
         else:
-            warm_up(case.requests, t, d, case.cfg)
+            warm_up(case.requests, t, h if case.draft == "mtp" else d, case.cfg)
 
     def kinds(case: BenchCase) -> list[tuple[str, bool]]:
         return [(e, o) for e in engines if e in case.engines for o in ((False, True) if overlap and e == "compiled" else (False,))]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from backend.hybrid.head import HeadModel
 from backend.hybrid.model import HybridModel
 from compiler.baselines.spec import MutableSpecEngine
 from compiler.offline import MutableRun, Request, ServeConfig, make_engine, serve
@@ -21,7 +22,7 @@ WARM_UP_REQUESTS = 2
 and lazy initialisation."""
 
 
-def make_mutable(target: HybridModel, draft: HybridModel, cfg: ServeConfig, *, k: int, fixed: bool = False) -> MutableSpecEngine:
+def make_mutable(target: HybridModel, draft: HybridModel | HeadModel, cfg: ServeConfig, *, k: int, fixed: bool = False) -> MutableSpecEngine:
     """The mutable baseline sized like ``make_engine``'s engine for ``cfg`` (``cfg.max_running``
     requests of up to ``cfg.max_len`` tokens, and the system prefixes); pre-fix unless ``fixed``."""
     return MutableSpecEngine(target, draft, k=k, capacity=cfg.max_running + len(SYSTEM_PREFIXES) + 2,
@@ -60,7 +61,7 @@ def serve_mutable(
     return wall, steps
 
 
-def warm_up(workload: Sequence[Request], target: HybridModel, draft: HybridModel | None, cfg: ServeConfig) -> None:
+def warm_up(workload: Sequence[Request], target: HybridModel, draft: HybridModel | HeadModel | None, cfg: ServeConfig) -> None:
     """Serve the first ``WARM_UP_REQUESTS`` requests of ``workload``, unmeasured, through the compiled
     engine and (with a draft) both mutable baselines, at ``cfg.k``."""
     warm = list(workload)[:WARM_UP_REQUESTS]

@@ -359,7 +359,7 @@ def test_each_draft_kind_is_a_row_of_its_own_with_its_accepted_length() -> None:
 def test_builtin_cases_serve_each_draft_kind_at_each_k_above_0() -> None:
     cases = builtin_cases(requests=2, max_new_tokens=2, ks=(0, 1, 3), arrivals=("bursts",), drafts=("model", "mtp"))
     assert [(c.k, c.draft, c.engines) for c in cases] == [
-        (0, "none", ENGINES), (1, "model", ENGINES), (1, "mtp", ("compiled",)), (3, "model", ENGINES), (3, "mtp", ("compiled",)),
+        (0, "none", ENGINES), (1, "model", ENGINES), (1, "mtp", ENGINES), (3, "model", ENGINES), (3, "mtp", ENGINES),
     ]
 
 
@@ -435,3 +435,17 @@ def test_bench_serve_refuses_mismatched_models_in_one_line(argv: list[str], said
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and said.format(dir=directory, head=head) in err, err
+
+
+def test_bench_serve_runs_the_head_on_every_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--draft mtp``: the bundled head on the compiled engine and on both baselines (which run it
+    as upstream does), every engine generating the same greedy tokens; the pre-fix baseline's
+    stale replays on the head's pool are what ``batchc ab --draft mtp`` counts."""
+    rows, _ = _rows(["--k", "0", "2", "--draft", "mtp", "--requests", "3", "--max-new-tokens", "4", "--repeats", "1", "--arrivals", "bursts"],
+                    tmp_path, capsys)
+    assert [(r["k"], r["engine"], r["draft"]) for r in rows] == [(0, e, "none") for e in ENGINES] + [(2, e, "mtp") for e in ENGINES]
+    assert len({r["tokens"] for r in rows}) == 1
+    fixed = next(r for r in rows if r["k"] == 2 and r["engine"] == "mutable-fixed")
+    compiled = next(r for r in rows if r["k"] == 2 and r["engine"] == "compiled")
+    assert compiled["tokens_per_s_vs_mutable_fixed"] == pytest.approx(compiled["tokens_per_s"] / fixed["tokens_per_s"])  # type: ignore[operator]
+    assert compiled["accepted"] == fixed["accepted"]  # the fixed baseline proposes what the compiled engine does

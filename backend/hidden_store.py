@@ -113,6 +113,18 @@ class HiddenStore:
         """The phase that read ``hid`` ran: the states are no longer held (a replay finds none)."""
         del self._held[hid]
 
+    def __contains__(self, hid: object) -> bool:
+        return hid in self._held
+
+    def hand_over(self, hid: HiddenId) -> tuple[HiddenStates, torch.Tensor]:
+        """Give the states held under ``hid`` to another process's store (``backend.remote``: a
+        target's executor process hands them back with its result, the scheduler hands them on with
+        the head's plan); this store no longer holds them, as if a phase had taken them."""
+        held = self._held.pop(hid, None)
+        if held is None:
+            raise PlanExecutionError(f"hidden #{hid} is not held here: already handed over or read by a head phase, or dropped")
+        return held.handle, held.states
+
     def forget(self) -> None:
         """Drop every held entry (their requests were aborted; a head phase naming one finds none)."""
         self._held.clear()

@@ -57,16 +57,19 @@ from backend.allocator import SlotAllocator
 from backend.boundary import BackendGone, ForwardFailed
 from backend.counts import token_counts
 from backend.executor import Executor
+from backend.hidden_store import HiddenStore
 from backend.ledger import Claim, Ledger
-from backend.model import ReadsTargetHidden, ServedModel
+from backend.model import ServedModel
 from ir.columns import check_instance
 from ir.errors import BatchcError, IRValidationError
-from ir.ids import PoolId, TicketSerial
+from ir.head import HeadCommitPlan, HeadExtendPlan
+from ir.hidden import HiddenStates
+from ir.ids import HiddenId, PoolId, TicketSerial
 from ir.init import Op, Ticket, op_slots, this_epoch
 from ir.linear import consumes, keeps_linear
 from ir.nodes import Plan
 from ir.plan import ExtendPlan, MixedPlan
-from ir.results import Result
+from ir.results import Result, Sampled, Verified
 from ir.wire import pack, unpack
 
 _log = logging.getLogger("batchc.remote")
@@ -95,7 +98,7 @@ class ExecutorGone(BackendGone):
 
 def plan_tickets(plan: Plan, pool: PoolId) -> list[Ticket[Op]]:
     """The one-shot tickets a plan carries for ``pool``, in the order their ops run."""
-    ext = plan if isinstance(plan, ExtendPlan) else plan.extend if isinstance(plan, MixedPlan) else None
+    ext = plan if isinstance(plan, (ExtendPlan, HeadExtendPlan)) else plan.extend if isinstance(plan, MixedPlan) else None
     return [] if ext is None else list(ext.tickets_for(pool))
 
 
@@ -129,16 +132,20 @@ class ExecutorProcess:
         transactional: bool = False,
         threads: int = 1,
         penalties: bool = False,
+        hidden: HiddenStore | None = None,
     ) -> None:
         """Arguments are checked here (``IRValidationError`` naming ``ExecutorProcess.<argument>``);
         the model is pickled to the child, which builds the pool, the serving hook and (with
         ``penalties``, for the target) the token counts (``backend.counts``) and reports ready
-        (an error there is raised here, as ``ExecutorRefused`` or ``ForwardFailed``)."""
+        (an error there is raised here, as ``ExecutorRefused`` or ``ForwardFailed``). ``hidden``:
+        where the target's hidden states wait between its process and its draft head's (a store
+        both ``ExecutorProcess``es share; default: one of its own)."""
         check_instance("ExecutorProcess", "model", model, ServedModel)
         check_instance("ExecutorProcess", "ledger", ledger, Ledger)
         check_instance("ExecutorProcess", "slots", slots, SlotAllocator, optional=True)
         check_instance("ExecutorProcess", "transactional", transactional, bool)
         check_instance("ExecutorProcess", "penalties", penalties, bool)
+        check_instance("ExecutorProcess", "hidden", hidden, HiddenStore, optional=True)
         for name, value in (("capacity", capacity), ("kv_capacity", kv_capacity), ("max_len", max_len), ("threads", threads)):
             if type(value) is not int or value < 1:
                 raise IRValidationError("ExecutorProcess", name, value, "must be an int >= 1")
@@ -147,6 +154,9 @@ class ExecutorProcess:
         self.pool_id = pool_id
         self.ledger = ledger
         self.slots = slots
+        self.hidden = hidden if hidden is not None else HiddenStore()
+        """Hidden states handed back by this child (a target's ``keep_hidden`` plans), waiting for
+        the head plan that names them; the head's ``submit`` hands them on to its child, once."""
         self._live_ok: tuple[bytes, int] | None = None
         self._proc, self._conn = children.spawn_module("backend.remote")
         self._next = 0
@@ -214,7 +224,7 @@ class ExecutorProcess:
         claim = self.ledger.claim(tickets, self.pool_id, rows, type(plan).__name__, ordered=True)
         try:
             data = pack(self._next, plan)
-            self._send(("plan", data))
+            self._send(("plan", data, self._hand_on(plan)))
         except BaseException:
             claim.settle(())
             raise
@@ -222,6 +232,13 @@ class ExecutorProcess:
         self._next += 1
         self._pending.append(p)
         return p
+
+    def _hand_on(self, plan: Plan) -> tuple[HiddenStates, torch.Tensor] | None:
+        """The hidden states a head plan reads, out of the shared store, to travel with it (once: a
+        plan sent again after a failed forward finds them still held in the child, a replayed one
+        finds them nowhere and the child refuses it naming the id)."""
+        hid = read_hidden_id(plan)
+        return self.hidden.hand_over(hid) if hid is not None and hid in self.hidden else None
 
     def wait(self, pending: boundary.Pending) -> Result:
         """The result of ``pending`` (reading every earlier reply first), or its error raised (or
@@ -261,7 +278,9 @@ class ExecutorProcess:
         self._control("share", int(src), int(dst), int(length))
 
     def forget_verifies(self) -> None:
-        """``Executor.forget_verifies`` in the child: kept verify and draft states and samples go."""
+        """``Executor.forget_verifies`` in the child: kept verify and draft states and samples go
+        (and the hidden states this side holds for a head plan)."""
+        self.hidden.forget()
         self._control("forget")
 
     def cancel_outstanding(self, reason: str) -> None:
@@ -356,6 +375,8 @@ class ExecutorProcess:
             p.claim.settle(consumed)
         if kind == "done":
             p.result = reply[1]  # (IR nodes unpickle through their constructors: checked)
+            if reply[2] is not None:  # a target's hidden states, for the head plan that names them
+                self.hidden.keep(*reply[2])
         else:
             p.error = _error(reply)
             if p.plan is None and self._control_error is None:
@@ -438,7 +459,8 @@ def _serve(
         ledger = Ledger()
         ledger.trust_peer(parent_epoch, "scheduler")
         counts = token_counts(pool, model.vocab) if penalties else None
-        ex: Executor[Any] = Executor(pool, ledger, hook, transactional=transactional, counts=counts)
+        hidden = HiddenStore()  # a target's kept hidden states go back with its result; a head's come with its plan
+        ex: Executor[Any] = Executor(pool, ledger, hook, transactional=transactional, counts=counts, hidden=hidden)
     except BaseException as exc:  # noqa: BLE001 (reported to the scheduler, which raises it)
         conn.send_bytes(_dumps(_failed(exc, t0, [])))
         return
@@ -454,14 +476,19 @@ def _serve(
             return
         t0 = time.perf_counter()
         tickets: list[Ticket[Op]] = []
+        handed: tuple[HiddenStates, torch.Tensor] | None = None
         try:
             out: Result | None = None
             if kind == "plan":
                 plan = unpack(msg[1], expect_step=number).plan
                 number += 1
+                if msg[2] is not None:
+                    hidden.keep(*msg[2])
                 tickets = plan_tickets(plan, pool_id)
                 ledger.register(tickets)
                 out = ex.execute(plan)  # (results pickle as IR nodes: tokens, not logits)
+                kept = kept_hidden_id(out)
+                handed = hidden.hand_over(kept) if kept is not None else None
             elif kind == "share":
                 hook.share_prefix(msg[1], msg[2], msg[3])
             elif kind == "forget":
@@ -478,7 +505,23 @@ def _serve(
         except BaseException as exc:  # noqa: BLE001 (reported to the scheduler, which raises it)
             conn.send_bytes(_dumps(_failed(exc, t0, _consumed(ledger, tickets))))
             continue
-        conn.send_bytes(_dumps(("done", out, t0, time.perf_counter(), _consumed(ledger, tickets))))
+        conn.send_bytes(_dumps(("done", out, handed, t0, time.perf_counter(), _consumed(ledger, tickets))))
+
+
+def read_hidden_id(plan: Plan) -> HiddenId | None:
+    """The hidden states a head plan reads, by id (``None`` for every other plan)."""
+    if isinstance(plan, HeadExtendPlan):
+        return plan.hidden_id
+    if isinstance(plan, HeadCommitPlan):
+        return plan.batch.hidden_id
+    return None
+
+
+def kept_hidden_id(out: Result | None) -> HiddenId | None:
+    """The hidden states a target's result hands back a handle on, by id (``None`` for none)."""
+    if isinstance(out, (Sampled, Verified)) and out.hidden is not None:
+        return out.hidden.hidden_id
+    return None
 
 
 def _dumps(msg: tuple[object, ...]) -> bytes:
@@ -559,9 +602,6 @@ class Processes:
         return "Processes()" if self.threads is None else f"Processes(threads={self.threads})"
 
     def refusal(self, models: Mapping[PoolId, ServedModel[Any]], *, retries: int) -> str | None:
-        heads = [pool for pool, model in models.items() if isinstance(model, ReadsTargetHidden) and model.reads_target_hidden()]
-        if heads:
-            return f"executor processes: the draft head of pool {heads[0]!r} reads the target's hidden states where they are computed, so it runs in process (for now)"
         return None
 
     def open(
@@ -572,11 +612,14 @@ class Processes:
         started are stopped and the error is raised."""
         threads = self.threads if self.threads is not None else torch.get_num_threads()
         started: list[ExecutorProcess] = []
+        # a draft head reads the target's hidden states: they come back with the target's result
+        # and go on with the head's plan, through one store on this side
+        hidden = HiddenStore()
         try:
             for pool, model in models.items():
                 started.append(ExecutorProcess(
                     model, pool_id=pool, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, ledger=ledger, slots=slots,
-                    transactional=retries > 0, threads=threads, penalties=penalties,
+                    transactional=retries > 0, threads=threads, penalties=penalties, hidden=hidden,
                 ))
             backends = ProcessBackends(started[0], started[1] if len(started) > 1 else None)
             backends.ready()

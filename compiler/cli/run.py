@@ -113,10 +113,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         draft: DraftModel | None = drafted.model
     else:
         draft = drafted.head if drafted is not None else None
-        # a head reads the target's hidden states where the target runs: in this process, for now
-        for option, on in (("--tp", (args.tp or 1) > 1), ("--overlap", args.overlap), ("--compare-mutable", args.compare_mutable)):
+        # under tensor parallelism each rank would need the head beside its shard (not built yet)
+        for option, on in (("--tp", (args.tp or 1) > 1), ("--compare-mutable", args.compare_mutable)):
             if drafted is not None and on:
-                raise UsageError(f"--draft {shown_path(args.draft)} (a draft head) with {option}: not built yet (a head runs in the target's process)")
+                raise UsageError(f"--draft {shown_path(args.draft)} (a draft head) with {option}: not built yet")
     cfg = ServeConfig(
         seed=args.seed, k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
         cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,

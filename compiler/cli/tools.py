@@ -258,8 +258,6 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                 status.update(f"run {done + 1 if done < total else total}/{total} (interleaved: {', '.join(ENGINES)}"
                               f"{', compiled sampled' if sampled is not None else ''}, then again)")
 
-            if head is not None and args.overlap:
-                raise UsageError(f"--draft {_head_given(args.drafts)} with --overlap: a draft head runs in the target's process (for now)")
             rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress, head=head)
         what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")

@@ -103,9 +103,8 @@ def load(launch: Launch) -> tuple[Served, Served | ServedHead | None, int]:
     drafted = None if k == 0 else load_draft(launch.draft, target=target, dtype=dtype)
     if isinstance(drafted, Served):
         check_same_vocabulary(target, drafted)
-    elif drafted is not None and (launch.tp > 1 or launch.overlap):
-        option = f"--tp {launch.tp}" if launch.tp > 1 else "--overlap"
-        raise ServeError(f"--draft {launch.draft} (a draft head) with {option}: not built yet (a head runs in the target's process)")
+    elif drafted is not None and launch.tp > 1:
+        raise ServeError(f"--draft {launch.draft} (a draft head) with --tp {launch.tp}: not built yet (each rank would need the head)")
     return target, drafted, k
 
 

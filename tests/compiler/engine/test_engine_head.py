@@ -7,7 +7,8 @@
   the head pool (through the head extend's tickets); nothing is outstanding.
 - The runtime half of the hidden states' guarantee: a head phase replayed finds no hidden states
   and is refused before anything runs; so is a head extend for other rows; a target plan is
-  refused on the head's pool; a head is refused by transports that cannot serve one yet.
+  refused on the head's pool; in executor processes (``--overlap``) the states travel with the
+  head's plan and a replay is refused there too.
 - The bundled target's trained head accepts most of its proposals on bundled-like text.
 """
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from backend.allocator import SlotAllocator
-from backend.boundary import checked
+from backend.boundary import Transport, checked
 from backend.hidden_store import HiddenStore
 from backend.hybrid.head import HeadConfig, HeadModel
 from backend.hybrid.reference import greedy_generate_reference, reference_hidden
@@ -29,8 +30,10 @@ from backend.ledger import Ledger
 from backend.local import InProcess
 from backend.transports import processes
 from compiler.engine import Engine
+from compiler.engine.nonfinite import checkable_targets
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
+from ir.batch import DecodeBatch
 from ir.columns import frozen_i64
 from ir.errors import BatchcError, PlanExecutionError
 from ir.hidden import HiddenSource, HiddenStates
@@ -38,6 +41,7 @@ from ir.ids import DRAFT_POOL, TARGET_POOL, HiddenId, RequestId
 from ir.mint import mint_hidden_id
 from ir.request import AdmittedRequest, Clear
 from passes.lower import LowerContext
+from passes.prepare_for_draft import SpecContext
 from tests.helpers import run_cli, tiny_models
 
 PREFIX = list(b"You are terse.\n")
@@ -57,9 +61,10 @@ def _greedy() -> dict[RequestId, list[int]]:
     return {RequestId(i): greedy_generate_reference(target, p, NEW) for i, p in enumerate(PROMPTS)}
 
 
-def _serve(k: int, *, chunk_size: int | None = None, cache_entries: int = 0) -> Engine:
+def _serve(k: int, *, chunk_size: int | None = None, cache_entries: int = 0, transport: Transport | None = None) -> Engine:
     target, _ = tiny_models()
-    drv = Engine(target, _head(), k=k, chunk_size=chunk_size, prefix_cache=PrefixCache(capacity=cache_entries) if cache_entries else None)
+    drv = Engine(target, _head(), k=k, chunk_size=chunk_size, prefix_cache=PrefixCache(capacity=cache_entries) if cache_entries else None,
+                 **({"transport": transport} if transport is not None else {}))
     cp = drv.make_prefix(PREFIX)
     for i, p in enumerate(PROMPTS):
         drv.admit(RequestId(i), p, max_new_tokens=NEW, prefix=cp if p[: len(PREFIX)] == PREFIX else None)
@@ -151,10 +156,55 @@ def test_the_hidden_store_keeps_and_gives_each_id_once() -> None:
     assert HiddenId(hid) == handle.hidden_id and np.array_equal(handle.lens, [3])
 
 
-def test_transports_that_cannot_serve_a_head_refuse_it_by_name() -> None:
+@pytest.mark.parametrize(("k", "chunk_size", "cache_entries"), [(2, 4, 4), (4, None, 0)])
+def test_greedy_with_a_head_in_executor_processes_equals_plain_greedy(k: int, chunk_size: int | None, cache_entries: int) -> None:
+    """``--overlap``: the target's and the head's executors in processes of their own; the hidden
+    states come back with the target's result and go on with the head's plan, once."""
+    drv = _serve(k, chunk_size=chunk_size, cache_entries=cache_entries, transport=processes(threads=1))
+    try:
+        assert drv.head and drv.outputs == _greedy()
+        assert drv.stats.iterations > 0
+        _check_exactly_once(drv)
+    finally:
+        drv.close()
+
+
+def test_a_replayed_head_plan_is_refused_across_processes() -> None:
+    """In executor processes the hidden states travel with the head plan that reads them: a replay
+    of that plan is refused (its tickets by the scheduler's ledger; a head commit, which has none,
+    by the child's store, naming the id), and a forgotten id is refused the same way."""
     target, _ = tiny_models()
-    with pytest.raises(BatchcError, match="draft head"):
-        Engine(target, _head(), k=2, transport=processes())
+    ledger, slots = Ledger(), SlotAllocator(4)
+    backends = processes(threads=1).open({TARGET_POOL: target, DRAFT_POOL: _head()}, ledger=ledger, slots=slots, capacity=4,
+                                         kv_capacity=256, max_len=64, retries=0)
+    try:
+        pipe = Pipeline(ledger, LowerContext(pools=(TARGET_POOL,), head_pools=(DRAFT_POOL,)))
+        tgt, head = backends.target, backends.draft
+        assert head is not None
+        extend, plan = pipe.prefill([_admitted(slots, 1, list(b"hello"), 0)], keep_hidden=True)
+        sampled = checked(plan, tgt.wait(tgt.submit(plan)))
+        assert sampled.hidden is not None and sampled.hidden.hidden_id in tgt.hidden  # (the scheduler's side holds them)
+        _, hplan = pipe.head_extend(extend, sampled.hidden)
+        head.wait(head.submit(hplan))
+        assert ledger.counts(DRAFT_POOL).clears == 1 and not ledger.outstanding() and len(tgt.hidden) == 0
+        with pytest.raises(BatchcError, match="ticket"):
+            head.submit(hplan)  # the replay: its tickets were consumed
+        # a verify's states, read by a head commit (no tickets): a second commit finds none in the child
+        running = pipe.merge(DecodeBatch.empty(), extend)
+        window = frozen_i64(range(10, 13))
+        draft_batch, dplan = pipe.draft(running, SpecContext(k=2, next_tokens=frozen_i64([int(sampled.tokens[0])]), kv_locs=window))
+        proposals = checked(dplan, head.wait(head.submit(dplan)))
+        verify_batch, vplan = pipe.verify(draft_batch, proposals, keep_hidden=True)
+        verified = checked(vplan, tgt.wait(tgt.submit(vplan)))
+        _, committed, cplan = pipe.commit(verify_batch, checkable_targets(verified.tokens, proposals.tokens, 2))
+        tgt.wait(tgt.submit(cplan))
+        assert verified.hidden is not None
+        _, hcplan = pipe.head_commit(committed, verified.hidden)
+        head.wait(head.submit(hcplan))
+        with pytest.raises(BatchcError, match=rf"reads hidden #{hcplan.batch.hidden_id}, which is not held here"):
+            head.wait(head.submit(hcplan))
+    finally:
+        backends.close()
 
 
 def test_the_bundled_head_accepts_most_proposals_and_stays_lossless() -> None:
@@ -182,8 +232,10 @@ def test_batchc_run_serves_the_bundled_head_and_refuses_what_it_cannot(capsys: p
     assert run_cli(["run", "--draft", "mtp", "--requests", "2", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "passed" in out and "acceptance_rate" in out
-    assert run_cli(["run", "--draft", "mtp", "--overlap", "--requests", "2"]) == 2
-    assert "(a draft head) with --overlap: not built yet" in capsys.readouterr().err
+    assert run_cli(["run", "--draft", "mtp", "--overlap", "--requests", "2", "--max-new-tokens", "8"]) == 0
+    assert "passed" in capsys.readouterr().out  # (the lossless check of the run)
+    assert run_cli(["run", "--draft", "mtp", "--tp", "2", "--requests", "2"]) == 2
+    assert "(a draft head) with --tp: not built yet" in capsys.readouterr().err
 
 
 class _Recording(HeadModel):

@@ -42,12 +42,15 @@ from backend.allocator import SlotAllocator
 from backend.boundary import InProcessGroup, Pending, run_now
 from backend.counts import token_counts
 from backend.executor import Executor
+from backend.hidden_store import HiddenStore
+from backend.hybrid.head import HeadModel
 from backend.hybrid.model import HybridModel
 from backend.ledger import LEDGER_COUNTS_WIDTH, Ledger, LedgerCounts, RankLedgers
 from backend.model import HeadHook, ReadsTargetHidden, ServedModel, ServingModelHook
 from backend.pool import MambaStatePool
 from backend.remote import plan_tickets
 from backend.tp.group import Msg, RankFailed, RankFault, RankRefused, TPGroup, Vote, one_line
+from backend.tp.shard import head_fingerprint
 from ir.columns import int_problem
 from ir.errors import BatchcError, IRValidationError, short_repr
 from ir.ids import PoolId
@@ -188,11 +191,9 @@ class TPLeader:
         origins = {}
         for pool, model in models.items():
             try:
-                check_shard(model, pool, 0, self.world)
+                origins[pool] = check_shard(model, pool, 0, self.world)
             except ValueError as exc:
                 raise IRValidationError("TPLeader.open_session", "models", pool, str(exc)) from None
-            assert isinstance(model, HybridModel) and model.origin is not None
-            origins[pool] = model.origin.fingerprint
         pools = tuple(models)
         self._sizes = (capacity, max_len)
         cfg = {"pools": list(pools), "capacity": capacity, "kv_capacity": kv_capacity, "max_len": max_len,
@@ -367,7 +368,7 @@ class TPBackends(InProcessGroup):
     """``backend.boundary.Backends`` of rank 0 of a tensor-parallel group, for one session (rank 0's
     executors run in this process, each plan on every rank within ``submit``)."""
 
-    def __init__(self, leader: TPLeader, ledger: Ledger, executors: list[TPExecutor], hooks: list[ServingModelHook[Any]]) -> None:
+    def __init__(self, leader: TPLeader, ledger: Ledger, executors: list[TPExecutor], hooks: list[ServingModelHook[Any] | HeadHook]) -> None:
         super().__init__(executors)
         self.leader, self._ledger, self._hooks = leader, ledger, hooks
 
@@ -405,8 +406,6 @@ class TensorParallel:
             return f"tp with retries {retries}: a forward that fails on a rank is fatal to the group, never retried"
         if self.leader.pools is not None:
             return "tp: the leader's session is in use by another engine (close that engine first)"
-        if any(isinstance(model, ReadsTargetHidden) and model.reads_target_hidden() for model in models.values()):
-            return "tp: a draft head under tensor parallelism is not built yet (serve it with --tp 1)"
         for pool, model in models.items():
             try:
                 check_shard(model, pool, 0, self.leader.world)
@@ -424,17 +423,16 @@ class TensorParallel:
         leader.open_session(models, capacity=capacity, kv_capacity=kv_capacity, max_len=max_len, transactional=False, penalties=penalties)
         try:
             executors: list[TPExecutor] = []
-            hooks: list[ServingModelHook[Any]] = []
+            hooks: list[ServingModelHook[Any] | HeadHook] = []
+            hidden = _hidden_store(models)
             for pool, model in models.items():
                 hook = model.serving_hook(capacity=capacity, kv_capacity=kv_capacity, max_len=max_len)
-                if isinstance(hook, HeadHook):  # (refused by ``refusal``: a head is served in process for now)
-                    raise ValueError(f"tp: pool {pool!r} is a draft head's, which tensor parallelism does not serve yet")
                 hooks.append(hook)
                 # (every rank keeps the target's token counts and updates them alike: the logits it
                 # samples from are the whole vocabulary's on every rank)
                 state = model.new_pool(capacity, pool_id=pool)
                 counts = token_counts(state, model.vocab) if penalties else None
-                executors.append(TPExecutor(leader, Executor(state, ledger, hook, slots=slots, gate=leader.gate, counts=counts)))
+                executors.append(TPExecutor(leader, Executor(state, ledger, hook, slots=slots, gate=leader.gate, counts=counts, hidden=hidden)))
         except BaseException:
             if leader.pools is not None and leader.group.broken is None and not leader.group.closed:
                 leader.close_session(ledger)
@@ -445,40 +443,53 @@ class TensorParallel:
 # -- the workers -------------------------------------------------------------------------------
 
 
-def check_shard(model: object, pool: PoolId, rank: int, world: int) -> None:
-    """``ValueError`` unless ``model`` is rank ``rank``'s shard of ``world`` (``shard_model``)."""
+def check_shard(model: object, pool: PoolId, rank: int, world: int) -> str:
+    """``ValueError`` unless ``model`` is rank ``rank``'s shard of ``world`` (``shard_model``) or a
+    draft head, which every rank holds whole (its layers are small and it reads the target's hidden
+    states, which every rank has whole after the target's last all-reduce: its phases issue no
+    collective); returns the fingerprint every rank's must equal."""
+    if isinstance(model, HeadModel):
+        return head_fingerprint(model)
     if not isinstance(model, HybridModel) or model.origin is None:
         raise ValueError(f"the {pool} model must be a shard cut by backend.tp.shard_model, got {short_repr(model)}")
     if (model.origin.rank, model.origin.world) != (rank, world):
         raise ValueError(f"the {pool} model is the shard of rank {model.origin.rank} of {model.origin.world}, "
                          f"not of rank {rank} of {world}")
+    return model.origin.fingerprint
+
+
+def _hidden_store(models: Mapping[PoolId, object]) -> HiddenStore | None:
+    """One store the target's and the head's executors share on a rank, with a head among ``models``."""
+    heads = any(isinstance(m, ReadsTargetHidden) and m.reads_target_hidden() for m in models.values())
+    return HiddenStore() if heads else None
 
 
 class _Session:
-    def __init__(self, group: TPGroup, gate: TPGate, models: Mapping[PoolId, HybridModel], cfg: dict[str, Any]) -> None:
+    def __init__(self, group: TPGroup, gate: TPGate, models: Mapping[PoolId, HybridModel | HeadModel], cfg: dict[str, Any]) -> None:
         self.pools: tuple[PoolId, ...] = tuple(cfg["pools"])
         self.ledger = Ledger()
         self.ledger.trust_peer(int(cfg["epoch"]), "tensor-parallel rank 0")
-        self.hooks: list[ServingModelHook[Any]] = []
+        self.hooks: list[ServingModelHook[Any] | HeadHook] = []
         self.executors: list[Executor[Any]] = []
+        hidden = _hidden_store(models)
         for pool in self.pools:
             if pool not in models:
                 raise ValueError(f"rank {group.rank} has no model for pool {pool!r} (it has {sorted(models)})")
             model = models[pool]
-            check_shard(model, pool, group.rank, group.world)
-            assert model.origin is not None
-            if model.origin.fingerprint != cfg["origins"][pool]:
-                raise ValueError(f"rank {group.rank}'s {pool} model is not rank 0's (fingerprint {model.origin.fingerprint}, "
+            mine = check_shard(model, pool, group.rank, group.world)
+            if mine != cfg["origins"][pool]:
+                raise ValueError(f"rank {group.rank}'s {pool} model is not rank 0's (fingerprint {mine}, "
                                  f"rank 0's {cfg['origins'][pool]}): another checkpoint, seed or dtype")
             hook = model.serving_hook(capacity=cfg["capacity"], kv_capacity=cfg["kv_capacity"], max_len=cfg["max_len"])
             self.hooks.append(hook)
             state = model.new_pool(cfg["capacity"], pool_id=pool)
             counts = token_counts(state, model.vocab) if cfg.get("penalties") else None
-            self.executors.append(Executor(state, self.ledger, hook, transactional=bool(cfg["transactional"]), gate=gate, counts=counts))
+            self.executors.append(Executor(state, self.ledger, hook, transactional=bool(cfg["transactional"]), gate=gate, counts=counts,
+                                           hidden=hidden))
 
 
 class _Worker:
-    def __init__(self, group: TPGroup, models: Mapping[PoolId, HybridModel]) -> None:
+    def __init__(self, group: TPGroup, models: Mapping[PoolId, HybridModel | HeadModel]) -> None:
         self.group = group
         self.models = models
         self.gate = TPGate(group)
@@ -562,8 +573,9 @@ class _Worker:
             # otherwise refused by some rank before anything ran: serve on
 
 
-def serve_worker(group: TPGroup, models: Mapping[PoolId, HybridModel]) -> list[RankLedgers]:
-    """A worker rank: serve rank 0's sessions on ``models`` (this rank's shard of each pool's model)
+def serve_worker(group: TPGroup, models: Mapping[PoolId, HybridModel | HeadModel]) -> list[RankLedgers]:
+    """A worker rank: serve rank 0's sessions on ``models`` (this rank's shard of each pool's model,
+    a draft head whole)
     until rank 0 shuts the group down; returns each session's gathered ledger counts. Raises
     ``RankFailed`` when this rank fails (its cause is left for rank 0 first) or the group does."""
     given: object = group

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 
 import attrs
 import torch
 
 from backend.hybrid.config import HybridConfig
+from backend.hybrid.head import HeadModel
 from backend.hybrid.model import Collective, HybridModel, NormSplit, ShardOrigin
 from backend.hybrid.weights import Weights, check_weights
 from ir.columns import int_problem
@@ -153,12 +155,32 @@ def fingerprint(model: HybridModel) -> str:
         raise ValueError(f"model must be a HybridModel, got {short_repr(given)}")
     h = hashlib.blake2b(digest_size=12)
     h.update(json.dumps(attrs.asdict(model.config), sort_keys=True, default=str).encode())
-    for name in sorted(model.weights):
-        w = model.weights[name].detach()
+    h.update(_weights_digest(model.weights))
+    return h.hexdigest()
+
+
+def _weights_digest(weights: Mapping[str, torch.Tensor]) -> bytes:
+    """Every weight's name, dtype, shape and an evenly strided sample of its values, digested."""
+    h = hashlib.blake2b(digest_size=12)
+    for name in sorted(weights):
+        w = weights[name].detach()
         flat = w.reshape(-1)
         sample = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].contiguous()
         h.update(f"{name}|{w.dtype}|{tuple(w.shape)}|".encode())
         h.update(sample.view(torch.uint8).cpu().numpy().tobytes())
+    return h.digest()
+
+
+def head_fingerprint(head: HeadModel) -> str:
+    """``fingerprint``'s digest of a draft head (its config and weights) and of the whole target it
+    is bound to: ranks that hold another head, or a head bound to another target, differ."""
+    given: object = head
+    if not isinstance(given, HeadModel):
+        raise ValueError(f"head must be a HeadModel, got {short_repr(given)}")
+    h = hashlib.blake2b(digest_size=12)
+    h.update(head.config.to_json().encode())
+    h.update(_weights_digest(head.weights))
+    h.update(fingerprint(head.target).encode())
     return h.hexdigest()
 
 

@@ -84,7 +84,6 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     from backend import children
-    from backend.hybrid.head import HeadModel
     from backend.remote import ExecutorGone
     from backend.tp.group import RankFailed
     from compiler.offline import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, distributed, load_workload
@@ -113,10 +112,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         draft: DraftModel | None = drafted.model
     else:
         draft = drafted.head if drafted is not None else None
-        # under tensor parallelism each rank would need the head beside its shard (not built yet)
-        for option, on in (("--tp", (args.tp or 1) > 1), ("--compare-mutable", args.compare_mutable)):
-            if drafted is not None and on:
-                raise UsageError(f"--draft {shown_path(args.draft)} (a draft head) with {option}: not built yet")
+        if drafted is not None and args.compare_mutable:
+            raise UsageError(f"--draft {shown_path(args.draft)} (a draft head) with --compare-mutable: not built yet "
+                             "(batchc bench serve --draft mtp compares the head on the mutable baselines)")
     cfg = ServeConfig(
         seed=args.seed, k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
         cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
@@ -149,7 +147,6 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             if on:
                 raise UsageError(f"--dp {args.dp} with {option}: each replica is one plain engine process")
     if rank > 0:  # a worker rank: serve rank 0's plans on this rank's shards, print nothing
-        assert not isinstance(draft, HeadModel)  # (refused above)
         return distributed.work(rank, world, launched, args.argv, tp_timeout, target.model, draft)
     tokenizer = target.tokenizer if target.hf else None
     check_serving(target.model.config, draft_config(draft) if draft is not None else None, cfg, compare_mutable=args.compare_mutable,
@@ -179,7 +176,6 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     try:
         if world > 1:  # every check passed: start the group (rank 0 of batchc run --tp starts the other ranks here)
             leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, tp_timeout))
-            assert not isinstance(draft, HeadModel)  # (refused above)
             target_model, draft = distributed.shards(leader.group, target_model, draft)
         return _serve_and_report(args, console, workload, target, target_model, draft, cfg, k, tokenizer, leader)
     except (RankFailed, ExecutorGone) as exc:  # a rank, or an executor process before the engine could serve

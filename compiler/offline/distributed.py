@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from backend.hybrid.config import HybridConfig
+from backend.hybrid.head import HeadModel
 from backend.hybrid.model import HybridModel
 from backend.tp import check_tp, shard_model
 from backend.tp.group import RankFailed, TPGroup, connect, launched_rank, spawn_workers
@@ -68,13 +69,18 @@ def start(rank: int, world: int, launched: bool, argv: Sequence[str], timeout_s:
         raise ServeError(str(exc)) from None
 
 
-def shards(group: TPGroup, target: HybridModel, draft: HybridModel | None) -> tuple[HybridModel, HybridModel | None]:
-    """This rank's shards of the models, summing through the group."""
+def shards(group: TPGroup, target: HybridModel, draft: HybridModel | HeadModel | None) -> tuple[HybridModel, HybridModel | HeadModel | None]:
+    """This rank's shards of the models, summing through the group; a draft head stays whole (bound
+    to the whole target: it reads the hidden states every rank has whole, and its phases issue no
+    collective)."""
     t = shard_model(target, group.rank, group.world, group)
-    return t, shard_model(draft, group.rank, group.world, group) if draft is not None else None
+    if draft is None or isinstance(draft, HeadModel):
+        return t, draft
+    return t, shard_model(draft, group.rank, group.world, group)
 
 
-def work(rank: int, world: int, launched: bool, argv: Sequence[str], timeout_s: int, target: HybridModel, draft: HybridModel | None) -> int:
+def work(rank: int, world: int, launched: bool, argv: Sequence[str], timeout_s: int, target: HybridModel,
+         draft: HybridModel | HeadModel | None) -> int:
     """A worker rank's job: join the group and serve rank 0's plans until it shuts the group down.
     Exit status 0, or 1 (with one line on stderr) when this rank or the group failed."""
     try:

@@ -103,8 +103,6 @@ def load(launch: Launch) -> tuple[Served, Served | ServedHead | None, int]:
     drafted = None if k == 0 else load_draft(launch.draft, target=target, dtype=dtype)
     if isinstance(drafted, Served):
         check_same_vocabulary(target, drafted)
-    elif drafted is not None and launch.tp > 1:
-        raise ServeError(f"--draft {launch.draft} (a draft head) with --tp {launch.tp}: not built yet (each rank would need the head)")
     return target, drafted, k
 
 
@@ -112,10 +110,9 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
     """The engine ``launch`` describes, with ``batchc run``'s checks (``ServeError`` / ``BatchcError``,
     one line); with ``launch.tp > 1``, on the tensor-parallel group this process leads (its workers
     started here, ``tp_worker``), whose leader is returned for the caller to shut down."""
-    from backend.hybrid.head import HeadModel
     from compiler.offline import distributed
     from compiler.offline.memory import check_serving
-    from compiler.offline.models import Served, ServedHead, draft_config
+    from compiler.offline.models import Served, draft_config
     from compiler.offline.run import make_engine
     from compiler.workload import DEFAULT_CONTEXT, MAX_CONTEXT, ServeError
 
@@ -139,8 +136,9 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
     target_model = target.model
     leader: TPLeader | None = None
     if launch.tp > 1:  # every check passed: start the group (the workers load the models as this process did)
-        assert not isinstance(drafted, ServedHead)  # (refused by ``load``)
-        distributed.check_splits(launch.tp, [(target.name, target.model.config)] + ([(drafted.name, drafted.model.config)] if drafted else []))
+        # (a draft head is not split: every rank holds it whole)
+        distributed.check_splits(launch.tp, [(target.name, target.model.config)] + ([(drafted.name, drafted.model.config)]
+                                                                                     if isinstance(drafted, Served) else []))
         try:
             group = spawn_workers(launch.tp, [sys.executable, "-m", "compiler.online.engine_process", TP_WORKER, json.dumps(attrs.asdict(launch))],
                                   timeout_s=launch.tp_timeout, start_timeout_s=distributed.START_TIMEOUT_S)
@@ -148,7 +146,6 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
             raise ServeError(str(exc)) from None
         leader = TPLeader(group)
         try:
-            assert not isinstance(draft_model, HeadModel)
             target_model, draft_model = distributed.shards(group, target_model, draft_model)
         except BaseException:
             leader.shutdown()
@@ -404,8 +401,8 @@ def tp_worker(spec: str) -> int:
     except (BatchcError, OSError, ValueError) as exc:  # (rank 0 loaded the same models first: said once, here too)
         print(f"batchc: rank {rank}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
         return 2
-    assert not isinstance(drafted, ServedHead)  # (refused by ``load``)
-    return distributed.work(rank, world, launched, (), launch.tp_timeout, target.model, drafted.model if drafted is not None else None)
+    draft = drafted.head if isinstance(drafted, ServedHead) else drafted.model if drafted is not None else None
+    return distributed.work(rank, world, launched, (), launch.tp_timeout, target.model, draft)
 
 
 if __name__ == "__main__":

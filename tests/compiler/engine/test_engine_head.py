@@ -234,8 +234,8 @@ def test_batchc_run_serves_the_bundled_head_and_refuses_what_it_cannot(capsys: p
     assert "passed" in out and "acceptance_rate" in out
     assert run_cli(["run", "--draft", "mtp", "--overlap", "--requests", "2", "--max-new-tokens", "8"]) == 0
     assert "passed" in capsys.readouterr().out  # (the lossless check of the run)
-    assert run_cli(["run", "--draft", "mtp", "--tp", "2", "--requests", "2"]) == 2
-    assert "(a draft head) with --tp: not built yet" in capsys.readouterr().err
+    assert run_cli(["run", "--draft", "mtp", "--compare-mutable", "--requests", "2"]) == 2
+    assert "(a draft head) with --compare-mutable: not built yet" in capsys.readouterr().err
 
 
 class _Recording(HeadModel):

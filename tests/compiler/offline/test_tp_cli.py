@@ -46,9 +46,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _tp_run(tmp_path: Path, *launcher: str, tp: str | None = "2") -> tuple[list[str], dict[str, object]]:
+def _tp_run(tmp_path: Path, *launcher: str, tp: str | None = "2", extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, object]]:
     outputs, summary = tmp_path / "out.jsonl", tmp_path / "run.json"
-    args = [*SMALL, "--outputs", str(outputs), "--json", str(summary)] + (["--tp", tp] if tp else [])
+    args = [*SMALL, *extra, "--outputs", str(outputs), "--json", str(summary)] + (["--tp", tp] if tp else [])
     if launcher:
         proc = subprocess.run([*launcher, "-m", "compiler.cli", "run", *args], cwd=ROOT, capture_output=True, text=True, timeout=180)
     else:
@@ -83,6 +83,18 @@ def test_tp2_generates_the_tp1_tokens_with_every_rank_drained(tmp_path: Path, tp
     assert summary["lossless_check"] == "passed: 2 requests equal plain greedy of the target"
     for key in ("generated_tokens", "steps", "target_cows_minted_consumed", "draft_snapshots_minted_consumed"):
         assert summary[key] == one[key], key
+
+
+def test_tp2_with_the_draft_head_generates_the_tp1_tokens(tmp_path: Path, tp1: tuple[list[str], dict[str, object]]) -> None:
+    """``--draft mtp --tp 2``: every rank holds the head whole beside its target shard and runs its
+    phases on the hidden states it has whole (no collective in them); the tokens are the one-process
+    run's, the head pool's ops consumed once on every rank, the ledgers equal and drained."""
+    base, _ = tp1
+    lines, summary = _tp_run(tmp_path, extra=("--draft", "mtp"))
+    assert lines == base
+    _check_ledgers(summary)
+    assert summary["lossless_check"] == "passed: 2 requests equal plain greedy of the target"
+    assert summary["draft_clears_minted_consumed"] == summary["target_clears_minted_consumed"]  # the head pool ran every prefill's clears
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun is not installed")

@@ -5,10 +5,11 @@ to ``OUT`` as JSON: the outputs, the unsharded engine's outputs, every rank's le
 error it stopped on. Scenarios:
 
 - ``serve``: the workload, nothing else;
-- ``replay`` / ``ahead`` / ``forged``: after a few steps, a plan message with an old step number,
-  with a step number ahead of the next one, or with a ticket whose serial no trusted process
-  minted, is sent raw (rank 0 does not run it); the refusals are recorded and serving goes on
-  (``replay`` also sends a malformed message for the right step: a 5,000-digit integer for a header);
+- ``messages``: after steps 4, 5 and 6, a plan message with an old step number (``replay``), with a
+  step number ahead of the next one (``ahead``), and with a ticket whose serial no trusted process
+  minted (``forged``) is sent raw (rank 0 does not run it); the refusals are recorded by name and
+  serving goes on (after the replay, a malformed message for the right step too: a 5,000-digit
+  integer for a header);
 - ``raise``: a fault armed in the worker's model forward;
 - ``kill``: the worker is killed mid-run;
 - ``idle``: rank 0 pauses longer than the group's timeout (3 s here) between two steps;
@@ -137,11 +138,12 @@ def leader(scenario: str, out: str) -> None:
     group.send = recording  # type: ignore[method-assign]  # a test's tap on the messages rank 0 sends
 
     def on_step(n: int) -> None:
-        if n == 4 and scenario in ("replay", "ahead", "forged"):
+        bad = {4: "replay", 5: "ahead", 6: "forged"}.get(n) if scenario == "messages" else None
+        if bad is not None:
             last = unpack(sent[-1]).plan
-            if scenario == "replay":
+            if bad == "replay":
                 data = sent[-1]
-            elif scenario == "ahead":
+            elif bad == "ahead":
                 data = pack(lead.step + 1, last)
             else:
                 exts = [p if isinstance(p, ExtendPlan) else p.extend for p in map(lambda m: unpack(m).plan, sent)
@@ -149,11 +151,13 @@ def leader(scenario: str, out: str) -> None:
                 ext = [x for x in exts if x.tickets][-1]
                 forged = tuple(attrs.evolve(x, op=attrs.evolve(x.op, serial=x.serial ^ (1 << SERIAL_COUNTER_BITS))) for x in ext.tickets)
                 data = pack(lead.step, attrs.evolve(ext, tickets=forged, snapshots=()))
-            result["refusals"] = lead.send_raw(TARGET_POOL, data)
-            if scenario == "replay":  # and a message for the right step that no encoder writes: a 5,000-digit integer
+            ran = len(sent)
+            result.setdefault("refusals", {})[bad] = lead.send_raw(TARGET_POOL, data)
+            if bad == "replay":  # and a message for the right step that no encoder writes: a 5,000-digit integer
                 header = b"[" + b"1" * 5000 + b"]"
                 header += b" " * (-(24 + len(header)) % 8)  # the columns' 8-byte alignment
                 result["malformed"] = lead.send_raw(TARGET_POOL, struct.pack("<4sHHQII", b"BCPL", 1, 0, lead.step, len(header), 0) + header)
+            del sent[ran:]  # (the tap keeps the plans that ran: the next bad message is built from them)
         if n == 4 and scenario == "kill":
             os.kill(group.procs[1].pid, signal.SIGKILL)
         if n == 4 and scenario == "idle":

@@ -67,12 +67,16 @@ def test_route_refuses_bad_arguments(kwargs: dict[str, object], message: str) ->
 
 
 def test_dp2_outputs_equal_one_engine(tmp_path: Path) -> None:
+    """Two replicas give one engine's greedy outputs, with the separate draft and with the draft
+    head (each replica loads the head beside its target)."""
     small = ["--requests", "8", "--max-new-tokens", "8", "--lossless-sample", "2"]
     one, two, summary = tmp_path / "one.jsonl", tmp_path / "two.jsonl", tmp_path / "dp.json"
+    head, head_summary = tmp_path / "head.jsonl", tmp_path / "head.json"
     # (independent runs: started together, they share the machine's cores)
     procs = [subprocess.Popen([sys.executable, "-m", "compiler.cli", "run", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for args in ([*small, "--outputs", str(one)], [*small, "--dp", "2", "--outputs", str(two), "--json", str(summary)])]
+             for args in ([*small, "--outputs", str(one)], [*small, "--dp", "2", "--outputs", str(two), "--json", str(summary)],
+                          [*small, "--dp", "2", "--draft", "mtp", "--outputs", str(head), "--json", str(head_summary)])]
     try:
         for proc in procs:
             _, err = proc.communicate(timeout=180)
@@ -82,10 +86,11 @@ def test_dp2_outputs_equal_one_engine(tmp_path: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    assert two.read_text() == one.read_text()
-    total = json.loads(summary.read_text())
-    assert total["dp"] == 2 and total["requests"] == 8 and total["outstanding_tickets"] == 0 and total["lossless_ok"] is True
-    assert [r["requests"] for r in total["replicas"]] != [8, 0] and all(r["outstanding_tickets"] == 0 for r in total["replicas"])
+    assert two.read_text() == one.read_text() == head.read_text()
+    for path in (summary, head_summary):
+        total = json.loads(path.read_text())
+        assert total["dp"] == 2 and total["requests"] == 8 and total["outstanding_tickets"] == 0 and total["lossless_ok"] is True
+        assert [r["requests"] for r in total["replicas"]] != [8, 0] and all(r["outstanding_tickets"] == 0 for r in total["replicas"])
 
 
 @pytest.mark.parametrize(("verdicts", "want"), [

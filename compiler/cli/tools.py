@@ -270,7 +270,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                       caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running, sampling), with their range",
                       box=box.SIMPLE_HEAD, padding=0)  # (one space between columns: its 16 fit the 140 characters of a pipe)
         for h in ("arrivals" if not sweep else "running", "k", "engine", "draft", "sampling", "tokens", "steps", "tok/s", "range", "vs fixed",
-                  "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "acc len", "sampler", "host ms", "TTFT", "TPOT"):
+                  "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "acc len", "it/dec", "sampler", "host ms", "TTFT",
+                  "TPOT"):
             table.add_column(h, justify="right")
         order = sorted(rows, key=lambda r: (r.max_running, r.sampling.sampled, r.k, ENGINES.index(r.engine), r.overlap)) if sweep else rows
         for r in order:
@@ -278,7 +279,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                 r.arrivals if not sweep else str(r.max_running), str(r.k), r.engine + (" +overlap" if r.overlap else ""), r.draft, r.sampling.label,
                 str(r.tokens), str(r.steps), f"{r.tokens_per_s:.0f}", f"{r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}",
                 _times(r.vs_mutable_fixed), _times(r.vs_k0), *((_times(r.vs_greedy),) if sampled is not None else ()),
-                _ms(r.acceptance, 3), _ms(r.accepted_length, 2), _percent(r.sampler_share), f"{r.host_ms_per_step:.2f}", _ms(r.latency("ttft", 0.5), 1),
+                _ms(r.acceptance, 3), _ms(r.accepted_length, 2), _ms(r.iteration_decodes, 2), _percent(r.sampler_share), f"{r.host_ms_per_step:.2f}", _ms(r.latency("ttft", 0.5), 1),
                 _ms(r.latency("tpot", 0.5), 1),
             )
         console.print(table)
@@ -293,7 +294,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                "each request's seed derived from seed 0 and its id; the compiled engine only, the baselines decode greedily) "
                "over the compiled greedy row's" if sampled is not None else "")
             + ". accept: accepted draft tokens / proposed at k > 0; acc len: tokens a row emits per speculative iteration "
-            "(accepted + the bonus). draft: model = a separate draft model, mtp = a draft head (the baselines get the same one). sampler: the time in the executor's sampler calls over "
+            "(accepted + the bonus); it/dec: the median wall time of a speculative step (one iteration, host time included) over "
+            "the same engine's median decode step at k = 0: speculation pays when acc len is above it. draft: model = a separate draft model, mtp = a draft head (the baselines get the same one). sampler: the time in the executor's sampler calls over "
             "the time inside model forwards, median of the repeats (the compiled engine in one process only; the sampler alone "
             "against a decode step at 8 and 128 rows: batchc bench sampler). mutable = the pre-fix baseline (replays stale init "
             f"ops); neither baseline has a prefix cache. {time.perf_counter() - t0:.0f} s in all.",

@@ -21,6 +21,10 @@ class Latencies:
         self.arrived: dict[RequestId, float] = {}
         self.first: dict[RequestId, float] = {}
         self.ended: dict[RequestId, float] = {}
+        self.step_ms: dict[str, list[float]] = {}
+        """Each step's wall time by its kind (``StepKind.value``), in milliseconds: from the top of
+        the serving loop's turn (``arrive_due``: admissions included) to the step's report."""
+        self._turn: float | None = None
 
     def arrive(self, rids: Iterable[RequestId], now: float) -> None:
         for rid in rids:
@@ -30,12 +34,16 @@ class Latencies:
         """Every request at the head of ``queue`` (sorted by arrival step, not yet admitted) whose
         arrival step has come arrives now, unless it arrived at an earlier step."""
         now = time.perf_counter()
+        self._turn = now
         for r in queue:
             if r.arrival > step:
                 break
             self.arrived.setdefault(r.rid, now)
 
     def step(self, report: StepReport, now: float) -> None:
+        if self._turn is not None:
+            self.step_ms.setdefault(report.kind.value, []).append(1000 * (now - self._turn))
+            self._turn = None
         for rid in report.emitted:
             self.first.setdefault(rid, now)
         for rid in (*report.finished, *report.aborted, *report.errored):

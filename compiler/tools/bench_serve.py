@@ -242,6 +242,10 @@ class ServeRun:
     """The case's draft kind (``BenchCase.draft``)."""
     iterations: int = 0
     """Speculative iterations' rows (one per running request per iteration) in the run."""
+    decode_ms: tuple[float, ...] = ()
+    """Wall time of each decode step (k = 0: one token per running request), admissions included."""
+    spec_ms: tuple[float, ...] = ()
+    """Wall time of each speculative step (one iteration: proposal, verify, commits), admissions included."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -323,7 +327,8 @@ def measure(
         tokens=sum(map(len, outputs.values())), steps=steps, wall_s=wall, model_s=model_s, repeat=repeat, max_running=cfg.max_running,
         ttft_ms=tuple(latency.ttft_ms()), tpot_ms=tuple(latency.tpot_ms(outputs)), sampling=case.sampling,
         proposed=stats.proposed - before[0], accepted=stats.accepted - before[1], sampler_s=sampler_s, draft=case.draft,
-        iterations=stats.row_iterations - before[2],
+        iterations=stats.row_iterations - before[2], decode_ms=tuple(latency.step_ms.get("decode", ())),
+        spec_ms=tuple(latency.step_ms.get("spec", ())),
     )
 
 
@@ -373,6 +378,15 @@ class ServeRow:
     vs_greedy: float | None = None
     """A sampled row: its median tokens/s over the greedy row's of the same engine, workload,
     arrivals, k and running (``None`` for a greedy row)."""
+    iteration_decodes: float | None = None
+    """At k > 0: ``step_ms("spec")`` over the same engine's ``step_ms("decode")`` at k = 0 (same
+    workload, arrivals, running, sampling and overlap): what one speculative iteration costs in
+    decode steps as served, host time included (``None`` at k = 0 or without both)."""
+
+    def step_ms(self, kind: str) -> float | None:
+        """The median wall time (ms) of its ``"decode"`` or ``"spec"`` steps over all its runs."""
+        times = [x for r in self.runs for x in (r.decode_ms if kind == "decode" else r.spec_ms)]
+        return statistics.median(times) if times else None
 
     @property
     def acceptance(self) -> float | None:
@@ -411,6 +425,7 @@ class ServeRow:
             "tokens_per_s_vs_mutable_fixed": self.vs_mutable_fixed, "tokens_per_s_vs_k0": self.vs_k0,
             "sampling": self.sampling.label, "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
             "tokens_per_s_vs_greedy": self.vs_greedy, "acceptance": self.acceptance, "accepted_length": self.accepted_length,
+            "decode_step_ms": self.step_ms("decode"), "spec_step_ms": self.step_ms("spec"), "iteration_decodes": self.iteration_decodes,
             "proposed": sum(r.proposed for r in self.runs), "accepted": sum(r.accepted for r in self.runs),
             "sampler_share": self.sampler_share,
             "ttft_ms_p50": self.latency("ttft", 0.5), "ttft_ms_p90": self.latency("ttft", 0.9),
@@ -436,6 +451,7 @@ def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
     for r in runs:  # (k = 0 runs no draft, whatever the run was labelled)
         groups.setdefault((r.workload, r.arrivals, r.k, r.engine, r.overlap, r.max_running, r.sampling, r.draft if r.k else "none"), []).append(r)
     tps = {key: statistics.median(r.tokens_per_s for r in g) for key, g in groups.items()}
+    decode = {key: statistics.median(x) for key, g in groups.items() if (x := [t for r in g for t in r.decode_ms])}
     rows = []
     for (workload, arrivals, k, engine, overlap, running, sampling, drafted), g in groups.items():
         mine = tps[(workload, arrivals, k, engine, overlap, running, sampling, drafted)]
@@ -450,6 +466,8 @@ def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
             vs_k0=_ratio(mine, tps.get((workload, arrivals, 0, engine, overlap, running, sampling, "none"))), runs=tuple(g), sampling=sampling,
             vs_greedy=_ratio(mine, tps.get((workload, arrivals, k, engine, overlap, running, GREEDY_SAMPLING, drafted))) if sampling.sampled else None,
             draft=drafted,
+            iteration_decodes=_ratio(statistics.median(spec), decode.get((workload, arrivals, 0, engine, overlap, running, sampling, "none")))
+            if k and (spec := [t for r in g for t in r.spec_ms]) else None,
         ))
     return rows
 

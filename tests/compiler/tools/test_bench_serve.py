@@ -93,10 +93,19 @@ def test_bench_serve_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
         k0 = next(r for r in rows if r["k"] == 0 and r["engine"] == row["engine"] and r["arrivals"] == row["arrivals"])
         assert row["tokens_per_s_vs_k0"] == pytest.approx(row["tokens_per_s"] / k0["tokens_per_s"])
         assert row["tpot_ms_p50"] is not None  # two new tokens each: one gap per request
+        # a speculative step's wall time in the same engine's decode steps at k = 0 (each request's second token comes from a
+        # decode step, or on the compiled engine from a MIXED forward that also prefills: then there is no decode step to divide by)
+        if row["k"] == 0:
+            assert row["spec_step_ms"] is None and row["iteration_decodes"] is None
+            assert row["decode_step_ms"] is not None or row["engine"] == "compiled"
+        else:
+            assert row["decode_step_ms"] is None and row["spec_step_ms"] > 0  # type: ignore[operator]
+            assert row["iteration_decodes"] == (
+                pytest.approx(row["spec_step_ms"] / k0["decode_step_ms"]) if k0["decode_step_ms"] is not None else None)  # type: ignore[operator]
     assert "median of 1 interleaved repeats per (arrivals, k, engine, running, sampling), with their range" in out
     assert "vs fixed" in out and "vs k=0" in out and "host ms" in out and "TTFT" in out and "TPOT" in out
     flat = " ".join(out.split())  # (the console wraps the caption where the terminal width falls)
-    assert "sampling" in out and "accept" in out and "sampler" in out and "batchc bench sampler" in flat
+    assert "sampling" in out and "accept" in out and "sampler" in out and "batchc bench sampler" in flat and "it/dec" in out
     assert "vs greedy" not in out and {r["sampling"] for r in rows} == {"greedy"}
 
 

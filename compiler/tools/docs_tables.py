@@ -177,17 +177,18 @@ def _ab_table(d: dict[str, Any]) -> str:
 
 def _bench_serve_table(rows: list[dict[str, Any]]) -> str:
     """The rows of ``bench serve --json``; records from before the arrival patterns, latencies,
-    sampling settings and acceptance were measured lack those columns (``-``)."""
-    header = ["arrivals", "running", "k", "engine", "sampling", "tokens", "steps", "tokens/s (median)", "tokens/s (min to max)",
-              "/ mutable-fixed", "/ k=0", "acceptance", "model s", "host ms/step", "TTFT ms (p50)", "TPOT ms (p50)"]
+    sampling settings, acceptance, accepted lengths and step costs were measured lack those columns (``-``)."""
+    header = ["arrivals", "running", "k", "engine", "draft", "sampling", "tokens", "steps", "tokens/s (median)", "tokens/s (min to max)",
+              "/ mutable-fixed", "/ k=0", "acceptance", "acc len", "it/dec", "model s", "host ms/step", "TTFT ms (p50)", "TPOT ms (p50)"]
     body = []
     for r in rows:
         tps = [run["tokens_per_s"] for run in r["runs"]]
         engine = r["engine"] + (" + overlap" if r["overlap"] else "")
-        body.append([str(r.get("arrivals", "-")), str(r["running"]), str(r["k"]), engine, str(r.get("sampling", "-")), str(r["tokens"]),
+        draft = str(r.get("draft", "model" if r["k"] else "none"))  # (records from before the draft heads: the separate draft)
+        body.append([str(r.get("arrivals", "-")), str(r["running"]), str(r["k"]), engine, draft, str(r.get("sampling", "-")), str(r["tokens"]),
                      str(r["steps"]), _f(r["tokens_per_s"], 1), f"{min(tps):.1f} to {max(tps):.1f}", _x(r["tokens_per_s_vs_mutable_fixed"]),
-                     _x(r["tokens_per_s_vs_k0"]), _f(r.get("acceptance"), 3), _f(r["model_s"]), _f(r["host_ms_per_step"]),
-                     _f(r.get("ttft_ms_p50"), 1), _f(r.get("tpot_ms_p50"), 1)])
+                     _x(r["tokens_per_s_vs_k0"]), _f(r.get("acceptance"), 3), _f(r.get("accepted_length")), _f(r.get("iteration_decodes")),
+                     _f(r["model_s"]), _f(r["host_ms_per_step"]), _f(r.get("ttft_ms_p50"), 1), _f(r.get("tpot_ms_p50"), 1)])
     repeats = sorted({r["repeats"] for r in rows})
     return _table(header, body) + f"\n\nMedians of {', '.join(map(str, repeats))} interleaved repeats per row."
 

@@ -482,8 +482,9 @@ def _serve(
             if kind == "plan":
                 plan = unpack(msg[1], expect_step=number).plan
                 number += 1
-                if msg[2] is not None:
-                    hidden.keep(*msg[2])
+                handed_on = msg[2] if len(msg) > 2 else None  # the hidden states a head plan reads (``_hand_on``)
+                if handed_on is not None:
+                    hidden.keep(*handed_on)
                 tickets = plan_tickets(plan, pool_id)
                 ledger.register(tickets)
                 out = ex.execute(plan)  # (results pickle as IR nodes: tokens, not logits)

@@ -4,7 +4,8 @@ sees ``RANK`` set), serves a small workload on the tiny models' shards, and writ
 to ``OUT`` as JSON: the outputs, the unsharded engine's outputs, every rank's ledger counts, and the
 error it stopped on. Scenarios:
 
-- ``serve``: the workload, nothing else;
+- ``serve``: rank 0 hands an engine its whole models (refused before the group hears of it), then
+  serves the workload on the shards;
 - ``messages``: after steps 4, 5 and 6, a plan message with an old step number (``replay``), with a
   step number ahead of the next one (``ahead``), and with a ticket whose serial no trusted process
   minted (``forged``) is sent raw (rank 0 does not run it); the refusals are recorded by name and
@@ -17,7 +18,6 @@ error it stopped on. Scenarios:
   refusal): the same outcome as ``refuse0``, decided by the worker;
 - ``mismatch``: the worker serves a model of another seed: the session start is refused, naming
   rank 1 and the fingerprints;
-- ``unsharded``: rank 0 hands the engine its whole models: refused before the group hears of it;
 - ``refuse0``: rank 0's own checks of its third prefill with tickets raise (not a ``BatchcError``): every rank
   refuses the plan, the engine aborts its requests and cancels their tickets on every rank, and
   serving goes on.
@@ -167,7 +167,7 @@ def leader(scenario: str, out: str) -> None:
         lead.arm_fault(1, faults.FaultPoint.MODEL_FORWARD, after=5)
     if scenario == "refuse0":
         _fail_third_ticketed_check("rank 0's checks failed")
-    if scenario == "unsharded":
+    if scenario == "serve":  # first an engine on the whole models: refused before the group hears of it
         from ir.errors import PreconditionError
 
         try:

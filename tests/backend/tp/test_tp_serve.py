@@ -51,8 +51,14 @@ def bad_messages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _scenario("messages", tmp_path_factory.mktemp("messages"))
 
 
-def test_tp2_serves_the_unsharded_tokens_with_every_ledger_drained(tmp_path: Path) -> None:
-    _served_like_unsharded(_scenario("serve", tmp_path))
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The plain run (after rank 0's refused attempt on the whole models), shared by two tests."""
+    return _scenario("serve", tmp_path_factory.mktemp("serve"))
+
+
+def test_tp2_serves_the_unsharded_tokens_with_every_ledger_drained(served: dict[str, Any]) -> None:
+    _served_like_unsharded(served)
 
 
 @pytest.mark.parametrize(("scenario", "why"), [
@@ -116,7 +122,7 @@ def test_ranks_serving_different_models_are_refused_at_the_session_start(tmp_pat
     assert r["worker_exit"] == 0
 
 
-def test_an_engine_on_whole_models_is_refused_before_the_group_hears_of_it(tmp_path: Path) -> None:
-    r = _scenario("unsharded", tmp_path)
+def test_an_engine_on_whole_models_is_refused_before_the_group_hears_of_it(served: dict[str, Any]) -> None:
+    r = served
     assert r["refused"].startswith("Engine: tp: the target model must be a shard cut by backend.tp.shard_model, got ")
     _served_like_unsharded(r)  # and the group serves on

@@ -479,6 +479,11 @@ def parser() -> argparse.ArgumentParser:
     bi.add_argument("--rows", type=_int_in(1, MAX_ITERATION_ROWS), default=8, help=f"running requests, at most {MAX_ITERATION_ROWS} (default 8)")
     bi.add_argument("--k", type=_int_in(1, MAX_ITERATION_K), default=2, help=f"draft tokens per row, at most {MAX_ITERATION_K} (default 2)")
     bi.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats, the minimum is kept, at most {MAX_REPEATS} (default 7)")
+    bi.add_argument("--model", metavar="PATH", type=_path_arg,
+                    help="the target, as batchc run's --model (default: the bundled byte-level model); with it, --draft is needed")
+    bi.add_argument("--draft", metavar="PATH", type=_path_arg,
+                    help="time this draft only: a draft head file (batchc train-draft) or a draft model with the target's vocabulary; "
+                    "mtp: the bundled head (default: the bundled separate draft and the bundled head, for the bundled target)")
     bi.add_argument("--json", metavar="PATH", type=_path_arg,
                     help="also write the phases and the iteration per draft kind as JSON to PATH ('-' for stdout)")
     _add_threads(bi)

@@ -108,29 +108,51 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
-    from backend.hybrid.checkpoint import HEAD_FILE, bundled_path, default_draft, default_target
-    from backend.hybrid.head import load_head
+    import torch
+
+    from backend.hybrid.checkpoint import HEAD_FILE, bundled_path, default_draft
+    from backend.hybrid.head import HeadModel, load_head
+    from backend.hybrid.model import HybridModel
+    from compiler.offline.models import Served, check_same_vocabulary, load_draft, load_served
     from compiler.tools.bench_iteration import run_iteration_bench
 
+    if args.model is not None and args.draft is None:
+        raise UsageError(f"--model {args.model}: give --draft (a head file from batchc train-draft, or a draft model with its vocabulary); "
+                         "the bundled drafts draft for the bundled target")
+    if args.json is not None:
+        check_output("--json", args.json)
+    served = load_served(args.model, role="target", dtype=torch.float32, bundled="target")
+    target = served.model
+    draft: HybridModel | None
+    head: HeadModel | None
+    if args.draft is None:  # the bundled target's two drafts
+        draft, head = default_draft(), load_head(bundled_path(HEAD_FILE), target)
+    else:
+        drafted = load_draft(args.draft, target=served, dtype=torch.float32)
+        if isinstance(drafted, Served):
+            check_same_vocabulary(served, drafted)
+        draft, head = (drafted.model, None) if isinstance(drafted, Served) else (None, drafted.head)
     with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run
         with console.status("timing the phases of a speculative iteration"):
-            target = default_target()
-            head = load_head(bundled_path(HEAD_FILE), target)
-            report = run_iteration_bench(target, default_draft(), rows=args.rows, k=args.k, repeats=args.repeats, head=head)
-        table = Table(title=f"one speculative iteration, {report.rows} rows, k={report.k}: min of {report.repeats} interleaved repeats")
+            report = run_iteration_bench(target, draft, rows=args.rows, k=args.k, repeats=args.repeats, head=head)
+        table = Table(title=f"one speculative iteration, {report.rows} rows, k={report.k}: min of {report.repeats} interleaved repeats"
+                      + ("" if args.model is None else f"; {served.name}"))
         for h in ("phase", "ms", "target decodes"):
             table.add_column(h, justify="right")
         for p in report.phases:
             table.add_row(p.phase, f"{p.seconds * 1e3:.2f}", f"{p.decodes:.2f}")
         console.print(table)
         per = dict(report.iterations)
-        console.print(
-            f"iteration with the separate draft (verify + commit + propose + draft commit): {per['model']:.2f} target decodes; "
-            f"with the draft head, --draft mtp (verify + commit + head propose + head commit): {per['mtp']:.2f}; "
-            f"the draft-extend iteration the engine replaced (verify + commit + propose k + draft extend): {report.replaced_iteration_decodes:.2f}. "
-            "Speculation pays when an iteration costs fewer decodes than the tokens it emits per row.",
-            highlight=False,
-        )
+        said = []
+        if "model" in per:
+            said.append(f"iteration with the separate draft (verify + commit + propose + draft commit): {per['model']:.2f} target decodes")
+        if "mtp" in per:
+            said.append(f"with the draft head (verify + commit + head propose + head commit): {per['mtp']:.2f}")
+        if report.replaced_iteration_decodes is not None:
+            said.append(f"the draft-extend iteration the engine replaced (verify + commit + propose k + draft extend): "
+                        f"{report.replaced_iteration_decodes:.2f}")
+        console.print("; ".join(said) + ". Speculation pays when an iteration costs fewer decodes than the tokens it emits per row.",
+                      highlight=False)
         output.write(json.dumps(report.to_json(), indent=2))
     return 0
 

@@ -55,10 +55,12 @@ class IterationReport:
     k: int
     repeats: int
     phases: tuple[PhaseTime, ...]
-    iteration_decodes: float
-    """verify + commit + propose + draft commit, in target decodes (what the engine runs)."""
-    replaced_iteration_decodes: float
-    """verify + commit + propose k + draft extend, in target decodes (the draft-extend iteration)."""
+    iteration_decodes: float | None
+    """verify + commit + propose + draft commit, in target decodes (what the engine runs); ``None``
+    without a separate draft."""
+    replaced_iteration_decodes: float | None
+    """verify + commit + propose k + draft extend, in target decodes (the draft-extend iteration);
+    ``None`` without a separate draft."""
     iterations: tuple[tuple[str, float], ...] = ()
     """Per draft kind (``"model"``, and ``"mtp"`` with a head), the iteration the engine runs, in target decodes."""
 
@@ -99,9 +101,12 @@ class _Side:
 
 
 def run_iteration_bench(
-    target: HybridModel, draft: HybridModel, *, rows: int = 8, k: int = 2, repeats: int = 7, head: HeadModel | None = None,
+    target: HybridModel, draft: HybridModel | None, *, rows: int = 8, k: int = 2, repeats: int = 7, head: HeadModel | None = None,
 ) -> IterationReport:
-    t, d = _Side(target, rows, k), _Side(draft, rows, k)
+    """The phases of the target and of each draft given (a separate ``draft``, a ``head``; at least one)."""
+    if draft is None and head is None:
+        raise ValueError("run_iteration_bench needs a draft, a head or both")
+    t = _Side(target, rows, k)
     h = _Side(head, rows, k, target=t) if head is not None else None
     n, w = rows, k + 1
     gen = torch.Generator().manual_seed(1)
@@ -111,13 +116,10 @@ def run_iteration_bench(
     accept = torch.arange(n) % w  # accepted drafts per row, cycling over 0..k
     verified = target.verify(t.pool, t.kv, t.table, slots=t.slots, input_ids=window, positions=wpos, kv_locs=t.locs(n, w))
     verify_states = verified.states
-    _, draft_states = draft.propose_keeping_states(
-        d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w), k=k
-    )
     ext_lens = accept + 1
     ext_ids = torch.cat([window[i, : int(ext_lens[i])] for i in range(n)])
     ext_pos = torch.cat([torch.arange(PROMPT_LEN, PROMPT_LEN + int(ext_lens[i])) for i in range(n)])
-    ext_locs = torch.cat([d.locs(n, w)[i, : int(ext_lens[i])] for i in range(n)])
+    ext_locs = torch.cat([t.locs(n, w)[i, : int(ext_lens[i])] for i in range(n)])  # (every side's locations are laid out alike)
     ext_cu = torch.cat((torch.zeros(1, dtype=torch.int64), ext_lens.cumsum(0)))
     decode_locs = t.locs(n, 1)[:, 0].contiguous()
 
@@ -126,17 +128,25 @@ def run_iteration_bench(
         "decode": lambda: target.decode(t.pool, t.kv, t.table, slots=t.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=decode_locs),
         "verify": lambda: target.verify(t.pool, t.kv, t.table, slots=t.slots, input_ids=window, positions=wpos, kv_locs=t.locs(n, w)),
         "commit": lambda: target.commit(t.pool, verify_states, accept_pos=accept, slots=t.slots),
-        "propose": lambda: draft.propose_keeping_states(
-            d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w), k=k
-        ),
-        "draft commit": lambda: draft.commit(d.pool, draft_states, accept_pos=accept, slots=d.slots),
-        "propose k": lambda: draft.propose(
-            d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w)[:, :k].contiguous(), k=k
-        ),
-        "draft extend": lambda: draft.extend(
-            d.pool, d.kv, d.table, slots=d.slots, cu_seqlens=ext_cu, prefix_lens=pos, input_ids=ext_ids, positions=ext_pos, kv_locs=ext_locs
-        ),
     }
+    if draft is not None:
+        sep, d = draft, _Side(draft, rows, k)
+        _, draft_states = sep.propose_keeping_states(
+            d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w), k=k
+        )
+        phases |= {
+            "propose": lambda: sep.propose_keeping_states(
+                d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w), k=k
+            ),
+            "draft commit": lambda: sep.commit(d.pool, draft_states, accept_pos=accept, slots=d.slots),
+            "propose k": lambda: sep.propose(
+                d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w)[:, :k].contiguous(),
+                k=k,
+            ),
+            "draft extend": lambda: sep.extend(
+                d.pool, d.kv, d.table, slots=d.slots, cu_seqlens=ext_cu, prefix_lens=pos, input_ids=ext_ids, positions=ext_pos, kv_locs=ext_locs
+            ),
+        }
     if head is not None and h is not None:
         head_hidden = pack_accepted(verified.hidden, ext_lens)
         phases["head propose"] = lambda: head.propose(
@@ -159,11 +169,12 @@ def run_iteration_bench(
     unit = best["decode"]
     times = tuple(PhaseTime(phase=name, seconds=s, decodes=s / unit) for name, s in best.items())
     per = {p.phase: p.decodes for p in times}
-    model = per["verify"] + per["commit"] + per["propose"] + per["draft commit"]
-    kinds = [("model", model)]
+    model = per["verify"] + per["commit"] + per["propose"] + per["draft commit"] if draft is not None else None
+    kinds = [("model", model)] if model is not None else []
     if head is not None:
         kinds.append(("mtp", per["verify"] + per["commit"] + per["head propose"] + per["head commit"]))
     return IterationReport(
         rows=rows, k=k, repeats=repeats, phases=times, iteration_decodes=model,
-        replaced_iteration_decodes=per["verify"] + per["commit"] + per["propose k"] + per["draft extend"], iterations=tuple(kinds),
+        replaced_iteration_decodes=per["verify"] + per["commit"] + per["propose k"] + per["draft extend"] if draft is not None else None,
+        iterations=tuple(kinds),
     )

@@ -54,9 +54,22 @@ def test_bench_iteration_prints_every_phase_in_decodes(capsys: pytest.CaptureFix
     for phase in phases:
         assert f" {phase} " in out
     assert "iteration with the separate draft (verify + commit + propose + draft commit):" in out and "target decodes" in out
-    assert "with the draft head, --draft mtp (verify + commit + head propose + head commit):" in out
+    assert "with the draft head (verify + commit + head propose + head commit):" in out
     data = json.loads(report.read_text())
     assert [p["phase"] for p in data["phases"]] == list(phases) and [i["draft"] for i in data["iterations"]] == ["model", "mtp"]
+
+
+def test_bench_iteration_times_the_draft_it_is_given(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``--draft``: that draft's phases only (here the bundled head: ``mtp``); ``--model`` needs one."""
+    report = tmp_path / "iteration.json"
+    assert main(["bench", "iteration", "--draft", "mtp", "--rows", "2", "--repeats", "1", "--json", str(report)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "with the draft head (verify + commit + head propose + head commit):" in out and "separate draft" not in out
+    data = json.loads(report.read_text())
+    assert [p["phase"] for p in data["phases"]] == ["decode", "verify", "commit", "head propose", "head commit"]
+    assert [i["draft"] for i in data["iterations"]] == ["mtp"]
+    assert main(["bench", "iteration", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "give --draft (a head file from batchc train-draft" in capsys.readouterr().err
 
 
 def test_bad_option_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:

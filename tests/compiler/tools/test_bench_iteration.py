@@ -33,3 +33,14 @@ def test_a_head_adds_its_phases_and_its_iteration() -> None:
         "model": report.iteration_decodes, "mtp": per["verify"] + per["commit"] + per["head propose"] + per["head commit"],
     }
     assert [i["draft"] for i in report.to_json()["iterations"]] == ["model", "mtp"]  # type: ignore[union-attr]
+
+
+def test_a_head_alone_is_timed_without_a_separate_draft() -> None:
+    """A target with only a head (a Hugging Face checkpoint and the head trained for it, say)."""
+    from backend.hybrid.head import HeadConfig, HeadModel
+
+    target, _ = tiny_models()
+    head = HeadModel.from_seed(HeadConfig.for_target(target.config, ("mamba",)), target, 0)
+    report = run_iteration_bench(target, None, rows=2, k=3, repeats=1, head=head)
+    assert [p.phase for p in report.phases] == ["decode", "verify", "commit", "head propose", "head commit"]
+    assert report.iteration_decodes is None and report.replaced_iteration_decodes is None and [kind for kind, _ in report.iterations] == ["mtp"]

@@ -376,7 +376,10 @@ class ExecutorProcess:
         if kind == "done":
             p.result = reply[1]  # (IR nodes unpickle through their constructors: checked)
             if reply[2] is not None:  # a target's hidden states, for the head plan that names them
-                self.hidden.keep(*reply[2])
+                try:
+                    self.hidden.keep(*reply[2])
+                except BatchcError as exc:  # (an id kept twice or states of the wrong shape: the plan's error, not the reader's)
+                    p.result, p.error = None, exc
         else:
             p.error = _error(reply)
             if p.plan is None and self._control_error is None:

@@ -57,7 +57,9 @@ from ir.linear import linear
 from ir.nodes import Plan
 
 MAGIC: Final = b"BCPL"
-WIRE_VERSION: Final = 1
+WIRE_VERSION: Final = 2
+"""2: plans carry ``keep_hidden`` (``ExtendPlan``, ``VerifyPlan``) and the draft head's plans exist
+(``HeadExtendPlan``, ``HeadCommitPlan``); a version 1 reader would refuse their nodes further in."""
 _PREFIX = struct.Struct("<4sHHQII")
 _DTYPES: Final[dict[str, np.dtype[Any]]] = {"i8": np.dtype("<i8"), "b1": np.dtype(np.bool_), "f8": np.dtype("<f8")}
 MAX_MESSAGE_BYTES: Final = 1 << 31

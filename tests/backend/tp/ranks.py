@@ -119,7 +119,7 @@ def leader(scenario: str, out: str) -> None:
     from ir.ids import TARGET_POOL
     from ir.init import SERIAL_COUNTER_BITS
     from ir.plan import ExtendPlan, MixedPlan
-    from ir.wire import pack, unpack
+    from ir.wire import WIRE_VERSION, pack, unpack
 
     result: dict[str, Any] = {"scenario": scenario}
     group = spawn_workers(2, [sys.executable, "-m", "tests.backend.tp.ranks", scenario, out], timeout_s=_timeout(scenario),
@@ -156,7 +156,7 @@ def leader(scenario: str, out: str) -> None:
             if bad == "replay":  # and a message for the right step that no encoder writes: a 5,000-digit integer
                 header = b"[" + b"1" * 5000 + b"]"
                 header += b" " * (-(24 + len(header)) % 8)  # the columns' 8-byte alignment
-                result["malformed"] = lead.send_raw(TARGET_POOL, struct.pack("<4sHHQII", b"BCPL", 1, 0, lead.step, len(header), 0) + header)
+                result["malformed"] = lead.send_raw(TARGET_POOL, struct.pack("<4sHHQII", b"BCPL", WIRE_VERSION, 0, lead.step, len(header), 0) + header)
             del sent[ran:]  # (the tap keeps the plans that ran: the next bad message is built from them)
         if n == 4 and scenario == "kill":
             os.kill(group.procs[1].pid, signal.SIGKILL)

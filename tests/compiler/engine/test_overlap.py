@@ -34,7 +34,7 @@ from ir.mint import mint_sample_id
 from ir.parse import parse
 from ir.plan import DecodePlan
 from ir.printer import dump
-from ir.wire import pack
+from ir.wire import WIRE_VERSION, pack
 from passes import LowerContext
 from passes.prepare_for_decode import DecodeContext
 from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, engine, fresh, kill_child, review_greedy, tiny_models
@@ -92,7 +92,7 @@ def _huge_integer_message(step: int) -> bytes:
     """A plan message for ``step`` whose header is a 5,000-digit integer (``unpack`` raised ValueError)."""
     header = b"[" + b"1" * 5000 + b"]"
     header += b" " * (-(24 + len(header)) % 8)
-    return struct.pack("<4sHHQII", b"BCPL", 1, 0, step, len(header), 0) + header
+    return struct.pack("<4sHHQII", b"BCPL", WIRE_VERSION, 0, step, len(header), 0) + header
 
 
 def test_the_executor_process_refuses_a_malformed_message_one_out_of_order_and_a_serial_it_does_not_trust() -> None:

@@ -23,7 +23,7 @@ State the entry points read and write (all on the pool's device; index tensors i
 
 - the Mamba pool, row = slot (``config.pool_layout``): ``extend`` and ``decode`` update the slots of
   their rows in place; ``verify`` only reads them and returns per-position states that ``commit``
-  scatters; ``propose`` works on a gathered scratch copy and leaves the pool untouched;
+  scatters (on the torch path, the SSM states as factors: ``backend.kernels.window``); ``propose`` works on a gathered scratch copy and leaves the pool untouched;
 - the KV cache at the given locations and the token table at ``(slot, position)`` for every token
   processed (``propose`` included: it writes its draft tokens' entries).
 
@@ -57,7 +57,8 @@ from backend.kernels.checks import require
 from backend.kernels.chunked import Capture, causal_conv1d_prefill, ssd_prefill
 from backend.kernels.commit import commit_accepted
 from backend.kernels.conv import causal_conv1d_update, causal_conv1d_verify
-from backend.kernels.ssm import selective_state_update, selective_state_verify
+from backend.kernels.ssm import selective_state_update, selective_state_verify_kept
+from backend.kernels.window import SsmWindow, commit_states
 from backend.pool import MambaStatePool, PoolLayout
 from backend.staging import Captures
 from ir.ids import TARGET_POOL, PoolId
@@ -558,7 +559,7 @@ class HybridModel:
         locs = torch.where(live, kv_locs, 0)
         table.write(slots[:, None].expand(n, T), positions, locs)
         conv_states: list[torch.Tensor] = []
-        ssm_states: list[torch.Tensor] = []
+        ssm_states: list[torch.Tensor | SsmWindow] = []
 
         def mamba(i: int, x: torch.Tensor) -> torch.Tensor:
             m = c.mamba_index(i)
@@ -571,7 +572,7 @@ class HybridModel:
             xs, B, C = self._split_xbc(xbc)
             A, D = self._ssm_params(i)
             dt, dt_bias, dt_softplus = self._dt(i, dt)
-            y, ssm_st = selective_state_verify(
+            y, ssm_st = selective_state_verify_kept(
                 pool.ssm_state(m), xs, dt, A, B, C, D,
                 z=z.reshape(n, T, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=dt_softplus,
                 slot_idx=slots, check_slots=False,
@@ -594,7 +595,7 @@ class HybridModel:
         require(len(states.conv) == len(states.ssm) == self.config.n_mamba, "states do not match the model's Mamba layers")
         for m in range(self.config.n_mamba):
             commit_accepted(pool.conv_state(m), states.conv[m], accept_pos, slots)
-            commit_accepted(pool.ssm_state(m), states.ssm[m], accept_pos, slots)
+            commit_states(pool.ssm_state(m), states.ssm[m], accept_pos, slots)
 
     def propose(
         self,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from backend.kernels.window import SsmWindow
+
 
 @attrs.frozen
 class ForwardOut:
@@ -26,10 +28,12 @@ class ForwardOut:
 class VerifyStates:
     """Per Mamba layer (pool layer order), every verify position's state:
     ``conv[m] [n, T, conv_dim, width - 1]``, ``ssm[m] [n, T, nheads, head_dim, d_state]``;
-    position ``t`` holds the state after the row's token ``t``."""
+    position ``t`` holds the state after the row's token ``t``. A verify on the torch path keeps
+    each SSM layer's states as an ``SsmWindow`` instead (``backend.kernels.window``: the committed
+    state and per-token factors; the commit computes the accepted position's state)."""
 
     conv: tuple[torch.Tensor, ...]
-    ssm: tuple[torch.Tensor, ...]
+    ssm: tuple[torch.Tensor | SsmWindow, ...]
 
 
 @attrs.frozen

@@ -3,6 +3,8 @@
 - ``selective_state_update``: one token per row; ``state[slot]`` updated in place.
 - ``selective_state_verify``: T tokens per row; the pool is only read, each position's state goes
   to a fresh intermediate buffer ``[batch, T, nheads, head_dim, d_state]`` (state dtype).
+- ``selective_state_verify_kept``: what the model's verify runs: the above on the Triton path, the
+  closed form of ``backend.kernels.window`` (no state per position) on the torch path.
 
 Shapes (decode; verify adds a T axis after batch everywhere except the per-head parameters):
 ``state [num_slots, nheads, head_dim, d_state]`` (any strides), ``x, z [batch, nheads, head_dim]``,
@@ -27,6 +29,7 @@ import torch
 from backend.kernels import checks, torch_paths
 from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
+from backend.kernels.window import SsmWindow, selective_state_verify_window
 
 TILE_ELEMENTS = 2048
 
@@ -178,6 +181,38 @@ def selective_state_update(
             in_place=True,
         )
     return y
+
+
+def selective_state_verify_kept(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    *,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    slot_idx: torch.Tensor,
+    check_slots: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | SsmWindow]:
+    """A verify whose states are kept for a commit in the cheapest form the device has: on the
+    Triton path every position's state (``selective_state_verify``), on the torch path an
+    ``SsmWindow`` (``backend.kernels.window``: the committed state and the per-token factors, the
+    accepted position's state computed at the commit; equal to the steps to float32 rounding).
+    ``backend.kernels.window.commit_states`` commits either."""
+    if use_triton(x):
+        return selective_state_verify(
+            state, x, dt, A, B, C, D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, slot_idx=slot_idx, check_slots=check_slots
+        )
+    require(x.dim() == 4, f"x must be [batch, T, nheads, head_dim], got shape {tuple(x.shape)}")
+    batch, T = x.shape[0], x.shape[1]
+    _validate(state, x, dt, A, B, C, D, z, dt_bias, slot_idx, lead=(batch, T), check_slots=check_slots)
+    if T == 0 or batch == 0:
+        return torch.zeros_like(x), torch.zeros((batch, T, *state.shape[1:]), dtype=state.dtype, device=x.device)
+    return selective_state_verify_window(state, x, dt, A, B, C, D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, slot_idx=slot_idx)
 
 
 def selective_state_verify(

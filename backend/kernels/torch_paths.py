@@ -28,7 +28,8 @@ its extent), e.g. contiguous tensors and slices of them.
 
 SSM verify keeps a loop over the ``T`` positions (each step batched over rows), carrying the state
 rounded to the state dtype between positions exactly as the reference (and a decode step reading
-the pool back) does, so a verify equals ``T`` decode steps bit for bit. Conv verify has no
+the pool back) does, so a verify equals ``T`` decode steps bit for bit. (The model's verify runs
+``backend.kernels.window`` instead: no state per position, equal to this to float32 rounding.) Conv verify has no
 recurrence to carry: all positions' windows are built at once from the stream "state, then the
 inputs rounded to the state dtype" (what the reference's carried state holds), each ending in its
 own input unrounded.

@@ -50,6 +50,14 @@ def validate_commit(
     require(intermediate.device == device, f"intermediate is on {intermediate.device}, the pool on {device}")
     require(_states_contiguous(intermediate, 2), "intermediate states must be contiguous")
     require(_states_contiguous(pool_state, 1), "each pool slot's state must be contiguous")
+    committing_rows(pool_state, batch, T, accept_pos, slot_idx)
+
+
+def committing_rows(pool_state: torch.Tensor, batch: int, T: int, accept_pos: torch.Tensor, slot_idx: torch.Tensor) -> list[int]:
+    """The rows of a commit over ``batch`` rows of ``T`` positions that write a slot (both their
+    accepted position and their slot non-negative), after checking ``accept_pos`` (in ``[-1, T - 1]``)
+    and ``slot_idx`` (-1 or a slot of ``pool_state``, none written twice) (``ValueError``)."""
+    device = pool_state.device
     checks.check_index("accept_pos", accept_pos, length=batch, device=device)
     checks.check_index("slot_idx", slot_idx, length=batch, device=device)
     positions = [int(v) for v in accept_pos.tolist()]
@@ -58,9 +66,10 @@ def validate_commit(
     require(not bad, f"accept_pos out of range [-1, {T - 1}]: {bad[:8]}")
     bad = [s for s in slots if not (s == -1 or 0 <= s < pool_state.shape[0])]
     require(not bad, f"slot_idx has slots out of range [0, {pool_state.shape[0] - 1}] (or -1): {bad[:8]}")
-    committing = Counter(s for s, p in zip(slots, positions, strict=True) if s >= 0 and p >= 0)
-    dupes = sorted(s for s, n in committing.items() if n > 1)
+    rows = [i for i, (s, p) in enumerate(zip(slots, positions, strict=True)) if s >= 0 and p >= 0]
+    dupes = sorted(s for s, n in Counter(slots[i] for i in rows).items() if n > 1)
     require(not dupes, f"slot_idx commits into slots {dupes[:8]} more than once")
+    return rows
 
 
 def commit_accepted(

@@ -27,15 +27,12 @@ a zero state and give zero outputs; ``commit_window`` checks the commit's argume
 
 from __future__ import annotations
 
-from collections import Counter
-
 import attrs
 import torch
 import torch.nn.functional as F
 
-from backend.kernels import checks
 from backend.kernels.checks import require
-from backend.kernels.commit import commit_accepted
+from backend.kernels.commit import commit_accepted, committing_rows
 
 
 @attrs.frozen(eq=False)
@@ -123,22 +120,13 @@ def selective_state_verify_window(
 def commit_window(pool_state: torch.Tensor, window: SsmWindow, accept_pos: torch.Tensor, slot_idx: torch.Tensor) -> None:
     """``pool_state[slot_idx[row]] = `` the state after window position ``accept_pos[row]``, for every
     row with both non-negative (``commit_accepted``'s contract, from the factors)."""
-    batch, T = int(window.start.shape[0]), window.positions
+    batch = int(window.start.shape[0])
     device = pool_state.device
     require(tuple(window.start.shape[1:]) == tuple(pool_state.shape[1:]),
             f"window states {tuple(window.start.shape[1:])} do not match pool states {tuple(pool_state.shape[1:])}")
     require(window.state_dtype == pool_state.dtype, f"dtype mismatch: {window.state_dtype} vs pool {pool_state.dtype}")
-    checks.check_index("accept_pos", accept_pos, length=batch, device=device)
-    checks.check_index("slot_idx", slot_idx, length=batch, device=device)
-    positions = [int(v) for v in accept_pos.tolist()]
-    slots = [int(v) for v in slot_idx.tolist()]
-    bad = [p for p in positions if not -1 <= p < T]
-    require(not bad, f"accept_pos out of range [-1, {T - 1}]: {bad[:8]}")
-    bad = [s for s in slots if not (s == -1 or 0 <= s < pool_state.shape[0])]
-    require(not bad, f"slot_idx has slots out of range [0, {pool_state.shape[0] - 1}] (or -1): {bad[:8]}")
-    committing = [i for i, (s, p) in enumerate(zip(slots, positions, strict=True)) if s >= 0 and p >= 0]
-    dupes = sorted(s for s, n in Counter(slots[i] for i in committing).items() if n > 1)
-    require(not dupes, f"slot_idx commits into slots {dupes[:8]} more than once")
+    require(window.start.device == device, f"the window is on {window.start.device}, the pool on {device}")
+    committing = committing_rows(pool_state, batch, window.positions, accept_pos, slot_idx)
     if not committing:
         return
     if len(committing) == batch:  # the serving case: every row accepted at least its first position

@@ -87,7 +87,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from backend.remote import ExecutorGone
     from backend.tp.group import RankFailed
     from compiler.offline import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, distributed, load_workload
-    from compiler.offline.load import tokenize_workload
+    from compiler.offline.load import tokenize_workload, tokenized_overflow
     from compiler.offline.models import Served, check_same_vocabulary, draft_config, load_draft, load_served
 
     # every check before anything runs: options, output paths, models, memory, workload
@@ -161,10 +161,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                                     defaults=defaults)
         if tokenizer is not None:
             workload = tokenize_workload(workload, tokenizer, vocab=vocab)
-            for r in workload:
-                if len(r.token_ids) + r.max_new_tokens + cfg.reserve > cfg.max_len:
-                    raise UsageError(f"built-in request {r.rid}: {len(r.token_ids)} prompt tokens + {r.max_new_tokens} new tokens "
-                                     f"+ k + 1 = {cfg.reserve} exceed the context limit {cfg.max_len}; lower --max-new-tokens")
+            overflow = tokenized_overflow(workload, max_len=cfg.max_len, reserve=cfg.reserve)
+            if overflow is not None:
+                raise UsageError(overflow)
     if args.compare_mutable:
         refusal = _baseline_refusal(workload)
         if refusal is not None:

@@ -186,6 +186,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import default_draft
     from compiler.engine import prefill_first
     from compiler.offline import ServeConfig, WorkloadError, check_serving
+    from compiler.offline.load import tokenized_overflow
     from compiler.offline.models import Served, ServedHead, draft_config, load_served
     from compiler.tools.bench_serve import ENGINES, KS, Tokens, builtin_cases, run_serve_bench, sweep_cases
     from compiler.workload import ARRIVALS, BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
@@ -237,11 +238,9 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     except WorkloadError as exc:
         raise UsageError(f"--model {args.model}: {exc}") from None
     for case in cases:
-        too_long = [q for q in case.requests if len(q.token_ids) + q.max_new_tokens + case.cfg.reserve > case.cfg.max_len]
-        if too_long:
-            q = too_long[0]
-            raise UsageError(f"built-in request {q.rid}: {len(q.token_ids)} prompt tokens + {q.max_new_tokens} new tokens + k + 1 = "
-                             f"{case.cfg.reserve} exceed the context limit {case.cfg.max_len}; lower --max-new-tokens")
+        overflow = tokenized_overflow(case.requests, max_len=case.cfg.max_len, reserve=case.cfg.reserve)
+        if overflow is not None:
+            raise UsageError(overflow)
     target = served.model
     separate = drafted.get("model")
     # the baselines' k = 0 runs hold a draft too: the bundled one beside the bundled byte-level target

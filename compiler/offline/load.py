@@ -283,6 +283,16 @@ def _tokenized(where: str, obj: dict[str, Any], rid: RequestId, text: str, data:
                    refused=refused)
 
 
+def tokenized_overflow(workload: Sequence[Request], *, max_len: int, reserve: int) -> str | None:
+    """Why the first of the built-in ``workload``'s requests on a tokenizer's ids does not fit a
+    context of ``max_len`` (prompt tokens + new tokens + ``reserve`` = k + 1), or ``None`` when all fit."""
+    for r in workload:
+        if len(r.token_ids) + r.max_new_tokens + reserve > max_len:
+            return (f"built-in request {r.rid}: {len(r.token_ids)} prompt tokens + {r.max_new_tokens} new tokens "
+                    f"+ k + 1 = {reserve} exceed the context limit {max_len}; lower --max-new-tokens")
+    return None
+
+
 def tokenize_workload(workload: Sequence[Request], tokenizer: Tokenizer, *, vocab: int) -> list[Request]:
     """The built-in workload's requests on a checkpoint's tokenizer (their text is UTF-8)."""
     from backend.hybrid.config import MAX_VOCAB  # (here: ``sampling_params`` is read by batchc serve's torch-free HTTP side)

@@ -174,3 +174,18 @@ def test_workload_loading_checks_its_tokenizer_and_arguments(tmp_path: Path, hf_
         with pytest.raises(WorkloadError, match="workload must be a list of Request"):
             tokenize_workload(None, hf_tokenizer, vocab=400)  # type: ignore[arg-type]  # deliberately wrong
     assert [len(r.token_ids) > 0 for r in tokenize_workload(workload, hf_tokenizer, vocab=400)] == [True, True]
+
+
+def test_a_tokenized_request_that_does_not_fit_is_named_with_its_counts(hf_tokenizer: HFTokenizer) -> None:
+    """``tokenized_overflow``: the first built-in request whose prompt tokens, new tokens and k + 1
+    do not fit the context, in the words ``batchc run`` and ``bench serve`` print."""
+    from compiler.offline import builtin_workload
+    from compiler.offline.load import tokenize_workload, tokenized_overflow
+
+    workload = tokenize_workload(builtin_workload(num_requests=3, max_new_tokens=8), hf_tokenizer, vocab=400)
+    need = max(len(r.token_ids) + r.max_new_tokens for r in workload) + 3
+    assert tokenized_overflow(workload, max_len=need, reserve=3) is None
+    first = next(r for r in workload if len(r.token_ids) + r.max_new_tokens + 3 > need - 1)
+    assert tokenized_overflow(workload, max_len=need - 1, reserve=3) == (
+        f"built-in request {first.rid}: {len(first.token_ids)} prompt tokens + {first.max_new_tokens} new tokens + k + 1 = 3 "
+        f"exceed the context limit {need - 1}; lower --max-new-tokens")

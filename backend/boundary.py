@@ -278,7 +278,7 @@ def checked(plan: Plan, result: Result) -> Result:
     if isinstance(result, (Sampled, Verified)):
         asked = asked_hidden(plan) if isinstance(plan, (ExtendPlan, MixedPlan, VerifyPlan)) else None
         got = result.hidden
-        if got != asked:
+        if got is not asked and got != asked:
             raise PlanExecutionError(
                 f"{name} asked for {asked.described() if asked is not None else 'no hidden states'}, and came back with "
                 f"{got.described() if got is not None else 'none'}"

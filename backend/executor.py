@@ -217,6 +217,9 @@ class Executor(Generic[VerifyStateT]):
         self._spec_hook: SpecModelHook[VerifyStateT] | None = (
             cast("SpecModelHook[VerifyStateT]", hook) if isinstance(hook, SpecModelHook) else None
         )
+        self._keeps_hidden: KeepsHidden | None = hook if isinstance(hook, KeepsHidden) else None
+        self._head_only = self._head is not None and not isinstance(hook, ModelHook)
+        """A draft head's hook, which runs its own phases and never the target's plans."""
 
     @property
     def pool_id(self) -> PoolId:
@@ -384,10 +387,9 @@ class Executor(Generic[VerifyStateT]):
         return self.hidden
 
     def _keeping_hidden(self, plan: Plan) -> KeepsHidden:
-        model = self.model
-        if not isinstance(model, KeepsHidden):
-            raise PlanExecutionError(f"{type(plan).__name__} asks for hidden states; the model hook {type(model).__name__} hands back none")
-        return model
+        if self._keeps_hidden is None:
+            raise PlanExecutionError(f"{type(plan).__name__} asks for hidden states; the model hook {type(self.model).__name__} hands back none")
+        return self._keeps_hidden
 
     @consumes
     def run_head_extend(self, plan: HeadExtendPlan) -> None:
@@ -736,7 +738,7 @@ class Executor(Generic[VerifyStateT]):
     def _forward(self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor:
         self._validated(plan)
         model = self.model
-        if isinstance(model, HeadHook) and not isinstance(model, ModelHook):
+        if self._head_only:
             raise PlanExecutionError(
                 f"{type(plan).__name__} on pool {self.pool.pool_id!r}: a draft head runs its own phases (HeadExtendPlan, HeadCommitPlan), not the target's plans"
             )

@@ -106,8 +106,11 @@ class HiddenStore:
                 f"HeadCommitPlan of requests {b.rids.tolist()[:8]} at positions {b.prefix_lens.tolist()[:8]} with k={b.k} reads {h.described()}"
             )
         states = held.states
-        keep = torch.from_numpy(np.arange(b.k + 1)[None, :] <= b.accept_pos[:, None]).to(states.device)
-        return states[keep]
+        flat = states.reshape(-1, states.shape[-1])
+        keep = (np.arange(b.k + 1)[None, :] <= b.accept_pos[:, None]).reshape(-1)
+        if keep.all():
+            return flat
+        return flat.index_select(0, torch.from_numpy(np.flatnonzero(keep)).to(states.device))
 
     def taken(self, hid: HiddenId) -> None:
         """The phase that read ``hid`` ran: the states are no longer held (a replay finds none)."""

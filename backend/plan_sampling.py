@@ -189,6 +189,8 @@ def _banned(logits: torch.Tensor, rows: SamplingRows, positions: np.ndarray[tupl
 def sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I64, *, counts: Counts | None = None) -> I64:
     """The token of each row of ``[N, V]`` logits (module docstring); ``positions`` [N]: each row's
     position of the token chosen; ``counts``: the rows' token counts (penalties)."""
+    if rows is None:  # every row greedy with no penalty: the argmax alone (no autograd to switch off)
+        return sample(logits)
     with torch.inference_mode():  # (no autograd bookkeeping: every torch op costs less)
         return _sample_logits(logits, rows, positions, counts)
 
@@ -213,6 +215,8 @@ def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, 
     ``logits`` [N, k + 1, V], ``drafts`` the ``N * k`` proposals (row-major), ``start`` [N] the
     position of each row's first proposal; ``counts``: the rows' token counts at the window's
     first position (its input ``0`` counted; penalties)."""
+    if rows is None:  # (as ``sample_logits``) every position's argmax
+        return sample(logits.reshape(-1, logits.shape[-1]))
     with torch.inference_mode():  # (as ``sample_logits``)
         return _verify_tokens(logits, drafts, rows, start, counts)
 

@@ -132,9 +132,13 @@ class DecodeBatch(ColumnNode, RequestRows):
 
     @classmethod
     def empty(cls) -> DecodeBatch:
-        """The running batch before any request has finished its prefill."""
-        none: list[int] = []
-        return cls(rids=none, slots=none, seq_lens=none, input_ids=none, kv_locs=none)
+        """The running batch before any request has finished its prefill (one shared node: it is
+        immutable, and a speculative step asks for it every iteration)."""
+        return _EMPTY_DECODE
+
+
+_NONE: list[int] = []
+_EMPTY_DECODE = DecodeBatch(rids=_NONE, slots=_NONE, seq_lens=_NONE, input_ids=_NONE, kv_locs=_NONE)
 
 
 @final

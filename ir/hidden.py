@@ -102,10 +102,28 @@ class HiddenStates(ColumnNode):
         return f"hidden #{self.hidden_id} of {producer} (rows {self.rids.tolist()[:8]}, positions {spans})"
 
 
+_last_asked: tuple[object, HiddenStates] | None = None
+"""The last plan that asked for a handle, and that handle: the backend builds its result's handle
+and ``checked`` then compares with the same plan's, so the second call finds the first's. The plan
+is held, so its identity cannot be reused while it is here, and it is immutable, so its handle is
+the same node whenever it is asked for."""
+
+
 def asked_hidden(plan: ExtendPlan | MixedPlan | VerifyPlan) -> HiddenStates | None:
     """The handle ``plan``'s forward must hand back (``Sampled.hidden``/``Verified.hidden``), or
     ``None`` when it asked for none: the backend builds its result's handle with this, and
     ``backend.boundary.checked`` compares the result's with it."""
+    global _last_asked
+    last = _last_asked
+    if last is not None and last[0] is plan:
+        return last[1]
+    handle = _asked(plan)
+    if handle is not None:
+        _last_asked = (plan, handle)
+    return handle
+
+
+def _asked(plan: ExtendPlan | MixedPlan | VerifyPlan) -> HiddenStates | None:
     match plan:
         case VerifyPlan():
             if plan.keep_hidden is None:
@@ -116,7 +134,7 @@ def asked_hidden(plan: ExtendPlan | MixedPlan | VerifyPlan) -> HiddenStates | No
                 starts=frozen_i64(b.seq_lens - 1), lens=frozen_i64(np.full(b.num_requests, b.k + 1, dtype=np.int64)),
             )
         case MixedPlan():
-            return asked_hidden(plan.extend)
+            return _asked(plan.extend)
         case ExtendPlan():
             if plan.keep_hidden is None:
                 return None

@@ -218,8 +218,8 @@ class Executor(Generic[VerifyStateT]):
             cast("SpecModelHook[VerifyStateT]", hook) if isinstance(hook, SpecModelHook) else None
         )
         self._keeps_hidden: KeepsHidden | None = hook if isinstance(hook, KeepsHidden) else None
-        self._head_only = self._head is not None and not isinstance(hook, ModelHook)
-        """A draft head's hook, which runs its own phases and never the target's plans."""
+        self._forward_hook: ModelHook | None = hook if isinstance(hook, ModelHook) else None
+        """``None`` for a draft head's hook, which runs its own phases and never the target's plans."""
 
     @property
     def pool_id(self) -> PoolId:
@@ -737,11 +737,13 @@ class Executor(Generic[VerifyStateT]):
 
     def _forward(self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None) -> torch.Tensor:
         self._validated(plan)
-        model = self.model
-        if self._head_only:
-            raise PlanExecutionError(
-                f"{type(plan).__name__} on pool {self.pool.pool_id!r}: a draft head runs its own phases (HeadExtendPlan, HeadCommitPlan), not the target's plans"
-            )
+        model = self._forward_hook
+        if model is None:
+            if self._head is not None:
+                raise PlanExecutionError(
+                    f"{type(plan).__name__} on pool {self.pool.pool_id!r}: a draft head runs its own phases (HeadExtendPlan, HeadCommitPlan), not the target's plans"
+                )
+            raise PlanExecutionError(f"{type(plan).__name__} on pool {self.pool.pool_id!r}: the model hook {type(self.model).__name__} has no forward")
         with self._watched("the model hook", plan, extend, decode):
             out: object = model.forward(plan, extend, decode, self.pool)  # a user's hook: its annotation is a promise
         return self._checked_logits(plan, out, extend, decode)
@@ -783,13 +785,13 @@ class Executor(Generic[VerifyStateT]):
             how = f"version {self._seen[0]} -> {version}" if version != self._seen[0] else "contents changed, version unchanged (a Triton store?)"
             raise MutationError(f"pool {self.pool.pool_id!r} was written outside the executor since its last plan ({how})")
 
-    @contextmanager
-    def _watched(self, who: str, plan: Plan, *staged: Staged | None) -> Iterator[None]:
+    def _watched(self, who: str, plan: Plan, *staged: Staged | None) -> AbstractContextManager[None]:
         """Run a model-hook call; when watching, check afterwards that it changed neither a staged
         input (compared by content: a Triton store bumps no version) nor a column of the plan."""
-        if not self.watch:
-            yield
-            return
+        return self._watching(who, plan, *staged) if self.watch else nullcontext()
+
+    @contextmanager
+    def _watching(self, who: str, plan: Plan, *staged: Staged | None) -> Iterator[None]:
         inputs = [(s, {k: v.clone() for k, v in _tensors(s).items()}) for s in staged if s is not None]
         columns = {name: col.tobytes() for name, col in _columns(plan, type(plan).__name__)}
         yield

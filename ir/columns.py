@@ -180,17 +180,20 @@ def plain_ints(items: Sequence[object]) -> bool:
     one ``int_problem`` call per item."""
     if not set(map(type, items)) <= {int}:
         return False
-    values = cast("Sequence[int]", items)
+    values: Sequence[int] = items  # type: ignore[assignment]  # (every item is an int: checked just above; a cast() is a call on this hot path)
     return not values or (INT64_MIN <= min(values) and max(values) <= INT64_MAX)
 
 
 def check_int(node: object, name: str, value: object) -> int:
     """``value`` as an ``int``, or ``IRValidationError`` naming ``node.name`` and ``value`` when it is
     not an int64 integer."""
+    if type(value) is int and INT64_MIN <= value <= INT64_MAX:  # the common case, without int_problem's call
+        return value
     problem = int_problem(value)
     if problem is not None:
         raise IRValidationError(_node_name(node), name, value, problem)
-    return int(cast(int, value))
+    checked: int = int(value)  # type: ignore[call-overload]  # (an int or numpy integer: int_problem said so; a cast() is a call on this hot path)
+    return checked
 
 
 def check_opt_int(node: object, name: str, value: object) -> int | None:
@@ -283,12 +286,12 @@ _INT64 = np.dtype(np.int64)
 def _i64_from_array(value: npt.NDArray[Any]) -> I64:
     if value.ndim == 1 and value.dtype == _INT64:
         # immutable already (e.g. shared between a batch and its plan), or one copy
-        return cast(I64, value) if is_owned(value) else cast(I64, own(value))
+        return value if is_owned(value) else own(value)
     if value.dtype.kind not in "iu" or value.ndim != 1:
         return cast(I64, value)  # rejected, with the field's name, by check_column
     if value.dtype.kind == "u" and value.size and int(value.max()) > INT64_MAX:
         return _refuse(int(value[value > INT64_MAX][0]), _OUT_OF_INT64)
-    return cast(I64, own(value.astype(np.int64, copy=False)))
+    return own(value.astype(np.int64, copy=False))
 
 
 def _i64_from_sequence(value: Sequence[object]) -> I64:
@@ -406,13 +409,13 @@ def frozen_i64(values: npt.ArrayLike) -> I64:
     """An IR-owned int64 column of ``values`` (for passes building columns from trusted values:
     no per-entry type check, unlike ``as_i64``). An IR-owned int64 array comes back unchanged."""
     if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype == _INT64 and is_owned(values):
-        return cast(I64, values)
-    return cast(I64, own(np.asarray(values, dtype=np.int64)))
+        return values
+    return own(np.asarray(values, dtype=np.int64))
 
 
 def freeze(arr: I64) -> I64:
     """An IR-owned copy of an int64 array a pass has just computed (one ``tobytes`` copy)."""
-    return cast(I64, own(arr))
+    return own(arr)
 
 
 def column_key(arr: npt.NDArray[Any]) -> tuple[tuple[int, ...], str, bytes]:
@@ -426,7 +429,8 @@ def ints(values: Iterable[object], node: str, name: str) -> tuple[int, ...]:
     int64 integer (``bool``, ``float``, ``str``, ``None``, out of int64)."""
     items = tuple(values)
     if plain_ints(items):
-        return cast(tuple[int, ...], items)
+        plain: tuple[int, ...] = items  # type: ignore[assignment]  # (plain ints: checked just above)
+        return plain
     bad = first_bad_int(items)
     if bad is not None:
         raise IRValidationError(node, name, bad[0], f"every entry {bad[1]}")
@@ -447,7 +451,10 @@ def _small_ints(arr: npt.NDArray[Any]) -> list[int] | None:
     """``arr``'s values as Python ints when it is a 1-D int64 column of at most ``SMALL_COLUMN``
     entries (a bound check on them is then two C loops, ``tolist`` and ``min``/``max``, where a
     numpy reduction's fixed cost is several times larger at scheduler batch sizes), else ``None``."""
-    return cast("list[int]", arr.tolist()) if arr.dtype is _INT64 and arr.ndim == 1 and arr.shape[0] <= SMALL_COLUMN else None
+    if arr.dtype is _INT64 and arr.ndim == 1 and arr.shape[0] <= SMALL_COLUMN:
+        values: list[int] = arr.tolist()  # (numpy types tolist as Any: no cast() call on this hot path)
+        return values
+    return None
 
 
 def check_max(node: object, name: str, arr: I64, maximum: int | I64, what: str = "") -> None:
@@ -490,7 +497,7 @@ def build_unchecked(cls: type[N], **fields: object) -> N:
     node = object.__new__(cls)
     for name, value in fields.items():
         object.__setattr__(node, name, value)
-    for a in attrs.fields(cast(Any, cls)):  # a field left out takes its plain default (never a factory)
+    for a in attrs.fields(cls):  # type: ignore[arg-type]  # (an attrs class, which the TypeVar does not say; a cast() is a call on this hot path) a field left out takes its plain default (never a factory)
         if a.name not in fields:
             if a.default is attrs.NOTHING or isinstance(a.default, attrs.Factory):  # type: ignore[arg-type]  # attrs types Factory as a function; it is a class
                 raise TypeError(f"build_unchecked({cls.__name__}): field {a.name!r} has no plain default")
@@ -765,7 +772,8 @@ def column_total(arr: I64) -> int:
     small column (``SMALL_COLUMN``), numpy's otherwise. Its bounds are checked before (``_Columns``
     runs the derived lengths last), so the sum fits int64 and both give the same number."""
     if arr.shape[0] <= SMALL_COLUMN and arr.dtype is _INT64:
-        return sum(cast("list[int]", arr.tolist()))
+        values: list[int] = arr.tolist()  # (numpy types tolist as Any)
+        return sum(values)
     return int(arr.sum())
 
 

@@ -531,9 +531,9 @@ class Forwards:
         """Each row's rejected positions are the tail of its window, the last entries of its
         context: dropped there, and their KV locations released."""
         k = committed.k
-        for rid, m in zip(rids, committed.accept_pos.tolist(), strict=True):
+        for r, m in zip(self.requests.records(rids), committed.accept_pos.tolist(), strict=True):
             if m < k:
-                del self.requests[rid].context[m - k :]
+                del r.context[m - k :]
         self.kv_refs.unref(committed.released_kv)
 
     def _emit_iteration(self, rids: Sequence[RequestId], drafts: list[list[int]], verified: Verified, result: AcceptResult) -> None:
@@ -554,14 +554,14 @@ class Forwards:
     def _alloc_for(self, rids: Sequence[RequestId], per_row: int) -> I64:
         kv = self.kv_refs.alloc(len(rids) * per_row)
         locs = kv.tolist()
-        for i, rid in enumerate(rids):
-            self.requests[rid].context.extend(locs[i * per_row : (i + 1) * per_row])
+        for i, r in enumerate(self.requests.records(rids)):
+            r.context.extend(locs[i * per_row : (i + 1) * per_row])
         return kv
 
     def _pending_of(self, rids: Sequence[RequestId]) -> I64:
         pending: list[int] = []
-        for rid in rids:
-            token = self.requests[rid].pending
+        for r in self.requests.records(rids):
+            token = r.pending
             assert token is not None, "every running request has emitted a token"
             pending.append(token)
         return frozen_i64(pending)
@@ -570,8 +570,7 @@ class Forwards:
         """Each request's tokens up to the first ``NON_FINITE``; a request a flag cuts short before
         it is done is marked errored (``_finish`` ends it). With ``lp``, a request that asked for
         logprobs records the entry ``at[i][j]`` of ``lp`` for its ``j``-th token."""
-        for i, (rid, toks) in enumerate(zip(rids, tokens, strict=True)):
-            r = self.requests[rid]
+        for i, (rid, r, toks) in enumerate(zip(rids, self.requests.records(rids), tokens, strict=True)):
             flagged = NON_FINITE in toks
             if flagged:
                 toks = toks[: toks.index(NON_FINITE)]

@@ -105,6 +105,9 @@ from ir.verify import VerifyLevel, verify_level_from_env
 Staged: TypeAlias = StagedExtend | StagedDecode | StagedWindow
 
 
+_NOTHING = nullcontext()
+"""A context that does nothing (reusable: one object for every unwatched, non-transactional call)."""
+
 @runtime_checkable
 class Gate(Protocol):
     """Where an executor's plan meets the other ranks of a tensor-parallel group (see the module).
@@ -758,7 +761,7 @@ class Executor(Generic[VerifyStateT]):
 
     def _unit(self, slots: I64) -> AbstractContextManager[None]:
         """A transactional executor restores the rows a failing forward wrote."""
-        return self._restoring(slots.tolist()) if self.transactional else nullcontext()
+        return self._restoring(slots.tolist()) if self.transactional else _NOTHING
 
     @contextmanager
     def _restoring(self, rows: list[int]) -> Iterator[None]:
@@ -788,7 +791,7 @@ class Executor(Generic[VerifyStateT]):
     def _watched(self, who: str, plan: Plan, *staged: Staged | None) -> AbstractContextManager[None]:
         """Run a model-hook call; when watching, check afterwards that it changed neither a staged
         input (compared by content: a Triton store bumps no version) nor a column of the plan."""
-        return self._watching(who, plan, *staged) if self.watch else nullcontext()
+        return self._watching(who, plan, *staged) if self.watch else _NOTHING
 
     @contextmanager
     def _watching(self, who: str, plan: Plan, *staged: Staged | None) -> Iterator[None]:

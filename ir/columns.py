@@ -497,12 +497,20 @@ def build_unchecked(cls: type[N], **fields: object) -> N:
     node = object.__new__(cls)
     for name, value in fields.items():
         object.__setattr__(node, name, value)
-    for a in attrs.fields(cls):  # type: ignore[arg-type]  # (an attrs class, which the TypeVar does not say; a cast() is a call on this hot path) a field left out takes its plain default (never a factory)
-        if a.name not in fields:
-            if a.default is attrs.NOTHING or isinstance(a.default, attrs.Factory):  # type: ignore[arg-type]  # attrs types Factory as a function; it is a class
-                raise TypeError(f"build_unchecked({cls.__name__}): field {a.name!r} has no plain default")
-            object.__setattr__(node, a.name, a.default)
+    defaults = _DEFAULTS.get(cls)
+    if defaults is None:
+        defaults = _DEFAULTS[cls] = tuple((a.name, a.default) for a in attrs.fields(cast(Any, cls)))
+    for name, default in defaults:  # a field left out takes its plain default (never a factory)
+        if name not in fields:
+            if default is attrs.NOTHING or isinstance(default, attrs.Factory):  # type: ignore[arg-type]  # attrs types Factory as a function; it is a class
+                raise TypeError(f"build_unchecked({cls.__name__}): field {name!r} has no plain default")
+            object.__setattr__(node, name, default)
     return node
+
+
+_DEFAULTS: dict[type, tuple[tuple[str, object], ...]] = {}
+"""Per node class, every field's name and default, in order (``build_unchecked``; read once per
+class: ``attrs.fields`` costs two Python calls per node built)."""
 
 
 def _rebuild(cls: type[N], fields: dict[str, object]) -> N:
@@ -719,12 +727,15 @@ def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Call
     names = {c.name: f"c{i}" for i, c in enumerate((*cols.plain, *cols.derived))}
     env: dict[str, object] = {
         "check_column": check_column, "check_min": check_min, "check_max": check_max, "check_instance": check_instance, "column_total": column_total,
+        "INT64": _INT64, "BOOL": np.dtype(np.bool_), "FLOAT64": _FLOAT64, "SMALL": SMALL_COLUMN,
     }
     if cls._check_first is not Node._check_first:
         lines.append("    node._check_first()")
     for i, part in enumerate(parts):
         env[f"part{i}"] = part.cls
-        lines.append(f"    check_instance(node, {part.name!r}, node.{part.name}, part{i}, optional={part.optional})")
+        lines.append(f"    v = node.{part.name}")
+        lines.append(f"    if {'v is not None and ' if part.optional else ''}not isinstance(v, part{i}):")
+        lines.append(f"        check_instance(node, {part.name!r}, v, part{i}, optional={part.optional})")
     if cols.key is not None:
         lines.append(f"    n = node.{cols.key}.shape[0]")
     for group in (cols.plain, cols.derived):
@@ -740,13 +751,35 @@ def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Call
                     "tokens": f"column_total({names[c.length.of]})",
                     "window": "n * (int(node.k) + 1)",  # a window node checks ``k`` in ``_check_first``
                 }[c.length.kind]
-            lines.append(f"    check_column(node, {c.name!r}, {v}, {expected}, {what!r}, bools={c.bools}, floats={c.floats})")
+            # the common case decided inline (the canonical dtype object, 1-D, the length); anything
+            # else goes to ``check_column``, which accepts what it accepts and words the refusal
+            dtype = "BOOL" if c.bools else "FLOAT64" if c.floats else "INT64"
+            if expected == "None":
+                lines.append(f"    if {v}.dtype is not {dtype} or {v}.ndim != 1:")
+            else:
+                lines.append(f"    e = {expected}")
+                lines.append(f"    if {v}.dtype is not {dtype} or {v}.ndim != 1 or {v}.shape[0] != e:")
+                expected = "e"
+            lines.append(f"        check_column(node, {c.name!r}, {v}, {expected}, {what!r}, bools={c.bools}, floats={c.floats})")
         for c in group:
             v = names[c.name]
+            if c.min is None and c.max is None:
+                continue
+            # a small int64 column: its bounds from one ``tolist`` (``_small_ints``' case) without a
+            # call per bound; a violation, or any other column, goes to ``check_min``/``check_max``,
+            # which locate it for the message
+            slow = []
             if c.min is not None:
-                lines.append(f"    check_min(node, {c.name!r}, {v}, {c.min})")
+                slow.append(f"check_min(node, {c.name!r}, {v}, {c.min})")
             if c.max is not None:
-                lines.append(f"    check_max(node, {c.name!r}, {v}, {c.max}, {c.max_what!r})")
+                slow.append(f"check_max(node, {c.name!r}, {v}, {c.max}, {c.max_what!r})")
+            fails = " or ".join(([f"min(s) < {c.min}"] if c.min is not None else []) + ([f"max(s) > {c.max}"] if c.max is not None else []))
+            lines.append(f"    if {v}.dtype is INT64 and 0 < {v}.shape[0] <= SMALL:")
+            lines.append(f"        s = {v}.tolist()")
+            lines.append(f"        if {fails}:")
+            lines += [f"            {call}" for call in slow]
+            lines.append(f"    elif {v}.shape[0]:")
+            lines += [f"        {call}" for call in slow]
         for c in group:
             if c.bound is not None:
                 env[f"bound_{names[c.name]}"] = c.bound
@@ -758,7 +791,8 @@ def _generate(cls: type[Node], cols: _Columns, parts: tuple[_Part, ...]) -> Call
             raise TypeError(f"{cls.__name__}: a field aligned with the rows needs a per-request column")
         env["check_aligned"] = check_aligned
         for p in aligned:
-            lines.append(f"    check_aligned(node, {p.name!r}, node.{p.name}, n, {cols.key!r})")
+            lines.append(f"    if node.{p.name} is not None:")
+            lines.append(f"        check_aligned(node, {p.name!r}, node.{p.name}, n, {cols.key!r})")
     if cls._check is not Node._check:
         lines.append("    node._check()")
     lines.append("    return None")
@@ -887,7 +921,9 @@ class Composite(Node):
 
     def parts(self) -> tuple[Node, ...]:
         """The nodes this one is made of (its node-typed fields that hold one), in declaration order."""
-        return tuple(v for p in self._node_parts() if (v := getattr(self, p.name)) is not None)
+        cls = type(self)
+        parts = cls._parts if cls._parts_of is cls else cls._node_parts()
+        return tuple(v for p in parts if (v := getattr(self, p.name)) is not None)
 
     @property
     def num_requests(self) -> int:

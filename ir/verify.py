@@ -163,10 +163,10 @@ def check_fields(node: Batch | Plan) -> None:
     """Re-run the local field checks of ``node`` and of the nodes it is made of (a mixed node's
     parts, a speculative plan's batch) and of the rows aligned with theirs (``sampling``, which
     passes build without checks too) (``IRValidationError``)."""
-    nodes: list[Node] = [node, *(node.parts() if isinstance(node, Composite) else ())]
+    nodes: tuple[Node, ...] = (node, *node.parts()) if isinstance(node, Composite) else (node,)
     for n in nodes:
         n.check_fields()
-        for value in _field_values(type(n))(n):
+        for value in (_FIELD_VALUES.get(type(n)) or _field_values(type(n)))(n):
             if isinstance(value, Node) and type(value).ALIGNED:
                 value.check_fields()
 

@@ -108,6 +108,7 @@ __all__ = [
     "REQUEST_NAME",
     "SERIAL_NAME",
     "RequestRows",
+    "same_column",
     "Shown",
     "SLOT_NAME",
     "SMALL_COLUMN",
@@ -1001,6 +1002,16 @@ SMALL_COLUMN = 64
 numpy's sort-based ``intersect1d`` and ``argsort`` have a fixed overhead that dominates at
 scheduler batch sizes, while from a few hundred values numpy is as fast or faster. Larger columns
 use numpy. ``tests/ir/test_column_sets.py`` checks both paths agree across the threshold."""
+
+
+def same_column(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
+    """``np.array_equal`` of two columns: the same array, or by their bytes when their dtypes agree
+    (numpy's Python-level checks cost more than the comparison at a step's sizes)."""
+    if a is b:
+        return True
+    if a.dtype != b.dtype:
+        return bool(np.array_equal(a, b))
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def has_duplicates(arr: I64) -> bool:

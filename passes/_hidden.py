@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from ir.columns import I64
+from ir.columns import I64, same_column
 from ir.errors import PreconditionError
 from ir.hidden import HiddenStates
 
@@ -14,9 +12,10 @@ def check_hidden_rows(pass_name: str, hidden: HiddenStates, whose: str, rids: I6
     ``starts[i]`` on, ``lens[i]`` of them; else ``PreconditionError`` naming both values of the
     first column that differs."""
     for name, mine, theirs in (("rows", hidden.rids, rids), ("first positions", hidden.starts, starts), ("lengths", hidden.lens, lens)):
-        if not np.array_equal(mine, theirs):
+        if not same_column(mine, theirs):
             raise PreconditionError(
                 pass_name,
                 f"{hidden.described()} kept {name} {mine.tolist()[:8]}, {whose} reads {name} {theirs.tolist()[:8]}: "
                 "a head phase reads the hidden states of the target forward it follows",
             )
+

@@ -15,9 +15,8 @@ for anything else, or for a draft of other rows).
 
 from __future__ import annotations
 
-import numpy as np
 
-from ir.columns import build_unchecked
+from ir.columns import build_unchecked, same_column
 from ir.errors import PreconditionError
 from ir.spec import CommitBatch, DraftBatch, DraftCommitBatch
 from passes._args import bad_arg
@@ -39,7 +38,7 @@ def prepare_for_draft_commit(batch: CommitBatch, draft: DraftBatch) -> DraftComm
     pairs = (("rids", batch.rids, draft.rids), ("slots", batch.slots, draft.slots),
              ("seq_lens", batch.seq_lens, draft.seq_lens), ("kv_locs", batch.kv_locs, draft.kv_locs))
     for name, mine, theirs in pairs:
-        if not np.array_equal(mine, theirs):
+        if not same_column(mine, theirs):
             raise PreconditionError(
                 "prepare_for_draft_commit",
                 f"the commit's {name} {mine.tolist()[:8]} are not those of draft #{draft.draft_id} ({theirs.tolist()[:8]}): "

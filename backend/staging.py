@@ -81,7 +81,8 @@ def _to_device(packed: npt.NDArray[np.int64], device: torch.device) -> torch.Ten
 def stage_decode(plan: DecodePlan, device: torch.device, input_ids: npt.NDArray[np.int64] | None = None) -> StagedDecode:
     """``input_ids``: the resolved inputs of a plan that names them (``DecodePlan.inputs_from``)."""
     tokens = plan.input_ids if input_ids is None else input_ids
-    packed = np.stack((plan.slots, tokens, plan.seq_lens - 1, plan.kv_locs, plan.seq_lens))
+    n = plan.slots.shape[0]  # (one concatenate: np.stack is a Python-level wrapper around it)
+    packed = np.concatenate((plan.slots, tokens, plan.seq_lens - 1, plan.kv_locs, plan.seq_lens)).reshape(5, n)
     return StagedDecode(_to_device(packed, device))
 
 

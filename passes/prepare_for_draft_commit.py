@@ -15,7 +15,6 @@ for anything else, or for a draft of other rows).
 
 from __future__ import annotations
 
-
 from ir.columns import build_unchecked, same_column
 from ir.errors import PreconditionError
 from ir.spec import CommitBatch, DraftBatch, DraftCommitBatch

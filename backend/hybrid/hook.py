@@ -94,9 +94,8 @@ class HybridHook:
         return out.logits, out.states, out.hidden
 
     def _decode(self, s: StagedDecode, pool: MambaStatePool) -> torch.Tensor:
-        return self.model.decode(
-            pool, self.kv, self.table, slots=s.slots, input_ids=s.input_ids, positions=s.positions, kv_locs=s.kv_locs
-        ).logits
+        slots, input_ids, positions, kv_locs, _ = s.packed.unbind(0)  # (StagedDecode's rows, one call)
+        return self.model.decode(pool, self.kv, self.table, slots=slots, input_ids=input_ids, positions=positions, kv_locs=kv_locs).logits
 
     def forward(
         self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool

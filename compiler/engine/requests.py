@@ -99,7 +99,7 @@ class Request:
         return next((i for i in range(self.sampling.min_tokens, len(out)) if out[i] in self.stop), None)
 
     def is_done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens or self._first_stop(self.output) is not None
+        return len(self.output) >= self.max_new_tokens or (bool(self.stop) and self._first_stop(self.output) is not None)
 
     def final_output(self) -> list[int]:
         """The output as reported: cut at ``max_new_tokens`` and after the first stop token that

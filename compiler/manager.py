@@ -145,8 +145,8 @@ class PassManager:
                 raise SettingsError(f"dump folder {str(self.dump_dir)!r}: cannot create it ({exc.strerror})") from None
         self._history: deque[str] = deque(maxlen=_HISTORY)
         self._seq = 0
-        self._calls: dict[str, int] = {}
-        self._ns: dict[str, int] = {}
+        self._spent: dict[str, list[int]] = {}
+        """Per pass: ``[calls, nanoseconds]``."""
         self.trace: list[tuple[str, str]] | None = [] if record else None
         """With ``record=True``: ``(pass name, dump of its output)`` for every IR-producing pass run."""
 
@@ -166,16 +166,18 @@ class PassManager:
         t0 = time.perf_counter_ns()
         try:
             out = fn(*args, **kwargs)
-            if self.verify_level is VerifyLevel.EVERY_PASS or (last and self.verify_level is VerifyLevel.LAST):
-                if isinstance(out, _IR_TYPES):
-                    verify(out)
+            if (self._verify_last if last else self._verify_every) and isinstance(out, _IR_TYPES):
+                verify(out)
         except PassError:
             raise
         except Exception as exc:
             raise PassError(name, tuple(self._history), _excerpt(args[0] if args else None), exc) from exc
         finally:
-            self._ns[name] = self._ns.get(name, 0) + time.perf_counter_ns() - t0
-            self._calls[name] = self._calls.get(name, 0) + 1
+            spent = self._spent.get(name)
+            if spent is None:
+                spent = self._spent[name] = [0, 0]
+            spent[0] += 1
+            spent[1] += time.perf_counter_ns() - t0
         self._history.append(name)
         if (self.dump_dir is not None or self.trace is not None) and isinstance(out, _IR_TYPES):
             self._seq += 1
@@ -186,9 +188,20 @@ class PassManager:
                 self.trace.append((name, text))
         return out
 
+    @property
+    def verify_level(self) -> VerifyLevel:
+        return self._verify_level
+
+    @verify_level.setter
+    def verify_level(self, level: VerifyLevel) -> None:
+        self._verify_level = level
+        self._verify_every = level is VerifyLevel.EVERY_PASS
+        """Verify every pass's output."""
+        self._verify_last = level is not VerifyLevel.OFF
+        """Verify the output of a pass that ends a step."""
+
     def timings(self) -> dict[str, PassTiming]:
-        return {k: PassTiming(self._calls[k], self._ns[k] / 1e9) for k in self._calls}
+        return {k: PassTiming(calls, ns / 1e9) for k, (calls, ns) in self._spent.items()}
 
     def reset_timings(self) -> None:
-        self._calls.clear()
-        self._ns.clear()
+        self._spent.clear()

@@ -105,6 +105,7 @@ from ir.verify import VerifyLevel, verify_level_from_env
 Staged: TypeAlias = StagedExtend | StagedDecode | StagedWindow
 
 
+_NO_TOKENS = frozen_i64([])
 _NOTHING = nullcontext()
 """A context that does nothing (reusable: one object for every unwatched, non-transactional call)."""
 
@@ -640,6 +641,8 @@ class Executor(Generic[VerifyStateT]):
         n, w = b.num_requests, b.k + 1
         hook_out: object = out  # a user's hook: its annotation is a promise, checked here
         if isinstance(hook_out, torch.Tensor) and out.dim() == 3 and tuple(out.shape[:2]) == (n, w) and out.is_floating_point():
+            if b.sampling is None:  # every row greedy, no penalty: the proposals play no part (``verify_tokens``)
+                return verify_tokens(out, _NO_TOKENS, None, b.seq_lens)
             drafts = b.window(b.input_ids)[:, 1:].reshape(-1)
             counts = self._count_rows(b.sampling, b.slots)
             if counts is not None:

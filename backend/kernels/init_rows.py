@@ -52,36 +52,44 @@ def _duplicates(values: list[int]) -> list[int]:
 
 
 def validate_init_rows(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch.Tensor, cow_dst: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless the launch is well-formed and its ops are order-independent."""
-    require(buffer.dtype == torch.uint8, f"pool buffer must be uint8, got {buffer.dtype}")
-    require(buffer.dim() == 2, f"pool buffer must be 2-D [num_slots, row_bytes], got shape {tuple(buffer.shape)}")
-    require(buffer.stride(1) == 1, f"pool buffer rows must be contiguous, got strides {buffer.stride()}")
+    """Raise ``ValueError`` unless the launch is well-formed and its ops are order-independent.
+    (Each message is built only when its check fails: every prefill runs this on the host.)"""
+    if buffer.dtype != torch.uint8:
+        raise ValueError(f"pool buffer must be uint8, got {buffer.dtype}")
+    if buffer.dim() != 2:
+        raise ValueError(f"pool buffer must be 2-D [num_slots, row_bytes], got shape {tuple(buffer.shape)}")
+    if buffer.stride(1) != 1:
+        raise ValueError(f"pool buffer rows must be contiguous, got strides {buffer.stride()}")
     for name, t in (("clear", clear), ("cow_src", cow_src), ("cow_dst", cow_dst)):
-        require(t.dtype == torch.int64, f"{name} must be int64, got {t.dtype}")
-        require(t.dim() == 1, f"{name} must be 1-D, got shape {tuple(t.shape)}")
-        require(t.device == buffer.device, f"{name} is on {t.device}, the pool on {buffer.device}")
-    require(
-        cow_src.shape == cow_dst.shape,
-        f"cow_src and cow_dst differ in length: {cow_src.shape[0]} vs {cow_dst.shape[0]}",
-    )
+        if t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        if t.device != buffer.device:
+            raise ValueError(f"{name} is on {t.device}, the pool on {buffer.device}")
+    if cow_src.shape != cow_dst.shape:
+        raise ValueError(f"cow_src and cow_dst differ in length: {cow_src.shape[0]} vs {cow_dst.shape[0]}")
     num_slots = buffer.shape[0]
-    clears = [int(v) for v in clear.tolist()]
-    srcs = [int(v) for v in cow_src.tolist()]
-    dsts = [int(v) for v in cow_dst.tolist()]
+    clears: list[int] = clear.tolist()  # (int64 tensors: Python ints)
+    srcs: list[int] = cow_src.tolist()
+    dsts: list[int] = cow_dst.tolist()
     for name, values in (("clear", clears), ("cow_src", srcs), ("cow_dst", dsts)):
-        bad = [v for v in values if not 1 <= v < num_slots]
-        require(not bad, f"{name} slots out of range [1, {num_slots - 1}]: {bad[:8]}")
-    require(not _duplicates(clears), f"clear repeats slots {_duplicates(clears)[:8]}")
-    require(not _duplicates(dsts), f"cow_dst repeats slots {_duplicates(dsts)[:8]}")
-    cleared = set(clears)
-    both = sorted(cleared & set(dsts))
-    require(not both, f"slots {both[:8]} are both cleared and a copy destination")
-    both = sorted(cleared & set(srcs))
-    require(not both, f"copy sources {both[:8]} are cleared in the same launch")
-    same = sorted(s for s, d in zip(srcs, dsts, strict=True) if s == d)
-    require(not same, f"copies with src == dst: {same[:8]}")
-    chained = sorted(set(srcs) & set(dsts))
-    require(not chained, f"copy sources {chained[:8]} are also copy destinations in the same launch")
+        if values and (min(values) < 1 or max(values) >= num_slots):
+            bad = [v for v in values if not 1 <= v < num_slots]
+            raise ValueError(f"{name} slots out of range [1, {num_slots - 1}]: {bad[:8]}")
+    cleared, sources, targets = set(clears), set(srcs), set(dsts)
+    if len(cleared) != len(clears):
+        raise ValueError(f"clear repeats slots {_duplicates(clears)[:8]}")
+    if len(targets) != len(dsts):
+        raise ValueError(f"cow_dst repeats slots {_duplicates(dsts)[:8]}")
+    if both := sorted(cleared & targets):
+        raise ValueError(f"slots {both[:8]} are both cleared and a copy destination")
+    if both := sorted(cleared & sources):
+        raise ValueError(f"copy sources {both[:8]} are cleared in the same launch")
+    if same := sorted(s for s, d in zip(srcs, dsts, strict=True) if s == d):
+        raise ValueError(f"copies with src == dst: {same[:8]}")
+    if chained := sorted(sources & targets):
+        raise ValueError(f"copy sources {chained[:8]} are also copy destinations in the same launch")
 
 
 ROW_OPS_MAX = 64

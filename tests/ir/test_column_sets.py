@@ -12,7 +12,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ir.columns import SMALL_COLUMN, check_max, check_min, column_total, first_common, first_missing, frozen_i64, has_duplicates
+from ir.columns import (
+    SMALL_COLUMN,
+    check_max,
+    check_min,
+    column_total,
+    first_common,
+    first_missing,
+    frozen_i64,
+    has_duplicates,
+    same_column,
+)
 from ir.errors import IRValidationError
 
 _sizes = st.sampled_from([0, 1, 2, 7, SMALL_COLUMN // 2, SMALL_COLUMN - 1, SMALL_COLUMN, SMALL_COLUMN + 1, 3 * SMALL_COLUMN])
@@ -29,6 +39,16 @@ def _column(draw: st.DrawFn) -> np.ndarray:
 @given(_column())
 def test_has_duplicates_matches_numpy(a: np.ndarray) -> None:
     assert has_duplicates(a) == (np.unique(a).size != a.size)
+
+
+@given(_column(), _column())
+def test_same_column_matches_array_equal(a: np.ndarray, b: np.ndarray) -> None:
+    assert same_column(a, b) == np.array_equal(a, b)
+    assert same_column(a, frozen_i64(a.copy())) and same_column(a, a)
+    # another dtype compares by value, as np.array_equal does
+    assert same_column(a, a.astype(np.int32, copy=True)) == np.array_equal(a, a.astype(np.int32, copy=True))
+    if a.size:
+        assert not same_column(a, frozen_i64(a[:-1])) and not same_column(a, frozen_i64(np.concatenate((a[:-1], a[-1:] + 1))))
 
 
 @given(_column(), _column())

@@ -419,7 +419,8 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--requests", type=_int_in(1, MAX_REQUESTS), default=None,
                     help=f"built-in workload size, at most {MAX_REQUESTS} (default {BENCH_SERVE_REQUESTS}; not with --sweep)")
     bs.add_argument("--max-new-tokens", type=_int_in(1, MAX_CONTEXT), default=None,
-                    help=f"built-in workload: max tokens per request (default {BENCH_SERVE_NEW_TOKENS}; not with --sweep)")
+                    help=f"built-in workload: max tokens per request (default {BENCH_SERVE_NEW_TOKENS}); with --sweep: the new tokens "
+                    f"every request asks for (default {SWEEP_NEW_TOKENS}: a long sweep measures the steady decode and speculative steps)")
     bs.add_argument("--arrivals", choices=ARRIVALS, nargs="+", default=None,
                     help=f"built-in workload: the arrival patterns measured, each with every engine and k (default: {' '.join(ARRIVALS)}; "
                     "not with --sweep)")
@@ -453,7 +454,7 @@ def parser() -> argparse.ArgumentParser:
                     help=f"interleaved repeats of every (k, engine) run, at most {MAX_REPEATS} (default {BENCH_SERVE_REPEATS})")
     bs.add_argument("--sweep", metavar="B", type=_int_in(1, MAX_REQUESTS), nargs="*", default=None,
                     help="instead of the built-in workload, sweep the running batch: B requests arriving together at step 0, "
-                    f"{SWEEP_NEW_TOKENS} new tokens each, for each B (default B: {' '.join(map(str, SWEEP_RUNNING))}; "
+                    f"{SWEEP_NEW_TOKENS} new tokens each (--max-new-tokens), for each B (default B: {' '.join(map(str, SWEEP_RUNNING))}; "
                     "each bounded by the memory estimate)")
     bs.add_argument("--overlap", action="store_true",
                     help="also measure the compiled engine with each executor in its own process (rows with overlap true)")

@@ -189,7 +189,16 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     from compiler.offline.load import tokenized_overflow
     from compiler.offline.models import Served, ServedHead, draft_config, load_served
     from compiler.tools.bench_serve import ENGINES, KS, Tokens, builtin_cases, run_serve_bench, sweep_cases
-    from compiler.workload import ARRIVALS, BENCH_SERVE_NEW_TOKENS, BENCH_SERVE_REQUESTS, SWEEP_NEW_TOKENS, SWEEP_RUNNING
+    from compiler.workload import (
+        ARRIVALS,
+        BENCH_SERVE_NEW_TOKENS,
+        BENCH_SERVE_REQUESTS,
+        MAX_CONTEXT,
+        SNIPPETS,
+        SWEEP_NEW_TOKENS,
+        SWEEP_RUNNING,
+        SYSTEM_PREFIXES,
+    )
 
     sweep = args.sweep is not None
     given = {"chunk_size": args.chunk_size, "token_budget": args.token_budget, "prefill_streak": args.prefill_streak,
@@ -200,15 +209,14 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         chunk_size=scheduling.get("chunk_size", base.chunk_size), token_budget=scheduling.get("token_budget", base.token_budget),
         prefill_streak=scheduling.get("prefill_streak", base.prefill_streak), cache_entries=scheduling.get("cache_entries", base.cache_entries),
     )
-    for option, value in (("--requests", args.requests), ("--max-new-tokens", args.max_new_tokens),
-                          ("--arrivals", " ".join(args.arrivals) if args.arrivals else None),
+    for option, value in (("--requests", args.requests), ("--arrivals", " ".join(args.arrivals) if args.arrivals else None),
                           *((f"--{name.replace('_', '-')}", v) for name, v in scheduling.items())):
         if sweep and value is not None:  # refused, not ignored: the sweep sizes its own workload
             raise UsageError(f"{option} {value} with --sweep: the sweep sizes its own workload and engines (B requests of {SWEEP_NEW_TOKENS} new "
-                             "tokens each, a prefill budget of B chunks)")
+                             "tokens each, or --max-new-tokens, a prefill budget of B chunks)")
     sampled = _bench_sampling(args)
     requests = BENCH_SERVE_REQUESTS if args.requests is None else args.requests
-    new_tokens = BENCH_SERVE_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    new_tokens = (SWEEP_NEW_TOKENS if sweep else BENCH_SERVE_NEW_TOKENS) if args.max_new_tokens is None else args.max_new_tokens
     bound = ServeConfig(k=2).builtin_max_new_tokens  # the bench serves at k = 0 and k = 2
     if not sweep and new_tokens > bound:
         raise UsageError(f"--max-new-tokens {new_tokens} is over {bound}: the longest built-in prompt plus k + 1 = 3 must fit 512")
@@ -231,7 +239,10 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             raise UsageError(f"--max-new-tokens {new_tokens} is over {bound} at k = {max(ks)}: the longest built-in prompt plus k + 1 must fit 512")
     tokens = Tokens(served.tokenizer, served.model.config.vocab) if served.hf else None
     try:
-        cases = sweep_cases(sizes, sampled=sampled, ks=ks, drafts=drafts, tokens=tokens) if sweep else builtin_cases(
+        if sweep and (need := max(len(p) for p in SYSTEM_PREFIXES) + max(map(len, SNIPPETS)) + new_tokens + max(ks) + 1) > MAX_CONTEXT:
+            raise UsageError(f"--max-new-tokens {new_tokens} with --sweep: the longest sweep prompt plus {new_tokens} new tokens and k + 1 "
+                             f"needs {need} positions, over the context bound {MAX_CONTEXT}")
+        cases = sweep_cases(sizes, sampled=sampled, ks=ks, drafts=drafts, tokens=tokens, new_tokens=new_tokens) if sweep else builtin_cases(
             requests=requests, max_new_tokens=new_tokens, arrivals=arrivals, cfg=compiled_cfg, sampled=sampled, ks=ks, drafts=drafts,
             tokens=tokens,
         )
@@ -280,7 +291,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                               f"{', compiled sampled' if sampled is not None else ''}, then again)")
 
             rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress, head=head)
-        what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
+        what = (f"sweep, running = B requests arriving together, {new_tokens} new tokens each" if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
         c = cases[0].cfg
         how = ("" if sweep else f"; compiled: chunks of {c.chunk_size}, {c.token_budget} prefill tokens a step, "
@@ -369,7 +380,6 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
     from backend.tp.group import RankFailed
     from compiler.offline import distributed
     from compiler.tools.bench_tp import run_tp_bench
-    from compiler.workload import SWEEP_NEW_TOKENS
 
     t0 = time.perf_counter()
     with OutputFile("--json", args.json) as output:
@@ -391,7 +401,7 @@ def _bench_tp(args: argparse.Namespace, console: Console, cases: list[Any], targ
         finally:
             if leader is not None:
                 leader.shutdown()
-        what = (f"sweep, running = B requests arriving together, {SWEEP_NEW_TOKENS} new tokens each" if sweep
+        what = (f"sweep, running = B requests arriving together, {cases[0].requests[0].max_new_tokens} new tokens each" if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
         table = Table(title=f"bench serve --tp {world}: {what}, bundled target and draft, compiled engine",
                       caption=f"median of {args.repeats} interleaved repeats per (k, tp, running); {torch.get_num_threads()} torch "

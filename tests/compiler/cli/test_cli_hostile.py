@@ -247,10 +247,15 @@ def test_bench_serve_max_new_tokens_past_the_builtin_bound(tmp_path: Path, capsy
     _refused(["bench", "serve", "--max-new-tokens", "100"], tmp_path, capsys, "--max-new-tokens 100 is over 73")
 
 
-@pytest.mark.parametrize("option", ["--requests", "--max-new-tokens", "--chunk-size", "--token-budget", "--prefill-streak", "--cache-entries"])
+@pytest.mark.parametrize("option", ["--requests", "--chunk-size", "--token-budget", "--prefill-streak", "--cache-entries"])
 def test_bench_serve_sweep_refuses_the_builtin_workload_options(tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str) -> None:
     _refused(["bench", "serve", "--sweep", option, "4"], tmp_path, capsys,
              f"{option} 4 with --sweep: the sweep sizes its own workload and engines (B requests of 8 new tokens each")
+
+
+def test_bench_serve_sweep_new_tokens_past_the_context_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(["bench", "serve", "--sweep", "2", "--max-new-tokens", str(1 << 20)], tmp_path, capsys,
+             f"--max-new-tokens {1 << 20} with --sweep: the longest sweep prompt plus {1 << 20} new tokens and k + 1 needs")
 
 
 def test_bench_serve_sweep_over_the_memory_bound_is_refused_before_allocation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -231,6 +231,12 @@ def test_bench_serve_sweep_rows_are_sized_by_the_running_batch_and_sampled_on_th
     assert "sweep, running = B requests arriving together" in out
 
 
+def test_bench_serve_sweep_takes_the_new_tokens_of_every_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows, out = _rows(["--sweep", "2", "--max-new-tokens", "11", "--k", "0", "--repeats", "1"], tmp_path, capsys)
+    assert [(r["running"], r["engine"], r["tokens"]) for r in rows] == [(2, e, 2 * 11) for e in ENGINES]
+    assert "11 new tokens each" in " ".join(out.split())
+
+
 def test_sweep_cases_size_every_engine_for_the_batch() -> None:
     workload = sweep_workload(256)
     assert len(workload) == 256 and {r.arrival for r in workload} == {0}

@@ -18,4 +18,3 @@ def check_hidden_rows(pass_name: str, hidden: HiddenStates, whose: str, rids: I6
                 f"{hidden.described()} kept {name} {mine.tolist()[:8]}, {whose} reads {name} {theirs.tolist()[:8]}: "
                 "a head phase reads the hidden states of the target forward it follows",
             )
-

@@ -213,7 +213,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                           *((f"--{name.replace('_', '-')}", v) for name, v in scheduling.items())):
         if sweep and value is not None:  # refused, not ignored: the sweep sizes its own workload
             raise UsageError(f"{option} {value} with --sweep: the sweep sizes its own workload and engines (B requests of {SWEEP_NEW_TOKENS} new "
-                             "tokens each, or --max-new-tokens, a prefill budget of B chunks)")
+                             "tokens each unless --max-new-tokens says otherwise, a prefill budget of B chunks)")
     sampled = _bench_sampling(args)
     requests = BENCH_SERVE_REQUESTS if args.requests is None else args.requests
     new_tokens = (SWEEP_NEW_TOKENS if sweep else BENCH_SERVE_NEW_TOKENS) if args.max_new_tokens is None else args.max_new_tokens

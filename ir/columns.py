@@ -1005,8 +1005,9 @@ use numpy. ``tests/ir/test_column_sets.py`` checks both paths agree across the t
 
 
 def same_column(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
-    """``np.array_equal`` of two columns: the same array, or by their bytes when their dtypes agree
-    (numpy's Python-level checks cost more than the comparison at a step's sizes)."""
+    """``np.array_equal`` of two int or bool columns: the same array, or by their bytes when their
+    dtypes agree (numpy's Python-level checks cost more than the comparison at a step's sizes). Not
+    for float columns: a NaN would equal itself here."""
     if a is b:
         return True
     if a.dtype != b.dtype:

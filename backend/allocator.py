@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Generic, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ir.columns import I64, frozen_i64, int_problem, plain_ints
 from ir.errors import SlotError
@@ -137,11 +138,13 @@ class _IndexAllocator(Generic[T]):
 
     def free_many(self, indices: Iterable[int]) -> None:
         """Free every index, or none if any is not live (or repeated)."""
-        self._free_items(self._ints(".free_many(indices)", indices))
+        arr = indices if isinstance(indices, np.ndarray) and indices.ndim == 1 and indices.dtype == np.int64 else None
+        self._free_items(self._ints(".free_many(indices)", indices), arr)
 
-    def _free_items(self, items: list[int]) -> None:
+    def _free_items(self, items: list[int], arr: npt.NDArray[np.int64] | None = None) -> None:
+        """``arr``: ``items`` as an int64 array when the caller has one (the bulk path uses it)."""
         with self._lock:
-            if len(items) >= _BULK and self._free_bulk(items):
+            if len(items) >= _BULK and self._free_bulk(items, arr):
                 return
             seen: set[int] = set()
             for i in items:
@@ -154,16 +157,20 @@ class _IndexAllocator(Generic[T]):
                 self._free.append(i)
             self._generation += 1
 
-    def _free_bulk(self, items: list[int]) -> bool:
+    def _free_bulk(self, items: list[int], arr: npt.NDArray[np.int64] | None) -> bool:
         """``_free_items`` for many indices at once, in numpy: frees them and returns True if every
         one is in range, live and not repeated; otherwise changes nothing and returns False (the
         item-by-item loop then names the first bad index)."""
-        arr = np.array(items, dtype=np.int64)
+        if arr is None:
+            arr = np.array(items, dtype=np.int64)
         if int(arr.min()) < 1 or int(arr.max()) > self._fresh:
             return False
         live = np.frombuffer(self._live, dtype=np.uint8)  # a view: released before the bytearray can grow
         try:
-            if not bool(live[arr].all()) or np.unique(arr).shape[0] != arr.shape[0]:
+            if not bool(live[arr].all()):
+                return False
+            ordered = np.sort(arr)  # (a repeat sits next to its twin; one sort, not np.unique's bookkeeping)
+            if bool((ordered[1:] == ordered[:-1]).any()):
                 return False
             live[arr] = 0
         finally:

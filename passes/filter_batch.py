@@ -52,7 +52,15 @@ def _drop_ids(drop: object) -> I64:
     return np.array(items, dtype=np.int64)
 
 
+_SMALL = 256
+"""Up to this many rows and ids, the mask is built from a Python set (``np.isin`` sorts: several
+times the cost at a running batch's sizes)."""
+
+
 def _keep_mask(rids: I64, drop: I64) -> BoolArray:
+    if rids.shape[0] <= _SMALL and drop.shape[0] <= _SMALL:
+        dropped = set(drop.tolist())
+        return np.array([r not in dropped for r in rids.tolist()], dtype=np.bool_)
     return ~np.isin(rids, drop)
 
 

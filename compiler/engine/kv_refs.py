@@ -65,6 +65,11 @@ class KVRefs:
         if arr.shape[0] <= _SMALL and int(arr.min()) >= 0:
             self._unref_small(arr.tolist())
             return
+        if int(arr.min()) >= 0 and int(arr.max()) < self._counts.shape[0]:
+            ordered = np.sort(arr)
+            if not bool((ordered[1:] == ordered[:-1]).any()):  # no repeats (a request's context): one reference each
+                self._unref_once(arr)
+                return
         uniq, first, times = np.unique(arr, return_index=True, return_counts=True)
         held = self._counts[uniq] if int(uniq[-1]) < self._counts.shape[0] else None
         if held is None or bool((held < times).any()):
@@ -75,6 +80,19 @@ class KVRefs:
         if freed.size:
             order = np.argsort(first[self._counts[uniq] == 0], kind="stable")
             self.kv.free_many(freed[order].tolist())
+
+    def _unref_once(self, arr: npt.NDArray[np.int64]) -> None:
+        """``unref`` of distinct locations, all below the counts' length: the same check, error and
+        order of the freed locations, without ``np.unique``'s bookkeeping."""
+        held = self._counts[arr]
+        short = held < 1
+        if bool(short.any()):
+            raise SlotError(f"KV location {int(arr[short].min())}: a reference was dropped that nobody holds")
+        left = held - 1
+        self._counts[arr] = left
+        freed = arr[left == 0]
+        if freed.size:
+            self.kv.free_many(freed)
 
     def _unref_small(self, items: list[int]) -> None:
         """``unref`` of a few non-negative locations (a speculative step's rejected window tail) in

@@ -414,12 +414,13 @@ def test_kv_refs_count_every_location_and_name_the_one_dropped_too_often() -> No
     assert refs.held() == {0: 1, 3: 2}
 
 
-@pytest.mark.parametrize("size", [3, 64, 65, 150])
-def test_kv_refs_agree_on_both_sides_of_the_small_path(size: int) -> None:
-    """``ref``/``unref`` of up to 64 locations loop in Python, larger ones run in numpy: random
-    rounds of both (repeats included) keep the same counts as a plain count, free exactly the
-    locations whose last reference went, in first-appearance order, and refuse a drop of a
-    reference nobody holds naming the same location, changing nothing."""
+@pytest.mark.parametrize(("size", "repeats"), [(3, True), (64, True), (65, True), (150, True), (65, False), (150, False)])
+def test_kv_refs_agree_on_both_sides_of_the_small_path(size: int, repeats: bool) -> None:
+    """``ref``/``unref`` of up to 64 locations loop in Python, larger ones run in numpy (distinct
+    locations, as a request's context, without counting repeats): random rounds of both (with
+    repeats or without) keep the same counts as a plain count, free exactly the locations whose
+    last reference went, in first-appearance order, and refuse a drop of a reference nobody holds
+    naming the same location, changing nothing."""
     rng = np.random.default_rng(size)
     kv = KVAllocator(512)
     refs = KVRefs(kv)
@@ -434,7 +435,7 @@ def test_kv_refs_agree_on_both_sides_of_the_small_path(size: int) -> None:
         for loc in extra:
             held[loc] += 1
         live = [loc for loc in locs if held.get(loc)]
-        drop = rng.choice(live, size=min(size, len(live))).tolist()
+        drop = rng.choice(live, size=min(size, len(live)), replace=repeats).tolist()
         want = dict(held)
         for loc in drop:
             want[loc] -= 1
@@ -455,6 +456,23 @@ def test_kv_refs_agree_on_both_sides_of_the_small_path(size: int) -> None:
                     want[loc] = 1
             held = want
         assert refs.held() == {loc: n for loc, n in held.items() if n}
+
+
+def test_kv_refs_refuse_a_large_drop_of_distinct_locations_naming_the_lowest_unheld_one() -> None:
+    """A drop of more than 64 distinct locations (a finished request's context) that names
+    locations nobody holds names the lowest of them and changes nothing: no count, no free."""
+    kv = KVAllocator(512)
+    refs = KVRefs(kv)
+    locs = kv.alloc_many(200).tolist()
+    refs.ref(locs)
+    refs.unref(locs[150:])  # 150..199 freed: nobody holds them now
+    before, free_before = refs.held(), kv.num_free
+    drop = locs[100:180][::-1]  # 179..150 unheld, 149..100 held
+    with pytest.raises(SlotError, match=rf"^KV location {locs[150]}: a reference was dropped that nobody holds$"):
+        refs.unref(drop)
+    assert (refs.held(), kv.num_free) == (before, free_before)
+    refs.unref(locs[:100][::-1])  # distinct and held: freed in the order given
+    assert kv.alloc_many(2).tolist() == [locs[0], locs[1]]
 
 
 def test_a_prefix_must_leave_room_for_a_request_extending_it() -> None:

@@ -118,10 +118,10 @@ def _greedy_or_flag_host(x: np.ndarray) -> npt.NDArray[np.int64]:
     """``greedy_or_flag`` in numpy, the same tokens bit for bit: ``argmax`` gives the first
     maximum's index (ties to the lowest id) and treats a NaN as the maximum, as ``torch.max``
     does, so the value at that index is the row's maximum, NaN or infinity included."""
-    rows = x.reshape(-1, x.shape[-1])
-    index = rows.argmax(axis=-1)
-    best = rows[np.arange(rows.shape[0]), index]
-    return np.where(np.isfinite(best), index, NON_FINITE).astype(np.int64, copy=False).reshape(x.shape[:-1])
+    index = np.asarray(x.argmax(axis=-1), dtype=np.int64)  # (a 0-d array for one row of logits)
+    if np.isfinite(x.max(axis=-1)).all():  # (the maximum is the value at ``index``: NaN if any, as there)
+        return index
+    return np.where(np.isfinite(x.max(axis=-1)), index, NON_FINITE).astype(np.int64, copy=False)
 
 
 def sample(logits: torch.Tensor) -> I64:

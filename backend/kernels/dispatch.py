@@ -27,22 +27,31 @@ _JIT_PACKAGE = "backend.kernels.jit"
 _decorated_in: dict[str, bool] = {}
 
 
+_triton: list[ModuleType | None] = []
+"""Triton's module, or ``None`` when it does not import: tried once per process (every kernel call
+asks, and an ``import`` statement costs a lock and a lookup each time)."""
+
+
+def _triton_module() -> ModuleType | None:
+    if not _triton:
+        try:
+            import triton
+        except ImportError:
+            _triton.append(None)
+        else:
+            _triton.append(triton)
+    return _triton[0]
+
+
 def triton_available() -> bool:
     """True when Triton imports (it is a Linux-only dependency)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _triton_module() is not None
 
 
 def interpret_enabled() -> bool:
     """Triton's own reading of ``TRITON_INTERPRET`` (so "1", "true", ... agree with Triton)."""
-    if not triton_available():
-        return False
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
+    triton = _triton_module()
+    return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
 CPU_KERNELS_ENV = "BATCHC_TRITON_ON_CPU"
@@ -55,9 +64,9 @@ def use_triton(t: torch.Tensor) -> bool:
     The second switch exists because ``TRITON_INTERPRET`` must be set before Triton is first
     imported to take effect everywhere (Triton's own ``@jit`` library functions are decorated at
     import), while the rest of a CPU process should keep the fast torch paths."""
-    if not triton_available():
-        return False
-    return t.is_cuda or (interpret_enabled() and os.environ.get(CPU_KERNELS_ENV) == "1")
+    if t.is_cuda:
+        return triton_available()
+    return interpret_enabled() and os.environ.get(CPU_KERNELS_ENV) == "1"
 
 
 def jit_module(name: str) -> ModuleType:

@@ -127,7 +127,7 @@ def _torch_greedy_or_flag(logits: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 5), (9, 300), (3, 4, 257), (0, 7)])
+@pytest.mark.parametrize("shape", [(6,), (1, 5), (9, 300), (3, 4, 257), (0, 7)])
 def test_greedy_or_flag_on_the_host_is_torchs_max_bit_for_bit(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """A CPU tensor of float32/float64 takes the numpy path (bfloat16, which numpy lacks, and a
     tensor that needs grad take torch's): every path gives ``torch.max``'s token or the flag, for

@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeVar, cast
 
 import attrs
 import numpy as np
+import numpy.ma  # noqa: F401  (np.unique imports it on its first call: here, so no serving step pays for that import)
 import numpy.typing as npt
 
 from ir.errors import IRValidationError

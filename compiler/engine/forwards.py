@@ -592,9 +592,7 @@ class Forwards:
         if self.progress.errored:
             errored = [rid for rid in dict.fromkeys(self.progress.errored) if rid in self.requests]
             self.release(errored, Ending.ERROR)
-        # a request ends by emitting: only this step's emitters can have (a release leaves the table)
-        ended = {rid for rid in self.progress.emitted if (r := self.requests.get(rid)) is not None and r.state is RequestState.RUNNING and r.is_done()}
-        if ended:
-            done = [r.rid for r in self.requests if r.rid in ended]  # (in the table's order, as before)
+        done = [r.rid for r in self.requests if r.state is RequestState.RUNNING and r.is_done()]
+        if done:
             self.progress.finished.extend(done)
             self.release(done, Ending.FINISHED)

@@ -869,7 +869,7 @@ class Executor(Generic[VerifyStateT]):
         """``_check_slots``, and no registered ticket still has to run on one of the rows (a plan
         without tickets cannot run over a slot whose clear, COW or snapshot is pending)."""
         self._check_slots(slots, what)
-        self.ledger.check_rows(slots.tolist(), self.pool.pool_id, what)
+        self.ledger.rows_free(slots.tolist(), self.pool.pool_id, what)
 
     def _check_slots(self, slots: I64, what: str) -> None:
         """Every slot in range and (with an allocator) live. The phases of a speculative iteration

@@ -207,6 +207,16 @@ class Ledger:
         _pool_arg("check_rows", pool)
         carried = _tickets_arg("check_rows", carried)
         slots = ints(rows, "Ledger.check_rows", "rows")
+        self._check_rows(slots, pool, plan, carried, ordered)
+
+    def rows_free(self, rows: list[int], pool: PoolId, plan: str) -> None:
+        """``check_rows`` of a plan that carries no ticket, for a caller whose arguments are checked
+        already (the executor: its plan's slots column as ints, its own pool id): no registered
+        ticket may still have to run on one of ``rows``."""
+        if self._rows.get(pool):  # (none pending, the common case: nothing to look at)
+            self._check_rows(rows, pool, plan, (), False)
+
+    def _check_rows(self, slots: Sequence[int], pool: PoolId, plan: str, carried: Sequence[Ticket[Op]], ordered: bool) -> None:
         with self._lock:
             pending = self._rows.get(pool)
             if not pending:

@@ -38,12 +38,14 @@ from ir.errors import BatchcError, SettingsError
 from ir.nodes import NODE_TYPES
 from ir.printer import dump
 from ir.verify import VerifyLevel, parse_verify_level, verify
-from passes.registry import spec_of
+from passes.registry import REGISTRY, spec_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 _IR_TYPES = NODE_TYPES
+_SPECS = dict(REGISTRY)
+"""The passes' declarations by function (a plain dict: ``run`` looks one up per pass)."""
 _EXCERPT_LINES = 12
 _EXCERPT_CHARS = 1500
 _HISTORY = 8
@@ -159,14 +161,17 @@ class PassManager:
     def run(self, pass_: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Run a registered pass (``passes.registry``) on ``args``: its name and whether it ends a
         step (then its output is verified at level 1 too) come from its declaration."""
-        spec = spec_of(pass_)
-        return self._run(spec.name, spec.ends_step, pass_, *args, **kwargs)
-
-    def _run(self, name: str, last: bool, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            spec = _SPECS.get(pass_)
+        except TypeError:  # (an unhashable argument: not a pass either)
+            spec = None
+        if spec is None:
+            spec = spec_of(pass_)  # refuses it, naming it
+        name = spec.name
         t0 = time.perf_counter_ns()
         try:
-            out = fn(*args, **kwargs)
-            if (self._verify_last if last else self._verify_every) and isinstance(out, _IR_TYPES):
+            out = pass_(*args, **kwargs)
+            if (self._verify_last if spec.ends_step else self._verify_every) and isinstance(out, _IR_TYPES):
                 verify(out)
         except PassError:
             raise

@@ -73,7 +73,15 @@ class ForwardRunner:
 
     @consumes_on("backend")
     def run(self, backend: Backend, plan: Plan) -> Result:
-        return self.wait(self.submit(backend, plan))
+        """``wait(submit(backend, plan))`` in one frame (no ``Submitted`` in between): the same
+        refusals raised, the same failures retried."""
+        try:
+            sent = backend.submit(plan)
+            return backend.wait(sent)
+        except (BatchcError, BackendBroken):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a fault submitting or running it: retried as ``wait`` retries
+            return self._attempts(backend, plan, self.retries, exc)
 
     @consumes_on("backend")
     def submit(self, backend: Backend, plan: Plan) -> Submitted:

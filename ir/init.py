@@ -360,15 +360,26 @@ def op_decl(op: Op) -> OpDecl:
 
 def op_groups(op: Op) -> tuple[SlotGroup, ...]:
     """Every slot field ``op`` reads or writes, in field order, with its declaration (fields read
-    through attrs, as ``ir.wire`` reads nodes)."""
-    d = op_decl(op)
-    labels = dict(d.labels)
-    values = attrs.asdict(op, recurse=False)
-    return tuple(
-        SlotGroup(a.name, labels[a.name], a.name in d.writes, d.writes_rows if a.name in d.writes else d.reads_rows, values[a.name])
-        for a in attrs.fields(type(op))
-        if a.name in d.reads or a.name in d.writes
-    )
+    through attrs, as ``ir.wire`` reads nodes; each kind's fields and declaration read once)."""
+    return tuple(SlotGroup(name, label, writes, rows, getattr(op, name)) for name, label, writes, rows in _group_fields(type(op)))
+
+
+def _group_fields(kind: type[Op]) -> tuple[tuple[str, str, bool, Rows], ...]:
+    """Per op kind, each slot field it reads or writes: its name, label, whether it writes, and its
+    rows' declaration (``op_groups`` asks for every op, several times per plan)."""
+    fields = _GROUP_FIELDS.get(kind)
+    if fields is None:
+        d = kind.DECL
+        labels = dict(d.labels)
+        fields = _GROUP_FIELDS[kind] = tuple(
+            (a.name, labels[a.name], a.name in d.writes, d.writes_rows if a.name in d.writes else d.reads_rows)
+            for a in attrs.fields(kind)
+            if a.name in d.reads or a.name in d.writes
+        )
+    return fields
+
+
+_GROUP_FIELDS: dict[type, tuple[tuple[str, str, bool, Rows], ...]] = {}
 
 
 def op_reads(op: Op) -> tuple[MambaSlot, ...]:

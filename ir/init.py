@@ -361,7 +361,20 @@ def op_decl(op: Op) -> OpDecl:
 def op_groups(op: Op) -> tuple[SlotGroup, ...]:
     """Every slot field ``op`` reads or writes, in field order, with its declaration (fields read
     through attrs, as ``ir.wire`` reads nodes; each kind's fields and declaration read once)."""
-    return tuple(SlotGroup(name, label, writes, rows, getattr(op, name)) for name, label, writes, rows in _group_fields(type(op)))
+    known = _GROUPS.get(id(op))
+    if known is not None and known[0] is op:
+        return known[1]
+    groups = tuple(SlotGroup(name, label, writes, rows, getattr(op, name)) for name, label, writes, rows in _group_fields(type(op)))
+    if len(_GROUPS) >= _GROUPS_KEPT:
+        _GROUPS.clear()
+    _GROUPS[id(op)] = (op, groups)
+    return groups
+
+
+_GROUPS: dict[int, tuple[Op, tuple[SlotGroup, ...]]] = {}
+"""``op_groups`` of the ops asked about last, by identity (an op is immutable; the entry holds the
+op, so its id is not reused while it is here): a plan's few ops are asked about many times."""
+_GROUPS_KEPT = 16
 
 
 def _group_fields(kind: type[Op]) -> tuple[tuple[str, str, bool, Rows], ...]:

@@ -399,10 +399,12 @@ def _key(t: Ticket[Op]) -> _Key:
 
 def _add(c: PoolCounts, t: Ticket[Op]) -> PoolCounts:
     """``c`` with ``t``'s op counted, by the counters its kind declares (``ir.init.op_counts``)."""
-    counts = attrs.asdict(c)
-    for counter, n in op_counts(t.op).items():
-        counts[counter] += n
-    return PoolCounts(**counts)
+    added = op_counts(t.op)
+    return PoolCounts(**{name: getattr(c, name) + added.get(name, 0) for name in _COUNTERS})
+
+
+_COUNTERS: Final[tuple[str, ...]] = tuple(f.name for f in attrs.fields(PoolCounts))
+"""``PoolCounts``' fields, in order (``_add`` builds the next counts from them)."""
 
 
 def _check_counters() -> None:

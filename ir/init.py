@@ -424,8 +424,7 @@ def op_resets(op: Op) -> tuple[MambaSlot, ...]:
 
 def op_counts(op: Op) -> dict[str, int]:
     """What ``op``'s ticket adds to each ledger counter it declares."""
-    values = attrs.asdict(op, recurse=False)
-    return {counter: len(values[field]) if field else 1 for counter, field in op_decl(op).counts}
+    return {counter: len(getattr(op, field)) if field else 1 for counter, field in op_decl(op).counts}
 
 
 def op_when(op: Op) -> When:

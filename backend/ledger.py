@@ -34,8 +34,9 @@ length of a kernel.
 
 from __future__ import annotations
 
+import operator
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Final
 
@@ -400,11 +401,13 @@ def _key(t: Ticket[Op]) -> _Key:
 def _add(c: PoolCounts, t: Ticket[Op]) -> PoolCounts:
     """``c`` with ``t``'s op counted, by the counters its kind declares (``ir.init.op_counts``)."""
     added = op_counts(t.op)
-    return PoolCounts(**{name: getattr(c, name) + added.get(name, 0) for name in _COUNTERS})
+    return PoolCounts(**{name: n + added.get(name, 0) for name, n in zip(_COUNTERS, _counts_of(c), strict=True)})
 
 
 _COUNTERS: Final[tuple[str, ...]] = tuple(f.name for f in attrs.fields(PoolCounts))
 """``PoolCounts``' fields, in order (``_add`` builds the next counts from them)."""
+_counts_of: Final[Callable[[PoolCounts], tuple[int, ...]]] = operator.attrgetter(*_COUNTERS)
+"""``PoolCounts``' values in ``_COUNTERS``' order (it has several fields: a tuple)."""
 
 
 def _check_counters() -> None:

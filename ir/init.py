@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 import os
 import secrets
 import threading
 import typing
+from collections.abc import Callable
 from typing import ClassVar, Final, Generic, TypeAlias, TypeVar, final
 
 import attrs
@@ -364,7 +366,8 @@ def op_groups(op: Op) -> tuple[SlotGroup, ...]:
     known = _GROUPS.get(id(op))
     if known is not None and known[0] is op:
         return known[1]
-    groups = tuple(SlotGroup(name, label, writes, rows, getattr(op, name)) for name, label, writes, rows in _group_fields(type(op)))
+    fields, values = _group_fields(type(op))
+    groups = tuple(SlotGroup(name, label, writes, rows, v) for (name, label, writes, rows), v in zip(fields, values(op), strict=True))
     if len(_GROUPS) >= _GROUPS_KEPT:
         _GROUPS.clear()
     _GROUPS[id(op)] = (op, groups)
@@ -377,22 +380,36 @@ op, so its id is not reused while it is here): a plan's few ops are asked about 
 _GROUPS_KEPT = 16
 
 
-def _group_fields(kind: type[Op]) -> tuple[tuple[str, str, bool, Rows], ...]:
-    """Per op kind, each slot field it reads or writes: its name, label, whether it writes, and its
-    rows' declaration (``op_groups`` asks for every op, several times per plan)."""
-    fields = _GROUP_FIELDS.get(kind)
-    if fields is None:
+_GroupFields: TypeAlias = tuple[tuple[tuple[str, str, bool, Rows], ...], Callable[[Op], tuple[tuple[MambaSlot, ...], ...]]]
+
+
+def _group_fields(kind: type[Op]) -> _GroupFields:
+    """Per op kind, each slot field it reads or writes (its name, label, whether it writes, and its
+    rows' declaration) and a reader of those fields' values, in the same order (``op_groups`` asks
+    for every op, several times per plan)."""
+    known = _GROUP_FIELDS.get(kind)
+    if known is None:
         d = kind.DECL
         labels = dict(d.labels)
-        fields = _GROUP_FIELDS[kind] = tuple(
+        fields = tuple(
             (a.name, labels[a.name], a.name in d.writes, d.writes_rows if a.name in d.writes else d.reads_rows)
             for a in attrs.fields(kind)
             if a.name in d.reads or a.name in d.writes
         )
-    return fields
+        known = _GROUP_FIELDS[kind] = (fields, _reader(tuple(f[0] for f in fields)))
+    return known
 
 
-_GROUP_FIELDS: dict[type, tuple[tuple[str, str, bool, Rows], ...]] = {}
+def _reader(names: tuple[str, ...]) -> Callable[[Op], tuple[tuple[MambaSlot, ...], ...]]:
+    """The values of the declared fields ``names`` of an op, as a tuple (``operator.attrgetter``
+    gives a bare value for one name)."""
+    if not names:
+        return lambda op: ()
+    get = operator.attrgetter(*names)
+    return (lambda op: (get(op),)) if len(names) == 1 else get
+
+
+_GROUP_FIELDS: dict[type, _GroupFields] = {}
 
 
 def op_reads(op: Op) -> tuple[MambaSlot, ...]:
@@ -424,7 +441,14 @@ def op_resets(op: Op) -> tuple[MambaSlot, ...]:
 
 def op_counts(op: Op) -> dict[str, int]:
     """What ``op``'s ticket adds to each ledger counter it declares."""
-    return {counter: len(getattr(op, field)) if field else 1 for counter, field in op_decl(op).counts}
+    counts = _COUNTS.get(type(op))
+    if counts is None:
+        counts = _COUNTS[type(op)] = tuple((counter, operator.attrgetter(field) if field else None) for counter, field in op_decl(op).counts)
+    return {counter: len(get(op)) if get is not None else 1 for counter, get in counts}
+
+
+_COUNTS: dict[type, tuple[tuple[str, Callable[[Op], tuple[MambaSlot, ...]] | None], ...]] = {}
+"""Per op kind, each counter it declares and a reader of the field it counts (``None``: one per op)."""
 
 
 def op_when(op: Op) -> When:

@@ -120,7 +120,9 @@ class KVRefs:
     def alloc(self, n: int) -> I64:
         """``n`` fresh locations, one reference each."""
         locs = self.kv.alloc_many(n)
-        self.ref(locs)
+        if locs.shape[0]:  # (fresh locations are distinct: one reference each, no repeats to count)
+            self._grow(int(locs.max()) + 1)
+            self._counts[locs] += 1
         return locs
 
     def count(self, loc: int) -> int:

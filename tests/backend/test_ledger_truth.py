@@ -580,6 +580,25 @@ def test_check_rows_checks_its_arguments() -> None:
     ledger.check_rows([1, 2], TARGET_POOL, "plan")  # nothing registered: nothing to carry
 
 
+def test_rows_free_refuses_a_row_a_pending_ticket_names_on_that_pool_only() -> None:
+    """``Ledger.rows_free`` (the executor's check of a plan without tickets, its arguments its own)
+    refuses a row that a registered ticket still has to write, on that ticket's pool only, as
+    ``check_rows`` does, and lets it through once the ticket is consumed."""
+    ledger = Ledger()
+    init = Ticket(pool=TARGET_POOL, op=MambaInit(serial=mint_serial(), clear_slots=(2,)))
+    ledger.register([init])
+    for rows in ([2], [1, 2]):
+        with pytest.raises(TicketMismatchError, match=rf"DecodePlan over slot 2 of pool 'target' does not carry ticket #{init.serial}"):
+            ledger.rows_free(rows, TARGET_POOL, "DecodePlan")
+        with pytest.raises(TicketMismatchError, match="over slot 2"):
+            ledger.check_rows(rows, TARGET_POOL, "DecodePlan")
+    ledger.rows_free([1, 3], TARGET_POOL, "DecodePlan")
+    ledger.rows_free([2], DRAFT_POOL, "DecodePlan")
+    with ledger.claiming([init], TARGET_POOL, [2], "ExtendPlan"):
+        pass
+    ledger.rows_free([2], TARGET_POOL, "DecodePlan")
+
+
 def test_a_claim_settled_by_a_remote_backend_consumes_exactly_what_it_reports() -> None:
     """``Ledger.claim`` holds a plan's tickets in flight until ``Claim.settle`` names the ones the
     backend that ran the plan consumed (an executor process): those are consumed, the rest return

@@ -27,7 +27,7 @@ from typing import Generic, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from ir.columns import I64, frozen_i64, int_problem, plain_ints
+from ir.columns import I64, frozen_i64, has_duplicates, int_problem, plain_ints
 from ir.errors import SlotError
 from ir.ids import KVLoc, MambaSlot
 
@@ -167,10 +167,7 @@ class _IndexAllocator(Generic[T]):
             return False
         live = np.frombuffer(self._live, dtype=np.uint8)  # a view: released before the bytearray can grow
         try:
-            if not bool(live[arr].all()):
-                return False
-            ordered = np.sort(arr)  # (a repeat sits next to its twin; one sort, not np.unique's bookkeeping)
-            if bool((ordered[1:] == ordered[:-1]).any()):
+            if not bool(live[arr].all()) or has_duplicates(arr):
                 return False
             live[arr] = 0
         finally:

@@ -119,9 +119,10 @@ def _greedy_or_flag_host(x: np.ndarray) -> npt.NDArray[np.int64]:
     maximum's index (ties to the lowest id) and treats a NaN as the maximum, as ``torch.max``
     does, so the value at that index is the row's maximum, NaN or infinity included."""
     index = np.asarray(x.argmax(axis=-1), dtype=np.int64)  # (a 0-d array for one row of logits)
-    if np.isfinite(x.max(axis=-1)).all():  # (the maximum is the value at ``index``: NaN if any, as there)
+    finite = np.isfinite(x.max(axis=-1))  # (the maximum is the value at ``index``: NaN if any, as there)
+    if finite.all():
         return index
-    return np.where(np.isfinite(x.max(axis=-1)), index, NON_FINITE).astype(np.int64, copy=False)
+    return np.where(finite, index, NON_FINITE).astype(np.int64, copy=False)
 
 
 def sample(logits: torch.Tensor) -> I64:

@@ -20,7 +20,7 @@ from typing import TypeVar, assert_never
 import numpy as np
 
 from ir.batch import DecodeBatch, ExtendBatch
-from ir.columns import I64, INT64_MAX, BoolArray, build_unchecked, first_bad_int, frozen_i64
+from ir.columns import I64, INT64_MAX, SMALL_COLUMN, BoolArray, build_unchecked, first_bad_int, frozen_i64
 from ir.errors import PreconditionError, short_repr
 from ir.ids import RequestId
 from ir.init import MambaInit, MambaSnapshot
@@ -52,13 +52,8 @@ def _drop_ids(drop: object) -> I64:
     return np.array(items, dtype=np.int64)
 
 
-_SMALL = 256
-"""Up to this many rows and ids, the mask is built from a Python set (``np.isin`` sorts: several
-times the cost at a running batch's sizes)."""
-
-
 def _keep_mask(rids: I64, drop: I64) -> BoolArray:
-    if rids.shape[0] <= _SMALL and drop.shape[0] <= _SMALL:
+    if rids.shape[0] + drop.shape[0] <= 2 * SMALL_COLUMN:  # a Python set (``np.isin`` sorts: its fixed cost dominates there)
         dropped = set(drop.tolist())
         return np.array([r not in dropped for r in rids.tolist()], dtype=np.bool_)
     return ~np.isin(rids, drop)

@@ -14,6 +14,7 @@ import (as the tests do) cannot leave a compiled-mode kernel being launched on C
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -27,20 +28,16 @@ _JIT_PACKAGE = "backend.kernels.jit"
 _decorated_in: dict[str, bool] = {}
 
 
-_triton: list[ModuleType | None] = []
-"""Triton's module, or ``None`` when it does not import: tried once per process (every kernel call
-asks, and an ``import`` statement costs a lock and a lookup each time)."""
-
-
+@functools.cache
 def _triton_module() -> ModuleType | None:
-    if not _triton:
-        try:
-            import triton
-        except ImportError:
-            _triton.append(None)
-        else:
-            _triton.append(triton)
-    return _triton[0]
+    """Triton's module, or ``None`` when it does not import: tried once per process (every kernel
+    call asks, and an ``import`` statement costs a lock and a lookup each time)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    module: ModuleType = triton  # (Triton ships no type information)
+    return module
 
 
 def triton_available() -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from backend.allocator import KVAllocator
-from ir.columns import I64
+from ir.columns import I64, has_duplicates
 from ir.errors import SlotError
 
 _SMALL = 64
@@ -62,12 +62,11 @@ class KVRefs:
         arr = self._array(locs)
         if not arr.size:
             return
-        if arr.shape[0] <= _SMALL and int(arr.min()) >= 0:
-            self._unref_small(arr.tolist())
-            return
-        if int(arr.min()) >= 0 and int(arr.max()) < self._counts.shape[0]:
-            ordered = np.sort(arr)
-            if not bool((ordered[1:] == ordered[:-1]).any()):  # no repeats (a request's context): one reference each
+        if int(arr.min()) >= 0:
+            if arr.shape[0] <= _SMALL:
+                self._unref_small(arr.tolist())
+                return
+            if int(arr.max()) < self._counts.shape[0] and not has_duplicates(arr):  # (a request's context): one reference each
                 self._unref_once(arr)
                 return
         uniq, first, times = np.unique(arr, return_index=True, return_counts=True)

@@ -42,7 +42,7 @@ from typing import Final
 
 import attrs
 
-from ir.columns import int_problem, ints
+from ir.columns import int_problem, ints, plain_ints
 from ir.errors import (
     IRValidationError,
     PreconditionError,
@@ -211,10 +211,15 @@ class Ledger:
         self._check_rows(slots, pool, plan, carried, ordered)
 
     def rows_free(self, rows: list[int], pool: PoolId, plan: str) -> None:
-        """``check_rows`` of a plan that carries no ticket, for a caller whose arguments are checked
-        already (the executor: its plan's slots column as ints, its own pool id): no registered
-        ticket may still have to run on one of ``rows``."""
-        if self._rows.get(pool):  # (none pending, the common case: nothing to look at)
+        """``check_rows`` of a plan that carries no ticket (the executor's, per plan): no registered
+        ticket may still have to run on one of ``rows``. The arguments are checked as there, the
+        common case (a list of plain ints, a pool name) in C loops; with no ticket pending on the
+        pool there is nothing more to look at."""
+        if type(pool) is not str or not pool:
+            _pool_arg("rows_free", pool)
+        if type(rows) is not list or not plain_ints(rows):
+            rows = list(ints(rows, "Ledger.rows_free", "rows"))
+        if self._rows.get(pool):
             self._check_rows(rows, pool, plan, (), False)
 
     def _check_rows(self, slots: Sequence[int], pool: PoolId, plan: str, carried: Sequence[Ticket[Op]], ordered: bool) -> None:

@@ -41,6 +41,13 @@ class HybridEntryPoints(Protocol):
         positions: torch.Tensor, kv_locs: torch.Tensor,
     ) -> ForwardOut: ...
 
+    def mixed(
+        self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+        prefix_lens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor,
+        decode_slots: torch.Tensor, decode_ids: torch.Tensor, decode_positions: torch.Tensor, decode_kv_locs: torch.Tensor,
+        captures: Captures | None = None, keep_hidden: bool = False,
+    ) -> ForwardOut: ...
+
     def verify(
         self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, input_ids: torch.Tensor,
         positions: torch.Tensor, kv_locs: torch.Tensor,
@@ -78,13 +85,15 @@ class HybridHook:
         self, plan: ExtendPlan | MixedPlan, extend: StagedExtend, decode: StagedDecode | None, pool: MambaStatePool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``, and the hidden state of every extend token (``backend.model.KeepsHidden``)."""
-        out = self.model.extend(
-            pool, self.kv, self.table, slots=extend.slots, cu_seqlens=extend.cu_seqlens, prefix_lens=extend.prefix_lens,
-            input_ids=extend.input_ids, positions=extend.positions, kv_locs=extend.kv_locs, captures=extend.captures, keep_hidden=True,
-        )
+        if decode is None:
+            out = self.model.extend(
+                pool, self.kv, self.table, slots=extend.slots, cu_seqlens=extend.cu_seqlens, prefix_lens=extend.prefix_lens,
+                input_ids=extend.input_ids, positions=extend.positions, kv_locs=extend.kv_locs, captures=extend.captures, keep_hidden=True,
+            )
+        else:
+            out = self._mixed(extend, decode, pool, keep_hidden=True)
         assert out.all_hidden is not None  # (keep_hidden=True)
-        logits = out.logits if decode is None else torch.cat((out.logits, self._decode(decode, pool)))
-        return logits, out.all_hidden
+        return out.logits, out.all_hidden
 
     def verify_keeping_hidden(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStates, torch.Tensor]:
         """``verify``, and the hidden state at every window position ``[n, k + 1, d_model]``."""
@@ -96,6 +105,25 @@ class HybridHook:
     def _decode(self, s: StagedDecode, pool: MambaStatePool) -> torch.Tensor:
         slots, input_ids, positions, kv_locs, _ = s.packed.unbind(0)  # (StagedDecode's rows, one call)
         return self.model.decode(pool, self.kv, self.table, slots=slots, input_ids=input_ids, positions=positions, kv_locs=kv_locs).logits
+
+    def _mixed(self, e: StagedExtend, d: StagedDecode, pool: MambaStatePool, *, keep_hidden: bool = False) -> ForwardOut:
+        """A MIXED forward in one pass over the layers (``HybridModel.mixed``): extend rows first
+        (a part without rows: the other part's own entry point)."""
+        slots, input_ids, positions, kv_locs, _ = d.packed.unbind(0)
+        if e.slots.shape[0] == 0 or slots.shape[0] == 0:
+            out = self.model.extend(
+                pool, self.kv, self.table, slots=e.slots, cu_seqlens=e.cu_seqlens, prefix_lens=e.prefix_lens, input_ids=e.input_ids,
+                positions=e.positions, kv_locs=e.kv_locs, captures=e.captures, keep_hidden=keep_hidden,
+            )
+            if slots.shape[0] == 0:
+                return out
+            dec = self.model.decode(pool, self.kv, self.table, slots=slots, input_ids=input_ids, positions=positions, kv_locs=kv_locs)
+            return ForwardOut(dec.logits, dec.hidden, out.all_hidden)
+        return self.model.mixed(
+            pool, self.kv, self.table, slots=e.slots, cu_seqlens=e.cu_seqlens, prefix_lens=e.prefix_lens, input_ids=e.input_ids,
+            positions=e.positions, kv_locs=e.kv_locs, decode_slots=slots, decode_ids=input_ids, decode_positions=positions,
+            decode_kv_locs=kv_locs, captures=e.captures, keep_hidden=keep_hidden,
+        )
 
     def forward(
         self, plan: ForwardPlan, extend: StagedExtend | None, decode: StagedDecode | None, pool: MambaStatePool
@@ -110,7 +138,7 @@ class HybridHook:
                 return self._decode(decode, pool)
             case MixedPlan():
                 assert extend is not None and decode is not None
-                return torch.cat((self._extend(extend, pool), self._decode(decode, pool)))
+                return self._mixed(extend, decode, pool).logits
             case _:
                 assert_never(plan)
 

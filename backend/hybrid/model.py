@@ -67,6 +67,24 @@ from ir.ids import TARGET_POOL, PoolId
 _Mixer = Callable[[int, torch.Tensor], torch.Tensor]
 
 
+@attrs.frozen
+class _Cores:
+    """What a forward does between a layer's projections, for one token layout: ``mamba(i, z,
+    xBC, dt)`` -> the gated scan output ``y [tokens, H, P]`` (conv, scan and state update), and
+    ``attn(i, q, k, v)`` -> the heads' outputs ``[tokens, H * hd]`` (KV written, context read)."""
+
+    mamba: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    attn: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _no_mamba(i: int, z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("a forward with no rows runs no layer")
+
+
+def _no_attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("a forward with no rows runs no layer")
+
+
 @runtime_checkable
 class Collective(Protocol):
     """Tensor parallelism: an in-place sum of a tensor over every rank (``backend.tp``)."""
@@ -289,6 +307,12 @@ class HybridModel:
         self, i: int, q: torch.Tensor, qpos: torch.Tensor, kv: KVCache, table: TokenTable, table_rows: torch.Tensor, ctx: int
     ) -> torch.Tensor:
         """``q [n, Tq, H, hd]`` at positions ``qpos [n, Tq]`` over ``table[rows, :ctx]`` -> ``o_proj`` output."""
+        return self._reduced(self._attention(i, q, qpos, kv, table, table_rows, ctx), f"layers.{i}.mixer.o_proj")
+
+    def _attention(
+        self, i: int, q: torch.Tensor, qpos: torch.Tensor, kv: KVCache, table: TokenTable, table_rows: torch.Tensor, ctx: int
+    ) -> torch.Tensor:
+        """``_attend`` before ``o_proj``: the heads' outputs ``[n, Tq, H * hd]``."""
         c = self.config
         locs = table.rows(table_rows, ctx)  # [n, ctx]
         k, v = kv.gather(c.attn_index(i), locs)  # [n, ctx, kv_heads, hd]
@@ -304,7 +328,7 @@ class HybridModel:
             scores = torch.einsum("ntgrd,nlgd->ngrtl", grouped, k.float()) * c.softmax_scale
             probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)
             out = torch.einsum("ngrtl,nlgd->ntgrd", probs, v.float()).reshape(n, tq, c.attn_heads, hd).to(q.dtype)
-        return self._reduced(out.reshape(*out.shape[:2], -1), f"layers.{i}.mixer.o_proj")
+        return out.reshape(*out.shape[:2], -1)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self._w("embed")[input_ids]
@@ -376,21 +400,99 @@ class HybridModel:
         self._check_rows(pool, kv, table, slots)
         n = slots.shape[0]
         total = input_ids.shape[0] if input_ids.dim() == 1 else -1
+        if embeds is not None:
+            checks.check_tensor("embeds", embeds, shape=(total, self.config.d_model), device=device)
+        cores = self._extend_cores(pool, kv, table, slots, cu_seqlens, prefix_lens, input_ids, positions, kv_locs, captures)
+        if n == 0:
+            empty = torch.zeros((0, self.config.d_model), dtype=self.dtype, device=device)
+            return ForwardOut(torch.zeros((0, self.config.vocab), device=device), empty, empty if keep_hidden else None)
+        h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), *self._mixers(positions, cores))
+        last = h[cu_seqlens[1:] - 1]
+        return ForwardOut(self._logits(last), last, h if keep_hidden else None)
+
+    def mixed(
+        self,
+        pool: MambaStatePool,
+        kv: KVCache,
+        table: TokenTable,
+        *,
+        slots: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_locs: torch.Tensor,
+        decode_slots: torch.Tensor,
+        decode_ids: torch.Tensor,
+        decode_positions: torch.Tensor,
+        decode_kv_locs: torch.Tensor,
+        captures: Captures | None = None,
+        keep_hidden: bool = False,
+    ) -> ForwardOut:
+        """``extend`` over the packed sequences and ``decode`` of the ``decode_*`` rows in one pass
+        over the layers (a MIXED forward): every projection, MLP and norm runs once over the
+        extend's tokens and the decode rows together, each part's attention and Mamba scan as its
+        own entry point runs it. Arguments as ``extend``'s and, prefixed ``decode_``, as
+        ``decode``'s; each part at least one row, the two parts' slots distinct. Returns the logits and hidden states at
+        each sequence's last token and then at each decode row (``keep_hidden``: every extend
+        token's hidden state, as ``extend``'s)."""
+        device = pool.device
+        self._check_rows(pool, kv, table, slots)
+        self._check_rows(pool, kv, table, decode_slots)
+        n, m = slots.shape[0], decode_slots.shape[0]
+        for name, t in (("decode_ids", decode_ids), ("decode_positions", decode_positions), ("decode_kv_locs", decode_kv_locs)):
+            _check_index(name, t, (m,), device)
+        require(n >= 1 and m >= 1, f"mixed: needs extend and decode rows, got {n} and {m} (run extend or decode)")
+        both = [s for s in torch.cat((slots, decode_slots)).tolist() if s >= 0]
+        require(len(set(both)) == len(both), "mixed: a slot is in both the extend and the decode rows, or twice in one")
+        ext = self._extend_cores(pool, kv, table, slots, cu_seqlens, prefix_lens, input_ids, positions, kv_locs, captures)
+        dec = self._decode_cores(pool, decode_slots, kv, table, decode_slots, decode_positions, decode_kv_locs)
+        total = input_ids.shape[0]
+
+        def mamba(i: int, z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+            return torch.cat((ext.mamba(i, z[:total], xbc[:total], dt[:total]), dec.mamba(i, z[total:], xbc[total:], dt[total:])))
+
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.cat((ext.attn(i, q[:total], k[:total], v[:total]), dec.attn(i, q[total:], k[total:], v[total:])))
+
+        mixers = self._mixers(torch.cat((positions, decode_positions)), _Cores(mamba, attn))
+        h = self._layers(self._embed(torch.cat((input_ids, decode_ids))), *mixers)
+        last = torch.cat((h[cu_seqlens[1:] - 1], h[total:]))
+        return ForwardOut(self._logits(last), last, h[:total] if keep_hidden else None)
+
+    def _mixers(self, positions: torch.Tensor, cores: _Cores) -> tuple[_Mixer, _Mixer]:
+        """The Mamba and attention mixers of a forward over tokens at ``positions``: the layer's
+        projections around ``cores``' scan and attention."""
+
+        def mamba(i: int, x: torch.Tensor) -> torch.Tensor:
+            return self._mamba_out(i, cores.mamba(i, *self._mamba_in(i, x)))
+
+        def attn(i: int, x: torch.Tensor) -> torch.Tensor:
+            return self._reduced(cores.attn(i, *self._qkv(i, x, positions)), f"layers.{i}.mixer.o_proj")
+
+        return mamba, attn
+
+    def _extend_cores(
+        self, pool: MambaStatePool, kv: KVCache, table: TokenTable, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+        prefix_lens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor, captures: Captures | None,
+    ) -> _Cores:
+        """``extend``'s arguments checked (rows checked by the caller), its table entries written, and
+        its scan and attention over the packed sequences (each layer's KV written by its attention)."""
+        device = pool.device
+        n = slots.shape[0]
+        total = input_ids.shape[0] if input_ids.dim() == 1 else -1
         _check_index("cu_seqlens", cu_seqlens, (n + 1,), device)
         _check_index("prefix_lens", prefix_lens, (n,), device)
         _check_index("input_ids", input_ids, (total,), device)
         _check_index("positions", positions, (total,), device)
         _check_index("kv_locs", kv_locs, (total,), device)
-        if embeds is not None:
-            checks.check_tensor("embeds", embeds, shape=(total, self.config.d_model), device=device)
         bounds = [int(b) for b in cu_seqlens.tolist()]
         lens = [b - a for a, b in pairwise(bounds)]
         require(bounds[0] == 0 and bounds[-1] == total, f"cu_seqlens must run from 0 to {total}")
         require(all(length >= 1 for length in lens), f"every sequence needs at least one token, got lengths {lens[:8]}")
         c = self.config
         if n == 0:
-            empty = torch.zeros((0, c.d_model), dtype=self.dtype, device=device)
-            return ForwardOut(torch.zeros((0, c.vocab), device=device), empty, empty if keep_hidden else None)
+            return _Cores(_no_mamba, _no_attn)
         lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
         seq_of = torch.repeat_interleave(torch.arange(n, device=device), lens_t)  # [total]
         offset = torch.arange(total, device=device) - cu_seqlens[seq_of]  # token index within its sequence
@@ -415,10 +517,9 @@ class HybridModel:
         qpos = torch.zeros((n, t_max), dtype=torch.int64, device=device)
         qpos[seq_of, offset] = positions
 
-        def mamba(i: int, x: torch.Tensor) -> torch.Tensor:
+        def mamba(i: int, z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
             m = c.mamba_index(i)
             p = f"layers.{i}.mixer"
-            z, xbc, dt = self._mamba_in(i, x)
             xbc = causal_conv1d_prefill(
                 xbc, pool.conv_state(m), self._w(f"{p}.conv_weight"), self._w(f"{p}.conv_bias"),
                 silu=True, cu_seqlens=cu_seqlens, slot_idx=slots, check_slots=False,
@@ -427,25 +528,20 @@ class HybridModel:
             xs, B, C = self._split_xbc(xbc)
             A, D = self._ssm_params(i)
             dt, dt_bias, dt_softplus = self._dt(i, dt)
-            y = ssd_prefill(
+            return ssd_prefill(
                 pool.ssm_state(m), xs, dt, A, B, C, D,
                 z=z.reshape(total, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=dt_softplus,
                 cu_seqlens=cu_seqlens, slot_idx=slots, chunk_size=c.chunk_size, check_slots=False,
                 capture=capture, capture_state=into.ssm_state(m)[rows] if into is not None else None,
             )
-            return self._mamba_out(i, y)
 
-        def attn(i: int, x: torch.Tensor) -> torch.Tensor:
-            q, k, v = self._qkv(i, x, positions)
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv.write(c.attn_index(i), locs, k, v)
             q_pad = torch.zeros((n, t_max, *q.shape[1:]), dtype=q.dtype, device=device)
             q_pad[seq_of, offset] = q
-            out = self._attend(i, q_pad, qpos, kv, table, slots, ctx)
-            return out[seq_of, offset]
+            return self._attention(i, q_pad, qpos, kv, table, slots, ctx)[seq_of, offset]
 
-        h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), mamba, attn)
-        last = h[cu_seqlens[1:] - 1]
-        return ForwardOut(self._logits(last), last, h if keep_hidden else None)
+        return _Cores(mamba, attn)
 
     def decode(
         self,
@@ -485,15 +581,25 @@ class HybridModel:
         n = input_ids.shape[0]
         if n == 0:
             return ForwardOut(torch.zeros((0, c.vocab), device=device), torch.zeros((0, c.d_model), dtype=self.dtype, device=device))
+        cores = self._decode_cores(pool, pool_rows, kv, table, table_rows, positions, kv_locs)
+        h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), *self._mixers(positions, cores))
+        return ForwardOut(self._logits(h), h)
+
+    def _decode_cores(
+        self, pool: MambaStatePool, pool_rows: torch.Tensor, kv: KVCache, table: TokenTable, table_rows: torch.Tensor,
+        positions: torch.Tensor, kv_locs: torch.Tensor,
+    ) -> _Cores:
+        """``_decode``'s table entries written, and its scan and attention over one token per row
+        (at least one row; each layer's KV written by its attention)."""
+        c = self.config
         ctx = int(positions.max()) + 1
         require(int(positions.min()) >= 0 and ctx <= table.max_len, f"positions must lie in [0, {table.max_len})")
         locs = torch.where(table_rows >= 0, kv_locs, 0)
         table.write(table_rows, positions, locs)
 
-        def mamba(i: int, x: torch.Tensor) -> torch.Tensor:
+        def mamba(i: int, z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
             m = c.mamba_index(i)
             p = f"layers.{i}.mixer"
-            z, xbc, dt = self._mamba_in(i, x)
             xbc = causal_conv1d_update(
                 xbc, pool.conv_state(m), self._w(f"{p}.conv_weight"), self._w(f"{p}.conv_bias"),
                 silu=True, slot_idx=pool_rows, check_slots=False,
@@ -501,20 +607,17 @@ class HybridModel:
             xs, B, C = self._split_xbc(xbc)
             A, D = self._ssm_params(i)
             dt, dt_bias, dt_softplus = self._dt(i, dt)
-            y = selective_state_update(
+            return selective_state_update(
                 pool.ssm_state(m), xs, dt, A, B, C, D,
-                z=z.reshape(n, c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=dt_softplus,
+                z=z.reshape(xs.shape[0], c.nheads, c.head_dim), dt_bias=dt_bias, dt_softplus=dt_softplus,
                 slot_idx=pool_rows, check_slots=False,
             )
-            return self._mamba_out(i, y)
 
-        def attn(i: int, x: torch.Tensor) -> torch.Tensor:
-            q, k, v = self._qkv(i, x, positions)
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv.write(c.attn_index(i), locs, k, v)
-            return self._attend(i, q[:, None], positions[:, None], kv, table, table_rows, ctx)[:, 0]
+            return self._attention(i, q[:, None], positions[:, None], kv, table, table_rows, ctx)[:, 0]
 
-        h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), mamba, attn)
-        return ForwardOut(self._logits(h), h)
+        return _Cores(mamba, attn)
 
     def verify(
         self,

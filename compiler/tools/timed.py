@@ -28,7 +28,7 @@ from backend.pool import MambaStatePool
 
 class TimedModel(HybridModel):
     """A ``HybridModel`` (the same config and weights; a tensor-parallel shard stays one) that adds the wall time of each forward
-    (extend, decode, verify, both proposals, commit) to ``seconds``."""
+    (extend, decode, mixed, verify, both proposals, commit) to ``seconds``."""
 
     def __init__(self, model: HybridModel) -> None:
         super().__init__(model.config, model.weights, collective=model.collective, norm_split=model.norm_split, origin=model.origin)
@@ -47,6 +47,10 @@ class TimedModel(HybridModel):
 
     def decode(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: torch.Tensor) -> ForwardOut:
         out: ForwardOut = self._timed(super().decode, pool, kv, table, **kw)
+        return out
+
+    def mixed(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: Any) -> ForwardOut:  # tensors and the captures
+        out: ForwardOut = self._timed(super().mixed, pool, kv, table, **kw)
         return out
 
     def verify(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, **kw: torch.Tensor) -> VerifyOut:

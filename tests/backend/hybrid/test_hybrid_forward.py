@@ -8,8 +8,10 @@ from itertools import pairwise
 import pytest
 import torch
 
+from backend.hybrid.model import HybridModel
 from backend.hybrid.reference import greedy_generate_reference, reference_hidden, reference_logits
-from tests.helpers import ARCHITECTURES, BYTE_PROMPTS, Backend, assert_close, tiny_model
+from backend.staging import Captures
+from tests.helpers import ARCHITECTURES, BYTE_PROMPTS, Backend, assert_close, ids, tiny_model
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -103,3 +105,68 @@ def test_greedy_generation_through_extend_and_decode_equals_the_reference(arch: 
     for prompt, got in zip(BYTE_PROMPTS, generated, strict=True):
         assert got == greedy_generate_reference(model, prompt, n_new)
         assert len(set(got)) > 3, f"degenerate greedy output {bytes(got)!r}"
+
+
+def _mixed_rig(model: HybridModel) -> Backend:
+    """A backend with slots 2 and 6 prefilled (decode rows) and slot 3 holding a chunk of a prompt."""
+    be = Backend(model)
+    be.extend([(2, list(BYTE_PROMPTS[0]), 0), (6, list(BYTE_PROMPTS[1]), 0), (3, list(BYTE_PROMPTS[2][:5]), 0)])
+    return be
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_mixed_forward_equals_extend_then_decode(arch: str) -> None:
+    """A MIXED forward (extend rows and decode rows through the layers together) leaves the pool,
+    the KV cache and the table as the extend and then the decode alone leave them, and returns
+    their logits and hidden states, extend rows first; padding rows (slot -1) in either part and
+    a snapshot inside an extend row included."""
+    model = tiny_model(arch=arch)
+    apart, together = _mixed_rig(model), _mixed_rig(model)
+    prompt = BYTE_PROMPTS[2]
+    ext = [(3, list(prompt[5:]), 5), (-1, list(b"pad"), 0), (1, list(prompt[:9]), 0)]
+    dec = [(2, 7, len(BYTE_PROMPTS[0])), (-1, 9, 4), (6, 11, len(BYTE_PROMPTS[1]))]
+    ext_args = _extend_args(apart, ext)
+    dec_args = {"slots": ids([s for s, _, _ in dec]), "input_ids": ids([t for _, t, _ in dec]),
+                "positions": ids([p for _, _, p in dec])}
+    n_ext = int(ext_args["input_ids"].shape[0])
+    locs = ids(list(range(500, 500 + n_ext))), ids([600, 601, 602])
+    into_a, into_b = model.new_pool(2), model.new_pool(2)
+    e_out = model.extend(apart.pool, apart.kv, apart.table, **ext_args, kv_locs=locs[0], keep_hidden=True,
+                         captures=Captures(seq=(2,), at=(4,), entries=(0,), into=into_a))
+    d_out = model.decode(apart.pool, apart.kv, apart.table, **dec_args, kv_locs=locs[1])
+    m_out = model.mixed(together.pool, together.kv, together.table, **ext_args, kv_locs=locs[0], keep_hidden=True,
+                        captures=Captures(seq=(2,), at=(4,), entries=(0,), into=into_b), decode_slots=dec_args["slots"],
+                        decode_ids=dec_args["input_ids"], decode_positions=dec_args["positions"], decode_kv_locs=locs[1])
+    live = [0, 2, 3, 5]  # the padding rows' outputs are garbage
+    assert_close(m_out.logits[live], torch.cat((e_out.logits, d_out.logits))[live])
+    assert_close(m_out.hidden[live], torch.cat((e_out.hidden, d_out.hidden))[live])
+    assert m_out.all_hidden is not None and e_out.all_hidden is not None
+    real = [i for i, s in enumerate(torch.repeat_interleave(ext_args["slots"], torch.tensor([len(t) for _, t, _ in ext])).tolist()) if s >= 0]
+    assert_close(m_out.all_hidden[real], e_out.all_hidden[real])
+    assert_close(together.pool.buffer[1:].view(torch.float32), apart.pool.buffer[1:].view(torch.float32))
+    assert_close(into_b.buffer[1].view(torch.float32), into_a.buffer[1].view(torch.float32))
+    assert_close(together.kv.k[:, 1:], apart.kv.k[:, 1:])  # location 0: whatever padding rows wrote
+    assert torch.equal(together.table.table[1:], apart.table.table[1:])
+
+
+def test_mixed_forward_refuses_a_slot_in_both_parts_and_an_empty_part() -> None:
+    model = tiny_model()
+    be = _mixed_rig(model)
+    ext_args = _extend_args(be, [(3, list(BYTE_PROMPTS[2][5:8]), 5)])
+    for slots, match in ((ids([3]), "in both the extend and the decode rows"), (ids([]), "needs extend and decode rows")):
+        n = int(slots.shape[0])
+        with pytest.raises(ValueError, match=match):
+            model.mixed(be.pool, be.kv, be.table, **ext_args, kv_locs=ids([500, 501, 502]), decode_slots=slots,
+                        decode_ids=ids([7] * n), decode_positions=ids([8] * n), decode_kv_locs=ids([600] * n))
+
+
+def _extend_args(be: Backend, rows: list[tuple[int, list[int], int]]) -> dict[str, torch.Tensor]:
+    """``extend``'s packed arguments for ``rows`` ``(slot, tokens, prefix_len)``, without KV locations."""
+    cu = [0]
+    for _, tokens, _ in rows:
+        cu.append(cu[-1] + len(tokens))
+    return {
+        "slots": ids([s for s, _, _ in rows]), "cu_seqlens": ids(cu), "prefix_lens": ids([p for _, _, p in rows]),
+        "input_ids": ids([t for _, tokens, _ in rows for t in tokens]),
+        "positions": ids([p + j for _, tokens, p in rows for j in range(len(tokens))]),
+    }

@@ -60,7 +60,7 @@ __all__ = ["UsageError", "main", "parser"]
 def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:  # pipes and CI logs: wide enough that the tables do not wrap
-        console = Console(width=140)
+        console = Console(width=160)
     args = parser().parse_args(argv)  # a bad command line: one line on stderr, SystemExit(2)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # (batchc run --tp starts its other ranks with it)
     output.claimed.clear()

@@ -300,9 +300,9 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             f"{served.name}" + "".join(f", {kind} = {name}" for kind, name in names.items() if kind != "none"))
         table = Table(title=f"bench serve: {what}, {models}{how}",
                       caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running, sampling), with their range",
-                      box=box.SIMPLE_HEAD, padding=0)  # (one space between columns: its 16 fit the 140 characters of a pipe)
+                      box=box.SIMPLE_HEAD, padding=0)  # (one space between columns: its 18 fit the 160 characters of a pipe)
         for h in ("arrivals" if not sweep else "running", "k", "engine", "draft", "sampling", "tokens", "steps", "tok/s", "range", "vs fixed",
-                  "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "acc len", "it/dec", "sampler", "host ms", "TTFT",
+                  "paired", "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "acc len", "it/dec", "sampler", "host ms", "TTFT",
                   "TPOT"):
             table.add_column(h, justify="right")
         order = sorted(rows, key=lambda r: (r.max_running, r.sampling.sampled, r.k, ENGINES.index(r.engine), r.overlap)) if sweep else rows
@@ -310,7 +310,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             table.add_row(
                 r.arrivals if not sweep else str(r.max_running), str(r.k), r.engine + (" +overlap" if r.overlap else ""), r.draft, r.sampling.label,
                 str(r.tokens), str(r.steps), f"{r.tokens_per_s:.0f}", f"{r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}",
-                _times(r.vs_mutable_fixed), _times(r.vs_k0), *((_times(r.vs_greedy),) if sampled is not None else ()),
+                _times(r.vs_mutable_fixed), _paired(r.paired_fixed), _times(r.vs_k0), *((_times(r.vs_greedy),) if sampled is not None else ()),
                 _ms(r.acceptance, 3), _ms(r.accepted_length, 2), _ms(r.iteration_decodes, 2), _percent(r.sampler_share), f"{r.host_ms_per_step:.2f}", _ms(r.latency("ttft", 0.5), 1),
                 _ms(r.latency("tpot", 0.5), 1),
             )
@@ -321,7 +321,9 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             "arrival step to its first token; TPOT: ms per output token after the first; both the median over every "
             "request of every repeat (p90 in --json). 'vs fixed' and 'vs k=0': the row's "
             "tokens/s over the fixed baseline's (same arrivals, k and running limit) and over its own engine's at k=0, "
-            "measured in this run (ratios of the medians)"
+            "measured in this run (ratios of the medians); paired: the lowest and highest of the per-repeat ratios to the "
+            "fixed baseline's run of the same repeat (repeats interleave the engines, so a ratio within a repeat cancels the "
+            "machine's drift: a 'vs fixed' whose paired range straddles 1.00 is within this machine's noise)"
             + (f"; 'vs greedy': a sampled row's ({sampled.label}: temperature {sampled.temperature:g}, top_p {sampled.top_p:g}, "
                "each request's seed derived from seed 0 and its id; the compiled engine only, the baselines decode greedily) "
                "over the compiled greedy row's" if sampled is not None else "")
@@ -457,3 +459,8 @@ def _ms(value: float | None, digits: int = 2) -> str:
 
 def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _paired(spread: tuple[float, float, float] | None) -> str:
+    """The lowest and highest of a row's per-repeat ratios (``ServeRow.paired_fixed``)."""
+    return "-" if spread is None else f"{spread[1]:.2f}-{spread[2]:.2f}"

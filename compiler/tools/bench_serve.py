@@ -15,7 +15,10 @@ the processes to start and warms them on the case's first requests before the cl
 model time is the time during which an executor process ran a plan. Then the runs go round the engines (compiled, mutable,
 mutable-fixed, then again) ``repeats`` times, so drifting machine load falls on all of them alike,
 and each (workload, k, engine, running) reports the median of its repeats, with its tokens/s over
-the fixed baseline's and over its own at k = 0 (ratios of the medians).
+the fixed baseline's and over its own at k = 0 (ratios of the medians), and those ratios repeat by
+repeat (``ServeRow.paired_vs_mutable_fixed``, ``paired_vs_k0``): within one repeat the runs follow
+one another, so their ratio cancels the machine's slower drift, and the spread of the paired
+ratios says whether a difference stands out of the machine's noise.
 
 Workloads: the built-in one (``builtin_cases``), or the running-batch sweep (``sweep_cases``): B
 short requests arriving together at step 0, for each B, with the engines sized for B.
@@ -382,6 +385,27 @@ class ServeRow:
     """At k > 0: ``step_ms("spec")`` over the same engine's ``step_ms("decode")`` at k = 0 (same
     workload, arrivals, running, sampling and overlap): what one speculative iteration costs in
     decode steps as served, host time included (``None`` at k = 0 or without both)."""
+    paired_vs_mutable_fixed: tuple[float, ...] = ()
+    """Per repeat, its run's tokens/s over the ``mutable-fixed`` run's of the same repeat (same
+    workload, arrivals, k, running, sampling and draft), in repeat order; empty without them. The
+    runs of a repeat are interleaved, so a ratio within a repeat cancels the machine's slower drift
+    that a ratio of medians taken over the whole run does not."""
+    paired_vs_k0: tuple[float, ...] = ()
+    """Per repeat, its run's tokens/s over the same engine's k = 0 run of the same repeat."""
+
+    @staticmethod
+    def _spread(ratios: tuple[float, ...]) -> tuple[float, float, float] | None:
+        return (statistics.median(ratios), min(ratios), max(ratios)) if ratios else None
+
+    @property
+    def paired_fixed(self) -> tuple[float, float, float] | None:
+        """The median, lowest and highest of ``paired_vs_mutable_fixed`` (``None`` when empty)."""
+        return self._spread(self.paired_vs_mutable_fixed)
+
+    @property
+    def paired_k0(self) -> tuple[float, float, float] | None:
+        """The median, lowest and highest of ``paired_vs_k0`` (``None`` when empty)."""
+        return self._spread(self.paired_vs_k0)
 
     def step_ms(self, kind: str) -> float | None:
         """The median wall time (ms) of its ``"decode"`` or ``"spec"`` steps over all its runs."""
@@ -423,6 +447,7 @@ class ServeRow:
             "tokens_per_s_max": self.tokens_per_s_max, "host_ms_per_step": self.host_ms_per_step, "steps": self.steps,
             "tokens": self.tokens, "wall_s": self.wall_s, "model_s": self.model_s,
             "tokens_per_s_vs_mutable_fixed": self.vs_mutable_fixed, "tokens_per_s_vs_k0": self.vs_k0,
+            "paired_vs_mutable_fixed": list(self.paired_vs_mutable_fixed), "paired_vs_k0": list(self.paired_vs_k0),
             "sampling": self.sampling.label, "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
             "tokens_per_s_vs_greedy": self.vs_greedy, "acceptance": self.acceptance, "accepted_length": self.accepted_length,
             "decode_step_ms": self.step_ms("decode"), "spec_step_ms": self.step_ms("spec"), "iteration_decodes": self.iteration_decodes,
@@ -451,6 +476,13 @@ def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
     for r in runs:  # (k = 0 runs no draft, whatever the run was labelled)
         groups.setdefault((r.workload, r.arrivals, r.k, r.engine, r.overlap, r.max_running, r.sampling, r.draft if r.k else "none"), []).append(r)
     tps = {key: statistics.median(r.tokens_per_s for r in g) for key, g in groups.items()}
+    by_repeat = {key: {r.repeat: r.tokens_per_s for r in g} for key, g in groups.items()}
+
+    def paired(g: list[ServeRun], other: tuple[str, str, int, str, bool, int, Sampling, str]) -> tuple[float, ...]:
+        """Each run's tokens/s over ``other``'s run of the same repeat (the repeats both have)."""
+        theirs = by_repeat.get(other, {})
+        return tuple(r.tokens_per_s / theirs[r.repeat] for r in sorted(g, key=lambda r: r.repeat) if theirs.get(r.repeat))
+
     decode = {key: statistics.median(x) for key, g in groups.items() if (x := [t for r in g for t in r.decode_ms])}
     rows = []
     for (workload, arrivals, k, engine, overlap, running, sampling, drafted), g in groups.items():
@@ -468,6 +500,8 @@ def summarise(runs: Sequence[ServeRun]) -> list[ServeRow]:
             draft=drafted,
             iteration_decodes=_ratio(statistics.median(spec), decode.get((workload, arrivals, 0, engine, overlap, running, sampling, "none")))
             if k and (spec := [t for r in g for t in r.spec_ms]) else None,
+            paired_vs_mutable_fixed=paired(g, (workload, arrivals, k, "mutable-fixed", False, running, sampling, drafted)),
+            paired_vs_k0=paired(g, (workload, arrivals, 0, engine, overlap, running, sampling, "none")),
         ))
     return rows
 

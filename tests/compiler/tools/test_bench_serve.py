@@ -92,6 +92,9 @@ def test_bench_serve_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
             row["tokens_per_s"] / next(r["tokens_per_s"] for r in same if r["engine"] == "mutable-fixed"))
         k0 = next(r for r in rows if r["k"] == 0 and r["engine"] == row["engine"] and r["arrivals"] == row["arrivals"])
         assert row["tokens_per_s_vs_k0"] == pytest.approx(row["tokens_per_s"] / k0["tokens_per_s"])
+        # one repeat: its one paired ratio is the ratio of the medians
+        assert row["paired_vs_mutable_fixed"] == [pytest.approx(row["tokens_per_s_vs_mutable_fixed"])]
+        assert row["paired_vs_k0"] == [pytest.approx(row["tokens_per_s_vs_k0"])]
         assert row["tpot_ms_p50"] is not None  # two new tokens each: one gap per request
         # a speculative step's wall time in the same engine's decode steps at k = 0 (each request's second token comes from a
         # decode step, or on the compiled engine from a MIXED forward that also prefills: then there is no decode step to divide by)
@@ -103,7 +106,8 @@ def test_bench_serve_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
             assert row["iteration_decodes"] == (
                 pytest.approx(row["spec_step_ms"] / k0["decode_step_ms"]) if k0["decode_step_ms"] is not None else None)  # type: ignore[operator]
     assert "median of 1 interleaved repeats per (arrivals, k, engine, running, sampling), with their range" in out
-    assert "vs fixed" in out and "vs k=0" in out and "host ms" in out and "TTFT" in out and "TPOT" in out
+    assert "vs fixed" in out and "paired" in out and "vs k=0" in out and "host ms" in out and "TTFT" in out and "TPOT" in out
+    assert "mutable-fixed" in out  # the widest engine name is not cut: the table fits a pipe's width
     flat = " ".join(out.split())  # (the console wraps the caption where the terminal width falls)
     assert "sampling" in out and "accept" in out and "sampler" in out and "batchc bench sampler" in flat and "it/dec" in out
     assert "vs greedy" not in out and {r["sampling"] for r in rows} == {"greedy"}
@@ -286,6 +290,29 @@ def test_rows_report_the_median_of_the_repeats_and_ratios_of_the_medians() -> No
     assert rows[(2, "compiled")].vs_k0 == pytest.approx(3.0)
     assert rows[(2, "mutable")].vs_mutable_fixed == pytest.approx(1.0)
     assert all(not r.overlap for r in rows.values())
+
+
+def test_paired_ratios_divide_runs_of_the_same_repeat() -> None:
+    # the machine drifts from repeat to repeat (100, 80, 60 tokens/s for the fixed baseline) and the
+    # compiled engine is 1.1x in each; a load spike halves the compiled run of repeat 1 and the fixed
+    # run of repeat 2. The ratio of the medians (66 over 80) says 0.825x; the per-repeat ratios say
+    # 1.1x, 0.55x and 2.2x: their median is the engine's 1.1x, their range shows the spikes
+    compiled, fixed = (110.0, 88.0 / 2, 66.0), (100.0, 80.0, 60.0 / 2)
+    runs = [_run("compiled", k, compiled[rep] * (1 + k), rep) for rep in range(3) for k in (0, 2)]
+    runs += [_run("mutable-fixed", k, fixed[rep], rep) for rep in range(3) for k in (0, 2)]
+    rows = {(r.k, r.engine): r for r in summarise(runs)}
+    c0 = rows[(0, "compiled")]
+    assert c0.vs_mutable_fixed == pytest.approx(66.0 / 80.0)
+    assert c0.paired_vs_mutable_fixed == pytest.approx((1.1, 0.55, 2.2))  # in repeat order
+    assert c0.paired_fixed == pytest.approx((1.1, 0.55, 2.2))  # median, lowest, highest
+    assert c0.to_json()["paired_vs_mutable_fixed"] == pytest.approx([1.1, 0.55, 2.2])
+    assert rows[(2, "compiled")].paired_vs_k0 == pytest.approx((3.0, 3.0, 3.0)) and rows[(2, "compiled")].paired_k0 == pytest.approx((3.0, 3.0, 3.0))
+    assert rows[(2, "mutable-fixed")].paired_fixed == pytest.approx((1.0, 1.0, 1.0))
+    # a repeat the baseline did not run pairs with nothing; without the baseline there are no pairs
+    partial = summarise([r for r in runs if not (r.engine == "mutable-fixed" and r.repeat == 1)])
+    assert next(r for r in partial if (r.k, r.engine) == (0, "compiled")).paired_vs_mutable_fixed == pytest.approx((1.1, 2.2))
+    alone = summarise([r for r in runs if r.engine == "compiled"])
+    assert alone[0].paired_vs_mutable_fixed == () and alone[0].paired_fixed is None
 
 
 def test_an_overlapped_engine_is_its_own_row_compared_with_the_fixed_baseline_and_its_own_k0() -> None:

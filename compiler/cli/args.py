@@ -42,6 +42,11 @@ MAX_ITERATION_ROWS = 256
 """Most rows ``bench iteration`` times (each row holds a prompt in both models' caches)."""
 MAX_ITERATION_K = 8
 """Largest ``k`` of ``bench iteration``."""
+MAX_ITERATION_CONTEXT = 2048
+"""Longest context ``bench iteration`` prefills per row before timing (``--context``)."""
+ITERATION_CONTEXT = 40
+"""``bench iteration``'s default ``--context`` (``compiler.tools.bench_iteration.PROMPT_LEN``, which
+imports torch: this module does not)."""
 MAX_REPEATS = 1000
 MAX_BENCH_VOCAB = 1 << 18
 """Largest vocabulary ``bench sampler`` times (its logits are [rows, vocab] float32 in memory)."""
@@ -480,6 +485,9 @@ def parser() -> argparse.ArgumentParser:
     bi.add_argument("--rows", type=_int_in(1, MAX_ITERATION_ROWS), default=8, help=f"running requests, at most {MAX_ITERATION_ROWS} (default 8)")
     bi.add_argument("--k", type=_int_in(1, MAX_ITERATION_K), default=2, help=f"draft tokens per row, at most {MAX_ITERATION_K} (default 2)")
     bi.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=7, help=f"interleaved repeats, the minimum is kept, at most {MAX_REPEATS} (default 7)")
+    bi.add_argument("--context", type=_int_in(1, MAX_ITERATION_CONTEXT), default=ITERATION_CONTEXT,
+                    help=f"tokens already in each row's context before the phases are timed, at most {MAX_ITERATION_CONTEXT} "
+                    f"(default {ITERATION_CONTEXT}; the default bench serve workload's requests hold a few hundred)")
     bi.add_argument("--model", metavar="PATH", type=_path_arg,
                     help="the target, as batchc run's --model (default: the bundled byte-level model); with it, --draft is needed")
     bi.add_argument("--draft", metavar="PATH", type=_path_arg,

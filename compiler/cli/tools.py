@@ -134,8 +134,9 @@ def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
         draft, head = (drafted.model, None) if isinstance(drafted, Served) else (None, drafted.head)
     with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run
         with console.status("timing the phases of a speculative iteration"):
-            report = run_iteration_bench(target, draft, rows=args.rows, k=args.k, repeats=args.repeats, head=head)
-        table = Table(title=f"one speculative iteration, {report.rows} rows, k={report.k}: min of {report.repeats} interleaved repeats"
+            report = run_iteration_bench(target, draft, rows=args.rows, k=args.k, repeats=args.repeats, head=head, context=args.context)
+        table = Table(title=f"one speculative iteration, {report.rows} rows, k={report.k}, {report.context} tokens of context: "
+                      f"min of {report.repeats} interleaved repeats"
                       + ("" if args.model is None else f"; {served.name}"))
         for h in ("phase", "ms", "target decodes"):
             table.add_column(h, justify="right")

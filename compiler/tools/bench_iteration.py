@@ -2,8 +2,9 @@
 
 Speculation pays when an iteration (draft proposal, verify, commit, draft catch-up) costs fewer
 target decodes than the tokens it emits per row. This benchmark times each phase's model call on
-the bundled target and draft, ``rows`` running requests with a prompt already in their context,
-and divides by one target decode of the same rows:
+the bundled target and draft, ``rows`` running requests with ``context`` tokens already in their
+context (40 by default; a served request's context is longer, and the target's attention over it
+makes a decode, the unit, dearer: ``--context``), and divides by one target decode of the same rows:
 
 - ``decode``: one target decode (the unit).
 - ``verify``: the target over ``k + 1`` positions, keeping every position's state.
@@ -36,9 +37,10 @@ from backend.hybrid.head import HeadModel, pack_accepted
 from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.model import HybridModel
 from backend.pool import MambaStatePool
+from ir.columns import int_problem
 
 PROMPT_LEN = 40
-"""Tokens already in each row's context before the measured phases."""
+"""Tokens already in each row's context before the measured phases, by default (``context``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -53,6 +55,8 @@ class PhaseTime:
 class IterationReport:
     rows: int
     k: int
+    context: int
+    """Tokens in each row's context before the measured phases."""
     repeats: int
     phases: tuple[PhaseTime, ...]
     iteration_decodes: float | None
@@ -66,24 +70,24 @@ class IterationReport:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "rows": self.rows, "k": self.k, "repeats": self.repeats, "statistic": "min",
+            "rows": self.rows, "k": self.k, "context": self.context, "repeats": self.repeats, "statistic": "min",
             "phases": [{"phase": p.phase, "seconds": p.seconds, "decodes": p.decodes} for p in self.phases],
             "iterations": [{"draft": kind, "decodes": d} for kind, d in self.iterations],
         }
 
 
 class _Side:
-    """One model's backend state with ``rows`` requests prefilled to ``PROMPT_LEN`` tokens."""
+    """One model's backend state with ``rows`` requests prefilled to ``context`` tokens."""
 
-    def __init__(self, model: HybridModel | HeadModel, rows: int, k: int, target: _Side | None = None) -> None:
+    def __init__(self, model: HybridModel | HeadModel, rows: int, k: int, context: int, target: _Side | None = None) -> None:
         self.pool: MambaStatePool = model.new_pool(rows)
-        self.kv: KVCache = model.new_kv_cache(rows * (PROMPT_LEN + 4 * (k + 1)) + 8)
-        self.table: TokenTable = model.new_token_table(rows, PROMPT_LEN + 4 * (k + 1))
+        self.kv: KVCache = model.new_kv_cache(rows * (context + 4 * (k + 1)) + 8)
+        self.table: TokenTable = model.new_token_table(rows, context + 4 * (k + 1))
         self.slots = torch.arange(1, rows + 1)
         gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, model.vocab, (rows * PROMPT_LEN,), generator=gen)
-        cu, prefix = torch.arange(rows + 1) * PROMPT_LEN, torch.zeros(rows, dtype=torch.int64)
-        positions, locs = torch.arange(PROMPT_LEN).repeat(rows), torch.arange(1, rows * PROMPT_LEN + 1)
+        tokens = torch.randint(0, model.vocab, (rows * context,), generator=gen)
+        cu, prefix = torch.arange(rows + 1) * context, torch.zeros(rows, dtype=torch.int64)
+        positions, locs = torch.arange(context).repeat(rows), torch.arange(1, rows * context + 1)
         self.hidden: torch.Tensor | None = None
         """A target's hidden states over the prompts (a head's extend reads them)."""
         if isinstance(model, HeadModel):  # a head over the target's prompt: the target's hidden states there
@@ -93,7 +97,7 @@ class _Side:
         else:
             self.hidden = model.extend(self.pool, self.kv, self.table, slots=self.slots, cu_seqlens=cu, prefix_lens=prefix, input_ids=tokens,
                                        positions=positions, kv_locs=locs, keep_hidden=True).all_hidden
-        self.next_loc = rows * PROMPT_LEN + 1
+        self.next_loc = rows * context + 1
 
     def locs(self, rows: int, width: int) -> torch.Tensor:
         """Fresh KV locations, ``[rows, width]`` (the same ones every call: the phases are repeated)."""
@@ -102,23 +106,28 @@ class _Side:
 
 def run_iteration_bench(
     target: HybridModel, draft: HybridModel | None, *, rows: int = 8, k: int = 2, repeats: int = 7, head: HeadModel | None = None,
+    context: int = PROMPT_LEN,
 ) -> IterationReport:
-    """The phases of the target and of each draft given (a separate ``draft``, a ``head``; at least one)."""
+    """The phases of the target and of each draft given (a separate ``draft``, a ``head``; at least
+    one), ``rows`` requests with ``context`` tokens already in their context."""
     if draft is None and head is None:
         raise ValueError("run_iteration_bench needs a draft, a head or both")
-    t = _Side(target, rows, k)
-    h = _Side(head, rows, k, target=t) if head is not None else None
+    problem = int_problem(context)
+    if problem is not None or context < 1:
+        raise ValueError(f"context must be a positive int, got {context!r}")
+    t = _Side(target, rows, k, context)
+    h = _Side(head, rows, k, context, target=t) if head is not None else None
     n, w = rows, k + 1
     gen = torch.Generator().manual_seed(1)
     window = torch.randint(0, target.config.vocab, (n, w), generator=gen)
-    pos = torch.full((n,), PROMPT_LEN, dtype=torch.int64)
+    pos = torch.full((n,), context, dtype=torch.int64)
     wpos = pos[:, None] + torch.arange(w)[None, :]
     accept = torch.arange(n) % w  # accepted drafts per row, cycling over 0..k
     verified = target.verify(t.pool, t.kv, t.table, slots=t.slots, input_ids=window, positions=wpos, kv_locs=t.locs(n, w))
     verify_states = verified.states
     ext_lens = accept + 1
     ext_ids = torch.cat([window[i, : int(ext_lens[i])] for i in range(n)])
-    ext_pos = torch.cat([torch.arange(PROMPT_LEN, PROMPT_LEN + int(ext_lens[i])) for i in range(n)])
+    ext_pos = torch.cat([torch.arange(context, context + int(ext_lens[i])) for i in range(n)])
     ext_locs = torch.cat([t.locs(n, w)[i, : int(ext_lens[i])] for i in range(n)])  # (every side's locations are laid out alike)
     ext_cu = torch.cat((torch.zeros(1, dtype=torch.int64), ext_lens.cumsum(0)))
     decode_locs = t.locs(n, 1)[:, 0].contiguous()
@@ -130,7 +139,7 @@ def run_iteration_bench(
         "commit": lambda: target.commit(t.pool, verify_states, accept_pos=accept, slots=t.slots),
     }
     if draft is not None:
-        sep, d = draft, _Side(draft, rows, k)
+        sep, d = draft, _Side(draft, rows, k, context)
         _, draft_states = sep.propose_keeping_states(
             d.pool, d.kv, d.table, slots=d.slots, input_ids=window[:, 0].contiguous(), positions=pos, kv_locs=d.locs(n, w), k=k
         )
@@ -174,7 +183,7 @@ def run_iteration_bench(
     if head is not None:
         kinds.append(("mtp", per["verify"] + per["commit"] + per["head propose"] + per["head commit"]))
     return IterationReport(
-        rows=rows, k=k, repeats=repeats, phases=times, iteration_decodes=model,
+        rows=rows, k=k, context=context, repeats=repeats, phases=times, iteration_decodes=model,
         replaced_iteration_decodes=per["verify"] + per["commit"] + per["propose k"] + per["draft extend"] if draft is not None else None,
         iterations=tuple(kinds),
     )

@@ -32,7 +32,7 @@ import torch
 
 from backend.hybrid.model import HybridModel
 from backend.sampling import RowParams, distribution, sample_rows
-from compiler.tools.bench_iteration import _Side
+from compiler.tools.bench_iteration import PROMPT_LEN, _Side
 from ir.sampling import GREEDY, SamplingParams
 
 CASES: dict[str, SamplingParams] = {
@@ -115,9 +115,9 @@ def run_sampler_bench(target: HybridModel, *, rows: Sequence[int] = (8, 128), vo
     all_vocabs = [model_vocab, *(v for v in vocabs if v != model_vocab)]
     items: dict[tuple[int, int, str], Callable[[], object]] = {}
     for n in rows:
-        side = _Side(target, n, 1)
+        side = _Side(target, n, 1, PROMPT_LEN)
         ids = torch.randint(0, model_vocab, (n,), generator=torch.Generator().manual_seed(n))
-        pos = torch.full((n,), 40, dtype=torch.int64)
+        pos = torch.full((n,), PROMPT_LEN, dtype=torch.int64)
         locs = side.locs(n, 1)[:, 0].contiguous()
         items[(n, 0, "decode")] = lambda side=side, ids=ids, pos=pos, locs=locs: target.decode(  # type: ignore[misc]  # bound per row count
             side.pool, side.kv, side.table, slots=side.slots, input_ids=ids, positions=pos, kv_locs=locs

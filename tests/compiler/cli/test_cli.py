@@ -59,6 +59,19 @@ def test_bench_iteration_prints_every_phase_in_decodes(capsys: pytest.CaptureFix
     assert [p["phase"] for p in data["phases"]] == list(phases) and [i["draft"] for i in data["iterations"]] == ["model", "mtp"]
 
 
+def test_bench_iteration_takes_the_context_of_its_rows(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    report = tmp_path / "iteration.json"
+    assert main(["bench", "iteration", "--draft", "mtp", "--rows", "2", "--repeats", "1", "--context", "7", "--json", str(report)]) == 0
+    assert "2 rows, k=2, 7 tokens of context" in " ".join(capsys.readouterr().out.split())
+    assert json.loads(report.read_text())["context"] == 7
+    for bad in ("0", "2049", "x"):
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "iteration", "--context", bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--context" in err and len(err.strip().splitlines()) <= 2  # (argparse: the usage line and the error)
+
+
 def test_bench_iteration_times_the_draft_it_is_given(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """``--draft``: that draft's phases only (here the bundled head: ``mtp``); ``--model`` needs one."""
     report = tmp_path / "iteration.json"

@@ -32,7 +32,7 @@ def test_a_head_adds_its_phases_and_its_iteration() -> None:
     assert dict(report.iterations) == {
         "model": report.iteration_decodes, "mtp": per["verify"] + per["commit"] + per["head propose"] + per["head commit"],
     }
-    assert [i["draft"] for i in report.to_json()["iterations"]] == ["model", "mtp"]  # type: ignore[union-attr]
+    assert [i["draft"] for i in report.to_json()["iterations"]] == ["model", "mtp"]  # type: ignore[attr-defined]  # (to_json: a dict of objects)
 
 
 def test_a_head_alone_is_timed_without_a_separate_draft() -> None:
@@ -44,3 +44,23 @@ def test_a_head_alone_is_timed_without_a_separate_draft() -> None:
     report = run_iteration_bench(target, None, rows=2, k=3, repeats=1, head=head)
     assert [p.phase for p in report.phases] == ["decode", "verify", "commit", "head propose", "head commit"]
     assert report.iteration_decodes is None and report.replaced_iteration_decodes is None and [kind for kind, _ in report.iterations] == ["mtp"]
+
+
+def test_the_rows_hold_the_context_asked_for() -> None:
+    """``context``: the tokens each row holds before the phases are timed (served requests hold
+    hundreds; a decode over a longer context costs more, and it is the unit)."""
+    import pytest
+
+    from compiler.cli.args import ITERATION_CONTEXT
+    from compiler.tools.bench_iteration import PROMPT_LEN, _Side
+
+    target, draft = tiny_models()
+    side = _Side(target, 2, 2, 30)
+    assert side.next_loc == 2 * 30 + 1 and side.table.max_len == 30 + 4 * 3
+    assert side.table.table[1, :30].tolist() == list(range(1, 31)) and side.table.table[2, :30].tolist() == list(range(31, 61))
+    report = run_iteration_bench(target, draft, rows=2, k=2, repeats=1, context=30)
+    assert report.context == 30 and report.to_json()["context"] == 30
+    assert run_iteration_bench(target, draft, rows=2, k=1, repeats=1).context == PROMPT_LEN == ITERATION_CONTEXT
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="context must be a positive int"):
+            run_iteration_bench(target, draft, rows=2, k=1, repeats=1, context=bad)

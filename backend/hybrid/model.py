@@ -445,6 +445,7 @@ class HybridModel:
         require(n >= 1 and m >= 1, f"mixed: needs extend and decode rows, got {n} and {m} (run extend or decode)")
         both = [s for s in torch.cat((slots, decode_slots)).tolist() if s >= 0]
         require(len(set(both)) == len(both), "mixed: a slot is in both the extend and the decode rows, or twice in one")
+        self._decode_ctx(decode_positions, table)  # (both parts' checks before either part writes)
         ext = self._extend_cores(pool, kv, table, slots, cu_seqlens, prefix_lens, input_ids, positions, kv_locs, captures)
         dec = self._decode_cores(pool, decode_slots, kv, table, decode_slots, decode_positions, decode_kv_locs)
         total = input_ids.shape[0]
@@ -585,6 +586,13 @@ class HybridModel:
         h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), *self._mixers(positions, cores))
         return ForwardOut(self._logits(h), h)
 
+    @staticmethod
+    def _decode_ctx(positions: torch.Tensor, table: TokenTable) -> int:
+        """The context a decode at ``positions`` reads (the highest position + 1), checked against the table."""
+        ctx = int(positions.max()) + 1
+        require(int(positions.min()) >= 0 and ctx <= table.max_len, f"positions must lie in [0, {table.max_len})")
+        return ctx
+
     def _decode_cores(
         self, pool: MambaStatePool, pool_rows: torch.Tensor, kv: KVCache, table: TokenTable, table_rows: torch.Tensor,
         positions: torch.Tensor, kv_locs: torch.Tensor,
@@ -592,8 +600,7 @@ class HybridModel:
         """``_decode``'s table entries written, and its scan and attention over one token per row
         (at least one row; each layer's KV written by its attention)."""
         c = self.config
-        ctx = int(positions.max()) + 1
-        require(int(positions.min()) >= 0 and ctx <= table.max_len, f"positions must lie in [0, {table.max_len})")
+        ctx = self._decode_ctx(positions, table)
         locs = torch.where(table_rows >= 0, kv_locs, 0)
         table.write(table_rows, positions, locs)
 

@@ -149,15 +149,18 @@ def test_mixed_forward_equals_extend_then_decode(arch: str) -> None:
     assert torch.equal(together.table.table[1:], apart.table.table[1:])
 
 
-def test_mixed_forward_refuses_a_slot_in_both_parts_and_an_empty_part() -> None:
+def test_mixed_forward_refuses_bad_parts_before_writing() -> None:
     model = tiny_model()
     be = _mixed_rig(model)
     ext_args = _extend_args(be, [(3, list(BYTE_PROMPTS[2][5:8]), 5)])
-    for slots, match in ((ids([3]), "in both the extend and the decode rows"), (ids([]), "needs extend and decode rows")):
+    table, pool = be.table.table.clone(), be.pool.buffer.clone()
+    for slots, position, match in ((ids([3]), 8, "in both the extend and the decode rows"), (ids([]), 8, "needs extend and decode rows"),
+                                   (ids([2]), be.table.max_len, "positions must lie in")):
         n = int(slots.shape[0])
         with pytest.raises(ValueError, match=match):
             model.mixed(be.pool, be.kv, be.table, **ext_args, kv_locs=ids([500, 501, 502]), decode_slots=slots,
-                        decode_ids=ids([7] * n), decode_positions=ids([8] * n), decode_kv_locs=ids([600] * n))
+                        decode_ids=ids([7] * n), decode_positions=ids([position] * n), decode_kv_locs=ids([600] * n))
+        assert torch.equal(be.table.table, table) and torch.equal(be.pool.buffer, pool)  # refused before either part wrote
 
 
 def _extend_args(be: Backend, rows: list[tuple[int, list[int], int]]) -> dict[str, torch.Tensor]:

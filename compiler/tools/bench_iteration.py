@@ -41,6 +41,8 @@ from ir.columns import int_problem
 
 PROMPT_LEN = 40
 """Tokens already in each row's context before the measured phases, by default (``context``)."""
+PREFILL_CHUNK = 256
+"""Tokens per forward when the rows' contexts are prefilled (before anything is timed)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -86,17 +88,27 @@ class _Side:
         self.slots = torch.arange(1, rows + 1)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, model.vocab, (rows * context,), generator=gen)
-        cu, prefix = torch.arange(rows + 1) * context, torch.zeros(rows, dtype=torch.int64)
-        positions, locs = torch.arange(context).repeat(rows), torch.arange(1, rows * context + 1)
         self.hidden: torch.Tensor | None = None
-        """A target's hidden states over the prompts (a head's extend reads them)."""
-        if isinstance(model, HeadModel):  # a head over the target's prompt: the target's hidden states there
-            assert target is not None and target.hidden is not None
-            model.extend(self.pool, self.kv, self.table, slots=self.slots, cu_seqlens=cu, prefix_lens=prefix, input_ids=tokens,
-                         positions=positions, kv_locs=locs, hidden=target.hidden)
-        else:
-            self.hidden = model.extend(self.pool, self.kv, self.table, slots=self.slots, cu_seqlens=cu, prefix_lens=prefix, input_ids=tokens,
+        """A target's hidden states over the prompts, packed row after row (a head's extend reads them)."""
+        kept: list[torch.Tensor] = []
+        # one row and at most PREFILL_CHUNK tokens per forward: a long context's attention stays small
+        for row in range(rows):
+            for a in range(0, context, PREFILL_CHUNK):
+                b = min(a + PREFILL_CHUNK, context)
+                at = slice(row * context + a, row * context + b)
+                slots, cu, prefix = self.slots[row : row + 1], torch.tensor([0, b - a]), torch.tensor([a])
+                ids, positions, locs = tokens[at], torch.arange(a, b), torch.arange(at.start + 1, at.stop + 1)
+                if isinstance(model, HeadModel):  # a head over the target's prompt: the target's hidden states there
+                    assert target is not None and target.hidden is not None
+                    model.extend(self.pool, self.kv, self.table, slots=slots, cu_seqlens=cu, prefix_lens=prefix, input_ids=ids,
+                                 positions=positions, kv_locs=locs, hidden=target.hidden[at])
+                else:
+                    out = model.extend(self.pool, self.kv, self.table, slots=slots, cu_seqlens=cu, prefix_lens=prefix, input_ids=ids,
                                        positions=positions, kv_locs=locs, keep_hidden=True).all_hidden
+                    assert out is not None  # (keep_hidden)
+                    kept.append(out)
+        if kept:
+            self.hidden = torch.cat(kept)
         self.next_loc = rows * context + 1
 
     def locs(self, rows: int, width: int) -> torch.Tensor:

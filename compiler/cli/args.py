@@ -48,6 +48,8 @@ ITERATION_CONTEXT = 40
 """``bench iteration``'s default ``--context`` (``compiler.tools.bench_iteration.PROMPT_LEN``, which
 imports torch: this module does not)."""
 MAX_REPEATS = 1000
+MAX_SWEEP_PROMPT = 1 << 16
+"""Longest ``bench serve --sweep --prompt-len`` (the engines' contexts are sized for it)."""
 MAX_BENCH_VOCAB = 1 << 18
 """Largest vocabulary ``bench sampler`` times (its logits are [rows, vocab] float32 in memory)."""
 MAX_TP = 64
@@ -461,6 +463,10 @@ def parser() -> argparse.ArgumentParser:
                     help="instead of the built-in workload, sweep the running batch: B requests arriving together at step 0, "
                     f"{SWEEP_NEW_TOKENS} new tokens each (--max-new-tokens), for each B (default B: {' '.join(map(str, SWEEP_RUNNING))}; "
                     "each bounded by the memory estimate)")
+    bs.add_argument("--prompt-len", metavar="N", type=_int_in(1, MAX_SWEEP_PROMPT), default=None,
+                    help=f"with --sweep: every prompt exactly N bytes (more bundled snippets appended, the last one cut; on the "
+                    f"byte-level model N tokens, at most {MAX_SWEEP_PROMPT}) instead of one snippet: the steady state at a long "
+                    "context, where attention is most of a decode")
     bs.add_argument("--overlap", action="store_true",
                     help="also measure the compiled engine with each executor in its own process (rows with overlap true)")
     bs.add_argument("--tp", type=_int_in(1, MAX_TP), default=None,

@@ -210,6 +210,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         chunk_size=scheduling.get("chunk_size", base.chunk_size), token_budget=scheduling.get("token_budget", base.token_budget),
         prefill_streak=scheduling.get("prefill_streak", base.prefill_streak), cache_entries=scheduling.get("cache_entries", base.cache_entries),
     )
+    if args.prompt_len is not None and not sweep:
+        raise UsageError(f"--prompt-len {args.prompt_len} without --sweep: the built-in workload's prompts are its own")
     for option, value in (("--requests", args.requests), ("--arrivals", " ".join(args.arrivals) if args.arrivals else None),
                           *((f"--{name.replace('_', '-')}", v) for name, v in scheduling.items())):
         if sweep and value is not None:  # refused, not ignored: the sweep sizes its own workload
@@ -240,10 +242,12 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             raise UsageError(f"--max-new-tokens {new_tokens} is over {bound} at k = {max(ks)}: the longest built-in prompt plus k + 1 must fit 512")
     tokens = Tokens(served.tokenizer, served.model.config.vocab) if served.hf else None
     try:
-        if sweep and (need := max(len(p) for p in SYSTEM_PREFIXES) + max(map(len, SNIPPETS)) + new_tokens + max(ks) + 1) > MAX_CONTEXT:
+        longest = args.prompt_len if args.prompt_len is not None else max(len(p) for p in SYSTEM_PREFIXES) + max(map(len, SNIPPETS))
+        if sweep and (need := longest + new_tokens + max(ks) + 1) > MAX_CONTEXT:
             raise UsageError(f"--max-new-tokens {new_tokens} with --sweep: the longest sweep prompt plus {new_tokens} new tokens and k + 1 "
                              f"needs {need} positions, over the context bound {MAX_CONTEXT}")
-        cases = sweep_cases(sizes, sampled=sampled, ks=ks, drafts=drafts, tokens=tokens, new_tokens=new_tokens) if sweep else builtin_cases(
+        cases = sweep_cases(sizes, sampled=sampled, ks=ks, drafts=drafts, tokens=tokens, new_tokens=new_tokens,
+                            prompt_len=args.prompt_len) if sweep else builtin_cases(
             requests=requests, max_new_tokens=new_tokens, arrivals=arrivals, cfg=compiled_cfg, sampled=sampled, ks=ks, drafts=drafts,
             tokens=tokens,
         )
@@ -292,7 +296,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                               f"{', compiled sampled' if sampled is not None else ''}, then again)")
 
             rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress, head=head)
-        what = (f"sweep, running = B requests arriving together, {new_tokens} new tokens each" if sweep
+        what = (f"sweep, running = B requests arriving together, {new_tokens} new tokens each"
+                + (f", prompts of {args.prompt_len} bytes" if args.prompt_len is not None else "") if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
         c = cases[0].cfg
         how = ("" if sweep else f"; compiled: chunks of {c.chunk_size}, {c.token_budget} prefill tokens a step, "

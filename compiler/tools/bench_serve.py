@@ -68,6 +68,7 @@ from compiler.offline.tokenizer import Tokenizer
 from compiler.tools.compare_mutable import WARM_UP_REQUESTS, make_mutable, serve_mutable, warm_up
 from compiler.tools.timed import SamplerClock, TimedHead, TimedModel, timing_sampler
 from compiler.workload import ARRIVALS, SNIPPETS, SWEEP_NEW_TOKENS, SYSTEM_PREFIXES
+from ir.columns import int_problem
 from ir.ids import RequestId
 
 ENGINES = ("compiled", "mutable", "mutable-fixed")
@@ -179,29 +180,40 @@ def builtin_cases(
     return cases
 
 
-def sweep_workload(running: int, *, new_tokens: int = SWEEP_NEW_TOKENS, seed: int = 0) -> list[Request]:
+def sweep_workload(running: int, *, new_tokens: int = SWEEP_NEW_TOKENS, seed: int = 0, prompt_len: int | None = None) -> list[Request]:
     """``running`` requests arriving together at step 0, each asking for exactly ``new_tokens``:
-    one bundled snippet, two thirds of them behind one of the shared system prefixes."""
+    one bundled snippet, two thirds of them behind one of the shared system prefixes. With
+    ``prompt_len``, every prompt is exactly that many bytes: more snippets appended, the last one
+    cut (the default prompts' draws come first, so they stay what they are without it)."""
+    if prompt_len is not None and (int_problem(prompt_len) is not None or prompt_len < 1):
+        raise ValueError(f"prompt_len must be a positive int, got {prompt_len!r}")
     rng = random.Random(seed)
     out = []
     for i in range(running):
         prefix = rng.choice((-1, 0, 1))
         prompt = (SYSTEM_PREFIXES[prefix] if prefix >= 0 else b"") + rng.choice(SNIPPETS)
+        if prompt_len is not None:
+            more = random.Random(seed * 1_000_003 + i)  # (its own stream: the default draws stay as they are)
+            while len(prompt) < prompt_len:
+                prompt += b"\n" + more.choice(SNIPPETS)
+            prompt = prompt[:prompt_len]
         out.append(Request(rid=RequestId(i), prompt=prompt, max_new_tokens=new_tokens, arrival=0))
     return out
 
 
 def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int = SWEEP_NEW_TOKENS,
-                sampled: Sampling | None = None, drafts: Sequence[str] = ("model",), tokens: Tokens | None = None) -> list[BenchCase]:
+                sampled: Sampling | None = None, drafts: Sequence[str] = ("model",), tokens: Tokens | None = None,
+                prompt_len: int | None = None) -> list[BenchCase]:
     """The sweep workload for each running batch ``B`` in ``sizes`` at each k (with a ``sampled``
-    temperature > 0, again sampled; with ``tokens``, as that tokenizer's ids). Every engine is sized
+    temperature > 0, again sampled; with ``tokens``, as that tokenizer's ids; with ``prompt_len``,
+    prompts of that many bytes: ``sweep_workload``). Every engine is sized
     for ``B`` requests at once (``max_running = B``, the context limit cut to what the short prompts
     need, so the KV caches hold ``B`` contexts), and the compiled engine's prefill budget is ``B``
     chunks, so the whole batch prefills in its first steps as the baseline's does in one forward."""
     base = ServeConfig()
     cases = []
     for b in sizes:
-        workload = tuple(_tokenized(sweep_workload(b, new_tokens=new_tokens), tokens))
+        workload = tuple(_tokenized(sweep_workload(b, new_tokens=new_tokens, prompt_len=prompt_len), tokens))
         need = max(len(r.token_ids) for r in workload) + new_tokens + max(ks) + 1
         max_len = -(-need // base.cache_block) * base.cache_block
         for s in samplings(sampled):

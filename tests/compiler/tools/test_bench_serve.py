@@ -32,7 +32,7 @@ from compiler.tools.compare_mutable import make_mutable, serve_mutable
 from compiler.tools.timed import TimedModel, timing_sampler
 from compiler.workload import SWEEP_NEW_TOKENS
 from ir.ids import RequestId
-from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, tiny_models
+from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, run_cli, tiny_models
 
 ROW_FIELDS = {
     "k": int, "engine": str, "overlap": bool, "running": int, "tokens_per_s": float, "host_ms_per_step": float,
@@ -239,6 +239,31 @@ def test_bench_serve_sweep_takes_the_new_tokens_of_every_request(tmp_path: Path,
     rows, out = _rows(["--sweep", "2", "--max-new-tokens", "11", "--k", "0", "--repeats", "1"], tmp_path, capsys)
     assert [(r["running"], r["engine"], r["tokens"]) for r in rows] == [(2, e, 2 * 11) for e in ENGINES]
     assert "11 new tokens each" in " ".join(out.split())
+
+
+def test_sweep_prompts_of_a_given_length() -> None:
+    """``prompt_len``: every prompt exactly that many bytes, starting as the default prompt does (the
+    shared system prefixes stay shared) and continued with bundled snippets; without it the prompts
+    are the default ones; the engines' contexts are sized for it."""
+    default = sweep_workload(6)
+    for n in (5, 300, 1500):
+        longer = sweep_workload(6, prompt_len=n)
+        assert [len(r.prompt) for r in longer] == [n] * 6
+        assert all(r.prompt[: min(n, len(d.prompt))] == d.prompt[: min(n, len(d.prompt))] for r, d in zip(longer, default, strict=True))
+    assert sweep_workload(6, prompt_len=None) == default
+    for bad in (0, -3, True):
+        with pytest.raises(ValueError, match="prompt_len must be a positive int"):
+            sweep_workload(2, prompt_len=bad)
+    (case,) = sweep_cases([4], ks=(0,), prompt_len=1000)
+    assert {len(r.prompt) for r in case.requests} == {1000} and case.cfg.max_len >= 1000 + SWEEP_NEW_TOKENS + 1
+
+
+def test_bench_serve_takes_a_sweep_prompt_length_and_refuses_it_without_a_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows, out = _rows(["--sweep", "2", "--prompt-len", "70", "--max-new-tokens", "2", "--k", "0", "--repeats", "1"], tmp_path, capsys)
+    assert [(r["running"], r["tokens"]) for r in rows] == [(2, 4)] * len(ENGINES)
+    assert "prompts of 70 bytes" in " ".join(out.split())
+    assert run_cli(["bench", "serve", "--prompt-len", "70"]) == 2
+    assert "--prompt-len 70 without --sweep" in capsys.readouterr().err
 
 
 def test_sweep_cases_size_every_engine_for_the_batch() -> None:

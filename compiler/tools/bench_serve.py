@@ -207,7 +207,7 @@ def sweep_cases(sizes: Sequence[int], *, ks: Sequence[int] = KS, new_tokens: int
     """The sweep workload for each running batch ``B`` in ``sizes`` at each k (with a ``sampled``
     temperature > 0, again sampled; with ``tokens``, as that tokenizer's ids; with ``prompt_len``,
     prompts of that many bytes: ``sweep_workload``). Every engine is sized
-    for ``B`` requests at once (``max_running = B``, the context limit cut to what the short prompts
+    for ``B`` requests at once (``max_running = B``, the context limit cut to what the prompts
     need, so the KV caches hold ``B`` contexts), and the compiled engine's prefill budget is ``B``
     chunks, so the whole batch prefills in its first steps as the baseline's does in one forward."""
     base = ServeConfig()

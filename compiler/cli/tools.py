@@ -306,7 +306,7 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
             f"{served.name}" + "".join(f", {kind} = {name}" for kind, name in names.items() if kind != "none"))
         table = Table(title=f"bench serve: {what}, {models}{how}",
                       caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running, sampling), with their range",
-                      box=box.SIMPLE_HEAD, padding=0)  # (one space between columns: its 18 fit the 160 characters of a pipe)
+                      box=box.SIMPLE_HEAD, padding=0)  # (one space between columns: its 19, 20 with vs greedy, fit the 160 characters of a pipe)
         for h in ("arrivals" if not sweep else "running", "k", "engine", "draft", "sampling", "tokens", "steps", "tok/s", "range", "vs fixed",
                   "paired", "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "acc len", "it/dec", "sampler", "host ms", "TTFT",
                   "TPOT"):

@@ -445,9 +445,9 @@ class HybridModel:
         require(n >= 1 and m >= 1, f"mixed: needs extend and decode rows, got {n} and {m} (run extend or decode)")
         both = [s for s in torch.cat((slots, decode_slots)).tolist() if s >= 0]
         require(len(set(both)) == len(both), "mixed: a slot is in both the extend and the decode rows, or twice in one")
-        self._decode_ctx(decode_positions, table)  # (both parts' checks before either part writes)
+        ctx = self._decode_ctx(decode_positions, table)  # (both parts' checks before either part writes)
         ext = self._extend_cores(pool, kv, table, slots, cu_seqlens, prefix_lens, input_ids, positions, kv_locs, captures)
-        dec = self._decode_cores(pool, decode_slots, kv, table, decode_slots, decode_positions, decode_kv_locs)
+        dec = self._decode_cores(pool, decode_slots, kv, table, decode_slots, decode_positions, decode_kv_locs, ctx)
         total = input_ids.shape[0]
 
         def mamba(i: int, z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
@@ -582,7 +582,7 @@ class HybridModel:
         n = input_ids.shape[0]
         if n == 0:
             return ForwardOut(torch.zeros((0, c.vocab), device=device), torch.zeros((0, c.d_model), dtype=self.dtype, device=device))
-        cores = self._decode_cores(pool, pool_rows, kv, table, table_rows, positions, kv_locs)
+        cores = self._decode_cores(pool, pool_rows, kv, table, table_rows, positions, kv_locs, self._decode_ctx(positions, table))
         h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), *self._mixers(positions, cores))
         return ForwardOut(self._logits(h), h)
 
@@ -595,12 +595,12 @@ class HybridModel:
 
     def _decode_cores(
         self, pool: MambaStatePool, pool_rows: torch.Tensor, kv: KVCache, table: TokenTable, table_rows: torch.Tensor,
-        positions: torch.Tensor, kv_locs: torch.Tensor,
+        positions: torch.Tensor, kv_locs: torch.Tensor, ctx: int,
     ) -> _Cores:
         """``_decode``'s table entries written, and its scan and attention over one token per row
-        (at least one row; each layer's KV written by its attention)."""
+        (at least one row; each layer's KV written by its attention) over a context of ``ctx``
+        positions (``_decode_ctx``: checked by the caller before anything is written)."""
         c = self.config
-        ctx = self._decode_ctx(positions, table)
         locs = torch.where(table_rows >= 0, kv_locs, 0)
         table.write(table_rows, positions, locs)
 

@@ -598,8 +598,9 @@ def test_rows_free_refuses_a_row_a_pending_ticket_names_on_that_pool_only() -> N
         pass
     ledger.rows_free([2], TARGET_POOL, "DecodePlan")
     with suppress_type_checks():
-        with pytest.raises(IRValidationError, match=r"Ledger\.rows_free\.pool: must be a pool name"):
-            ledger.rows_free([1], None, "plan")  # type: ignore[arg-type]
+        for pool in (None, "", 5):  # not a str, an empty one, a true value that is no str
+            with pytest.raises(IRValidationError, match=r"Ledger\.rows_free\.pool: must be a pool name"):
+                ledger.rows_free([1], pool, "plan")  # type: ignore[arg-type]
         with pytest.raises(IRValidationError, match=r"Ledger\.rows_free\.rows: every entry must be an int, not bool \(got True\)"):
             ledger.rows_free([True], TARGET_POOL, "plan")
 

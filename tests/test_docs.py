@@ -155,6 +155,20 @@ def test_measurement_tables_come_from_the_json_with_provenance(name: str) -> Non
     assert changed != table and ("12345.6" in changed or "0.123" in changed)
 
 
+def test_a_bench_serve_record_of_replayed_runs_shows_their_host_time() -> None:
+    record = json.loads((DOCS / "measurements" / "bench-serve.json").read_text())
+    plain = docs_tables.render_record(record)
+    assert "forwards replayed" not in plain
+    for i, row in enumerate(record["data"]):
+        row["host_ms_per_step_replayed"] = 0.125 + i
+    shown = docs_tables.render_record(record)
+    header = shown.splitlines()[0].split(" | ")
+    column = header.index("host ms/step, forwards replayed")
+    assert header[column - 1] == "host ms/step"
+    cells = [line.split(" | ")[column] for line in shown.splitlines()[2 : 2 + len(record["data"])]]
+    assert cells == [f"{0.125 + i:.2f}" for i in range(len(record["data"]))]
+
+
 def test_a_measurement_without_provenance_is_refused() -> None:
     record = json.loads((DOCS / "measurements" / "ab-k2.json").read_text())
     del record["provenance"]["load_average_before"]

@@ -280,6 +280,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         assert draft is not None  # (the bundled target's: a separate draft, or the bundled one)
         if args.overlap:
             raise UsageError(f"--tp {world} with --overlap: the tensor-parallel bench measures the group against one process")
+        if args.replay:
+            raise UsageError(f"--tp {world} with --replay: the tensor-parallel bench's forwards run in every rank, not replayed")
         if sampled is not None:
             raise UsageError(f"--temperature {sampled.temperature:g} with --tp {world}: the tensor-parallel bench measures greedy decoding only")
         distributed.check_splits(world, [("bundled target", target.config), ("bundled draft", draft.config)])
@@ -295,7 +297,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                 status.update(f"run {done + 1 if done < total else total}/{total} (interleaved: {', '.join(ENGINES)}"
                               f"{', compiled sampled' if sampled is not None else ''}, then again)")
 
-            rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress, head=head)
+            rows = run_serve_bench(target, draft, cases, repeats=args.repeats, overlap=args.overlap, on_run=progress, head=head,
+                                   replay=args.replay)
         what = (f"sweep, running = B requests arriving together, {new_tokens} new tokens each"
                 + (f", prompts of {args.prompt_len} bytes" if args.prompt_len is not None else "") if sweep
                 else f"{len(cases[0].requests)} requests of the built-in workload")
@@ -308,8 +311,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                       caption=f"median of {args.repeats} interleaved repeats per (arrivals, k, engine, running, sampling), with their range",
                       box=box.SIMPLE_HEAD, padding=0)  # (one space between columns: its 19, 20 with vs greedy, fit the 160 characters of a pipe)
         for h in ("arrivals" if not sweep else "running", "k", "engine", "draft", "sampling", "tokens", "steps", "tok/s", "range", "vs fixed",
-                  "paired", "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "acc len", "it/dec", "sampler", "host ms", "TTFT",
-                  "TPOT"):
+                  "paired", "vs k=0", *(("vs greedy",) if sampled is not None else ()), "accept", "acc len", "it/dec", "sampler", "host ms",
+                  *(("host rep",) if args.replay else ()), "TTFT", "TPOT"):
             table.add_column(h, justify="right")
         order = sorted(rows, key=lambda r: (r.max_running, r.sampling.sampled, r.k, ENGINES.index(r.engine), r.overlap)) if sweep else rows
         for r in order:
@@ -317,13 +320,17 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                 r.arrivals if not sweep else str(r.max_running), str(r.k), r.engine + (" +overlap" if r.overlap else ""), r.draft, r.sampling.label,
                 str(r.tokens), str(r.steps), f"{r.tokens_per_s:.0f}", f"{r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}",
                 _times(r.vs_mutable_fixed), _paired(r.paired_fixed), _times(r.vs_k0), *((_times(r.vs_greedy),) if sampled is not None else ()),
-                _ms(r.acceptance, 3), _ms(r.accepted_length, 2), _ms(r.iteration_decodes, 2), _percent(r.sampler_share), f"{r.host_ms_per_step:.2f}", _ms(r.latency("ttft", 0.5), 1),
+                _ms(r.acceptance, 3), _ms(r.accepted_length, 2), _ms(r.iteration_decodes, 2), _percent(r.sampler_share), f"{r.host_ms_per_step:.2f}",
+                *((_ms(r.replayed_host_ms, 2),) if args.replay else ()), _ms(r.latency("ttft", 0.5), 1),
                 _ms(r.latency("tpot", 0.5), 1),
             )
         console.print(table)
         console.print(
             "tok/s: median tokens per second, range: its lowest and highest repeat. host ms = (wall - time inside model "
-            "forwards) / steps (with overlap: minus the time an executor process ran a plan). TTFT: ms from a request's "
+            "forwards) / steps (with overlap: minus the time an executor process ran a plan)"
+            + ("; host rep: the same with the run's forwards replayed from a recording (the engine's own work, its caches "
+               "kept warm)" if args.replay else "")
+            + ". TTFT: ms from a request's "
             "arrival step to its first token; TPOT: ms per output token after the first; both the median over every "
             "request of every repeat (p90 in --json). 'vs fixed' and 'vs k=0': the row's "
             "tokens/s over the fixed baseline's (same arrivals, k and running limit) and over its own engine's at k=0, "

@@ -20,6 +20,14 @@ repeat (``ServeRow.paired_vs_mutable_fixed``, ``paired_vs_k0``): within one repe
 one another, so their ratio cancels the machine's slower drift, and the spread of the paired
 ratios says whether a difference stands out of the machine's noise.
 
+Replay (``--replay``, ``measure(replay=True)``): every in-process run records what its models'
+forwards returned (``compiler.tools.timed.Tape``), and the case is served once more with those
+outputs handed back instead of computed; the host time per step of that second run
+(``ServeRun.replayed_host_ms``) is the engine's own work alone, with none of the cache misses a
+forward leaves behind it and none of its noise, so engines can be compared on it to a few percent
+where the host ms of real runs swing by tens. The replay must ask for the same forwards and serve
+the same tokens in the same steps (else ``ReplayDiverged``).
+
 Workloads: the built-in one (``builtin_cases``), or the running-batch sweep (``sweep_cases``): B
 short requests arriving together at step 0, for each B, with the engines sized for B.
 
@@ -66,7 +74,7 @@ from compiler.offline.load import sampling_params, tokenize_workload
 from compiler.offline.summary import host_ms_per_step
 from compiler.offline.tokenizer import Tokenizer
 from compiler.tools.compare_mutable import WARM_UP_REQUESTS, make_mutable, serve_mutable, warm_up
-from compiler.tools.timed import SamplerClock, TimedHead, TimedModel, timing_sampler
+from compiler.tools.timed import ReplayDiverged, SamplerClock, Tape, TimedHead, TimedModel, recording, replaying, timing_sampler
 from compiler.workload import ARRIVALS, SNIPPETS, SWEEP_NEW_TOKENS, SYSTEM_PREFIXES
 from ir.columns import int_problem
 from ir.ids import RequestId
@@ -261,6 +269,12 @@ class ServeRun:
     """Wall time of each decode step (k = 0: one token per running request), admissions included."""
     spec_ms: tuple[float, ...] = ()
     """Wall time of each speculative step (one iteration: proposal, verify, commits), admissions included."""
+    outputs: dict[RequestId, tuple[int, ...]] = attrs.field(factory=dict, repr=False)
+    """Every request's output tokens (what a replay of the run must serve again)."""
+    replayed_host_ms: float | None = None
+    """Host time per step of the same case served again with the run's forwards replayed
+    (``measure(replay=True)``): the engine's own work, with the caches the forwards would evict
+    kept warm; ``None`` where not measured."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -278,19 +292,45 @@ class ServeRun:
 
 def measure(
     case: BenchCase, engine: str, target: TimedModel, draft: TimedModel | None, *, repeat: int = 0, overlap: bool = False,
-    sampler: SamplerClock | None = None, head: TimedHead | None = None,
+    sampler: SamplerClock | None = None, head: TimedHead | None = None, replay: bool = False,
 ) -> ServeRun:
     """Serve ``case`` once on ``engine`` (one of ``ENGINES``; a sampled case: the compiled one only),
     timing the models' forwards and, with ``sampler`` (the clock of an open ``timing_sampler``), the
     compiled engine's sampler calls; ``overlap`` (compiled only): with its executors in their own
-    processes (the sampler is not timed there)."""
-    cfg = case.cfg
+    processes (the sampler is not timed there). ``replay`` (not with ``overlap``): the run records
+    its forwards (``compiler.tools.timed.Tape``), then the case is served again with them replayed,
+    for ``ServeRun.replayed_host_ms``; ``ReplayDiverged`` if that run's forwards or outputs are not
+    the recorded run's."""
     if engine not in case.engines:
         raise ValueError(f"engine must be one of {case.engines} for a {case.sampling.label} case, got {engine!r}")
     if case.draft == "mtp" and head is None:
         raise ValueError("a case with the draft head (draft 'mtp') needs the head")
     if draft is None and (engine != "compiled" or (case.k and case.draft == "model")):
         raise ValueError(f"a case of draft kind {case.draft!r} at k = {case.k} on engine {engine!r} needs the separate draft")
+    if replay and overlap:
+        raise ValueError("a run with overlap cannot be replayed: its forwards run in the executor processes")
+    if engine != "compiled" and overlap:
+        raise ValueError("only the compiled engine runs with overlap")
+    models = (target, draft, head)
+    if not replay:
+        return _serve_once(case, engine, target, draft, head, repeat=repeat, overlap=overlap, sampler=sampler)
+    tape = Tape()
+    with recording(models, tape):
+        run = _serve_once(case, engine, target, draft, head, repeat=repeat, overlap=False, sampler=sampler)
+    with replaying(models, tape):
+        again = _serve_once(case, engine, target, draft, head, repeat=repeat, overlap=False, sampler=None)
+    tape.check_done()
+    if again.outputs != run.outputs or again.steps != run.steps:
+        raise ReplayDiverged(f"{engine} served other tokens or steps with its forwards replayed ({again.steps} steps, {run.steps} recorded)")
+    return attrs.evolve(run, replayed_host_ms=again.host_ms_per_step)
+
+
+def _serve_once(
+    case: BenchCase, engine: str, target: TimedModel, draft: TimedModel | None, head: TimedHead | None, *, repeat: int, overlap: bool,
+    sampler: SamplerClock | None,
+) -> ServeRun:
+    """``measure`` without its replay."""
+    cfg = case.cfg
     drafting: TimedModel | TimedHead | None = head if case.draft == "mtp" and head is not None else draft
     target.seconds = 0.0
     for timed_draft in (draft, head):
@@ -323,9 +363,7 @@ def measure(
             if sampler is not None and not overlap:
                 sampler_s = sampler.seconds
     else:
-        if overlap:
-            raise ValueError("only the compiled engine runs with overlap")
-        assert drafting is not None  # (checked above)
+        assert drafting is not None  # (checked by ``measure``)
         eng = make_mutable(target, drafting, cfg, k=case.k, fixed=engine == "mutable-fixed")
 
         def sample() -> None:
@@ -343,7 +381,7 @@ def measure(
         ttft_ms=tuple(latency.ttft_ms()), tpot_ms=tuple(latency.tpot_ms(outputs)), sampling=case.sampling,
         proposed=stats.proposed - before[0], accepted=stats.accepted - before[1], sampler_s=sampler_s, draft=case.draft,
         iterations=stats.row_iterations - before[2], decode_ms=tuple(latency.step_ms.get("decode", ())),
-        spec_ms=tuple(latency.step_ms.get("spec", ())),
+        spec_ms=tuple(latency.step_ms.get("spec", ())), outputs={rid: tuple(out) for rid, out in outputs.items()},
     )
 
 
@@ -445,6 +483,13 @@ class ServeRow:
         return statistics.median(known) if known and len(known) == len(shares) else None
 
     @property
+    def replayed_host_ms(self) -> float | None:
+        """The median over its runs of the host time per step with their forwards replayed
+        (``ServeRun.replayed_host_ms``); ``None`` unless every run was replayed."""
+        known = [r.replayed_host_ms for r in self.runs if r.replayed_host_ms is not None]
+        return statistics.median(known) if known and len(known) == len(self.runs) else None
+
+    @property
     def repeats(self) -> int:
         return len(self.runs)
 
@@ -456,7 +501,8 @@ class ServeRow:
         return {
             "workload": self.workload, "arrivals": self.arrivals, "k": self.k, "engine": self.engine, "draft": self.draft, "overlap": self.overlap,
             "max_running": self.max_running, "running": self.running, "tokens_per_s": self.tokens_per_s, "tokens_per_s_min": self.tokens_per_s_min,
-            "tokens_per_s_max": self.tokens_per_s_max, "host_ms_per_step": self.host_ms_per_step, "steps": self.steps,
+            "tokens_per_s_max": self.tokens_per_s_max, "host_ms_per_step": self.host_ms_per_step,
+            "host_ms_per_step_replayed": self.replayed_host_ms, "steps": self.steps,
             "tokens": self.tokens, "wall_s": self.wall_s, "model_s": self.model_s,
             "tokens_per_s_vs_mutable_fixed": self.vs_mutable_fixed, "tokens_per_s_vs_k0": self.vs_k0,
             "paired_vs_mutable_fixed": list(self.paired_vs_mutable_fixed), "paired_vs_k0": list(self.paired_vs_k0),
@@ -471,7 +517,7 @@ class ServeRow:
             "runs": [
                 {"repeat": r.repeat, "tokens_per_s": r.tokens_per_s, "host_ms_per_step": r.host_ms_per_step,
                  "wall_s": r.wall_s, "model_s": r.model_s, "steps": r.steps, "tokens": r.tokens, "proposed": r.proposed,
-                 "accepted": r.accepted, "sampler_s": r.sampler_s}
+                 "accepted": r.accepted, "sampler_s": r.sampler_s, "host_ms_per_step_replayed": r.replayed_host_ms}
                 for r in self.runs
             ],
         }
@@ -528,6 +574,7 @@ def run_serve_bench(
     overlap: bool = False,
     on_run: Callable[[int, int, ServeRun | None], None] | None = None,
     head: HeadModel | None = None,
+    replay: bool = False,
 ) -> list[ServeRow]:
     """Warm every engine up on every case, then serve every case on every engine ``repeats`` times,
     interleaved (each repeat runs every case's engines in turn; with ``overlap``, the compiled
@@ -535,7 +582,8 @@ def run_serve_bench(
     sampler calls of the in-process compiled runs, and summarise the medians. ``draft``: the
     separate draft (``None`` when no case drafts with one and no baseline runs: the baselines'
     k = 0 runs hold a draft too).
-    ``on_run(done, total, run)`` reports progress (``run`` is None before the first)."""
+    ``on_run(done, total, run)`` reports progress (``run`` is None before the first). ``replay``:
+    every in-process run is also served with its forwards replayed (``measure``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     t, d = TimedModel(target), (TimedModel(draft) if draft is not None else None)
@@ -562,7 +610,7 @@ def run_serve_bench(
         for repeat in range(repeats):
             for case in cases:
                 for engine, over in kinds(case):
-                    runs.append(measure(case, engine, t, d, repeat=repeat, overlap=over, sampler=sampler, head=h))
+                    runs.append(measure(case, engine, t, d, repeat=repeat, overlap=over, sampler=sampler, head=h, replay=replay and not over))
                     if on_run is not None:
                         on_run(len(runs), total, runs[-1])
     return summarise(runs)

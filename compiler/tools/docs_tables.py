@@ -177,9 +177,12 @@ def _ab_table(d: dict[str, Any]) -> str:
 
 def _bench_serve_table(rows: list[dict[str, Any]]) -> str:
     """The rows of ``bench serve --json``; records from before the arrival patterns, latencies,
-    sampling settings, acceptance, accepted lengths and step costs were measured lack those columns (``-``)."""
+    sampling settings, acceptance, accepted lengths and step costs were measured lack those columns (``-``).
+    A record of ``--replay`` has one more: the host ms/step with the forwards replayed."""
+    replayed = any(r.get("host_ms_per_step_replayed") is not None for r in rows)
     header = ["arrivals", "running", "k", "engine", "draft", "sampling", "tokens", "steps", "tokens/s (median)", "tokens/s (min to max)",
-              "/ mutable-fixed", "/ k=0", "acceptance", "acc len", "it/dec", "model s", "host ms/step", "TTFT ms (p50)", "TPOT ms (p50)"]
+              "/ mutable-fixed", "/ k=0", "acceptance", "acc len", "it/dec", "model s", "host ms/step",
+              *(["host ms/step, forwards replayed"] if replayed else []), "TTFT ms (p50)", "TPOT ms (p50)"]
     body = []
     for r in rows:
         tps = [run["tokens_per_s"] for run in r["runs"]]
@@ -188,7 +191,8 @@ def _bench_serve_table(rows: list[dict[str, Any]]) -> str:
         body.append([str(r.get("arrivals", "-")), str(r["running"]), str(r["k"]), engine, draft, str(r.get("sampling", "-")), str(r["tokens"]),
                      str(r["steps"]), _f(r["tokens_per_s"], 1), f"{min(tps):.1f} to {max(tps):.1f}", _x(r["tokens_per_s_vs_mutable_fixed"]),
                      _x(r["tokens_per_s_vs_k0"]), _f(r.get("acceptance"), 3), _f(r.get("accepted_length")), _f(r.get("iteration_decodes")),
-                     _f(r["model_s"]), _f(r["host_ms_per_step"]), _f(r.get("ttft_ms_p50"), 1), _f(r.get("tpot_ms_p50"), 1)])
+                     _f(r["model_s"]), _f(r["host_ms_per_step"]), *([_f(r.get("host_ms_per_step_replayed"))] if replayed else []),
+                     _f(r.get("ttft_ms_p50"), 1), _f(r.get("tpot_ms_p50"), 1)])
     repeats = sorted({r["repeats"] for r in rows})
     return _table(header, body) + f"\n\nMedians of {', '.join(map(str, repeats))} interleaved repeats per row."
 

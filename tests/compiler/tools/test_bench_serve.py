@@ -7,15 +7,22 @@ never asserted here."""
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 
 import attrs
 import pytest
+import torch
 
+from backend.hybrid.checkpoint import HEAD_FILE, bundled_path, default_draft
+from backend.hybrid.head import HeadModel, load_head
+from backend.hybrid.model import HybridModel
+from backend.hybrid.outputs import ForwardOut
 from compiler.cli import main
 from compiler.engine import StepKind, StepReport
 from compiler.offline import Request, ServeConfig, make_engine, serve
 from compiler.offline.latency import Latencies
+from compiler.offline.models import load_served
 from compiler.tools.bench_serve import (
     ENGINES,
     GREEDY_SAMPLING,
@@ -29,7 +36,7 @@ from compiler.tools.bench_serve import (
     sweep_workload,
 )
 from compiler.tools.compare_mutable import make_mutable, serve_mutable
-from compiler.tools.timed import TimedModel, timing_sampler
+from compiler.tools.timed import ReplayDiverged, Tape, TimedHead, TimedModel, recording, replaying, timing_sampler
 from compiler.workload import SWEEP_NEW_TOKENS
 from ir.ids import RequestId
 from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, run_cli, tiny_models
@@ -517,3 +524,134 @@ def test_bench_serve_runs_the_head_on_every_engine(tmp_path: Path, capsys: pytes
     compiled = next(r for r in rows if r["k"] == 2 and r["engine"] == "compiled")
     assert compiled["tokens_per_s_vs_mutable_fixed"] == pytest.approx(compiled["tokens_per_s"] / fixed["tokens_per_s"])  # type: ignore[operator]
     assert compiled["accepted"] == fixed["accepted"]  # the fixed baseline proposes what the compiled engine does
+
+
+# -- --replay: the engines' own host work, with the models' forwards replayed from a recording ----
+
+
+@cache
+def _bundled_models() -> tuple[HybridModel, HybridModel, HeadModel]:
+    """The bundled target, its separate draft and its trained head (``--draft mtp``)."""
+    target = load_served(None, role="target", dtype=torch.float32, bundled="target").model
+    return target, default_draft(), load_head(bundled_path(HEAD_FILE), target)
+
+
+_FORWARDS = ("extend", "decode", "mixed", "verify", "propose", "propose_keeping_states", "commit")
+
+
+def _no_forwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every model entry point (the target's, a separate draft's and a head's) fails if it runs."""
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model forward ran during the replay")
+
+    for name in _FORWARDS:
+        monkeypatch.setattr(HybridModel, name, ran)
+    for name in ("extend", "propose"):
+        monkeypatch.setattr(HeadModel, name, ran)
+    # (an engine takes a failing forward for a fault, retries it and aborts its requests: the test
+    # compares the outputs, which an abort would cut short)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("k", "kind"), [(0, "none"), (2, "model"), (2, "mtp")])
+def test_a_replayed_run_serves_the_recorded_tokens_and_runs_no_forward(engine: str, k: int, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine with every draft kind: served again with the tape of its first run, it asks the
+    models for the same forwards in the same order and serves the same tokens in the same steps,
+    while every model entry point would fail if it ran."""
+    target, draft = tiny_models() if kind != "mtp" else _bundled_models()[:2]
+    head = _bundled_models()[2] if kind == "mtp" else None
+    case = builtin_cases(requests=3, max_new_tokens=5, ks=(k,), arrivals=("bursts",), drafts=("mtp",) if kind == "mtp" else ("model",))[0]
+    t, d, h = TimedModel(target), TimedModel(draft), TimedHead(head) if head is not None else None
+    tape = Tape()
+    with recording((t, d, h), tape):
+        run = measure(case, engine, t, d, head=h)
+    assert tape.calls and run.tokens > 0 and (run.proposed > 0) == (k > 0)
+    _no_forwards(monkeypatch)
+    with replaying((t, d, h), tape):
+        again = measure(case, engine, t, d, head=h)
+    tape.check_done()
+    assert again.outputs == run.outputs and again.steps == run.steps and again.accepted == run.accepted
+    assert t.tape is None and d.tape is None and (h is None or h.tape is None)  # each model's own tape is back
+
+
+def test_measure_with_replay_reports_the_replayed_host_time_and_refuses_overlap() -> None:
+    target, draft = tiny_models()
+    case = builtin_cases(requests=3, max_new_tokens=5, ks=(2,), arrivals=("bursts",))[0]
+    t, d = TimedModel(target), TimedModel(draft)
+    run = measure(case, "compiled", t, d, replay=True)
+    plain = measure(case, "compiled", t, d)
+    assert run.replayed_host_ms is not None and run.replayed_host_ms > 0 and plain.replayed_host_ms is None
+    assert run.outputs == plain.outputs and run.tokens == plain.tokens  # the recorded run is a run like any other
+    with pytest.raises(ValueError, match="a run with overlap cannot be replayed"):
+        measure(case, "compiled", t, d, overlap=True, replay=True)
+
+
+def test_a_replay_that_diverges_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay is refused where it stops following the recording: a forward of other rows, or of
+    another entry point, or one more or fewer; and ``measure`` compares what the replay served."""
+    target, draft = tiny_models()
+    t, d = TimedModel(target), TimedModel(draft)
+    cases = {n: builtin_cases(requests=n, max_new_tokens=5, ks=(0,), arrivals=("bursts",))[0] for n in (2, 3)}
+    tapes = {n: Tape() for n in cases}
+    for n, case in cases.items():
+        with recording((t, d), tapes[n]):
+            measure(case, "compiled", t, d)
+    with replaying((t, d), tapes[2]):  # (the engine takes the divergence for a failed forward: it retries, then aborts)
+        measure(cases[3], "compiled", t, d)
+    with pytest.raises(ReplayDiverged, match=r"forward 1 \(extend\) takes cu_seqlens \[4\], .*slots \[3\]; the recorded run's took cu_seqlens \[3\], .*slots \[2\]$"):
+        tapes[2].check_done()
+    tape = Tape()
+    tape.record(("decode", ()), None)
+    with replaying((t,), tape):
+        with pytest.raises(ReplayDiverged, match="forward 1 calls extend, the recorded run's called decode"):
+            tape.next(("extend", ()))
+        tape.next(("decode", ()))
+        with pytest.raises(ReplayDiverged, match=r"forward 2 \(decode\) was never recorded: the recorded run made 1"):
+            tape.next(("decode", ()))
+    with pytest.raises(ReplayDiverged, match="forward 1 calls extend"):  # the first divergence, whatever came after it
+        tape.check_done()
+    with replaying((t,), tape):
+        pass
+    with pytest.raises(ReplayDiverged, match=r"the replayed run made 0 forwards, the recorded run 1"):
+        tape.check_done()
+    # the same forwards in the same order, other logits: ``measure`` compares what the replay served
+    real_next = Tape.next
+
+    def other_logits(self: Tape, call: tuple[str, object]) -> object:
+        out = real_next(self, call)  # type: ignore[arg-type]  # (the call as the tape got it)
+        if call[0] == "decode":
+            assert isinstance(out, ForwardOut)
+            return ForwardOut(out.logits.roll(1, dims=-1), out.hidden, out.all_hidden)
+        return out
+
+    monkeypatch.setattr(Tape, "next", other_logits)
+    with pytest.raises(ReplayDiverged, match=r"compiled served other tokens or steps with its forwards replayed"):
+        measure(cases[3], "compiled", t, d, replay=True)
+
+
+def test_a_row_reports_the_replayed_host_time_only_when_every_run_has_one() -> None:
+    runs = [attrs.evolve(_run("compiled", 0, 100.0, rep), replayed_host_ms=ms) for rep, ms in enumerate((0.3, 0.5, 0.4))]
+    row = summarise(runs)[0]
+    assert row.replayed_host_ms == pytest.approx(0.4) and row.to_json()["host_ms_per_step_replayed"] == pytest.approx(0.4)
+    assert [r["host_ms_per_step_replayed"] for r in row.to_json()["runs"]] == [0.3, 0.5, 0.4]  # type: ignore[attr-defined]  # JSON lists
+    partly = summarise([*runs, attrs.evolve(_run("compiled", 0, 100.0, 3), replayed_host_ms=None)])[0]
+    assert partly.replayed_host_ms is None and partly.to_json()["host_ms_per_step_replayed"] is None
+
+
+def test_bench_serve_replay_adds_the_replayed_host_time_to_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows, out = _rows(["--requests", "2", "--max-new-tokens", "3", "--repeats", "1", "--arrivals", "bursts", "--replay"], tmp_path, capsys)
+    assert len(rows) == 2 * len(ENGINES)
+    for row in rows:
+        assert row["host_ms_per_step_replayed"] is not None and row["host_ms_per_step_replayed"] > 0  # type: ignore[operator]
+    assert "host rep" in out and "replayed from a recording" in " ".join(out.split())
+    plain, out = _rows(["--requests", "2", "--max-new-tokens", "3", "--repeats", "1", "--arrivals", "bursts", "--k", "0"], tmp_path, capsys)
+    assert all(r["host_ms_per_step_replayed"] is None for r in plain) and "host rep" not in out
+
+
+def test_bench_serve_replay_with_tp_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert run_cli(["bench", "serve", "--tp", "2", "--replay"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "batchc: error: --tp 2 with --replay: the tensor-parallel bench's forwards run in every rank, not replayed"
+    ]

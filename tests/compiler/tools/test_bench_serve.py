@@ -17,7 +17,7 @@ import torch
 from backend.hybrid.checkpoint import HEAD_FILE, bundled_path, default_draft
 from backend.hybrid.head import HeadModel, load_head
 from backend.hybrid.model import HybridModel
-from backend.hybrid.outputs import ForwardOut
+from backend.hybrid.outputs import ForwardOut, VerifyStates
 from compiler.cli import main
 from compiler.engine import StepKind, StepReport
 from compiler.offline import Request, ServeConfig, make_engine, serve
@@ -36,7 +36,7 @@ from compiler.tools.bench_serve import (
     sweep_workload,
 )
 from compiler.tools.compare_mutable import make_mutable, serve_mutable
-from compiler.tools.timed import ReplayDiverged, Tape, TimedHead, TimedModel, recording, replaying, timing_sampler
+from compiler.tools.timed import NO_STATES, ReplayDiverged, Tape, TimedHead, TimedModel, recording, replaying, timing_sampler
 from compiler.workload import SWEEP_NEW_TOKENS
 from ir.ids import RequestId
 from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, run_cli, tiny_models
@@ -567,6 +567,11 @@ def test_a_replayed_run_serves_the_recorded_tokens_and_runs_no_forward(engine: s
     with recording((t, d, h), tape):
         run = measure(case, engine, t, d, head=h)
     assert tape.calls and run.tokens > 0 and (run.proposed > 0) == (k > 0)
+    # the tape keeps no verify states (every window position's Mamba state of every iteration): only
+    # the replayed commits would read them
+    kept = [x for _, out in tape.calls for x in (out if isinstance(out, tuple) else (getattr(out, "states", None),))]
+    assert all(x is NO_STATES for x in kept if isinstance(x, VerifyStates))
+    assert any(x is NO_STATES for x in kept) == (k > 0)  # (every verify's, and a separate draft's proposal's)
     _no_forwards(monkeypatch)
     with replaying((t, d, h), tape):
         again = measure(case, engine, t, d, head=h)

@@ -470,10 +470,10 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--overlap", action="store_true",
                     help="also measure the compiled engine with each executor in its own process (rows with overlap true)")
     bs.add_argument("--replay", action="store_true",
-                    help="also serve every in-process run again with its model forwards replayed from a recording of them "
-                    "(column 'host rep'): the host time per step of the engine's own work, without the forwards that evict "
-                    "its caches and without their noise; the replay must serve the same tokens (the overlap rows are not "
-                    "replayed; holds every run's logits in memory while it runs)")
+                    help="also serve every in-process run again, at least 3 times and for at least 0.5 s, with its model "
+                    "forwards replayed from a recording of them (column 'host rep': the least host time per step of the "
+                    "replays, the engine's own work without the forwards that evict its caches); every replay must serve "
+                    "the same tokens (the overlap rows are not replayed; holds every run's logits in memory while it runs)")
     bs.add_argument("--tp", type=_int_in(1, MAX_TP), default=None,
                     help="instead of the baselines: the compiled engine on one process against a tensor-parallel group of "
                     "this many ranks (started by the command, or torchrun's), side by side, with the plan broadcast's cost")

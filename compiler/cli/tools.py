@@ -328,8 +328,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         console.print(
             "tok/s: median tokens per second, range: its lowest and highest repeat. host ms = (wall - time inside model "
             "forwards) / steps (with overlap: minus the time an executor process ran a plan)"
-            + ("; host rep: the same with the run's forwards replayed from a recording (the engine's own work, its caches "
-               "kept warm)" if args.replay else "")
+            + ("; host rep: the same with the run's forwards replayed from a recording, the least of at least 3 replays "
+               "(the engine's own work, its caches kept warm)" if args.replay else "")
             + ". TTFT: ms from a request's "
             "arrival step to its first token; TPOT: ms per output token after the first; both the median over every "
             "request of every repeat (p90 in --json). 'vs fixed' and 'vs k=0': the row's "

@@ -23,9 +23,13 @@ from compiler.engine import StepKind, StepReport
 from compiler.offline import Request, ServeConfig, make_engine, serve
 from compiler.offline.latency import Latencies
 from compiler.offline.models import load_served
+from compiler.tools import bench_serve
 from compiler.tools.bench_serve import (
     ENGINES,
     GREEDY_SAMPLING,
+    REPLAY_MAX_TIMES,
+    REPLAY_MIN_TIMES,
+    BenchCase,
     Sampling,
     ServeRun,
     builtin_cases,
@@ -587,6 +591,7 @@ def test_measure_with_replay_reports_the_replayed_host_time_and_refuses_overlap(
     run = measure(case, "compiled", t, d, replay=True)
     plain = measure(case, "compiled", t, d)
     assert run.replayed_host_ms is not None and run.replayed_host_ms > 0 and plain.replayed_host_ms is None
+    assert REPLAY_MIN_TIMES <= run.replays <= REPLAY_MAX_TIMES and plain.replays == 0
     assert run.outputs == plain.outputs and run.tokens == plain.tokens  # the recorded run is a run like any other
     with pytest.raises(ValueError, match="a run with overlap cannot be replayed"):
         measure(case, "compiled", t, d, overlap=True, replay=True)
@@ -660,3 +665,24 @@ def test_bench_serve_replay_with_tp_is_refused_in_one_line(capsys: pytest.Captur
     assert capsys.readouterr().err.splitlines() == [
         "batchc: error: --tp 2 with --replay: the tensor-parallel bench's forwards run in every rank, not replayed"
     ]
+
+
+@pytest.mark.parametrize(("wall_s", "replays", "least"), [(0.1, 5, 0.2), (0.3, REPLAY_MIN_TIMES, 0.2), (0.001, REPLAY_MAX_TIMES, 0.1)])
+def test_the_replayed_host_time_is_the_least_of_replays_that_take_long_enough(wall_s: float, replays: int, least: float,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run is replayed at least ``REPLAY_MIN_TIMES`` times and until the replays took
+    ``REPLAY_MIN_SECONDS`` (at most ``REPLAY_MAX_TIMES``); the least host time per step is kept."""
+    real = bench_serve._serve_once
+    hosts = iter([0.5, 0.2, 0.4, 0.3, 0.6, *([0.1] * REPLAY_MAX_TIMES)])
+
+    def timed_replays(case: BenchCase, engine: str, target: TimedModel, *args: object, **kwargs: object) -> ServeRun:
+        run = real(case, engine, target, *args, **kwargs)  # type: ignore[arg-type]  # (measure's own arguments)
+        if target.tape is None or not target.tape.replaying:
+            return run
+        return attrs.evolve(run, wall_s=wall_s, model_s=wall_s - next(hosts) * run.steps / 1e3)  # (host ms = (wall - model) / steps)
+
+    monkeypatch.setattr(bench_serve, "_serve_once", timed_replays)
+    target, draft = tiny_models()
+    case = builtin_cases(requests=2, max_new_tokens=3, ks=(0,), arrivals=("bursts",))[0]
+    run = measure(case, "compiled", TimedModel(target), TimedModel(draft), replay=True)
+    assert run.replays == replays and run.replayed_host_ms == pytest.approx(least)

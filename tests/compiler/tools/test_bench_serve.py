@@ -584,14 +584,15 @@ def test_a_replayed_run_serves_the_recorded_tokens_and_runs_no_forward(engine: s
     assert t.tape is None and d.tape is None and (h is None or h.tape is None)  # each model's own tape is back
 
 
-def test_measure_with_replay_reports_the_replayed_host_time_and_refuses_overlap() -> None:
+def test_measure_with_replay_reports_the_replayed_host_time_and_refuses_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench_serve, "REPLAY_MIN_SECONDS", 0.0)
     target, draft = tiny_models()
     case = builtin_cases(requests=3, max_new_tokens=5, ks=(2,), arrivals=("bursts",))[0]
     t, d = TimedModel(target), TimedModel(draft)
     run = measure(case, "compiled", t, d, replay=True)
     plain = measure(case, "compiled", t, d)
     assert run.replayed_host_ms is not None and run.replayed_host_ms > 0 and plain.replayed_host_ms is None
-    assert REPLAY_MIN_TIMES <= run.replays <= REPLAY_MAX_TIMES and plain.replays == 0
+    assert run.replays == REPLAY_MIN_TIMES and plain.replays == 0
     assert run.outputs == plain.outputs and run.tokens == plain.tokens  # the recorded run is a run like any other
     with pytest.raises(ValueError, match="a run with overlap cannot be replayed"):
         measure(case, "compiled", t, d, overlap=True, replay=True)
@@ -649,7 +650,9 @@ def test_a_row_reports_the_replayed_host_time_only_when_every_run_has_one() -> N
     assert partly.replayed_host_ms is None and partly.to_json()["host_ms_per_step_replayed"] is None
 
 
-def test_bench_serve_replay_adds_the_replayed_host_time_to_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_serve_replay_adds_the_replayed_host_time_to_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench_serve, "REPLAY_MIN_SECONDS", 0.0)  # (the least number of replays each: their bound has its own test)
     rows, out = _rows(["--requests", "2", "--max-new-tokens", "3", "--repeats", "1", "--arrivals", "bursts", "--replay"], tmp_path, capsys)
     assert len(rows) == 2 * len(ENGINES)
     for row in rows:
@@ -667,13 +670,15 @@ def test_bench_serve_replay_with_tp_is_refused_in_one_line(capsys: pytest.Captur
     ]
 
 
-@pytest.mark.parametrize(("wall_s", "replays", "least"), [(0.1, 5, 0.2), (0.3, REPLAY_MIN_TIMES, 0.2), (0.001, REPLAY_MAX_TIMES, 0.1)])
+@pytest.mark.parametrize(("wall_s", "replays", "least"), [(0.1, 5, 0.2), (0.3, REPLAY_MIN_TIMES, 0.2), (0.001, 8, 0.1)])
 def test_the_replayed_host_time_is_the_least_of_replays_that_take_long_enough(wall_s: float, replays: int, least: float,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A run is replayed at least ``REPLAY_MIN_TIMES`` times and until the replays took
-    ``REPLAY_MIN_SECONDS`` (at most ``REPLAY_MAX_TIMES``); the least host time per step is kept."""
+    ``REPLAY_MIN_SECONDS`` (at most ``REPLAY_MAX_TIMES``, here 8); the least host time per step is kept."""
+    assert bench_serve.REPLAY_MIN_SECONDS == 0.5 and REPLAY_MIN_TIMES == 3 and REPLAY_MAX_TIMES >= 8
+    monkeypatch.setattr(bench_serve, "REPLAY_MAX_TIMES", 8)
     real = bench_serve._serve_once
-    hosts = iter([0.5, 0.2, 0.4, 0.3, 0.6, *([0.1] * REPLAY_MAX_TIMES)])
+    hosts = iter([0.5, 0.2, 0.4, 0.3, 0.6, 0.1, 0.1, 0.1])
 
     def timed_replays(case: BenchCase, engine: str, target: TimedModel, *args: object, **kwargs: object) -> ServeRun:
         run = real(case, engine, target, *args, **kwargs)  # type: ignore[arg-type]  # (measure's own arguments)

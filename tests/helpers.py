@@ -24,12 +24,11 @@ import time
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 import numpy as np
 import torch
-from hypothesis import strategies as st
 
 from backend.allocator import KVAllocator, SlotAllocator
 from backend.executor import Executor
@@ -43,14 +42,12 @@ from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from compiler.engine import Engine
 from compiler.tools.ab import DRAFT_NOISE
 from ir import spec
-from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
+from ir.batch import DecodeBatch, ExtendBatch
 from ir.columns import I64, type_names
-from ir.head import HeadCommitBatch, HeadCommitPlan, HeadExtendBatch, HeadExtendPlan
-from ir.ids import TARGET_POOL, DraftId, HiddenId, MambaSlot, PoolId, RequestId, SampleId, TicketSerial, VerifyId
-from ir.init import OP_TYPES, InitIntent, MambaInit, MambaSnapshot, Ticket, When
-from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
+from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId
+from ir.init import OP_TYPES, When
+from ir.plan import ExtendPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
-from ir.sampling import SamplingRows
 from passes.lower import LowerContext, lower
 from passes.prepare_for_extend import prepare_for_extend
 
@@ -469,291 +466,13 @@ def review_greedy() -> dict[RequestId, list[int]]:
     return {RequestId(i): greedy_reference(p, REVIEW_NEW) for i, p in enumerate(REVIEW_PROMPTS)}
 
 
-# -- IR node strategies (hypothesis) -------------------------------------------------------------
-# Valid nodes of every kind the printer prints, the parser reads and a plan message carries.
-serial_ids = st.integers(1, 2**62)
-rid_values = st.integers(-(2**40), 2**40)
-token_ids = st.integers(0, 2**31)
-row_lengths = st.integers(1, 6)
-
-
-def _distinct(elements: st.SearchStrategy[int], n: int) -> st.SearchStrategy[list[int]]:
-    return st.lists(elements, min_size=n, max_size=n, unique=True)
-
-
-@st.composite
-def mamba_inits(draw: Any) -> MambaInit:
-    a, b = draw(st.integers(0, 3)), draw(st.integers(0, 3))
-    if a + b == 0:
-        a = 1
-    slots = draw(_distinct(st.integers(1, 10_000), a + 2 * b))
-    return MambaInit(serial=TicketSerial(draw(serial_ids)), clear_slots=slots[:a], cow_src=slots[a : a + b], cow_dst=slots[a + b :])
-
-
-@st.composite
-def mamba_snapshots(draw: Any) -> MambaSnapshot:
-    n = draw(st.integers(1, 3))
-    slots = draw(_distinct(st.integers(1, 10_000), 2 * n))
-    return MambaSnapshot(serial=TicketSerial(draw(serial_ids)), src=slots[:n], dst=slots[n:])
-
-
-pool_names = st.sampled_from(["target", "draft", "a pool", 'q"uote', "ümlaut"])
-
-
-@st.composite
-def sampling_rows(draw: Any, n: int) -> SamplingRows:
-    """``n`` rows of sampling parameters, each within ``SamplingRows``'s ranges."""
-
-    def floats(lo: float, hi: float) -> list[float]:
-        return draw(st.lists(st.floats(lo, hi, allow_nan=False, allow_infinity=False), min_size=n, max_size=n))
-
-    def ints(lo: int, hi: int) -> list[int]:
-        return draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))
-
-    lens = ints(0, 3)
-    return SamplingRows(
-        temperature=floats(0.0, 4.0), top_k=ints(-1, 100), top_p=floats(0.01, 1.0), min_p=floats(0.0, 1.0),
-        presence_penalty=floats(-2.0, 2.0), frequency_penalty=floats(-2.0, 2.0), repetition_penalty=floats(0.1, 4.0),
-        seed=ints(0, 2**63 - 1), index=ints(0, 15), logprobs=ints(-1, 20), ban_until=ints(0, 5000), banned_lens=lens,
-        banned=draw(st.lists(st.integers(0, 2**31), min_size=sum(lens), max_size=sum(lens))),
-    )
-
-
-@st.composite
-def extend_columns(draw: Any, *, min_rows: int = 1) -> dict[str, Any]:
-    n = draw(st.integers(min_rows, 4))
-    ext = draw(st.lists(row_lengths, min_size=n, max_size=n))
-    total = sum(ext)
-    return {
-        "rids": draw(_distinct(rid_values, n)),
-        "slots": draw(_distinct(st.integers(1, 10_000), n)),
-        "prefix_lens": draw(st.lists(st.integers(0, 5000), min_size=n, max_size=n)),
-        "extend_lens": ext,
-        "input_ids": draw(st.lists(token_ids, min_size=total, max_size=total)),
-        "kv_locs": draw(_distinct(st.integers(0, 100_000), total)),
-        "more_chunks": draw(st.lists(st.booleans(), min_size=n, max_size=n)),
-        "sampling": draw(st.none() | sampling_rows(n)),
-    }
-
-
-@st.composite
-def extend_batches(draw: Any) -> ExtendBatch:
-    cols = draw(extend_columns())
-    n = len(cols["rids"])
-    return ExtendBatch(
-        **cols,
-        intents=tuple(draw(st.lists(st.sampled_from(list(InitIntent)), min_size=n, max_size=n))),
-        init=draw(st.none() | mamba_inits()),
-        snapshot=draw(st.none() | mamba_snapshots()),
-    )
-
-
-@st.composite
-def extend_plans(draw: Any) -> ExtendPlan:
-    cols = draw(extend_columns())
-    names = draw(st.lists(pool_names, unique=True, max_size=2))
-    init = draw(mamba_inits())
-    snap = draw(mamba_snapshots())
-    snap_pools = draw(st.lists(pool_names, unique=True, max_size=2))
-    return ExtendPlan(
-        **cols,
-        tickets=tuple(Ticket(pool=PoolId(p), op=init) for p in names),
-        snapshots=tuple(Ticket(pool=PoolId(p), op=snap) for p in snap_pools),
-        sample_id=draw(st.none() | serial_ids.map(SampleId)),
-        keep_hidden=draw(st.none() | serial_ids.map(HiddenId)),
-    )
-
-
-@st.composite
-def head_extend_batches(draw: Any) -> HeadExtendBatch:
-    cols = draw(extend_columns())
-    del cols["more_chunks"], cols["sampling"]
-    n = len(cols["rids"])
-    return HeadExtendBatch(
-        **cols,
-        hidden_id=HiddenId(draw(serial_ids)),
-        intents=tuple(draw(st.lists(st.sampled_from(list(InitIntent)), min_size=n, max_size=n))),
-        init=draw(st.none() | mamba_inits()),
-        snapshot=draw(st.none() | mamba_snapshots()),
-    )
-
-
-@st.composite
-def head_extend_plans(draw: Any) -> HeadExtendPlan:
-    cols = draw(extend_columns())
-    del cols["more_chunks"], cols["sampling"]
-    init, snap = draw(mamba_inits()), draw(mamba_snapshots())
-    return HeadExtendPlan(
-        **cols,
-        hidden_id=HiddenId(draw(serial_ids)),
-        tickets=tuple(Ticket(pool=PoolId(p), op=init) for p in draw(st.lists(pool_names, unique=True, max_size=2))),
-        snapshots=tuple(Ticket(pool=PoolId(p), op=snap) for p in draw(st.lists(pool_names, unique=True, max_size=2))),
-    )
-
-
-@st.composite
-def head_commit_batches(draw: Any) -> HeadCommitBatch:
-    k, n = draw(st.integers(1, 4)), draw(st.integers(0, 3))
-    accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
-    total = sum(accept) + n
-    return HeadCommitBatch(
-        k=k,
-        hidden_id=HiddenId(draw(serial_ids)),
-        rids=draw(_distinct(rid_values, n)),
-        slots=draw(_distinct(st.integers(1, 10_000), n)),
-        prefix_lens=draw(st.lists(st.integers(0, 100_000), min_size=n, max_size=n)),
-        accept_pos=accept,
-        extend_lens=[a + 1 for a in accept],
-        input_ids=draw(st.lists(token_ids, min_size=total, max_size=total)),
-        kv_locs=draw(_distinct(st.integers(0, 100_000), total)),
-    )
-
-
-@st.composite
-def decode_columns(draw: Any) -> dict[str, Any]:
-    n = draw(st.integers(0, 4))
-    return {
-        "rids": draw(_distinct(rid_values, n)),
-        "slots": draw(_distinct(st.integers(1, 10_000), n)),
-        "seq_lens": draw(st.lists(st.integers(1, 2**31 - 1), min_size=n, max_size=n)),
-        "input_ids": draw(st.lists(token_ids, min_size=n, max_size=n)),
-        "kv_locs": draw(_distinct(st.integers(0, 100_000), n)),
-        "sampling": draw(st.none() | sampling_rows(n)),
-    }
-
-
-@st.composite
-def windows(draw: Any, *, single: bool) -> dict[str, Any]:
-    k, n = draw(st.integers(1, 4)), draw(st.integers(0, 3))
-    w = n * (k + 1)
-    return {
-        "k": k,
-        "rids": draw(_distinct(rid_values, n)),
-        "slots": draw(_distinct(st.integers(1, 10_000), n)),
-        "seq_lens": draw(st.lists(st.integers(1, 100_000), min_size=n, max_size=n)),
-        "input_ids": draw(st.lists(token_ids, min_size=n if single else w, max_size=n if single else w)),
-        "kv_locs": draw(_distinct(st.integers(0, 100_000), w)),
-        "sampling": draw(st.none() | sampling_rows(n)),
-    }
-
-
-@st.composite
-def commit_batches(draw: Any) -> spec.CommitBatch:
-    cols = draw(windows(single=False))
-    n, k = len(cols["rids"]), cols["k"]
-    accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
-    released = draw(_distinct(st.integers(0, 100_000), n * k - sum(accept)))
-    return spec.CommitBatch(**cols, verify_id=VerifyId(draw(serial_ids)), draft_id=DraftId(draw(serial_ids)), accept_pos=accept, released_kv=released)
-
-
-@st.composite
-def draft_commit_batches(draw: Any) -> spec.DraftCommitBatch:
-    cols = draw(windows(single=False))
-    n, k = len(cols["rids"]), cols["k"]
-    accept = draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
-    return spec.DraftCommitBatch(**cols, draft_id=DraftId(draw(serial_ids)), accept_pos=accept)
-
-
-@st.composite
-def draft_extend_batches(draw: Any) -> spec.DraftExtendBatch:
-    cols = draw(extend_columns())
-    del cols["more_chunks"]
-    return spec.DraftExtendBatch(**cols)
-
-
-@st.composite
-def admitted(draw: Any) -> AdmittedRequest:
-    slot = draw(st.integers(1, 10_000))
-    n = draw(row_lengths)
-    intent = draw(
-        st.just(Clear())
-        | st.builds(Continue, prefix_len=st.integers(1, 5000))
-        | st.builds(CopyFrom, src=st.integers(1, 10_000).filter(lambda s: s != slot).map(MambaSlot), prefix_len=st.integers(1, 5000))
-    )
-    snap = draw(st.none() | st.integers(1, 10_000).filter(lambda s: s != slot).map(MambaSlot))
-    return AdmittedRequest(
-        rid=RequestId(draw(rid_values)), slot=MambaSlot(slot), input_ids=draw(st.lists(token_ids, min_size=n, max_size=n)),
-        kv_locs=draw(_distinct(st.integers(0, 100_000), n)), intent=intent, more_chunks=draw(st.booleans()), snapshot_to=snap,
-    )
-
-
-@st.composite
-def accept_results(draw: Any) -> spec.AcceptResult:
-    n = draw(st.integers(0, 4))
-    return spec.AcceptResult(accepted=draw(st.lists(st.integers(0, 64), min_size=n, max_size=n)), bonus=draw(st.lists(token_ids, min_size=n, max_size=n)))
-
-
-decode_batches = decode_columns().map(lambda c: DecodeBatch(**c))
-@st.composite
-def mixed_plans(draw: Any) -> MixedPlan:
-    """Mixed plans; one forward keeps its tokens under one sample id (or its parts under none)."""
-    e, d = draw(extend_plans()), draw(decode_plans())
-    if d.sample_id is not None:
-        e = attrs.evolve(e, sample_id=d.sample_id)
-    elif e.sample_id is not None and e.sample_id != d.inputs_from:
-        d = attrs.evolve(d, sample_id=e.sample_id)
-    else:
-        e = attrs.evolve(e, sample_id=None)
-    return MixedPlan(extend=e, decode=d)
-
-
-@st.composite
-def decode_plans(draw: Any) -> DecodePlan:
-    """Decode plans, some with a sample id, some pipelined (inputs named by an earlier sample)."""
-    cols = draw(decode_columns())
-    sample = draw(st.none() | serial_ids.map(SampleId))
-    inputs = draw(st.none() | serial_ids.filter(lambda s: s != sample).map(SampleId))
-    if inputs is not None:
-        cols["input_ids"] = [0] * len(cols["input_ids"])
-    return DecodePlan(**cols, sample_id=sample, inputs_from=inputs)
-draft_batches = st.builds(lambda c, d: spec.DraftBatch(**c, draft_id=DraftId(d)), windows(single=True), serial_ids)
-verify_batches = st.builds(lambda c, v, d: spec.VerifyBatch(**c, verify_id=VerifyId(v), draft_id=DraftId(d)), windows(single=False), serial_ids, serial_ids)
-
-NODE_STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
-    "ExtendBatch": extend_batches(),
-    "DecodeBatch": decode_batches,
-    "MixedBatch": st.builds(lambda e, d: MixedBatch(extend=e, decode=d), extend_batches(), decode_batches),
-    "IdleBatch": st.just(IdleBatch()),
-    "ExtendPlan": extend_plans(),
-    "DecodePlan": decode_plans(),
-    "MixedPlan": mixed_plans(),
-    "IdlePlan": st.just(IdlePlan()),
-    "DraftBatch": draft_batches,
-    "VerifyBatch": verify_batches,
-    "CommitBatch": commit_batches(),
-    "DraftCommitBatch": draft_commit_batches(),
-    "DraftExtendBatch": draft_extend_batches(),
-    "MambaInit": mamba_inits(),
-    "MambaSnapshot": mamba_snapshots(),
-    "AdmittedRequest": admitted(),
-    "AcceptResult": accept_results(),
-    "SamplingRows": st.integers(0, 4).flatmap(sampling_rows),
-}
+# -- refusal messages ---------------------------------------------------------------------------
 # What a refusal names as the accepted op kinds, from the declarations (a new kind changes these
 # lists, not the tests that pin the messages around them).
 OPS_NAMED = re.escape(type_names(OP_TYPES))
 """``a MambaInit or a MambaSnapshot``, as a pattern."""
 BEFORE_NAMED = re.escape(type_names(tuple(c for c in OP_TYPES if c.DECL.when is When.BEFORE)))
 AFTER_NAMED = re.escape(type_names(tuple(c for c in OP_TYPES if c.DECL.when is When.AFTER)))
-
-# A ticket carries any op kind: its strategy is every kind's (derived from ``ir.init.OP_TYPES``).
-NODE_STRATEGIES["Ticket"] = st.builds(
-    lambda p, op: Ticket(pool=PoolId(p), op=op), pool_names, st.one_of(*(NODE_STRATEGIES[c.__name__] for c in OP_TYPES))
-)
-# A speculative plan wraps its batch: its strategy is its batch's, wrapped (derived from the union).
-NODE_STRATEGIES |= {
-    plan.__name__: NODE_STRATEGIES[get_type_hints(plan)["batch"].__name__].map(lambda b, plan=plan: plan(batch=b))
-    for plan in get_args(spec.SpecPlan)
-}
-NODE_STRATEGIES["VerifyPlan"] = st.builds(
-    lambda b, h: spec.VerifyPlan(batch=b, keep_hidden=h), verify_batches, st.none() | serial_ids.map(HiddenId)
-)
-NODE_STRATEGIES |= {
-    "HeadExtendBatch": head_extend_batches(),
-    "HeadExtendPlan": head_extend_plans(),
-    "HeadCommitBatch": head_commit_batches(),
-    "HeadCommitPlan": head_commit_batches().map(lambda b: HeadCommitPlan(batch=b)),
-}
 
 
 def kill_child(ex: ExecutorProcess, timeout_s: float = 10.0) -> None:

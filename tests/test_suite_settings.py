@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.pool import MambaStatePool
@@ -35,7 +37,7 @@ def test_a_developer_level_is_overridden_and_reported_once() -> None:
 
 
 def test_verify_level_is_parsed_once_into_an_enum() -> None:
-    import pytest
+
 
     from ir.errors import SettingsError
     from ir.verify import VerifyLevel, parse_verify_level
@@ -50,3 +52,20 @@ def test_verify_level_is_parsed_once_into_an_enum() -> None:
     assert PassManager(verify_level=2).verify_level is VerifyLevel.EVERY_PASS
     with pytest.raises(ValueError, match=r"verify_level must be 0, 1 or 2 \(a VerifyLevel\), got True"):
         PassManager(verify_level=True)
+
+
+def test_typeguard_checks_every_package_with_code_batchc_s_pytest_plugin_included() -> None:
+    """batchc's pytest plugin is loaded (by its entry point) before typeguard's import hook, so the
+    suite filters typeguard's warning that ``compiler`` was imported already: the modules with code
+    that the suite imports later are still instrumented, in all four packages and in the helpers."""
+    import typeguard
+
+    import compiler.testing.golden
+    from compiler.steps import Pipeline
+    from ir.parse import parse
+    from passes.lower import lower
+
+    for function in (Pipeline.prefill, compiler.testing.golden.assert_golden, Ledger.register, parse, lower):
+        assert "TypeCheckMemo" in function.__code__.co_names, function.__qualname__
+    with pytest.raises(typeguard.TypeCheckError):
+        compiler.testing.golden.assert_golden(1, Path("unused.txt"))  # type: ignore[arg-type]  # typeguard must refuse it

@@ -1,6 +1,6 @@
 """Every one-shot op kind, through what derives from its declaration (``ir.init.OpDecl``).
 
-Parametrized over ``ir.init.OP_TYPES``, with each kind's strategy from ``tests.helpers``
+Parametrized over ``ir.init.OP_TYPES``, with each kind's strategy from ``compiler.testing.strategies``
 (``NODE_STRATEGIES``, which ``tests/ir/test_parse.py`` requires for every printable node): a new
 kind runs here without a line of this file, and a kind whose application, counters or rows
 disagree with its declaration fails here. Checked per kind: ``apply_op`` writes only the rows the
@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from backend.ledger import Ledger, PoolCounts
 from backend.pool import MambaStatePool
 from backend.state_init import apply_op
+from compiler.testing.strategies import NODE_STRATEGIES
 from ir.errors import PlanExecutionError, TicketMismatchError
 from ir.ids import TARGET_POOL, MambaSlot, PoolId
 from ir.init import (
@@ -45,7 +46,7 @@ from ir.init import (
 from ir.parse import parse
 from ir.printer import dump
 from ir.wire import pack, unpack
-from tests.helpers import NODE_STRATEGIES, SMALL_LAYOUT, extend_plan, fresh, random_fill
+from tests.helpers import SMALL_LAYOUT, extend_plan, fresh, random_fill
 
 KINDS = sorted(OP_TYPES, key=lambda c: c.__name__)
 

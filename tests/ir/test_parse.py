@@ -20,13 +20,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import ir.parse
+from compiler.testing.strategies import NODE_STRATEGIES
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch
 from ir.ids import MambaSlot, RequestId, TicketSerial
 from ir.init import MambaInit
 from ir.parse import ParseError, parse, parse_all
 from ir.printer import PRINTABLE, dump, dump_all
 from ir.request import AdmittedRequest, Clear, CopyFrom
-from tests.helpers import GOLDEN, NODE_STRATEGIES
+from tests.helpers import GOLDEN
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

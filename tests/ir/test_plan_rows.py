@@ -1,6 +1,6 @@
 """Every plan exposes its rows the same way, and ``NODE_TYPES`` is the unions' members.
 
-- ``plan.rids`` / ``plan.slots`` of every plan type (hypothesis strategies of ``tests.helpers``):
+- ``plan.rids`` / ``plan.slots`` of every plan type (hypothesis strategies of ``compiler.testing.strategies``):
   read-only IR-owned int64 columns, one entry per request, in row order: the rows of the plan's
   column-holding parts in field order (a mixed plan's extend rows, then its decode rows; an idle plan
   none), and ``rid_list()``/``slot_list()`` are their values.
@@ -22,9 +22,9 @@ import ir.batch
 import ir.head
 import ir.plan
 import ir.spec
+from compiler.testing.strategies import NODE_STRATEGIES
 from ir.columns import ColumnNode, Composite, RequestRows, is_owned
 from ir.nodes import NODE_TYPES, Batch, Plan
-from tests.helpers import NODE_STRATEGIES
 
 PLAN_KINDS = sorted(t.__name__ for t in get_args(Plan))
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compiler.testing.strategies import sampling_rows
 from ir.errors import IRValidationError
 from ir.sampling import GREEDY, SamplingParams, SamplingRows, rows_joined
 from passes.accept import accept
@@ -24,7 +25,7 @@ from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import decode_batch, fresh, proposed, sampling_rows
+from tests.helpers import decode_batch, fresh, proposed
 
 
 def _row(rows: SamplingRows | None, i: int) -> tuple[Any, ...]:

@@ -29,13 +29,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typeguard import suppress_type_checks
 
+from compiler.testing.strategies import NODE_STRATEGIES
 from ir.errors import IRValidationError
 from ir.ids import DRAFT_POOL, TARGET_POOL
 from ir.nodes import Plan
 from ir.wire import MAGIC, MAX_DEPTH, WIRE_VERSION, WireError, pack, unpack
 from passes.lower import LowerContext, lower
 from passes.prepare_for_decode import DecodeContext, prepare_for_decode
-from tests.helpers import NODE_STRATEGIES, cow, decode_batch, extend_plan, fresh
+from tests.helpers import cow, decode_batch, extend_plan, fresh
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PLAN_KINDS = sorted(t.__name__ for t in get_args(Plan))

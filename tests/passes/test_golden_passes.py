@@ -2,16 +2,17 @@
 scheduling change leaves them alone, and a change to a pass or the printer shows as a diff of the
 full dump of its inputs and output. Every pass in ``passes.registry`` must have one; a pass added
 without a golden fails ``test_every_registered_pass_has_a_golden``. To accept an intended change,
-rerun with ``BATCHC_UPDATE_GOLDEN=1`` and review the diff."""
+rerun with ``BATCHC_UPDATE_GOLDEN=1`` (or ``--batchc-update-golden``) and review the diff
+(``compiler.testing.golden.assert_golden``)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+from compiler.testing.golden import assert_golden
 from ir.batch import DecodeBatch, IdleBatch
 from ir.hidden import HiddenStates, asked_hidden
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
@@ -142,10 +143,4 @@ def test_every_registered_pass_has_a_golden() -> None:
 
 @pytest.mark.parametrize("name", [p.name for p in PASSES])
 def test_pass_golden(name: str) -> None:
-    actual = _cases()[name]
-    path = PASS_GOLDEN / f"{name}.txt"
-    if os.environ.get("BATCHC_UPDATE_GOLDEN") == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(actual)
-    assert path.exists(), f"missing {path}; run with BATCHC_UPDATE_GOLDEN=1"
-    assert actual == path.read_text()
+    assert_golden(_cases()[name], PASS_GOLDEN / f"{name}.txt")

@@ -6,17 +6,17 @@ chunked prefill in MIXED forwards, decode, filter, merge, abort and idle. The sp
 (``golden/spec/``) takes draft, verify, commit and draft commit on the seeded tiny hybrid model
 (float32, deterministic on the CPU). A change
 to a pass or the printer shows up here as a diff of the full dump. To accept an intended change,
-rerun with ``BATCHC_UPDATE_GOLDEN=1`` and review the diff.
+rerun with ``BATCHC_UPDATE_GOLDEN=1`` (or ``--batchc-update-golden``) and review the diff
+(``compiler.testing.golden.assert_golden_ir``: the dumps must also parse back with ``ir.parse``).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 from compiler.engine import StepKind
 from compiler.manager import PassManager
+from compiler.testing.golden import assert_golden_ir
 from compiler.tools.scenario import CACHE_BLOCK, PROMPTS, run_scenario, run_spec_scenario
 from ir.ids import TARGET_POOL, RequestId
 from tests.helpers import GOLDEN
@@ -69,12 +69,7 @@ def test_scenario_has_a_clear_a_cow_from_the_prefix_cache_chunks_in_mixed_forwar
     ids=[p for p in PASSES] + [f"spec-{p}" for p in SPEC_PASSES],
 )
 def test_golden_dump(spec: bool, name: str) -> None:
-    actual = _dumps_by_pass(spec)[name]
-    path = GOLDEN / ("spec" if spec else "") / f"{name}.txt"
-    if os.environ.get("BATCHC_UPDATE_GOLDEN") == "1":
-        path.write_text(actual)
-    assert path.exists(), f"missing {path}; run with BATCHC_UPDATE_GOLDEN=1"
-    assert actual == path.read_text()
+    assert_golden_ir(_dumps_by_pass(spec)[name], GOLDEN / ("spec" if spec else "") / f"{name}.txt")
 
 
 def test_dump_is_deterministic_across_runs() -> None:

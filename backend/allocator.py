@@ -31,6 +31,8 @@ from ir.columns import I64, frozen_i64, has_duplicates, int_problem, plain_ints
 from ir.errors import SlotError
 from ir.ids import KVLoc, MambaSlot
 
+__all__ = ["KVAllocator", "SlotAllocator"]
+
 T = TypeVar("T", MambaSlot, KVLoc)
 _BULK = 64
 """Frees of at least this many indices are checked and applied in numpy (a finished request's KV
@@ -63,10 +65,12 @@ class _IndexAllocator(Generic[T]):
 
     @property
     def num_free(self) -> int:
+        """How many indices can still be handed out: ``capacity - num_live``."""
         return len(self._free) + self.capacity - self._fresh
 
     @property
     def num_live(self) -> int:
+        """How many indices are handed out and not yet freed."""
         return self._fresh - len(self._free)
 
     def _take(self, n: int) -> list[int]:
@@ -117,6 +121,7 @@ class _IndexAllocator(Generic[T]):
             raise SlotError(f"{self._what} {i} out of range [1, {self.capacity}]")
 
     def alloc(self) -> T:
+        """One free index, marked live; ``SlotError`` when every index is live."""
         with self._lock:
             if not self.num_free:
                 raise SlotError(f"out of {self._what}s: all {self.capacity} are live")
@@ -134,6 +139,7 @@ class _IndexAllocator(Generic[T]):
         return frozen_i64(np.array(taken, dtype=np.int64))
 
     def free(self, index: int) -> None:
+        """Free one live index; ``SlotError`` (and no change) if it is out of range or not live."""
         self._free_items([self._int(".free(index)", index)])
 
     def free_many(self, indices: Iterable[int]) -> None:
@@ -177,6 +183,7 @@ class _IndexAllocator(Generic[T]):
         return True
 
     def is_live(self, index: int) -> bool:
+        """Whether ``index`` is handed out and not yet freed (an index out of range is not live)."""
         i = self._int(".is_live(index)", index)
         with self._lock:
             return self._is_live(i)
@@ -191,6 +198,7 @@ class _IndexAllocator(Generic[T]):
                     raise SlotError(f"use after free: {use} uses {self._what} {i}, which is not live")
 
     def live(self) -> frozenset[int]:
+        """Every live index, as a snapshot taken under the lock."""
         with self._lock:
             return frozenset(i for i in range(1, self._fresh + 1) if self._live[i])
 
@@ -199,6 +207,11 @@ class _IndexAllocator(Generic[T]):
 
 
 class SlotAllocator(_IndexAllocator[MambaSlot]):
+    """Hands out Mamba state slots ``MambaSlot(1..capacity)``; slot 0 is the pool's padding slot and is
+    never handed out. The scheduler allocates from it; an ``Executor`` given the same allocator
+    (``slots``) refuses a plan that names a slot that is not live (use after free), COW sources
+    included."""
+
     _what = "slot"
 
     def _make(self, i: int) -> MambaSlot:
@@ -206,6 +219,10 @@ class SlotAllocator(_IndexAllocator[MambaSlot]):
 
 
 class KVAllocator(_IndexAllocator[KVLoc]):
+    """Hands out token-granular attention KV locations ``KVLoc(1..capacity)``; location 0 is padding and
+    is never handed out. A prefill allocates one location per new token (``alloc_many``), a finished
+    request frees them all at once (``free_many``, checked and applied in numpy for large frees)."""
+
     _what = "KV location"
 
     def _make(self, i: int) -> KVLoc:

@@ -40,6 +40,11 @@ from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.results import Ran, Result, Sampled, Verified
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
 
+__all__ = [
+    "Backend", "BackendBroken", "BackendError", "BackendGone", "Backends", "ForwardFailed", "InProcessGroup", "Pending", "QuietPlan", "SampledPlan",
+    "Transport", "checked", "checked_sampled", "result_type", "run_now",
+]
+
 
 class BackendError(RuntimeError):
     """A transport's own failure (a refused plan is a ``BatchcError`` instead)."""
@@ -130,10 +135,14 @@ class Backends(Protocol):
     """What a ``Transport`` opens for one engine: a ``Backend`` per pool and what spans them."""
 
     @property
-    def target(self) -> Backend: ...
+    def target(self) -> Backend:
+        """The target model's backend (its pool's plans: prefills, decodes, verifies, commits)."""
+        ...
 
     @property
-    def draft(self) -> Backend | None: ...
+    def draft(self) -> Backend | None:
+        """The draft model's backend, or ``None`` when the engine serves no draft."""
+        ...
 
     @property
     def concurrent(self) -> bool:
@@ -182,26 +191,33 @@ class InProcessGroup:
 
     @property
     def target(self) -> Backend:
+        """The first backend given: the target's."""
         return self._backends[0]
 
     @property
     def draft(self) -> Backend | None:
+        """The second backend given, the draft's, or ``None`` when only one was given."""
         return self._backends[1] if len(self._backends) > 1 else None
 
     @property
     def concurrent(self) -> bool:
+        """Always False: each plan runs within ``submit``, on the caller's thread."""
         return False
 
     def ready(self) -> None:
+        """Nothing to wait for: the pools are built when the backends are."""
         pass
 
     def settle(self) -> None:
+        """Nothing to settle: no plan is ever in flight after ``submit`` returns."""
         pass
 
     def busy_intervals(self) -> list[tuple[float, float]]:
+        """Always empty: no backend runs in another process."""
         return []
 
     def waited_seconds(self) -> float:
+        """Always 0.0: the caller never waits on another process."""
         return 0.0
 
 

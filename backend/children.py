@@ -170,6 +170,7 @@ def ended(returncode: int) -> str:
 
 
 def no_answer(seconds: float) -> str:
+    """The one wording of a timeout: "did not answer within 600 s"."""
     return f"did not answer within {seconds:g} s"
 
 
@@ -255,4 +256,5 @@ def on_signals() -> Iterator[None]:
 
 __all__ = [
     "Interrupted", "deferred", "ended", "interrupted", "kill", "kill_all", "no_answer", "on_signals", "raise_if_interrupted", "spawn",
+    "spawn_module",
 ]

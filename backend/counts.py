@@ -15,7 +15,7 @@ copy-on-write copies the source slot's rows (a prefix-cache entry's or a prefix 
 prompt tokens), a snapshot copies the request's rows into the cache slot. Riding on the Mamba
 tickets means there is no second ticket kind to mint, register, claim or replay-check, and the
 counts can never be started without the state (nor replayed: the ticket is consumed once). The
-alternative, a state pool of its own with its own one-shot clear op (issue 28 item 3), would make
+alternative, a state pool of its own with its own one-shot clear op, would make
 the counts the IR's second kind of linear state, with its own tickets in every plan and ledger;
 it buys nothing while every count row starts exactly when a Mamba row does.
 
@@ -50,6 +50,8 @@ from backend.pool import MambaStatePool
 from ir.errors import IRValidationError
 from ir.ids import TARGET_POOL
 
+__all__ = ["COUNT_DTYPE", "TokenCounts", "token_counts"]
+
 COUNT_DTYPE: Final = torch.int32
 
 
@@ -73,6 +75,7 @@ class TokenCounts:
 
     @property
     def device(self) -> torch.device:
+        """The device both tensors live on."""
         return self.output_counts.device
 
     def _index(self, slots: torch.Tensor | Iterable[int]) -> torch.Tensor:
@@ -81,6 +84,7 @@ class TokenCounts:
         return torch.tensor(list(slots), dtype=torch.int64, device=self.device)
 
     def clear(self, slots: torch.Tensor | Iterable[int]) -> None:
+        """Zero the prompt masks and output counts of ``slots`` (a clear op's rows)."""
         idx = self._index(slots)
         self.prompt_mask.index_fill_(0, idx, False)
         self.output_counts.index_fill_(0, idx, 0)

@@ -102,6 +102,8 @@ from ir.sampling import SamplingRows, rows_joined
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, Proposals, VerifyPlan
 from ir.verify import VerifyLevel, verify_level_from_env
 
+__all__ = ["AnyExecutor", "Executor", "Gate"]
+
 Staged: TypeAlias = StagedExtend | StagedDecode | StagedWindow
 
 
@@ -117,10 +119,12 @@ class Gate(Protocol):
     def validated(self, plan: str) -> None:
         """Every check of ``plan`` passed here and nothing is written yet; raises if another rank
         refused it (then nothing runs anywhere)."""
+        ...
 
     def applied(self, plan: str) -> None:
         """``plan`` ran here; raises if another rank did not get there (its tickets stay
         outstanding)."""
+        ...
 
 
 
@@ -140,7 +144,16 @@ class _Kept(Generic[VerifyStateT]):
 
 
 class Executor(Generic[VerifyStateT]):
-    """Runs plans on one state pool; ``VerifyStateT`` is what its model's verify keeps for the commit."""
+    """Runs plans on the one state pool it owns; ``VerifyStateT`` is what its model's verify keeps
+    for the commit.
+
+    The in-process ``backend.boundary.Backend``: ``submit`` runs a plan at once, ``execute`` runs
+    one and returns its result, and the ``run_*`` methods are the typed entry points per plan kind
+    (each refuses any other kind with ``PlanExecutionError``). Every plan is checked against this
+    pool, its tickets claimed through the ``ledger`` and its init ops applied exactly once, then the
+    model hook runs (the module docstring gives the order and the failure rules). ``transactional``
+    restores every row a failed forward could have written; ``watch`` reports writes to the pool
+    from outside the executor and hooks that write their inputs (``MutationError``)."""
 
     def __init__(
         self,
@@ -227,6 +240,7 @@ class Executor(Generic[VerifyStateT]):
 
     @property
     def pool_id(self) -> PoolId:
+        """The id of the pool this executor owns; a plan's tickets must name it."""
         return self.pool.pool_id
 
     @property
@@ -248,6 +262,7 @@ class Executor(Generic[VerifyStateT]):
         return run_now(self.execute, plan)
 
     def wait(self, pending: Pending) -> Result:
+        """``backend.boundary.Backend.wait``: the result of a plan ``submit`` ran, or the failure it raised."""
         return pending.outcome()
 
     @consumes
@@ -302,6 +317,10 @@ class Executor(Generic[VerifyStateT]):
 
     @consumes
     def run_prefill(self, plan: ExtendPlan | MixedPlan) -> Sampled:
+        """Run an ``ExtendPlan`` or a ``MixedPlan``: claim its tickets for this pool, apply its init ops,
+        run the model hook over the chunk (and, mixed, the decode rows), apply its snapshots, and sample
+        one token per row (extend rows first, then decode rows). Refuses a plan lowered for other pools,
+        a row that starts at token 0 without a clear in the plan's init, and any other plan kind."""
         if not isinstance(plan, (ExtendPlan, MixedPlan)):
             _wrong_plan("run_prefill", plan, "an ExtendPlan or a MixedPlan")
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend
@@ -520,6 +539,10 @@ class Executor(Generic[VerifyStateT]):
 
     @consumes
     def run_decode(self, plan: DecodePlan) -> Sampled:
+        """Run a ``DecodePlan``: one forward over one token per row, then sampling at each row's
+        ``seq_lens`` position. It carries no tickets; a row with a registered ticket not yet run is
+        refused (``Ledger.rows_free``). A pipelined decode (``inputs_from``) takes its inputs from the
+        tokens an earlier forward on this pool sampled, each once."""
         if not isinstance(plan, DecodePlan):
             _wrong_plan("run_decode", plan, "a DecodePlan")
         self._check_rows(plan.slots, "DecodePlan")
@@ -598,6 +621,10 @@ class Executor(Generic[VerifyStateT]):
 
     @consumes
     def run_verify(self, plan: VerifyPlan) -> Verified:
+        """Run a ``VerifyPlan``: the model's verify over each row's window, keeping its intermediate
+        states under the verify's id for exactly one ``CommitPlan``, and return the target's tokens
+        (``Verified``). Each verify runs once, and each draft's proposals are checked by one verify on
+        this pool, in the order the drafts were minted."""
         if not isinstance(plan, VerifyPlan):
             _wrong_plan("run_verify", plan, "a VerifyPlan")
         vid, did = plan.batch.verify_id, plan.batch.draft_id
@@ -732,6 +759,9 @@ class Executor(Generic[VerifyStateT]):
 
     @consumes
     def run_draft_extend(self, plan: DraftExtendPlan) -> Sampled:
+        """Run a ``DraftExtendPlan``: the draft model's catch-up forward over each row's accepted
+        tokens, from its committed state, and the greedy token of each row. No tickets: a row with a
+        registered ticket not yet run is refused."""
         if not isinstance(plan, DraftExtendPlan):
             _wrong_plan("run_draft_extend", plan, "a DraftExtendPlan")
         self._check_rows(plan.batch.slots, "DraftExtendPlan")

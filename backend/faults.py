@@ -16,8 +16,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
 
+__all__ = ["POINTS", "FaultPoint", "InjectedFault", "arm", "armed", "check", "disarm"]
+
 
 class FaultPoint(enum.StrEnum):
+    """The named places in the backend where a test can make a fault happen (see the module)."""
+
     INIT_LAUNCH = "init_launch"
     MODEL_FORWARD = "model_forward"
     COMMIT = "commit"
@@ -36,6 +40,8 @@ class InjectedFault(RuntimeError):
 
 
 def check(point: FaultPoint) -> None:
+    """Raise ``InjectedFault`` if ``point`` is armed and its passes are used up (it then disarms and
+    counts as fired); otherwise return. One dictionary test when nothing is armed."""
     if not _armed:
         return
     with _lock:

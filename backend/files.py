@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ir.errors import BatchcError
 
+__all__ = ["CheckpointError", "file_kind"]
+
 
 class CheckpointError(BatchcError, ValueError):
     """A checkpoint file cannot be loaded; ``path`` is the file, the message says what is wrong."""

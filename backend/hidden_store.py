@@ -32,6 +32,8 @@ from ir.ids import HiddenId
 from ir.init import SERIAL_COUNTER_BITS, serial_epoch
 from ir.linear import keeps_linear
 
+__all__ = ["HiddenStore"]
+
 
 @keeps_linear  # its job: the handle waits here for the head phase that reads it
 @attrs.frozen(kw_only=True, eq=False)

@@ -57,6 +57,8 @@ from ir.ids import PoolId, TicketSerial
 from ir.init import EPOCH_BITS, OP_TYPES, Op, Ticket, minted_here, op_counts, op_plan_rows, op_text, serial_epoch
 from ir.linear import consumes_on, keeps_linear
 
+__all__ = ["LEDGER_COUNTS_WIDTH", "Claim", "Ledger", "LedgerCounts", "PoolCounts", "RankLedgers"]
+
 _Key = tuple[TicketSerial, PoolId]
 
 
@@ -119,6 +121,15 @@ class Claim:
 
 @keeps_linear  # the one place tickets live across steps: registered, in flight, consumed
 class Ledger:
+    """The books of every one-shot ticket of an engine: registered when its plan is lowered, claimed by
+    the executor that runs the plan, consumed once (see the module for the rules).
+
+    One ledger per engine, shared by the compiler (``register``, ``cancel``) and the executors of its
+    pools (``claiming``; an executor process keeps its own and the engine's ``claim`` mirrors it).
+    It is what makes a replayed, forged, misaddressed or altered ticket fail before a forward runs,
+    and a dropped one visible (``assert_drained``). Thread-safe: a scheduler thread and a forward
+    thread may share one."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._outstanding: dict[_Key, Ticket[Op]] = {}
@@ -241,10 +252,11 @@ class Ledger:
     @contextmanager
     def claiming(self, tickets: Sequence[Ticket[Op]], pool: PoolId, rows: Iterable[int] = (), plan: str = "plan") -> Iterator[Claim]:
         """Hold every ticket of one plan in flight on ``pool`` while the block runs (the init ops,
-        the model, the snapshots). All are checked before any moves; the registered tickets are
-        yielded; those not consumed early (``Claim.done``) are consumed if the block succeeds and
-        return to outstanding if it raises. With ``rows`` (the plan's slots), ``check_rows`` runs
-        first: a registered ticket over one of them must be among ``tickets``."""
+        the model, the snapshots). All are checked before any moves; the block gets a ``Claim``
+        whose ``tickets`` are the registered tickets (execute their ops, not those of the copies
+        passed in); those not consumed early (``Claim.done``) are consumed if the block succeeds
+        and return to outstanding if it raises. With ``rows`` (the plan's slots), ``check_rows``
+        runs first: a registered ticket over one of them must be among ``tickets``."""
         claim = self._claim("claiming", tickets, pool, rows, plan)
         try:
             yield claim
@@ -341,6 +353,7 @@ class Ledger:
             return dict(self._cancelled)
 
     def is_consumed(self, ticket: Ticket[Op]) -> bool:
+        """Whether ``ticket`` (by its serial and pool) was consumed on this ledger."""
         key = _key(_tickets_arg("is_consumed", (ticket,))[0])
         with self._lock:
             return key in self._consumed
@@ -378,6 +391,7 @@ class Ledger:
 
     @property
     def num_consumed(self) -> int:
+        """How many tickets were consumed, over every pool."""
         with self._lock:
             return len(self._consumed)
 
@@ -466,10 +480,13 @@ class LedgerCounts:
     cancelled: int
 
     def to_ints(self) -> list[int]:
+        """The counts as a flat list of ``LEDGER_COUNTS_WIDTH`` ints (minted, consumed, then the three
+        ticket counts), to send between ranks."""
         return [*attrs.astuple(self.minted), *attrs.astuple(self.consumed), self.outstanding, self.in_flight, self.cancelled]
 
     @classmethod
     def from_ints(cls, v: Sequence[int]) -> LedgerCounts:
+        """The counts ``to_ints`` flattened, back."""
         names = [f.name for f in attrs.fields(PoolCounts)]
         n = len(names)
         return cls(minted=PoolCounts(**dict(zip(names, v[0:n], strict=True))), consumed=PoolCounts(**dict(zip(names, v[n : 2 * n], strict=True))),
@@ -477,6 +494,7 @@ class LedgerCounts:
 
     @classmethod
     def of(cls, ledger: Ledger, pool: PoolId) -> LedgerCounts:
+        """``ledger``'s counts on ``pool`` now."""
         return cls(
             minted=ledger.minted(pool), consumed=ledger.counts(pool),
             outstanding=sum(t.pool == pool for t in ledger.outstanding()), in_flight=sum(t.pool == pool for t in ledger.in_flight()),
@@ -508,6 +526,7 @@ class RankLedgers:
         return all(c.outstanding == 0 and c.in_flight == 0 for r in self.ranks for c in r.values())
 
     def to_json(self) -> dict[str, object]:
+        """The report as JSON-ready data: ``equal``, ``drained`` and each rank's counts by pool."""
         return {
             "equal": self.equal, "drained": self.drained,
             "ranks": [{p: attrs.asdict(c) for p, c in r.items()} for r in self.ranks],

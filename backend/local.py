@@ -18,6 +18,8 @@ from backend.ledger import Ledger
 from backend.model import HeadHook, ReadsTargetHidden, ServedModel, ServingModelHook
 from ir.ids import PoolId
 
+__all__ = ["IN_PROCESS", "InProcess", "LocalBackends"]
+
 
 class LocalBackends(InProcessGroup):
     """``backend.boundary.Backends`` in this process."""
@@ -27,13 +29,16 @@ class LocalBackends(InProcessGroup):
         self._hooks = hooks
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Every served model's token table: slot ``dst``'s first ``length`` KV locations become ``src``'s."""
         for hook in self._hooks:
             hook.share_prefix(src, dst, length)
 
     def cancel_outstanding(self, reason: str) -> None:
+        """Nothing to cancel: in process, the engine's ledger is the only one."""
         pass  # (the engine's ledger is the only one)
 
     def close(self) -> None:
+        """Nothing to stop; returns None (no group of ranks to report on)."""
         pass
 
 
@@ -44,12 +49,16 @@ class InProcess:
         return "InProcess()"
 
     def refusal(self, models: Mapping[PoolId, ServedModel[Any]], *, retries: int) -> str | None:
+        """Never refuses: every model can be served in this process."""
         return None
 
     def open(
         self, models: Mapping[PoolId, ServedModel[Any]], *, ledger: Ledger, slots: SlotAllocator, capacity: int, kv_capacity: int,
         max_len: int, retries: int, penalties: bool = False,
     ) -> LocalBackends:
+        """One ``Executor`` per pool of ``models``, each with a fresh pool and serving hook, sharing the
+        engine's ``ledger`` and slot allocator (transactional when ``retries > 0``; token counts on the
+        target's when ``penalties``; one hidden-state store when a draft head is served)."""
         executors: list[Executor[Any]] = []
         hooks: list[ServingModelHook[Any] | HeadHook] = []
         # a draft head reads the target's hidden states: both executors share one store

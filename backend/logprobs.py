@@ -1,6 +1,6 @@
 """Log-probabilities of emitted tokens and their top alternatives (``token_logprobs``).
 
-What the outputs' ``logprobs`` report (issue 28, item 7), for all rows of a forward at once:
+What the outputs' ``logprobs`` report, for all rows of a forward at once:
 
 - the distribution is the target's **before any sampling transform**: ``log_softmax`` of the raw
   logits, with no temperature, penalty, top-k, top-p or min-p (vLLM's default). A sampled token

@@ -18,6 +18,11 @@ from ir.ids import PoolId
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
+__all__ = [
+    "CapturesInnerStates", "ForwardPlan", "HeadHook", "KeepsHidden", "ModelHook", "NoOpModel", "ReadsTargetHidden", "ServedModel", "ServingModelHook",
+    "SpecModelHook", "VerifyStateT", "blank_logits",
+]
+
 ForwardPlan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | DraftExtendPlan
 """Plans whose forward updates the committed state in place (a draft extend is extend-shaped)."""
 
@@ -29,6 +34,21 @@ when not given."""
 
 @runtime_checkable
 class ModelHook(Protocol):
+    """The engine's forward: what an integrator implements so that batchc's executor can run its model.
+
+    The executor owns the state pool and calls ``forward`` once per forward plan (``ExtendPlan``,
+    ``DecodePlan``, ``MixedPlan``, ``DraftExtendPlan``), after it has checked the plan, claimed its
+    tickets and applied its init ops (each clear or copy-on-write exactly once), and before it applies
+    the plan's snapshots. The hook advances each row's recurrent state in ``pool`` in place (row =
+    slot) and returns logits; it never applies init ops itself, and it must not write its staged
+    inputs nor the plan (an executor that watches reports that, ``MutationError``). The executor
+    checks what comes back: anything but a ``[rows, vocab]`` tensor is a ``PlanExecutionError``.
+    Sampling is batchc's (``backend.plan_sampling``), from the logits.
+
+    A structural protocol: any object with a matching ``forward`` is a ``ModelHook`` (it is
+    ``runtime_checkable``, and the executor checks it once when built). ``SpecModelHook`` adds the
+    speculative phases, ``KeepsHidden`` and ``CapturesInnerStates`` optional abilities."""
+
     def forward(
         self,
         plan: ForwardPlan,
@@ -189,4 +209,5 @@ class NoOpModel:
         decode: StagedDecode | None,
         pool: MambaStatePool,
     ) -> torch.Tensor:
+        """``blank_logits``: one row of a single zero logit per staged row; the pool is not touched."""
         return blank_logits(extend, decode)

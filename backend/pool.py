@@ -34,6 +34,8 @@ from ir.columns import check_instance, check_int, check_pool
 from ir.errors import IRValidationError
 from ir.ids import PoolId
 
+__all__ = ["MAX_LAYER_DIM", "MAX_POOL_BYTES", "MAX_POOL_SLOTS", "MambaLayerSpec", "MambaStatePool", "PoolLayout", "device_problem"]
+
 _DTYPES: Final = {torch.float32, torch.float16, torch.bfloat16}
 
 MAX_POOL_SLOTS: Final = 2**20
@@ -106,18 +108,22 @@ class MambaLayerSpec:
 
     @property
     def conv_shape(self) -> tuple[int, int]:
+        """One slot's conv state shape: ``(conv_dim, kernel_width - 1)``."""
         return (self.conv_dim, self.kernel_width - 1)
 
     @property
     def ssm_shape(self) -> tuple[int, int, int]:
+        """One slot's SSM state shape: ``(nheads, head_dim, d_state)``."""
         return (self.nheads, self.head_dim, self.d_state)
 
     @property
     def conv_bytes(self) -> int:
+        """Bytes of one slot's conv state, unpadded."""
         return self.conv_dim * (self.kernel_width - 1) * self.conv_dtype.itemsize
 
     @property
     def ssm_bytes(self) -> int:
+        """Bytes of one slot's SSM state, unpadded."""
         return self.nheads * self.head_dim * self.d_state * self.ssm_dtype.itemsize
 
 
@@ -167,6 +173,7 @@ class PoolLayout:
 
     @property
     def carried_bytes(self) -> int:
+        """Bytes of the carried hidden vector of one row, unpadded (0 when there is none)."""
         return self.carried_hidden * self.carried_dtype.itemsize
 
     def _offsets(self) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
@@ -202,7 +209,12 @@ class MambaStatePool:
     """The recurrent state of every slot of one model (target or a draft), slot-major.
 
     ``capacity`` usable slots are ``1..capacity``; row 0 is padding, so the buffer has
-    ``capacity + 1`` rows.
+    ``capacity + 1`` rows. The buffer is zeroed and allocated once, on ``device``; the per-layer
+    views (``conv_state``, ``ssm_state``, ``carried_hidden``) alias it, so a write through one is
+    seen by every later read. One executor owns a pool: it applies the init ops (clears,
+    copy-on-writes, snapshots) to it, and hands it to the model hook, which advances the rows of
+    its plan in place. Code outside the two that writes the buffer is what the executor's ``watch``
+    reports.
 
     Arguments are checked before the buffer is allocated (``IRValidationError`` naming
     ``MambaStatePool.<argument>`` and the value): ``pool_id`` a non-empty ``str``, ``layout`` a
@@ -244,6 +256,7 @@ class MambaStatePool:
 
     @property
     def device(self) -> torch.device:
+        """The device the buffer lives on."""
         return self.buffer.device
 
     def _view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

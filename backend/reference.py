@@ -30,6 +30,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+__all__ = [
+    "causal_conv1d_prefill_reference", "causal_conv1d_update_reference", "causal_conv1d_verify_reference", "commit_reference",
+    "init_rows_layer_major", "init_rows_reference", "selective_state_update_reference", "selective_state_verify_reference", "ssd_prefill_reference",
+    "ssm_step",
+]
+
 # ---------------------------------------------------------------------------------------------
 # Init ops: clears and copy-on-write rows
 # ---------------------------------------------------------------------------------------------

@@ -254,6 +254,7 @@ class ExecutorProcess:
 
     @property
     def usable(self) -> bool:
+        """True until this side closed the process or found it gone."""
         return not self.closed
 
     @consumes
@@ -294,6 +295,7 @@ class ExecutorProcess:
         self._control("arm", faults.FaultPoint(point).value, int(after))
 
     def disarm_faults(self) -> None:
+        """Tests: disarm every fault point in the child (``backend.faults.disarm``)."""
         self._control("disarm")
 
     def _control(self, *msg: object) -> None:
@@ -400,6 +402,8 @@ class ExecutorProcess:
 
     @property
     def closed(self) -> bool:
+        """True once this side closed the process or found it gone: every later plan raises
+        ``ExecutorGone``."""
         return self._gone is not None
 
     @property
@@ -551,44 +555,55 @@ class ProcessBackends:
 
     @property
     def target(self) -> ExecutorProcess:
+        """The target pool's executor process."""
         return self._target
 
     @property
     def draft(self) -> ExecutorProcess | None:
+        """The draft pool's executor process, or ``None`` when the engine serves no draft."""
         return self._draft
 
     @property
     def concurrent(self) -> bool:
+        """Always True: plans run in the children while the caller builds the next one."""
         return True
 
     def _all(self) -> list[ExecutorProcess]:
         return [self._target] + ([self._draft] if self._draft is not None else [])
 
     def ready(self) -> None:
+        """Wait until every child has built its pool (``ExecutorGone`` for one that did not in time)."""
         for ex in self._all():
             ex.wait_ready()
 
     def settle(self) -> None:
+        """Read every reply still outstanding from each open child (the plans' errors stay on their
+        ``Pending``)."""
         for ex in self._all():
             if not ex.closed:
                 ex.drain()
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Every child's token table: slot ``dst``'s first ``length`` KV locations become ``src``'s."""
         for ex in self._all():
             ex.share_prefix(src, dst, length)
 
     def cancel_outstanding(self, reason: str) -> None:
+        """Cancel, in each open child's ledger, the tickets admitted there that did not run."""
         for ex in self._all():
             if not ex.closed:
                 ex.cancel_outstanding(reason)
 
     def busy_intervals(self) -> list[tuple[float, float]]:
+        """Every child's busy intervals (``time.perf_counter`` seconds), one per reply read."""
         return [iv for ex in self._all() for iv in ex.busy]
 
     def waited_seconds(self) -> float:
+        """Seconds the caller spent blocked on the children's replies, over every child."""
         return sum(ex.waited for ex in self._all())
 
     def close(self) -> None:
+        """Stop every child after the plans already sent; returns None (no group of ranks to report on)."""
         for ex in self._all():
             ex.close()
 
@@ -606,6 +621,7 @@ class Processes:
         return "Processes()" if self.threads is None else f"Processes(threads={self.threads})"
 
     def refusal(self, models: Mapping[PoolId, ServedModel[Any]], *, retries: int) -> str | None:
+        """Never refuses: any served model can run in an executor process."""
         return None
 
     def open(

@@ -1,9 +1,9 @@
 """The sampler: the one place where a token is chosen from logits.
 
-``sample`` is what every backend applies to a forward's logits today (``backend.executor``, and
-the model hooks' verify and draft proposal through ``greedy_or_flag``); the engine only reads
-tokens (``ir.results``). The sampled path below (``RowParams``, ``distribution``, ``sample_rows``,
-``rejection_sample``) is library code the engine is not wired to yet.
+``sample`` is the greedy path: what a backend applies to a forward's logits when every row is
+greedy (``backend.plan_sampling``, ``backend.executor``); the engine only reads tokens
+(``ir.results``). The sampled path below (``RowParams``, ``distribution``, ``sample_rows``,
+``rejection_sample``) is what ``backend.plan_sampling`` applies to a plan whose rows sample.
 
 Greedy tokens say when the logits behind them were not finite.
 
@@ -213,6 +213,7 @@ class RowParams:
 
     @functools.cached_property
     def greedy(self) -> torch.Tensor:
+        """Per row, whether it is greedy (temperature 0): a bool tensor."""
         return self.temperature == 0
 
     @functools.cached_property
@@ -281,6 +282,8 @@ class Distribution:
 
     @property
     def probs(self) -> torch.Tensor:
+        """Every row's probabilities ``[rows, vocab]`` (float32): a sampled row's own, a greedy row's
+        one-hot at its ``top`` (all zeros for a ``NON_FINITE`` row); made dense on first use."""
         if self._probs is None:
             self._probs = self._dense()
         return self._probs

@@ -20,6 +20,8 @@ from ir.head import HeadCommitBatch, HeadExtendPlan
 from ir.plan import DecodePlan, ExtendPlan
 from ir.spec import DraftBatch, DraftExtendBatch, VerifyBatch
 
+__all__ = ["Captures", "StagedDecode", "StagedExtend", "StagedWindow", "stage_decode", "stage_extend", "stage_window"]
+
 
 @attrs.frozen(kw_only=True, eq=False)
 class Captures:
@@ -37,6 +39,17 @@ class Captures:
 
 @attrs.frozen(kw_only=True, eq=False)
 class StagedExtend:
+    """An extend-shaped plan's columns as int64 tensors on the pool's device: what a model hook's
+    ``forward`` (and a head hook's ``extend``) reads for a prefill chunk.
+
+    Per request ``i`` of ``n``: ``slots[i]`` (its state row), ``prefix_lens[i]`` (tokens already in
+    its state) and ``cu_seqlens`` (``[n + 1]``, cumulative chunk lengths from 0: request ``i`` owns
+    tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``). Per token, packed in request order: ``input_ids``,
+    ``positions`` (token ``j`` of request ``i`` is at ``prefix_lens[i] + j``) and ``kv_locs`` (where its
+    keys and values go). ``captures``: the states the hook must store inside the chunk, or ``None``.
+    The tensors are the hook's inputs, never its scratch: an executor that watches (``BATCHC_VERIFY=2``)
+    reports a hook that writes one."""
+
     slots: torch.Tensor
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -49,27 +62,35 @@ class StagedExtend:
 
 @attrs.frozen(eq=False)
 class StagedDecode:
+    """A decode plan's columns as one ``[5, n]`` int64 tensor on the pool's device, one column per
+    request; the fields are views of its rows, made on access. A model hook reads it, never writes it."""
+
     packed: torch.Tensor
     """``[5, n]``: slots, input ids, positions (``seq_lens - 1``), KV locations, sequence lengths."""
 
     @property
     def slots(self) -> torch.Tensor:
+        """``[n]``: each request's state row."""
         return self.packed[0]
 
     @property
     def input_ids(self) -> torch.Tensor:
+        """``[n]``: the token each request feeds (the one generated last)."""
         return self.packed[1]
 
     @property
     def positions(self) -> torch.Tensor:
+        """``[n]``: the position of that token, ``seq_lens - 1``."""
         return self.packed[2]
 
     @property
     def kv_locs(self) -> torch.Tensor:
+        """``[n]``: where that token's keys and values go."""
         return self.packed[3]
 
     @property
     def seq_lens(self) -> torch.Tensor:
+        """``[n]``: each request's length with that token, so its context is ``seq_lens`` positions."""
         return self.packed[4]
 
 
@@ -79,7 +100,8 @@ def _to_device(packed: npt.NDArray[np.int64], device: torch.device) -> torch.Ten
 
 
 def stage_decode(plan: DecodePlan, device: torch.device, input_ids: npt.NDArray[np.int64] | None = None) -> StagedDecode:
-    """``input_ids``: the resolved inputs of a plan that names them (``DecodePlan.inputs_from``)."""
+    """``plan``'s columns as one ``StagedDecode`` on ``device`` (one host-to-device copy).
+    ``input_ids``: the resolved inputs of a plan that names them (``DecodePlan.inputs_from``)."""
     tokens = plan.input_ids if input_ids is None else input_ids
     n = plan.slots.shape[0]  # (one concatenate: np.stack is a Python-level wrapper around it)
     packed = np.concatenate((plan.slots, tokens, plan.seq_lens - 1, plan.kv_locs, plan.seq_lens)).reshape(5, n)
@@ -87,6 +109,8 @@ def stage_decode(plan: DecodePlan, device: torch.device, input_ids: npt.NDArray[
 
 
 def stage_extend(plan: ExtendPlan | DraftExtendBatch | HeadExtendPlan | HeadCommitBatch, device: torch.device) -> StagedExtend:
+    """``plan``'s columns as one ``StagedExtend`` on ``device``: one packed host array, one
+    host-to-device copy (on the CPU, tensors cut from a fresh array, valid after the next staging)."""
     n, tokens = plan.num_requests, plan.input_ids.shape[0]
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(plan.extend_lens, out=cu[1:])
@@ -126,6 +150,8 @@ class StagedWindow:
 
 
 def stage_window(batch: DraftBatch | VerifyBatch, device: torch.device) -> StagedWindow:
+    """A draft's or verify's rows as one ``StagedWindow`` on ``device``: the window of ``k + 1``
+    positions from ``seq_lens - 1``, in one host-to-device copy."""
     n, w = batch.num_requests, batch.k + 1
     positions = (batch.seq_lens - 1)[:, None] + np.arange(w, dtype=np.int64)[None, :]
     ids = batch.input_ids if isinstance(batch, DraftBatch) else batch.input_ids.reshape(n, w)

@@ -18,8 +18,6 @@ all; the executor returns the ticket to outstanding in that case.
   forward captured there instead (``backend.staging.Captures``: a row of a capture pool, moved by
   ``copy_rows``, the same kernel between two buffers).
 
-- ``MambaSnapshot``: each source row into its cache row, one launch of the same kernel, copies only.
-
 ``apply_counts_op`` applies the same op to an executor's token counts (``backend.counts``: the
 penalties' per-slot state, which starts as the slot's Mamba state does, on the same ticket): a clear
 zeroes the rows, a copy (COW or snapshot) copies them. It runs before ``apply_op`` on the same claimed
@@ -42,6 +40,8 @@ from backend.pool import MambaStatePool
 from backend.staging import Captures
 from ir.errors import PlanExecutionError
 from ir.init import MambaInit, MambaSnapshot, Op, op_decl, op_groups, op_writes
+
+__all__ = ["apply_counts_op", "apply_op", "check_fits", "restoring"]
 
 
 def check_fits(pool: MambaStatePool, op: Op) -> None:

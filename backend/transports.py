@@ -17,6 +17,8 @@ from backend.boundary import Transport
 if TYPE_CHECKING:
     from backend.tp.serve import TPLeader
 
+__all__ = ["in_process", "processes", "tensor_parallel"]
+
 
 def in_process() -> Transport:
     """Every pool's executor in this process (the engine's default)."""

@@ -40,6 +40,8 @@ from ir.printer import dump
 from ir.verify import VerifyLevel, parse_verify_level, verify
 from passes.registry import REGISTRY, spec_of
 
+__all__ = ["PassError", "PassManager", "PassTiming", "check_dump_dir", "settings_from_env"]
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -52,6 +54,10 @@ _HISTORY = 8
 
 
 class PassError(BatchcError):
+    """A pass (or the verification of its output) raised: names the pass, the passes that ran before it
+    in this manager (``before``, the last 8) and an excerpt of its first IR argument's dump
+    (``excerpt``). The original exception is ``error`` and the ``__cause__``."""
+
     def __init__(self, pass_name: str, before: tuple[str, ...], excerpt: str, error: BaseException) -> None:
         self.pass_name = pass_name
         self.before = before
@@ -79,6 +85,8 @@ def _excerpt(node: object) -> str:
 
 @attrs.frozen
 class PassTiming:
+    """One pass's total over a manager's runs: how many calls and their wall time in seconds."""
+
     calls: int
     seconds: float
 
@@ -134,6 +142,17 @@ def _write_dump(path: Path, text: str) -> None:
 
 
 class PassManager:
+    """Runs passes: the one way the typed steps (``compiler.steps.Pipeline``) call them.
+
+    ``run(pass_fn, *args)`` is typed through the pass's own signature, so mypy checks each call as if
+    the pass were called directly; it refuses a function that is not a registered pass
+    (``passes.registry``). Around each call it verifies the output at ``verify_level``, writes its dump
+    to ``dump_dir`` (when set; files named ``<seq>-<pass>.txt``, never written through a link), keeps
+    it in ``trace`` (with ``record=True``) and adds the pass's time to ``timings()``; any failure
+    comes back as a ``PassError`` naming the pass. Arguments are checked at construction:
+    ``verify_level`` 0, 1 or 2 (``ValueError``), a ``dump_dir`` that is a link, not a folder or holds a
+    link is a ``SettingsError``. It holds no lock: one thread at a time uses a manager."""
+
     def __init__(self, *, verify_level: int = VerifyLevel.LAST, dump_dir: Path | str | None = None, record: bool = False) -> None:
         if isinstance(verify_level, bool) or verify_level not in (0, 1, 2):
             raise ValueError(f"verify_level must be 0, 1 or 2 (a VerifyLevel), got {verify_level!r}")
@@ -195,6 +214,8 @@ class PassManager:
 
     @property
     def verify_level(self) -> VerifyLevel:
+        """How much ``run`` verifies: ``OFF``, ``LAST`` (outputs of passes that end a step) or ``EVERY_PASS``.
+        Settable."""
         return self._verify_level
 
     @verify_level.setter
@@ -206,7 +227,9 @@ class PassManager:
         """Verify the output of a pass that ends a step."""
 
     def timings(self) -> dict[str, PassTiming]:
+        """Per pass name, its calls and total seconds since the manager was built or last reset."""
         return {k: PassTiming(calls, ns / 1e9) for k, (calls, ns) in self._spent.items()}
 
     def reset_timings(self) -> None:
+        """Forget the timings gathered so far."""
         self._spent.clear()

@@ -39,6 +39,8 @@ from ir.columns import first_bad_int, int_problem, plain_ints
 from ir.errors import BatchcError, short_repr
 from ir.ids import MambaSlot
 
+__all__ = ["CacheEntry", "CacheStats", "PrefixCache", "PrefixCacheError"]
+
 
 class PrefixCacheError(BatchcError, ValueError):
     """The prefix cache's protocol was misused (an unpin of an entry not pinned, an insert without
@@ -47,6 +49,9 @@ class PrefixCacheError(BatchcError, ValueError):
 
 @attrs.define(kw_only=True)
 class CacheEntry:
+    """One cached prefix: the cache ``slot`` holding the state after ``tokens`` (in every pool), the KV
+    locations of those tokens, and how many requests pin it (a pinned entry is never evicted)."""
+
     slot: MambaSlot
     tokens: tuple[int, ...]
     kv_locs: tuple[int, ...]
@@ -55,6 +60,9 @@ class CacheEntry:
 
 @attrs.define
 class CacheStats:
+    """The cache's counters: ``lookups`` and their ``hits`` (and the prompt tokens the hits covered),
+    ``snapshots`` inserted and ``evictions``."""
+
     lookups: int = 0
     hits: int = 0
     hit_tokens: int = 0
@@ -63,10 +71,17 @@ class CacheStats:
 
     @property
     def hit_rate(self) -> float:
+        """The share of lookups that hit (0.0 before any lookup)."""
         return self.hits / self.lookups if self.lookups else 0.0
 
 
 class PrefixCache:
+    """The prefix cache's bookkeeping (see the module): which prefixes are worth a snapshot, which are
+    cached in which slot, in LRU order, and which are pinned. ``capacity`` entries at most (reserved
+    ones count), prefixes cut at multiples of ``block`` tokens; both ints >= 1, else
+    ``PrefixCacheError``. It holds no tensor and allocates nothing: the engine owns the slots and KV
+    references and calls it through ``compiler.engine.cache_session``."""
+
     def __init__(self, *, capacity: int, block: int = 16) -> None:
         for name, value in (("capacity", capacity), ("block", block)):
             problem = int_problem(value)
@@ -86,6 +101,7 @@ class PrefixCache:
         return len(self._entries)
 
     def entries(self) -> tuple[CacheEntry, ...]:
+        """The cached entries, least recently used first."""
         return tuple(self._entries.values())
 
     def observed(self) -> dict[tuple[int, ...], int]:
@@ -203,6 +219,7 @@ class PrefixCache:
         return None
 
     def cancel_plan(self, tokens: Sequence[int]) -> None:
+        """Drop the promise ``plan_snapshot`` made for the prefix ``tokens`` (nothing if there is none)."""
         self._planned.discard(self._tokens("cancel_plan", "tokens", tokens))
 
     def reserve_room(self) -> bool:
@@ -213,6 +230,7 @@ class PrefixCache:
         return True
 
     def release_room(self) -> None:
+        """Give back a reservation ``reserve_room`` made (``PrefixCacheError`` when there is none)."""
         if self._reserved <= 0:
             raise PrefixCacheError("release_room without a reservation")
         self._reserved -= 1
@@ -250,6 +268,7 @@ class PrefixCache:
         entry.pins += 1
 
     def unpin(self, entry: CacheEntry) -> None:
+        """Undo one ``pin`` of ``entry`` (one of this cache's); ``PrefixCacheError`` if it is not pinned."""
         entry = self._cached("unpin", entry)
         if entry.pins <= 0:
             raise PrefixCacheError(f"unpin of cache slot {entry.slot}, which is not pinned")

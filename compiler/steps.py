@@ -55,15 +55,35 @@ from passes.prepare_for_head_commit import prepare_for_head_commit
 from passes.prepare_for_head_extend import prepare_for_head_extend
 from passes.prepare_for_verify import prepare_for_verify
 
+__all__ = ["Pipeline", "TicketRegistry"]
+
 
 class TicketRegistry(Protocol):
     """Where a lowered plan's one-shot tickets are registered before any backend sees them
     (``backend.ledger.Ledger`` is one): compiling a step needs no runtime object."""
 
-    def register(self, tickets: Iterable[Ticket[Op]]) -> None: ...
+    def register(self, tickets: Iterable[Ticket[Op]]) -> None:
+        """Expect each of ``tickets`` to be consumed exactly once (``backend.ledger.Ledger.register``)."""
+        ...
 
 
 class Pipeline:
+    """The typed steps of one engine: each method runs a fixed sequence of passes through the pass
+    manager and returns the batch (the scheduler's state) and, where a forward runs, its plan.
+
+    What it guarantees: every edge of the lifecycle is type-checked (a method takes exactly the IR
+    types its passes take, so a prefill's init ops cannot reach a decode, a draft extend or a commit);
+    every pass runs through ``pm`` (verification, dumps and timings as its settings say); and every
+    one-shot ticket of a lowered plan is registered with ``ledger`` before the plan is returned, so
+    the backend can claim it once and a ticket never consumed is reported. It runs no forward and
+    holds no runtime object: the caller hands the plans to a backend and feeds their results back
+    (``verify`` takes the draft's ``Proposals``, ``commit`` the target's tokens, ``head_extend`` and
+    ``head_commit`` the hidden-state handles). A pass that refuses its input raises through the
+    manager as ``PassError`` (the pass's own error chained), before anything is registered.
+
+    ``lower_ctx`` (default: the target's pool only) says which pools a prefill's init ops are lowered
+    for; ``pm`` defaults to ``PassManager.from_env()``."""
+
     def __init__(self, ledger: TicketRegistry, lower_ctx: LowerContext | None = None, pm: PassManager | None = None) -> None:
         self.ledger = ledger
         self.lower_ctx = lower_ctx if lower_ctx is not None else LowerContext()
@@ -110,19 +130,30 @@ class Pipeline:
         return out, plan
 
     def filter_decode(self, batch: DecodeBatch, drop: Iterable[RequestId]) -> DecodeBatch:
+        """``batch`` without the requests in ``drop`` (finished or aborted; ids not in it are ignored);
+        ``batch`` itself when nothing is dropped."""
         return self.pm.run(filter_batch, batch, drop)
 
     def filter_extend(self, batch: ExtendBatch, drop: Iterable[RequestId]) -> ExtendBatch:
+        """``batch`` without the requests in ``drop``, their init ops with them (the ``MambaInit`` keeps its
+        serial, or becomes ``None`` when no op is left); ``batch`` itself when nothing is dropped."""
         return self.pm.run(filter_batch, batch, drop)
 
     def merge(
         self, running: DecodeBatch, prefilled: ExtendBatch | spec.DraftCommitBatch | spec.CommitBatch | spec.DraftExtendBatch | DecodeBatch
     ) -> DecodeBatch:
+        """The running decode batch with ``prefilled`` joined, once its forward has run: the prefilled
+        requests whose prompt is complete (chunked ones stay out), or the rows of a speculative
+        iteration's last phase with the tokens they committed. A prefill's init ops have nowhere to go
+        in a ``DecodeBatch``."""
         return self.pm.run(merge_batch, running, prefilled)
 
     # -- speculative decoding: one iteration = draft, verify, accept + commit, draft commit --------
 
     def draft(self, running: DecodeBatch, ctx: SpecContext) -> tuple[spec.DraftBatch, spec.DraftPlan]:
+        """Speculative step 1: the draft batch and plan that feed each running request's pending token
+        (``ctx`` has the pending tokens and ``k + 1`` fresh KV locations per row); the draft's id names
+        the states its proposal keeps."""
         batch = self.pm.run(prepare_for_draft, running, ctx)
         plan: spec.DraftPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
@@ -139,17 +170,26 @@ class Pipeline:
         return batch, plan
 
     def commit(self, verify: spec.VerifyBatch, target_tokens: I64) -> tuple[spec.AcceptResult, spec.CommitBatch, spec.CommitPlan]:
+        """Speculative steps 3 and 4: accept the proposals the target's tokens agree with (greedy:
+        ``passes.accept``), and the commit batch and plan that make each row's state at its accepted
+        position the committed one; the rejected positions' KV locations are in the batch's
+        ``released_kv``."""
         result = self.pm.run(accept, verify, target_tokens)
         batch = self.pm.run(commit, verify, result)
         plan: spec.CommitPlan = self.pm.run(lower, batch, self.lower_ctx)
         return result, batch, plan
 
     def draft_commit(self, committed: spec.CommitBatch, draft: spec.DraftBatch) -> tuple[spec.DraftCommitBatch, spec.DraftCommitPlan]:
+        """Speculative step 5, with a draft model whose proposal kept its states: commit the draft's state
+        at each row's accepted position (no draft forward runs). ``draft`` must be the iteration's draft,
+        row for row."""
         batch = self.pm.run(prepare_for_draft_commit, committed, draft)
         plan: spec.DraftCommitPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
 
     def draft_extend(self, committed: spec.CommitBatch) -> tuple[spec.DraftExtendBatch, spec.DraftExtendPlan]:
+        """Speculative step 5, the alternative to ``draft_commit``: a catch-up forward of the draft model
+        over the tokens the target committed in this iteration."""
         batch = self.pm.run(prepare_for_draft_extend, committed)
         plan: spec.DraftExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan

@@ -18,11 +18,20 @@ from ir.errors import BatchcError
 from ir.ids import RequestId
 from ir.sampling import GREEDY, SamplingParams
 
+__all__ = [
+    "ARRIVALS", "BENCH_SERVE_NEW_TOKENS", "BENCH_SERVE_REPEATS", "BENCH_SERVE_REQUESTS", "BURST_EVERY", "BURST_SIZE", "BYTE_VOCAB", "DEFAULT_CONTEXT",
+    "LONGEST_BUILTIN_PROMPT", "MAX_ARRIVAL", "MAX_BODY_SNIPPETS", "MAX_CONTEXT", "MAX_K", "MAX_REQUESTS", "MAX_RUNNING", "MAX_SEED",
+    "MAX_SERVE_BYTES", "MAX_THREADS", "MAX_WORKLOAD_BYTES", "SNIPPETS", "SWEEP_NEW_TOKENS", "SWEEP_RUNNING", "SYSTEM_PREFIXES", "Request",
+    "ServeError", "WorkloadError", "completion_rid", "context_overflow",
+]
+
 ARRIVALS = ("bursts", "trickle")
 """Arrival patterns of the built-in workload (``compiler.offline.builtin_workload``)."""
 
 BURST_SIZE = 8
+"""Requests per burst of the built-in workload's ``bursts`` arrivals."""
 BURST_EVERY = 20
+"""Scheduler steps between two bursts of the built-in workload's ``bursts`` arrivals."""
 MAX_BODY_SNIPPETS = 6
 """A built-in request body is 1 to this many snippets."""
 
@@ -69,6 +78,7 @@ SYSTEM_PREFIXES: tuple[bytes, ...] = (
     b"You are a careful Python reviewer. Answer briefly.\n",
     b"Translate the following comment into plain English:\n",
 )
+"""The system prefixes about two thirds of the built-in requests start with (shared, so cached)."""
 SNIPPETS: tuple[bytes, ...] = (
     b"def merge(a, b):\n    return sorted(a + b)\n",
     b"for i in range(10):\n    print(i * i)\n",
@@ -79,6 +89,7 @@ SNIPPETS: tuple[bytes, ...] = (
     b"async def fetch(url):\n    return await client.get(url)\n",
     b"import itertools\npairs = list(itertools.combinations(items, 2))\n",
 )
+"""The Python snippets built-in request bodies are made of."""
 
 
 MAX_ARRIVAL = 1_000_000

@@ -51,6 +51,13 @@ from ir.errors import IRValidationError
 from ir.init import InitIntent, MambaInit, MambaSnapshot
 from ir.sampling import SamplingRows
 
+__all__ = [
+    "ExtendBatch",
+    "DecodeBatch",
+    "MixedBatch",
+    "IdleBatch",
+]
+
 
 def intents_tuple(node: str, values: object) -> tuple[InitIntent, ...]:
     """Converter of a prefill-shaped node's ``intents``: a tuple of ``InitIntent`` (errors name ``node``)."""
@@ -109,6 +116,8 @@ class ExtendBatch(ColumnNode, RequestRows):
 
     @property
     def num_tokens(self) -> int:
+        """The prompt tokens this forward processes, over all rows: ``sum(extend_lens)``, the length
+        of ``input_ids`` and ``kv_locs``."""
         return int(self.input_ids.shape[0])
 
 
@@ -153,6 +162,8 @@ class MixedBatch(Composite):
 
     @property
     def init(self) -> MambaInit | None:
+        """The extend part's ``MambaInit`` (``None`` when its rows need no init op): a mixed batch
+        runs the init ops of its prefills only, never of its decodes."""
         return self.extend.init
 
 

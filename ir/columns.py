@@ -473,6 +473,8 @@ def check_max(node: object, name: str, arr: I64, maximum: int | I64, what: str =
 
 
 def check_min(node: object, name: str, arr: I64, minimum: int) -> None:
+    """Every value of ``arr`` is ``>= minimum``; else ``IRValidationError`` naming ``node``, the field
+    ``name`` and the first value below it."""
     if not arr.size:
         return
     small = _small_ints(arr)
@@ -639,6 +641,10 @@ def shown_of(field: Any) -> tuple[ColumnDecl | None, Shown | None]:  # (attrs.At
 
 
 def _column(*, converter: object, metadata: Mapping[str, object] | None = None, **kwargs: Any) -> Any:
+    """Declare a column field of a ``ColumnNode``: ``attrs.field`` with a converter (``as_i64``,
+    ``as_bool`` or ``as_f64``), the declaration from ``per(...)`` in ``metadata``, and the by-contents
+    equality (``column_key``); the other keyword arguments go to ``attrs.field``. Refuses (``TypeError``,
+    when the class is defined) any other converter, and metadata that did not come from ``per``."""
     decl = (metadata or {}).get(_DECL, ColumnDecl())
     if converter is not _as_i64 and converter is not _as_bool and converter is not _as_f64:
         raise TypeError(f"column: converter must be as_i64, as_bool or as_f64, not {converter!r}")
@@ -929,6 +935,8 @@ class Composite(Node):
 
     @property
     def num_requests(self) -> int:
+        """The rows of the node: the ``num_requests`` of its required parts that hold columns, summed
+        (a mixed node's extend rows plus its decode rows; 0 when it has no such part)."""
         return sum(
             int(getattr(self, p.name).num_requests)
             for p in self._node_parts()
@@ -960,6 +968,8 @@ class ColumnNode(Node):
 
     @property
     def num_requests(self) -> int:
+        """The rows of the node: the length of its first ``REQUEST`` column. A node class without a
+        per-request column raises ``TypeError``."""
         rows = type(self)._rows_of
         if rows is None:
             raise TypeError(f"{type(self).__name__} has no per-request column")
@@ -979,10 +989,13 @@ class RequestRows:
 
     @property
     def rids(self) -> I64:
+        """The request id of each row, in row order: a read-only int64 column (the node's field, or
+        its parts' columns joined)."""
         raise NotImplementedError  # the node's column field
 
     @property
     def slots(self) -> I64:
+        """The Mamba state slot of each row, aligned with ``rids``: a read-only int64 column of slots >= 1."""
         raise NotImplementedError  # the node's column field
 
     def rid_list(self) -> list[RequestId]:

@@ -15,6 +15,25 @@ Every error a user can trigger derives from ``BatchcError`` and names the bad va
 
 from __future__ import annotations
 
+__all__ = [
+    "BatchcError",
+    "IRValidationError",
+    "IRVerificationError",
+    "ResourceError",
+    "ResourceReplayError",
+    "ResourceLeakError",
+    "WrongPoolError",
+    "UnknownTicketError",
+    "TicketMismatchError",
+    "SlotError",
+    "PlanExecutionError",
+    "PreconditionError",
+    "MutationError",
+    "EngineStoppedError",
+    "SettingsError",
+    "short_repr",
+]
+
 
 class BatchcError(Exception):
     """Base of every error batchc raises on purpose."""

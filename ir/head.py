@@ -66,6 +66,15 @@ from ir.linear import linear
 from ir.plan import Ticketed, check_tickets, ticket_tuple
 from ir.spec import check_k
 
+__all__ = [
+    "HeadExtendBatch",
+    "HeadExtendPlan",
+    "HeadCommitBatch",
+    "HeadCommitPlan",
+    "HeadBatch",
+    "HeadPlan",
+]
+
 
 def _check_hidden(node: str, value: object) -> None:
     if check_int(node, "hidden_id", value) < 1:
@@ -110,6 +119,8 @@ class HeadExtendBatch(ColumnNode, RequestRows):
 
     @property
     def num_tokens(self) -> int:
+        """The tokens this forward of the head processes, over all rows: ``sum(extend_lens)``, the
+        length of ``input_ids``."""
         return int(self.input_ids.shape[0])
 
 

@@ -55,6 +55,12 @@ from ir.linear import linear
 from ir.plan import ExtendPlan, MixedPlan
 from ir.spec import VerifyPlan
 
+__all__ = [
+    "HiddenSource",
+    "HiddenStates",
+    "asked_hidden",
+]
+
 
 class HiddenSource(enum.Enum):
     """Which target forward produced a ``HiddenStates``."""

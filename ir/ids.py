@@ -18,6 +18,21 @@ from __future__ import annotations
 
 from typing import NewType
 
+__all__ = [
+    "RequestId",
+    "MambaSlot",
+    "KVLoc",
+    "PoolId",
+    "TicketSerial",
+    "SampleId",
+    "DraftId",
+    "VerifyId",
+    "HiddenId",
+    "PADDING_SLOT",
+    "TARGET_POOL",
+    "DRAFT_POOL",
+]
+
 RequestId = NewType("RequestId", int)
 """Engine-assigned id of a request; unique among live requests."""
 

@@ -54,6 +54,39 @@ from ir.errors import IRValidationError
 from ir.ids import MambaSlot, PoolId, TicketSerial
 from ir.linear import linear
 
+__all__ = [
+    "SERIAL_COUNTER_BITS",
+    "EPOCH_BITS",
+    "mint_serial",
+    "minted_here",
+    "serial_epoch",
+    "this_epoch",
+    "InitIntent",
+    "When",
+    "Rows",
+    "OpDecl",
+    "SlotGroup",
+    "MambaInit",
+    "MambaSnapshot",
+    "BeforeOp",
+    "AfterOp",
+    "Op",
+    "OP_TYPES",
+    "op_decl",
+    "op_groups",
+    "op_reads",
+    "op_writes",
+    "op_slots",
+    "op_plan_rows",
+    "op_resets",
+    "op_counts",
+    "op_when",
+    "op_text",
+    "Ticket",
+    "InitTicket",
+    "SnapshotTicket",
+]
+
 SERIAL_COUNTER_BITS = 32
 """A serial is ``epoch << 32 | counter``: the high bits are this process's epoch, the low bits count."""
 _COUNTER_MASK = (1 << SERIAL_COUNTER_BITS) - 1
@@ -282,10 +315,13 @@ class MambaInit(Node):
 
     @property
     def is_empty(self) -> bool:
+        """No slot is cleared and none is copied. A prefill node refuses an empty ``MambaInit``: it
+        holds ``None`` instead."""
         return not self.clear_slots and not self.cow_dst
 
     @property
     def num_ops(self) -> int:
+        """The ops of this forward: one per cleared slot and one per copy."""
         return len(self.clear_slots) + len(self.cow_dst)
 
 
@@ -452,6 +488,8 @@ _COUNTS: dict[type, tuple[tuple[str, Callable[[Op], tuple[MambaSlot, ...]] | Non
 
 
 def op_when(op: Op) -> When:
+    """Whether ``op`` runs before the forward of its plan (``When.BEFORE``) or after it (``When.AFTER``),
+    as its kind declares."""
     return op_decl(op).when
 
 
@@ -525,6 +563,7 @@ class Ticket(Node, Generic[OpT]):
 
     @property
     def serial(self) -> TicketSerial:
+        """The serial of the ticket's op: with ``pool``, the key the ledger knows the ticket by."""
         return self.op.serial
 
     def __str__(self) -> str:

@@ -2,7 +2,7 @@
 
 A plan that carries one-shot tickets may be consumed once per executor, and must not outlive the
 step that lowered it: the ledger refuses a second consumption at run time, and these markers let
-mypy refuse the code that would attempt one (README, "Linear use, checked by mypy").
+mypy refuse the code that would attempt one (batchc's guide "The linearity checker in your mypy CI").
 
 - ``@linear`` declares a class linear: a value of it (or of a type holding one: a union, a tuple,
   a container of it) is tracked by the plugin. The IR declares ``Ticket`` (``InitTicket``, ``SnapshotTicket``),
@@ -24,6 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+__all__ = [
+    "linear",
+    "keeps_linear",
+    "consumes",
+    "ConsumesOn",
+    "consumes_on",
+    "stash",
+]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])

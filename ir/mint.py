@@ -13,6 +13,13 @@ from __future__ import annotations
 from ir.ids import DraftId, HiddenId, SampleId, VerifyId
 from ir.init import mint_serial
 
+__all__ = [
+    "mint_sample_id",
+    "mint_draft_id",
+    "mint_verify_id",
+    "mint_hidden_id",
+]
+
 
 def mint_sample_id() -> SampleId:
     """A fresh id for the tokens one forward samples (``DecodePlan.sample_id``)."""

@@ -1,7 +1,7 @@
 """A mypy plugin that checks linear use of one-shot values: ``plugins = ["ir.mypy_linear"]``.
 
 The ledger refuses a replayed ticket at run time; this plugin refuses, at type-check time, the two
-shapes of code that lead there (README, "Linear use, checked by mypy"):
+shapes of code that lead there (batchc's guide "The linearity checker in your mypy CI"):
 
 - ``linear-reuse``: within one function body, a linear value bound to a name (or read from a field
   of one: ``result.hidden``, the same field path of the same binding) flows to two consuming
@@ -104,7 +104,11 @@ from mypy.plugin import AttributeContext, ClassDefContext, FunctionContext, Meth
 from mypy.plugins.default import DefaultPlugin
 from mypy.types import Instance, TupleType, Type, UnionType, get_proper_type
 
-DOCS: Final = "README.md#linear-use-checked-by-mypy"
+GUIDE: Final = "The linearity checker in your mypy CI"
+"""The title of the plugin's guide in batchc's documentation (docs/guides/linearity-checker.md)."""
+DOCS: Final = f'the batchc guide "{GUIDE}", or: python -m pydoc ir.mypy_linear'
+"""Where every message of the plugin points: by names that mean something wherever batchc is installed
+(the guide's title, and this module's docstring, which ships with the package), not a path of batchc's repository."""
 LINEAR_REUSE: Final = ErrorCode("linear-reuse", "A one-shot value consumed twice on one executor", "batchc")
 LINEAR_ESCAPE: Final = ErrorCode("linear-escape", "A one-shot value stored where it outlives the step", "batchc")
 LINEAR_MARK: Final = ErrorCode("linear-mark", "A linear-use marker the check cannot honour", "batchc")
@@ -784,4 +788,4 @@ def plugin(version: str) -> type[Plugin]:
     return LinearPlugin
 
 
-__all__ = ["DOCS", "LINEAR_ESCAPE", "LINEAR_MARK", "LINEAR_REUSE", "Flow", "LinearPlugin", "linear_in", "plugin"]
+__all__ = ["DOCS", "GUIDE", "LINEAR_ESCAPE", "LINEAR_MARK", "LINEAR_REUSE", "Flow", "LinearPlugin", "linear_in", "plugin"]

@@ -15,6 +15,12 @@ from ir.head import HeadBatch, HeadPlan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import SpecBatch, SpecPlan
 
+__all__ = [
+    "Batch",
+    "Plan",
+    "NODE_TYPES",
+]
+
 Batch: TypeAlias = ExtendBatch | DecodeBatch | MixedBatch | IdleBatch | SpecBatch | HeadBatch
 Plan: TypeAlias = ExtendPlan | DecodePlan | MixedPlan | IdlePlan | SpecPlan | HeadPlan
 

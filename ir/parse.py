@@ -43,6 +43,12 @@ from ir.columns import Composite
 from ir.errors import BatchcError, IRValidationError
 from ir.printer import PRINTABLE, Layout, Printable, Word, layout
 
+__all__ = [
+    "ParseError",
+    "parse",
+    "parse_all",
+]
+
 
 class ParseError(BatchcError, ValueError):
     """Text that is not the form ``ir.printer.dump`` writes; ``line`` (1-based) and ``token`` locate it."""

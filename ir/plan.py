@@ -52,6 +52,14 @@ from ir.init import OP_TYPES, InitTicket, Op, SnapshotTicket, Ticket, When, op_w
 from ir.linear import linear
 from ir.sampling import SamplingRows
 
+__all__ = [
+    "Ticketed",
+    "ExtendPlan",
+    "DecodePlan",
+    "MixedPlan",
+    "IdlePlan",
+]
+
 
 def ticket_tuple(node: str, field: str, values: object, when: When) -> tuple[object, ...]:
     """A ticket field's converter (``node.field``, holding ops that run ``when``): a tuple of checked
@@ -121,10 +129,14 @@ class Ticketed:
 
     @property
     def tickets(self) -> tuple[InitTicket, ...]:
+        """The tickets of the ops that run before the forward (a ``MambaInit`` each), one per state
+        pool, all of one serial; empty when the forward needs no init op."""
         raise NotImplementedError  # the plan's field
 
     @property
     def snapshots(self) -> tuple[SnapshotTicket, ...]:
+        """The tickets of the ops that run after the forward (a ``MambaSnapshot`` each), one per state
+        pool, all of one serial; empty when the forward snapshots nothing."""
         raise NotImplementedError  # the plan's field
 
     def all_tickets(self) -> tuple[Ticket[Op], ...]:
@@ -136,9 +148,11 @@ class Ticketed:
         return tuple(t for t in self.all_tickets() if t.pool == pool)
 
     def ticket_for(self, pool: PoolId) -> InitTicket | None:
+        """The init ticket addressed to ``pool`` (``None``: the plan runs no init op on that pool)."""
         return next((t for t in self.tickets if t.pool == pool), None)
 
     def snapshot_for(self, pool: PoolId) -> SnapshotTicket | None:
+        """The snapshot ticket addressed to ``pool`` (``None``: the plan snapshots nothing on that pool)."""
         return next((t for t in self.snapshots if t.pool == pool), None)
 
 
@@ -236,6 +250,8 @@ class MixedPlan(Composite, RequestRows):
 
     @property
     def tickets(self) -> tuple[InitTicket, ...]:
+        """The extend part's init tickets: a mixed forward runs the init ops of its prefills, and its
+        decode part has none."""
         return self.extend.tickets
 
     @property

@@ -47,6 +47,13 @@ from ir.request import AdmittedRequest
 from ir.sampling import SamplingRows
 from ir.spec import AcceptResult
 
+__all__ = [
+    "Printable",
+    "PRINTABLE",
+    "dump",
+    "dump_all",
+]
+
 Printable: TypeAlias = Batch | Plan | Op | Ticket[Any] | AdmittedRequest | AcceptResult | SamplingRows
 """Every node ``dump`` prints (and ``ir.parse.parse`` reads)."""
 

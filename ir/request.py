@@ -36,6 +36,14 @@ from ir.errors import IRValidationError
 from ir.ids import MambaSlot, RequestId
 from ir.init import InitIntent
 
+__all__ = [
+    "Clear",
+    "CopyFrom",
+    "Continue",
+    "Intent",
+    "AdmittedRequest",
+]
+
 
 def _check_prefix_len(node: Node, prefix_len: object, what: str) -> None:
     value = check_int(node, "prefix_len", prefix_len)
@@ -54,6 +62,7 @@ class Clear(Node):
 
     @property
     def prefix_len(self) -> int:
+        """0: a fresh slot holds none of the request's tokens."""
         return 0
 
 
@@ -93,6 +102,15 @@ Intent: TypeAlias = Clear | CopyFrom | Continue
 @final
 @attrs.frozen(kw_only=True)
 class AdmittedRequest(ColumnNode):
+    """A request the scheduler admitted for a prefill forward: its id, its Mamba slot, how that slot
+    starts (``intent``), and this forward's chunk of its prompt (``input_ids``, with one KV location
+    per token in ``kv_locs``). ``passes.prepare_for_extend`` builds an ``ExtendBatch`` from a list of them.
+
+    Refused on construction (``IRValidationError`` naming the field): a slot below 1, an empty chunk,
+    a prefix and chunk longer than ``MAX_SEQ_LEN``, ``more_chunks`` that is not a bool, a
+    ``snapshot_to`` that is the request's own slot, a ``snapshot_at`` without ``snapshot_to`` or
+    outside ``[1, len(input_ids)]``."""
+
     rid: RequestId = attrs.field(metadata=shown(name="r"))
     slot: MambaSlot = attrs.field(metadata=shown(name="s"))
     intent: Intent = attrs.field(metadata=shown("intent", tags={c.kind.value: c for c in (Clear, CopyFrom, Continue)}))

@@ -41,6 +41,15 @@ from ir.linear import linear
 from ir.sampling import MAX_LOGPROBS
 from ir.spec import Proposals, check_k
 
+__all__ = [
+    "NON_FINITE",
+    "Logprobs",
+    "Sampled",
+    "Verified",
+    "Ran",
+    "Result",
+]
+
 NON_FINITE = -1
 """The token a sampler gives a row whose logits were not finite (a NaN or an infinity)."""
 

@@ -71,6 +71,25 @@ from ir.linear import linear
 from ir.plan import check_hidden_id
 from ir.sampling import SamplingRows
 
+__all__ = [
+    "MAX_SPEC_K",
+    "check_k",
+    "DraftBatch",
+    "Proposals",
+    "VerifyBatch",
+    "AcceptResult",
+    "CommitBatch",
+    "DraftCommitBatch",
+    "DraftExtendBatch",
+    "DraftPlan",
+    "VerifyPlan",
+    "CommitPlan",
+    "DraftCommitPlan",
+    "DraftExtendPlan",
+    "SpecBatch",
+    "SpecPlan",
+]
+
 MAX_SPEC_K = 64
 """Largest ``k`` (draft tokens per speculative iteration) a node or ``SpecContext`` accepts.
 
@@ -276,6 +295,7 @@ class _BatchPlan(Composite, RequestRows):
 
     @property
     def batch(self) -> SpecBatch:
+        """The batch the plan was lowered from, of its phase's type: everything its forward needs."""
         raise NotImplementedError  # the plan's field
 
     @property
@@ -290,12 +310,18 @@ class _BatchPlan(Composite, RequestRows):
 @final
 @attrs.frozen(kw_only=True)
 class DraftPlan(_BatchPlan):
+    """The plan of a ``DraftBatch``: the draft model proposes ``k`` tokens per row, and keeps the
+    state of each step under the batch's ``draft_id``."""
+
     batch: DraftBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
 class VerifyPlan(_BatchPlan):
+    """The plan of a ``VerifyBatch``: the target scores the ``k + 1`` window positions of every row
+    in one forward, keeping each position's state under the batch's ``verify_id``."""
+
     batch: VerifyBatch
     keep_hidden: HiddenId | None = attrs.field(default=None, metadata=shown("hidden", "#"))
     """The target's hidden states at every window position are kept under this id for the draft
@@ -308,18 +334,27 @@ class VerifyPlan(_BatchPlan):
 @final
 @attrs.frozen(kw_only=True)
 class CommitPlan(_BatchPlan):
+    """The plan of a ``CommitBatch``: the target's state at each row's accepted position becomes its
+    committed state."""
+
     batch: CommitBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
 class DraftCommitPlan(_BatchPlan):
+    """The plan of a ``DraftCommitBatch``: the draft state its proposal kept at each row's accepted
+    position becomes the draft's committed state (no forward runs)."""
+
     batch: DraftCommitBatch
 
 
 @final
 @attrs.frozen(kw_only=True)
 class DraftExtendPlan(_BatchPlan):
+    """The plan of a ``DraftExtendBatch``: the draft model's catch-up forward over each row's accepted
+    tokens, for a draft that keeps no per-step states."""
+
     batch: DraftExtendBatch
 
 

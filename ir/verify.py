@@ -40,6 +40,13 @@ from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitBatch, SpecBatch, SpecPlan
 
+__all__ = [
+    "verify",
+    "VerifyLevel",
+    "parse_verify_level",
+    "verify_level_from_env",
+]
+
 
 def _unique(path: str, arr: I64, what: str) -> None:
     if not has_duplicates(arr):

@@ -56,6 +56,17 @@ from ir.init import OP_TYPES, Ticket
 from ir.linear import linear
 from ir.nodes import Plan
 
+__all__ = [
+    "MAGIC",
+    "WIRE_VERSION",
+    "MAX_MESSAGE_BYTES",
+    "MAX_DEPTH",
+    "WireError",
+    "PlanMessage",
+    "pack",
+    "unpack",
+]
+
 MAGIC: Final = b"BCPL"
 WIRE_VERSION: Final = 2
 """2: plans carry ``keep_hidden`` (``ExtendPlan``, ``VerifyPlan``) and the draft head's plans exist
@@ -96,6 +107,9 @@ class WireError(BatchcError, ValueError):
 @linear  # as one-shot as the plan it carries
 @attrs.frozen(kw_only=True)
 class PlanMessage:
+    """What ``unpack`` returns: the scheduler's ``step`` the message was packed for and the plan it
+    carries, rebuilt through the constructors (as one-shot as a plan: linear for the mypy plugin)."""
+
     step: int
     plan: Plan
 

@@ -18,8 +18,18 @@ from ir.errors import PreconditionError
 from ir.spec import AcceptResult, VerifyBatch
 from passes._args import bad_arg
 
+__all__ = [
+    "accept",
+]
+
 
 def accept(batch: VerifyBatch, target_tokens: I64) -> AcceptResult:
+    """Greedy acceptance of a verify: per row, how many draft tokens the target agrees with and the
+    target's token after them (``AcceptResult``), so a row emits exactly what plain greedy decoding of
+    the target would. ``target_tokens`` is the target's argmax at each of the ``k + 1`` positions of
+    every row, row-major. Refused with ``PreconditionError``: a ``batch`` that is not a
+    ``VerifyBatch``, ``target_tokens`` that is not a 1-D int64 numpy array of
+    ``num_requests * (k + 1)`` non-negative ids (nothing is converted)."""
     if not isinstance(batch, VerifyBatch):
         raise bad_arg("accept", "batch", batch, "a VerifyBatch")
     if not isinstance(target_tokens, np.ndarray):

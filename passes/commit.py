@@ -15,8 +15,16 @@ from ir.errors import PreconditionError
 from ir.spec import AcceptResult, CommitBatch, VerifyBatch
 from passes._args import bad_arg
 
+__all__ = [
+    "commit",
+]
+
 
 def commit(batch: VerifyBatch, result: AcceptResult) -> CommitBatch:
+    """The target's commit after a verify: row ``i`` commits the state the verify kept at position
+    ``result.accepted[i]`` (named by ``batch.verify_id``), and the KV locations of the positions after
+    it are listed in ``released_kv`` to be freed. Refused with ``PreconditionError``: arguments of
+    other types, a result with another row count, or one accepting more than ``k`` drafts."""
     if not isinstance(batch, VerifyBatch):
         raise bad_arg("commit", "batch", batch, "a VerifyBatch")
     if not isinstance(result, AcceptResult):

@@ -27,6 +27,10 @@ from ir.init import MambaInit, MambaSnapshot
 from ir.sampling import rows_take
 from passes._args import bad_arg
 
+__all__ = [
+    "filter_batch",
+]
+
 B = TypeVar("B", ExtendBatch, DecodeBatch)
 
 
@@ -60,6 +64,12 @@ def _keep_mask(rids: I64, drop: I64) -> BoolArray:
 
 
 def filter_batch(batch: B, drop: Iterable[RequestId]) -> B:
+    """``batch`` without the requests in ``drop`` (finished or aborted), of the same type and in the
+    same order; ``batch`` itself when nothing is dropped (ids not in the batch are ignored). A prefill's
+    dropped requests take their init and snapshot ops with them; what is left keeps its serial, so a
+    filtered copy of a batch that already ran is still a replay to the ledger. Refused with
+    ``PreconditionError``: a batch other than an ``ExtendBatch`` or a ``DecodeBatch``, a ``drop`` that
+    is not an iterable of int64 integers (``True`` is not rid 1; a ``str`` is not an iterable of ids)."""
     if not isinstance(batch, (DecodeBatch, ExtendBatch)):
         raise bad_arg("filter_batch", "batch", batch, "an ExtendBatch or a DecodeBatch")
     ids = _drop_ids(drop)

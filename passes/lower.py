@@ -42,6 +42,11 @@ from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from passes._args import bad_arg, unexpected_arg
 
+__all__ = [
+    "LowerContext",
+    "lower",
+]
+
 
 def _pool_names(field: str, values: object) -> tuple[PoolId, ...]:
     """A tuple of non-empty ``str`` pool names, distinct. Nothing is converted (``None`` is not pool
@@ -74,6 +79,11 @@ def _head_pools(values: object) -> tuple[PoolId, ...]:
 @final
 @attrs.frozen(kw_only=True)
 class LowerContext:
+    """Which state pools a prefill's one-shot ops are addressed to when a batch is lowered: each pool
+    gets its own ticket of the same op. Refused on construction (``IRValidationError``): no pool in
+    ``pools``, a pool name that is not a non-empty ``str``, a name twice, a pool in both fields (it
+    would run the ops twice)."""
+
     pools: tuple[PoolId, ...] = attrs.field(default=(TARGET_POOL,), converter=_pools)
     """The pools that see a prefill's ops through its ``ExtendPlan`` (target, separate draft)."""
     head_pools: tuple[PoolId, ...] = attrs.field(default=(), converter=_head_pools)
@@ -179,6 +189,13 @@ def lower(
     batch: Batch, ctx: LowerContext, *, sample_id: SampleId | None = None, inputs_from: SampleId | None = None,
     keep_hidden: HiddenId | None = None,
 ) -> Plan:
+    """The plan of ``batch``, of its phase's plan type (the overloads say which), sharing the batch's
+    columns. A prefill's ``MambaInit`` and ``MambaSnapshot`` become one ticket per pool of
+    ``ctx.pools`` (a draft head's: of ``ctx.head_pools``), all under the op's serial, so lowering a
+    batch twice yields the same tickets and the ledger refuses the second consumption.
+    ``sample_id``, ``inputs_from`` and ``keep_hidden`` are the caller's ids, checked like a
+    constructor's. Refused with ``PreconditionError``: a ``ctx`` that is not a ``LowerContext``, an
+    id given to a batch whose plan has no such field, a ``HeadExtendBatch`` with no head pool."""
     if not isinstance(ctx, LowerContext):
         raise bad_arg("lower", "ctx", ctx, "a LowerContext")
     if inputs_from is not None and not isinstance(batch, (DecodeBatch, MixedBatch)):

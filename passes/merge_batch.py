@@ -27,8 +27,17 @@ from ir.spec import CommitBatch, DraftCommitBatch, DraftExtendBatch
 from passes._args import bad_arg
 from passes._rows import committed_rows, finished_prefill_rows, finished_prefill_sampling
 
+__all__ = [
+    "merge_batch",
+]
+
 
 def merge_batch(running: DecodeBatch, prefilled: ExtendBatch | DraftCommitBatch | CommitBatch | DraftExtendBatch | DecodeBatch) -> DecodeBatch:
+    """The running decode batch with the rows of ``prefilled`` appended, each in the state "its last
+    forward has run": a prefill's requests whose prompt is complete (chunked ones are not merged), or
+    the rows of the commit that ended a speculative iteration; ``running`` itself when nothing is
+    added. The result is a ``DecodeBatch``, which has no field for a prefill's init ops. Refused with
+    ``PreconditionError``: arguments of other types, a request id or slot in both inputs."""
     if not isinstance(running, DecodeBatch):
         raise bad_arg("merge_batch", "running", running, "a DecodeBatch")
     sampling: SamplingRows | None

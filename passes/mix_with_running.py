@@ -13,8 +13,16 @@ from ir.columns import first_common
 from ir.errors import PreconditionError
 from passes._args import bad_arg
 
+__all__ = [
+    "mix_with_running",
+]
+
 
 def mix_with_running(extend: ExtendBatch, running: DecodeBatch) -> MixedBatch:
+    """One ``MixedBatch`` forward of a prefill and the running decodes (chunked prefill): the extend
+    part keeps its ``MambaInit``, the decode part has none. ``running`` must already be prepared for
+    its next step. Refused with ``PreconditionError``: arguments of other types, a request id, slot
+    or KV location in both parts."""
     if not isinstance(extend, ExtendBatch):
         raise bad_arg("mix_with_running", "extend", extend, "an ExtendBatch")
     if not isinstance(running, DecodeBatch):

@@ -26,6 +26,11 @@ from ir.sampling import rows_joined
 from passes._args import bad_arg, unexpected_arg
 from passes._rows import finished_prefill_rows, finished_prefill_sampling
 
+__all__ = [
+    "DecodeContext",
+    "prepare_for_decode",
+]
+
 
 @final
 @attrs.frozen(kw_only=True)
@@ -38,6 +43,11 @@ class DecodeContext(ColumnNode):
 
 
 def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext) -> DecodeBatch:
+    """The decode batch after the forward of ``batch``: the prefill rows whose prompt is complete,
+    then the running decodes, each one token further, feeding ``ctx.next_tokens[i]`` with its KV at
+    ``ctx.kv_locs[i]``. The output type has no init field, so a prefill's one-shot ops cannot follow
+    its requests into decode. Refused with ``PreconditionError``: arguments of other types, a ``ctx``
+    whose row count is not the output's, a sequence that would grow past ``MAX_SEQ_LEN``."""
     if not isinstance(ctx, DecodeContext):
         raise bad_arg("prepare_for_decode", "ctx", ctx, "a DecodeContext")
     match batch:

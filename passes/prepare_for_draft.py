@@ -21,6 +21,11 @@ from ir.mint import mint_draft_id
 from ir.spec import DraftBatch, check_k
 from passes._args import bad_arg
 
+__all__ = [
+    "SpecContext",
+    "prepare_for_draft",
+]
+
 
 @final
 @attrs.frozen(kw_only=True)
@@ -36,6 +41,11 @@ class SpecContext(ColumnNode):
 
 
 def prepare_for_draft(batch: DecodeBatch, ctx: SpecContext) -> DraftBatch:
+    """The draft step of a speculative iteration over the running batch: each row feeds its pending
+    token (``ctx.next_tokens``) at the position after its committed tokens, with the ``k + 1`` KV
+    locations of its window flattened row-major, under a freshly minted ``draft_id`` that names the
+    states the proposal keeps. Refused with ``PreconditionError``: arguments of other types, a ``ctx``
+    of another row count, a sequence with no room for ``k + 1`` more tokens under ``MAX_SEQ_LEN``."""
     if not isinstance(batch, DecodeBatch):
         raise bad_arg("prepare_for_draft", "batch", batch, "a DecodeBatch")
     if not isinstance(ctx, SpecContext):

@@ -20,8 +20,16 @@ from ir.errors import PreconditionError
 from ir.spec import CommitBatch, DraftBatch, DraftCommitBatch
 from passes._args import bad_arg
 
+__all__ = [
+    "prepare_for_draft_commit",
+]
+
 
 def prepare_for_draft_commit(batch: CommitBatch, draft: DraftBatch) -> DraftCommitBatch:
+    """The draft's commit of an iteration: each row's draft state becomes the one its proposal kept
+    after the accepted tokens, so no draft forward runs. ``draft`` must be the ``DraftBatch`` whose
+    proposals the commit's verify checked. Refused with ``PreconditionError``: arguments of other
+    types, a draft of another ``draft_id`` or ``k``, or of other rows, slots, lengths or KV windows."""
     if not isinstance(batch, CommitBatch):
         raise bad_arg("prepare_for_draft_commit", "batch", batch, "a CommitBatch")
     if not isinstance(draft, DraftBatch):

@@ -18,8 +18,16 @@ from ir.columns import build_unchecked, freeze
 from ir.spec import CommitBatch, DraftExtendBatch
 from passes._args import bad_arg
 
+__all__ = [
+    "prepare_for_draft_extend",
+]
+
 
 def prepare_for_draft_extend(batch: CommitBatch) -> DraftExtendBatch:
+    """The draft model's catch-up forward after the target's commit, for a draft that keeps no
+    per-step states: each row extends over the tokens the target committed in this iteration, from
+    the draft's committed state. Only a ``CommitBatch`` is accepted (``PreconditionError`` otherwise),
+    and the output has no init field."""
     if not isinstance(batch, CommitBatch):
         raise bad_arg("prepare_for_draft_extend", "batch", batch, "a CommitBatch")
     k = batch.k

@@ -34,8 +34,18 @@ from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 from ir.sampling import SamplingRows
 from passes._args import bad_arg
 
+__all__ = [
+    "prepare_for_extend",
+]
+
 
 def prepare_for_extend(requests: Sequence[AdmittedRequest], sampling: SamplingRows | None = None) -> ExtendBatch:
+    """The prefill batch of admitted requests, in their order, with its one-shot ops: a ``MambaInit``
+    under a freshly minted serial (one clear per ``Clear()``, one copy per ``CopyFrom``; ``None`` when
+    every request continues a chunked prefill) and a ``MambaSnapshot`` for the requests with
+    ``snapshot_to``. ``sampling``: one row per request (``None``: every row greedy). Refused with
+    ``PreconditionError``: a ``requests`` that is not a non-empty sequence of ``AdmittedRequest``, a
+    ``sampling`` of another type."""
     arg: object = requests  # typed; checked because callers need not be typed
     kind = type(arg)
     if kind is not list and kind is not tuple and (isinstance(arg, (str, bytes, bytearray)) or not isinstance(arg, Sequence)):

@@ -28,8 +28,17 @@ from ir.spec import CommitBatch
 from passes._args import bad_arg
 from passes._hidden import check_hidden_rows
 
+__all__ = [
+    "prepare_for_head_commit",
+]
+
 
 def prepare_for_head_commit(batch: CommitBatch, hidden: HiddenStates) -> HeadCommitBatch:
+    """A draft head's commit of an iteration: each row extends the head over the tokens the target
+    committed, paired with the hidden states its verify kept at those positions. ``hidden`` must be
+    what the result of that verify handed back. Refused with ``PreconditionError`` naming both
+    values: arguments of other types, hidden states of another verify or of an extend, or of other
+    rows or positions."""
     if not isinstance(batch, CommitBatch):
         raise bad_arg("prepare_for_head_commit", "batch", batch, "a CommitBatch")
     if not isinstance(hidden, HiddenStates):

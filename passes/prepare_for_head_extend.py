@@ -23,8 +23,18 @@ from ir.hidden import HiddenSource, HiddenStates
 from passes._args import bad_arg
 from passes._hidden import check_hidden_rows
 
+__all__ = [
+    "prepare_for_head_extend",
+]
+
 
 def prepare_for_head_extend(batch: ExtendBatch, hidden: HiddenStates) -> HeadExtendBatch:
+    """A draft head's forward over a prefill chunk, with the target's hidden states of that chunk: it
+    carries the prefill's own init and snapshot ops (same ops, same serials), so the head's pool starts
+    every row exactly as the target's does; lowering addresses them to the head's pools only.
+    ``hidden`` must be what the target's forward of ``batch`` handed back. Refused with
+    ``PreconditionError`` naming both values: arguments of other types, hidden states of a verify,
+    of other rows or of another chunk."""
     if not isinstance(batch, ExtendBatch):
         raise bad_arg("prepare_for_head_extend", "batch", batch, "an ExtendBatch (a prefill's)")
     if not isinstance(hidden, HiddenStates):

@@ -20,8 +20,17 @@ from ir.mint import mint_verify_id
 from ir.spec import DraftBatch, Proposals, VerifyBatch
 from passes._args import bad_arg
 
+__all__ = [
+    "prepare_for_verify",
+]
+
 
 def prepare_for_verify(batch: DraftBatch, proposals: Proposals) -> VerifyBatch:
+    """The target's verify of a draft step: each row scores ``[pending, d1..dk]`` over the draft's KV
+    window, under a freshly minted ``verify_id`` that names the intermediate states it produces, and
+    ``draft_id`` names the draft it checks. ``proposals`` must be what the draft step of ``batch``
+    returned. Refused with ``PreconditionError``: arguments of other types, the proposals of another
+    draft, or of another ``k`` or row count."""
     if not isinstance(batch, DraftBatch):
         raise bad_arg("prepare_for_verify", "batch", batch, "a DraftBatch")
     if not isinstance(proposals, Proposals):

@@ -31,6 +31,13 @@ from passes.prepare_for_head_commit import prepare_for_head_commit
 from passes.prepare_for_head_extend import prepare_for_head_extend
 from passes.prepare_for_verify import prepare_for_verify
 
+__all__ = [
+    "PassSpec",
+    "PASSES",
+    "REGISTRY",
+    "spec_of",
+]
+
 
 @attrs.frozen(kw_only=True)
 class PassSpec:

@@ -91,11 +91,13 @@ def test_case_is_rejected_with_declared_codes(case: Path, rejected: str) -> None
 def test_linear_errors_name_the_value_the_first_use_and_the_docs(rejected: str) -> None:
     assert re.search(
         r'linear_message\.py:7: error: "deferred_plan" \(ExtendPlan\) is consumed again by "ex": line 6 consumed it .*'
-        r"README\.md#linear-use-checked-by-mypy.*\[linear-reuse\]$",
+        r'see the batchc guide "The linearity checker in your mypy CI", or: python -m pydoc ir\.mypy_linear\)  \[linear-reuse\]$',
         rejected,
         re.M,
     ), rejected
-    assert "## Linear use, checked by mypy" in (ROOT / "README.md").read_text()
+    # the guide the message names by its title is the page of that title, in the docs' navigation under it
+    assert (ROOT / "docs" / "guides" / "linearity-checker.md").read_text().startswith("# The linearity checker in your mypy CI\n")
+    assert "- The linearity checker in your mypy CI: guides/linearity-checker.md" in (ROOT / "mkdocs.yml").read_text()
 
 
 def test_no_attribute_back_doors_in_the_library() -> None:

@@ -57,6 +57,8 @@ from backend.hybrid.checkpoint import CheckpointError, config_number
 from backend.hybrid.config import MAX_DIM, MAX_LAYERS, MAX_VOCAB, HybridConfig, LayerKind
 from ir.errors import short_repr
 
+__all__ = ["FAMILIES", "MAX_EOS_IDS", "MAX_JSON_BYTES", "MAX_POSITIONS_DEFAULT", "HFConfig", "parse_config", "read_json"]
+
 FAMILIES = {"bamba": "Bamba", "granitemoehybrid": "Granite-4.0-H", "nemotron_h": "Nemotron-H"}
 """``model_type`` -> family name, for every supported family."""
 

@@ -51,6 +51,8 @@ from backend.hybrid.weights import Weights, weight_shapes
 from backend.pool import device_problem
 from ir.errors import short_repr
 
+__all__ = ["HFModel", "load_hf"]
+
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -97,6 +99,7 @@ class HFModel:
 
     @property
     def family(self) -> str:
+        """The family's name as people write it ("Bamba", "Granite-4.0-H", "Nemotron-H")."""
         return FAMILIES[self.hf.family]
 
 

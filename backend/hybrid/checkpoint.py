@@ -40,16 +40,25 @@ from backend.hybrid.weights import Weights, check_weights, weight_shapes
 from backend.pool import device_problem
 from ir.errors import short_repr
 
+__all__ = [
+    "DRAFT_FILE", "FORMAT", "HEAD_FILE", "HEAD_FORMAT", "MAX_CHECKPOINT_BYTES", "TARGET_FILE", "CheckpointError", "bundled_path", "config_from_json",
+    "config_kwargs", "config_number", "config_to_json", "default_draft", "default_target", "file_kind", "load_checkpoint", "read_checkpoint",
+    "read_safetensors", "save_checkpoint",
+]
+
 T = TypeVar("T")
 
 FORMAT = "batchc.hybrid/1"
+"""The ``format`` metadata of a full model's checkpoint (this module's files)."""
 HEAD_FORMAT = "batchc.head/1"
 """The ``format`` of a draft head's checkpoint (``backend.hybrid.head``): not a model on its own,
 so ``load_checkpoint`` refuses it by name, and the head's loader refuses a full model."""
 _RESERVED = ("format", "config")
 _LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TARGET_FILE = "target.safetensors"
+"""The bundled trained target's file name under ``backend/hybrid/weights/`` (``default_target``)."""
 DRAFT_FILE = "draft.safetensors"
+"""The bundled trained draft's file name under ``backend/hybrid/weights/`` (``default_draft``)."""
 MAX_CHECKPOINT_BYTES = 4 << 30
 """Largest checkpoint file ``read_checkpoint`` opens (4 GiB; the bundled ones are 2.3 MB and 0.6 MB)."""
 

@@ -46,11 +46,19 @@ import torch
 
 from backend.pool import MambaLayerSpec, PoolLayout
 
+__all__ = [
+    "ARCHITECTURE_SWITCHES", "BLOCK_KINDS", "LAYER_KINDS", "MAX_DIM", "MAX_LAYERS", "MAX_VOCAB", "MLP_KINDS", "BlockKind", "HybridConfig",
+    "LayerKind", "MlpKind", "small", "tiny",
+]
+
 LayerKind = Literal["mamba", "attn", "mlp"]
+"""What one layer of the pattern is: a Mamba mixer, an attention mixer or (``block="single"``) an MLP."""
 LAYER_KINDS: tuple[LayerKind, ...] = ("mamba", "attn", "mlp")
 BlockKind = Literal["mixer_mlp", "single"]
+"""How a layer is built: a mixer then an MLP, or one operation (see the module)."""
 BLOCK_KINDS: tuple[BlockKind, ...] = ("mixer_mlp", "single")
 MlpKind = Literal["swiglu", "relu2"]
+"""The MLP's form: gated SiLU, or squared ReLU without a gate (see the module)."""
 MLP_KINDS: tuple[MlpKind, ...] = ("swiglu", "relu2")
 
 ARCHITECTURE_SWITCHES = frozenset(
@@ -188,10 +196,12 @@ class HybridConfig:
 
     @property
     def n_layers(self) -> int:
+        """Layers in the pattern, of every kind."""
         return len(self.layers)
 
     @property
     def d_inner(self) -> int:
+        """Width of the Mamba mixer's inner stream: ``nheads * head_dim``."""
         return self.nheads * self.head_dim
 
     @property
@@ -206,6 +216,7 @@ class HybridConfig:
 
     @property
     def attn_dim(self) -> int:
+        """Width of the attention queries and output: ``attn_heads * attn_head_dim``."""
         return self.attn_heads * self.attn_head_dim
 
     @property
@@ -215,6 +226,7 @@ class HybridConfig:
 
     @property
     def kv_dim(self) -> int:
+        """Width of one token's keys (and of its values) in an attention layer: ``kv_heads * attn_head_dim``."""
         return self.kv_heads * self.attn_head_dim
 
     @property
@@ -224,10 +236,12 @@ class HybridConfig:
 
     @property
     def softmax_scale(self) -> float:
+        """The attention's softmax scale: ``attn_scale``, or ``1/sqrt(attn_head_dim)`` when that is ``None``."""
         return 1.0 / math.sqrt(self.attn_head_dim) if self.attn_scale is None else self.attn_scale
 
     @property
     def gated_norm_groups(self) -> int:
+        """Groups of the Mamba mixer's gated RMSNorm: ``norm_groups``, or ``ngroups`` when that is ``None``."""
         return self.ngroups if self.norm_groups is None else self.norm_groups
 
     @property
@@ -244,18 +258,22 @@ class HybridConfig:
 
     @property
     def mamba_layers(self) -> tuple[int, ...]:
+        """The pattern indices of the Mamba layers, in order (pool layer ``j`` is ``mamba_layers[j]``)."""
         return tuple(i for i, k in enumerate(self.layers) if k == "mamba")
 
     @property
     def attn_layers(self) -> tuple[int, ...]:
+        """The pattern indices of the attention layers, in order (KV layer ``j`` is ``attn_layers[j]``)."""
         return tuple(i for i, k in enumerate(self.layers) if k == "attn")
 
     @property
     def n_mamba(self) -> int:
+        """How many Mamba layers: the pool layout's layer count."""
         return len(self.mamba_layers)
 
     @property
     def n_attn(self) -> int:
+        """How many attention layers: the KV cache's layer count (0 for an attention-free model)."""
         return len(self.attn_layers)
 
     def mamba_index(self, layer: int) -> int:
@@ -267,6 +285,8 @@ class HybridConfig:
         return self.attn_layers.index(layer)
 
     def mamba_spec(self, conv_dtype: torch.dtype = torch.float32, ssm_dtype: torch.dtype = torch.float32) -> MambaLayerSpec:
+        """The state shapes of one Mamba layer of this config (every Mamba layer has the same), in the
+        given dtypes."""
         return MambaLayerSpec(
             conv_dim=self.conv_dim,
             kernel_width=self.conv_width,

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from backend.hybrid.config import HybridConfig
 from backend.hybrid.weights import Weights
 
+__all__ = ["forward_hidden", "forward_layers", "forward_logits", "ssd_scan"]
+
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)

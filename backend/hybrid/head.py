@@ -64,6 +64,11 @@ from backend.staging import Captures, StagedExtend, StagedWindow
 from ir.errors import short_repr
 from ir.ids import DRAFT_POOL, PoolId
 
+__all__ = [
+    "DraftHeadHook", "HeadConfig", "HeadLayersConfig", "HeadModel", "check_head_weights", "checkpoint_format", "head_config_from_json",
+    "head_weight_shapes", "init_head_weights", "is_head_checkpoint", "load_head", "pack_accepted", "read_head", "save_head",
+]
+
 _SHARED = ("embed", "final_norm", "lm_head")
 """The target's tensors the head uses and never owns."""
 
@@ -154,6 +159,7 @@ class HeadConfig:
 
     @property
     def n_mamba(self) -> int:
+        """How many Mamba layers the head's pattern has (0 for an attention-only head)."""
         return sum(1 for k in self.layers if k == "mamba")
 
     def pool_layout(self, conv_dtype: torch.dtype = torch.float32, ssm_dtype: torch.dtype = torch.float32) -> PoolLayout:
@@ -163,6 +169,8 @@ class HeadConfig:
         return PoolLayout(layers=[c.mamba_spec(conv_dtype, ssm_dtype)] * c.n_mamba, carried_hidden=self.d_model, carried_dtype=ssm_dtype)
 
     def to_json(self) -> str:
+        """The config as a JSON object (``layers`` a list of strings), as a head checkpoint's ``config``
+        metadata holds it."""
         fields = attrs.asdict(self)
         fields["layers"] = list(self.layers)
         return json.dumps(fields, sort_keys=True)
@@ -240,18 +248,23 @@ class HeadModel:
 
     @classmethod
     def from_seed(cls, config: HeadConfig, target: HybridModel, seed: int) -> HeadModel:
+        """A head of ``config`` bound to ``target`` with fresh weights from ``seed`` (``init_head_weights``),
+        on the target's device and in its dtype."""
         return cls(config, init_head_weights(config, seed, dtype=target.dtype, device=target.device), target)
 
     @property
     def device(self) -> torch.device:
+        """The target's device: the head's weights live there too."""
         return self.target.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The target's compute dtype: the head's weights are cast to it."""
         return self.target.dtype
 
     @property
     def vocab(self) -> int:
+        """The vocabulary size, the target's."""
         return self.config.vocab
 
     # ---- the input pair -> u ------------------------------------------------------------------
@@ -331,11 +344,14 @@ class HeadModel:
     # ---- backend state ----------------------------------------------------------------------------
 
     def pool_layout(self) -> PoolLayout:
+        """The head's pool layout in float32: its Mamba layers, then the carried target hidden state."""
         return self.config.pool_layout()
 
     def new_pool(
         self, capacity: int, *, pool_id: PoolId = DRAFT_POOL, conv_dtype: torch.dtype = torch.float32, ssm_dtype: torch.dtype = torch.float32
     ) -> MambaStatePool:
+        """A fresh, zeroed state pool of ``capacity`` slots for this head (the draft's pool id by default),
+        on the head's device."""
         return MambaStatePool(pool_id, self.config.pool_layout(conv_dtype, ssm_dtype), capacity, device=self.device)
 
     def new_kv_cache(self, capacity: int) -> KVCache:
@@ -343,6 +359,7 @@ class HeadModel:
         return self.body.new_kv_cache(capacity)
 
     def new_token_table(self, max_slots: int, max_len: int) -> TokenTable:
+        """A token table (slot and position to KV location) for the head's attention layers."""
         return self.body.new_token_table(max_slots, max_len)
 
     def reads_target_hidden(self) -> bool:
@@ -490,6 +507,7 @@ class DraftHeadHook:
         self.table = table
 
     def captures_inner_states(self) -> bool:
+        """Always True: the head's extends capture states inside a chunk, the carried hidden included."""
         return True
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:

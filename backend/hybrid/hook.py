@@ -1,10 +1,10 @@
 """``HybridHook``: the reference hybrid model behind the executor's ``SpecModelHook`` protocol.
 
 One hook per model (target or draft) holds that model's KV cache and token table; the executor
-hands it the staged plan and the Mamba pool it owns. Outputs are greedy: the hook returns logits for
-forwards (the engine samples) and argmax tokens for the verify (``NON_FINITE`` at a position whose
-logits hold a NaN or an infinity: ``backend.sampling``), whose intermediate states the executor
-keeps until the commit that names them.
+hands it the staged plan and the Mamba pool it owns. The hook returns logits: at each row's last
+token for forwards, at every window position for the verify; the executor chooses the tokens
+(``backend.plan_sampling``: ``NON_FINITE`` at a position whose logits hold a NaN or an infinity)
+and keeps the verify's intermediate states until the commit that names them.
 
 The hook reads the model through ``HybridEntryPoints``, the entry points it calls, and never imports
 ``backend.hybrid.model``: the model builds its own hook (``HybridModel.serving_hook``), so the
@@ -25,6 +25,8 @@ from backend.staging import Captures, StagedDecode, StagedExtend, StagedWindow
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
+__all__ = ["HybridEntryPoints", "HybridHook"]
+
 
 class HybridEntryPoints(Protocol):
     """The entry points of ``backend.hybrid.model.HybridModel`` that the hook calls (documented
@@ -34,34 +36,51 @@ class HybridEntryPoints(Protocol):
         self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, cu_seqlens: torch.Tensor,
         prefix_lens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor,
         captures: Captures | None = None, keep_hidden: bool = False,
-    ) -> ForwardOut: ...
+    ) -> ForwardOut:
+        """``HybridModel.extend``: a prefill chunk of every row, logits at each row's last token."""
+        ...
 
     def decode(
         self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, input_ids: torch.Tensor,
         positions: torch.Tensor, kv_locs: torch.Tensor,
-    ) -> ForwardOut: ...
+    ) -> ForwardOut:
+        """``HybridModel.decode``: one token per row."""
+        ...
 
     def mixed(
         self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, cu_seqlens: torch.Tensor,
         prefix_lens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor,
         decode_slots: torch.Tensor, decode_ids: torch.Tensor, decode_positions: torch.Tensor, decode_kv_locs: torch.Tensor,
         captures: Captures | None = None, keep_hidden: bool = False,
-    ) -> ForwardOut: ...
+    ) -> ForwardOut:
+        """``HybridModel.mixed``: extend rows and decode rows in one pass over the layers."""
+        ...
 
     def verify(
         self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, input_ids: torch.Tensor,
         positions: torch.Tensor, kv_locs: torch.Tensor,
-    ) -> VerifyOut: ...
+    ) -> VerifyOut:
+        """``HybridModel.verify``: logits and states at every window position, the pool untouched."""
+        ...
 
     def propose_keeping_states(
         self, pool: MambaStatePool, kv: KVCache, table: TokenTable, *, slots: torch.Tensor, input_ids: torch.Tensor,
         positions: torch.Tensor, kv_locs: torch.Tensor, k: int,
-    ) -> tuple[torch.Tensor, VerifyStates]: ...
+    ) -> tuple[torch.Tensor, VerifyStates]:
+        """``HybridModel.propose_keeping_states``: ``k`` greedy proposals per row and the per-step states."""
+        ...
 
-    def commit(self, pool: MambaStatePool, states: VerifyStates, *, accept_pos: torch.Tensor, slots: torch.Tensor) -> None: ...
+    def commit(self, pool: MambaStatePool, states: VerifyStates, *, accept_pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """``HybridModel.commit``: each row's state at its accepted position, written into the pool."""
+        ...
 
 
 class HybridHook:
+    """The hybrid model's serving hook: the model's entry points, its KV cache and its token table,
+    behind ``backend.model.ServingModelHook`` (and ``KeepsHidden``, ``CapturesInnerStates``). Built by
+    ``HybridModel.serving_hook``; the executor calls it with staged plans and the pool it owns. It
+    writes the pool, the KV cache and the token table, never its staged inputs."""
+
     def __init__(self, model: HybridEntryPoints, kv: KVCache, table: TokenTable) -> None:
         self.model = model
         self.kv = kv
@@ -143,12 +162,16 @@ class HybridHook:
                 assert_never(plan)
 
     def propose(self, plan: DraftPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStates]:
+        """``k`` greedy proposals per row ``[n, k]`` from the draft window's pending token, and the states
+        after each proposal step, kept by the executor for the draft's commit."""
         return self.model.propose_keeping_states(
             pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids,
             positions=staged.positions[:, 0].contiguous(), kv_locs=staged.kv_locs, k=plan.batch.k,
         )
 
     def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStates]:
+        """Logits ``[n, k + 1, vocab]`` at every window position and the states there; the pool is not
+        written (the commit writes the accepted position's state)."""
         out = self.model.verify(
             pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids,
             positions=staged.positions, kv_locs=staged.kv_locs,
@@ -158,6 +181,8 @@ class HybridHook:
         return out.logits, out.states
 
     def commit(self, plan: CommitPlan | DraftCommitPlan, states: VerifyStates, pool: MambaStatePool) -> None:
+        """Write each row's state at its ``accept_pos`` (from the states its verify or draft kept) into the
+        pool."""
         dev = pool.device
         self.model.commit(
             pool, states,

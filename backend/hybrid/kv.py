@@ -21,6 +21,8 @@ import torch
 
 from backend.hybrid.config import HybridConfig
 
+__all__ = ["KVCache", "TokenTable"]
+
 
 class KVCache:
     """Per attention layer, ``capacity + 1`` token locations of keys and values."""
@@ -51,10 +53,13 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> KVCache:
+        """A zeroed KV cache of ``capacity`` token locations for ``config``'s attention layers (its KV heads
+        and head dim; no layers for an attention-free model)."""
         return cls(config.n_attn, capacity, config.kv_heads, config.attn_head_dim, dtype=dtype, device=device)
 
     @property
     def device(self) -> torch.device:
+        """The device the keys and values live on."""
         return self.k.device
 
     def write(self, layer: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -83,6 +88,7 @@ class TokenTable:
 
     @property
     def device(self) -> torch.device:
+        """The device the table lives on."""
         return self.table.device
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> None:

@@ -63,6 +63,8 @@ from backend.pool import MambaStatePool, PoolLayout
 from backend.staging import Captures
 from ir.ids import TARGET_POOL, PoolId
 
+__all__ = ["Collective", "HybridModel", "NormSplit", "ShardOrigin", "greedy", "rms_norm", "rotary"]
+
 # (layer index, normed input) -> mixer output, for one token layout (packed, per-row, [n, T]).
 _Mixer = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -89,7 +91,9 @@ def _no_attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 class Collective(Protocol):
     """Tensor parallelism: an in-place sum of a tensor over every rank (``backend.tp``)."""
 
-    def all_reduce_sum(self, t: torch.Tensor) -> None: ...
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        """Replace ``t`` with its elementwise sum over every rank of the group, in place."""
+        ...
 
 
 @attrs.frozen
@@ -121,6 +125,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last axis, times ``weight``: computed in float32, returned in ``x``'s
+    dtype."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
@@ -173,23 +179,29 @@ class HybridModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> HybridModel:
+        """A model of ``config`` with fresh weights drawn from ``seed`` (``init_weights``: deterministic), in
+        ``dtype`` on ``device``."""
         return cls(config, init_weights(config, seed, dtype=dtype, device=device))
 
     @property
     def device(self) -> torch.device:
+        """The device the weights live on: the pool, KV cache and table must be there too."""
         return self.weights["embed"].device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The compute dtype: the weights' (logits are float32 whatever it is)."""
         return self.weights["embed"].dtype
 
     @property
     def vocab(self) -> int:
+        """The vocabulary size (``config.vocab``)."""
         return self.config.vocab
 
     # ---- backend state of the right shapes --------------------------------------------------
 
     def pool_layout(self) -> PoolLayout:
+        """The Mamba pool layout this model needs, in float32 (``HybridConfig.pool_layout``)."""
         return self.config.pool_layout()
 
     def new_pool(
@@ -200,12 +212,17 @@ class HybridModel:
         conv_dtype: torch.dtype = torch.float32,
         ssm_dtype: torch.dtype = torch.float32,
     ) -> MambaStatePool:
+        """A fresh, zeroed state pool of ``capacity`` slots for this model (the target's pool id by
+        default), on the model's device."""
         return MambaStatePool(pool_id, self.config.pool_layout(conv_dtype, ssm_dtype), capacity, device=self.device)
 
     def new_kv_cache(self, capacity: int) -> KVCache:
+        """A zeroed KV cache of ``capacity`` token locations for this model's attention layers, in its dtype
+        on its device."""
         return KVCache.for_config(self.config, capacity, dtype=self.dtype, device=self.device)
 
     def new_token_table(self, max_slots: int, max_len: int) -> TokenTable:
+        """A zeroed token table of ``max_slots`` slots by ``max_len`` positions, on the model's device."""
         return TokenTable(max_slots, max_len, device=self.device)
 
     def captures_inner_states(self) -> bool:

@@ -12,6 +12,8 @@ import torch
 
 from backend.kernels.window import SsmWindow
 
+__all__ = ["ForwardOut", "VerifyOut", "VerifyStates"]
+
 
 @attrs.frozen
 class ForwardOut:

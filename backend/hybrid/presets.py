@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from backend.hybrid.config import HybridConfig
 
+__all__ = ["trained_draft", "trained_target"]
+
 
 def trained_target() -> HybridConfig:
     """The target: 4 layers (mamba, mamba, attn, mamba), d_model 96, Mamba expand 2

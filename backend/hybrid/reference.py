@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from backend.hybrid.model import HybridModel
 
+__all__ = ["greedy_generate_reference", "reference_hidden", "reference_layers", "reference_logits"]
+
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps) * w

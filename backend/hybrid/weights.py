@@ -41,7 +41,10 @@ import torch
 
 from backend.hybrid.config import HybridConfig
 
+__all__ = ["Weights", "check_weights", "init_weights", "perturb", "weight_shapes"]
+
 Weights = dict[str, torch.Tensor]
+"""A model's tensors by name (the names ``weight_shapes`` lists)."""
 
 _OUTPUT_MATRICES = ("mixer.out_proj", "mixer.o_proj", "mlp.down_proj")
 

@@ -14,11 +14,16 @@ from collections.abc import Sequence
 
 import torch
 
+__all__ = ["INDEX_DTYPES", "STATE_DTYPES", "check_index", "check_optional", "check_slot_rows", "check_tensor", "require"]
+
 INDEX_DTYPES = (torch.int64, torch.int32)
+"""The dtypes an index tensor (slots, positions, KV locations) may have."""
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes a state tensor (conv or SSM state) may have."""
 
 
 def require(ok: bool, message: str) -> None:
+    """``ValueError(message)`` unless ``ok``: the one way the wrappers refuse an argument."""
     if not ok:
         raise ValueError(message)
 
@@ -31,6 +36,8 @@ def check_tensor(
     device: torch.device,
     dtypes: Sequence[torch.dtype] | None = None,
 ) -> None:
+    """``ValueError`` naming ``name`` unless ``t`` is on ``device``, has exactly ``shape`` and (when
+    ``dtypes`` is given) one of ``dtypes``."""
     require(t.device == device, f"{name} is on {t.device}, expected {device}")
     require(tuple(t.shape) == tuple(shape), f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     if dtypes is not None:
@@ -45,11 +52,14 @@ def check_optional(
     device: torch.device,
     dtypes: Sequence[torch.dtype] | None = None,
 ) -> None:
+    """``check_tensor`` for an optional argument: ``None`` passes."""
     if t is not None:
         check_tensor(name, t, shape=shape, device=device, dtypes=dtypes)
 
 
 def check_index(name: str, t: torch.Tensor, *, length: int | None, device: torch.device) -> None:
+    """``ValueError`` naming ``name`` unless ``t`` is a 1-D int64 or int32 index tensor on ``device``
+    with ``length`` entries (any length when ``None``). Checks no contents: ``check_slot_rows`` does."""
     require(t.dtype in INDEX_DTYPES, f"{name} must be int64 or int32, got {t.dtype}")
     require(t.dim() == 1, f"{name} must be 1-D, got shape {tuple(t.shape)}")
     require(t.device == device, f"{name} is on {t.device}, expected {device}")

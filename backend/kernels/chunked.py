@@ -47,6 +47,8 @@ import torch.nn.functional as F
 from backend.kernels import checks
 from backend.kernels.checks import require
 
+__all__ = ["SCAN_GROUP_ELEMENTS", "Capture", "causal_conv1d_prefill", "ssd_prefill"]
+
 SCAN_GROUP_ELEMENTS = 1 << 22
 """Elements of one ``[rows, Q, Q, nheads]`` float32 tensor of a step of the batched SSD scan above
 which ``ssd_prefill`` splits the step's rows into groups (a group holds at least one row)."""

@@ -23,6 +23,8 @@ from backend.kernels import checks, torch_paths
 from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
 
+__all__ = ["commit_accepted", "committing_rows"]
+
 BLOCK = 2048
 
 
@@ -39,6 +41,8 @@ def _states_contiguous(t: torch.Tensor, lead: int) -> bool:
 def validate_commit(
     pool_state: torch.Tensor, intermediate: torch.Tensor, accept_pos: torch.Tensor, slot_idx: torch.Tensor
 ) -> None:
+    """The module's invariants for one commit (``ValueError`` naming the argument), checked before any
+    launch."""
     device = pool_state.device
     require(intermediate.dim() >= 2, f"intermediate must be [batch, T, ...], got {tuple(intermediate.shape)}")
     batch, T = intermediate.shape[:2]

@@ -21,6 +21,8 @@ from backend.kernels import checks, torch_paths
 from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
 
+__all__ = ["causal_conv1d_update", "causal_conv1d_verify"]
+
 BLOCK_D = 128
 BLOCK_W = 4  # next power of two >= the largest width
 

@@ -33,6 +33,8 @@ from backend import reference
 from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
 
+__all__ = ["copy_rows", "init_rows", "init_rows_torch", "validate_init_rows"]
+
 BLOCK = 1024
 BLOCKS_PER_PROGRAM = 8
 

@@ -31,6 +31,8 @@ from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
 from backend.kernels.window import SsmWindow, selective_state_verify_window
 
+__all__ = ["selective_state_update", "selective_state_verify", "selective_state_verify_kept"]
+
 TILE_ELEMENTS = 2048
 
 

@@ -45,6 +45,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+__all__ = ["GRAIN", "causal_conv1d_update", "causal_conv1d_verify", "commit_accepted", "selective_state_update", "selective_state_verify"]
+
 GRAIN = 32768
 """Elements from which torch splits a CPU elementwise op across threads (ATen's ``GRAIN_SIZE``)."""
 

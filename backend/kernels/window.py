@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from backend.kernels.checks import require
 from backend.kernels.commit import commit_accepted, committing_rows
 
+__all__ = ["SsmWindow", "commit_states", "commit_window", "selective_state_verify_window"]
+
 
 @attrs.frozen(eq=False)
 class SsmWindow:
@@ -52,6 +54,7 @@ class SsmWindow:
 
     @property
     def positions(self) -> int:
+        """``T``: the window's positions per row."""
         return int(self.log_decay.shape[-1])
 
     def state_at(self, rows: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,8 @@ d_state 32, SwiGLU 256; 156,050 parameters), 300 steps of 16 rollouts of 256 tok
     acceptance per proposal    0.950  0.917  0.890  0.866
     tokens per verify          1.95   2.83   3.67   4.46
 
-One Mamba layer is the cheapest head to serve and already passes the 0.77 per proposal at k = 2
-that the issue's arithmetic asks for (0.844 after only 100 steps on 256 rollouts, 32 held out), so
+One Mamba layer is the cheapest head to serve and already passes the target of 0.77 per proposal
+at k = 2 (0.844 after only 100 steps on 256 rollouts, 32 held out), so
 the bundled head has no attention layer (``--layers mamba,attn`` trains one that has).
 """
 

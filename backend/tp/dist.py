@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+__all__ = ["ProcessGroupCollective"]
+
 
 class ProcessGroupCollective:
     """``all_reduce_sum`` over a ``torch.distributed`` process group (the default group if None)."""
@@ -18,4 +20,5 @@ class ProcessGroupCollective:
         self.world = dist.get_world_size(group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
+        """Replace ``t`` with its sum over every rank of the group, in place (``torch.distributed.all_reduce``)."""
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)

@@ -44,6 +44,11 @@ from backend import children
 from backend.boundary import BackendBroken
 from ir.errors import BatchcError
 
+__all__ = [
+    "MAX_PAYLOAD", "MAX_WORLD", "Msg", "RankFailed", "RankFault", "RankRefused", "TPGroup", "Vote", "connect", "launched_rank", "one_line",
+    "spawn_workers",
+]
+
 _log = logging.getLogger("batchc.tp")
 
 MAX_PAYLOAD: Final = 1 << 31

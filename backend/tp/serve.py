@@ -78,9 +78,13 @@ class TPGate:
         self.step = -1
 
     def begin(self, step: int) -> None:
+        """Start plan message ``step``: the next ``validated`` runs the first agreement."""
         self.state, self.step = _State.NEW, step
 
     def validated(self, plan: str) -> None:
+        """Point 1 (see the module): agree with every rank that the plan passed its checks here and
+        nothing is written yet; raises ``RankRefused`` (or ``RankFault``) naming the ranks that did not,
+        and then nothing runs anywhere. A no-op after the first call of a plan."""
         if self.state is not _State.NEW:
             return
         self.state = _State.AGREEING
@@ -91,6 +95,8 @@ class TPGate:
         self.state = _State.VALIDATED
 
     def applied(self, plan: str) -> None:
+        """Point 2: agree with every rank that the plan ran (after point 1, if it was skipped); a rank that
+        did not get here is gone, and this raises ``RankFailed``. A no-op after the first call of a plan."""
         if self.state is _State.NEW:
             self.validated(plan)
         if self.state is not _State.VALIDATED:
@@ -164,6 +170,7 @@ class TPLeader:
 
     @property
     def world(self) -> int:
+        """Ranks in the group, rank 0 included."""
         return self.group.world
 
     def _check(self) -> None:
@@ -280,9 +287,11 @@ class TPLeader:
         self._request(Msg.SHARE, json.dumps([int(src), int(dst), int(length)]).encode())
 
     def forget_verifies(self, pool: PoolId) -> None:
+        """The workers' ``Executor.forget_verifies`` of ``pool`` (rank 0's own is the caller's)."""
         self._request(Msg.FORGET, arg=self._index(pool))
 
     def cancel_outstanding(self, reason: str) -> None:
+        """Cancel, in every worker's ledger, every ticket admitted there that did not run, for ``reason``."""
         self._request(Msg.CANCEL, json.dumps(str(reason)).encode())
 
     def ping(self, payload: bytes = b"") -> None:
@@ -336,14 +345,17 @@ class TPExecutor:
 
     @property
     def ledger(self) -> Ledger:
+        """Rank 0's ledger: its executor's (the engine's)."""
         return self.executor.ledger
 
     @property
     def pool(self) -> MambaStatePool:
+        """Rank 0's shard of the pool."""
         return self.executor.pool
 
     @consumes
     def execute(self, plan: Plan) -> Result:
+        """Run ``plan`` on every rank: sent to the workers, then run on rank 0's shard (``TPLeader.execute``)."""
         return self.leader.execute(self.pool_id, self.executor, plan)
 
     @consumes
@@ -353,13 +365,16 @@ class TPExecutor:
         return run_now(self.execute, plan, raised=(RankFailed,))
 
     def wait(self, pending: Pending) -> Result:
+        """``backend.boundary.Backend.wait``: the result of a plan ``submit`` ran, or the fault it raised."""
         return pending.outcome()
 
     @property
     def usable(self) -> bool:
+        """False once the group is broken or shut down."""
         return self.leader.group.broken is None and not self.leader.group.closed
 
     def forget_verifies(self) -> None:
+        """Drop the kept verify and draft states of this pool on rank 0 and on every worker."""
         self.executor.forget_verifies()
         self.leader.forget_verifies(self.pool_id)
 
@@ -373,11 +388,14 @@ class TPBackends(InProcessGroup):
         self.leader, self._ledger, self._hooks = leader, ledger, hooks
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Every rank's token tables (rank 0's hooks here, the workers' by message): slot ``dst``'s first
+        ``length`` KV locations become ``src``'s."""
         for hook in self._hooks:
             hook.share_prefix(src, dst, length)
         self.leader.share_prefix(src, dst, length)
 
     def cancel_outstanding(self, reason: str) -> None:
+        """Cancel the tickets still outstanding in the workers' ledgers (one request for every pool)."""
         self.leader.cancel_outstanding(reason)  # one request cancels them on every worker, every pool
 
     def close(self) -> RankLedgers | None:
@@ -402,6 +420,9 @@ class TensorParallel:
         return f"TensorParallel(world={self.leader.world})"
 
     def refusal(self, models: Mapping[PoolId, ServedModel[Any]], *, retries: int) -> str | None:
+        """Why the group cannot serve ``models`` (one line), or None: retries are refused (a failed rank is
+        fatal to the group), as is a leader whose session another engine holds, and any model that is not
+        rank 0's shard (or a draft head)."""
         if retries:
             return f"tp with retries {retries}: a forward that fails on a rank is fatal to the group, never retried"
         if self.leader.pools is not None:
@@ -586,4 +607,4 @@ def serve_worker(group: TPGroup, models: Mapping[PoolId, HybridModel | HeadModel
     return worker.sessions
 
 
-__all__ = ["LedgerCounts", "RankLedgers", "TPExecutor", "TPGate", "TPLeader", "check_shard", "serve_worker"]
+__all__ = ["LedgerCounts", "RankLedgers", "TPBackends", "TPExecutor", "TPGate", "TPLeader", "TensorParallel", "check_shard", "serve_worker"]

@@ -37,6 +37,8 @@ from backend.hybrid.weights import Weights, check_weights
 from ir.columns import int_problem
 from ir.errors import short_repr
 
+__all__ = ["check_tp", "fingerprint", "head_fingerprint", "shard_config", "shard_model", "shard_weights"]
+
 
 def check_tp(config: HybridConfig, world: int) -> None:
     """``ValueError`` naming the size unless ``config`` can be split over ``world`` ranks."""

@@ -24,6 +24,11 @@ from ir.errors import IRValidationError, PreconditionError, short_repr
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 from ir.sampling import GREEDY, SEED_MAX, SamplingParams
 
+__all__ = [
+    "MAX_CAPACITY", "MAX_K", "MAX_KV_CAPACITY", "MAX_LEN", "MAX_POOL_BYTES", "MAX_RETRIES", "MAX_STOPS", "MAX_TABLE_ENTRIES", "check_engine_args",
+    "check_request", "check_sampling", "checked_prompt", "engine_int",
+]
+
 MAX_K = 32
 """Most draft tokens per speculative iteration (the same bound as ``compiler.workload.MAX_K``, the
 command line's; the engine does not import the command line's modules)."""

@@ -10,8 +10,14 @@ from typing import Protocol
 from compiler.engine.report import PrefixState, SpecStats, StepReport
 from ir.ids import RequestId
 
+__all__ = ["ServingEngine"]
+
 
 class ServingEngine(Protocol):
+    """What a harness needs from a serving engine, as a structural protocol: admit requests, step, read
+    outputs and counters, make and release prefix states. ``compiler.engine.Engine`` is one; so is the
+    mutable baseline, so an A/B comparison, a benchmark or a test drives either through the same calls."""
+
     @property
     def stats(self) -> SpecStats:
         """Counters over the engine's life (forwards, speculative acceptance, retractions, ...)."""

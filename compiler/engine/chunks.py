@@ -20,8 +20,15 @@ from compiler.engine.kv_refs import KVRefs
 from compiler.engine.requests import Request, RequestState, RequestTable
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
 
+__all__ = ["ChunkPlanner"]
+
 
 class ChunkPlanner:
+    """Chooses each step's prefill chunks (see the module): which waiting requests start, from which
+    prefix source, and how many prompt tokens each prefills, within ``chunk_size`` per request and
+    ``token_budget`` per forward. A request starts only when its whole prompt's KV fits beside what the
+    started prefills still need, so started prefills always finish."""
+
     def __init__(
         self,
         *,

@@ -14,6 +14,8 @@ import attrs
 
 from compiler.workload import DEFAULT_CONTEXT, LONGEST_BUILTIN_PROMPT, MAX_CONTEXT, MAX_K, MAX_SEED, MAX_THREADS, ServeError
 
+__all__ = ["DEFAULT_PREFILL_STREAK", "MAX_PREFILL_STREAK", "ServeConfig"]
+
 DEFAULT_PREFILL_STREAK = 2
 """``ServeConfig.prefill_streak``'s default: measured (docs: measurements, "Scheduling")."""
 MAX_PREFILL_STREAK = 1 << 20
@@ -56,7 +58,8 @@ class ServeConfig:
     0 to ``MAX_SEED``."""
 
     overlap: bool = False
-    """Run each model's executor in its own process (``Engine(overlap=True)``). Off by default:
+    """Run each model's executor in its own process (``Engine(transport=processes())``,
+    ``backend.transports``). Off by default:
     measured on a 2-core CPU it is no faster yet (docs/guides/overlap.md)."""
 
     penalties: bool = False

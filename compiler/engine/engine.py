@@ -61,8 +61,28 @@ from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.sampling import SamplingParams
 from passes.lower import LowerContext
 
+__all__ = ["Engine"]
+
 
 class Engine:
+    """The serving engine: what an integrator drives to serve requests on a target model (and, for
+    speculative decoding with ``k > 0``, a draft model or draft head).
+
+    Use: build it with the served models (``backend.model.ServedModel``, e.g. a
+    ``backend.hybrid.HybridModel``), ``admit`` requests, call ``step`` until ``live`` is 0 (or
+    ``run_until_done``), read each ended request's tokens in ``outputs``, and ``close`` it (or use
+    ``with``). Each step compiles one forward through the typed passes (``compiler.steps.Pipeline``)
+    and runs it on the backends its ``transport`` opened; the engine owns the slot and KV allocators,
+    the ledger of one-shot tickets, the request table and the optional prefix cache.
+
+    What it guarantees: every one-shot init op (clear, copy-on-write, snapshot) runs exactly once, and
+    the ledger reports one that never ran; a refused argument (``admit``, ``abort``, ``finish``, the
+    constructor) changes nothing; a forward that still fails after ``retries`` aborts its requests (and
+    those of a pipelined forward built on it) and serving goes on; greedy speculative decoding emits exactly the tokens of ``k = 0``. What it
+    refuses: bad arguments (``PreconditionError`` naming the argument and the value), penalised
+    requests without ``penalties=True``, calls from inside a step (a model hook calling back), and any
+    call after an exception escaped a step (``EngineStoppedError``). One thread drives an engine."""
+
     def __init__(
         self,
         target: ServedModel[Any],
@@ -192,10 +212,12 @@ class Engine:
 
     @property
     def chunk_size(self) -> int:
+        """The most prompt tokens one request prefills in one forward (a longer prompt is chunked)."""
         return self.planner.chunk_size
 
     @property
     def token_budget(self) -> int:
+        """The most prompt tokens one forward prefills, over all its requests."""
         return self.planner.token_budget
 
     def _executors(self) -> list[Backend]:
@@ -391,6 +413,7 @@ class Engine:
 
     @property
     def live(self) -> int:
+        """How many requests are live (queued or running; ended requests are in ``outputs``)."""
         return len(self.requests)
 
     def live_slots(self) -> dict[RequestId, MambaSlot]:

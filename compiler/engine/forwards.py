@@ -63,6 +63,8 @@ from ir.spec import AcceptResult, CommitBatch
 from passes.prepare_for_decode import DecodeContext
 from passes.prepare_for_draft import SpecContext
 
+__all__ = ["Forwards", "InFlight", "Progress"]
+
 
 class Progress:
     """What one step did, filled in as it goes (the engine's ``StepReport`` at the end)."""
@@ -109,6 +111,11 @@ class _Inflight:
 
 
 class Forwards:
+    """The engine's forwards (see the module): it holds the running batch, chooses each step's kind of
+    forward (``run``), lowers it through the ``Pipeline``, runs its plans through the
+    ``ForwardRunner``, emits the tokens that come back into the request table and releases requests
+    that end through the engine's ``release``. Built and owned by ``compiler.engine.Engine``."""
+
     def __init__(
         self,
         *,

@@ -19,12 +19,18 @@ from backend.allocator import KVAllocator
 from ir.columns import I64, has_duplicates
 from ir.errors import SlotError
 
+__all__ = ["KVRefs"]
+
 _SMALL = 64
 """Up to this many locations, ``ref`` and ``unref`` loop in Python: numpy's ``add.at`` and
 ``unique`` have a fixed cost larger than the loop at a decode or speculative step's sizes."""
 
 
 class KVRefs:
+    """Reference counts on the KV locations of one ``KVAllocator`` (see the module): locations are
+    allocated with one reference (``alloc``), shared by taking more (``ref``) and freed when the last
+    is dropped (``unref``, which refuses to drop a reference nobody holds)."""
+
     def __init__(self, kv: KVAllocator) -> None:
         self.kv = kv
         self._counts: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
@@ -42,6 +48,7 @@ class KVRefs:
             self._counts = grown
 
     def ref(self, locs: Iterable[int] | I64) -> None:
+        """Take one more reference on every entry of ``locs`` (a location repeated counts once per entry)."""
         arr = self._array(locs)
         if not arr.size:
             return

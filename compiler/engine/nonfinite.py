@@ -26,6 +26,8 @@ import numpy.typing as npt
 from backend.sampling import NON_FINITE
 from ir.columns import I64, frozen_i64
 
+__all__ = ["ERROR_MESSAGE", "bonus_tokens", "checkable_targets"]
+
 ERROR_MESSAGE = "the model's logits for its next token were not finite (NaN or infinity)"
 """What an errored request's record says (one line)."""
 

@@ -32,6 +32,8 @@ from compiler.engine.config import DEFAULT_PREFILL_STREAK, MAX_PREFILL_STREAK
 from ir.columns import int_problem
 from ir.errors import PreconditionError, short_repr
 
+__all__ = ["ALTERNATE", "DEFAULT_POLICY", "MAX_STREAK", "PrefillFirst", "QueueState", "SchedulePolicy", "prefill_first"]
+
 MAX_STREAK = MAX_PREFILL_STREAK
 """Largest bound on prefill steps in a row a policy takes (``None`` means no bound)."""
 
@@ -82,11 +84,14 @@ class PrefillFirst:
     max_streak: int | None = attrs.field(default=None, converter=_streak)
 
     def prefill_now(self, state: QueueState) -> bool:
+        """True when requests are queued and either nothing runs, there is no bound, or fewer than
+        ``max_streak`` prefill steps ran in a row."""
         if state.queued == 0:
             return False
         return self.max_streak is None or state.running == 0 or state.prefill_streak < self.max_streak
 
     def describe(self) -> str:
+        """"prefill first", "alternate" or "prefill first, at most n in a row"."""
         if self.max_streak is None:
             return "prefill first"
         if self.max_streak == 1:

@@ -22,8 +22,15 @@ from ir.errors import PreconditionError, SlotError, short_repr
 from ir.ids import MambaSlot, RequestId
 from ir.request import AdmittedRequest, Clear
 
+__all__ = ["PrefixStates"]
+
 
 class PrefixStates:
+    """The engine's prefix states (see the module): ``make`` prefills a prefix into a fresh slot of every
+    pool and records it; ``check`` refuses a prefix argument that is not one of the live records
+    (forged or released); ``release`` gives back its slot and KV references, and refuses a record that
+    is not live or that a live request has yet to copy (its first chunk has not run)."""
+
     def __init__(
         self,
         *,

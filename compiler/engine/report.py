@@ -1,5 +1,5 @@
 """What the engine reports: per step (``StepReport``), over a run (``SpecStats``), and the prefix
-prefix states it hands out (``PrefixState``)."""
+states it hands out (``PrefixState``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import enum
 import attrs
 
 from ir.ids import MambaSlot, RequestId
+
+__all__ = ["PrefixState", "SpecStats", "StepKind", "StepReport"]
 
 
 class StepKind(enum.Enum):
@@ -57,6 +59,11 @@ class PrefixState:
 
 @attrs.define
 class SpecStats:
+    """Counters over an engine's life (``Engine.stats``): speculative ``iterations`` and
+    ``row_iterations`` (one per row per iteration), draft tokens ``proposed`` and ``accepted``,
+    forwards that prefilled (``prefills``), decoded (``decodes``) or did both (``mixed``, counted in
+    the other two as well), and ``retractions``, ``aborts``, forward ``retries`` and ``failed_steps``."""
+
     iterations: int = 0
     row_iterations: int = 0
     proposed: int = 0
@@ -71,6 +78,7 @@ class SpecStats:
 
     @property
     def acceptance_rate(self) -> float:
+        """The share of proposed draft tokens the target accepted (0.0 before any was proposed)."""
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property

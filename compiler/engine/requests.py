@@ -28,8 +28,13 @@ from ir.columns import I64
 from ir.ids import MambaSlot, RequestId
 from ir.sampling import GREEDY, SamplingParams
 
+__all__ = ["Ending", "Request", "RequestState", "RequestTable"]
+
 
 class RequestState(enum.Enum):
+    """Where a live request is (see the module): waiting for its slot, prefilling its prompt, or
+    running (decoding or speculating)."""
+
     WAITING = "waiting"
     PREFILLING = "prefilling"
     RUNNING = "running"
@@ -47,6 +52,10 @@ class Ending(enum.Enum):
 
 @attrs.define(kw_only=True)
 class Request:
+    """One live request's record in the engine's table: its prompt and bounds, where its state comes
+    from, its slot and context (KV locations), its output so far and how its tokens are chosen.
+    Mutable: the engine's parts update it as the request moves through its states."""
+
     rid: RequestId
     prompt: I64
     """The tokens to prefill: the prompt, plus the output so far after a retraction."""
@@ -99,6 +108,8 @@ class Request:
         return next((i for i in range(self.sampling.min_tokens, len(out)) if out[i] in self.stop), None)
 
     def is_done(self) -> bool:
+        """Whether the request has what it needs: ``max_new_tokens`` tokens, or a stop id at an index at or
+        past ``sampling.min_tokens``."""
         return len(self.output) >= self.max_new_tokens or (bool(self.stop) and self._first_stop(self.output) is not None)
 
     def final_output(self) -> list[int]:
@@ -151,13 +162,16 @@ class RequestTable:
 
     @property
     def has_queued(self) -> bool:
+        """Whether any request waits for (more of) its prefill."""
         return bool(self._queue)
 
     @property
     def num_queued(self) -> int:
+        """How many requests wait for (more of) their prefill."""
         return len(self._queue)
 
     def started(self, r: Request, slot: MambaSlot) -> None:
+        """``r`` got its ``slot``: it goes from WAITING to PREFILLING (it stays in the queue)."""
         assert r.state is RequestState.WAITING
         r.slot, r.state = slot, RequestState.PREFILLING
 
@@ -176,6 +190,7 @@ class RequestTable:
         self._queue.insert(0, r.rid)
 
     def remove(self, rid: RequestId) -> Request:
+        """Drop ``rid``'s record (and its place in the queue) and return it; ``KeyError`` if it is not live."""
         r = self._reqs.pop(rid)
         if r.state is not RequestState.RUNNING:
             self._queue.remove(rid)

@@ -24,6 +24,8 @@ from ir.linear import consumes_on, keeps_linear
 from ir.nodes import Plan
 from ir.results import Result
 
+__all__ = ["ForwardRunner", "StepFailed", "Submitted", "cause_words", "rids_of"]
+
 
 def cause_words(cause: BaseException) -> str:
     """How a failure's cause is named to a user: its kind and its own message (``ExecutorGone:
@@ -67,6 +69,10 @@ class Submitted:
 
 
 class ForwardRunner:
+    """Runs the engine's plans on their backends (see the module): retries a failed forward up to
+    ``retries`` times (counted in ``stats.retries``), never a refusal (``BatchcError``) nor a broken
+    backend, and raises ``StepFailed`` with the plan's requests when every attempt failed."""
+
     def __init__(self, retries: int, stats: SpecStats) -> None:
         self.retries = retries
         self.stats = stats

@@ -34,7 +34,10 @@ from compiler.workload import Request, ServeError
 from ir.ids import RequestId
 from ir.sampling import SamplingParams
 
+__all__ = ["ROUTINGS", "ReplicaFailed", "ReplicaResult", "merged", "route", "serve_replicas", "timed_serve"]
+
 ROUTINGS: Final = ("prefix", "round-robin")
+"""The ``routing`` values ``route`` takes (``batchc run --dp-routing``)."""
 
 
 def route(workload: Sequence[Request], replicas: int, *, block: int, routing: str = "prefix") -> list[list[Request]]:
@@ -64,6 +67,9 @@ def route(workload: Sequence[Request], replicas: int, *, block: int, routing: st
 
 @attrs.frozen(kw_only=True)
 class ReplicaResult:
+    """What one replica process reported: its index, its summary (as JSON) and its requests' outputs,
+    aborted and errored ids and logprobs."""
+
     index: int
     summary: dict[str, Any]
     """The replica's ``ServeSummary.to_json()``."""
@@ -199,6 +205,8 @@ def merged(results: Sequence[ReplicaResult], wall_s: float) -> dict[str, object]
 
 
 def timed_serve(parts: Sequence[Sequence[Request]], **kw: Any) -> tuple[list[ReplicaResult], float]:
+    """``serve_replicas`` of ``parts`` (keywords passed on), and the wall seconds it took, loading
+    included."""
     t0 = time.perf_counter()
     results = serve_replicas(parts, **kw)
     return results, time.perf_counter() - t0

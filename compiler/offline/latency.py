@@ -15,8 +15,15 @@ from compiler.engine import StepReport
 from compiler.workload import Request
 from ir.ids import RequestId
 
+__all__ = ["Latencies"]
+
 
 class Latencies:
+    """The clocks of a served run's requests (see the module): when each arrived, got its first token and
+    ended, and each step's wall time by kind. Fed by the serving loop (``arrive_due`` or ``arrive``,
+    then ``step`` with each report); read with ``ttft_ms`` and ``tpot_ms``. Times are
+    ``time.perf_counter`` seconds."""
+
     def __init__(self) -> None:
         self.arrived: dict[RequestId, float] = {}
         self.first: dict[RequestId, float] = {}
@@ -27,6 +34,7 @@ class Latencies:
         self._turn: float | None = None
 
     def arrive(self, rids: Iterable[RequestId], now: float) -> None:
+        """``rids`` arrive at ``now`` (one that arrived already keeps its first time)."""
         for rid in rids:
             self.arrived.setdefault(rid, now)
 
@@ -41,6 +49,9 @@ class Latencies:
             self.arrived.setdefault(r.rid, now)
 
     def step(self, report: StepReport, now: float) -> None:
+        """Record a step's report at ``now``: its wall time since the turn began (``arrive_due``), the first
+        token of every request it names in ``emitted``, and the end of every request it finished, aborted
+        or errored."""
         if self._turn is not None:
             self.step_ms.setdefault(report.kind.value, []).append(1000 * (now - self._turn))
             self._turn = None

@@ -36,6 +36,8 @@ from ir.errors import IRValidationError, short_repr
 from ir.ids import RequestId
 from ir.sampling import FIELDS, GREEDY, SamplingParams
 
+__all__ = ["CLI_DEFAULTS", "LINE_FIELDS", "builtin_workload", "load_workload", "sampling_params", "tokenize_workload", "tokenized_overflow"]
+
 CLI_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
 """The sampling fields ``batchc run`` takes a default for (``--temperature``, ``--top-p``,
 ``--top-k``, ``--min-p``)."""

@@ -10,6 +10,8 @@ from backend.kernels.chunked import SCAN_GROUP_ELEMENTS
 from compiler.engine.config import ServeConfig
 from compiler.workload import BYTE_VOCAB, MAX_SERVE_BYTES, SYSTEM_PREFIXES, ServeError
 
+__all__ = ["check_serving", "memory_estimate"]
+
 _F32 = 4
 _INDEX_BYTES = 48
 """Per allocator index: a Python int in the free list (8 + 28 bytes), a live byte, slack."""

@@ -20,6 +20,11 @@ from compiler.offline.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from compiler.workload import Request, ServeError
 from ir.ids import RequestId
 
+__all__ = [
+    "MTP_DRAFT", "DraftModel", "Served", "ServedHead", "check_same_vocabulary", "draft_config", "draft_kind", "draft_path", "finish_reason",
+    "load_draft", "load_served", "output_lines",
+]
+
 
 @attrs.frozen(kw_only=True)
 class Served:

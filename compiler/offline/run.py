@@ -25,6 +25,8 @@ from compiler.prefix_cache import PrefixCache
 from compiler.workload import Request
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 
+__all__ = ["make_engine", "run", "serve", "stop_ids"]
+
 
 def make_engine(
     target: HybridModel, draft: DraftModel | None, cfg: ServeConfig, pm: PassManager | None, cache: bool, k: int,

@@ -31,6 +31,8 @@ import attrs
 
 from compiler.offline.tokenizer import Tokenizer
 
+__all__ = ["StopCut", "StopScanner", "scan"]
+
 
 @attrs.frozen(kw_only=True)
 class StopCut:

@@ -8,6 +8,8 @@ import attrs
 
 from ir.ids import RequestId
 
+__all__ = ["MutableRun", "Sample", "ServeSummary", "host_ms_per_step"]
+
 
 @attrs.frozen(kw_only=True)
 class Sample:
@@ -141,6 +143,9 @@ class ServeSummary:
         return self.tokens_per_s / fixed.tokens_per_s if fixed.tokens_per_s else 0.0
 
     def to_json(self) -> dict[str, object]:
+        """The summary as ``--json`` writes it: every field but the per-request ones (``outputs``,
+        ``logprobs``, ``aborted``, ``errored``), optional parts left out when they did not run, and
+        ``tokens_per_s_vs_mutable_fixed`` when the fixed baseline ran."""
         out = {k: v for k, v in attrs.asdict(self).items() if not (k in _OPTIONAL and v is None) and k not in ("outputs", "logprobs", "aborted", "errored")}
         ratio = self.tokens_per_s_vs_mutable_fixed
         if ratio is not None:

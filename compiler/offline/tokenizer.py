@@ -22,7 +22,10 @@ from backend.files import CheckpointError, file_kind
 from ir.columns import int_problem
 from ir.errors import short_repr
 
+__all__ = ["MAX_ID", "MAX_TOKENIZER_BYTES", "REPLACEMENT", "ByteTokenizer", "Detokenizer", "HFTokenizer", "Tokenizer", "check_ids"]
+
 REPLACEMENT = "\ufffd"
+"""U+FFFD, what an unfinished or invalid character decodes to."""
 MAX_ID = 1 << 32
 """Ids a ``tokenizer.json`` decoder takes (32-bit); an id it does not know (a model's vocabulary
 may hold padding rows beyond the tokenizer's) decodes to nothing, as transformers decodes it."""
@@ -59,6 +62,9 @@ def _check_text(text: object) -> str:
 
 @runtime_checkable
 class Detokenizer(Protocol):
+    """Incremental detokenisation of one output (see the module): ``push`` each generated id, ``flush``
+    at the end; the pieces joined are ``decode`` of all the ids, and no piece splits a character."""
+
     def push(self, token: int) -> str:
         """The text completed by ``token`` (may be empty)."""
         ...
@@ -70,19 +76,31 @@ class Detokenizer(Protocol):
 
 @runtime_checkable
 class Tokenizer(Protocol):
+    """Text to token ids and back, for serving text (see the module): ``ByteTokenizer`` for the bundled
+    models, ``HFTokenizer`` for a checkpoint. Refuses text that is not a valid ``str`` and ids that are
+    not ints in range (``ValueError``)."""
+
     @property
     def vocab_size(self) -> int:
         """Ids are in ``[0, vocab_size)``."""
         ...
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """What the tokenizer is, for reports (``"bytes"``, or the ``tokenizer.json`` path)."""
+        ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, with what the tokenizer's post-processor adds (a BOS, say)."""
+        ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens left out."""
+        ...
 
-    def detokenizer(self) -> Detokenizer: ...
+    def detokenizer(self) -> Detokenizer:
+        """A fresh ``Detokenizer`` for one output."""
+        ...
 
     def single_id(self, text: str) -> int | None:
         """The one id ``text`` encodes to without special tokens, or None if it is not one token."""
@@ -108,15 +126,19 @@ class ByteTokenizer:
     name = "bytes"
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``."""
         return list(_check_text(text).encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
+        """``ids`` (each in ``[0, 256)``) as UTF-8, an invalid sequence as U+FFFD."""
         return bytes(check_ids(ids, 256)).decode("utf-8", errors="replace")
 
     def detokenizer(self) -> Detokenizer:
+        """A fresh incremental UTF-8 decoder."""
         return _ByteDetokenizer()
 
     def single_id(self, text: str) -> int | None:
+        """The byte ``text`` is, when it is one byte in UTF-8; else None."""
         data = _check_text(text).encode("utf-8")
         return data[0] if len(data) == 1 else None
 
@@ -183,19 +205,25 @@ class HFTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Ids are in ``[0, vocab_size)``: the tokenizer's vocabulary with its added tokens."""
         return self._vocab
 
     @property
     def name(self) -> str:
+        """The ``tokenizer.json`` path."""
         return str(self.path)
 
     def vocab(self) -> dict[str, int]:
+        """Every token's id, added tokens included (a copy)."""
         return dict(self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, with the special tokens the post-processor adds."""
         return list(self._tok.encode(_check_text(text), add_special_tokens=True).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens left out (an id the tokenizer does not know decodes to
+        nothing)."""
         return str(self._tok.decode(check_ids(ids, MAX_ID), skip_special_tokens=True))
 
     def _decode_checked(self, ids: list[int]) -> str:
@@ -203,8 +231,10 @@ class HFTokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=True))
 
     def detokenizer(self) -> Detokenizer:
+        """A fresh ``Detokenizer`` that re-decodes a short window of ids per push."""
         return _WindowDetokenizer(self)
 
     def single_id(self, text: str) -> int | None:
+        """The one id ``text`` encodes to without special tokens, or None if it is not one token."""
         ids = self._tok.encode(_check_text(text), add_special_tokens=False).ids
         return int(ids[0]) if len(ids) == 1 else None

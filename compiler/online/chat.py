@@ -24,6 +24,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from compiler.online.protocol import ChatMessage, bad
 
+__all__ = ["ChatTemplate"]
+
 MAX_CONFIG_BYTES: Final = 16 << 20
 
 
@@ -46,6 +48,10 @@ def _strftime_now(fmt: str) -> str:
 
 @attrs.frozen
 class ChatTemplate:
+    """A checkpoint's chat template (``source``, jinja2) with its ``bos_token`` and ``eos_token``:
+    ``load`` reads it from a model directory, ``render`` turns chat messages into the prompt text in
+    jinja2's immutable sandbox (see the module)."""
+
     source: str
     bos_token: str
     eos_token: str

@@ -49,6 +49,8 @@ from compiler.online.metrics import Metrics
 from compiler.workload import ServeError, completion_rid
 from ir.ids import RequestId
 
+__all__ = ["EngineClient", "EngineGone", "Tracked", "completion_ids"]
+
 
 class EngineGone(ServeError):
     """The engine process ended before it was ready."""
@@ -91,6 +93,12 @@ class Tracked:
 
 
 class EngineClient:
+    """One engine process, seen from the HTTP process (see the module): it starts the process with
+    ``launch`` (``wait_ready`` until it is built), then, once ``attach``ed to the event loop, sends it
+    requests (``submit``, ``abort``, ``finish``), delivers each request's deltas and endings to its
+    ``Tracked`` queue and records them in ``metrics``. ``submit``, ``abort``, ``finish`` and
+    ``abort_all`` run on the event loop."""
+
     def __init__(self, launch: Launch, metrics: Metrics, *, replica: int = 0, report: Callable[[], None] | None = None) -> None:
         self.metrics = metrics
         self.replica = replica
@@ -200,6 +208,8 @@ class EngineClient:
         return len(self.tracked)
 
     def submit(self, sub: Submit, arrived: float) -> Tracked:
+        """Send ``sub`` to the engine and track it (``arrived``: when its HTTP request came,
+        ``time.perf_counter()``); returns the record whose queue gets its deltas and endings."""
         t = Tracked(rid=sub.rid, completions=sub.completions, queue=asyncio.Queue(), arrived=arrived, replica=self.replica)
         for member in sub.completions:
             self.tracked[member] = t
@@ -210,6 +220,7 @@ class EngineClient:
         return t
 
     def new_rid(self) -> int:
+        """A fresh request id for this engine (0, 1, 2, ...)."""
         self.next_rid += 1
         return self.next_rid - 1
 
@@ -230,6 +241,7 @@ class EngineClient:
                 self._outbox.put(Finish(rid, keep))
 
     def abort_all(self, note: str) -> None:
+        """``abort`` every tracked request, with ``note``."""
         for t in {id(t): t for t in self.tracked.values()}.values():
             self.abort(t, note)
 
@@ -318,4 +330,5 @@ class EngineClient:
         return self.closed
 
     def kill(self) -> None:
+        """SIGKILL the engine process (and its group), and reap it."""
         children.kill(self.proc)

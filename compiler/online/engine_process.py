@@ -75,6 +75,8 @@ from ir.ids import RequestId
 if TYPE_CHECKING:
     from compiler.offline.models import Served, ServedHead
 
+__all__ = ["IDLE_TICK_S", "PING_S", "TP_WORKER", "Loop", "build", "load", "main", "tp_worker"]
+
 IDLE_TICK_S: Final = 0.5
 """How long an idle engine waits for a message before it sends its stats again."""
 PING_S: Final = 5.0
@@ -187,6 +189,8 @@ class Loop:
         self.last_sent = 0.0
 
     def run(self) -> None:
+        """Serve until ``Shutdown``: read the waiting messages, admit from the FIFO, run one step, send
+        what it produced (see the module). Blocks for a message only when nothing is live."""
         while True:
             busy = bool(self.queued) or self.engine.live > 0
             if self.conn.poll(0 if busy else IDLE_TICK_S):
@@ -319,6 +323,8 @@ class Loop:
             self._collect_one(rid)
 
     def stats(self) -> Stats:
+        """The engine's figures now, as the HTTP side's metrics read them: requests running and waiting,
+        slots, KV locations, cache entries, outstanding tickets, draft tokens proposed and accepted, steps."""
         engine = self.engine
         running = sum(1 for r in engine.requests if r.state is RequestState.RUNNING)
         return Stats(
@@ -348,6 +354,10 @@ def _logprobs(entries: list[dict[str, Any]], n: int) -> tuple[TokenLogprob, ...]
 
 
 def main(argv: list[str]) -> int:
+    """The engine process (see the module): ``argv`` is ``[FD]``, the connection to the HTTP process.
+    Reads ``Launch``, builds the engine, answers ``Ready`` (or ``StartFailed``, exit status 2) and runs
+    the loop; exits 0 after ``Shutdown``, 1 when the server went away or the loop crashed (sent as
+    ``Crashed``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server speaks for Ctrl-C and stops this process itself
     conn = multiprocessing.connection.Connection(int(argv[0]))
     try:

@@ -28,6 +28,11 @@ import attrs
 
 from ir.sampling import SamplingParams
 
+__all__ = [
+    "END_REASONS", "Abort", "Closed", "Crashed", "Delta", "EndReason", "Ended", "Finish", "FromEngine", "Launch", "Ready", "Shutdown", "StartFailed",
+    "Stats", "StepOut", "Submit", "ToEngine", "TokenLogprob",
+]
+
 EndReason = Literal["stop", "length", "abort", "refused", "error", "failed"]
 """How a request ended in the engine: ``stop`` (an end-of-sequence or stop token id, or the HTTP
 side's ``Finish`` at a stop string), ``length``
@@ -35,6 +40,7 @@ side's ``Finish`` at a stop string), ``length``
 it), ``error`` (non-finite logits), ``failed`` (a forward carrying it failed)."""
 
 END_REASONS: Final = ("stop", "length", "abort", "refused", "error", "failed")
+"""Every ``EndReason``, in that order."""
 
 
 @attrs.frozen(kw_only=True)
@@ -87,6 +93,9 @@ class StartFailed:
 
 @attrs.frozen(kw_only=True)
 class Submit:
+    """A request for the engine: its prompt ids, ``max_new_tokens``, stop ids and sampling, under ``rid``
+    (completion 0) and, for ``sampling.n > 1``, the ids of its other completions (``forks``)."""
+
     rid: int
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -137,6 +146,8 @@ class TokenLogprob:
 
 @attrs.frozen
 class Delta:
+    """New output tokens of one completion, and their logprobs when the request asked for them."""
+
     rid: int
     """The completion's id."""
     ids: tuple[int, ...]
@@ -145,6 +156,8 @@ class Delta:
 
 @attrs.frozen(kw_only=True)
 class Ended:
+    """One completion ended (see ``EndReason``): its last new tokens, their logprobs, and why."""
+
     rid: int
     """The completion's id."""
     ids: tuple[int, ...]
@@ -180,6 +193,9 @@ class Stats:
 
 @attrs.frozen(kw_only=True)
 class StepOut:
+    """What one engine step (or an idle tick) has to say: the completions' new tokens, those that
+    ended, and the engine's ``Stats``."""
+
     deltas: tuple[Delta, ...]
     ended: tuple[Ended, ...]
     stats: Stats
@@ -207,4 +223,6 @@ class Crashed:
 
 
 ToEngine = Launch | Submit | Abort | Finish | Shutdown
+"""A message from the HTTP process to the engine process."""
 FromEngine = Ready | StartFailed | StepOut | Closed | Crashed
+"""A message from the engine process to the HTTP process."""

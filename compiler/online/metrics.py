@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from compiler.online.messages import Stats
 
+__all__ = ["OUTCOMES", "Metrics"]
+
 OUTCOMES: Final = ("finished", "cancelled", "timeout", "aborted", "refused", "error")
 """``batchc_requests_total``'s ``outcome`` label: finished (a stop or the length), cancelled (the
 client went away), timeout (the request's deadline), aborted (the server's drain), refused (the
@@ -29,6 +31,10 @@ _LATENCY: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class Metrics:
+    """One server's Prometheus metrics, in a registry of their own (see the module): the request
+    counters and latency histograms the HTTP side feeds, and the engine's gauges, set from its
+    ``Stats`` by ``engine``."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("batchc_requests", "Requests ended, by outcome", ["outcome"], registry=r)
@@ -67,6 +73,8 @@ class Metrics:
                                          ["replica"], registry=r)
 
     def engine(self, s: Stats) -> None:
+        """Set the engine's gauges from ``s`` (occupancies and acceptance rate derived, 0.0 when their
+        denominator is 0)."""
         self.running.set(s.running)
         self.waiting.set(s.waiting)
         self.slots_live.set(s.slots_live)
@@ -83,4 +91,5 @@ class Metrics:
         self.steps.set(s.steps)
 
     def render(self) -> bytes:
+        """Every metric in the Prometheus text format, as ``GET /metrics`` answers."""
         return generate_latest(self.registry)

@@ -30,7 +30,10 @@ from compiler.offline.load import sampling_params
 from ir.errors import IRValidationError
 from ir.sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 
+__all__ = ["DEFAULT_COMPLETION_TOKENS", "ROLES", "ApiError", "ChatMessage", "GenerationRequest", "Kind", "bad", "check_context", "load_json", "parse_request"]
+
 Kind = Literal["completion", "chat"]
+"""Which endpoint a request came to: ``/v1/completions`` or ``/v1/chat/completions``."""
 
 DEFAULT_COMPLETION_TOKENS: Final = 16
 """``max_tokens`` of a completion that gives none (the OpenAI API's default)."""
@@ -48,6 +51,7 @@ _FIELDS: Final[Mapping[Kind, frozenset[str]]] = {
                        "response_format"},
 }
 ROLES: Final = ("system", "user", "assistant", "tool", "developer")
+"""The roles a chat message may have."""
 
 
 class ApiError(Exception):
@@ -64,15 +68,19 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, object]:
+        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
+    """A 400 ``ApiError`` naming the body field ``param`` (``None``: the body as a whole)."""
     return ApiError(400, message, param=param, code=code)
 
 
 @attrs.frozen(kw_only=True)
 class ChatMessage:
+    """One message of a chat request: its ``role`` (one of ``ROLES``) and its text ``content``."""
+
     role: str
     content: str
 
@@ -94,6 +102,8 @@ class GenerationRequest:
 
     @property
     def max_tokens_param(self) -> str:
+        """The name error messages give the token limit: ``max_tokens`` for a completion,
+        ``max_completion_tokens`` for a chat."""
         return "max_tokens" if self.kind == "completion" else "max_completion_tokens"
 
 

@@ -33,6 +33,8 @@ from compiler.online.engine_client import EngineClient, EngineGone, Tracked
 from compiler.online.messages import Closed, Launch, Ready, Stats, Submit
 from compiler.online.metrics import Metrics
 
+__all__ = ["EngineRouter", "choose"]
+
 
 def choose(loads: Sequence[int], turn: int) -> int:
     """The replica a new request goes to: of those with the least ``loads`` (completions in flight),
@@ -44,6 +46,10 @@ def choose(loads: Sequence[int], turn: int) -> int:
 
 
 class EngineRouter:
+    """The server's one view of its engine processes (see the module): ``replicas`` ``EngineClient``s
+    started at once with ``launch``, spoken to as one engine. Request ids are numbered here, over every
+    replica; each request goes to the replica with the fewest completions in flight."""
+
     def __init__(self, launch: Launch, metrics: Metrics, replicas: int = 1) -> None:
         if type(replicas) is not int or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
@@ -80,11 +86,14 @@ class EngineRouter:
         return what if len(self.clients) == 1 else f"replica {i}: {what}"
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Attach every replica's client to ``loop`` (their reader and writer threads start), each calling
+        ``on_gone_of`` if its engine process dies."""
         for c in self.clients:
             c.on_gone = self.on_gone_of
             c.attach(loop)
 
     def on_gone_of(self) -> None:
+        """A replica's engine process ended without ``Closed``: call ``on_gone`` (the server stops)."""
         self.on_gone()
 
     # -- on the event loop ---------------------------------------------------------------------
@@ -104,17 +113,22 @@ class EngineRouter:
 
     @property
     def finished(self) -> int:
+        """Requests finished, over every replica."""
         return sum(c.finished for c in self.clients)
 
     @property
     def aborted(self) -> int:
+        """Requests aborted, over every replica."""
         return sum(c.aborted for c in self.clients)
 
     def new_rid(self) -> int:
+        """A fresh request id (0, 1, 2, ...), distinct over every replica."""
         self.next_rid += 1
         return self.next_rid - 1
 
     def submit(self, sub: Submit, arrived: float) -> Tracked:
+        """Send ``sub`` to the replica with the fewest completions in flight (ties in turn) and track it
+        there."""
         i = choose([c.outstanding for c in self.clients], self._turn)
         self._turn = (i + 1) % len(self.clients)
         c = self.clients[i]
@@ -122,12 +136,16 @@ class EngineRouter:
         return c.submit(sub, arrived)
 
     def abort(self, t: Tracked, note: str) -> None:
+        """Ask the replica holding ``t`` to end it now (``EngineClient.abort``)."""
         self.clients[t.replica].abort(t, note)
 
     def finish(self, t: Tracked, rid: int, keep: int) -> None:
+        """Ask the replica holding ``t`` to end its completion ``rid`` as finished with its first ``keep``
+        ids (``EngineClient.finish``)."""
         self.clients[t.replica].finish(t, rid, keep)
 
     def abort_all(self, note: str) -> None:
+        """``abort`` every tracked request of every replica, with ``note``."""
         for c in self.clients:
             c.abort_all(note)
 
@@ -159,5 +177,6 @@ class EngineRouter:
                       kv_live=sum(c.kv_live for c in done), ranks_equal=all(c.ranks_equal for c in done))
 
     def kill(self) -> None:
+        """SIGKILL every replica's engine process."""
         for c in self.clients:
             c.kill()

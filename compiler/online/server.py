@@ -78,15 +78,24 @@ from compiler.online.router import EngineRouter
 from compiler.online.text import TextStream, token_text
 from compiler.workload import ServeError
 
+__all__ = ["MAX_BODY_BYTES", "READY_TIMEOUT_S", "RETRY_AFTER_S", "Server", "ServerOptions", "listen", "serve", "unavailable"]
+
 log = logging.getLogger("batchc.online")
 
 MAX_BODY_BYTES: Final = 8 << 20
+"""``ServerOptions.max_body_bytes``' default: a larger request body is a 413."""
 READY_TIMEOUT_S: Final = 600.0
+"""How long ``serve`` waits for the engine processes to load the models and report ready."""
 RETRY_AFTER_S: Final = 1
+"""The ``Retry-After`` seconds of a 503."""
 
 
 @attrs.frozen(kw_only=True)
 class ServerOptions:
+    """``batchc serve``'s options: the engine process's ``launch``, where to listen, the API key and
+    model name, the admission and time limits, the sampling defaults and the number of replicas
+    (``dp``)."""
+
     launch: Launch
     host: str = "127.0.0.1"
     port: int = 8000
@@ -115,6 +124,7 @@ def _error(exc: ApiError) -> JSONResponse:
 
 
 def unavailable(message: str) -> ApiError:
+    """A 503 ``ApiError`` saying ``message``, with ``Retry-After``."""
     return ApiError(503, message, type="service_unavailable", code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
@@ -145,6 +155,10 @@ class _Auth:
 
 
 class Server:
+    """The HTTP side of ``batchc serve`` (see the module): its Starlette ``app`` (behind the API-key
+    check), routed to the methods below, in front of ``client``, the router over the engine processes
+    built with ``ready``'s model. It never runs a forward."""
+
     def __init__(self, options: ServerOptions, client: EngineRouter, ready: Ready, metrics: Metrics) -> None:
         self.options = options
         self.client = client
@@ -185,6 +199,7 @@ class Server:
         return JSONResponse(ApiError(500, "internal server error (logged by the server)", type="server_error").body(), status_code=500)
 
     def refusal(self) -> ApiError | None:
+        """Why no new work is taken now (a 503: the engine is gone, or the server drains), or None."""
         if self.client.gone is not None:
             return unavailable(f"the engine is gone ({self.client.gone}); the server is stopping")
         if self.draining:
@@ -192,25 +207,32 @@ class Server:
         return None
 
     async def health(self, request: Request) -> Response:
+        """``GET /health``: 200 ``{"status": "ok"}`` while the engine can take work, else the 503 of
+        ``refusal``."""
         refusal = self.refusal()
         if refusal is not None:
             return _error(refusal)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the one model served, with its context length (``max_model_len``)."""
         return JSONResponse({"object": "list", "data": [{
             "id": self.model, "object": "model", "created": self.created, "owned_by": "batchc", "max_model_len": self.ready.max_len,
         }]})
 
     async def metrics_route(self, request: Request) -> Response:
+        """``GET /metrics``: the Prometheus metrics (``Metrics.render``)."""
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # -- generation ----------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``: a completion request, answered whole or streamed (see the module)."""
         return await self._generate(request, "completion")
 
     async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``: a chat request, its messages rendered with the model's chat
+        template, answered whole or streamed (see the module)."""
         return await self._generate(request, "chat")
 
     async def _body(self, request: Request) -> bytes:

@@ -26,8 +26,13 @@ from collections.abc import Iterable, Sequence
 from compiler.offline.stops import StopScanner
 from compiler.offline.tokenizer import ByteTokenizer, Tokenizer
 
+__all__ = ["TextStream", "token_text"]
+
 
 class TextStream:
+    """One completion's output as text (see the module): ``push`` the ids as they arrive, ``finish`` at
+    the end; a stop string (matched on the text, none before ``min_tokens`` tokens) ends it there."""
+
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], *, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._scanner = StopScanner(tokenizer, stops, min_tokens=min_tokens)
@@ -38,10 +43,12 @@ class TextStream:
 
     @property
     def stopped(self) -> bool:
+        """Whether a stop string ended the text (later ids are not taken)."""
         return self._scanner.cut is not None
 
     @property
     def tokens(self) -> int:
+        """How many ids the text keeps: up to the one that completed the stop string, or all of them."""
         cut = self._scanner.cut
         return cut.keep if cut is not None else len(self._ids)
 

@@ -1,6 +1,6 @@
 """``batchc bench sampler``: the sampler's time per call against the bundled model's decode step.
 
-The issue's goal is a sampler costing at most 5% of a decode step at 8 and 128 running rows. For
+The goal is a sampler costing at most 5% of a decode step at 8 and 128 running rows. For
 each row count this benchmark times:
 
 - ``decode``: one decode of the bundled target over that many rows, prompts already in their

@@ -250,7 +250,8 @@ def test_the_messages_name_the_value_and_the_first_use(checked: tuple[Path, str]
     first = lines.index("    ex.execute(plan)", lines.index("def twice(ex: Ex, plan: Plan) -> None:")) + 1
     assert re.search(
         rf'^.*:{first + 1}: error: "plan" \(Plan\) is consumed again by "ex": line {first} consumed it on a path to here; '
-        r"one-shot tickets run once per executor .*README\.md#linear-use-checked-by-mypy\)  \[linear-reuse\]$",
+        r"one-shot tickets run once per executor \(rebind it to a new plan; see the batchc guide "
+        r'"The linearity checker in your mypy CI", or: python -m pydoc ir\.mypy_linear\)  \[linear-reuse\]$',
         out,
         re.M,
     ), out

@@ -37,3 +37,27 @@ def test_readme_links_into_the_docs_lead_to_pages() -> None:
     assert len(links) >= 10
     missing = [link for link in links if not (ROOT / link).is_file()]
     assert not missing, missing
+
+
+def _table_rows(text: str) -> list[tuple[str, str]]:
+    """The (metric, value) pairs of a rich table's body rows, whatever the table's width."""
+    return [(cells[1].strip(), cells[2].strip()) for line in text.splitlines() for cells in [line.split("│")] if len(cells) == 4]
+
+
+def test_readme_and_getting_started_show_rows_that_batchc_run_prints() -> None:
+    """The sample output of ``batchc run`` in the README and in Getting started is an excerpt of what
+    the command prints on its bundled default: each row shown, with its value, is a row of a real
+    run's summary (run as the README's first command does, in a process of its own)."""
+    import subprocess
+    import sys
+
+    exe = [sys.executable, "-c", "import sys; from compiler.launch import main; sys.exit(main())", "run"]
+    result = subprocess.run(exe, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = set(_table_rows(result.stdout))
+    assert ("lossless_check", "passed: 4 requests equal plain greedy of the target") in printed
+    for page in (README, (ROOT / "docs" / "getting-started.md").read_text()):
+        marker = page.index("```text\n│ target_clears_minted_consumed")
+        shown = _table_rows(_block(page, "text", marker)[0])
+        assert len(shown) >= 10
+        assert not [row for row in shown if row not in printed], result.stdout

@@ -21,6 +21,11 @@ import torch
 
 from tests import hypothesis_profiles  # noqa: F401  # registers the fuzzer's profiles, so --hypothesis-profile=long works
 
+collect_ignore = ["user_project"]
+"""An engine author's project kept as test data: ``.ci/check-install`` copies it out of the checkout and
+runs its own tests there, against the installed batchc (inside this suite its conftest-free layout
+and its deliberate misuse would be collected as batchc's own tests)."""
+
 SUITE_VERIFY = "2"
 OVERRIDDEN_VERIFY = os.environ.get("BATCHC_VERIFY")
 """The developer's ``BATCHC_VERIFY`` before the suite set its own (``None`` when unset)."""

@@ -22,6 +22,8 @@ from types import ModuleType
 
 import torch
 
+__all__ = ["CPU_KERNELS_ENV", "interpret_enabled", "jit_module", "triton_available", "use_triton"]
+
 _JIT_PACKAGE = "backend.kernels.jit"
 
 # The mode each jit module was decorated in, keyed by module name.
@@ -32,12 +34,13 @@ _decorated_in: dict[str, bool] = {}
 def _triton_module() -> ModuleType | None:
     """Triton's module, or ``None`` when it does not import: tried once per process (every kernel
     call asks, and an ``import`` statement costs a lock and a lookup each time)."""
+    # by importlib, not an import statement: Triton ships no type information, and a user's
+    # `mypy --strict` follows batchc's imports; this way no batchc module a checker reads imports
+    # an untyped package (the @triton.jit bodies in backend.kernels.jit are loaded the same way)
     try:
-        import triton
+        return importlib.import_module("triton")
     except ImportError:
         return None
-    module: ModuleType = triton  # (Triton ships no type information)
-    return module
 
 
 def triton_available() -> bool:
@@ -52,6 +55,8 @@ def interpret_enabled() -> bool:
 
 
 CPU_KERNELS_ENV = "BATCHC_TRITON_ON_CPU"
+"""The environment variable that, with Triton's interpreter on, sends CPU tensors to the Triton
+kernels (``use_triton``)."""
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@
 - Without a GPU, Triton's interpreter is on for the whole session, set before anything imports
   Triton so that Triton's own ``@jit`` library functions are interpreted too. CPU code still takes
   the torch references unless a kernel test asks for Triton (``BATCHC_TRITON_ON_CPU``).
+- Under pytest-xdist each worker runs torch on one thread, and so do the processes its tests start.
 - Torch's intra-op thread count is put back after every test: the command line sets it
   (``--threads``), and a test that runs the command line must not change it for the tests after.
 """
@@ -31,8 +32,52 @@ OVERRIDDEN_VERIFY = os.environ.get("BATCHC_VERIFY")
 """The developer's ``BATCHC_VERIFY`` before the suite set its own (``None`` when unset)."""
 
 os.environ["BATCHC_VERIFY"] = SUITE_VERIFY
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # a worker of `pytest -n N` shares the cores with the other workers: one torch thread each (and
+    # in the processes its tests start), or N workers of all-core thread pools spin against each other
+    # (measured on 2 cores: the suite took 2.5x the CPU time until this)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+FAST_TIER = (
+    "tests/ir/",
+    "tests/passes/",
+    "tests/backend/test_ledger_truth.py",
+    "tests/backend/test_backend_core.py",
+    "tests/test_regression_stale_init.py",
+    "tests/test_typecheck.py",
+    "tests/testing/test_plugin.py",
+    "tests/test_layering.py",
+    "tests/test_lint.py",
+)
+"""The fast tier, ``pytest -m "not slow"``: the IR, every pass, the ledger and executor core, the
+seed bug's regression test, mypy with the linear-use plugin and the type-rejection cases, batchc's
+pytest plugin, the import rules and ruff. Every other test is marked ``slow`` at collection (a test
+of a fast-tier file may be marked ``slow`` by hand); the full run, ``pytest``, runs both."""
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _in_fast_tier(path: object) -> bool:
+    return os.path.relpath(str(path), _ROOT).replace(os.sep, "/").startswith(FAST_TIER)
+
+
+def pytest_ignore_collect(collection_path: object, config: pytest.Config) -> bool | None:
+    """Under exactly ``-m "not slow"`` a test file outside the fast tier is not even imported: every
+    test in it would be deselected (importing them all is most of a minute's budget)."""
+    if config.getoption("markexpr") == "not slow" and str(collection_path).endswith(".py") and not _in_fast_tier(collection_path):
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    slow = pytest.mark.slow
+    for item in items:
+        if not _in_fast_tier(item.path):
+            item.add_marker(slow)
 
 
 def verify_override_notice() -> str | None:

@@ -37,6 +37,7 @@ def test_every_kind_the_parser_reads_has_a_strategy() -> None:
     assert set(NODE_STRATEGIES) == set(PRINTABLE)
 
 
+@pytest.mark.slow  # the full run's: the fast tier keeps the golden dumps' round trip below
 @pytest.mark.parametrize("kind", sorted(NODE_STRATEGIES))
 def test_exact_dump_round_trips(kind: str) -> None:
     @FAST

@@ -372,6 +372,7 @@ def mutated_messages(draw: st.DrawFn, kind: str) -> bytes:
     return bytes(out)
 
 
+@pytest.mark.slow  # the full run's: the fast tier keeps the round trip and the refusals of each defect
 @pytest.mark.parametrize("kind", PLAN_KINDS)
 def test_a_mutated_message_is_refused_or_is_the_encoding_of_its_plan(kind: str) -> None:
     @settings(max_examples=50, derandomize=True, database=None, deadline=None,

@@ -34,6 +34,7 @@ length of a kernel.
 
 from __future__ import annotations
 
+import copy
 import operator
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -119,6 +120,14 @@ class Claim:
         self._held.clear()
 
 
+def _own_copy(ticket: Ticket[Op]) -> Ticket[Op]:
+    """The ledger's own copy of a registered ticket: a new ticket around a new op object (every op
+    field is a tuple of ints, so a shallow copy shares nothing that can change). The caller's objects
+    stay the caller's: an op changed in place after registration (``object.__setattr__`` on a frozen
+    node) then differs from the copy, and ``claiming`` refuses it as a ticket with other ops."""
+    return Ticket(op=copy.copy(ticket.op), pool=ticket.pool)
+
+
 @keeps_linear  # the one place tickets live across steps: registered, in flight, consumed
 class Ledger:
     """The books of every one-shot ticket of an engine: registered when its plan is lowered, claimed by
@@ -188,7 +197,7 @@ class Ledger:
                 sibling = self._ops.get(_ops_key(t)) or next((o for o in seen.values() if _ops_key(o) == _ops_key(t)), None)
                 if sibling is not None and not _same_ops(sibling, t):
                     raise _mismatch(sibling, t, f"registered for pool {t.pool!r} with other ops than for pool {sibling.pool!r}")
-                seen[key] = t
+                seen[key] = _own_copy(t)
             for key, t in seen.items():
                 self._ops.setdefault(_ops_key(t), t)
                 if key not in self._outstanding:

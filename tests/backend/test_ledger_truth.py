@@ -113,6 +113,29 @@ def test_forged_ops_under_an_outstanding_serial_are_refused_and_the_registered_o
     assert w.ledger.is_consumed(b.tickets[0])
 
 
+@pytest.mark.parametrize("transactional", [False, True])
+def test_an_op_changed_in_place_after_registration_is_refused(transactional: bool) -> None:
+    """The ledger keeps its own copy of what was registered: a plan whose op object is changed in
+    place afterwards (a frozen node written through ``object.__setattr__``) no longer matches it."""
+    w, model = _world(transactional=transactional)
+    a, _ = _two_prefills(w)
+    serial = a.tickets[0].serial
+    op = a.tickets[0].op
+    assert op.clear_slots == (1,)
+    with suppress_type_checks():
+        object.__setattr__(op, "clear_slots", (MambaSlot(5),))  # slot 5 is another request's live row
+    match = rf"ticket #{serial} for pool 'target' handed to the executor with other ops.*registered ops clear \[1\], cow \[\]; these ops clear \[5\], cow \[\]"
+    _refused(w, model, lambda: w.executor.execute(a), TicketMismatchError, match)
+    assert w.ledger.outstanding() and not w.ledger.is_consumed(a.tickets[0])
+    # the snapshot's ops are kept the same way
+    r = attrs.evolve(request(3, 3, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(4))
+    plan = lower(prepare_for_extend([r]), LowerContext())
+    w.ledger.register(plan.snapshots)
+    with suppress_type_checks():
+        object.__setattr__(plan.snapshots[0].op, "dst", (MambaSlot(6),))
+    _refused(w, model, lambda: w.executor.execute(plan), TicketMismatchError, r"registered ops snapshot \[3->4\]; these ops snapshot \[3->6\]")
+
+
 def test_forged_snapshot_ops_are_refused() -> None:
     w, model = _world()
     r = attrs.evolve(request(1, 1, [5, 6], 10, intent=Continue(prefix_len=3)), snapshot_to=MambaSlot(4))

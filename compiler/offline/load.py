@@ -158,7 +158,7 @@ def load_workload(
     scheduler step it arrives at) and any ``SamplingParams`` field under its name (``temperature``,
     ``top_p``, ..., ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``max_new_tokens``
     (default ``default_max_new_tokens``), ``logprobs``, ``n``); any other key is refused. A field the
-    line does not set takes ``defaults``' value for it (the run's ``--temperature`` and the like), else
+    line does not set, or sets to ``null``, takes ``defaults``' value for it (the run's ``--temperature`` and the like), else
     ``GREEDY``'s (``sampling_params``). A value ``SamplingParams`` refuses (a wrong type, a bool for a
     number, out of range, an empty, over-long or one-too-many stop string) is a ``WorkloadError``
     naming the line, the field and the value; so is a ``stop_token_ids`` id not below ``vocab``.
@@ -224,6 +224,9 @@ def _request(where: str, obj: dict[str, Any], rid: RequestId, *, max_len: int, r
     unknown = set(obj) - LINE_FIELDS
     if unknown:
         raise WorkloadError(f"{where}: unknown field(s) {sorted(unknown)}")
+    # null means "not given", as in batchc serve's and the OpenAI API's bodies: the field takes its
+    # default (a null prompt is still no prompt)
+    obj = {k: v for k, v in obj.items() if v is not None or k == "prompt"}
     prompt = obj.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise WorkloadError(f"{where}: 'prompt' must be a non-empty string")

@@ -66,6 +66,19 @@ def test_every_sampling_field_of_a_line_is_read(tmp_path: Path) -> None:
     assert bare.sampling == attrs.evolve(GREEDY, max_new_tokens=5) and bare.max_new_tokens == 5
 
 
+def test_a_null_field_of_a_line_is_not_given(tmp_path: Path) -> None:
+    """``null`` means "not given", as in ``batchc serve``'s bodies and the OpenAI API: every optional
+    field of a line takes its default (the run's option, else greedy's; the file's length; arrival 0),
+    and a null prompt is still no prompt."""
+    nulls = {name: None for name in [a.name for a in attrs.fields(SamplingParams)] + ["arrival"]}
+    (given,), (bare,) = (_load(tmp_path, json.dumps({"prompt": "x", **nulls}), default_max_new_tokens=5, defaults={"temperature": 0.5}),
+                         _load(tmp_path, '{"prompt": "x"}', default_max_new_tokens=5, defaults={"temperature": 0.5}))
+    assert given.sampling == bare.sampling and given.sampling.temperature == 0.5 and given.sampling.stop == ()
+    assert (given.max_new_tokens, given.arrival) == (bare.max_new_tokens, bare.arrival) == (5, 0)
+    with pytest.raises(WorkloadError, match=r"w.jsonl:1: 'prompt' must be a non-empty string"):
+        _load(tmp_path, '{"prompt": null, "stop": null}')
+
+
 BAD_FIELDS = [
     ('"temperature": -1', "'temperature': must be >= 0 and finite (0 is greedy) (got -1.0)"),
     ('"temperature": NaN', "'temperature': must be >= 0 and finite (0 is greedy) (got nan)"),

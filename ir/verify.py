@@ -35,7 +35,7 @@ from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import I64, Composite, Node, first_common, first_missing, has_duplicates
 from ir.errors import IRVerificationError, SettingsError
 from ir.head import HeadCommitBatch, HeadCommitPlan, HeadExtendBatch, HeadExtendPlan
-from ir.init import InitIntent, Op, Rows, Ticket, op_groups
+from ir.init import InitIntent, MambaInit, MambaSnapshot, Op, Rows, Ticket, op_groups
 from ir.nodes import Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitBatch, SpecBatch, SpecPlan
@@ -96,6 +96,26 @@ def verify_extend_batch(batch: ExtendBatch | HeadExtendBatch, path: str = "Exten
     for j, src in enumerate(init.cow_src):
         if src in live:
             raise IRVerificationError(f"{path}.init.cow_src[{j}]", f"COW src {src} is the live slot of a request in this batch")
+    if snap is not None:
+        _no_copy_of_a_snapshot_in_the_same_forward(f"{path}.init", batch.rids, batch.slots, init, snap)
+
+
+def _no_copy_of_a_snapshot_in_the_same_forward(path: str, rids: I64, slots: I64, cow: MambaInit, snap: MambaSnapshot) -> None:
+    """A copy-on-write runs before the forward and a snapshot after it: a row that copies the cache
+    slot another row of the same forward snapshots into would read that slot's old contents, not
+    the prefix the scheduler meant (the prefix is computed by this very forward)."""
+    written: dict[int, int] = {int(dst): k for k, dst in enumerate(snap.dst)}
+    for j, src in enumerate(cow.cow_src):
+        k = written.get(int(src))
+        if k is not None:
+            rows = slots.tolist()
+            cow_row, snap_row = rows.index(cow.cow_dst[j]), rows.index(snap.src[k])
+            raise IRVerificationError(
+                f"{path}.cow_src[{j}]",
+                f"row {cow_row} (request {int(rids[cow_row])}, slot {cow.cow_dst[j]}) copies cache slot {src}, which row {snap_row} "
+                f"(request {int(rids[snap_row])}, slot {snap.src[k]}) snapshots into in the same forward: the copy runs before "
+                "the forward and would read the slot's old state; copy it in a later step",
+            )
 
 
 def verify_decode_batch(batch: DecodeBatch, path: str = "DecodeBatch") -> None:
@@ -158,6 +178,8 @@ def verify_extend_plan(plan: ExtendPlan | HeadExtendPlan, path: str = "ExtendPla
     _unique(f"{path}.slots", plan.slots, "slot")
     _unique(f"{path}.kv_locs", plan.kv_locs, "KV location")
     _verify_tickets(path, plan, plan.slots, "this plan", own=True)
+    if plan.snapshots and plan.tickets:  # (every pool's ticket carries its serial's one set of ops: the first of each tells)
+        _no_copy_of_a_snapshot_in_the_same_forward(f"{path}.tickets[0].op", plan.rids, plan.slots, plan.tickets[0].op, plan.snapshots[0].op)
 
 
 def verify_decode_plan(plan: DecodePlan, path: str = "DecodePlan") -> None:

@@ -351,3 +351,32 @@ def test_a_dumped_prefill_whose_header_miscounts_its_rows_is_refused() -> None:
     for declared in (1, 3):
         with pytest.raises(ParseError, match=rf"^line 1: requests={declared} but 2 rows follow \(at 'requests={declared}'\)$"):
             parse(f"ExtendBatch requests={declared} tokens=3\n" + rows)
+
+
+def test_a_copy_of_a_cache_slot_the_same_forward_snapshots_into_is_refused_naming_both_rows() -> None:
+    """The copy runs before the forward and the snapshot after it: the copy would read the cache
+    slot's old contents. Refused by the verifier on the batch, on the lowered plan (what a pipeline
+    verifies at its default level), and inside a MIXED forward; a copy of another cache slot passes."""
+    from backend.ledger import Ledger
+    from compiler.manager import PassError
+    from compiler.steps import Pipeline
+    from passes import LowerContext, lower, prepare_for_extend
+
+    a = AdmittedRequest(rid=RequestId(7), slot=MambaSlot(1), input_ids=[1, 2, 3], kv_locs=[0, 1, 2], intent=Clear(), snapshot_to=MambaSlot(5))
+    b = AdmittedRequest(rid=RequestId(8), slot=MambaSlot(2), input_ids=[4], kv_locs=[3], intent=CopyFrom(src=MambaSlot(5), prefix_len=3))
+    words = r"row 1 \(request 8, slot 2\) copies cache slot 5, which row 0 \(request 7, slot 1\) snapshots into in the same forward"
+    batch = prepare_for_extend([a, b])
+    with pytest.raises(IRVerificationError, match=r"ExtendBatch\.init\.cow_src\[0\]: " + words):
+        verify(batch)
+    with pytest.raises(IRVerificationError, match=r"ExtendPlan\.tickets\[0\]\.op\.cow_src\[0\]: " + words):
+        verify(lower(batch, LowerContext()))
+    mixed = MixedBatch(extend=batch, decode=DecodeBatch(rids=[9], slots=[3], seq_lens=[4], input_ids=[1], kv_locs=[9]))
+    with pytest.raises(IRVerificationError, match=r"MixedBatch\.extend\.init\.cow_src\[0\]: " + words):
+        verify(mixed)
+    ledger = Ledger()
+    with pytest.raises(PassError, match=words):
+        Pipeline(ledger, LowerContext()).prefill([a, b])
+    assert not ledger.outstanding()  # refused before its tickets were registered
+    # the neighbour: the copy reads another cache slot
+    ok = attrs.evolve(b, intent=CopyFrom(src=MambaSlot(6), prefix_len=3))
+    verify(lower(prepare_for_extend([a, ok]), LowerContext()))

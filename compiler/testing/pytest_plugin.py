@@ -140,8 +140,8 @@ def _checked(values: Mapping[str, object], test: str) -> BatchcConfig:
         _bad(test, f"pools must be distinct, got {pools!r}")
     ints: dict[str, int] = {}
     defaults = BatchcConfig()
-    for key, least in (("capacity", 1), ("vocab", 2)):
-        v = values.get(key, defaults.capacity if key == "capacity" else defaults.vocab)
+    for key, least, default in (("capacity", 1, defaults.capacity), ("vocab", 2, defaults.vocab)):
+        v = values.get(key, default)
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
             _bad(test, f"{key} must be an int >= {least}, got {v!r}")
         ints[key] = v

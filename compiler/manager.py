@@ -1,9 +1,11 @@
 """The pass manager: runs passes with verification, dumps and timing.
 
 ``PassManager.run(pass_fn, *args)`` calls the pass with its own arguments (typed through a
-``ParamSpec``, so mypy checks every call edge as if the pass were called directly) and then:
+``ParamSpec``, so mypy checks every call edge as if the pass were called directly). The pass is one
+of batchc's (``passes.registry.PASSES``) or one's own, declared with ``passes.registry.declare_pass``
+where it is defined; both get the same treatment. Around the call it:
 
-- verifies the output (``BATCHC_VERIFY``: 0 = off, 1 = outputs of passes that end a step, 2 = every
+- verifies the output (an IR node, or each IR node of a tuple the pass returns) (``BATCHC_VERIFY``: 0 = off, 1 = outputs of passes that end a step, 2 = every
   pass output; tests run with 2, the default is 1);
 - writes ``dump(output)`` to ``BATCHC_DUMP_DIR/<seq>-<name>.txt`` when a dump folder is set, and
   keeps it in ``trace`` when constructed with ``record=True``;
@@ -34,11 +36,11 @@ from typing import ParamSpec, TypeVar
 
 import attrs
 
-from ir.errors import BatchcError, SettingsError
-from ir.nodes import NODE_TYPES
+from ir.errors import BatchcError, PreconditionError, SettingsError
+from ir.nodes import NODE_TYPES, Batch, Plan
 from ir.printer import dump
 from ir.verify import VerifyLevel, parse_verify_level, verify
-from passes.registry import REGISTRY, spec_of
+from passes.registry import REGISTRY, PassSpec, spec_of
 
 __all__ = ["PassError", "PassManager", "PassTiming", "check_dump_dir", "settings_from_env"]
 
@@ -70,6 +72,19 @@ class PassError(BatchcError):
             f"  passes before it: {chain}\n"
             f"  input IR (excerpt):\n{body}"
         )
+
+
+def _ir_nodes(out: object) -> tuple[Batch | Plan, ...]:
+    """The IR nodes a pass returned: the output itself, or the IR nodes of a tuple it returned."""
+    if isinstance(out, _IR_TYPES):
+        return (out,)
+    if type(out) is tuple:
+        return tuple(x for x in out if isinstance(x, _IR_TYPES))
+    return ()
+
+
+def _where(fn: object) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
 
 
 def _excerpt(node: object) -> str:
@@ -145,8 +160,9 @@ class PassManager:
     """Runs passes: the one way the typed steps (``compiler.steps.Pipeline``) call them.
 
     ``run(pass_fn, *args)`` is typed through the pass's own signature, so mypy checks each call as if
-    the pass were called directly; it refuses a function that is not a registered pass
-    (``passes.registry``). Around each call it verifies the output at ``verify_level``, writes its dump
+    the pass were called directly; it refuses a function that is not a declared pass (batchc's own, or
+    a ``Pass`` of one's own from ``passes.registry.declare_pass``), and a pass of one's own whose name
+    another pass of one's own already ran under in this manager (names key the timings and dumps). Around each call it verifies the output at ``verify_level``, writes its dump
     to ``dump_dir`` (when set; files named ``<seq>-<pass>.txt``, never written through a link), keeps
     it in ``trace`` (with ``record=True``) and adds the pass's time to ``timings()``; any failure
     comes back as a ``PassError`` naming the pass. Arguments are checked at construction:
@@ -168,6 +184,8 @@ class PassManager:
         self._seq = 0
         self._spent: dict[str, list[int]] = {}
         """Per pass: ``[calls, nanoseconds]``."""
+        self._own: dict[str, PassSpec] = {}
+        """The passes of one's own this manager has run, by name (two under one name are refused)."""
         self.trace: list[tuple[str, str]] | None = [] if record else None
         """With ``record=True``: ``(pass name, dump of its output)`` for every IR-producing pass run."""
 
@@ -178,20 +196,23 @@ class PassManager:
         return cls(verify_level=level, dump_dir=dump_dir)
 
     def run(self, pass_: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run a registered pass (``passes.registry``) on ``args``: its name and whether it ends a
-        step (then its output is verified at level 1 too) come from its declaration."""
+        """Run a declared pass (``passes.registry``) on ``args``: its name and whether it ends a
+        step (then its output is verified at level 1 too) come from its declaration. ``PreconditionError``
+        for a function that is not declared, or a pass of one's own under a name another one ran under."""
         try:
             spec = _SPECS.get(pass_)
         except TypeError:  # (an unhashable argument: not a pass either)
             spec = None
         if spec is None:
-            spec = spec_of(pass_)  # refuses it, naming it
+            spec = spec_of(pass_)  # a Pass of one's own, or refused, naming it
+            self._check_own(spec)
         name = spec.name
         t0 = time.perf_counter_ns()
         try:
             out = pass_(*args, **kwargs)
-            if (self._verify_last if spec.ends_step else self._verify_every) and isinstance(out, _IR_TYPES):
-                verify(out)
+            if self._verify_last if spec.ends_step else self._verify_every:
+                for node in _ir_nodes(out):
+                    verify(node)
         except PassError:
             raise
         except Exception as exc:
@@ -203,14 +224,24 @@ class PassManager:
             spent[0] += 1
             spent[1] += time.perf_counter_ns() - t0
         self._history.append(name)
-        if (self.dump_dir is not None or self.trace is not None) and isinstance(out, _IR_TYPES):
-            self._seq += 1
-            text = dump(out)
-            if self.dump_dir is not None:
-                _write_dump(self.dump_dir / f"{self._seq:05d}-{name}.txt", text)
-            if self.trace is not None:
-                self.trace.append((name, text))
+        if self.dump_dir is not None or self.trace is not None:
+            for node in _ir_nodes(out):
+                self._seq += 1
+                text = dump(node)
+                if self.dump_dir is not None:
+                    _write_dump(self.dump_dir / f"{self._seq:05d}-{name}.txt", text)
+                if self.trace is not None:
+                    self.trace.append((name, text))
         return out
+
+    def _check_own(self, spec: PassSpec) -> None:
+        """A pass of one's own: refused when another one already ran under its name here."""
+        seen = self._own.setdefault(spec.name, spec)
+        if seen.fn is not spec.fn:
+            raise PreconditionError(
+                "PassManager.run",
+                f"two passes are named {spec.name!r}: {_where(spec.fn)} and {_where(seen.fn)} (give one another name in declare_pass)",
+            )
 
     @property
     def verify_level(self) -> VerifyLevel:

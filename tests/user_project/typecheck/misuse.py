@@ -8,6 +8,8 @@ from __future__ import annotations
 from backend.executor import Executor
 from ir.batch import DecodeBatch
 from ir.plan import DecodePlan, ExtendPlan
+from compiler.manager import PassManager
+from myengine.passes import cap_running
 from passes import LowerContext, lower
 
 
@@ -34,3 +36,9 @@ def wrong_phase(executor: Executor, decode_plan: DecodePlan, decode: DecodeBatch
     # lowering a running batch gives a plan without tickets, never a prefill's
     plan: ExtendPlan = lower(decode, ctx)  # type: ignore[assignment]  # pyright: ignore[reportAssignmentType]
     executor.run_prefill(plan)
+
+
+def own_pass_misused(pm: PassManager, decode: DecodeBatch, plan: DecodePlan) -> None:
+    # a declared pass keeps its signature through the pass manager: each argument is checked
+    pm.run(cap_running, decode, "2")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    pm.run(cap_running, plan, 2)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]

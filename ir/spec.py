@@ -16,9 +16,10 @@ One iteration over the running requests, each with ``c`` committed tokens and on
    commit (``ir.hidden``; the head's phases are in ``ir.head``).
 3. ``AcceptResult`` (from ``passes.accept``): per row, the number ``m`` of accepted draft tokens
    (longest prefix equal to the target's argmax) and the bonus token (the target's argmax after
-   them).
-4. ``CommitBatch``: per row, commit the target state at intermediate position ``m`` (after
-   consuming ``p, d1..dm``); the KV locations of positions past ``c + m`` are released.
+   them), named by the ``verify_id`` and the rows (``rids``) of the verify it judged.
+4. ``CommitBatch`` (from ``passes.commit``, which refuses the result of another verify or of other
+   rows): per row, commit the target state at intermediate position ``m`` (after consuming
+   ``p, d1..dm``); the KV locations of positions past ``c + m`` are released.
 5. ``DraftCommitBatch`` (from ``passes.prepare_for_draft_commit``): per row, the draft state its
    proposal kept after consuming ``p, d1..dm`` becomes the draft's committed state, so both models
    have committed ``c + m + 1`` tokens and the bonus token is pending. The proposal computed those
@@ -118,9 +119,14 @@ WINDOW_SEQ_MAX = Bound("MAX_SEQ_LEN - k - 1", lambda node: MAX_SEQ_LEN - int(nod
 def _check_ids(node: object, k: object, id_name: str, serial: object) -> int:
     """``k`` (returned, as an int) and the phase's id (``verify_id`` or ``draft_id``)."""
     value = check_k(node, k)
+    _check_id(node, id_name, serial)
+    return value
+
+
+def _check_id(node: object, id_name: str, serial: object) -> None:
+    """The phase's id (``verify_id`` or ``draft_id``): a positive int."""
     if check_int(node, id_name, serial) < 1:
         raise IRValidationError(type(node).__name__, id_name, serial, f"must be positive (use ir.mint.mint_{id_name}())")
-    return value
 
 
 def _check_accept_pos(node: object, accept_pos: I64, k: int) -> None:
@@ -203,11 +209,20 @@ class VerifyBatch(ColumnNode, RequestRows):
 @final
 @attrs.frozen(kw_only=True)
 class AcceptResult(ColumnNode):
-    """Greedy verification outcome: ``accepted[i]`` draft tokens of row ``i`` were accepted
-    (``0..k``) and ``bonus[i]`` is the target's token after them."""
+    """Greedy verification outcome of verify ``verify_id``: ``accepted[i]`` draft tokens of row
+    ``i`` (request ``rids[i]``, the verify's rows in its order) were accepted (``0..k``) and
+    ``bonus[i]`` is the target's token after them. ``passes.accept`` sets ``verify_id`` and
+    ``rids`` from the verify it judged, and ``passes.commit`` refuses a result whose ``verify_id``
+    or ``rids`` are not its verify's, naming both: one verify's outcome never lands in another's
+    rows."""
 
+    verify_id: VerifyId = attrs.field(metadata=shown("verify", "#"))
+    rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
     accepted: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="accepted"))
     bonus: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="bonus"))
+
+    def _check_first(self) -> None:
+        _check_id(self, "verify_id", self.verify_id)
 
 
 @final

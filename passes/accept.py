@@ -6,7 +6,9 @@ row, row-major (position ``j`` predicts the token after ``input_ids[j]``).
 token ids (a list, a float or unsigned array is refused, not converted: ``PreconditionError``).
 Post: ``accepted[i]`` is the length of the longest prefix of row ``i``'s draft tokens equal to the
 target's predictions, and ``bonus[i]`` the target's prediction after that prefix, so the row emits
-``d1..dm, bonus``: exactly what plain greedy decoding of the target would emit (lossless).
+``d1..dm, bonus``: exactly what plain greedy decoding of the target would emit (lossless). The
+result is named by the batch's ``verify_id`` and rows (``rids``, in its order), so ``commit``
+applies it to that verify only.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ __all__ = [
 
 def accept(batch: VerifyBatch, target_tokens: I64) -> AcceptResult:
     """Greedy acceptance of a verify: per row, how many draft tokens the target agrees with and the
-    target's token after them (``AcceptResult``), so a row emits exactly what plain greedy decoding of
-    the target would. ``target_tokens`` is the target's argmax at each of the ``k + 1`` positions of
-    every row, row-major. Refused with ``PreconditionError``: a ``batch`` that is not a
-    ``VerifyBatch``, ``target_tokens`` that is not a 1-D int64 numpy array of
-    ``num_requests * (k + 1)`` non-negative ids (nothing is converted)."""
+    target's token after them (``AcceptResult``, named by ``batch.verify_id`` and ``batch.rids``), so
+    a row emits exactly what plain greedy decoding of the target would. ``target_tokens`` is the
+    target's argmax at each of the ``k + 1`` positions of every row, row-major. Refused with
+    ``PreconditionError``: a ``batch`` that is not a ``VerifyBatch``, ``target_tokens`` that is not
+    a 1-D int64 numpy array of ``num_requests * (k + 1)`` non-negative ids (nothing is converted)."""
     if not isinstance(batch, VerifyBatch):
         raise bad_arg("accept", "batch", batch, "a VerifyBatch")
     if not isinstance(target_tokens, np.ndarray):
@@ -42,7 +44,7 @@ def accept(batch: VerifyBatch, target_tokens: I64) -> AcceptResult:
     if n and int(target_tokens.min()) < 0:
         raise PreconditionError("accept", f"negative target token {int(target_tokens.min())} in target_tokens")
     if n <= SMALL_COLUMN:
-        return _accept_rows(batch.input_ids.tolist(), target_tokens.tolist(), n, k)
+        return _accept_rows(batch, target_tokens.tolist())
     predicted = target_tokens.reshape(n, k + 1)
     drafts = batch.window(batch.input_ids)[:, 1:]
     matches = drafts == predicted[:, :k]
@@ -50,14 +52,16 @@ def accept(batch: VerifyBatch, target_tokens: I64) -> AcceptResult:
     accepted = np.where(matches.all(axis=1), k, np.argmin(matches, axis=1)).astype(np.int64)
     bonus = predicted[np.arange(n), accepted].astype(np.int64)
     # accepted is in [0, k] and bonus a subset of the checked (non-negative) target tokens, both
-    # IR-owned: the local checks hold by construction
-    return build_unchecked(AcceptResult, accepted=freeze(accepted), bonus=freeze(bonus))
+    # IR-owned, and the id and rows are the checked batch's: the local checks hold by construction
+    return build_unchecked(AcceptResult, verify_id=batch.verify_id, rids=batch.rids, accepted=freeze(accepted), bonus=freeze(bonus))
 
 
-def _accept_rows(window: list[int], targets: list[int], n: int, k: int) -> AcceptResult:
+def _accept_rows(batch: VerifyBatch, targets: list[int]) -> AcceptResult:
     """``accept`` of a few rows in Python (numpy's dozen calls cost more than the loop there), the
-    same result: row ``i``'s window is ``window[i * (k + 1) :]`` (``[pending, d1..dk]``) and its
+    same result: row ``i``'s window is ``batch.input_ids[i * (k + 1) :]`` (``[pending, d1..dk]``) and its
     predictions ``targets[i * (k + 1) :]``; draft ``j + 1`` is accepted while it equals prediction ``j``."""
+    window: list[int] = batch.input_ids.tolist()
+    n, k = batch.num_requests, batch.k
     w = k + 1
     accepted: list[int] = []
     bonus: list[int] = []
@@ -67,4 +71,4 @@ def _accept_rows(window: list[int], targets: list[int], n: int, k: int) -> Accep
             m += 1
         accepted.append(m)
         bonus.append(targets[base + m])
-    return build_unchecked(AcceptResult, accepted=frozen_i64(accepted), bonus=frozen_i64(bonus))
+    return build_unchecked(AcceptResult, verify_id=batch.verify_id, rids=batch.rids, accepted=frozen_i64(accepted), bonus=frozen_i64(bonus))

@@ -1,6 +1,9 @@
 """``commit``: which intermediate target state each row commits after verify (step 4).
 
-Pre: ``result`` was computed from ``batch`` (one entry per row, ``accepted <= k``).
+Pre: ``result`` was computed from ``batch`` (``passes.accept`` of it: the same ``verify_id``, the
+same rows in the same order, ``accepted <= k``). A result of another verify, or of other rows
+(another count, other requests, another order), is refused naming both values
+(``PreconditionError``): applying it would commit one request's accepted position in another's slot.
 Post: a ``CommitBatch`` committing row ``i``'s state at position ``accepted[i]`` (after consuming the
 pending token and the accepted drafts) of the verify named by ``batch.verify_id``; the KV locations
 of the rejected positions ``accepted[i] + 1 .. k`` are listed in ``released_kv``, in row order.
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir.columns import build_unchecked, freeze
+from ir.columns import I64, build_unchecked, freeze, same_column
 from ir.errors import PreconditionError
 from ir.spec import AcceptResult, CommitBatch, VerifyBatch
 from passes._args import bad_arg
@@ -23,15 +26,27 @@ __all__ = [
 def commit(batch: VerifyBatch, result: AcceptResult) -> CommitBatch:
     """The target's commit after a verify: row ``i`` commits the state the verify kept at position
     ``result.accepted[i]`` (named by ``batch.verify_id``), and the KV locations of the positions after
-    it are listed in ``released_kv`` to be freed. Refused with ``PreconditionError``: arguments of
-    other types, a result with another row count, or one accepting more than ``k`` drafts."""
+    it are listed in ``released_kv`` to be freed. ``result`` must be ``accept``'s of ``batch``.
+    Refused with ``PreconditionError`` naming both values: arguments of other types, the result of
+    another verify (``verify_id``), of other rows (``rids``: another count, other requests or
+    another order), or one accepting more than ``k`` drafts."""
     if not isinstance(batch, VerifyBatch):
         raise bad_arg("commit", "batch", batch, "a VerifyBatch")
     if not isinstance(result, AcceptResult):
         raise bad_arg("commit", "result", result, "an AcceptResult")
+    if result.verify_id != batch.verify_id:
+        raise PreconditionError(
+            "commit",
+            f"the accept result of verify #{result.verify_id} cannot commit verify #{batch.verify_id}: "
+            "a commit applies the result of the verify it judged",
+        )
+    if not same_column(result.rids, batch.rids):
+        raise PreconditionError(
+            "commit",
+            f"the accept result of verify #{result.verify_id} judged {_rows(result.rids, batch.rids)}: "
+            "a commit applies each row's result to that row",
+        )
     n, k = batch.num_requests, batch.k
-    if result.accepted.shape[0] != n:
-        raise PreconditionError("commit", f"accept result has {result.accepted.shape[0]} rows, the verify {n}")
     if n and int(result.accepted.max()) > k:
         raise PreconditionError("commit", f"accepted {int(result.accepted.max())} > k={k}")
     keep = np.arange(k + 1)[None, :] <= result.accepted[:, None]
@@ -50,3 +65,18 @@ def commit(batch: VerifyBatch, result: AcceptResult) -> CommitBatch:
         released_kv=freeze(np.ascontiguousarray(released)),
         sampling=batch.sampling,
     )
+
+
+def _rows(theirs: I64, mine: I64) -> str:
+    """How the result's rows ``theirs`` differ from the verify's ``mine``, naming both: the counts,
+    or the first row that differs (the lists shown are cut at 8 rows)."""
+    a: list[int] = theirs.tolist()
+    b: list[int] = mine.tolist()
+    if len(a) != len(b):
+        return f"{_count(len(a))} {a[:8]}, the verify has {_count(len(b))} {b[:8]}"
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 0)
+    return f"rows {a[:8]}, the verify's are {b[:8]} (row {i}: request {a[i]}, the verify's {b[i]})"
+
+
+def _count(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"

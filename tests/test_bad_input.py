@@ -564,7 +564,7 @@ CASES: list[Case] = [
     Case("decode-plan-slot-0", _build(lambda: DecodePlan(rids=[1], slots=[0], seq_lens=[4], input_ids=[7], kv_locs=[20])), IRValidationError, r"DecodePlan\.slots: every value must be >= 1 \(got 0\)", field="slots"),
     Case("decode-plan-seq-lens-length", _build(lambda: DecodePlan(rids=[1, 2], slots=[1, 2], seq_lens=[4], input_ids=[7, 7], kv_locs=[20, 21])), IRValidationError, r"DecodePlan\.seq_lens: length must equal len\(rids\) \(2\) \(got 1\)", field="seq_lens"),
     Case("draft-batch-slots-length", _build(lambda: spec.DraftBatch(k=1, draft_id=mint_draft_id(), rids=[1], slots=[1, 2], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])), IRValidationError, r"DraftBatch\.slots: length must equal len\(rids\) \(1\) \(got 2\)", field="slots"),
-    Case("accept-result-negative-bonus", _build(lambda: spec.AcceptResult(accepted=[0], bonus=[-1])), IRValidationError, r"AcceptResult\.bonus: every value must be >= 0 \(got -1\)", field="bonus"),
+    Case("accept-result-negative-bonus", _build(lambda: spec.AcceptResult(verify_id=mint_verify_id(), rids=[1], accepted=[0], bonus=[-1])), IRValidationError, r"AcceptResult\.bonus: every value must be >= 0 \(got -1\)", field="bonus"),
     Case("cow-src-0", _build(lambda: CopyFrom(src=MambaSlot(0), prefix_len=3)), IRValidationError, r"CopyFrom\.src: must be >= 1 .*\(got 0\)", field="src"),
     Case("decode-context-float-tokens", _build(lambda: DecodeContext(next_tokens=np.array([1.5]), kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: .*got dtype float64", field="next_tokens"),
     Case("decode-context-negative-token", _build(lambda: DecodeContext(next_tokens=[-1], kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: every value must be >= 0 \(got -1\)", field="next_tokens"),
@@ -1072,7 +1072,7 @@ def test_smallest_legal_values_are_accepted() -> None:
     assert d.seq_lens.tolist() == [1] and d.input_ids.tolist() == [0] and d.kv_locs.tolist() == [0, 1]
     v = spec.VerifyBatch(k=1, verify_id=mint_verify_id(), draft_id=mint_draft_id(), rids=[1], slots=[1], seq_lens=[1], input_ids=[0, 0], kv_locs=[0, 1])
     assert v.input_ids.tolist() == [0, 0] and v.kv_locs.tolist() == [0, 1]
-    r = spec.AcceptResult(accepted=[0], bonus=[0])
+    r = spec.AcceptResult(verify_id=v.verify_id, rids=[1], accepted=[0], bonus=[0])
     assert r.bonus.tolist() == [0]
 
 

@@ -184,9 +184,26 @@ def _verify_batch(k: int = 2) -> VerifyBatch:
     return prepare_for_verify(d, proposed(d, np.array([5, 6] * 2, dtype=np.int64)[: 2 * k]))
 
 
+def _result_of(v: VerifyBatch, accepted: list[int], rids: list[int] | None = None) -> AcceptResult:
+    """An ``AcceptResult`` naming ``v`` (its rows unless ``rids``)."""
+    return AcceptResult(verify_id=v.verify_id, rids=v.rid_list() if rids is None else rids, accepted=accepted, bonus=[9] * len(accepted))
+
+
 def _commit_batch(accepted: list[int]) -> CommitBatch:
     v = _verify_batch()
-    return commit(v, AcceptResult(accepted=accepted, bonus=[9] * len(accepted)))
+    return commit(v, _result_of(v, accepted))
+
+
+def _commit_of_another_verify() -> CommitBatch:
+    """The commit of one verify with the accept result of another verify of the same rows."""
+    mine, theirs = _verify_batch(), _verify_batch()
+    return commit(mine, accept(theirs, np.full(6, 5, dtype=np.int64)))
+
+
+def _commit_of_rows(rids: list[int], accepted: list[int]) -> CommitBatch:
+    """The commit of a verify of ``RUNNING``'s rows with a result naming the verify and ``rids``."""
+    v = _verify_batch()
+    return commit(v, _result_of(v, accepted, rids=rids))
 
 
 def _spec_ctx(**kw: Any) -> Callable[[Any, Ctx], object]:
@@ -251,13 +268,25 @@ SPEC_CASES = [
     ),
     Case(
         "commit-result-rows-mismatch",
-        _build(lambda: commit(_verify_batch(), AcceptResult(accepted=[1], bonus=[9]))),
+        _build(lambda: _commit_of_rows([1], [1])),
         PreconditionError,
-        r"commit: accept result has 1 rows, the verify 2",
+        r"commit: the accept result of verify #\d+ judged 1 row \[1\], the verify has 2 rows \[1, 2\]",
+    ),
+    Case(
+        "commit-result-of-another-verify",
+        _build(_commit_of_another_verify),
+        PreconditionError,
+        r"commit: the accept result of verify #(\d+) cannot commit verify #(?!\1)\d+",
+    ),
+    Case(
+        "commit-result-rows-swapped",
+        _build(lambda: _commit_of_rows([2, 1], [2, 0])),
+        PreconditionError,
+        r"commit: the accept result of verify #\d+ judged rows \[2, 1\], the verify's are \[1, 2\] \(row 0: request 2, the verify's 1\)",
     ),
     Case(
         "commit-accepted-past-k",
-        _build(lambda: commit(_verify_batch(), AcceptResult(accepted=[3, 0], bonus=[9, 9]))),
+        _build(lambda: _commit_of_rows([1, 2], [3, 0])),
         PreconditionError,
         r"commit: accepted 3 > k=2",
     ),
@@ -320,7 +349,7 @@ SPEC_CASES = [
     ),
     Case(
         "accept-result-negative",
-        _build(lambda: AcceptResult(accepted=[-1], bonus=[3])),
+        _build(lambda: AcceptResult(verify_id=mint_verify_id(), rids=[1], accepted=[-1], bonus=[3])),
         IRValidationError,
         r"AcceptResult\.accepted.*-1",
         field="accepted",
@@ -356,7 +385,7 @@ def _spec_window(slots: list[int]) -> Callable[[World], Ctx]:
         running = decode_batch(list(range(1, n + 1)), slots, [4] * n, list(range(20, 20 + n)))
         draft = prepare_for_draft(running, SpecContext(k=2, next_tokens=[3] * n, kv_locs=list(range(30, 30 + 3 * n))))
         v = prepare_for_verify(draft, proposed(draft, np.full(2 * n, 7, dtype=np.int64)))
-        c = commit(v, AcceptResult(accepted=[2] * n, bonus=[7] * n))
+        c = commit(v, _result_of(v, [2] * n))
         return {
             "draft": _lowered(draft), "verify": _lowered(v), "commit": _lowered(c),
             "extend": _lowered(prepare_for_draft_extend(c)), "vid": v.verify_id,

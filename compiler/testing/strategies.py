@@ -459,14 +459,21 @@ def admitted_requests(*, max_tokens: int = 6) -> st.SearchStrategy[AdmittedReque
     return _admitted(_int_arg("admitted_requests", "max_tokens", max_tokens, 1, MAX_EXTEND))
 
 
+def _rid_of_result_row(row: tuple[int, int, int]) -> int:
+    return row[0]
+
+
 @st.composite
 def _accept_results(draw: _Draw, lo: int, hi: int) -> spec.AcceptResult:
-    rows = draw(st.lists(st.tuples(st.integers(0, 64), _TOKENS), min_size=lo, max_size=hi))
-    return spec.AcceptResult(accepted=[a for a, _ in rows], bonus=[b for _, b in rows])
+    rows = draw(st.lists(st.tuples(_RIDS, st.integers(0, 64), _TOKENS), min_size=lo, max_size=hi, unique_by=_rid_of_result_row))
+    return spec.AcceptResult(
+        verify_id=VerifyId(draw(_SERIALS)), rids=[r for r, _, _ in rows], accepted=[a for _, a, _ in rows], bonus=[b for _, _, b in rows]
+    )
 
 
 def accept_results(*, min_rows: int = 0, max_rows: int = 4) -> st.SearchStrategy[spec.AcceptResult]:
-    """What ``passes.accept`` returns: per row, the accepted drafts (0 to 64) and the bonus token."""
+    """What ``passes.accept`` returns: the verify it judged (``verify_id``) and, per row (distinct
+    request ids), the accepted drafts (0 to 64) and the bonus token."""
     return _accept_results(*_rows_arg("accept_results", min_rows, max_rows, 0))
 
 

@@ -408,7 +408,7 @@ def test_a_commit_naming_other_slots_is_refused_and_the_right_one_runs() -> None
     c = commit(v, accept(v, np.full(6, 7, dtype=np.int64)))
     swapped = CommitPlan(batch=attrs.evolve(c, slots=c.slots[::-1].copy()))
     other = CommitPlan(batch=attrs.evolve(c, slots=[1, 3]))
-    shorter = commit(attrs.evolve(v, k=1, input_ids=[3, 7, 3, 7], kv_locs=[30, 31, 33, 34]), AcceptResult(accepted=[1, 1], bonus=[7, 7]))
+    shorter = commit(attrs.evolve(v, k=1, input_ids=[3, 7, 3, 7], kv_locs=[30, 31, 33, 34]), AcceptResult(verify_id=v.verify_id, rids=v.rids, accepted=[1, 1], bonus=[7, 7]))
     for bad, shown in ((swapped, r"\[2, 1\] with k=2"), (other, r"\[1, 3\] with k=2"), (CommitPlan(batch=shorter), r"\[1, 2\] with k=1")):
         _refused(w, model, lambda bad=bad: w.executor.execute(bad), PlanExecutionError, rf"commit of verify #{v.verify_id} names slots {shown}; the verify ran on slots \[1, 2\] with k=2")
     w.executor.execute(lower(c, LowerContext()))

@@ -45,7 +45,15 @@ def _naming(draft: DraftBatch) -> tuple[CommitBatch, DraftBatch]:
     """``COMMIT`` forged to name ``draft`` (so the checks after the draft-id one are reached)."""
     return attrs.evolve(COMMIT, draft_id=draft.draft_id), draft
 VERIFY: VerifyBatch = prepare_for_verify(DRAFT, proposed(DRAFT, np.full(6, 7, dtype=np.int64)))
+OTHER_VERIFY: VerifyBatch = prepare_for_verify(DRAFT, proposed(DRAFT, np.full(6, 7, dtype=np.int64)))
+"""A second verify of the same draft: the same rows, another ``verify_id``."""
 COMMIT: CommitBatch = commit(VERIFY, accept(VERIFY, np.full(9, 7, dtype=np.int64)))
+
+
+def _result(*, rids: list[int] | None = None, accepted: list[int] | None = None) -> AcceptResult:
+    """An ``AcceptResult`` naming ``VERIFY`` (its rows unless ``rids``), 1 accepted per row unless ``accepted``."""
+    rows = rids if rids is not None else VERIFY.rid_list()
+    return AcceptResult(verify_id=VERIFY.verify_id, rids=rows, accepted=accepted or [1] * len(rows), bonus=[7] * len(rows))
 EXTEND = prepare_for_extend([request(9, 5, [3, 4], 50)])
 
 
@@ -61,8 +69,21 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
     ("accept: shape", lambda: accept(VERIFY, np.full(8, 7, dtype=np.int64)), r"^accept: expected 9 target tokens, got shape \(8,\) for target_tokens$"),
     ("accept: dtype", lambda: accept(VERIFY, np.full(9, 7, dtype=np.int32)), r"^accept: target_tokens must hold int64 token ids, got dtype int32$"),
     ("accept: negative", lambda: accept(VERIFY, _i64(7, 7, 7, 7, -3, 7, 7, 7, 7)), r"^accept: negative target token -3 in target_tokens$"),
-    ("commit: rows", lambda: commit(VERIFY, AcceptResult(accepted=[1, 1], bonus=[7, 7])), r"^commit: accept result has 2 rows, the verify 3$"),
-    ("commit: accepted > k", lambda: commit(VERIFY, AcceptResult(accepted=[0, 3, 1], bonus=[7, 7, 7])), r"^commit: accepted 3 > k=2$"),
+    ("commit: rows", lambda: commit(VERIFY, _result(rids=[1, 2], accepted=[1, 1])), (
+        r"^commit: the accept result of verify #\d+ judged 2 rows \[1, 2\], the verify has 3 rows \[1, 2, 3\]: "
+        r"a commit applies each row's result to that row$"
+    )),
+    ("commit: rows in another order", lambda: commit(VERIFY, _result(rids=[1, 3, 2])), (
+        r"^commit: the accept result of verify #\d+ judged rows \[1, 3, 2\], the verify's are \[1, 2, 3\] \(row 1: request 3, the verify's 2\): "
+        r"a commit applies each row's result to that row$"
+    )),
+    ("commit: other rows", lambda: commit(VERIFY, _result(rids=[1, 2, 4])), (
+        r"^commit: the accept result of verify #\d+ judged rows \[1, 2, 4\], the verify's are \[1, 2, 3\] \(row 2: request 4, the verify's 3\)"
+    )),
+    ("commit: the result of another verify", lambda: commit(VERIFY, accept(OTHER_VERIFY, np.full(9, 7, dtype=np.int64))), (
+        r"^commit: the accept result of verify #(\d+) cannot commit verify #(?!\1)\d+: a commit applies the result of the verify it judged$"
+    )),
+    ("commit: accepted > k", lambda: commit(VERIFY, _result(accepted=[0, 3, 1])), r"^commit: accepted 3 > k=2$"),
     ("filter: float array", lambda: filter_batch(RUNNING, np.array([1.0])), r"^filter_batch: drop must be an iterable of request ids \(ints\), got an ndarray of dtype float64 and shape \(1,\)"),
     ("filter: 2-D array", lambda: filter_batch(RUNNING, np.ones((1, 1), dtype=np.int64)), r"^filter_batch: drop must be an iterable of request ids \(ints\), got an ndarray of dtype int64 and shape \(1, 1\)"),
     ("filter: past int64", lambda: filter_batch(RUNNING, np.array([1, 2**63], dtype=np.uint64)), r"^filter_batch: drop: every entry must fit in int64 \(got 9223372036854775808\)$"),
@@ -108,7 +129,7 @@ def test_a_pass_refuses_input_outside_its_precondition(call: Callable[[], object
 
 
 def test_input_at_the_edge_of_each_precondition_is_accepted() -> None:
-    assert commit(VERIFY, AcceptResult(accepted=[2, 2, 0], bonus=[7, 7, 7])).accept_pos.tolist() == [2, 2, 0]  # k accepted: fine
+    assert commit(VERIFY, _result(accepted=[2, 2, 0])).accept_pos.tolist() == [2, 2, 0]  # k accepted: fine
     assert filter_batch(RUNNING, np.array([2, 2**62], dtype=np.uint64)).rid_list() == [1, 3]
     assert filter_batch(RUNNING, (r for r in [3])).rid_list() == [1, 2]
     assert prepare_for_decode(decode_batch([1], [1], [MAX_SEQ_LEN - 1], [5]), _ctx(1)).seq_lens.tolist() == [MAX_SEQ_LEN]

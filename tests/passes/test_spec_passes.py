@@ -6,6 +6,8 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from backend.boundary import checked
 from backend.executor import Executor
@@ -20,7 +22,7 @@ from ir.columns import SMALL_COLUMN, frozen_i64
 from ir.errors import IRValidationError, PlanExecutionError, PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL, DraftId, VerifyId
 from ir.init import SERIAL_COUNTER_BITS, serial_epoch
-from ir.spec import CommitPlan, DraftBatch, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyBatch, VerifyPlan
+from ir.spec import AcceptResult, CommitPlan, DraftBatch, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyBatch, VerifyPlan
 from ir.verify import verify
 from passes import (
     LowerContext,
@@ -133,6 +135,77 @@ def test_commit_releases_rejected_kv_and_draft_extend_takes_accepted_tokens() ->
     running = merge_batch(decode_batch([], [], [], [], tokens=[]), e)
     assert running.seq_lens.tolist() == [7, 13]  # c + m + 1 committed
     assert running.input_ids.tolist() == [11, 23]
+
+
+def test_accept_names_the_verify_it_judged_and_its_rows() -> None:
+    v = _verify()
+    r = accept(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24]))
+    assert r.verify_id == v.verify_id and r.rids.tolist() == v.rid_list() == [1, 2]
+
+
+def test_commit_refuses_the_accept_result_of_another_verify_with_as_many_rows() -> None:
+    """Two verifies of the same draft (the same rows, the same row count): the result of one does
+    not commit the other, and the refusal names both verifies; each commits its own."""
+    d = _draft()
+    mine = prepare_for_verify(d, proposed(d, [11, 12, 13, 21, 22, 23]))
+    theirs = prepare_for_verify(d, proposed(d, [11, 12, 13, 21, 22, 23]))
+    targets = frozen_i64([11, 99, 13, 14, 21, 22, 23, 24])
+    other = accept(theirs, targets)
+    with pytest.raises(
+        PreconditionError,
+        match=rf"^commit: the accept result of verify #{theirs.verify_id} cannot commit verify #{mine.verify_id}: "
+        "a commit applies the result of the verify it judged$",
+    ):
+        commit(mine, other)
+    with pytest.raises(PreconditionError, match=rf"the accept result of verify #{mine.verify_id} cannot commit verify #{theirs.verify_id}"):
+        commit(theirs, accept(mine, targets))
+    assert commit(mine, accept(mine, targets)).accept_pos.tolist() == [1, 3]
+    assert commit(theirs, other).verify_id == theirs.verify_id
+
+
+@pytest.mark.parametrize(
+    ("rids", "shown"),
+    [
+        ([2, 1], r"judged rows \[2, 1\], the verify's are \[1, 2\] \(row 0: request 2, the verify's 1\)"),  # permuted
+        ([1, 3], r"judged rows \[1, 3\], the verify's are \[1, 2\] \(row 1: request 3, the verify's 2\)"),  # another request
+        ([1], r"judged 1 row \[1\], the verify has 2 rows \[1, 2\]"),
+    ],
+)
+def test_commit_refuses_an_accept_result_of_its_verify_for_other_rows(rids: list[int], shown: str) -> None:
+    """The result names the right verify but other rows (another order, another request, another
+    count): the accepted positions would land in other rows' slots, so it is refused naming both."""
+    v = _verify()
+    own = accept(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24]))
+    forged = AcceptResult(verify_id=v.verify_id, rids=rids, accepted=own.accepted[: len(rids)], bonus=own.bonus[: len(rids)])
+    with pytest.raises(PreconditionError, match=rf"^commit: the accept result of verify #{v.verify_id} {shown}: a commit applies each row's result to that row$"):
+        commit(v, forged)
+    assert commit(v, own).accept_pos.tolist() == [1, 3]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_commit_takes_exactly_its_own_verifys_result(data: st.DataObject) -> None:
+    """For any verify (1 to 6 rows) and target tokens: the verify's own accept result commits its
+    accepted positions; the same columns named by any other verify id, and the verify's id with any
+    other row list (a permutation, other requests, another count), are refused."""
+    n = data.draw(st.integers(1, 6), label="rows")
+    rids = data.draw(st.lists(st.integers(1, 50), min_size=n, max_size=n, unique=True), label="rids")
+    running = decode_batch(rids, list(range(1, n + 1)), [5] * n, list(range(1000, 1000 + n)))
+    d = prepare_for_draft(running, SpecContext(k=2, next_tokens=[7] * n, kv_locs=list(range(2000, 2000 + 3 * n))))
+    v = prepare_for_verify(d, proposed(d, data.draw(st.lists(st.integers(0, 3), min_size=2 * n, max_size=2 * n), label="drafts")))
+    own = accept(v, frozen_i64(data.draw(st.lists(st.integers(0, 3), min_size=3 * n, max_size=3 * n), label="targets")))
+    assert commit(v, own).accept_pos.tolist() == own.accepted.tolist()
+    other_id = data.draw(st.integers(1, 2**62).filter(lambda i: i != v.verify_id), label="other verify id")
+    with pytest.raises(PreconditionError, match=rf"^commit: the accept result of verify #{other_id} cannot commit verify #{v.verify_id}: "):
+        commit(v, attrs.evolve(own, verify_id=VerifyId(other_id)))
+    other_rids = data.draw(
+        (st.permutations(rids) | st.lists(st.integers(1, 50), min_size=0, max_size=n + 1, unique=True)).filter(lambda r: list(r) != rids),
+        label="other rids",
+    )
+    m = len(other_rids)
+    forged = AcceptResult(verify_id=v.verify_id, rids=list(other_rids), accepted=[0] * m, bonus=[0] * m)
+    with pytest.raises(PreconditionError, match=rf"^commit: the accept result of verify #{v.verify_id} judged .*: a commit applies each row's result to that row$"):
+        commit(v, forged)
 
 
 def test_draft_commit_commits_the_accepted_position_and_merges_like_the_draft_extend() -> None:
@@ -267,7 +340,8 @@ def test_one_iteration_with_a_draft_commit() -> None:
     ex_d.execute(dplan1)
     d2, dplan2 = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(40, 48))))
     ex_d.execute(dplan2)
-    stale = lower(prepare_for_draft_commit(commit(_verify_of(d1), accept(_verify_of(d1), frozen_i64([0] * 8))), d1), LowerContext())
+    v1 = _verify_of(d1)
+    stale = lower(prepare_for_draft_commit(commit(v1, accept(v1, frozen_i64([0] * 8))), d1), LowerContext())
     before = draft.copy_buffer()
     with pytest.raises(PlanExecutionError, match=rf"draft #{d1.draft_id}.*dropped by a newer draft"):
         ex_d.execute(stale)

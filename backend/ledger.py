@@ -25,7 +25,8 @@ executor, all tickets of a plan at once, before the model runs) -> consumed. Rul
 - ``outstanding()`` lists the registered tickets not yet consumed; ``assert_drained()`` raises
   ``ResourceLeakError`` listing them and any ticket stuck in flight (a dropped op);
 - ``cancel(ticket, reason)`` retires an outstanding ticket whose requests were aborted before it ran,
-  as a recorded event (``cancelled()``), never silently.
+  as a recorded event (``cancelled()``), never silently; ``cancel_all`` retires a plan's tickets,
+  all or none.
 
 Locking: one ``threading.Lock`` guards the state maps; a claim holds it only to move tickets between
 states, not while the ops run, so the forward thread never blocks the scheduler thread for the
@@ -344,17 +345,27 @@ class Ledger:
         """Record that an outstanding ticket will never run (its requests were aborted before its
         forward). A cancellation is an event with a reason, not a silent drop; it is refused for a
         ticket that is consumed or being consumed."""
-        key = _key(_tickets_arg("cancel", (ticket,))[0])
+        self.cancel_all((ticket,), reason, method="cancel")
+
+    def cancel_all(self, tickets: Iterable[Ticket[Op]], reason: str, *, method: str = "cancel_all") -> None:
+        """``cancel`` for every one of ``tickets`` (a plan's, which never ran), all or nothing: one
+        that has run or is running (``ResourceReplayError``), or is not outstanding here (cancelled
+        already, or never registered: ``UnknownTicketError``) cancels none of them."""
+        items = _tickets_arg(method, tickets)
+        keys = [_key(t) for t in items]
         why: object = reason  # typed str; checked because callers need not be typed
         if not isinstance(why, str) or not why:
-            raise PreconditionError("Ledger.cancel", f"reason must be a non-empty str, got {short_repr(reason)}")
+            raise PreconditionError(f"Ledger.{method}", f"reason must be a non-empty str, got {short_repr(reason)}")
         with self._lock:
-            if key in self._consumed or key in self._in_flight:
-                raise ResourceReplayError(f"cannot cancel {ticket}: it has run or is running")
-            if key not in self._outstanding:
-                raise UnknownTicketError(f"cannot cancel {ticket}: not outstanding in this ledger")
-            self._forget_rows(key, self._outstanding.pop(key))
-            self._cancelled[key] = reason
+            for t, key in zip(items, keys, strict=True):
+                if key in self._consumed or key in self._in_flight:
+                    raise ResourceReplayError(f"cannot cancel {t}: it has run or is running")
+                if key not in self._outstanding:
+                    state = "it was cancelled already" if key in self._cancelled else "not outstanding in this ledger"
+                    raise UnknownTicketError(f"cannot cancel {t}: {state}")
+            for key in dict.fromkeys(keys):
+                self._forget_rows(key, self._outstanding.pop(key))
+                self._cancelled[key] = reason
 
     def cancelled(self) -> dict[tuple[TicketSerial, PoolId], str]:
         """Cancelled tickets and why."""

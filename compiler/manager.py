@@ -83,8 +83,12 @@ def _ir_nodes(out: object) -> tuple[Batch | Plan, ...]:
     return ()
 
 
-def _where(fn: object) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+def _where(fn: Callable[..., object]) -> str:
+    """``module.qualname`` of a pass's function (its repr for a callable object without them)."""
+    try:
+        return f"{fn.__module__}.{fn.__qualname__}"
+    except AttributeError:
+        return repr(fn)
 
 
 def _excerpt(node: object) -> str:

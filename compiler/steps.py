@@ -25,17 +25,20 @@ phases are::
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from compiler.manager import PassManager
 from ir import spec
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import I64
+from ir.errors import PreconditionError
 from ir.head import HeadCommitBatch, HeadCommitPlan, HeadExtendBatch, HeadExtendPlan
 from ir.hidden import HiddenStates
 from ir.ids import HiddenId, RequestId, SampleId
 from ir.init import Op, Ticket
-from ir.linear import consumes
+from ir.linear import consumes, retires
 from ir.mint import mint_hidden_id
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
@@ -54,8 +57,9 @@ from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_head_commit import prepare_for_head_commit
 from passes.prepare_for_head_extend import prepare_for_head_extend
 from passes.prepare_for_verify import prepare_for_verify
+from passes.withdraw import withdraw
 
-__all__ = ["Pipeline", "TicketRegistry"]
+__all__ = ["Pipeline", "TicketBooks", "TicketRegistry"]
 
 
 class TicketRegistry(Protocol):
@@ -64,6 +68,16 @@ class TicketRegistry(Protocol):
 
     def register(self, tickets: Iterable[Ticket[Op]]) -> None:
         """Expect each of ``tickets`` to be consumed exactly once (``backend.ledger.Ledger.register``)."""
+        ...
+
+
+@runtime_checkable
+class TicketBooks(TicketRegistry, Protocol):
+    """A ``TicketRegistry`` that can also cancel a plan's tickets, all or none, with a reason
+    (``backend.ledger.Ledger.cancel_all``): what ``Pipeline.withdraw`` needs of its ledger."""
+
+    def cancel_all(self, tickets: Iterable[Ticket[Op]], reason: str) -> None:
+        """Record that every one of ``tickets`` will never run (``backend.ledger.Ledger.cancel_all``)."""
         ...
 
 
@@ -138,6 +152,38 @@ class Pipeline:
         """``batch`` without the requests in ``drop``, their init ops with them (the ``MambaInit`` keeps its
         serial, or becomes ``None`` when no op is left); ``batch`` itself when nothing is dropped."""
         return self.pm.run(filter_batch, batch, drop)
+
+    @retires  # the plan: withdrawn, it never runs (running it after, on any executor, is ``linear-reuse``)
+    def withdraw(self, batch: ExtendBatch, plan: ExtendPlan, drop: Iterable[RequestId], *, reason: str) -> tuple[ExtendBatch, ExtendPlan]:
+        """Take the requests in ``drop`` out of a prefill that was lowered (``prefill``) but has not
+        run: an admission rolled back, a request aborted before the forward. ``plan``'s tickets are
+        cancelled in the ledger, all of them, with ``reason`` (``Ledger.cancelled``: recorded, never
+        a silent drop; running ``plan`` after is refused before the pool is touched, and mypy's
+        linear-use plugin reports it as ``linear-reuse``), and the remaining requests are
+        lowered anew under fresh serials (``passes.withdraw``) and registered. The dropped requests'
+        slots are then named by no outstanding ticket: the caller may free them and give them to
+        another request at once. With every request dropped the batch and plan are empty (no ticket;
+        nothing to run).
+
+        Refused before anything is cancelled: ``plan`` not lowered from ``batch``
+        (``PreconditionError``), a ``drop`` that names a request twice or one not in ``batch``
+        (``PassError`` from ``withdraw``), a plan whose forward has run or is running
+        (``ResourceReplayError``: drop those requests from the decode batch instead), a ledger that
+        cannot cancel (``PreconditionError``)."""
+        args: tuple[object, object] = (batch, plan)  # typed; checked because callers need not be typed
+        if not isinstance(args[0], ExtendBatch) or not isinstance(args[1], ExtendPlan):
+            raise PreconditionError(
+                "Pipeline.withdraw", f"takes a prefill's ExtendBatch and its ExtendPlan, got a {type(batch).__name__} and a {type(plan).__name__}"
+            )
+        _check_lowered_from(batch, plan)
+        books = self.ledger
+        if not isinstance(books, TicketBooks):
+            raise PreconditionError("Pipeline.withdraw", f"the pipeline's ledger ({type(books).__name__}) has no cancel_all: it cannot cancel a plan's tickets")
+        out = self.pm.run(withdraw, batch, drop)  # refuses a bad drop before anything is cancelled
+        books.cancel_all((*plan.tickets, *plan.snapshots), reason)
+        new_plan: ExtendPlan = self.pm.run(lower, out, self.lower_ctx, sample_id=plan.sample_id, keep_hidden=_hidden_id(plan.keep_hidden is not None))
+        self.ledger.register((*new_plan.tickets, *new_plan.snapshots))
+        return out, new_plan
 
     def merge(
         self, running: DecodeBatch, prefilled: ExtendBatch | spec.DraftCommitBatch | spec.CommitBatch | spec.DraftExtendBatch | DecodeBatch
@@ -214,6 +260,20 @@ class Pipeline:
         batch = self.pm.run(prepare_for_head_commit, committed, hidden)
         plan: HeadCommitPlan = self.pm.run(lower, batch, self.lower_ctx)
         return batch, plan
+
+
+def _check_lowered_from(batch: ExtendBatch, plan: ExtendPlan) -> None:
+    """``plan`` is ``batch`` lowered: the same requests in order, its tickets of ``batch``'s serials."""
+    if not np.array_equal(batch.rids, plan.rids):
+        raise PreconditionError("Pipeline.withdraw", f"the plan's requests {plan.rids.tolist()[:16]} are not the batch's {batch.rids.tolist()[:16]}")
+    init = None if batch.init is None else batch.init.serial
+    snap = None if batch.snapshot is None else batch.snapshot.serial
+    for t in plan.tickets:
+        if t.serial != init:
+            raise PreconditionError("Pipeline.withdraw", f"{t} is not of this batch's init (serial {init}): the plan was not lowered from it")
+    for s in plan.snapshots:
+        if s.serial != snap:
+            raise PreconditionError("Pipeline.withdraw", f"{s} is not of this batch's snapshot (serial {snap}): the plan was not lowered from it")
 
 
 def _hidden_id(keep: bool) -> HiddenId | None:

@@ -13,6 +13,9 @@ mypy refuse the code that would attempt one (batchc's guide "The linearity check
   executor's entry points); ``@consumes_on("pool")`` one that consumes them on the executor or pool
   named by that parameter (the ledger's claims, a runner's ``run(ex, plan)``). Methods only: mypy's
   cache keeps a class's metadata, not the decorators of a module-level function.
+- ``@retires`` marks a method after which no executor may consume the linear values passed to it
+  (a plan withdrawn before it ran: ``compiler.steps.Pipeline.withdraw``); a consuming call after it,
+  on any executor, is a ``linear-reuse`` error, as is retiring a value some executor consumed.
 - The escape hatches, explicit and greppable: ``stash(value)`` around one store that is meant to
   outlive the function (an in-flight queue), and ``@keeps_linear`` on a class whose job is to hold
   linear values across steps (the ledger, an in-flight record).
@@ -29,6 +32,7 @@ __all__ = [
     "linear",
     "keeps_linear",
     "consumes",
+    "retires",
     "ConsumesOn",
     "consumes_on",
     "stash",
@@ -50,6 +54,11 @@ def keeps_linear(cls: type[T]) -> type[T]:
 
 def consumes(method: F) -> F:
     """Mark ``method`` as consuming its linear arguments on its receiver."""
+    return method
+
+
+def retires(method: F) -> F:
+    """Mark ``method`` as retiring its linear arguments: no executor consumes them after it."""
     return method
 
 

@@ -10,6 +10,8 @@ shapes of code that lead there (batchc's guide "The linearity checker in your my
   that does not rebind the name. Rebinding the name starts a new value. The executor of a call is its
   receiver (``@consumes``) or the argument its ``@consumes_on`` parameter names, compared as source
   text: ``self.target`` and ``self.draft`` are two executors, two names for one executor are two.
+  A value passed to a ``@retires`` method (a plan withdrawn before it ran) counts as consumed on
+  every executor: any consuming call after it, or before it on a path to it, is a ``linear-reuse``.
 - ``linear-escape``: a linear value stored where it outlives the step: an attribute of a class that
   is not declared ``@linear`` (a field, ``self.x = plan``, ``obj.x = plan``), or a container that is
   not a local of the function (``self.queue.append(plan)``, ``PENDING.append(plan)``,
@@ -118,6 +120,9 @@ LINEAR: Final = f"{_MARKERS}.linear"
 KEEPS: Final = f"{_MARKERS}.keeps_linear"
 CONSUMES: Final = f"{_MARKERS}.consumes"
 CONSUMES_ON: Final = f"{_MARKERS}.consumes_on"
+RETIRES: Final = f"{_MARKERS}.retires"
+_EVERY: Final = "*"
+"""The executor of a ``@retires`` call: it conflicts with every executor."""
 CONSUMES_ON_CALL: Final = f"{_MARKERS}.ConsumesOn.__call__"
 STASH: Final = f"{_MARKERS}.stash"
 _META: Final = "batchc_linear"
@@ -510,7 +515,7 @@ class LinearPlugin(Plugin):
         return None
 
     def get_function_hook(self, fullname: str) -> Callable[[FunctionContext], Type] | None:
-        if fullname == CONSUMES:
+        if fullname in (CONSUMES, RETIRES):
             return _record_consumer
         return None
 
@@ -543,7 +548,8 @@ class LinearPlugin(Plugin):
 
     def _consumer(self, fullname: str) -> str | None:
         """For a method marked ``@consumes``, ``""`` (its receiver is the executor); for one marked
-        ``@consumes_on(p)``, ``p``; otherwise ``None``. Inherited through the class's MRO."""
+        ``@consumes_on(p)``, ``p``; for one marked ``@retires``, ``"*"`` (every executor); otherwise
+        ``None``. Inherited through the class's MRO."""
         if fullname in self._consumers:
             return self._consumers[fullname]
         owner, _, name = fullname.rpartition(".")
@@ -589,7 +595,10 @@ class LinearPlugin(Plugin):
         if not isinstance(call, CallExpr) or not isinstance(checker, TypeChecker):
             return ctx.default_return_type
         skip = -1
-        if executor_param:
+        executor_expr: Expression | None = None
+        if executor_param == _EVERY:
+            pass
+        elif executor_param:
             if executor_param not in ctx.callee_arg_names:
                 return ctx.default_return_type
             skip = ctx.callee_arg_names.index(executor_param)
@@ -600,7 +609,7 @@ class LinearPlugin(Plugin):
             executor_expr = call.callee.expr
         else:
             return ctx.default_return_type
-        executor, root = _text(executor_expr), _root_var(executor_expr)
+        executor, root = (_EVERY, None) if executor_expr is None else (_text(executor_expr), _root_var(executor_expr))
         flow = self._flow(checker)
         for i, (exprs, types) in enumerate(zip(ctx.args, ctx.arg_types, strict=True)):
             for e, t in zip(exprs, types, strict=True):
@@ -618,15 +627,20 @@ class LinearPlugin(Plugin):
     ) -> None:
         var, name = tracked
         for first, v, text, ex, _ in flow.events:
-            if v is var and text == name and ex == executor and first is not call and (first.line, first.column) < (call.line, call.column):
-                if flow.reaches(first, call, var, root):
+            same = ex == executor or _EVERY in (ex, executor)
+            if v is var and text == name and same and first is not call and (first.line, first.column) < (call.line, call.column):
+                if flow.reaches(first, call, var, root if ex == executor else None):
                     line = first.line
-                    checker.fail(
-                        f'"{name}" ({typ}) is consumed again by "{executor}": line {line} consumed it on a path to here; '
-                        f"one-shot tickets run once per executor (rebind it to a new plan; see {DOCS})",
-                        call,
-                        code=LINEAR_REUSE,
-                    )
+                    if ex == _EVERY:
+                        msg = (f'"{name}" ({typ}) is used after line {line} retired it on a path to here (a withdrawn plan '
+                               f"never runs: use the plan the withdrawal returned; see {DOCS})")
+                    elif executor == _EVERY:
+                        msg = (f'"{name}" ({typ}) is retired after "{ex}" consumed it on line {line} (a plan that ran on an '
+                               f"executor cannot be withdrawn; see {DOCS})")
+                    else:
+                        msg = (f'"{name}" ({typ}) is consumed again by "{executor}": line {line} consumed it on a path to here; '
+                               f"one-shot tickets run once per executor (rebind it to a new plan; see {DOCS})")
+                    checker.fail(msg, call, code=LINEAR_REUSE)
                     break
         if flow.reaches(call, call, var, root):
             checker.fail(
@@ -743,6 +757,8 @@ def _decorator_mark(node: object) -> str | None:
     for d in node.original_decorators or node.decorators:
         if isinstance(d, RefExpr) and d.fullname == CONSUMES:
             return ""
+        if isinstance(d, RefExpr) and d.fullname == RETIRES:
+            return _EVERY
         if isinstance(d, CallExpr) and isinstance(d.callee, RefExpr) and d.callee.fullname == CONSUMES_ON:
             if d.args and isinstance(d.args[0], StrExpr) and d.arg_kinds[0] == ARG_POS:
                 return d.args[0].value
@@ -774,7 +790,7 @@ def _record_consumer(ctx: FunctionContext | MethodContext) -> Type:
             e,
             code=LINEAR_MARK,
         )
-    elif mark and mark not in e.func.arg_names:
+    elif mark and mark != _EVERY and mark not in e.func.arg_names:
         ctx.api.fail(f'"{e.func.name}" has no parameter "{mark}" to consume on (see {DOCS})', e, code=LINEAR_MARK)
     else:
         consumers = _meta(info).setdefault("consumers", {})

@@ -22,6 +22,7 @@ from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_head_commit import prepare_for_head_commit
 from passes.prepare_for_head_extend import prepare_for_head_extend
 from passes.prepare_for_verify import prepare_for_verify
+from passes.withdraw import withdraw
 
 __all__ = [
     "DecodeContext",
@@ -41,4 +42,5 @@ __all__ = [
     "mix_with_running",
     "prepare_for_decode",
     "prepare_for_extend",
+    "withdraw",
 ]

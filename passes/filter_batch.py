@@ -37,22 +37,23 @@ B = TypeVar("B", ExtendBatch, DecodeBatch)
 _DROP = "an iterable of request ids (ints)"
 
 
-def _drop_ids(drop: object) -> I64:
-    """``drop`` as an int64 array, every entry checked (``first_bad_int``: plain ints in C loops)."""
+def _drop_ids(drop: object, pass_name: str = "filter_batch") -> I64:
+    """``drop`` as an int64 array, every entry checked (``first_bad_int``: plain ints in C loops);
+    a refusal names ``pass_name``."""
     if isinstance(drop, np.ndarray):
         if drop.ndim != 1 or drop.dtype.kind not in "iu":
             raise PreconditionError(
-                "filter_batch", f"drop must be {_DROP}, got an ndarray of dtype {drop.dtype} and shape {drop.shape} ({short_repr(drop)})"
+                pass_name, f"drop must be {_DROP}, got an ndarray of dtype {drop.dtype} and shape {drop.shape} ({short_repr(drop)})"
             )
         if drop.dtype.kind == "u" and drop.size and int(drop.max()) > INT64_MAX:
-            raise PreconditionError("filter_batch", f"drop: every entry must fit in int64 (got {int(drop.max())})")
+            raise PreconditionError(pass_name, f"drop: every entry must fit in int64 (got {int(drop.max())})")
         return drop.astype(np.int64, copy=False)
     if isinstance(drop, (str, bytes, bytearray)) or not isinstance(drop, Iterable):
-        raise bad_arg("filter_batch", "drop", drop, _DROP)
+        raise bad_arg(pass_name, "drop", drop, _DROP)
     items = tuple(drop)
     bad = first_bad_int(items)
     if bad is not None:
-        raise PreconditionError("filter_batch", f"drop: every entry {bad[1]} (got {short_repr(bad[0])})")
+        raise PreconditionError(pass_name, f"drop: every entry {bad[1]} (got {short_repr(bad[0])})")
     return np.array(items, dtype=np.int64)
 
 

@@ -38,6 +38,7 @@ from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_head_commit import prepare_for_head_commit
 from passes.prepare_for_head_extend import prepare_for_head_extend
 from passes.prepare_for_verify import prepare_for_verify
+from passes.withdraw import withdraw
 
 __all__ = [
     "Pass",
@@ -67,6 +68,7 @@ PASSES: Final[tuple[PassSpec, ...]] = (
     PassSpec(fn=prepare_for_decode, name="prepare_for_decode"),
     PassSpec(fn=mix_with_running, name="mix_with_running"),
     PassSpec(fn=filter_batch, name="filter_batch"),
+    PassSpec(fn=withdraw, name="withdraw"),
     PassSpec(fn=merge_batch, name="merge_batch"),
     PassSpec(fn=prepare_for_draft, name="prepare_for_draft"),
     PassSpec(fn=prepare_for_verify, name="prepare_for_verify"),
@@ -94,12 +96,16 @@ class Pass(Generic[P, R]):
     equal to another ``Pass`` only when it is the same object."""
 
     __name__: str
+    __qualname__: str
     __wrapped__: Callable[P, R]
     """``fn`` (``functools.update_wrapper`` sets both, and the rest of ``fn``'s metadata)."""
+
+    _frozen = False
 
     def __init__(self, fn: Callable[P, R], spec: PassSpec) -> None:
         self._spec = spec
         functools.update_wrapper(self, fn)  # name, qualname, module and docstring: help() and docs read fn's
+        self._frozen = True
 
     @property
     def spec(self) -> PassSpec:
@@ -111,12 +117,16 @@ class Pass(Generic[P, R]):
         return fn(*args, **kwargs)
 
     def __setattr__(self, name: str, value: object) -> None:
-        if hasattr(self, "_spec") and not name.startswith("__"):
+        if self._frozen:
             raise AttributeError(f"pass {self._spec.name!r} is immutable (cannot set {name!r})")
         object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
-        return f"<pass {self._spec.name!r} ({getattr(self._spec.fn, '__module__', '?')}.{getattr(self._spec.fn, '__qualname__', '?')})>"
+        try:
+            where = f"{self.__module__}.{self.__qualname__}"
+        except AttributeError:  # a callable object carries no qualified name
+            where = repr(self._spec.fn)
+        return f"<pass {self._spec.name!r} ({where})>"
 
 
 def _check_settings(name: object, ends_step: object) -> None:
@@ -138,7 +148,10 @@ def _declare(fn: Callable[P, R], name: str | None, ends_step: bool) -> Pass[P, R
     if _is_built_in(fn):
         raise PreconditionError("declare_pass", f"{REGISTRY[fn].name!r} is one of batchc's own passes, declared already")
     if name is None:
-        own = getattr(fn, "__name__", None)
+        try:
+            own: object = fn.__name__
+        except AttributeError:  # a callable object without a name
+            own = None
         if not isinstance(own, str) or not own.isidentifier():
             raise PreconditionError("declare_pass", f"{short_repr(fn)} has no identifier for a name; declare it with name=...")
         name = own

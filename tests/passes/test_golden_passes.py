@@ -40,6 +40,7 @@ from passes import (
     prepare_for_verify,
 )
 from passes.registry import PASSES
+from passes.withdraw import withdraw
 from tests.helpers import GOLDEN, proposed
 
 PASS_GOLDEN = GOLDEN / "passes"
@@ -93,6 +94,8 @@ def _cases() -> dict[str, str]:
     cases.append(_case("drop a running request", filter_batch, decoded, [RequestId(20)]))
     cases.append(_case("drop the continued chunk", filter_batch, extend, [RequestId(12)]))
     cases.append(_case("finished prefills join the running batch", merge_batch, running, extend))
+    cases.append(_case("withdraw the copy-on-write request (its copy and snapshot go with it)", withdraw, extend, [RequestId(11)]))
+    cases.append(_case("withdraw the continued chunk", withdraw, extend, [RequestId(12)]))
     spec_ctx = SpecContext(k=2, next_tokens=[52, 53], kv_locs=[62, 63, 64, 65, 66, 67])
     draft = prepare_for_draft(running, spec_ctx)
     cases.append(_case("k = 2 proposals", prepare_for_draft, running, spec_ctx))

@@ -58,6 +58,7 @@ from passes import (
     prepare_for_head_commit,
     prepare_for_head_extend,
     prepare_for_verify,
+    withdraw,
 )
 from tests.helpers import decode_batch, proposed, request
 
@@ -149,6 +150,12 @@ CASES: list[ArgCase] = [
     *_arg_cases("lower", "keep_hidden", lambda v: lower(DRAFT, LOWER_CTX, keep_hidden=v), [("hidden-draft", HiddenId(5))]),  # type: ignore[call-overload]
     *_arg_cases("lower", "keep_hidden", lambda v: lower(RUNNING, LOWER_CTX, keep_hidden=v), [("hidden-decode", HiddenId(5))]),  # type: ignore[call-overload]
     *_arg_cases("lower", "keep_hidden", lambda v: lower(COMMIT, LOWER_CTX, keep_hidden=v), [("hidden-commit", HiddenId(5))]),  # type: ignore[call-overload]
+    # -- withdraw: a prefill's batch, and drop (request ids of it, each once) -------------------------------
+    *_arg_cases("withdraw", "batch", lambda v: withdraw(v, [7]), [*NOT_A_NODE, *_nodes(RUNNING, MIXED, PLAN)]),  # type: ignore[arg-type]
+    *_arg_cases("withdraw", "drop", lambda v: withdraw(EXTEND, v), [("none", None), ("str", "7"), ("int", 7)]),  # type: ignore[arg-type]
+    ArgCase("withdraw-drop-bool", lambda: withdraw(EXTEND, [True]), "withdraw", "drop", r"must be an int, not bool \(got True\)"),  # type: ignore[list-item]
+    ArgCase("withdraw-drop-absent", lambda: withdraw(EXTEND, [8]), "withdraw", "drop", r"^withdraw: drop: request 8 is not in this prefill \(its requests: \[7\]\)$"),
+    ArgCase("withdraw-drop-twice", lambda: withdraw(EXTEND, [7, 7]), "withdraw", "drop", r"^withdraw: drop names request 7 twice$"),
     # -- filter_batch: the batch, and drop (request ids, checked like IR int fields) ------------------------
     *_arg_cases("filter_batch", "batch", lambda v: filter_batch(v, [1]), [*NOT_A_NODE, *_nodes(MIXED, DRAFT)]),  # type: ignore[type-var]
     *_arg_cases("filter_batch", "drop", lambda v: filter_batch(RUNNING, v), [("none", None), ("str", "12"), ("bytes", b"\x01"), ("int", 1)]),  # type: ignore[arg-type]

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from backend.executor import Executor
 from backend.ledger import Ledger
 from compiler.steps import Pipeline
-from ir.ids import TARGET_POOL
+from ir.batch import ExtendBatch
+from ir.ids import TARGET_POOL, RequestId
 from ir.linear import keeps_linear, stash
 from ir.plan import ExtendPlan
 from ir.request import AdmittedRequest
@@ -90,3 +91,12 @@ class Keeper:
 
     def keep(self, key: int, plan: ExtendPlan) -> None:
         self.plans[key] = plan
+
+
+def withdraw_then_run_what_it_returned(pipe: Pipeline, executors: list[Executor], batch: ExtendBatch, plan: ExtendPlan) -> None:
+    """A withdrawn plan's replacement is a new value: each executor runs it once."""
+    batch, plan = pipe.withdraw(batch, plan, [RequestId(1)], reason="aborted")
+    for ex in executors:
+        ex.execute(plan)
+    batch, plan = pipe.prefill([])
+    batch, plan = pipe.withdraw(batch, plan, [], reason="rolled back")  # rebound: the new plan may be withdrawn in turn

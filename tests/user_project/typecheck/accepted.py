@@ -6,6 +6,7 @@ from backend.executor import Executor
 from backend.ledger import Ledger
 from compiler.steps import Pipeline
 from ir.batch import DecodeBatch
+from ir.ids import RequestId
 from ir.plan import DecodePlan, ExtendPlan
 from ir.request import AdmittedRequest
 from passes import DecodeContext
@@ -35,3 +36,9 @@ def retry(executor: Executor, pipeline: Pipeline, requests: list[AdmittedRequest
 
 def drained(ledger: Ledger) -> None:
     ledger.assert_drained()
+
+
+def roll_back_one(pipeline: Pipeline, target: Executor, requests: list[AdmittedRequest], aborted: RequestId) -> None:
+    batch, plan = pipeline.prefill(requests)
+    batch, plan = pipeline.withdraw(batch, plan, [aborted], reason="aborted before its forward")
+    target.execute(plan)  # the plan withdraw returned: new tickets, its first use

@@ -6,9 +6,11 @@ that stops rejecting a line fails the project's check."""
 from __future__ import annotations
 
 from backend.executor import Executor
-from ir.batch import DecodeBatch
+from ir.batch import DecodeBatch, ExtendBatch
+from ir.ids import RequestId
 from ir.plan import DecodePlan, ExtendPlan
 from compiler.manager import PassManager
+from compiler.steps import Pipeline
 from myengine.passes import cap_running
 from passes import LowerContext, lower
 
@@ -42,3 +44,8 @@ def own_pass_misused(pm: PassManager, decode: DecodeBatch, plan: DecodePlan) -> 
     # a declared pass keeps its signature through the pass manager: each argument is checked
     pm.run(cap_running, decode, "2")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     pm.run(cap_running, plan, 2)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+
+
+def run_a_withdrawn_prefill(pipeline: Pipeline, executor: Executor, batch: ExtendBatch, plan: ExtendPlan) -> None:
+    pipeline.withdraw(batch, plan, [RequestId(1)], reason="aborted before its forward")
+    executor.execute(plan)  # type: ignore[linear-reuse]  # withdrawn: only the plan withdraw returned runs

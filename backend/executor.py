@@ -66,7 +66,7 @@ commits. The rows a forward restores on failure (transactional) include their co
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Generic, Never, NoReturn, Protocol, TypeAlias, cast, runtime_checkable
 
@@ -87,13 +87,14 @@ from backend.plan_sampling import Counts, penalised, sample_logits, verify_token
 from backend.pool import MambaStatePool
 from backend.sampling import sample
 from backend.staging import Captures, StagedDecode, StagedExtend, StagedWindow, stage_decode, stage_extend, stage_window
-from backend.state_init import apply_counts_op, apply_op, check_fits, restoring
+from backend.state_init import apply_counts_op, apply_op, restoring
+from backend.state_store import check_fresh_rows, own_tickets
 from ir.columns import I64, frozen_i64
 from ir.errors import IRValidationError, MutationError, PlanExecutionError
 from ir.head import HeadCommitPlan, HeadExtendPlan
 from ir.hidden import HiddenStates, asked_hidden
 from ir.ids import DraftId, PoolId, SampleId, VerifyId
-from ir.init import SERIAL_COUNTER_BITS, Op, Rows, Ticket, When, op_decl, op_groups, op_resets, op_slots, op_when, serial_epoch
+from ir.init import SERIAL_COUNTER_BITS, Op, Ticket, When, op_when, serial_epoch
 from ir.linear import consumes
 from ir.nodes import Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
@@ -366,7 +367,7 @@ class Executor(Generic[VerifyStateT]):
             # the init ticket is consumed once its ops are applied; a failing forward then leaves
             # its requests' state undefined (the driver aborts them) and its snapshot outstanding
             with self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
-                _check_fresh_rows(plan, ext, claim.tickets)
+                check_fresh_rows(plan, ext, claim.tickets)
                 self._validated(plan)
                 for t in claim.tickets:
                     if op_when(t.op) is When.BEFORE:
@@ -382,7 +383,7 @@ class Executor(Generic[VerifyStateT]):
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
         # and every ticket is outstanding again, so the same plan can simply be executed again
         with self._restoring(rows), self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
-            _check_fresh_rows(plan, ext, claim.tickets)
+            check_fresh_rows(plan, ext, claim.tickets)
             self._validated(plan)
             for t in claim.tickets:
                 if op_when(t.op) is When.BEFORE:
@@ -861,39 +862,11 @@ class Executor(Generic[VerifyStateT]):
         return self._spec_hook
 
     def _own_tickets(self, plan: ExtendPlan | HeadExtendPlan, own: frozenset[int]) -> list[Ticket[Op]]:
-        """The plan's tickets for this pool, each checked as its op kind declares
-        (``ir.init.OpDecl``): every slot in range, ``OF_PLAN`` slots rows of the plan (``own``),
-        ``NOT_OF_PLAN`` ones not, and (with an allocator) every slot live. A kind the plan carries
-        for other pools only is refused: running it here would skip this pool's op."""
-        mine = plan.tickets_for(self.pool.pool_id)
-        kinds = {type(t.op) for t in mine}
-        for t in plan.all_tickets():
-            if type(t.op) not in kinds:
-                pools = ", ".join(repr(o.pool) for o in plan.all_tickets() if type(o.op) is type(t.op))
-                raise PlanExecutionError(
-                    f"plan with {op_decl(t.op).name} #{t.serial} was lowered for pool(s) {pools}, "
-                    f"not for this executor's pool {self.pool.pool_id!r}"
-                )
-        for t in mine:
-            op, what = t.op, f"{op_decl(t.op).name} #{t.serial}"
-            check_fits(self.pool, op)
-            groups = op_groups(op)
-            for g in sorted(groups, key=lambda g: g.rows is not Rows.OF_PLAN):  # (stable: field order within each)
-                verb = "writes" if g.writes else "reads"
-                if g.rows is Rows.OF_PLAN:
-                    stray = frozenset(g.slots) - own
-                    if stray:
-                        raise PlanExecutionError(f"{what} {verb} slot {min(stray)}, which is not a row of this plan (rows {sorted(own)})")
-                else:
-                    inside = frozenset(g.slots) & own
-                    if inside:
-                        raise PlanExecutionError(
-                            f"{what} {verb} slot {min(inside)}, a row of this plan (a cache slot is never a request's row)"
-                        )
-            if self.slots is not None:
-                # a COW source is a checkpoint slot: reading a freed one would copy stale bytes
-                self.slots.check_live(op_slots(op), what)
-        return list(mine)
+        """The plan's tickets for this pool, checked (``backend.state_store.own_tickets``: slots in
+        range, of the plan or not as each op kind declares, live with an allocator; a kind lowered
+        for other pools only is refused)."""
+        live = None if self.slots is None else self.slots.check_live
+        return own_tickets(plan, self.pool.pool_id, self.pool.capacity, own, live, whose="this executor's pool")
 
     def _check_rows(self, slots: I64, what: str) -> None:
         """``_check_slots``, and no registered ticket still has to run on one of the rows (a plan
@@ -916,24 +889,6 @@ class Executor(Generic[VerifyStateT]):
         if self.slots is not None:
             self.slots.check_live(np.asarray(slots).tolist(), what)
         self._slots_ok = key
-
-
-def _check_fresh_rows(plan: ExtendPlan | MixedPlan | HeadExtendPlan, ext: ExtendPlan | HeadExtendPlan, tickets: Sequence[Ticket[Op]]) -> None:
-    """A row that starts at token 0 starts from a cleared state, and only the plan's own ops (the
-    registered ones, claimed) can clear it (``ir.init.op_resets``): a plan stripped of its ticket
-    would run on whatever the slot held. Runs inside the claim, before any op, so a refusal leaves
-    the pool as it was."""
-    fresh = ext.slots[ext.prefix_lens == 0]
-    if not fresh.size:
-        return
-    before = [t.op for t in tickets if op_when(t.op) is When.BEFORE]
-    cleared = frozenset(s for op in before for s in op_resets(op))
-    missing = [s for s in fresh.tolist() if s not in cleared]
-    if missing:
-        raise PlanExecutionError(
-            f"{type(plan).__name__}: slot {missing[0]} starts at token 0 but the plan's init does not clear it "
-            f"(init: {'none for this pool' if not before else ', '.join(map(str, before))})"
-        )
 
 
 def _inputs_of(tokens: I64) -> list[int]:

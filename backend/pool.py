@@ -24,7 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 import attrs
@@ -248,6 +248,29 @@ class MambaStatePool:
         self.layout: Final = layout
         self.capacity: Final = slots
         self.buffer: Final = torch.zeros((capacity + 1, layout.row_bytes), dtype=torch.uint8, device=device)
+
+    # -- the state-store contract (``backend.state_store.RestorableStore``): whole rows of the buffer
+
+    def _idx(self, slots: Iterable[int]) -> torch.Tensor:
+        return torch.tensor([int(s) for s in slots], dtype=torch.int64, device=self.buffer.device)
+
+    def clear_rows(self, slots: Sequence[int]) -> None:
+        """Zero the rows of ``slots``."""
+        self.buffer.index_fill_(0, self._idx(slots), 0)
+
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Row ``dst[i]`` becomes row ``src[i]``, every source read before any write."""
+        self.buffer.index_copy_(0, self._idx(dst), self.buffer.index_select(0, self._idx(src)))
+
+    def save_rows(self, slots: Sequence[int]) -> object:
+        """A copy of the rows of ``slots``."""
+        return self.buffer.index_select(0, self._idx(slots))
+
+    def restore_rows(self, slots: Sequence[int], saved: object) -> None:
+        """Put back the rows ``save_rows(slots)`` copied."""
+        if not isinstance(saved, torch.Tensor):
+            raise TypeError(f"MambaStatePool.restore_rows: saved must be what save_rows returned, got a {type(saved).__name__}")
+        self.buffer.index_copy_(0, self._idx(slots), saved)
 
     @property
     def num_slots(self) -> int:

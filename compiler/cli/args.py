@@ -68,6 +68,8 @@ MAX_TRAIN_SEQUENCES = 1 << 16
 """Most ``train-draft`` rollouts (each holds its tokens' hidden states in memory)."""
 MAX_HEAD_LAYERS = 8
 """Most layers of a head ``train-draft`` builds."""
+MODEL_IMPLS = ("batchc", "transformers")
+"""``batchc run --model-impl``'s choices: whose code runs the target's forward."""
 MAX_AB_RUNNING = 14
 """Most live requests of ``batchc ab``: its engines' 16 slots (``Engine``'s default capacity) less
 the two shared system prefixes' states."""
@@ -286,6 +288,11 @@ def parser() -> argparse.ArgumentParser:
                      help="target: a batchc checkpoint (.safetensors) or a Hugging Face checkpoint directory of Bamba, "
                      "Granite-4.0-H or Nemotron-H (config.json, safetensors weights, tokenizer.json; served on its tokens) "
                      "(default: the bundled byte-level model)")
+    run.add_argument("--model-impl", choices=MODEL_IMPLS, default="batchc",
+                     help="the target's forward: batchc, batchc's own model code (default); transformers, transformers' own modeling "
+                     "code and cache objects, scheduled by batchc's IR with every state op through its ledger (needs --model DIR, "
+                     "a Hugging Face checkpoint directory, and transformers installed; serves at k = 0 in this process: no --draft, "
+                     "--k, --tp, --dp, --overlap, --compare-mutable, nor requests with penalties)")
     run.add_argument("--draft", metavar="PATH", type=_path_arg,
                      help="draft, the same kinds as --model, with the target's vocabulary (default: the bundled one for the "
                      "bundled target; none for a Hugging Face target); refused with --k 0, which runs no draft")

@@ -17,6 +17,7 @@ from compiler.cli.args import UsageError, sampling_defaults, shown_path
 from compiler.cli.output import OutputFile, check_output
 
 if TYPE_CHECKING:
+    from backend.hf.transformers_backend import TransformersModel
     from backend.hybrid.model import HybridModel
     from backend.tp.serve import TPLeader
     from compiler.engine.config import ServeConfig
@@ -99,6 +100,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if args.json is not None and args.outputs is not None and _same_file(args.json, args.outputs):
         raise UsageError(f"--json {shown_path(args.json)} and --outputs {shown_path(args.outputs)} name the same file")
     defaults = sampling_defaults(args)
+    transformers_impl = args.model_impl == "transformers"
+    if transformers_impl:
+        _check_transformers_impl(args)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     target = load_served(args.model, role="target", dtype=dtype, bundled="target")
     k = args.k if args.k is not None else (0 if target.hf and args.draft is None else ServeConfig().k)
@@ -132,6 +136,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             f"the longest built-in prompt ({LONGEST_BUILTIN_PROMPT} bytes) minus k + 1 = {cfg.reserve}"
         )
     rank, world, launched = distributed.placement(args.tp)
+    if transformers_impl and world > 1:
+        raise UsageError(f"--model-impl transformers in a group of {world} ranks: it serves in one process")
     if world == 1 and args.tp_timeout is not None:
         raise UsageError(f"--tp-timeout {args.tp_timeout} without --tp: a run on one process has no group to time out")
     if args.dp == 1 and args.dp_routing is not None:
@@ -168,6 +174,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         refusal = _baseline_refusal(workload)
         if refusal is not None:
             raise UsageError(refusal)
+    impl = None
+    if transformers_impl:
+        penalised = next((r for r in workload if r.refused is None and r.sampling.penalised), None)
+        if penalised is not None:
+            raise UsageError(f"--model-impl transformers: request {penalised.rid} sets a penalty; the transformers backend keeps no token counts")
+        from backend.hf.transformers_backend import TransformersModel
+
+        impl = TransformersModel.from_pretrained(args.model, dtype=dtype)
     if args.dp > 1:
         return _serve_replicas(args, console, workload, target, cfg, tokenizer, args.dp_routing or "prefix")
     target_model = target.model
@@ -176,7 +190,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         if world > 1:  # every check passed: start the group (rank 0 of batchc run --tp starts the other ranks here)
             leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, tp_timeout))
             target_model, draft = distributed.shards(leader.group, target_model, draft)
-        return _serve_and_report(args, console, workload, target, target_model, draft, cfg, k, tokenizer, leader)
+        return _serve_and_report(args, console, workload, target, target_model, draft, cfg, k, tokenizer, leader, impl)
     except (RankFailed, ExecutorGone) as exc:  # a rank, or an executor process before the engine could serve
         children.raise_if_interrupted()  # (killed by this process's own interruption: not the run's failure)
         print(f"batchc: run failed: {exc}", file=sys.stderr)
@@ -184,6 +198,22 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     finally:
         if leader is not None:
             leader.shutdown()
+
+
+def _check_transformers_impl(args: argparse.Namespace) -> None:
+    """``--model-impl transformers``'s refusals, before anything is loaded: it needs a Hugging Face
+    checkpoint directory and transformers, and serves at k = 0 on one engine in this process."""
+    if args.model is None or not os.path.isdir(args.model):
+        what = "the bundled model has no transformers code" if args.model is None else f"{shown_path(args.model)} is not a directory"
+        raise UsageError(f"--model-impl transformers needs --model DIR, a Hugging Face checkpoint directory ({what})")
+    for option, on in (("--draft", args.draft is not None), ("--k", bool(args.k)), ("--tp", args.tp not in (None, 1)), ("--dp", args.dp > 1),
+                       ("--overlap", args.overlap), ("--compare-mutable", args.compare_mutable)):
+        if on:
+            raise UsageError(f"--model-impl transformers with {option}: it serves one engine in this process at k = 0 (no speculative decoding)")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UsageError("--model-impl transformers needs transformers installed (pip install 'batchc[transformers]')") from None
 
 
 def _serve_replicas(
@@ -260,6 +290,7 @@ def _exit_status(failures: list[str], refusals: str | None) -> int:
 def _serve_and_report(
     args: argparse.Namespace, console: Console, workload: list[Request], target: Served, target_model: HybridModel,
     draft: DraftModel | None, cfg: ServeConfig, k: int, tokenizer: Tokenizer | None, leader: TPLeader | None,
+    impl: TransformersModel | None = None,
 ) -> int:
     import attrs
 
@@ -290,8 +321,9 @@ def _serve_and_report(
             summary = run(
                 workload, timed_target, timed_drafts, cfg, on_finish=lambda n: progress.update(task, completed=n),
                 compare_mutable=args.compare_mutable,
-                model_clock=lambda: timed_target.seconds + (timed_drafts.seconds if timed_drafts is not None else 0.0),
-                tokenizer=tokenizer, eos=target.eos, tp=leader,
+                model_clock=(lambda: timed_target.seconds + (timed_drafts.seconds if timed_drafts is not None else 0.0)) if impl is None
+                else (lambda: impl.seconds),
+                tokenizer=tokenizer, eos=target.eos, tp=leader, transformers=impl,
             )
             if comparing:
                 from compiler.tools.compare_mutable import run_mutable
@@ -300,7 +332,7 @@ def _serve_and_report(
                 progress.update(task, description="mutable baseline")
                 summary = attrs.evolve(summary, mutable_baseline=run_mutable(workload, target_model, draft, cfg, fixed=False),
                                        mutable_baseline_fixed=run_mutable(workload, target_model, draft, cfg, fixed=True))
-        title = f"batchc run: {len(workload)} requests, k={k}, {target.name}"
+        title = f"batchc run: {len(workload)} requests, k={k}, {target.name}" + (", transformers' modeling code" if impl is not None else "")
         table = Table(title=title)
         table.add_column("metric")
         table.add_column("value", justify="right")

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
 from backend.boundary import Transport
+from backend.hf.transformers_backend import TransformersModel, transformers_transport
 from backend.hybrid.model import HybridModel
+from backend.model import ServedModel
 from backend.tp.serve import TPLeader
 from backend.transports import in_process, processes, tensor_parallel
 from compiler.engine import Engine, prefill_first
@@ -23,6 +26,7 @@ from compiler.offline.summary import Sample, ServeSummary, host_ms_per_step
 from compiler.offline.tokenizer import ByteTokenizer, Tokenizer
 from compiler.prefix_cache import PrefixCache
 from compiler.workload import Request
+from ir.errors import PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL, PoolId, RequestId
 
 __all__ = ["make_engine", "run", "serve", "stop_ids"]
@@ -30,18 +34,23 @@ __all__ = ["make_engine", "run", "serve", "stop_ids"]
 
 def make_engine(
     target: HybridModel, draft: DraftModel | None, cfg: ServeConfig, pm: PassManager | None, cache: bool, k: int,
-    chunk_size: int | None = None, overlap: bool | None = None, tp: TPLeader | None = None,
+    chunk_size: int | None = None, overlap: bool | None = None, tp: TPLeader | None = None, transformers: TransformersModel | None = None,
 ) -> Engine:
     """The engine ``cfg`` describes (``chunk_size`` and ``overlap`` override the config's); with
-    ``tp``, rank 0's engine of that tensor-parallel group (``target`` and ``draft`` its shards)."""
+    ``tp``, rank 0's engine of that tensor-parallel group (``target`` and ``draft`` its shards);
+    with ``transformers``, an engine serving that model with transformers' own modeling code in
+    place of ``target`` (``backend.hf.transformers_backend``: in this process, at k = 0)."""
     total = cfg.max_running + (cfg.cache_entries if cache else 0) + 2
     transport: Transport = in_process()
-    if tp is not None:
+    served: ServedModel[Any] = target
+    if transformers is not None:
+        transport, served = transformers_transport(), transformers
+    elif tp is not None:
         transport = tensor_parallel(tp)
     elif cfg.overlap if overlap is None else overlap:
         transport = processes()
     return Engine(
-        target, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
+        served, draft if k else None, k=k, capacity=total, kv_capacity=cfg.max_running * cfg.max_len + cfg.cache_entries * 128,
         max_len=cfg.max_len, chunk_size=chunk_size if chunk_size is not None else cfg.chunk_size, token_budget=cfg.token_budget,
         prefix_cache=PrefixCache(capacity=cfg.cache_entries, block=cfg.cache_block) if cache else None, pm=pm,
         transport=transport, policy=prefill_first(cfg.prefill_streak), seed=cfg.seed, penalties=cfg.penalties,
@@ -162,6 +171,7 @@ def run(
     tokenizer: Tokenizer | None = None,
     eos: Sequence[int] = (),
     tp: TPLeader | None = None,
+    transformers: TransformersModel | None = None,
 ) -> ServeSummary:
     """Serve ``workload`` on the engine and summarise the run. ``compare_mutable`` only sizes the
     memory check for the baseline runs that ``compiler.tools.compare_mutable`` adds afterwards.
@@ -173,21 +183,26 @@ def run(
     time the forwards did not hide. ``tokenizer`` (default: bytes) renders the samples; ``eos``: the
     model's end-of-sequence ids, which end every request. ``tp``: serve on that tensor-parallel group
     (``target`` and ``draft`` are rank 0's shards; the lossless check runs on the group too, after
-    the served run's session ended with every rank's ledger counts gathered)."""
+    the served run's session ended with every rank's ledger counts gathered). ``transformers``: serve
+    (and check) on that model with transformers' own modeling code instead (``make_engine``; at
+    k = 0, without ``tp``: ``PreconditionError`` otherwise); ``target`` still sizes the memory check."""
+    if transformers is not None and (cfg.k or tp is not None):
+        raise PreconditionError("run", "a transformers model is served at k = 0 in this process (no draft, no tensor parallelism)")
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     if not cfg.penalties and any(r.sampling.penalised for r in workload if r.refused is None):
         cfg = attrs.evolve(cfg, penalties=True)  # (the engines keep token counts; the memory check counts them)
     check_serving(target.config, draft_config(draft) if draft is not None else None, cfg, compare_mutable=compare_mutable,
                   vocab=None if tokenizer is None else tok.vocab_size)
     pm = PassManager.from_env()
-    with make_engine(target, draft, cfg, pm, cache=True, k=cfg.k, tp=tp) as driver:
-        return _run(driver, workload, target, cfg, pm, on_finish=on_finish, model_clock=model_clock, tokenizer=tok, eos=eos, tp=tp)
+    with make_engine(target, draft, cfg, pm, cache=True, k=cfg.k, tp=tp, transformers=transformers) as driver:
+        return _run(driver, workload, target, cfg, pm, on_finish=on_finish, model_clock=model_clock, tokenizer=tok, eos=eos, tp=tp,
+                    transformers=transformers)
 
 
 def _run(
     driver: Engine, workload: Sequence[Request], target: HybridModel, cfg: ServeConfig, pm: PassManager, *,
     on_finish: Callable[[int], None] | None, model_clock: Callable[[], float] | None, tokenizer: Tokenizer,
-    eos: Sequence[int], tp: TPLeader | None,
+    eos: Sequence[int], tp: TPLeader | None, transformers: TransformersModel | None = None,
 ) -> ServeSummary:
     model_before = model_clock() if model_clock is not None else 0.0
     tp_before = (tp.group.message_s, tp.group.agree_s) if tp is not None else (0.0, 0.0)
@@ -230,7 +245,7 @@ def _run(
     # an aborted request's output is cut short; an errored one's stops where its logits were not finite
     checked = [r for r in sample if r.rid not in driver.aborted_by_failure and r.rid not in driver.errored]
     if sample:
-        with make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False, tp=tp) as plain:
+        with make_engine(target, None, cfg, None, cache=False, k=0, chunk_size=cfg.max_len, overlap=False, tp=tp, transformers=transformers) as plain:
             serve(plain, [attrs.evolve(r, arrival=0) for r in checked], max_running=cfg.max_running, eos=eos, tokenizer=tokenizer)
         if plain.closing_ledgers is not None:
             lossless_ledgers_ok = plain.closing_ledgers.equal and plain.closing_ledgers.drained

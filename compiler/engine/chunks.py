@@ -2,12 +2,27 @@
 
 Requests are served in queue order. A WAITING request first gets its slot and its prefix source (a
 prefix it was admitted with, or the longest prefix the cache holds), and only if the KV for its
-whole prompt fits next to what the started prefills still need, so a started prefill can always
-finish (no deadlock of half-prefilled requests). Each chunk is at most ``chunk_size`` tokens, all of
-them together at most ``token_budget``. A chunk that reaches the prefix boundary the cache wants a
-snapshot of carries the snapshot: at that position inside the chunk (``AdmittedRequest.snapshot_at``)
-when every served model captures states inside a chunk (``inner_snapshots``), so the boundary costs
-no forward; else the chunk stops at the boundary and the snapshot is the state it leaves.
+whole prompt fits next to what the started prefills still need (``RequestTable.kv_owed``). Two rules
+keep every request moving under any KV pressure:
+
+- A started (PREFILLING) request is served wherever it stands in the queue: a WAITING request ahead
+  of it that cannot start does not hold it back. (A retracted request goes back to the head of the
+  queue, ahead of prefills already under way; if those waited behind it, the KV they hold would keep
+  it from starting and it would keep them from finishing, and the engine would idle with requests
+  live.) A started prefill whose next chunk does not fit the free KV first evicts unpinned
+  prefix-cache entries; KV that running requests took since it started comes back when they finish
+  or are retracted (KV that a prefix state made since took, when it is released), so once nothing
+  runs every started prefill finishes.
+- WAITING requests start strictly in queue order: once one cannot start (no slot, or its KV does not
+  fit), no WAITING request behind it starts in that step, so a request at the head (a retracted one)
+  is never overtaken by later arrivals and starts as soon as what runs ahead of it has finished or
+  been retracted.
+
+Each chunk is at most ``chunk_size`` tokens, all of them together at most ``token_budget``. A chunk
+that reaches the prefix boundary the cache wants a snapshot of carries the snapshot: at that position
+inside the chunk (``AdmittedRequest.snapshot_at``) when every served model captures states inside a
+chunk (``inner_snapshots``), so the boundary costs no forward; else the chunk stops at the boundary
+and the snapshot is the state it leaves.
 """
 
 from __future__ import annotations
@@ -27,7 +42,9 @@ class ChunkPlanner:
     """Chooses each step's prefill chunks (see the module): which waiting requests start, from which
     prefix source, and how many prompt tokens each prefills, within ``chunk_size`` per request and
     ``token_budget`` per forward. A request starts only when its whole prompt's KV fits beside what the
-    started prefills still need, so started prefills always finish."""
+    started prefills still need, started prefills get their chunks wherever they stand in the queue,
+    and WAITING requests start in queue order only, so started prefills always finish and a waiting
+    request is never overtaken by one behind it."""
 
     def __init__(
         self,
@@ -68,26 +85,35 @@ class ChunkPlanner:
         return True
 
     def next_chunks(self) -> list[AdmittedRequest]:
-        """The next prefill chunk of each waiting request, in order, within the token budget, the
-        free slots and the free KV locations (allocated here)."""
+        """The next prefill chunk of each queued request, in queue order, within the token budget,
+        the free slots and the free KV locations (allocated here). A started prefill gets its chunk
+        even behind a WAITING request that cannot start; no WAITING request starts behind one that
+        cannot (see the module)."""
         admitted: list[AdmittedRequest] = []
         budget = self.token_budget
         owed = self.requests.kv_owed()  # kept up to date below: summing it per start is quadratic in the queue
+        blocked = False  # a WAITING request could not start: none behind it starts in this step
         for rid in self.requests.queued:
             r = self.requests[rid]
             if budget <= 0:
                 break
             if r.state is RequestState.WAITING:
-                if not self.start(r, owed):
-                    break
+                if blocked or not self.start(r, owed):
+                    blocked = True
+                    continue  # the started prefills behind it are still served
                 owed += int(r.prompt.shape[0]) - r.done  # what kv_owed() now counts for r
             assert r.slot is not None
             pos = r.next_pos
             n = min(self.chunk_size, budget, int(r.prompt.shape[0]) - pos)
             if r.snapshot_at is not None and pos < r.snapshot_at and not self.inner_snapshots:
                 n = min(n, r.snapshot_at - pos)
+            while n > self.kv.num_free and self.session.evict():
+                pass
             if n > self.kv.num_free:
-                break
+                # running requests hold the KV it is owed until they finish or are retracted; what it
+                # owes is more than is free, so nothing behind it could start either
+                blocked = True
+                continue
             snap_to = snap_at = None
             if r.snapshot_at is not None and pos < r.snapshot_at <= pos + n:
                 snap_to = r.snapshot_slot = self.session.snapshot_slot(r.prompt, r.snapshot_at)

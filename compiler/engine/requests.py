@@ -9,9 +9,10 @@ A request moves through these states (``RequestState``)::
 
 WAITING requests have no slot yet; PREFILLING ones hold a slot and have part of their prompt in
 their state; RUNNING ones decode. Retraction sends a PREFILLING or RUNNING request back to WAITING
-(first in line, its prompt extended by the output so far). The table only keeps the records; what a
-request holds (slot, KV references, prefix-cache reservations) is freed by the engine's one release
-path, which every ending (finish, abort, retraction, failure) goes through.
+(first in line, its prompt extended by the output so far): no WAITING request starts before it, and
+prefills already started keep getting their chunks (``compiler.engine.chunks``). The table only
+keeps the records; what a request holds (slot, KV references, prefix-cache reservations) is freed by
+the engine's one release path, which every ending (finish, abort, retraction, failure) goes through.
 """
 
 from __future__ import annotations
@@ -182,7 +183,9 @@ class RequestTable:
         self._queue.remove(r.rid)
 
     def requeue(self, r: Request) -> None:
-        """A retracted request's fresh WAITING record, replacing its old one, first in the queue."""
+        """A retracted request's fresh WAITING record, replacing its old one, first in the queue: the
+        chunk planner starts WAITING requests in queue order, so no later arrival starts before it,
+        while the prefills already started behind it are still served."""
         assert r.rid in self._reqs and r.state is RequestState.WAITING and r.slot is None
         if self._reqs[r.rid].state is not RequestState.RUNNING:
             self._queue.remove(r.rid)

@@ -153,9 +153,12 @@ class TransformersModel:
 
     def __init__(self, model: Any) -> None:
         transformers = _import_transformers()
-        if not isinstance(model, transformers.PreTrainedModel) or not hasattr(model, "lm_head"):
+        try:
+            kind = model.config.model_type if isinstance(model, transformers.PreTrainedModel) and model.lm_head is not None else None
+        except AttributeError:  # no language-model head: not a causal LM
+            kind = None
+        if kind is None:
             raise PreconditionError("TransformersModel", f"model must be a transformers causal LM, got {short_repr(model)}")
-        kind = getattr(model.config, "model_type", None)
         if kind not in self.FAMILIES:
             raise PreconditionError("TransformersModel", f"model_type {kind!r} is not one of {list(self.FAMILIES)}")
         self.model: Any = model.eval()
@@ -346,11 +349,7 @@ class TransformersStore:
             raise PlanExecutionError(f"TransformersStore: a sequence of {length} tokens is longer than max_len {self.max_len}")
         new = min(max(length, 2 * self._alloc), self.max_len)
         for layer in self._kv():
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                grown = torch.zeros((t.shape[0], t.shape[1], new, t.shape[3]), dtype=t.dtype, device=t.device)
-                grown[:, :, : self._alloc] = t
-                setattr(layer, name, grown)
+            layer.keys, layer.values = (_grown(t, new, self._alloc) for t in (layer.keys, layer.values))
         self._alloc = new
 
     def clear_rows(self, slots: Sequence[int]) -> None:
@@ -374,8 +373,7 @@ class TransformersStore:
             t.index_copy_(0, di, t.index_select(0, si))
         n = int(self.lengths[s].max())
         for layer in self._kv():
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
+            for t in (layer.keys, layer.values):
                 t[:, :, :n].index_copy_(0, di, t[:, :, :n].index_select(0, si))
         self.lengths[d] = self.lengths[s].copy()
 
@@ -698,3 +696,11 @@ class TransformersTransport:
 def transformers_transport() -> TransformersTransport:
     """The transport an engine serving a ``TransformersModel`` is built with."""
     return TransformersTransport()
+
+
+def _grown(t: torch.Tensor, length: int, kept: int) -> torch.Tensor:
+    """``t`` (``[rows, kv_heads, positions, head_dim]``) with room for ``length`` positions, its first
+    ``kept`` positions copied."""
+    grown = torch.zeros((t.shape[0], t.shape[1], length, t.shape[3]), dtype=t.dtype, device=t.device)
+    grown[:, :, :kept] = t[:, :, :kept]
+    return grown

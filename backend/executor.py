@@ -20,10 +20,13 @@ Speculative plans: a ``VerifyPlan`` leaves its intermediate states with the exec
 verify's id, bound to the rows and window it ran on, and exactly one ``CommitPlan`` naming that id
 and those same slots (in the same order) with the same ``k`` consumes them (a second commit, a commit
 of a verify that never ran on this pool, or one naming other slots, is refused before touching the
-pool). A ``DraftPlan`` leaves its proposal's per-step states the same way under the draft's id, for
-exactly one ``DraftCommitPlan``; they live until that commit or the next draft on this pool (an
-engine that catches its draft up with a ``DraftExtendPlan`` never commits them, and keeps at most
-one draft's states). A commit never takes a draft's states, nor a draft commit a verify's.
+pool). Until that commit no other plan runs over those rows on this pool (a decode, a prefill, a
+draft or another verify there would start from the state before the verify, and the commit would
+later overwrite what it wrote: refused, naming the slot and the verify). A ``DraftPlan`` leaves its
+proposal's per-step states the same way under the draft's id, for exactly one ``DraftCommitPlan``;
+they live until that commit or the next draft on this pool (an engine that catches its draft up
+with a ``DraftExtendPlan`` never commits them, and keeps at most one draft's states). A commit
+never takes a draft's states, nor a draft commit a verify's.
 A ``DraftPlan`` returns its ``Proposals`` (``ir.spec``), kept with its states: the draft commit is
 refused unless the window it commits holds exactly those proposals (a verify of other tokens would
 leave the draft's state matching no sequence). A ``VerifyPlan`` names the draft whose proposals it
@@ -33,8 +36,9 @@ Per plan, in this order: (1) check that the plan fits this backend (its tickets 
 every slot an op names, the init ops' COW sources included, is in range and, with an allocator
 attached, live; each op's slots relate to the plan's rows as its kind declares, ``ir.init.OpDecl``:
 an init writes only rows of the plan and reads none, a snapshot reads rows of the plan and writes
-none of them),
-raising ``PlanExecutionError`` or ``SlotError`` before anything is touched; (2) stage the plan's
+none of them; no decode row feeds a request's first token, which only a prefill starts from its
+clear; no row holds a verify's states that wait for their commit), raising ``PlanExecutionError``
+or ``SlotError`` before anything is touched; (2) stage the plan's
 columns into tensors; (3) claim every ticket of the plan (init and snapshot) through the ledger,
 which refuses a replayed, unknown or forged ticket (``ResourceReplayError``, ``UnknownTicketError``,
 ``TicketMismatchError``) before the model runs; (4) apply the registered ops that run before the
@@ -330,7 +334,9 @@ class Executor(Generic[VerifyStateT]):
         decode: StagedDecode | None = None
         if isinstance(plan, MixedPlan):
             self._check_slots(plan.decode.slots, "MixedPlan.decode")
+            _check_not_first(plan.decode, "MixedPlan.decode")
             rows += plan.decode.slots.tolist()
+        self._check_committed(rows, type(plan).__name__)
         tickets = self._own_tickets(ext, frozenset(rows))
         if isinstance(plan, MixedPlan):
             decode = stage_decode(plan.decode, self.pool.device, self._inputs(plan.decode, "MixedPlan.decode"))
@@ -543,10 +549,12 @@ class Executor(Generic[VerifyStateT]):
         """Run a ``DecodePlan``: one forward over one token per row, then sampling at each row's
         ``seq_lens`` position. It carries no tickets; a row with a registered ticket not yet run is
         refused (``Ledger.rows_free``). A pipelined decode (``inputs_from``) takes its inputs from the
-        tokens an earlier forward on this pool sampled, each once."""
+        tokens an earlier forward on this pool sampled, each once. A row at position 0 (``seq_lens``
+        1: a request's first token) is refused (``_check_not_first``)."""
         if not isinstance(plan, DecodePlan):
             _wrong_plan("run_decode", plan, "a DecodePlan")
         self._check_rows(plan.slots, "DecodePlan")
+        _check_not_first(plan, "DecodePlan")
         staged = stage_decode(plan, self.pool.device, self._inputs(plan, "DecodePlan"))
         with self._unit(plan.slots):
             self._count_inputs(None, staged)
@@ -719,7 +727,7 @@ class Executor(Generic[VerifyStateT]):
         self._verified_upto[serial_epoch(serial)] = serial & ((1 << SERIAL_COUNTER_BITS) - 1)
 
     def _commit(self, plan: CommitPlan | DraftCommitPlan, phase: str, serial: DraftId | VerifyId) -> None:
-        self._check_rows(plan.batch.slots, type(plan).__name__)
+        self._check_rows(plan.batch.slots, type(plan).__name__, committed=False)  # (after the checks of what it commits, below)
         kept = self._intermediates.get(serial)
         if kept is None or kept.phase != phase:
             what = "intermediate states of verify" if phase == "verify" else "kept states of draft"
@@ -745,6 +753,7 @@ class Executor(Generic[VerifyStateT]):
                     f"commit of draft #{serial} after a verify of tokens {checked.reshape(-1).tolist()[:16]}; "
                     f"draft #{serial} proposed {proposed[:16]} on pool {self.pool.pool_id!r}"
                 )
+        self._check_committed(plan.batch.slots.tolist(), type(plan).__name__, cast("VerifyId", serial) if phase == "verify" else None)
         self._validated(plan)
         with self._unit(plan.batch.slots):
             with self._watched("the model hook's commit", plan):
@@ -868,11 +877,33 @@ class Executor(Generic[VerifyStateT]):
         live = None if self.slots is None else self.slots.check_live
         return own_tickets(plan, self.pool.pool_id, self.pool.capacity, own, live, whose="this executor's pool")
 
-    def _check_rows(self, slots: I64, what: str) -> None:
-        """``_check_slots``, and no registered ticket still has to run on one of the rows (a plan
-        without tickets cannot run over a slot whose clear, COW or snapshot is pending)."""
+    def _check_rows(self, slots: I64, what: str, *, committed: bool = True) -> None:
+        """``_check_slots``, no registered ticket still has to run on one of the rows (a plan
+        without tickets cannot run over a slot whose clear, COW or snapshot is pending), and
+        (``committed``) no verify's states wait for their commit there (``_check_committed``)."""
         self._check_slots(slots, what)
-        self.ledger.rows_free(slots.tolist(), self.pool.pool_id, what)
+        rows = slots.tolist()
+        self.ledger.rows_free(rows, self.pool.pool_id, what)
+        if committed:
+            self._check_committed(rows, what)
+
+    def _check_committed(self, rows: list[int], what: str, commits: VerifyId | None = None) -> None:
+        """No row of ``rows`` holds the states of a verify that ran here and whose commit has not
+        (except ``commits``, the verify the plan commits): a plan over such a row would run on the
+        state before that verify, as if the tokens it accepted had never been fed, and the commit
+        coming later would overwrite what the plan wrote (SGLang PR #26351: the commit after a
+        verify skipped). ``PlanExecutionError`` naming the slot and the verify, before anything runs."""
+        if not self._intermediates:
+            return
+        for serial, kept in self._intermediates.items():
+            if kept.phase != "verify" or serial == commits:
+                continue
+            waiting = set(rows).intersection(np.frombuffer(kept.slots, dtype=np.int64).tolist())
+            if waiting:
+                raise PlanExecutionError(
+                    f"{what} over slot {min(waiting)} of pool {self.pool.pool_id!r}: the states of verify #{serial} on that row "
+                    f"wait for their commit (a CommitPlan naming verify #{serial}), which has not run"
+                )
 
     def _check_slots(self, slots: I64, what: str) -> None:
         """Every slot in range and (with an allocator) live. The phases of a speculative iteration
@@ -889,6 +920,20 @@ class Executor(Generic[VerifyStateT]):
         if self.slots is not None:
             self.slots.check_live(np.asarray(slots).tolist(), what)
         self._slots_ok = key
+
+
+def _check_not_first(plan: DecodePlan, what: str) -> None:
+    """No decode row feeds a request's first token (``seq_lens`` 1, position 0): a decode advances the
+    state its slot holds, and a request's first token starts from a cleared state, which only a
+    prefill's init gives it (vLLM PR #32118: a new request given one token by the token budget was
+    run as a decode, on the slot's stale state). ``PlanExecutionError`` naming the slot, before
+    anything runs."""
+    if plan.seq_lens.shape[0] and int(plan.seq_lens.min()) < 2:
+        slot = int(plan.slots[int(np.argmin(plan.seq_lens))])
+        raise PlanExecutionError(
+            f"{what}: the row of slot {slot} feeds the token at position 0 (seq_lens 1): a request's first token is a prefill "
+            "(an ExtendPlan whose init clears the slot), never a decode of the state the slot holds"
+        )
 
 
 def _inputs_of(tokens: I64) -> list[int]:

@@ -19,7 +19,8 @@ for any store:
   another pool, and a plan over a row whose registered ticket it does not carry (a dropped op) are
   refused with the ledger's errors; every slot an op names is checked against the store's capacity
   and against the plan's rows (an init writes rows of the plan, a copy reads a cache slot that is
-  not one), a row starting at token 0 must be cleared by the plan's own init, and a plan whose ops
+  not one), a row starting at token 0 must be cleared by the plan's own init, a row that continues
+  a state (past token 0, or a mixed plan's decode row) must not be cleared, and a plan whose ops
   were lowered for other pools only is refused (``PlanExecutionError``). The store sees only the
   registered tickets' ops, never the copies a plan carries.
 - The init ops run before the block: clears, then copies (``copy_rows`` reads every source as it
@@ -179,18 +180,38 @@ def own_tickets(
 def check_fresh_rows(plan: StorePlan, ext: ExtendPlan | HeadExtendPlan, tickets: Sequence[Ticket[Op]]) -> None:
     """A row that starts at token 0 starts from a cleared state, and only the plan's own ops (the
     registered ones, claimed) can clear it (``ir.init.op_resets``): a plan stripped of its ticket
-    would run on whatever the slot held. Called inside the claim, before any op, so a refusal
-    leaves the state as it was."""
+    would run on whatever the slot held. Conversely, a row that continues a state (a chunk after a
+    copied prefix or earlier chunks, ``prefix_lens > 0``; a mixed plan's decode row) is never
+    cleared: a clear spliced onto its plan would wipe the state transferred into it (SGLang PR
+    #32995's stale clear). Called inside the claim, before any op, so a refusal leaves the state as
+    it was."""
+    before = [t.op for t in tickets if op_when(t.op) is When.BEFORE]
+    cleared = frozenset(s for op in before for s in op_resets(op))
+    if cleared:
+        _check_no_reset_of_continued(plan, ext, cleared)
     fresh = ext.slots[ext.prefix_lens == 0]
     if not fresh.size:
         return
-    before = [t.op for t in tickets if op_when(t.op) is When.BEFORE]
-    cleared = frozenset(s for op in before for s in op_resets(op))
     missing = [s for s in fresh.tolist() if s not in cleared]
     if missing:
         raise PlanExecutionError(
             f"{type(plan).__name__}: slot {missing[0]} starts at token 0 but the plan's init does not clear it "
             f"(init: {'none for this pool' if not before else ', '.join(map(str, before))})"
+        )
+
+
+def _check_no_reset_of_continued(plan: StorePlan, ext: ExtendPlan | HeadExtendPlan, cleared: frozenset[int]) -> None:
+    """No slot in ``cleared`` is a row that continues a state: an extend row past token 0, or a
+    mixed plan's decode row (``check_fresh_rows``)."""
+    starts = dict(zip(ext.slots.tolist(), ext.prefix_lens.tolist(), strict=True))
+    if isinstance(plan, MixedPlan):
+        starts.update(zip(plan.decode.slots.tolist(), (plan.decode.seq_lens - 1).tolist(), strict=True))
+    continued = sorted(s for s in cleared if starts.get(s, 0) > 0)
+    if continued:
+        s = continued[0]
+        raise PlanExecutionError(
+            f"{type(plan).__name__}: the init clears slot {s}, whose row continues a state from token {starts[s]} "
+            "(a copied prefix, earlier chunks or decodes): a clear would wipe it"
         )
 
 

@@ -52,7 +52,7 @@ def _fail_third_ticketed_check(message: str) -> None:
     prefill that carries tickets (before anything is written)."""
     import backend.executor
 
-    check = backend.executor._check_fresh_rows
+    check = backend.executor.check_fresh_rows
     calls = [0]
 
     def failing(plan: Any, ext: Any, tickets: Any) -> None:
@@ -61,7 +61,7 @@ def _fail_third_ticketed_check(message: str) -> None:
             raise RuntimeError(message)
         check(plan, ext, tickets)
 
-    backend.executor._check_fresh_rows = failing
+    backend.executor.check_fresh_rows = failing  # (the name the executor calls, imported from backend.state_store)
 
 
 def _engine(target: Any, draft: Any, tp: Any = None) -> Any:

@@ -41,11 +41,11 @@ speculation: the ``--seed`` reproducibility the sampling module promises.
 from __future__ import annotations
 
 import math
-from typing import TypeVar, final
+from collections.abc import Sequence
+from typing import Any, TypeVar, final
 
 import attrs
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from backend.sampling import OneHotDraft, RowParams, distribution, greedy_or_flag, rejection_sample, sample, sample_rows, window_counts
@@ -66,7 +66,7 @@ def _tensor(col: np.ndarray[tuple[int], np.dtype[np.generic]], dtype: torch.dtyp
     return torch.tensor(col, dtype=dtype, device=device)
 
 
-def _i64(col: npt.ArrayLike, device: torch.device) -> torch.Tensor:
+def _i64(col: np.ndarray[Any, Any] | Sequence[int], device: torch.device) -> torch.Tensor:
     """``col`` as an int64 tensor on ``device`` (a NumPy copy shared with torch: ``torch.tensor`` of
     an array costs several times more for a handful of entries)."""
     t = torch.from_numpy(np.array(col, dtype=np.int64))

@@ -407,7 +407,7 @@ def check_column(
         raise IRValidationError(_node_name(node), name, arr.shape[0], f"length must equal {what} ({expected})")
 
 
-def frozen_i64(values: npt.ArrayLike) -> I64:
+def frozen_i64(values: np.ndarray[Any, Any] | Sequence[int]) -> I64:
     """An IR-owned int64 column of ``values`` (for passes building columns from trusted values:
     no per-entry type check, unlike ``as_i64``). An IR-owned int64 array comes back unchanged."""
     if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype == _INT64 and is_owned(values):

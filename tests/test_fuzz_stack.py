@@ -47,7 +47,7 @@ The checks read the engine's bookkeeping (``requests``, ``kv_refs``, ``requests.
 in flight) and the executors' ``_intermediates``: there is no public view of per-request KV references, and a fuzzer
 that only looks at the public surface cannot tell a leaked reference from a shared prefix.
 
-Profiles (``tests/hypothesis_profiles.py``): by default ``batchc-fuzz-ci`` (5 examples x 30 steps);
+Profiles (``tests/hypothesis_profiles.py``): by default ``batchc-fuzz-ci`` (3 examples x 30 steps);
 the ``long`` profile runs 450 examples of up to 30 steps (over 10,000 state-machine steps):
 ``BATCHC_FUZZ_PROFILE=long pytest -s tests/test_fuzz_stack.py`` or
 ``pytest -p tests.hypothesis_profiles --hypothesis-profile=long -s tests/test_fuzz_stack.py``.

@@ -71,6 +71,7 @@ transformers is imported when a model is built, not with this module.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -134,11 +135,13 @@ class CacheShapes:
 
 
 def _import_transformers() -> Any:
+    """transformers, loaded by importlib rather than an import statement: it is an optional
+    dependency (``batchc[transformers]``), and a user's strict mypy over batchc's modules, where it is
+    not installed, would report an import it cannot find inside batchc."""
     try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - the test extra installs it
+        return importlib.import_module("transformers")
+    except ImportError as exc:
         raise PreconditionError("TransformersModel", f"needs transformers installed (pip install 'batchc[transformers]'): {exc}") from None
-    return transformers
 
 
 class TransformersModel:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -210,10 +211,8 @@ def _check_transformers_impl(args: argparse.Namespace) -> None:
                        ("--overlap", args.overlap), ("--compare-mutable", args.compare_mutable)):
         if on:
             raise UsageError(f"--model-impl transformers with {option}: it serves one engine in this process at k = 0 (no speculative decoding)")
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise UsageError("--model-impl transformers needs transformers installed (pip install 'batchc[transformers]')") from None
+    if importlib.util.find_spec("transformers") is None:  # (found, not imported: loading it is the model's job)
+        raise UsageError("--model-impl transformers needs transformers installed (pip install 'batchc[transformers]')")
 
 
 def _serve_replicas(

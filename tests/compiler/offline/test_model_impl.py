@@ -89,3 +89,17 @@ def test_what_the_transformers_backend_does_not_serve_is_refused_in_one_line(tmp
     penalised = _workload(tmp_path, [{"prompt": "x", "max_new_tokens": 2, "presence_penalty": 0.5}])
     _one_line_refusal(["run", "--model", str(d), *impl, "--workload", str(penalised)], capsys, "sets a penalty")
     _one_line_refusal(["run", "--model", str(d), "--model-impl", "vllm"], capsys, "invalid choice: 'vllm'")
+
+
+def test_without_transformers_installed_the_refusal_says_what_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    d = tmp_path / "granite"
+    save_hf_model("granitemoehybrid", d, seed=7, vocab_size=320)
+    save_tokenizer(d)
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else found(name, *a))
+    _one_line_refusal(["run", "--model", str(d), "--model-impl", "transformers"], capsys,
+                      "--model-impl transformers needs transformers installed (pip install 'batchc[transformers]')")

@@ -169,7 +169,10 @@ class Pipeline:
         (``PreconditionError``), a ``drop`` that names a request twice or one not in ``batch``
         (``PassError`` from ``withdraw``), a plan whose forward has run or is running
         (``ResourceReplayError``: drop those requests from the decode batch instead), a ledger that
-        cannot cancel (``PreconditionError``)."""
+        cannot cancel (``PreconditionError``). The ledger knows a plan has run by its tickets: a plan
+        of continuation chunks only carries none, so withdrawing one that ran is not refused at run
+        time (only by the plugin, where the run is in the same function); withdraw a plan before any
+        backend has it."""
         args: tuple[object, object] = (batch, plan)  # typed; checked because callers need not be typed
         if not isinstance(args[0], ExtendBatch) or not isinstance(args[1], ExtendPlan):
             raise PreconditionError(

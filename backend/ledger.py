@@ -363,6 +363,8 @@ class Ledger:
                 if key not in self._outstanding:
                     state = "it was cancelled already" if key in self._cancelled else "not outstanding in this ledger"
                     raise UnknownTicketError(f"cannot cancel {t}: {state}")
+                if not _same_ops(self._outstanding[key], t):
+                    raise _mismatch(self._outstanding[key], t, "to be cancelled with other ops")
             for key in dict.fromkeys(keys):
                 self._forget_rows(key, self._outstanding.pop(key))
                 self._cancelled[key] = reason

@@ -245,6 +245,9 @@ class StateOps:
         the snapshots succeed (the module says what a failure leaves)."""
         if not isinstance(store, StateStore):
             raise PlanExecutionError(f"StateOps.applying: store must implement backend.state_store.StateStore, got {short_repr(store)}")
+        capacity: object = store.capacity
+        if type(capacity) is not int or capacity < 1:
+            raise PlanExecutionError(f"StateOps.applying: the store's capacity must be an int >= 1, got {short_repr(capacity)}")
         rows = _rows_of(plan)
         ext = plan.extend if isinstance(plan, MixedPlan) else plan
         pool = store.pool_id

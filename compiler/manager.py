@@ -78,9 +78,17 @@ def _ir_nodes(out: object) -> tuple[Batch | Plan, ...]:
     """The IR nodes a pass returned: the output itself, or the IR nodes of a tuple it returned."""
     if isinstance(out, _IR_TYPES):
         return (out,)
-    if type(out) is tuple:
+    if isinstance(out, tuple):  # (a NamedTuple too)
         return tuple(x for x in out if isinstance(x, _IR_TYPES))
     return ()
+
+
+def _level(level: int) -> VerifyLevel:
+    """``level`` as a ``VerifyLevel`` (``ValueError`` naming it unless it is 0, 1 or 2, never a bool)."""
+    value: object = level  # typed; checked because callers need not be typed
+    if isinstance(value, bool) or value not in (0, 1, 2):
+        raise ValueError(f"verify_level must be 0, 1 or 2 (a VerifyLevel), got {value!r}")
+    return VerifyLevel(level)
 
 
 def _where(fn: Callable[..., object]) -> str:
@@ -174,9 +182,7 @@ class PassManager:
     link is a ``SettingsError``. It holds no lock: one thread at a time uses a manager."""
 
     def __init__(self, *, verify_level: int = VerifyLevel.LAST, dump_dir: Path | str | None = None, record: bool = False) -> None:
-        if isinstance(verify_level, bool) or verify_level not in (0, 1, 2):
-            raise ValueError(f"verify_level must be 0, 1 or 2 (a VerifyLevel), got {verify_level!r}")
-        self.verify_level = VerifyLevel(verify_level)
+        self.verify_level = _level(verify_level)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         if self.dump_dir is not None:
             check_dump_dir(self.dump_dir)
@@ -255,6 +261,7 @@ class PassManager:
 
     @verify_level.setter
     def verify_level(self, level: VerifyLevel) -> None:
+        level = _level(level)  # an int is taken as its VerifyLevel; anything else but 0, 1, 2 is refused
         self._verify_level = level
         self._verify_every = level is VerifyLevel.EVERY_PASS
         """Verify every pass's output."""

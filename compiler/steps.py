@@ -269,8 +269,17 @@ def _check_lowered_from(batch: ExtendBatch, plan: ExtendPlan) -> None:
     """``plan`` is ``batch`` lowered: the same requests in order, its tickets of ``batch``'s serials."""
     if not np.array_equal(batch.rids, plan.rids):
         raise PreconditionError("Pipeline.withdraw", f"the plan's requests {plan.rids.tolist()[:16]} are not the batch's {batch.rids.tolist()[:16]}")
+    for column, mine, theirs in (("slots", batch.slots, plan.slots), ("prefix_lens", batch.prefix_lens, plan.prefix_lens),
+                                 ("extend_lens", batch.extend_lens, plan.extend_lens), ("input_ids", batch.input_ids, plan.input_ids)):
+        if not np.array_equal(mine, theirs):
+            raise PreconditionError("Pipeline.withdraw", f"the plan's {column} are not the batch's: the plan was not lowered from it")
     init = None if batch.init is None else batch.init.serial
     snap = None if batch.snapshot is None else batch.snapshot.serial
+    if (init is None) != (not plan.tickets) or (snap is None) != (not plan.snapshots):
+        raise PreconditionError(
+            "Pipeline.withdraw", f"the batch's ops (init {init}, snapshot {snap}) are not the plan's tickets "
+            f"({len(plan.tickets)} init, {len(plan.snapshots)} snapshot): the plan was not lowered from it"
+        )
     for t in plan.tickets:
         if t.serial != init:
             raise PreconditionError("Pipeline.withdraw", f"{t} is not of this batch's init (serial {init}): the plan was not lowered from it")

@@ -103,6 +103,15 @@ class Pass(Generic[P, R]):
     _frozen = False
 
     def __init__(self, fn: Callable[P, R], spec: PassSpec) -> None:
+        """Use ``declare_pass``; built directly, the same checks apply (``PreconditionError``): ``spec``
+        a ``PassSpec`` of ``fn`` whose name is an identifier and not a built-in pass's."""
+        declared: object = spec  # typed; checked because callers need not be typed
+        if not isinstance(declared, PassSpec) or declared.fn is not fn:
+            raise PreconditionError("Pass", f"spec must be a PassSpec of the function itself, got {short_repr(spec)}")
+        name: object = declared.name
+        if not isinstance(name, str) or not name.isidentifier():
+            raise PreconditionError("declare_pass", f"name must be a Python identifier (it names dump files), got {short_repr(name)}")
+        _check_settings(name, declared.ends_step)
         self._spec = spec
         functools.update_wrapper(self, fn)  # name, qualname, module and docstring: help() and docs read fn's
         self._frozen = True

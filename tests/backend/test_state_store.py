@@ -276,3 +276,26 @@ def test_a_store_that_is_not_one_is_refused() -> None:
         with StateOps(ledger).applying(plan, object()):  # type: ignore[arg-type]  # the wrong type is the test
             pass
     ledger.cancel_all(plan.all_tickets(), "test over")
+
+
+class _BadCapacity(PlainStore):
+    def __init__(self, capacity: object) -> None:
+        super().__init__()
+        self._bad = capacity
+
+    @property
+    def capacity(self) -> int:
+        return self._bad  # type: ignore[return-value]  # the bad capacity is the test
+
+
+@pytest.mark.parametrize("capacity", [True, 8.5, "8", None, 0], ids=["bool", "float", "str", "none", "zero"])
+def test_a_store_whose_capacity_is_not_an_int_is_refused_in_one_line(capacity: object) -> None:
+    ledger = Ledger()
+    _, plan = Pipeline(ledger).prefill(_requests())
+    store = _BadCapacity(capacity)
+    before = _contents(store.inner)
+    with pytest.raises(PlanExecutionError, match=r"^StateOps\.applying: the store's capacity must be an int >= 1, got "):
+        with StateOps(ledger).applying(plan, store):
+            pytest.fail("ran")
+    assert _same(before, _contents(store.inner))
+    ledger.cancel_all(plan.all_tickets(), "test over")

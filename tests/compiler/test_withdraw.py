@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import attrs
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from ir.errors import PreconditionError, ResourceReplayError, TicketMismatchErro
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.init import Op, Ticket
 from ir.plan import ExtendPlan
-from ir.request import AdmittedRequest, Clear, CopyFrom
+from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
 from passes import filter_batch, lower, prepare_for_extend
 from passes.lower import LowerContext
 
@@ -214,3 +215,26 @@ def test_cancel_all_is_all_or_nothing() -> None:
     assert ledger.outstanding() == () and len(ledger.cancelled()) == 4
     with pytest.raises(UnknownTicketError, match=r"not outstanding in this ledger"):
         Ledger().cancel_all(first.tickets, "a ledger that never saw them")
+
+
+def test_a_ticketless_plan_of_another_batch_is_refused(world: World) -> None:
+    """A continuation chunk's plan carries no ticket: the batch it belongs to is told by its columns
+    and by the ops the batch declares, not by tickets alone."""
+    first = AdmittedRequest(rid=RequestId(1), slot=MambaSlot(1), input_ids=[4, 5], kv_locs=[10, 11], intent=Clear(), more_chunks=True)
+    batch_a, plan_a = world.pipe.prefill([first])
+    world.run(plan_a)
+    cont_req = AdmittedRequest(rid=RequestId(1), slot=MambaSlot(1), input_ids=[6], kv_locs=[12], intent=Continue(prefix_len=2))
+    _, plan_b = world.pipe.prefill([cont_req])
+    assert plan_b.tickets == () and plan_b.snapshots == ()
+    with pytest.raises(PreconditionError, match=r"^Pipeline\.withdraw: the plan's prefix_lens are not the batch's: the plan was not lowered from it$"):
+        world.pipe.withdraw(batch_a, plan_b, [], reason="mixed up")
+    assert world.ledger.outstanding() == () and world.ledger.cancelled() == {}
+
+
+def test_cancel_all_refuses_a_ticket_with_other_ops_than_the_registered_one(world: World) -> None:
+    _, plan = world.pipe.prefill(_requests(1))
+    forged = attrs.evolve(plan.tickets[0], op=attrs.evolve(plan.tickets[0].op, clear_slots=(MambaSlot(7),)))
+    with pytest.raises(TicketMismatchError, match=r"to be cancelled with other ops: .*registered ops clear \[1\], cow \[\]; these ops clear \[7\], cow \[\]"):
+        world.ledger.cancel_all([forged], "forged")
+    assert world.ledger.cancelled() == {}
+    world.run(plan)

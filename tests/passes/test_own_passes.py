@@ -6,6 +6,7 @@ own composes it with batchc's passes. The declaration's own input is checked, on
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from ir.ids import MambaSlot, RequestId
 from ir.request import AdmittedRequest, Clear
 from passes import DecodeContext, filter_batch, lower
 from passes.lower import LowerContext
-from passes.registry import Pass, declare_pass, spec_of
+from passes.registry import Pass, PassSpec, declare_pass, spec_of
 
 
 def _batch(n: int = 3) -> DecodeBatch:
@@ -168,3 +169,43 @@ def test_the_manager_refuses_what_is_not_declared() -> None:
 
     with pytest.raises(PreconditionError, match=r"^PassManager\.run: <function .*undeclared.*> is not a declared pass"):
         PassManager().run(undeclared, _batch())
+
+
+def test_the_verify_level_setter_checks_and_converts_as_the_constructor_does() -> None:
+    pm = PassManager(verify_level=0)
+    with suppress_type_checks():  # as an untyped caller sets it: a plain int
+        pm.verify_level = 2  # type: ignore[assignment]  # the plain int is the test
+    with pytest.raises(PassError, match=r"^pass 'corrupt' failed"):
+        pm.run(corrupt, _batch())
+    with suppress_type_checks():
+        pm.verify_level = 0  # type: ignore[assignment]  # likewise
+    assert pm.run(corrupt_ending, _batch()).num_requests == 3
+    with suppress_type_checks(), pytest.raises(ValueError, match=r"^verify_level must be 0, 1 or 2 \(a VerifyLevel\), got 7$"):
+        pm.verify_level = 7  # type: ignore[assignment]  # the bad value is the test
+
+
+class _Out(NamedTuple):
+    batch: DecodeBatch
+    n: int
+
+
+@declare_pass
+def corrupt_named(batch: DecodeBatch) -> _Out:
+    return _Out(_twin_slots(batch), 1)
+
+
+def test_the_ir_in_a_named_tuple_is_verified_too() -> None:
+    with pytest.raises(PassError, match=r"^pass 'corrupt_named' failed: IRVerificationError"):
+        PassManager(verify_level=2).run(corrupt_named, _batch())
+
+
+def test_a_pass_built_directly_is_checked_as_a_declared_one() -> None:
+    def mine(batch: DecodeBatch) -> DecodeBatch:
+        return batch
+
+    with pytest.raises(PreconditionError, match=r"^declare_pass: name 'lower' is a built-in pass's"):
+        Pass(mine, PassSpec(fn=mine, name="lower"))
+    with pytest.raises(PreconditionError, match=r"^declare_pass: name must be a Python identifier .*got 'a b/c'$"):
+        Pass(mine, PassSpec(fn=mine, name="a b/c"))
+    with pytest.raises(PreconditionError, match=r"^Pass: spec must be a PassSpec of the function itself"):
+        Pass(mine, PassSpec(fn=_batch, name="other"))

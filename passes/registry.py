@@ -108,10 +108,8 @@ class Pass(Generic[P, R]):
         declared: object = spec  # typed; checked because callers need not be typed
         if not isinstance(declared, PassSpec) or declared.fn is not fn:
             raise PreconditionError("Pass", f"spec must be a PassSpec of the function itself, got {short_repr(spec)}")
-        name: object = declared.name
-        if not isinstance(name, str) or not name.isidentifier():
-            raise PreconditionError("declare_pass", f"name must be a Python identifier (it names dump files), got {short_repr(name)}")
-        _check_settings(name, declared.ends_step)
+        _check_name(declared.name)
+        _check_flag(declared.ends_step)
         self._spec = spec
         functools.update_wrapper(self, fn)  # name, qualname, module and docstring: help() and docs read fn's
         self._frozen = True
@@ -138,12 +136,15 @@ class Pass(Generic[P, R]):
         return f"<pass {self._spec.name!r} ({where})>"
 
 
-def _check_settings(name: object, ends_step: object) -> None:
-    """A declared name (``None``: the function's) and the ``ends_step`` flag, checked."""
-    if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+def _check_name(name: object) -> None:
+    """A declared name: a Python identifier, not a built-in pass's."""
+    if not isinstance(name, str) or not name.isidentifier():
         raise PreconditionError("declare_pass", f"name must be a Python identifier (it names dump files), got {short_repr(name)}")
     if name in BUILT_IN_NAMES:
         raise PreconditionError("declare_pass", f"name {name!r} is a built-in pass's; give yours another name")
+
+
+def _check_flag(ends_step: object) -> None:
     if not isinstance(ends_step, bool):
         raise PreconditionError("declare_pass", f"ends_step must be a bool, got {short_repr(ends_step)}")
 
@@ -164,8 +165,7 @@ def _declare(fn: Callable[P, R], name: str | None, ends_step: bool) -> Pass[P, R
         if not isinstance(own, str) or not own.isidentifier():
             raise PreconditionError("declare_pass", f"{short_repr(fn)} has no identifier for a name; declare it with name=...")
         name = own
-    _check_settings(name, ends_step)
-    return Pass(fn, PassSpec(fn=fn, name=name, ends_step=ends_step))
+    return Pass(fn, PassSpec(fn=fn, name=name, ends_step=ends_step))  # (Pass checks the name and the flag)
 
 
 def _is_built_in(fn: object) -> bool:
@@ -195,7 +195,9 @@ def declare_pass(
     ``ends_step`` that is not a bool."""
     if fn is not None:
         return _declare(fn, name, ends_step)
-    _check_settings(name, ends_step)  # at the decorator's line, before any function
+    if name is not None:  # at the decorator's line, before any function
+        _check_name(name)
+    _check_flag(ends_step)
 
     def declare(f: Callable[P, R]) -> Pass[P, R]:
         return _declare(f, name, ends_step)

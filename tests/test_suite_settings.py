@@ -29,7 +29,8 @@ def test_the_suite_runs_at_verify_level_2() -> None:
 def test_a_developer_level_is_overridden_and_reported_once() -> None:
     env = {**os.environ, "BATCHC_VERIFY": "0"}
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_the_suite_runs_at_verify_level_2"],
+        # one xdist worker, as the suite's own addopts run: the notice is printed by the controller, once
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1", f"{__file__}::test_the_suite_runs_at_verify_level_2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
@@ -69,3 +70,22 @@ def test_typeguard_checks_every_package_with_code_batchc_s_pytest_plugin_include
         assert "TypeCheckMemo" in function.__code__.co_names, function.__qualname__
     with pytest.raises(typeguard.TypeCheckError):
         compiler.testing.golden.assert_golden(1, Path("unused.txt"))  # type: ignore[arg-type]  # typeguard must refuse it
+
+
+def test_typeguard_leaves_out_the_numeric_inner_loop_and_only_it() -> None:
+    """pyproject's ``--typeguard-packages-ignore`` names the kernels, the bundled model's layers, its
+    config and the state pool (hot, tensor-typed, checked by mypy and by the kernels' own checks):
+    those modules run unchecked, and their neighbours (the executor, the ledger, the model hook) are
+    still checked."""
+    from backend.executor import Executor
+    from backend.hybrid.config import HybridConfig
+    from backend.hybrid.hook import HybridHook
+    from backend.hybrid.model import HybridModel
+    from backend.kernels.checks import require
+    from backend.pool import MambaStatePool
+
+    hooks = [(type(f).__name__, getattr(f, "packages", None), getattr(f, "ignore_packages", None)) for f in sys.meta_path]
+    for function in (require, HybridModel.decode, HybridConfig.pool_layout, MambaStatePool.clear_rows):
+        assert "TypeCheckMemo" not in function.__code__.co_names, (function.__qualname__, hooks)
+    for function in (Executor.run_prefill, HybridHook.__init__):
+        assert "TypeCheckMemo" in function.__code__.co_names, function.__qualname__

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -121,16 +122,56 @@ def test_the_executor_process_refuses_a_malformed_message_one_out_of_order_and_a
             ex.wait(p)
 
 
+_FAULTED: dict[tuple[int, bool], Engine] = {}
+"""The fault tests' engines, one per (k, retries), built by the first test that needs one: each test
+serves on an engine that earlier faults have hit (its own requests, with request ids no earlier test
+used), so a recovery that left anything behind (a row, a ticket, a cached entry, an executor
+process's pending state) fails the tests after it; and each such engine starts its two executor
+processes once, not once per fault point (a process start is an interpreter importing torch)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _faulted_engines_closed() -> Iterator[None]:
+    yield
+    for drv in _FAULTED.values():
+        drv.close()
+    _FAULTED.clear()
+
+
+def _faulted(k: int, *, retries: bool) -> Engine:
+    """The shared engine for (k, retries), idle, with no cached entry and nothing live."""
+    key = (k, retries)
+    if key not in _FAULTED:
+        options = {"retries": 1} if retries else {}
+        _FAULTED[key] = engine(k, transport=Processes(), prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32, **options)
+    drv = _FAULTED[key]
+    assert drv.live == 0 and drv.slots.num_live == 0 and drv.kv.num_live == 0, "an earlier fault test left rows behind"
+    return drv
+
+
+def _serve_fresh(drv: Engine, prompts: range) -> dict[RequestId, RequestId]:
+    """Serve ``REVIEW_PROMPTS[i]`` for ``i`` in ``prompts`` under request ids this engine has not
+    seen; returns each new id's prompt index as a ``RequestId`` (the key of ``review_greedy``)."""
+    base = 1000 * (1 + max((int(r) // 1000 for r in drv.outputs), default=0))
+    ids = {RequestId(base + i): RequestId(i) for i in prompts}
+    for rid, i in ids.items():
+        drv.admit(rid, REVIEW_PROMPTS[int(i)], max_new_tokens=REVIEW_NEW)
+    drv.run_until_done()
+    return ids
+
+
 @pytest.mark.parametrize("point", faults.POINTS)
 def test_a_fault_in_the_executor_process_is_retried_to_the_fault_free_output(point: faults.FaultPoint) -> None:
-    with engine(2, transport=Processes(), prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32, retries=1) as drv:
-        assert isinstance(drv.target, ExecutorProcess)
-        drv.target.arm_fault(point)
-        _serve(drv)
-        assert drv.stats.retries == 1 and drv.stats.failed_steps == 0
-        assert drv.outputs == {RequestId(i): review_greedy()[RequestId(i)] for i in range(4)}
-        drv.ledger.assert_drained()
-        assert drv.ledger.cancelled() == {}
+    drv = _faulted(2, retries=True)
+    assert isinstance(drv.target, ExecutorProcess)
+    retries, failed = drv.stats.retries, drv.stats.failed_steps
+    drv.target.arm_fault(point)
+    ids = _serve_fresh(drv, range(4))
+    assert drv.stats.retries == retries + 1 and drv.stats.failed_steps == failed
+    assert {rid: drv.outputs[rid] for rid in ids} == {rid: review_greedy()[i] for rid, i in ids.items()}
+    drv.ledger.assert_drained()
+    assert drv.ledger.cancelled() == {}
+    drv.drop_cache()  # the next test starts from an empty cache, as a fresh engine does
 
 
 @pytest.mark.parametrize(
@@ -141,22 +182,26 @@ def test_without_retries_a_fault_in_the_executor_process_aborts_its_requests_and
     k: int, point: faults.FaultPoint, after: int
 ) -> None:
     # k = 0: the decodes are pipelined, so the failed forward has a decode in flight behind it
-    with engine(k, transport=Processes(), prefix_cache=PrefixCache(capacity=4, block=16), chunk_size=32) as drv:
-        assert isinstance(drv.target, ExecutorProcess)
-        assert drv.forwards.pipelined == (k == 0)
-        drv.target.arm_fault(point, after=after)
-        _serve(drv)
-        assert drv.stats.failed_steps == 1 and drv.stats.aborts >= 1
-        for rid, out in drv.outputs.items():
-            assert out == review_greedy()[rid][: len(out)]
-        drv.ledger.assert_drained()
-        assert all("its forward failed" in why for why in drv.ledger.cancelled().values())
-        # the executor processes cancelled their copies too: the freed rows serve new requests
-        _serve(drv, range(4, 6))
-        assert all(drv.outputs[RequestId(i)] == review_greedy()[RequestId(i)] for i in (4, 5))
-        drv.ledger.assert_drained()
-        drv.drop_cache()
-        assert drv.slots.num_live == 0 and drv.kv.num_live == 0
+    drv = _faulted(k, retries=False)
+    assert isinstance(drv.target, ExecutorProcess)
+    assert drv.forwards.pipelined == (k == 0)
+    failed, aborts, cancelled = drv.stats.failed_steps, drv.stats.aborts, dict(drv.ledger.cancelled())
+    drv.target.arm_fault(point, after=after)
+    ids = _serve_fresh(drv, range(4))
+    assert drv.stats.failed_steps == failed + 1 and drv.stats.aborts >= aborts + 1
+    for rid, i in ids.items():
+        out = drv.outputs.get(rid, [])
+        assert out == review_greedy()[i][: len(out)]
+    drv.ledger.assert_drained()
+    new = {t: why for t, why in drv.ledger.cancelled().items() if t not in cancelled}
+    # (a fault after the requests' tickets were consumed, at a commit or a late decode, cancels none)
+    assert all("its forward failed" in why for why in new.values())
+    # the executor processes cancelled their copies too: the freed rows serve new requests
+    again = _serve_fresh(drv, range(4, 6))
+    assert all(drv.outputs[rid] == review_greedy()[i] for rid, i in again.items())
+    drv.ledger.assert_drained()
+    drv.drop_cache()
+    assert drv.slots.num_live == 0 and drv.kv.num_live == 0
 
 
 def test_a_dead_executor_process_fails_its_forwards_instead_of_hanging() -> None:

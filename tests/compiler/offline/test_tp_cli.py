@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -159,5 +160,6 @@ def test_a_killed_worker_fails_the_run_in_one_line(tmp_path: Path) -> None:
         watcher.join()
     assert killed, "the worker never appeared"
     assert proc.returncode == 1, err
-    assert err.splitlines()[-1] == "batchc: run failed: rank 1 killed by signal 9", err
+    # (on a loaded machine the worker may not have joined in 4 s: the line then says so, and is still one line)
+    assert re.fullmatch(r"batchc: run failed: rank 1 killed by signal 9( before joining the group)?", err.splitlines()[-1]), err
     assert not _alive(killed[0]) and not _children(proc.pid)

@@ -21,7 +21,7 @@ from ir.sampling import GREEDY, SamplingParams
 __all__ = [
     "ARRIVALS", "BENCH_SERVE_NEW_TOKENS", "BENCH_SERVE_REPEATS", "BENCH_SERVE_REQUESTS", "BURST_EVERY", "BURST_SIZE", "BYTE_VOCAB", "DEFAULT_CONTEXT",
     "LONGEST_BUILTIN_PROMPT", "MAX_ARRIVAL", "MAX_BODY_SNIPPETS", "MAX_CONTEXT", "MAX_K", "MAX_REQUESTS", "MAX_RUNNING", "MAX_SEED",
-    "MAX_SERVE_BYTES", "MAX_THREADS", "MAX_WORKLOAD_BYTES", "SNIPPETS", "SWEEP_NEW_TOKENS", "SWEEP_RUNNING", "SYSTEM_PREFIXES", "Request",
+    "MAX_THREADS", "MAX_WORKLOAD_BYTES", "SNIPPETS", "SWEEP_NEW_TOKENS", "SWEEP_RUNNING", "SYSTEM_PREFIXES", "Request",
     "ServeError", "WorkloadError", "completion_rid", "context_overflow",
 ]
 
@@ -43,8 +43,6 @@ MAX_REQUESTS = 100_000
 MAX_K = 32
 """Most draft tokens per speculative iteration (k + 1 positions of every request's context are kept
 for them; each iteration runs k draft forwards)."""
-MAX_SERVE_BYTES = 4 << 30
-"""Bound on the estimated memory of a run (4 GiB; ``compiler.offline.memory_estimate``)."""
 BENCH_SERVE_REQUESTS = 64
 BENCH_SERVE_NEW_TOKENS = 48
 """``batchc bench serve``'s default built-in workload: requests, and most new tokens per request; about
@@ -70,7 +68,7 @@ MAX_SEED = 2**63 - 1
 """Largest seed (``--seed``): torch's generators take 64-bit seeds; seeds are 0 to this."""
 MAX_RUNNING = 1 << 16
 """Most live requests (``--max-running``) and prefix-cache entries (``--cache-entries``) the command
-line takes: far past what the memory bound admits on any model, and their sum plus 2 (an engine's
+line takes: far past what the memory budget admits on any model, and their sum plus 2 (an engine's
 slots) stays under the engine's bound of 2**20."""
 
 

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+import attrs
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from backend.hybrid.model import HybridModel
     from backend.tp.serve import TPLeader
     from compiler.engine.config import ServeConfig
+    from compiler.offline.budget import MemoryBudget
     from compiler.offline.models import DraftModel, Served
     from compiler.offline.tokenizer import Tokenizer
     from compiler.workload import Request
@@ -54,6 +56,21 @@ def _context(given: int | None, k: int, models: list[Served]) -> int:
     return length
 
 
+def _sizes_line(cfg: ServeConfig, given: dict[str, int], estimate: int, budget: str) -> str:
+    """The run's sizes and memory in one line: each sized option, whether it was given, is the
+    default or was lowered to fit the budget, and the estimate against the budget."""
+    from compiler.engine.config import ServeConfig
+    from compiler.offline.budget import SIZED_OPTIONS, gib
+
+    default = attrs.asdict(ServeConfig())
+    chosen = attrs.asdict(cfg)
+    said = []
+    for name in SIZED_OPTIONS:
+        how = "given" if name in given else "default" if chosen[name] == default[name] else f"lowered from {default[name]} to fit"
+        said.append(f"{name.replace('_', '-')} {chosen[name]} ({how})")
+    return f"sizes: {', '.join(said)}; memory: about {gib(estimate)} of a budget of {budget}"
+
+
 def _refusals(workload: list[Request]) -> str | None:
     """What the requests refused on their own come to (``Request.refused``), or ``None``."""
     refused = [r.refused for r in workload if r.refused is not None]
@@ -66,8 +83,6 @@ def _refusals(workload: list[Request]) -> str | None:
 def _baseline_refusal(workload: list[Request]) -> str | None:
     """Why ``--compare-mutable`` cannot serve ``workload`` (the mutable baseline decodes greedily
     and ends requests at stop ids only), or ``None``."""
-    import attrs
-
     from ir.sampling import GREEDY
 
     greedy = attrs.asdict(GREEDY, recurse=False)
@@ -88,8 +103,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from backend import children
     from backend.remote import ExecutorGone
     from backend.tp.group import RankFailed
-    from compiler.offline import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, check_serving, distributed, load_workload
+    from compiler.offline import LONGEST_BUILTIN_PROMPT, ServeConfig, builtin_workload, distributed, load_workload
+    from compiler.offline.budget import SIZED_OPTIONS, memory_budget, resident_memory
     from compiler.offline.load import tokenize_workload, tokenized_overflow
+    from compiler.offline.memory import fit_serving, memory_estimate, weight_bytes
     from compiler.offline.models import Served, check_same_vocabulary, draft_config, load_draft, load_served
 
     # every check before anything runs: options, output paths, models, memory, workload
@@ -105,6 +122,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if transformers_impl:
         _check_transformers_impl(args)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    budget = memory_budget(args.device, args.memory_fraction)  # (read before the models are loaded: their memory is counted)
+    resident = resident_memory()
     target = load_served(args.model, role="target", dtype=dtype, bundled="target")
     k = args.k if args.k is not None else (0 if target.hf and args.draft is None else ServeConfig().k)
     if target.hf and k > 0 and args.draft is None:
@@ -120,10 +139,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         if drafted is not None and args.compare_mutable:
             raise UsageError(f"--draft {shown_path(args.draft)} (a draft head) with --compare-mutable: not built yet "
                              "(batchc bench serve --draft mtp compares the head on the mutable baselines)")
+    sizes = {name: given for name in SIZED_OPTIONS if (given := vars(args)[name]) is not None}  # (the namespace's options by name)
     cfg = ServeConfig(
-        seed=args.seed, k=k, max_running=args.max_running, chunk_size=args.chunk_size, token_budget=args.token_budget,
-        cache_entries=args.cache_entries, lossless_sample=args.lossless_sample, overlap=args.overlap,
+        seed=args.seed, k=k, chunk_size=args.chunk_size, lossless_sample=args.lossless_sample, overlap=args.overlap,
         prefill_streak=args.prefill_streak, max_len=_context(args.max_len, k, [target] + ([drafted] if isinstance(drafted, Served) else [])),
+        **sizes,
     )
     if args.workload is None and args.max_new_tokens > cfg.builtin_max_new_tokens:
         if cfg.builtin_max_new_tokens < 1:
@@ -156,9 +176,6 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if rank > 0:  # a worker rank: serve rank 0's plans on this rank's shards, print nothing
         return distributed.work(rank, world, launched, args.argv, tp_timeout, target.model, draft)
     tokenizer = target.tokenizer if target.hf else None
-    check_serving(target.model.config, draft_config(draft) if draft is not None else None, cfg, compare_mutable=args.compare_mutable,
-                  names=(target.name, drafted.name if drafted is not None else "draft"),
-                  vocab=tokenizer.vocab_size if tokenizer is not None else None)
     vocab = target.model.config.vocab
     if args.workload is not None:
         workload = load_workload(args.workload, max_len=cfg.max_len, reserve=cfg.reserve, vocab=vocab, tokenizer=tokenizer,
@@ -175,6 +192,23 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         refusal = _baseline_refusal(workload)
         if refusal is not None:
             raise UsageError(refusal)
+    if any(r.refused is None and r.sampling.penalised for r in workload):
+        cfg = attrs.evolve(cfg, penalties=True)  # (the target keeps per-slot token counts, which the estimate counts)
+    # the memory: the models as loaded (their tensors, or what loading them added to this process when that is more;
+    # transformers' model holds a copy of the target's; --dp's router keeps its models while each replica loads its own)
+    # and every engine, within the budget, the sizes not given lowered to fit it
+    loaded = max(weight_bytes([target.model, draft]), resident_memory() - resident)
+    if args.dp > 1:
+        budget = attrs.evolve(budget, available=max(0, budget.available - loaded)).share(args.dp)
+    weights = loaded * (2 if transformers_impl else 1)
+    draft_shape = draft_config(draft) if draft is not None else None
+    cfg = fit_serving(target.model.config, draft_shape, cfg, sized=[n for n in SIZED_OPTIONS if n not in sizes], compare_mutable=args.compare_mutable,
+                      names=(target.name, drafted.name if drafted is not None else "draft"),
+                      vocab=tokenizer.vocab_size if tokenizer is not None else None, budget=budget, weights=weights)
+    if args.device != "cpu":
+        raise UsageError(f"--device {args.device}: batchc run serves on the CPU only so far (the engine's CUDA path is not built)")
+    estimate = sum(memory_estimate(target.model.config, draft_shape, cfg, compare_mutable=args.compare_mutable, weights=weights).values())
+    said = _sizes_line(cfg, sizes, estimate, budget.describe())  # (printed once the output files are claimed)
     impl = None
     if transformers_impl:
         penalised = next((r for r in workload if r.refused is None and r.sampling.penalised), None)
@@ -184,14 +218,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
         impl = TransformersModel.from_pretrained(args.model, dtype=dtype)
     if args.dp > 1:
-        return _serve_replicas(args, console, workload, target, cfg, tokenizer, args.dp_routing or "prefix")
+        return _serve_replicas(args, console, workload, target, cfg, tokenizer, args.dp_routing or "prefix", budget, said)
     target_model = target.model
     leader: TPLeader | None = None
     try:
         if world > 1:  # every check passed: start the group (rank 0 of batchc run --tp starts the other ranks here)
             leader = distributed.TPLeader(distributed.start(0, world, launched, args.argv, tp_timeout))
             target_model, draft = distributed.shards(leader.group, target_model, draft)
-        return _serve_and_report(args, console, workload, target, target_model, draft, cfg, k, tokenizer, leader, impl)
+        return _serve_and_report(args, console, workload, target, target_model, draft, cfg, k, tokenizer, leader, impl, budget, said)
     except (RankFailed, ExecutorGone) as exc:  # a rank, or an executor process before the engine could serve
         children.raise_if_interrupted()  # (killed by this process's own interruption: not the run's failure)
         print(f"batchc: run failed: {exc}", file=sys.stderr)
@@ -217,7 +251,7 @@ def _check_transformers_impl(args: argparse.Namespace) -> None:
 
 def _serve_replicas(
     args: argparse.Namespace, console: Console, workload: list[Request], target: Served, cfg: ServeConfig, tokenizer: Tokenizer | None,
-    routing: str,
+    routing: str, budget: MemoryBudget, sizes: str = "",
 ) -> int:
     """``--dp N``: route the workload, serve each part on its own replica process, report."""
     from backend import children
@@ -227,9 +261,11 @@ def _serve_replicas(
     served = [r for r in workload if r.refused is None]
     parts = [p for p in route(served, args.dp, block=cfg.cache_block, routing=routing) if p] or [[]]
     with OutputFile("--json", args.json) as output, OutputFile("--outputs", args.outputs) as outputs_file:
+        if sizes:
+            console.print(sizes, highlight=False, soft_wrap=True)
         with console.status(f"{len(parts)} replicas serving") as status:
             try:
-                results, wall = timed_serve(parts, model=args.model, draft=args.draft if cfg.k else None, dtype=args.dtype, cfg=cfg,
+                results, wall = timed_serve(parts, model=args.model, draft=args.draft if cfg.k else None, dtype=args.dtype, cfg=cfg, budget=budget,
                                             threads=args.threads, on_done=lambda n: status.update(f"{n}/{len(parts)} replicas done"))
             except ReplicaFailed as exc:
                 children.raise_if_interrupted()  # (a replica this process's interruption killed)
@@ -289,10 +325,8 @@ def _exit_status(failures: list[str], refusals: str | None) -> int:
 def _serve_and_report(
     args: argparse.Namespace, console: Console, workload: list[Request], target: Served, target_model: HybridModel,
     draft: DraftModel | None, cfg: ServeConfig, k: int, tokenizer: Tokenizer | None, leader: TPLeader | None,
-    impl: TransformersModel | None = None,
+    impl: TransformersModel | None = None, budget: MemoryBudget | None = None, sizes: str = "",
 ) -> int:
-    import attrs
-
     from backend.hybrid.model import HybridModel
     from compiler.engine.nonfinite import ERROR_MESSAGE
     from compiler.offline.models import output_lines
@@ -305,6 +339,8 @@ def _serve_and_report(
     comparing = args.compare_mutable and isinstance(draft, HybridModel) and cfg.k > 0
     # both claimed (and refused) here, before the run; written at its end
     with OutputFile("--json", args.json) as output, OutputFile("--outputs", args.outputs) as outputs_file:
+        if sizes:
+            console.print(sizes, highlight=False, soft_wrap=True)
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=console, transient=True,
@@ -322,7 +358,7 @@ def _serve_and_report(
                 compare_mutable=args.compare_mutable,
                 model_clock=(lambda: timed_target.seconds + (timed_drafts.seconds if timed_drafts is not None else 0.0)) if impl is None
                 else (lambda: impl.seconds),
-                tokenizer=tokenizer, eos=target.eos, tp=leader, transformers=impl,
+                tokenizer=tokenizer, eos=target.eos, tp=leader, transformers=impl, budget=budget,
             )
             if comparing:
                 from compiler.tools.compare_mutable import run_mutable

@@ -22,6 +22,10 @@ API_KEY_ENV = "BATCHC_API_KEY"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import attrs
+
+    from compiler.engine.config import ServeConfig
+    from compiler.offline.budget import SIZED_OPTIONS, available_memory
     from compiler.online.messages import Launch
     from compiler.online.server import ServerOptions, serve
 
@@ -39,10 +43,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if key is not None and Text(1024).refusal(key) is not None:
         raise UsageError(f"{API_KEY_ENV}: {Text(1024).refusal(key)}")
     defaults = sampling_defaults(args)
-    launch = Launch(model=args.model, draft=args.draft, k=args.k, dtype=args.dtype, max_running=args.max_running, max_len=args.max_len,
-                    overlap=args.overlap, threads=args.threads, chunk_size=args.chunk_size, token_budget=args.token_budget,
-                    cache_entries=args.cache_entries, seed=args.seed, tp=args.tp,
-                    **({"tp_timeout": args.tp_timeout} if args.tp_timeout is not None else {}))
+    given = vars(args)  # (argparse's namespace: its options by name)
+    sized = tuple(name for name in SIZED_OPTIONS if given[name] is None)  # the defaults, lowered to fit the memory budget if need be
+    sizes = {name: given[name] if given[name] is not None else attrs.asdict(ServeConfig())[name] for name in SIZED_OPTIONS}
+    # the memory available, read once before any engine process loads its models (each of --dp's replicas gets its share)
+    available = available_memory() if args.device == "cpu" else None
+    launch = Launch(model=args.model, draft=args.draft, k=args.k, dtype=args.dtype, max_len=args.max_len,
+                    overlap=args.overlap, threads=args.threads, chunk_size=args.chunk_size, seed=args.seed, tp=args.tp,
+                    sized=sized, device=args.device, memory_fraction=args.memory_fraction, memory_available=available, replicas=args.dp,
+                    **sizes, **({"tp_timeout": args.tp_timeout} if args.tp_timeout is not None else {}))
     return serve(ServerOptions(launch=launch, host=args.host, port=args.port, api_key=key, model_name=args.served_model_name,
                                max_waiting=args.max_waiting, drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
                                defaults=defaults, dp=args.dp))

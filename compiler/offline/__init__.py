@@ -14,8 +14,10 @@ mid-run; its file limits are in its docstring.
 
 Before anything is allocated, ``check_serving`` refuses models that the byte-level serving path
 cannot serve (target/draft vocabulary mismatch, vocabulary other than 256) and runs whose estimated
-memory (``memory_estimate``: state pools, KV caches, token tables, allocators, verify states,
-attention scores and activations, for every engine the run builds) is over ``MAX_SERVE_BYTES``.
+memory (``memory_estimate``: the models' weights, state pools, KV caches, token tables, allocators,
+verify states, attention scores and activations, for every engine the run builds) is over the
+memory budget, a fraction of what the machine has available (``memory_budget``, a
+``MemoryBudget``); ``fit_serving`` lowers the sizes the user left to the run until it fits.
 
 A forward that fails aborts its requests (``Engine``, no retries here); the summary counts
 them (``aborted_requests``, ``failed_forwards``, ``first_failure``), and the lossless check skips
@@ -37,8 +39,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from compiler.engine.config import ServeConfig
+    from compiler.offline.budget import MemoryBudget, memory_budget
     from compiler.offline.load import builtin_workload, load_workload
-    from compiler.offline.memory import check_serving, memory_estimate
+    from compiler.offline.memory import check_serving, fit_serving, memory_estimate
     from compiler.offline.run import make_engine, serve
     from compiler.offline.summary import MutableRun, Sample, ServeSummary
     from compiler.workload import (
@@ -52,16 +55,17 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "ServeConfig": "compiler.engine.config", "builtin_workload": "compiler.offline.load", "load_workload": "compiler.offline.load",
-    "check_serving": "compiler.offline.memory", "memory_estimate": "compiler.offline.memory", "make_engine": "compiler.offline.run",
+    "check_serving": "compiler.offline.memory", "memory_estimate": "compiler.offline.memory", "fit_serving": "compiler.offline.memory",
+    "MemoryBudget": "compiler.offline.budget", "memory_budget": "compiler.offline.budget", "make_engine": "compiler.offline.run",
     "serve": "compiler.offline.run", "MutableRun": "compiler.offline.summary", "Sample": "compiler.offline.summary",
     "ServeSummary": "compiler.offline.summary", "BYTE_VOCAB": "compiler.workload", "LONGEST_BUILTIN_PROMPT": "compiler.workload",
     "MAX_ARRIVAL": "compiler.workload", "Request": "compiler.workload", "ServeError": "compiler.workload", "WorkloadError": "compiler.workload",
 }
 
 __all__ = [
-    "BYTE_VOCAB", "LONGEST_BUILTIN_PROMPT", "MAX_ARRIVAL", "MutableRun", "Request", "Sample", "ServeConfig", "ServeError",
-    "ServeSummary", "WorkloadError", "builtin_workload", "check_serving", "load_workload", "make_engine", "memory_estimate",
-    "serve",
+    "BYTE_VOCAB", "LONGEST_BUILTIN_PROMPT", "MAX_ARRIVAL", "MemoryBudget", "MutableRun", "Request", "Sample", "ServeConfig", "ServeError",
+    "ServeSummary", "WorkloadError", "builtin_workload", "check_serving", "fit_serving", "load_workload", "make_engine", "memory_budget",
+    "memory_estimate", "serve",
 ]
 
 

@@ -30,6 +30,7 @@ import attrs
 
 from backend import children
 from compiler.engine.config import ServeConfig
+from compiler.offline.budget import MemoryBudget
 from compiler.workload import Request, ServeError
 from ir.ids import RequestId
 from ir.sampling import SamplingParams
@@ -99,17 +100,18 @@ def _request(d: dict[str, Any]) -> Request:
 
 def serve_replicas(
     parts: Sequence[Sequence[Request]], *, model: str | None, draft: str | None, dtype: str, cfg: ServeConfig, threads: int,
-    on_done: Callable[[int], None] | None = None,
+    on_done: Callable[[int], None] | None = None, budget: MemoryBudget | None = None,
 ) -> list[ReplicaResult]:
     """Serve each part on its own replica process, all at once; ``on_done(n)`` as replicas finish.
-    ``ReplicaFailed`` (every other replica stopped) when one fails."""
+    ``budget``: each replica's memory (``MemoryBudget.share``; default: what its machine has available
+    when it checks, with its models). ``ReplicaFailed`` (every other replica stopped) when one fails."""
     procs: list[subprocess.Popen[bytes]] = []
     results: list[tuple[bytes, bytes] | None] = [None] * len(parts)
     done = threading.Condition()
     try:
         for part in parts:
             spec = {"model": model, "draft": draft, "dtype": dtype, "cfg": attrs.asdict(cfg), "threads": threads,
-                    "requests": [_request_json(r) for r in part]}
+                    "budget": attrs.asdict(budget) if budget is not None else None, "requests": [_request_json(r) for r in part]}
             # (spawned here, on this thread: the replica dies with it, whatever ends this process)
             proc = children.spawn([sys.executable, "-m", "compiler.offline.dp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE)
@@ -168,8 +170,9 @@ def _replica_main() -> int:
     target = load_served(spec["model"], role="target", dtype=dtype, bundled="target")
     drafted = load_draft(spec["draft"], target=target, dtype=dtype) if cfg.k > 0 else None
     workload = [_request(r) for r in spec["requests"]]
+    budget = MemoryBudget(**spec["budget"]) if spec["budget"] is not None else None
     summary = run(workload, target.model, (drafted.model if isinstance(drafted, Served) else drafted.head) if drafted is not None else None, cfg,
-                  tokenizer=target.tokenizer if target.hf else None, eos=target.eos)
+                  tokenizer=target.tokenizer if target.hf else None, eos=target.eos, budget=budget)
     sys.stdout.write(json.dumps({"summary": summary.to_json(), "outputs": {str(k): list(v) for k, v in summary.outputs.items()},
                                  "aborted": list(summary.aborted), "errored": list(summary.errored),
                                  "logprobs": {str(k): v for k, v in summary.logprobs.items()}}, default=_plain))

@@ -18,8 +18,9 @@ from backend.transports import in_process, processes, tensor_parallel
 from compiler.engine import Engine, prefill_first
 from compiler.engine.config import ServeConfig
 from compiler.manager import PassManager
+from compiler.offline.budget import MemoryBudget
 from compiler.offline.latency import Latencies
-from compiler.offline.memory import check_serving
+from compiler.offline.memory import check_serving, weight_bytes
 from compiler.offline.models import DraftModel, draft_config
 from compiler.offline.stops import StopScanner, scan
 from compiler.offline.summary import Sample, ServeSummary, host_ms_per_step
@@ -172,6 +173,7 @@ def run(
     eos: Sequence[int] = (),
     tp: TPLeader | None = None,
     transformers: TransformersModel | None = None,
+    budget: MemoryBudget | None = None,
 ) -> ServeSummary:
     """Serve ``workload`` on the engine and summarise the run. ``compare_mutable`` only sizes the
     memory check for the baseline runs that ``compiler.tools.compare_mutable`` adds afterwards.
@@ -185,14 +187,18 @@ def run(
     (``target`` and ``draft`` are rank 0's shards; the lossless check runs on the group too, after
     the served run's session ended with every rank's ledger counts gathered). ``transformers``: serve
     (and check) on that model with transformers' own modeling code instead (``make_engine``; at
-    k = 0, without ``tp``: ``PreconditionError`` otherwise); ``target`` still sizes the memory check."""
+    k = 0, without ``tp``: ``PreconditionError`` otherwise); ``target`` still sizes the memory check.
+    ``budget``: the memory the run may use (``check_serving``, the models' weights counted; default:
+    the machine's memory available now plus those weights, which the run already holds)."""
     if transformers is not None and (cfg.k or tp is not None):
         raise PreconditionError("run", "a transformers model is served at k = 0 in this process (no draft, no tensor parallelism)")
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     if not cfg.penalties and any(r.sampling.penalised for r in workload if r.refused is None):
         cfg = attrs.evolve(cfg, penalties=True)  # (the engines keep token counts; the memory check counts them)
+    # (transformers' model holds its own copy of the target's weights, of the same size in the same dtype)
+    weights = weight_bytes([target, draft]) + (weight_bytes([target]) if transformers is not None else 0)
     check_serving(target.config, draft_config(draft) if draft is not None else None, cfg, compare_mutable=compare_mutable,
-                  vocab=None if tokenizer is None else tok.vocab_size)
+                  vocab=None if tokenizer is None else tok.vocab_size, budget=budget, weights=weights)
     pm = PassManager.from_env()
     with make_engine(target, draft, cfg, pm, cache=True, k=cfg.k, tp=tp, transformers=transformers) as driver:
         return _run(driver, workload, target, cfg, pm, on_finish=on_finish, model_clock=model_clock, tokenizer=tok, eos=eos, tp=tp,

@@ -113,11 +113,17 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
     one line); with ``launch.tp > 1``, on the tensor-parallel group this process leads (its workers
     started here, ``tp_worker``), whose leader is returned for the caller to shut down."""
     from compiler.offline import distributed
-    from compiler.offline.memory import check_serving
+    from compiler.offline.budget import MemoryBudget, gib, memory_budget, resident_memory
+    from compiler.offline.memory import fit_serving, memory_estimate, weight_bytes
     from compiler.offline.models import Served, draft_config
     from compiler.offline.run import make_engine
     from compiler.workload import DEFAULT_CONTEXT, MAX_CONTEXT, ServeError
 
+    # the budget before the models are loaded (their memory is counted in the estimate)
+    budget = (MemoryBudget(device="cpu", available=launch.memory_available, fraction=launch.memory_fraction)
+              if launch.memory_available is not None and launch.device == "cpu"
+              else memory_budget(launch.device, launch.memory_fraction)).share(launch.replicas)
+    resident = resident_memory()
     target, drafted, k = load(launch)
     limits = [(m.name, m.max_positions) for m in (target, drafted) if isinstance(m, Served) and m.max_positions is not None]
     for name, limit in limits:
@@ -132,9 +138,16 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
     # target's per-slot token counts cost slots x vocab x 5 bytes, counted by check_serving)
     tokenizer = target.tokenizer if target.hf else None
     draft_model = (drafted.model if isinstance(drafted, Served) else drafted.head) if drafted is not None else None
-    check_serving(target.model.config, draft_config(draft_model) if draft_model is not None else None, cfg,
-                  names=(target.name, drafted.name if drafted is not None else "draft"),
-                  vocab=tokenizer.vocab_size if tokenizer is not None else None)
+    weights = max(weight_bytes([target.model, draft_model]), resident_memory() - resident)  # (the models as loaded)
+    draft_shape = draft_config(draft_model) if draft_model is not None else None
+    cfg = fit_serving(target.model.config, draft_shape, cfg, sized=launch.sized, names=(target.name, drafted.name if drafted is not None else "draft"),
+                      vocab=tokenizer.vocab_size if tokenizer is not None else None, budget=budget, weights=weights)
+    if launch.device != "cpu":
+        raise ServeError(f"--device {launch.device}: batchc serve serves on the CPU only so far (the engine's CUDA path is not built)")
+    estimate = sum(memory_estimate(target.model.config, draft_shape, cfg, weights=weights).values())
+    sizes = (f"max-running {cfg.max_running}, token-budget {cfg.token_budget}, cache-entries {cfg.cache_entries}"
+             f"{' (lowered to fit)' if any(attrs.asdict(cfg)[n] != attrs.asdict(launch)[n] for n in launch.sized) else ''}; "
+             f"about {gib(estimate)} of a budget of {budget.describe()}")
     target_model = target.model
     leader: TPLeader | None = None
     if launch.tp > 1:  # every check passed: start the group (the workers load the models as this process did)
@@ -159,7 +172,7 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
             leader.shutdown()
         raise
     ready = Ready(name=target.name, vocab=target.model.config.vocab, eos=tuple(target.eos), max_len=max_len, k=k, reserve=cfg.reserve,
-                  hf_dir=launch.model if target.hf else None, pid=os.getpid())
+                  hf_dir=launch.model if target.hf else None, pid=os.getpid(), sizes=sizes)
     return engine, ready, cfg, leader
 
 

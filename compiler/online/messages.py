@@ -22,10 +22,12 @@ output tokens, in order, never repeated, and their ``logprobs`` (for a request t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final, Literal
 
 import attrs
 
+from compiler.offline.budget import DEFAULT_MEMORY_FRACTION
 from ir.sampling import SamplingParams
 
 __all__ = [
@@ -41,6 +43,10 @@ it), ``error`` (non-finite logits), ``failed`` (a forward carrying it failed).""
 
 END_REASONS: Final = ("stop", "length", "abort", "refused", "error", "failed")
 """Every ``EndReason``, in that order."""
+
+
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)  # (a list when the launch came as JSON)
 
 
 @attrs.frozen(kw_only=True)
@@ -66,6 +72,18 @@ class Launch:
     tp_timeout: int = 60
     """Seconds a rank waits on the others in any step (``--tp-timeout``; its default is ``batchc
     run``'s, ``compiler.offline.distributed.TP_TIMEOUT_S``)."""
+    sized: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    """The options of ``SIZED_OPTIONS`` (``compiler.offline.budget``) the user did not give: their
+    values here are the defaults, lowered to fit the memory budget if need be (``fit_serving``)."""
+    device: str = "cpu"
+    """Whose memory sizes the engine (``--device``; the engine serves on the CPU only so far)."""
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    """The share of the memory available that the engine may use (``--memory-fraction``)."""
+    memory_available: int | None = None
+    """The bytes available, read once by the HTTP process before it started any engine process
+    (``compiler.offline.budget.available_memory``); ``None``: the engine process reads it itself."""
+    replicas: int = 1
+    """Engine processes sharing that memory equally (``--dp``), each with its own models."""
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +100,9 @@ class Ready:
     hf_dir: str | None
     """The Hugging Face checkpoint directory (its tokenizer and chat template), or ``None`` (bytes)."""
     pid: int
+    sizes: str = ""
+    """The engine's sizes and memory in words (running requests, prefill tokens, cache entries, the
+    estimate against the budget), for the server's start line."""
 
 
 @attrs.frozen

@@ -611,7 +611,7 @@ async def _serve(server: Server, uv: _Uvicorn, sock: socket.socket) -> int:
         parallel = "".join(f", {name} {n}" for name, n in (("tp", launch.tp), ("dp", server.options.dp)) if n > 1)
         pids = f"engine process {client.pids[0]}" if len(client.pids) == 1 else f"engine processes {', '.join(map(str, client.pids))}"
         print(f"batchc serve: {server.model!r} ({ready.name}, k={ready.k}, context {ready.max_len}{parallel}, {pids}) "
-              f"listening on http://{server.options.host}:{port}", file=sys.stderr, flush=True)
+              f"listening on http://{server.options.host}:{port}{' (' + ready.sizes + ')' if ready.sizes else ''}", file=sys.stderr, flush=True)
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({web, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if web.done():  # uvicorn could not start: it said why

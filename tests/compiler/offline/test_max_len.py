@@ -101,8 +101,9 @@ def test_a_config_without_max_position_embeddings_gets_the_familys_default(tmp_p
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["--max-len", str(MAX_CONTEXT)], f"over the bound of 4 GiB; lower --max-running (8), --cache-entries (16), --k (2), "
-         f"--chunk-size (512), --token-budget (2048) or --max-len ({MAX_CONTEXT}), or use a smaller model"),
+        (["--max-len", str(MAX_CONTEXT), "--max-running", "8", "--cache-entries", "16", "--token-budget", "2048"],
+         f"; lower --max-running (8), --cache-entries (16), --k (2), --chunk-size (512), --token-budget (2048), --max-len ({MAX_CONTEXT}), "
+         "raise --memory-fraction or use a smaller model"),
         (["--max-len", str(MAX_CONTEXT + 1)], f"batchc run: error: argument --max-len: expected at most {MAX_CONTEXT}, got {MAX_CONTEXT + 1}"),
         (["--max-len", "2"], "batchc run: error: argument --max-len: expected an integer >= 3, got 2"),
         (["--max-len", "4", "--k", "2"], "batchc: error: --max-len 4 leaves no room for a prompt token and a new token next to the "

@@ -68,6 +68,7 @@ def cmd_train_draft(args: argparse.Namespace, console: Console) -> int:
         sequences=BUNDLED.sequences if args.sequences is None else args.sequences,
         seq_len=BUNDLED.seq_len if args.seq_len is None else args.seq_len,
         held_out_sequences=BUNDLED.held_out_sequences if args.held_out is None else args.held_out,
+        hidden_dropout=BUNDLED.hidden_dropout if args.hidden_dropout is None else args.hidden_dropout,
         checkpoint_every=BUNDLED.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every,
     )
     rows = settings.sequences + settings.held_out_sequences

@@ -16,6 +16,9 @@ Install them with the ``testing`` extra, which brings pytest and hypothesis::
   with an update switch (``BATCHC_UPDATE_GOLDEN=1`` or pytest's ``--batchc-update-golden``).
 - ``compiler.testing.fakes``: ``FakeModel`` (a model hook with deterministic logits) and
   ``FakeBackend`` (executors over small pools), so a test can run the plans it lowers. Imports torch.
+- ``compiler.testing.models``: ``state_sensitive`` (a hybrid model whose tokens depend on its Mamba
+  state, so that a token comparison sees a state bug) and ``greedy_continuation`` (a model's greedy
+  tokens, with its state zeroed where a test says). Imports torch.
 - ``compiler.testing.pytest_plugin``: the pytest plugin (loaded by the ``pytest11`` entry point of
   an installed batchc): the fixtures ``batchc_ledger``, ``batchc_pipeline``, ``batchc_model_hook``,
   ``batchc_backend``, ``batchc_executor``, the ``batchc`` marker that configures them, and the

@@ -11,7 +11,15 @@ shared so that every scenario ends the same way.
   before and after it, and the state rows of each request whose prefill completed (in the order
   the executor ran them).
 - ``reference_outputs``: the reference run of one prompt (a fresh ``Engine`` at ``k = 0``, no
-  prefix cache, the request alone, greedy, float32), cached per prompt and length.
+  prefix cache, the request alone, greedy, float32), cached per model, prompt and length.
+- ``MODELS``: the models a scenario that compares tokens runs on, by name: ``"tiny"`` (the tiny
+  target and its default draft, ``tests.helpers.tiny_models``) and ``"state-sensitive"``
+  (``sensitive_models``: ``compiler.testing.models.state_sensitive`` of the tiny target, and a draft
+  made from it as the tiny draft is). On the tiny target a wrong Mamba state at a cached prefix
+  mostly leaves the tokens as they were (attention reads the whole context, the Mamba layers
+  forget within a few tokens: ``tests/testing/test_models.py``), so a token comparison there proves
+  little about states; on the sensitive one it does, and ``assert_tokens_need_state`` shows it for
+  the scenario's own prompt (a state zeroed at the copy point would change its tokens).
 - ``assert_accounted``: every ticket consumed or its cancellation recorded, every pool's live +
   free slots equal to its capacity (the state slots and the KV locations).
 - ``stale_fill``: what a slot's previous owner left, in every row (finite values).
@@ -37,12 +45,15 @@ import torch
 from backend.allocator import SlotAllocator
 from backend.executor import Executor
 from backend.hybrid import HybridModel
+from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
 from backend.model import ServingModelHook
 from backend.pool import MambaStatePool
 from compiler.engine import Engine
 from compiler.manager import PassManager
 from compiler.steps import Pipeline
+from compiler.testing.models import greedy_continuation, state_sensitive
+from compiler.tools.ab import DRAFT_NOISE
 from ir.ids import TARGET_POOL, PoolId, RequestId
 from ir.nodes import Plan
 from ir.plan import ExtendPlan, MixedPlan
@@ -51,6 +62,7 @@ from passes import LowerContext
 from tests.helpers import Backend, random_fill, tiny_models
 
 __all__ = [
+    "MODELS",
     "STATE_ATOL",
     "STATE_RTOL",
     "Ran",
@@ -58,9 +70,11 @@ __all__ = [
     "TinyWorld",
     "assert_accounted",
     "assert_states_match",
+    "assert_tokens_need_state",
     "distance",
     "reference_outputs",
     "scratch_states",
+    "sensitive_models",
     "stale_fill",
     "state_rows",
 ]
@@ -177,19 +191,40 @@ class Recorder:
 
 
 @cache
-def _reference(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
-    target, _ = tiny_models()
-    with Engine(target, None, k=0) as e:
+def sensitive_models() -> tuple[HybridModel, HybridModel]:
+    """``state_sensitive`` of the tiny target (seed 0), and a draft made from it as ``tiny_models``
+    makes the tiny draft (``DRAFT_NOISE`` relative noise, seed 1)."""
+    target = state_sensitive(tiny_models()[0])
+    return target, HybridModel(target.config, perturb(target.weights, DRAFT_NOISE, seed=1))
+
+
+MODELS: dict[str, Callable[[], tuple[HybridModel, HybridModel]]] = {"tiny": tiny_models, "state-sensitive": sensitive_models}
+"""The (target, draft) pairs a token-comparing scenario runs on, by name (the module docstring)."""
+
+
+@cache
+def _reference(prompt: tuple[int, ...], n: int, model: HybridModel) -> tuple[int, ...]:
+    with Engine(model, None, k=0) as e:
         e.admit(RequestId(0), list(prompt), max_new_tokens=n)
         e.run_until_done()
         e.ledger.assert_drained()
         return tuple(e.outputs[RequestId(0)])
 
 
-def reference_outputs(prompt: Sequence[int], n: int) -> list[int]:
+def reference_outputs(prompt: Sequence[int], n: int, model: HybridModel | None = None) -> list[int]:
     """The ``n`` tokens the reference run gives after ``prompt``: a fresh engine at ``k = 0`` without
-    a prefix cache, the request alone, greedy, float32 (cached per prompt and ``n``)."""
-    return list(_reference(tuple(int(t) for t in prompt), n))
+    a prefix cache, the request alone, greedy, float32, on ``model`` (default the tiny target;
+    cached per model, prompt and ``n``)."""
+    return list(_reference(tuple(int(t) for t in prompt), n, model if model is not None else tiny_models()[0]))
+
+
+def assert_tokens_need_state(prompt: Sequence[int], at: int, n: int, model: HybridModel) -> None:
+    """The ``n`` reference tokens after ``prompt`` on ``model`` change when the request's Mamba state
+    is zeroed after its first ``at`` tokens (``greedy_continuation``): a run that lost or replaced
+    the state there would fail the scenario's token comparison."""
+    zeroed = greedy_continuation(model, list(prompt), n, zero_state_at=at)
+    assert zeroed != reference_outputs(prompt, n, model), (
+        f"a state zeroed at token {at} of {bytes(prompt)!r} gives the same {n} tokens: the token comparison proves nothing about states")
 
 
 def assert_accounted(e: Engine) -> None:
@@ -213,14 +248,15 @@ def stale_fill(pool: MambaStatePool, seed: int = 0) -> None:
 
 
 class TinyWorld:
-    """One pool of the tiny target (``capacity`` slots) with its serving hook, a slot allocator
-    holding every slot live (a plan may name any), an executor bound to both, one ledger and a
-    pipeline that verifies after every pass. ``stale`` fills every row with random bytes first (a
-    slot's previous owner), so a missing clear shows. KV locations come from ``kv(n)`` (a bump
-    allocator, location 0 never handed out)."""
+    """One pool of the tiny target (``model`` in its place when given; ``capacity`` slots) with its
+    serving hook, a slot allocator holding every slot live (a plan may name any), an executor bound
+    to both, one ledger and a pipeline that verifies after every pass. ``stale`` fills every row
+    with random bytes first (a slot's previous owner), so a missing clear shows. KV locations come
+    from ``kv(n)`` (a bump allocator, location 0 never handed out)."""
 
-    def __init__(self, capacity: int = 6, *, pool_id: str = TARGET_POOL, stale: bool = True, which: int = 0) -> None:
-        self.model = tiny_models()[which]
+    def __init__(self, capacity: int = 6, *, pool_id: str = TARGET_POOL, stale: bool = True, which: int = 0,
+                 model: HybridModel | None = None) -> None:
+        self.model = tiny_models()[which] if model is None else model
         self.ledger = Ledger()
         self.pool = self.model.new_pool(capacity, pool_id=PoolId(pool_id))
         if stale:

@@ -22,7 +22,9 @@ slot's next owner is lowered with a clear of its own, which runs before its forw
   prompt: the books balance at once, and the slot's next owner is served from a cleared row.
 
 Every ledger drained (or its cancellations recorded), every slot live or free, live == 0 at the end.
-Immune: no fix was needed.
+The engine scenario with the cache hits runs on the tiny target and on the state-sensitive one
+(``state_checks.MODELS``), on which the later hit's tokens would change had its copy left a zeroed
+(half-loaded, cleared) row (``assert_tokens_need_state``). Immune: no fix was needed.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ from ir.plan import ExtendPlan, MixedPlan
 from ir.results import Result
 from tests.helpers import cow, fresh, tiny_models
 from tests.scenarios.state_checks import (
+    MODELS,
     Recorder,
     TinyWorld,
     assert_accounted,
     assert_states_match,
+    assert_tokens_need_state,
     distance,
     reference_outputs,
     scratch_states,
@@ -114,9 +118,11 @@ def _fault_on_the_copy(e: Engine) -> list[int]:
     return failed_slots
 
 
-def test_through_the_engine_a_failed_cache_load_aborts_unpins_and_frees_the_slot_for_a_cleared_owner() -> None:
+@pytest.mark.parametrize("models", MODELS)
+def test_through_the_engine_a_failed_cache_load_aborts_unpins_and_frees_the_slot_for_a_cleared_owner(models: str) -> None:
+    model = MODELS[models]()[0]
     cache = PrefixCache(capacity=2, block=16)
-    e = Engine(tiny_models()[0], None, k=0, capacity=3, prefix_cache=cache)
+    e = Engine(model, None, k=0, capacity=3, prefix_cache=cache)
     failed_slots = _fault_on_the_copy(e)
     rec = Recorder(e.target)
     for rid in (0, 1):
@@ -144,15 +150,17 @@ def test_through_the_engine_a_failed_cache_load_aborts_unpins_and_frees_the_slot
     assert len(failed_slots) == 1 and last.rid_list() == [3] and last.slot_list() == failed_slots  # the aborted request's slot
     (clear,) = [t.op for t in last.tickets if isinstance(t.op, MambaInit)]
     assert clear.clear_slots == tuple(last.slot_list()) and clear.cow_dst == ()
-    assert_states_match(rec.prefilled[RequestId(3)], scratch_states(LONE), "the next owner of the freed slot")
+    assert_states_match(rec.prefilled[RequestId(3)], scratch_states(LONE, model=model), "the next owner of the freed slot")
     # a later hit on the same entry is served
     e.admit(RequestId(4), PROMPTS[3], max_new_tokens=NEW)
     e.run_until_done()
     assert len([p for p in (r.plan for r in rec.ran) if _copies(p)]) == 1
-    assert_states_match(rec.prefilled[RequestId(4)], scratch_states(PROMPTS[3]), "a later hit on the entry")
-    expected = {RequestId(i): reference_outputs(p, NEW) for i, p in enumerate(PROMPTS[:2])}
-    expected |= {RequestId(2): [], RequestId(3): reference_outputs(LONE, NEW), RequestId(4): reference_outputs(PROMPTS[3], NEW)}
+    assert_states_match(rec.prefilled[RequestId(4)], scratch_states(PROMPTS[3], model=model), "a later hit on the entry")
+    expected = {RequestId(i): reference_outputs(p, NEW, model) for i, p in enumerate(PROMPTS[:2])}
+    expected |= {RequestId(2): [], RequestId(3): reference_outputs(LONE, NEW, model), RequestId(4): reference_outputs(PROMPTS[3], NEW, model)}
     assert e.outputs == expected
+    if models == "state-sensitive":
+        assert_tokens_need_state(PROMPTS[3], len(entry.tokens), NEW, model)  # a zeroed copy would show in request 4's tokens
     assert entry.pins == 0
     e.drop_cache()
     assert_accounted(e)

@@ -20,6 +20,10 @@ per-position states reach the slot only through the commit, at the accepted posi
   entry's state equals a from-scratch prefill of its tokens, each request's state after its prefill
   too, and outputs equal the ``k = 0`` reference.
 
+The engine scenario runs on the tiny target and on the state-sensitive one (``state_checks.MODELS``),
+on which a follow-up turn's tokens would change had its copied state not been a from-scratch
+prefill (a zeroed state at the copy shows: ``assert_tokens_need_state``).
+
 Every ledger drained, every slot live or free, live == 0 at the end. Immune: no fix was needed.
 """
 
@@ -38,8 +42,16 @@ from ir import spec
 from ir.head import HeadCommitPlan
 from ir.ids import RequestId
 from ir.plan import ExtendPlan
-from tests.helpers import tiny_models
-from tests.scenarios.state_checks import Recorder, assert_accounted, assert_states_match, reference_outputs, scratch_states, state_rows
+from tests.scenarios.state_checks import (
+    MODELS,
+    Recorder,
+    assert_accounted,
+    assert_states_match,
+    assert_tokens_need_state,
+    reference_outputs,
+    scratch_states,
+    state_rows,
+)
 
 K = 2
 NOISE = 0.5  # (``batchc ab``'s default is 0.05: a draft close to the target; this one is mostly wrong)
@@ -74,15 +86,15 @@ NEW = 12  # request 0's prompt and output: 49 tokens, a block boundary (48) past
 NEXT = 4
 
 
-def _noisy_draft() -> HybridModel:
-    target, _ = tiny_models()
+def _noisy_draft(target: HybridModel) -> HybridModel:
     return HybridModel(target.config, perturb(target.weights, NOISE, seed=1))
 
 
-def test_through_the_engine_every_cache_entry_is_a_from_scratch_prefill_of_its_tokens_despite_rejections() -> None:
-    target, _ = tiny_models()
+@pytest.mark.parametrize("models", MODELS)
+def test_through_the_engine_every_cache_entry_is_a_from_scratch_prefill_of_its_tokens_despite_rejections(models: str) -> None:
+    target, _ = MODELS[models]()
     cache = PrefixCache(capacity=6, block=16)
-    e = Engine(target, _noisy_draft(), k=K, capacity=4, prefix_cache=cache, chunk_size=16)
+    e = Engine(target, _noisy_draft(target), k=K, capacity=4, prefix_cache=cache, chunk_size=16)
     rec = Recorder(e.target)
     for i, p in enumerate(FIRST):
         e.admit(RequestId(i), p, max_new_tokens=NEW)
@@ -95,15 +107,22 @@ def test_through_the_engine_every_cache_entry_is_a_from_scratch_prefill_of_its_t
         e.admit(RequestId(10 + i), p, max_new_tokens=NEXT)
     e.run_until_done()
     prompts = {RequestId(i): p for i, p in enumerate(FIRST)} | {RequestId(10 + i): p for i, p in enumerate(follow)}
-    assert e.outputs == {rid: reference_outputs(p, NEW if rid < 10 else NEXT) for rid, p in prompts.items()}
+    assert e.outputs == {rid: reference_outputs(p, NEW if rid < 10 else NEXT, target) for rid, p in prompts.items()}
     for rid, p in prompts.items():
-        assert_states_match(rec.prefilled[rid], scratch_states(p), f"request {rid} after its prefill")
+        assert_states_match(rec.prefilled[rid], scratch_states(p, model=target), f"request {rid} after its prefill")
     entries = cache.entries()
     spanning = [en for en in entries if len(en.tokens) > len(FIRST[0])]  # blocks that cover speculatively decoded tokens
     assert spanning and all(en.tokens == tuple(follow[0][: len(en.tokens)]) for en in spanning), [len(en.tokens) for en in entries]
     for en in entries:
         assert en.pins == 0
-        assert_states_match(state_rows(e.target.pool, en.slot), scratch_states(en.tokens), f"the cache entry of {len(en.tokens)} tokens")
+        assert_states_match(state_rows(e.target.pool, en.slot), scratch_states(en.tokens, model=target), f"the cache entry of {len(en.tokens)} tokens")
+    # where each follow-up turn started: the length of the entry it copied (its first chunk's prefix)
+    copied = {rid: min(pre for plan in rec.extend_plans() for r, pre in zip(plan.rid_list(), plan.prefix_lens.tolist(), strict=True) if r == rid)
+              for rid in (10, 11)}
+    assert min(copied.values()) >= 16, copied  # both turns started from a cache entry
+    if models == "state-sensitive":
+        for i, p in enumerate(follow):  # a wrong state at either copy would show in that turn's tokens
+            assert_tokens_need_state(p, copied[10 + i], NEXT, target)
     assert e.draft is not None and e.target.kept_states == () and e.draft.kept_states == ()
     e.drop_cache()
     assert_accounted(e)

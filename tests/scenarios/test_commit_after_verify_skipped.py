@@ -23,7 +23,9 @@ scenario:
 - engine at ``k = 2``: every verify is followed by its commit before any other plan on the target;
   a commit that fails is retried (its verify's states waited for it: the output is the fault-free
   one) or, without retries, its requests are aborted and the kept states dropped, so the next
-  requests on those slots are served.
+  requests on those slots are served; the retried commit's run is made on the tiny target and on
+  the state-sensitive one (``state_checks.MODELS``), whose tokens a state gone wrong after the
+  prompt changes (``assert_tokens_need_state``).
 
 Every ledger drained (or its cancellations recorded), every slot live or free.
 """
@@ -50,9 +52,11 @@ from ir.spec import CommitPlan, VerifyPlan
 from passes import DecodeContext, LowerContext, SpecContext
 from tests.helpers import fresh, tiny_models
 from tests.scenarios.state_checks import (
+    MODELS,
     Recorder,
     assert_accounted,
     assert_states_match,
+    assert_tokens_need_state,
     reference_outputs,
     scratch_states,
     stale_fill,
@@ -184,8 +188,8 @@ SERVED = [list(b"def f(x):"), list(b"class K:"), list(b"x = [1, 2]")]
 NEW = 6
 
 
-def _engine(**options: Any) -> tuple[Engine, Recorder, Recorder]:
-    target, draft = tiny_models()
+def _engine(models: str = "tiny", **options: Any) -> tuple[Engine, Recorder, Recorder]:
+    target, draft = MODELS[models]()
     e = Engine(target, draft, k=K, capacity=3, **options)
     assert e.draft is not None
     return e, Recorder(e.target), Recorder(e.draft)
@@ -203,8 +207,10 @@ def _verify_then_its_commit(rec: Recorder) -> int:
     return len(verifies)
 
 
-def test_through_the_engine_each_verify_waits_for_its_commit_and_a_failed_one_is_retried() -> None:
-    e, rec_t, rec_d = _engine(retries=1)
+@pytest.mark.parametrize("models", MODELS)
+def test_through_the_engine_each_verify_waits_for_its_commit_and_a_failed_one_is_retried(models: str) -> None:
+    e, rec_t, rec_d = _engine(models, retries=1)
+    target, draft = MODELS[models]()
     for i, p in enumerate(SERVED):
         e.admit(RequestId(i), p, max_new_tokens=NEW)
     with faults.armed(faults.FaultPoint.COMMIT, after=1) as fired:  # the second commit fails once
@@ -212,10 +218,13 @@ def test_through_the_engine_each_verify_waits_for_its_commit_and_a_failed_one_is
     assert fired == {faults.FaultPoint.COMMIT: 1} and e.stats.retries == 1 and e.stats.failed_steps == 0
     assert _verify_then_its_commit(rec_t) >= 2
     assert e.target.kept_states == ()
-    assert e.outputs == {RequestId(i): reference_outputs(p, NEW) for i, p in enumerate(SERVED)}
+    assert e.outputs == {RequestId(i): reference_outputs(p, NEW, target) for i, p in enumerate(SERVED)}
     for i, p in enumerate(SERVED):
-        assert_states_match(rec_t.prefilled[RequestId(i)], scratch_states(p), f"request {i} on the target after its prefill")
-        assert_states_match(rec_d.prefilled[RequestId(i)], scratch_states(p, draft=True), f"request {i} on the draft after its prefill")
+        assert_states_match(rec_t.prefilled[RequestId(i)], scratch_states(p, model=target), f"request {i} on the target after its prefill")
+        assert_states_match(rec_d.prefilled[RequestId(i)], scratch_states(p, model=draft), f"request {i} on the draft after its prefill")
+    if models == "state-sensitive":
+        for p in (SERVED[0], SERVED[2]):  # a state gone wrong after the prompt (as a lost commit leaves it) shows in their tokens
+            assert_tokens_need_state(p, len(p), NEW, target)  # (request 1's 6 tokens happen to come out the same from a zero state)
     assert_accounted(e)
     e.close()
 

@@ -22,6 +22,10 @@ on; hidden states are kept under an id that the head's phase takes exactly once.
   request's state rows after its prefill equal a from-scratch prefill (target; draft too where it is
   a separate model: the head's pool has no from-scratch reference here), the freed slots served.
 
+The engine scenario runs on the tiny target and on the state-sensitive one (``state_checks.MODELS``;
+the head is a seeded one for whichever target): there, the copies' tokens would change had a copy
+left a zeroed row (``assert_tokens_need_state``).
+
 Every ledger drained, every slot live or free, live == 0 at the end. Immune: no fix was needed.
 """
 
@@ -32,6 +36,7 @@ from typing import Any
 import pytest
 
 from backend.executor import Executor
+from backend.hybrid.head import HeadConfig, HeadModel
 from backend.ledger import Ledger
 from compiler.engine import Engine
 from compiler.manager import PassManager
@@ -40,12 +45,13 @@ from compiler.steps import Pipeline
 from ir.batch import DecodeBatch
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 from passes import LowerContext, SpecContext
-from tests.compiler.engine.test_engine_head import _head
 from tests.helpers import fresh, tiny_models
 from tests.scenarios.state_checks import (
+    MODELS,
     Recorder,
     assert_accounted,
     assert_states_match,
+    assert_tokens_need_state,
     reference_outputs,
     scratch_states,
     stale_fill,
@@ -97,15 +103,17 @@ def test_a_one_token_request_consumes_its_prefill_on_both_pools_and_its_slot_is_
 
 
 SYSTEM = list(b"You are terse, ok.\n")  # 19 tokens: a cache block (16) inside, shared by requests 2 to 5
-PROMPTS = [list(b"def f(x):"), list(b"class K:"), SYSTEM + list(b"x = [1, 2]"), SYSTEM + list(b"import re"), SYSTEM + list(b"y"), SYSTEM + list(b"for i in x:")]
+PROMPTS = [list(b"def f(x):"), list(b"class K:"), SYSTEM + list(b"x = [1, 2]"), SYSTEM + list(b"import re"), SYSTEM + list(b"y"), SYSTEM + list(b"for k in d:")]
 NEW = [1, 5, 1, 4, 1, 3]
 
 
+@pytest.mark.parametrize("models", MODELS)
 @pytest.mark.parametrize("drafter", ["draft", "head"])
-def test_through_the_engine_one_token_requests_leave_no_prefill_ticket_and_no_hidden_states(drafter: str) -> None:
-    target, draft = tiny_models()
+def test_through_the_engine_one_token_requests_leave_no_prefill_ticket_and_no_hidden_states(drafter: str, models: str) -> None:
+    target, draft = MODELS[models]()
+    head = HeadModel.from_seed(HeadConfig.for_target(target.config, ("mamba", "attn")), target, 3)  # (the engine-head tests' head)
     cache = PrefixCache(capacity=2, block=16)
-    e = Engine(target, draft if drafter == "draft" else _head(), k=K, capacity=4, chunk_size=6, prefix_cache=cache)
+    e = Engine(target, draft if drafter == "draft" else head, k=K, capacity=4, chunk_size=6, prefix_cache=cache)
     assert e.draft is not None and e.head == (drafter == "head")
     rec_t, rec_d = Recorder(e.target), Recorder(e.draft)
     for i in (0, 1):  # together
@@ -118,7 +126,12 @@ def test_through_the_engine_one_token_requests_leave_no_prefill_ticket_and_no_hi
     for i in (4, 5):  # into the freed slots
         e.admit(RequestId(i), PROMPTS[i], max_new_tokens=NEW[i])
     e.run_until_done()
-    assert e.outputs == {RequestId(i): reference_outputs(p, NEW[i]) for i, p in enumerate(PROMPTS)}
+    assert e.outputs == {RequestId(i): reference_outputs(p, NEW[i], target) for i, p in enumerate(PROMPTS)}
+    starts = {rid: min(pre for plan in rec_t.extend_plans() for r, pre in zip(plan.rid_list(), plan.prefix_lens.tolist(), strict=True) if r == rid)
+              for rid in range(len(PROMPTS))}
+    assert starts == {0: 0, 1: 0, 2: 0, 3: 0, 4: 16, 5: 16}, starts  # requests 4 and 5 start as copies of the entry
+    if models == "state-sensitive":
+        assert_tokens_need_state(PROMPTS[5], 16, NEW[5], target)  # a zeroed row at request 5's copy would show in its tokens
     assert e.stats.proposed > 0
     ledger = e.ledger
     for pool in (TARGET_POOL, DRAFT_POOL):
@@ -130,12 +143,12 @@ def test_through_the_engine_one_token_requests_leave_no_prefill_ticket_and_no_hi
     if e.head:
         assert e.target.hidden is not None and len(e.target.hidden) == 0  # every handle taken by the head's phase
     for i, p in enumerate(PROMPTS):
-        assert_states_match(rec_t.prefilled[RequestId(i)], scratch_states(p), f"request {i} on the target after its prefill")
+        assert_states_match(rec_t.prefilled[RequestId(i)], scratch_states(p, model=target), f"request {i} on the target after its prefill")
         if not e.head:
-            assert_states_match(rec_d.prefilled[RequestId(i)], scratch_states(p, draft=True), f"request {i} on the draft after its prefill")
+            assert_states_match(rec_d.prefilled[RequestId(i)], scratch_states(p, model=draft), f"request {i} on the draft after its prefill")
     (entry,) = cache.entries()
     assert entry.pins == 0
-    assert_states_match(state_rows(e.target.pool, entry.slot), scratch_states(SYSTEM[:16]), "the cache entry")
+    assert_states_match(state_rows(e.target.pool, entry.slot), scratch_states(SYSTEM[:16], model=target), "the cache entry")
     e.drop_cache()
     assert_accounted(e)
     assert e.slots.num_live == 0 and e.kv.num_live == 0

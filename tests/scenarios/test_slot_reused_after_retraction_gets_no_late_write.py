@@ -21,7 +21,9 @@ less than the requests' growth:
 - each request's last prefill (the retracted one's re-prefill of its prompt and output so far)
   leaves a state equal to a from-scratch prefill of its tokens (the decodes' states are covered
   by the token equality only);
-- outputs equal the engine without pipelining and the ``k = 0`` reference.
+- outputs equal the engine without pipelining and the ``k = 0`` reference, on the tiny target and
+  on the state-sensitive one (``state_checks.MODELS``), where the new owner's tokens would change
+  had its state been replaced right after its prefill (``assert_tokens_need_state``).
 
 With executor processes and speculation (``k = 2``: the commits of an iteration are sent and not
 waited for), marked slow (about 8 s here, most of it starting the processes): every step settles the
@@ -37,20 +39,29 @@ from __future__ import annotations
 
 import pytest
 
+from backend.hybrid.model import HybridModel
 from backend.remote import Processes
 from compiler.engine import Engine
 from ir.ids import RequestId
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from tests.helpers import tiny_models
-from tests.scenarios.state_checks import Recorder, assert_accounted, assert_states_match, reference_outputs, scratch_states
+from tests.scenarios.state_checks import (
+    MODELS,
+    Recorder,
+    assert_accounted,
+    assert_states_match,
+    assert_tokens_need_state,
+    reference_outputs,
+    scratch_states,
+)
 
 PROMPTS = [list(b"def f(x):\n  return"), list(b"class K:\n  def"), list(b"import numpy as")]
 NEW = 12
 KV = 50  # the two first prompts fit, their growth does not: one retraction
 
 
-def _serve(pipelined: bool) -> tuple[Engine, Recorder]:
-    e = Engine(tiny_models()[0], None, k=0, capacity=2, kv_capacity=KV)
+def _serve(pipelined: bool, model: HybridModel) -> tuple[Engine, Recorder]:
+    e = Engine(model, None, k=0, capacity=2, kv_capacity=KV)
     e.forwards.pipelined = pipelined
     rec = Recorder(e.target)
     for i, p in enumerate(PROMPTS):
@@ -71,8 +82,10 @@ def _rows(plan: object) -> list[tuple[int, int, int | None]]:
     return out
 
 
-def test_a_slot_given_away_on_retraction_receives_no_write_of_its_previous_owner() -> None:
-    e, rec = _serve(pipelined=True)
+@pytest.mark.parametrize("models", MODELS)
+def test_a_slot_given_away_on_retraction_receives_no_write_of_its_previous_owner(models: str) -> None:
+    model = MODELS[models]()[0]
+    e, rec = _serve(True, model)
     assert e.stats.retractions == 1
     owner: dict[int, int] = {}  # slot -> the request that owns it now
     last: dict[int, int] = {}  # slot -> the last request that prefilled into it
@@ -99,12 +112,16 @@ def test_a_slot_given_away_on_retraction_receives_no_write_of_its_previous_owner
     retracted = [rid for rid, ps in prefills.items() if len(ps) > 1]
     assert len(retracted) == 1 and prefills[retracted[0]][1][: len(PROMPTS[retracted[0]])] == PROMPTS[retracted[0]]
     # the retracted request's slot went to another request's prefill (and it re-prefilled elsewhere)
-    assert any(prev == retracted[0] and new != prev for _, prev, new in handovers), handovers
+    new_owners = [new for _, prev, new in handovers if prev == retracted[0] and new != prev]
+    assert new_owners, handovers
     for rid, ps in prefills.items():
-        assert_states_match(rec.prefilled[RequestId(rid)], scratch_states(ps[-1]), f"request {rid} after its last prefill")
-    plain, _ = _serve(pipelined=False)
+        assert_states_match(rec.prefilled[RequestId(rid)], scratch_states(ps[-1], model=model), f"request {rid} after its last prefill")
+    plain, _ = _serve(False, model)
     assert plain.stats.retractions == 1
-    assert e.outputs == plain.outputs == {RequestId(i): reference_outputs(p, NEW) for i, p in enumerate(PROMPTS)}
+    assert e.outputs == plain.outputs == {RequestId(i): reference_outputs(p, NEW, model) for i, p in enumerate(PROMPTS)}
+    if models == "state-sensitive":
+        for rid in new_owners:  # a late write that replaced the new owner's state after its prefill would show in its tokens
+            assert_tokens_need_state(PROMPTS[rid], len(PROMPTS[rid]), NEW, model)
     assert e.forwards.in_flight is None
     for drv in (e, plain):
         assert_accounted(drv)

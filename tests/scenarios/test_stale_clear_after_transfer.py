@@ -22,7 +22,9 @@ the engine with a prefix cache and small chunks:
   the slot until it runs or is cancelled (recorded), so it cannot fire after a transfer.
 
 Outputs equal the reference run (``state_checks.reference_outputs``), every ledger is drained (or
-its cancellations recorded), every slot is live or free.
+its cancellations recorded), every slot is live or free. The tests that compare tokens after a copy
+run on the tiny target and on the state-sensitive one (``state_checks.MODELS``), on which a state
+zeroed at the copy (what the stale clear leaves) changes those very tokens (``assert_tokens_need_state``).
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ from ir.init import MambaInit
 from ir.plan import ExtendPlan
 from ir.printer import dump
 from passes import DecodeContext
-from tests.helpers import cont, cow, fresh, tiny_models
+from tests.helpers import cont, cow, fresh
 from tests.scenarios.state_checks import (
+    MODELS,
     Recorder,
     TinyWorld,
     assert_accounted,
     assert_states_match,
+    assert_tokens_need_state,
     distance,
     reference_outputs,
     scratch_states,
@@ -68,12 +72,13 @@ def _cache_entry(w: TinyWorld) -> None:
     w.executor.execute(plan)
     # the same computation as the from-scratch prefill (the tokens in one chunk, one row, the same
     # kernels): bit for bit
-    assert_states_match(state_rows(w.pool, CACHE), scratch_states(PREFIX), "cache entry", exact=True)
+    assert_states_match(state_rows(w.pool, CACHE), scratch_states(PREFIX, model=w.model), "cache entry", exact=True)
     w.hook.share_prefix(CACHE, SLOT_COPY, len(PREFIX))  # a copy's attention reads the entry's KV
 
 
-def test_a_copied_or_continued_slot_is_never_cleared_and_its_state_is_a_from_scratch_prefill() -> None:
-    w = TinyWorld()
+@pytest.mark.parametrize("models", MODELS)
+def test_a_copied_or_continued_slot_is_never_cleared_and_its_state_is_a_from_scratch_prefill(models: str) -> None:
+    w = TinyWorld(model=MODELS[models]()[0])
     _cache_entry(w)
     kv_copy, kv_fresh = w.kv(len(BODY)), w.kv(len(OTHER))
     copy_first = attrs.evolve(cow(1, SLOT_COPY, CACHE, len(PREFIX), BODY[:5], kv_copy), more_chunks=True)
@@ -88,11 +93,11 @@ def test_a_copied_or_continued_slot_is_never_cleared_and_its_state_is_a_from_scr
     assert p2.tickets == () and batch2.init is None and "tickets none" in dump(p2, exact=True)
     w.executor.execute(p1)
     sampled = w.executor.execute(p2)
-    assert_states_match(state_rows(w.pool, SLOT_COPY), scratch_states(PREFIX + BODY), "copied prefix, then 2 chunks")
-    assert_states_match(state_rows(w.pool, SLOT_FRESH), scratch_states(OTHER), "fresh slot, 2 chunks")
+    assert_states_match(state_rows(w.pool, SLOT_COPY), scratch_states(PREFIX + BODY, model=w.model), "copied prefix, then 2 chunks")
+    assert_states_match(state_rows(w.pool, SLOT_FRESH), scratch_states(OTHER, model=w.model), "fresh slot, 2 chunks")
     # what a stale clear before the second chunk would have left is far outside the tolerance
-    assert distance(state_rows(w.pool, SLOT_COPY), scratch_states(BODY[5:])) > 1e-2
-    assert_states_match(state_rows(w.pool, CACHE), scratch_states(PREFIX), "cache entry after the copy read it", exact=True)
+    assert distance(state_rows(w.pool, SLOT_COPY), scratch_states(BODY[5:], model=w.model)) > 1e-2
+    assert_states_match(state_rows(w.pool, CACHE), scratch_states(PREFIX, model=w.model), "cache entry after the copy read it", exact=True)
     # decode on: the tokens are the reference run's
     tokens = {rid: [tok] for rid, tok in zip(sampled.rids.tolist(), sampled.tokens.tolist(), strict=True)}
     running = w.pipeline.merge(DecodeBatch.empty(), batch2)
@@ -102,7 +107,9 @@ def test_a_copied_or_continued_slot_is_never_cleared_and_its_state_is_a_from_scr
         res = w.executor.execute(dplan)
         for rid, tok in zip(res.rids.tolist(), res.tokens.tolist(), strict=True):
             tokens[rid].append(tok)
-    assert tokens == {1: reference_outputs(PREFIX + BODY, 3), 2: reference_outputs(OTHER, 3)}
+    assert tokens == {1: reference_outputs(PREFIX + BODY, 3, w.model), 2: reference_outputs(OTHER, 3, w.model)}
+    if models == "state-sensitive":
+        assert_tokens_need_state(PREFIX + BODY, len(PREFIX), 3, w.model)  # a stale clear at the copy would show in the tokens
     w.ledger.assert_drained()
     w.release_all()
 
@@ -173,11 +180,13 @@ PROMPTS = [SHARED + list(b) for b in (b"def f(x):", b"import re", b"class K:", b
 NEW = 4
 
 
-def test_through_the_engine_no_clear_follows_a_copy_or_a_first_chunk() -> None:
+@pytest.mark.parametrize("models", MODELS)
+def test_through_the_engine_no_clear_follows_a_copy_or_a_first_chunk(models: str) -> None:
     """Requests 0 and 1 share the prefix (the cache snapshots it at 16 tokens); requests 2 and 3,
     admitted after, start as copies of that entry; every prompt goes in chunks of 8."""
+    model = MODELS[models]()[0]
     cache = PrefixCache(capacity=2, block=16)
-    e = Engine(tiny_models()[0], None, k=0, capacity=4, prefix_cache=cache, chunk_size=8)
+    e = Engine(model, None, k=0, capacity=4, prefix_cache=cache, chunk_size=8)
     rec = Recorder(e.target)
     for rid in (0, 1):
         e.admit(RequestId(rid), PROMPTS[rid], max_new_tokens=NEW)
@@ -192,12 +201,16 @@ def test_through_the_engine_no_clear_follows_a_copy_or_a_first_chunk() -> None:
     for p in plans:
         starts = dict(zip(p.slots.tolist(), p.prefix_lens.tolist(), strict=True))
         assert all(starts[s] == 0 for s in _clears(p)), f"a clear of a row past token 0:\n{dump(p, exact=True)}"
-    assert e.outputs == {RequestId(i): reference_outputs(p, NEW) for i, p in enumerate(PROMPTS)}
+    assert e.outputs == {RequestId(i): reference_outputs(p, NEW, model) for i, p in enumerate(PROMPTS)}
+    if models == "state-sensitive":
+        # a clear after request 3's copy would show in its tokens (request 2's 4 tokens happen to
+        # come out the same from a zeroed state: one copy that shows is what the comparison needs)
+        assert_tokens_need_state(PROMPTS[3], 16, NEW, model)
     for i, p in enumerate(PROMPTS):
-        assert_states_match(rec.prefilled[RequestId(i)], scratch_states(p), f"request {i} after its prefill")
+        assert_states_match(rec.prefilled[RequestId(i)], scratch_states(p, model=model), f"request {i} after its prefill")
     (entry,) = cache.entries()
     assert entry.tokens == tuple(SHARED[:16])
-    assert_states_match(state_rows(e.target.pool, entry.slot), scratch_states(SHARED[:16]), "the cache entry")
+    assert_states_match(state_rows(e.target.pool, entry.slot), scratch_states(SHARED[:16], model=model), "the cache entry")
     e.drop_cache()
     assert_accounted(e)
     assert e.slots.num_live == 0 and e.kv.num_live == 0

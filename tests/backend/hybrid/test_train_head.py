@@ -133,8 +133,10 @@ class _Stop(Exception):
     pass
 
 
-def test_resume_continues_to_the_uninterrupted_result(target: HybridModel, corpus: TokenCorpus, tmp_path: Path) -> None:
-    settings = attrs.evolve(SETTINGS, steps=8, checkpoint_every=3)
+@pytest.mark.parametrize("hidden_dropout", [0.0, 0.5])
+def test_resume_continues_to_the_uninterrupted_result(hidden_dropout: float, target: HybridModel, corpus: TokenCorpus, tmp_path: Path) -> None:
+    """With hidden dropout too: its masks come from the batch generator, whose state the resume keeps."""
+    settings = attrs.evolve(SETTINGS, steps=8, checkpoint_every=3, hidden_dropout=hidden_dropout)
     whole = train_head(target, corpus, settings, tmp_path / "whole.safetensors", log=_silent)
 
     out = tmp_path / "cut.safetensors"
@@ -154,6 +156,18 @@ def test_resume_continues_to_the_uninterrupted_result(target: HybridModel, corpu
 
     with pytest.raises(TrainError, match="seed"):  # a resume state from other settings is refused by name
         train_head(target, corpus, attrs.evolve(settings, seed=1), out, resume=True, log=_silent)
+
+
+def test_hidden_dropout_reaches_the_training_forward_and_is_bounded(target: HybridModel, corpus: TokenCorpus, tmp_path: Path) -> None:
+    """The same seed draws the same first batch; dropping half the hidden inputs changes its loss
+    (with none dropped the run is the plain one), and a fraction outside [0, 1) is refused by name."""
+    runs = {p: train_head(target, corpus, attrs.evolve(SETTINGS, steps=2, hidden_dropout=p), tmp_path / f"h{p}.safetensors", log=_silent)
+            for p in (0.0, 0.5)}
+    plain = train_head(target, corpus, attrs.evolve(SETTINGS, steps=2), tmp_path / "plain.safetensors", log=_silent)
+    assert runs[0.0].losses == plain.losses and runs[0.5].losses[0] != plain.losses[0]
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"^hidden_dropout must be in \[0, 1\), got"):
+            HeadTrainSettings(hidden_dropout=bad)
 
 
 def test_a_hugging_face_target_directory(root: Path, tmp_path: Path) -> None:
@@ -188,6 +202,7 @@ def test_a_hugging_face_target_directory(root: Path, tmp_path: Path) -> None:
         (["--resume"], "--resume: no resume state"),
         (["--sequences", "60000", "--seq-len", "4096"], "the rollouts would hold 93850 MiB in memory, over the bound of 8192 MiB"),
         (["--seq-len", "68"], "--seq-len 68: a rollout needs more than the 64-token prompt and k = 4 proposals (at least 69)"),
+        (["--hidden-dropout", "1"], "argument --hidden-dropout: expected a finite number in [0, 1), got 1"),
     ],
 )
 def test_cli_refuses_bad_input_in_one_line(argv: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -149,6 +149,8 @@ def test_measurement_tables_come_from_the_json_with_provenance(name: str) -> Non
         data[0]["tokens_per_s"] = 12345.6
     elif "runs" in data:
         data["runs"]["compiled"]["acceptance_rate"] = 0.1234
+    elif "rows" in data:  # bench decode
+        data["rows"][0]["prompt_tokens_per_s"] = 12345.6
     else:
         data["tokens_per_s"] = 12345.6
     changed = docs_tables.render_record(record)

@@ -47,7 +47,7 @@ from backend.hf.config import FAMILIES, HFConfig, _Fields, parse_config, read_js
 from backend.hybrid.checkpoint import CheckpointError, file_kind
 from backend.hybrid.config import HybridConfig
 from backend.hybrid.model import HybridModel
-from backend.hybrid.weights import Weights, weight_shapes
+from backend.hybrid.weights import Weights, projections, weight_shapes
 from backend.pool import device_problem
 from ir.errors import short_repr
 
@@ -306,6 +306,7 @@ def load_hf(directory: str | Path, *, dtype: torch.dtype = torch.float32, device
     _check_headers(d, files, sources, ignored)
     weights: Weights = {}
     cache: dict[str, torch.Tensor] = {}
+    applied = set(projections(hf.config))  # stored for x @ W.T as a row-major product (backend.hybrid.weights.matmul_layout)
     for name in sorted(sources):
         src = sources[name]
         path = files[src.name]
@@ -313,7 +314,8 @@ def load_hf(directory: str | Path, *, dtype: torch.dtype = torch.float32, device
             with _open(path) as f:
                 cache = {src.name: f.get_tensor(src.name)}  # one checkpoint tensor at a time (Granite's fused MLP: two uses)
             _check_finite(path, src.name, cache[src.name])
-        weights[name] = src.take(cache[src.name]).to(device=device, dtype=dtype).contiguous()
+        taken = src.take(cache[src.name]).to(device=device, dtype=dtype)
+        weights[name] = taken.T.contiguous().T if name in applied else taken.contiguous()
         if weights[name].dtype != cache[src.name].dtype:  # float32 -> float16 can overflow to infinity
             _check_finite(path, src.name, weights[name], _DTYPE_NAMES[dtype])
     if not hf.conv_bias:

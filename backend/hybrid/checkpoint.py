@@ -36,7 +36,7 @@ from backend.files import CheckpointError as CheckpointError  # (re-exported: de
 from backend.files import file_kind as file_kind
 from backend.hybrid.config import ARCHITECTURE_SWITCHES, BLOCK_KINDS, LAYER_KINDS, MLP_KINDS, HybridConfig
 from backend.hybrid.model import HybridModel
-from backend.hybrid.weights import Weights, check_weights, weight_shapes
+from backend.hybrid.weights import Weights, check_weights, projections, weight_shapes
 from backend.pool import device_problem
 from ir.errors import short_repr
 
@@ -298,8 +298,10 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", dty
     _check_load_args(path, device, dtype)
     config, weights, _ = read_checkpoint(path)
     converted: Weights = {}
+    applied = set(projections(config))  # stored for x @ W.T as a row-major product (backend.hybrid.weights.matmul_layout)
     for name in sorted(weights):
-        t = converted[name] = weights[name].to(device=device, dtype=dtype)
+        t = weights[name].to(device=device, dtype=dtype)
+        t = converted[name] = t.T.contiguous().T if name in applied else t
         if not bool(torch.isfinite(t).all()):  # read_checkpoint refused non-finite float32: these overflow the dtype
             bad = int((~torch.isfinite(t)).sum())
             raise CheckpointError(path, f"tensor {name!r} has {bad} values that overflow {dtype} (of {t.numel()})")

@@ -59,6 +59,7 @@ from backend.kernels.commit import commit_accepted
 from backend.kernels.conv import causal_conv1d_update, causal_conv1d_verify
 from backend.kernels.ssm import selective_state_update, selective_state_verify_kept
 from backend.kernels.window import SsmWindow, commit_states
+from backend.parts import ATTENTION, EMBED, FORWARD, KV, LM_HEAD, MAMBA, MLP, NORMS
 from backend.pool import MambaStatePool, PoolLayout
 from backend.staging import Captures
 from ir.ids import TARGET_POOL, PoolId
@@ -331,8 +332,9 @@ class HybridModel:
     ) -> torch.Tensor:
         """``_attend`` before ``o_proj``: the heads' outputs ``[n, Tq, H * hd]``."""
         c = self.config
-        locs = table.rows(table_rows, ctx)  # [n, ctx]
-        k, v = kv.gather(c.attn_index(i), locs)  # [n, ctx, kv_heads, hd]
+        with KV:
+            locs = table.rows(table_rows, ctx)  # [n, ctx]
+            k, v = kv.gather(c.attn_index(i), locs)  # [n, ctx, kv_heads, hd]
         visible = torch.arange(ctx, device=q.device)[None, None, :] <= qpos[:, :, None]  # [n, Tq, ctx]
         if c.kv_heads == c.attn_heads:
             scores = torch.einsum("nthd,nlhd->nhtl", q.float(), k.float())
@@ -348,25 +350,31 @@ class HybridModel:
         return out.reshape(*out.shape[:2], -1)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self._w("embed")[input_ids]
-        return h if self.config.embed_scale == 1.0 else h * self.config.embed_scale
+        with EMBED:
+            h = self._w("embed")[input_ids]
+            return h if self.config.embed_scale == 1.0 else h * self.config.embed_scale
 
     def _layers(self, h: torch.Tensor, mamba: _Mixer, attn: _Mixer) -> torch.Tensor:
         c = self.config
         scale = c.residual_scale
-        for i, kind in enumerate(c.layers):
-            x = rms_norm(h, self._w(f"layers.{i}.norm"), c.rms_eps)
-            out = mamba(i, x) if kind == "mamba" else attn(i, x) if kind == "attn" else self._mlp(i, x)
-            h = h + out if scale == 1.0 else h + out * scale
-            if c.block == "mixer_mlp":
-                out = self._mlp(i, rms_norm(h, self._w(f"layers.{i}.mlp_norm"), c.rms_eps))
+        with NORMS:  # (the parts inside take their own time: NORMS keeps the norms and residual adds)
+            for i, kind in enumerate(c.layers):
+                x = rms_norm(h, self._w(f"layers.{i}.norm"), c.rms_eps)
+                with MAMBA if kind == "mamba" else ATTENTION if kind == "attn" else MLP:
+                    out = mamba(i, x) if kind == "mamba" else attn(i, x) if kind == "attn" else self._mlp(i, x)
                 h = h + out if scale == 1.0 else h + out * scale
+                if c.block == "mixer_mlp":
+                    normed = rms_norm(h, self._w(f"layers.{i}.mlp_norm"), c.rms_eps)
+                    with MLP:
+                        out = self._mlp(i, normed)
+                    h = h + out if scale == 1.0 else h + out * scale
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         c = self.config
-        logits = self._linear(rms_norm(h, self._w("final_norm"), c.rms_eps), "embed" if c.tie_embeddings else "lm_head").float()
-        return logits if c.logit_scale == 1.0 else logits * c.logit_scale
+        with LM_HEAD:
+            logits = self._linear(rms_norm(h, self._w("final_norm"), c.rms_eps), "embed" if c.tie_embeddings else "lm_head").float()
+            return logits if c.logit_scale == 1.0 else logits * c.logit_scale
 
     def _check_rows(self, pool: MambaStatePool, kv: KVCache, table: TokenTable, slots: torch.Tensor) -> None:
         device = pool.device
@@ -385,6 +393,7 @@ class HybridModel:
 
     # ---- entry points -------------------------------------------------------------------------
 
+    @FORWARD
     def extend(
         self,
         pool: MambaStatePool,
@@ -427,6 +436,7 @@ class HybridModel:
         last = h[cu_seqlens[1:] - 1]
         return ForwardOut(self._logits(last), last, h if keep_hidden else None)
 
+    @FORWARD
     def mixed(
         self,
         pool: MambaStatePool,
@@ -554,13 +564,15 @@ class HybridModel:
             )
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv.write(c.attn_index(i), locs, k, v)
+            with KV:
+                kv.write(c.attn_index(i), locs, k, v)
             q_pad = torch.zeros((n, t_max, *q.shape[1:]), dtype=q.dtype, device=device)
             q_pad[seq_of, offset] = q
             return self._attention(i, q_pad, qpos, kv, table, slots, ctx)[seq_of, offset]
 
         return _Cores(mamba, attn)
 
+    @FORWARD
     def decode(
         self,
         pool: MambaStatePool,
@@ -638,11 +650,13 @@ class HybridModel:
             )
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv.write(c.attn_index(i), locs, k, v)
+            with KV:
+                kv.write(c.attn_index(i), locs, k, v)
             return self._attention(i, q[:, None], positions[:, None], kv, table, table_rows, ctx)[:, 0]
 
         return _Cores(mamba, attn)
 
+    @FORWARD
     def verify(
         self,
         pool: MambaStatePool,
@@ -710,7 +724,8 @@ class HybridModel:
 
         def attn(i: int, x: torch.Tensor) -> torch.Tensor:
             q, k, v = self._qkv(i, x, positions)
-            kv.write(c.attn_index(i), locs.reshape(-1), k.reshape(n * T, *k.shape[2:]), v.reshape(n * T, *v.shape[2:]))
+            with KV:
+                kv.write(c.attn_index(i), locs.reshape(-1), k.reshape(n * T, *k.shape[2:]), v.reshape(n * T, *v.shape[2:]))
             return self._attend(i, q, positions, kv, table, slots, ctx)
 
         h = self._layers(self._embed(input_ids), mamba, attn)
@@ -769,6 +784,7 @@ class HybridModel:
         assert states is not None
         return tokens, states
 
+    @FORWARD
     def _propose(
         self,
         pool: MambaStatePool,

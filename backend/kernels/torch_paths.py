@@ -5,7 +5,9 @@
 own argument checks. Each function computes what its per-row counterpart in ``backend.reference``
 computes, with the same ops in the same order and dtypes, as a handful of batched torch ops
 instead of a Python loop over rows: the live rows (``slot_idx >= 0``) are gathered from the pool
-once, advanced together, and scattered back with one indexed copy. Padding rows (-1) leave the
+once, advanced together, and scattered back with one indexed copy; the SSM decode step, whose
+states are the largest, advances them a cache-sized block of heads at a time, in place in the pool
+when the rows' slots are consecutive (``STATE_BLOCK_BYTES``). Padding rows (-1) leave the
 pool untouched and their outputs zero. ``backend.reference`` stays the readable specification and
 the tests' oracle.
 
@@ -45,10 +47,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GRAIN", "causal_conv1d_update", "causal_conv1d_verify", "commit_accepted", "selective_state_update", "selective_state_verify"]
+from backend.parts import STATE
+
+__all__ = [
+    "GRAIN", "STATE_BLOCK_BYTES", "causal_conv1d_update", "causal_conv1d_verify", "commit_accepted", "selective_state_update",
+    "selective_state_verify",
+]
 
 GRAIN = 32768
 """Elements from which torch splits a CPU elementwise op across threads (ATen's ``GRAIN_SIZE``)."""
+STATE_BLOCK_BYTES = 1 << 20
+"""Float32 bytes of SSM state a decode step advances at a time (``selective_state_update``): a block
+of heads over the rows, small enough to stay in the CPU's caches between its reads and writes."""
 
 
 def _run_crosses_rows(t: torch.Tensor, row_dims: int) -> bool:
@@ -144,9 +154,11 @@ def causal_conv1d_update(
     rows, slots = _live_rows(slot_idx)
     if slots.numel() == 0:
         return torch.zeros_like(x)
-    windows = torch.cat([conv_state[slots].float(), _take(x, rows).float()[:, :, None]], dim=2)  # [live, dim, width]
+    with STATE:
+        windows = torch.cat([conv_state[slots].float(), _take(x, rows).float()[:, :, None]], dim=2)  # [live, dim, width]
     y = _conv_outputs(windows, weight, bias, silu, row_dims=1)
-    conv_state.index_copy_(0, slots, windows[:, :, 1:].to(conv_state.dtype))
+    with STATE:
+        conv_state.index_copy_(0, slots, windows[:, :, 1:].to(conv_state.dtype))
     return _spread(y, rows, x.shape[0], x.dtype)
 
 
@@ -256,9 +268,50 @@ def selective_state_update(
     if slots.numel() == 0:
         return torch.zeros_like(x)
     terms = _SsmTerms(x, dt, A, B, C, D, z, dt_bias, dt_softplus, row_dims=1).take(rows)
-    y, new = terms.step(state[slots].float())
-    state.index_copy_(0, slots, new.to(state.dtype))
-    return _spread(y, rows, x.shape[0], x.dtype)
+    return _spread(_advance_in_blocks(state, slots, terms), rows, x.shape[0], x.dtype)
+
+
+def _slot_span(slots: torch.Tensor) -> slice | None:
+    """``slots`` as the slice of pool rows they name when they are consecutive and ascending (a fresh
+    batch's usual slots), else ``None``."""
+    listed = slots.tolist()
+    first = listed[0]
+    return slice(first, first + len(listed)) if listed == list(range(first, first + len(listed))) else None
+
+
+def _advance_in_blocks(state: torch.Tensor, slots: torch.Tensor, terms: _SsmTerms) -> torch.Tensor:
+    """``_SsmTerms.step`` of every row from ``state[slots]``, written back there: ``y [rows, H, P]``
+    (float32, before ``D`` and the gate).
+
+    The rows' states are advanced a block of heads at a time (``STATE_BLOCK_BYTES``), each block read
+    from the pool, advanced and written back while it is in the CPU's caches, so the pool's state
+    memory is read once and written once per step. A float32 pool whose slots are consecutive is
+    advanced in place, through a view of its rows; any other is gathered a block at a time into a
+    working copy and scattered back. Every element gets the same ops, in the same order and dtype,
+    as ``step`` gives it (products and sums are exact in any layout, and the ``d_state`` reduction
+    runs over a contiguous last axis either way), so the bits are ``step``'s."""
+    live, heads, head_dim, d_state = slots.shape[0], *state.shape[1:]
+    per_head = live * head_dim * d_state * 4
+    block = max(1, min(heads, STATE_BLOCK_BYTES // per_head))
+    span = _slot_span(slots) if state.dtype == torch.float32 else None
+    y = torch.empty((live, heads, head_dim), dtype=torch.float32, device=state.device)
+    for h0 in range(0, heads, block):
+        h = slice(h0, min(heads, h0 + block))
+        if span is not None:
+            s = state[span, h]  # the pool's rows themselves
+        else:
+            with STATE:
+                s = state[slots, h].float()
+        s.mul_(terms.decay[:, h]).add_(terms.dt_x[:, h] * terms.B[:, h])
+        torch.sum(s * terms.C[:, h], dim=-1, out=y[:, h])
+        if span is None:
+            with STATE:
+                state[:, h].index_copy_(0, slots, s.to(state.dtype))
+    if terms.D_x is not None:
+        y = y + terms.D_x
+    if terms.gate is not None:
+        y = y * terms.gate
+    return y
 
 
 def selective_state_verify(

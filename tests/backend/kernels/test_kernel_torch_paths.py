@@ -115,6 +115,32 @@ def test_ssm_update_equals_reference(state_dtype: torch.dtype, ngroups: int, ful
 
 
 @pytest.mark.parametrize("state_dtype", DTYPES)
+@pytest.mark.parametrize("slot_list", [[3, 4, 5, 6, 7, 8, 9, 10, 11], [6, 5, 4, 3], [2, 9, 4, 1]], ids=["consecutive", "descending", "scattered"])
+@pytest.mark.parametrize("block_bytes", [1, 1 << 20], ids=["a head a block", "one block"])
+def test_ssm_update_in_place_or_in_blocks_equals_reference(
+    monkeypatch: pytest.MonkeyPatch, state_dtype: torch.dtype, slot_list: list[int], block_bytes: int
+) -> None:
+    # a float32 pool whose slots are consecutive is advanced in place (no gather, no scatter); any other
+    # through a working copy; either a block of heads at a time: every way, the reference's bits
+    from backend.parts import STATE, timing_parts
+
+    monkeypatch.setattr(torch_paths, "STATE_BLOCK_BYTES", block_bytes)
+    expected_pool, pool = _pool(state_dtype), _pool(state_dtype)
+    before = pool.copy_buffer()
+    inp = _ssm((len(slot_list),), ngroups=2, full=True)
+    kw = {"z": inp.z, "dt_bias": inp.dt_bias, "dt_softplus": True, "slot_idx": index(slot_list, device=CPU)}
+    expected = reference.selective_state_update_reference(expected_pool.ssm_state(1), *inp[:6], **kw)
+    with timing_parts() as clock:
+        y = torch_paths.selective_state_update(pool.ssm_state(1), *inp[:6], **kw)
+    _same(y, expected)
+    assert torch.equal(pool.buffer, expected_pool.buffer)
+    _untouched(pool, before, slot_list)
+    in_place = state_dtype == torch.float32 and slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
+    blocks = SSM_NHEADS if block_bytes == 1 else 1
+    assert clock.calls.get(STATE.name, 0) == (0 if in_place else 2 * blocks)
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
 @pytest.mark.parametrize(("ngroups", "full"), GROUPS_FULL)
 def test_ssm_verify_equals_reference_and_leaves_the_pool(state_dtype: torch.dtype, ngroups: int, full: bool) -> None:
     for name, slot_list in SLOTS.items():

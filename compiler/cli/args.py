@@ -11,6 +11,7 @@ from typing import NoReturn
 import attrs
 
 from compiler.engine.config import MAX_PREFILL_STREAK, ServeConfig
+from compiler.offline.budget import DEFAULT_MEMORY_FRACTION
 from compiler.offline.dp import ROUTINGS
 from compiler.workload import (
     ARRIVALS,
@@ -25,7 +26,6 @@ from compiler.workload import (
     MAX_REQUESTS,
     MAX_RUNNING,
     MAX_SEED,
-    MAX_SERVE_BYTES,
     MAX_THREADS,
     MAX_WORKLOAD_BYTES,
     SWEEP_NEW_TOKENS,
@@ -52,6 +52,13 @@ MAX_SWEEP_PROMPT = 1 << 16
 """Longest ``bench serve --sweep --prompt-len`` (the engines' contexts are sized for it)."""
 MAX_BENCH_VOCAB = 1 << 18
 """Largest vocabulary ``bench sampler`` times (its logits are [rows, vocab] float32 in memory)."""
+DECODE_DTYPES = ("float32",)
+"""``bench decode --dtype``'s choices: ``compiler.tools.bench_decode.DTYPES`` (which imports torch: this module
+does not), the dtypes the model path runs on a CPU today."""
+MAX_DECODE_BATCH = 256
+"""Most rows of a ``bench decode`` case."""
+MAX_DECODE_PROMPT = 8192
+"""Longest ``bench decode --prompt-len`` and most ``--new-tokens``."""
 MAX_TP = 64
 """Most tensor-parallel ranks ``batchc run --tp`` takes."""
 MAX_TP_TIMEOUT = 3600
@@ -177,7 +184,10 @@ class Text:
 
 
 def _device(text: str) -> str:
-    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` naming a device this machine has."""
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` naming a device this machine has (``cpu``
+    without importing torch: ``batchc serve``'s HTTP process does not load it)."""
+    if text == "cpu":
+        return text
     import torch
 
     try:
@@ -266,6 +276,25 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, object]:
     return defaults
 
 
+MEMORY_FRACTIONS = FloatIn(0.0, 1.0, lo_open=True, hi_closed=True)
+"""The values ``--memory-fraction`` takes: (0, 1]."""
+_SIZED = "lowered to fit the memory budget when not given (--memory-fraction)"
+
+
+def add_memory_options(p: argparse.ArgumentParser) -> None:
+    """``--memory-fraction`` and ``--device`` of ``batchc run`` and ``batchc serve``."""
+    p.add_argument("--memory-fraction", type=MEMORY_FRACTIONS, default=DEFAULT_MEMORY_FRACTION,
+                   help="share of the memory available on the device when the run starts (on the CPU the kernel's MemAvailable, "
+                   "within a cgroup's limit; on a CUDA device its free memory) that the run may use, in (0, 1], as vLLM's "
+                   "--gpu-memory-utilization: the models' weights and every engine's estimated memory must fit it, and "
+                   "--max-running, --token-budget and --cache-entries not given are lowered until they do (default "
+                   f"{DEFAULT_MEMORY_FRACTION:g}: available, not total, because the machine is shared and has other processes' "
+                   "memory in it; a tenth left for what the estimate leaves out, the allocator's slack and the others' growth)")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="where the engine serves and whose memory sizes it: cpu, cuda or cuda:N, a device this machine has "
+                   "(default cpu; the engine's CUDA path is not built yet: cuda is refused after the memory check)")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line; option defaults of ``batchc run`` are ``ServeConfig``'s."""
     p = _Parser(
@@ -280,9 +309,10 @@ def parser() -> argparse.ArgumentParser:
         description=f"Serve a workload. Bounds: --k in [0, {MAX_K}]; --requests and --lossless-sample at most "
         f"{MAX_REQUESTS}; --max-new-tokens (built-in workload) at most the context length (--max-len) minus its longest "
         f"prompt minus k + 1; --seed 0 to {MAX_SEED}; a workload file is a regular file of at most {MAX_WORKLOAD_BYTES >> 20} MiB; the "
-        f"estimated memory of the run (state pools, KV caches, working memory, the Mamba chunk scan; grows with "
-        f"--max-running, --cache-entries, --k, --chunk-size, --token-budget, --max-len and the models' sizes) at most "
-        f"{MAX_SERVE_BYTES >> 30} GiB; --draft only with k > 0; an empty PATH is refused.",
+        f"estimated memory of the run (the models' weights, state pools, KV caches, working memory, the Mamba chunk scan; "
+        f"grows with --max-running, --cache-entries, --k, --chunk-size, --token-budget, --max-len and the models' sizes) at "
+        f"most the memory budget, --memory-fraction of the memory available when the run starts (--max-running, "
+        f"--token-budget and --cache-entries not given are lowered to fit it); --draft only with k > 0; an empty PATH is refused.",
     )
     run.add_argument("--model", metavar="PATH", type=_path_arg,
                      help="target: a batchc checkpoint (.safetensors) or a Hugging Face checkpoint directory of Bamba, "
@@ -319,15 +349,17 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--k", type=_int_in(0, MAX_K), default=None,
                      help=f"draft tokens per speculative iteration, 0 to {MAX_K}; 0 turns it off (default {_SERVE.k} on "
                      "batchc checkpoints; on a Hugging Face --model, 0 without --draft and 2 with one)")
-    run.add_argument("--max-running", type=_int_in(1, MAX_RUNNING), default=_SERVE.max_running,
-                     help=f"requests live at once (default {_SERVE.max_running}; bounded by the memory estimate)")
+    run.add_argument("--max-running", type=_int_in(1, MAX_RUNNING), default=None,
+                     help=f"requests live at once (default {_SERVE.max_running}, {_SIZED})")
     run.add_argument("--chunk-size", type=_int_in(1, MAX_CONTEXT), default=_SERVE.chunk_size, help=f"prefill chunk size in tokens (default {_SERVE.chunk_size})")
-    run.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
+    run.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=None,
+                     help=f"prefill tokens per step (default {_SERVE.token_budget}, {_SIZED})")
     run.add_argument("--prefill-streak", type=_int_in(0, MAX_PREFILL_STREAK), default=_SERVE.prefill_streak,
                      help="with a draft: prefill steps in a row while requests run, before one speculative step; 0: no bound "
                      f"(prefill whatever is queued first), 1: alternate (default {_SERVE.prefill_streak}, measured)")
-    run.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries,
-                     help=f"prefix-cache entries (default {_SERVE.cache_entries}; bounded by the memory estimate)")
+    run.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=None,
+                     help=f"prefix-cache entries (default {_SERVE.cache_entries}, {_SIZED})")
+    add_memory_options(run)
     run.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0,
                      help=f"the run's seed, 0 to {MAX_SEED} (default 0): the built-in workload's, and the one a sampled request "
                      "(temperature > 0) without a seed of its own derives its seed from, with its request id")
@@ -401,6 +433,9 @@ def parser() -> argparse.ArgumentParser:
                     help="tokens per rollout: 64 of corpus prompt, the rest the target's greedy continuation; more than 68 (default 256)")
     td.add_argument("--held-out", type=_int_in(1, MAX_TRAIN_SEQUENCES), default=None,
                     help="held-out rollouts the acceptance is measured on (default 64)")
+    td.add_argument("--hidden-dropout", metavar="P", type=FloatIn(0.0, 1.0), default=None,
+                    help="the fraction of training positions whose target hidden input is zeroed, so that the head learns to "
+                    "carry the context in its own Mamba state, a finite number in [0, 1) (default: the bundled head's)")
     td.add_argument("--checkpoint-every", type=_int_in(1, MAX_TRAIN_STEPS), default=None,
                     help="steps between checkpoints (default 50)")
     td.add_argument("--eval-every", type=_int_in(0, MAX_TRAIN_STEPS), default=0,
@@ -447,6 +482,9 @@ def parser() -> argparse.ArgumentParser:
     ):
         bs.add_argument(option, type=_int_in(lo, hi), default=None,
                         help=f"the compiled engine's {what}, as batchc run's (default {default}; not with --sweep)")
+    bs.add_argument("--memory-fraction", type=MEMORY_FRACTIONS, default=DEFAULT_MEMORY_FRACTION,
+                    help=f"share of the memory available when the bench starts that every engine it builds must fit, as batchc "
+                    f"run's (default {DEFAULT_MEMORY_FRACTION:g}; the bench's sizes are never lowered: a case over it is refused)")
     bs.add_argument("--temperature", type=TEMPERATURES, default=None,
                     help="also measure every workload with each request sampled at this temperature, on the compiled engine "
                     "only (the baselines decode greedily), interleaved with the greedy runs; each request's seed derives from "
@@ -530,6 +568,42 @@ def parser() -> argparse.ArgumentParser:
                      help="also write the figures as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                      "replaced when the bench ends ('-' for stdout)")
     _add_threads(bsm)
+    bd = bsub.add_parser(
+        "decode", help="prompt tokens/s and decode ms per step at k = 0, beside the weight-read bound, with a per-part split of a step",
+        description="Serve --batch requests of --prompt-len random tokens and --new-tokens greedy tokens each through the compiled "
+        "engine at k = 0 (as batchc run --k 0), for every dtype, thread count and batch: prompt tokens/s, decode ms per step "
+        "(model, sampler, host), the copy bandwidth measured here and the step's bound at it (the weights' bytes, and with the "
+        "rows' Mamba states and KV), and a split of a decode step into the model's parts (layers by kind, the state pool's "
+        "gathers and scatters, the KV cache, the LM head, norms, embedding), the sampler and the host, timed by the parts' "
+        "clock through the same steps. Warm-up first, then --repeats interleaved rounds; medians with their range "
+        "(docs/guides/cpu-decode.md, with the same comparison against llama.cpp).",
+    )
+    bd.add_argument("--model", metavar="PATH", type=_path_arg,
+                    help="the model, as batchc run's --model: a batchc checkpoint or a Hugging Face checkpoint directory "
+                    "(default: the bundled byte-level model)")
+    bd.add_argument("--dtype", dest="dtypes", choices=DECODE_DTYPES, nargs="+", default=list(DECODE_DTYPES),
+                    help=f"compute dtypes measured, each a case of its own (default: {' '.join(DECODE_DTYPES)}: the dtypes the model "
+                    "path runs on a CPU today)")
+    bd.add_argument("--batch", dest="batches", metavar="B", type=_int_in(1, MAX_DECODE_BATCH), nargs="+", default=[1, 8],
+                    help=f"running requests of each case, each at most {MAX_DECODE_BATCH} (default 1 8)")
+    bd.add_argument("--threads", dest="thread_counts", metavar="T", type=_int_in(1, MAX_THREADS), nargs="+", default=[1, 2],
+                    help=f"torch intra-op threads of each case, each at most {MAX_THREADS} (default 1 2)")
+    bd.set_defaults(threads=_SERVE.threads)  # (the command line sets these before the bench, which sets each case's)
+    bd.add_argument("--prompt-len", type=_int_in(1, MAX_DECODE_PROMPT), default=160,
+                    help=f"prompt tokens of every request, at most {MAX_DECODE_PROMPT} (default 160)")
+    bd.add_argument("--new-tokens", type=_int_in(2, MAX_DECODE_PROMPT), default=32,
+                    help=f"tokens every request generates, 2 to {MAX_DECODE_PROMPT}: one from the prefill, the rest from decode steps (default 32)")
+    bd.add_argument("--repeats", type=_int_in(1, MAX_REPEATS), default=3,
+                    help=f"interleaved timed rounds of every case, at most {MAX_REPEATS} (default 3)")
+    bd.add_argument("--min-seconds", type=_int_in(0, 3600), default=1,
+                    help="a round serves its workload again until its decode steps have run this many seconds (default 1; 0: once)")
+    bd.add_argument("--copy-mib", type=_int_in(1, 1 << 16), default=256,
+                    help="MiB of the copy that measures the bandwidth, far more than the CPU's caches hold (default 256)")
+    bd.add_argument("--no-split", dest="split", action="store_false",
+                    help="time the rounds without the parts' clock (no per-part split)")
+    bd.add_argument("--json", metavar="PATH", type=_path_arg,
+                    help="also write the figures, the split and their provenance as JSON to PATH, a new or regular file (not a link, "
+                    "device or FIFO), replaced when the bench ends ('-' for stdout)")
     bo = bsub.add_parser(
         "online", help="batchc serve under Poisson arrivals: throughput, TTFT, TPOT and ITL percentiles",
         description="Start batchc serve (or use --url) and send the built-in workload's prompts as greedy streaming completions "
@@ -559,12 +633,15 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--draft", metavar="PATH", type=_path_arg, help="draft, as batchc run's --draft")
     sv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="compute dtype of the models (default float32)")
     sv.add_argument("--k", type=_int_in(0, MAX_K), default=None, help="draft tokens per speculative iteration, as batchc run's --k")
-    sv.add_argument("--max-running", type=_int_in(1, MAX_RUNNING), default=_SERVE.max_running,
-                    help=f"requests live in the engine at once (default {_SERVE.max_running})")
+    sv.add_argument("--max-running", type=_int_in(1, MAX_RUNNING), default=None,
+                    help=f"requests live in the engine at once (default {_SERVE.max_running}, {_SIZED})")
     sv.add_argument("--max-len", type=_int_in(3, MAX_CONTEXT), default=None, help="context length in tokens, as batchc run's --max-len")
     sv.add_argument("--chunk-size", type=_int_in(1, MAX_CONTEXT), default=_SERVE.chunk_size, help=f"prefill chunk size in tokens (default {_SERVE.chunk_size})")
-    sv.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=_SERVE.token_budget, help=f"prefill tokens per step (default {_SERVE.token_budget})")
-    sv.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=_SERVE.cache_entries, help=f"prefix-cache entries (default {_SERVE.cache_entries})")
+    sv.add_argument("--token-budget", type=_int_in(1, MAX_CONTEXT), default=None,
+                    help=f"prefill tokens per step (default {_SERVE.token_budget}, {_SIZED})")
+    sv.add_argument("--cache-entries", type=_int_in(1, MAX_RUNNING), default=None,
+                    help=f"prefix-cache entries (default {_SERVE.cache_entries}, {_SIZED})")
+    add_memory_options(sv)
     sv.add_argument("--overlap", action="store_true", help="run each model's executor in its own process, as batchc run's --overlap")
     sv.add_argument("--tp", type=_int_in(1, MAX_TP), default=1,
                     help=f"tensor-parallel ranks, at most {MAX_TP}: the engine process is rank 0 and starts the others on this machine "

@@ -97,6 +97,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         return _bench_iteration(args, console)
     if args.group == "sampler":
         return _bench_sampler(args, console)
+    if args.group == "decode":
+        return _bench_decode(args, console)
     if args.group == "online":
         from compiler.cli.serve import bench_online
 
@@ -181,13 +183,61 @@ def _bench_sampler(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _bench_decode(args: argparse.Namespace, console: Console) -> int:
+    from compiler.offline.models import load_served
+    from compiler.tools.bench_decode import DTYPES, SPLIT_PARTS, run_decode_bench
+
+    if args.json is not None:
+        check_output("--json", args.json)
+    dtypes = list(dict.fromkeys(args.dtypes))
+    served = {d: load_served(args.model, role="model", dtype=DTYPES[d], bundled="target") for d in dtypes}
+    name = next(iter(served.values())).name
+    with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run
+        with console.status("warming up") as status:
+            report = run_decode_bench(
+                {d: s.model for d, s in served.items()}, name=name, batches=list(dict.fromkeys(args.batches)),
+                threads=list(dict.fromkeys(args.thread_counts)), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                repeats=args.repeats, min_seconds=float(args.min_seconds), split=args.split, copy_bytes=args.copy_mib << 20,
+                progress=status.update,
+            )
+        table = Table(title=f"{name}: {report.prompt_len}-token prompts, {report.new_tokens} new tokens, k = 0; "
+                      f"median of {report.repeats} interleaved rounds [min-max]")
+        for h in ("dtype", "threads", "batch", "prompt tok/s", "decode ms/step", "model", "sampler", "host", "copy GB/s",
+                  "weight bound ms", "x bound", "+state bound ms"):
+            table.add_column(h, justify="right")
+        for r in report.results:
+            d = r.decode_ms_per_step
+            table.add_row(r.case.dtype, str(r.case.threads), str(r.case.batch), f"{r.prompt_tokens_per_s.median:.1f}",
+                          f"{d.median:.2f} [{d.min:.2f}-{d.max:.2f}]", f"{r.model_ms_per_step:.2f}", f"{r.sampler_ms_per_step:.3f}",
+                          f"{r.host_ms_per_step:.2f}", f"{r.copy_gb_per_s:.1f}", f"{r.weight_bound_ms:.2f}",
+                          f"{d.median / r.weight_bound_ms:.2f}", f"{r.traffic_bound_ms:.2f}")
+        console.print(table)
+        split = [r for r in report.results if r.split is not None]
+        if split:
+            parts = Table(title="split of a decode step, ms per step (mean over the timed rounds' decode steps)")
+            parts.add_column("part")
+            for r in split:
+                parts.add_column(f"{r.case.dtype} t{r.case.threads} b{r.case.batch}", justify="right")
+            for part in SPLIT_PARTS:
+                parts.add_row(part, *(f"{r.split[part]:.3f}" for r in split if r.split is not None))
+            parts.add_row("decode step (mean)", *(f"{r.split_step_ms:.3f}" for r in split if r.split_step_ms is not None))
+            parts.add_row("of which the clock, estimated", *(f"{r.clock_ms_per_step:.3f}" for r in split if r.clock_ms_per_step is not None))
+            console.print(parts)
+        if not all(r.tokens_stable for r in report.results):
+            console.print("some case's rounds produced different tokens (tokens_stable false in --json)", highlight=False)
+        output.write(json.dumps(report.to_json(), indent=2))
+    return 0
+
+
 def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     from backend.hybrid.checkpoint import default_draft
     from compiler.engine import prefill_first
     from compiler.offline import ServeConfig, WorkloadError, check_serving
+    from compiler.offline.budget import memory_budget, resident_memory
     from compiler.offline.load import tokenized_overflow
+    from compiler.offline.memory import weight_bytes
     from compiler.offline.models import Served, ServedHead, draft_config, load_served
     from compiler.tools.bench_serve import ENGINES, KS, Tokens, builtin_cases, run_serve_bench, sweep_cases
     from compiler.workload import (
@@ -228,6 +278,8 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     sizes = tuple(dict.fromkeys(args.sweep or SWEEP_RUNNING)) if sweep else ()
     arrivals = tuple(dict.fromkeys(args.arrivals or ARRIVALS))
     ks = tuple(dict.fromkeys(args.ks)) if args.ks else KS
+    budget = memory_budget("cpu", args.memory_fraction)  # (before the models are loaded: the estimate counts them)
+    resident = resident_memory()
     served = load_served(args.model, role="target", dtype=torch.float32, bundled="target")
     if args.drafts is None and served.name != "bundled target" and max(ks) > 0:
         raise UsageError(f"--model {args.model} at k = {max(ks)}: give --draft (a head file from batchc train-draft, or a draft "
@@ -264,11 +316,14 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     helper = drafted.get("mtp")
     head = helper.head if isinstance(helper, ServedHead) else None
     names = {"none": "draft", **{kind: d.name for kind, d in drafted.items()}}
-    for case in cases:  # every engine of every case within the memory bound, before anything is allocated
+    # every engine of every case within the memory budget, the models' weights counted (they were loaded after the
+    # budget was read), before anything is allocated; the bench's sizes are its cases', never lowered
+    weights = max(weight_bytes([target, draft, head]), resident_memory() - resident)  # (the models as loaded)
+    for case in cases:
         drafting = head if case.draft == "mtp" else draft
         check_serving(target.config, draft_config(drafting) if drafting is not None and case.k else None, case.cfg,
                       compare_mutable=case.baselines, names=(served.name, names[case.draft]),
-                      vocab=tokens.tokenizer.vocab_size if tokens is not None else None)
+                      vocab=tokens.tokenizer.vocab_size if tokens is not None else None, budget=budget, weights=weights)
     from compiler.offline import distributed
 
     rank, world, launched = distributed.placement(args.tp)

@@ -13,8 +13,8 @@ wall time, and the command line. Nothing in a table is typed by hand: ``render``
     python -m compiler.tools.docs_tables render docs/measurements/NAME.json
 
 ``measure`` runs ``python -m compiler.cli ARGS --json TMP`` in this checkout, then writes the file;
-the command kinds with a ``--json`` output are ``run`` (``--compare-mutable`` too), ``ab`` and
-``bench serve``.
+the command kinds with a ``--json`` output are ``run`` (``--compare-mutable`` too), ``ab``,
+``bench serve`` and ``bench decode``.
 """
 
 from __future__ import annotations
@@ -71,13 +71,13 @@ def machine() -> dict[str, Any]:
 
 
 def kind_of(command: Sequence[str]) -> str:
-    """``run``, ``ab`` or ``bench serve``: the commands whose ``--json`` output a table is built from."""
+    """``run``, ``ab``, ``bench serve`` or ``bench decode``: the commands whose ``--json`` output a table is built from."""
     words = [w for w in command if not w.startswith("-")]
     if words[:1] in (["run"], ["ab"]):
         return words[0]
-    if words[:2] == ["bench", "serve"]:
-        return "bench serve"
-    raise MeasurementError(f"no table for the command {' '.join(command)!r}: run, ab and bench serve write --json")
+    if words[:2] in (["bench", "serve"], ["bench", "decode"]):
+        return " ".join(words[:2])
+    raise MeasurementError(f"no table for the command {' '.join(command)!r}: run, ab, bench serve and bench decode write --json")
 
 
 def measure(out: Path, args: Sequence[str]) -> dict[str, Any]:
@@ -171,8 +171,9 @@ def _ab_table(d: dict[str, Any]) -> str:
          str(r["init_ops_draft"]), str(r["replays"]), "yes" if r["equals_greedy"] else "no"]
         for name, r in _need(d, "runs", "ab").items()
     ]
-    return (_table(header, rows) + f"\n\n{d['requests']} requests, {d['max_new_tokens']} new tokens each, draft noise "
-            f"{d['draft_noise']}. The pre-fix baseline with a ledger on its runners: `{d['ledger_on_baseline']}`")
+    drafting = "the bundled target's draft head" if d.get("draft") == "mtp" else f"draft noise {d['draft_noise']}"
+    return (_table(header, rows) + f"\n\n{d['requests']} requests, {d['max_new_tokens']} new tokens each, {drafting}. "
+            f"The pre-fix baseline with a ledger on its runners: `{d['ledger_on_baseline']}`")
 
 
 def _bench_serve_table(rows: list[dict[str, Any]]) -> str:
@@ -197,7 +198,45 @@ def _bench_serve_table(rows: list[dict[str, Any]]) -> str:
     return _table(header, body) + f"\n\nMedians of {', '.join(map(str, repeats))} interleaved repeats per row."
 
 
-RENDERERS: dict[str, Callable[[Any], str]] = {"run": _run_table, "ab": _ab_table, "bench serve": _bench_serve_table}
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
+def _bench_decode_table(d: dict[str, Any]) -> str:
+    """The cases of ``bench decode --json`` and, when it was measured, the split of a decode step."""
+    rows = d["rows"]
+    header = ["dtype", "threads", "batch", "prompt tokens/s", "decode ms/step (median)", "decode ms/step (min to max)", "model ms",
+              "sampler ms", "host ms", "copy GB/s", "weight-read bound ms", "/ bound", "weights + state bound ms"]
+    body = [[r["dtype"], str(r["threads"]), str(r["batch"]), _f(r["prompt_tokens_per_s"], 1), _f(r["decode_ms_per_step"]),
+             f"{_f(r['decode_ms_per_step_min'])} to {_f(r['decode_ms_per_step_max'])}", _f(r["model_ms_per_step"]),
+             _f(r["sampler_ms_per_step"], 3), _f(r["host_ms_per_step"]), _f(r["copy_gb_per_s"], 1), _f(r["weight_bound_ms"]),
+             _x(r["decode_ms_per_step"] / r["weight_bound_ms"]), _f(r["traffic_bound_ms"])] for r in rows]
+    weights = ", ".join(f"{dtype} {n / 1e9:.3f} GB" for dtype, n in d["weight_bytes"].items())
+    text = _table(header, body) + (
+        f"\n\n{d['model']}: {d['prompt_len']}-token prompts, {d['new_tokens']} new tokens per request, k = 0; medians of "
+        f"{d['repeats']} interleaved rounds. Weights read per decode step: {weights}. Copy bandwidth (bytes read plus written, "
+        f"one {d.get('copy_bytes', 256 << 20) >> 20} MiB copy, the fastest of each round's copies; the median of the rounds): "
+        + ", ".join(f"{_threads(c['threads'])} {_f(c['median'], 1)} GB/s" for c in d["copy_gb_per_s"]) + "."
+    )
+    split = [r for r in rows if r.get("split") is not None]
+    if split:
+        header = ["part, ms per decode step", *(f"{r['dtype']}, {_threads(r['threads'])}, batch {r['batch']}" for r in split)]
+        body = [[part, *(_f(r["split"][part], 3) for r in split)] for part in d["split_parts"]]
+        timed = all("clock_ms_per_step" in r for r in split)  # (earlier records: the split came from one more round)
+        body.append(["decode step (mean)" if timed else "decode step (mean, profiled round)", *(_f(r["split_step_ms"], 3) for r in split)])
+        if timed:
+            body.append(["of which the clock, estimated", *(_f(r["clock_ms_per_step"], 3) for r in split)])
+        text += "\n\n" + _table(header, body) + (
+            "\n\nThe split is the mean over the timed rounds' decode steps, with the parts' clock running through them "
+            "(`backend.parts`); its entries add up to the mean step." if timed else
+            "\n\nThe split is the mean over one more round's decode steps, after the timed ones, with the parts' clock on "
+            "(`backend.parts`; the bench then measured it so); its entries add up to that round's mean step.")
+    return text
+
+
+RENDERERS: dict[str, Callable[[Any], str]] = {
+    "run": _run_table, "ab": _ab_table, "bench serve": _bench_serve_table, "bench decode": _bench_decode_table,
+}
 
 
 def render_record(record: dict[str, Any]) -> str:

@@ -116,8 +116,9 @@ def test_float_options_refuse_nan_infinities_and_values_past_their_bounds(
 
 def test_float_options_exist() -> None:
     assert [_id(v) for v in _of(FloatIn)] == [
-        "run --temperature", "run --top-p", "run --min-p", "ab --draft-noise", "train-draft --minutes", "bench serve --temperature", "bench serve --top-p",
-        "bench online --rates", "serve --temperature", "serve --top-p", "serve --min-p", "serve --drain-timeout", "serve --request-timeout",
+        "run --memory-fraction", "run --temperature", "run --top-p", "run --min-p", "ab --draft-noise", "train-draft --hidden-dropout", "train-draft --minutes",
+        "bench serve --memory-fraction", "bench serve --temperature", "bench serve --top-p", "bench online --rates", "serve --memory-fraction",
+        "serve --temperature", "serve --top-p", "serve --min-p", "serve --drain-timeout", "serve --request-timeout",
     ]
 
 

@@ -122,6 +122,7 @@ class ChunkPlanner:
                 elif r.snapshot_at < pos + n:
                     snap_at = r.snapshot_at - pos
             kv = self.kv_refs.alloc(n)
+            owed -= n  # the chunk's locations are allocated: r owes n fewer (num_free fell by n already)
             r.context.extend(kv.tolist())
             intent: Intent
             if r.done:

@@ -217,15 +217,22 @@ def test_a_prompt_that_needs_exactly_the_free_kv_is_prefilled() -> None:
 
 
 def test_a_prompt_waits_while_the_started_prefills_still_need_its_kv() -> None:
-    """Chunks of 4: request 1 (8 tokens) starts and owes 4 more after its first chunk; request 2
-    (5 tokens) fits the 6 free locations only if nothing is owed, so it waits."""
+    """Chunks of 4: request 1 (8 tokens) starts and owes 4 more after its first chunk, which leaves 10
+    free; request 2 (7 tokens) would fit them only if nothing were owed (6 are left once request 1's
+    4 are set aside), so it waits. (A 6-token request 2 starts: the chunk already allocated is not
+    owed twice, tests/compiler/engine/test_retraction_progress.py.)"""
     planner, table, kv = _planner(14, chunk_size=4, budget=8)
     table.add(_waiting(1, 8))
-    table.add(_waiting(2, 5))
+    table.add(_waiting(2, 7))
     chunks = planner.next_chunks()
     assert [(c.rid, c.input_ids.shape[0]) for c in chunks] == [(1, 4)]
     assert table[RequestId(2)].state is RequestState.WAITING and table[RequestId(2)].slot is None
     assert kv.num_free == 10
+    planner, table, kv = _planner(14, chunk_size=4, budget=8)
+    table.add(_waiting(1, 8))
+    table.add(_waiting(2, 6))
+    assert [(c.rid, c.input_ids.shape[0]) for c in planner.next_chunks()] == [(1, 4), (2, 4)]
+    assert kv.num_free == 6
 
 
 def test_chunks_respect_the_chunk_size_and_the_token_budget() -> None:

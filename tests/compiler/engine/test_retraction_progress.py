@@ -132,6 +132,19 @@ def test_no_waiting_request_starts_before_one_ahead_of_it_that_cannot() -> None:
     assert _chunks(planner) == [(2, 4), (3, 2)]
 
 
+def test_prompts_that_fit_the_kv_together_all_start_in_one_step() -> None:
+    """16 KV locations, chunks of 8: two prompts of 8 tokens fit together exactly. Request 1 starts
+    and its whole prompt is allocated in this step's chunk, so it owes nothing more: request 2 starts
+    beside it in the same step (counting request 1's chunk both as owed and as taken from the free
+    locations started only one prompt a step), and a third cannot start until KV comes back."""
+    planner, table, refs = _planner(16, chunk_size=8)
+    for rid in (1, 2, 3):
+        table.add(_waiting(rid, 8))
+    assert _chunks(planner) == [(1, 8), (2, 8)]
+    assert refs.kv.num_free == 0 and table[RequestId(3)].state is RequestState.WAITING
+    assert table.kv_owed() == 0
+
+
 def test_a_started_prefill_short_of_kv_evicts_prefix_cache_entries_for_its_chunk() -> None:
     """A started prefill whose next chunk does not fit the free KV evicts unpinned prefix-cache
     entries first (here one entry holding 4 locations), rather than wait for KV nobody will free."""

@@ -37,15 +37,19 @@ def test_every_case_is_measured_and_its_split_covers_the_step() -> None:
         assert split is not None and step is not None and list(split) == list(SPLIT_PARTS)
         assert sum(split.values()) == pytest.approx(step)
         # the model's parts were measured, not derived: together they are the forward's time but the timing
-        # wrapper's own call (tolerance: 10% of the forward, or 0.1 ms, far above a call's microseconds)
+        # wrapper's own call (tolerance: 10% of the forward, or 1 ms a step: a call takes microseconds, but on a
+        # loaded machine (the suite's workers and their children on 2 cores) one preemption of the process, a
+        # scheduler slice of a few ms, can land in the wrapper; over the 6 timed steps that is under 1 ms a
+        # step. A part left unmarked on the tiny model (its forward is milliseconds) is still over it: the
+        # five parts below are each asserted measured)
         forward = sum(v for k, v in split.items() if k not in (SAMPLER, HOST))
-        assert abs(split[UNATTRIBUTED]) <= max(0.1 * forward, 0.1)
+        assert abs(split[UNATTRIBUTED]) <= max(0.1 * forward, 1.0), (split, forward)
         for part in ("mamba mixer", "attention mixer", "mlp", "lm head", "state pool gathers and scatters", "kv cache writes and reads"):
             assert split[part] > 0, part
         assert split[SAMPLER] > 0 and split[HOST] > 0
         assert step == pytest.approx(mean_step)  # the split is of the timed steps themselves
         # what the clock adds is estimated, and small (a microsecond a part; the tiny model's step is milliseconds)
-        assert r.clock_ms_per_step is not None and 0 < r.clock_ms_per_step < 0.25 * step
+        assert r.clock_ms_per_step is not None and 0 < r.clock_ms_per_step < 0.25 * step, (r.clock_ms_per_step, step)
 
 
 def test_the_bound_counts_a_tied_embedding_once_and_an_untied_one_not_at_all() -> None:

@@ -68,18 +68,23 @@ class EngineRouter:
 
     def wait_ready(self, timeout_s: float) -> Ready:
         """Every replica built: the first one's ``Ready`` (they differ only in their process id,
-        ``pids``); ``ServeError`` / ``EngineGone`` (naming the replica when there are several)."""
+        ``pids``, and in ``sizes``, whose memory each replica measures in its own process: when those
+        differ, ``sizes`` names each replica's); ``ServeError`` / ``EngineGone`` (naming the replica
+        when there are several)."""
         readies = []
         for i, c in enumerate(self.clients):
             try:
                 readies.append(c.wait_ready(timeout_s))
             except EngineGone as exc:
                 raise EngineGone(self._named(i, str(exc))) from None
-        first = attrs.evolve(readies[0], pid=0)
+        first = attrs.evolve(readies[0], pid=0, sizes="")
         for i, r in enumerate(readies[1:], 1):
-            if attrs.evolve(r, pid=0) != first:  # (the same Launch: only a bug or a changed file between loads gets here)
+            if attrs.evolve(r, pid=0, sizes="") != first:  # (the same Launch: only a bug or a changed file between loads gets here)
                 raise EngineGone(f"replica {i} built another engine than replica 0: {r} != {readies[0]}")
         self.pids = tuple(r.pid for r in readies)
+        said = [r.sizes for r in readies]
+        if len(set(said)) > 1:  # (a model's resident memory as loaded is measured: it can differ by a page or two)
+            return attrs.evolve(readies[0], sizes="; ".join(f"replica {i}: {s}" for i, s in enumerate(said)))
         return readies[0]
 
     def _named(self, i: int, what: str) -> str:

@@ -363,3 +363,41 @@ def test_the_engine_process_builds_a_draft_head_engine_and_refuses_it_with_tp_or
     for option in ({"overlap": True}, {"tp": 2}):  # executor processes and tensor-parallel ranks serve a head
         _, drafted, k = engine_process.load(attrs.evolve(launch, **option))
         assert drafted is not None and k == 2
+
+
+class _Built:
+    """An ``EngineClient`` stand-in whose engine is already built: ``wait_ready`` returns its ``Ready``."""
+
+    def __init__(self, ready: object) -> None:
+        self.ready = ready
+
+    def wait_ready(self, timeout_s: float) -> object:
+        return self.ready
+
+
+def test_replicas_measuring_their_memory_differently_still_serve_and_each_says_its_own() -> None:
+    """``--dp``'s replicas load the same models, each measuring its own resident memory (it differed by
+    1 MiB between two replicas in CI): they must start, the start line naming each one's sizes; a replica
+    that built another engine (here another k) is refused, naming both."""
+    import attrs
+
+    from compiler.online.engine_client import EngineGone
+    from compiler.online.messages import Ready
+    from compiler.online.router import EngineRouter
+
+    def ready(pid: int, sizes: str, k: int = 2) -> Ready:
+        return Ready(name="t", vocab=256, eos=(), max_len=64, k=k, reserve=k + 1, hf_dir=None, pid=pid, sizes=sizes)
+
+    def router(*readies: Ready) -> EngineRouter:
+        r = EngineRouter.__new__(EngineRouter)
+        r.clients = [_Built(x) for x in readies]  # type: ignore[misc]  # (stand-ins: only wait_ready is called)
+        return r
+
+    same = router(ready(1, "about 167 MiB"), ready(2, "about 167 MiB"))
+    assert same.wait_ready(1.0) == ready(1, "about 167 MiB") and same.pids == (1, 2)
+    differ = router(ready(1, "about 167 MiB"), ready(2, "about 168 MiB"))
+    got = differ.wait_ready(1.0)
+    assert attrs.evolve(got, sizes="") == ready(1, "") and differ.pids == (1, 2)
+    assert got.sizes == "replica 0: about 167 MiB; replica 1: about 168 MiB"
+    with pytest.raises(EngineGone, match=r"replica 1 built another engine than replica 0: .*k=3.* != .*k=2"):
+        router(ready(1, "a"), ready(2, "a", k=3)).wait_ready(1.0)

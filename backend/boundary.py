@@ -273,7 +273,7 @@ def checked(plan: QuietPlan, result: Result) -> Ran: ...
 def checked(plan: Plan, result: Result) -> Result: ...
 def checked(plan: Plan, result: Result) -> Result:
     """``result`` if it is what ``plan`` gives back (its kind, its rows in the plan's order; a
-    draft's proposals are its own; the hidden-state handle the plan asked for, ``keep_hidden``, and
+    draft's proposals and a verify's target tokens are its own; the hidden-state handle the plan asked for, ``keep_hidden``, and
     none otherwise: ``ir.hidden.asked_hidden``), else ``PlanExecutionError`` saying what came back."""
     expected = result_type(plan)
     name = type(plan).__name__
@@ -289,8 +289,10 @@ def checked(plan: Plan, result: Result) -> Result:
     rids = plan.rids
     if not isinstance(result, Proposals) and result.rids.tobytes() != rids.tobytes():
         raise PlanExecutionError(f"{name} of requests {rids.tolist()[:16]} came back for requests {result.rids.tolist()[:16]}")
-    if isinstance(result, Verified) and isinstance(plan, VerifyPlan) and result.k != plan.batch.k:
-        raise PlanExecutionError(f"verify #{plan.batch.verify_id} (k={plan.batch.k}) came back with a window of k={result.k}")
+    if isinstance(result, Verified) and isinstance(plan, VerifyPlan) and (result.k != plan.batch.k or result.verify_id != plan.batch.verify_id):
+        raise PlanExecutionError(
+            f"verify #{plan.batch.verify_id} (k={plan.batch.k}) came back as the target tokens of verify #{result.verify_id} (k={result.k})"
+        )
     if isinstance(result, (Sampled, Verified)):
         asked = asked_hidden(plan) if isinstance(plan, (ExtendPlan, MixedPlan, VerifyPlan)) else None
         got = result.hidden

@@ -373,7 +373,7 @@ class Executor(Generic[VerifyStateT]):
             # the init ticket is consumed once its ops are applied; a failing forward then leaves
             # its requests' state undefined (the driver aborts them) and its snapshot outstanding
             with self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
-                check_fresh_rows(plan, ext, claim.tickets)
+                check_fresh_rows(plan, ext, claim.tickets, claim.starts)
                 self._validated(plan)
                 for t in claim.tickets:
                     if op_when(t.op) is When.BEFORE:
@@ -389,7 +389,7 @@ class Executor(Generic[VerifyStateT]):
         # transactional: the whole forward is one unit; on failure every row it wrote is restored
         # and every ticket is outstanding again, so the same plan can simply be executed again
         with self._restoring(rows), self.ledger.claiming(tickets, self.pool.pool_id, rows, type(plan).__name__) as claim:
-            check_fresh_rows(plan, ext, claim.tickets)
+            check_fresh_rows(plan, ext, claim.tickets, claim.starts)
             self._validated(plan)
             for t in claim.tickets:
                 if op_when(t.op) is When.BEFORE:
@@ -667,7 +667,7 @@ class Executor(Generic[VerifyStateT]):
             self._store(plan).keep(keeps, hidden)
         self._keep("verify", vid, plan.batch.slots, plan.batch.k, states)
         self._checked_drafts_upto[epoch] = n
-        return Verified(k=plan.batch.k, rids=plan.batch.rids, tokens=tokens, logprobs=logprobs, hidden=keeps)
+        return Verified(k=plan.batch.k, verify_id=plan.batch.verify_id, rids=plan.batch.rids, tokens=tokens, logprobs=logprobs, hidden=keeps)
 
     def _verify_tokens(self, plan: VerifyPlan, out: torch.Tensor) -> I64:
         """The target's tokens from what the hook's verify returned: logits ``[n, k + 1, V]`` (sampled

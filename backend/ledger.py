@@ -81,9 +81,14 @@ class Claim:
     """The tickets of one plan, held in flight by ``Ledger.claiming``. ``tickets`` are the registered
     tickets (the ones to execute), in the order they were claimed."""
 
-    def __init__(self, ledger: Ledger, tickets: tuple[Ticket[Op], ...]) -> None:
+    def __init__(self, ledger: Ledger, tickets: tuple[Ticket[Op], ...], starts: tuple[Mapping[int, int], ...] = ()) -> None:
         self._ledger = ledger
         self.tickets = tickets
+        self.starts = starts or tuple({} for _ in tickets)
+        """Per ticket (aligned with ``tickets``), the token at which each plan row its op requires
+        started in the plan it was registered with (``Ledger.register``'s ``starts``; empty: not
+        given): a plan whose rows start elsewhere is not the one the ticket was lowered with
+        (``backend.state_store.check_fresh_rows``)."""
         self._held = {_key(t) for t in tickets}
 
     def done(self, ticket: Ticket[Op]) -> None:
@@ -152,6 +157,9 @@ class Ledger:
         self._ops: dict[tuple[TicketSerial, type], Ticket[Op]] = {}
         """The first ticket registered under each (serial, op kind): one serial carries the same
         ops for every pool."""
+        self._starts: dict[_Key, Mapping[int, int]] = {}
+        """Per registered ticket given ``starts``, the token at which each plan row its op requires
+        starts in the plan it was lowered with."""
         self._rows: dict[PoolId, dict[int, set[_Key]]] = {}
         """Per pool, the plan rows each registered, not yet consumed ticket's op requires of its
         plan (``ir.init.op_plan_rows``: an init's targets, a snapshot's sources): a plan over such
@@ -172,9 +180,14 @@ class Ledger:
         with self._lock:
             self._peers[epoch] = peer
 
-    def register(self, tickets: Iterable[Ticket[Op]]) -> None:
-        """Expect each ticket to be consumed exactly once; all or nothing."""
+    def register(self, tickets: Iterable[Ticket[Op]], starts: Mapping[int, int] | None = None) -> None:
+        """Expect each ticket to be consumed exactly once; all or nothing. ``starts``: the rows of the
+        plan the tickets were lowered with, each slot mapped to the token its row starts at
+        (``prefix_lens``); a ticket is then bound to those rows: a claim hands them on
+        (``Claim.starts``), and a plan whose rows start elsewhere (another chunk of the same
+        request) is refused before its ops run (``backend.state_store.check_fresh_rows``)."""
         items = _tickets_arg("register", tickets)
+        bound = None if starts is None else {int(k): int(v) for k, v in starts.items()}
         with self._lock:
             seen: dict[_Key, Ticket[Op]] = {}
             for t in items:
@@ -201,6 +214,8 @@ class Ledger:
                 seen[key] = _own_copy(t)
             for key, t in seen.items():
                 self._ops.setdefault(_ops_key(t), t)
+                if bound is not None:
+                    self._starts[key] = {s: bound[s] for s in _ticket_rows(t) if s in bound}
                 if key not in self._outstanding:
                     self._outstanding[key] = t
                     self._minted[t.pool] = _add(self._minted.get(t.pool, PoolCounts()), t)
@@ -209,6 +224,7 @@ class Ledger:
                         rows.setdefault(slot, set()).add(key)
 
     def _forget_rows(self, key: _Key, t: Ticket[Op]) -> None:
+        self._starts.pop(key, None)
         rows = self._rows.get(t.pool, {})
         for slot in _ticket_rows(t):
             keys = rows.get(slot)
@@ -301,7 +317,8 @@ class Ledger:
             for key, t in zip(keys, registered, strict=True):
                 del self._outstanding[key]
                 self._in_flight[key] = t
-        return Claim(self, registered)
+            starts = tuple(self._starts.get(key, {}) for key in keys)
+        return Claim(self, registered, starts)
 
     @consumes_on("pool")
     @contextmanager

@@ -177,18 +177,24 @@ def own_tickets(
     return list(mine)
 
 
-def check_fresh_rows(plan: StorePlan, ext: ExtendPlan | HeadExtendPlan, tickets: Sequence[Ticket[Op]]) -> None:
+def check_fresh_rows(
+    plan: StorePlan, ext: ExtendPlan | HeadExtendPlan, tickets: Sequence[Ticket[Op]], starts: Sequence[Mapping[int, int]] = ()
+) -> None:
     """A row that starts at token 0 starts from a cleared state, and only the plan's own ops (the
     registered ones, claimed) can clear it (``ir.init.op_resets``): a plan stripped of its ticket
     would run on whatever the slot held. Conversely, a row that continues a state (a chunk after a
     copied prefix or earlier chunks, ``prefix_lens > 0``; a mixed plan's decode row) is never
     cleared: a clear spliced onto its plan would wipe the state transferred into it (SGLang PR
-    #32995's stale clear). Called inside the claim, before any op, so a refusal leaves the state as
-    it was."""
+    #32995's stale clear). ``starts`` (``backend.ledger.Claim.starts``, aligned with ``tickets``):
+    where each ticket's rows started in the plan it was registered with; a row of this plan that
+    starts elsewhere is refused (a copy-on-write of a request's first chunk spliced onto its own
+    continuation chunk would put the copied prefix's state under a row that continues from later
+    tokens). Called inside the claim, before any op, so a refusal leaves the state as it was."""
     before = [t.op for t in tickets if op_when(t.op) is When.BEFORE]
     cleared = frozenset(s for op in before for s in op_resets(op))
     if cleared:
         _check_no_reset_of_continued(plan, ext, cleared)
+    _check_registered_starts(plan, ext, tickets, starts)
     fresh = ext.slots[ext.prefix_lens == 0]
     if not fresh.size:
         return
@@ -198,6 +204,22 @@ def check_fresh_rows(plan: StorePlan, ext: ExtendPlan | HeadExtendPlan, tickets:
             f"{type(plan).__name__}: slot {missing[0]} starts at token 0 but the plan's init does not clear it "
             f"(init: {'none for this pool' if not before else ', '.join(map(str, before))})"
         )
+
+
+def _check_registered_starts(
+    plan: StorePlan, ext: ExtendPlan | HeadExtendPlan, tickets: Sequence[Ticket[Op]], starts: Sequence[Mapping[int, int]]
+) -> None:
+    """Each ticket's rows start in ``ext`` where they started in the plan it was registered with."""
+    if not any(starts):
+        return
+    here = dict(zip(ext.slots.tolist(), ext.prefix_lens.tolist(), strict=True))
+    for t, bound in zip(tickets, starts, strict=True):
+        for slot, start in bound.items():
+            if slot in here and here[slot] != start:
+                raise PlanExecutionError(
+                    f"{type(plan).__name__}: {t} was lowered for slot {slot} starting at token {start}, and this plan's row "
+                    f"starts at token {here[slot]}: its ops belong to another plan (another chunk of the request)"
+                )
 
 
 def _check_no_reset_of_continued(plan: StorePlan, ext: ExtendPlan | HeadExtendPlan, cleared: frozenset[int]) -> None:
@@ -266,7 +288,7 @@ class StateOps:
         with self.ledger.claiming(tickets, pool, rows, type(plan).__name__) as claim:
             ops = [t.op for t in claim.tickets]  # the registered tickets' ops, never the plan's copies
             if isinstance(ext, (ExtendPlan, HeadExtendPlan)):
-                check_fresh_rows(plan, ext, claim.tickets)
+                check_fresh_rows(plan, ext, claim.tickets, claim.starts)
             before = [op for op in ops if op_when(op) is When.BEFORE]
             after = [op for op in ops if op_when(op) is When.AFTER]
             applied = Applied(

@@ -15,7 +15,7 @@ phases are::
     ...
     verify, vplan = pipe.verify(draft, proposals, keep_hidden=True)
     verified = checked(vplan, <run vplan on the target>)
-    result, committed, cplan = pipe.commit(verify, verified.tokens)
+    result, committed, cplan = pipe.commit(verify, verified)
     head_commit, hcplan = pipe.head_commit(committed, verified.hidden)
 
 ``head_extend`` and ``head_commit`` are ``@consumes``: giving one handle to two of them is a
@@ -24,7 +24,7 @@ phases are::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -32,7 +32,6 @@ import numpy as np
 from compiler.manager import PassManager
 from ir import spec
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
-from ir.columns import I64
 from ir.errors import PreconditionError
 from ir.head import HeadCommitBatch, HeadCommitPlan, HeadExtendBatch, HeadExtendPlan
 from ir.hidden import HiddenStates
@@ -42,6 +41,7 @@ from ir.linear import consumes, retires
 from ir.mint import mint_hidden_id
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.request import AdmittedRequest
+from ir.results import Verified
 from ir.sampling import SamplingRows
 from passes.accept import accept
 from passes.commit import commit
@@ -66,8 +66,10 @@ class TicketRegistry(Protocol):
     """Where a lowered plan's one-shot tickets are registered before any backend sees them
     (``backend.ledger.Ledger`` is one): compiling a step needs no runtime object."""
 
-    def register(self, tickets: Iterable[Ticket[Op]]) -> None:
-        """Expect each of ``tickets`` to be consumed exactly once (``backend.ledger.Ledger.register``)."""
+    def register(self, tickets: Iterable[Ticket[Op]], starts: Mapping[int, int] | None = None) -> None:
+        """Expect each of ``tickets`` to be consumed exactly once (``backend.ledger.Ledger.register``);
+        ``starts``: the lowered plan's rows, each slot mapped to the token its row starts at, which
+        bind the tickets to that plan."""
         ...
 
 
@@ -112,7 +114,7 @@ class Pipeline:
         states for the draft head's extend (``ExtendPlan.keep_hidden``, a fresh ``HiddenId``)."""
         batch = self.pm.run(prepare_for_extend, requests, sampling)
         plan: ExtendPlan = self.pm.run(lower, batch, self.lower_ctx, sample_id=sample_id, keep_hidden=_hidden_id(keep_hidden))
-        self.ledger.register((*plan.tickets, *plan.snapshots))
+        self.ledger.register((*plan.tickets, *plan.snapshots), _starts(plan))
         return batch, plan
 
     def mixed(
@@ -130,7 +132,7 @@ class Pipeline:
         plan: MixedPlan = self.pm.run(
             lower, batch, self.lower_ctx, sample_id=sample_id, inputs_from=inputs_from, keep_hidden=_hidden_id(keep_hidden)
         )
-        self.ledger.register((*plan.extend.tickets, *plan.extend.snapshots))
+        self.ledger.register((*plan.extend.tickets, *plan.extend.snapshots), _starts(plan.extend))
         return batch, plan
 
     def decode(
@@ -185,7 +187,7 @@ class Pipeline:
         out = self.pm.run(withdraw, batch, drop)  # refuses a bad drop before anything is cancelled
         books.cancel_all((*plan.tickets, *plan.snapshots), reason)
         new_plan: ExtendPlan = self.pm.run(lower, out, self.lower_ctx, sample_id=plan.sample_id, keep_hidden=_hidden_id(plan.keep_hidden is not None))
-        self.ledger.register((*new_plan.tickets, *new_plan.snapshots))
+        self.ledger.register((*new_plan.tickets, *new_plan.snapshots), _starts(new_plan))
         return out, new_plan
 
     def merge(
@@ -218,12 +220,13 @@ class Pipeline:
         plan: spec.VerifyPlan = self.pm.run(lower, batch, self.lower_ctx, keep_hidden=_hidden_id(keep_hidden))
         return batch, plan
 
-    def commit(self, verify: spec.VerifyBatch, target_tokens: I64) -> tuple[spec.AcceptResult, spec.CommitBatch, spec.CommitPlan]:
+    def commit(self, verify: spec.VerifyBatch, verified: Verified) -> tuple[spec.AcceptResult, spec.CommitBatch, spec.CommitPlan]:
         """Speculative steps 3 and 4: accept the proposals the target's tokens agree with (greedy:
-        ``passes.accept``), and the commit batch and plan that make each row's state at its accepted
-        position the committed one; the rejected positions' KV locations are in the batch's
-        ``released_kv``."""
-        result = self.pm.run(accept, verify, target_tokens)
+        ``passes.accept``; ``verified`` is what the target gave back for ``verify``'s plan, and the
+        target tokens of another verify are refused), and the commit batch and plan that make each
+        row's state at its accepted position the committed one; the rejected positions' KV locations
+        are in the batch's ``released_kv``."""
+        result = self.pm.run(accept, verify, verified)
         batch = self.pm.run(commit, verify, result)
         plan: spec.CommitPlan = self.pm.run(lower, batch, self.lower_ctx)
         return result, batch, plan
@@ -253,7 +256,7 @@ class Pipeline:
         registered here with the ledger."""
         batch = self.pm.run(prepare_for_head_extend, prefill, hidden)
         plan: HeadExtendPlan = self.pm.run(lower, batch, self.lower_ctx)
-        self.ledger.register((*plan.tickets, *plan.snapshots))
+        self.ledger.register((*plan.tickets, *plan.snapshots), _starts(plan))
         return batch, plan
 
     @consumes  # the hidden states: one head phase each (a second one is ``linear-reuse``)
@@ -286,6 +289,11 @@ def _check_lowered_from(batch: ExtendBatch, plan: ExtendPlan) -> None:
     for s in plan.snapshots:
         if s.serial != snap:
             raise PreconditionError("Pipeline.withdraw", f"{s} is not of this batch's snapshot (serial {snap}): the plan was not lowered from it")
+
+
+def _starts(plan: ExtendPlan | HeadExtendPlan) -> dict[int, int]:
+    """The rows of a lowered prefill plan: each slot and the token its row starts at."""
+    return dict(zip(plan.slots.tolist(), plan.prefix_lens.tolist(), strict=True))
 
 
 def _hidden_id(keep: bool) -> HiddenId | None:

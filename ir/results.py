@@ -10,7 +10,8 @@ is never missing or of another kind):
   (from its chunk's last position); the engine emits only those of completed prompts.
 - ``Proposals`` (``ir.spec``) for a draft: ``k`` tokens per row.
 - ``Verified`` for a verify: the target's token at each of the ``k + 1`` window positions of each
-  row, row-major; the accept pass compares them with the proposals.
+  row, row-major, named by the verify's ``verify_id`` and rows; the accept pass compares them with
+  the proposals of that verify only (``passes.accept`` refuses another verify's, naming both).
 - ``Ran`` for a plan that samples nothing (commits, draft commits, idle).
 
 A token is ``NON_FINITE`` (``-1``, never a token id) where the logits behind it held a NaN or an
@@ -34,9 +35,10 @@ from typing import Any, TypeAlias, final
 
 import attrs
 
-from ir.columns import F64, I64, REQUEST, WINDOW, ColumnNode, RequestRows, as_f64, as_i64, column, per, tokens_of
+from ir.columns import F64, I64, REQUEST, WINDOW, ColumnNode, RequestRows, as_f64, as_i64, check_int, column, per, shown, tokens_of
 from ir.errors import IRValidationError
 from ir.hidden import HiddenStates
+from ir.ids import VerifyId
 from ir.linear import linear
 from ir.sampling import MAX_LOGPROBS
 from ir.spec import Proposals, check_k
@@ -112,9 +114,13 @@ class Sampled(ColumnNode, RequestRows):
 @linear  # its ``hidden`` handle is one-shot
 @attrs.frozen(kw_only=True)
 class Verified(ColumnNode, RequestRows):
-    """The target's token at every window position of a verify (``k + 1`` per row, row-major)."""
+    """The target's token at every window position of verify ``verify_id`` (``k + 1`` per row,
+    row-major), for its rows ``rids`` in its order: the backend names the result by the verify it
+    ran (``backend.boundary.checked`` refuses one named otherwise), and ``passes.accept`` judges only
+    that verify with it."""
 
     k: int
+    verify_id: VerifyId = attrs.field(metadata=shown("verify", "#"))
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST))
     tokens: I64 = column(converter=as_i64, metadata=per(WINDOW, min=NON_FINITE))
     logprobs: Logprobs | None = attrs.field(default=None)
@@ -124,6 +130,8 @@ class Verified(ColumnNode, RequestRows):
 
     def _check_first(self) -> None:
         check_k(self, self.k)
+        if check_int(self, "verify_id", self.verify_id) < 1:
+            raise IRValidationError(type(self).__name__, "verify_id", self.verify_id, "must be positive (the VerifyBatch's verify_id)")
 
     def _check(self) -> None:
         _check_logprobs(self, self.logprobs, int(self.tokens.shape[0]))

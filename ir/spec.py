@@ -14,7 +14,8 @@ One iteration over the running requests, each with ``c`` committed tokens and on
    by the batch's ``verify_id``, and leave the committed state alone. A ``VerifyPlan`` with
    ``keep_hidden`` also keeps the target's hidden states at those positions for a draft head's
    commit (``ir.hidden``; the head's phases are in ``ir.head``).
-3. ``AcceptResult`` (from ``passes.accept``): per row, the number ``m`` of accepted draft tokens
+3. ``AcceptResult`` (from ``passes.accept``, which takes the target's tokens only as the
+   ``Verified`` result of the same verify): per row, the number ``m`` of accepted draft tokens
    (longest prefix equal to the target's argmax) and the bonus token (the target's argmax after
    them), named by the ``verify_id`` and the rows (``rids``) of the verify it judged.
 4. ``CommitBatch`` (from ``passes.commit``, which refuses the result of another verify or of other
@@ -211,7 +212,8 @@ class VerifyBatch(ColumnNode, RequestRows):
 class AcceptResult(ColumnNode):
     """Greedy verification outcome of verify ``verify_id``: ``accepted[i]`` draft tokens of row
     ``i`` (request ``rids[i]``, the verify's rows in its order) were accepted (``0..k``) and
-    ``bonus[i]`` is the target's token after them. ``passes.accept`` sets ``verify_id`` and
+    ``bonus[i]`` is the target's token after them (``ir.results.NON_FINITE``, -1, where the target's
+    logits there were not finite: whoever emits it ends the request). ``passes.accept`` sets ``verify_id`` and
     ``rids`` from the verify it judged, and ``passes.commit`` refuses a result whose ``verify_id``
     or ``rids`` are not its verify's, naming both: one verify's outcome never lands in another's
     rows."""
@@ -219,7 +221,7 @@ class AcceptResult(ColumnNode):
     verify_id: VerifyId = attrs.field(metadata=shown("verify", "#"))
     rids: I64 = column(converter=as_i64, metadata=per(REQUEST, text=REQUEST_NAME))
     accepted: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="accepted"))
-    bonus: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0, text="bonus"))
+    bonus: I64 = column(converter=as_i64, metadata=per(REQUEST, min=-1, text="bonus"))  # (-1: ir.results.NON_FINITE, which imports this module)
 
     def _check_first(self) -> None:
         _check_id(self, "verify_id", self.verify_id)

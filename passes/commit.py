@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir.columns import I64, build_unchecked, freeze, same_column
+from ir.columns import build_unchecked, freeze, same_column
 from ir.errors import PreconditionError
 from ir.spec import AcceptResult, CommitBatch, VerifyBatch
 from passes._args import bad_arg
+from passes._rows import rows_differ
 
 __all__ = [
     "commit",
@@ -43,7 +44,7 @@ def commit(batch: VerifyBatch, result: AcceptResult) -> CommitBatch:
     if not same_column(result.rids, batch.rids):
         raise PreconditionError(
             "commit",
-            f"the accept result of verify #{result.verify_id} judged {_rows(result.rids, batch.rids)}: "
+            f"the accept result of verify #{result.verify_id} judged {rows_differ(result.rids, batch.rids, 'the verify')}: "
             "a commit applies each row's result to that row",
         )
     n, k = batch.num_requests, batch.k
@@ -66,17 +67,3 @@ def commit(batch: VerifyBatch, result: AcceptResult) -> CommitBatch:
         sampling=batch.sampling,
     )
 
-
-def _rows(theirs: I64, mine: I64) -> str:
-    """How the result's rows ``theirs`` differ from the verify's ``mine``, naming both: the counts,
-    or the first row that differs (the lists shown are cut at 8 rows)."""
-    a: list[int] = theirs.tolist()
-    b: list[int] = mine.tolist()
-    if len(a) != len(b):
-        return f"{_count(len(a))} {a[:8]}, the verify has {_count(len(b))} {b[:8]}"
-    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 0)
-    return f"rows {a[:8]}, the verify's are {b[:8]} (row {i}: request {a[i]}, the verify's {b[i]})"
-
-
-def _count(n: int) -> str:
-    return f"{n} row" if n == 1 else f"{n} rows"

@@ -1,7 +1,9 @@
 """``prepare_for_decode``: ``ExtendBatch | MixedBatch | DecodeBatch -> DecodeBatch``.
 
 Pre: ``ctx`` has one next token and one fresh KV location per output request (the order below);
-``DecodeContext`` checks that its columns have equal lengths and no negative entries.
+``DecodeContext`` checks that its columns have equal lengths and no negative entries. A context
+bound to its rows (``ctx.rids``) is refused for other rows (another count, other requests, another
+order), naming both: it would feed one request's token into another's slot.
 Post: the output holds, in order, the requests of the extend part whose prompt is complete
 (chunked requests stay with the scheduler for their next chunk), then the running decodes. Each
 request's sequence length advances by one and it feeds ``ctx.next_tokens[i]`` with its KV at
@@ -24,7 +26,7 @@ from ir.columns import I64, MAX_SEQ_LEN, REQUEST, ColumnNode, as_i64, build_unch
 from ir.errors import PreconditionError
 from ir.sampling import rows_joined
 from passes._args import bad_arg, unexpected_arg
-from passes._rows import finished_prefill_rows, finished_prefill_sampling
+from passes._rows import bound_rows, bound_rows_key, check_bound_rows, finished_prefill_rows, finished_prefill_sampling, refuse_other_rows
 
 __all__ = [
     "DecodeContext",
@@ -36,10 +38,18 @@ __all__ = [
 @attrs.frozen(kw_only=True)
 class DecodeContext(ColumnNode):
     """What the forward that just ran produced: the sampled tokens and the KV locations allocated
-    for them, one per request of the resulting decode batch."""
+    for them, one per request of the resulting decode batch. ``rids``, when given, binds them to
+    those requests, in that order (the engine always gives it): ``prepare_for_decode`` refuses the
+    context for a batch whose output rows are others, naming both. Without it (a context written
+    by hand) only the row count is checked."""
 
     next_tokens: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
     kv_locs: I64 = column(converter=as_i64, metadata=per(REQUEST, min=0))
+    rids: I64 | None = attrs.field(default=None, converter=bound_rows, eq=bound_rows_key)
+    """The requests whose pending tokens these are, in row order (``None``: not bound)."""
+
+    def _check(self) -> None:
+        check_bound_rows(self, self.rids, int(self.next_tokens.shape[0]), "next_tokens")
 
 
 def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: DecodeContext) -> DecodeBatch:
@@ -47,7 +57,8 @@ def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: Decod
     then the running decodes, each one token further, feeding ``ctx.next_tokens[i]`` with its KV at
     ``ctx.kv_locs[i]``. The output type has no init field, so a prefill's one-shot ops cannot follow
     its requests into decode. Refused with ``PreconditionError``: arguments of other types, a ``ctx``
-    whose row count is not the output's, a sequence that would grow past ``MAX_SEQ_LEN``."""
+    bound to other rows than the output's (``ctx.rids``: named with the output's), a ``ctx`` whose
+    row count is not the output's, a sequence that would grow past ``MAX_SEQ_LEN``."""
     if not isinstance(ctx, DecodeContext):
         raise bad_arg("prepare_for_decode", "ctx", ctx, "a DecodeContext")
     match batch:
@@ -66,6 +77,7 @@ def prepare_for_decode(batch: ExtendBatch | MixedBatch | DecodeBatch, ctx: Decod
             seq_lens = np.concatenate((e_lens, d.seq_lens))
         case _:
             unexpected_arg("prepare_for_decode", "batch", batch, "an ExtendBatch, a MixedBatch or a DecodeBatch")
+    refuse_other_rows("prepare_for_decode", ctx.rids, rids, "next tokens")
     n = rids.shape[0]
     for name, col in (("next_tokens", ctx.next_tokens), ("kv_locs", ctx.kv_locs)):
         if col.shape[0] != n:

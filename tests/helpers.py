@@ -48,6 +48,7 @@ from ir.ids import TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.init import OP_TYPES, When
 from ir.plan import ExtendPlan
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom, Intent
+from ir.results import Verified
 from passes.lower import LowerContext, lower
 from passes.prepare_for_extend import prepare_for_extend
 
@@ -102,6 +103,13 @@ def proposed(draft: spec.DraftBatch, tokens: Sequence[int] | I64) -> spec.Propos
     """``tokens`` as the ``Proposals`` of ``draft`` (what its draft executor would return): for pass
     tests that choose the proposals instead of running a draft model."""
     return spec.Proposals(k=draft.k, draft_id=draft.draft_id, tokens=tokens)
+
+
+def verified(verify: spec.VerifyBatch, tokens: Sequence[int] | I64) -> Verified:
+    """``tokens`` as the ``Verified`` result of ``verify`` (what its target executor would return:
+    ``k + 1`` per row, row-major, named by its verify id and rows): for pass tests that choose the
+    target's tokens instead of running a target model."""
+    return Verified(k=verify.k, verify_id=verify.verify_id, rids=verify.rids, tokens=tokens)
 
 
 def decode_batch(

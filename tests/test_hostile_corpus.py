@@ -61,6 +61,7 @@ from ir.init import InitTicket, MambaInit, MambaSnapshot, Ticket, mint_serial
 from ir.mint import mint_draft_id, mint_verify_id
 from ir.plan import ExtendPlan
 from ir.request import Continue, CopyFrom
+from ir.results import Verified
 from ir.spec import (
     AcceptResult,
     CommitBatch,
@@ -78,7 +79,7 @@ from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import ToySpecModel, World, decode_batch, make_world, proposed, request, tiny_models
+from tests.helpers import ToySpecModel, World, decode_batch, make_world, proposed, request, tiny_models, verified
 
 Ctx = dict[str, Any]
 
@@ -197,13 +198,19 @@ def _commit_batch(accepted: list[int]) -> CommitBatch:
 def _commit_of_another_verify() -> CommitBatch:
     """The commit of one verify with the accept result of another verify of the same rows."""
     mine, theirs = _verify_batch(), _verify_batch()
-    return commit(mine, accept(theirs, np.full(6, 5, dtype=np.int64)))
+    return commit(mine, accept(theirs, verified(theirs, np.full(6, 5, dtype=np.int64))))
 
 
 def _commit_of_rows(rids: list[int], accepted: list[int]) -> CommitBatch:
     """The commit of a verify of ``RUNNING``'s rows with a result naming the verify and ``rids``."""
     v = _verify_batch()
     return commit(v, _result_of(v, accepted, rids=rids))
+
+
+def _accept_of_rows(rids: list[int]) -> AcceptResult:
+    """The accept of a verify of ``RUNNING``'s rows with target tokens naming the verify and ``rids``."""
+    v = _verify_batch()
+    return accept(v, Verified(k=v.k, verify_id=v.verify_id, rids=rids, tokens=[7] * (len(rids) * (v.k + 1))))
 
 
 def _spec_ctx(**kw: Any) -> Callable[[Any, Ctx], object]:
@@ -255,16 +262,16 @@ SPEC_CASES = [
         r"prepare_for_verify: the proposals of draft #(\d+) cannot be verified against draft #(?!\1)\d+",
     ),
     Case(
-        "accept-wrong-shape",
-        _build(lambda: accept(_verify_batch(), np.array([7] * 5, dtype=np.int64))),
+        "accept-target-tokens-of-another-verify",
+        _build(lambda: accept(_verify_batch(), verified(_verify_batch(), np.full(6, 7, dtype=np.int64)))),
         PreconditionError,
-        r"accept: expected 6 target tokens, got shape \(5,\)",
+        r"accept: the target tokens of verify #(\d+) cannot judge verify #(?!\1)\d+",
     ),
     Case(
-        "accept-2d-tokens",
-        _build(lambda: accept(_verify_batch(), np.full((2, 3), 7, dtype=np.int64))),
+        "accept-target-tokens-of-other-rows",
+        _build(lambda: _accept_of_rows([2, 1])),
         PreconditionError,
-        r"accept: expected 6 target tokens, got shape \(2, 3\)",
+        r"accept: the target tokens of verify #\d+ are for rows \[2, 1\], the verify's are \[1, 2\]",
     ),
     Case(
         "commit-result-rows-mismatch",

@@ -46,7 +46,7 @@ from backend.ledger import Ledger
 from compiler.engine.cache_session import CacheSession
 from compiler.engine.chunks import ChunkPlanner
 from compiler.engine.kv_refs import KVRefs
-from compiler.engine.nonfinite import bonus_tokens, checkable_targets
+from compiler.engine.nonfinite import bonus_tokens
 from compiler.engine.policy import QueueState, SchedulePolicy
 from compiler.engine.report import SpecStats, StepKind
 from compiler.engine.requests import Ending, Request, RequestState, RequestTable
@@ -345,7 +345,7 @@ class Forwards:
         """``k == 0`` with requests both running and waiting: the running batch's decode and the
         next prefill chunks in one MIXED forward (a plain decode if no chunk fits)."""
         rids = self.running.rid_list()
-        ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
+        ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1), rids=rids)
         admitted = self.planner.next_chunks()
         if not admitted:
             self.decode(ctx)
@@ -368,7 +368,7 @@ class Forwards:
         """One greedy token per running request (``ctx``: its inputs, when already allocated)."""
         rids = self.running.rid_list()
         if ctx is None:
-            ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1))
+            ctx = DecodeContext(next_tokens=self._pending_of(rids), kv_locs=self._alloc_for(rids, 1), rids=rids)
         self.running, plan = self.pipeline.decode(self.running, ctx)
         result = checked(plan, self.runner.run(self.target, plan))
         self.stats.decodes += 1
@@ -414,7 +414,7 @@ class Forwards:
         if admitted and rids:
             assert kv is not None
             mixed, mplan = self.pipeline.mixed(
-                admitted, running, DecodeContext(next_tokens=inputs, kv_locs=kv), sample_id=sample, inputs_from=after,
+                admitted, running, DecodeContext(next_tokens=inputs, kv_locs=kv, rids=rids), sample_id=sample, inputs_from=after,
                 sampling=self._sampling(admitted),
             )
             built = self._built(self.runner.submit(self.target, mplan), sample, admitted, mixed.extend, rids)
@@ -431,7 +431,7 @@ class Forwards:
             kind = StepKind.EXTEND
         elif rids:
             assert kv is not None
-            self.running, dplan = self.pipeline.decode(running, DecodeContext(next_tokens=inputs, kv_locs=kv), sample_id=sample, inputs_from=after)
+            self.running, dplan = self.pipeline.decode(running, DecodeContext(next_tokens=inputs, kv_locs=kv, rids=rids), sample_id=sample, inputs_from=after)
             built = _Inflight(self.runner.submit(self.target, dplan), sample, [(i, self.requests[rid]) for i, rid in enumerate(rids)], 0, [])
             self.stats.decodes += 1
             kind = StepKind.DECODE
@@ -489,13 +489,12 @@ class Forwards:
             return
         k, rids = self.k, self.running.rid_list()
         window = self._alloc_for(rids, k + 1)
-        draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
+        draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window, rids=rids))
         proposals = checked(dplan, self.runner.run(self.draft, dplan))
         drafts = proposals.tokens.reshape(len(rids), k).tolist()
         verify_batch, vplan = self.pipeline.verify(draft_batch, proposals)
         verified_result = checked(vplan, self.runner.run(self.target, vplan))
-        verified = verified_result.tokens  # NON_FINITE where a position's logits were not finite
-        result, committed, cplan = self.pipeline.commit(verify_batch, checkable_targets(verified, proposals.tokens, k))
+        result, committed, cplan = self.pipeline.commit(verify_batch, verified_result)
         on_target = self.runner.submit(self.target, cplan)
         draft_committed, dcplan = self.pipeline.draft_commit(committed, draft_batch)
         on_draft = self.runner.submit(self.draft, dcplan)
@@ -518,13 +517,12 @@ class Forwards:
         assert self.draft is not None
         k, rids = self.k, self.running.rid_list()
         window = self._alloc_for(rids, k + 1)
-        draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window))
+        draft_batch, dplan = self.pipeline.draft(self.running, SpecContext(k=k, next_tokens=self._pending_of(rids), kv_locs=window, rids=rids))
         proposals = checked(dplan, self.runner.run(self.draft, dplan))
         drafts = proposals.tokens.reshape(len(rids), k).tolist()
         verify_batch, vplan = self.pipeline.verify(draft_batch, proposals, keep_hidden=True)
         verified_result = checked(vplan, self.runner.run(self.target, vplan))
-        verified = verified_result.tokens  # NON_FINITE where a position's logits were not finite
-        result, committed, cplan = self.pipeline.commit(verify_batch, checkable_targets(verified, proposals.tokens, k))
+        result, committed, cplan = self.pipeline.commit(verify_batch, verified_result)
         self.runner.run(self.target, cplan)
         hidden = verified_result.hidden
         assert hidden is not None  # (``checked``: the verify asked for them)

@@ -7,9 +7,9 @@ the first flag; if the request is not done by then it ends with ``Ending.ERROR``
 
 Speculative rows: a verify window position is read only up to the row's bonus position (the first
 rejected draft, or the end of the window), so a flag beyond it changes nothing, as at ``k = 0``
-where those positions are never computed. ``checkable_targets`` gives the accept pass a stand-in for
-each flag that differs from the draft token there, so acceptance stops at the first flag at the
-latest and the flag (from ``bonus_tokens``) is what the row emits last. A NaN at a later window
+where those positions are never computed. The accept pass never accepts a flag (a draft token is
+never ``-1``), so acceptance stops at the first flag at the latest and the flag (from
+``bonus_tokens``) is what the row emits last. A NaN at a later window
 position can make earlier positions of the same row NaN too (attention and the chunked scan mask
 later positions by multiplying them by zero, and ``0 * NaN`` is NaN), so at ``k > 0`` an errored
 request may end a few tokens before it would at ``k = 0``: every token it emitted still came from
@@ -23,26 +23,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from backend.sampling import NON_FINITE
-from ir.columns import I64, frozen_i64
-
-__all__ = ["ERROR_MESSAGE", "bonus_tokens", "checkable_targets"]
+__all__ = ["ERROR_MESSAGE", "bonus_tokens"]
 
 ERROR_MESSAGE = "the model's logits for its next token were not finite (NaN or infinity)"
 """What an errored request's record says (one line)."""
-
-
-def checkable_targets(target_tokens: npt.NDArray[np.int64], proposals: npt.NDArray[np.int64], k: int) -> I64:
-    """A verify's target tokens (``n * (k + 1)``) for the accept pass: each ``NON_FINITE`` replaced by
-    a token that differs from the row's draft token at that position (1 where the draft proposed 0,
-    else 0), so no flag is ever accepted as a match."""
-    targets = np.asarray(target_tokens, dtype=np.int64).reshape(-1, k + 1)
-    flagged = targets == NON_FINITE
-    if not flagged.any():
-        return frozen_i64(targets.reshape(-1))
-    stand_in = np.zeros_like(targets)
-    stand_in[:, :k] = np.asarray(proposals, dtype=np.int64).reshape(-1, k) == 0
-    return frozen_i64(np.where(flagged, stand_in, targets).reshape(-1))
 
 
 def bonus_tokens(target_tokens: npt.NDArray[np.int64], accepted: Sequence[int], k: int) -> list[int]:

@@ -110,12 +110,10 @@ def _speculate(pipeline: Pipeline, running: DecodeBatch, step: Speculate, run: C
     verify, vplan = pipeline.verify(draft, proposals)
     verified = run(vplan)
     if verified is None:
-        targets = frozen_i64(np.asarray(step.target_tokens, dtype=np.int64))
-    elif isinstance(verified, Verified):
-        targets = verified.tokens
-    else:
+        verified = Verified(k=step.k, verify_id=verify.verify_id, rids=verify.rids, tokens=frozen_i64(np.asarray(step.target_tokens, dtype=np.int64)))
+    elif not isinstance(verified, Verified):
         raise TypeError(f"run_steps: execute gave a {type(verified).__name__} for a VerifyPlan, not a Verified")
-    _, committed, cplan = pipeline.commit(verify, targets)
+    _, committed, cplan = pipeline.commit(verify, verified)
     run(cplan)
     if step.draft_extend:
         caught_up, deplan = pipeline.draft_extend(committed)

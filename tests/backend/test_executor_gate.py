@@ -24,7 +24,7 @@ from passes.lower import LowerContext, lower
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import ToySpecModel, World, decode_batch, extend_plan, make_world, proposed, request
+from tests.helpers import ToySpecModel, World, decode_batch, extend_plan, make_world, proposed, request, verified
 
 
 class Refused(Exception):
@@ -118,7 +118,7 @@ def test_validated_comes_before_any_write_and_applied_after_the_model(transactio
     _run(w, gate, events, lower(draft, LowerContext()), "propose")
     v = prepare_for_verify(draft, proposed(draft, np.full(4, 7, dtype=np.int64)))
     _run(w, gate, events, lower(v, LowerContext()), "verify")
-    c = commit(v, accept(v, np.full(6, 7, dtype=np.int64)))
+    c = commit(v, accept(v, verified(v, np.full(6, 7, dtype=np.int64))))
     _run(w, gate, events, lower(c, LowerContext()), "commit")
     _run(w, gate, events, lower(prepare_for_draft_commit(c, draft), LowerContext()), "commit")
     w.ledger.assert_drained()

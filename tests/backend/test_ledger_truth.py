@@ -48,7 +48,7 @@ from passes.prepare_for_decode import DecodeContext, prepare_for_decode
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import ToySpecModel, World, decode_batch, extend_plan, make_world, proposed, request
+from tests.helpers import ToySpecModel, World, decode_batch, extend_plan, make_world, proposed, request, verified
 
 
 class CountingModel(ToySpecModel):
@@ -410,7 +410,7 @@ def test_a_commit_naming_other_slots_is_refused_and_the_right_one_runs() -> None
     draft = prepare_for_draft(running, SpecContext(k=2, next_tokens=[3, 3], kv_locs=list(range(30, 36))))
     v = prepare_for_verify(draft, proposed(draft, np.full(4, 7, dtype=np.int64)))
     w.executor.execute(lower(v, LowerContext()))
-    c = commit(v, accept(v, np.full(6, 7, dtype=np.int64)))
+    c = commit(v, accept(v, verified(v, np.full(6, 7, dtype=np.int64))))
     swapped = CommitPlan(batch=attrs.evolve(c, slots=c.slots[::-1].copy()))
     other = CommitPlan(batch=attrs.evolve(c, slots=[1, 3]))
     shorter = commit(attrs.evolve(v, k=1, input_ids=[3, 7, 3, 7], kv_locs=[30, 31, 33, 34]), AcceptResult(verify_id=v.verify_id, rids=v.rids, accepted=[1, 1], bonus=[7, 7]))
@@ -524,7 +524,7 @@ def test_forgotten_verifies_cannot_be_committed() -> None:
     v = prepare_for_verify(draft, proposed(draft, np.full(1, 7, dtype=np.int64)))
     w.executor.execute(lower(v, LowerContext()))
     w.executor.forget_verifies()
-    c = commit(v, accept(v, np.full(2, 7, dtype=np.int64)))
+    c = commit(v, accept(v, verified(v, np.full(2, 7, dtype=np.int64))))
     _refused(w, model, lambda: w.executor.execute(lower(c, LowerContext())), PlanExecutionError, r"no intermediate states of verify")
 
 
@@ -549,7 +549,7 @@ def test_a_verify_and_its_commit_cannot_run_again_even_after_the_commit() -> Non
     draft = prepare_for_draft(running, SpecContext(k=2, next_tokens=[3, 3], kv_locs=list(range(30, 36))))
     v = prepare_for_verify(draft, proposed(draft, np.full(4, 7, dtype=np.int64)))
     vplan = lower(v, LowerContext())
-    cplan = lower(commit(v, accept(v, np.full(6, 7, dtype=np.int64))), LowerContext())
+    cplan = lower(commit(v, accept(v, verified(v, np.full(6, 7, dtype=np.int64)))), LowerContext())
     w.executor.execute(vplan)
     w.executor.execute(cplan)
     for replay in (vplan, pickle.loads(pickle.dumps(vplan))):

@@ -14,7 +14,7 @@ from ir.sampling import GREEDY, SamplingParams, SamplingRows
 from passes.accept import accept
 from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import decode_batch, proposed
+from tests.helpers import decode_batch, proposed, verified
 
 
 def _logits(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -56,12 +56,12 @@ def test_verify_tokens_keep_the_form_the_accept_pass_reads() -> None:
     # greedy rows: the argmax at every position; the accept pass accepts while the proposal equals it
     greedy = plan_sampling.verify_tokens(logits, verify.window(verify.input_ids)[:, 1:].reshape(-1), None, start)
     assert (greedy == greedy_or_flag(logits).reshape(-1).numpy()).all()
-    assert accept(verify, greedy).accepted.tolist() == [k, 0, k, k]
+    assert accept(verify, verified(verify, greedy)).accepted.tolist() == [k, 0, k, k]
     # sampled rows: the accepted proposals, then the replacement or bonus; accept reads the same count
     rows = SamplingRows.of([SamplingParams(temperature=1.0, seed=s) for s in range(1, n + 1)])
     tokens = plan_sampling.verify_tokens(logits, verify.window(verify.input_ids)[:, 1:].reshape(-1), rows, start)
     window = tokens.reshape(n, k + 1)
-    result = accept(verify, tokens)
+    result = accept(verify, verified(verify, tokens))
     for i, m in enumerate(result.accepted.tolist()):
         assert window[i, :m].tolist() == drafts[i, :m].tolist()
         if m < k:

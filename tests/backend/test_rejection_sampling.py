@@ -38,6 +38,7 @@ from backend.sampling import (
     residual,
     sample_rows,
 )
+from ir.results import Verified
 from ir.sampling import GREEDY, SamplingParams
 from ir.spec import VerifyBatch
 from passes.accept import accept
@@ -190,11 +191,10 @@ def test_greedy_rows_are_passes_accept_bit_for_bit(seed: int) -> None:
         k=k, verify_id=1, draft_id=2, rids=np.arange(n), slots=np.arange(1, n + 1), seq_lens=np.full(n, 4),
         input_ids=np.concatenate([pending, drafts.numpy()], axis=1).reshape(-1), kv_locs=np.arange(n * (k + 1)),
     )
-    checkable = np.where(verified == NON_FINITE, np.iinfo(np.int64).max, verified)  # accept refuses -1
-    ref = accept(batch, checkable.astype(np.int64))
+    ref = accept(batch, Verified(k=k, verify_id=batch.verify_id, rids=batch.rids, tokens=verified.astype(np.int64)))  # (a flag is never accepted)
     assert out.accepted.tolist() == ref.accepted.tolist()
     bonus = out.tokens[torch.arange(n), out.accepted]
-    assert bonus.tolist() == verified.reshape(n, k + 1)[np.arange(n), ref.accepted].tolist()
+    assert bonus.tolist() == verified.reshape(n, k + 1)[np.arange(n), ref.accepted].tolist() == ref.bonus.tolist()
     assert int(bonus[5]) == NON_FINITE or int(out.accepted[5]) < 1
     for i in range(n):
         m = int(out.accepted[i])

@@ -46,7 +46,7 @@ from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import cont, cow, decode_batch, fresh, proposed, request
+from tests.helpers import cont, cow, decode_batch, fresh, proposed, request, verified
 
 LCTX = LowerContext(pools=(TARGET_POOL, DRAFT_POOL))
 
@@ -96,7 +96,7 @@ def _running() -> DecodeBatch:
 def _spec_chain() -> tuple[DraftBatch, VerifyBatch, AcceptResult, CommitBatch, DraftExtendBatch]:
     d = prepare_for_draft(_running(), SpecContext(k=2, next_tokens=[3, 4], kv_locs=list(range(80, 86))))
     v = prepare_for_verify(d, proposed(d, [11, 12, 21, 22]))
-    r = accept(v, frozen_i64([11, 0, 0, 21, 22, 23]))
+    r = accept(v, verified(v, frozen_i64([11, 0, 0, 21, 22, 23])))
     c = commit(v, r)
     return d, v, r, c, prepare_for_draft_extend(c)
 

@@ -25,7 +25,7 @@ from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_draft_extend import prepare_for_draft_extend
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import decode_batch, fresh, proposed
+from tests.helpers import decode_batch, fresh, proposed, verified
 
 
 def _row(rows: SamplingRows | None, i: int) -> tuple[Any, ...]:
@@ -126,7 +126,7 @@ def test_a_speculative_iteration_carries_the_rows_to_the_next_running_batch(data
     verify = prepare_for_verify(draft, proposed(draft, [5] * (n * k)))
     accepted = data.draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
     targets = np.array([[5] * a + [9] * (k + 1 - a) for a in accepted], dtype=np.int64).reshape(-1)
-    committed = commit(verify, accept(verify, targets))
+    committed = commit(verify, accept(verify, verified(verify, targets)))
     for node in (draft, verify, committed, prepare_for_draft_commit(committed, draft), prepare_for_draft_extend(committed)):
         assert node.sampling == rows, type(node).__name__
     after = merge_batch(running.empty(), prepare_for_draft_commit(committed, draft))

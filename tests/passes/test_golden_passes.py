@@ -19,6 +19,7 @@ from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, PoolId, RequestId
 from ir.mint import mint_hidden_id
 from ir.printer import dump, dump_all
 from ir.request import AdmittedRequest, Clear, Continue, CopyFrom
+from ir.results import Verified
 from ir.spec import Proposals
 from passes import (
     DecodeContext,
@@ -41,7 +42,7 @@ from passes import (
 )
 from passes.registry import PASSES
 from passes.withdraw import withdraw
-from tests.helpers import GOLDEN, proposed
+from tests.helpers import GOLDEN, proposed, verified
 
 PASS_GOLDEN = GOLDEN / "passes"
 
@@ -54,6 +55,8 @@ def _show(value: object) -> str:
         return f"{type(value).__name__} {k}next_tokens={value.next_tokens.tolist()} kv_locs={value.kv_locs.tolist()}\n"
     if isinstance(value, Proposals):
         return f"Proposals k={value.k} tokens={value.tokens.tolist()}\n"  # (its draft: the DraftBatch dumped beside it)
+    if isinstance(value, Verified):
+        return f"Verified k={value.k} tokens={value.tokens.tolist()}\n"  # (its verify and rows: the VerifyBatch dumped beside it)
     if isinstance(value, LowerContext):
         heads = f" head_pools={list(value.head_pools)}" if value.head_pools else ""
         return f"LowerContext pools={list(value.pools)}{heads}\n"
@@ -103,8 +106,9 @@ def _cases() -> dict[str, str]:
     verify = prepare_for_verify(draft, draft_tokens)
     cases.append(_case("pending token then the drafts", prepare_for_verify, draft, draft_tokens))
     target_tokens = np.array([80, 90, 91, 82, 83, 92], dtype=np.int64)
-    result = accept(verify, target_tokens)
-    cases.append(_case("one draft accepted, then all of them", accept, verify, target_tokens))
+    target = verified(verify, target_tokens)
+    result = accept(verify, target)
+    cases.append(_case("one draft accepted, then all of them", accept, verify, target))
     committed = commit(verify, result)
     cases.append(_case("states at the accepted positions", commit, verify, result))
     draft_committed = prepare_for_draft_commit(committed, draft)

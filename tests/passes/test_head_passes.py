@@ -46,7 +46,7 @@ from passes import (
     prepare_for_head_extend,
     prepare_for_verify,
 )
-from tests.helpers import decode_batch, proposed, request
+from tests.helpers import decode_batch, proposed, request, verified
 
 HEAD = PoolId("head")
 CTX = LowerContext(pools=(TARGET_POOL,), head_pools=(HEAD,))
@@ -74,7 +74,7 @@ def _iteration(k: int = 3) -> tuple[CommitBatch, VerifyPlan, HiddenStates]:
     plan = lower(verify_batch, CTX, keep_hidden=mint_hidden_id())
     # row 0 rejects d1, row 1 accepts all three, row 2 accepts d1 only
     target = np.array([90, 0, 0, 0, 84, 85, 86, 7, 87, 91, 0, 0], dtype=np.int64)
-    committed = commit(verify_batch, accept(verify_batch, target))
+    committed = commit(verify_batch, accept(verify_batch, verified(verify_batch, target)))
     hidden = asked_hidden(plan)
     assert hidden is not None
     return committed, plan, hidden
@@ -246,9 +246,9 @@ def test_the_boundary_checks_the_handle_a_result_hands_back() -> None:
         checked(unkept, Sampled(rids=unkept.rids, tokens=tokens, hidden=hidden))
     committed, vplan, vhidden = _iteration()
     window = [0] * 12
-    assert checked(vplan, Verified(k=3, rids=vplan.rids, tokens=window, hidden=vhidden)).hidden == vhidden
+    assert checked(vplan, Verified(k=3, verify_id=vplan.batch.verify_id, rids=vplan.rids, tokens=window, hidden=vhidden)).hidden == vhidden
     with pytest.raises(PlanExecutionError, match=r"VerifyPlan asked for hidden #\d+ of verify #\d+ .*, and came back with none"):
-        checked(vplan, Verified(k=3, rids=vplan.rids, tokens=window))
+        checked(vplan, Verified(k=3, verify_id=vplan.batch.verify_id, rids=vplan.rids, tokens=window))
     head_commit = lower(prepare_for_head_commit(committed, vhidden), CTX)
     assert isinstance(head_commit, HeadCommitPlan) and result_type(head_commit) is Ran
     assert checked(head_commit, Ran(rids=head_commit.rids)).rids.tolist() == [1, 2, 3]

@@ -17,6 +17,7 @@ from typeguard import suppress_type_checks
 from ir.columns import MAX_SEQ_LEN
 from ir.errors import PreconditionError
 from ir.request import AdmittedRequest
+from ir.results import NON_FINITE, Verified
 from ir.spec import AcceptResult, CommitBatch, DraftBatch, Proposals, VerifyBatch
 from passes.accept import accept
 from passes.commit import commit
@@ -28,7 +29,7 @@ from passes.prepare_for_draft import SpecContext, prepare_for_draft
 from passes.prepare_for_draft_commit import prepare_for_draft_commit
 from passes.prepare_for_extend import prepare_for_extend
 from passes.prepare_for_verify import prepare_for_verify
-from tests.helpers import decode_batch, proposed, request
+from tests.helpers import decode_batch, proposed, request, verified
 
 RUNNING = decode_batch([1, 2, 3], [1, 2, 3], [4, 4, 4], [20, 21, 22])
 
@@ -47,7 +48,7 @@ def _naming(draft: DraftBatch) -> tuple[CommitBatch, DraftBatch]:
 VERIFY: VerifyBatch = prepare_for_verify(DRAFT, proposed(DRAFT, np.full(6, 7, dtype=np.int64)))
 OTHER_VERIFY: VerifyBatch = prepare_for_verify(DRAFT, proposed(DRAFT, np.full(6, 7, dtype=np.int64)))
 """A second verify of the same draft: the same rows, another ``verify_id``."""
-COMMIT: CommitBatch = commit(VERIFY, accept(VERIFY, np.full(9, 7, dtype=np.int64)))
+COMMIT: CommitBatch = commit(VERIFY, accept(VERIFY, verified(VERIFY, np.full(9, 7, dtype=np.int64))))
 
 
 def _result(*, rids: list[int] | None = None, accepted: list[int] | None = None) -> AcceptResult:
@@ -57,8 +58,14 @@ def _result(*, rids: list[int] | None = None, accepted: list[int] | None = None)
 EXTEND = prepare_for_extend([request(9, 5, [3, 4], 50)])
 
 
-def _ctx(n: int) -> DecodeContext:
-    return DecodeContext(next_tokens=[7] * n, kv_locs=list(range(60, 60 + n)))
+def _ctx(n: int, rids: list[int] | None = None) -> DecodeContext:
+    return DecodeContext(next_tokens=[7] * n, kv_locs=list(range(60, 60 + n)), rids=rids)
+
+
+def _targets(*, rids: list[int] | None = None, k: int = 2) -> Verified:
+    """Target tokens (all 7) naming ``VERIFY`` (its rows unless ``rids``, a window of ``k``)."""
+    rows = rids if rids is not None else VERIFY.rid_list()
+    return Verified(k=k, verify_id=VERIFY.verify_id, rids=rows, tokens=[7] * (len(rows) * (k + 1)))
 
 
 def _i64(*values: int) -> np.ndarray:
@@ -66,9 +73,33 @@ def _i64(*values: int) -> np.ndarray:
 
 
 CASES: list[tuple[str, Callable[[], object], str]] = [
-    ("accept: shape", lambda: accept(VERIFY, np.full(8, 7, dtype=np.int64)), r"^accept: expected 9 target tokens, got shape \(8,\) for target_tokens$"),
-    ("accept: dtype", lambda: accept(VERIFY, np.full(9, 7, dtype=np.int32)), r"^accept: target_tokens must hold int64 token ids, got dtype int32$"),
-    ("accept: negative", lambda: accept(VERIFY, _i64(7, 7, 7, 7, -3, 7, 7, 7, 7)), r"^accept: negative target token -3 in target_tokens$"),
+    ("accept: the target tokens of another verify", lambda: accept(VERIFY, verified(OTHER_VERIFY, np.full(9, 7, dtype=np.int64))), (
+        r"^accept: the target tokens of verify #(\d+) cannot judge verify #(?!\1)\d+: a verify's drafts are judged by its own target tokens$"
+    )),
+    ("accept: target tokens of rows in another order", lambda: accept(VERIFY, _targets(rids=[1, 3, 2])), (
+        r"^accept: the target tokens of verify #\d+ are for rows \[1, 3, 2\], the verify's are \[1, 2, 3\] \(row 1: request 3, the verify's 2\): "
+        r"each row's drafts are judged by that row's target tokens$"
+    )),
+    ("accept: target tokens of fewer rows", lambda: accept(VERIFY, _targets(rids=[1, 2])), (
+        r"^accept: the target tokens of verify #\d+ are for 2 rows \[1, 2\], the verify has 3 rows \[1, 2, 3\]: "
+    )),
+    ("accept: target tokens of another window", lambda: accept(VERIFY, _targets(k=1)), (
+        r"^accept: the target tokens of verify #(\d+) have a window of k=1, verify #\1 has k=2$"
+    )),
+    ("decode: a context bound to other rows", lambda: prepare_for_decode(RUNNING, attrs.evolve(_ctx(3), rids=[1, 2, 4])), (
+        r"^prepare_for_decode: the context's next tokens are for rows \[1, 2, 4\], the batch's are \[1, 2, 3\] \(row 2: request 4, the batch's 3\): "
+        r"each row is fed its own request's next tokens$"
+    )),
+    ("decode: a context bound to rows in another order", lambda: prepare_for_decode(RUNNING, attrs.evolve(_ctx(3), rids=[2, 1, 3])), (
+        r"^prepare_for_decode: the context's next tokens are for rows \[2, 1, 3\], the batch's are \[1, 2, 3\] \(row 0: request 2, the batch's 1\)"
+    )),
+    ("decode: a context bound to fewer rows", lambda: prepare_for_decode(RUNNING, _ctx(2, rids=[1, 2])), (
+        r"^prepare_for_decode: the context's next tokens are for 2 rows \[1, 2\], the batch has 3 rows \[1, 2, 3\]"
+    )),
+    ("draft: a context bound to other rows", lambda: prepare_for_draft(RUNNING, SpecContext(k=2, next_tokens=[3] * 3, kv_locs=range(30, 39), rids=[3, 2, 1])), (
+        r"^prepare_for_draft: the context's next tokens are for rows \[3, 2, 1\], the batch's are \[1, 2, 3\] \(row 0: request 3, the batch's 1\): "
+        r"each row is fed its own request's next tokens$"
+    )),
     ("commit: rows", lambda: commit(VERIFY, _result(rids=[1, 2], accepted=[1, 1])), (
         r"^commit: the accept result of verify #\d+ judged 2 rows \[1, 2\], the verify has 3 rows \[1, 2, 3\]: "
         r"a commit applies each row's result to that row$"
@@ -80,7 +111,7 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
     ("commit: other rows", lambda: commit(VERIFY, _result(rids=[1, 2, 4])), (
         r"^commit: the accept result of verify #\d+ judged rows \[1, 2, 4\], the verify's are \[1, 2, 3\] \(row 2: request 4, the verify's 3\)"
     )),
-    ("commit: the result of another verify", lambda: commit(VERIFY, accept(OTHER_VERIFY, np.full(9, 7, dtype=np.int64))), (
+    ("commit: the result of another verify", lambda: commit(VERIFY, accept(OTHER_VERIFY, verified(OTHER_VERIFY, np.full(9, 7, dtype=np.int64)))), (
         r"^commit: the accept result of verify #(\d+) cannot commit verify #(?!\1)\d+: a commit applies the result of the verify it judged$"
     )),
     ("commit: accepted > k", lambda: commit(VERIFY, _result(accepted=[0, 3, 1])), r"^commit: accepted 3 > k=2$"),
@@ -138,8 +169,17 @@ def test_input_at_the_edge_of_each_precondition_is_accepted() -> None:
     assert prepare_for_draft_commit(COMMIT, DRAFT).accept_pos.tolist() == COMMIT.accept_pos.tolist()
     ok = np.full(9, 7, dtype=np.int64)
     ok[4] = 0
-    assert accept(VERIFY, ok).accepted.tolist() == [2, 1, 2]  # a token id 0 is a token (one the draft did not propose)
+    assert accept(VERIFY, verified(VERIFY, ok)).accepted.tolist() == [2, 1, 2]  # a token id 0 is a token (one the draft did not propose)
     assert prepare_for_verify(DRAFT, proposed(DRAFT, _i64(0, 7, 7, 7, 7, 7))).k == 2
+    # a context bound to exactly the batch's rows, in its order, is fed as an unbound one is
+    assert prepare_for_decode(RUNNING, _ctx(3, rids=[1, 2, 3])) == prepare_for_decode(RUNNING, _ctx(3))
+    bound = SpecContext(k=2, next_tokens=[3] * 3, kv_locs=range(30, 39), rids=[1, 2, 3])
+    assert prepare_for_draft(RUNNING, bound).input_ids.tolist() == [3, 3, 3]
+    # a target token whose logits were not finite (NON_FINITE, -1) is never accepted, and is the bonus it reaches
+    flagged = np.full(9, 7, dtype=np.int64)
+    flagged[[1, 3, 8]] = NON_FINITE  # row 0's second prediction, row 1's first, row 2's bonus position
+    result = accept(VERIFY, verified(VERIFY, flagged))
+    assert result.accepted.tolist() == [1, 0, 2] and result.bonus.tolist() == [NON_FINITE, NON_FINITE, NON_FINITE]
 
 
 def test_prepare_for_extend_takes_any_admitted_request_and_names_the_first_that_is_not() -> None:

@@ -36,7 +36,7 @@ from passes import (
     prepare_for_draft_extend,
     prepare_for_verify,
 )
-from tests.helpers import LAYOUT, decode_batch, fresh, proposed
+from tests.helpers import LAYOUT, decode_batch, fresh, proposed, verified
 
 K = 3
 
@@ -94,7 +94,8 @@ def test_prepare_for_verify_checks_token_count() -> None:
     ],
 )
 def test_accept_longest_matching_prefix_plus_bonus(target: list[list[int]], accepted: list[int], bonus: list[int]) -> None:
-    r = accept(_verify(), frozen_i64(np.array(target).reshape(-1)))
+    v = _verify()
+    r = accept(v, verified(v, frozen_i64(np.array(target).reshape(-1))))
     assert r.accepted.tolist() == accepted
     assert r.bonus.tolist() == bonus
 
@@ -111,7 +112,7 @@ def test_accept_agrees_with_the_definition_on_both_sides_of_the_small_path(n: in
     v = prepare_for_verify(d, proposed(d, drafts.reshape(-1).tolist()))
     targets = rng.integers(0, 3, size=(n, k + 1))
     targets[: n // 2, :k] = drafts[: n // 2]  # (half the rows match everywhere)
-    r = accept(v, frozen_i64(targets.reshape(-1)))
+    r = accept(v, verified(v, frozen_i64(targets.reshape(-1))))
     want = [next((j for j in range(k) if drafts[i, j] != targets[i, j]), k) for i in range(n)]
     assert r.accepted.tolist() == want
     assert r.bonus.tolist() == [int(targets[i, m]) for i, m in enumerate(want)]
@@ -120,7 +121,7 @@ def test_accept_agrees_with_the_definition_on_both_sides_of_the_small_path(n: in
 
 def test_commit_releases_rejected_kv_and_draft_extend_takes_accepted_tokens() -> None:
     v = _verify()
-    r = accept(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24]))  # row 0 accepts 1, row 1 accepts 3
+    r = accept(v, verified(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24])))  # row 0 accepts 1, row 1 accepts 3
     c = commit(v, r)
     assert c.accept_pos.tolist() == [1, 3]
     assert c.released_kv.tolist() == [102, 103]
@@ -139,7 +140,7 @@ def test_commit_releases_rejected_kv_and_draft_extend_takes_accepted_tokens() ->
 
 def test_accept_names_the_verify_it_judged_and_its_rows() -> None:
     v = _verify()
-    r = accept(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24]))
+    r = accept(v, verified(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24])))
     assert r.verify_id == v.verify_id and r.rids.tolist() == v.rid_list() == [1, 2]
 
 
@@ -150,7 +151,7 @@ def test_commit_refuses_the_accept_result_of_another_verify_with_as_many_rows() 
     mine = prepare_for_verify(d, proposed(d, [11, 12, 13, 21, 22, 23]))
     theirs = prepare_for_verify(d, proposed(d, [11, 12, 13, 21, 22, 23]))
     targets = frozen_i64([11, 99, 13, 14, 21, 22, 23, 24])
-    other = accept(theirs, targets)
+    other = accept(theirs, verified(theirs, targets))
     with pytest.raises(
         PreconditionError,
         match=rf"^commit: the accept result of verify #{theirs.verify_id} cannot commit verify #{mine.verify_id}: "
@@ -158,8 +159,8 @@ def test_commit_refuses_the_accept_result_of_another_verify_with_as_many_rows() 
     ):
         commit(mine, other)
     with pytest.raises(PreconditionError, match=rf"the accept result of verify #{mine.verify_id} cannot commit verify #{theirs.verify_id}"):
-        commit(theirs, accept(mine, targets))
-    assert commit(mine, accept(mine, targets)).accept_pos.tolist() == [1, 3]
+        commit(theirs, accept(mine, verified(mine, targets)))
+    assert commit(mine, accept(mine, verified(mine, targets))).accept_pos.tolist() == [1, 3]
     assert commit(theirs, other).verify_id == theirs.verify_id
 
 
@@ -175,7 +176,7 @@ def test_commit_refuses_an_accept_result_of_its_verify_for_other_rows(rids: list
     """The result names the right verify but other rows (another order, another request, another
     count): the accepted positions would land in other rows' slots, so it is refused naming both."""
     v = _verify()
-    own = accept(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24]))
+    own = accept(v, verified(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24])))
     forged = AcceptResult(verify_id=v.verify_id, rids=rids, accepted=own.accepted[: len(rids)], bonus=own.bonus[: len(rids)])
     with pytest.raises(PreconditionError, match=rf"^commit: the accept result of verify #{v.verify_id} {shown}: a commit applies each row's result to that row$"):
         commit(v, forged)
@@ -193,7 +194,7 @@ def test_commit_takes_exactly_its_own_verifys_result(data: st.DataObject) -> Non
     running = decode_batch(rids, list(range(1, n + 1)), [5] * n, list(range(1000, 1000 + n)))
     d = prepare_for_draft(running, SpecContext(k=2, next_tokens=[7] * n, kv_locs=list(range(2000, 2000 + 3 * n))))
     v = prepare_for_verify(d, proposed(d, data.draw(st.lists(st.integers(0, 3), min_size=2 * n, max_size=2 * n), label="drafts")))
-    own = accept(v, frozen_i64(data.draw(st.lists(st.integers(0, 3), min_size=3 * n, max_size=3 * n), label="targets")))
+    own = accept(v, verified(v, frozen_i64(data.draw(st.lists(st.integers(0, 3), min_size=3 * n, max_size=3 * n), label="targets"))))
     assert commit(v, own).accept_pos.tolist() == own.accepted.tolist()
     other_id = data.draw(st.integers(1, 2**62).filter(lambda i: i != v.verify_id), label="other verify id")
     with pytest.raises(PreconditionError, match=rf"^commit: the accept result of verify #{other_id} cannot commit verify #{v.verify_id}: "):
@@ -211,7 +212,7 @@ def test_commit_takes_exactly_its_own_verifys_result(data: st.DataObject) -> Non
 def test_draft_commit_commits_the_accepted_position_and_merges_like_the_draft_extend() -> None:
     d = _draft()
     v = prepare_for_verify(d, proposed(d, [11, 12, 13, 21, 22, 23]))
-    c = commit(v, accept(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24])))
+    c = commit(v, accept(v, verified(v, frozen_i64([11, 99, 13, 14, 21, 22, 23, 24]))))
     dc = prepare_for_draft_commit(c, d)
     assert dc.draft_id == d.draft_id != v.verify_id
     assert dc.accept_pos.tolist() == [1, 3] and dc.k == K
@@ -222,7 +223,7 @@ def test_draft_commit_commits_the_accepted_position_and_merges_like_the_draft_ex
 def test_draft_commit_pairs_a_commit_with_the_draft_of_its_own_iteration() -> None:
     d = _draft()
     v = prepare_for_verify(d, proposed(d, [11, 12, 13, 21, 22, 23]))
-    c = commit(v, accept(v, frozen_i64([0] * 8)))
+    c = commit(v, accept(v, verified(v, frozen_i64([0] * 8))))
     other = prepare_for_draft(
         decode_batch([1, 2], [3, 5], [5, 9], [15, 19], tokens=[50, 90]), SpecContext(k=K, next_tokens=[7, 8], kv_locs=list(range(100, 108)))
     )
@@ -285,7 +286,7 @@ def test_one_iteration_through_pipeline_and_executors() -> None:
         proposals = ex_d.run_draft(dplan)
         v, vplan = pipe.verify(d, proposals)
         verified = checked(vplan, ex_t.execute(vplan))
-        result, c, cplan = pipe.commit(v, verified.tokens)
+        result, c, cplan = pipe.commit(v, verified)
         assert result.accepted.tolist() == [0, 2]
         ex_t.execute(cplan)
         with pytest.raises(PlanExecutionError, match="already committed"):
@@ -323,8 +324,8 @@ def test_one_iteration_with_a_draft_commit() -> None:
         d, dplan = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(10 + 8 * it, 18 + 8 * it))))
         proposals = ex_d.run_draft(dplan)
         v, vplan = pipe.verify(d, proposals)
-        verified = checked(vplan, ex_t.execute(vplan))
-        _, c, cplan = pipe.commit(v, verified.tokens)
+        target = checked(vplan, ex_t.execute(vplan))
+        _, c, cplan = pipe.commit(v, target)
         ex_t.execute(cplan)
         dc, dcplan = pipe.draft_commit(c, d)
         assert isinstance(dcplan, DraftCommitPlan) and dc.draft_id == d.draft_id
@@ -341,7 +342,7 @@ def test_one_iteration_with_a_draft_commit() -> None:
     d2, dplan2 = pipe.draft(running, SpecContext(k=K, next_tokens=[60, 61], kv_locs=list(range(40, 48))))
     ex_d.execute(dplan2)
     v1 = _verify_of(d1)
-    stale = lower(prepare_for_draft_commit(commit(v1, accept(v1, frozen_i64([0] * 8))), d1), LowerContext())
+    stale = lower(prepare_for_draft_commit(commit(v1, accept(v1, verified(v1, frozen_i64([0] * 8)))), d1), LowerContext())
     before = draft.copy_buffer()
     with pytest.raises(PlanExecutionError, match=rf"draft #{d1.draft_id}.*dropped by a newer draft"):
         ex_d.execute(stale)
@@ -361,7 +362,7 @@ def test_a_commit_never_takes_a_drafts_states_nor_a_draft_commit_a_verifys() -> 
     ex.execute(lower(d, LowerContext()))
     v = _verify_of(d)
     ex.execute(lower(v, LowerContext()))
-    c = commit(v, accept(v, frozen_i64([0] * 8)))
+    c = commit(v, accept(v, verified(v, frozen_i64([0] * 8))))
     forged = attrs.evolve(c, verify_id=VerifyId(d.draft_id))  # a commit naming the draft's id (forged: mypy refuses it unwrapped)
     before = pool.copy_buffer()
     with pytest.raises(PlanExecutionError, match=rf"#{d.draft_id} names a draft's states, which only a DraftCommitPlan commits"):
@@ -377,7 +378,7 @@ def test_commit_of_a_verify_that_never_ran_is_refused() -> None:
     pool = MambaStatePool(TARGET_POOL, LAYOUT, 8)
     ex = Executor(pool, ledger, _Scripted({3: 1, 4: 1}))
     v = _verify()
-    c = commit(v, accept(v, frozen_i64([11, 0, 0, 0, 21, 0, 0, 0])))
+    c = commit(v, accept(v, verified(v, frozen_i64([11, 0, 0, 0, 21, 0, 0, 0]))))
     before = pool.copy_buffer()
     with pytest.raises(PlanExecutionError, match=rf"verify #{v.verify_id}.*never verified here"):
         ex.execute(lower(c, LowerContext()))
@@ -416,7 +417,7 @@ def test_a_verify_of_tokens_that_are_not_the_drafts_proposals_cannot_reach_the_d
     forged = proposed(d, [10, 99, 12, 20, 21, 22])  # not what the draft proposed
     v, vplan = pipe.verify(d, forged)
     verified = checked(vplan, ex_t.execute(vplan))
-    _, c, cplan = pipe.commit(v, verified.tokens)
+    _, c, cplan = pipe.commit(v, verified)
     ex_t.execute(cplan)
     _, dcplan = pipe.draft_commit(c, d)
     before = draft.copy_buffer()

@@ -17,6 +17,10 @@ the engine with a prefix cache and small chunks:
   moves (its bytes compared): after the first chunk ran, as a replay; before it ran, because the
   clear would land on a row that continues a state (``backend.state_store.check_fresh_rows``; that
   refusal is the fix this scenario brought: before it, the spliced plan ran and cleared the row); a
+  copy-on-write spliced onto its own request's continuation chunk before the first chunk ran,
+  because the ledger binds each ticket to the rows of the plan it was registered with and the row
+  starts at another token (``Ledger.register``'s ``starts``; the second fix: before it, the copy ran
+  and the continuation went on from the copied prefix's state, skipping the first chunk's tokens); a
   clear of another request's slot, because that slot is no row of the plan;
 - a clear lowered for a slot's previous owner that never ran (the stale flag) blocks every plan over
   the slot until it runs or is cancelled (recorded), so it cannot fire after a transfer.
@@ -139,6 +143,14 @@ def test_a_chunks_tickets_spliced_onto_another_chunks_plan_are_refused_before_th
     _, c1 = w.pipeline.prefill([attrs.evolve(cow(2, SLOT_COPY, CACHE, len(PREFIX), BODY[:5], kv), more_chunks=True)])
     _, c2 = w.pipeline.prefill([cont(2, SLOT_COPY, len(PREFIX) + 5, BODY[5:], kv + 5)])
     _, other = w.pipeline.prefill([fresh(3, SLOT_OTHER, PREFIX, w.kv(len(PREFIX)))])
+    before = w.pool.buffer.clone()
+    with pytest.raises(PlanExecutionError, match=(
+        rf"^ExtendPlan: ticket #\d+ for pool 'target' was lowered for slot {SLOT_COPY} starting at token {len(PREFIX)}, "
+        rf"and this plan's row starts at token {len(PREFIX) + 5}: its ops belong to another plan"
+    )):
+        w.executor.execute(attrs.evolve(c2, tickets=c1.tickets))  # the copy on its own continuation, before the first chunk ran
+    assert torch.equal(w.pool.buffer, before)
+    assert set(w.ledger.outstanding()) == {*c1.tickets, *other.tickets}  # refused, given back: not consumed
     w.executor.execute(c1)
     before = w.pool.buffer.clone()
     with pytest.raises(ResourceReplayError, match=r"already consumed \(ops clear \[\], cow \[5->1\]\)"):

@@ -174,9 +174,12 @@ def test_a_draft_run_must_return_the_proposals_of_that_draft() -> None:
     # a verify's tokens must cover its own window
     vplan = VerifyPlan(batch=prepare_for_verify(plan.batch, own))
     vid = vplan.batch.verify_id
-    assert checked(vplan, Verified(k=2, rids=[4, 9], tokens=[1, 2, 3, 4, 5, 6])).tokens.tolist() == [1, 2, 3, 4, 5, 6]
-    with pytest.raises(PlanExecutionError, match=rf"^verify #{vid} \(k=2\) came back with a window of k=1$"):
-        checked(vplan, Verified(k=1, rids=[4, 9], tokens=[1, 2, 3, 4]))
+    assert checked(vplan, Verified(k=2, verify_id=vid, rids=[4, 9], tokens=[1, 2, 3, 4, 5, 6])).tokens.tolist() == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(PlanExecutionError, match=rf"^verify #{vid} \(k=2\) came back as the target tokens of verify #{vid} \(k=1\)$"):
+        checked(vplan, Verified(k=1, verify_id=vid, rids=[4, 9], tokens=[1, 2, 3, 4]))
+    # and be the target tokens of that verify (not another's of the same rows and window)
+    with pytest.raises(PlanExecutionError, match=rf"^verify #{vid} \(k=2\) came back as the target tokens of verify #{vid + 1} \(k=2\)$"):
+        checked(vplan, Verified(k=2, verify_id=vid + 1, rids=[4, 9], tokens=[1, 2, 3, 4, 5, 6]))
 
 
 def test_the_speculative_figures() -> None:

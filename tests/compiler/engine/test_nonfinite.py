@@ -12,8 +12,11 @@ from backend.hybrid.config import tiny
 from backend.hybrid.model import HybridModel
 from backend.sampling import NON_FINITE, greedy_or_flag
 from compiler.engine import Engine
-from compiler.engine.nonfinite import bonus_tokens, checkable_targets
+from compiler.engine.nonfinite import bonus_tokens
 from ir.ids import RequestId
+from ir.results import Verified
+from ir.spec import VerifyBatch
+from passes.accept import accept
 
 NEW = 8
 
@@ -42,12 +45,15 @@ def test_a_flag_in_a_verify_window_is_never_accepted_and_is_the_bonus_where_acce
     # row 0: the target agrees with 5, then its logits are not finite where the draft said 0
     # row 1: it disagrees at position 1 already; the flag at position 2 lies beyond its bonus
     targets = np.array([5, NON_FINITE, NON_FINITE, 9, 4, 8, NON_FINITE, 1], dtype=np.int64)
-    checked = checkable_targets(targets, proposals, k)
-    assert checked.tolist() == [5, 1, 0, 9, 4, 8, 0, 1] and min(checked.tolist()) >= 0
-    accepted = [1, 1]  # what the accept pass makes of ``checked``
-    assert bonus_tokens(targets, accepted, k) == [NON_FINITE, 8]
+    verify = VerifyBatch(
+        k=k, verify_id=1, draft_id=2, rids=[1, 2], slots=[1, 2], seq_lens=[4, 4],
+        input_ids=np.concatenate([np.zeros((2, 1), dtype=np.int64), proposals.reshape(2, k)], axis=1).reshape(-1), kv_locs=range(8),
+    )
+    result = accept(verify, Verified(k=k, verify_id=verify.verify_id, rids=verify.rids, tokens=targets))
+    assert result.accepted.tolist() == [1, 1]
+    assert result.bonus.tolist() == bonus_tokens(targets, [1, 1], k) == [NON_FINITE, 8]
     clean = np.arange(8, dtype=np.int64)
-    assert checkable_targets(clean, proposals, k).tolist() == clean.tolist()
+    assert accept(verify, Verified(k=k, verify_id=verify.verify_id, rids=verify.rids, tokens=clean)).accepted.tolist() == [0, 1]
 
 
 def _serve(target: HybridModel, draft: HybridModel | None, k: int, prompts: dict[int, list[int]], mixed: bool = True) -> tuple[Engine, set[int]]:

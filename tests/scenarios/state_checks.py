@@ -45,6 +45,8 @@ import torch
 from backend.allocator import SlotAllocator
 from backend.executor import Executor
 from backend.hybrid import HybridModel
+from backend.hybrid.head import HeadModel
+from backend.hybrid.reference import reference_hidden
 from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
 from backend.model import ServingModelHook
@@ -54,6 +56,7 @@ from compiler.manager import PassManager
 from compiler.steps import Pipeline
 from compiler.testing.models import greedy_continuation, state_sensitive
 from compiler.tools.ab import DRAFT_NOISE
+from ir.head import HeadExtendPlan
 from ir.ids import TARGET_POOL, PoolId, RequestId
 from ir.nodes import Plan
 from ir.plan import ExtendPlan, MixedPlan
@@ -107,6 +110,25 @@ def scratch_states(tokens: Sequence[int], *, draft: bool = False, model: HybridM
     tokens in one chunk, the request alone."""
     chosen = model if model is not None else tiny_models()[1 if draft else 0]
     return [t.clone() for t in _scratch(tuple(int(t) for t in tokens), chosen)]
+
+
+def scratch_head_states(tokens: Sequence[int], head: HeadModel) -> list[torch.Tensor]:
+    """The draft head's state rows after a from-scratch extend over ``tokens``: a fresh head pool
+    whose slot 1 starts at zero, the tokens in one chunk, the request alone, paired with the
+    target's hidden states of the same tokens from the cache-free reference
+    (``backend.hybrid.reference.reference_hidden``)."""
+    ids = [int(t) for t in tokens]
+    n = len(ids)
+    hidden = reference_hidden(head.target, ids).to(head.dtype)
+    pool = head.new_pool(1)
+    hook = head.serving_hook(capacity=1, kv_capacity=n + 1, max_len=max(n, 8))
+
+    def t(v: list[int]) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.int64, device=head.device)
+
+    head.extend(pool, hook.kv, hook.table, slots=t([1]), cu_seqlens=t([0, n]), prefix_lens=t([0]), input_ids=t(ids),
+                positions=t(list(range(n))), kv_locs=t(list(range(1, n + 1))), hidden=hidden)
+    return state_rows(pool, 1)
 
 
 def _flat(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -172,6 +194,10 @@ class Recorder:
         executor.execute = execute  # type: ignore[method-assign]  # (the engine's submit calls self.execute)
 
     def _keep_prefilled(self, plan: Plan) -> None:
+        if isinstance(plan, HeadExtendPlan):  # (no more_chunks: the last head extend of a request is after its last chunk)
+            for rid, slot in zip(plan.rids.tolist(), plan.slots.tolist(), strict=True):
+                self.prefilled[RequestId(rid)] = state_rows(self.executor.pool, slot)
+            return
         ext = plan if isinstance(plan, ExtendPlan) else plan.extend if isinstance(plan, MixedPlan) else None
         if ext is None:
             return

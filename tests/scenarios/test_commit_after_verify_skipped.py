@@ -111,7 +111,7 @@ def test_the_next_verify_on_uncommitted_slots_is_refused_and_the_skipped_commit_
     p1 = w.draft.execute(dp1)
     v1, vp1 = pipe.verify(d1, p1)
     verified = w.target.execute(vp1)
-    result, c1, cp1 = pipe.commit(v1, verified.tokens)
+    result, c1, cp1 = pipe.commit(v1, verified)
     assert w.target.kept_states == (v1.verify_id,)
 
     # iteration 2 on the same slots: the draft pool holds no verify state and drafts; the target refuses
@@ -149,7 +149,7 @@ def test_the_next_verify_on_uncommitted_slots_is_refused_and_the_skipped_commit_
     d3, dp3 = pipe.draft(running, SpecContext(k=K, next_tokens=[out[r][-1] for r in running.rid_list()], kv_locs=w.kv(2 * (K + 1))))
     p3 = w.draft.execute(dp3)
     v3, vp3 = pipe.verify(d3, p3)
-    result3, c3, cp3 = pipe.commit(v3, w.target.execute(vp3).tokens)
+    result3, c3, cp3 = pipe.commit(v3, w.target.execute(vp3))
     w.target.execute(cp3)
     _, dcp3 = pipe.draft_commit(c3, d3)
     w.draft.execute(dcp3)
@@ -171,7 +171,7 @@ def test_with_the_draft_on_the_targets_pool_the_next_draft_is_refused() -> None:
     running = pipe.merge(DecodeBatch.empty(), batch)
     d1, dp1 = pipe.draft(running, SpecContext(k=K, next_tokens=pending, kv_locs=list(range(10, 16))))
     v1, vp1 = pipe.verify(d1, fb.execute(dp1))
-    _, _, cp1 = pipe.commit(v1, fb.execute(vp1).tokens)
+    _, _, cp1 = pipe.commit(v1, fb.execute(vp1))
     _, dp2 = pipe.draft(running, SpecContext(k=K, next_tokens=pending, kv_locs=list(range(20, 26))))
     before = fb.target.pool.buffer.clone()
     with pytest.raises(PlanExecutionError, match=rf"^DraftPlan over slot 1 of pool 'target': the states of verify #{v1.verify_id} on that row wait"):

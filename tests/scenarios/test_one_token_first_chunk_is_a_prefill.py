@@ -21,7 +21,10 @@ The scenario:
 - ``batchc serve``'s engine loop (``compiler.online.engine_process.Loop``, in process, on a thread,
   as ``tests/compiler/online/test_parts.py`` drives it; no server subprocess): the same one-token
   first chunk over stale slots, and the request's tokens equal those of a fresh engine of the same
-  launch serving it alone.
+  launch serving it alone; and ``batchc serve`` itself, on the server that
+  ``tests/compiler/online/test_server.py`` starts for its crash test (``--token-budget 1``, its plans
+  dumped): the one-token first chunk in a freshly freed slot carries its clear in the dumped plan, and
+  its text equals the same prompt's on the engine before that slot held anything.
 
 Each request's state rows after its prefill equal a from-scratch prefill; outputs equal the
 reference run; every ledger is drained; every slot is live or free.

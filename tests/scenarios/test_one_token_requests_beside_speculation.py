@@ -19,8 +19,10 @@ on; hidden states are kept under an id that the head's phase takes exactly once.
   1-token request and a longer one start as copies of a cached block): no error, outputs equal the
   ``k = 0`` reference, every ticket minted on each pool consumed there (the draft's and the head's
   pool saw every prefill's clears, copies and snapshot), no hidden-state handle held, no verify or draft states kept, each
-  request's state rows after its prefill equal a from-scratch prefill (target; draft too where it is
-  a separate model: the head's pool has no from-scratch reference here), the freed slots served.
+  request's state rows after its prefill, and the cache entry's, equal a from-scratch prefill on
+  every pool (the target's; the separate draft's; the head's: its extend over the whole prompt from
+  a zero state, with the cache-free target's hidden states, ``state_checks.scratch_head_states``),
+  the freed slots served.
 
 The engine scenario runs on the tiny target and on the state-sensitive one (``state_checks.MODELS``;
 the head is a seeded one for whichever target): there, the copies' tokens would change had a copy
@@ -53,6 +55,7 @@ from tests.scenarios.state_checks import (
     assert_states_match,
     assert_tokens_need_state,
     reference_outputs,
+    scratch_head_states,
     scratch_states,
     stale_fill,
     state_rows,
@@ -83,7 +86,7 @@ def test_a_one_token_request_consumes_its_prefill_on_both_pools_and_its_slot_is_
     d, dp = pipe.draft(running, SpecContext(k=K, next_tokens=[out[2][-1]], kv_locs=list(range(80, 80 + K + 1))))
     proposals = draft.execute(dp)
     v, vp = pipe.verify(d, proposals)
-    result, c, cp = pipe.commit(v, target.execute(vp).tokens)
+    result, c, cp = pipe.commit(v, target.execute(vp))
     target.execute(cp)
     _, dcp = pipe.draft_commit(c, d)
     draft.execute(dcp)
@@ -144,11 +147,15 @@ def test_through_the_engine_one_token_requests_leave_no_prefill_ticket_and_no_hi
         assert e.target.hidden is not None and len(e.target.hidden) == 0  # every handle taken by the head's phase
     for i, p in enumerate(PROMPTS):
         assert_states_match(rec_t.prefilled[RequestId(i)], scratch_states(p, model=target), f"request {i} on the target after its prefill")
-        if not e.head:
+        if e.head:
+            assert_states_match(rec_d.prefilled[RequestId(i)], scratch_head_states(p, head), f"request {i} on the head after its prefill")
+        else:
             assert_states_match(rec_d.prefilled[RequestId(i)], scratch_states(p, model=draft), f"request {i} on the draft after its prefill")
     (entry,) = cache.entries()
     assert entry.pins == 0
     assert_states_match(state_rows(e.target.pool, entry.slot), scratch_states(SYSTEM[:16], model=target), "the cache entry")
+    drafted = scratch_head_states(SYSTEM[:16], head) if e.head else scratch_states(SYSTEM[:16], model=draft)
+    assert_states_match(state_rows(e.draft.pool, entry.slot), drafted, f"the cache entry on the {drafter}'s pool")
     e.drop_cache()
     assert_accounted(e)
     assert e.slots.num_live == 0 and e.kv.num_live == 0

@@ -2,7 +2,9 @@
 (``compiler.testing.runner``) on the fake backend (``compiler.testing.fakes``).
 
 - On executors over small pools (one pool, or a target and a draft pool): every plan verifies, every
-  ticket is consumed exactly once on each pool (the ledger is drained, minted == consumed), the
+  ticket is consumed exactly once on each pool by the ledger's books (drained, minted == consumed;
+  the fake model keeps no recurrent state to compare: states are compared in
+  ``tests/scenarios/`` and ``tests/test_fuzz_stack.py``), the
   running batch holds exactly the requests the steps left running, with the context lengths the
   steps imply, and a speculative iteration accepts what the fake model's rules say it must.
 - Without a backend: the draws stand in for the proposals and target tokens, and

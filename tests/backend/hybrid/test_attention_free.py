@@ -10,6 +10,7 @@ import torch
 from backend.hybrid import HybridModel, tiny
 from backend.hybrid.reference import greedy_generate_reference, reference_logits
 from compiler.engine import Engine
+from compiler.testing.models import state_sensitive
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
 from tests.helpers import BYTE_PROMPTS, DEVICE, Backend, assert_close, grid, ids
 
@@ -90,7 +91,9 @@ def test_greedy_generation_equals_the_reference() -> None:
 
 
 def test_as_the_draft_of_a_hybrid_target_speculation_is_lossless() -> None:
-    target = HybridModel.from_seed(tiny(), 0, device=DEVICE)
+    """On the tiny target made state-sensitive (``compiler.testing.models.state_sensitive``), whose
+    tokens change when its Mamba state is wrong, where its attention would carry the context past it."""
+    target = state_sensitive(HybridModel.from_seed(tiny(), 0, device=DEVICE))
     draft = _model(seed=1)
     spec = Engine(target, draft, k=3, capacity=4, kv_capacity=512, max_len=96)
     for i, p in enumerate(BYTE_PROMPTS):

@@ -5,7 +5,9 @@ to ``OUT`` as JSON: the outputs, the unsharded engine's outputs, every rank's le
 error it stopped on. Scenarios:
 
 - ``serve``: rank 0 hands an engine its whole models (refused before the group hears of it), then
-  serves the workload on the shards;
+  serves the workload on the shards; then a second engine (a second session of the same group), in
+  which the worker's draft executor skips its init ops (SGLang PR #32450 on one rank only; rank 0's
+  executors are honest): what it raised, the plans the group ran and every rank's ledger counts;
 - ``messages``: after steps 4, 5 and 6, a plan message with an old step number (``replay``), with a
   step number ahead of the next one (``ahead``), and with a ticket whose serial no trusted process
   minted (``forged``) is sent raw (rank 0 does not run it); the refusals are recorded by name and
@@ -64,6 +66,50 @@ def _fail_third_ticketed_check(message: str) -> None:
     backend.executor.check_fresh_rows = failing  # (the name the executor calls, imported from backend.state_store)
 
 
+def _skip_init_ops_in_second_session() -> None:
+    """Make this worker's draft executor of its second session one that runs the model but never
+    applies its pool's init ops: it drops the plan's tickets before the claim (the backend of
+    ``tests/scenarios/test_init_ops_never_applied_by_one_pool.py``)."""
+    import backend.tp.serve
+    from backend.executor import Executor
+
+    class SkipsInitOps(Executor[Any]):
+        def _own_tickets(self, plan: Any, own: frozenset[int]) -> list[Any]:
+            return []
+
+    build = backend.tp.serve._Session.__init__
+    sessions = [0]
+
+    def building(self: Any, *args: Any, **kw: Any) -> None:
+        build(self, *args, **kw)
+        sessions[0] += 1
+        if sessions[0] == 2:
+            self.executors[self.pools.index("draft")].__class__ = SkipsInitOps
+
+    backend.tp.serve._Session.__init__ = building  # type: ignore[method-assign]  # the test's skipping backend, on this rank only
+
+
+def _one_rank_skips(t: Any, d: Any, lead: Any) -> dict[str, Any]:
+    """A second engine on the group whose worker skips its draft init ops: one request admitted and
+    stepped until the engine stops (or, wrongly, serves it)."""
+    before = lead.plans
+    e = _engine(t, d, tp=lead)
+    e.admit(0, PROMPTS[0], max_new_tokens=10)
+    out: dict[str, Any] = {}
+    try:
+        while e.live:
+            e.step()
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["stopped_by"] = type(e.stopped_by).__name__
+    out["plans"] = lead.plans - before
+    out["outputs"] = {str(k): v for k, v in e.outputs.items()}
+    out["rank0_outstanding"] = [str(t.pool) for t in e.ledger.outstanding()]
+    e.close()
+    out["ledgers"] = e.closing_ledgers.to_json() if e.closing_ledgers is not None else None
+    return out
+
+
 def _engine(target: Any, draft: Any, tp: Any = None) -> Any:
     from backend.local import IN_PROCESS
     from backend.tp.serve import TensorParallel
@@ -104,6 +150,8 @@ def worker() -> None:
     _, _, t, d = _models(rank, world, group, seed=2 if scenario == "mismatch" else 1)
     if scenario == "fault1":
         _fail_third_ticketed_check("the worker's checks failed")
+    if scenario == "serve":
+        _skip_init_ops_in_second_session()
     try:
         serve_worker(group, {TARGET_POOL: t, DRAFT_POOL: d})
     except RankFailed as exc:
@@ -194,6 +242,8 @@ def leader(scenario: str, out: str) -> None:
         result["aborted"] = sorted(int(r) for r in e.aborted_by_failure)
         result["ledgers"] = e.closing_ledgers.to_json() if e.closing_ledgers is not None else None
         result["rank0_outstanding"] = len(e.ledger.outstanding())
+        if scenario == "serve":
+            result["skip"] = _one_rank_skips(t, d, lead)
         lead.shutdown()
     except RankFailed as exc:
         result["error"] = str(exc)

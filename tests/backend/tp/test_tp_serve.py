@@ -2,7 +2,8 @@
 the ranks' program): the same tokens as the unsharded engine with every rank's ledger drained and
 equal; a replayed, an out-of-order, a forged and a malformed plan message refused on the worker (and
 serving goes on); a worker raising in its forward and a worker killed mid-run reported by rank 0 naming
-rank 1 and the cause, in seconds, with no process left behind."""
+rank 1 and the cause, in seconds, with no process left behind; a worker whose draft executor skips
+its init ops (scenario 2 on one rank only) stopping the engine at its first prefill."""
 
 from __future__ import annotations
 
@@ -120,6 +121,27 @@ def test_ranks_serving_different_models_are_refused_at_the_session_start(tmp_pat
         r"the session start refused by the tensor-parallel group \(rank 1: ValueError: rank 1's draft model is not rank 0's "
         r"\(fingerprint [0-9a-f]{24}, rank 0's [0-9a-f]{24}\): another checkpoint, seed or dtype\)", r["refused"]), r["refused"]
     assert r["worker_exit"] == 0
+
+
+def test_one_rank_skipping_its_pools_init_ops_stops_the_engine_before_any_plan_over_that_row(served: dict[str, Any]) -> None:
+    """Scenario 2 under ``--tp 2`` (SGLang PR #32450, a backend that never applies the deferred
+    copy-on-write, here on rank 1 only; ``tests/scenarios/test_init_ops_never_applied_by_one_pool.py``
+    in one process): the group's second engine, whose worker drops its draft tickets before the claim,
+    stops at its first prefill with the refusal naming rank 1, the slot, the ticket and the pool (a
+    ``BatchcError``: the engine stops rather than abort the request and serve on). The group ran the
+    target's prefill only: no rank ran the draft's prefill nor anything after it; every rank's books
+    agree, the draft's ticket outstanding on each."""
+    s = served["skip"]
+    assert re.fullmatch(r"RankRefused: ExtendPlan \(plan message \d+\) refused by the tensor-parallel group \(rank 1: TicketMismatchError: "
+                        r"ExtendPlan over slot (\d+) of pool 'draft' does not carry ticket #\d+ for pool 'draft' \(ops clear \[\1\], cow \[\]\), "
+                        r"which must run on that row first.*\)", s["error"]), s["error"]
+    assert (s["stopped_by"], s["plans"], s["outputs"], s["rank0_outstanding"]) == ("RankRefused", 1, {}, ["draft"])
+    ledgers = s["ledgers"]
+    assert ledgers["equal"] and not ledgers["drained"]
+    for rank in ledgers["ranks"]:
+        assert (rank["target"]["consumed"]["tickets"], rank["draft"]["minted"]["tickets"], rank["draft"]["consumed"]["tickets"],
+                rank["draft"]["outstanding"]) == (1, 1, 0, 1), rank
+    assert served["worker_exit"] == 0  # (the group itself serves on: the refusal is agreed before anything runs)
 
 
 def test_an_engine_on_whole_models_is_refused_before_the_group_hears_of_it(served: dict[str, Any]) -> None:

@@ -4,14 +4,22 @@ scheduler's ledger refuses a replayed plan before a byte leaves the process; the
 refuses a malformed message (``WireError``: a refusal, not a fault), a message out of order and a
 ticket whose serial the scheduler did not mint; faults in the executor process are retried or
 abort their requests exactly as in process; a dead executor process fails its forwards instead of
-hanging the engine."""
+hanging the engine.
+
+The engines here serve the state-sensitive tiny target and its draft
+(``tests.scenarios.state_checks.sensitive_models``), and their tokens are compared with that
+target's from-scratch greedy reference: its tokens change when a Mamba init is wrong, stale, missing
+or applied twice (a fault's rows not put back, a retracted request's re-prefill), where the tiny
+target's attention layer would carry the context past such a state."""
 
 from __future__ import annotations
 
 import json
 import struct
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -19,6 +27,7 @@ from typeguard import suppress_type_checks
 
 from backend import faults
 from backend.hybrid.model import HybridModel
+from backend.hybrid.reference import greedy_generate_reference
 from backend.ledger import Ledger
 from backend.remote import ExecutorGone, ExecutorProcess, ExecutorRefused, Pending, Processes
 from compiler.cli import main
@@ -38,7 +47,21 @@ from ir.printer import dump
 from ir.wire import WIRE_VERSION, pack
 from passes import LowerContext
 from passes.prepare_for_decode import DecodeContext
-from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, engine, fresh, kill_child, review_greedy, tiny_models
+from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, fresh, kill_child, tiny_models
+from tests.scenarios.state_checks import sensitive_models
+
+
+def engine(k: int, **options: Any) -> Engine:
+    """An ``Engine`` over the state-sensitive models (the draft only when ``k > 0``; the module)."""
+    target, draft = sensitive_models()
+    return Engine(target, draft if k else None, k=k, **options)
+
+
+@cache
+def review_greedy() -> dict[RequestId, list[int]]:
+    """The state-sensitive target's from-scratch greedy output for each of ``REVIEW_PROMPTS``."""
+    target = sensitive_models()[0]
+    return {RequestId(i): greedy_generate_reference(target, p, REVIEW_NEW) for i, p in enumerate(REVIEW_PROMPTS)}
 
 
 def _serve(drv: Engine, ids: range = range(4)) -> None:

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
+from typing import Any
 
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
+from backend.hybrid.reference import greedy_generate_reference
 from backend.remote import Processes
 from compiler.engine import Engine
 from ir.ids import RequestId
 from ir.sampling import GREEDY, SamplingParams
 from tests.helpers import SYSTEM, engine, greedy_reference
+from tests.scenarios.state_checks import sensitive_models
 
 PROMPTS = [SYSTEM[: 10 + 5 * i] + [ord(c) for c in f"case {i}:"] for i in range(6)]
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9)
@@ -37,18 +40,32 @@ def _serve(eng: Engine, prompts: Sequence[Sequence[int]], params: Sequence[Sampl
         return {int(r): list(v) for r, v in eng.outputs.items()}
 
 
+def _sensitive(k: int, **options: Any) -> Engine:
+    """An engine over the state-sensitive tiny models (``tests.scenarios.state_checks.sensitive_models``),
+    whose tokens change when a request starts from a slot's leftovers or a wrongly chunked state."""
+    target, draft = sensitive_models()
+    return Engine(target, draft if k else None, k=k, **options)
+
+
+@cache
+def _sensitive_greedy(i: int) -> list[int]:
+    return greedy_generate_reference(sensitive_models()[0], PROMPTS[i], 8)
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_a_seeded_request_gives_the_same_tokens_whatever_it_is_batched_with(k: int) -> None:
+    """On the state-sensitive models: batched, one at a time in one reused slot with chunked
+    prompts, and in executor processes, every request's tokens are the same."""
     params: list[SamplingParams | None] = [SAMPLED, SamplingParams(temperature=0.8, top_k=20, seed=77), None, SAMPLED, SAMPLED, None]
-    base = _serve(engine(k, seed=5, capacity=8), PROMPTS, params, new=8)
+    base = _serve(_sensitive(k, seed=5, capacity=8), PROMPTS, params, new=8)
     # one request at a time, in another order, its prompt in chunks of 7
-    assert base == _serve(engine(k, seed=5, capacity=1, chunk_size=7), PROMPTS, params, new=8, order=[5, 3, 1, 0, 2, 4])
-    assert base == _serve(engine(k, seed=5, capacity=8, transport=Processes()), PROMPTS, params, new=8)
+    assert base == _serve(_sensitive(k, seed=5, capacity=1, chunk_size=7), PROMPTS, params, new=8, order=[5, 3, 1, 0, 2, 4])
+    assert base == _serve(_sensitive(k, seed=5, capacity=8, transport=Processes()), PROMPTS, params, new=8)
     # the greedy rows are plain greedy decoding, sampled rows beside them or not
     for i in (2, 5):
-        assert base[i + 1] == greedy_reference(PROMPTS[i], 8)
+        assert base[i + 1] == _sensitive_greedy(i)
     if k == 0:  # and the sampled rows do sample: another run seed gives other tokens
-        other = _serve(engine(k, seed=6, capacity=8), PROMPTS, params, new=8)
+        other = _serve(_sensitive(k, seed=6, capacity=8), PROMPTS, params, new=8)
         assert other[1] != base[1] and other[2] == base[2]  # request 2 brought its own seed
 
 

@@ -1,22 +1,50 @@
-"""The serving engine's scheduler features on the seeded tiny hybrid model (float32, CPU): prefix
-cache (hit, miss, eviction under pressure, snapshot exactly once per pool, pinned entries kept),
-chunked prefill equivalence, retraction and abort, stop tokens. Every run's output is compared,
-token for token, with greedy decoding by the from-scratch reference model
+"""The serving engine's scheduler features on the seeded tiny hybrid model made state-sensitive
+(``tests.scenarios.state_checks.sensitive_models``: its tokens change when a request's Mamba state is
+wrong, stale or missing, where the tiny target's attention layer would carry the context past it;
+float32, CPU): prefix cache (hit, miss, eviction under pressure, snapshot exactly once per pool,
+pinned entries kept), chunked prefill equivalence, retraction and abort, stop tokens. Every run's
+output is compared, token for token, with greedy decoding by the from-scratch reference model
 (``backend.hybrid.reference``: no pool, KV cache, token table, kernel or scheduler), never with the
 engine itself at k = 0, so a bug the engine has at every k cannot hide in the reference."""
 
 from __future__ import annotations
 
+from functools import cache
+from typing import Any
+
 import pytest
 import torch
 
+from backend.hybrid.reference import greedy_generate_reference
 from compiler.engine import Engine
 from compiler.prefix_cache import CacheEntry, PrefixCache
 from ir.errors import PreconditionError
 from ir.ids import DRAFT_POOL, TARGET_POOL, MambaSlot, RequestId
-from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, SYSTEM, engine, greedy_reference, review_greedy
+from tests.helpers import REVIEW_NEW, REVIEW_PROMPTS, SYSTEM
+from tests.scenarios.state_checks import sensitive_models
 
 PROMPTS, NEW = REVIEW_PROMPTS, REVIEW_NEW
+
+
+def engine(k: int, **options: Any) -> Engine:
+    """An ``Engine`` over the state-sensitive models (the draft only when ``k > 0``)."""
+    target, draft = sensitive_models()
+    return Engine(target, draft if k else None, k=k, **options)
+
+
+@cache
+def _reference(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    return tuple(greedy_generate_reference(sensitive_models()[0], list(prompt), n))
+
+
+def greedy_reference(prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of the state-sensitive target after ``prompt`` (the from-scratch reference)."""
+    return list(_reference(tuple(prompt), n))
+
+
+def review_greedy() -> dict[RequestId, list[int]]:
+    """The reference's output for each of ``PROMPTS`` (request ``i`` is prompt ``i``)."""
+    return {RequestId(i): greedy_reference(p, NEW) for i, p in enumerate(PROMPTS)}
 
 
 def _serve(drv: Engine, prompts: list[list[int]], *, wave: int = 2) -> None:

@@ -4,7 +4,9 @@ byte-level models at a small context.
 
 One server (``served``, with an API key, two requests running and one waiting at most) takes the
 API tests; the drain on SIGTERM, the engine process's crash and the request deadline each get their
-own server, since each ends it or needs other options."""
+own server, since each ends it or needs other options. The crash server also serves scenario 6
+(a prefill of one token per step, ``--token-budget 1``, its plans dumped through ``BATCHC_DUMP_DIR``)
+before the crash test ends it."""
 
 from __future__ import annotations
 
@@ -44,16 +46,22 @@ SERVERS = {
     "api": OPTIONS,
     "drain": ["--max-len", str(MAX_LEN), "--drain-timeout", "0.5"],
     "deadline": ["--max-len", str(MAX_LEN), "--request-timeout", "0.05"],
-    "crash": ["--max-len", str(MAX_LEN)],
+    "crash": ["--max-len", str(MAX_LEN), "--token-budget", "1"],
     "sampled": ["--max-len", str(MAX_LEN), "--k", "2", *SAMPLED_OPTIONS],
 }
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, ServerProc]]:
+def crash_plans(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder the crash server's engine process dumps every pass output into (``BATCHC_DUMP_DIR``)."""
+    return tmp_path_factory.mktemp("crash-plans")
+
+
+@pytest.fixture(scope="module")
+def servers(crash_plans: Path) -> Iterator[dict[str, ServerProc]]:
     """Every server of the module, started at once (their start-ups overlap); the drain, deadline and
     crash tests each end theirs."""
-    started = {name: ServerProc(args) for name, args in SERVERS.items()}
+    started = {name: ServerProc(args, env={"BATCHC_DUMP_DIR": str(crash_plans)} if name == "crash" else None) for name, args in SERVERS.items()}
     try:
         yield {name: s.ready() for name, s in started.items()}
     finally:
@@ -572,6 +580,42 @@ def test_a_request_past_its_deadline_is_aborted(servers: dict[str, ServerProc]) 
         assert m['batchc_requests_total{outcome="timeout"}'] == 2 and m["batchc_ledger_outstanding_tickets"] == 0
     finally:
         server.stop()
+
+
+ONE_TOKEN = "Quiet cat"
+"""9 bytes: no prefix-cache hit can reach it (prefixes are cached at multiples of 16 tokens, strictly
+shorter than the prompt), so every time it is served its slot starts from its prefill's clear."""
+
+
+def _first_chunks(plans: Path, first: int) -> list[tuple[int, int, bool]]:
+    """``(slot, extend tokens, cleared by the plan's target ticket)`` of every dumped lowered plan's row
+    that starts a prompt whose first token is ``first`` (prefix 0), in the order the plans ran."""
+    rows = []
+    for path in sorted(plans.glob("*-lower.txt")):
+        text = path.read_text()
+        for m in re.finditer(rf"^  r\d+ s(\d+) prefix=0 extend=(\d+)\b.* tokens=\[{first}\b", text, re.M):
+            slot = int(m.group(1))
+            rows.append((slot, int(m.group(2)), re.search(rf"ticket op=init #\d+ clear\[[^]]*\bs{slot}\b[^]]*\] cow\[\] pool=target", text) is not None))
+    return rows
+
+
+def test_a_one_token_first_chunk_in_a_freed_slot_is_a_prefill_and_serves_as_on_a_fresh_engine(servers: dict[str, ServerProc],
+                                                                                             crash_plans: Path) -> None:
+    """Scenario 6 through ``batchc serve`` (vLLM PR #32118, a new request given one token by the token
+    budget was run as a decode on its slot's leftovers; ``tests/scenarios/test_one_token_first_chunk_is_a_prefill.py``
+    at the IR and engine levels): on a server whose token budget is one prefill token per step, the
+    prompt served first (its slot never held a state: what a fresh engine serves), then another prompt
+    in the slot it freed, then the first prompt again in the slot the other just freed (freed slots are
+    handed out last freed first). The dumped plans show each first chunk as one token at prefix 0 with
+    its slot's clear, and the second serving's text equals the first's."""
+    server = servers["crash"]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    texts = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in (ONE_TOKEN, "Seven", ONE_TOKEN)]
+    assert texts[2] == texts[0] and texts[0]
+    first, again = _first_chunks(crash_plans, ord(ONE_TOKEN[0]))
+    (between,) = _first_chunks(crash_plans, ord("S"))
+    assert first == (first[0], 1, True) and again == (between[0], 1, True) and between == (first[0], 1, True), (first, between, again)
 
 
 def test_an_engine_crash_is_503_and_a_non_zero_exit(servers: dict[str, ServerProc]) -> None:

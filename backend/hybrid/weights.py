@@ -41,7 +41,7 @@ import torch
 
 from backend.hybrid.config import HybridConfig
 
-__all__ = ["Weights", "check_weights", "init_weights", "matmul_layout", "perturb", "projections", "weight_shapes"]
+__all__ = ["Weights", "check_weights", "init_weights", "matmul_layout", "perturb", "projections", "weight_shapes", "with_weight_dtype"]
 
 Weights = dict[str, torch.Tensor]
 """A model's tensors by name (the names ``weight_shapes`` lists)."""
@@ -86,7 +86,8 @@ def weight_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
 
 def check_weights(config: HybridConfig, weights: Weights) -> None:
     """``ValueError`` unless ``weights`` has exactly the names and shapes of ``config``, on one
-    device, in one floating dtype."""
+    device, in one floating dtype, but for float32 weights whose matrices of ``projections(config)``
+    are stored in one 16-bit dtype (``with_weight_dtype``)."""
     shapes = weight_shapes(config)
     missing = sorted(shapes.keys() - weights.keys())
     extra = sorted(weights.keys() - shapes.keys())
@@ -96,7 +97,12 @@ def check_weights(config: HybridConfig, weights: Weights) -> None:
     if wrong:
         raise ValueError(f"weight shapes do not match the config: {wrong[:6]}")
     devices = {t.device for t in weights.values()}
-    dtypes = {t.dtype for t in weights.values()}
+    stored = set(projections(config))
+    dtypes = {t.dtype for n, t in weights.items() if n not in stored}
+    half = {t.dtype for n, t in weights.items() if n in stored} - dtypes
+    if half and (dtypes != {torch.float32} or len(half) != 1 or not half <= {torch.float16, torch.bfloat16}):
+        raise ValueError(f"only float32 weights may store their matrices in float16 or bfloat16 (with_weight_dtype), got {sorted(map(str, half))} "
+                         f"matrices beside {sorted(map(str, dtypes))} tensors")
     if len(devices) != 1 or len(dtypes) != 1:
         raise ValueError(f"weights must share one device and dtype, got {devices} and {dtypes}")
     (dtype,) = dtypes
@@ -123,6 +129,23 @@ def matmul_layout(config: HybridConfig, weights: Weights) -> Weights:
     matrices so."""
     names = set(projections(config))
     return {name: t.T.contiguous().T if name in names else t for name, t in weights.items()}
+
+
+def with_weight_dtype(config: HybridConfig, weights: Weights, dtype: torch.dtype) -> Weights:
+    """float32 ``weights`` with every matrix of ``projections(config)`` stored in ``dtype`` (float16
+    or bfloat16) as a contiguous ``[out, in]`` matrix, the layout ``backend.kernels.lowp`` reads; the
+    other tensors (norms, the conv, ``A``, ``D``, ``dt``'s bias, an untied embedding table) are the
+    input's own, and compute stays float32. ``dtype`` float32 returns the input. The input is not
+    modified. ``ValueError`` for other dtypes or weights not in float32."""
+    if dtype == torch.float32:
+        return weights
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"with_weight_dtype: dtype must be float32, float16 or bfloat16, got {dtype}")
+    check_weights(config, weights)
+    names = set(projections(config))
+    if {t.dtype for t in weights.values()} != {torch.float32}:
+        raise ValueError(f"with_weight_dtype: the weights must be float32, got {sorted({str(t.dtype) for t in weights.values()})}")
+    return {name: t.to(dtype).contiguous() if name in names else t for name, t in weights.items()}
 
 
 def _init_one(name: str, shape: tuple[int, ...], config: HybridConfig, gen: torch.Generator) -> torch.Tensor:

@@ -71,8 +71,13 @@ from compiler.tools.timed import SamplerClock, TimedModel, timing_sampler
 from ir.ids import RequestId
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32}
-"""The dtypes ``--dtype`` takes: those the model path runs on a CPU today (a lower-precision path
-is one more entry here)."""
+"""The compute dtypes ``--dtype`` takes: those the model path runs on a CPU today (lower-precision
+weights beside float32 compute are ``WEIGHT_DTYPES``)."""
+WEIGHT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+"""The storage dtypes ``--weight-dtype`` takes for a float32 model's matrices
+(``HybridModel.with_weight_dtype``): activations, states and logits stay float32."""
+AGREEMENT_PROMPTS = 4
+"""Prompts of the agreement check of 16-bit weights against float32 (``weight_agreement``)."""
 PROMPT_LEN = 160
 NEW_TOKENS = 32
 BATCHES = (1, 8)
@@ -183,6 +188,8 @@ class DecodeReport:
     """Per thread count, every round's copy bandwidth sample (GB/s, bytes read plus written)."""
     results: tuple[CaseResult, ...]
     provenance: dict[str, Any]
+    agreement: dict[str, Agreement] = attrs.Factory(dict)
+    """Per case dtype with 16-bit weights, its agreement with the float32 model (``weight_agreement``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -190,7 +197,8 @@ class DecodeReport:
             "min_seconds": self.min_seconds, "copy_bytes": self.copy_bytes, "weight_bytes": self.weight_bytes,
             "copy_gb_per_s": [{"threads": t, "median": statistics.median(s), "max": max(s), "samples": list(s)}
                               for t, s in self.copy_gb_per_s.items()],
-            "split_parts": list(SPLIT_PARTS), "rows": [r.to_json() for r in self.results], "provenance": self.provenance,
+            "split_parts": list(SPLIT_PARTS), "rows": [r.to_json() for r in self.results],
+            "agreement": {d: a.to_json() for d, a in self.agreement.items()}, "provenance": self.provenance,
         }
 
 
@@ -313,14 +321,21 @@ def run_decode_bench(
     models: Mapping[str, HybridModel], *, name: str, batches: Sequence[int] = BATCHES, threads: Sequence[int] = THREADS,
     prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS, repeats: int = REPEATS, min_seconds: float = MIN_SECONDS,
     split: bool = True, copy_bytes: int = COPY_BYTES, progress: Callable[[str], None] | None = None,
+    references: Mapping[str, HybridModel] | None = None,
 ) -> DecodeReport:
     """Measure every (dtype of ``models``, thread count, batch) case (module docstring); the caller's
-    thread count is back in place on return."""
+    thread count is back in place on return. ``references``: for a dtype of ``models`` (one with
+    16-bit weights), the float32 model its ``weight_agreement`` is measured against, after the
+    timed rounds, at the first thread count, on ``AGREEMENT_PROMPTS`` prompts of ``prompt_len``
+    tokens and ``new_tokens`` new tokens each."""
     if not models or not batches or not threads:
         raise ValueError("run_decode_bench needs at least one dtype, batch and thread count")
     if prompt_len < 1 or new_tokens < 2 or repeats < 1 or not min_seconds >= 0 or copy_bytes < 4:
         raise ValueError(f"prompt_len >= 1, new_tokens >= 2, repeats >= 1, min_seconds >= 0 and copy_bytes >= 4, got {prompt_len}, "
                          f"{new_tokens}, {repeats}, {min_seconds}, {copy_bytes}")
+    unknown = sorted(set(references or {}) - set(models))
+    if unknown:
+        raise ValueError(f"run_decode_bench: references name dtypes not measured: {unknown}")
     said = progress or (lambda text: None)
     before = torch.get_num_threads()
     prov = provenance(threads)
@@ -346,6 +361,11 @@ def run_decode_bench(
                     while r.decode_steps == 0 or r.decode_s < min_seconds:
                         sides[(c.dtype, c.batch)].serve(r, new_tokens, sampler, clock)
                     rounds[c].append(r)
+            torch.set_num_threads(threads[0])
+            agreement = {}
+            for d, ref in (references or {}).items():
+                said(f"agreement of {d} with float32")
+                agreement[d] = weight_agreement(ref, models[d], agreement_prompts(ref.vocab, prompt_len), new_tokens)
     finally:
         torch.set_num_threads(before)
         for side in sides.values():
@@ -375,7 +395,7 @@ def run_decode_bench(
     return DecodeReport(
         model=name, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, min_seconds=min_seconds, copy_bytes=copy_bytes,
         weight_bytes={d: weight_bytes(m) for d, m in models.items()}, copy_gb_per_s={t: tuple(s) for t, s in copies.items()},
-        results=tuple(results), provenance=prov,
+        results=tuple(results), provenance=prov, agreement=agreement,
     )
 
 
@@ -389,3 +409,90 @@ def _split(rounds: Sequence[_Round]) -> dict[str, float]:
     out[HOST] = (decode_s - model_s - sampler_s) * per
     out[UNATTRIBUTED] = (model_s - sum(parts.values())) * per
     return out
+
+
+def case_label(dtype: str, weight_dtype: str) -> str:
+    """A case's ``dtype`` in the report: the compute dtype, or ``"float16 weights"`` (16-bit matrices
+    beside float32 compute) when the weights' differs."""
+    return dtype if weight_dtype == dtype else f"{weight_dtype} weights"
+
+
+@attrs.frozen(kw_only=True)
+class Agreement:
+    """How closely a model with 16-bit weights follows its float32 original (``weight_agreement``)."""
+
+    prompts: int
+    new_tokens: int
+    greedy_match: float
+    """Of the float32 model's greedy tokens, the share the other model's own greedy run repeats at
+    the same position."""
+    first_divergence: tuple[int | None, ...]
+    """Per prompt, the index of the first generated token that differs (``None``: none does)."""
+    forced_top1: float
+    """Fed the float32 model's tokens, the share of positions whose argmax is the float32 model's."""
+    logit_max_abs_diff: float
+    """Largest absolute difference of a logit over the teacher-forced positions."""
+    logit_mean_abs_diff: float
+    logit_std: float
+    """The float32 model's logits' standard deviation over the same positions (the scale)."""
+    kernel: str
+    """The product path the 16-bit matrices took (``backend.kernels.lowp.kernel_status``)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def _greedy_logits(model: HybridModel, prompt: Sequence[int], new_tokens: int, feed: Sequence[int] | None) -> tuple[list[int], torch.Tensor]:
+    """The model's greedy tokens after ``prompt`` through its own entry points (one request in slot 1:
+    the prompt's prefill, then one decode per token) and the logits that chose them, ``[new_tokens,
+    vocab]``; ``feed``: decode these tokens instead of its own (teacher forcing)."""
+    total = len(prompt) + new_tokens
+    pool, kv, table = model.new_pool(2), model.new_kv_cache(total + 1), model.new_token_table(2, total)
+    slot = torch.ones(1, dtype=torch.int64)
+
+    def ids(values: Sequence[int] | range) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64)
+
+    n = len(prompt)
+    logits = [model.extend(pool, kv, table, slots=slot, cu_seqlens=ids([0, n]), prefix_lens=ids([0]), input_ids=ids(prompt),
+                           positions=ids(range(n)), kv_locs=ids(range(1, 1 + n))).logits[-1:].float()]
+    out = [int(logits[-1].argmax(dim=-1)[0])]
+    for pos in range(n, total - 1):
+        token = out[-1] if feed is None else feed[pos - n]
+        logits.append(model.decode(pool, kv, table, slots=slot, input_ids=ids([token]), positions=ids([pos]), kv_locs=ids([1 + pos])).logits.float())
+        out.append(int(logits[-1].argmax(dim=-1)[0]))
+    return out, torch.cat(logits)
+
+
+def weight_agreement(reference: HybridModel, other: HybridModel, prompts: Sequence[Sequence[int]], new_tokens: int) -> Agreement:
+    """``other`` (the same model with 16-bit matrices) against ``reference`` (float32), each through
+    its own prefill and decode entry points, one prompt at a time: its own greedy tokens against the
+    reference's, and, fed the reference's tokens, its logits against the reference's at every
+    generated position."""
+    from backend.kernels.lowp import kernel_status
+
+    if not prompts or new_tokens < 1:
+        raise ValueError(f"weight_agreement needs prompts and new_tokens >= 1, got {len(prompts)} prompts and {new_tokens}")
+    match, forced, diverged = 0, 0, []
+    diffs, refs = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ref_tokens, ref_logits = _greedy_logits(reference, prompt, new_tokens, None)
+            own, _ = _greedy_logits(other, prompt, new_tokens, None)
+            fed, fed_logits = _greedy_logits(other, prompt, new_tokens, ref_tokens)
+            match += sum(a == b for a, b in zip(own, ref_tokens, strict=True))
+            forced += sum(a == b for a, b in zip(fed, ref_tokens, strict=True))
+            diverged.append(next((i for i, (a, b) in enumerate(zip(own, ref_tokens, strict=True)) if a != b), None))
+            diffs.append((fed_logits - ref_logits).abs())
+            refs.append(ref_logits)
+    diff, ref = torch.cat(diffs), torch.cat(refs)
+    total = len(prompts) * new_tokens
+    return Agreement(prompts=len(prompts), new_tokens=new_tokens, greedy_match=match / total, first_divergence=tuple(diverged),
+                     forced_top1=forced / total, logit_max_abs_diff=float(diff.max()), logit_mean_abs_diff=float(diff.mean()),
+                     logit_std=float(ref.std()), kernel=kernel_status())
+
+
+def agreement_prompts(vocab: int, prompt_len: int, count: int = AGREEMENT_PROMPTS) -> list[list[int]]:
+    """``count`` seeded random prompts of ``prompt_len`` tokens below ``vocab`` (the agreement check's)."""
+    gen = torch.Generator().manual_seed(47)
+    return torch.randint(0, vocab, (count, prompt_len), generator=gen).tolist()

@@ -2,6 +2,15 @@
 
 Each forward runs within ``submit``, on the caller's thread; there is nothing to start, settle or
 stop. The serving hooks are kept here, so that ``share_prefix`` reaches every model's token table.
+
+``InProcess(pipelined=True)`` (``PIPELINED_IN_PROCESS``) marks the backends ``concurrent``, so the
+engine runs its k = 0 steps pipelined in this process as it does over executor processes
+(``compiler.engine.forwards.Forwards.run_pipelined``): step N + 1 is built and submitted before
+step N is read back, its input tokens named by N's sample (``DecodePlan.inputs_from``) and resolved
+by the executor from the tokens N left per slot, and N's tokens, finished requests and prefix-cache
+entries are landed after. Each plan still runs within ``submit`` (nothing here is asynchronous), so
+the order of the engine's operations and every ledger and exactly-once check are those of the
+pipelined engine; on a CUDA device ``submit`` does not yet return before the device has finished.
 """
 
 from __future__ import annotations
@@ -18,15 +27,22 @@ from backend.ledger import Ledger
 from backend.model import HeadHook, ReadsTargetHidden, ServedModel, ServingModelHook
 from ir.ids import PoolId
 
-__all__ = ["IN_PROCESS", "InProcess", "LocalBackends"]
+__all__ = ["IN_PROCESS", "PIPELINED_IN_PROCESS", "InProcess", "LocalBackends"]
 
 
 class LocalBackends(InProcessGroup):
     """``backend.boundary.Backends`` in this process."""
 
-    def __init__(self, executors: list[Executor[Any]], hooks: list[ServingModelHook[Any] | HeadHook]) -> None:
+    def __init__(self, executors: list[Executor[Any]], hooks: list[ServingModelHook[Any] | HeadHook], *, pipelined: bool = False) -> None:
         super().__init__(executors)
         self._hooks = hooks
+        self._pipelined = pipelined
+
+    @property
+    def concurrent(self) -> bool:
+        """True for ``InProcess(pipelined=True)``'s backends (the engine then pipelines its k = 0
+        steps; see the module), else False."""
+        return self._pipelined
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         """Every served model's token table: slot ``dst``'s first ``length`` KV locations become ``src``'s."""
@@ -43,10 +59,14 @@ class LocalBackends(InProcessGroup):
 
 
 class InProcess:
-    """Every pool's executor in this process (``LocalBackends``)."""
+    """Every pool's executor in this process (``LocalBackends``); ``pipelined``: the engine builds
+    each k = 0 step before reading the previous one back (the module)."""
+
+    def __init__(self, *, pipelined: bool = False) -> None:
+        self.pipelined = pipelined
 
     def __repr__(self) -> str:
-        return "InProcess()"
+        return "InProcess(pipelined=True)" if self.pipelined else "InProcess()"
 
     def refusal(self, models: Mapping[PoolId, ServedModel[Any]], *, retries: int) -> str | None:
         """Never refuses: every model can be served in this process."""
@@ -73,8 +93,10 @@ class InProcess:
                 state, ledger, hook, slots=slots, transactional=retries > 0, counts=token_counts(state, model.vocab) if penalties else None,
                 hidden=hidden,
             ))
-        return LocalBackends(executors, hooks)
+        return LocalBackends(executors, hooks, pipelined=self.pipelined)
 
 
 IN_PROCESS: Final = InProcess()
 """The engine's default transport."""
+PIPELINED_IN_PROCESS: Final = InProcess(pipelined=True)
+"""In this process, with the engine's k = 0 steps pipelined (the module)."""

@@ -26,8 +26,11 @@ from __future__ import annotations
 from typing import Any, final
 
 import attrs
+import numpy as np
 import torch
 
+from backend.readback import host_values, staged
+from backend.staging import to_device
 from ir.columns import I64
 from ir.results import NON_FINITE, Logprobs
 from ir.sampling import MAX_LOGPROBS, SamplingRows
@@ -72,21 +75,24 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int | torch.Te
     """The log-probabilities of ``tokens`` [N] under ``log_softmax(logits)`` ([N, V], raw logits)
     and each row's top ``n`` alternatives (module docstring). ``n`` is an int or an [N] tensor,
     each in [0, ``MAX_LOGPROBS``] and at most V; ``tokens`` are ids in [0, V) or ``NON_FINITE``.
-    ``ValueError`` naming the bad value otherwise."""
+    ``ValueError`` naming the bad value otherwise. The checks read ``n`` and ``tokens`` on the host:
+    their staged host values where marked (``backend.readback.staged``), else read back."""
     rows, vocab = logits.shape
     per_row = n if isinstance(n, torch.Tensor) else torch.full((rows,), n, dtype=torch.int64)
-    per_row = per_row.to(device=logits.device, dtype=torch.int64)
     if per_row.shape != (rows,):
         raise ValueError(f"n: one value per row ({rows}) or one int, got shape {tuple(per_row.shape)}")
-    k = int(per_row.max()) if rows else 0
-    low = int(per_row.min()) if rows else 0
+    n_host = np.full(rows, n, dtype=np.int64) if not isinstance(n, torch.Tensor) else host_values(per_row)
+    per_row = per_row.to(device=logits.device, dtype=torch.int64)
+    k = int(n_host.max()) if rows else 0
+    low = int(n_host.min()) if rows else 0
     if low < 0 or k > MAX_LOGPROBS:
         raise ValueError(f"n must be in [0, {MAX_LOGPROBS}], got {low if low < 0 else k}")
     if k > vocab:
         raise ValueError(f"n must be at most the vocabulary ({vocab}), got {k}")
-    bad = ((tokens < 0) & (tokens != NON_FINITE)) | (tokens >= vocab)
-    if bool(bad.any()):
-        raise ValueError(f"tokens must be ids in [0, {vocab}) or NON_FINITE, got {int(tokens[bad][0])}")
+    t_host = host_values(tokens)
+    bad = ((t_host < 0) & (t_host != NON_FINITE)) | (t_host >= vocab)
+    if bad.any():
+        raise ValueError(f"tokens must be ids in [0, {vocab}) or NON_FINITE, got {int(t_host[bad][0])}")
     lp = torch.log_softmax(logits.float(), dim=-1)
     best = logits.max(dim=-1).values
     flagged = ~torch.isfinite(best) | (tokens == NON_FINITE)
@@ -112,14 +118,19 @@ def logprobs_of(logits: torch.Tensor, tokens: I64, rows: SamplingRows | None, pe
     asks for none gets a NaN log-probability and no alternatives."""
     if rows is None or not (rows.logprobs >= 0).any():
         return None
-    asked = torch.tensor(rows.logprobs, dtype=torch.int64).repeat_interleave(per_row).to(logits.device)
-    out = token_logprobs(logits, torch.tensor(tokens, dtype=torch.int64, device=logits.device), asked.clamp(min=0))
-    none = asked < 0
-    logprob = torch.where(none, torch.nan, out.logprob.double())
-    keep = torch.arange(out.top_ids.shape[1], device=logits.device)[None, :] < asked[:, None]
+    device = logits.device
+    asked = np.repeat(np.asarray(rows.logprobs, dtype=np.int64), per_row)
+    lens = asked.clip(min=0)
+    ids = np.array(tokens, dtype=np.int64)
+    out = token_logprobs(logits, staged(to_device(ids, device), ids), staged(to_device(lens, device), lens))
+    # one readback: the log-probabilities and the alternatives' ids and log-probabilities in one
+    # float64 tensor (ids and the PAD and NON_FINITE flags are exact in float64)
+    n, k = out.top_ids.shape
+    packed = torch.cat((out.logprob.double(), out.top_ids.double().reshape(-1), out.top_logprobs.double().reshape(-1))).numpy(force=True)
+    keep = np.arange(k)[None, :] < lens[:, None]
     return Logprobs(
-        logprob=logprob.cpu().numpy(),
-        top_lens=asked.clamp(min=0).cpu().numpy(),
-        top_ids=out.top_ids[keep].cpu().numpy(),
-        top_logprobs=out.top_logprobs[keep].double().cpu().numpy(),
+        logprob=np.where(asked < 0, np.nan, packed[:n]),
+        top_lens=lens,
+        top_ids=packed[n : n + n * k].reshape(n, k)[keep].astype(np.int64),
+        top_logprobs=packed[n + n * k :].reshape(n, k)[keep],
     )

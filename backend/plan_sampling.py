@@ -48,7 +48,9 @@ import attrs
 import numpy as np
 import torch
 
-from backend.sampling import OneHotDraft, RowParams, distribution, greedy_or_flag, rejection_sample, sample, sample_rows, window_counts
+from backend.readback import staged
+from backend.sampling import HostColumns, OneHotDraft, RowParams, distribution, greedy_or_flag, rejection_sample, sample, sample_rows, window_counts
+from backend.staging import to_device
 from ir.columns import I64, frozen_i64
 from ir.sampling import SamplingRows
 
@@ -61,32 +63,23 @@ Counts = tuple[torch.Tensor, torch.Tensor]
 """A plan's rows' ``output_counts`` [N, V] and ``prompt_mask`` [N, V] (``backend.counts``)."""
 
 
-def _tensor(col: np.ndarray[tuple[int], np.dtype[np.generic]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # (a copy: the IR's columns are read-only memory, which torch.from_numpy would share and warn about)
-    return torch.tensor(col, dtype=dtype, device=device)
-
-
-def _i64(col: np.ndarray[Any, Any] | Sequence[int], device: torch.device) -> torch.Tensor:
+def _i64(col: np.ndarray[Any, Any] | Sequence[int], device: torch.device, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """``col`` as an int64 tensor on ``device`` (a NumPy copy shared with torch: ``torch.tensor`` of
-    an array costs several times more for a handful of entries)."""
-    t = torch.from_numpy(np.array(col, dtype=np.int64))
-    return t if device.type == "cpu" else t.to(device)
+    an array costs several times more for a handful of entries), reshaped to ``shape``, and marked
+    with its host values (``backend.readback.staged``: the sampler reads them, not the tensor)."""
+    host = np.array(col, dtype=np.int64)
+    if shape is not None:
+        host = host.reshape(shape)
+    return staged(to_device(host, device), host)
 
 
 def row_params(rows: SamplingRows, device: torch.device) -> RowParams:
-    """``rows`` as the sampler's per-row tensors on ``device``."""
-    f32 = torch.float32
-    return RowParams(
-        temperature=_tensor(rows.temperature, f32, device),
-        top_k=_tensor(rows.top_k, torch.int64, device),
-        top_p=_tensor(rows.top_p, torch.float64, device),
-        min_p=_tensor(rows.min_p, f32, device),
-        presence_penalty=_tensor(rows.presence_penalty, f32, device),
-        frequency_penalty=_tensor(rows.frequency_penalty, f32, device),
-        repetition_penalty=_tensor(rows.repetition_penalty, f32, device),
-        seed=_tensor(rows.seed, torch.int64, device),
-        index=_tensor(rows.index, torch.int64, device),
-    )
+    """``rows`` as the sampler's per-row tensors on ``device``, with their host columns (nothing is
+    read back to learn what the rows ask)."""
+    return RowParams.from_host(HostColumns(
+        temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p, presence_penalty=rows.presence_penalty,
+        frequency_penalty=rows.frequency_penalty, repetition_penalty=rows.repetition_penalty, seed=rows.seed, index=rows.index,
+    ), device)
 
 
 _CACHE_SIZE = 8
@@ -182,7 +175,7 @@ def _banned(logits: torch.Tensor, rows: SamplingRows, positions: np.ndarray[tupl
         return logits
     out = logits.clone()
     device = logits.device
-    out[torch.from_numpy(owner[which]).to(device), torch.from_numpy(slot).to(device), torch.from_numpy(ids[which]).to(device)] = -math.inf
+    out[to_device(owner[which], device), to_device(slot, device), to_device(ids[which], device)] = -math.inf
     return out
 
 
@@ -207,7 +200,7 @@ def _sample_logits(logits: torch.Tensor, rows: SamplingRows | None, positions: I
     params = prep.params
     dist = distribution(logits, params, **_counts_of(counts if pen else None))
     tokens = sample_rows(dist, params, _i64(positions, logits.device))
-    return frozen_i64(tokens.cpu().numpy())
+    return frozen_i64(tokens.numpy(force=True))  # (the one readback)
 
 
 def verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None, start: I64, *, counts: Counts | None = None) -> I64:
@@ -231,7 +224,7 @@ def _verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None,
     n, w, vocab = logits.shape
     device = logits.device
     params = prep.params
-    proposed = _i64(drafts, device).reshape(n, w - 1)
+    proposed = _i64(drafts, device, (n, w - 1))
     windowed: Counts | None = None
     if pen:
         assert counts is not None
@@ -240,9 +233,9 @@ def _verify_tokens(logits: torch.Tensor, drafts: I64, rows: SamplingRows | None,
     spec = rejection_sample(dist, proposed, OneHotDraft(), params, _i64(start, device))
     # (``dist.top`` is ``greedy_or_flag`` of the logits, penalised where a row has a penalty: a
     # penalised greedy row's argmax is of its penalised logits)
-    after = dist.top.reshape(n, w).cpu().numpy()
-    tokens = np.where(np.arange(w)[None, :] <= spec.accepted.cpu().numpy()[:, None], spec.tokens.cpu().numpy(), after)
-    return frozen_i64(tokens.reshape(-1))
+    after = dist.top.reshape(n, w)
+    tokens = torch.where(torch.arange(w, device=device)[None, :] <= spec.accepted[:, None], spec.tokens, after)
+    return frozen_i64(tokens.reshape(-1).numpy(force=True))  # (the one readback)
 
 
 def _counts_of(counts: Counts | None) -> dict[str, torch.Tensor | None]:

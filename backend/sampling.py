@@ -64,7 +64,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from backend.readback import cpu_branch, host_values
 from backend.rng import Keys, Purpose, uniform
+from backend.staging import to_device
 from ir.columns import I64, frozen_i64
 from ir.results import NON_FINITE
 from ir.sampling import SamplingParams
@@ -75,6 +77,7 @@ __all__ = [
     "Distribution",
     "DraftDistribution",
     "FullDraft",
+    "HostColumns",
     "OneHotDraft",
     "RowParams",
     "Speculated",
@@ -130,7 +133,7 @@ def sample(logits: torch.Tensor) -> I64:
     host = _on_host(logits)
     if host is not None:
         return frozen_i64(_greedy_or_flag_host(host))
-    return frozen_i64(greedy_or_flag(logits).cpu().numpy().astype(np.int64, copy=False))
+    return frozen_i64(greedy_or_flag(logits).numpy(force=True).astype(np.int64, copy=False))  # (one readback)
 
 
 @final
@@ -186,6 +189,10 @@ class RowParams:
     repetition_penalty: torch.Tensor
     seed: torch.Tensor
     index: torch.Tensor
+    host: HostColumns | None = attrs.field(default=None, eq=False)
+    """The same columns on the host (NumPy, the tensors' dtypes and values), when they were built
+    from host values: ``uses`` and ``keys`` read them instead of reading the tensors back (a host
+    synchronisation each on a device). ``None``: read back where needed."""
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], indices: Sequence[int] | None = None, device: torch.device | str = "cpu") -> RowParams:
@@ -195,21 +202,26 @@ class RowParams:
             if p.seed is None and not p.greedy:
                 raise ValueError(f"row {i}: a sampled row needs a seed (SamplingParams.seeded), got seed=None")
 
-        def col(values: Sequence[float | int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(list(values), dtype=dtype, device=device)
+        return cls.from_host(HostColumns(
+            temperature=[p.temperature for p in params], top_k=[p.top_k for p in params], top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params], presence_penalty=[p.presence_penalty for p in params],
+            frequency_penalty=[p.frequency_penalty for p in params], repetition_penalty=[p.repetition_penalty for p in params],
+            seed=[p.seed or 0 for p in params], index=list(indices) if indices is not None else [0] * len(params),
+        ), torch.device(device))
 
-        f32 = torch.float32
-        return cls(
-            temperature=col([p.temperature for p in params], f32),
-            top_k=col([p.top_k for p in params], torch.int64),
-            top_p=col([p.top_p for p in params], torch.float64),
-            min_p=col([p.min_p for p in params], f32),
-            presence_penalty=col([p.presence_penalty for p in params], f32),
-            frequency_penalty=col([p.frequency_penalty for p in params], f32),
-            repetition_penalty=col([p.repetition_penalty for p in params], f32),
-            seed=col([p.seed or 0 for p in params], torch.int64),
-            index=col(indices if indices is not None else [0] * len(params), torch.int64),
-        )
+    @classmethod
+    def from_host(cls, host: HostColumns, device: torch.device) -> RowParams:
+        """The rows of ``host`` as tensors on ``device`` (one copy each, asynchronous on a CUDA
+        device), keeping ``host`` so that nothing is read back."""
+        cols = {name: to_device(value, device) for name, value in attrs.asdict(host, recurse=False).items()}
+        return cls(**cols, host=host)
+
+    def _on_host(self, name: str) -> np.ndarray:
+        """Column ``name`` on the host: ``host``'s, else read back from the tensor."""
+        if self.host is not None:
+            values: np.ndarray = getattr(self.host, name)
+            return values
+        return np.asarray(getattr(self, name).numpy(force=True))
 
     @functools.cached_property
     def greedy(self) -> torch.Tensor:
@@ -220,16 +232,16 @@ class RowParams:
     def keys(self) -> Keys:
         """Every row's random stream, its seed and index absorbed (``backend.rng.Keys``; a greedy
         row's is never read)."""
-        return Keys.of(self.seed.cpu().numpy(), self.index.cpu().numpy())
+        return Keys.of(self._on_host("seed"), self._on_host("index"))
 
     @functools.cached_property
     def uses(self) -> Uses:
         """Which transforms some row uses, and the sampled rows' parameters on the host."""
-        t = self.temperature.cpu().numpy()
+        t = self._on_host("temperature")
         sampled = np.flatnonzero(t != 0)
-        k, p, m = (c.cpu().numpy()[sampled] for c in (self.top_k, self.top_p, self.min_p))
-        penalty = (self.repetition_penalty != 1) | (self.frequency_penalty != 0) | (self.presence_penalty != 0)
-        temperature, seed, index = t[sampled], self.seed.cpu().numpy()[sampled], self.index.cpu().numpy()[sampled]
+        k, p, m = (self._on_host(name)[sampled] for name in ("top_k", "top_p", "min_p"))
+        penalty = (self._on_host("repetition_penalty") != 1) | (self._on_host("frequency_penalty") != 0) | (self._on_host("presence_penalty") != 0)
+        temperature, seed, index = t[sampled], self._on_host("seed")[sampled], self._on_host("index")[sampled]
         prows = np.flatnonzero(p < 1.0)
         return Uses(
             all_greedy=sampled.size == 0, any_greedy=sampled.size < t.size, top_k=bool((k > 0).any()), top_p=bool((p < 1.0).any()),
@@ -240,7 +252,45 @@ class RowParams:
 
     def repeat(self, times: int) -> RowParams:
         """Each row ``times`` times in a row (the ``k + 1`` window positions of a verify)."""
-        return RowParams(**{name: value.repeat_interleave(times) for name, value in attrs.asdict(self, recurse=False).items()})
+        cols = {name: getattr(self, name).repeat_interleave(times) for name in _COLUMNS}
+        return RowParams(**cols, host=None if self.host is None else self.host.repeat(times))
+
+
+_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "index")
+
+
+# (each converts to a fresh array: a tensor on the CPU shares it, and the IR's columns are read only)
+def _f32(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+def _f64(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    return np.array(values, dtype=np.float64)
+
+
+def _i64(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+@final
+@attrs.frozen(kw_only=True, eq=False)
+class HostColumns:
+    """``RowParams``' columns on the host, in its tensors' dtypes: float32 but float64 ``top_p``,
+    int64 ``top_k``, ``seed`` and ``index`` (each converted to a fresh array)."""
+
+    temperature: np.ndarray = attrs.field(converter=_f32)
+    top_k: np.ndarray = attrs.field(converter=_i64)
+    top_p: np.ndarray = attrs.field(converter=_f64)
+    min_p: np.ndarray = attrs.field(converter=_f32)
+    presence_penalty: np.ndarray = attrs.field(converter=_f32)
+    frequency_penalty: np.ndarray = attrs.field(converter=_f32)
+    repetition_penalty: np.ndarray = attrs.field(converter=_f32)
+    seed: np.ndarray = attrs.field(converter=_i64)
+    index: np.ndarray = attrs.field(converter=_i64)
+
+    def repeat(self, times: int) -> HostColumns:
+        """Each row ``times`` times in a row (``RowParams.repeat``)."""
+        return HostColumns(**{name: np.repeat(value, times) for name, value in attrs.asdict(self, recurse=False).items()})
 
 
 @final
@@ -293,8 +343,9 @@ class Distribution:
         if sp is not None and self.sampled is None:
             return sp  # every row is sampled
         out = torch.zeros((self.top.shape[0], self.vocab), dtype=torch.float32, device=self.top.device)
-        rows = (self.greedy & (self.top != NON_FINITE)).nonzero().squeeze(1)
-        out[rows, self.top[rows]] = 1.0
+        # (every row's entry at its top: 1 for a greedy row with a finite one, else 0, which the
+        # zeros already hold; no data-dependent shape, which a device would synchronise on)
+        out.scatter_(1, self.top.clamp(min=0)[:, None], (self.greedy & (self.top != NON_FINITE)).to(torch.float32)[:, None])
         if sp is not None:
             assert self.sampled is not None
             out[self.sampled] = sp
@@ -310,21 +361,18 @@ def _penalised(logits: torch.Tensor, rows: RowParams, output_counts: torch.Tenso
     seen_out = output_counts > 0 if output_counts is not None else None
     seen = seen_out if prompt_mask is None else prompt_mask if seen_out is None else seen_out | prompt_mask
     assert seen is not None
-    # only the penalised rows' seen tokens change (a few per row): work on those entries alone
-    # instead of the whole [N, V] (an unseen token's "x - 0 * freq - 0 * presence" is x, up to the
-    # sign of a zero, which no later step reads). Rows without a penalty keep their logits bit for
-    # bit (float32 holds every float16 and bfloat16 value exactly, so their argmax stays
-    # greedy_or_flag's).
-    r, c = (seen & on[:, None]).nonzero(as_tuple=True)
-    x = logits.to(torch.float32, copy=True)
-    v = x[r, c]
-    rr = rep[r]
-    v = torch.where(v < 0, v * rr, v / rr)
+    # only the penalised rows' seen tokens change: the penalty is computed for every entry and kept
+    # where the row has a penalty and the token was seen (an elementwise select: a data-dependent
+    # index of those entries would make a device synchronise). Every other entry keeps its logit bit
+    # for bit (float32 holds every float16 and bfloat16 value exactly, so a row without a penalty
+    # keeps greedy_or_flag's argmax).
+    x = logits.to(torch.float32)
+    rr = rep[:, None]
+    v = torch.where(x < 0, x * rr, x / rr)
     if output_counts is not None:
         assert seen_out is not None
-        v = v - output_counts[r, c].to(v.dtype) * freq[r] - seen_out[r, c].to(v.dtype) * pres[r]
-    x[r, c] = v
-    return x
+        v = v - output_counts.to(v.dtype) * freq[:, None] - seen_out.to(v.dtype) * pres[:, None]
+    return torch.where(seen & on[:, None], v, x)
 
 
 def _order_desc(z: torch.Tensor, *, host: bool | None = None) -> torch.Tensor:
@@ -339,7 +387,7 @@ def _order_desc(z: torch.Tensor, *, host: bool | None = None) -> torch.Tensor:
     order, so the result does not depend on which ran (tested)."""
     if not (z.is_cpu if host is None else host):
         return z.sort(dim=-1, descending=True, stable=True)[1]
-    key = z.detach().numpy().view(np.int32).astype(np.int64)
+    key = cpu_branch(z).view(np.int32).astype(np.int64)
     key &= 0x7FFFFFFF
     key <<= 32
     key |= np.arange(z.shape[-1], dtype=np.int64)
@@ -372,7 +420,7 @@ def _desc_order(values: torch.Tensor, ids: torch.Tensor, inside: torch.Tensor) -
     key = key.masked_fill(~inside, torch.iinfo(torch.int64).max)
     if not key.is_cpu:
         return key.argsort(dim=-1)
-    return torch.from_numpy(key.numpy().argsort(axis=-1))
+    return torch.from_numpy(cpu_branch(key).argsort(axis=-1))
 
 
 def _top_p_kept(probs_desc: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -415,20 +463,20 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
     k_on = (k > 0) & (k < vocab) if uses.top_k else None
     if k_on is not None and k_on.any():
         krows = np.flatnonzero(k_on)
-        zk = z if krows.size == z.shape[0] else z.index_select(0, torch.from_numpy(krows).to(device))
+        zk = z if krows.size == z.shape[0] else z.index_select(0, to_device(krows, device))
         if fast:
-            at = torch.from_numpy(k[krows] - 1)[:, None].to(device)
+            at = to_device((k[krows] - 1)[:, None], device)
             kth = zk.topk(int(k[krows].max()), dim=-1).values.gather(1, at)
         else:
-            at = torch.from_numpy(vocab - k[krows])[:, None].to(device)
+            at = to_device((vocab - k[krows])[:, None], device)
             kth = _order_asc(zk)[0].gather(1, at)
         z = _put(z, krows, zk.masked_fill(zk < kth, -math.inf))
     prows = uses.top_p_rows
     if prows.size == 0:
         return z
-    zp = z if prows.size == z.shape[0] else z.index_select(0, torch.from_numpy(prows).to(device))
+    zp = z if prows.size == z.shape[0] else z.index_select(0, to_device(prows, device))
     e = zp.softmax(dim=-1)  # (per row and per entry: a candidate's probability is the full row's, bit for bit)
-    limit = torch.from_numpy(uses.top_p_limit).to(device)
+    limit = to_device(uses.top_p_limit, device)
     stages = [c for c in TOP_P_CANDIDATES if c + 1 < vocab] if fast else []
     if not stages:  # (a small vocabulary, or FULL_SORT: every row sorted, the fewest steps)
         return _put(z, prows, (_top_p_sorted_host if z.is_cpu else _top_p_sorted)(zp, e, limit))
@@ -453,7 +501,7 @@ def _top_k_top_p(z: torch.Tensor, uses: Uses, vocab: int) -> torch.Tensor:
         es = picked(e, ids).masked_fill_(~inside, 0.0)
         keep, reached = _top_p_kept(es, rows_of(limit))
         done = (reached | (floor == -math.inf)).squeeze(1)
-        at = done.nonzero().squeeze(1)
+        at = torch.from_numpy(np.flatnonzero(cpu_branch(done)))  # (``fast``: the CPU only)
         ids, keep = (ids, keep & inside) if at.numel() == done.numel() else (ids.index_select(0, at), (keep & inside).index_select(0, at))
         sub = torch.zeros((at.numel(), vocab), dtype=torch.bool, device=device)
         kept.index_copy_(0, pending.index_select(0, at), sub.scatter_(1, ids, keep))
@@ -480,7 +528,7 @@ def _top_p_sorted_host(zp: torch.Tensor, e: torch.Tensor, limit: torch.Tensor) -
     never falls, so once it reaches the limit it stays there), so a row keeps exactly the entries
     whose key is at most the last kept entry's: no scatter back to token order is needed, and the
     kept set is ``_top_p_kept``'s over the same order, bit for bit."""
-    key = zp.detach().numpy().view(np.int32).astype(np.int64)
+    key = cpu_branch(zp).view(np.int32).astype(np.int64)
     key &= 0x7FFFFFFF
     key <<= 32
     key |= _ids(zp.shape[-1])
@@ -488,7 +536,7 @@ def _top_p_sorted_host(zp: torch.Tensor, e: torch.Tensor, limit: torch.Tensor) -
     ids = ordered & 0xFFFFFFFF
     cum = e.gather(1, torch.from_numpy(ids)).cumsum(dim=-1, dtype=torch.float64)
     # the last entry kept: the first, then one per running sum (before the last) below the limit
-    last = torch.searchsorted(cum, limit).clamp_(max=zp.shape[-1] - 1).numpy()[:, 0]
+    last = cpu_branch(torch.searchsorted(cum, limit).clamp_(max=zp.shape[-1] - 1))[:, 0]
     return zp.masked_fill(torch.from_numpy(key > ordered[np.arange(ordered.shape[0]), last][:, None]), -math.inf)
 
 
@@ -502,7 +550,7 @@ def _ids(vocab: int) -> np.ndarray:
 
 def _put(z: torch.Tensor, rows: np.ndarray[tuple[int], np.dtype[np.int64]], values: torch.Tensor) -> torch.Tensor:
     """``z`` with its rows ``rows`` (host indices) replaced by ``values``."""
-    return values if rows.size == z.shape[0] else z.index_copy(0, torch.from_numpy(rows).to(z.device), values)
+    return values if rows.size == z.shape[0] else z.index_copy(0, to_device(rows, z.device), values)
 
 
 def distribution(
@@ -522,37 +570,33 @@ def distribution(
     uses = rows.uses
     pen = _penalised(logits, rows, output_counts, prompt_mask)
     best, top = pen.max(dim=-1)
-    # a sum is finite only if every term is (one read; the elementwise check runs when it is not)
-    all_finite = math.isfinite(float(best.sum(dtype=torch.float32)))
-    finite: torch.Tensor | None = None
-    if not all_finite:
-        finite = torch.isfinite(best)
-        all_finite = bool(finite.all())
-        top = torch.where(finite, top, NON_FINITE)
+    # which rows are finite stays on the device (reading it would make the host wait for the
+    # forward): every step below treats a row that is not as one that may be, changing no bit of a
+    # finite row's result (a mask with nothing set)
+    finite = torch.isfinite(best)
+    top = torch.where(finite, top, NON_FINITE)
     greedy = rows.greedy
     if uses.all_greedy:
-        return Distribution(top=top, greedy=greedy, vocab=vocab, all_greedy=True, all_finite=all_finite)
+        return Distribution(top=top, greedy=greedy, vocab=vocab, all_greedy=True, all_finite=False)
     device = logits.device
-    sampled = torch.from_numpy(uses.sampled).to(device) if uses.any_greedy else None
+    sampled = to_device(uses.sampled, device) if uses.any_greedy else None
     x, b = (pen, best) if sampled is None else (pen.index_select(0, sampled), best.index_select(0, sampled))
     # shifting by the maximum first changes no filter (each is invariant under a shift) and keeps
     # a small temperature from overflowing to inf
     z = x - b[:, None] if x.dtype == torch.float32 else x.float() - b.float()[:, None]
     if not uses.unit_temperature:  # (x / 1 is x, bit for bit)
-        z.div_(torch.from_numpy(uses.temperature[:, None]).to(device))
-    not_finite = None if finite is None or all_finite else ~(finite if sampled is None else finite.index_select(0, sampled))[:, None]
-    if not_finite is not None:
-        z.masked_fill_(not_finite, 0.0)
+        z.div_(to_device(uses.temperature[:, None], device))
+    not_finite = ~(finite if sampled is None else finite.index_select(0, sampled))[:, None]
+    z.masked_fill_(not_finite, 0.0)
     if uses.top_p or uses.top_k:
         z = _top_k_top_p(z, uses, vocab)
     if uses.min_p:
         # min-p (after top-p; the maximum, 0 after the shift, always survives both): a token's
         # probability over the maximum's is exp(z), so "p < min_p * p_max" is "z < log(min_p)"
-        z.masked_fill_(z < torch.log(torch.from_numpy(uses.min_p_of[:, None]).to(device)), -math.inf)
+        z.masked_fill_(z < torch.log(to_device(uses.min_p_of[:, None], device)), -math.inf)
     probs = z.softmax(dim=-1)
-    if not_finite is not None:
-        probs.masked_fill_(not_finite, 0.0)
-    return Distribution(top=top, greedy=greedy, sampled=sampled, sampled_probs=probs, all_greedy=False, all_finite=all_finite)
+    probs.masked_fill_(not_finite, 0.0)
+    return Distribution(top=top, greedy=greedy, sampled=sampled, sampled_probs=probs, all_greedy=False, all_finite=False)
 
 
 def window_counts(output_counts: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -608,8 +652,8 @@ def _search(c: torch.Tensor, fraction: torch.Tensor) -> torch.Tensor:
     """The first index of each row of cumulative sums ``c`` [N, M] past ``fraction`` [N, 1] of the
     row's total (capped below the total: ``_inverse_cdf``), clamped to ``M - 1``; [N, 1]."""
     if c.is_cpu:  # (the same arithmetic on a few host numbers in NumPy: a torch op costs microseconds each)
-        total_np = c.detach().numpy()[:, -1:]
-        t_np = np.minimum(fraction.detach().numpy() * total_np, np.nextafter(total_np, 0.0))
+        total_np = cpu_branch(c)[:, -1:]
+        t_np = np.minimum(cpu_branch(fraction) * total_np, np.nextafter(total_np, 0.0))
         return torch.searchsorted(c, torch.from_numpy(t_np), right=True).clamp_(max=c.shape[1] - 1)
     total = c[:, -1:]
     t = torch.minimum(fraction * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -620,7 +664,8 @@ def sample_rows(dist: Distribution, rows: RowParams, position: torch.Tensor, pur
     """One token per row of ``dist`` (int64 [N]): ``top`` for greedy rows and ``NON_FINITE`` rows;
     a sampled row's token is drawn from ``probs`` with the uniform of its key (``rows.seed``,
     ``rows.index``, ``position`` [N], ``purpose``). Only the sampled rows' keys are hashed and only
-    their probabilities read. ``rows`` are the rows ``dist`` was computed for."""
+    their probabilities read. ``rows`` are the rows ``dist`` was computed for. The keys are hashed on
+    the host: a ``position`` marked with its host values (``backend.readback.staged``) is not read back."""
     if dist.all_greedy:
         return dist.top
     if dist.sampled_probs is None:
@@ -629,9 +674,9 @@ def sample_rows(dist: Distribution, rows: RowParams, position: torch.Tensor, pur
         return torch.where(dist.greedy | (dist.top == NON_FINITE), dist.top, drawn)
     uses = rows.uses
     sel = dist.sampled
-    at = position.cpu().numpy()
-    u = torch.from_numpy(uses.keys.uniform(at if sel is None else at[uses.sampled], purpose))
-    drawn = _inverse_cdf(dist.sampled_probs, u.to(dist.sampled_probs.device))
+    at = host_values(position)
+    u = to_device(uses.keys.uniform(at if sel is None else at[uses.sampled], purpose), dist.sampled_probs.device)
+    drawn = _inverse_cdf(dist.sampled_probs, u)
     if sel is None:
         return drawn if dist.all_finite else torch.where(dist.top == NON_FINITE, dist.top, drawn)
     if not dist.all_finite:
@@ -718,35 +763,33 @@ def rejection_sample(target: Distribution, drafts: torch.Tensor, draft: DraftDis
     vocab = target.vocab
     p = target.probs.reshape(n, k + 1, vocab)
     device = drafts.device
-    # the per-row decisions ([N, k] numbers) on the host, in NumPy: a torch operation costs
-    # microseconds whatever its size; only the [N, V] distributions stay tensors
-    top = target.top.reshape(n, k + 1).cpu().numpy()
-    greedy = rows.greedy.cpu().numpy()
-    first = start.cpu().numpy()
-    proposals = drafts.cpu().numpy()
+    # the decisions stay on the device (reading the target's tokens or probabilities back would make
+    # the host wait for the verify); only the uniforms are drawn on the host, from the rows' keys and
+    # ``start`` (its staged host values when marked, ``backend.readback``), and copied over once
+    top = target.top.reshape(n, k + 1)
+    greedy = rows.greedy
+    first = host_values(start)
     # every number a row may read, in one draw: the tests at positions 0 to k - 1, the residual's
     # draw at each of them, the bonus's at k (which of the last two it reads depends on the tests)
     steps = np.arange(k + 1)
-    u = rows.keys.uniform(first[:, None] + np.concatenate((steps[:k], steps)), _window_purposes(k))
+    u = to_device(rows.keys.uniform(first[:, None] + np.concatenate((steps[:k], steps)), _window_purposes(k)), device)
     if k:
         p_x = p[:, :k].gather(2, drafts[:, :, None]).squeeze(2)
-        ok = (u[:, :k] < acceptance(p_x, drafts, draft).cpu().numpy()) & (top[:, :k] != NON_FINITE)
-        ok = np.where(greedy[:, None], proposals == top[:, :k], ok)
-        m = ok.astype(np.int64).cumprod(axis=1).sum(axis=1)
+        ok = (u[:, :k] < acceptance(p_x, drafts, draft)) & (top[:, :k] != NON_FINITE)
+        ok = torch.where(greedy[:, None], drafts == top[:, :k], ok)
+        m = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
     else:
-        m = np.zeros(n, dtype=np.int64)
-    top_m = top[np.arange(n), m]
-    if greedy.all():
+        m = torch.zeros(n, dtype=torch.int64, device=device)
+    top_m = top.gather(1, m[:, None]).squeeze(1)
+    if rows.uses.all_greedy:
         final = top_m
     else:
-        rejected = m < k
-        at = torch.from_numpy(m).to(device)
-        p_m = p.reshape(n * (k + 1), vocab).index_select(0, torch.from_numpy(np.arange(n) * (k + 1) + m).to(device))
-        weights = torch.where(torch.from_numpy(rejected).to(device)[:, None], residual(p_m, drafts, draft, at.clamp(max=k - 1)), p_m) if k else p_m
-        drawn = _inverse_cdf(weights, torch.from_numpy(u[np.arange(n), k + m]).to(device)).cpu().numpy()
-        final = np.where(greedy | (top_m == NON_FINITE), top_m, drawn)
-    slots = np.arange(k + 1)[None, :]
-    padded = np.concatenate([proposals, np.full((n, 1), PAD, dtype=np.int64)], axis=1)
-    tokens = np.where(slots < m[:, None], padded, PAD)
-    tokens = np.where(slots == m[:, None], final[:, None], tokens)
-    return Speculated(accepted=torch.from_numpy(m).to(device), tokens=torch.from_numpy(tokens).to(device))
+        p_m = p.reshape(n * (k + 1), vocab).index_select(0, torch.arange(n, device=device) * (k + 1) + m)
+        weights = torch.where((m < k)[:, None], residual(p_m, drafts, draft, m.clamp(max=k - 1)), p_m) if k else p_m
+        drawn = _inverse_cdf(weights, u.gather(1, (k + m)[:, None]).squeeze(1))
+        final = torch.where(greedy | (top_m == NON_FINITE), top_m, drawn)
+    slots = torch.arange(k + 1, device=device)[None, :]
+    padded = torch.cat([drafts, torch.full((n, 1), PAD, dtype=torch.int64, device=device)], dim=1)
+    tokens = torch.where(slots < m[:, None], padded, PAD)
+    tokens = torch.where(slots == m[:, None], final[:, None], tokens)
+    return Speculated(accepted=m, tokens=tokens)

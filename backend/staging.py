@@ -3,7 +3,10 @@
 Each plan's columns are packed into one host int64 array and moved in one copy (one H2D transfer
 on a GPU). A staged decode keeps that one ``[5, n]`` tensor and hands out per-field rows as views
 on access (making five tensor views up front costs more than the rest of the decode step's host
-work). On the CPU the staged tensors alias a fresh array, so a staged plan stays valid after the
+work). Every staged column is marked with the host values it was staged from
+(``backend.readback.staged``), so a check or a torch path that needs them reads them on the host
+instead of reading the device tensor back (a synchronisation on a GPU). On a CUDA device the packed
+array is copied from pinned memory, asynchronously. On the CPU the staged tensors alias a fresh array, so a staged plan stays valid after the
 next one is staged; the fields of a staged extend or window are cut from that array in numpy, one
 tensor each (torch's own slicing costs several times more per field on the host).
 """
@@ -16,11 +19,12 @@ import numpy.typing as npt
 import torch
 
 from backend.pool import MambaStatePool
+from backend.readback import staged
 from ir.head import HeadCommitBatch, HeadExtendPlan
 from ir.plan import DecodePlan, ExtendPlan
 from ir.spec import DraftBatch, DraftExtendBatch, VerifyBatch
 
-__all__ = ["Captures", "StagedDecode", "StagedExtend", "StagedWindow", "stage_decode", "stage_extend", "stage_window"]
+__all__ = ["Captures", "StagedDecode", "StagedExtend", "StagedWindow", "stage_decode", "stage_extend", "stage_window", "to_device"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -67,11 +71,27 @@ class StagedDecode:
 
     packed: torch.Tensor
     """``[5, n]``: slots, input ids, positions (``seq_lens - 1``), KV locations, sequence lengths."""
+    host: npt.NDArray[np.int64] | None = None
+    """The host array ``packed`` was staged from (``None``: not known; each field is then read back
+    where its values are needed). Input ids resolved on the device are never in it."""
+
+    def fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(slots, input_ids, positions, kv_locs, seq_lens)`` in one call (``packed.unbind``), each
+        marked with its host values as the properties' are."""
+        slots, input_ids, positions, kv_locs, seq_lens = self.packed.unbind(0)
+        if self.host is not None:
+            for i, t in ((0, slots), (2, positions), (3, kv_locs), (4, seq_lens)):
+                staged(t, self.host[i])
+        return slots, input_ids, positions, kv_locs, seq_lens
+
+    def _row(self, i: int) -> torch.Tensor:
+        t = self.packed[i]
+        return t if self.host is None else staged(t, self.host[i])
 
     @property
     def slots(self) -> torch.Tensor:
         """``[n]``: each request's state row."""
-        return self.packed[0]
+        return self._row(0)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -81,22 +101,33 @@ class StagedDecode:
     @property
     def positions(self) -> torch.Tensor:
         """``[n]``: the position of that token, ``seq_lens - 1``."""
-        return self.packed[2]
+        return self._row(2)
 
     @property
     def kv_locs(self) -> torch.Tensor:
         """``[n]``: where that token's keys and values go."""
-        return self.packed[3]
+        return self._row(3)
 
     @property
     def seq_lens(self) -> torch.Tensor:
         """``[n]``: each request's length with that token, so its context is ``seq_lens`` positions."""
-        return self.packed[4]
+        return self._row(4)
 
 
-def _to_device(packed: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
+def to_device(values: npt.NDArray[np.generic], device: torch.device) -> torch.Tensor:
+    """The host array ``values`` as a tensor on ``device`` without waiting for the device: on the CPU
+    the tensor shares ``values``; on a CUDA device it is copied from pinned memory, asynchronously
+    (a copy from pageable memory would make the host wait); ``values`` must not change afterwards."""
+    return _to_device(values, device)
+
+
+def _to_device(packed: npt.NDArray[np.generic], device: torch.device) -> torch.Tensor:
     host = torch.from_numpy(packed)
-    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":  # (pinned: the copy is asynchronous; torch keeps the pinned block until it is done)
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def stage_decode(plan: DecodePlan, device: torch.device, input_ids: npt.NDArray[np.int64] | None = None) -> StagedDecode:
@@ -105,7 +136,7 @@ def stage_decode(plan: DecodePlan, device: torch.device, input_ids: npt.NDArray[
     tokens = plan.input_ids if input_ids is None else input_ids
     n = plan.slots.shape[0]  # (one concatenate: np.stack is a Python-level wrapper around it)
     packed = np.concatenate((plan.slots, tokens, plan.seq_lens - 1, plan.kv_locs, plan.seq_lens)).reshape(5, n)
-    return StagedDecode(_to_device(packed, device))
+    return StagedDecode(_to_device(packed, device), packed)
 
 
 def stage_extend(plan: ExtendPlan | DraftExtendBatch | HeadExtendPlan | HeadCommitBatch, device: torch.device) -> StagedExtend:
@@ -118,20 +149,15 @@ def stage_extend(plan: ExtendPlan | DraftExtendBatch | HeadExtendPlan | HeadComm
     positions = np.arange(tokens, dtype=np.int64) - np.repeat(cu[:-1] - plan.prefix_lens, plan.extend_lens)
     packed = np.concatenate((plan.slots, plan.prefix_lens, cu, plan.input_ids, positions, plan.kv_locs))
     o = 2 * n + n + 1
-    if device.type == "cpu":  # views cut in numpy, each wrapped once: a torch slice costs several times more
-        f = torch.from_numpy
-        return StagedExtend(
-            slots=f(packed[0:n]), prefix_lens=f(packed[n : 2 * n]), cu_seqlens=f(packed[2 * n : o]), input_ids=f(packed[o : o + tokens]),
-            positions=f(packed[o + tokens : o + 2 * tokens]), kv_locs=f(packed[o + 2 * tokens :]),
-        )
-    t = _to_device(packed, device)
+    # on the CPU, views cut in numpy, each wrapped once: a torch slice costs several times more
+    t = _to_device(packed, device) if device.type != "cpu" else None
+
+    def cut(at: slice) -> torch.Tensor:
+        return staged(torch.from_numpy(packed[at]) if t is None else t[at], packed[at])
+
     return StagedExtend(
-        slots=t[0:n],
-        prefix_lens=t[n : 2 * n],
-        cu_seqlens=t[2 * n : o],
-        input_ids=t[o : o + tokens],
-        positions=t[o + tokens : o + 2 * tokens],
-        kv_locs=t[o + 2 * tokens :],
+        slots=cut(slice(0, n)), prefix_lens=cut(slice(n, 2 * n)), cu_seqlens=cut(slice(2 * n, o)), input_ids=cut(slice(o, o + tokens)),
+        positions=cut(slice(o + tokens, o + 2 * tokens)), kv_locs=cut(slice(o + 2 * tokens, None)),
     )
 
 
@@ -157,16 +183,13 @@ def stage_window(batch: DraftBatch | VerifyBatch, device: torch.device) -> Stage
     ids = batch.input_ids if isinstance(batch, DraftBatch) else batch.input_ids.reshape(n, w)
     packed = np.concatenate((batch.slots, ids.reshape(-1), positions.reshape(-1), batch.kv_locs))
     m = ids.size
-    if device.type == "cpu":  # (as ``stage_extend``)
-        f = torch.from_numpy
-        return StagedWindow(
-            slots=f(packed[:n]), input_ids=f(packed[n : n + m].reshape(ids.shape)), positions=f(packed[n + m : n + m + n * w].reshape(n, w)),
-            kv_locs=f(packed[n + m + n * w :].reshape(n, w)),
-        )
-    t = _to_device(packed, device)
+    t = _to_device(packed, device) if device.type != "cpu" else None  # (as ``stage_extend``)
+
+    def cut(at: slice, shape: tuple[int, ...]) -> torch.Tensor:
+        host = packed[at].reshape(shape)
+        return staged(torch.from_numpy(host) if t is None else t[at].view(shape), host)
+
     return StagedWindow(
-        slots=t[:n],
-        input_ids=t[n : n + m].view(ids.shape),
-        positions=t[n + m : n + m + n * w].view(n, w),
-        kv_locs=t[n + m + n * w :].view(n, w),
+        slots=cut(slice(0, n), (n,)), input_ids=cut(slice(n, n + m), ids.shape), positions=cut(slice(n + m, n + m + n * w), (n, w)),
+        kv_locs=cut(slice(n + m + n * w, None), (n, w)),
     )

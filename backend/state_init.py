@@ -31,12 +31,14 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import assert_never
 
+import numpy as np
 import torch
 
 from backend import faults
 from backend.counts import TokenCounts
 from backend.kernels.init_rows import copy_rows, init_rows
 from backend.pool import MambaStatePool
+from backend.readback import staged
 from backend.staging import Captures
 from ir.errors import PlanExecutionError
 from ir.init import MambaInit, MambaSnapshot, Op, op_decl, op_groups, op_writes
@@ -83,7 +85,8 @@ def apply_op(pool: MambaStatePool, op: Op, captures: Captures | None = None) -> 
 
 
 def _slots(pool: MambaStatePool, slots: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(slots, dtype=torch.int64, device=pool.device)
+    host = np.asarray(slots, dtype=np.int64)
+    return staged(torch.from_numpy(host).to(pool.device), host)  # (the kernels' checks read the host's values)
 
 
 def _apply_init(pool: MambaStatePool, init: MambaInit) -> None:

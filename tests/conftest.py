@@ -87,9 +87,12 @@ def pytest_ignore_collect(collection_path: object, config: pytest.Config) -> boo
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     slow = pytest.mark.slow
+    no_device = pytest.mark.skip(reason="no CUDA device") if not torch.cuda.is_available() else None
     for item in items:
         if not _in_fast_tier(item.path):
             item.add_marker(slow)
+        if no_device is not None and item.get_closest_marker("cuda") is not None:
+            item.add_marker(no_device)  # (the device-only tests: one line each in the summary)
 
 
 def verify_override_notice() -> str | None:

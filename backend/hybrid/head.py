@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
+import numpy as np
 import safetensors
 import safetensors.torch
 import torch
@@ -60,6 +61,7 @@ from backend.kernels import checks
 from backend.kernels.checks import require
 from backend.model import HeadHook
 from backend.pool import MambaStatePool, PoolLayout
+from backend.readback import host_values, staged
 from backend.staging import Captures, StagedExtend, StagedWindow
 from ir.errors import short_repr
 from ir.ids import DRAFT_POOL, PoolId
@@ -418,7 +420,7 @@ class HeadModel:
         checks.check_tensor("hidden", hidden, shape=(total, self.config.d_model), device=pool.device)
         require(cu_seqlens.dtype == torch.int64, f"cu_seqlens must be int64, got {cu_seqlens.dtype}")
         checks.check_tensor("cu_seqlens", cu_seqlens, shape=(n + 1,), device=pool.device)
-        bounds = cu_seqlens.tolist()
+        bounds = host_values(cu_seqlens).tolist()  # (staged: the host's values, no readback)
         require(bounds[0] == 0 and bounds[-1] == total and all(a < b for a, b in zip(bounds, bounds[1:], strict=False)),
                 f"cu_seqlens must rise from 0 to {total} by at least one per sequence, got {bounds[:8]}")
         carried = pool.carried_hidden()
@@ -473,12 +475,16 @@ class HeadModel:
             return tokens
         scratch = MambaStatePool(pool.pool_id, pool.layout, n, device=device)
         scratch.buffer[1:] = pool.buffer[slots.clamp(min=0)]
-        rows = torch.where(slots >= 0, torch.arange(1, n + 1, device=device), -1)
+        # the rows' scratch slots and each step's positions, their values known on the host (as ``HybridModel.propose``'s)
+        known_slots, known_positions = host_values(slots), host_values(positions)
+        rows = staged(torch.where(slots >= 0, torch.arange(1, n + 1, device=device), -1),
+                      np.where(known_slots >= 0, np.arange(1, n + 1, dtype=np.int64), -1))
         prev: torch.Tensor = scratch.carried_hidden()[1:]
         fed = input_ids
         for j in range(k):
             out = self.body._decode(
-                scratch, rows, kv, table, slots, fed, positions + j, kv_locs[:, j].contiguous(), embeds=self._inputs(prev, fed)
+                scratch, rows, kv, table, slots, fed, staged(positions + j, known_positions + j), kv_locs[:, j].contiguous(),
+                embeds=self._inputs(prev, fed),
             )
             fed = greedy(out.logits)
             tokens[:, j] = fed
@@ -528,8 +534,13 @@ class DraftHeadHook:
         """``[n, k]`` proposals from a draft window (pending token, window positions and KV locations)."""
         return self.head.propose(
             pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids,
-            positions=staged.positions[:, 0].contiguous(), kv_locs=staged.kv_locs, k=k,
+            positions=_first(staged.positions), kv_locs=staged.kv_locs, k=k,
         )
+
+
+def _first(positions: torch.Tensor) -> torch.Tensor:
+    """A staged window's first column, ``[n]``, marked with its host values as the window is."""
+    return staged(positions[:, 0].contiguous(), host_values(positions)[:, 0].copy())
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

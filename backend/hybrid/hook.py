@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from typing import Protocol, assert_never
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
 from backend.model import ForwardPlan
 from backend.pool import MambaStatePool
+from backend.readback import host_values, staged
 from backend.staging import Captures, StagedDecode, StagedExtend, StagedWindow
 from ir.plan import DecodePlan, ExtendPlan, MixedPlan
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
@@ -122,13 +125,13 @@ class HybridHook:
         return out.logits, out.states, out.hidden
 
     def _decode(self, s: StagedDecode, pool: MambaStatePool) -> torch.Tensor:
-        slots, input_ids, positions, kv_locs, _ = s.packed.unbind(0)  # (StagedDecode's rows, one call)
+        slots, input_ids, positions, kv_locs, _ = s.fields()  # (StagedDecode's rows, one call)
         return self.model.decode(pool, self.kv, self.table, slots=slots, input_ids=input_ids, positions=positions, kv_locs=kv_locs).logits
 
     def _mixed(self, e: StagedExtend, d: StagedDecode, pool: MambaStatePool, *, keep_hidden: bool = False) -> ForwardOut:
         """A MIXED forward in one pass over the layers (``HybridModel.mixed``): extend rows first
         (a part without rows: the other part's own entry point)."""
-        slots, input_ids, positions, kv_locs, _ = d.packed.unbind(0)
+        slots, input_ids, positions, kv_locs, _ = d.fields()
         if e.slots.shape[0] == 0 or slots.shape[0] == 0:
             out = self.model.extend(
                 pool, self.kv, self.table, slots=e.slots, cu_seqlens=e.cu_seqlens, prefix_lens=e.prefix_lens, input_ids=e.input_ids,
@@ -166,7 +169,7 @@ class HybridHook:
         after each proposal step, kept by the executor for the draft's commit."""
         return self.model.propose_keeping_states(
             pool, self.kv, self.table, slots=staged.slots, input_ids=staged.input_ids,
-            positions=staged.positions[:, 0].contiguous(), kv_locs=staged.kv_locs, k=plan.batch.k,
+            positions=_first(staged.positions), kv_locs=staged.kv_locs, k=plan.batch.k,
         )
 
     def verify(self, plan: VerifyPlan, staged: StagedWindow, pool: MambaStatePool) -> tuple[torch.Tensor, VerifyStates]:
@@ -183,9 +186,22 @@ class HybridHook:
     def commit(self, plan: CommitPlan | DraftCommitPlan, states: VerifyStates, pool: MambaStatePool) -> None:
         """Write each row's state at its ``accept_pos`` (from the states its verify or draft kept) into the
         pool."""
-        dev = pool.device
-        self.model.commit(
-            pool, states,
-            accept_pos=torch.from_numpy(plan.batch.accept_pos.copy()).to(dev),
-            slots=torch.from_numpy(plan.batch.slots.copy()).to(dev),
-        )
+        accept_pos, slots = _column(plan.batch.accept_pos, pool.device), _column(plan.batch.slots, pool.device)
+        self.model.commit(pool, states, accept_pos=accept_pos, slots=slots)
+
+
+def _first(positions: torch.Tensor) -> torch.Tensor:
+    """A staged window's first column, ``[n]``, marked with its host values as the window is."""
+    return staged(positions[:, 0].contiguous(), host_values(positions)[:, 0].copy())
+
+
+def _column(values: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
+    """An IR column as an int64 tensor on ``device``, marked with its host values (``staged``: the
+    kernels' checks read them there); on a CUDA device copied from pinned memory without waiting."""
+    host = np.array(values, dtype=np.int64)  # (a copy: the IR's columns are read-only)
+    t = torch.from_numpy(host)
+    if device.type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        t = t.to(device)
+    return staged(t, host)

@@ -44,6 +44,7 @@ from itertools import pairwise
 from typing import Protocol, runtime_checkable
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -51,16 +52,18 @@ from backend.hybrid.config import HybridConfig
 from backend.hybrid.hook import HybridHook
 from backend.hybrid.kv import KVCache, TokenTable
 from backend.hybrid.outputs import ForwardOut, VerifyOut, VerifyStates
-from backend.hybrid.weights import Weights, check_weights, init_weights
+from backend.hybrid.weights import Weights, check_weights, init_weights, projections, with_weight_dtype
 from backend.kernels import checks
 from backend.kernels.checks import require
 from backend.kernels.chunked import Capture, causal_conv1d_prefill, ssd_prefill
 from backend.kernels.commit import commit_accepted
 from backend.kernels.conv import causal_conv1d_update, causal_conv1d_verify
+from backend.kernels.lowp import lowp_linear
 from backend.kernels.ssm import selective_state_update, selective_state_verify_kept
 from backend.kernels.window import SsmWindow, commit_states
 from backend.parts import ATTENTION, EMBED, FORWARD, KV, LM_HEAD, MAMBA, MLP, NORMS
 from backend.pool import MambaStatePool, PoolLayout
+from backend.readback import host_values, staged
 from backend.staging import Captures
 from ir.ids import TARGET_POOL, PoolId
 
@@ -184,6 +187,14 @@ class HybridModel:
         ``dtype`` on ``device``."""
         return cls(config, init_weights(config, seed, dtype=dtype, device=device))
 
+    def to(self, device: torch.device | str) -> HybridModel:
+        """This model with its weights on ``device``, each moved once (itself when they are there
+        already); the pools, KV cache and table it makes from then on live there too."""
+        moved = {n: t.to(device) for n, t in self.weights.items()}  # (``Tensor.to`` returns the tensor itself when it is there)
+        if all(moved[n] is t for n, t in self.weights.items()):
+            return self
+        return HybridModel(self.config, moved, collective=self.collective, norm_split=self.norm_split, origin=self.origin)
+
     @property
     def device(self) -> torch.device:
         """The device the weights live on: the pool, KV cache and table must be there too."""
@@ -191,8 +202,24 @@ class HybridModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype: the weights' (logits are float32 whatever it is)."""
-        return self.weights["embed"].dtype
+        """The compute dtype: the weights' (logits are float32 whatever it is), but for the matrices
+        that ``with_weight_dtype`` stored in 16 bits."""
+        return self.weights["final_norm"].dtype
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the projection matrices are stored in: ``dtype``, or float16/bfloat16 beside
+        float32 compute (``with_weight_dtype``)."""
+        return self.weights[projections(self.config)[0]].dtype
+
+    def with_weight_dtype(self, dtype: torch.dtype) -> HybridModel:
+        """This float32 model with its projection matrices stored in ``dtype`` (float16 or bfloat16;
+        float32: itself), compute, states and logits staying float32
+        (``backend.hybrid.weights.with_weight_dtype``; products through ``backend.kernels.lowp``)."""
+        if dtype == self.weight_dtype:
+            return self
+        return HybridModel(self.config, with_weight_dtype(self.config, self.weights, dtype), collective=self.collective,
+                           norm_split=self.norm_split, origin=self.origin)
 
     @property
     def vocab(self) -> int:
@@ -240,7 +267,8 @@ class HybridModel:
         return self.weights[name]
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return x @ self.weights[name].T
+        w = self.weights[name]
+        return x @ w.T if w.dtype == x.dtype else lowp_linear(x, w)
 
     def _reduced(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A row-parallel projection: ``_linear``, summed over the ranks of a shard."""
@@ -351,7 +379,7 @@ class HybridModel:
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         with EMBED:
-            h = self._w("embed")[input_ids]
+            h = self._w("embed")[input_ids].to(self.dtype)  # (a 16-bit tied embedding's rows widened)
             return h if self.config.embed_scale == 1.0 else h * self.config.embed_scale
 
     def _layers(self, h: torch.Tensor, mamba: _Mixer, attn: _Mixer) -> torch.Tensor:
@@ -389,7 +417,7 @@ class HybridModel:
         checks.check_index("slots", slots, length=None, device=device)
         checks.check_slot_rows("slots", slots, pool.num_slots)
         if slots.numel():
-            require(int(slots.max()) <= table.max_slots, f"slots exceed the token table's rows (max {table.max_slots})")
+            require(int(host_values(slots).max()) <= table.max_slots, f"slots exceed the token table's rows (max {table.max_slots})")
 
     # ---- entry points -------------------------------------------------------------------------
 
@@ -470,7 +498,7 @@ class HybridModel:
         for name, t in (("decode_ids", decode_ids), ("decode_positions", decode_positions), ("decode_kv_locs", decode_kv_locs)):
             _check_index(name, t, (m,), device)
         require(n >= 1 and m >= 1, f"mixed: needs extend and decode rows, got {n} and {m} (run extend or decode)")
-        both = [s for s in torch.cat((slots, decode_slots)).tolist() if s >= 0]
+        both = [s for s in np.concatenate((host_values(slots), host_values(decode_slots))).tolist() if s >= 0]  # (staged: no readback)
         require(len(set(both)) == len(both), "mixed: a slot is in both the extend and the decode rows, or twice in one")
         ctx = self._decode_ctx(decode_positions, table)  # (both parts' checks before either part writes)
         ext = self._extend_cores(pool, kv, table, slots, cu_seqlens, prefix_lens, input_ids, positions, kv_locs, captures)
@@ -514,7 +542,7 @@ class HybridModel:
         _check_index("input_ids", input_ids, (total,), device)
         _check_index("positions", positions, (total,), device)
         _check_index("kv_locs", kv_locs, (total,), device)
-        bounds = [int(b) for b in cu_seqlens.tolist()]
+        bounds = host_values(cu_seqlens).tolist()  # (staged: the host's values, no readback)
         lens = [b - a for a, b in pairwise(bounds)]
         require(bounds[0] == 0 and bounds[-1] == total, f"cu_seqlens must run from 0 to {total}")
         require(all(length >= 1 for length in lens), f"every sequence needs at least one token, got lengths {lens[:8]}")
@@ -524,8 +552,11 @@ class HybridModel:
         lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
         seq_of = torch.repeat_interleave(torch.arange(n, device=device), lens_t)  # [total]
         offset = torch.arange(total, device=device) - cu_seqlens[seq_of]  # token index within its sequence
-        require(torch.equal(positions, prefix_lens[seq_of] + offset), "positions must be prefix_lens[i] + 0, 1, ... per sequence")
-        ctx = int((prefix_lens + lens_t).max())
+        host_prefix = host_values(prefix_lens)
+        host_offset = np.arange(total, dtype=np.int64) - np.repeat(np.asarray(bounds[:-1], dtype=np.int64), lens)
+        require(np.array_equal(host_values(positions), np.repeat(host_prefix, lens) + host_offset),
+                "positions must be prefix_lens[i] + 0, 1, ... per sequence")
+        ctx = int((host_prefix + np.asarray(lens, dtype=np.int64)).max())
         require(ctx <= table.max_len, f"context {ctx} exceeds the token table's max_len {table.max_len}")
 
         capture: Capture | None = None
@@ -618,8 +649,9 @@ class HybridModel:
     @staticmethod
     def _decode_ctx(positions: torch.Tensor, table: TokenTable) -> int:
         """The context a decode at ``positions`` reads (the highest position + 1), checked against the table."""
-        ctx = int(positions.max()) + 1
-        require(int(positions.min()) >= 0 and ctx <= table.max_len, f"positions must lie in [0, {table.max_len})")
+        known = host_values(positions)  # (staged positions: decided on the host, no readback)
+        ctx = int(known.max()) + 1
+        require(int(known.min()) >= 0 and ctx <= table.max_len, f"positions must lie in [0, {table.max_len})")
         return ctx
 
     def _decode_cores(
@@ -692,10 +724,10 @@ class HybridModel:
                 torch.zeros((0, T, c.d_model), dtype=self.dtype, device=device),
                 VerifyStates(conv, ssm),
             )
-        steps = torch.arange(T, device=device)
-        require(torch.equal(positions, positions[:, :1] + steps), "verify positions must be consecutive per row")
-        ctx = int(positions.max()) + 1
-        require(int(positions.min()) >= 0 and ctx <= table.max_len, f"positions must lie in [0, {table.max_len})")
+        known = host_values(positions)  # (a staged window's positions: decided on the host, no readback)
+        require(bool((known == known[:, :1] + np.arange(T)).all()), "verify positions must be consecutive per row")
+        ctx = int(known.max()) + 1
+        require(int(known.min()) >= 0 and ctx <= table.max_len, f"positions must lie in [0, {table.max_len})")
         live = (slots >= 0)[:, None].expand(n, T)
         locs = torch.where(live, kv_locs, 0)
         table.write(slots[:, None].expand(n, T), positions, locs)
@@ -814,10 +846,15 @@ class HybridModel:
         if n > 0:
             scratch = MambaStatePool(pool.pool_id, pool.layout, n, device=device)
             scratch.buffer[1:] = pool.buffer[slots.clamp(min=0)]
-            rows = torch.where(slots >= 0, torch.arange(1, n + 1, device=device), -1)
+            # the rows' scratch slots and each step's positions, their values known on the host (at most one
+            # readback each for slots and positions not staged): no step reads them back again
+            known_slots, known_positions = host_values(slots), host_values(positions)
+            rows_host = np.where(known_slots >= 0, np.arange(1, n + 1, dtype=np.int64), -1)
+            rows = staged(torch.where(slots >= 0, torch.arange(1, n + 1, device=device), -1), rows_host)
             fed = input_ids
             for j in range(steps):
-                out = self._decode(scratch, rows, kv, table, slots, fed, positions + j, kv_locs[:, j].contiguous())
+                at = staged(positions + j, known_positions + j)
+                out = self._decode(scratch, rows, kv, table, slots, fed, at, kv_locs[:, j].contiguous())
                 if j < k:
                     fed = greedy(out.logits)
                     tokens[:, j] = fed

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from backend.readback import host_values
+
 __all__ = ["INDEX_DTYPES", "STATE_DTYPES", "check_index", "check_optional", "check_slot_rows", "check_tensor", "require"]
 
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -73,7 +75,7 @@ def check_slot_rows(name: str, slots: torch.Tensor, num_slots: int) -> None:
     Slot 0 (padding) may be read and written by padded rows, but only once per call like any other
     slot: two rows updating one slot in place would race.
     """
-    values = [int(v) for v in slots.tolist()]
+    values = host_values(slots).tolist()  # (the staged values when known: no readback of a device tensor)
     bad = [v for v in values if not (v == -1 or 0 <= v < num_slots)]
     require(not bad, f"{name} has slots out of range [0, {num_slots - 1}] (or -1): {bad[:8]}")
     live = (v for v in values if v >= 0)

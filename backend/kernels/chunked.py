@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from backend.kernels import checks
 from backend.kernels.checks import require
+from backend.readback import host_values
 
 __all__ = ["SCAN_GROUP_ELEMENTS", "Capture", "causal_conv1d_prefill", "ssd_prefill"]
 
@@ -59,7 +60,7 @@ def _check_varlen(cu_seqlens: torch.Tensor, slot_idx: torch.Tensor, total: int, 
     checks.check_index("cu_seqlens", cu_seqlens, length=None, device=device)
     require(cu_seqlens.shape[0] >= 1, "cu_seqlens needs at least one entry")
     checks.check_index("slot_idx", slot_idx, length=cu_seqlens.shape[0] - 1, device=device)
-    bounds = [int(v) for v in cu_seqlens.tolist()]
+    bounds: list[int] = host_values(cu_seqlens).tolist()  # (staged: the host's values, no readback)
     require(bounds[0] == 0 and bounds[-1] == total, f"cu_seqlens must run from 0 to {total}, got {bounds[:4]}...")
     require(all(a <= b for a, b in pairwise(bounds)), "cu_seqlens must be non-decreasing")
     if check_slots:
@@ -90,7 +91,7 @@ def _check_capture(capture: Capture | None, bounds: list[int], slot_idx: torch.T
     require(out is not None, "a capture needs capture_state")
     assert out is not None
     checks.check_tensor("capture_state", out, shape=(len(capture.seq), *shape), device=slot_idx.device, dtypes=checks.STATE_DTYPES)
-    slots = slot_idx.tolist()
+    slots = host_values(slot_idx).tolist()
     for s, a in zip(capture.seq, capture.at, strict=True):
         require(0 <= s < len(slots), f"capture sequence {s} out of range [0, {len(slots)})")
         length = bounds[s + 1] - bounds[s]
@@ -136,7 +137,7 @@ def _live(bounds: list[int], slot_idx: torch.Tensor, pads: dict[int, tuple[int, 
     hold no token: the scan's table leaves them zero)."""
     cu = np.asarray(bounds, dtype=np.int64)
     lengths = np.diff(cu)
-    slots = np.asarray(slot_idx.tolist(), dtype=np.int64)
+    slots = host_values(slot_idx)
     live = (slots >= 0) & (lengths > 0)
     if not live.any():
         return None

@@ -22,6 +22,7 @@ import torch
 from backend.kernels import checks, torch_paths
 from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
+from backend.readback import host_values
 
 __all__ = ["commit_accepted", "committing_rows"]
 
@@ -64,8 +65,8 @@ def committing_rows(pool_state: torch.Tensor, batch: int, T: int, accept_pos: to
     device = pool_state.device
     checks.check_index("accept_pos", accept_pos, length=batch, device=device)
     checks.check_index("slot_idx", slot_idx, length=batch, device=device)
-    positions = [int(v) for v in accept_pos.tolist()]
-    slots = [int(v) for v in slot_idx.tolist()]
+    positions = host_values(accept_pos).tolist()  # (staged by the commit's caller: the host's values, no readback)
+    slots = host_values(slot_idx).tolist()
     bad = [p for p in positions if not -1 <= p < T]
     require(not bad, f"accept_pos out of range [-1, {T - 1}]: {bad[:8]}")
     bad = [s for s in slots if not (s == -1 or 0 <= s < pool_state.shape[0])]

@@ -32,6 +32,7 @@ import torch
 from backend import reference
 from backend.kernels.checks import require
 from backend.kernels.dispatch import jit_module, use_triton
+from backend.readback import host_values
 
 __all__ = ["copy_rows", "init_rows", "init_rows_torch", "validate_init_rows"]
 
@@ -72,9 +73,9 @@ def validate_init_rows(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch
     if cow_src.shape != cow_dst.shape:
         raise ValueError(f"cow_src and cow_dst differ in length: {cow_src.shape[0]} vs {cow_dst.shape[0]}")
     num_slots = buffer.shape[0]
-    clears: list[int] = clear.tolist()  # (int64 tensors: Python ints)
-    srcs: list[int] = cow_src.tolist()
-    dsts: list[int] = cow_dst.tolist()
+    clears: list[int] = host_values(clear).tolist()  # (staged: the host's values, no readback)
+    srcs: list[int] = host_values(cow_src).tolist()
+    dsts: list[int] = host_values(cow_dst).tolist()
     for name, values in (("clear", clears), ("cow_src", srcs), ("cow_dst", dsts)):
         if values and (min(values) < 1 or max(values) >= num_slots):
             bad = [v for v in values if not 1 <= v < num_slots]
@@ -106,9 +107,9 @@ def init_rows_torch(buffer: torch.Tensor, clear: torch.Tensor, cow_src: torch.Te
     of one forward a plain fill or copy per row is cheaper still."""
     words = _word_view(buffer)
     if clear.shape[0] + cow_dst.shape[0] <= ROW_OPS_MAX:
-        for row in clear.tolist():
+        for row in host_values(clear).tolist():
             words[row].zero_()
-        for src, dst in zip(cow_src.tolist(), cow_dst.tolist(), strict=True):
+        for src, dst in zip(host_values(cow_src).tolist(), host_values(cow_dst).tolist(), strict=True):
             words[dst].copy_(words[src])
         return
     reference.init_rows_reference(words, clear, cow_src, cow_dst)

@@ -44,10 +44,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from backend.parts import STATE
+from backend.readback import host_values, staged
 
 __all__ = [
     "GRAIN", "STATE_BLOCK_BYTES", "causal_conv1d_update", "causal_conv1d_verify", "commit_accepted", "selective_state_update",
@@ -105,11 +107,15 @@ def _live_rows(slot_idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tenso
     """``(rows, slots)``: the batch positions of the live rows (``None`` when every row is live, so
     nothing needs gathering) and their slots, both int64."""
     slots = slot_idx.long()
-    live = slots >= 0
-    if bool(live.all()):
+    known = host_values(slot_idx)  # (staged slots: decided on the host; else one readback)
+    if slots is not slot_idx:
+        staged(slots, known)
+    live = known >= 0
+    if live.all():
         return None, slots
-    rows = live.nonzero().squeeze(1)
-    return rows, slots[rows]
+    picked = np.flatnonzero(live)
+    rows = torch.from_numpy(picked).to(slots.device)
+    return rows, staged(slots[rows], known[picked])
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -274,7 +280,7 @@ def selective_state_update(
 def _slot_span(slots: torch.Tensor) -> slice | None:
     """``slots`` as the slice of pool rows they name when they are consecutive and ascending (a fresh
     batch's usual slots), else ``None``."""
-    listed = slots.tolist()
+    listed = host_values(slots).tolist()  # (the host's values: no readback per layer)
     first = listed[0]
     return slice(first, first + len(listed)) if listed == list(range(first, first + len(listed))) else None
 
@@ -366,7 +372,7 @@ def commit_accepted(
         return
     pos, slots = accept_pos.long(), slot_idx.long()
     commits = (pos >= 0) & (slots >= 0)
-    if bool(commits.all()):  # the serving case: every row accepted at least its first position
+    if bool(((host_values(accept_pos) >= 0) & (host_values(slot_idx) >= 0)).all()):  # the serving case: every row accepted at least its first position
         first = torch.arange(0, batch * T, T, device=pos.device)  # flat index of each row's position 0
     else:
         rows = commits.nonzero().squeeze(1)

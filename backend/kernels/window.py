@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from backend.kernels.checks import require
 from backend.kernels.commit import commit_accepted, committing_rows
+from backend.readback import host_values
 
 __all__ = ["SsmWindow", "commit_states", "commit_window", "selective_state_verify_window"]
 
@@ -94,8 +95,9 @@ def selective_state_verify_window(
     heads_per_group = H // B.shape[-2]
     slots = slot_idx.long()
     live = slots >= 0
+    all_live = bool((host_values(slot_idx) >= 0).all())  # (staged slots: the host's values, no readback)
     start = state[slots.clamp(min=0)].float()  # [batch, H, P, N]
-    if not bool(live.all()):
+    if not all_live:
         start[~live] = 0.0
     dtf = dt.float()
     if dt_bias is not None:
@@ -115,7 +117,7 @@ def selective_state_verify_window(
         y = y + D.float()[:, None] * xf
     if z is not None:
         y = y * F.silu(z.float())
-    if not bool(live.all()):
+    if not all_live:
         y[~live] = 0.0
     return y.to(x.dtype), SsmWindow(start=start, log_decay=L, dt_x=dt_x, B=Bh, state_dtype=state.dtype)
 

@@ -22,6 +22,7 @@ the bug was found in did.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -51,8 +52,9 @@ class _Side:
         self.runner = ModelRunner(self.pool, ledger)
 
 
-def _i64(values: Sequence[int]) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64)
+def _i64(values: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device`` (default: the host, where the batch's own columns live)."""
+    return torch.tensor(list(values), dtype=torch.int64, device=device)
 
 
 class MutableSpecEngine:
@@ -75,6 +77,7 @@ class MutableSpecEngine:
         self.slots = SlotAllocator(capacity)
         self.kvs = KVAllocator(kv_capacity)
         self.target = target
+        self.device = target.device  # (the models' device: their inputs go there, the batch's columns stay on the host)
         self.t = _Side(target, TARGET_POOL, capacity, kv_capacity, max_len, ledger)
         self.d = _Side(draft, DRAFT_POOL, capacity, kv_capacity, max_len, ledger)
         self.running: ScheduleBatch | None = None
@@ -124,15 +127,15 @@ class MutableSpecEngine:
         """The side's model over the tokens: its logits, and (the target's, with a head beside it)
         every token's hidden state; a head reads ``hidden``, the target's at the same tokens."""
         lens = [len(t) for t in tokens]
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(_i64(lens), 0)
-        positions = _i64([p + j for p, n in zip(prefix, lens, strict=True) for j in range(n)])
-        ids, locs, model = _i64([t for row in tokens for t in row]), _i64([x for row in kv for x in row]), side.model
+        dev = self.device
+        cu = _i64([0, *itertools.accumulate(lens)], dev)
+        positions = _i64([p + j for p, n in zip(prefix, lens, strict=True) for j in range(n)], dev)
+        ids, locs, model = _i64([t for row in tokens for t in row], dev), _i64([x for row in kv for x in row], dev), side.model
         if isinstance(model, HeadModel):
             assert hidden is not None
-            return model.extend(side.pool, side.kv, side.table, slots=_i64(slots), cu_seqlens=cu, prefix_lens=_i64(prefix), input_ids=ids,
-                                positions=positions, kv_locs=locs, hidden=hidden).logits, None
-        out = model.extend(side.pool, side.kv, side.table, slots=_i64(slots), cu_seqlens=cu, prefix_lens=_i64(prefix), input_ids=ids,
+            return model.extend(side.pool, side.kv, side.table, slots=_i64(slots, dev), cu_seqlens=cu, prefix_lens=_i64(prefix, dev),
+                                input_ids=ids, positions=positions, kv_locs=locs, hidden=hidden).logits, None
+        out = model.extend(side.pool, side.kv, side.table, slots=_i64(slots, dev), cu_seqlens=cu, prefix_lens=_i64(prefix, dev), input_ids=ids,
                            positions=positions, kv_locs=locs, keep_hidden=self.head)
         return out.logits, out.all_hidden
 
@@ -211,15 +214,17 @@ class MutableSpecEngine:
         fb = rb.get_model_worker_batch()
         self.t.runner.forward(fb)
         assert isinstance(self.t.model, HybridModel)
+        dev = self.device
         out = self.t.model.decode(
-            self.t.pool, self.t.kv, self.t.table, slots=fb.req_pool_indices, input_ids=fb.input_ids,
-            positions=fb.positions, kv_locs=fb.out_cache_loc,
+            self.t.pool, self.t.kv, self.t.table, slots=fb.req_pool_indices.to(dev), input_ids=fb.input_ids.to(dev),
+            positions=fb.positions.to(dev), kv_locs=fb.out_cache_loc.to(dev),
         )
-        tokens = greedy(out.logits)
+        toks = greedy(out.logits).tolist()  # (the step's one readback)
+        tokens = _i64(toks)
         for i, r in enumerate(reqs):
             self.kv_of[r.rid].append(int(kv[i]))
             self.committed[r.rid] += 1
-            self.outputs[RequestId(r.rid)].append(int(tokens[i]))
+            self.outputs[RequestId(r.rid)].append(toks[i])
         self._emitted_to.extend(RequestId(r.rid) for r in reqs)
         self._advanced += len(reqs)
         self._emitted += len(reqs)
@@ -239,30 +244,32 @@ class MutableSpecEngine:
         slots = [r.slot for r in reqs]
         c = [self.committed[r.rid] for r in reqs]
         window = self.kvs.alloc_many(len(reqs) * (k + 1)).reshape(len(reqs), k + 1)
-        positions = _i64(c)[:, None] + torch.arange(k + 1)[None, :]
-        wt = torch.from_numpy(window.copy())
+        dev = self.device
+        positions = _i64(c, dev)[:, None] + torch.arange(k + 1, device=dev)[None, :]
+        wt = torch.from_numpy(window.copy()).to(dev)
         # draft decode (proposal): a DECODE-path forward of the draft runner
         self.d.runner.forward(rb.get_model_worker_batch(ForwardMode.DECODE))
         proposals = self.d.model.propose(
-            self.d.pool, self.d.kv, self.d.table, slots=_i64(slots), input_ids=_i64(pending),
+            self.d.pool, self.d.kv, self.d.table, slots=_i64(slots, dev), input_ids=_i64(pending, dev),
             positions=positions[:, 0].contiguous(), kv_locs=wt[:, :k].contiguous(), k=k,
         )
         # target verify (the upstream fix of the earlier variant keeps init ops out of it)
         self.t.runner.forward(rb.get_model_worker_batch(ForwardMode.TARGET_VERIFY))
-        ids = torch.cat((_i64(pending)[:, None], proposals), dim=1)
+        ids = torch.cat((_i64(pending, dev)[:, None], proposals), dim=1)
         assert isinstance(self.t.model, HybridModel)
-        out = self.t.model.verify(self.t.pool, self.t.kv, self.t.table, slots=_i64(slots), input_ids=ids, positions=positions, kv_locs=wt)
+        out = self.t.model.verify(self.t.pool, self.t.kv, self.t.table, slots=_i64(slots, dev), input_ids=ids, positions=positions, kv_locs=wt)
         predicted = greedy(out.logits)
         matches = (proposals == predicted[:, :k]).to(torch.int64)
         accepted = matches.cumprod(dim=1).sum(dim=1)
-        bonus = predicted[torch.arange(len(reqs)), accepted]
-        self.t.model.commit(self.t.pool, out.states, accept_pos=accepted, slots=_i64(slots))
+        bonus = predicted[torch.arange(len(reqs), device=dev), accepted]
+        self.t.model.commit(self.t.pool, out.states, accept_pos=accepted, slots=_i64(slots, dev))
         # draft extend over the accepted tokens: built from the same long-lived batch (a head's reads
         # the verify's hidden states at those positions)
         self.d.runner.forward(rb.get_model_worker_batch(ForwardMode.DRAFT_EXTEND))
         acc = accepted.tolist()
+        ids_host, proposed_host, bonus_host = ids.tolist(), proposals.tolist(), bonus.tolist()  # (read back once each, not per row)
         self._extend(
-            self.d, slots, c, [ids[i, : acc[i] + 1].tolist() for i in range(len(reqs))],
+            self.d, slots, c, [ids_host[i][: acc[i] + 1] for i in range(len(reqs))],
             [window[i, : acc[i] + 1].tolist() for i in range(len(reqs))], pack_accepted(out.hidden, accepted + 1) if self.head else None,
         )
         for i, r in enumerate(reqs):
@@ -270,15 +277,15 @@ class MutableSpecEngine:
             self.kvs.free_many(window[i, m + 1 :].tolist())
             self.kv_of[r.rid].extend(window[i, : m + 1].tolist())
             self.committed[r.rid] += m + 1
-            self.outputs[RequestId(r.rid)].extend(proposals[i, :m].tolist() + [int(bonus[i])])
+            self.outputs[RequestId(r.rid)].extend(proposed_host[i][:m] + [bonus_host[i]])
             self._emitted += m + 1
         self._emitted_to.extend(RequestId(r.rid) for r in reqs)
         self._advanced += len(reqs)
         self.stats.iterations += 1
         self.stats.row_iterations += len(reqs)
         self.stats.proposed += k * len(reqs)
-        self.stats.accepted += int(accepted.sum())
-        rb.output_ids = bonus
+        self.stats.accepted += sum(acc)
+        rb.output_ids = _i64(bonus_host)
         self._finish()
 
     def _finish(self) -> None:

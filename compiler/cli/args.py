@@ -55,6 +55,9 @@ MAX_BENCH_VOCAB = 1 << 18
 DECODE_DTYPES = ("float32",)
 """``bench decode --dtype``'s choices: ``compiler.tools.bench_decode.DTYPES`` (which imports torch: this module
 does not), the dtypes the model path runs on a CPU today."""
+WEIGHT_DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+"""``--weight-dtype``'s choices (``compiler.tools.bench_decode.WEIGHT_DTYPES``): the storage of a float32
+model's matrices, compute staying float32."""
 MAX_DECODE_BATCH = 256
 """Most rows of a ``bench decode`` case."""
 MAX_DECODE_PROMPT = 8192
@@ -292,7 +295,14 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
                    "memory in it; a tenth left for what the estimate leaves out, the allocator's slack and the others' growth)")
     p.add_argument("--device", type=_device, default="cpu",
                    help="where the engine serves and whose memory sizes it: cpu, cuda or cuda:N, a device this machine has "
-                   "(default cpu; the engine's CUDA path is not built yet: cuda is refused after the memory check)")
+                   "(default cpu; on cuda the Triton kernels are compiled for the device)")
+
+
+def add_device_option(p: argparse.ArgumentParser, what: str) -> None:
+    """``--device`` of ``batchc ab``, ``bench serve`` and ``bench iteration``: the values of
+    ``batchc run``'s (``add_memory_options``), checked by the same type."""
+    p.add_argument("--device", type=_device, default="cpu",
+                   help=f"cpu, cuda or cuda:N, a device this machine has: where {what} (default cpu)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -328,6 +338,9 @@ def parser() -> argparse.ArgumentParser:
                      "bundled target; none for a Hugging Face target); refused with --k 0, which runs no draft")
     run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                      help="compute dtype of the models (weights are converted on load; default float32)")
+    run.add_argument("--weight-dtype", choices=WEIGHT_DTYPE_CHOICES, default="float32",
+                     help="store the target's matrices in this dtype, compute, states and logits staying float32 (float16, bfloat16: "
+                     "half the bytes a decode step reads; needs --dtype float32 and --k 0, on the CPU in this process; default float32)")
     run.add_argument("--outputs", metavar="PATH", type=_path_arg,
                      help="write one JSON line per request to PATH: rid, index, prompt, prompt_ids, output_ids, text (ending before "
                      "a stop string that ended it), finish_reason (stop: an end-of-sequence id, a stop string or a stop token id; "
@@ -408,6 +421,7 @@ def parser() -> argparse.ArgumentParser:
     ab.add_argument("--json", metavar="PATH", type=_path_arg,
                     help="also write the figures as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                     "replaced when the run ends ('-' for stdout)")
+    add_device_option(ab, "every run's models and pools live, the compiled engine's and the baselines'")
     _add_threads(ab)
 
     td = sub.add_parser(
@@ -528,6 +542,8 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", metavar="PATH", type=_path_arg,
                     help="also write the rows as JSON to PATH, a new or regular file (not a link, device or FIFO), "
                     "replaced when the bench ends ('-' for stdout)")
+    add_device_option(bs, "every engine's models, pools and sampler live, and whose memory --memory-fraction reads; not with --tp or "
+                      "--overlap")
     _add_threads(bs)
     bk = bsub.add_parser("kernels", help="state-pool kernels (init ops, selective_state_update; on a CPU, torch paths vs per-row references)")
     bk.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
@@ -551,6 +567,7 @@ def parser() -> argparse.ArgumentParser:
                     "mtp: the bundled head (default: the bundled separate draft and the bundled head, for the bundled target)")
     bi.add_argument("--json", metavar="PATH", type=_path_arg,
                     help="also write the phases and the iteration per draft kind as JSON to PATH ('-' for stdout)")
+    add_device_option(bi, "the models and their pools live; on cuda each phase is timed until the device has finished it")
     _add_threads(bi)
     bsm = bsub.add_parser(
         "sampler", help="the sampler's time per call against the bundled target's decode step",
@@ -584,6 +601,10 @@ def parser() -> argparse.ArgumentParser:
     bd.add_argument("--dtype", dest="dtypes", choices=DECODE_DTYPES, nargs="+", default=list(DECODE_DTYPES),
                     help=f"compute dtypes measured, each a case of its own (default: {' '.join(DECODE_DTYPES)}: the dtypes the model "
                     "path runs on a CPU today)")
+    bd.add_argument("--weight-dtype", dest="weight_dtypes", choices=WEIGHT_DTYPE_CHOICES, nargs="+", default=["float32"],
+                    help="storage dtypes of the float32 model's matrices measured, each a case of its own, compute, states and logits "
+                    "staying float32; a 16-bit one also reports its greedy agreement and logit difference against float32 "
+                    "(default float32; docs/guides/cpu-decode.md)")
     bd.add_argument("--batch", dest="batches", metavar="B", type=_int_in(1, MAX_DECODE_BATCH), nargs="+", default=[1, 8],
                     help=f"running requests of each case, each at most {MAX_DECODE_BATCH} (default 1 8)")
     bd.add_argument("--threads", dest="thread_counts", metavar="T", type=_int_in(1, MAX_THREADS), nargs="+", default=[1, 2],

@@ -107,7 +107,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from compiler.offline.budget import SIZED_OPTIONS, memory_budget, resident_memory
     from compiler.offline.load import tokenize_workload, tokenized_overflow
     from compiler.offline.memory import fit_serving, memory_estimate, weight_bytes
-    from compiler.offline.models import Served, check_same_vocabulary, draft_config, load_draft, load_served
+    from compiler.offline.models import Served, check_same_vocabulary, draft_config, load_draft, load_served, on_device
+    from compiler.workload import ServeError
 
     # every check before anything runs: options, output paths, models, memory, workload
     if args.draft is not None and args.k == 0:
@@ -130,6 +131,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--k {k} with a Hugging Face --model needs --draft DIR (a smaller model with the same vocabulary)")
     if target.hf and args.compare_mutable:
         raise UsageError("--compare-mutable serves the bundled byte-level models only (the baseline has no tokenizer)")
+    if args.weight_dtype != "float32":  # 16-bit matrices beside float32 compute, in this process (HybridModel.with_weight_dtype)
+        for option, on in (("--dtype " + args.dtype, args.dtype != "float32"), (f"--k {k}", k > 0), ("--tp", args.tp is not None and args.tp > 1),
+                           ("--dp", args.dp > 1), ("--overlap", args.overlap), ("--model-impl transformers", transformers_impl),
+                           ("--compare-mutable", args.compare_mutable), (f"--device {args.device}", args.device != "cpu")):
+            if on:
+                raise UsageError(f"--weight-dtype {args.weight_dtype} with {option}: 16-bit weights serve beside float32 compute at k = 0, "
+                                 "on the CPU, in this process only so far")
+        target = attrs.evolve(target, model=target.model.with_weight_dtype(getattr(torch, args.weight_dtype)))
     drafted = None if k == 0 else load_draft(args.draft, target=target, dtype=dtype)
     if isinstance(drafted, Served):
         check_same_vocabulary(target, drafted)
@@ -205,8 +214,16 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     cfg = fit_serving(target.model.config, draft_shape, cfg, sized=[n for n in SIZED_OPTIONS if n not in sizes], compare_mutable=args.compare_mutable,
                       names=(target.name, drafted.name if drafted is not None else "draft"),
                       vocab=tokenizer.vocab_size if tokenizer is not None else None, budget=budget, weights=weights)
-    if args.device != "cpu":
-        raise UsageError(f"--device {args.device}: batchc run serves on the CPU only so far (the engine's CUDA path is not built)")
+    if args.device != "cpu":  # the engine serves on the device: one process, its models moved there once
+        for option, on in (("--tp", world > 1), ("--dp", args.dp > 1), ("--overlap", args.overlap),
+                           ("--model-impl transformers", transformers_impl), ("--compare-mutable", args.compare_mutable)):
+            if on:
+                raise UsageError(f"--device {args.device} with {option}: on a CUDA device the engine serves in this process only so far")
+        try:
+            placed_target, draft = on_device(target.model, draft, args.device)
+        except ServeError as exc:
+            raise UsageError(str(exc)) from None
+        target = attrs.evolve(target, model=placed_target)
     estimate = sum(memory_estimate(target.model.config, draft_shape, cfg, compare_mutable=args.compare_mutable, weights=weights).values())
     said = _sizes_line(cfg, sizes, estimate, budget.describe())  # (printed once the output files are claimed)
     impl = None

@@ -54,7 +54,8 @@ def _print_ab(args: argparse.Namespace, noise: float, result: AbReport, console:
 
 
 def cmd_ab(args: argparse.Namespace, console: Console) -> int:
-    from compiler.tools.ab import DRAFT_NOISE, ab_problem, run_ab
+    from compiler.tools.ab import DRAFT_NOISE, ab_models, ab_problem, run_ab
+    from compiler.workload import ServeError
 
     if args.draft == "mtp" and args.draft_noise is not None:
         raise UsageError(f"--draft-noise {args.draft_noise} with --draft mtp: the draft head is a trained model, not a noisy copy")
@@ -62,11 +63,17 @@ def cmd_ab(args: argparse.Namespace, console: Console) -> int:
     problem = ab_problem(k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens, max_running=args.max_running, seed=args.seed)
     if problem is not None:
         raise UsageError(problem)
+    if args.json is not None:
+        check_output("--json", args.json)
+    try:  # (placed before the output is claimed: a device they cannot go to starts nothing)
+        models = ab_models(draft_kind=args.draft, draft_noise=noise, seed=args.seed, device=args.device)
+    except ServeError as exc:
+        raise UsageError(str(exc)) from None
     with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run; written at its end
         with console.status("running plain greedy, compiled, mutable baseline (pre-fix and fixed), and the guarded baseline"):
             result = run_ab(
                 k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens, max_running=args.max_running,
-                draft_noise=noise, seed=args.seed, draft_kind=args.draft,
+                draft_noise=noise, seed=args.seed, draft_kind=args.draft, models=models,
             )
         _print_ab(args, noise, result, console)
         output.write(json.dumps(result.to_json(), indent=2))
@@ -115,8 +122,9 @@ def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
     from backend.hybrid.checkpoint import HEAD_FILE, bundled_path, default_draft
     from backend.hybrid.head import HeadModel, load_head
     from backend.hybrid.model import HybridModel
-    from compiler.offline.models import Served, check_same_vocabulary, load_draft, load_served
+    from compiler.offline.models import Served, check_same_vocabulary, load_draft, load_served, on_device
     from compiler.tools.bench_iteration import run_iteration_bench
+    from compiler.workload import ServeError
 
     if args.model is not None and args.draft is None:
         raise UsageError(f"--model {args.model}: give --draft (a head file from batchc train-draft, or a draft model with its vocabulary); "
@@ -134,6 +142,13 @@ def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
         if isinstance(drafted, Served):
             check_same_vocabulary(served, drafted)
         draft, head = (drafted.model, None) if isinstance(drafted, Served) else (None, drafted.head)
+    try:  # every model on the device, once (the head bound again to the moved target)
+        target, placed = on_device(target, draft, args.device)
+        _, bound = on_device(target, head, args.device)
+    except ServeError as exc:
+        raise UsageError(str(exc)) from None
+    assert (placed is None or isinstance(placed, HybridModel)) and (bound is None or isinstance(bound, HeadModel))  # (as given)
+    draft, head = placed, bound
     with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run
         with console.status("timing the phases of a speculative iteration"):
             report = run_iteration_bench(target, draft, rows=args.rows, k=args.k, repeats=args.repeats, head=head, context=args.context)
@@ -185,17 +200,27 @@ def _bench_sampler(args: argparse.Namespace, console: Console) -> int:
 
 def _bench_decode(args: argparse.Namespace, console: Console) -> int:
     from compiler.offline.models import load_served
-    from compiler.tools.bench_decode import DTYPES, SPLIT_PARTS, run_decode_bench
+    from compiler.tools.bench_decode import AGREEMENT_PROMPTS, DTYPES, SPLIT_PARTS, WEIGHT_DTYPES, case_label, run_decode_bench
 
     if args.json is not None:
         check_output("--json", args.json)
     dtypes = list(dict.fromkeys(args.dtypes))
+    weight_dtypes = list(dict.fromkeys(args.weight_dtypes))
+    if any(w != "float32" for w in weight_dtypes) and dtypes != ["float32"]:
+        raise UsageError(f"--weight-dtype {' '.join(weight_dtypes)}: 16-bit weights are stored beside float32 compute: give --dtype float32 only")
     served = {d: load_served(args.model, role="model", dtype=DTYPES[d], bundled="target") for d in dtypes}
     name = next(iter(served.values())).name
+    models, references = {}, {}
+    for d, s in served.items():
+        for w in weight_dtypes:
+            label = case_label(d, w)
+            models[label] = s.model.with_weight_dtype(WEIGHT_DTYPES[w])
+            if label != d:
+                references[label] = s.model
     with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run
         with console.status("warming up") as status:
             report = run_decode_bench(
-                {d: s.model for d, s in served.items()}, name=name, batches=list(dict.fromkeys(args.batches)),
+                models, name=name, batches=list(dict.fromkeys(args.batches)), references=references,
                 threads=list(dict.fromkeys(args.thread_counts)), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                 repeats=args.repeats, min_seconds=float(args.min_seconds), split=args.split, copy_bytes=args.copy_mib << 20,
                 progress=status.update,
@@ -223,6 +248,16 @@ def _bench_decode(args: argparse.Namespace, console: Console) -> int:
             parts.add_row("decode step (mean)", *(f"{r.split_step_ms:.3f}" for r in split if r.split_step_ms is not None))
             parts.add_row("of which the clock, estimated", *(f"{r.clock_ms_per_step:.3f}" for r in split if r.clock_ms_per_step is not None))
             console.print(parts)
+        if report.agreement:
+            agree = Table(title=f"16-bit weights against float32: {AGREEMENT_PROMPTS} prompts of {report.prompt_len} tokens, "
+                          f"{report.new_tokens} greedy tokens each")
+            for h in ("dtype", "greedy match", "first divergence", "top-1 fed float32's tokens", "max |logit diff|",
+                      "mean |logit diff|", "logit std", "product"):
+                agree.add_column(h, justify="right")
+            for label, a in report.agreement.items():
+                agree.add_row(label, f"{a.greedy_match:.1%}", " ".join("-" if i is None else str(i) for i in a.first_divergence),
+                              f"{a.forced_top1:.1%}", f"{a.logit_max_abs_diff:.4f}", f"{a.logit_mean_abs_diff:.5f}", f"{a.logit_std:.3f}", a.kernel)
+            console.print(agree)
         if not all(r.tokens_stable for r in report.results):
             console.print("some case's rounds produced different tokens (tokens_stable false in --json)", highlight=False)
         output.write(json.dumps(report.to_json(), indent=2))
@@ -233,12 +268,14 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     from backend.hybrid.checkpoint import default_draft
+    from backend.hybrid.head import HeadModel
+    from backend.hybrid.model import HybridModel
     from compiler.engine import prefill_first
     from compiler.offline import ServeConfig, WorkloadError, check_serving
     from compiler.offline.budget import memory_budget, resident_memory
     from compiler.offline.load import tokenized_overflow
     from compiler.offline.memory import weight_bytes
-    from compiler.offline.models import Served, ServedHead, draft_config, load_served
+    from compiler.offline.models import Served, ServedHead, draft_config, load_served, on_device
     from compiler.tools.bench_serve import ENGINES, KS, Tokens, builtin_cases, run_serve_bench, sweep_cases
     from compiler.workload import (
         ARRIVALS,
@@ -278,7 +315,11 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     sizes = tuple(dict.fromkeys(args.sweep or SWEEP_RUNNING)) if sweep else ()
     arrivals = tuple(dict.fromkeys(args.arrivals or ARRIVALS))
     ks = tuple(dict.fromkeys(args.ks)) if args.ks else KS
-    budget = memory_budget("cpu", args.memory_fraction)  # (before the models are loaded: the estimate counts them)
+    if args.device != "cpu":  # every engine in this process, its models moved there once
+        for option, on in (("--tp", args.tp is not None), ("--overlap", args.overlap)):
+            if on:
+                raise UsageError(f"--device {args.device} with {option}: on a CUDA device the bench serves in this process only so far")
+    budget = memory_budget(args.device, args.memory_fraction)  # (before the models are loaded: the estimate counts them)
     resident = resident_memory()
     served = load_served(args.model, role="target", dtype=torch.float32, bundled="target")
     if args.drafts is None and served.name != "bundled target" and max(ks) > 0:
@@ -325,8 +366,19 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                       compare_mutable=case.baselines, names=(served.name, names[case.draft]),
                       vocab=tokens.tokenizer.vocab_size if tokens is not None else None, budget=budget, weights=weights)
     from compiler.offline import distributed
+    from compiler.workload import ServeError
 
     rank, world, launched = distributed.placement(args.tp)
+    if args.device != "cpu":
+        if world > 1:
+            raise UsageError(f"--device {args.device} under a launcher of {world} ranks: on a CUDA device the bench serves in this process only so far")
+        try:  # (the head bound again to the moved target)
+            target, on_draft = on_device(target, draft, args.device)
+            _, on_head = on_device(target, head, args.device)
+        except ServeError as exc:
+            raise UsageError(str(exc)) from None
+        assert (on_draft is None or isinstance(on_draft, HybridModel)) and (on_head is None or isinstance(on_head, HeadModel))  # (as given)
+        draft, head = on_draft, on_head
     if world > 1 or args.tp is not None:
         if head is not None:
             raise UsageError(f"--draft {_head_given(args.drafts)} with --tp: a draft head under tensor parallelism is not built yet")

@@ -22,7 +22,7 @@ from ir.ids import RequestId
 
 __all__ = [
     "MTP_DRAFT", "DraftModel", "Served", "ServedHead", "check_same_vocabulary", "draft_config", "draft_kind", "draft_path", "finish_reason",
-    "load_draft", "load_served", "output_lines",
+    "load_draft", "load_served", "on_device", "output_lines",
 ]
 
 
@@ -85,6 +85,26 @@ def draft_path(given: str | None, *, target: Served) -> str | None:
     from backend.hybrid.checkpoint import HEAD_FILE, bundled_path
 
     return str(bundled_path(HEAD_FILE))
+
+
+def on_device(target: HybridModel, draft: DraftModel | None, device: str | torch.device) -> tuple[HybridModel, DraftModel | None]:
+    """``target`` and ``draft`` with their weights on ``device`` (``cpu``, ``cuda`` or ``cuda:N``),
+    each tensor moved once: a draft head is bound again to the moved target (it shares the target's
+    embedding, final norm and LM head), a separate draft model is moved on its own. Models already
+    there are returned as they are. The engine built on them then keeps its pools, KV caches, token
+    tables, staged plans and sampler on that device. ``ServeError`` in one line when the models
+    cannot be placed there (no such device, or this torch was built without it)."""
+    try:
+        moved = target.to(device)
+        placed: DraftModel | None
+        if isinstance(draft, HeadModel):
+            placed = draft if draft.target is moved else HeadModel(draft.config, draft.weights, moved)
+        else:
+            placed = draft.to(device) if draft is not None else None
+    except (RuntimeError, AssertionError) as exc:  # (torch's: a CPU-only build, a device past the count, out of memory)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ServeError(f"--device {device}: the models cannot be placed there ({first})") from None
+    return moved, placed
 
 
 def draft_config(draft: DraftModel) -> HybridConfig:

@@ -115,7 +115,7 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
     from compiler.offline import distributed
     from compiler.offline.budget import MemoryBudget, gib, memory_budget, resident_memory
     from compiler.offline.memory import fit_serving, memory_estimate, weight_bytes
-    from compiler.offline.models import Served, draft_config
+    from compiler.offline.models import Served, draft_config, on_device
     from compiler.offline.run import make_engine
     from compiler.workload import DEFAULT_CONTEXT, MAX_CONTEXT, ServeError
 
@@ -142,8 +142,12 @@ def build(launch: Launch) -> tuple[Engine, Ready, ServeConfig, TPLeader | None]:
     draft_shape = draft_config(draft_model) if draft_model is not None else None
     cfg = fit_serving(target.model.config, draft_shape, cfg, sized=launch.sized, names=(target.name, drafted.name if drafted is not None else "draft"),
                       vocab=tokenizer.vocab_size if tokenizer is not None else None, budget=budget, weights=weights)
-    if launch.device != "cpu":
-        raise ServeError(f"--device {launch.device}: batchc serve serves on the CPU only so far (the engine's CUDA path is not built)")
+    if launch.device != "cpu":  # the engine serves on the device, its models moved there once
+        for option, on in (("--tp", launch.tp > 1), ("--overlap", launch.overlap)):
+            if on:
+                raise ServeError(f"--device {launch.device} with {option}: on a CUDA device the engine serves in its own process only so far")
+        placed, draft_model = on_device(target.model, draft_model, launch.device)
+        target = attrs.evolve(target, model=placed)
     estimate = sum(memory_estimate(target.model.config, draft_shape, cfg, weights=weights).values())
     sizes = (f"max-running {cfg.max_running}, token-budget {cfg.token_budget}, cache-entries {cfg.cache_entries}"
              f"{' (lowered to fit)' if any(attrs.asdict(cfg)[n] != attrs.asdict(launch)[n] for n in launch.sized) else ''}; "

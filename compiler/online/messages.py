@@ -76,7 +76,7 @@ class Launch:
     """The options of ``SIZED_OPTIONS`` (``compiler.offline.budget``) the user did not give: their
     values here are the defaults, lowered to fit the memory budget if need be (``fit_serving``)."""
     device: str = "cpu"
-    """Whose memory sizes the engine (``--device``; the engine serves on the CPU only so far)."""
+    """Where the engine serves and whose memory sizes it (``--device``: ``cpu``, ``cuda`` or ``cuda:N``)."""
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     """The share of the memory available that the engine may use (``--memory-fraction``)."""
     memory_available: int | None = None

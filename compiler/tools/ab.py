@@ -23,6 +23,7 @@ import random
 import time
 
 import attrs
+import torch
 
 from backend.hybrid.config import tiny
 from backend.hybrid.head import HeadModel
@@ -31,6 +32,7 @@ from backend.hybrid.weights import perturb
 from backend.ledger import Ledger
 from compiler.baselines.spec import MutableSpecEngine
 from compiler.engine import Engine, ServingEngine
+from compiler.offline.models import on_device
 from compiler.workload import SNIPPETS, SYSTEM_PREFIXES
 from ir.errors import ResourceReplayError
 from ir.ids import DRAFT_POOL, TARGET_POOL, RequestId
@@ -138,10 +140,11 @@ class AbReport:
         return attrs.asdict(self)
 
 
-def run_ab(
-    *, k: int = 2, requests: int = 12, max_new_tokens: int = 24, max_running: int = 4, draft_noise: float = DRAFT_NOISE, seed: int = 0,
-    draft_kind: str = "model",
-) -> AbReport:
+def ab_models(*, draft_kind: str = "model", draft_noise: float = DRAFT_NOISE, seed: int = 0,
+              device: str | torch.device = "cpu") -> tuple[HybridModel, HybridModel | HeadModel]:
+    """The target and the draft ``run_ab`` serves with (``draft_kind``: ``"model"``, a tiny target
+    and a noisy copy of it; ``"mtp"``, the bundled target and its draft head), on ``device``
+    (``compiler.offline.models.on_device``: ``ServeError`` in one line when they cannot go there)."""
     draft: HybridModel | HeadModel
     if draft_kind == "mtp":
         from backend.hybrid.checkpoint import HEAD_FILE, bundled_path, default_target
@@ -154,6 +157,19 @@ def run_ab(
         draft = HybridModel(target.config, perturb(target.weights, draft_noise, seed=seed + 1))
     else:
         raise ValueError(f"draft_kind must be 'model' or 'mtp', got {draft_kind!r}")
+    placed, moved = on_device(target, draft, device)
+    assert moved is not None  # (a draft was given)
+    return placed, moved
+
+
+def run_ab(
+    *, k: int = 2, requests: int = 12, max_new_tokens: int = 24, max_running: int = 4, draft_noise: float = DRAFT_NOISE, seed: int = 0,
+    draft_kind: str = "model", models: tuple[HybridModel, HybridModel | HeadModel] | None = None,
+) -> AbReport:
+    """Serve the A/B workload through every run (the module's docstring) on ``models`` (default:
+    ``ab_models`` of ``draft_kind``, ``draft_noise`` and ``seed`` on the CPU; given, they must be
+    ``ab_models``' of the same arguments, placed on the device the runs use)."""
+    target, draft = models if models is not None else ab_models(draft_kind=draft_kind, draft_noise=draft_noise, seed=seed)
     prompts = ab_prompts(requests, seed)
     kw = {"max_new_tokens": max_new_tokens, "max_running": max_running}
 

@@ -22,7 +22,8 @@ verify + commit + head propose + head commit, in target decodes.
 
 Each phase is one call of the model entry point (the kernels and the model's own checks included,
 no scheduler). Timings are the minimum over interleaved repeats after a warm-up round, with the
-thread count the caller set.
+thread count the caller set. Every tensor lives on the target's device; on a CUDA device each timed
+call is bracketed by a synchronisation, so that a phase's time is the device's work, not its launch.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ class _Side:
         self.pool: MambaStatePool = model.new_pool(rows)
         self.kv: KVCache = model.new_kv_cache(rows * (context + 4 * (k + 1)) + 8)
         self.table: TokenTable = model.new_token_table(rows, context + 4 * (k + 1))
-        self.slots = torch.arange(1, rows + 1)
+        dev = self.device = model.device
+        self.slots = torch.arange(1, rows + 1, device=dev)
         gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, model.vocab, (rows * context,), generator=gen)
+        tokens = torch.randint(0, model.vocab, (rows * context,), generator=gen).to(dev)  # (drawn on the host: the same tokens on any device)
         self.hidden: torch.Tensor | None = None
         """A target's hidden states over the prompts, packed row after row (a head's extend reads them)."""
         kept: list[torch.Tensor] = []
@@ -96,8 +98,8 @@ class _Side:
             for a in range(0, context, PREFILL_CHUNK):
                 b = min(a + PREFILL_CHUNK, context)
                 at = slice(row * context + a, row * context + b)
-                slots, cu, prefix = self.slots[row : row + 1], torch.tensor([0, b - a]), torch.tensor([a])
-                ids, positions, locs = tokens[at], torch.arange(a, b), torch.arange(at.start + 1, at.stop + 1)
+                slots, cu, prefix = self.slots[row : row + 1], torch.tensor([0, b - a], device=dev), torch.tensor([a], device=dev)
+                ids, positions, locs = tokens[at], torch.arange(a, b, device=dev), torch.arange(at.start + 1, at.stop + 1, device=dev)
                 if isinstance(model, HeadModel):  # a head over the target's prompt: the target's hidden states there
                     assert target is not None and target.hidden is not None
                     model.extend(self.pool, self.kv, self.table, slots=slots, cu_seqlens=cu, prefix_lens=prefix, input_ids=ids,
@@ -113,7 +115,7 @@ class _Side:
 
     def locs(self, rows: int, width: int) -> torch.Tensor:
         """Fresh KV locations, ``[rows, width]`` (the same ones every call: the phases are repeated)."""
-        return torch.arange(self.next_loc, self.next_loc + rows * width).reshape(rows, width)
+        return torch.arange(self.next_loc, self.next_loc + rows * width, device=self.device).reshape(rows, width)
 
 
 def run_iteration_bench(
@@ -129,19 +131,20 @@ def run_iteration_bench(
         raise ValueError(f"context must be a positive int, got {context!r}")
     t = _Side(target, rows, k, context)
     h = _Side(head, rows, k, context, target=t) if head is not None else None
-    n, w = rows, k + 1
+    n, w, dev = rows, k + 1, target.device
     gen = torch.Generator().manual_seed(1)
-    window = torch.randint(0, target.config.vocab, (n, w), generator=gen)
-    pos = torch.full((n,), context, dtype=torch.int64)
-    wpos = pos[:, None] + torch.arange(w)[None, :]
-    accept = torch.arange(n) % w  # accepted drafts per row, cycling over 0..k
+    window = torch.randint(0, target.config.vocab, (n, w), generator=gen).to(dev)
+    pos = torch.full((n,), context, dtype=torch.int64, device=dev)
+    wpos = pos[:, None] + torch.arange(w, device=dev)[None, :]
+    lens = [i % w + 1 for i in range(n)]  # tokens each row's catch-up covers: accepted drafts cycling over 0..k, plus the bonus
+    accept = torch.tensor([m - 1 for m in lens], dtype=torch.int64, device=dev)
     verified = target.verify(t.pool, t.kv, t.table, slots=t.slots, input_ids=window, positions=wpos, kv_locs=t.locs(n, w))
     verify_states = verified.states
     ext_lens = accept + 1
-    ext_ids = torch.cat([window[i, : int(ext_lens[i])] for i in range(n)])
-    ext_pos = torch.cat([torch.arange(context, context + int(ext_lens[i])) for i in range(n)])
-    ext_locs = torch.cat([t.locs(n, w)[i, : int(ext_lens[i])] for i in range(n)])  # (every side's locations are laid out alike)
-    ext_cu = torch.cat((torch.zeros(1, dtype=torch.int64), ext_lens.cumsum(0)))
+    ext_ids = torch.cat([window[i, : lens[i]] for i in range(n)])
+    ext_pos = torch.cat([torch.arange(context, context + lens[i], device=dev) for i in range(n)])
+    ext_locs = torch.cat([t.locs(n, w)[i, : lens[i]] for i in range(n)])  # (every side's locations are laid out alike)
+    ext_cu = torch.cat((torch.zeros(1, dtype=torch.int64, device=dev), ext_lens.cumsum(0)))
     decode_locs = t.locs(n, 1)[:, 0].contiguous()
 
     # The pools are scratch: a phase may leave a row advanced, which changes no phase's cost.
@@ -178,14 +181,17 @@ def run_iteration_bench(
             kv_locs=ext_locs, hidden=head_hidden,
         )
     best = dict.fromkeys(phases, float("inf"))
+    sync: Callable[[], None] = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     with torch.inference_mode():
         for fn in phases.values():  # warm-up
             fn()
         for r in range(repeats):
             order = list(phases) if r % 2 == 0 else list(reversed(phases))
             for name in order:
+                sync()  # (nothing queued before the clock starts; the phase's own work done before it stops)
                 t0 = time.perf_counter()
                 phases[name]()
+                sync()
                 best[name] = min(best[name], time.perf_counter() - t0)
     unit = best["decode"]
     times = tuple(PhaseTime(phase=name, seconds=s, decodes=s / unit) for name, s in best.items())

@@ -231,6 +231,18 @@ def _bench_decode_table(d: dict[str, Any]) -> str:
             "(`backend.parts`); its entries add up to the mean step." if timed else
             "\n\nThe split is the mean over one more round's decode steps, after the timed ones, with the parts' clock on "
             "(`backend.parts`; the bench then measured it so); its entries add up to that round's mean step.")
+    agreement = d.get("agreement") or {}
+    if agreement:
+        header = ["weights", "greedy match", "first divergence per prompt", "top-1 fed float32's tokens", "max abs logit diff",
+                  "mean abs logit diff", "float32 logit std", "product"]
+        body = [[label, f"{a['greedy_match']:.1%}", " ".join("none" if i is None else str(i) for i in a["first_divergence"]),
+                 f"{a['forced_top1']:.1%}", _f(a["logit_max_abs_diff"], 4), _f(a["logit_mean_abs_diff"], 5), _f(a["logit_std"], 3),
+                 f"`{a['kernel']}`"] for label, a in agreement.items()]
+        first = next(iter(agreement.values()))
+        text += "\n\n" + _table(header, body) + (
+            f"\n\n16-bit weights against float32, each through its own prefill and decode, on {first['prompts']} prompts of "
+            f"{d['prompt_len']} tokens and {first['new_tokens']} greedy tokens each: the share of float32's greedy tokens the "
+            "16-bit model repeats, and, fed float32's tokens, its argmax agreement and logit difference.")
     return text
 
 
@@ -239,8 +251,39 @@ RENDERERS: dict[str, Callable[[Any], str]] = {
 }
 
 
+def _gpu_check(record: dict[str, Any]) -> str:
+    """``scripts/gpu-check``'s file (``compiler.tools.gpu_check``): its sections, kernels, engine rows and host time."""
+    p = _need(record, "provenance", "gpu-check")
+    sections = _need(record, "sections", "gpu-check")
+    parts = [_table(("section", "status", "s", "error"), [(n, s["status"], _f(s["seconds"], 1), s["error"] or "") for n, s in sections.items()])]
+    kernels = (sections.get("kernels") or {}).get("data")
+    if kernels:
+        parts.append(f"Copy bandwidth {_f(kernels['copy']['gb_s'], 1)} GB/s; state row {kernels['state_row_bytes']} bytes ({kernels['shape']}).")
+        parts.append(_table(("kernel", "size", "path", "GB/s", "of copy", "torch GB/s", "torch of copy"), [
+            (r["kernel"], r["size"], r["path"], _f(r["gb_s"], 1), _f(r["share_of_copy"]), _f(r["torch_gb_s"], 1), _f(r["torch_share_of_copy"]))
+            for r in kernels["rows"]]))
+    engine = (sections.get("engine") or {}).get("data")
+    if engine:
+        parts.append(_table(("batch", "k", "engine", "tok/s", "vs fixed", "vs k=0", "accept", "it/dec", "TTFT ms", "TPOT ms"), [
+            (str(r["max_running"]), str(r["k"]), r["engine"], _f(r["tokens_per_s"], 0), _x(r["tokens_per_s_vs_mutable_fixed"]), _x(r["tokens_per_s_vs_k0"]),
+             _f(r["acceptance"], 3), _f(r["iteration_decodes"]), _f(r["ttft_ms_p50"], 1), _f(r["tpot_ms_p50"], 1)) for r in engine["rows"]]))
+    host = (sections.get("host_time") or {}).get("data")
+    if host:
+        parts.append(_table(("decode k=0", "wall ms/step", "busy ms/step", "exposed host ms", "share", "readbacks/step"), [
+            (b, _f(h["wall_ms_per_step"]), _f(h["busy_ms_per_step"]), _f(h["exposed_host_ms_per_step"]), _f(h["exposed_share"], 3),
+             str(h["readbacks_per_step"])) for b, h in host.items()]))
+    parts.append(f"{p['label']}. Measured {p['date']} on commit `{str(p['commit'])[:12]}`{' plus uncommitted changes' if p['dirty'] else ''}; "
+                 f"{p['device_name']}; torch {p['torch']}, Triton {p['triton']}; `{p['command']}`.")
+    return "\n\n".join(parts) + "\n"
+
+
 def render_record(record: dict[str, Any]) -> str:
-    """The table (built from ``data``) and its provenance sentence."""
+    """The table (built from ``data``) and its provenance sentence (a ``scripts/gpu-check`` file: its tables)."""
+    if record.get("schema") == "batchc.gpu-check/1":
+        try:
+            return _gpu_check(record)
+        except (KeyError, TypeError) as exc:
+            raise MeasurementError(f"gpu-check output without the fields its tables need ({exc})") from None
     p = _need(record, "provenance", "measurement")
     kind = kind_of(str(_need(p, "command", "provenance")).split()[1:])
     try:

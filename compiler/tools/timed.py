@@ -129,6 +129,8 @@ class _Taped:
                 tape.record(_call(name, kwargs), out)
             return out
         finally:
+            if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # (torch leaves it unannotated) a CUDA forward is queued, not done: wait for it
+                torch.cuda.synchronize()
             self.seconds += time.perf_counter() - t0
 
 
@@ -252,6 +254,8 @@ def _timed_call(fn: Callable[..., Any], clock: SamplerClock) -> Callable[..., An
         try:
             return fn(*args, **kwargs)
         finally:
+            if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # (torch leaves it unannotated) the sampler's kernels are queued, not done
+                torch.cuda.synchronize()
             clock.seconds += time.perf_counter() - t0
 
     return call

@@ -141,10 +141,10 @@ def test_a_run_on_a_cuda_device_is_sized_by_its_memory_then_refused(monkeypatch:
     # the device's memory sizes the run: too little of it is the memory refusal, naming the device
     _cuda(monkeypatch, 64 << 20)
     _refused(["run", "--device", "cuda:1"], capsys, "the models alone need about ", "of the 64 MiB available on cuda:1)")
-    # enough: the engine's CUDA path is not built, and the run says so instead of serving on the CPU
+    # enough: the run places its models on the device; this torch has no CUDA (the device above is faked), and the run says so
+    # in one line instead of serving on the CPU
     _cuda(monkeypatch, 8 << 30)
-    _refused(["run", "--device", "cuda:1"], capsys,
-             "batchc: error: --device cuda:1: batchc run serves on the CPU only so far (the engine's CUDA path is not built)")
+    _refused(["run", "--device", "cuda:1"], capsys, "batchc: error: --device cuda:1: the models cannot be placed there (")
 
 
 def _launch(**changes: object) -> Launch:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -37,8 +38,6 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["READBACK_OPS", "HostReadbacks", "cpu_branch", "host_values", "staged"]
 
-_ATTR: Final = "_batchc_host_values"
-
 READBACK_OPS: Final = frozenset({
     "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "__array__", "__format__",
     "equal", "allclose", "is_nonzero", "nonzero", "masked_select", "unique",
@@ -47,20 +46,33 @@ READBACK_OPS: Final = frozenset({
 (``HostReadbacks`` counts their calls)."""
 
 
+_known: dict[int, tuple[weakref.ref[torch.Tensor], npt.NDArray[np.int64]]] = {}
+"""The host values of each ``staged`` tensor object, by its id, with a weak reference to it (the
+entry goes when the tensor does; a lookup checks the reference, so a new object that reuses an id
+is never taken for the old one)."""
+
+
 def staged(t: torch.Tensor, values: npt.NDArray[np.int64]) -> torch.Tensor:
     """``t``, marked as holding ``values`` (the host array it was staged from, same shape); returns ``t``."""
     if tuple(values.shape) != tuple(t.shape):
         raise ValueError(f"staged: host values of shape {tuple(values.shape)} for a tensor of shape {tuple(t.shape)}")
-    setattr(t, _ATTR, values)  # (a plain attribute of this tensor object: a view or a result does not inherit it)
+    key = id(t)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _known.get(key)
+        if entry is not None and entry[0] is ref:
+            del _known[key]
+
+    _known[key] = (weakref.ref(t, forget), values)  # (this tensor object only: a view or a result is not marked)
     return t
 
 
 def host_values(t: torch.Tensor) -> npt.NDArray[np.int64]:
     """The int64 values of the integer tensor ``t`` on the host: those it was ``staged`` with, or
     else read back from it (one readback, a host synchronisation on a device)."""
-    known = getattr(t, _ATTR, None)
-    if isinstance(known, np.ndarray):
-        return known
+    entry = _known.get(id(t))
+    if entry is not None and entry[0]() is t:
+        return entry[1]
     return np.asarray(t.numpy(force=True), dtype=np.int64)  # (one readback: a copy to the host where needed)
 
 
@@ -82,7 +94,11 @@ def cpu_branch(t: torch.Tensor) -> np.ndarray:
 
 
 def _op_name(func: Callable[..., Any]) -> str:
-    return getattr(func, "__name__", "")
+    try:
+        name: str = func.__name__
+    except AttributeError:  # (a callable without a name is no readback of ours)
+        return ""
+    return name
 
 
 def _tensors(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:

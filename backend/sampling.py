@@ -219,9 +219,14 @@ class RowParams:
     def _on_host(self, name: str) -> np.ndarray:
         """Column ``name`` on the host: ``host``'s, else read back from the tensor."""
         if self.host is not None:
-            values: np.ndarray = getattr(self.host, name)
+            values: np.ndarray = attrs.asdict(self.host, recurse=False)[name]
             return values
-        return np.asarray(getattr(self, name).numpy(force=True))
+        return np.asarray(self._columns()[name].numpy(force=True))
+
+    def _columns(self) -> dict[str, torch.Tensor]:
+        """The column tensors by name (``_COLUMNS``), without ``host``."""
+        fields = attrs.asdict(self, recurse=False)
+        return {name: fields[name] for name in _COLUMNS}
 
     @functools.cached_property
     def greedy(self) -> torch.Tensor:
@@ -252,7 +257,7 @@ class RowParams:
 
     def repeat(self, times: int) -> RowParams:
         """Each row ``times`` times in a row (the ``k + 1`` window positions of a verify)."""
-        cols = {name: getattr(self, name).repeat_interleave(times) for name in _COLUMNS}
+        cols = {name: t.repeat_interleave(times) for name, t in self._columns().items()}
         return RowParams(**cols, host=None if self.host is None else self.host.repeat(times))
 
 

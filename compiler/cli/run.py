@@ -138,7 +138,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             if on:
                 raise UsageError(f"--weight-dtype {args.weight_dtype} with {option}: 16-bit weights serve beside float32 compute at k = 0, "
                                  "on the CPU, in this process only so far")
-        target = attrs.evolve(target, model=target.model.with_weight_dtype(getattr(torch, args.weight_dtype)))
+        from backend.kernels.lowp import LOWP_DTYPES
+
+        target = attrs.evolve(target, model=target.model.with_weight_dtype(LOWP_DTYPES[args.weight_dtype]))
     drafted = None if k == 0 else load_draft(args.draft, target=target, dtype=dtype)
     if isinstance(drafted, Served):
         check_same_vocabulary(target, drafted)

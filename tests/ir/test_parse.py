@@ -54,9 +54,9 @@ def test_exact_dump_round_trips(kind: str) -> None:
 
 # -- goldens -----------------------------------------------------------------------------------------
 
-_CONTEXTS = re.compile(r"^(DecodeContext|SpecContext|LowerContext|Proposals|HiddenStates|tokens|rids|keep_hidden) ")
+_CONTEXTS = re.compile(r"^(DecodeContext|SpecContext|LowerContext|Proposals|HiddenStates|Verified|tokens|rids|keep_hidden) ")
 """Pass arguments that are not batches or plans (``passes``' contexts, a draft executor's
-``Proposals``, a target's ``HiddenStates``, token and rid lists, a keyword argument): the golden
+``Proposals``, a target's ``HiddenStates`` or ``Verified`` tokens, token and rid lists, a keyword argument): the golden
 shows them in its own form, which ``ir.parse`` does not read."""
 
 

@@ -57,11 +57,11 @@ def _fail_third_ticketed_check(message: str) -> None:
     check = backend.executor.check_fresh_rows
     calls = [0]
 
-    def failing(plan: Any, ext: Any, tickets: Any) -> None:
+    def failing(plan: Any, ext: Any, tickets: Any, *rest: Any) -> None:
         calls[0] += bool(tickets)
         if tickets and calls[0] == 3:
             raise RuntimeError(message)
-        check(plan, ext, tickets)
+        check(plan, ext, tickets, *rest)
 
     backend.executor.check_fresh_rows = failing  # (the name the executor calls, imported from backend.state_store)
 

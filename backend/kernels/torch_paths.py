@@ -277,12 +277,24 @@ def selective_state_update(
     return _spread(_advance_in_blocks(state, slots, terms), rows, x.shape[0], x.dtype)
 
 
-def _slot_span(slots: torch.Tensor) -> slice | None:
-    """``slots`` as the slice of pool rows they name when they are consecutive and ascending (a fresh
-    batch's usual slots), else ``None``."""
+def _slot_runs(slots: torch.Tensor) -> list[tuple[slice, slice | torch.Tensor]] | None:
+    """``slots`` as runs of consecutive pool rows: per run, the slice of pool rows and the batch rows
+    that hold them (a slice when they are in order, else their indices), covering every row once;
+    ``None`` when a slot is named twice (the rows then go through a working copy)."""
     listed = host_values(slots).tolist()  # (the host's values: no readback per layer)
-    first = listed[0]
-    return slice(first, first + len(listed)) if listed == list(range(first, first + len(listed))) else None
+    if len(set(listed)) != len(listed):
+        return None
+    order = sorted(range(len(listed)), key=listed.__getitem__)
+    runs: list[tuple[slice, slice | torch.Tensor]] = []
+    start = 0
+    for j in range(1, len(order) + 1):
+        if j == len(order) or listed[order[j]] != listed[order[j - 1]] + 1:
+            rows = order[start:j]
+            at: slice | torch.Tensor = (slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1))
+                                        else torch.tensor(rows, dtype=torch.int64, device=slots.device))
+            runs.append((slice(listed[rows[0]], listed[rows[-1]] + 1), at))
+            start = j
+    return runs
 
 
 def _advance_in_blocks(state: torch.Tensor, slots: torch.Tensor, terms: _SsmTerms) -> torch.Tensor:
@@ -291,28 +303,34 @@ def _advance_in_blocks(state: torch.Tensor, slots: torch.Tensor, terms: _SsmTerm
 
     The rows' states are advanced a block of heads at a time (``STATE_BLOCK_BYTES``), each block read
     from the pool, advanced and written back while it is in the CPU's caches, so the pool's state
-    memory is read once and written once per step. A float32 pool whose slots are consecutive is
-    advanced in place, through a view of its rows; any other is gathered a block at a time into a
-    working copy and scattered back. Every element gets the same ops, in the same order and dtype,
+    memory is read once and written once per step. A float32 pool is advanced in place, each run of
+    consecutive slots through a view of its rows (in whatever order the batch names them); another
+    dtype, or a slot named twice, is gathered a block at a time into a working copy and scattered
+    back. Every element gets the same ops, in the same order and dtype,
     as ``step`` gives it (products and sums are exact in any layout, and the ``d_state`` reduction
     runs over a contiguous last axis either way), so the bits are ``step``'s."""
     live, heads, head_dim, d_state = slots.shape[0], *state.shape[1:]
     per_head = live * head_dim * d_state * 4
     block = max(1, min(heads, STATE_BLOCK_BYTES // per_head))
-    span = _slot_span(slots) if state.dtype == torch.float32 else None
+    runs = _slot_runs(slots) if state.dtype == torch.float32 else None
     y = torch.empty((live, heads, head_dim), dtype=torch.float32, device=state.device)
     for h0 in range(0, heads, block):
         h = slice(h0, min(heads, h0 + block))
-        if span is not None:
-            s = state[span, h]  # the pool's rows themselves
-        else:
-            with STATE:
-                s = state[slots, h].float()
+        if runs is not None:
+            for span, rows in runs:  # each run of consecutive slots advanced in place, through a view of its rows
+                s = state[span, h]
+                s.mul_(terms.decay[rows, h]).add_(terms.dt_x[rows, h] * terms.B[rows, h])
+                if isinstance(rows, slice):
+                    torch.sum(s * terms.C[rows, h], dim=-1, out=y[rows, h])
+                else:
+                    y[rows, h] = torch.sum(s * terms.C[rows, h], dim=-1)
+            continue
+        with STATE:
+            s = state[slots, h].float()
         s.mul_(terms.decay[:, h]).add_(terms.dt_x[:, h] * terms.B[:, h])
         torch.sum(s * terms.C[:, h], dim=-1, out=y[:, h])
-        if span is None:
-            with STATE:
-                state[:, h].index_copy_(0, slots, s.to(state.dtype))
+        with STATE:
+            state[:, h].index_copy_(0, slots, s.to(state.dtype))
     if terms.D_x is not None:
         y = y + terms.D_x
     if terms.gate is not None:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,18 +38,6 @@ def _mypy(*paths: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_packages_and_cases_type_check_as_written() -> None:
-    assert CLEAN
-    result = _mypy("ir", "passes", "compiler", "backend", *CASES, *CLEAN)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def _declared(path: Path) -> set[tuple[int, str]]:
-    return {
-        (n, m.group(1)) for n, line in enumerate(path.read_text().splitlines(), 1) for m in [_IGNORE.search(line)] if m
-    }
-
-
 LINEAR_MESSAGE = (
     "from backend.executor import Executor\n"
     "from ir.plan import ExtendPlan\n"
@@ -60,19 +49,56 @@ LINEAR_MESSAGE = (
 )
 """A program the plugin refuses, for the wording of its error (``linear_message.py``)."""
 
+STRIPPED = "stripped_"
+"""The prefix of a case's copy with its ignores stripped (a module name of its own beside the case)."""
+
+
+@attrs.frozen
+class MypyRun:
+    """mypy's one run over the packages, the cases as written, the clean files, and the cases with
+    their ignores stripped beside ``LINEAR_MESSAGE`` (every program loads the library's types,
+    torch's included, which is most of a run, so the suite pays for it once; the programs import
+    none of one another, so the errors in each file are the ones it gets alone)."""
+
+    as_written: list[str]
+    """Output lines about every file but the stripped copies and ``linear_message.py``."""
+    rejected: str
+    """Output lines about the stripped copies (named as the cases) and ``linear_message.py``."""
+    returncode: int
+
 
 @pytest.fixture(scope="module")
-def rejected(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """mypy's output on every case with its ignores stripped and on ``LINEAR_MESSAGE``, in one mypy
-    run (each program loads the library's types, torch's included, which is most of a run; the
-    programs import none of one another, so the errors in each file are the ones it gets alone)."""
+def mypy_run(tmp_path_factory: pytest.TempPathFactory) -> MypyRun:
     d = tmp_path_factory.mktemp("rejected")
     for case in CASES:
-        (d / case.name).write_text(_IGNORE.sub("", case.read_text()).replace("# type: ignore", ""))
+        (d / f"{STRIPPED}{case.name}").write_text(_IGNORE.sub("", case.read_text()).replace("# type: ignore", ""))
     (d / "linear_message.py").write_text(LINEAR_MESSAGE)
-    names = [c.name for c in CASES] + ["linear_message.py"]
-    assert len(set(names)) == len(names)  # (one module name each)
-    return _mypy(*(d / name for name in names)).stdout
+    names = [f"{STRIPPED}{c.name}" for c in CASES] + ["linear_message.py"]
+    assert len(set(names + [c.name for c in CASES + CLEAN])) == len(names) + len(CASES) + len(CLEAN)  # (one module name each)
+    result = _mypy("ir", "passes", "compiler", "backend", *CASES, *CLEAN, *(d / name for name in names))
+    mine = [line for line in result.stdout.splitlines() if not line.startswith(str(d))]
+    theirs = [line[len(str(d)) + 1:].replace(STRIPPED, "", 1) for line in result.stdout.splitlines() if line.startswith(str(d))]
+    return MypyRun(as_written=mine + result.stderr.splitlines(), rejected="\n".join(theirs), returncode=result.returncode)
+
+
+@pytest.fixture(scope="module")
+def rejected(mypy_run: MypyRun) -> str:
+    """mypy's output on every case with its ignores stripped and on ``LINEAR_MESSAGE`` (paths relative
+    to their folder, each stripped copy named as its case)."""
+    return mypy_run.rejected
+
+
+def test_packages_and_cases_type_check_as_written(mypy_run: MypyRun) -> None:
+    assert CLEAN
+    assert mypy_run.returncode in (0, 1), mypy_run.as_written  # (1: the stripped copies' errors; 2 and up: mypy itself failed)
+    assert mypy_run.rejected, "the stripped cases gave no error: the run did not check them"
+    assert not mypy_run.as_written, "\n".join(mypy_run.as_written)
+
+
+def _declared(path: Path) -> set[tuple[int, str]]:
+    return {
+        (n, m.group(1)) for n, line in enumerate(path.read_text().splitlines(), 1) for m in [_IGNORE.search(line)] if m
+    }
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.stem for c in CASES])

@@ -74,7 +74,8 @@ def test_typeguard_checks_every_package_with_code_batchc_s_pytest_plugin_include
 
 def test_typeguard_leaves_out_the_numeric_inner_loop_and_only_it() -> None:
     """pyproject's ``--typeguard-packages-ignore`` names the kernels, the bundled model's layers, its
-    config and the state pool (hot, tensor-typed, checked by mypy and by the kernels' own checks):
+    config, the state pool (hot, tensor-typed, checked by mypy and by the kernels' own checks) and the
+    readback counter (called for every torch call while it counts):
     the suite's import hook leaves those modules unchecked, and checks their neighbours (the
     executor, the ledger, the model hook)."""
     import typeguard
@@ -84,7 +85,7 @@ def test_typeguard_leaves_out_the_numeric_inner_loop_and_only_it() -> None:
     assert hooks, "no typeguard import hook"
     for hook in hooks:
         for module in ("backend.kernels.checks", "backend.kernels.jit.init_ops", "backend.hybrid.model", "backend.hybrid.config",
-                       "backend.pool"):
+                       "backend.pool", "backend.readback"):
             assert not hook.should_instrument(module), (module, described)
         for module in ("backend.executor", "backend.ledger", "backend.hybrid.hook", "backend.pooling", "ir.columns", "compiler.engine"):
             assert hook.should_instrument(module), (module, described)

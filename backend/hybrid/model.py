@@ -58,7 +58,7 @@ from backend.kernels.checks import require
 from backend.kernels.chunked import Capture, causal_conv1d_prefill, ssd_prefill
 from backend.kernels.commit import commit_accepted
 from backend.kernels.conv import causal_conv1d_update, causal_conv1d_verify
-from backend.kernels.lowp import lowp_linear
+from backend.kernels.lowp import f32_linear, lowp_linear
 from backend.kernels.ssm import selective_state_update, selective_state_verify_kept
 from backend.kernels.window import SsmWindow, commit_states
 from backend.parts import ATTENTION, EMBED, FORWARD, KV, LM_HEAD, MAMBA, MLP, NORMS
@@ -268,7 +268,7 @@ class HybridModel:
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         w = self.weights[name]
-        return x @ w.T if w.dtype == x.dtype else lowp_linear(x, w)
+        return f32_linear(x, w) if w.dtype == x.dtype else lowp_linear(x, w)
 
     def _reduced(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A row-parallel projection: ``_linear``, summed over the ranks of a shard."""

@@ -18,6 +18,8 @@ from compiler.cli.output import OutputFile, check_output
 from compiler.manager import PassManager
 
 if TYPE_CHECKING:  # the tools are imported by the commands that run them
+    from backend.hybrid.head import HeadModel
+    from backend.hybrid.model import HybridModel
     from compiler.offline.models import Served, ServedHead
     from compiler.tools.ab import AbReport
     from compiler.tools.bench_serve import Sampling
@@ -120,11 +122,9 @@ def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     from backend.hybrid.checkpoint import HEAD_FILE, bundled_path, default_draft
-    from backend.hybrid.head import HeadModel, load_head
-    from backend.hybrid.model import HybridModel
-    from compiler.offline.models import Served, check_same_vocabulary, load_draft, load_served, on_device
+    from backend.hybrid.head import load_head
+    from compiler.offline.models import Served, check_same_vocabulary, load_draft, load_served
     from compiler.tools.bench_iteration import run_iteration_bench
-    from compiler.workload import ServeError
 
     if args.model is not None and args.draft is None:
         raise UsageError(f"--model {args.model}: give --draft (a head file from batchc train-draft, or a draft model with its vocabulary); "
@@ -142,13 +142,7 @@ def _bench_iteration(args: argparse.Namespace, console: Console) -> int:
         if isinstance(drafted, Served):
             check_same_vocabulary(served, drafted)
         draft, head = (drafted.model, None) if isinstance(drafted, Served) else (None, drafted.head)
-    try:  # every model on the device, once (the head bound again to the moved target)
-        target, placed = on_device(target, draft, args.device)
-        _, bound = on_device(target, head, args.device)
-    except ServeError as exc:
-        raise UsageError(str(exc)) from None
-    assert (placed is None or isinstance(placed, HybridModel)) and (bound is None or isinstance(bound, HeadModel))  # (as given)
-    draft, head = placed, bound
+    target, draft, head = _placed(target, draft, head, args.device)
     with OutputFile("--json", args.json) as output:  # claimed (and refused) here, before the run
         with console.status("timing the phases of a speculative iteration"):
             report = run_iteration_bench(target, draft, rows=args.rows, k=args.k, repeats=args.repeats, head=head, context=args.context)
@@ -268,14 +262,12 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     from backend.hybrid.checkpoint import default_draft
-    from backend.hybrid.head import HeadModel
-    from backend.hybrid.model import HybridModel
     from compiler.engine import prefill_first
     from compiler.offline import ServeConfig, WorkloadError, check_serving
     from compiler.offline.budget import memory_budget, resident_memory
     from compiler.offline.load import tokenized_overflow
     from compiler.offline.memory import weight_bytes
-    from compiler.offline.models import Served, ServedHead, draft_config, load_served, on_device
+    from compiler.offline.models import Served, ServedHead, draft_config, load_served
     from compiler.tools.bench_serve import ENGINES, KS, Tokens, builtin_cases, run_serve_bench, sweep_cases
     from compiler.workload import (
         ARRIVALS,
@@ -366,19 +358,12 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
                       compare_mutable=case.baselines, names=(served.name, names[case.draft]),
                       vocab=tokens.tokenizer.vocab_size if tokens is not None else None, budget=budget, weights=weights)
     from compiler.offline import distributed
-    from compiler.workload import ServeError
 
     rank, world, launched = distributed.placement(args.tp)
     if args.device != "cpu":
         if world > 1:
             raise UsageError(f"--device {args.device} under a launcher of {world} ranks: on a CUDA device the bench serves in this process only so far")
-        try:  # (the head bound again to the moved target)
-            target, on_draft = on_device(target, draft, args.device)
-            _, on_head = on_device(target, head, args.device)
-        except ServeError as exc:
-            raise UsageError(str(exc)) from None
-        assert (on_draft is None or isinstance(on_draft, HybridModel)) and (on_head is None or isinstance(on_head, HeadModel))  # (as given)
-        draft, head = on_draft, on_head
+        target, draft, head = _placed(target, draft, head, args.device)
     if world > 1 or args.tp is not None:
         if head is not None:
             raise UsageError(f"--draft {_head_given(args.drafts)} with --tp: a draft head under tensor parallelism is not built yet")
@@ -457,6 +442,23 @@ def _bench_serve(args: argparse.Namespace, console: Console) -> int:
         )
         output.write(json.dumps([r.to_json() for r in rows], indent=2))
     return 0
+
+
+def _placed(target: HybridModel, draft: HybridModel | None, head: HeadModel | None, device: str) -> tuple[HybridModel, HybridModel | None, HeadModel | None]:
+    """The target, draft and head on ``device``, each moved once (the head bound again to the moved
+    target); a model that cannot go there is a ``UsageError`` in one line."""
+    from backend.hybrid.head import HeadModel
+    from backend.hybrid.model import HybridModel
+    from compiler.offline.models import on_device
+    from compiler.workload import ServeError
+
+    try:
+        target, placed = on_device(target, draft, device)
+        _, bound = on_device(target, head, device)
+    except ServeError as exc:
+        raise UsageError(str(exc)) from None
+    assert (placed is None or isinstance(placed, HybridModel)) and (bound is None or isinstance(bound, HeadModel))  # (as given)
+    return target, placed, bound
 
 
 def _head_given(drafts: list[str] | None) -> str:

@@ -58,7 +58,7 @@ ENGINE_TESTS = [
     "tests/test_hostile_corpus.py", "tests/test_bad_input.py", "tests/compiler/engine/test_property_lifecycle.py",
     "tests/test_api_validation.py", "tests/compiler/engine/test_engine_parts.py", "tests/compiler/engine/test_engine_units.py",
     "tests/compiler/engine/test_engine_inline_processes.py", "tests/compiler/test_prefix_cache_unit.py", "tests/compiler/engine/test_policy.py", "tests/compiler/engine/test_nonfinite.py",
-    "tests/compiler/engine/test_retraction_progress.py",
+    "tests/compiler/engine/test_retraction_progress.py", "tests/compiler/engine/test_config.py",
 ]
 TARGETS: dict[str, list[str]] = {
     "ir/*.py": CORE_TESTS,

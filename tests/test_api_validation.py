@@ -195,6 +195,25 @@ def test_abort_checks_the_request_id(rid: object, match: str) -> None:
     assert RequestId(1) in drv.outputs and drv.stats.aborts == 1
 
 
+@pytest.mark.parametrize("fork", [2, 7, 9], ids=["a live request", "its own id", "a finished request"])
+def test_admit_refuses_a_fork_id_already_in_use_and_changes_nothing(fork: int) -> None:
+    # a fork id names one completion of a request: another live request's, the request's own or a finished
+    # request's (its output is still there to read) would mix two completions' tokens under one id
+    from ir.sampling import SamplingParams
+
+    drv, _ = _world()
+    drv.admit(RequestId(9), list(b"x = 1"), max_new_tokens=1)
+    while RequestId(9) not in drv.outputs:
+        drv.step()
+    before = _state(drv)
+    _refused(PreconditionError, rf"request 7: fork id {fork} is already in use",
+             lambda: drv.admit(RequestId(7), list(b"y = 2"), max_new_tokens=2, sampling=SamplingParams(n=2, temperature=1.0, seed=3),
+                               forks=[RequestId(fork)]))
+    _assert_unchanged(drv, before)
+    drv.admit(RequestId(7), list(b"y = 2"), max_new_tokens=2, sampling=SamplingParams(n=2, temperature=1.0, seed=3), forks=[RequestId(8)])
+    assert {RequestId(7), RequestId(8)} <= set(drv.requests.queued)
+
+
 # -- 3. make_prefix ------------------------------------------------------------------------------
 
 

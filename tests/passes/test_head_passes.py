@@ -230,6 +230,16 @@ def test_a_handle_names_its_verify_exactly_when_a_verify_made_it() -> None:
         HiddenStates(hidden_id=HiddenId(3), source=HiddenSource.EXTEND, rids=[1], starts=[0], lens=[0])
 
 
+def test_a_handle_describes_itself_by_producer_rows_and_spans_the_first_eight_of_each() -> None:
+    # the phrase every refusal about a handle uses: its id, its producer, its rows and each row's positions
+    one = HiddenStates(hidden_id=HiddenId(5), source=HiddenSource.EXTEND, rids=[3, 4], starts=[0, 8], lens=[4, 2])
+    assert one.described() == "hidden #5 of an extend (rows [3, 4], positions 0..3, 8..9)"
+    many = HiddenStates(hidden_id=HiddenId(6), source=HiddenSource.VERIFY, verify_id=VerifyId(2), rids=list(range(1, 11)),
+                        starts=[10 * i for i in range(10)], lens=[3] * 10)
+    assert many.described() == ("hidden #6 of verify #2 (rows [1, 2, 3, 4, 5, 6, 7, 8], positions "
+                                + ", ".join(f"{10 * i}..{10 * i + 2}" for i in range(8)) + ")")
+
+
 def test_the_boundary_checks_the_handle_a_result_hands_back() -> None:
     batch, plan, hidden = _extend()
     tokens = [1, 2, 3]

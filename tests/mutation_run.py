@@ -52,7 +52,7 @@ CORE_TESTS = [
     "tests/backend/test_concurrency.py", "tests/test_hostile_corpus.py", "tests/passes/test_pass_arguments.py",
     "tests/passes/test_pass_registry.py", "tests/ir/test_refusals.py", "tests/backend/test_executor_gate.py",
     "tests/ir/test_linear_plugin.py", "tests/ir/test_parse.py", "tests/ir/test_wire.py", "tests/passes/test_pass_preconditions.py",
-    "tests/passes/test_head_passes.py",
+    "tests/passes/test_head_passes.py", "tests/ir/test_sampling_params.py", "tests/ir/test_sampling_rows.py", "tests/ir/test_sampling_bans.py",
 ]
 ENGINE_TESTS = [
     "tests/compiler/engine/test_engine_stop.py", "tests/compiler/engine/test_engine_spec.py", "tests/compiler/engine/test_serving.py", "tests/compiler/engine/test_faults.py",

@@ -35,7 +35,7 @@ from compiler.engine import Engine, PrefixState, RequestState, StepKind
 from compiler.manager import PassError, PassManager
 from compiler.prefix_cache import PrefixCache
 from compiler.steps import Pipeline
-from ir import spec
+from ir import results, spec
 from ir.batch import DecodeBatch, ExtendBatch, MixedBatch
 from ir.columns import build_unchecked
 from ir.errors import (
@@ -564,6 +564,10 @@ CASES: list[Case] = [
     Case("decode-plan-slot-0", _build(lambda: DecodePlan(rids=[1], slots=[0], seq_lens=[4], input_ids=[7], kv_locs=[20])), IRValidationError, r"DecodePlan\.slots: every value must be >= 1 \(got 0\)", field="slots"),
     Case("decode-plan-seq-lens-length", _build(lambda: DecodePlan(rids=[1, 2], slots=[1, 2], seq_lens=[4], input_ids=[7, 7], kv_locs=[20, 21])), IRValidationError, r"DecodePlan\.seq_lens: length must equal len\(rids\) \(2\) \(got 1\)", field="seq_lens"),
     Case("draft-batch-slots-length", _build(lambda: spec.DraftBatch(k=1, draft_id=mint_draft_id(), rids=[1], slots=[1, 2], seq_lens=[5], input_ids=[3], kv_locs=[30, 31])), IRValidationError, r"DraftBatch\.slots: length must equal len\(rids\) \(1\) \(got 2\)", field="slots"),
+    Case("verified-k-zero", _build(lambda: results.Verified(k=0, verify_id=mint_verify_id(), rids=[1], tokens=[5])), IRValidationError, r"Verified\.k: speculative steps must be >= 1 \(got 0\)", field="k"),
+    Case("verified-k-past-max", _build(lambda: results.Verified(k=spec.MAX_SPEC_K + 1, verify_id=mint_verify_id(), rids=[1], tokens=[5] * (spec.MAX_SPEC_K + 2))), IRValidationError, rf"Verified\.k: .*at most MAX_SPEC_K .*\(got {spec.MAX_SPEC_K + 1}\)", field="k"),
+    Case("sampled-logprobs-of-other-rows", _build(lambda: results.Sampled(rids=[1, 2], tokens=[5, 6], logprobs=results.Logprobs(logprob=[-0.5], top_lens=[0], top_ids=[], top_logprobs=[]))), IRValidationError, r"Sampled\.logprobs: must hold one entry per token \(2\) \(got 1\)", field="logprobs"),
+    Case("sampled-logprobs-not-logprobs", _build(lambda: results.Sampled(rids=[1], tokens=[5], logprobs=[-0.5])), IRValidationError, r"Sampled\.logprobs: must be a Logprobs or None", field="logprobs"),
     Case("accept-result-negative-bonus", _build(lambda: spec.AcceptResult(verify_id=mint_verify_id(), rids=[1], accepted=[0], bonus=[-2])), IRValidationError, r"AcceptResult\.bonus: every value must be >= -1 \(got -2\)", field="bonus"),
     Case("cow-src-0", _build(lambda: CopyFrom(src=MambaSlot(0), prefix_len=3)), IRValidationError, r"CopyFrom\.src: must be >= 1 .*\(got 0\)", field="src"),
     Case("decode-context-float-tokens", _build(lambda: DecodeContext(next_tokens=np.array([1.5]), kv_locs=[3])), IRValidationError, r"DecodeContext\.next_tokens: .*got dtype float64", field="next_tokens"),

@@ -191,3 +191,14 @@ def test_prepare_for_extend_takes_any_admitted_request_and_names_the_first_that_
     assert prepare_for_extend([tagged, request(5, 3, [6], 10)]).rid_list() == [4, 5]
     with suppress_type_checks(), pytest.raises(PreconditionError, match=r"^prepare_for_extend: requests\[1\] must be an AdmittedRequest, got str \('x'\)$"):
         prepare_for_extend([r, "x"])  # type: ignore[list-item]  # the refusal under test
+
+
+def test_a_verified_result_is_named_by_a_positive_verify_id() -> None:
+    # the id binds the target tokens to the verify that produced them (accept and the boundary compare it)
+    from ir.errors import IRValidationError
+    from ir.ids import VerifyId
+
+    assert Verified(k=1, verify_id=VerifyId(1), rids=[3], tokens=[5, 6]).verify_id == 1
+    for bad in (0, -4):
+        with pytest.raises(IRValidationError, match=rf"Verified\.verify_id: must be positive .*\(got {bad}\)"):
+            Verified(k=1, verify_id=VerifyId(bad), rids=[3], tokens=[5, 6])

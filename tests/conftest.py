@@ -8,6 +8,12 @@
   Triton so that Triton's own ``@jit`` library functions are interpreted too. CPU code still takes
   the torch references unless a kernel test asks for Triton (``BATCHC_TRITON_ON_CPU``).
 - Under pytest-xdist each worker runs torch on one thread, and so do the processes its tests start.
+- The processes the tests start that run batchc's own modules (``batchc run`` and ``serve`` through
+  ``tests.forkserver.Popen``/``run``, and the ranks, replicas and executor processes batchc starts
+  itself) are forked from a template process that imported torch and batchc once
+  (``tests/forkserver.py``): the same programs, a second instead of several each. Tests marked
+  ``real_processes`` (how children live and die) start fresh interpreters, and ``BATCHC_TEST_FORK=0``
+  turns the template off for a whole run.
 - Torch's intra-op thread count is put back after every test: the command line sets it
   (``--threads``), and a test that runs the command line must not change it for the tests after.
 """
@@ -41,6 +47,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests import forkserver  # noqa: E402  # (after the settings above: the template starts with them)
 
 FAST_TIER = (
     "tests/ir/",
@@ -110,6 +117,34 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if notice is not None:
         terminalreporter.write_sep("-", "settings")
         terminalreporter.write_line(notice)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forked_children() -> Iterator[None]:
+    """batchc's own children fork from the suite's template (``tests/forkserver.py``), from the first
+    fixture on (a session fixture: installed after typeguard instruments batchc)."""
+    if os.environ.get(forkserver.OFF_ENV) == "0":
+        yield
+        return
+    forkserver.install()
+    try:
+        yield
+    finally:
+        forkserver.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _real_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``real_processes`` (the tests of how children live and die) starts batchc's
+    children as batchc does, fresh interpreters, not forked from the suite's template."""
+    if request.node.get_closest_marker("real_processes") is None or os.environ.get(forkserver.OFF_ENV) == "0":
+        yield
+        return
+    forkserver.uninstall()
+    try:
+        yield
+    finally:
+        forkserver.install()
 
 
 @pytest.fixture(autouse=True)

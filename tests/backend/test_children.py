@@ -11,7 +11,11 @@ import sys
 import threading
 import time
 
+import pytest
+
 from backend import children
+
+pytestmark = pytest.mark.real_processes  # how children live and die: batchc's own process starts, never the suite's template
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import forkserver
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def _scenario(name: str, tmp_path: Path) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.backend.tp.ranks", name, str(out)], cwd=ROOT, capture_output=True,
+    proc = forkserver.run([sys.executable, "-m", "tests.backend.tp.ranks", name, str(out)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())

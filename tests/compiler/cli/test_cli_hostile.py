@@ -33,6 +33,7 @@ from ir.batch import DecodeBatch
 from ir.errors import BatchcError, SettingsError
 from ir.ids import RequestId
 from passes.filter_batch import filter_batch
+from tests import forkserver
 from tests.helpers import REPO, run_cli
 
 _main = run_cli
@@ -115,7 +116,7 @@ def test_workload_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     fifo = tmp_path / "workload.fifo"
     os.mkfifo(fifo)
     summary = tmp_path / "summary.json"
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "compiler.cli", "run", "--workload", str(fifo), "--json", str(summary)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
@@ -319,7 +320,7 @@ def test_json_onto_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     # a subprocess with a timeout: writing into a FIFO blocks until a reader comes
     fifo = tmp_path / "summary.fifo"
     os.mkfifo(fifo)
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "compiler.cli", "run", "--requests", "2", "--max-new-tokens", "4", "--json", str(fifo)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.real_processes  # how children live and die: batchc's own process starts, never the suite's template
+
 ROOT = Path(__file__).resolve().parents[3]
 RUN = ["run", "--k", "0", "--requests", "16", "--max-new-tokens", "16", "--lossless-sample", "0"]
 SHORT_RUN = ["run", "--k", "0", "--requests", "4", "--max-new-tokens", "8", "--lossless-sample", "0"]

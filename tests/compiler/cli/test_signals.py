@@ -18,6 +18,8 @@ from compiler.cli import output
 from compiler.cli.output import OutputFile
 from tests.compiler.cli.test_lifetimes import OLD, RUN, alive, descendants, kill_left, paused, wait_for
 
+pytestmark = pytest.mark.real_processes  # how children live and die: batchc's own process starts, never the suite's template
+
 
 def _claimed(tmp_path: Path, *, outputs: bool) -> tuple[list[str], list[Path]]:
     paths = [tmp_path / "summary.json"] + ([tmp_path / "out.jsonl"] if outputs else [])
@@ -140,17 +142,22 @@ def test_a_signal_while_the_command_line_is_still_importing_ends_it_in_one_line(
     out.write_text(OLD)
     # The command line imports in a fraction of a second (torch and the models load later, under the
     # command's own handlers): a finder makes its import slow, so that the signal lands inside it.
-    entry = ("import importlib.abc, sys, time\n"
+    # The finder says so on a pipe when it is in (on a loaded machine the interpreter's own start can
+    # take longer than any fixed wait).
+    inside_r, inside_w = os.pipe()
+    entry = ("import importlib.abc, os, sys, time\n"
              "class Slow(importlib.abc.MetaPathFinder):\n"
              "    def find_spec(self, name, path, target=None):\n"
              "        if name == 'compiler.cli':\n"
-             "            time.sleep(60)\n"
+             f"            os.write({inside_w}, b'in'); time.sleep(60)\n"
              "        return None\n"
              "sys.meta_path.insert(0, Slow())\n"
              "from compiler.launch import main; sys.argv[0] = 'batchc'; sys.exit(main())")
-    proc = subprocess.Popen([sys.executable, "-c", entry, "run", "--json", str(out)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", entry, "run", "--json", str(out)], stderr=subprocess.PIPE, text=True, pass_fds=(inside_w,))
+    os.close(inside_w)
     try:
-        time.sleep(0.3)  # the entry is in, importing the command line
+        with os.fdopen(inside_r, "rb") as inside:
+            assert inside.read(2) == b"in"  # the entry is in, importing the command line
         os.kill(proc.pid, sig)
         _, err = proc.communicate(timeout=60)
     finally:

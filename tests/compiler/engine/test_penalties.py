@@ -35,6 +35,7 @@ from compiler.prefix_cache import PrefixCache
 from ir.errors import IRValidationError, PreconditionError
 from ir.ids import TARGET_POOL, RequestId
 from ir.sampling import SamplingParams
+from tests import forkserver
 from tests.helpers import engine, run_cli, tiny_models
 
 NEW = 10
@@ -244,7 +245,7 @@ def test_batchc_run_serves_penalised_workload_lines(tmp_path: Path, capsys: pyte
     assert json.loads(summary.read_text())["lossless_check"] == "passed: 3 requests equal plain greedy of the target"
     # (independent runs: started together, they share the machine's cores)
     runs = {extra[0]: (tmp_path / f"o{extra[0]}.jsonl", extra) for extra in (["--overlap"], ["--tp", "2"])}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "compiler.cli", *args[:3], "--outputs", str(again), "--lossless-sample", "0", *extra],
+    procs = {name: forkserver.Popen([sys.executable, "-m", "compiler.cli", *args[:3], "--outputs", str(again), "--lossless-sample", "0", *extra],
                                     cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for name, (again, extra) in runs.items()}
     try:

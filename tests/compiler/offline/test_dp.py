@@ -15,6 +15,7 @@ from compiler.offline import builtin_workload
 from compiler.offline.dp import ReplicaFailed, route, serve_replicas
 from compiler.workload import Request, ServeError
 from ir.ids import RequestId
+from tests import forkserver
 from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -73,7 +74,7 @@ def test_dp2_outputs_equal_one_engine(tmp_path: Path) -> None:
     one, two, summary = tmp_path / "one.jsonl", tmp_path / "two.jsonl", tmp_path / "dp.json"
     head, head_summary = tmp_path / "head.jsonl", tmp_path / "head.json"
     # (independent runs: started together, they share the machine's cores)
-    procs = [subprocess.Popen([sys.executable, "-m", "compiler.cli", "run", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+    procs = [forkserver.Popen([sys.executable, "-m", "compiler.cli", "run", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for args in ([*small, "--outputs", str(one)], [*small, "--dp", "2", "--outputs", str(two), "--json", str(summary)],
                           [*small, "--dp", "2", "--draft", "mtp", "--outputs", str(head), "--json", str(head_summary)])]

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests import forkserver
+
 ROOT = Path(__file__).resolve().parents[3]
 
 LINES = [
@@ -29,7 +31,7 @@ def _start(tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.Popen[str
     workload = tmp_path / f"{name}.w.jsonl"  # (one each: the runs read theirs while the next is written)
     workload.write_text("\n".join(json.dumps(line) for line in LINES) + "\n")
     out = tmp_path / f"{name}.jsonl"
-    proc = subprocess.Popen(
+    proc = forkserver.Popen(
         [sys.executable, "-m", "compiler.cli", "run", "--workload", str(workload), "--seed", "4", "--outputs", str(out), *extra],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -25,7 +26,7 @@ SMALL = ["--requests", "6", "--max-new-tokens", "8", "--lossless-sample", "2"]
 
 
 def _batchc(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "compiler.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return forkserver.run([sys.executable, "-m", "compiler.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def _children(pid: int) -> list[int]:

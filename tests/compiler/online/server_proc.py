@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+from tests import forkserver
 from tests.compiler.cli.test_lifetimes import alive, descendants
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -21,7 +22,7 @@ LISTENING = re.compile(r"engine process(?:es)? ([\d, ]+)\) listening on (http://
 
 class ServerProc:
     def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_s: float = 120.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "compiler.cli", "serve", "--port", "0", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+        self.proc = forkserver.Popen([sys.executable, "-m", "compiler.cli", "serve", "--port", "0", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})))
         self.lines: list[str] = []
         self._seen = threading.Condition()

@@ -4,16 +4,16 @@ rate, and writes one row per rate with the throughput and the latency percentile
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from tests import forkserver
 from tests.compiler.online.server_proc import ROOT
 
 
 def test_bench_online_reports_a_row_per_rate(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "compiler.cli", "bench", "online", "--rates", "4", "50", "--requests", "6",
+    proc = forkserver.run([sys.executable, "-m", "compiler.cli", "bench", "online", "--rates", "4", "50", "--requests", "6",
                            "--max-new-tokens", "4", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())

@@ -21,6 +21,7 @@ import pytest
 
 from compiler.online.messages import Launch
 from compiler.online.router import choose
+from tests import forkserver
 from tests.compiler.cli.test_lifetimes import alive
 from tests.compiler.online.server_proc import ROOT, ServerProc
 from tests.helpers import run_cli
@@ -44,7 +45,7 @@ class Started:
 def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
     tmp = tmp_path_factory.mktemp("parallel")
     (tmp / "w.jsonl").write_text("".join(json.dumps({"prompt": p, "max_new_tokens": NEW}) + "\n" for p in PROMPTS))
-    offline = subprocess.Popen(
+    offline = forkserver.Popen(
         [sys.executable, "-m", "compiler.cli", "run", "--workload", str(tmp / "w.jsonl"), "--outputs", str(tmp / "out.jsonl"),
          "--lossless-sample", "0", *OPTIONS],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

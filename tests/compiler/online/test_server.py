@@ -26,6 +26,7 @@ import httpx
 import openai
 import pytest
 
+from tests import forkserver
 from tests.compiler.cli.test_lifetimes import alive
 from tests.compiler.online.server_proc import ROOT, ServerProc
 
@@ -110,7 +111,7 @@ def _offline(tmp_path: Path, prompt: str, max_new_tokens: int, *, lines: list[di
     options and ``options`` (started now, read later: it runs while the server answers)."""
     lines = lines if lines is not None else [{"prompt": prompt, "max_new_tokens": max_new_tokens}]
     (tmp_path / "w.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return subprocess.Popen(
+    return forkserver.Popen(
         [sys.executable, "-m", "compiler.cli", "run", "--workload", str(tmp_path / "w.jsonl"), "--outputs", str(tmp_path / "out.jsonl"),
          "--max-len", str(MAX_LEN), "--k", "2", "--max-running", "2", "--lossless-sample", "0", *options],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

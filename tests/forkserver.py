@@ -94,6 +94,7 @@ def _serve(path: str, ready_fd: int) -> None:
     sel.register(listener, selectors.EVENT_READ, "listen")
     sel.register(wake_r, selectors.EVENT_READ, "child")
     conns: dict[int, socket.socket] = {}  # pid -> the asker's connection, until the child is reaped
+    others = _Others(path)
     os.write(ready_fd, b"ready\n")
     os.close(ready_fd)
     while True:
@@ -103,12 +104,15 @@ def _serve(path: str, ready_fd: int) -> None:
                     conn, _addr = listener.accept()
                 except OSError:
                     continue
-                pid = _start(conn, listener, wake_r, wake_w, base_path, sel)
-                if pid is None:
+                started = _start(conn, listener, wake_r, wake_w, base_path, sel, others)
+                if started is None:
                     conn.close()
                     continue
-                conns[pid] = conn
-                sel.register(conn, selectors.EVENT_READ, pid)
+                pid, asker = started
+                if asker is not conn:  # (a request another template handed on: the asker's own connection)
+                    conn.close()
+                conns[pid] = asker
+                sel.register(asker, selectors.EVENT_READ, pid)
             elif key.data == "child":
                 try:
                     while os.read(wake_r, 4096):
@@ -149,30 +153,78 @@ def _serve(path: str, ready_fd: int) -> None:
                     pass
 
 
+class _Others:
+    """The templates this one starts for children that need other import-time settings (a thread
+    count, the C++ log level of torch): one per setting, each a fresh interpreter importing with it,
+    started on first need; a request for one is handed on to it with the asker's connection."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.paths: dict[str, str | None] = {}  # the settings -> that template's socket (None: it could not start)
+
+    def hand_on(self, req: dict[str, Any], conn: socket.socket, fds: list[int]) -> bool:
+        key = json.dumps(sorted(_sensitive(req["env"]).items()))
+        if key not in self.paths:
+            self.paths[key] = None  # (until it says it is ready: a template that cannot start is not tried again)
+            path = f"{self.path}.{len(self.paths)}"
+            ready_r, ready_w = os.pipe()
+            env = dict(req["env"], PYTHONPATH=os.environ.get("PYTHONPATH", ""))
+            env.pop(SOCKET_ENV, None)
+            template = os.getpid()
+            subprocess.Popen([sys.executable, "-m", "tests.forkserver", path, str(ready_w)], env=env, cwd=str(ROOT), pass_fds=(ready_w,),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=lambda: _die_with_template(template))
+            os.close(ready_w)
+            with os.fdopen(ready_r, "rb") as ready:
+                if ready.readline() != b"ready\n":
+                    return False
+            self.paths[key] = path
+        path = self.paths[key]
+        if path is None:
+            return False
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            other.connect(path)
+            socket.send_fds(other, [json.dumps(dict(req, handed_on=True)).encode()], [conn.fileno(), *fds])
+        except OSError:
+            return False
+        finally:
+            other.close()
+        return True
+
+
 def _start(conn: socket.socket, listener: socket.socket, wake_r: int, wake_w: int, base_path: list[str],
-           sel: selectors.BaseSelector) -> int | None:
+           sel: selectors.BaseSelector, others: _Others) -> tuple[int, socket.socket] | None:
+    """Fork the child a request asks for: its pid and the asker's connection (else None)."""
     try:
         msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 256)
     except OSError:
         return None
     try:
         req = json.loads(msg)
-        differs = sorted(set(_sensitive(req["env"]).items()) ^ set(_sensitive(dict(os.environ)).items()))
-        if differs:
-            conn.send(json.dumps({"fallback": f"environment: {sorted({k for k, _ in differs})}"}).encode())
+        asker = conn
+        if req.get("handed_on"):
+            asker = socket.socket(fileno=os.dup(fds[0]))
+            os.close(fds.pop(0))
+        if _sensitive(req["env"]) != _sensitive(dict(os.environ)):
+            if req.get("handed_on") or not others.hand_on(req, conn, fds):
+                asker.send(json.dumps({"fallback": f"environment: {sorted(set(_sensitive(req['env']).items()) ^ set(_sensitive(dict(os.environ)).items()))}"}).encode())
+                if asker is not conn:
+                    asker.close()
             return None
         template = os.getpid()
         pid = os.fork()
         if pid == 0:
             sel.close()
-            _child(req, fds, [listener.fileno(), conn.fileno(), wake_r, wake_w], base_path, template)
+            _child(req, fds, [listener.fileno(), conn.fileno(), asker.fileno(), wake_r, wake_w], base_path, template)
         try:
-            conn.send(json.dumps({"pid": pid}).encode())
+            asker.send(json.dumps({"pid": pid}).encode())
         except OSError:  # the asker left before it heard of its child
             os.kill(pid, signal.SIGKILL)
+            if asker is not conn:
+                asker.close()
             return None
-        return pid
-    except (OSError, ValueError, KeyError):
+        return pid, asker
+    except (OSError, ValueError, KeyError, IndexError):
         return None
     finally:
         for fd in fds:
@@ -185,7 +237,7 @@ def _child(req: dict[str, Any], fds: list[int], own: list[int], base_path: list[
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in own:
+        for fd in set(own):
             os.close(fd)
         _die_with_template(template)
         if req["new_session"]:

@@ -98,12 +98,30 @@ def test_a_child_dies_with_the_process_that_asked_for_it() -> None:
     assert not Path(f"/proc/{pid}").exists(), f"the forked child {pid} outlived the process that asked for it"
 
 
-def test_a_child_the_template_cannot_fork_starts_fresh() -> None:
-    here = dict(os.environ, PYTHONPATH=str(ROOT))
-    for env, cwd in ((dict(here, OMP_NUM_THREADS="3"), ROOT), (here, ROOT / "tests")):  # a thread count read at import; elsewhere
-        proc = forkserver.run([*PROBE, "describe"], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["parent"] == os.getpid()
+def test_import_time_settings_are_a_fresh_interpreters() -> None:
+    """A child asking for an import-time setting other than the template's (torch's C++ log level, as
+    tensor-parallel workers do) is forked from a second template that imported with it, shared by
+    every child asking the same; one no template can give (a thread count: torch then imports with a
+    thread pool, and a process with threads is not forked) starts fresh. Either way the child sees
+    what a fresh interpreter would."""
+    plain = json.loads(forkserver.run([*PROBE, "threads"], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout)
+    quiet = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR")
+    seen = [json.loads(forkserver.run([*PROBE, "threads"], cwd=ROOT, env=quiet, capture_output=True, text=True, timeout=120).stdout)
+            for _ in range(2)]
+    assert seen[0]["parent"] == seen[1]["parent"] and seen[0]["parent"] not in (os.getpid(), plain["parent"])
+    assert seen[0]["log_level"] == "ERROR" and plain["log_level"] is None
+    threads = dict(os.environ, OMP_NUM_THREADS="2")
+    forked = forkserver.run([*PROBE, "threads"], cwd=ROOT, env=threads, capture_output=True, text=True, timeout=120)
+    fresh = subprocess.run([*PROBE, "threads"], cwd=ROOT, env=threads, capture_output=True, text=True, timeout=120)
+    a, b = json.loads(forked.stdout), json.loads(fresh.stdout)
+    assert a["threads"] == b["threads"] == 2 and a["parent"] == b["parent"] == os.getpid()
+
+
+def test_a_child_elsewhere_starts_fresh() -> None:
+    proc = forkserver.run([*PROBE, "describe"], cwd=ROOT / "tests", env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["parent"] == os.getpid()
 
 
 def _probe(mode: str, args: list[str]) -> None:
@@ -115,6 +133,10 @@ def _probe(mode: str, args: list[str]) -> None:
                           "path": sys.path, "cwd": os.getcwd(), "name": __name__,
                           "pytest": pytest.__file__}))
         print("to stderr", file=sys.stderr)
+    elif mode == "threads":
+        import torch
+
+        print(json.dumps({"threads": torch.get_num_threads(), "parent": os.getppid(), "log_level": os.environ.get("TORCH_CPP_LOG_LEVEL")}))
     elif mode == "exit":
         print("leaving")
         raise SystemExit(3)

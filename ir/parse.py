@@ -71,6 +71,8 @@ class _Line:
         self.no = no
         stripped = text.lstrip(" ")
         self.indent = len(text) - len(stripped)
+        self.tabbed = stripped[:1] == "\t"
+        """The indentation holds a tab (the words never do: a tab separates them)."""
         self.words: list[str] = _WORD.findall(stripped)
         self.pos = 0
 
@@ -141,7 +143,7 @@ class _Line:
 
     def tokens(self, text: str, token: str) -> list[int]:
         if not (text.startswith("[") and text.endswith("]")):
-            self.fail("expected [token ids]", token)
+            self.fail("expected [token ids]", token + text)
         return [self.to_int(t, t) for t in text[1:-1].split()]
 
     def bracket(self, text: str, prefix: str) -> list[str]:
@@ -191,7 +193,7 @@ class _Parser:
     def __init__(self, text: str) -> None:
         self.lines = [_Line(no, t) for no, t in enumerate(text.split("\n"), 1) if t.strip()]
         for line in self.lines:
-            if "\t" in line.words[0] or line.indent % 2:
+            if line.tabbed or line.indent % 2:
                 line.fail("indent by two spaces per level", line.words[0])
         self.i = 0
 

@@ -2,7 +2,8 @@
 
 Requests are served in queue order. A WAITING request first gets its slot and its prefix source (a
 prefix it was admitted with, or the longest prefix the cache holds), and only if the KV for its
-whole prompt fits next to what the started prefills still need (``RequestTable.kv_owed``). Two rules
+whole prompt (but the prefix it was admitted with, whose KV that prefix holds already) fits next to
+what the started prefills still need (``RequestTable.kv_owed``). Two rules
 keep every request moving under any KV pressure:
 
 - A started (PREFILLING) request is served wherever it stands in the queue: a WAITING request ahead
@@ -67,8 +68,11 @@ class ChunkPlanner:
     def start(self, r: Request, owed: int) -> bool:
         """Give a request its slot and prefix source before its first chunk; False if none is free,
         or if the KV for its whole prompt does not fit next to what started prefills still need
-        (``owed``: ``requests.kv_owed()``, which the caller keeps up to date)."""
-        while self.kv.num_free < owed + int(r.prompt.shape[0]):
+        (``owed``: ``requests.kv_owed()``, which the caller keeps up to date). A prefix it was
+        admitted with (a prefix state, the shared prompt of ``n`` completions) holds its KV already:
+        only the rest is needed (asking for the whole prompt, such a request would never start
+        where the prefix took the room)."""
+        while self.kv.num_free < owed + int(r.prompt.shape[0]) - r.start:
             if not self.session.evict():
                 return False
         if self.slots.num_free == 0 and not self.session.evict():
@@ -101,7 +105,7 @@ class ChunkPlanner:
                 if blocked or not self.start(r, owed):
                     blocked = True
                     continue  # the started prefills behind it are still served
-                owed += int(r.prompt.shape[0]) - r.done  # what kv_owed() now counts for r
+                owed += int(r.prompt.shape[0]) - r.next_pos  # what kv_owed() now counts for r
             assert r.slot is not None
             pos = r.next_pos
             n = min(self.chunk_size, budget, int(r.prompt.shape[0]) - pos)

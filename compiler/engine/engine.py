@@ -287,7 +287,8 @@ class Engine:
         its KV locations (the prefix state's one-shot ops and tickets: a clear, then one COW per
         completion), prefills the last prompt token in its own slot and samples from there with its
         completion index in its random stream's key (one seed for all). The prefix state is
-        released once every completion has copied it. ``n > 1`` with ``prefix`` is refused.
+        released once every completion has copied it. ``n > 1`` with ``prefix`` is refused, and so
+        is a prompt of more than one token in an engine of one slot (the shared state would hold it).
 
         Every argument is checked before anything changes (``PreconditionError``, or
         ``IRValidationError`` for the prompt's tokens), so a refused admission leaves the engine, its
@@ -344,6 +345,11 @@ class Engine:
             if prefix is not None:
                 raise PreconditionError("admit", f"request {rid}: sampling.n = {params.n} with a prefix (the completions share a prefix of their own)")
             need = int(arr.shape[0]) - 1
+            if need and self.slots.capacity < 2:  # (the shared state would hold the one slot its completions wait for)
+                raise PreconditionError(
+                    "admit", f"request {rid}: sampling.n = {params.n} needs a slot for its completions beside their shared prompt state; "
+                    f"capacity {self.slots.capacity} has one"
+                )
             if need and (self.slots.num_free < 1 or self.kv.num_free < need):
                 raise PreconditionError(
                     "admit", f"request {rid}: no room for its completions' shared prompt state now ({self.slots.num_free} free slots, "

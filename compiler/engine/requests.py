@@ -200,5 +200,6 @@ class RequestTable:
         return r
 
     def kv_owed(self) -> int:
-        """KV locations that started, unfinished prefills still need for the rest of their prompts."""
-        return sum(int(r.prompt.shape[0]) - r.done for r in map(self._reqs.__getitem__, self._queue) if r.state is RequestState.PREFILLING)
+        """KV locations that started, unfinished prefills still need for the rest of their prompts
+        (from ``next_pos``: a prefix source's positions hold their KV already)."""
+        return sum(int(r.prompt.shape[0]) - r.next_pos for r in map(self._reqs.__getitem__, self._queue) if r.state is RequestState.PREFILLING)

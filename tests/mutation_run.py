@@ -53,6 +53,9 @@ CORE_TESTS = [
     "tests/passes/test_pass_registry.py", "tests/ir/test_refusals.py", "tests/backend/test_executor_gate.py",
     "tests/ir/test_linear_plugin.py", "tests/ir/test_parse.py", "tests/ir/test_wire.py", "tests/passes/test_pass_preconditions.py",
     "tests/passes/test_head_passes.py", "tests/ir/test_sampling_params.py", "tests/ir/test_sampling_rows.py", "tests/ir/test_sampling_bans.py",
+    "tests/ir/test_ir_promises.py", "tests/backend/test_ledger_promises.py", "tests/backend/test_executor_promises.py",
+    "tests/ir/test_linear_flow.py",
+    "tests/passes/test_pass_promises.py",
 ]
 ENGINE_TESTS = [
     "tests/compiler/engine/test_engine_stop.py", "tests/compiler/engine/test_engine_spec.py", "tests/compiler/engine/test_serving.py", "tests/compiler/engine/test_faults.py",
@@ -60,6 +63,7 @@ ENGINE_TESTS = [
     "tests/test_api_validation.py", "tests/compiler/engine/test_engine_parts.py", "tests/compiler/engine/test_engine_units.py",
     "tests/compiler/engine/test_engine_inline_processes.py", "tests/compiler/test_prefix_cache_unit.py", "tests/compiler/engine/test_policy.py", "tests/compiler/engine/test_nonfinite.py",
     "tests/compiler/engine/test_retraction_progress.py", "tests/compiler/engine/test_config.py",
+    "tests/compiler/engine/test_engine_promises.py",
 ]
 TARGETS: dict[str, list[str]] = {
     "ir/*.py": CORE_TESTS,

@@ -171,11 +171,14 @@ def check_request(
     vocab: int,
     max_len: int,
     k: int,
+    kv_capacity: int | None = None,
 ) -> tuple[RequestId, I64, int, frozenset[int]]:
     """``Engine.admit``'s argument checks (``PreconditionError``, or ``IRValidationError`` for the
     prompt's tokens), before anything changes: the request id, the prompt (huge ones refused by
     their length, unread), ``max_new_tokens >= 1`` with room under ``max_len`` for the prompt, the
-    new tokens and the k + 1 speculative positions, and ``stop`` ``None``, a token id or a list or
+    new tokens and the k + 1 speculative positions (and, given the engine's ``kv_capacity``, room in
+    it for the KV of the prompt, the new tokens but the last and k speculative positions at once: a
+    request that needs more than the engine has would never finish, and waited forever), and ``stop`` ``None``, a token id or a list or
     tuple of them (every one that ends the request: a tokenizer's end-of-sequence ids). Returns them
     as ``(rid, prompt, max_new_tokens, stop ids)``."""
     problem = int_problem(rid)
@@ -193,6 +196,11 @@ def check_request(
         raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {new}")
     if arr.shape[0] + new + k + 1 > max_len:
         raise PreconditionError("admit", f"request {rid}: prompt {arr.shape[0]} + {new} new tokens exceed max_len {max_len}")
+    if kv_capacity is not None and arr.shape[0] + new - 1 + k > kv_capacity:
+        raise PreconditionError(
+            "admit", f"request {rid}: prompt {arr.shape[0]} + {new} new tokens + {k} speculative positions, less its last token, need "
+            f"{arr.shape[0] + new - 1 + k} KV locations at once, over the engine's kv_capacity {kv_capacity}"
+        )
     if stop is None:
         return rid, arr, new, frozenset()
     stops: list[object] = list(stop) if isinstance(stop, (list, tuple)) else [stop]

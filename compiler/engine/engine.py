@@ -298,7 +298,7 @@ class Engine:
         self.check_serving()
         rid, arr, max_new_tokens, stops = check_request(
             rid, prompt, max_new_tokens, stop, in_use=lambda r: r in self.requests or r in self.outputs,
-            vocab=self.vocab, max_len=self.max_len, k=self.k,
+            vocab=self.vocab, max_len=self.max_len, k=self.k, kv_capacity=self.kv.capacity,
         )
         params = check_sampling(rid, sampling)
         if params.penalised and not self.penalties:

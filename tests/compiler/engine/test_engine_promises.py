@@ -711,17 +711,17 @@ def test_n_completions_share_one_prefill_of_the_prompt_and_end_holding_nothing()
 
 def test_n_completions_need_room_for_their_shared_prompt_state_now() -> None:
     two = SamplingParams(temperature=1.0, n=2, seed=1)
-    e = engine(0, capacity=2, kv_capacity=12, max_len=32)
+    e = engine(0, capacity=2, kv_capacity=16, max_len=32)
     with e:
-        with pytest.raises(PreconditionError, match=r"^admit: request 1: no room for its completions' shared prompt state now "
-                           r"\(2 free slots, 12 free KV locations; it needs 1 and 13\)$"):
-            e.admit(RequestId(1), [3] * 14, max_new_tokens=2, sampling=two, forks=[RequestId(2)])
+        with pytest.raises(PreconditionError, match=r"^admit: request 1: prompt 17 \+ 2 new tokens \+ 0 speculative positions, less its last "
+                           r"token, need 18 KV locations at once, over the engine's kv_capacity 16$"):
+            e.admit(RequestId(1), [3] * 17, max_new_tokens=2, sampling=two, forks=[RequestId(2)])  # never, not just not now
         assert e.live == 0 and e.prefixes.held() == {}
-        e.admit(RequestId(1), [3] * 13, max_new_tokens=2, sampling=two, forks=[RequestId(2)])  # 12 shared tokens: every KV location
-        assert e.slots.num_free == 1 and e.kv.num_free == 0 and len(e.prefixes.held()) == 1
+        e.admit(RequestId(1), [3] * 14, max_new_tokens=2, sampling=two, forks=[RequestId(2)])  # 13 shared tokens
+        assert e.slots.num_free == 1 and e.kv.num_free == 3 and len(e.prefixes.held()) == 1
         with pytest.raises(PreconditionError, match=r"^admit: request 3: no room for its completions' shared prompt state now "
-                           r"\(1 free slots, 0 free KV locations; it needs 1 and 1\)$"):
-            e.admit(RequestId(3), [4, 5], max_new_tokens=2, sampling=two, forks=[RequestId(4)])
+                           r"\(1 free slots, 3 free KV locations; it needs 1 and 4\)$"):
+            e.admit(RequestId(3), [4] * 5, max_new_tokens=2, sampling=two, forks=[RequestId(4)])
         e.admit(RequestId(3), [4], max_new_tokens=2, sampling=two, forks=[RequestId(4)])  # one token: nothing shared, nothing needed now
         assert e.live == 4 and len(e.prefixes.held()) == 1
         with pytest.raises(PreconditionError, match=r"^admit: request 5: sampling\.n = 2 needs 1 fork ids, got 0$"):
@@ -736,7 +736,7 @@ def test_n_completions_need_room_for_their_shared_prompt_state_now() -> None:
         assert e.outputs[RequestId(1)] == e.outputs[RequestId(2)] == [] and len(e.outputs[RequestId(3)]) == len(e.outputs[RequestId(4)]) == 2
         a, b = e.make_prefix([1]), e.make_prefix([2])
         with pytest.raises(PreconditionError, match=r"^admit: request 5: no room for its completions' shared prompt state now "
-                           r"\(0 free slots, 10 free KV locations; it needs 1 and 1\)$"):
+                           r"\(0 free slots, 14 free KV locations; it needs 1 and 1\)$"):
             e.admit(RequestId(5), [4, 5], max_new_tokens=2, sampling=two, forks=[RequestId(6)])
         e.release_prefix(a)
         e.release_prefix(b)
@@ -1358,3 +1358,20 @@ def test_releasing_a_prefix_state_is_refused_for_a_forged_one_and_is_a_double_fr
             e.release_prefix(cp)
         e.run_until_done()
         _drained(e)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_request_needing_more_kv_than_the_engine_has_is_refused_at_admit(k: int) -> None:
+    """All of a request's positions hold KV at once (its prompt, its new tokens but the last, and k
+    speculative ones): one that needs more than ``kv_capacity`` would never finish. It is refused at
+    admission, naming the capacity; one that needs exactly the capacity runs to its end alone."""
+    e = engine(k, capacity=2, kv_capacity=20, max_len=64)
+    prompt = list(range(1, 11))
+    fits = 20 - len(prompt) - k + 1  # (its last token is never fed back: it needs no KV)
+    with pytest.raises(PreconditionError, match=rf"request 1: prompt 10 \+ {fits + 1} new tokens \+ {k} speculative positions, less its last "
+                                                rf"token, need 21 KV locations at once, over the engine's kv_capacity 20"):
+        e.admit(RequestId(1), prompt, max_new_tokens=fits + 1)
+    assert not e.live and RequestId(1) not in e.requests
+    e.admit(RequestId(2), prompt, max_new_tokens=fits)
+    e.run_until_done()
+    assert len(e.outputs[RequestId(2)]) == fits and e.kv.num_free == 20

@@ -21,8 +21,10 @@ LISTENING = re.compile(r"engine process(?:es)? ([\d, ]+)\) listening on (http://
 
 
 class ServerProc:
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_s: float = 120.0) -> None:
-        self.proc = forkserver.Popen([sys.executable, "-m", "compiler.cli", "serve", "--port", "0", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_s: float = 120.0, fork: bool = True) -> None:
+        """``fork``: started from the suite's template (``tests/forkserver.py``); ``False`` for a test
+        that reads the process tree (``children``: the processes the server itself started)."""
+        self.proc = (forkserver.Popen if fork else subprocess.Popen)([sys.executable, "-m", "compiler.cli", "serve", "--port", "0", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})))
         self.lines: list[str] = []
         self._seen = threading.Condition()

@@ -50,7 +50,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
          "--lossless-sample", "0", *OPTIONS],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    servers = {name: ServerProc(args) for name, args in SERVERS.items()}
+    servers = {name: ServerProc(args, fork=False) for name, args in SERVERS.items()}  # (fresh: a test reads their process trees)
     try:
         _, err = offline.communicate(timeout=180)
         assert offline.returncode == 0, err[-2000:]

@@ -62,7 +62,9 @@ def crash_plans(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def servers(crash_plans: Path) -> Iterator[dict[str, ServerProc]]:
     """Every server of the module, started at once (their start-ups overlap); the drain, deadline and
     crash tests each end theirs."""
-    started = {name: ServerProc(args, env={"BATCHC_DUMP_DIR": str(crash_plans)} if name == "crash" else None) for name, args in SERVERS.items()}
+    # (the drain and crash servers are fresh interpreters: their tests check that every process they started is gone)
+    started = {name: ServerProc(args, env={"BATCHC_DUMP_DIR": str(crash_plans)} if name == "crash" else None, fork=name not in ("drain", "crash"))
+               for name, args in SERVERS.items()}
     try:
         yield {name: s.ready() for name, s in started.items()}
     finally:
@@ -542,6 +544,7 @@ def test_a_full_queue_is_503_at_once_and_disconnected_requests_are_released(serv
 
 def test_sigterm_drains_and_exits_zero_with_one_line(servers: dict[str, ServerProc]) -> None:
     server = servers["drain"]
+    assert server.children  # (its engine process)
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
         done = httpx.post(f"{server.url}/v1/completions", json=dict(body, stream=False, max_tokens=4), timeout=60)
@@ -621,6 +624,7 @@ def test_a_one_token_first_chunk_in_a_freed_slot_is_a_prefill_and_serves_as_on_a
 
 def test_an_engine_crash_is_503_and_a_non_zero_exit(servers: dict[str, ServerProc]) -> None:
     server = servers["crash"]
+    assert server.engine_pid in server.children
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:

@@ -317,6 +317,8 @@ class Flow:
         self.call_node: dict[int, int] = {}
         self.repeated: dict[int, frozenset[Var]] = {}
         self.stores: dict[int, Expression | None] = {}
+        self.declared: set[int] = set()
+        """Targets of annotated assignments: they declare the attribute's type, whatever this value's."""
         """id of an assignment target (a ``MemberExpr`` or ``NameExpr``) -> the value stored (``None``
         for a declaration without one)."""
         self.events: list[tuple[CallExpr, Var, str, str, Var | None]] = []
@@ -413,6 +415,8 @@ class Flow:
             kills = {v for lv in s.lvalues for v in _bound_names(lv)}
             for lv in s.lvalues:
                 self._record_stores(lv, None if isinstance(s.rvalue, TempNode) and s.rvalue.no_rhs else s.rvalue)
+                if s.type is not None:
+                    self.declared.add(id(lv))
             n = self._node([], kills, exc, whole=s)
             self.succ[n].append(nxt)
             return n
@@ -663,9 +667,12 @@ class LinearPlugin(Plugin):
         value = flow.stores[id(target)]
         if _is_stash(value) or _is_none(value):
             return ctx.default_attr_type
-        if value is not None:
+        if value is not None and id(target) not in flow.declared:
             value_type = checker.lookup_type_or_none(value)
-            if value_type is not None and linear_in(value_type) is None:
+            if value_type is None:  # (mypy checks the target before the value: infer it now, its errors left to mypy's own pass)
+                with checker.msg.filter_errors():
+                    value_type = checker.expr_checker.accept(value)
+            if linear_in(value_type) is None:
                 return ctx.default_attr_type
         typ = _type_text(ctx.default_attr_type, what, checker)
         if value is None or isinstance(target, NameExpr):

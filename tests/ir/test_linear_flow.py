@@ -276,6 +276,12 @@ class Store:
         self.table[0] = plan  # E: linear-escape
         self.table.setdefault(1, plan)  # E: linear-escape
 
+    def later(self, k: int, plan: Plan) -> None:
+        self.n = 3
+        self.n = k
+        self.n = -k if k else len(self.items)
+        self.n = plan  # E: linear-escape
+
 
 def into_a_parameter(out: list[Plan], plan: Plan) -> None:
     out.append(plan)  # E: linear-escape

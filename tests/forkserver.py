@@ -171,12 +171,12 @@ class _Others:
             env = dict(req["env"], PYTHONPATH=os.environ.get("PYTHONPATH", ""))
             env.pop(SOCKET_ENV, None)
             template = os.getpid()
-            subprocess.Popen([sys.executable, "-m", "tests.forkserver", path, str(ready_w)], env=env, cwd=str(ROOT), pass_fds=(ready_w,),
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=lambda: _die_with_template(template))
+            proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", path, str(ready_w)], env=env, cwd=str(ROOT), pass_fds=(ready_w,),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=lambda: _die_with_template(template))
             os.close(ready_w)
-            with os.fdopen(ready_r, "rb") as ready:
-                if ready.readline() != b"ready\n":
-                    return False
+            if not _ready(ready_r):
+                proc.kill()
+                return False
             self.paths[key] = path
         path = self.paths[key]
         if path is None:
@@ -408,15 +408,26 @@ def _start_template() -> str | None:
         children._live.discard(proc)
     _keep.append(proc)
     atexit.register(_stop_template, proc, folder)
-    with os.fdopen(ready_r, "rb") as ready:
-        line = ready.readline()  # (the template's end closes if it fails: an empty line)
-    if line != b"ready\n":
+    if not _ready(ready_r):
+        proc.kill()
         return None
     os.environ[SOCKET_ENV] = path
     return path
 
 
 _keep: list[subprocess.Popen[bytes]] = []
+READY_S = 120.0
+"""How long a template may take to import before it is given up (its children then start fresh)."""
+
+
+def _ready(fd: int) -> bool:
+    """Whether a starting template says "ready" on ``fd`` within ``READY_S`` (it closes its end if it fails)."""
+    import select
+
+    with os.fdopen(fd, "rb") as ready:
+        if not select.select([ready], [], [], READY_S)[0]:
+            return False
+        return ready.readline() == b"ready\n"
 
 
 def _stop_template(proc: subprocess.Popen[bytes], folder: str) -> None:

@@ -63,6 +63,7 @@ ENGINE_TESTS = [
     "tests/test_api_validation.py", "tests/compiler/engine/test_engine_parts.py", "tests/compiler/engine/test_engine_units.py",
     "tests/compiler/engine/test_engine_inline_processes.py", "tests/compiler/test_prefix_cache_unit.py", "tests/compiler/engine/test_policy.py", "tests/compiler/engine/test_nonfinite.py",
     "tests/compiler/engine/test_retraction_progress.py", "tests/compiler/engine/test_config.py",
+    "tests/compiler/engine/test_engine_head.py",
     "tests/compiler/engine/test_engine_promises.py",
 ]
 TARGETS: dict[str, list[str]] = {

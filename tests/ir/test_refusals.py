@@ -83,6 +83,7 @@ def test_the_well_formed_neighbours_are_accepted() -> None:
     verify(DecodeBatch(**dec_cols()))
     verify(MixedBatch(extend=ext_batch(), decode=DecodeBatch(**dec_cols())))
     verify(ext_plan())
+    verify(ext_plan(tickets=(), snapshots=(Ticket(pool=TARGET_POOL, op=_snap((1,), (5,))),)))
     verify(DecodePlan(**dec_cols()))
     verify(MixedPlan(extend=ext_plan(sample_id=SID), decode=DecodePlan(**dec_cols(), sample_id=SID)))
 
@@ -198,6 +199,9 @@ VERIFICATION: list[tuple[str, Callable[[], Any], str]] = [
     ("plan KV twice", lambda: ext_plan(kv_locs=[4, 4]), r"^ExtendPlan\.kv_locs\[1\]: KV location 4 already used at index 0$"),
     ("ticket writes a stranger", lambda: ext_plan(MambaInit(serial=S, clear_slots=(1, 3))), r"^ExtendPlan\.tickets\[0\]: ticket #11 for pool 'target' writes slot 3, which no request of the plan owns$"),
     ("ticket copies a live slot", lambda: ext_plan(MambaInit(serial=S, cow_src=(1,), cow_dst=(2,))), r"^ExtendPlan\.tickets\[0\]\.op\.cow_src\[0\]: cow src 1 is the live slot of a request in this plan$"),
+    # a plan with snapshots and no init ticket (a continued chunk that ends at a snapshot) is verified all the same
+    ("snapshot-only plan reads a stranger", lambda: ext_plan(tickets=(), snapshots=(Ticket(pool=TARGET_POOL, op=_snap((3,), (5,))),)), r"^ExtendPlan\.snapshots\[0\]: snapshot ticket #12 for pool 'target' reads slot 3, which no request of the plan owns$"),
+    ("snapshot-only plan writes a live slot", lambda: ext_plan(tickets=(), snapshots=(Ticket(pool=TARGET_POOL, op=_snap((1,), (2,))),)), r"^ExtendPlan\.snapshots\[0\]\.op\.dst\[0\]: dst 2 is the live slot of a request in this plan$"),
     ("decode plan rid twice", lambda: DecodePlan(**dec_cols(rids=[3, 3])), r"^DecodePlan\.rids\[1\]: request id 3"),
     ("decode plan slot twice", lambda: DecodePlan(**dec_cols(slots=[3, 3])), r"^DecodePlan\.slots\[1\]: slot 3"),
     ("decode plan KV twice", lambda: DecodePlan(**dec_cols(kv_locs=[9, 9])), r"^DecodePlan\.kv_locs\[1\]: KV location 9"),

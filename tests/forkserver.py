@@ -61,7 +61,6 @@ _SENSITIVE = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TRITON_", "TORCH", 
 values than the template's starts the usual way (``PYTHONPATH`` and ``PYTHONDONTWRITEBYTECODE``
 are applied in the child)."""
 _APPLIED = ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")
-_PR_SET_PDEATHSIG = 1
 
 
 def _sensitive(env: Mapping[str, str]) -> dict[str, str]:
@@ -343,14 +342,11 @@ def _max_fd() -> int:
 
 
 def _die_with_template(template: int) -> None:
-    import ctypes
+    """batchc's own parent-death rule (``backend.children``: the signal, then the check that the
+    template had not died first), in a child of the template (which imported it: nothing loads here)."""
+    from backend import children
 
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != template:  # the template died before the prctl
-        os._exit(1)
+    children._die_with(template)
 
 
 def _fresh_streams() -> None:

@@ -178,9 +178,9 @@ def check_request(
     their length, unread), ``max_new_tokens >= 1`` with room under ``max_len`` for the prompt, the
     new tokens and the k + 1 speculative positions (and, given the engine's ``kv_capacity``, room in
     it for the KV of the prompt, the new tokens but the last and k speculative positions at once: a
-    request that needs more than the engine has would never finish, and waited forever), and ``stop`` ``None``, a token id or a list or
-    tuple of them (every one that ends the request: a tokenizer's end-of-sequence ids). Returns them
-    as ``(rid, prompt, max_new_tokens, stop ids)``."""
+    request that needs more than the engine has would never finish), and ``stop`` ``None``, a token
+    id or a list or tuple of them (every one that ends the request: a tokenizer's end-of-sequence
+    ids). Returns them as ``(rid, prompt, max_new_tokens, stop ids)``."""
     problem = int_problem(rid)
     if problem is not None:
         raise PreconditionError("admit", f"rid {problem} (got {short_repr(rid)})")
@@ -196,10 +196,11 @@ def check_request(
         raise PreconditionError("admit", f"request {rid}: max_new_tokens must be >= 1, got {new}")
     if arr.shape[0] + new + k + 1 > max_len:
         raise PreconditionError("admit", f"request {rid}: prompt {arr.shape[0]} + {new} new tokens exceed max_len {max_len}")
-    if kv_capacity is not None and arr.shape[0] + new - 1 + k > kv_capacity:
+    kv_need = arr.shape[0] + new - 1 + k
+    if kv_capacity is not None and kv_need > kv_capacity:
         raise PreconditionError(
             "admit", f"request {rid}: prompt {arr.shape[0]} + {new} new tokens + {k} speculative positions, less its last token, need "
-            f"{arr.shape[0] + new - 1 + k} KV locations at once, over the engine's kv_capacity {kv_capacity}"
+            f"{kv_need} KV locations at once, over the engine's kv_capacity {kv_capacity}"
         )
     if stop is None:
         return rid, arr, new, frozenset()

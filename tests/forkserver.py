@@ -7,8 +7,10 @@ work, some two hundred times a run, on two cores. Here one *template* process pe
 imports them once, and each child is forked from it, ready to run.
 
 - ``Popen`` and ``run`` take ``subprocess``'s arguments. A child that runs one of the repository's
-  own modules (``[sys.executable, "-m", "compiler.cli" | "backend.…" | "tests.…", ...]``) from the
-  repository's root is forked from the template; anything else (another program, another directory,
+  own modules (``[sys.executable, "-m", "compiler.cli" | "backend.…" | "tests.…", ...]``) or a
+  program given with ``-c`` from the repository's root is forked from the template (the tests of
+  the interpreter's own start and exit call ``subprocess`` itself); anything else (another program,
+  another directory,
   an environment that changes what an import does: thread counts, Triton's interpreter, Python's own
   settings) starts the usual way. Either way the caller gets a ``subprocess.Popen``: pipes, text
   mode, ``communicate``, ``wait``, ``poll``, signals and exit statuses behave as for a fresh
@@ -21,7 +23,9 @@ imports them once, and each child is forked from it, ready to run.
   the process that asked for it (the template kills it when that process's end of the connection
   closes: when it exits, whatever killed it) and with the template, and leads its own process group.
   The tests of that promise itself (``tests/backend/test_children.py``, the command line's
-  lifetimes and signals) use real processes throughout.
+  lifetimes and signals) start batchc's children as batchc does: ``Popen(..., real_children=True)``
+  forks the ``batchc`` process under test and leaves its ``spawn`` alone, so every process it starts
+  is a fresh interpreter and its own child.
 - One template per pytest process, started on first use, with the environment the conftest set up;
   it dies with that process. ``BATCHC_TEST_FORK=0`` turns the whole mechanism off.
 """
@@ -41,6 +45,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -231,7 +236,7 @@ def _start(conn: socket.socket, listener: socket.socket, wake_r: int, wake_w: in
 
 
 def _child(req: dict[str, Any], fds: list[int], own: list[int], base_path: list[str], template: int) -> None:
-    """In the forked child: become ``python -m module args`` and never return."""
+    """In the forked child: become ``python -m module args`` (or ``python -c source args``) and never return."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -261,18 +266,26 @@ def _child(req: dict[str, Any], fds: list[int], own: list[int], base_path: list[
         sys.path[:] = [req["cwd"], *extra, *(p for p in base_path if p not in extra)]
         sys.dont_write_bytecode = bool(req["env"].get("PYTHONDONTWRITEBYTECODE"))
         _fresh_streams()
-        install()
-        module, argv = req["module"], req["argv"]
-        sys.argv = [module, *argv]
+        if not req.get("real_children"):
+            install()
+        module, source, argv = req.get("module"), req.get("code"), req["argv"]
         import runpy
 
         try:
-            try:
-                runpy._get_module_details(module, runpy._Error)  # type: ignore[attr-defined]  # what `python -m` checks first
-            except runpy._Error as exc:  # type: ignore[attr-defined]
-                print(f"{sys.executable}: {exc}", file=sys.stderr)
-                raise SystemExit(1) from None
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            if source is not None:  # `python -c SOURCE ARGS`: argv[0] is "-c", the path starts with "" (the working directory)
+                sys.argv = ["-c", *argv]
+                sys.path[0] = ""
+                main = types.ModuleType("__main__")
+                sys.modules["__main__"] = main
+                exec(compile(source, "<string>", "exec"), main.__dict__)  # noqa: S102 - the program the caller asked for
+            else:
+                sys.argv = [module, *argv]
+                try:
+                    runpy._get_module_details(module, runpy._Error)  # type: ignore[attr-defined]  # what `python -m` checks first
+                except runpy._Error as exc:  # type: ignore[attr-defined]
+                    print(f"{sys.executable}: {exc}", file=sys.stderr)
+                    raise SystemExit(1) from None
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:
             code = _exit_code(exc.code)
@@ -439,17 +452,27 @@ class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]  # text or bytes,
 
     _conn: socket.socket | None = None
 
+    def __init__(self, args: Any, *, real_children: bool = False, **kwargs: Any) -> None:
+        """``real_children``: the forked child leaves ``backend.children.spawn`` as batchc has it, so the
+        processes it starts are fresh interpreters, its own children (see ``Popen``)."""
+        self._real_children = real_children
+        super().__init__(args, **kwargs)
+
     def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: bool, pass_fds: Sequence[int], cwd: Any,
                        env: Any, startupinfo: Any, creationflags: Any, shell: bool, p2cread: int, p2cwrite: int, c2pread: int,
                        c2pwrite: int, errread: int, errwrite: int, *rest: Any) -> None:
         start_new_session, process_group = rest[-2], rest[-1]
-        module = _module_of(args, executable, shell, close_fds, cwd, preexec_fn)
-        path = _template_path() if module is not None else None
-        if module is not None and path is not None:
+        target = _target_of(args, executable, shell, close_fds, cwd, preexec_fn)
+        path = _template_path() if target is not None else None
+        if target is not None and path is not None:
             child_env = dict(os.environ if env is None else env)
-            child_env.setdefault(SOCKET_ENV, path)
+            if self._real_children:
+                child_env.pop(SOCKET_ENV, None)
+            else:
+                child_env.setdefault(SOCKET_ENV, path)
             req = {
-                "module": module, "argv": [os.fsdecode(a) for a in args[3:]], "env": {os.fsdecode(k): os.fsdecode(v) for k, v in child_env.items()},
+                **target, "argv": [os.fsdecode(a) for a in args[3:]], "env": {os.fsdecode(k): os.fsdecode(v) for k, v in child_env.items()},
+                "real_children": self._real_children,
                 "cwd": str(Path(os.getcwd() if cwd is None else os.fsdecode(cwd)).resolve()), "pass_fds": list(pass_fds),
                 "new_session": bool(start_new_session), "process_group": None if process_group in (None, -1) else process_group,
             }
@@ -463,7 +486,7 @@ class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]  # text or bytes,
                 reply = {"fallback": "the template did not answer"}
             if "pid" not in reply and os.environ.get("BATCHC_TEST_FORK_LOG"):
                 with open(os.environ["BATCHC_TEST_FORK_LOG"], "a") as log:
-                    log.write(f"{os.getpid()} {module}: {reply.get('fallback')}\n")
+                    log.write(f"{os.getpid()} {target}: {reply.get('fallback')}\n")
             if "pid" in reply:
                 self.pid = int(reply["pid"])
                 self._child_created = True
@@ -507,22 +530,30 @@ class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]  # text or bytes,
         return self.pid, status
 
 
-def _module_of(args: Any, executable: Any, shell: bool, close_fds: bool, cwd: Any, preexec_fn: Any) -> str | None:
-    """The module a child would run with ``python -m``, when the template can fork it (else ``None``)."""
+def _target_of(args: Any, executable: Any, shell: bool, close_fds: bool, cwd: Any, preexec_fn: Any) -> dict[str, str] | None:
+    """What a child would run, when the template can fork it (else ``None``): ``{"module": name}`` for
+    ``python -m`` one of the repository's own modules, ``{"code": source}`` for ``python -c source``;
+    either from the repository's root (elsewhere its imports could name other files than the
+    template's)."""
     if shell or executable is not None or not close_fds or preexec_fn is not None or isinstance(args, (str, bytes)):
         return None
     args = [os.fsdecode(a) if isinstance(a, (str, bytes, os.PathLike)) else a for a in args]
-    if len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or not isinstance(args[2], str):
+    if len(args) < 3 or args[0] != sys.executable or args[1] not in ("-m", "-c") or not isinstance(args[2], str):
         return None
-    if args[2].split(".")[0] not in OWN_PACKAGES:
+    if args[1] == "-m" and args[2].split(".")[0] not in OWN_PACKAGES:
         return None
     here = Path(os.getcwd() if cwd is None else os.fsdecode(cwd)).resolve()
-    return args[2] if here == ROOT else None
+    if here != ROOT:
+        return None
+    return {"module": args[2]} if args[1] == "-m" else {"code": args[2]}
 
 
-def Popen(args: Any, **kwargs: Any) -> subprocess.Popen[Any]:  # noqa: N802 - subprocess's own name
-    """``subprocess.Popen``, forked from the template where it can be."""
-    return ForkedPopen(args, **kwargs)
+def Popen(args: Any, *, real_children: bool = False, **kwargs: Any) -> subprocess.Popen[Any]:  # noqa: N802 - subprocess's own name
+    """``subprocess.Popen``, forked from the template where it can be. ``real_children``: the processes
+    the child starts through ``backend.children.spawn`` are fresh interpreters and its own children, as
+    in a fresh ``batchc`` (for the tests of how they live and die: only the process under test is
+    forked)."""
+    return ForkedPopen(args, real_children=real_children, **kwargs)
 
 
 def run(args: Any, *, input: Any = None, capture_output: bool = False, timeout: float | None = None, check: bool = False,
@@ -555,7 +586,7 @@ def spawn(args: Sequence[str], *, env: Mapping[str, str] | None = None, stdin: i
     process group and dies with this process (the template kills it when this process's end closes)."""
     from backend import children
 
-    if _module_of(list(args), None, False, True, None, None) is None or _template_path() is None:
+    if _target_of(list(args), None, False, True, None, None) is None or _template_path() is None:
         return _real_spawn(args, env=env, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds)
     proc: subprocess.Popen[bytes] = ForkedPopen(list(args), env=None if env is None else dict(env), stdin=stdin, stdout=stdout,
                                                 stderr=stderr, pass_fds=tuple(pass_fds), process_group=0)

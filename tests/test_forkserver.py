@@ -57,6 +57,35 @@ def test_exit_statuses_and_last_words_are_a_fresh_interpreters(mode: str, status
         assert forked.stdout == "thread done\nat exit\n"
 
 
+def test_a_program_given_with_dash_c_runs_as_python_runs_it() -> None:
+    code = ("import json, os, sys\n"
+            "print(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'name': __name__, 'cwd': os.getcwd(), 'parent': os.getppid(),\n"
+            "                  'main': sys.modules['__main__'].__dict__ is globals()}))\n"
+            "raise SystemExit(int(sys.argv[2]))\n")
+    forked = forkserver.run([sys.executable, "-c", code, "a b", "4"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    fresh = subprocess.run([sys.executable, "-c", code, "a b", "4"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert forked.returncode == fresh.returncode == 4, (forked.stderr, fresh.stderr)
+    a, b = json.loads(forked.stdout), json.loads(fresh.stdout)
+    assert a.pop("parent") != os.getpid() and b.pop("parent") == os.getpid()  # (the first one was forked)
+    assert a == b == {"argv": ["-c", "a b", "4"], "path0": "", "name": "__main__", "cwd": str(ROOT), "main": True}
+    raised = [runner([sys.executable, "-c", "import sys; print('out'); raise ValueError('probe raised')"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=60) for runner in (forkserver.run, subprocess.run)]
+    assert [(r.returncode, r.stdout, r.stderr.splitlines()[-1]) for r in raised] == [(1, "out\n", "ValueError: probe raised")] * 2
+
+
+@pytest.mark.parametrize("real_children", [False, True])
+def test_the_processes_a_forked_child_starts_are_forked_unless_it_asks_for_real_children(real_children: bool) -> None:
+    """A forked child's ``backend.children.spawn`` forks from the template too (the grandchild is the
+    template's child), or, with ``real_children`` (the tests of how batchc's children live and die),
+    starts a fresh interpreter that is the child's own child, as in a fresh ``batchc``."""
+    proc = forkserver.run([*PROBE, "spawn"], cwd=ROOT, capture_output=True, text=True, timeout=120, real_children=real_children)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["me"] != os.getpid() and seen["my_parent"] != os.getpid()  # the child under test was forked either way
+    assert (seen["grandchild_parent"] == seen["me"]) is real_children
+    assert seen["grandchild_parent"] == (seen["me"] if real_children else seen["my_parent"])  # its own child, or the template's
+
+
 def test_a_missing_module_is_reported_as_python_reports_it() -> None:
     forked = forkserver.run([sys.executable, "-m", "tests.no_such_module"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     fresh = subprocess.run([sys.executable, "-m", "tests.no_such_module"], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -155,6 +184,12 @@ def _probe(mode: str, args: list[str]) -> None:
         time.sleep(60)
     elif mode == "sleep":
         time.sleep(60)
+    elif mode == "spawn":
+        from backend import children
+
+        child = children.spawn([sys.executable, "-m", "tests.test_forkserver", "describe"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        out, _ = child.communicate(timeout=60)
+        print(json.dumps({"me": os.getpid(), "my_parent": os.getppid(), "grandchild_parent": json.loads(out)["parent"]}))
 
 
 if __name__ == "__main__":

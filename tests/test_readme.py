@@ -47,12 +47,14 @@ def _table_rows(text: str) -> list[tuple[str, str]]:
 def test_readme_and_getting_started_show_rows_that_batchc_run_prints() -> None:
     """The sample output of ``batchc run`` in the README and in Getting started is an excerpt of what
     the command prints on its bundled default: each row shown, with its value, is a row of a real
-    run's summary (run as the README's first command does, in a process of its own)."""
-    import subprocess
+    run's summary (run as the README's first command does, in a process of its own: forked from the
+    suite's template, ``tests/forkserver.py``)."""
     import sys
 
+    from tests import forkserver
+
     exe = [sys.executable, "-c", "import sys; from compiler.launch import main; sys.exit(main())", "run"]
-    result = subprocess.run(exe, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = forkserver.run(exe, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     printed = set(_table_rows(result.stdout))
     assert ("lossless_check", "passed: 4 requests equal plain greedy of the target") in printed

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.real_processes  # how children live and die: batchc's own process starts, never the suite's template
+from tests import forkserver
+
+pytestmark = pytest.mark.real_processes  # how children live and die: batchc's children start as batchc starts them, never from the suite's template
 
 ROOT = Path(__file__).resolve().parents[3]
 RUN = ["run", "--k", "0", "--requests", "16", "--max-new-tokens", "16", "--lossless-sample", "0"]
@@ -59,8 +61,10 @@ def alive(pid: int) -> bool:
 
 
 def paused(point: str, marker: Path, args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tests.compiler.cli.paused", point, str(marker), *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """``batchc ARGS`` stopped at ``point`` (``tests/compiler/cli/paused.py``): forked from the suite's
+    template, its own children fresh interpreters started as batchc starts them (``real_children``)."""
+    return forkserver.Popen([sys.executable, "-m", "tests.compiler.cli.paused", point, str(marker), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, real_children=True)
 
 
 def wait_for(marker: Path, proc: subprocess.Popen[str], limit_s: float = 120.0) -> None:

@@ -18,7 +18,7 @@ from compiler.cli import output
 from compiler.cli.output import OutputFile
 from tests.compiler.cli.test_lifetimes import OLD, RUN, alive, descendants, kill_left, paused, wait_for
 
-pytestmark = pytest.mark.real_processes  # how children live and die: batchc's own process starts, never the suite's template
+pytestmark = pytest.mark.real_processes  # how children live and die: batchc starts its children as it does, never from the suite's template
 
 
 def _claimed(tmp_path: Path, *, outputs: bool) -> tuple[list[str], list[Path]]:

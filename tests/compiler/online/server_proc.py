@@ -21,11 +21,13 @@ LISTENING = re.compile(r"engine process(?:es)? ([\d, ]+)\) listening on (http://
 
 
 class ServerProc:
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_s: float = 120.0, fork: bool = True) -> None:
-        """``fork``: started from the suite's template (``tests/forkserver.py``); ``False`` for a test
-        that reads the process tree (``children``: the processes the server itself started)."""
-        self.proc = (forkserver.Popen if fork else subprocess.Popen)([sys.executable, "-m", "compiler.cli", "serve", "--port", "0", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})))
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, start_s: float = 120.0, real_children: bool = False) -> None:
+        """Started from the suite's template (``tests/forkserver.py``); ``real_children`` for a test
+        that reads the process tree (``children``: the processes the server itself started, then
+        fresh interpreters and its own children, as in a fresh ``batchc serve``)."""
+        self.proc = forkserver.Popen([sys.executable, "-m", "compiler.cli", "serve", "--port", "0", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})),
+                                     real_children=real_children)
         self.lines: list[str] = []
         self._seen = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()

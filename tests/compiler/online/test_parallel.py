@@ -13,10 +13,10 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import attrs
 import httpx
-import openai
 import pytest
 
 from compiler.online.messages import Launch
@@ -25,6 +25,12 @@ from tests import forkserver
 from tests.compiler.cli.test_lifetimes import alive
 from tests.compiler.online.server_proc import ROOT, ServerProc
 from tests.helpers import run_cli
+from tests.lazy import lazy
+
+if TYPE_CHECKING:
+    import openai
+else:
+    openai = lazy("openai")  # (a second to import: only the worker that runs these tests pays it)
 
 MODEL = "batchc-bundled"
 MAX_LEN = 256
@@ -50,7 +56,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
          "--lossless-sample", "0", *OPTIONS],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    servers = {name: ServerProc(args, fork=False) for name, args in SERVERS.items()}  # (fresh: a test reads their process trees)
+    servers = {name: ServerProc(args, real_children=True) for name, args in SERVERS.items()}  # (a test reads their process trees)
     try:
         _, err = offline.communicate(timeout=180)
         assert offline.returncode == 0, err[-2000:]

@@ -20,15 +20,20 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 import pytest
 
 from tests import forkserver
 from tests.compiler.cli.test_lifetimes import alive
 from tests.compiler.online.server_proc import ROOT, ServerProc
+from tests.lazy import lazy
+
+if TYPE_CHECKING:
+    import openai
+else:
+    openai = lazy("openai")  # (a second to import: only the worker that runs these tests pays it)
 
 KEY = "test-key-0123"
 MODEL = "batchc-bundled"
@@ -62,8 +67,8 @@ def crash_plans(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def servers(crash_plans: Path) -> Iterator[dict[str, ServerProc]]:
     """Every server of the module, started at once (their start-ups overlap); the drain, deadline and
     crash tests each end theirs."""
-    # (the drain and crash servers are fresh interpreters: their tests check that every process they started is gone)
-    started = {name: ServerProc(args, env={"BATCHC_DUMP_DIR": str(crash_plans)} if name == "crash" else None, fork=name not in ("drain", "crash"))
+    # (the drain and crash servers start their processes as batchc does: their tests check that every process they started is gone)
+    started = {name: ServerProc(args, env={"BATCHC_DUMP_DIR": str(crash_plans)} if name == "crash" else None, real_children=name in ("drain", "crash"))
                for name, args in SERVERS.items()}
     try:
         yield {name: s.ready() for name, s in started.items()}

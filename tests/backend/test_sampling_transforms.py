@@ -15,19 +15,20 @@ import math
 import attrs
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from backend.sampling import NON_FINITE, RowParams, distribution, greedy_or_flag, sample, sample_rows, window_counts
 from ir.sampling import GREEDY, SamplingParams
 
 
 def _hf_probs(logits: torch.Tensor, p: SamplingParams, seen_ids: list[int]) -> torch.Tensor:
+    from transformers.generation.logits_process import (  # (here: transformers takes a second to import, in every worker that collects)
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
     scores = logits[None].clone()
     if p.repetition_penalty != 1.0 and seen_ids:
         scores = RepetitionPenaltyLogitsProcessor(penalty=p.repetition_penalty)(torch.tensor([seen_ids]), scores)

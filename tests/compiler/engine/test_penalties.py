@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import RepetitionPenaltyLogitsProcessor
 from typeguard import suppress_type_checks
 
 from backend import faults
@@ -56,6 +55,8 @@ def reference(prompt: tuple[int, ...], params: SamplingParams, n: int = NEW, ret
     define it, from the from-scratch reference model. ``retracted_after``: the output tokens before
     it became prompt tokens (a retraction then, ``backend.counts``): frequency and presence count
     the output after them only."""
+    from transformers import RepetitionPenaltyLogitsProcessor  # (here: a second to import, in every worker that collects)
+
     target = tiny_models()[0]
     seq, out = list(prompt), list[int]()
     repetition = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)

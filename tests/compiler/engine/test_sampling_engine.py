@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from scipy.stats import chi2_contingency
 
 from backend.hybrid.reference import greedy_generate_reference
 from backend.remote import Processes
@@ -98,6 +97,8 @@ def _homogeneous(a: np.ndarray, b: np.ndarray) -> float:
 
     def hist(x: np.ndarray) -> list[int]:
         return [int(np.sum(x == t)) for t in bins[:-1]] + [int(sum(1 for v in x.tolist() if v not in big))]
+
+    from scipy.stats import chi2_contingency  # (here: scipy.stats takes a second to import, in every worker that collects)
 
     table = np.array([hist(a), hist(b)])
     table = table[:, table.sum(axis=0) > 0]

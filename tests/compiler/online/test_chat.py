@@ -13,14 +13,20 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
-import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
 
 from tests.backend.hf.builders import save_hf_model, save_tokenizer
 from tests.compiler.online.server_proc import ServerProc
+from tests.lazy import lazy
+
+if TYPE_CHECKING:
+    import openai
+    from openai.types.chat import ChatCompletionMessageParam
+else:
+    openai = lazy("openai")  # (a second to import: only the worker that runs these tests pays it)
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

@@ -16,6 +16,10 @@
   turns the template off for a whole run.
 - Torch's intra-op thread count is put back after every test: the command line sets it
   (``--threads``), and a test that runs the command line must not change it for the tests after.
+- typeguard (pyproject's addopts) checks the arguments, returns and annotated assignments of every
+  public function and method of the four packages, dunder methods included (``__init__``,
+  ``__call__``, ...), and of the functions nested in them; a private helper (a name with one leading
+  underscore) is checked by mypy --strict alone (``_public_only``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,37 @@ import pytest
 import torch
 
 from tests import hypothesis_profiles  # noqa: F401  # registers the fuzzer's profiles, so --hypothesis-profile=long works
+
+
+def _public_only() -> None:
+    """typeguard instruments the public functions and methods only (see the module): its import hook
+    (installed by its pytest plugin at configure, after this conftest is imported) rewrites every
+    function of a module, and a private helper is called from within its module, with arguments
+    mypy --strict has checked there, many times per public call (the IR's column helpers, the
+    printer's and parser's per-value steps, the executor's per-plan steps). Measured on two cores,
+    the engine, IR and pass test files it costs most in (test_parse, test_wire, test_pass_promises,
+    test_engine_promises, test_penalties, test_serving; one process, two interleaved rounds): 76-77 s
+    of CPU with every function checked, 60-61 s with the public ones. typeguard has no public switch
+    for it; its transformer's function visitor is wrapped, and a typeguard without that visitor
+    fails here, at the suite's start, rather than checking less unnoticed."""
+    from typeguard._transformer import TypeguardTransformer
+
+    for name in ("visit_FunctionDef", "visit_AsyncFunctionDef"):
+        visit = getattr(TypeguardTransformer, name)
+        if getattr(visit, "_public_only", False):
+            continue
+
+        def public_only(self: TypeguardTransformer, node: object, _visit: object = visit) -> object:
+            fn = getattr(node, "name", "")
+            if fn.startswith("_") and not (fn.startswith("__") and fn.endswith("__")):
+                return node  # (left as written: mypy --strict checks it)
+            return _visit(self, node)  # type: ignore[operator]  # the visitor taken from the class above
+
+        public_only._public_only = True  # type: ignore[attr-defined]  # marks the wrapper: conftest imported twice wraps once
+        setattr(TypeguardTransformer, name, public_only)
+
+
+_public_only()
 
 collect_ignore = ["user_project"]
 """An engine author's project kept as test data: ``.ci/check-install`` copies it out of the checkout and
@@ -92,7 +127,39 @@ def pytest_ignore_collect(collection_path: object, config: pytest.Config) -> boo
     return None
 
 
+LONGEST_FIRST = (
+    "tests/compiler/tools/test_bench_serve.py",
+    "tests/compiler/offline/test_hf_serving.py",
+    "tests/compiler/online/test_server.py",
+    "tests/compiler/engine/test_penalties.py",
+    "tests/compiler/engine/test_engine_head.py",
+    "tests/test_fuzz_stack.py",
+    "tests/compiler/cli/test_cli_hostile.py",
+    "tests/backend/tp/test_tp_serve.py",
+    "tests/compiler/engine/test_sampling_engine.py",
+    "tests/compiler/online/test_parallel.py",
+    "tests/testing/test_strategies.py",
+    "tests/compiler/offline/test_tp_cli.py",
+    "tests/backend/kernels/test_kernel_window.py",
+    "tests/ir/test_parse.py",
+    "tests/compiler/cli/test_lifetimes.py",
+    "tests/test_suite_settings.py",
+)
+"""The files that took longest in a full run on two cores (20-70 s each), run first: the workers take
+files in collection order (``--dist loadfile``), and a long file taken last leaves the other workers'
+cores idle at the end (measured: the last 16 s of a run on one worker). Only the order changes, and
+only the order's speed depends on this list being current."""
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    where = [rank.get(os.path.relpath(str(item.path), _ROOT).replace(os.sep, "/"), len(rank)) for item in items]
+    order = sorted(range(len(items)), key=where.__getitem__)  # (stable: within a file, and for the rest, collection order)
+    items[:] = [items[i] for i in order]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _longest_first(items)
     slow = pytest.mark.slow
     no_device = pytest.mark.skip(reason="no CUDA device") if not torch.cuda.is_available() else None
     for item in items:

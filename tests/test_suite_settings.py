@@ -29,8 +29,10 @@ def test_the_suite_runs_at_verify_level_2() -> None:
 def test_a_developer_level_is_overridden_and_reported_once() -> None:
     env = {**os.environ, "BATCHC_VERIFY": "0"}
     out = subprocess.run(
-        # one xdist worker, as the suite's own addopts run: the notice is printed by the controller, once
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1", f"{__file__}::test_the_suite_runs_at_verify_level_2"],
+        # one xdist worker, as under the suite's own addopts: the notice is printed by the controller, once (the
+        # addopts' typeguard is left out: it instruments batchc in the worker and has nothing to do with the notice)
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-n", "1",
+         f"{__file__}::test_the_suite_runs_at_verify_level_2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
@@ -70,6 +72,23 @@ def test_typeguard_checks_every_package_with_code_batchc_s_pytest_plugin_include
         assert "TypeCheckMemo" in function.__code__.co_names, function.__qualname__
     with pytest.raises(typeguard.TypeCheckError):
         compiler.testing.golden.assert_golden(1, Path("unused.txt"))  # type: ignore[arg-type]  # typeguard must refuse it
+
+
+def test_typeguard_checks_the_public_functions_and_methods_and_leaves_private_helpers_to_mypy() -> None:
+    """tests/conftest.py: a public function or method, a dunder method and a function nested in a
+    public one are instrumented; a private helper (one leading underscore) is not."""
+    import typeguard
+
+    import backend.ledger
+    import ir.columns
+    from ir.printer import dump
+
+    for function in (backend.ledger.Claim.__init__, Ledger.register, ir.columns.check_int, dump):
+        assert "TypeCheckMemo" in function.__code__.co_names, function.__qualname__
+    for function in (ir.columns._as_i64, backend.ledger._key):
+        assert "TypeCheckMemo" not in function.__code__.co_names, function.__qualname__
+    with pytest.raises(typeguard.TypeCheckError):
+        ir.columns.check_int(None, 1, 2)  # type: ignore[arg-type]  # typeguard must refuse the int named as a name
 
 
 def test_typeguard_leaves_out_the_numeric_inner_loop_and_only_it() -> None:

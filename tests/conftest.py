@@ -11,9 +11,10 @@
 - The processes the tests start that run batchc's own modules (``batchc run`` and ``serve`` through
   ``tests.forkserver.Popen``/``run``, and the ranks, replicas and executor processes batchc starts
   itself) are forked from a template process that imported torch and batchc once
-  (``tests/forkserver.py``): the same programs, a second instead of several each. Tests marked
-  ``real_processes`` (how children live and die) start fresh interpreters, and ``BATCHC_TEST_FORK=0``
-  turns the template off for a whole run.
+  (``tests/forkserver.py``): the same programs, a second instead of several each. In tests marked
+  ``real_processes`` (how children live and die) batchc starts its children as fresh interpreters,
+  as it does outside the suite (the ``batchc`` under test itself may be forked, with
+  ``real_children``), and ``BATCHC_TEST_FORK=0`` turns the template off for a whole run.
 - Torch's intra-op thread count is put back after every test: the command line sets it
   (``--threads``), and a test that runs the command line must not change it for the tests after.
 - typeguard (pyproject's addopts) checks the arguments, returns and annotated assignments of every

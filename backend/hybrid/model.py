@@ -58,7 +58,7 @@ from backend.kernels.checks import require
 from backend.kernels.chunked import Capture, causal_conv1d_prefill, ssd_prefill
 from backend.kernels.commit import commit_accepted
 from backend.kernels.conv import causal_conv1d_update, causal_conv1d_verify
-from backend.kernels.lowp import f32_linear, lowp_linear
+from backend.kernels.lowp import KERNEL_MAX_ROWS, add_rms_norm, f32_linear, fused_decode_enabled, lowp_linear, mamba_decode_step
 from backend.kernels.ssm import selective_state_update, selective_state_verify_kept
 from backend.kernels.window import SsmWindow, commit_states
 from backend.parts import ATTENTION, EMBED, FORWARD, KV, LM_HEAD, MAMBA, MLP, NORMS
@@ -382,9 +382,11 @@ class HybridModel:
             h = self._w("embed")[input_ids].to(self.dtype)  # (a 16-bit tied embedding's rows widened)
             return h if self.config.embed_scale == 1.0 else h * self.config.embed_scale
 
-    def _layers(self, h: torch.Tensor, mamba: _Mixer, attn: _Mixer) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, mamba: _Mixer, attn: _Mixer, *, fused_norms: bool = False) -> torch.Tensor:
         c = self.config
         scale = c.residual_scale
+        if fused_norms and h.dim() == 2 and h.shape[0] <= KERNEL_MAX_ROWS and h.dtype == torch.float32 and h.device.type == "cpu":
+            return self._layers_fused_norms(h, mamba, attn)
         with NORMS:  # (the parts inside take their own time: NORMS keeps the norms and residual adds)
             for i, kind in enumerate(c.layers):
                 x = rms_norm(h, self._w(f"layers.{i}.norm"), c.rms_eps)
@@ -397,6 +399,67 @@ class HybridModel:
                         out = self._mlp(i, normed)
                     h = h + out if scale == 1.0 else h + out * scale
         return h
+
+    def _layers_fused_norms(self, h: torch.Tensor, mamba: _Mixer, attn: _Mixer) -> torch.Tensor:
+        """``_layers`` with each residual add and the norm after it in one call of the C kernel
+        (``add_rms_norm``), for a decode step's few float32 rows on the CPU: equal to ``_layers`` to
+        float32 rounding. ``h`` is copied first (the kernel adds in place; a caller's embeddings stay
+        as they were)."""
+        c = self.config
+        scale = c.residual_scale
+        h = h.contiguous().clone()
+        pending: torch.Tensor | None = None  # the last sub-block's output, not yet added to h
+
+        def norm(weight: str) -> torch.Tensor:
+            nonlocal pending
+            add = None if pending is None else pending.contiguous()
+            out = add_rms_norm(h, add, self._w(weight), c.rms_eps, scale)
+            if out is None:  # the kernel cannot take it: torch, as _layers
+                if add is not None:
+                    h.add_(add if scale == 1.0 else add * scale)
+                out = rms_norm(h, self._w(weight), c.rms_eps)
+            pending = None
+            return out
+
+        with NORMS:
+            for i, kind in enumerate(c.layers):
+                x = norm(f"layers.{i}.norm")
+                with MAMBA if kind == "mamba" else ATTENTION if kind == "attn" else MLP:
+                    pending = mamba(i, x) if kind == "mamba" else attn(i, x) if kind == "attn" else self._mlp(i, x)
+                if c.block == "mixer_mlp":
+                    normed = norm(f"layers.{i}.mlp_norm")
+                    with MLP:
+                        pending = self._mlp(i, normed)
+            if pending is not None:
+                h = h + pending if scale == 1.0 else h + pending * scale
+        return h
+
+    def _fused_mamba(self, pool: MambaStatePool, pool_rows: torch.Tensor, cores: _Cores) -> _Mixer | None:
+        """A decode's Mamba mixer with the conv, scan and gated norm of each layer in one call of the C
+        kernel (``backend.kernels.lowp.mamba_decode_step``), around the same projections; ``None``
+        where it does not apply (another dtype or device, a norm split across ranks, the switch off).
+        A layer the kernel refuses runs ``cores``' torch path."""
+        c = self.config
+        if (self.norm_split is not None or self.dtype != torch.float32 or pool.device.type != "cpu"
+                or pool_rows.device.type != "cpu" or not fused_decode_enabled()):
+            return None
+        slots = pool_rows.to(torch.int64).contiguous()
+        clamp = (c.dt_min, c.dt_max) if c.clamps_dt else None
+
+        def mamba(i: int, x: torch.Tensor) -> torch.Tensor:
+            m, p = c.mamba_index(i), f"layers.{i}.mixer"
+            proj = self._linear(x, f"{p}.in_proj")
+            normed = mamba_decode_step(
+                proj, pool.conv_state(m), self._w(f"{p}.conv_weight"), self._w(f"{p}.conv_bias"), pool.ssm_state(m),
+                self._w(f"{p}.A_log"), self._w(f"{p}.D"), self._w(f"{p}.dt_bias"), self._w(f"{p}.norm"),
+                slots=slots, ngroups=c.ngroups, dt_softplus=True, dt_clamp=clamp, norm_groups=c.gated_norm_groups, eps=c.rms_eps,
+            )
+            if normed is None:
+                z, xbc, dt = proj[..., : c.d_inner], proj[..., c.d_inner : c.d_inner + c.conv_dim].contiguous(), proj[..., c.d_inner + c.conv_dim :]
+                return self._mamba_out(i, cores.mamba(i, z, xbc, dt))
+            return self._reduced(normed, f"{p}.out_proj")
+
+        return mamba
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -643,7 +706,9 @@ class HybridModel:
         if n == 0:
             return ForwardOut(torch.zeros((0, c.vocab), device=device), torch.zeros((0, c.d_model), dtype=self.dtype, device=device))
         cores = self._decode_cores(pool, pool_rows, kv, table, table_rows, positions, kv_locs, self._decode_ctx(positions, table))
-        h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), *self._mixers(positions, cores))
+        mamba, attn = self._mixers(positions, cores)
+        fused = self._fused_mamba(pool, pool_rows, cores)
+        h = self._layers(self._embed(input_ids) if embeds is None else embeds.to(self.dtype), fused or mamba, attn, fused_norms=fused is not None)
         return ForwardOut(self._logits(h), h)
 
     @staticmethod

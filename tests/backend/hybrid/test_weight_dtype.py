@@ -39,7 +39,7 @@ def test_lowp_linear_is_the_product_of_the_16_bit_values(dtype: torch.dtype) -> 
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for rows in (1, 2, 3, 5, 8, 11, lowp.KERNEL_MAX_ROWS, lowp.KERNEL_MAX_ROWS + 1):
-                for out, k in ((1, 3), (67, 68), (130, 96), (9, 16)):
+                for out, k in ((1, 3), (67, 68), (130, 96), (9, 16), (17, 1030)):  # (1030: one row's longer-row tiles)
                     x = torch.randn(rows, k, generator=gen)
                     w = torch.randn(out, k, generator=gen).to(dtype)
                     got = lowp.lowp_linear(x, w)

@@ -25,13 +25,24 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests import hypothesis_profiles  # noqa: F401  # registers the fuzzer's profiles, so --hypothesis-profile=long works
+
+# Compiled modules are cached (``__pycache__``, git-ignored) even where ``PYTHONDONTWRITEBYTECODE`` is
+# set, as on the machines this suite is timed on: every xdist worker imports every test module and,
+# through typeguard's import hook, every batchc module, and rewriting their asserts and instrumenting
+# and compiling them took 20-25 s of CPU per process; with the caches written by the run before,
+# 8 s. typeguard's cache is keyed by its version and, below, by the instrumentation policy's code;
+# pytest's by its version.
+sys.dont_write_bytecode = False
 
 
 def _public_only() -> None:
@@ -60,6 +71,14 @@ def _public_only() -> None:
 
         public_only._public_only = True  # type: ignore[attr-defined]  # marks the wrapper: conftest imported twice wraps once
         setattr(TypeguardTransformer, name, public_only)
+    # the instrumented modules' bytecode cache is keyed by typeguard's version; this policy changes
+    # what it instruments, so its code keys the cache too (an instrumented module cached under another
+    # policy is never read back)
+    from typeguard import _importhook
+
+    policy = hashlib.sha256(inspect.getsource(_public_only).encode()).hexdigest()[:8]
+    if not _importhook.OPTIMIZATION.endswith(policy):
+        _importhook.OPTIMIZATION += policy
 
 
 _public_only()

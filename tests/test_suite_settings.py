@@ -108,3 +108,21 @@ def test_typeguard_leaves_out_the_numeric_inner_loop_and_only_it() -> None:
             assert not hook.should_instrument(module), (module, described)
         for module in ("backend.executor", "backend.ledger", "backend.hybrid.hook", "backend.pooling", "ir.columns", "compiler.engine"):
             assert hook.should_instrument(module), (module, described)
+
+
+def test_the_suite_caches_compiled_modules_keyed_by_the_instrumentation_policy() -> None:
+    """tests/conftest.py: bytecode is written even under ``PYTHONDONTWRITEBYTECODE`` (each worker
+    would instrument and compile every module again), and typeguard's cached modules are keyed by the
+    policy that chose what to instrument, so a module cached under another policy is never read back."""
+    import hashlib
+    import inspect
+
+    from typeguard import _importhook
+
+    from tests import conftest
+
+    assert sys.dont_write_bytecode is False
+    policy = hashlib.sha256(inspect.getsource(conftest._public_only).encode()).hexdigest()[:8]
+    assert _importhook.OPTIMIZATION.endswith(policy) and _importhook.OPTIMIZATION.startswith("typeguard")
+    cached = Path(_importhook.optimized_cache_from_source(str(ROOT / "backend" / "ledger.py")))
+    assert cached.name.endswith(f"{_importhook.OPTIMIZATION}.pyc") and cached.parent.name == "__pycache__"

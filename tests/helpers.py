@@ -474,6 +474,17 @@ def review_greedy() -> dict[RequestId, list[int]]:
     return {RequestId(i): greedy_reference(p, REVIEW_NEW) for i, p in enumerate(REVIEW_PROMPTS)}
 
 
+def served_greedy(model: HybridModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict[int, list[int]]:
+    """Each prompt's greedy tokens as the engine serves them at k = 0 on ``model`` (request ``i + 1``
+    is prompt ``i``), all admitted at once, four running."""
+    with Engine(model, None, k=0, capacity=4) as eng:
+        for i, p in enumerate(prompts):
+            eng.admit(RequestId(i + 1), list(p), max_new_tokens=max_new_tokens)
+        while eng.live:
+            eng.step()
+        return {int(r): list(v) for r, v in eng.outputs.items()}
+
+
 # -- refusal messages ---------------------------------------------------------------------------
 # What a refusal names as the accepted op kinds, from the declarations (a new kind changes these
 # lists, not the tests that pin the messages around them).

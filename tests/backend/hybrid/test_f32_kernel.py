@@ -13,10 +13,8 @@ from backend.hybrid import HybridModel
 from backend.hybrid.reference import greedy_generate_reference
 from backend.hybrid.weights import matmul_layout, projections
 from backend.kernels import lowp
-from compiler.engine import Engine
 from compiler.tools.bench_decode import weight_agreement
-from ir.ids import RequestId
-from tests.helpers import tiny_models
+from tests.helpers import served_greedy, tiny_models
 
 needs_kernel = pytest.mark.skipif(lowp.kernel_status() != "c-avx2-f16c", reason="the C kernel does not run here")
 
@@ -109,13 +107,7 @@ def test_a_model_through_the_kernel_agrees_with_it_through_mkl(monkeypatch: pyte
     for switch in ("0", "1"):
         monkeypatch.setenv("BATCHC_F32_KERNEL", switch)
         calls = spy.calls
-        with Engine(target, None, k=0, capacity=4) as eng:
-            for i, p in enumerate(prompts):
-                eng.admit(RequestId(i + 1), p, max_new_tokens=6)
-            while eng.live:
-                eng.step()
-            outputs = {int(r): list(v) for r, v in eng.outputs.items()}
-        runs[switch] = outputs
+        runs[switch] = served_greedy(target, prompts, 6)
         assert (spy.calls > calls) == (switch == "1")
     assert runs["1"] == runs["0"] == {i + 1: greedy_generate_reference(target, p, 6) for i, p in enumerate(prompts)}
     # the logits: the same values stored [out, in] (MKL, the kernel's layout check fails) against the kernel's

@@ -18,10 +18,9 @@ from backend.hybrid.model import rms_norm
 from backend.hybrid.reference import greedy_generate_reference
 from backend.kernels import lowp, torch_paths
 from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
-from compiler.engine import Engine
 from compiler.testing.models import state_sensitive
-from ir.ids import TARGET_POOL, RequestId
-from tests.helpers import ARCHITECTURES
+from ir.ids import TARGET_POOL
+from tests.helpers import ARCHITECTURES, served_greedy
 
 needs_kernel = pytest.mark.skipif(lowp.kernel_status() != "c-avx2-f16c", reason="the C kernel does not run here")
 
@@ -242,11 +241,6 @@ def test_a_model_decoding_through_the_fused_step_matches_its_torch_path(arch: st
     sensitive = state_sensitive(model)
     prompts = [[5, 17, 33, 8, 60, 3], [44, 90, 12], [7, 7, 7, 7, 1]]
     calls = spy.mamba
-    with Engine(sensitive, None, k=0, capacity=4) as eng:
-        for i, p in enumerate(prompts):
-            eng.admit(RequestId(i + 1), p, max_new_tokens=6)
-        while eng.live:
-            eng.step()
-        outputs = {int(r): list(v) for r, v in eng.outputs.items()}
+    outputs = served_greedy(sensitive, prompts, 6)
     assert spy.mamba > calls
     assert outputs == {i + 1: greedy_generate_reference(sensitive, p, 6) for i, p in enumerate(prompts)}

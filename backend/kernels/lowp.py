@@ -298,13 +298,17 @@ static void ssm_head(const float *xbc, const float *zr, float dtv, float A, floa
     }
 }
 
-void batchc_mamba_decode(int64_t B, const int64_t *slots, const float *proj, int64_t ldp,
+int batchc_mamba_decode(int64_t B, const int64_t *slots, const float *proj, int64_t ldp,
                          float *conv, int64_t cs0, int64_t cs1, int64_t cs2, const float *conv_w, const float *conv_b, int W,
                          float *ssm, int64_t ss0, int64_t ss1, int64_t ss2,
                          const float *A_log, const float *D, const float *dt_bias, int softplus, int clamp, float dt_min,
                          float dt_max, int H, int P, int N, int G, const float *norm_w, int groups, float eps,
-                         float *scratch, float *out, int64_t ldo, int threads) {
+                         float *scratch, float *out, int64_t ldo, int threads, int64_t num_slots) {
     int64_t d_inner = (int64_t)H * P, conv_dim = d_inner + 2 * (int64_t)G * N;
+    for (int64_t b = 0; b < B; b++) {  /* every slot -1 or in range and named once, before anything is written */
+        if (slots[b] < -1 || slots[b] >= num_slots) return 1;
+        if (slots[b] >= 0) for (int64_t c = 0; c < b; c++) if (slots[c] == slots[b]) return 2;
+    }
     for (int64_t b = 0; b < B; b++) {
         int64_t s = slots[b];
         if (s < 0) continue;
@@ -355,6 +359,7 @@ void batchc_mamba_decode(int64_t B, const int64_t *slots, const float *proj, int
             for (int64_t i = 0; i < width; i++) og[i] = og[i] * scale * norm_w[g * width + i];
         }
     }
+    return 0;
 }
 
 /* out[b] = rms_norm(h[b] (+= add[b] first, in place, when add is given)) * w, over K; rows of stride ld */
@@ -429,8 +434,8 @@ def _build() -> ctypes.CDLL:
     md = handle.batchc_mamba_decode
     c_int, c_float = ctypes.c_int, ctypes.c_float
     md.argtypes = [i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, c_int, ptr, i64, i64, i64, ptr, ptr, ptr, c_int, c_int,
-                   c_float, c_float, c_int, c_int, c_int, c_int, ptr, c_int, c_float, ptr, ptr, i64, c_int]
-    md.restype = None
+                   c_float, c_float, c_int, c_int, c_int, c_int, ptr, c_int, c_float, ptr, ptr, i64, c_int, i64]
+    md.restype = c_int
     rn = handle.batchc_add_rms_norm
     rn.argtypes = [ptr, i64, ptr, i64, c_float, i64, i64, ptr, c_float, ptr, i64]
     rn.restype = None
@@ -574,28 +579,52 @@ def mamba_decode_step(
     untouched and gets zeros. The arithmetic is ``backend.reference``'s, in float32, with the C
     library's ``expf``/``log1pf`` and its own order of sums: equal to the torch path to float32
     rounding, not bit for bit (tested against it); each row's result is its own, whatever rows are
-    beside it."""
-    rows, width = proj.shape[0], conv_weight.shape[-1]
-    nheads, head_dim, d_state = ssm_state.shape[1:]
-    if (proj.dim() != 2 or proj.stride(1) != 1 or not all(_f32(t) for t in (conv_weight, conv_bias, A_log, D, dt_bias, norm_weight))
-            or proj.dtype != torch.float32 or proj.device.type != "cpu" or ssm_state.dtype != torch.float32
-            or conv_state.dtype != torch.float32 or ssm_state.stride(3) != 1 or not 2 <= width <= 4
-            or slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (rows,)
-            or torch.is_grad_enabled() and proj.requires_grad or not fused_decode_enabled()):
+    beside it.
+
+    Shapes that do not fit one another (``proj``'s width, ``conv_weight``, ``conv_state``, the
+    per-head and per-channel vectors, ``ngroups``, ``norm_groups``) and ``slots`` that are not ``-1``
+    or distinct slots of the pool raise ``ValueError`` naming the tensor, before the pool is written."""
+    if (proj.dim() != 2 or proj.stride(1) != 1 or proj.dtype != torch.float32 or proj.device.type != "cpu"
+            or not all(_f32(t) for t in (conv_weight, conv_bias, A_log, D, dt_bias, norm_weight))
+            or ssm_state.dtype != torch.float32 or ssm_state.device.type != "cpu" or ssm_state.dim() != 4 or ssm_state.stride(3) != 1
+            or conv_state.dtype != torch.float32 or conv_state.device.type != "cpu" or slots.dtype != torch.int64
+            or slots.device.type != "cpu" or not slots.is_contiguous() or torch.is_grad_enabled() and proj.requires_grad
+            or not fused_decode_enabled()):
         return None
-    assert _lib is not None
+    rows = proj.shape[0]
+    nheads, head_dim, d_state = ssm_state.shape[1:]
     d_inner = nheads * head_dim
+    if not (ngroups > 0 and nheads % ngroups == 0):
+        raise ValueError(f"nheads {nheads} is not a multiple of ngroups {ngroups}")
+    conv_dim = d_inner + 2 * ngroups * d_state
+    width = conv_weight.shape[1] if conv_weight.dim() == 2 else 0
+    if not (conv_weight.dim() == 2 and conv_weight.shape[0] == conv_dim and 2 <= width <= 4):
+        raise ValueError(f"conv_weight must be [{conv_dim}, width] with width in [2, 4], got {tuple(conv_weight.shape)}")
+    if not (conv_state.dim() == 3 and conv_state.shape[1] == conv_dim and conv_state.shape[2] == width - 1
+            and conv_state.shape[0] == ssm_state.shape[0]):
+        raise ValueError(f"conv_state must be [{ssm_state.shape[0]}, {conv_dim}, {width - 1}], got {tuple(conv_state.shape)}")
+    if proj.shape[1] != d_inner + conv_dim + nheads:
+        raise ValueError(f"proj must be [rows, {d_inner + conv_dim + nheads}], got {tuple(proj.shape)}")
+    for name, t, n in (("A_log", A_log, nheads), ("D", D, nheads), ("dt_bias", dt_bias, nheads),
+                       ("conv_bias", conv_bias, conv_dim), ("norm_weight", norm_weight, d_inner), ("slots", slots, rows)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != n):
+            raise ValueError(f"{name} must be [{n}], got {list(t.shape)}")
+    if not (norm_groups > 0 and d_inner % norm_groups == 0):
+        raise ValueError(f"norm_groups {norm_groups} does not divide the {d_inner} channels")
+    assert _lib is not None
     out = torch.empty((rows, d_inner), dtype=torch.float32)
-    scratch = torch.empty((rows, d_inner + 2 * ngroups * d_state), dtype=torch.float32)
+    scratch = torch.empty((rows, conv_dim), dtype=torch.float32)
     lo, hi = dt_clamp if dt_clamp is not None else (0.0, 0.0)
-    _lib.batchc_mamba_decode(
+    bad = _lib.batchc_mamba_decode(
         rows, slots.data_ptr(), proj.data_ptr(), proj.stride(0),
         conv_state.data_ptr(), *conv_state.stride(), conv_weight.data_ptr(), conv_bias.data_ptr() if conv_bias is not None else None, width,
         ssm_state.data_ptr(), *ssm_state.stride()[:3],
         A_log.data_ptr(), D.data_ptr() if D is not None else None, dt_bias.data_ptr() if dt_bias is not None else None,
         int(dt_softplus), int(dt_clamp is not None), lo, hi, nheads, head_dim, d_state, ngroups,
-        norm_weight.data_ptr(), norm_groups, eps, scratch.data_ptr(), out.data_ptr(), d_inner, torch.get_num_threads(),
+        norm_weight.data_ptr(), norm_groups, eps, scratch.data_ptr(), out.data_ptr(), d_inner, torch.get_num_threads(), ssm_state.shape[0],
     )
+    if bad:
+        raise ValueError(f"slots must be -1 or distinct slots in [0, {ssm_state.shape[0]}), got {slots.tolist()}")
     return out
 
 
@@ -603,12 +632,17 @@ def add_rms_norm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor
     """``h += add * scale`` in place (when ``add`` is given), then ``rms_norm(h, weight, eps)``, for a
     float32 ``[rows, width]`` ``h`` of a few rows (at most ``KERNEL_MAX_ROWS``) on the CPU, in one call of
     this module's C kernel; ``None`` where it does not run (the caller runs torch). Float32 throughout;
-    equal to torch's to float32 rounding (another order of the sum of squares)."""
+    equal to torch's to float32 rounding (another order of the sum of squares). A ``weight`` or ``add``
+    whose shape does not fit ``h`` raises ``ValueError``, ``h`` untouched."""
     if (h.dim() != 2 or h.shape[0] > KERNEL_MAX_ROWS or h.stride(1) != 1 or h.dtype != torch.float32 or h.device.type != "cpu"
-            or not _f32(weight) or weight.shape != (h.shape[1],) or h.requires_grad
-            or add is not None and (add.shape != h.shape or add.stride(1) != 1 or add.dtype != torch.float32 or add.device.type != "cpu")
+            or not _f32(weight) or h.requires_grad
+            or add is not None and (add.dim() != 2 or add.stride(1) != 1 or add.dtype != torch.float32 or add.device.type != "cpu")
             or not fused_decode_enabled()):
         return None
+    if weight.dim() != 1 or weight.shape[0] != h.shape[1]:
+        raise ValueError(f"weight must be [{h.shape[1]}], got {list(weight.shape)}")
+    if add is not None and add.shape != h.shape:
+        raise ValueError(f"add must be {list(h.shape)} like h, got {list(add.shape)}")
     assert _lib is not None
     out = torch.empty_like(h, memory_format=torch.contiguous_format)
     _lib.batchc_add_rms_norm(h.data_ptr(), h.stride(0), add.data_ptr() if add is not None else None, add.stride(0) if add is not None else 0,

@@ -40,9 +40,9 @@ class _Counting:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.lib, name)
 
-    def batchc_mamba_decode(self, *args: Any) -> None:
+    def batchc_mamba_decode(self, *args: Any) -> int:
         self.mamba += 1
-        self.lib.batchc_mamba_decode(*args)
+        return int(self.lib.batchc_mamba_decode(*args))
 
     def batchc_add_rms_norm(self, *args: Any) -> None:
         self.norms += 1
@@ -185,6 +185,51 @@ def test_the_fused_step_declines_what_it_does_not_run_and_leaves_the_pool_alone(
     assert lowp.add_rms_norm(torch.ones(1, 4), None, torch.ones(4), 1e-5) is None
     after = layer.states()
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+@needs_kernel
+def test_the_fused_step_refuses_shapes_and_slots_that_do_not_fit_before_it_writes() -> None:
+    layer = _Layer(nheads=4, head_dim=4, d_state=8, ngroups=2, width=4, norm_groups=2, clamp=None, bias=True, slots=3, seed=7)
+    proj = layer.proj(2)
+    before = layer.states()
+
+    def step(**change: Any) -> torch.Tensor | None:
+        args: dict[str, Any] = {
+            "proj": proj, "conv_state": layer.pool.conv_state(0), "conv_weight": layer.conv_weight, "conv_bias": layer.conv_bias,
+            "ssm_state": layer.pool.ssm_state(0), "A_log": layer.A_log, "D": layer.D, "dt_bias": layer.dt_bias,
+            "norm_weight": layer.norm, "slots": torch.tensor([0, 2]), "ngroups": 2, "norm_groups": 2,
+        }
+        args.update(change)
+        return lowp.mamba_decode_step(args.pop("proj"), args.pop("conv_state"), args.pop("conv_weight"), args.pop("conv_bias"),
+                                      args.pop("ssm_state"), args.pop("A_log"), args.pop("D"), args.pop("dt_bias"),
+                                      args.pop("norm_weight"), dt_softplus=True, dt_clamp=None, eps=1e-5, **args)
+
+    for change, words in (
+        ({"proj": proj[:, :-1].contiguous()}, "proj must be"),
+        ({"conv_weight": layer.conv_weight[:, :3].contiguous()}, "conv_state must be"),  # width 3 against a width-4 state
+        ({"conv_weight": torch.zeros(layer.conv_dim, 5)}, "conv_weight must be"),
+        ({"A_log": torch.zeros(3)}, "A_log must be"),
+        ({"D": torch.zeros(5)}, "D must be"),
+        ({"norm_weight": torch.zeros(7)}, "norm_weight must be"),
+        ({"conv_bias": torch.zeros(3)}, "conv_bias must be"),
+        ({"ngroups": 3}, "not a multiple of ngroups"),
+        ({"norm_groups": 3}, "does not divide"),
+        ({"slots": torch.tensor([0, 4])}, r"distinct slots in \[0, 4\)"),  # past the pool (3 slots and its padding row)
+        ({"slots": torch.tensor([1, 1])}, "distinct slots"),
+        ({"slots": torch.tensor([-2, 0])}, "distinct slots"),
+        ({"slots": torch.tensor([0])}, "slots must be"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            step(**change)
+        after = layer.states()
+        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]), change
+    assert step() is not None  # the same arguments, unchanged, run
+    with pytest.raises(ValueError, match="weight must be"):
+        lowp.add_rms_norm(torch.ones(2, 4), None, torch.ones(5), 1e-5)
+    h = torch.ones(2, 4)
+    with pytest.raises(ValueError, match="add must be"):
+        lowp.add_rms_norm(h, torch.ones(2, 3), torch.ones(4), 1e-5)
+    assert torch.equal(h, torch.ones(2, 4))
 
 
 @needs_kernel

@@ -296,8 +296,11 @@ class HybridModel:
 
     def _mamba_in(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [..., d_model]`` -> ``z [..., d_inner]``, ``xBC [..., conv_dim]``, ``dt [..., nheads]``."""
+        return self._split_proj(self._linear(x, f"layers.{i}.mixer.in_proj"))
+
+    def _split_proj(self, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An ``in_proj`` output ``[..., d_inner + conv_dim + nheads]`` -> ``z``, ``xBC`` (contiguous), ``dt``."""
         c = self.config
-        proj = self._linear(x, f"layers.{i}.mixer.in_proj")
         z = proj[..., : c.d_inner]
         xbc = proj[..., c.d_inner : c.d_inner + c.conv_dim]
         dt = proj[..., c.d_inner + c.conv_dim :]
@@ -455,8 +458,7 @@ class HybridModel:
                 slots=slots, ngroups=c.ngroups, dt_softplus=True, dt_clamp=clamp, norm_groups=c.gated_norm_groups, eps=c.rms_eps,
             )
             if normed is None:
-                z, xbc, dt = proj[..., : c.d_inner], proj[..., c.d_inner : c.d_inner + c.conv_dim].contiguous(), proj[..., c.d_inner + c.conv_dim :]
-                return self._mamba_out(i, cores.mamba(i, z, xbc, dt))
+                return self._mamba_out(i, cores.mamba(i, *self._split_proj(proj)))
             return self._reduced(normed, f"{p}.out_proj")
 
         return mamba

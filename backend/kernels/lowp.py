@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from ir.columns import check_int
+
 __all__ = [
     "F32_KERNEL_ROWS", "KERNEL_MAX_ROWS", "LOWP_DTYPES", "add_rms_norm", "f32_kernel_enabled", "f32_linear", "fused_decode_enabled",
     "kernel_status", "lowp_linear", "mamba_decode_step",
@@ -542,6 +544,12 @@ def fused_decode_enabled() -> bool:
     return os.environ.get("BATCHC_FUSED_DECODE", "1") != "0" and _load() is not None
 
 
+def _real(name: str, value: object) -> None:
+    """``TypeError`` naming ``name`` unless ``value`` is an int or float (a bool is neither here)."""
+    if type(value) not in (float, int):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+
+
 def _f32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
@@ -570,7 +578,7 @@ def mamba_decode_step(
     another dtype, autograd on, ``fused_decode_enabled`` false): the caller then runs its torch path.
 
     What it computes, per row whose ``slots`` entry is a slot (int64, ``-1`` for a padding row, no slot
-    twice; checked by the caller): the slot's conv state shifted by ``xBC`` and ``xBC``'s causal conv
+    twice): the slot's conv state shifted by ``xBC`` and ``xBC``'s causal conv
     (``conv_weight [conv_dim, width]``, the bias, silu); ``dt`` plus ``dt_bias``, softplus'd when
     ``dt_softplus`` and clamped to ``dt_clamp``; the slot's SSM state ``[nheads, head_dim, d_state]``
     advanced in place by one token (decay ``exp(dt * -exp(A_log))``, input ``dt x B``) and read out
@@ -583,7 +591,9 @@ def mamba_decode_step(
 
     Shapes that do not fit one another (``proj``'s width, ``conv_weight``, ``conv_state``, the
     per-head and per-channel vectors, ``ngroups``, ``norm_groups``) and ``slots`` that are not ``-1``
-    or distinct slots of the pool raise ``ValueError`` naming the tensor, before the pool is written."""
+    or distinct slots of the pool raise ``ValueError`` naming the tensor, before the pool is written;
+    ``ngroups``/``norm_groups`` that are not ints (a bool, float or str) and ``eps`` or a clamp bound
+    that is not a real number raise ``IRValidationError``/``TypeError`` naming the argument."""
     if (proj.dim() != 2 or proj.stride(1) != 1 or proj.dtype != torch.float32 or proj.device.type != "cpu"
             or not all(_f32(t) for t in (conv_weight, conv_bias, A_log, D, dt_bias, norm_weight))
             or ssm_state.dtype != torch.float32 or ssm_state.device.type != "cpu" or ssm_state.dim() != 4 or ssm_state.stride(3) != 1
@@ -591,6 +601,10 @@ def mamba_decode_step(
             or slots.device.type != "cpu" or not slots.is_contiguous() or torch.is_grad_enabled() and proj.requires_grad
             or not fused_decode_enabled()):
         return None
+    ngroups = check_int("mamba_decode_step", "ngroups", ngroups)
+    norm_groups = check_int("mamba_decode_step", "norm_groups", norm_groups)
+    for name, value in (("eps", eps), *(() if dt_clamp is None else (("dt_clamp", dt_clamp[0]), ("dt_clamp", dt_clamp[1])))):
+        _real(name, value)
     rows = proj.shape[0]
     nheads, head_dim, d_state = ssm_state.shape[1:]
     d_inner = nheads * head_dim
@@ -639,6 +653,8 @@ def add_rms_norm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor
             or add is not None and (add.dim() != 2 or add.stride(1) != 1 or add.dtype != torch.float32 or add.device.type != "cpu")
             or not fused_decode_enabled()):
         return None
+    _real("eps", eps)
+    _real("scale", scale)
     if weight.dim() != 1 or weight.shape[0] != h.shape[1]:
         raise ValueError(f"weight must be [{h.shape[1]}], got {list(weight.shape)}")
     if add is not None and add.shape != h.shape:

@@ -202,7 +202,7 @@ def test_the_fused_step_refuses_shapes_and_slots_that_do_not_fit_before_it_write
         args.update(change)
         return lowp.mamba_decode_step(args.pop("proj"), args.pop("conv_state"), args.pop("conv_weight"), args.pop("conv_bias"),
                                       args.pop("ssm_state"), args.pop("A_log"), args.pop("D"), args.pop("dt_bias"),
-                                      args.pop("norm_weight"), dt_softplus=True, dt_clamp=None, eps=1e-5, **args)
+                                      args.pop("norm_weight"), dt_softplus=True, **{"dt_clamp": None, "eps": 1e-5, **args})
 
     for change, words in (
         ({"proj": proj[:, :-1].contiguous()}, "proj must be"),
@@ -223,10 +223,22 @@ def test_the_fused_step_refuses_shapes_and_slots_that_do_not_fit_before_it_write
             step(**change)
         after = layer.states()
         assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]), change
+    for change, error, words in (
+        ({"ngroups": True}, ValueError, "ngroups"),  # (IRValidationError: a ValueError naming the argument)
+        ({"norm_groups": 2.0}, ValueError, "norm_groups"),
+        ({"eps": "1e-5"}, TypeError, "eps must be a real number"),
+        ({"dt_clamp": (0.0, None)}, TypeError, "dt_clamp must be a real number"),
+    ):
+        with pytest.raises(error, match=words):
+            step(**change)
+        after = layer.states()
+        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]), change
     assert step() is not None  # the same arguments, unchanged, run
     with pytest.raises(ValueError, match="weight must be"):
         lowp.add_rms_norm(torch.ones(2, 4), None, torch.ones(5), 1e-5)
     h = torch.ones(2, 4)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        lowp.add_rms_norm(h, None, torch.ones(4), 1e-5, True)
     with pytest.raises(ValueError, match="add must be"):
         lowp.add_rms_norm(h, torch.ones(2, 3), torch.ones(4), 1e-5)
     assert torch.equal(h, torch.ones(2, 4))

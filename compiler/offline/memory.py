@@ -116,9 +116,10 @@ def memory_estimate(
     ``weights``, the bytes of the models as loaded (``weight_bytes``, or what loading them added to
     the process, ``compiler.offline.budget.resident_memory``, when more; 0 leaves them out, as for
     models not loaded yet), ``runtime`` (``RUNTIME_BYTES``), then what the engines allocate. An
-    upper bound of what the run adds to its process's resident memory from the budget's reading
-    (before the models are loaded) to its end (tests/compiler/offline/test_memory_budget.py
-    measures it)."""
+    upper bound of what the run allocates from the budget's reading (before the models are loaded)
+    to its end: its resident memory's growth, less the pages mapped from files (torch's code, the
+    checkpoint), which the kernel can reclaim and counts as available (tests/compiler/offline/
+    test_memory_budget.py measures it)."""
     if type(weights) is not int or weights < 0:  # noqa: E721 - a bool or a float is not a byte count
         raise ServeError(f"weights must be an int >= 0 bytes, got {weights!r}")
     capacity = cfg.max_running + cfg.cache_entries + 2

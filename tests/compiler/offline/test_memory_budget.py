@@ -217,11 +217,15 @@ def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+def file_backed():  # resident pages mapped from files: shared libraries' code, the checkpoint
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
 seen = {}
 read_budget, fit = budget.memory_budget, memory.fit_serving
 
 def reading(*args, **kw):  # the run's budget is read before its models are loaded: the growth starts here
-    seen["before"] = resident()
+    seen["before"], seen["files_before"] = resident(), file_backed()
     return read_budget(*args, **kw)
 
 def fitting(target, draft, cfg, **kw):  # the estimate of the sizes the run serves with (the command's, not the library's check)
@@ -234,6 +238,7 @@ budget.memory_budget, memory.fit_serving = reading, fitting
 from compiler.cli import main
 seen["code"] = main(sys.argv[1:])
 seen["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+seen["files_after"] = file_backed()
 print(json.dumps(seen), file=sys.stderr)
 """
 
@@ -241,13 +246,23 @@ print(json.dumps(seen), file=sys.stderr)
 def test_the_estimate_bounds_what_a_run_really_holds(tmp_path: Path) -> None:
     """``batchc run`` on a small checkpoint whose state pools, attention and widest layer make up a
     few hundred MiB (8 MiB of weights, 32 Mamba heads of 64 x 128 state, 16 requests of the built-in
-    workload at the default sizes), in a process of its own: its peak resident memory minus its
-    resident memory when it read its budget is at most the estimate, and at least 1/1.8 of it. The
-    tolerance: measured 1.4 here (torch 2.13, CPU), the slack being the runtime part's margin (128
-    MiB for about 90 measured) and the worst step the sizes allow, which this workload nearly
-    reaches; an estimate 1.8 times what the run holds has lost touch with it (a part counted twice),
-    one below it has missed something. Not a statistical test: the same run holds the same memory to
-    a few MiB."""
+    workload at the default sizes), in a process of its own, from its budget's reading to its end:
+
+    - what it allocates at its peak is at most the estimate: the peak resident memory's growth less
+      the growth of its file-backed pages (torch's code paged in at first call, the memory-mapped
+      checkpoint: page cache the kernel can reclaim, counted as available when the budget is read).
+      The file-backed growth is not steady (90-130 MiB measured here, more or less of a library's
+      code mapped at each first call depending on what the page cache holds);
+    - the estimate is at most 1.8 times the whole growth, file pages included (measured 1.2-1.4 here,
+      torch 2.13 on a CPU): an estimate that far above what the run holds has lost touch with it (a
+      part counted twice).
+
+    Measured on two cores (torch 2.13): alone, or beside other test files under load, the run
+    allocates 295-320 MiB against an estimate of 552-558; inside the whole suite's run 380-410 MiB,
+    and twice more than the estimate: a whole growth of 578 MiB (not broken down) and 787 MiB
+    allocated, for a reason not found yet (not the garbage collector:
+    the same with it off; not CPU contention: the same on a quarter of a core; not the suite's
+    environment variables: the same run with them). The failure message carries the figures."""
     config = HybridConfig(d_model=128, layers=("mamba", "attn", "mamba"), nheads=32, head_dim=64, d_state=128, attn_heads=4,
                           attn_head_dim=32, mlp_hidden=256)
     path = tmp_path / "model.safetensors"
@@ -258,6 +273,10 @@ def test_the_estimate_bounds_what_a_run_really_holds(tmp_path: Path) -> None:
     seen = json.loads(done.stderr.strip().splitlines()[-1])
     assert seen["code"] == 0, done.stderr[-2000:]
     estimate, grown = sum(seen["parts"].values()), seen["peak"] - seen["before"]
+    # (the file-backed pages mapped by the end include those at the peak: a run maps, it does not unmap)
+    allocated = grown - (seen["files_after"] - seen["files_before"])
     assert seen["parts"]["forward working memory"] > 128 * MIB and seen["parts"]["target"] > 32 * MIB  # not the runtime part alone
-    assert grown <= estimate <= 1.8 * grown, (estimate / MIB, grown / MIB, seen["parts"])
+    figures = {"estimate MiB": estimate / MIB, "grown MiB": grown / MIB, "allocated MiB": allocated / MIB, "parts": seen["parts"],
+               "before MiB": seen["before"] / MIB, "peak MiB": seen["peak"] / MIB, "run's last lines": done.stdout.splitlines()[-3:]}
+    assert 0 < allocated <= estimate <= 1.8 * grown, figures
     assert "sizes: max-running 8 (default), token-budget 2048 (default), cache-entries 16 (default)" in done.stdout

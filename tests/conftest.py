@@ -169,7 +169,7 @@ LONGEST_FIRST = (
 pytest-xdist (3.8 here) then hands the files out by their number of tests, most first (its default
 ``--loadscope-reorder``), so this order decides only among files of as many tests, or under
 ``--no-loadscope-reorder``. That flag is not in the suite's settings: in five whole runs with it (and
-this list brought up to date) three had a test fail that passed when run again alone (the memory
+a remeasured list, not kept) three had a test fail that passed when run again alone (the memory
 estimate's run in tests/compiler/offline/test_memory_budget.py allocating more than its estimate;
 a ``batchc run`` that did not end on SIGINT in tests/compiler/cli/test_signals.py; a third whose name
 was not kept), none of seven runs without it did, and it showed no gain (228-261 s a run with it,

@@ -60,7 +60,9 @@ _prctl = _load_prctl()
 """Resolved here, once: the child between fork and exec only calls it (no lookup, no allocation)."""
 
 _live: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
-_lock = threading.Lock()
+_lock = threading.RLock()
+"""Guards ``_live`` and the spawner's start. Re-entrant: the signal handler (``kill_all``) runs on the
+main thread between any two of its bytecodes, also inside a ``with _lock`` of ``spawn``."""
 
 
 def _die_with(parent: int) -> None:

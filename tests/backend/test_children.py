@@ -77,3 +77,23 @@ def test_kill_signals_the_whole_process_group() -> None:
     children.kill(proc)
     assert proc.returncode == -signal.SIGKILL
     assert _gone(grandchild, 2.0) is not None
+
+
+def test_a_signal_while_spawn_holds_the_lock_still_interrupts() -> None:
+    # the handler kills every child under the same lock spawn holds while it records one: a signal
+    # arriving there must interrupt, not wait forever for a lock its own thread holds
+    code = (
+        "import os, signal; from backend import children\n"
+        "with children.on_signals():\n"
+        "    try:\n"
+        "        with children._lock:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            for _ in range(1000): pass\n"
+        "    except children.Interrupted as exc:\n"
+        "        print('interrupted by', exc.signum, flush=True)\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the handler waited for the lock its own thread held")
+    assert done.stdout == f"interrupted by {int(signal.SIGINT)}\n", done.stderr

@@ -13,10 +13,14 @@ product code is unchanged: the points are wrappers around its functions.
   and its files), the engine to close its executor processes (``Engine.close``), or, with
   ``--dp``, the router to stop the other replica after the first one failed (this program kills
   it once both serve).
+
+``SIGUSR1`` writes every thread's stack to stderr (``faulthandler``): a test whose kill was not acted
+on shows where the program was.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -38,6 +42,7 @@ def _cpu_s(pid: int) -> float:
 
 def main() -> int:
     point, marker, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from backend import children
     from compiler.cli import main as batchc
     from compiler.engine import Engine

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -39,7 +40,13 @@ def _interrupt(tmp_path: Path, args: list[str], sig: signal.Signals) -> tuple[in
         wait_for(marker, proc)
         seen = descendants(proc.pid)
         os.kill(proc.pid, sig)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # (paused.py: every thread's stack to stderr)
+            time.sleep(1.0)
+            proc.kill()
+            pytest.fail(f"batchc did not end within 60 s of {sig.name}; its stderr and stacks:\n{proc.communicate()[1][-6000:]}")
         deadline = time.monotonic() + 2.0
         while any(alive(p) for p in seen) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -159,7 +166,13 @@ def test_a_signal_while_the_command_line_is_still_importing_ends_it_in_one_line(
         with os.fdopen(inside_r, "rb") as inside:
             assert inside.read(2) == b"in"  # the entry is in, importing the command line
         os.kill(proc.pid, sig)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # (paused.py: every thread's stack to stderr)
+            time.sleep(1.0)
+            proc.kill()
+            pytest.fail(f"batchc did not end within 60 s of {sig.name}; its stderr and stacks:\n{proc.communicate()[1][-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()

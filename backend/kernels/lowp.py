@@ -504,7 +504,7 @@ def f32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     module's C kernel, an axpy-form product that streams ``w.T`` a few rows at a time, its output
     tiles (4 rows x 24 columns up to 8 rows, 6 x 16 above) held in registers; everything else (one
     row, a prefill's many rows, other dtypes, devices or layouts, ``BATCHC_F32_KERNEL=0``) is
-    torch's ``x @ w.T`` (MKL). Measured at one thread on the 2-core AVX2 EPYC of issue 47, weights
+    torch's ``x @ w.T`` (MKL). Measured at one thread on a 2-core AVX2 EPYC (Zen 3), weights
     cycled through copies larger than the L3 cache, medians of interleaved runs, MKL's time over the
     kernel's for the Granite-4.0-H-350M shapes (``in -> out``) at 2 / 4 / 8 / 16 rows: in_proj
     768->3376 1.55 / 2.41 / 1.75 / 1.35; MLP up or gate 768->2048 1.44 / 2.38 / 1.58 / 1.06;

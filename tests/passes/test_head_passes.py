@@ -1,4 +1,4 @@
-"""The draft head's IR (issue 29): hidden-state handles, the head extend and head commit passes,
+"""The draft head's IR: hidden-state handles, the head extend and head commit passes,
 their lowering, and the boundary's check of a result's handle.
 
 - ``prepare_for_head_extend`` takes the prefill's own columns and one-shot ops, with the handle of

@@ -1,4 +1,4 @@
-"""Draft-head misuse that mypy must reject (issue 29, the upstream bug in its own setting: a draft
+"""Draft-head misuse that mypy must reject (the upstream bug in its own setting: a draft
 extend after verify that carried a prefill's clear/COW indices onto the live draft pool). A head
 commit has no init field, and only a ``CommitBatch`` builds one. Each offending line carries the
 expected code."""

@@ -1,4 +1,4 @@
-"""A hidden-state handle read twice or kept past its step (issue 29: a stale or reused handle is a
+"""A hidden-state handle read twice or kept past its step (a stale or reused handle is a
 mypy error, the same guarantee as the one-shot ops): the target's ``HiddenStates`` feed one head
 phase, once, and neither they nor the result holding them outlive the step. Each line must be
 rejected."""

@@ -1,4 +1,4 @@
-"""The draft head's serving entry points against its cache-free reference (issue 29 item 5): after
+"""The draft head's serving entry points against its cache-free reference: after
 a chunked extend and several commits, and after a COW from a snapshot taken inside a chunk, the
 head's state gives the reference's last logits and the reference's proposals; a proposal leaves the
 pool as it was; rows of other slots are never touched."""

@@ -1,4 +1,4 @@
-"""``--device`` on ``batchc ab``, ``bench serve`` and ``bench iteration`` (issue 46, item 1): the
+"""``--device`` on ``batchc ab``, ``bench serve`` and ``bench iteration``: the
 values and refusals of ``batchc run``'s (``tests/compiler/cli/test_memory_cli.py``), ``--device cpu``
 the default run, and the options that need other processes refused on a CUDA device, each in one
 line with exit status 2 before anything starts. A CUDA machine is faked as that file fakes one; the

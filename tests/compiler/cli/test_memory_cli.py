@@ -1,4 +1,4 @@
-"""``batchc run`` and ``batchc serve`` sized from the machine's memory (issue 46, item 4): the
+"""``batchc run`` and ``batchc serve`` sized from the machine's memory: the
 defaults kept where they fit, lowered where they do not (and said so), the sizes a user gave never
 changed, and the bad input of the issue refused in one line with exit status 2 before anything
 starts: ``--device cuda`` where there is none, ``cuda:N`` past the count, ``--memory-fraction``

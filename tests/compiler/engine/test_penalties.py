@@ -1,4 +1,4 @@
-"""Presence, frequency and repetition penalties end to end (issue 28, item 3): the target's per-slot
+"""Presence, frequency and repetition penalties end to end: the target's per-slot
 token counts (``backend.counts``), started by the same one-shot ops as the slot's Mamba state and
 updated by the executor, give the tokens of a straightforward reference loop: the tiny target's
 logits recomputed from scratch for each token, transformers' ``RepetitionPenaltyLogitsProcessor``

@@ -1,4 +1,4 @@
-"""The memory budget of a run, taken from the machine (issue 46, item 4): what the machine has
+"""The memory budget of a run, taken from the machine: what the machine has
 available (``/proc/meminfo``, a cgroup's limit), the budget's fraction and shares, the models'
 weights counted once, ``fit_serving``'s sizes (the defaults when they fit, else the largest that fit,
 the values the user gave never changed, one-line refusals naming what to lower), and the estimate

@@ -1,4 +1,4 @@
-"""Requests' sampling parameters from the outside in (issue 28, items 1, 2 and 7): every
+"""Requests' sampling parameters from the outside in: every
 ``SamplingParams`` field of a workload line and its refusals (the line, the field and the value in
 one line, exit 2), ``batchc run``'s ``--temperature``/``--top-p``/``--top-k``/``--min-p`` defaults
 and their precedence, ``--seed`` reaching ``derive_seed``, stop strings cut on the detokenized text

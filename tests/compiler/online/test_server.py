@@ -251,12 +251,12 @@ def test_a_stop_string_cuts_as_batchc_run_cuts_and_counts_as_finished(served: Se
 
 
 SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
-"""The seeded sampled request of issue 30's item 7 (``whole`` below spells it out, for the client's types)."""
+"""The seeded sampled request the server and ``batchc run`` must agree on (``whole`` below spells it out, for the client's types)."""
 
 
 def test_a_seeded_sampled_request_is_batchc_runs_output_streaming_or_not(served: ServerProc,
                                                                          offline_runs: Callable[[str], list[dict[str, object]]]) -> None:
-    """Issue 30 item 7: the same tokens as ``batchc run --workload`` with the same line and model options."""
+    """The same tokens as ``batchc run --workload`` with the same line and model options."""
     client = _client(served)
     greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.9, seed=1234)

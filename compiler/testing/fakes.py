@@ -16,13 +16,15 @@ This module imports torch (the executors stage their plans as tensors); the stra
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 import torch
 
 from backend.executor import Executor
 from backend.ledger import Ledger
 from backend.model import ForwardPlan
-from backend.pool import MambaLayerSpec, MambaStatePool, PoolLayout
+from backend.hybrid.config import MAX_VOCAB as HYBRID_MAX_VOCAB
+from backend.pool import MAX_POOL_SLOTS, MambaLayerSpec, MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from ir.errors import short_repr
 from ir.head import HeadCommitPlan, HeadExtendPlan
@@ -33,17 +35,23 @@ from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.results import Result
 from ir.spec import CommitPlan, DraftCommitPlan, DraftExtendPlan, DraftPlan, VerifyPlan
 
-__all__ = ["SMALL_LAYOUT", "FakeBackend", "FakeModel", "small_pool"]
+__all__ = ["MAX_CAPACITY", "MAX_VOCAB", "SMALL_LAYOUT", "FakeBackend", "FakeModel", "small_pool"]
 
 SMALL_LAYOUT = PoolLayout(layers=(MambaLayerSpec(conv_dim=4, kernel_width=2, nheads=1, head_dim=2, d_state=2),), align=16)
 """One float32 Mamba layer of a few dozen bytes per slot."""
 
 
-def _int(fn: str, name: str, value: object, minimum: int) -> int:
+MAX_VOCAB: Final = HYBRID_MAX_VOCAB
+"""The largest ``vocab`` a ``FakeModel`` takes (a model's bound, ``backend.hybrid.config.MAX_VOCAB``)."""
+MAX_CAPACITY: Final = MAX_POOL_SLOTS
+"""The most slots a ``small_pool`` (and a ``FakeBackend``'s pools) takes (``backend.pool.MAX_POOL_SLOTS``)."""
+
+
+def _int(fn: str, name: str, value: object, minimum: int, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{fn}: {name} must be an int, got {short_repr(value)} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{fn}: {name} must be >= {minimum}, got {value}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{fn}: {name} must be in [{minimum}, {maximum}], got {value}")
     return value
 
 
@@ -52,8 +60,8 @@ class FakeModel:
     the module docstring). It never writes the pool: an executor's mutation detector stays quiet."""
 
     def __init__(self, vocab: int = 16) -> None:
-        """``vocab``: an int >= 2 (``TypeError``/``ValueError`` naming it otherwise)."""
-        self.vocab = _int("FakeModel", "vocab", vocab, 2)
+        """``vocab``: an int in ``[2, MAX_VOCAB]`` (``TypeError``/``ValueError`` naming it otherwise)."""
+        self.vocab = _int("FakeModel", "vocab", vocab, 2, MAX_VOCAB)
 
     def next_token(self, token: int) -> int:
         """The token every forward predicts after ``token`` (the argmax of its logits)."""
@@ -97,7 +105,7 @@ class FakeModel:
 
 def small_pool(pool_id: str = "target", capacity: int = 8) -> MambaStatePool:
     """A ``SMALL_LAYOUT`` pool of slots ``1..capacity`` (plus the padding slot) on the CPU, zeroed."""
-    return MambaStatePool(PoolId(pool_id), SMALL_LAYOUT, _int("small_pool", "capacity", capacity, 1))
+    return MambaStatePool(PoolId(pool_id), SMALL_LAYOUT, _int("small_pool", "capacity", capacity, 1, MAX_CAPACITY))
 
 
 class FakeBackend:
@@ -106,12 +114,13 @@ class FakeBackend:
     (a ``FakeModel()`` by default). Lower plans for the same pools (``LowerContext(pools=...)``)."""
 
     def __init__(self, ledger: Ledger | None = None, *, pools: Sequence[str] = ("target",), capacity: int = 8, model: FakeModel | None = None) -> None:
-        """``pools``: one or more distinct pool names; ``capacity`` >= 1 (one-line errors naming them)."""
+        """``pools``: one or more distinct pool names; ``capacity`` in ``[1, MAX_CAPACITY]`` (one-line errors naming them)."""
         arg: object = pools  # typed; checked because callers need not be typed
         if isinstance(arg, str) or not isinstance(arg, Sequence) or not arg or not all(isinstance(p, str) and p for p in arg):
             raise TypeError(f"FakeBackend: pools must be a sequence of pool names (non-empty str), got {short_repr(arg)}")
         if len(set(pools)) != len(pools):
             raise ValueError(f"FakeBackend: pools must be distinct, got {short_repr(pools)}")
+        _int("FakeBackend", "capacity", capacity, 1, MAX_CAPACITY)
         self.ledger = ledger if ledger is not None else Ledger()
         self.model = model if model is not None else FakeModel()
         self.executors: dict[PoolId, Executor[None]] = {

@@ -15,7 +15,11 @@ plugin adds). ``BATCHC_UPDATE_GOLDEN`` must be unset, empty, ``0`` or ``1``: ano
 
 A golden that cannot be read fails with ``GoldenFileError`` (an ``AssertionError``), one line naming
 the file and, where one is to blame, the line: a missing file (and the switch that writes it),
-bytes that are not UTF-8, an IR dump that does not parse.
+bytes that are not UTF-8, a UTF-8 byte-order mark, an IR dump that does not parse; so does one the
+switch cannot write (a folder in the way, no permission). A golden that differs from the output
+only in its line endings (CRLF where the output has LF: a checkout that converts line endings) says
+so instead of showing lines that look equal. pytest shows these failures without this module's
+frames (``__tracebackhide__``): the test's own line and the message.
 
 Why not syrupy (the maintained snapshot-testing plugin): syrupy keeps its snapshots where it
 chooses, beside the test module (``__snapshots__/``, one file per module or per test), names them
@@ -77,6 +81,7 @@ def update_requested() -> bool:
     """Whether the update switch is on: ``BATCHC_UPDATE_GOLDEN=1``, or pytest's ``--batchc-update-golden``
     in the running session. ``ValueError`` (one line) for a ``BATCHC_UPDATE_GOLDEN`` that is not
     unset, empty, ``0`` or ``1``."""
+    __tracebackhide__ = True
     value = os.environ.get(UPDATE_ENV)
     if value not in (None, "", "0", "1"):
         raise ValueError(f"{UPDATE_ENV} must be 0 or 1 (or unset), got {value[:40]!r}")
@@ -90,12 +95,16 @@ def update_requested() -> bool:
 
 
 def _path(fn: str, path: object) -> Path:
+    __tracebackhide__ = True
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{fn}: path must be a str or a path, got {type(path).__name__}")
+    if not os.fspath(path):
+        raise ValueError(f"{fn}: path must name a file, got ''")
     return Path(path)
 
 
 def _text(fn: str, actual: object) -> str:
+    __tracebackhide__ = True
     if not isinstance(actual, str):
         raise TypeError(f"{fn}: actual must be the text (str) to compare, got {type(actual).__name__}")
     return actual
@@ -104,6 +113,7 @@ def _text(fn: str, actual: object) -> str:
 def read_golden(path: str | os.PathLike[str]) -> str:
     """The golden file's text; ``GoldenFileError`` when it is missing or not UTF-8 (naming the line
     and column of the first bad byte)."""
+    __tracebackhide__ = True
     p = _path("read_golden", path)
     try:
         data = p.read_bytes()
@@ -111,6 +121,8 @@ def read_golden(path: str | os.PathLike[str]) -> str:
         raise GoldenFileError(f"golden file {p} is missing: run with {UPDATE_OPTION} (or {UPDATE_ENV}=1) to write it") from None
     except OSError as e:
         raise GoldenFileError(f"golden file {p} cannot be read: {e.strerror or e}") from None
+    if data.startswith(b"\xef\xbb\xbf"):
+        raise GoldenFileError(f"golden file {p}: line 1: starts with a UTF-8 byte-order mark (an editor added it): remove it")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -128,19 +140,33 @@ def _diff(expected: str, actual: str, path: Path) -> str:
     return "".join(shown) + more
 
 
+def _write(p: Path, text: str) -> None:
+    __tracebackhide__ = True
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(text.encode("utf-8"))
+    except OSError as e:
+        where = e.filename if e.filename is not None and Path(e.filename) != p else None
+        raise GoldenFileError(f"golden file {p} cannot be written: {e.strerror or e}" + (f" ({where})" if where else "")) from None
+
+
 def _check(fn: str, actual: object, path: object, update: bool | None, parse_ir: bool) -> None:
+    __tracebackhide__ = True
     text, p = _text(fn, actual), _path(fn, path)
     if update is not None and not isinstance(update, bool):
         raise TypeError(f"{fn}: update must be True, False or None, got {type(update).__name__}")
     if update if update is not None else update_requested():
         if parse_ir:
             _parse(text, f"the actual output for {p}")
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(text.encode("utf-8"))
+        _write(p, text)
         return
     expected = read_golden(p)
     if parse_ir:
         _parse(expected, f"golden file {p}", golden=True)
+    if text != expected and expected.replace("\r\n", "\n") == text.replace("\r\n", "\n"):
+        has, other = ("CRLF", "LF") if "\r\n" in expected else ("LF", "CRLF")
+        raise GoldenMismatch(f"{p}: the golden file differs from the output only in its line endings ({has} where the output has {other}: "
+                             f"a checkout that converts line endings, such as git's core.autocrlf, changed it); {_HOW}")
     if text != expected:
         ops = difflib.SequenceMatcher(a=expected.splitlines(), b=text.splitlines(), autojunk=False).get_opcodes()
         changed = max(1, sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal"))  # (1: only a final newline)
@@ -162,6 +188,7 @@ def _sections(text: str) -> list[tuple[int, str]]:
 
 
 def _parse(text: str, what: str, *, golden: bool = False) -> None:
+    __tracebackhide__ = True
     from ir.parse import ParseError, parse_all
 
     for first, body in _sections(text):
@@ -176,6 +203,7 @@ def _parse(text: str, what: str, *, golden: bool = False) -> None:
 def assert_golden(actual: str, path: str | os.PathLike[str], *, update: bool | None = None) -> None:
     """``actual`` equals the golden file at ``path`` (see the module docstring; ``update``: the switch,
     ``None`` to read it from the environment and pytest's option)."""
+    __tracebackhide__ = True
     _check("assert_golden", actual, path, update, parse_ir=False)
 
 
@@ -183,4 +211,5 @@ def assert_golden_ir(actual: str, path: str | os.PathLike[str], *, update: bool 
     """``assert_golden`` for a golden of IR dumps, maybe in sections separated by ``-- label --``
     lines: every section must parse with ``ir.parse.parse_all`` (``GoldenFileError`` naming the
     file and the line otherwise), and ``actual``'s must too before the switch writes it."""
+    __tracebackhide__ = True
     _check("assert_golden_ir", actual, path, update, parse_ir=True)

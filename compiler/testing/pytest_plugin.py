@@ -34,6 +34,7 @@ executors do.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Generator, Iterator, Mapping
 from typing import TYPE_CHECKING, NoReturn
 
@@ -58,6 +59,13 @@ __all__ = [
 
 MARKER = "batchc"
 OPTION = "--batchc-update-golden"
+UPDATE_ENV = "BATCHC_UPDATE_GOLDEN"
+"""``compiler.testing.golden.UPDATE_ENV``: a value other than unset, empty, 0 or 1 stops the session at its start."""
+MAX_CAPACITY = 1 << 20
+"""The marker's largest ``capacity``: ``compiler.testing.fakes.MAX_CAPACITY`` (spelled out here, where
+batchc is not imported)."""
+MAX_VOCAB = 1 << 18
+"""The marker's largest ``vocab``: ``compiler.testing.fakes.MAX_VOCAB``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +105,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the ``batchc`` marker (``--strict-markers`` knows it) and read the update switch."""
+    """Register the ``batchc`` marker (``--strict-markers`` knows it) and read the update switch
+    (a ``BATCHC_UPDATE_GOLDEN`` that is not unset, empty, 0 or 1 is a usage error, in one line)."""
     config.addinivalue_line(
         "markers",
         f"{MARKER}(pools=('target',), capacity=8, vocab=16, check_drained=True): configure batchc's fixtures "
         "(batchc_ledger, batchc_pipeline, batchc_model_hook, batchc_backend, batchc_executor)",
     )
+    value = os.environ.get(UPDATE_ENV)
+    if value not in (None, "", "0", "1"):  # (once, here, rather than in every golden test)
+        raise pytest.UsageError(f"{UPDATE_ENV} must be 0 or 1 (or unset), got {value[:40]!r}")
     _UPDATE_GOLDEN.append(bool(config.getoption("batchc_update_golden", default=False)))
 
 
@@ -140,10 +152,10 @@ def _checked(values: Mapping[str, object], test: str) -> BatchcConfig:
         _bad(test, f"pools must be distinct, got {pools!r}")
     ints: dict[str, int] = {}
     defaults = BatchcConfig()
-    for key, least, default in (("capacity", 1, defaults.capacity), ("vocab", 2, defaults.vocab)):
+    for key, least, most, default in (("capacity", 1, MAX_CAPACITY, defaults.capacity), ("vocab", 2, MAX_VOCAB, defaults.vocab)):
         v = values.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < least:
-            _bad(test, f"{key} must be an int >= {least}, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most:
+            _bad(test, f"{key} must be an int in [{least}, {most}], got {v!r}")
         ints[key] = v
     drained = values.get("check_drained", True)
     if not isinstance(drained, bool):

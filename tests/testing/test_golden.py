@@ -144,3 +144,43 @@ def test_arguments_of_the_wrong_type_are_refused() -> None:
             assert_golden(b"x", "g.txt")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"^assert_golden_ir: path must be a str or a path, got int$"):
             assert_golden_ir("x", 3)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^assert_golden: path must name a file, got ''$"):
+            assert_golden("x", "")
+
+
+def test_a_golden_with_a_byte_order_mark_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + dump(RUNNING).encode())
+    with pytest.raises(GoldenFileError) as info:
+        assert_golden_ir(dump(RUNNING), path)
+    assert str(info.value) == f"golden file {path}: line 1: starts with a UTF-8 byte-order mark (an editor added it): remove it"
+
+
+@pytest.mark.parametrize(("golden_eol", "actual_eol"), [("\r\n", "\n"), ("\n", "\r\n")], ids=["crlf-golden", "crlf-output"])
+def test_line_endings_alone_are_named_not_shown_as_equal_lines(tmp_path: Path, golden_eol: str, actual_eol: str) -> None:
+    path = tmp_path / "eol.txt"
+    path.write_bytes(dump(RUNNING).replace("\n", golden_eol).encode())
+    with pytest.raises(GoldenMismatch) as info:
+        assert_golden(dump(RUNNING).replace("\n", actual_eol), path)
+    has, other = ("CRLF", "LF") if golden_eol == "\r\n" else ("LF", "CRLF")
+    assert str(info.value) == (
+        f"{path}: the golden file differs from the output only in its line endings ({has} where the output has {other}: a checkout "
+        "that converts line endings, such as git's core.autocrlf, changed it); to accept the new output, rerun with "
+        "--batchc-update-golden (or BATCHC_UPDATE_GOLDEN=1) and review the diff"
+    )
+    with pytest.raises(GoldenMismatch, match=r"\(1 line\(s\)\)"):  # a real difference besides the endings is shown as one
+        assert_golden(dump(RUNNING).replace("seq=12", "seq=13").replace("\n", actual_eol), path)
+
+
+def test_a_golden_the_switch_cannot_write_is_one_line_naming_it(tmp_path: Path) -> None:
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    with pytest.raises(GoldenFileError) as info:
+        assert_golden("x\n", folder, update=True)
+    assert str(info.value) == f"golden file {folder} cannot be written: Is a directory"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    inside = blocker / "golden" / "out.txt"
+    with pytest.raises(GoldenFileError) as info:
+        assert_golden("x\n", inside, update=True)
+    assert str(info.value) == f"golden file {inside} cannot be written: Not a directory ({blocker / 'golden'})" and blocker.read_text() == "not a folder"

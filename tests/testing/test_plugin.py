@@ -121,6 +121,16 @@ def test_vocab_bool(batchc_model_hook):
     pass
 
 
+@pytest.mark.batchc(capacity=2**40)
+def test_capacity_past_a_pool(batchc_executor):
+    pass
+
+
+@pytest.mark.batchc(vocab=2**31)
+def test_vocab_past_a_model(batchc_model_hook):
+    pass
+
+
 @pytest.mark.batchc(check_drained="no")
 def test_check_drained_a_str(batchc_ledger):
     pass
@@ -143,14 +153,16 @@ def _run(pytester: pytest.Pytester, config: pytest.Config, *args: str, subproces
 def test_the_fixtures_the_marker_and_its_refusals(pytester: pytest.Pytester, pytestconfig: pytest.Config) -> None:
     pytester.makepyfile(test_fixtures=FIXTURES)
     result = _run(pytester, pytestconfig, "-rA")
-    result.assert_outcomes(passed=7, failed=1, errors=8)  # (test_left_outstanding passes, then errors at teardown)
+    result.assert_outcomes(passed=7, failed=1, errors=10)  # (test_left_outstanding passes, then errors at teardown)
     where = "test_fixtures.py::"
     result.stdout.fnmatch_lines([
         f"*@pytest.mark.batchc of {where}test_unknown_keyword: unknown keyword 'capcity' (known: pools, capacity, vocab, check_drained)",
         f"*@pytest.mark.batchc of {where}test_pools_not_a_tuple: pools must be a non-empty tuple of pool names, got 'target'",
         f"*@pytest.mark.batchc of {where}test_a_pool_not_a_str: pools must hold non-empty str pool names, got 3 in ('target', 3)",
-        f"*@pytest.mark.batchc of {where}test_capacity_zero: capacity must be an int >= 1, got 0",
-        f"*@pytest.mark.batchc of {where}test_vocab_bool: vocab must be an int >= 2, got True",
+        f"*@pytest.mark.batchc of {where}test_capacity_zero: capacity must be an int in [[]1, 1048576], got 0",
+        f"*@pytest.mark.batchc of {where}test_vocab_bool: vocab must be an int in [[]2, 262144], got True",
+        f"*@pytest.mark.batchc of {where}test_capacity_past_a_pool: capacity must be an int in [[]1, 1048576], got 1099511627776",
+        f"*@pytest.mark.batchc of {where}test_vocab_past_a_model: vocab must be an int in [[]2, 262144], got 2147483648",
         f"*@pytest.mark.batchc of {where}test_check_drained_a_str: check_drained must be True or False, got 'no'",
         f"*@pytest.mark.batchc of {where}test_positional: takes keywords only, got positional ('target',)",
     ], consecutive=False)
@@ -193,6 +205,7 @@ def test_a_golden_mismatch_fails_with_its_diff_and_the_option_updates_it(pyteste
         "--batchc-update-golden (or BATCHC_UPDATE_GOLDEN=1) and review the diff",
         "*-line 2", "*+line two",
     ])
+    failed.stdout.no_fnmatch_line("*compiler/testing/golden.py*")  # the test's own line and the message, not the helper's frames
     assert golden.read_text() == "line 1\nline 2\n"
     assert not plugin.update_golden_option()  # (the run inside this one does not leak its switch)
     _run(pytester, pytestconfig, "--batchc-update-golden").assert_outcomes(passed=1)
@@ -203,6 +216,20 @@ def test_a_golden_mismatch_fails_with_its_diff_and_the_option_updates_it(pyteste
     missing = _run(pytester, pytestconfig)
     missing.assert_outcomes(failed=1)
     missing.stdout.fnmatch_lines([f"*golden file {golden} is missing: run with --batchc-update-golden (or BATCHC_UPDATE_GOLDEN=1) to write it"])
+    missing.stdout.no_fnmatch_line("*compiler/testing/golden.py*")
+
+
+@pytest.mark.parametrize("value", ["yes", "true", " 1", "2"])
+def test_a_bad_update_switch_in_the_environment_stops_the_session_once(pytester: pytest.Pytester, pytestconfig: pytest.Config,
+                                                                      monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    pytester.makepyfile(test_golden_file=GOLDEN_TEST, test_other="def test_a(): pass\ndef test_b(): pass\n")
+    monkeypatch.setenv("BATCHC_UPDATE_GOLDEN", value)
+    result = _run(pytester, pytestconfig)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.stderr.lines if line.strip()] == [f"ERROR: BATCHC_UPDATE_GOLDEN must be 0 or 1 (or unset), got {value!r}"]
+    assert not (pytester.path / "golden").exists()
+    monkeypatch.setenv("BATCHC_UPDATE_GOLDEN", "0")
+    _run(pytester, pytestconfig).assert_outcomes(passed=2, failed=1)  # (0: compare; the golden is missing)
 
 
 NO_TORCH = HEADER + '''

@@ -22,9 +22,12 @@ import torch
 from hypothesis import HealthCheck, Phase, assume, find, given, settings
 from typeguard import suppress_type_checks
 
+from backend.hybrid.config import MAX_VOCAB as HYBRID_MAX_VOCAB
 from backend.ledger import Ledger
+from backend.pool import MAX_POOL_SLOTS
 from compiler.steps import Pipeline
-from compiler.testing.fakes import FakeBackend, FakeModel, small_pool
+from compiler.testing import pytest_plugin as plugin
+from compiler.testing.fakes import MAX_CAPACITY, MAX_VOCAB, FakeBackend, FakeModel, small_pool
 from compiler.testing.runner import consume_tickets, run_steps
 from compiler.testing.strategies import Decode, Finish, Mixed, Prefill, Speculate, StepSequence, head_commit_plans, step_sequences
 from ir.errors import PlanExecutionError
@@ -185,9 +188,12 @@ def test_the_fake_model_is_deterministic_and_checks_its_vocabulary() -> None:
     logits = model._logits(torch.tensor([[0, 1], [2, 3]]))
     assert logits.shape == (2, 2, 16) and logits.argmax(-1).tolist() == [[1, 4], [7, 10]]
     with suppress_type_checks():
-        for bad, error in ((1, ValueError), (True, TypeError), ("16", TypeError)):
+        for bad, error in ((1, ValueError), (MAX_VOCAB + 1, ValueError), (True, TypeError), ("16", TypeError)):
             with pytest.raises(error, match=r"^FakeModel: vocab must be"):
                 FakeModel(vocab=bad)  # type: ignore[arg-type]
+    assert FakeModel(vocab=MAX_VOCAB).vocab == MAX_VOCAB == HYBRID_MAX_VOCAB  # (a model's own bound)
+    with pytest.raises(ValueError, match=rf"^FakeModel: vocab must be in \[2, {MAX_VOCAB}\], got {2**40}$"):
+        FakeModel(vocab=2**40)  # (refused before any logits are allocated)
 
 
 def test_the_fake_backend_routes_plans_and_refuses_what_it_cannot_run() -> None:
@@ -202,6 +208,12 @@ def test_the_fake_backend_routes_plans_and_refuses_what_it_cannot_run() -> None:
             FakeBackend(pools="target")
         with pytest.raises(ValueError, match=r"^FakeBackend: pools must be distinct"):
             FakeBackend(pools=("a", "a"))
+    for bad in (0, MAX_CAPACITY + 1):
+        with pytest.raises(ValueError, match=rf"^FakeBackend: capacity must be in \[1, {MAX_CAPACITY}\], got {bad}$"):
+            FakeBackend(capacity=bad)
+        with pytest.raises(ValueError, match=rf"^small_pool: capacity must be in \[1, {MAX_CAPACITY}\], got {bad}$"):
+            small_pool("x", bad)
+    assert MAX_CAPACITY == MAX_POOL_SLOTS and (MAX_CAPACITY, MAX_VOCAB) == (plugin.MAX_CAPACITY, plugin.MAX_VOCAB)
     # a prefill lowered for other pools is refused by the executors before anything is written
     before = backend.target.pool.buffer.clone()
     _, plan = Pipeline(Ledger(), LowerContext(pools=("elsewhere",))).prefill([ONE])

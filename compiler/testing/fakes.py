@@ -21,9 +21,9 @@ from typing import Final
 import torch
 
 from backend.executor import Executor
+from backend.hybrid.config import MAX_VOCAB as HYBRID_MAX_VOCAB
 from backend.ledger import Ledger
 from backend.model import ForwardPlan
-from backend.hybrid.config import MAX_VOCAB as HYBRID_MAX_VOCAB
 from backend.pool import MAX_POOL_SLOTS, MambaLayerSpec, MambaStatePool, PoolLayout
 from backend.staging import StagedDecode, StagedExtend, StagedWindow
 from ir.errors import short_repr

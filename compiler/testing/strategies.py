@@ -26,8 +26,12 @@ shrinks to a small batch.
   ``compiler.testing.runner.run_steps`` runs one through a ``compiler.steps.Pipeline``.
 
 Arguments are checked when a strategy is built, not when it is drawn from: an impossible shape
-(``min_rows > max_rows``, a negative size, a pool name that is not a ``str``) raises ``ValueError``
-or ``TypeError`` at once, one line naming the function, the argument and the value.
+(``min_rows > max_rows``, a negative size, a pool name that is not a ``str``, a smallest batch of
+more than ``MAX_MIN_TOKENS`` tokens) raises ``ValueError`` or ``TypeError`` at once, one line naming
+the function, the argument and the value. Every size the checks accept is drawn under hypothesis's
+default health checks: request ids, slots and KV locations are distinct by construction (nothing is
+filtered), and a batch's sampling rows repeat at most eight distinct ones, so a batch of
+``MAX_ROWS`` rows fits the few kilobytes hypothesis draws one example from.
 
 This module imports hypothesis, numpy, attrs and ``ir`` only (never torch), so pass-level tests
 that use it do not load torch.
@@ -58,6 +62,7 @@ from ir.sampling import SamplingRows
 
 __all__ = [
     "MAX_EXTEND",
+    "MAX_MIN_TOKENS",
     "MAX_ROWS",
     "NODE_STRATEGIES",
     "POOL_NAMES",
@@ -114,12 +119,18 @@ MAX_ROWS: Final = 256
 """The largest ``max_rows`` any strategy takes (a batch of more rows is no better a test, only slower)."""
 MAX_EXTEND: Final = 64
 """The largest ``max_extend`` (tokens of one prefill row)."""
+MAX_MIN_TOKENS: Final = 1024
+"""The most tokens the smallest batch a strategy may draw can hold: ``min_rows * max_extend`` (a
+prefill's rows) or ``min_rows * (max_k + 1)`` (a speculative phase's). Hypothesis draws an example from
+a budget of a few kilobytes; a larger forced batch would not fit it, and the strategy refuses it when
+it is built rather than failing every draw."""
 
 _SLOT_MAX = 10_000
 _KV_MAX = 1_000_000
 _PREFIX_MAX = 5_000
 _SERIALS = st.integers(1, 2**62)
-_RIDS = st.integers(-(2**40), 2**40)
+_RID_MIN, _RID_MAX = -(2**40), 2**40
+_RIDS = st.integers(_RID_MIN, _RID_MAX)
 _TOKENS = st.integers(0, 2**31)
 _SLOTS = st.integers(1, _SLOT_MAX)
 _INTENTS = st.sampled_from(list(InitIntent))  # (CLEAR first: an intent shrinks to a clear)
@@ -129,6 +140,7 @@ _INTENTS = st.sampled_from(list(InitIntent))  # (CLEAR first: an intent shrinks 
 
 
 def _int_arg(fn: str, name: str, value: object, minimum: int, maximum: int) -> int:
+    __tracebackhide__ = True  # (pytest shows the caller's line and the message, not this check)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{fn}: {name} must be an int, got {short_repr(value)} ({type(value).__name__})")
     v = int(value)
@@ -138,6 +150,7 @@ def _int_arg(fn: str, name: str, value: object, minimum: int, maximum: int) -> i
 
 
 def _rows_arg(fn: str, min_rows: object, max_rows: object, floor: int) -> tuple[int, int]:
+    __tracebackhide__ = True  # (pytest shows the caller's line and the message, not this check)
     lo = _int_arg(fn, "min_rows", min_rows, floor, MAX_ROWS)
     hi = _int_arg(fn, "max_rows", max_rows, floor, MAX_ROWS)
     if lo > hi:
@@ -145,13 +158,26 @@ def _rows_arg(fn: str, min_rows: object, max_rows: object, floor: int) -> tuple[
     return lo, hi
 
 
+def _extend_args(fn: str, min_rows: object, max_rows: object, max_extend: object, floor: int) -> tuple[int, int, int]:
+    """Rows and ``max_extend`` of a prefill-shaped strategy, within ``MAX_MIN_TOKENS``."""
+    __tracebackhide__ = True  # (pytest shows the caller's line and the message, not this check)
+    lo, hi = _rows_arg(fn, min_rows, max_rows, floor)
+    most = _int_arg(fn, "max_extend", max_extend, 1, MAX_EXTEND)
+    if lo * most > MAX_MIN_TOKENS:
+        raise ValueError(f"{fn}: min_rows={lo} rows of up to max_extend={most} tokens may not fit one hypothesis example "
+                         f"(min_rows * max_extend must be at most {MAX_MIN_TOKENS}; lower either)")
+    return lo, hi, most
+
+
 def _bool_arg(fn: str, name: str, value: object) -> bool:
+    __tracebackhide__ = True  # (pytest shows the caller's line and the message, not this check)
     if not isinstance(value, bool):
         raise TypeError(f"{fn}: {name} must be a bool, got {short_repr(value)} ({type(value).__name__})")
     return value
 
 
 def _pools_arg(fn: str, pools: object) -> tuple[str, ...]:
+    __tracebackhide__ = True  # (pytest shows the caller's line and the message, not this check)
     if isinstance(pools, (str, bytes)) or not isinstance(pools, Sequence):
         raise TypeError(f"{fn}: pools must be a sequence of pool names (str), got {short_repr(pools)} ({type(pools).__name__})")
     names = tuple(pools)
@@ -186,10 +212,38 @@ class _Taken:
     kv: set[int] = attrs.Factory(set)
 
 
+_GAP_MAX = 1 << 16
+
+
 def _fresh(draw: _Draw, lo: int, hi: int, n: int, taken: set[int]) -> list[int]:
-    """``n`` distinct values in ``[lo, hi]`` not in ``taken``, which then holds them too."""
-    out = draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n, unique=True))
-    assume(not taken.intersection(out))  # (rare: the ranges are wide; no filter, whose lambda hypothesis would describe per draw)
+    """``n`` distinct values in ``[lo, hi]`` not in ``taken``, which then holds them too: distinct by
+    construction, nothing filtered or redrawn (hypothesis favours a few values, so independent draws
+    collide often, and a batch of many rows would be rejected more often than drawn). A first value,
+    gaps of at least 1 to the next ones, counted over the values not taken, then maybe a shuffle
+    (from one drawn seed: any order, for a few bytes of hypothesis's budget). Shrinks to consecutive
+    values in order, from the value nearest 0."""
+    if n == 0:
+        return []
+    blocked = sorted(v for v in taken if lo <= v <= hi)
+    free = hi - lo + 1 - len(blocked)
+    if free < n:  # (the callers' ranges are far wider than the most values a strategy asks for)
+        raise ValueError(f"only {free} values in [{lo}, {hi}] are left for {n}")
+    seed = draw(st.none() | st.integers(0, 2**32 - 1)) if n > 1 else None  # (first: the gaps' count varies as a batch shrinks)
+    gap = max(1, min(_GAP_MAX, (free - 1) // max(1, n - 1)))
+    first = draw(st.integers(lo, lo + free - 1 - (n - 1) * gap))
+    gaps = draw(st.lists(st.integers(1, gap), min_size=n - 1, max_size=n - 1)) if n > 1 else []
+    values = [first]
+    for g in gaps:
+        values.append(values[-1] + g)
+    out = []
+    j = 0  # blocked values at or below the value being placed (values ascend, so one pass over blocked)
+    for v in values:  # v - lo: how many values not taken come before it
+        while j < len(blocked) and blocked[j] <= v + j:
+            j += 1
+        out.append(v + j)
+    if seed is not None:
+        order = np.random.default_rng(seed).permutation(n)
+        out = [out[i] for i in order]
     taken.update(out)
     return out
 
@@ -203,21 +257,39 @@ def _sampling(draw: _Draw, n: int) -> SamplingRows | None:
     return draw(st.none() | sampling_rows(n))
 
 
+_SAMPLING_KINDS = 8
+"""At most this many distinct rows of sampling parameters in one batch; a larger batch repeats them."""
+_SAMPLING_COLUMNS = (
+    "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "index", "logprobs",
+    "ban_until",
+)
+
+
+@st.composite
+def _sampling_row(draw: _Draw) -> dict[str, Any]:
+    """One row's parameters, by ``SamplingRows`` column (``banned``: its banned tokens)."""
+
+    def floats(lo: float, hi: float) -> float:
+        return draw(st.floats(lo, hi, allow_nan=False, allow_infinity=False))
+
+    return {
+        "temperature": floats(0.0, 4.0), "top_k": draw(st.integers(-1, 100)), "top_p": floats(0.01, 1.0), "min_p": floats(0.0, 1.0),
+        "presence_penalty": floats(-2.0, 2.0), "frequency_penalty": floats(-2.0, 2.0), "repetition_penalty": floats(0.1, 4.0),
+        "seed": draw(st.integers(0, 2**63 - 1)), "index": draw(st.integers(0, 15)), "logprobs": draw(st.integers(-1, 20)),
+        "ban_until": draw(st.integers(0, 5000)), "banned": draw(st.lists(st.integers(0, 2**31), max_size=3)),
+    }
+
+
 @st.composite
 def _sampling_rows(draw: _Draw, n: int) -> SamplingRows:
-    def floats(lo: float, hi: float) -> list[float]:
-        return draw(_n(st.floats(lo, hi, allow_nan=False, allow_infinity=False), n))
-
-    def ints(lo: int, hi: int) -> list[int]:
-        return draw(_n(st.integers(lo, hi), n))
-
-    lens = ints(0, 3)
-    return SamplingRows(
-        temperature=floats(0.0, 4.0), top_k=ints(-1, 100), top_p=floats(0.01, 1.0), min_p=floats(0.0, 1.0),
-        presence_penalty=floats(-2.0, 2.0), frequency_penalty=floats(-2.0, 2.0), repetition_penalty=floats(0.1, 4.0),
-        seed=ints(0, 2**63 - 1), index=ints(0, 15), logprobs=ints(-1, 20), ban_until=ints(0, 5000), banned_lens=lens,
-        banned=draw(_n(st.integers(0, 2**31), sum(lens))),
-    )
+    """Up to ``_SAMPLING_KINDS`` distinct rows, each drawn whole; each of ``n`` rows is one of them
+    (row ``i`` is kind ``i`` up to that many rows). A row costs hypothesis's budget a few dozen bytes,
+    so drawing every row of a large batch afresh would overrun it; a kind index costs one."""
+    kinds = draw(_n(_sampling_row(), min(n, _SAMPLING_KINDS)))
+    picks = list(range(n)) if n <= _SAMPLING_KINDS else draw(_n(st.integers(0, _SAMPLING_KINDS - 1), n))
+    rows = [kinds[i] for i in picks]
+    columns = {name: [r[name] for r in rows] for name in _SAMPLING_COLUMNS}
+    return SamplingRows(**columns, banned_lens=[len(r["banned"]) for r in rows], banned=[t for r in rows for t in r["banned"]])
 
 
 def sampling_rows(rows: int) -> st.SearchStrategy[SamplingRows]:
@@ -251,7 +323,9 @@ class _Chunk:
 
 @attrs.frozen
 class _Row:
-    """One row of a batch, drawn as a whole: a list of rows shrinks by dropping rows."""
+    """One row of a batch, drawn as a whole: a list of rows shrinks by dropping rows. The row
+    strategies draw ``rid``, ``slot`` and each of ``kv`` as gaps (``_gaps``) from the value before
+    (the previous row's, the previous location's); ``_draw_rows`` turns them into values."""
 
     rid: int
     slot: int
@@ -264,8 +338,20 @@ class _Row:
     accept: int = 0
 
 
+_RID_GAP, _SLOT_GAP, _KV_GAP = 1 << 20, 8, 16
+"""The largest gap between consecutive request ids, slots and KV locations of a batch: as many as
+``MAX_ROWS`` rows (``MAX_EXTEND`` or ``k + 1 <= 65`` locations each), twice over for the parts of a mixed
+forward, with the cache slots of its prefill, fit in the upper half of each range."""
+
+
 def _kv(n: int) -> st.SearchStrategy[tuple[int, ...]]:
-    return st.lists(st.integers(0, _KV_MAX), min_size=n, max_size=n, unique=True).map(tuple)
+    """``n`` KV-location gaps (``_draw_rows``)."""
+    return st.lists(st.integers(1, _KV_GAP), min_size=n, max_size=n).map(tuple)
+
+
+def _gaps() -> tuple[st.SearchStrategy[int], st.SearchStrategy[int]]:
+    """A row's request-id and slot gaps (``_draw_rows``)."""
+    return st.integers(1, _RID_GAP), st.integers(1, _SLOT_GAP)
 
 
 @st.composite
@@ -273,20 +359,21 @@ def _prefill_row(draw: _Draw, max_extend: int) -> _Row:
     n = draw(st.integers(1, max_extend))
     intent = draw(_INTENTS)
     return _Row(
-        rid=draw(_RIDS), slot=draw(_SLOTS), tokens=tuple(draw(_n(_TOKENS, n))), kv=draw(_kv(n)), intent=intent,
+        rid=draw(_gaps()[0]), slot=draw(_gaps()[1]), tokens=tuple(draw(_n(_TOKENS, n))), kv=draw(_kv(n)), intent=intent,
         prefix=0 if intent is InitIntent.CLEAR else draw(st.integers(1, _PREFIX_MAX)), more=draw(st.booleans()),
     )
 
 
 @st.composite
 def _decode_row(draw: _Draw) -> _Row:
-    return _Row(rid=draw(_RIDS), slot=draw(_SLOTS), seq=draw(st.integers(1, MAX_SEQ_LEN)), tokens=(draw(_TOKENS),), kv=draw(_kv(1)))
+    rid, slot = _gaps()
+    return _Row(rid=draw(rid), slot=draw(slot), seq=draw(st.integers(1, MAX_SEQ_LEN)), tokens=(draw(_TOKENS),), kv=draw(_kv(1)))
 
 
 @st.composite
 def _window_row(draw: _Draw, k: int, single: bool) -> _Row:
     return _Row(
-        rid=draw(_RIDS), slot=draw(_SLOTS), seq=draw(st.integers(1, 100_000)), tokens=tuple(draw(_n(_TOKENS, 1 if single else k + 1))),
+        rid=draw(_gaps()[0]), slot=draw(_gaps()[1]), seq=draw(st.integers(1, 100_000)), tokens=tuple(draw(_n(_TOKENS, 1 if single else k + 1))),
         kv=draw(_kv(k + 1)), accept=draw(st.integers(0, k)),
     )
 
@@ -295,31 +382,45 @@ def _window_row(draw: _Draw, k: int, single: bool) -> _Row:
 def _head_commit_row(draw: _Draw, k: int) -> _Row:
     accept = draw(st.integers(0, k))
     return _Row(
-        rid=draw(_RIDS), slot=draw(_SLOTS), prefix=draw(st.integers(0, 100_000)), accept=accept,
+        rid=draw(_gaps()[0]), slot=draw(_gaps()[1]), prefix=draw(st.integers(0, 100_000)), accept=accept,
         tokens=tuple(draw(_n(_TOKENS, accept + 1))), kv=draw(_kv(accept + 1)),
     )
 
 
-def _rid_of(row: _Row) -> int:
-    return row.rid
-
-
-def _slot_of(row: _Row) -> int:
-    return row.slot
-
-
 def _draw_rows(draw: _Draw, row: st.SearchStrategy[_Row], lo: int, hi: int, taken: _Taken) -> list[_Row]:
     """``lo`` to ``hi`` rows whose request ids, slots and KV locations are distinct and not in
-    ``taken`` (which then holds them too)."""
+    ``taken`` (which then holds them too), distinct by construction: nothing is filtered or redrawn
+    (hypothesis favours a few values, so independently drawn ids collide often, and a batch of many
+    rows would be rejected more often than drawn). Each kind of value is a first value in the lower
+    half of its range, drawn before the rows, plus the gaps the rows drew, counted over the values
+    not taken; then, maybe, shuffled among the rows (one drawn seed). A row's choices are all its own,
+    so dropping a row while shrinking leaves the others' valid. Shrinks to consecutive values in order."""
+    firsts = [draw(st.integers(a, a + (b - a) // 2)) for a, b in ((_RID_MIN, _RID_MAX), (1, _SLOT_MAX), (0, _KV_MAX))]
+    seed = draw(st.none() | st.integers(0, 2**32 - 1))
+    rows = draw(st.lists(row, min_size=lo, max_size=hi))
+    rids = _placed([r.rid for r in rows], firsts[0], taken.rids)
+    slots = _placed([r.slot for r in rows], firsts[1], taken.slots)
+    kv = _placed([g for r in rows for g in r.kv], firsts[2], taken.kv)
+    if seed is not None:
+        rng = np.random.default_rng(seed)
+        rids, slots, kv = ([values[i] for i in rng.permutation(len(values))] for values in (rids, slots, kv))
+    locations = iter(kv)
+    return [attrs.evolve(r, rid=rid, slot=slot, kv=tuple(next(locations) for _ in r.kv)) for r, rid, slot in zip(rows, rids, slots, strict=True)]
 
-    rows = draw(st.lists(row, min_size=lo, max_size=hi, unique_by=(_rid_of, _slot_of)))
-    kv = [v for r in rows for v in r.kv]
-    assume(len(set(kv)) == len(kv) and not taken.kv.intersection(kv))
-    assume(not taken.rids.intersection(r.rid for r in rows) and not taken.slots.intersection(r.slot for r in rows))
-    taken.rids.update(r.rid for r in rows)
-    taken.slots.update(r.slot for r in rows)
-    taken.kv.update(v for r in rows for v in r.kv)
-    return rows
+
+def _placed(gaps: list[int], first: int, taken: set[int]) -> list[int]:
+    """Values ``first - gaps[0] + gaps[0]``, then each the one before plus its gap, counted over
+    the values not in ``taken`` (which then holds them too)."""
+    blocked = sorted(v for v in taken if v >= first)
+    out: list[int] = []
+    v, j = first - (gaps[0] if gaps else 0), 0
+    for g in gaps:
+        v += g  # v - first: how many values not taken come before this one, from first
+        while j < len(blocked) and blocked[j] <= v + j:
+            j += 1
+        out.append(v + j)
+    taken.update(out)
+    return out
 
 
 def _draw_chunk(draw: _Draw, lo: int, hi: int, max_extend: int, taken: _Taken) -> _Chunk:
@@ -492,8 +593,8 @@ def _extend_batches(draw: _Draw, lo: int, hi: int, max_extend: int) -> ExtendBat
 def extend_batches(*, min_rows: int = 1, max_rows: int = 4, max_extend: int = 6) -> st.SearchStrategy[ExtendBatch]:
     """Prefill batches of ``min_rows`` to ``max_rows`` rows of 1 to ``max_extend`` tokens each; every
     intent (clear, COW from a cache slot, continuation), maybe snapshots, maybe sampling rows."""
-    lo, hi = _rows_arg("extend_batches", min_rows, max_rows, 1)
-    return _extend_batches(lo, hi, _int_arg("extend_batches", "max_extend", max_extend, 1, MAX_EXTEND))
+    lo, hi, most = _extend_args("extend_batches", min_rows, max_rows, max_extend, 1)
+    return _extend_batches(lo, hi, most)
 
 
 @st.composite
@@ -511,8 +612,8 @@ def extend_plans(
 ) -> st.SearchStrategy[ExtendPlan]:
     """Lowered prefills (as ``extend_batches``): their ops as tickets for one or two of ``pools``,
     maybe a sample id, maybe keeping hidden states for a draft head."""
-    lo, hi = _rows_arg("extend_plans", min_rows, max_rows, 1)
-    return _extend_plans(lo, hi, _int_arg("extend_plans", "max_extend", max_extend, 1, MAX_EXTEND), _pools_arg("extend_plans", pools))
+    lo, hi, most = _extend_args("extend_plans", min_rows, max_rows, max_extend, 1)
+    return _extend_plans(lo, hi, most, _pools_arg("extend_plans", pools))
 
 
 @st.composite
@@ -599,8 +700,14 @@ def idle_plans() -> st.SearchStrategy[IdlePlan]:
 
 
 def _spec_args(fn: str, min_rows: int, max_rows: int, max_k: int) -> tuple[int, int, int]:
+    """Rows and ``max_k`` of a speculative phase's strategy, within ``MAX_MIN_TOKENS``."""
+    __tracebackhide__ = True  # (pytest shows the caller's line and the message, not this check)
     lo, hi = _rows_arg(fn, min_rows, max_rows, 0)
-    return lo, hi, _int_arg(fn, "max_k", max_k, 1, spec.MAX_SPEC_K)
+    k = _int_arg(fn, "max_k", max_k, 1, spec.MAX_SPEC_K)
+    if lo * (k + 1) > MAX_MIN_TOKENS:
+        raise ValueError(f"{fn}: min_rows={lo} rows of up to max_k + 1 = {k + 1} positions may not fit one hypothesis example "
+                         f"(min_rows * (max_k + 1) must be at most {MAX_MIN_TOKENS}; lower either)")
+    return lo, hi, k
 
 
 @st.composite
@@ -658,8 +765,8 @@ def _draft_extend_batches(draw: _Draw, lo: int, hi: int, max_extend: int) -> spe
 
 def draft_extend_batches(*, min_rows: int = 1, max_rows: int = 4, max_extend: int = 6) -> st.SearchStrategy[spec.DraftExtendBatch]:
     """Draft catch-up forwards: extend-shaped rows without init ops."""
-    lo, hi = _rows_arg("draft_extend_batches", min_rows, max_rows, 0)
-    return _draft_extend_batches(lo, hi, _int_arg("draft_extend_batches", "max_extend", max_extend, 1, MAX_EXTEND))
+    lo, hi, most = _extend_args("draft_extend_batches", min_rows, max_rows, max_extend, 0)
+    return _draft_extend_batches(lo, hi, most)
 
 
 def draft_plans(*, min_rows: int = 0, max_rows: int = 3, max_k: int = 4) -> st.SearchStrategy[spec.DraftPlan]:
@@ -686,8 +793,8 @@ def draft_commit_plans(*, min_rows: int = 0, max_rows: int = 3, max_k: int = 4) 
 
 def draft_extend_plans(*, min_rows: int = 1, max_rows: int = 4, max_extend: int = 6) -> st.SearchStrategy[spec.DraftExtendPlan]:
     """``draft_extend_batches`` lowered."""
-    lo, hi = _rows_arg("draft_extend_plans", min_rows, max_rows, 0)
-    batches = _draft_extend_batches(lo, hi, _int_arg("draft_extend_plans", "max_extend", max_extend, 1, MAX_EXTEND))
+    lo, hi, most = _extend_args("draft_extend_plans", min_rows, max_rows, max_extend, 0)
+    batches = _draft_extend_batches(lo, hi, most)
     return batches.map(lambda b: spec.DraftExtendPlan(batch=b))
 
 
@@ -704,8 +811,8 @@ def _head_extend_batches(draw: _Draw, lo: int, hi: int, max_extend: int) -> Head
 
 def head_extend_batches(*, min_rows: int = 1, max_rows: int = 4, max_extend: int = 6) -> st.SearchStrategy[HeadExtendBatch]:
     """A draft head's extend over a prefill chunk (as ``extend_batches``, with the hidden states' id)."""
-    lo, hi = _rows_arg("head_extend_batches", min_rows, max_rows, 1)
-    return _head_extend_batches(lo, hi, _int_arg("head_extend_batches", "max_extend", max_extend, 1, MAX_EXTEND))
+    lo, hi, most = _extend_args("head_extend_batches", min_rows, max_rows, max_extend, 1)
+    return _head_extend_batches(lo, hi, most)
 
 
 @st.composite
@@ -718,8 +825,7 @@ def head_extend_plans(
     *, min_rows: int = 1, max_rows: int = 4, max_extend: int = 6, pools: Sequence[str] = POOL_NAMES
 ) -> st.SearchStrategy[HeadExtendPlan]:
     """``head_extend_batches`` lowered: the prefill's ops as tickets for one or two head pools of ``pools``."""
-    lo, hi = _rows_arg("head_extend_plans", min_rows, max_rows, 1)
-    max_ext = _int_arg("head_extend_plans", "max_extend", max_extend, 1, MAX_EXTEND)
+    lo, hi, max_ext = _extend_args("head_extend_plans", min_rows, max_rows, max_extend, 1)
     return _head_extend_plans(lo, hi, max_ext, _pools_arg("head_extend_plans", pools))
 
 

@@ -155,6 +155,41 @@ def test_sizes_stay_in_bounds(make: Callable[[], st.SearchStrategy[Any]], rows: 
     check()
 
 
+_EXTEND_SHAPED = ["extend_batches", "extend_plans", "draft_extend_batches", "draft_extend_plans", "head_extend_batches", "head_extend_plans"]
+_SPEC_SHAPED = ["draft_batches", "verify_batches", "commit_batches", "draft_commit_batches", "draft_plans", "verify_plans", "commit_plans",
+                "draft_commit_plans", "head_commit_batches", "head_commit_plans"]
+_LARGEST = [
+    *((name, {"min_rows": S.MAX_MIN_TOKENS // S.MAX_EXTEND, "max_rows": S.MAX_MIN_TOKENS // S.MAX_EXTEND, "max_extend": S.MAX_EXTEND})
+      for name in _EXTEND_SHAPED),
+    ("extend_batches", {"min_rows": S.MAX_MIN_TOKENS // 4, "max_rows": S.MAX_MIN_TOKENS // 4, "max_extend": 4}),
+    *((name, {"min_rows": S.MAX_MIN_TOKENS // 65, "max_rows": S.MAX_MIN_TOKENS // 65, "max_k": 64}) for name in _SPEC_SHAPED),
+    ("verify_batches", {"min_rows": S.MAX_ROWS // 2, "max_rows": S.MAX_ROWS // 2, "max_k": 1}),
+    ("decode_batches", {"min_rows": S.MAX_ROWS, "max_rows": S.MAX_ROWS}),
+    ("decode_plans", {"min_rows": S.MAX_ROWS, "max_rows": S.MAX_ROWS}),
+    ("accept_results", {"min_rows": S.MAX_ROWS, "max_rows": S.MAX_ROWS}),
+    ("mixed_plans", {"max_rows": S.MAX_ROWS, "max_extend": S.MAX_EXTEND}),
+    ("sampling_rows", {"rows": S.MAX_ROWS}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), _LARGEST, ids=[f"{n}-{'-'.join(map(str, kw.values()))}" for n, kw in _LARGEST])
+def test_the_largest_sizes_a_strategy_takes_are_drawn(name: str, kwargs: dict[str, int]) -> None:
+    """A size the argument checks accept is one hypothesis can draw, under its default health checks
+    (a batch forced to many rows was rejected as filtered or too large on every draw)."""
+    seen: list[int] = []
+
+    @settings(max_examples=4, deadline=None, database=None)  # (hypothesis's health checks all on)
+    @given(getattr(S, name)(**kwargs))
+    def draw(node: Any) -> None:
+        seen.append(node.num_requests if hasattr(node, "num_requests") else len(node.temperature) if hasattr(node, "temperature") else 0)
+        if isinstance(node, PLANS):
+            verify(node)
+
+    draw()
+    forced = kwargs.get("min_rows", kwargs.get("rows"))
+    assert seen and (forced is None or all(n == forced for n in seen)), seen
+
+
 def test_batches_shrink_towards_the_fewest_rows() -> None:
     quiet = settings(database=None, max_examples=50, suppress_health_check=list(HealthCheck))
     assert find(S.decode_batches(max_rows=4), lambda b: b.num_requests >= 2, settings=quiet).num_requests == 2
@@ -179,6 +214,11 @@ def test_batches_shrink_towards_the_fewest_rows() -> None:
         (lambda: S.head_extend_plans(pools=("a", "")), ValueError, r"^head_extend_plans: pools\[1\] must be a non-empty pool name, got ''$"),
         (lambda: S.tickets(pools=("a", "a")), ValueError, r"^tickets: pools must be distinct, got 'a' twice$"),
         (lambda: S.sampling_rows(-1), ValueError, r"^sampling_rows: rows must be in \[0, 256\], got -1$"),
+        (lambda: S.extend_batches(min_rows=17, max_rows=20, max_extend=64), ValueError,
+         r"^extend_batches: min_rows=17 rows of up to max_extend=64 tokens may not fit one hypothesis example \(min_rows \* max_extend must "
+         r"be at most 1024; lower either\)$"),
+        (lambda: S.verify_batches(min_rows=16, max_rows=16, max_k=64), ValueError,
+         r"^verify_batches: min_rows=16 rows of up to max_k \+ 1 = 65 positions may not fit one hypothesis example"),
         (lambda: S.admitted_requests(max_tokens=1.5), TypeError, r"^admitted_requests: max_tokens must be an int, got 1\.5 \(float\)$"),
         (lambda: S.step_sequences(capacity=1), ValueError, r"^step_sequences: capacity must be in \[2, 10000\], got 1$"),
         (lambda: S.step_sequences(min_steps=4, max_steps=3), ValueError, r"^step_sequences: min_steps=4 > max_steps=3$"),

@@ -32,11 +32,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, get_args
 
 import attrs
 
-from ir.errors import BatchcError, PreconditionError, SettingsError
+from ir.errors import BatchcError, PreconditionError, SettingsError, short_repr
 from ir.nodes import NODE_TYPES, Batch, Plan
 from ir.printer import dump
 from ir.verify import VerifyLevel, parse_verify_level, verify
@@ -48,6 +48,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _IR_TYPES = NODE_TYPES
+_PLAN_TYPES: tuple[type, ...] = tuple(t for member in get_args(Plan) for t in (get_args(member) or (member,)))
 _SPECS = dict(REGISTRY)
 """The passes' declarations by function (a plain dict: ``run`` looks one up per pass)."""
 _EXCERPT_LINES = 12
@@ -75,12 +76,28 @@ class PassError(BatchcError):
 
 
 def _ir_nodes(out: object) -> tuple[Batch | Plan, ...]:
-    """The IR nodes a pass returned: the output itself, or the IR nodes of a tuple it returned."""
+    """The IR nodes a pass returned: the output itself, or the IR nodes of a tuple or list it returned."""
     if isinstance(out, _IR_TYPES):
         return (out,)
-    if isinstance(out, tuple):  # (a NamedTuple too)
+    if isinstance(out, (tuple, list)):  # (a NamedTuple too)
         return tuple(x for x in out if isinstance(x, _IR_TYPES))
     return ()
+
+
+def _check_own_output(spec: PassSpec, out: object) -> None:
+    """A pass of one's own returns IR the manager can verify and dump: a node, or a tuple or list
+    holding nodes (a plan among them when it ends a step). ``PreconditionError`` naming what it got."""
+    nodes = _ir_nodes(out)
+    if not nodes:
+        raise PreconditionError(
+            spec.name, f"returned {short_repr(out)} ({type(out).__name__}), not IR: a pass of one's own returns a batch or a plan, "
+            "or a tuple or list holding them, for the pass manager to verify and dump",
+        )
+    if spec.ends_step and not any(isinstance(n, _PLAN_TYPES) for n in nodes):
+        raise PreconditionError(
+            spec.name, f"is declared ends_step=True but returned no plan (got {', '.join(type(n).__name__ for n in nodes)}): "
+            "a pass that ends a step returns the plan for the backend",
+        )
 
 
 def _level(level: int) -> VerifyLevel:
@@ -213,6 +230,7 @@ class PassManager:
             spec = _SPECS.get(pass_)
         except TypeError:  # (an unhashable argument: not a pass either)
             spec = None
+        own = spec is None
         if spec is None:
             spec = spec_of(pass_)  # a Pass of one's own, or refused, naming it
             self._check_own(spec)
@@ -220,6 +238,8 @@ class PassManager:
         t0 = time.perf_counter_ns()
         try:
             out = pass_(*args, **kwargs)
+            if own:
+                _check_own_output(spec, out)
             if self._verify_last if spec.ends_step else self._verify_every:
                 for node in _ir_nodes(out):
                     verify(node)

@@ -17,6 +17,7 @@ of a built-in pass; one pass manager refuses two different passes under one name
 from __future__ import annotations
 
 import functools
+import keyword
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Final, Generic, ParamSpec, TypeVar, final, overload
@@ -137,8 +138,8 @@ class Pass(Generic[P, R]):
 
 
 def _check_name(name: object) -> None:
-    """A declared name: a Python identifier, not a built-in pass's."""
-    if not isinstance(name, str) or not name.isidentifier():
+    """A declared name: a Python identifier (not a keyword), not a built-in pass's."""
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
         raise PreconditionError("declare_pass", f"name must be a Python identifier (it names dump files), got {short_repr(name)}")
     if name in BUILT_IN_NAMES:
         raise PreconditionError("declare_pass", f"name {name!r} is a built-in pass's; give yours another name")
@@ -153,6 +154,8 @@ def _declare(fn: Callable[P, R], name: str | None, ends_step: bool) -> Pass[P, R
     """``fn`` declared (see ``declare_pass``), every argument checked."""
     if isinstance(fn, Pass):
         raise PreconditionError("declare_pass", f"{fn!r} is declared already (a pass is declared once)")
+    if isinstance(fn, str):
+        raise PreconditionError("declare_pass", f"a pass must be a function, got {short_repr(fn)} (to name one: @declare_pass(name={fn!r}))")
     if not callable(fn):
         raise PreconditionError("declare_pass", f"a pass must be a function, got {short_repr(fn)}")
     if _is_built_in(fn):
@@ -190,9 +193,13 @@ def declare_pass(
     ``@declare_pass(name="...", ends_step=True)`` (its output is a plan for the backend, verified
     at the default level too). Returns the ``Pass`` that ``PassManager.run`` runs like a built-in pass.
 
-    ``PreconditionError``, naming the value: a ``fn`` that is not callable, is one of batchc's passes
-    or is declared already; a ``name`` that is not an identifier or is a built-in pass's; an
-    ``ends_step`` that is not a bool."""
+    One function may be declared more than once, each ``Pass`` its own declaration (the same step
+    under two names in dumps and timings); a ``Pass`` itself is not declared again.
+
+    ``PreconditionError``, naming the value: a ``fn`` that is not callable (a name given where the
+    function goes says how to name one), is one of batchc's passes or is a ``Pass`` already; a
+    ``name`` that is not an identifier (or is a keyword) or is a built-in pass's; an ``ends_step``
+    that is not a bool."""
     if fn is not None:
         return _declare(fn, name, ends_step)
     if name is not None:  # at the decorator's line, before any function

@@ -19,6 +19,7 @@ from ir.batch import DecodeBatch
 from ir.columns import build_unchecked
 from ir.errors import IRVerificationError, PreconditionError
 from ir.ids import MambaSlot, RequestId
+from ir.plan import DecodePlan
 from ir.request import AdmittedRequest, Clear
 from passes import DecodeContext, filter_batch, lower
 from passes.lower import LowerContext
@@ -53,8 +54,8 @@ def corrupt(batch: DecodeBatch) -> DecodeBatch:
 
 
 @declare_pass(name="corrupt_plan", ends_step=True)
-def corrupt_ending(batch: DecodeBatch) -> DecodeBatch:
-    return _twin_slots(batch)
+def corrupt_ending(batch: DecodeBatch) -> DecodePlan:
+    return lower(_twin_slots(batch), LowerContext())
 
 
 def test_a_declared_pass_is_its_function_and_carries_its_declaration() -> None:
@@ -152,8 +153,11 @@ def test_a_pipeline_of_ones_own_composes_own_and_built_in_passes() -> None:
         (lambda: declare_pass(keep_first), r"^declare_pass: <pass 'keep_first' .*> is declared already \(a pass is declared once\)$"),
         (lambda: declare_pass(3), r"^declare_pass: a pass must be a function, got 3$"),  # type: ignore[call-overload]  # the ill-typed call is the test
         (lambda: declare_pass(lambda b: b, name="filter_batch"), r"^declare_pass: name 'filter_batch' is a built-in pass's"),
+        (lambda: declare_pass("my_pass"), r"^declare_pass: a pass must be a function, got 'my_pass' \(to name one: @declare_pass\(name='my_pass'\)\)$"),  # type: ignore[call-overload]  # the ill-typed call is the test
+        (lambda: declare_pass(name="class"), r"^declare_pass: name must be a Python identifier \(it names dump files\), got 'class'$"),
     ],
-    ids=["lambda", "spaces", "path", "int-name", "built-in-name", "int-flag", "built-in", "twice", "not-callable", "built-in-name-2"],
+    ids=["lambda", "spaces", "path", "int-name", "built-in-name", "int-flag", "built-in", "twice", "not-callable", "built-in-name-2",
+         "a-name-for-the-function", "keyword"],
 )
 def test_a_bad_declaration_is_refused_in_one_line(call: object, message: str) -> None:
     """As an untyped caller makes it (the suite's run-time type checks off: they would refuse the
@@ -209,3 +213,41 @@ def test_a_pass_built_directly_is_checked_as_a_declared_one() -> None:
         Pass(mine, PassSpec(fn=mine, name="a b/c"))
     with pytest.raises(PreconditionError, match=r"^Pass: spec must be a PassSpec of the function itself"):
         Pass(mine, PassSpec(fn=_batch, name="other"))
+
+
+@declare_pass
+def returns_a_count(batch: DecodeBatch) -> int:
+    return batch.num_requests
+
+
+@declare_pass
+def returns_nothing(batch: DecodeBatch) -> None:
+    return None
+
+
+@declare_pass
+def splits(batch: DecodeBatch) -> list[DecodeBatch]:
+    return [keep_first(batch, 1), _twin_slots(batch)]
+
+
+@declare_pass(name="ends_without_a_plan", ends_step=True)
+def ends_with_a_batch(batch: DecodeBatch) -> DecodeBatch:
+    return batch
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_a_pass_of_ones_own_returns_ir_the_manager_can_verify(level: int) -> None:
+    """What a pass of one's own returns is IR (a node, or a tuple or list holding nodes), at every
+    verify level: a count or None was accepted and never verified or dumped."""
+    for fn, got in ((returns_a_count, "3 \\(int\\)"), (returns_nothing, "None \\(NoneType\\)")):
+        with pytest.raises(PassError, match=rf"^pass '{fn.spec.name}' failed: PreconditionError: {fn.spec.name}: returned {got}, not IR: a pass of "
+                           "one's own returns a batch or a plan, or a tuple or list holding them"):
+            PassManager(verify_level=level).run(fn, _batch())
+    with pytest.raises(PassError, match=r"^pass 'ends_without_a_plan' failed: PreconditionError: ends_without_a_plan: is declared ends_step=True "
+                       r"but returned no plan \(got DecodeBatch\)"):
+        PassManager(verify_level=level).run(ends_with_a_batch, _batch())
+    if level == 2:  # the batches of a list are verified, each
+        with pytest.raises(PassError, match=r"^pass 'splits' failed: IRVerificationError: DecodeBatch\.slots\[1\]: slot 1 already used"):
+            PassManager(verify_level=level).run(splits, _batch())
+    else:
+        assert [b.num_requests for b in PassManager(verify_level=level).run(splits, _batch())] == [1, 3]

@@ -33,10 +33,10 @@ import numpy as np
 
 from ir.batch import DecodeBatch, ExtendBatch, IdleBatch, MixedBatch
 from ir.columns import I64, Composite, Node, first_common, first_missing, has_duplicates
-from ir.errors import IRVerificationError, SettingsError
+from ir.errors import IRVerificationError, SettingsError, short_repr
 from ir.head import HeadCommitBatch, HeadCommitPlan, HeadExtendBatch, HeadExtendPlan
 from ir.init import InitIntent, MambaInit, MambaSnapshot, Op, Rows, Ticket, op_groups
-from ir.nodes import Batch, Plan
+from ir.nodes import NODE_TYPES, Batch, Plan
 from ir.plan import DecodePlan, ExtendPlan, IdlePlan, MixedPlan
 from ir.spec import CommitBatch, SpecBatch, SpecPlan
 
@@ -234,8 +234,11 @@ def _verify_spec(node: SpecBatch | HeadCommitBatch, path: str) -> None:
 
 def verify(node: Batch | Plan) -> None:
     """Verify any batch or plan: its local field checks again, then the whole-node invariants.
-    Raises ``IRValidationError`` or ``IRVerificationError`` on the first violation. The speculative
-    phases (``SpecBatch``, ``SpecPlan``) share their invariants: one check serves them all."""
+    Raises ``IRValidationError`` or ``IRVerificationError`` on the first violation (``TypeError`` for
+    what is not a batch or a plan). The speculative phases (``SpecBatch``, ``SpecPlan``) share their
+    invariants: one check serves them all."""
+    if not isinstance(node, NODE_TYPES):
+        raise TypeError(f"verify: node must be an IR batch or plan, got {short_repr(node)} ({type(node).__name__})")
     check_fields(node)
     if isinstance(node, SpecBatch):
         _verify_spec(node, type(node).__name__)

@@ -82,6 +82,7 @@ class BatchcConfig:
     """Whether ``batchc_ledger`` must be drained at teardown."""
 
 
+_NOT_PARAMETRIZED = object()
 _KEYWORDS = tuple(f.name for f in dataclasses.fields(BatchcConfig))
 _CALL_FAILED = pytest.StashKey[bool]()
 _UPDATE_GOLDEN: list[bool] = []
@@ -173,11 +174,8 @@ def batchc_config(request: pytest.FixtureRequest) -> BatchcConfig:
         if mark.args:
             _bad(test, f"takes keywords only, got positional {mark.args!r}")
         values.update(mark.kwargs)
-    try:
-        param: object = request.param
-    except AttributeError:  # pytest sets it only when the fixture is parametrized
-        param = None
-    if param is not None:
+    param: object = getattr(request, "param", _NOT_PARAMETRIZED)  # (pytest sets it only when the fixture is parametrized)
+    if param is not _NOT_PARAMETRIZED:
         if not isinstance(param, Mapping):
             _bad(test, f"an indirect parameter of batchc_config must be a dict of its keywords, got {param!r}")
         values.update(param)

@@ -19,7 +19,7 @@ This module does not import torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TypeAlias, assert_never
+from typing import TypeAlias, assert_never, get_args
 
 import attrs
 import numpy as np
@@ -29,10 +29,12 @@ from compiler.steps import Pipeline
 from compiler.testing.strategies import Decode, Finish, Mixed, Prefill, Speculate, Step, StepSequence
 from ir.batch import DecodeBatch
 from ir.columns import frozen_i64
+from ir.errors import short_repr
 from ir.head import HeadExtendPlan
 from ir.linear import keeps_linear
 from ir.nodes import Plan
 from ir.plan import ExtendPlan, MixedPlan
+from ir.request import AdmittedRequest
 from ir.results import Result, Verified
 from ir.spec import Proposals
 from passes.prepare_for_decode import DecodeContext
@@ -55,6 +57,21 @@ class Trace:
     running: DecodeBatch
 
 
+_STEPS: tuple[type, ...] = get_args(Step)
+_PLANS: tuple[type, ...] = tuple(t for member in get_args(Plan) for t in (get_args(member) or (member,)))
+
+
+def _check_arg(fn: str, name: str, value: object, cls: type, what: str) -> None:
+    if not isinstance(value, cls):
+        raise TypeError(f"{fn}: {name} must be {what}, got {short_repr(value)} ({type(value).__name__})")
+
+
+def _iterable(fn: str, name: str, value: object, what: str) -> Iterable[object]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{fn}: {name} must be {what}, got {short_repr(value)} ({type(value).__name__})")
+    return value
+
+
 def _ctx(tokens: Iterable[int], kv: Iterable[int]) -> DecodeContext:
     return DecodeContext(next_tokens=list(tokens), kv_locs=list(kv))
 
@@ -62,7 +79,12 @@ def _ctx(tokens: Iterable[int], kv: Iterable[int]) -> DecodeContext:
 def run_steps(pipeline: Pipeline, sequence: StepSequence | Iterable[Step], *, execute: Execute | None = None) -> Trace:
     """Run ``sequence``'s steps through ``pipeline`` from an empty running batch, each plan through
     ``execute`` when given (see the module docstring); returns the ``Trace``. A ``TypeError`` names
-    a result of the wrong kind (a draft's must be ``Proposals``, a verify's ``Verified``)."""
+    an argument of the wrong kind (a step that is not one, by its index) and a result of the wrong
+    kind (a draft's must be ``Proposals``, a verify's ``Verified``)."""
+    _check_arg("run_steps", "pipeline", pipeline, Pipeline, "a compiler.steps.Pipeline")
+    if execute is not None and not callable(execute):
+        raise TypeError(f"run_steps: execute must be a function of a plan (or None), got {short_repr(execute)} ({type(execute).__name__})")
+    steps = _iterable("run_steps", "sequence", sequence, "a StepSequence or an iterable of steps")
     running = DecodeBatch.empty()
     plans: list[Plan] = []
     results: list[Result] = []
@@ -75,7 +97,11 @@ def run_steps(pipeline: Pipeline, sequence: StepSequence | Iterable[Step], *, ex
         results.append(out)
         return out
 
-    for step in sequence:
+    for i, step in enumerate(steps):
+        if not isinstance(step, (Prefill, Mixed, Decode, Finish, Speculate)):  # (the members of Step)
+            hint = " (requests are prefilled by a step: Prefill(requests=[...]))" if isinstance(step, AdmittedRequest) else ""
+            raise TypeError(f"run_steps: sequence[{i}] must be a step ({', '.join(t.__name__ for t in _STEPS)}), "
+                            f"got {short_repr(step)} ({type(step).__name__}){hint}")
         match step:
             case Prefill(requests=requests):
                 extend, plan = pipeline.prefill(requests)
@@ -127,9 +153,17 @@ def _speculate(pipeline: Pipeline, running: DecodeBatch, step: Speculate, run: C
 def consume_tickets(ledger: Ledger, plans: Iterable[Plan]) -> int:
     """Consume every ticket of ``plans`` (the init and snapshot ops of their prefills and head
     extends, on each pool they name) through ``ledger``, as a backend that applies nothing would; returns how many. For a test
-    without a backend that wants the ledger drained."""
+    without a backend that wants the ledger drained. ``TypeError`` naming an argument of the wrong
+    kind (a ``Trace``: its ``plans``), before any ticket is consumed."""
+    _check_arg("consume_tickets", "ledger", ledger, Ledger, "a backend.ledger.Ledger")
+    if isinstance(plans, Trace):
+        raise TypeError("consume_tickets: plans must be the plans, got a Trace (pass trace.plans)")
+    listed = list(_iterable("consume_tickets", "plans", plans, "an iterable of plans"))
+    for i, plan in enumerate(listed):
+        if not isinstance(plan, _PLANS):
+            raise TypeError(f"consume_tickets: plans[{i}] must be a plan, got {short_repr(plan)} ({type(plan).__name__})")
     n = 0
-    for plan in plans:
+    for plan in listed:
         part = plan.extend if isinstance(plan, MixedPlan) else plan
         if not isinstance(part, (ExtendPlan, HeadExtendPlan)):
             continue

@@ -139,6 +139,11 @@ def test_check_drained_a_str(batchc_ledger):
 @pytest.mark.batchc("target")
 def test_positional(batchc_ledger):
     pass
+
+
+@pytest.mark.parametrize("batchc_config", [None], indirect=True)
+def test_a_none_parameter(batchc_config):
+    pass
 '''
 
 
@@ -153,7 +158,7 @@ def _run(pytester: pytest.Pytester, config: pytest.Config, *args: str, subproces
 def test_the_fixtures_the_marker_and_its_refusals(pytester: pytest.Pytester, pytestconfig: pytest.Config) -> None:
     pytester.makepyfile(test_fixtures=FIXTURES)
     result = _run(pytester, pytestconfig, "-rA")
-    result.assert_outcomes(passed=7, failed=1, errors=10)  # (test_left_outstanding passes, then errors at teardown)
+    result.assert_outcomes(passed=7, failed=1, errors=11)  # (test_left_outstanding passes, then errors at teardown)
     where = "test_fixtures.py::"
     result.stdout.fnmatch_lines([
         f"*@pytest.mark.batchc of {where}test_unknown_keyword: unknown keyword 'capcity' (known: pools, capacity, vocab, check_drained)",
@@ -165,6 +170,7 @@ def test_the_fixtures_the_marker_and_its_refusals(pytester: pytest.Pytester, pyt
         f"*@pytest.mark.batchc of {where}test_vocab_past_a_model: vocab must be an int in [[]2, 262144], got 2147483648",
         f"*@pytest.mark.batchc of {where}test_check_drained_a_str: check_drained must be True or False, got 'no'",
         f"*@pytest.mark.batchc of {where}test_positional: takes keywords only, got positional ('target',)",
+        f"*@pytest.mark.batchc of {where}test_a_none_parameter[[]None]: an indirect parameter of batchc_config must be a dict of its keywords, got None",
     ], consecutive=False)
     result.stdout.re_match_lines([
         re.escape(f"batchc_ledger of {where}test_left_outstanding is not drained at teardown: 1 ticket(s) never consumed: ticket #")

@@ -181,6 +181,35 @@ def test_run_steps_names_a_result_of_the_wrong_kind() -> None:
         run_steps(Pipeline(Ledger()), sequence, execute=ran)
 
 
+def test_the_runner_refuses_arguments_of_the_wrong_kind_naming_them() -> None:
+    ledger = Ledger()
+    pipeline = Pipeline(ledger)
+    _, plan = Pipeline(ledger).prefill([ONE])
+    trace = run_steps(pipeline, [Prefill(requests=(ONE,))])
+    with suppress_type_checks():  # (as an untyped caller calls them)
+        with pytest.raises(TypeError, match=r"^run_steps: sequence\[1\] must be a step \(Prefill, Mixed, Decode, Finish, Speculate\), got "
+                           r"AdmittedRequest\(rid=0, .* \(AdmittedRequest\) \(requests are prefilled by a step: Prefill\(requests=\[\.\.\.\]\)\)$"):
+            run_steps(Pipeline(Ledger()), [Prefill(requests=(ONE,)), ONE])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"^run_steps: pipeline must be a compiler\.steps\.Pipeline, got .* \(Ledger\)$"):
+            run_steps(ledger, [])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^run_steps: sequence must be a StepSequence or an iterable of steps, got 3 \(int\)$"):
+            run_steps(pipeline, 3)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^run_steps: execute must be a function of a plan \(or None\), got 'x' \(str\)$"):
+            run_steps(pipeline, [], execute="x")  # type: ignore[arg-type]
+        outstanding = len(ledger.outstanding())
+        with pytest.raises(TypeError, match=r"^consume_tickets: plans must be the plans, got a Trace \(pass trace\.plans\)$"):
+            consume_tickets(ledger, trace)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^consume_tickets: plans\[1\] must be a plan, got None \(NoneType\)$"):
+            consume_tickets(ledger, [plan, None])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"^consume_tickets: ledger must be a backend\.ledger\.Ledger, got .* \(Pipeline\)$"):
+            consume_tickets(pipeline, [plan])  # type: ignore[arg-type]
+        assert len(ledger.outstanding()) == outstanding  # (refused before any ticket was consumed)
+        with pytest.raises(TypeError, match=r"^verify: node must be an IR batch or plan, got 123 \(int\)$"):
+            verify(123)  # type: ignore[arg-type]
+    assert consume_tickets(ledger, [plan, *trace.plans]) == outstanding
+    ledger.assert_drained()
+
+
 def test_the_fake_model_is_deterministic_and_checks_its_vocabulary() -> None:
     model = FakeModel(vocab=16)
     assert [model.next_token(t) for t in range(6)] == [1, 4, 7, 10, 13, 0]

@@ -174,7 +174,10 @@ def batchc_config(request: pytest.FixtureRequest) -> BatchcConfig:
         if mark.args:
             _bad(test, f"takes keywords only, got positional {mark.args!r}")
         values.update(mark.kwargs)
-    param: object = getattr(request, "param", _NOT_PARAMETRIZED)  # (pytest sets it only when the fixture is parametrized)
+    try:
+        param: object = request.param
+    except AttributeError:  # pytest sets it only when the fixture is parametrized (an explicit None is a parameter)
+        param = _NOT_PARAMETRIZED
     if param is not _NOT_PARAMETRIZED:
         if not isinstance(param, Mapping):
             _bad(test, f"an indirect parameter of batchc_config must be a dict of its keywords, got {param!r}")

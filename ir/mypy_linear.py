@@ -667,6 +667,7 @@ class LinearPlugin(Plugin):
         value = flow.stores[id(target)]
         if _is_stash(value) or _is_none(value):
             return ctx.default_attr_type
+        value_type: Type | None = None
         if value is not None and id(target) not in flow.declared:
             value_type = checker.lookup_type_or_none(value)
             if value_type is None:  # (mypy checks the target before the value: infer it now, its errors left to mypy's own pass)
@@ -674,7 +675,10 @@ class LinearPlugin(Plugin):
                     value_type = checker.expr_checker.accept(value)
             if linear_in(value_type) is None:
                 return ctx.default_attr_type
-        typ = _type_text(ctx.default_attr_type, what, checker)
+        # the stored value's own type where it is known (``ExtendPlan``), else the attribute's (``ExtendPlan | None``)
+        value_what = linear_in(value_type) if value_type is not None else None
+        typ = _type_text(value_type, value_what, checker) if value_type is not None and value_what is not None else _type_text(
+            ctx.default_attr_type, what, checker)
         if value is None or isinstance(target, NameExpr):
             msg = (
                 f'Field "{name}" of "{owner.name}" holds {typ}, a linear value, but "{owner.name}" is not declared '

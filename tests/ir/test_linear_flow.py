@@ -378,5 +378,7 @@ def test_the_messages_name_the_retirement_and_the_mark(checked: tuple[Path, str]
     assert re.search(r'"withdraw_anywhere" is marked as consuming, but only methods can be', out), out
     assert re.search(r'"plan" \(Plan\) is stored in "self\.items", a container that outlives this function', out), out
     assert re.search(r'"n" \(int \| Plan\) is stored in attribute "self\.n" of "Store", which outlives the step', out), out
+    # a store names the stored value's own type, not the attribute's wider one
+    assert re.search(r'"plan" \(Plan\) is stored in attribute "self\.n" of "Store", which outlives the step', out), out
     assert re.search(r'"plan" \(Plan\) is stored in "out", a container', out), out
     assert re.search(r'A value of type "Plan" is stored in "PENDING", a container', out), out

@@ -339,9 +339,12 @@ class _Row:
 
 
 _RID_GAP, _SLOT_GAP, _KV_GAP = 1 << 20, 8, 16
-"""The largest gap between consecutive request ids, slots and KV locations of a batch: as many as
-``MAX_ROWS`` rows (``MAX_EXTEND`` or ``k + 1 <= 65`` locations each), twice over for the parts of a mixed
-forward, with the cache slots of its prefill, fit in the upper half of each range."""
+"""The largest gap between consecutive request ids, slots and KV locations of a batch."""
+_RID_ROOM, _SLOT_ROOM, _KV_ROOM = 1 << 30, _SLOT_MAX // 2, _KV_MAX // 2
+"""What a batch's values may span above their first one: as many as ``MAX_ROWS`` rows (``MAX_EXTEND``
+or ``k + 1 <= 65`` locations each) at the largest gaps, twice over for the parts of a mixed forward,
+past the values taken already (the other part's, the cache slots of its prefill). The first value is
+drawn anywhere below its range's end less this room (request ids from ``-2**40`` to ``2**40 - 2**30``)."""
 
 
 def _kv(n: int) -> st.SearchStrategy[tuple[int, ...]]:
@@ -391,11 +394,11 @@ def _draw_rows(draw: _Draw, row: st.SearchStrategy[_Row], lo: int, hi: int, take
     """``lo`` to ``hi`` rows whose request ids, slots and KV locations are distinct and not in
     ``taken`` (which then holds them too), distinct by construction: nothing is filtered or redrawn
     (hypothesis favours a few values, so independently drawn ids collide often, and a batch of many
-    rows would be rejected more often than drawn). Each kind of value is a first value in the lower
-    half of its range, drawn before the rows, plus the gaps the rows drew, counted over the values
-    not taken; then, maybe, shuffled among the rows (one drawn seed). A row's choices are all its own,
+    rows would be rejected more often than drawn). Each kind of value is a first value (below its
+    range's end less its room, ``_RID_ROOM``...), drawn before the rows, plus the gaps the rows drew,
+    counted over the values not taken; then, maybe, shuffled among the rows (one drawn seed). A row's choices are all its own,
     so dropping a row while shrinking leaves the others' valid. Shrinks to consecutive values in order."""
-    firsts = [draw(st.integers(a, a + (b - a) // 2)) for a, b in ((_RID_MIN, _RID_MAX), (1, _SLOT_MAX), (0, _KV_MAX))]
+    firsts = [draw(st.integers(a, b - room)) for a, b, room in ((_RID_MIN, _RID_MAX, _RID_ROOM), (1, _SLOT_MAX, _SLOT_ROOM), (0, _KV_MAX, _KV_ROOM))]
     seed = draw(st.none() | st.integers(0, 2**32 - 1))
     rows = draw(st.lists(row, min_size=lo, max_size=hi))
     rids = _placed([r.rid for r in rows], firsts[0], taken.rids)

@@ -19,7 +19,7 @@ from typing import Any, get_args
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from typeguard import suppress_type_checks
 
@@ -188,6 +188,37 @@ def test_the_largest_sizes_a_strategy_takes_are_drawn(name: str, kwargs: dict[st
     draw()
     forced = kwargs.get("min_rows", kwargs.get("rows"))
     assert seen and (forced is None or all(n == forced for n in seen)), seen
+
+
+@pytest.mark.parametrize(
+    ("what", "condition"),
+    [
+        ("a request id past 2**39", lambda b: b.rids.max() > 2**39),
+        ("a request id below -2**39", lambda b: b.rids.min() < -(2**39)),
+        ("a slot past 5000", lambda b: b.slots.max() > 5000),
+        ("a KV location past 500000", lambda b: b.kv_locs.max() > 500_000),
+        ("request ids out of order", lambda b: bool((np.diff(b.rids) < 0).any())),
+        ("slots out of order", lambda b: bool((np.diff(b.slots) < 0).any())),
+    ],
+)
+def test_ids_slots_and_locations_range_over_their_whole_span(what: str, condition: Callable[[Any], bool]) -> None:
+    """Distinct by construction, not confined to a corner: large and negative ids, high slots and
+    locations, rows in any order."""
+    quiet = settings(database=None, max_examples=500, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    assert find(S.decode_batches(min_rows=2), condition, settings=quiet) is not None, what
+
+
+def test_the_largest_mixed_forward_stays_in_range() -> None:
+    @settings(max_examples=3, deadline=None, database=None)
+    @given(S.mixed_plans(max_rows=S.MAX_ROWS, max_extend=S.MAX_EXTEND))
+    def check(plan: Any) -> None:
+        verify(plan)  # (the parts share no request, slot or KV location)
+        for part in (plan.extend, plan.decode):
+            if part.num_requests:
+                assert 1 <= part.slots.min() and part.slots.max() <= 10_000 and 0 <= part.kv_locs.min() and part.kv_locs.max() <= 1_000_000
+                assert -(2**40) <= part.rids.min() and part.rids.max() <= 2**40
+
+    check()
 
 
 def test_batches_shrink_towards_the_fewest_rows() -> None:

@@ -30,6 +30,18 @@ def _claimed(tmp_path: Path, *, outputs: bool) -> tuple[list[str], list[Path]]:
     return args, paths
 
 
+def _ended(proc: subprocess.Popen[str], sig: signal.Signals) -> str:
+    """The stderr of ``proc`` once it ended after ``sig``; a failure with its stderr if it is still
+    running a minute later (``paused.py`` writes every thread's stack on SIGUSR1 first)."""
+    try:
+        return proc.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        proc.kill()
+        pytest.fail(f"batchc did not end within 60 s of {sig.name}; its stderr (and stacks):\n{proc.communicate()[1][-6000:]}")
+
+
 def _interrupt(tmp_path: Path, args: list[str], sig: signal.Signals) -> tuple[int, str, set[int]]:
     """Run ``batchc ARGS`` to its third engine step, send ``sig``; its status, stderr and the
     processes it had started."""
@@ -40,13 +52,7 @@ def _interrupt(tmp_path: Path, args: list[str], sig: signal.Signals) -> tuple[in
         wait_for(marker, proc)
         seen = descendants(proc.pid)
         os.kill(proc.pid, sig)
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGUSR1)  # (paused.py: every thread's stack to stderr)
-            time.sleep(1.0)
-            proc.kill()
-            pytest.fail(f"batchc did not end within 60 s of {sig.name}; its stderr and stacks:\n{proc.communicate()[1][-6000:]}")
+        err = _ended(proc, sig)
         deadline = time.monotonic() + 2.0
         while any(alive(p) for p in seen) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -166,13 +172,7 @@ def test_a_signal_while_the_command_line_is_still_importing_ends_it_in_one_line(
         with os.fdopen(inside_r, "rb") as inside:
             assert inside.read(2) == b"in"  # the entry is in, importing the command line
         os.kill(proc.pid, sig)
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGUSR1)  # (paused.py: every thread's stack to stderr)
-            time.sleep(1.0)
-            proc.kill()
-            pytest.fail(f"batchc did not end within 60 s of {sig.name}; its stderr and stacks:\n{proc.communicate()[1][-6000:]}")
+        err = _ended(proc, sig)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -87,9 +87,15 @@ def spawn(
         )
 
     # the parent-death signal fires when the forking thread ends, not the process
-    proc = start() if threading.current_thread() is threading.main_thread() else _on_spawner(start)
-    with _lock:
-        _live.add(proc)
+    if threading.current_thread() is not threading.main_thread():
+        proc = _on_spawner(start)
+        with _lock:
+            _live.add(proc)
+        return proc
+    with deferred():  # a signal (handled on this thread) waits until the child is recorded: kill_all finds it
+        proc = start()
+        with _lock:
+            _live.add(proc)
     return proc
 
 

@@ -4,6 +4,7 @@ own process group, which ``kill`` signals whole; the one wording of how a proces
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -97,3 +98,39 @@ def test_a_signal_while_spawn_holds_the_lock_still_interrupts() -> None:
     except subprocess.TimeoutExpired:
         pytest.fail("the handler waited for the lock its own thread held")
     assert done.stdout == f"interrupted by {int(signal.SIGINT)}\n", done.stderr
+
+
+def test_a_signal_while_spawn_starts_a_child_waits_until_the_child_can_be_killed() -> None:
+    # the signal lands between the child's start and its record (the Popen below sends it): the
+    # handler runs once the child is recorded, so its kill_all kills the child too
+    code = (
+        "import os, signal, subprocess, sys, time; from backend import children\n"
+        "real = subprocess.Popen\n"
+        "def popen(*a, **kw):\n"
+        "    proc = real(*a, **kw)\n"
+        "    print(proc.pid, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    for _ in range(1000): pass\n"
+        "    return proc\n"
+        "children.subprocess.Popen = popen\n"
+        "with children.on_signals():\n"
+        "    try:\n"
+        "        children.spawn([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "        print('spawn returned', flush=True)\n"
+        "    except children.Interrupted:\n"
+        "        print('interrupted', flush=True)\n"
+        "time.sleep(30)\n"  # (still alive: only kill_all can have ended the child)
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline() == "interrupted\n"
+        assert _gone(child, 5.0) is not None, "the child started as the signal arrived outlived the interruption"
+    finally:
+        if child:
+            with contextlib.suppress(ProcessLookupError):  # (reaped already when its Popen was freed)
+                os.kill(child, signal.SIGKILL)
+        parent.kill()
+        parent.wait()

@@ -86,9 +86,10 @@ def _ir_nodes(out: object) -> tuple[Batch | Plan, ...]:
 
 def _check_own_output(spec: PassSpec, out: object) -> None:
     """A pass of one's own returns IR the manager can verify and dump: a node, or a tuple or list
-    holding nodes (a plan among them when it ends a step). ``PreconditionError`` naming what it got."""
+    holding nodes, or an empty one (a plan among them when it ends a step). ``PreconditionError``
+    naming what it got."""
     nodes = _ir_nodes(out)
-    if not nodes:
+    if not nodes and not (isinstance(out, (tuple, list)) and not out and not spec.ends_step):  # ([]: a split into nothing, nothing to verify)
         raise PreconditionError(
             spec.name, f"returned {short_repr(out)} ({type(out).__name__}), not IR: a pass of one's own returns a batch or a plan, "
             "or a tuple or list holding them, for the pass manager to verify and dump",

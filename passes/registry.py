@@ -139,8 +139,10 @@ class Pass(Generic[P, R]):
 
 def _check_name(name: object) -> None:
     """A declared name: a Python identifier (not a keyword), not a built-in pass's."""
-    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+    if not isinstance(name, str) or not name.isidentifier():
         raise PreconditionError("declare_pass", f"name must be a Python identifier (it names dump files), got {short_repr(name)}")
+    if keyword.iskeyword(name):
+        raise PreconditionError("declare_pass", f"name {name!r} is a Python keyword; give your pass another name")
     if name in BUILT_IN_NAMES:
         raise PreconditionError("declare_pass", f"name {name!r} is a built-in pass's; give yours another name")
 

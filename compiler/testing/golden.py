@@ -15,7 +15,8 @@ plugin adds). ``BATCHC_UPDATE_GOLDEN`` must be unset, empty, ``0`` or ``1``: ano
 
 A golden that cannot be read fails with ``GoldenFileError`` (an ``AssertionError``), one line naming
 the file and, where one is to blame, the line: a missing file (and the switch that writes it),
-bytes that are not UTF-8, a UTF-8 byte-order mark, an IR dump that does not parse; so does one the
+bytes that are not UTF-8, a UTF-8 byte-order mark the output does not start with, an IR dump
+that does not parse; so does one the
 switch cannot write (a folder in the way, no permission). A golden that differs from the output
 only in its line endings (CRLF where the output has LF: a checkout that converts line endings) says
 so instead of showing lines that look equal. pytest shows these failures without this module's
@@ -121,8 +122,6 @@ def read_golden(path: str | os.PathLike[str]) -> str:
         raise GoldenFileError(f"golden file {p} is missing: run with {UPDATE_OPTION} (or {UPDATE_ENV}=1) to write it") from None
     except OSError as e:
         raise GoldenFileError(f"golden file {p} cannot be read: {e.strerror or e}") from None
-    if data.startswith(b"\xef\xbb\xbf"):
-        raise GoldenFileError(f"golden file {p}: line 1: starts with a UTF-8 byte-order mark (an editor added it): remove it")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -161,16 +160,24 @@ def _check(fn: str, actual: object, path: object, update: bool | None, parse_ir:
         _write(p, text)
         return
     expected = read_golden(p)
+    if expected.startswith("\ufeff") and not text.startswith("\ufeff"):
+        raise GoldenFileError(f"golden file {p}: line 1: starts with a UTF-8 byte-order mark (an editor added it): remove it")
     if parse_ir:
         _parse(expected, f"golden file {p}", golden=True)
     if text != expected and expected.replace("\r\n", "\n") == text.replace("\r\n", "\n"):
-        has, other = ("CRLF", "LF") if "\r\n" in expected else ("LF", "CRLF")
-        raise GoldenMismatch(f"{p}: the golden file differs from the output only in its line endings ({has} where the output has {other}: "
-                             f"a checkout that converts line endings, such as git's core.autocrlf, changed it); {_HOW}")
+        raise GoldenMismatch(f"{p}: the golden file differs from the output only in its line endings ({_endings(expected)} where the output has "
+                             f"{_endings(text)}: a checkout that converts line endings, such as git's core.autocrlf, changed it); {_HOW}")
     if text != expected:
         ops = difflib.SequenceMatcher(a=expected.splitlines(), b=text.splitlines(), autojunk=False).get_opcodes()
         changed = max(1, sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal"))  # (1: only a final newline)
         raise GoldenMismatch(f"{p}: the output differs from the golden file ({changed} line(s)); {_HOW}\n" + _diff(expected, text, p).rstrip("\n"))
+
+
+def _endings(text: str) -> str:
+    """``CRLF``, ``LF`` or ``CRLF and LF``: the line endings ``text`` uses."""
+    crlf = text.count("\r\n")
+    lf = text.count("\n") - crlf
+    return "CRLF and LF" if crlf and lf else "CRLF" if crlf else "LF"
 
 
 def _sections(text: str) -> list[tuple[int, str]]:

@@ -154,7 +154,7 @@ def test_a_pipeline_of_ones_own_composes_own_and_built_in_passes() -> None:
         (lambda: declare_pass(3), r"^declare_pass: a pass must be a function, got 3$"),  # type: ignore[call-overload]  # the ill-typed call is the test
         (lambda: declare_pass(lambda b: b, name="filter_batch"), r"^declare_pass: name 'filter_batch' is a built-in pass's"),
         (lambda: declare_pass("my_pass"), r"^declare_pass: a pass must be a function, got 'my_pass' \(to name one: @declare_pass\(name='my_pass'\)\)$"),  # type: ignore[call-overload]  # the ill-typed call is the test
-        (lambda: declare_pass(name="class"), r"^declare_pass: name must be a Python identifier \(it names dump files\), got 'class'$"),
+        (lambda: declare_pass(name="class"), r"^declare_pass: name 'class' is a Python keyword; give your pass another name$"),
     ],
     ids=["lambda", "spaces", "path", "int-name", "built-in-name", "int-flag", "built-in", "twice", "not-callable", "built-in-name-2",
          "a-name-for-the-function", "keyword"],
@@ -230,6 +230,11 @@ def splits(batch: DecodeBatch) -> list[DecodeBatch]:
     return [keep_first(batch, 1), _twin_slots(batch)]
 
 
+@declare_pass
+def splits_into_nothing(batch: DecodeBatch) -> list[DecodeBatch]:
+    return []
+
+
 @declare_pass(name="ends_without_a_plan", ends_step=True)
 def ends_with_a_batch(batch: DecodeBatch) -> DecodeBatch:
     return batch
@@ -246,6 +251,7 @@ def test_a_pass_of_ones_own_returns_ir_the_manager_can_verify(level: int) -> Non
     with pytest.raises(PassError, match=r"^pass 'ends_without_a_plan' failed: PreconditionError: ends_without_a_plan: is declared ends_step=True "
                        r"but returned no plan \(got DecodeBatch\)"):
         PassManager(verify_level=level).run(ends_with_a_batch, _batch())
+    assert PassManager(verify_level=level).run(splits_into_nothing, _batch()) == []  # (an empty split: nothing to verify)
     if level == 2:  # the batches of a list are verified, each
         with pytest.raises(PassError, match=r"^pass 'splits' failed: IRVerificationError: DecodeBatch\.slots\[1\]: slot 1 already used"):
             PassManager(verify_level=level).run(splits, _batch())

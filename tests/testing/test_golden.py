@@ -172,6 +172,24 @@ def test_line_endings_alone_are_named_not_shown_as_equal_lines(tmp_path: Path, g
         assert_golden(dump(RUNNING).replace("seq=12", "seq=13").replace("\n", actual_eol), path)
 
 
+
+def test_mixed_line_endings_are_named_as_they_are(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(b"a\r\nb\n")
+    with pytest.raises(GoldenMismatch, match=r"only in its line endings \(CRLF and LF where the output has CRLF: "):
+        assert_golden("a\r\nb\r\n", path)
+    with pytest.raises(GoldenMismatch, match=r"only in its line endings \(CRLF and LF where the output has LF: "):
+        assert_golden("a\nb\n", path)
+
+
+def test_an_output_that_starts_with_a_byte_order_mark_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "bom-out.txt"
+    assert_golden("\ufeffx\n", path, update=True)  # (the output's own mark, written as it is)
+    assert_golden("\ufeffx\n", path)
+    with pytest.raises(GoldenFileError, match="byte-order mark"):
+        assert_golden("x\n", path)  # (a mark the output lacks: named, not shown as a line that looks equal)
+
+
 def test_a_golden_the_switch_cannot_write_is_one_line_naming_it(tmp_path: Path) -> None:
     folder = tmp_path / "a-folder"
     folder.mkdir()

@@ -27,7 +27,7 @@ shrinks to a small batch.
 
 Arguments are checked when a strategy is built, not when it is drawn from: an impossible shape
 (``min_rows > max_rows``, a negative size, a pool name that is not a ``str``, a smallest batch of
-more than ``MAX_MIN_TOKENS`` tokens) raises ``ValueError`` or ``TypeError`` at once, one line naming
+more than ``MAX_MIN_BATCH`` values) raises ``ValueError`` or ``TypeError`` at once, one line naming
 the function, the argument and the value. Every size the checks accept is drawn under hypothesis's
 default health checks: request ids, slots and KV locations are distinct by construction (nothing is
 filtered), and a batch's sampling rows repeat at most eight distinct ones, so a batch of
@@ -39,9 +39,10 @@ that use it do not load torch.
 
 from __future__ import annotations
 
+import bisect
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, cast, get_origin
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, assert_never, cast, get_origin
 
 import attrs
 import numpy as np
@@ -62,10 +63,14 @@ from ir.sampling import SamplingRows
 
 __all__ = [
     "MAX_EXTEND",
-    "MAX_MIN_TOKENS",
+    "MAX_MIN_BATCH",
+    "MAX_MIN_STEPS",
     "MAX_ROWS",
+    "SEQUENCE_VALUES",
     "NODE_STRATEGIES",
     "POOL_NAMES",
+    "ROW_VALUES",
+    "SPEC_ROW_VALUES",
     "Decode",
     "Finish",
     "Mixed",
@@ -119,11 +124,23 @@ MAX_ROWS: Final = 256
 """The largest ``max_rows`` any strategy takes (a batch of more rows is no better a test, only slower)."""
 MAX_EXTEND: Final = 64
 """The largest ``max_extend`` (tokens of one prefill row)."""
-MAX_MIN_TOKENS: Final = 1024
-"""The most tokens the smallest batch a strategy may draw can hold: ``min_rows * max_extend`` (a
-prefill's rows) or ``min_rows * (max_k + 1)`` (a speculative phase's). Hypothesis draws an example from
-a budget of a few kilobytes; a larger forced batch would not fit it, and the strategy refuses it when
-it is built rather than failing every draw."""
+MAX_MIN_BATCH: Final = 1024
+"""The largest smallest batch a strategy may be asked for, in values drawn: ``min_rows * (max_extend
++ ROW_VALUES)`` for a prefill's rows (a token and a KV location per position, and the row's own
+fields) or ``min_rows * (max_k + SPEC_ROW_VALUES)`` for a speculative phase's. Hypothesis draws an
+example from a budget of a few kilobytes; a larger forced batch would not fit it (measured: twice
+these sizes fail its health checks, these pass), and the strategy refuses it when it is built
+rather than failing every draw."""
+ROW_VALUES: Final = 4
+"""A prefill row's own share of ``MAX_MIN_BATCH`` besides its tokens."""
+SPEC_ROW_VALUES: Final = 6
+"""A speculative row's own share of ``MAX_MIN_BATCH`` besides its ``k`` drafts."""
+SEQUENCE_VALUES: Final = 3072
+"""About the most values one ``step_sequences`` example draws: a step is drawn only while its largest
+form fits what the steps before it left (a sequence ends early once none does)."""
+MAX_MIN_STEPS: Final = 100
+"""The largest ``min_steps`` of ``step_sequences`` (a sequence forced to twice as many steps failed
+hypothesis's health checks)."""
 
 _SLOT_MAX = 10_000
 _KV_MAX = 1_000_000
@@ -159,13 +176,13 @@ def _rows_arg(fn: str, min_rows: object, max_rows: object, floor: int) -> tuple[
 
 
 def _extend_args(fn: str, min_rows: object, max_rows: object, max_extend: object, floor: int) -> tuple[int, int, int]:
-    """Rows and ``max_extend`` of a prefill-shaped strategy, within ``MAX_MIN_TOKENS``."""
+    """Rows and ``max_extend`` of a prefill-shaped strategy, within ``MAX_MIN_BATCH``."""
     __tracebackhide__ = True  # (pytest shows the caller's line and the message, not this check)
     lo, hi = _rows_arg(fn, min_rows, max_rows, floor)
     most = _int_arg(fn, "max_extend", max_extend, 1, MAX_EXTEND)
-    if lo * most > MAX_MIN_TOKENS:
+    if lo * (most + ROW_VALUES) > MAX_MIN_BATCH:
         raise ValueError(f"{fn}: min_rows={lo} rows of up to max_extend={most} tokens may not fit one hypothesis example "
-                         f"(min_rows * max_extend must be at most {MAX_MIN_TOKENS}; lower either)")
+                         f"(min_rows * (max_extend + {ROW_VALUES}) must be at most {MAX_MIN_BATCH}; lower either)")
     return lo, hi, most
 
 
@@ -339,12 +356,9 @@ class _Row:
 
 
 _RID_GAP, _SLOT_GAP, _KV_GAP = 1 << 20, 8, 16
-"""The largest gap between consecutive request ids, slots and KV locations of a batch."""
-_RID_ROOM, _SLOT_ROOM, _KV_ROOM = 1 << 30, _SLOT_MAX // 2, _KV_MAX // 2
-"""What a batch's values may span above their first one: as many as ``MAX_ROWS`` rows (``MAX_EXTEND``
-or ``k + 1 <= 65`` locations each) at the largest gaps, twice over for the parts of a mixed forward,
-past the values taken already (the other part's, the cache slots of its prefill). The first value is
-drawn anywhere below its range's end less this room (request ids from ``-2**40`` to ``2**40 - 2**30``)."""
+"""The largest gap between consecutive request ids, slots and KV locations of a batch: as many as
+``MAX_ROWS`` rows (``MAX_EXTEND`` or ``k + 1 <= 65`` locations each) at these gaps span less than each
+range, less the values a mixed forward's other part and cache slots take."""
 
 
 def _kv(n: int) -> st.SearchStrategy[tuple[int, ...]]:
@@ -398,12 +412,12 @@ def _draw_rows(draw: _Draw, row: st.SearchStrategy[_Row], lo: int, hi: int, take
     range's end less its room, ``_RID_ROOM``...), drawn before the rows, plus the gaps the rows drew,
     counted over the values not taken; then, maybe, shuffled among the rows (one drawn seed). A row's choices are all its own,
     so dropping a row while shrinking leaves the others' valid. Shrinks to consecutive values in order."""
-    firsts = [draw(st.integers(a, b - room)) for a, b, room in ((_RID_MIN, _RID_MAX, _RID_ROOM), (1, _SLOT_MAX, _SLOT_ROOM), (0, _KV_MAX, _KV_ROOM))]
+    starts = [draw(st.integers(_RID_MIN, _RID_MAX)), draw(st.integers(1, _SLOT_MAX)), draw(st.integers(0, _KV_MAX))]
     seed = draw(st.none() | st.integers(0, 2**32 - 1))
     rows = draw(st.lists(row, min_size=lo, max_size=hi))
-    rids = _placed([r.rid for r in rows], firsts[0], taken.rids)
-    slots = _placed([r.slot for r in rows], firsts[1], taken.slots)
-    kv = _placed([g for r in rows for g in r.kv], firsts[2], taken.kv)
+    rids = _placed([r.rid for r in rows], starts[0], _RID_MIN, _RID_MAX, taken.rids)
+    slots = _placed([r.slot for r in rows], starts[1], 1, _SLOT_MAX, taken.slots)
+    kv = _placed([g for r in rows for g in r.kv], starts[2], 0, _KV_MAX, taken.kv)
     if seed is not None:
         rng = np.random.default_rng(seed)
         rids, slots, kv = ([values[i] for i in rng.permutation(len(values))] for values in (rids, slots, kv))
@@ -411,17 +425,30 @@ def _draw_rows(draw: _Draw, row: st.SearchStrategy[_Row], lo: int, hi: int, take
     return [attrs.evolve(r, rid=rid, slot=slot, kv=tuple(next(locations) for _ in r.kv)) for r, rid, slot in zip(rows, rids, slots, strict=True)]
 
 
-def _placed(gaps: list[int], first: int, taken: set[int]) -> list[int]:
-    """Values ``first - gaps[0] + gaps[0]``, then each the one before plus its gap, counted over
-    the values not in ``taken`` (which then holds them too)."""
-    blocked = sorted(v for v in taken if v >= first)
-    out: list[int] = []
-    v, j = first - (gaps[0] if gaps else 0), 0
-    for g in gaps:
-        v += g  # v - first: how many values not taken come before this one, from first
+def _free(lo: int, hi: int, taken: set[int]) -> tuple[list[int], int]:
+    """The taken values in ``[lo, hi]``, sorted, and how many values there are not taken."""
+    blocked = sorted(v for v in taken if lo <= v <= hi)
+    return blocked, hi - lo + 1 - len(blocked)
+
+
+def _placed(gaps: list[int], start: int, lo: int, hi: int, taken: set[int]) -> list[int]:
+    """Distinct values of ``[lo, hi]`` not in ``taken`` (which then holds them too), counted over
+    the values not taken: the first at ``start`` (the next value not taken from it), each next one
+    its gap further on (``gaps[0]`` is not used), wrapping past the range's end to its start. The
+    gaps after the first sum to less than the values not taken (``_RID_GAP``...), so none comes
+    round twice. ``start`` is drawn as a value of the range: it shrinks to 0 (or the range's least)."""
+    blocked, free = _free(lo, hi, taken)
+    index, indices = min(start - lo - bisect.bisect_left(blocked, start), free - 1), []
+    for n, g in enumerate(gaps):
+        index += g if n else 0
+        indices.append(index % free)
+    out = [0] * len(indices)
+    j = 0
+    for i in sorted(range(len(indices)), key=indices.__getitem__):  # ascending, so one pass over the taken values
+        v = lo + indices[i]
         while j < len(blocked) and blocked[j] <= v + j:
             j += 1
-        out.append(v + j)
+        out[i] = v + j
     taken.update(out)
     return out
 
@@ -703,13 +730,13 @@ def idle_plans() -> st.SearchStrategy[IdlePlan]:
 
 
 def _spec_args(fn: str, min_rows: int, max_rows: int, max_k: int) -> tuple[int, int, int]:
-    """Rows and ``max_k`` of a speculative phase's strategy, within ``MAX_MIN_TOKENS``."""
+    """Rows and ``max_k`` of a speculative phase's strategy, within ``MAX_MIN_BATCH``."""
     __tracebackhide__ = True  # (pytest shows the caller's line and the message, not this check)
     lo, hi = _rows_arg(fn, min_rows, max_rows, 0)
     k = _int_arg(fn, "max_k", max_k, 1, spec.MAX_SPEC_K)
-    if lo * (k + 1) > MAX_MIN_TOKENS:
-        raise ValueError(f"{fn}: min_rows={lo} rows of up to max_k + 1 = {k + 1} positions may not fit one hypothesis example "
-                         f"(min_rows * (max_k + 1) must be at most {MAX_MIN_TOKENS}; lower either)")
+    if lo * (k + SPEC_ROW_VALUES) > MAX_MIN_BATCH:
+        raise ValueError(f"{fn}: min_rows={lo} rows of up to max_k={k} drafts may not fit one hypothesis example "
+                         f"(min_rows * (max_k + {SPEC_ROW_VALUES}) must be at most {MAX_MIN_BATCH}; lower either)")
     return lo, hi, k
 
 
@@ -1053,15 +1080,37 @@ class _SequenceArgs:
         """Prefix-cache entries at most: a quarter of the slots, so that requests always find one."""
         return self.capacity // 4
 
+    @property
+    def token_cost(self) -> int:
+        """What one token costs of ``SEQUENCE_VALUES``: more for a wide vocabulary (hypothesis spends
+        about a byte per 8 bits of a value's range)."""
+        return 1 + (self.vocab - 1).bit_length() // 8
+
+    @property
+    def prefill_cost(self) -> int:
+        """The most a prefill step draws: ``max_batch`` requests of ``max_chunk`` tokens."""
+        return self.max_batch * (self.max_chunk * self.token_cost + ROW_VALUES)
+
+    def speculate_cost(self, n: int) -> int:
+        """The most a speculative step over ``n`` running requests draws (``2 * max_k + 2`` tokens a row)."""
+        return n * ((2 * self.max_k + 2) * self.token_cost + SPEC_ROW_VALUES)
+
+    @property
+    def running_max(self) -> int:
+        """Requests running or mid-prefill at most: as many as one step's ``MAX_MIN_BATCH`` holds
+        (a decode step, or a speculative one with its drafts and target tokens)."""
+        row = self.speculate_cost(1) if self.speculative else self.token_cost + SPEC_ROW_VALUES
+        return max(1, MAX_MIN_BATCH // row)
+
 
 def _draw_requests(draw: _Draw, sim: _Scheduler, args: _SequenceArgs) -> tuple[AdmittedRequest, ...]:
     """One forward's prefill requests: some continued chunks, then new requests; at least one."""
     tokens = st.integers(0, args.vocab - 1)
     cont: list[int] = []
     if sim.chunking:  # (at least one when no new request fits)
-        least = 0 if sim.free else 1
+        least = 0 if sim.free and len(sim.running) + len(sim.chunking) < args.running_max else 1
         cont = draw(st.lists(st.sampled_from(sorted(sim.chunking)), min_size=least, max_size=min(len(sim.chunking), args.max_batch), unique=True))
-    room = min(args.max_batch - len(cont), len(sim.free))
+    room = max(0, min(args.max_batch - len(cont), len(sim.free), args.running_max - len(sim.running) - len(sim.chunking)))
     new = draw(st.integers(0 if cont else 1, room))
     chosen: list[tuple[int, int, int, bool]] = []  # rid, slot, prefix before, new request
     requests: list[AdmittedRequest] = []
@@ -1103,20 +1152,42 @@ def _draw_requests(draw: _Draw, sim: _Scheduler, args: _SequenceArgs) -> tuple[A
     return tuple(requests)
 
 
+def _drawn(step: Step, per_token: int) -> int:
+    """About what drawing ``step`` cost of ``SEQUENCE_VALUES``: its tokens, and a few values a row."""
+    match step:
+        case Prefill(requests=requests):
+            return sum(len(r.input_ids) * per_token + ROW_VALUES for r in requests)
+        case Mixed(requests=requests, next_tokens=tokens):
+            return sum(len(r.input_ids) * per_token + ROW_VALUES for r in requests) + len(tokens) * (per_token + 1)
+        case Decode(next_tokens=tokens):
+            return len(tokens) * (per_token + 1)
+        case Finish(rids=rids):
+            return len(rids) + 1
+        case Speculate(next_tokens=tokens, proposals=proposals, target_tokens=target):
+            return (len(tokens) + len(proposals) + len(target)) * per_token + len(tokens) * SPEC_ROW_VALUES
+        case _:
+            assert_never(step)
+
+
 @st.composite
 def _step_sequences(draw: _Draw, args: _SequenceArgs) -> StepSequence:
     sim = _Scheduler(capacity=args.capacity, free=list(range(1, args.capacity + 1)), cache_max=args.cache_max)
     tokens = st.integers(0, args.vocab - 1)
     steps: list[Step] = []
+    left = SEQUENCE_VALUES  # (what the steps may still draw: a step is chosen only if its largest form fits)
+    per_token = args.token_cost
     for _ in range(draw(st.integers(args.min_steps, args.max_steps))):
-        can_prefill = bool(sim.chunking) or bool(sim.free)
+        n = len(sim.running)
+        decode_cost = n * (per_token + 1)
+        can_prefill = (bool(sim.chunking) or (bool(sim.free) and n + len(sim.chunking) < args.running_max)) and args.prefill_cost <= left
         kinds = [k for k, ok in (
-            ("prefill", can_prefill), ("decode", bool(sim.running)), ("finish", bool(sim.running)),
-            ("mixed", can_prefill and bool(sim.running)), ("speculate", args.speculative and bool(sim.running)),
+            ("prefill", can_prefill), ("decode", bool(sim.running) and decode_cost <= left), ("finish", bool(sim.running) and n <= left),
+            ("mixed", can_prefill and bool(sim.running) and args.prefill_cost + decode_cost <= left),
+            ("speculate", args.speculative and bool(sim.running) and args.speculate_cost(n) <= left),
         ) if ok]
         if not kinds:
             break
-        n = len(sim.running)
+        before = len(steps)
         match draw(st.sampled_from(kinds)):
             case "prefill":
                 steps.append(Prefill(requests=_draw_requests(draw, sim, args)))
@@ -1138,6 +1209,7 @@ def _step_sequences(draw: _Draw, args: _SequenceArgs) -> StepSequence:
                     proposals=tuple(draw(_n(tokens, n * k))), target_tokens=tuple(draw(_n(tokens, n * (k + 1)))),
                     draft_extend=draw(st.booleans()),
                 ))
+        left -= _drawn(steps[before], per_token) if len(steps) > before else 0
     return StepSequence(steps=tuple(steps), capacity=args.capacity, vocab=args.vocab)
 
 
@@ -1155,24 +1227,36 @@ def step_sequences(
     speculative: bool = True,
 ) -> st.SearchStrategy[StepSequence]:
     """Valid scheduler-like sequences of ``min_steps`` to ``max_steps`` steps (fewer only if no step
-    can follow), each a ``Prefill``, ``Mixed``, ``Decode``, ``Finish`` or ``Speculate``.
+    can follow, or if the next would draw past ``SEQUENCE_VALUES``), each a ``Prefill``, ``Mixed``,
+    ``Decode``, ``Finish`` or ``Speculate``.
 
     ``capacity``: Mamba slots ``1..capacity`` shared by live requests and prefix-cache entries
     (a quarter of them at most); ``vocab``: token ids are below it; ``max_chunk``: tokens per prefill
     chunk; ``max_batch``: requests per prefill forward; ``max_k``: draft tokens per speculative
     iteration. ``chunked``: prompts may continue in later chunks; ``prefix_cache``: prefills may
     snapshot a request's state into a free slot and later requests start as a copy of it (COW);
-    ``speculative``: speculative iterations are drawn. Steps shrink towards plain prefills."""
+    ``speculative``: speculative iterations are drawn. Steps shrink towards plain prefills.
+
+    Every sequence fits one hypothesis example: as many requests run at once as one step of
+    ``MAX_MIN_BATCH`` holds (a speculative step's drafts and target tokens counted), a step is drawn
+    only while it fits what the ones before it left of ``SEQUENCE_VALUES``, a prefill's largest form
+    must fit ``MAX_MIN_BATCH`` (a token of a vocabulary wider than 8 bits counting more) and
+    ``min_steps`` is at most ``MAX_MIN_STEPS`` (``ValueError`` otherwise)."""
     fn = "step_sequences"
-    lo = _int_arg(fn, "min_steps", min_steps, 0, 1000)
+    lo = _int_arg(fn, "min_steps", min_steps, 0, MAX_MIN_STEPS)
     hi = _int_arg(fn, "max_steps", max_steps, 0, 1000)
     if lo > hi:
         raise ValueError(f"{fn}: min_steps={lo} > max_steps={hi}")
+    batch, chunk = _int_arg(fn, "max_batch", max_batch, 1, MAX_ROWS), _int_arg(fn, "max_chunk", max_chunk, 1, MAX_EXTEND)
     cap = _int_arg(fn, "capacity", capacity, 2, _SLOT_MAX)
     args = _SequenceArgs(
         min_steps=lo, max_steps=hi, capacity=cap, vocab=_int_arg(fn, "vocab", vocab, 1, 2**31),
-        max_chunk=_int_arg(fn, "max_chunk", max_chunk, 1, MAX_EXTEND), max_batch=_int_arg(fn, "max_batch", max_batch, 1, MAX_ROWS),
+        max_chunk=chunk, max_batch=batch,
         max_k=_int_arg(fn, "max_k", max_k, 1, spec.MAX_SPEC_K), chunked=_bool_arg(fn, "chunked", chunked),
         prefix_cache=_bool_arg(fn, "prefix_cache", prefix_cache), speculative=_bool_arg(fn, "speculative", speculative),
     )
+    if args.prefill_cost > MAX_MIN_BATCH:
+        raise ValueError(f"{fn}: a prefill of max_batch={batch} requests of up to max_chunk={chunk} tokens below vocab={args.vocab} may not "
+                         f"fit one hypothesis example (max_batch * (max_chunk * {args.token_cost} + {ROW_VALUES}) must be at most "
+                         f"{MAX_MIN_BATCH}, a token of this vocabulary counting {args.token_cost}; lower max_batch or max_chunk)")
     return _step_sequences(args)

@@ -358,7 +358,8 @@ class _Row:
 _RID_GAP, _SLOT_GAP, _KV_GAP = 1 << 20, 8, 16
 """The largest gap between consecutive request ids, slots and KV locations of a batch: as many as
 ``MAX_ROWS`` rows (``MAX_EXTEND`` or ``k + 1 <= 65`` locations each) at these gaps span less than each
-range, less the values a mixed forward's other part and cache slots take."""
+range, less the values a mixed forward's other part and cache slots take, so ``_placed`` never
+comes round to a value twice."""
 
 
 def _kv(n: int) -> st.SearchStrategy[tuple[int, ...]]:
@@ -408,10 +409,11 @@ def _draw_rows(draw: _Draw, row: st.SearchStrategy[_Row], lo: int, hi: int, take
     """``lo`` to ``hi`` rows whose request ids, slots and KV locations are distinct and not in
     ``taken`` (which then holds them too), distinct by construction: nothing is filtered or redrawn
     (hypothesis favours a few values, so independently drawn ids collide often, and a batch of many
-    rows would be rejected more often than drawn). Each kind of value is a first value (below its
-    range's end less its room, ``_RID_ROOM``...), drawn before the rows, plus the gaps the rows drew,
-    counted over the values not taken; then, maybe, shuffled among the rows (one drawn seed). A row's choices are all its own,
-    so dropping a row while shrinking leaves the others' valid. Shrinks to consecutive values in order."""
+    rows would be rejected more often than drawn). Each kind of value starts at a value drawn from
+    its whole range before the rows, and goes on by the gaps the rows drew, counted over the values
+    not taken and wrapping past the range's end (``_placed``); then, maybe, the values are shuffled
+    among the rows (one drawn seed). A row's choices are all its own, so dropping a row while
+    shrinking leaves the others' valid. Shrinks to consecutive values in order, from 0 (or 1)."""
     starts = [draw(st.integers(_RID_MIN, _RID_MAX)), draw(st.integers(1, _SLOT_MAX)), draw(st.integers(0, _KV_MAX))]
     seed = draw(st.none() | st.integers(0, 2**32 - 1))
     rows = draw(st.lists(row, min_size=lo, max_size=hi))

@@ -48,7 +48,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _IR_TYPES = NODE_TYPES
-_PLAN_TYPES: tuple[type, ...] = tuple(t for member in get_args(Plan) for t in (get_args(member) or (member,)))
+_PLAN_TYPES: tuple[type, ...] = get_args(Plan)  # (the nested unions are flattened: every plan class)
 _SPECS = dict(REGISTRY)
 """The passes' declarations by function (a plain dict: ``run`` looks one up per pass)."""
 _EXCERPT_LINES = 12

@@ -667,18 +667,17 @@ class LinearPlugin(Plugin):
         value = flow.stores[id(target)]
         if _is_stash(value) or _is_none(value):
             return ctx.default_attr_type
-        value_type: Type | None = None
+        shown, shown_what = ctx.default_attr_type, what  # (the attribute's type: ``ExtendPlan | None``)
         if value is not None and id(target) not in flow.declared:
             value_type = checker.lookup_type_or_none(value)
             if value_type is None:  # (mypy checks the target before the value: infer it now, its errors left to mypy's own pass)
                 with checker.msg.filter_errors():
                     value_type = checker.expr_checker.accept(value)
-            if linear_in(value_type) is None:
+            value_what = linear_in(value_type)
+            if value_what is None:
                 return ctx.default_attr_type
-        # the stored value's own type where it is known (``ExtendPlan``), else the attribute's (``ExtendPlan | None``)
-        value_what = linear_in(value_type) if value_type is not None else None
-        typ = _type_text(value_type, value_what, checker) if value_type is not None and value_what is not None else _type_text(
-            ctx.default_attr_type, what, checker)
+            shown, shown_what = value_type, value_what  # the stored value's own type (``ExtendPlan``)
+        typ = _type_text(shown, shown_what, checker)
         if value is None or isinstance(target, NameExpr):
             msg = (
                 f'Field "{name}" of "{owner.name}" holds {typ}, a linear value, but "{owner.name}" is not declared '
